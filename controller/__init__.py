@@ -1,0 +1,1 @@
+"""Everything that runs on the laptop (``rgt``). May import ``onbox``; never the reverse."""

@@ -1,0 +1,218 @@
+"""The agent: one per run, holding its lock, driving the Supervisor from real events.
+
+``python -m onbox.agent NAME --lock-fd N [--ready-fd N] [--adopt-only]`` is the daemon that
+``rgt-agent start`` detaches (and that a shim starts again when the agent died). The foreground
+``rgt-agent run`` and a ``rgt-agent stop`` that finds no agent use the same ``Agent`` in-process.
+
+Signals: SIGTERM is a preemption (ends PREEMPTED within the grace budget); SIGINT is a stop;
+SIGUSR2 means "read stop.request"; SIGHUP is ignored (sessions come and go).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from onbox import procfs
+from onbox.daemon import TAG_VAR, agent_argv, parse_agent_args
+from onbox.durable import read_json
+from onbox.journal import FileJournal, log
+from onbox.lock import RunLock
+from onbox.rundir import RunDir
+from onbox.runner import ShimRunner
+from onbox.spec import JobSpec
+from onbox.states import TERMINAL, State
+from onbox.supervisor import LEFTOVER_GRACE, Clock, Hooks, RealClock, Supervisor
+
+
+def _title(text: str) -> None:
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(text)
+    except ImportError:  # only for people reading `ps`
+        pass
+
+
+class Agent:
+    """Supervises one run until it reaches a terminal state."""
+
+    def __init__(self, rd: RunDir, lock: RunLock, *, clock: Optional[Clock] = None,
+                 hooks: Optional[Hooks] = None) -> None:
+        self.rd = rd
+        self.lock = lock
+        doc = read_json(rd.spec)
+        if doc is None:
+            raise SystemExit(f"rgt agent: {rd.spec} is missing")
+        self.spec = JobSpec.from_json(doc)
+        self.journal = FileJournal(rd.state, rd.events, rd.agent_log)
+        self.runner = ShimRunner(
+            rd, self.spec, agent_cmd=agent_argv(rd.name), base_environ=os.environ,
+            respawn_delay=float(os.environ.get("RGT_AGENT_RESPAWN_DELAY", "3")),
+        )
+        state_doc = read_json(rd.state)
+        self.fresh = state_doc is None
+        self.sup = Supervisor(self.spec, self.runner, clock or RealClock(), self.journal,
+                              hooks=hooks, doc=state_doc)
+        self.sup.extra["agent"] = {"pid": os.getpid(), "host": os.uname().nodename}
+        self.adopted = False
+        self._pending: List[int] = []
+        self._wake_r = self._wake_w = -1
+
+    # ---- deciding what to do with the run as found
+    def prepare(self, may_begin: bool) -> bool:
+        """Adopt a live run, or (when ``may_begin``) begin a new incarnation of an ended one.
+
+        Returns False when there is nothing to supervise.
+        """
+        sup = self.sup
+        if self.fresh or sup.state in TERMINAL:
+            if not may_begin:
+                return False
+            try:
+                os.unlink(self.rd.stop_request)
+            except FileNotFoundError:
+                pass
+            was = "new run" if self.fresh else f"run was {sup.state}"
+            sup.new_incarnation(f"rgt-agent start ({was}); agent pid {os.getpid()}")
+            return True
+        self.adopted = True
+        self.journal.event("adopt", f"agent pid {os.getpid()} took over the run in {sup.state}, "
+                           f"attempt {sup.attempt}")
+        if sup.attempt > 0:
+            status = self.runner.adopt(sup.attempt)
+            if status is not None and not sup.exit_seen:
+                sup.on_exit(status)
+        sup.save()
+        return True
+
+    # ---- signals
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._pending.append(signum)
+
+    def _install_signals(self) -> None:
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)
+        signal.set_wakeup_fd(self._wake_w)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+            signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+
+    def _handle_signals(self) -> None:
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+        pending, self._pending = self._pending, []
+        for signum in pending:
+            if signum == signal.SIGTERM:
+                self.journal.event("preempt", "SIGTERM to the agent: treating it as a "
+                                   f"preemption with a {self.spec.grace:.0f}s budget")
+                self.sup.request_stop("preempt")
+            elif signum == signal.SIGINT:
+                self.sup.request_stop("stop")
+            elif signum == signal.SIGUSR2:
+                self.check_stop_request()
+
+    def check_stop_request(self) -> None:
+        try:
+            req = read_json(self.rd.stop_request)
+        except ValueError:
+            req = {}
+        if req is None:
+            return
+        grace = req.get("grace")
+        self.journal.event("stop", "stop requested by rgt-agent stop"
+                           + (f" with grace {grace}s" if grace is not None else ""))
+        self.sup.request_stop("stop", None if grace is None else float(grace))
+        try:
+            os.unlink(self.rd.stop_request)
+        except FileNotFoundError:
+            pass
+
+    # ---- the loop
+    def run(self, ready_fd: Optional[int] = None,
+            stop: Optional[Tuple[str, Optional[float]]] = None) -> State:
+        """Supervise until terminal; return the final state."""
+        self._install_signals()
+        sup = self.sup
+        log(self.rd.agent_log, f"agent pid {os.getpid()} supervising {self.rd.name} "
+            f"({sup.state}, attempt {sup.attempt})")
+        if stop is not None:
+            sup.request_stop(*stop)
+        self.check_stop_request()
+        if sup.state == State.PENDING:
+            sup.begin()
+        if ready_fd is not None:
+            _say(ready_fd, {"ok": True, "pid": os.getpid(), "job_pid": sup.pid,
+                            "state": sup.state.value, "attempt": sup.attempt,
+                            "adopted": self.adopted})
+        while sup.state not in TERMINAL:
+            waits = [w for w in (sup.next_wakeup(), self.runner.poll_interval()) if w is not None]
+            procfs.wait_readable([self._wake_r, *self.runner.watch_fds()],
+                                 min(waits) if waits else None)
+            self._handle_signals()
+            if sup.active and not sup.exit_seen:
+                status = self.runner.poll_exit()
+                if status is not None:
+                    sup.on_exit(status)
+            sup.tick()
+        self._finish()
+        return sup.state
+
+    def _finish(self) -> None:
+        """Make sure nothing of the last attempt outlives the run, then let go of it."""
+        if self.runner.alive():
+            self.journal.event("leftovers", "processes of the last attempt outlived it; "
+                               "stopping them", klass="transient",
+                               remedy="make the job's children exit with it")
+            self.runner.signal(signal.SIGTERM)
+            deadline = time.monotonic() + LEFTOVER_GRACE
+            while self.runner.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            deadline = time.monotonic() + 10.0
+            while self.runner.alive() and time.monotonic() < deadline:
+                self.runner.signal(signal.SIGKILL)
+                time.sleep(0.05)
+            if self.runner.alive():
+                self.journal.event("leftovers_survived", "processes of the last attempt "
+                                   "survived SIGKILL (stuck in the kernel?)", klass="permanent",
+                                   remedy="look for D-state processes; GPU memory may be held")
+        log(self.rd.agent_log, f"agent pid {os.getpid()} exits: run is {self.sup.state}")
+        self.runner.close()
+        self.lock.release()
+
+
+def _say(fd: int, msg: Dict[str, Any]) -> None:
+    try:
+        os.write(fd, (json.dumps(msg) + "\n").encode())
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def main(argv: List[str]) -> int:
+    args = parse_agent_args(argv)
+    os.umask(0o077)
+    os.environ.pop(TAG_VAR, None)
+    rd = RunDir(args["name"])
+    _title(f"rgt-agent agent {rd.name}")
+    lock = RunLock.adopt(args["lock_fd"], rd.lock)
+    agent = Agent(rd, lock)
+    if not agent.prepare(may_begin=not args["adopt_only"]):
+        log(rd.agent_log, f"agent pid {os.getpid()}: run is {agent.sup.state}; nothing to do")
+        lock.release()
+        return 0
+    agent.run(ready_fd=args["ready_fd"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

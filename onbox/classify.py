@@ -1,0 +1,172 @@
+"""Turn how a job ended into a reason a person can act on, and into which budget it costs.
+
+Inputs are facts: the exit status the shim recorded, the tail of the attempt's output, whether
+the cgroup's OOM-kill count rose during the attempt, and whether the filesystem ran out of
+inodes. Pure functions; the supervisor decides what to do with the verdict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import re
+import signal
+from typing import Callable, Optional, Tuple
+
+
+@dataclasses.dataclass(frozen=True)
+class ExitStatus:
+    """How the job's process ended; both None when nobody saw it end (the shim was killed)."""
+
+    code: Optional[int] = None
+    signal: Optional[int] = None
+    note: str = ""  # e.g. the shim's "exec failed: ..." message
+
+    @property
+    def known(self) -> bool:
+        return self.code is not None or self.signal is not None
+
+
+class Kind(str, enum.Enum):
+    SUCCESS = "success"
+    OOM_KILLED = "oom_killed"
+    CUDA_OOM = "cuda_oom"
+    NAN_LOSS = "nan_loss"
+    DISK_FULL = "disk_full"
+    INODES_EXHAUSTED = "inodes_exhausted"
+    SYNTAX_ERROR = "syntax_error"
+    IMPORT_ERROR = "import_error"
+    PYTHON_EXCEPTION = "python_exception"
+    COMMAND_NOT_FOUND = "command_not_found"
+    SIGNAL = "signal"
+    EXIT_CODE = "exit_code"
+    UNKNOWN = "unknown"
+
+
+class Budget(str, enum.Enum):
+    """Which restart budget an end spends."""
+
+    NONE = "none"  # success
+    PREEMPT = "preempt"  # the job was ended from outside; its code is fine
+    ERROR = "error"  # the job's code or its resources failed
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """A classified exit."""
+
+    kind: Kind
+    reason: str
+    remedy: str
+    klass: str  # transient | permanent | integrity | usage
+    budget: Budget
+    deterministic: bool = False  # retrying cannot help
+    step: Optional[int] = None  # last step the job reported, when it did
+
+
+_EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?:: (.*))?$")
+_STEP = re.compile(r"(?i)\bstep[\s:=#]*(\d+)")
+_NAN = re.compile(r"(?i)\b(loss\b[^\n]{0,40}\b(nan|inf)\b|non-finite loss|nan loss)")
+_CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED")
+_ENOSPC = re.compile(r"No space left on device|\[Errno 28\]|ENOSPC")
+_SYNTAX = {"SyntaxError", "IndentationError", "TabError"}
+_IMPORT = {"ImportError", "ModuleNotFoundError"}
+# Exit codes a shell uses for a child killed by these signals (`bash -c` wrappers).
+_SHELL_SIGNALS = {128 + int(s) for s in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT,
+                                         signal.SIGHUP)}
+
+
+def _signame(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:
+        return f"signal {sig}"
+
+
+def last_exception(tail: str) -> Optional[Tuple[str, str]]:
+    """(type, message) of the last Python exception in a log tail, if any."""
+    lines = tail.splitlines()
+    headers = [i for i, ln in enumerate(lines) if ln.startswith("Traceback (most recent call")]
+    if headers:
+        # The exception line is the first unindented line after the last traceback header.
+        for line in lines[headers[-1] + 1 :]:
+            if line and not line[0].isspace():
+                m = _EXC_LINE.match(line.strip())
+                return (m.group(1), (m.group(2) or "").strip()) if m else None
+        return None
+    # A SyntaxError in the main script is printed without a traceback header.
+    for line in reversed(lines[-8:]):
+        m = _EXC_LINE.match(line.strip())
+        if m and m.group(1).split(".")[-1] in _SYNTAX | _IMPORT:
+            return m.group(1), (m.group(2) or "").strip()
+    return None
+
+
+def last_step(tail: str) -> Optional[int]:
+    """The last ``step N`` the job printed."""
+    found = _STEP.findall(tail)
+    return int(found[-1]) if found else None
+
+
+def classify(
+    status: ExitStatus,
+    tail: str,
+    *,
+    success_codes: Tuple[int, ...] = (0,),
+    oom_kills_rose: bool = False,
+    inodes_exhausted: Callable[[], bool] = lambda: False,
+) -> Verdict:
+    """Classify one ended attempt."""
+    step = last_step(tail)
+    code, sig = status.code, status.signal
+    if code is not None and code in success_codes:
+        return Verdict(Kind.SUCCESS, f"exited with code {code}", "", "", Budget.NONE, step=step)
+    if not status.known:
+        return Verdict(Kind.UNKNOWN, "exit status was not recorded (the shim was killed)",
+                       "look at the end of the job's log", "transient", Budget.PREEMPT, step=step)
+    if code == 127 and status.note:
+        return Verdict(Kind.COMMAND_NOT_FOUND, status.note, "check the command and PATH",
+                       "usage", Budget.ERROR, deterministic=True, step=step)
+    killed = sig == signal.SIGKILL or code == 128 + signal.SIGKILL
+    if killed and oom_kills_rose:
+        return Verdict(Kind.OOM_KILLED, "killed by the kernel's OOM killer (host memory)",
+                       "lower the batch size or workers, or rent a box with more RAM",
+                       "permanent", Budget.ERROR, step=step)
+    if _CUDA_OOM.search(tail):
+        return Verdict(Kind.CUDA_OOM, "CUDA out of memory" + (f" at step {step}" if step else ""),
+                       "lower the batch size, use gradient accumulation or checkpointing",
+                       "permanent", Budget.ERROR, step=step)
+    if _ENOSPC.search(tail):
+        if inodes_exhausted():
+            return Verdict(Kind.INODES_EXHAUSTED, "the filesystem ran out of inodes",
+                           "delete many small files (caches, extracted datasets)", "permanent",
+                           Budget.ERROR, step=step)
+        return Verdict(Kind.DISK_FULL, "no space left on device (ENOSPC)",
+                       "free disk space or keep fewer local checkpoints", "permanent",
+                       Budget.ERROR, step=step)
+    if _NAN.search(tail):
+        return Verdict(Kind.NAN_LOSS, "the loss became NaN/inf", "lower the learning rate, "
+                       "check the data, or enable gradient clipping", "permanent", Budget.ERROR,
+                       step=step)
+    exc = last_exception(tail)
+    if exc is not None:
+        etype, msg = exc
+        short = etype.split(".")[-1]
+        text = f"{etype}: {msg}" if msg else etype
+        if short in _SYNTAX:
+            return Verdict(Kind.SYNTAX_ERROR, text, "fix the code; retrying cannot help", "usage",
+                           Budget.ERROR, deterministic=True, step=step)
+        if short in _IMPORT:
+            return Verdict(Kind.IMPORT_ERROR, text, "install the package into the job's Python "
+                           "or fix the import", "usage", Budget.ERROR, deterministic=True,
+                           step=step)
+        if short != "KeyboardInterrupt" and sig is None:
+            return Verdict(Kind.PYTHON_EXCEPTION, text, "fix the error shown in the log",
+                           "permanent", Budget.ERROR, step=step)
+    if sig is not None or (code is not None and code in _SHELL_SIGNALS):
+        n = sig if sig is not None else (code or 0) - 128
+        return Verdict(Kind.SIGNAL, f"killed by signal {n} ({_signame(n)})",
+                       "something outside the job ended it; rgt restarts it with resume",
+                       "transient", Budget.PREEMPT, step=step)
+    return Verdict(Kind.EXIT_CODE, f"exited with code {code}", "look at the end of the job's log",
+                   "permanent", Budget.ERROR, step=step)

@@ -1,0 +1,343 @@
+"""``rgt-agent``: the on-box command line.
+
+    rgt-agent start [JOB.toml] [--name N] [--ckpt-dir D] [--store URL] [--grace S] [-- CMD ...]
+    rgt-agent run   (the same; stays in the foreground: Slurm, Kubernetes, containers)
+    rgt-agent status [N] [--json]
+    rgt-agent logs N [-f] [--agent]
+    rgt-agent stop N [--grace S]
+    rgt-agent list [--json]
+
+An ``RgtError`` is printed as one line and exits with its code (onbox.errors); anything else is a
+bug and shows its traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import click
+
+from onbox import observe, procfs
+from onbox.agent import Agent
+from onbox.daemon import spawn_agent
+from onbox.durable import read_json, write_json
+from onbox.errors import (
+    FINAL_EXIT_CODES,
+    HostError,
+    LockedError,
+    RgtError,
+    StopFailed,
+    UsageError,
+)
+from onbox.lock import RunLock, is_held, read_holder
+from onbox.rundir import RunDir, all_runs, rgt_home
+from onbox.runner import read_ready
+from onbox.spec import JobSpec, Overrides, build_spec, default_name, parse_duration
+from onbox.states import TERMINAL
+
+TERMINAL_NAMES = {s.value for s in TERMINAL}
+READY_TIMEOUT = 10.0
+
+
+def _emit(text: str = "") -> None:
+    click.echo(text)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="remote-gpu-trainer", prog_name="rgt-agent")
+def cli() -> None:
+    """Keep a training job alive on this box: detached, restarted with resume, never twice."""
+
+
+def _job_options(f: Any) -> Any:
+    f = click.option("--grace", metavar="S",
+                     help="Seconds (or 30s/5m) the job gets after the stop signal; also the "
+                     "preemption budget.")(f)
+    f = click.option("--store", metavar="URL", help="Durable store root (file://, s3://, hf://).")(f)
+    f = click.option("--ckpt-dir", metavar="D", help="The job's checkpoint directory.")(f)
+    f = click.option("--name", metavar="N", help="Run name (default: from the job file or the "
+                     "command).")(f)
+    return click.argument("job_file", metavar="[JOB.toml]", required=False)(f)
+
+
+def _resolve_spec(job_file: Optional[str], name: Optional[str], ckpt_dir: Optional[str],
+                  store: Optional[str], grace: Optional[str]) -> JobSpec:
+    command: Optional[List[str]] = click.get_current_context().obj.get("command")
+    home = rgt_home()
+    if job_file is None and not command:
+        if not name:
+            raise UsageError("command", "is empty",
+                             "give the job after --, e.g. `rgt-agent start -- python train.py`")
+        rd = RunDir(name, home)
+        doc = read_json(rd.spec)
+        if doc is None:
+            raise UsageError("command", f"is empty and there is no run {name!r} to start again",
+                             "give the job after --")
+        spec = JobSpec.from_json(doc)
+        changes: Dict[str, Any] = {}
+        if grace is not None:
+            changes["grace"] = parse_duration(grace, "--grace")
+        if ckpt_dir is not None:
+            changes["ckpt_dir"] = os.path.abspath(ckpt_dir)
+        if store is not None:
+            changes["store"] = store
+        return dataclasses.replace(spec, **changes)
+    if job_file is not None and not job_file.endswith(".toml") and not os.path.isfile(job_file):
+        raise UsageError("JOB.toml", f"{job_file!r} is not a job file",
+                         "put the command after --, e.g. `rgt-agent start -- python train.py`")
+    return build_spec(
+        job_file, Overrides(name=name, command=command, ckpt_dir=ckpt_dir, store=store,
+                            grace=grace),
+        cwd=os.getcwd(), environ=os.environ, default_name=default_name(command or []),
+        run_dir_of=lambda n: RunDir(n, home).path,
+    )
+
+
+def _prepare_run(spec: JobSpec) -> RunDir:
+    rd = RunDir(spec.name)
+    rd.create()
+    try:
+        os.makedirs(spec.ckpt_dir, exist_ok=True)
+        if not os.access(spec.ckpt_dir, os.W_OK):
+            raise PermissionError(13, "Permission denied")
+    except OSError as e:
+        raise HostError(f"checkpoint dir {spec.ckpt_dir} is not writable: {e.strerror}",
+                        "pick another --ckpt-dir") from None
+    return rd
+
+
+def _take_run(spec: JobSpec, rd: RunDir) -> RunLock:
+    """Lock the run and write its spec; refuses to swap the command of a live run."""
+    lock = RunLock.acquire(rd.lock, rd.name)
+    try:
+        old = read_json(rd.spec)
+        state = read_json(rd.state) or {}
+        live = state.get("state") not in TERMINAL_NAMES and state.get("attempt")
+        if old is not None and live and tuple(old["command"]) != spec.command:
+            raise UsageError(
+                "command", f"run {rd.name!r} is {state.get('state')} with command "
+                f"{' '.join(old['command'])!r}", "stop it first, or choose another --name")
+        write_json(rd.spec, spec.to_json())
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+@cli.command(context_settings={"ignore_unknown_options": False})
+@_job_options
+def start(job_file: Optional[str], name: Optional[str], ckpt_dir: Optional[str],
+          store: Optional[str], grace: Optional[str]) -> int:
+    """Check everything, then detach the agent and return with the run's name and paths."""
+    spec = _resolve_spec(job_file, name, ckpt_dir, store, grace)
+    rd = _prepare_run(spec)
+    lock = _take_run(spec, rd)
+    r, w = os.pipe()
+    try:
+        spawn_agent(rd, lock.fd, ready_fd=w)
+    finally:
+        os.close(w)
+        lock.release()  # the agent holds the lock through its own copy of the fd
+    try:
+        msg = read_ready(r, READY_TIMEOUT)
+    except HostError:
+        raise HostError(f"the agent for {rd.name!r} did not come up",
+                        f"see {rd.agent_log}") from None
+    finally:
+        os.close(r)
+    verb = "re-attached to" if msg.get("adopted") else "started"
+    _emit(f"{verb} run {rd.name}: agent pid {msg['pid']}, job pid {msg.get('job_pid')}, "
+          f"attempt {msg.get('attempt')}, {msg.get('state')}")
+    _emit(f"  run dir   {rd.path}")
+    _emit(f"  ckpt dir  {spec.ckpt_dir}")
+    _emit(f"  logs      rgt-agent logs {rd.name} -f")
+    _emit(f"  status    rgt-agent status {rd.name}")
+    return 0
+
+
+@cli.command()
+@_job_options
+def run(job_file: Optional[str], name: Optional[str], ckpt_dir: Optional[str],
+        store: Optional[str], grace: Optional[str]) -> int:
+    """Like start, but supervise in the foreground; exit code tells the final state."""
+    spec = _resolve_spec(job_file, name, ckpt_dir, store, grace)
+    rd = _prepare_run(spec)
+    lock = _take_run(spec, rd)
+    os.umask(0o077)
+    try:
+        import setproctitle
+
+        setproctitle.setproctitle(f"rgt-agent run {rd.name}")
+    except ImportError:
+        pass
+    agent = Agent(rd, lock)
+    agent.prepare(may_begin=True)
+    final = agent.run()
+    _emit(f"run {rd.name} ended {final.value}")
+    return FINAL_EXIT_CODES.get(final.value, 1)
+
+
+def _pick_run(name: Optional[str]) -> Optional[RunDir]:
+    if name:
+        return RunDir(name).require()
+    runs = all_runs()
+    return runs[0] if len(runs) == 1 else None
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+def status(name: Optional[str], as_json: bool) -> int:
+    """The run's state, job pid, attempt, restarts and last exit."""
+    rd = _pick_run(name)
+    if rd is None:
+        return _list(as_json)
+    st = observe.run_status(rd)
+    if as_json:
+        _emit(json.dumps(st, sort_keys=True))
+        return 0
+    agent = st["agent"]
+    _emit(f"{st['name']}: {st['state']}  attempt {st.get('attempt')}  restarts "
+          f"{st.get('restarts')}  job pid {st.get('pid')}"
+          + ("" if st["job_alive"] or st["state"] in TERMINAL_NAMES else " (not running)"))
+    _emit(f"  agent      {'pid ' + str(agent['pid']) if agent['alive'] else 'not running'}")
+    last = st.get("last_exit")
+    if last:
+        _emit(f"  last exit  attempt {last.get('attempt')}: {last.get('reason')}")
+        if last.get("remedy"):
+            _emit(f"             {last['remedy']}")
+    _emit(f"  updated    {st.get('updated_at')}")
+    _emit(f"  run dir    {st['run_dir']}")
+    return 0
+
+
+def _list(as_json: bool) -> int:
+    rows = [observe.run_status(rd) for rd in all_runs()]
+    if as_json:
+        _emit(json.dumps(rows, sort_keys=True))
+        return 0
+    if not rows:
+        _emit("no runs (start one with `rgt-agent start -- CMD`)")
+        return 0
+    _emit(f"{'NAME':24} {'STATE':10} {'ATTEMPT':>7} {'PID':>8}  UPDATED")
+    for r in rows:
+        _emit(f"{r['name']:24} {r['state']:10} {r.get('attempt') or 0:>7} "
+              f"{r.get('pid') or '-':>8}  {r.get('updated_at') or '-'}")
+    return 0
+
+
+@cli.command(name="list")
+@click.option("--json", "as_json", is_flag=True, help="A JSON array.")
+def list_runs(as_json: bool) -> int:
+    """Every run on this box."""
+    return _list(as_json)
+
+
+@cli.command()
+@click.argument("name")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing until the run ends.")
+@click.option("--agent", is_flag=True, help="The agent's log instead of the job's output.")
+def logs(name: str, follow: bool, agent: bool) -> int:
+    """The job's own output, every attempt, oldest first, unaltered."""
+    rd = RunDir(name).require()
+    out = sys.stdout.buffer
+    offsets = observe.copy_logs(rd, out, agent=agent)
+    if follow:
+        try:
+            observe.follow(rd, out, offsets, agent=agent)
+        except KeyboardInterrupt:
+            return 0
+    return 0
+
+
+def _signal_agent(rd: RunDir) -> bool:
+    holder = read_holder(rd.lock)
+    if not holder or holder.get("host") != os.uname().nodename:
+        return False
+    ident = procfs.Identity(holder["pid"], holder.get("start_ticks") or -1)
+    if not procfs.is_alive(ident):
+        return False
+    os.kill(ident.pid, signal.SIGUSR2)
+    return True
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--grace", metavar="S", help="Seconds the job gets before SIGKILL.")
+def stop(name: str, grace: Optional[str]) -> int:
+    """Stop the job (stop signal, grace, SIGKILL of the whole group); ends STOPPED."""
+    rd = RunDir(name).require()
+    g = parse_duration(grace, "--grace", allow_zero=True) if grace is not None else None
+    doc = read_json(rd.state) or {}
+    if doc.get("state") in TERMINAL_NAMES:
+        _emit(f"run {name} is already {doc['state']}")
+        return 0
+    spec = JobSpec.from_json(read_json(rd.spec) or {})
+    wait = (g if g is not None else spec.grace) + 30.0
+    deadline = time.monotonic() + wait
+    while True:
+        if is_held(rd.lock):
+            write_json(rd.stop_request, {"grace": g, "requested_at": time.time()})
+            if _signal_agent(rd):
+                break
+        else:
+            try:
+                lock = RunLock.acquire(rd.lock, rd.name)
+            except LockedError:
+                continue  # an agent just came up (a shim restarting it): ask that one
+            # No agent: this command does the stop itself, with the same machine.
+            agent = Agent(rd, lock)
+            if agent.prepare(may_begin=False):
+                agent.run(stop=("stop", g))
+            else:
+                lock.release()
+            break
+        if time.monotonic() > deadline:
+            raise StopFailed(f"the agent of {name!r} does not answer", f"see {rd.agent_log}")
+        time.sleep(0.1)
+    while True:
+        doc = read_json(rd.state) or {}
+        left = observe.tagged_alive(rd, doc.get("attempt") or 0)
+        if doc.get("state") in TERMINAL_NAMES and not left and not is_held(rd.lock):
+            break
+        if time.monotonic() > deadline:
+            raise StopFailed(
+                f"run {name!r} is {doc.get('state')} after {wait:.0f}s"
+                + (f"; processes still alive: {left}" if left else ""),
+                f"see {rd.agent_log}")
+        time.sleep(0.1)
+    _emit(f"run {name} is {doc['state']}: no process of attempt {doc.get('attempt')} remains")
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point: split off the job's command after ``--``, run, map errors to exit codes."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = None
+    if "--" in args:
+        i = args.index("--")
+        args, command = args[:i], args[i + 1 :]
+    try:
+        rv = cli.main(args=args, prog_name="rgt-agent", standalone_mode=False,
+                      obj={"command": command})
+    except RgtError as e:
+        click.echo(e.line(), err=True)
+        return e.exit_code
+    except click.exceptions.UsageError as e:
+        click.echo(f"rgt: {e.format_message()}", err=True)
+        return 2
+    except click.exceptions.Abort:
+        return 130
+    except click.exceptions.Exit as e:
+        return int(e.exit_code)
+    return rv if isinstance(rv, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

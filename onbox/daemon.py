@@ -1,0 +1,71 @@
+"""Starting the agent as a daemon: its own session, stdin from /dev/null, output to agent.log,
+umask 077, holding the run's lock that its starter hands it by fd.
+
+Closing the SSH session, killing the ssh client, SIGHUP or the laptop sleeping reach neither the
+agent nor the job: both are session leaders with no controlling terminal.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from typing import Any, Dict, List, Optional
+
+from onbox.rundir import RunDir
+
+
+TAG_VAR = "RGT_ATTEMPT_TAG"
+# Variables the agent sets for each attempt of the job; never passed on from its own environment.
+JOB_VARS = ("RGT_RUN", "RGT_RUN_DIR", "RGT_CKPT_DIR", "RGT_RESUME_FROM", "RGT_ATTEMPT", TAG_VAR)
+
+
+def agent_argv(name: str) -> List[str]:
+    """How the agent is started (the shim uses it too, to start a dead agent again)."""
+    return [sys.executable, "-m", "onbox.agent", name]
+
+
+def agent_environ(rd: RunDir) -> Dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
+    env["RGT_HOME"] = rd.home
+    # Wherever this onbox came from (a venv, a source checkout), the agent imports the same one.
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def spawn_agent(rd: RunDir, lock_fd: int, *, ready_fd: Optional[int] = None,
+                adopt_only: bool = False, argv: Optional[List[str]] = None
+                ) -> subprocess.Popen[bytes]:
+    """Start the agent detached; it keeps ``lock_fd`` (the caller may close its copy)."""
+    args = list(argv or agent_argv(rd.name)) + ["--lock-fd", str(lock_fd)]
+    fds = [lock_fd]
+    if ready_fd is not None:
+        args += ["--ready-fd", str(ready_fd)]
+        fds.append(ready_fd)
+    if adopt_only:
+        args.append("--adopt-only")
+    with open(rd.agent_log, "ab") as logf:
+        return subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
+            pass_fds=tuple(fds), start_new_session=True, close_fds=True, cwd="/",
+            env=agent_environ(rd), umask=0o077,
+        )
+
+
+def parse_agent_args(argv: List[str]) -> Dict[str, Any]:
+    """``NAME --lock-fd N [--ready-fd N] [--adopt-only]`` (no argparse: the agent stays small)."""
+    out: Dict[str, Any] = {"name": argv[0], "lock_fd": None, "ready_fd": None,
+                           "adopt_only": False}
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a == "--adopt-only":
+            out["adopt_only"] = True
+            i += 1
+        elif a in ("--lock-fd", "--ready-fd"):
+            out[a[2:].replace("-", "_")] = int(argv[i + 1])
+            i += 2
+        else:
+            raise SystemExit(f"rgt-agent agent: unknown argument {a!r}")
+    return out

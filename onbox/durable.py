@@ -1,0 +1,71 @@
+"""Writing files so that a crash never leaves a torn one under its final name.
+
+tmp file -> write -> fsync -> rename -> fsync the directory. A failed fsync is not retried:
+the caller rewrites the data (the kernel may have dropped the dirty pages already).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Optional
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory so a rename inside it survives a crash."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
+    """Replace ``path`` with ``data`` atomically and durably."""
+    directory = os.path.dirname(path) or "."
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(directory)
+
+
+def write_json(path: str, obj: Any) -> None:
+    """``write_atomic`` of a JSON document."""
+    write_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def read_json(path: str) -> Optional[Any]:
+    """The JSON document at ``path``, or None when it does not exist.
+
+    A document that does not parse raises ``ValueError``: files here are only ever replaced
+    atomically, so a torn one means something else wrote it.
+    """
+    try:
+        with open(path, "rb") as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        return None
+
+
+def append_line(path: str, line: str, sync: bool = True) -> None:
+    """Append one line with a single write (O_APPEND keeps concurrent writers whole)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    try:
+        os.write(fd, (line.rstrip("\n") + "\n").encode())
+        if sync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,106 @@
+"""The one error root of rgt, and the exit code each kind of error carries.
+
+Every error a user can cause or fix is an ``RgtError``: it says what was wrong, why, and what
+to do, and the CLI prints it as one line and exits with its code. Anything else that escapes is
+a bug and is shown with its traceback.
+
+    RgtError                      exit 1 (never raised bare)
+    ├── UsageError                exit 2   bad flag, value, name, job file
+    ├── RemoteUnreachable         exit 3   (controller) the box does not answer
+    ├── AuthError                 exit 4   (controller/stores) credentials refused
+    ├── LockedError               exit 5   another agent holds the run
+    ├── IntegrityError            exit 6   a record or checkpoint is corrupt
+    ├── UnsafeRefused             exit 7   a destructive step was refused
+    ├── NotFound                  exit 8   no such run
+    ├── HostError                 exit 9   the box cannot do it (unwritable dir, no /proc)
+    └── StopFailed                exit 10  processes of an attempt survived a stop
+
+``rgt-agent run`` (foreground) maps the final state of the run to an exit code as well; see
+``FINAL_EXIT_CODES``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+class RgtError(Exception):
+    """Root of every error a user can act on. Subclasses set ``exit_code``."""
+
+    exit_code = 1
+
+    def __init__(self, what: str, remedy: Optional[str] = None) -> None:
+        super().__init__(what)
+        self.what = what
+        self.remedy = remedy
+
+    def line(self) -> str:
+        """The one line the CLI prints."""
+        return f"rgt: {self.what}" + (f" ({self.remedy})" if self.remedy else "")
+
+
+class UsageError(RgtError):
+    """A flag, a value or a job file is wrong; ``field`` names it."""
+
+    exit_code = 2
+
+    def __init__(self, field: str, problem: str, remedy: Optional[str] = None) -> None:
+        super().__init__(f"{field}: {problem}", remedy)
+        self.field = field
+
+
+class RemoteUnreachable(RgtError):
+    """The box does not answer (controller side)."""
+
+    exit_code = 3
+
+
+class AuthError(RgtError):
+    """Credentials were refused."""
+
+    exit_code = 4
+
+
+class LockedError(RgtError):
+    """Another agent holds the run's lock; the message names the holder."""
+
+    exit_code = 5
+
+
+class IntegrityError(RgtError):
+    """A record or checkpoint is corrupt or from a newer rgt."""
+
+    exit_code = 6
+
+
+class UnsafeRefused(RgtError):
+    """A destructive step was refused because it could lose work."""
+
+    exit_code = 7
+
+
+class NotFound(RgtError):
+    """The named run does not exist."""
+
+    exit_code = 8
+
+
+class HostError(RgtError):
+    """The box cannot do what was asked (a directory is not writable, /proc is missing)."""
+
+    exit_code = 9
+
+
+class StopFailed(RgtError):
+    """A stop did not end with every process of the attempt gone."""
+
+    exit_code = 10
+
+
+# Exit codes of `rgt-agent run` by final state, so a Slurm or Kubernetes wrapper can act on them.
+FINAL_EXIT_CODES = {
+    "SUCCEEDED": 0,
+    "FAILED": 11,
+    "STOPPED": 12,
+    "PREEMPTED": 13,
+}

@@ -1,0 +1,102 @@
+"""Reading a run without changing it: its status and its logs."""
+
+from __future__ import annotations
+
+import time
+from typing import IO, Any, Dict, List, Optional
+
+from onbox import procfs
+from onbox.daemon import TAG_VAR
+from onbox.durable import read_json
+from onbox.lock import is_held, read_holder
+from onbox.rundir import RunDir
+from onbox.states import TERMINAL
+
+# Fields of state.json that are bookkeeping for the agent, not for people.
+_PRIVATE = ("started_ts", "updated_ts", "attempt_started_ts", "backoff_until_ts", "oom_before",
+            "exit_seen", "quick_failures", "last_cuda_oom_step")
+
+
+def run_status(rd: RunDir) -> Dict[str, Any]:
+    """state.json for people: plus whether an agent holds the run and whether the job lives."""
+    doc = read_json(rd.state) or {"name": rd.name, "state": "PENDING", "pid": None,
+                                  "attempt": 0, "restarts": 0, "last_exit": None,
+                                  "started_at": None, "updated_at": None}
+    out = {k: v for k, v in doc.items() if k not in _PRIVATE}
+    held = is_held(rd.lock)
+    holder = read_holder(rd.lock) if held else None
+    out["agent"] = {"alive": held, "pid": holder.get("pid") if holder else None,
+                    "host": holder.get("host") if holder else None}
+    job_alive = False
+    if doc.get("attempt"):
+        rec = read_json(rd.job_record(doc["attempt"]))
+        if rec is not None and doc.get("state") not in {s.value for s in TERMINAL}:
+            job_alive = procfs.is_alive(procfs.Identity(rec["pid"], rec["start_ticks"]))
+    out["job_alive"] = job_alive
+    out["run_dir"] = rd.path
+    out["log"] = rd.output_log(doc["attempt"]) if doc.get("attempt") else None
+    return out
+
+
+def attempt_tag(rd: RunDir, attempt: int) -> Optional[str]:
+    rec = read_json(rd.job_record(attempt)) if attempt else None
+    return rec.get("tag") if rec else None
+
+
+def copy_logs(rd: RunDir, out: IO[bytes], agent: bool = False) -> Dict[str, int]:
+    """Write every attempt's output (or the agent's log), oldest first, unaltered.
+
+    Returns how far each file was read, for ``follow``.
+    """
+    paths = [rd.agent_log] if agent else [rd.output_log(a) for a in rd.attempt_numbers()]
+    offsets: Dict[str, int] = {}
+    for p in paths:
+        offsets[p] = _copy_from(p, 0, out)
+    return offsets
+
+
+def _copy_from(path: str, offset: int, out: IO[bytes]) -> int:
+    try:
+        with open(path, "rb") as f:
+            f.seek(offset)
+            while True:
+                chunk = f.read(1 << 16)
+                if not chunk:
+                    break
+                out.write(chunk)
+                offset += len(chunk)
+    except FileNotFoundError:
+        pass
+    out.flush()
+    return offset
+
+
+def follow(rd: RunDir, out: IO[bytes], offsets: Dict[str, int], agent: bool = False,
+           interval: float = 0.2, until_terminal: bool = True) -> None:
+    """Keep writing what is appended (new attempts too) until the run ends."""
+    while True:
+        paths: List[str] = (
+            [rd.agent_log] if agent else [rd.output_log(a) for a in rd.attempt_numbers()]
+        )
+        for p in paths:
+            offsets[p] = _copy_from(p, offsets.get(p, 0), out)
+        doc = read_json(rd.state) or {}
+        if until_terminal and doc.get("state") in {s.value for s in TERMINAL} and not is_held(
+            rd.lock
+        ):
+            for p in paths:  # what was written between the last read and the end
+                offsets[p] = _copy_from(p, offsets.get(p, 0), out)
+            return
+        time.sleep(interval)
+
+
+def tagged_alive(rd: RunDir, attempt: int) -> List[int]:
+    """Pids of live processes of ``attempt`` (zombies excluded)."""
+    tag = attempt_tag(rd, attempt)
+    if not tag:
+        return []
+    found = {i.pid for i in procfs.find_tagged(TAG_VAR, tag)}
+    rec = read_json(rd.job_record(attempt)) or {}
+    if rec and procfs.is_alive(procfs.Identity(rec["pid"], rec["start_ticks"])):
+        found.add(rec["pid"])
+    return sorted(found)

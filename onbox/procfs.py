@@ -1,0 +1,152 @@
+"""Process identity and discovery from /proc. Standard library only (the shim imports it).
+
+A pid alone names nothing: pids are reused. A process is identified by (pid, start time in
+clock ticks since boot), field 22 of /proc/PID/stat, which the kernel never changes. A zombie
+counts as dead: PID 1 on some boxes reaps orphans seconds late, and a zombie holds no memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import select
+from typing import Dict, Iterator, List, Optional
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcStat:
+    """The fields of /proc/PID/stat that rgt uses."""
+
+    pid: int
+    state: str
+    ppid: int
+    pgid: int
+    sid: int
+    start_ticks: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Identity:
+    """A process named so that pid reuse cannot fool us."""
+
+    pid: int
+    start_ticks: int
+
+
+def read_stat(pid: int) -> Optional[ProcStat]:
+    """/proc/PID/stat parsed, or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            raw = f.read().decode(errors="replace")
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after the last ')'.
+    rest = raw[raw.rindex(")") + 2 :].split()
+    return ProcStat(
+        pid=pid,
+        state=rest[0],
+        ppid=int(rest[1]),
+        pgid=int(rest[2]),
+        sid=int(rest[3]),
+        start_ticks=int(rest[19]),
+    )
+
+
+def identity(pid: int) -> Optional[Identity]:
+    """The identity of a live process, or None."""
+    st = read_stat(pid)
+    if st is None or st.state in ("Z", "X"):
+        return None
+    return Identity(pid, st.start_ticks)
+
+
+def is_alive(ident: Optional[Identity]) -> bool:
+    """True when that very process (same start time) exists and is not a zombie."""
+    if ident is None:
+        return False
+    st = read_stat(ident.pid)
+    return st is not None and st.start_ticks == ident.start_ticks and st.state not in ("Z", "X")
+
+
+def environ(pid: int) -> Optional[Dict[bytes, bytes]]:
+    """The initial environment of a process, or None when it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            raw = f.read()
+    except OSError:
+        return None
+    out: Dict[bytes, bytes] = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            out[key] = value
+    return out
+
+
+def pids() -> Iterator[int]:
+    """Every pid in /proc."""
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            yield int(entry)
+
+
+def find_tagged(var: str, value: str) -> List[Identity]:
+    """Live processes whose environment has ``var=value``: every process of one attempt,
+    including children that called setsid and left the process group."""
+    want_key, want_value = var.encode(), value.encode()
+    me = os.getpid()
+    found = []
+    for pid in pids():
+        if pid == me:
+            continue
+        env = environ(pid)
+        if env is None or env.get(want_key) != want_value:
+            continue
+        ident = identity(pid)
+        if ident is not None:
+            found.append(ident)
+    return found
+
+
+def boot_id() -> str:
+    """Changes at every boot: a pid record from an earlier boot names nothing."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def open_pidfd(ident: Identity) -> Optional[int]:
+    """A pollable fd that becomes readable when the process exits, or None.
+
+    None when pidfds are not supported (Linux < 5.3) or the process is already gone; the
+    caller then polls. The identity is checked after opening, so a reused pid is never watched.
+    """
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return None
+    try:
+        fd = int(opener(ident.pid))
+    except OSError:
+        return None
+    if not is_alive(ident):
+        os.close(fd)
+        return None
+    return fd
+
+
+def wait_readable(fds: List[int], timeout: Optional[float]) -> List[int]:
+    """The subset of ``fds`` readable within ``timeout`` seconds."""
+    if not fds:
+        return []
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    ms = None if timeout is None else max(0, int(timeout * 1000))
+    try:
+        return [fd for fd, _ in poller.poll(ms)]
+    except InterruptedError:  # pragma: no cover - PEP 475 retries; kept for clarity
+        return []

@@ -1,0 +1,132 @@
+"""The one owner of every path rgt writes on the box.
+
+    $RGT_HOME/                      RGT_HOME defaults to ~/.rgt
+      runs/NAME/                    RGT_RUN_DIR
+        spec.json                   the resolved JobSpec (atomic replace)
+        state.json                  the run's state (atomic replace, the only writer is the agent)
+        events.jsonl                every transition and decision, append-only
+        agent.log                   the agent's own log
+        lock                        flock'ed by the one agent; holds host, pid, start time
+        stop.request                written by `rgt-agent stop` for a live agent
+        attempts/NNNN/output.log    the job's stdout+stderr, unaltered
+        attempts/NNNN/job.json      written by the shim: the job's pid, start time, tag
+        attempts/NNNN/exit.json     written by the shim: the job's exit status
+        ckpt/                       default RGT_CKPT_DIR
+      secrets/                      0700; secrets the job needs across restarts (controller)
+"""
+
+from __future__ import annotations
+
+import os
+from typing import List, Optional
+
+from onbox.errors import HostError, NotFound
+from onbox.spec import check_name
+
+
+def rgt_home(environ: Optional[dict] = None) -> str:
+    env = os.environ if environ is None else environ
+    home = env.get("RGT_HOME") or os.path.join(os.path.expanduser("~"), ".rgt")
+    return os.path.abspath(home)
+
+
+class RunDir:
+    """Paths of one run; creating it checks that the box lets us write there."""
+
+    def __init__(self, name: str, home: Optional[str] = None) -> None:
+        self.name = check_name(name)
+        self.home = home or rgt_home()
+        self.path = os.path.join(self.home, "runs", self.name)
+
+    # ---- files
+    @property
+    def spec(self) -> str:
+        return os.path.join(self.path, "spec.json")
+
+    @property
+    def state(self) -> str:
+        return os.path.join(self.path, "state.json")
+
+    @property
+    def events(self) -> str:
+        return os.path.join(self.path, "events.jsonl")
+
+    @property
+    def agent_log(self) -> str:
+        return os.path.join(self.path, "agent.log")
+
+    @property
+    def lock(self) -> str:
+        return os.path.join(self.path, "lock")
+
+    @property
+    def stop_request(self) -> str:
+        return os.path.join(self.path, "stop.request")
+
+    @property
+    def attempts(self) -> str:
+        return os.path.join(self.path, "attempts")
+
+    def attempt_dir(self, attempt: int) -> str:
+        return os.path.join(self.attempts, f"{attempt:04d}")
+
+    def output_log(self, attempt: int) -> str:
+        return os.path.join(self.attempt_dir(attempt), "output.log")
+
+    def job_record(self, attempt: int) -> str:
+        return os.path.join(self.attempt_dir(attempt), "job.json")
+
+    def exit_record(self, attempt: int) -> str:
+        return os.path.join(self.attempt_dir(attempt), "exit.json")
+
+    def attempt_numbers(self) -> List[int]:
+        """Attempts that have a directory, oldest first."""
+        try:
+            names = os.listdir(self.attempts)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def exists(self) -> bool:
+        return os.path.isfile(self.spec)
+
+    def require(self) -> RunDir:
+        if not self.exists():
+            raise NotFound(f"no run named {self.name!r} under {self.home}",
+                           "see `rgt-agent list`")
+        return self
+
+    def create(self) -> None:
+        """Make the run directory (0700) and prove it is writable, or raise HostError."""
+        old = os.umask(0o077)
+        try:
+            os.makedirs(self.attempts, exist_ok=True)
+            probe = os.path.join(self.path, f".write-probe.{os.getpid()}")
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+            os.unlink(probe)
+        except OSError as e:
+            raise HostError(
+                f"run directory {self.path} is not writable: {e.strerror}",
+                "set RGT_HOME to a writable directory on the box's local disk",
+            ) from None
+        finally:
+            os.umask(old)
+
+
+def all_runs(home: Optional[str] = None) -> List[RunDir]:
+    """Every run under RGT_HOME, by name."""
+    home = home or rgt_home()
+    try:
+        names = sorted(os.listdir(os.path.join(home, "runs")))
+    except FileNotFoundError:
+        return []
+    runs = []
+    for n in names:
+        try:
+            rd = RunDir(n, home)
+        except Exception:  # a stray directory with a name rgt would never make
+            continue
+        if rd.exists():
+            runs.append(rd)
+    return runs

@@ -1,0 +1,293 @@
+"""What a run is asked to do: ``JobSpec`` and ``RestartPolicy``, from a job file and CLI flags.
+
+A job file (TOML) carries the same settings as the flags; flags win. Every value is checked here,
+before anything starts, and a bad one raises ``UsageError`` naming its field. The schema is in
+the README ("Job file").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+from onbox.errors import UsageError
+
+NAME_PATTERN = r"[a-z0-9][a-z0-9._-]{0,62}"
+_NAME_RE = re.compile(NAME_PATTERN + r"\Z")
+_DURATION_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s|m|h|d)?\s*\Z")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+MAX_DURATION = 366 * 86400.0
+TRIGGERS = ("none", "file", "signal:USR2", "signal:USR1", "signal:INT", "signal:HUP")
+
+
+def check_name(name: str, field: str = "name") -> str:
+    """Return ``name`` if it is a valid run name, else raise naming the pattern."""
+    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
+        raise UsageError(
+            field,
+            f"{name!r} is not a valid run name",
+            f"use {NAME_PATTERN}: lowercase letters, digits, '.', '_', '-', no '..'",
+        )
+    return name
+
+
+def parse_duration(value: Any, field: str, *, allow_zero: bool = False) -> float:
+    """Seconds from ``30``, ``2.5``, ``"30s"``, ``"5m"``, ``"1h"``, ``"250ms"``, ``"1d"``."""
+    if isinstance(value, bool):
+        raise UsageError(field, f"{value!r} is not a duration", "give seconds, e.g. 30 or '5m'")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        m = _DURATION_RE.match(str(value))
+        if not m:
+            raise UsageError(
+                field, f"{value!r} is not a duration", "give seconds or a number with ms/s/m/h/d"
+            )
+        seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if math.isnan(seconds) or math.isinf(seconds) or seconds < 0:
+        raise UsageError(field, f"{value!r} is not a finite duration >= 0", "e.g. 30 or '5m'")
+    if seconds == 0 and not allow_zero:
+        raise UsageError(field, "must be greater than 0", "e.g. 30 or '5m'")
+    if seconds > MAX_DURATION:
+        raise UsageError(field, f"{value!r} is longer than a year", "use a realistic duration")
+    return seconds
+
+
+def parse_signal(value: Any, field: str) -> int:
+    """A signal number from ``"TERM"``, ``"SIGINT"`` or ``15``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return int(signal.Signals(value))
+        except ValueError:
+            pass
+    elif isinstance(value, str):
+        name = value.upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        sig = getattr(signal.Signals, name, None)
+        if sig is not None:
+            return int(sig)
+    raise UsageError(field, f"{value!r} is not a signal", "e.g. TERM, INT, USR2")
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """When to restart an attempt that ended, and how long to wait first.
+
+    Preemption-like ends (a signal from outside, SIGKILL that was not the OOM killer) and code
+    errors have separate budgets. An exit within ``start_grace`` of the start is a crash loop:
+    the backoff doubles from ``backoff_initial`` up to ``backoff_max``. The first restart after
+    a healthy run (one that lived past the start grace) waits for nothing.
+    """
+
+    max_error_restarts: int = 5
+    max_preempt_restarts: int = 100
+    start_grace: float = 5.0
+    backoff_initial: float = 1.0
+    backoff_max: float = 300.0
+    success_codes: Tuple[int, ...] = (0,)
+
+    def backoff(self, consecutive_quick_failures: int) -> float:
+        """Delay before the next start; 0 when the last attempt was healthy."""
+        if consecutive_quick_failures <= 0:
+            return 0.0
+        return float(
+            min(self.backoff_max, self.backoff_initial * 2 ** (consecutive_quick_failures - 1))
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """Everything the agent needs to run a job; stored as spec.json in the run directory."""
+
+    name: str
+    command: Tuple[str, ...]
+    workdir: str
+    ckpt_dir: str
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    store: Optional[str] = None
+    grace: float = 30.0
+    stop_signal: int = int(signal.SIGTERM)
+    trigger: str = "none"
+    restart: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
+
+    def to_json(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["command"] = list(self.command)
+        d["env"] = dict(self.env)
+        d["restart"]["success_codes"] = list(self.restart.success_codes)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> JobSpec:
+        r = dict(d["restart"])
+        r["success_codes"] = tuple(r["success_codes"])
+        return cls(
+            name=d["name"],
+            command=tuple(d["command"]),
+            workdir=d["workdir"],
+            ckpt_dir=d["ckpt_dir"],
+            env=dict(d.get("env") or {}),
+            store=d.get("store"),
+            grace=float(d["grace"]),
+            stop_signal=int(d["stop_signal"]),
+            trigger=d.get("trigger", "none"),
+            restart=RestartPolicy(**r),
+        )
+
+
+_TOP_KEYS = {"name", "command", "workdir", "env", "grace", "stop_signal", "checkpoint", "store",
+             "restart"}
+_CKPT_KEYS = {"dir", "trigger"}
+_RESTART_KEYS = {f.name for f in dataclasses.fields(RestartPolicy)}
+
+
+def _load_toml(path: str) -> Dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover - exercised on the box's older Pythons
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UsageError("JOB.toml", f"{path} does not exist") from None
+    except (OSError, ValueError) as e:  # TOMLDecodeError is a ValueError
+        raise UsageError("JOB.toml", f"{path} cannot be read: {e}") from None
+
+
+def _unknown(keys: Any, allowed: set, where: str) -> None:
+    extra = sorted(set(keys) - allowed)
+    if extra:
+        raise UsageError(
+            f"{where}{extra[0]}", "unknown setting", f"valid: {', '.join(sorted(allowed))}"
+        )
+
+
+@dataclasses.dataclass
+class Overrides:
+    """Values given on the command line; ``None`` means not given."""
+
+    name: Optional[str] = None
+    command: Optional[List[str]] = None
+    ckpt_dir: Optional[str] = None
+    store: Optional[str] = None
+    grace: Optional[str] = None
+
+
+def _check_command(command: Any, workdir: str, env: Mapping[str, str]) -> Tuple[str, ...]:
+    if not isinstance(command, (list, tuple)) or not all(isinstance(a, str) for a in command):
+        raise UsageError(
+            "command", "must be a list of strings", 'e.g. command = ["python", "train.py"]'
+        )
+    if not command or not command[0].strip():
+        raise UsageError("command", "is empty", "give the job after --, e.g. -- python train.py")
+    exe = command[0]
+    if "/" in exe:
+        path = exe if os.path.isabs(exe) else os.path.join(workdir, exe)
+        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+            raise UsageError("command", f"{exe!r} is not an executable file (from {workdir})")
+    elif shutil.which(exe, path=env.get("PATH", os.defpath)) is None:
+        raise UsageError("command", f"{exe!r} is not found on PATH", "give its full path")
+    return tuple(command)
+
+
+def default_name(command: List[str]) -> str:
+    """A run name from the command: ``python train.py`` -> ``train``."""
+    words = [a for a in command if not a.startswith("-")]
+    pick = next((a for a in words[1:] if "." in os.path.basename(a)), words[0] if words else "")
+    stem = os.path.splitext(os.path.basename(pick))[0].lower()
+    stem = re.sub(r"[^a-z0-9._-]+", "-", stem).strip("-._")[:63]
+    return stem if stem and _NAME_RE.match(stem) else "job"
+
+
+def build_spec(
+    job_file: Optional[str],
+    flags: Overrides,
+    *,
+    cwd: str,
+    environ: Mapping[str, str],
+    default_name: str,
+    run_dir_of: Any,
+) -> JobSpec:
+    """Merge a job file and flags into a checked ``JobSpec``; flags win.
+
+    ``run_dir_of(name)`` gives the run directory, for the default checkpoint dir.
+    """
+    data: Dict[str, Any] = _load_toml(job_file) if job_file else {}
+    _unknown(data, _TOP_KEYS, "")
+    base = os.path.dirname(os.path.abspath(job_file)) if job_file else cwd
+
+    name = check_name(flags.name or data.get("name") or default_name,
+                      "--name" if flags.name else "name")
+    workdir = os.path.abspath(os.path.join(base, str(data.get("workdir", "."))))
+    if not os.path.isdir(workdir):
+        raise UsageError("workdir", f"{workdir} is not a directory")
+
+    env = data.get("env", {})
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise UsageError("env", "must be a table of string values", 'e.g. [env] FOO = "1"')
+    full_env = dict(environ)
+    full_env.update(env)
+    command = _check_command(
+        flags.command if flags.command else data.get("command"), workdir, full_env
+    )
+
+    ckpt = data.get("checkpoint", {})
+    if not isinstance(ckpt, dict):
+        raise UsageError("checkpoint", "must be a table", '[checkpoint] dir = "ckpt"')
+    _unknown(ckpt, _CKPT_KEYS, "checkpoint.")
+    ckpt_dir = flags.ckpt_dir or ckpt.get("dir")
+    ckpt_dir = (
+        os.path.abspath(os.path.join(cwd if flags.ckpt_dir else workdir, ckpt_dir))
+        if ckpt_dir
+        else os.path.join(run_dir_of(name), "ckpt")
+    )
+    trigger = ckpt.get("trigger", "none")
+    if trigger not in TRIGGERS:
+        raise UsageError("checkpoint.trigger", f"{trigger!r} is not a trigger",
+                         f"use one of {', '.join(TRIGGERS)}")
+
+    store = flags.store or data.get("store")
+    if store is not None and (not isinstance(store, str) or "://" not in store):
+        raise UsageError("store", f"{store!r} is not a store URL",
+                         "e.g. file:///mnt/durable/rgt or s3://bucket/prefix")
+
+    grace = parse_duration(flags.grace if flags.grace is not None else data.get("grace", 30),
+                           "--grace" if flags.grace is not None else "grace")
+    stop_signal = parse_signal(data.get("stop_signal", "TERM"), "stop_signal")
+
+    r = data.get("restart", {})
+    if not isinstance(r, dict):
+        raise UsageError("restart", "must be a table", "[restart] max_error_restarts = 5")
+    _unknown(r, _RESTART_KEYS, "restart.")
+    restart = _restart_policy(r)
+    return JobSpec(name=name, command=command, workdir=workdir, ckpt_dir=ckpt_dir, env=env,
+                   store=store, grace=grace, stop_signal=stop_signal, trigger=trigger,
+                   restart=restart)
+
+
+def _restart_policy(r: Mapping[str, Any]) -> RestartPolicy:
+    d = RestartPolicy()
+    kw: Dict[str, Any] = {}
+    for key in ("max_error_restarts", "max_preempt_restarts"):
+        v = r.get(key, getattr(d, key))
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise UsageError(f"restart.{key}", f"{v!r} is not a count >= 0")
+        kw[key] = v
+    for key in ("start_grace", "backoff_initial", "backoff_max"):
+        kw[key] = parse_duration(r.get(key, getattr(d, key)), f"restart.{key}")
+    codes = r.get("success_codes", list(d.success_codes))
+    if not isinstance(codes, list) or not all(
+        isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= 255 for c in codes
+    ):
+        raise UsageError("restart.success_codes", f"{codes!r} is not a list of exit codes 0-255")
+    kw["success_codes"] = tuple(codes)
+    return RestartPolicy(**kw)

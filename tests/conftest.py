@@ -1,0 +1,121 @@
+"""Shared test fixtures: an isolated RGT_HOME, the CLI as a real subprocess, and cleanup.
+
+Every process a test starts is stopped by PID at the end (``procs`` and the run sweep below).
+Under CI=true a test that would skip because a real service is missing fails instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, Iterator, List, Optional
+
+import pytest
+
+from onbox import procfs
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURES = os.path.join(ROOT, "tests", "fixtures")
+IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+def require(ok: bool, what: str) -> None:
+    """Skip when a real service is missing, except in CI where that is a failure."""
+    if ok:
+        return
+    if IN_CI:
+        pytest.fail(f"CI needs {what}, and it is missing")
+    pytest.skip(f"needs {what}")
+
+
+def agent_exe() -> List[str]:
+    """The rgt-agent command: the installed script next to this Python."""
+    script = os.path.join(os.path.dirname(sys.executable), "rgt-agent")
+    if os.path.exists(script):
+        return [script]
+    return [sys.executable, "-m", "onbox.cli"]
+
+
+def fixture(name: str) -> List[str]:
+    """argv of a misbehaving fixture program in tests/fixtures."""
+    return [sys.executable, os.path.join(FIXTURES, name)]
+
+
+class Cli:
+    """Runs ``rgt-agent`` as a real process with an isolated RGT_HOME."""
+
+    def __init__(self, home: str, env: Dict[str, str]) -> None:
+        self.home = home
+        self.env = env
+
+    def __call__(self, *args: str, timeout: float = 60, check: bool = False,
+                 cwd: Optional[str] = None) -> subprocess.CompletedProcess[str]:
+        p = subprocess.run([*agent_exe(), *args], env=self.env, capture_output=True, text=True,
+                           timeout=timeout, cwd=cwd or self.home)
+        if check and p.returncode != 0:
+            raise AssertionError(f"rgt-agent {args} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
+        return p
+
+    def status(self, name: str) -> Dict[str, Any]:
+        p = self("status", name, "--json", check=True)
+        out: Dict[str, Any] = json.loads(p.stdout)
+        return out
+
+    def events(self, name: str) -> List[Dict[str, Any]]:
+        path = os.path.join(self.home, "runs", name, "events.jsonl")
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def wait_for(self, name: str, pred: Callable[[Dict[str, Any]], bool], timeout: float = 30,
+                 what: str = "condition") -> Dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        st: Dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            try:
+                st = self.status(name)
+            except AssertionError:
+                st = {}
+            if st and pred(st):
+                return st
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}; last status: {st}")
+
+    def wait_state(self, name: str, *states: str, timeout: float = 30) -> Dict[str, Any]:
+        return self.wait_for(name, lambda s: s["state"] in states, timeout, f"state {states}")
+
+
+def _kill_run_processes(home: str) -> None:
+    """SIGKILL every agent, shim and job process whose environment or title names this home."""
+    key = home.encode()
+    for pid in procfs.pids():
+        if pid == os.getpid():
+            continue
+        env = procfs.environ(pid)
+        if env is None:
+            continue
+        if env.get(b"RGT_HOME") == key or (env.get(b"RGT_RUN_DIR") or b"").startswith(key):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+@pytest.fixture
+def rgt_home(tmp_path: Any) -> Iterator[str]:
+    home = str(tmp_path / "rgt-home")
+    os.makedirs(home)
+    yield home
+    _kill_run_processes(home)
+
+
+@pytest.fixture
+def cli(rgt_home: str) -> Cli:
+    env = dict(os.environ)
+    env["RGT_HOME"] = rgt_home
+    env.pop("RGT_ATTEMPT_TAG", None)
+    env["RGT_AGENT_RESPAWN_DELAY"] = "1"
+    return Cli(rgt_home, env)

@@ -41,8 +41,14 @@ def _title(text: str) -> None:
 class Agent:
     """Supervises one run until it reaches a terminal state."""
 
-    def __init__(self, rd: RunDir, lock: RunLock, *, clock: Optional[Clock] = None,
-                 hooks: Optional[Hooks] = None) -> None:
+    def __init__(
+        self,
+        rd: RunDir,
+        lock: RunLock,
+        *,
+        clock: Optional[Clock] = None,
+        hooks: Optional[Hooks] = None,
+    ) -> None:
         self.rd = rd
         self.lock = lock
         doc = read_json(rd.spec)
@@ -51,13 +57,17 @@ class Agent:
         self.spec = JobSpec.from_json(doc)
         self.journal = FileJournal(rd.state, rd.events, rd.agent_log)
         self.runner = ShimRunner(
-            rd, self.spec, agent_cmd=agent_argv(rd.name), base_environ=os.environ,
+            rd,
+            self.spec,
+            agent_cmd=agent_argv(rd.name),
+            base_environ=os.environ,
             respawn_delay=float(os.environ.get("RGT_AGENT_RESPAWN_DELAY", "3")),
         )
         state_doc = read_json(rd.state)
         self.fresh = state_doc is None
-        self.sup = Supervisor(self.spec, self.runner, clock or RealClock(), self.journal,
-                              hooks=hooks, doc=state_doc)
+        self.sup = Supervisor(
+            self.spec, self.runner, clock or RealClock(), self.journal, hooks=hooks, doc=state_doc
+        )
         self.sup.extra["agent"] = {"pid": os.getpid(), "host": os.uname().nodename}
         self.adopted = False
         self._pending: List[int] = []
@@ -81,8 +91,10 @@ class Agent:
             sup.new_incarnation(f"rgt-agent start ({was}); agent pid {os.getpid()}")
             return True
         self.adopted = True
-        self.journal.event("adopt", f"agent pid {os.getpid()} took over the run in {sup.state}, "
-                           f"attempt {sup.attempt}")
+        self.journal.event(
+            "adopt",
+            f"agent pid {os.getpid()} took over the run in {sup.state}, attempt {sup.attempt}",
+        )
         if sup.attempt > 0:
             status = self.runner.adopt(sup.attempt)
             if status is not None and not sup.exit_seen:
@@ -113,8 +125,11 @@ class Agent:
         pending, self._pending = self._pending, []
         for signum in pending:
             if signum == signal.SIGTERM:
-                self.journal.event("preempt", "SIGTERM to the agent: treating it as a "
-                                   f"preemption with a {self.spec.grace:.0f}s budget")
+                self.journal.event(
+                    "preempt",
+                    "SIGTERM to the agent: treating it as a "
+                    f"preemption with a {self.spec.grace:.0f}s budget",
+                )
                 self.sup.request_stop("preempt")
             elif signum == signal.SIGINT:
                 self.sup.request_stop("stop")
@@ -129,8 +144,11 @@ class Agent:
         if req is None:
             return
         grace = req.get("grace")
-        self.journal.event("stop", "stop requested by rgt-agent stop"
-                           + (f" with grace {grace}s" if grace is not None else ""))
+        self.journal.event(
+            "stop",
+            "stop requested by rgt-agent stop"
+            + (f" with grace {grace}s" if grace is not None else ""),
+        )
         self.sup.request_stop("stop", None if grace is None else float(grace))
         try:
             os.unlink(self.rd.stop_request)
@@ -138,26 +156,39 @@ class Agent:
             pass
 
     # ---- the loop
-    def run(self, ready_fd: Optional[int] = None,
-            stop: Optional[Tuple[str, Optional[float]]] = None) -> State:
+    def run(
+        self, ready_fd: Optional[int] = None, stop: Optional[Tuple[str, Optional[float]]] = None
+    ) -> State:
         """Supervise until terminal; return the final state."""
         self._install_signals()
         sup = self.sup
-        log(self.rd.agent_log, f"agent pid {os.getpid()} supervising {self.rd.name} "
-            f"({sup.state}, attempt {sup.attempt})")
+        log(
+            self.rd.agent_log,
+            f"agent pid {os.getpid()} supervising {self.rd.name} "
+            f"({sup.state}, attempt {sup.attempt})",
+        )
         if stop is not None:
             sup.request_stop(*stop)
         self.check_stop_request()
         if sup.state == State.PENDING:
             sup.begin()
         if ready_fd is not None:
-            _say(ready_fd, {"ok": True, "pid": os.getpid(), "job_pid": sup.pid,
-                            "state": sup.state.value, "attempt": sup.attempt,
-                            "adopted": self.adopted})
+            _say(
+                ready_fd,
+                {
+                    "ok": True,
+                    "pid": os.getpid(),
+                    "job_pid": sup.pid,
+                    "state": sup.state.value,
+                    "attempt": sup.attempt,
+                    "adopted": self.adopted,
+                },
+            )
         while sup.state not in TERMINAL:
             waits = [w for w in (sup.next_wakeup(), self.runner.poll_interval()) if w is not None]
-            procfs.wait_readable([self._wake_r, *self.runner.watch_fds()],
-                                 min(waits) if waits else None)
+            procfs.wait_readable(
+                [self._wake_r, *self.runner.watch_fds()], min(waits) if waits else None
+            )
             self._handle_signals()
             if sup.active and not sup.exit_seen:
                 status = self.runner.poll_exit()
@@ -170,9 +201,12 @@ class Agent:
     def _finish(self) -> None:
         """Make sure nothing of the last attempt outlives the run, then let go of it."""
         if self.runner.alive():
-            self.journal.event("leftovers", "processes of the last attempt outlived it; "
-                               "stopping them", klass="transient",
-                               remedy="make the job's children exit with it")
+            self.journal.event(
+                "leftovers",
+                "processes of the last attempt outlived it; stopping them",
+                klass="transient",
+                remedy="make the job's children exit with it",
+            )
             self.runner.signal(signal.SIGTERM)
             deadline = time.monotonic() + LEFTOVER_GRACE
             while self.runner.alive() and time.monotonic() < deadline:
@@ -182,9 +216,12 @@ class Agent:
                 self.runner.signal(signal.SIGKILL)
                 time.sleep(0.05)
             if self.runner.alive():
-                self.journal.event("leftovers_survived", "processes of the last attempt "
-                                   "survived SIGKILL (stuck in the kernel?)", klass="permanent",
-                                   remedy="look for D-state processes; GPU memory may be held")
+                self.journal.event(
+                    "leftovers_survived",
+                    "processes of the last attempt survived SIGKILL (stuck in the kernel?)",
+                    klass="permanent",
+                    remedy="look for D-state processes; GPU memory may be held",
+                )
         log(self.rd.agent_log, f"agent pid {os.getpid()} exits: run is {self.sup.state}")
         self.runner.close()
         self.lock.release()

@@ -72,8 +72,9 @@ _ENOSPC = re.compile(r"No space left on device|\[Errno 28\]|ENOSPC")
 _SYNTAX = {"SyntaxError", "IndentationError", "TabError"}
 _IMPORT = {"ImportError", "ModuleNotFoundError"}
 # Exit codes a shell uses for a child killed by these signals (`bash -c` wrappers).
-_SHELL_SIGNALS = {128 + int(s) for s in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT,
-                                         signal.SIGHUP)}
+_SHELL_SIGNALS = {
+    128 + int(s) for s in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+}
 
 
 def _signame(sig: int) -> str:
@@ -122,51 +123,119 @@ def classify(
     if code is not None and code in success_codes:
         return Verdict(Kind.SUCCESS, f"exited with code {code}", "", "", Budget.NONE, step=step)
     if not status.known:
-        return Verdict(Kind.UNKNOWN, "exit status was not recorded (the shim was killed)",
-                       "look at the end of the job's log", "transient", Budget.PREEMPT, step=step)
+        return Verdict(
+            Kind.UNKNOWN,
+            "exit status was not recorded (the shim was killed)",
+            "look at the end of the job's log",
+            "transient",
+            Budget.PREEMPT,
+            step=step,
+        )
     if code == 127 and status.note:
-        return Verdict(Kind.COMMAND_NOT_FOUND, status.note, "check the command and PATH",
-                       "usage", Budget.ERROR, deterministic=True, step=step)
+        return Verdict(
+            Kind.COMMAND_NOT_FOUND,
+            status.note,
+            "check the command and PATH",
+            "usage",
+            Budget.ERROR,
+            deterministic=True,
+            step=step,
+        )
     killed = sig == signal.SIGKILL or code == 128 + signal.SIGKILL
     if killed and oom_kills_rose:
-        return Verdict(Kind.OOM_KILLED, "killed by the kernel's OOM killer (host memory)",
-                       "lower the batch size or workers, or rent a box with more RAM",
-                       "permanent", Budget.ERROR, step=step)
+        return Verdict(
+            Kind.OOM_KILLED,
+            "killed by the kernel's OOM killer (host memory)",
+            "lower the batch size or workers, or rent a box with more RAM",
+            "permanent",
+            Budget.ERROR,
+            step=step,
+        )
     if _CUDA_OOM.search(tail):
-        return Verdict(Kind.CUDA_OOM, "CUDA out of memory" + (f" at step {step}" if step else ""),
-                       "lower the batch size, use gradient accumulation or checkpointing",
-                       "permanent", Budget.ERROR, step=step)
+        return Verdict(
+            Kind.CUDA_OOM,
+            "CUDA out of memory" + (f" at step {step}" if step else ""),
+            "lower the batch size, use gradient accumulation or checkpointing",
+            "permanent",
+            Budget.ERROR,
+            step=step,
+        )
     if _ENOSPC.search(tail):
         if inodes_exhausted():
-            return Verdict(Kind.INODES_EXHAUSTED, "the filesystem ran out of inodes",
-                           "delete many small files (caches, extracted datasets)", "permanent",
-                           Budget.ERROR, step=step)
-        return Verdict(Kind.DISK_FULL, "no space left on device (ENOSPC)",
-                       "free disk space or keep fewer local checkpoints", "permanent",
-                       Budget.ERROR, step=step)
+            return Verdict(
+                Kind.INODES_EXHAUSTED,
+                "the filesystem ran out of inodes",
+                "delete many small files (caches, extracted datasets)",
+                "permanent",
+                Budget.ERROR,
+                step=step,
+            )
+        return Verdict(
+            Kind.DISK_FULL,
+            "no space left on device (ENOSPC)",
+            "free disk space or keep fewer local checkpoints",
+            "permanent",
+            Budget.ERROR,
+            step=step,
+        )
     if _NAN.search(tail):
-        return Verdict(Kind.NAN_LOSS, "the loss became NaN/inf", "lower the learning rate, "
-                       "check the data, or enable gradient clipping", "permanent", Budget.ERROR,
-                       step=step)
+        return Verdict(
+            Kind.NAN_LOSS,
+            "the loss became NaN/inf",
+            "lower the learning rate, check the data, or enable gradient clipping",
+            "permanent",
+            Budget.ERROR,
+            step=step,
+        )
     exc = last_exception(tail)
     if exc is not None:
         etype, msg = exc
         short = etype.split(".")[-1]
         text = f"{etype}: {msg}" if msg else etype
         if short in _SYNTAX:
-            return Verdict(Kind.SYNTAX_ERROR, text, "fix the code; retrying cannot help", "usage",
-                           Budget.ERROR, deterministic=True, step=step)
+            return Verdict(
+                Kind.SYNTAX_ERROR,
+                text,
+                "fix the code; retrying cannot help",
+                "usage",
+                Budget.ERROR,
+                deterministic=True,
+                step=step,
+            )
         if short in _IMPORT:
-            return Verdict(Kind.IMPORT_ERROR, text, "install the package into the job's Python "
-                           "or fix the import", "usage", Budget.ERROR, deterministic=True,
-                           step=step)
+            return Verdict(
+                Kind.IMPORT_ERROR,
+                text,
+                "install the package into the job's Python or fix the import",
+                "usage",
+                Budget.ERROR,
+                deterministic=True,
+                step=step,
+            )
         if short != "KeyboardInterrupt" and sig is None:
-            return Verdict(Kind.PYTHON_EXCEPTION, text, "fix the error shown in the log",
-                           "permanent", Budget.ERROR, step=step)
+            return Verdict(
+                Kind.PYTHON_EXCEPTION,
+                text,
+                "fix the error shown in the log",
+                "permanent",
+                Budget.ERROR,
+                step=step,
+            )
     if sig is not None or (code is not None and code in _SHELL_SIGNALS):
         n = sig if sig is not None else (code or 0) - 128
-        return Verdict(Kind.SIGNAL, f"killed by signal {n} ({_signame(n)})",
-                       "something outside the job ended it; rgt restarts it with resume",
-                       "transient", Budget.PREEMPT, step=step)
-    return Verdict(Kind.EXIT_CODE, f"exited with code {code}", "look at the end of the job's log",
-                   "permanent", Budget.ERROR, step=step)
+        return Verdict(
+            Kind.SIGNAL,
+            f"killed by signal {n} ({_signame(n)})",
+            "something outside the job ended it; rgt restarts it with resume",
+            "transient",
+            Budget.PREEMPT,
+            step=step,
+        )
+    return Verdict(
+        Kind.EXIT_CODE,
+        f"exited with code {code}",
+        "look at the end of the job's log",
+        "permanent",
+        Budget.ERROR,
+        step=step,
+    )

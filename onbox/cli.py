@@ -56,29 +56,45 @@ def cli() -> None:
 
 
 def _job_options(f: Any) -> Any:
-    f = click.option("--grace", metavar="S",
-                     help="Seconds (or 30s/5m) the job gets after the stop signal; also the "
-                     "preemption budget.")(f)
-    f = click.option("--store", metavar="URL", help="Durable store root (file://, s3://, hf://).")(f)
+    f = click.option(
+        "--grace",
+        metavar="S",
+        help="Seconds (or 30s/5m) the job gets after the stop signal; also the preemption budget.",
+    )(f)
+    f = click.option("--store", metavar="URL", help="Durable store root (file://, s3://, hf://).")(
+        f
+    )
     f = click.option("--ckpt-dir", metavar="D", help="The job's checkpoint directory.")(f)
-    f = click.option("--name", metavar="N", help="Run name (default: from the job file or the "
-                     "command).")(f)
+    f = click.option(
+        "--name", metavar="N", help="Run name (default: from the job file or the command)."
+    )(f)
     return click.argument("job_file", metavar="[JOB.toml]", required=False)(f)
 
 
-def _resolve_spec(job_file: Optional[str], name: Optional[str], ckpt_dir: Optional[str],
-                  store: Optional[str], grace: Optional[str]) -> JobSpec:
+def _resolve_spec(
+    job_file: Optional[str],
+    name: Optional[str],
+    ckpt_dir: Optional[str],
+    store: Optional[str],
+    grace: Optional[str],
+) -> JobSpec:
     command: Optional[List[str]] = click.get_current_context().obj.get("command")
     home = rgt_home()
     if job_file is None and not command:
         if not name:
-            raise UsageError("command", "is empty",
-                             "give the job after --, e.g. `rgt-agent start -- python train.py`")
+            raise UsageError(
+                "command",
+                "is empty",
+                "give the job after --, e.g. `rgt-agent start -- python train.py`",
+            )
         rd = RunDir(name, home)
         doc = read_json(rd.spec)
         if doc is None:
-            raise UsageError("command", f"is empty and there is no run {name!r} to start again",
-                             "give the job after --")
+            raise UsageError(
+                "command",
+                f"is empty and there is no run {name!r} to start again",
+                "give the job after --",
+            )
         spec = JobSpec.from_json(doc)
         changes: Dict[str, Any] = {}
         if grace is not None:
@@ -89,12 +105,17 @@ def _resolve_spec(job_file: Optional[str], name: Optional[str], ckpt_dir: Option
             changes["store"] = store
         return dataclasses.replace(spec, **changes)
     if job_file is not None and not job_file.endswith(".toml") and not os.path.isfile(job_file):
-        raise UsageError("JOB.toml", f"{job_file!r} is not a job file",
-                         "put the command after --, e.g. `rgt-agent start -- python train.py`")
+        raise UsageError(
+            "JOB.toml",
+            f"{job_file!r} is not a job file",
+            "put the command after --, e.g. `rgt-agent start -- python train.py`",
+        )
     return build_spec(
-        job_file, Overrides(name=name, command=command, ckpt_dir=ckpt_dir, store=store,
-                            grace=grace),
-        cwd=os.getcwd(), environ=os.environ, default_name=default_name(command or []),
+        job_file,
+        Overrides(name=name, command=command, ckpt_dir=ckpt_dir, store=store, grace=grace),
+        cwd=os.getcwd(),
+        environ=os.environ,
+        default_name=default_name(command or []),
         run_dir_of=lambda n: RunDir(n, home).path,
     )
 
@@ -107,8 +128,10 @@ def _prepare_run(spec: JobSpec) -> RunDir:
         if not os.access(spec.ckpt_dir, os.W_OK):
             raise PermissionError(13, "Permission denied")
     except OSError as e:
-        raise HostError(f"checkpoint dir {spec.ckpt_dir} is not writable: {e.strerror}",
-                        "pick another --ckpt-dir") from None
+        raise HostError(
+            f"checkpoint dir {spec.ckpt_dir} is not writable: {e.strerror}",
+            "pick another --ckpt-dir",
+        ) from None
     return rd
 
 
@@ -121,8 +144,11 @@ def _take_run(spec: JobSpec, rd: RunDir) -> RunLock:
         live = state.get("state") not in TERMINAL_NAMES and state.get("attempt")
         if old is not None and live and tuple(old["command"]) != spec.command:
             raise UsageError(
-                "command", f"run {rd.name!r} is {state.get('state')} with command "
-                f"{' '.join(old['command'])!r}", "stop it first, or choose another --name")
+                "command",
+                f"run {rd.name!r} is {state.get('state')} with command "
+                f"{' '.join(old['command'])!r}",
+                "stop it first, or choose another --name",
+            )
         write_json(rd.spec, spec.to_json())
     except BaseException:
         lock.release()
@@ -132,8 +158,13 @@ def _take_run(spec: JobSpec, rd: RunDir) -> RunLock:
 
 @cli.command(context_settings={"ignore_unknown_options": False})
 @_job_options
-def start(job_file: Optional[str], name: Optional[str], ckpt_dir: Optional[str],
-          store: Optional[str], grace: Optional[str]) -> int:
+def start(
+    job_file: Optional[str],
+    name: Optional[str],
+    ckpt_dir: Optional[str],
+    store: Optional[str],
+    grace: Optional[str],
+) -> int:
     """Check everything, then detach the agent and return with the run's name and paths."""
     spec = _resolve_spec(job_file, name, ckpt_dir, store, grace)
     rd = _prepare_run(spec)
@@ -147,13 +178,16 @@ def start(job_file: Optional[str], name: Optional[str], ckpt_dir: Optional[str],
     try:
         msg = read_ready(r, READY_TIMEOUT)
     except HostError:
-        raise HostError(f"the agent for {rd.name!r} did not come up",
-                        f"see {rd.agent_log}") from None
+        raise HostError(
+            f"the agent for {rd.name!r} did not come up", f"see {rd.agent_log}"
+        ) from None
     finally:
         os.close(r)
     verb = "re-attached to" if msg.get("adopted") else "started"
-    _emit(f"{verb} run {rd.name}: agent pid {msg['pid']}, job pid {msg.get('job_pid')}, "
-          f"attempt {msg.get('attempt')}, {msg.get('state')}")
+    _emit(
+        f"{verb} run {rd.name}: agent pid {msg['pid']}, job pid {msg.get('job_pid')}, "
+        f"attempt {msg.get('attempt')}, {msg.get('state')}"
+    )
     _emit(f"  run dir   {rd.path}")
     _emit(f"  ckpt dir  {spec.ckpt_dir}")
     _emit(f"  logs      rgt-agent logs {rd.name} -f")
@@ -163,8 +197,13 @@ def start(job_file: Optional[str], name: Optional[str], ckpt_dir: Optional[str],
 
 @cli.command()
 @_job_options
-def run(job_file: Optional[str], name: Optional[str], ckpt_dir: Optional[str],
-        store: Optional[str], grace: Optional[str]) -> int:
+def run(
+    job_file: Optional[str],
+    name: Optional[str],
+    ckpt_dir: Optional[str],
+    store: Optional[str],
+    grace: Optional[str],
+) -> int:
     """Like start, but supervise in the foreground; exit code tells the final state."""
     spec = _resolve_spec(job_file, name, ckpt_dir, store, grace)
     rd = _prepare_run(spec)
@@ -203,9 +242,11 @@ def status(name: Optional[str], as_json: bool) -> int:
         _emit(json.dumps(st, sort_keys=True))
         return 0
     agent = st["agent"]
-    _emit(f"{st['name']}: {st['state']}  attempt {st.get('attempt')}  restarts "
-          f"{st.get('restarts')}  job pid {st.get('pid')}"
-          + ("" if st["job_alive"] or st["state"] in TERMINAL_NAMES else " (not running)"))
+    _emit(
+        f"{st['name']}: {st['state']}  attempt {st.get('attempt')}  restarts "
+        f"{st.get('restarts')}  job pid {st.get('pid')}"
+        + ("" if st["job_alive"] or st["state"] in TERMINAL_NAMES else " (not running)")
+    )
     _emit(f"  agent      {'pid ' + str(agent['pid']) if agent['alive'] else 'not running'}")
     last = st.get("last_exit")
     if last:
@@ -227,8 +268,10 @@ def _list(as_json: bool) -> int:
         return 0
     _emit(f"{'NAME':24} {'STATE':10} {'ATTEMPT':>7} {'PID':>8}  UPDATED")
     for r in rows:
-        _emit(f"{r['name']:24} {r['state']:10} {r.get('attempt') or 0:>7} "
-              f"{r.get('pid') or '-':>8}  {r.get('updated_at') or '-'}")
+        _emit(
+            f"{r['name']:24} {r['state']:10} {r.get('attempt') or 0:>7} "
+            f"{r.get('pid') or '-':>8}  {r.get('updated_at') or '-'}"
+        )
     return 0
 
 
@@ -310,7 +353,8 @@ def stop(name: str, grace: Optional[str]) -> int:
             raise StopFailed(
                 f"run {name!r} is {doc.get('state')} after {wait:.0f}s"
                 + (f"; processes still alive: {left}" if left else ""),
-                f"see {rd.agent_log}")
+                f"see {rd.agent_log}",
+            )
         time.sleep(0.1)
     _emit(f"run {name} is {doc['state']}: no process of attempt {doc.get('attempt')} remains")
     return 0
@@ -324,8 +368,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         i = args.index("--")
         args, command = args[:i], args[i + 1 :]
     try:
-        rv = cli.main(args=args, prog_name="rgt-agent", standalone_mode=False,
-                      obj={"command": command})
+        rv = cli.main(
+            args=args, prog_name="rgt-agent", standalone_mode=False, obj={"command": command}
+        )
     except RgtError as e:
         click.echo(e.line(), err=True)
         return e.exit_code

@@ -14,7 +14,6 @@ from typing import Any, Dict, List, Optional
 
 from onbox.rundir import RunDir
 
-
 TAG_VAR = "RGT_ATTEMPT_TAG"
 # Variables the agent sets for each attempt of the job; never passed on from its own environment.
 JOB_VARS = ("RGT_RUN", "RGT_RUN_DIR", "RGT_CKPT_DIR", "RGT_RESUME_FROM", "RGT_ATTEMPT", TAG_VAR)
@@ -34,9 +33,14 @@ def agent_environ(rd: RunDir) -> Dict[str, str]:
     return env
 
 
-def spawn_agent(rd: RunDir, lock_fd: int, *, ready_fd: Optional[int] = None,
-                adopt_only: bool = False, argv: Optional[List[str]] = None
-                ) -> subprocess.Popen[bytes]:
+def spawn_agent(
+    rd: RunDir,
+    lock_fd: int,
+    *,
+    ready_fd: Optional[int] = None,
+    adopt_only: bool = False,
+    argv: Optional[List[str]] = None,
+) -> subprocess.Popen[bytes]:
     """Start the agent detached; it keeps ``lock_fd`` (the caller may close its copy)."""
     args = list(argv or agent_argv(rd.name)) + ["--lock-fd", str(lock_fd)]
     fds = [lock_fd]
@@ -47,16 +51,22 @@ def spawn_agent(rd: RunDir, lock_fd: int, *, ready_fd: Optional[int] = None,
         args.append("--adopt-only")
     with open(rd.agent_log, "ab") as logf:
         return subprocess.Popen(
-            args, stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-            pass_fds=tuple(fds), start_new_session=True, close_fds=True, cwd="/",
-            env=agent_environ(rd), umask=0o077,
+            args,
+            stdin=subprocess.DEVNULL,
+            stdout=logf,
+            stderr=subprocess.STDOUT,
+            pass_fds=tuple(fds),
+            start_new_session=True,
+            close_fds=True,
+            cwd="/",
+            env=agent_environ(rd),
+            umask=0o077,
         )
 
 
 def parse_agent_args(argv: List[str]) -> Dict[str, Any]:
     """``NAME --lock-fd N [--ready-fd N] [--adopt-only]`` (no argparse: the agent stays small)."""
-    out: Dict[str, Any] = {"name": argv[0], "lock_fd": None, "ready_fd": None,
-                           "adopt_only": False}
+    out: Dict[str, Any] = {"name": argv[0], "lock_fd": None, "ready_fd": None, "adopt_only": False}
     i = 1
     while i < len(argv):
         a = argv[i]

@@ -25,15 +25,21 @@ class Journal(Protocol):
 
     def save(self, doc: Dict[str, Any]) -> None: ...
 
-    def event(self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "",
-              **data: Any) -> None: ...
+    def event(
+        self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
+    ) -> None: ...
 
 
 class FileJournal:
     """The real journal, in the run directory; also echoes events to the agent log."""
 
-    def __init__(self, state_path: str, events_path: str, log_path: Optional[str] = None,
-                 wall: Any = time.time) -> None:
+    def __init__(
+        self,
+        state_path: str,
+        events_path: str,
+        log_path: Optional[str] = None,
+        wall: Any = time.time,
+    ) -> None:
         self.state_path = state_path
         self.events_path = events_path
         self.log_path = log_path
@@ -42,12 +48,19 @@ class FileJournal:
     def save(self, doc: Dict[str, Any]) -> None:
         write_json(self.state_path, doc)
 
-    def event(self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "",
-              **data: Any) -> None:
+    def event(
+        self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
+    ) -> None:
         assert klass is None or klass in CLASSES, klass
         now = self.wall()
-        ev = {"time": iso(now), "kind": kind, "class": klass, "reason": reason,
-              "remedy": remedy, **data}
+        ev = {
+            "time": iso(now),
+            "kind": kind,
+            "class": klass,
+            "reason": reason,
+            "remedy": remedy,
+            **data,
+        }
         append_line(self.events_path, json.dumps(ev, sort_keys=True))
         if self.log_path:
             log(self.log_path, f"{kind}: {reason}" + (f" [{remedy}]" if remedy else ""))
@@ -63,11 +76,13 @@ class MemoryJournal:
     def save(self, doc: Dict[str, Any]) -> None:
         self.docs.append(json.loads(json.dumps(doc)))
 
-    def event(self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "",
-              **data: Any) -> None:
+    def event(
+        self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
+    ) -> None:
         assert klass is None or klass in CLASSES, klass
-        self.events.append({"kind": kind, "class": klass, "reason": reason, "remedy": remedy,
-                            **data})
+        self.events.append(
+            {"kind": kind, "class": klass, "reason": reason, "remedy": remedy, **data}
+        )
 
 
 def log(path: str, message: str) -> None:

@@ -13,20 +13,38 @@ from onbox.rundir import RunDir
 from onbox.states import TERMINAL
 
 # Fields of state.json that are bookkeeping for the agent, not for people.
-_PRIVATE = ("started_ts", "updated_ts", "attempt_started_ts", "backoff_until_ts", "oom_before",
-            "exit_seen", "quick_failures", "last_cuda_oom_step")
+_PRIVATE = (
+    "started_ts",
+    "updated_ts",
+    "attempt_started_ts",
+    "backoff_until_ts",
+    "oom_before",
+    "exit_seen",
+    "quick_failures",
+    "last_cuda_oom_step",
+)
 
 
 def run_status(rd: RunDir) -> Dict[str, Any]:
     """state.json for people: plus whether an agent holds the run and whether the job lives."""
-    doc = read_json(rd.state) or {"name": rd.name, "state": "PENDING", "pid": None,
-                                  "attempt": 0, "restarts": 0, "last_exit": None,
-                                  "started_at": None, "updated_at": None}
+    doc = read_json(rd.state) or {
+        "name": rd.name,
+        "state": "PENDING",
+        "pid": None,
+        "attempt": 0,
+        "restarts": 0,
+        "last_exit": None,
+        "started_at": None,
+        "updated_at": None,
+    }
     out = {k: v for k, v in doc.items() if k not in _PRIVATE}
     held = is_held(rd.lock)
     holder = read_holder(rd.lock) if held else None
-    out["agent"] = {"alive": held, "pid": holder.get("pid") if holder else None,
-                    "host": holder.get("host") if holder else None}
+    out["agent"] = {
+        "alive": held,
+        "pid": holder.get("pid") if holder else None,
+        "host": holder.get("host") if holder else None,
+    }
     job_alive = False
     if doc.get("attempt"):
         rec = read_json(rd.job_record(doc["attempt"]))
@@ -71,8 +89,14 @@ def _copy_from(path: str, offset: int, out: IO[bytes]) -> int:
     return offset
 
 
-def follow(rd: RunDir, out: IO[bytes], offsets: Dict[str, int], agent: bool = False,
-           interval: float = 0.2, until_terminal: bool = True) -> None:
+def follow(
+    rd: RunDir,
+    out: IO[bytes],
+    offsets: Dict[str, int],
+    agent: bool = False,
+    interval: float = 0.2,
+    until_terminal: bool = True,
+) -> None:
     """Keep writing what is appended (new attempts too) until the run ends."""
     while True:
         paths: List[str] = (
@@ -81,8 +105,10 @@ def follow(rd: RunDir, out: IO[bytes], offsets: Dict[str, int], agent: bool = Fa
         for p in paths:
             offsets[p] = _copy_from(p, offsets.get(p, 0), out)
         doc = read_json(rd.state) or {}
-        if until_terminal and doc.get("state") in {s.value for s in TERMINAL} and not is_held(
-            rd.lock
+        if (
+            until_terminal
+            and doc.get("state") in {s.value for s in TERMINAL}
+            and not is_held(rd.lock)
         ):
             for p in paths:  # what was written between the last read and the end
                 offsets[p] = _copy_from(p, offsets.get(p, 0), out)

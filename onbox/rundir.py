@@ -1,30 +1,31 @@
 """The one owner of every path rgt writes on the box.
 
-    $RGT_HOME/                      RGT_HOME defaults to ~/.rgt
-      runs/NAME/                    RGT_RUN_DIR
-        spec.json                   the resolved JobSpec (atomic replace)
-        state.json                  the run's state (atomic replace, the only writer is the agent)
-        events.jsonl                every transition and decision, append-only
-        agent.log                   the agent's own log
-        lock                        flock'ed by the one agent; holds host, pid, start time
-        stop.request                written by `rgt-agent stop` for a live agent
-        attempts/NNNN/output.log    the job's stdout+stderr, unaltered
-        attempts/NNNN/job.json      written by the shim: the job's pid, start time, tag
-        attempts/NNNN/exit.json     written by the shim: the job's exit status
-        ckpt/                       default RGT_CKPT_DIR
-      secrets/                      0700; secrets the job needs across restarts (controller)
+$RGT_HOME/                      RGT_HOME defaults to ~/.rgt
+  runs/NAME/                    RGT_RUN_DIR
+    spec.json                   the resolved JobSpec (atomic replace)
+    state.json                  the run's state (atomic replace, the only writer is the agent)
+    events.jsonl                every transition and decision, append-only
+    agent.log                   the agent's own log
+    lock                        flock'ed by the one agent; holds host, pid, start time
+    stop.request                written by `rgt-agent stop` for a live agent
+    attempts/NNNN/output.log    the job's stdout+stderr, unaltered
+    attempts/NNNN/job.json      written by the shim: the job's pid, start time, tag
+    attempts/NNNN/exit.json     written by the shim: the job's exit status
+    ckpt/                       default RGT_CKPT_DIR
+  secrets/                      0700; secrets the job needs across restarts (controller)
 """
 
 from __future__ import annotations
 
 import os
-from typing import List, Optional
+from typing import List, Mapping, Optional
 
-from onbox.errors import HostError, NotFound
+from onbox.errors import HostError, NotFound, UsageError
 from onbox.spec import check_name
 
 
-def rgt_home(environ: Optional[dict] = None) -> str:
+def rgt_home(environ: Optional[Mapping[str, str]] = None) -> str:
+    """$RGT_HOME, or ~/.rgt."""
     env = os.environ if environ is None else environ
     home = env.get("RGT_HOME") or os.path.join(os.path.expanduser("~"), ".rgt")
     return os.path.abspath(home)
@@ -92,8 +93,7 @@ class RunDir:
 
     def require(self) -> RunDir:
         if not self.exists():
-            raise NotFound(f"no run named {self.name!r} under {self.home}",
-                           "see `rgt-agent list`")
+            raise NotFound(f"no run named {self.name!r} under {self.home}", "see `rgt-agent list`")
         return self
 
     def create(self) -> None:
@@ -125,7 +125,7 @@ def all_runs(home: Optional[str] = None) -> List[RunDir]:
     for n in names:
         try:
             rd = RunDir(n, home)
-        except Exception:  # a stray directory with a name rgt would never make
+        except UsageError:  # a stray directory with a name rgt would never make
             continue
         if rd.exists():
             runs.append(rd)

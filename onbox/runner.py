@@ -69,8 +69,15 @@ def _own_oom_adj() -> int:
 class ShimRunner:
     """Attempts of one run, each under ``python -m onbox.shim``."""
 
-    def __init__(self, rd: RunDir, spec: JobSpec, *, agent_cmd: List[str],
-                 base_environ: Mapping[str, str], respawn_delay: float = 3.0) -> None:
+    def __init__(
+        self,
+        rd: RunDir,
+        spec: JobSpec,
+        *,
+        agent_cmd: List[str],
+        base_environ: Mapping[str, str],
+        respawn_delay: float = 3.0,
+    ) -> None:
         self.rd = rd
         self.spec = spec
         self.agent_cmd = agent_cmd
@@ -88,14 +95,16 @@ class ShimRunner:
     def job_environ(self, attempt: int, tag: str) -> Dict[str, str]:
         env = dict(self.base_environ)
         env.update(self.spec.env)
-        env.update({
-            "RGT_RUN": self.spec.name,
-            "RGT_RUN_DIR": self.rd.path,
-            "RGT_CKPT_DIR": self.spec.ckpt_dir,
-            "RGT_RESUME_FROM": "",
-            "RGT_ATTEMPT": str(attempt),
-            TAG_VAR: tag,
-        })
+        env.update(
+            {
+                "RGT_RUN": self.spec.name,
+                "RGT_RUN_DIR": self.rd.path,
+                "RGT_CKPT_DIR": self.spec.ckpt_dir,
+                "RGT_RESUME_FROM": "",
+                "RGT_ATTEMPT": str(attempt),
+                TAG_VAR: tag,
+            }
+        )
         env.setdefault("PYTHONUNBUFFERED", "1")
         lib = ensure_job_lib(self.rd.home)
         old = env.get("PYTHONPATH")
@@ -125,9 +134,14 @@ class ShimRunner:
             with open(self.rd.agent_log, "ab") as logf:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "onbox.shim", self.rd.path, str(attempt), str(w)],
-                    stdin=subprocess.DEVNULL, stdout=logf, stderr=subprocess.STDOUT,
-                    pass_fds=(w,), start_new_session=True, close_fds=True,
-                    env=agent_environ(self.rd), cwd="/",
+                    stdin=subprocess.DEVNULL,
+                    stdout=logf,
+                    stderr=subprocess.STDOUT,
+                    pass_fds=(w,),
+                    start_new_session=True,
+                    close_fds=True,
+                    env=agent_environ(self.rd),
+                    cwd="/",
                 )
         finally:
             os.close(w)
@@ -138,7 +152,9 @@ class ShimRunner:
         self._shim_proc = proc
         self.attempt, self.tag = attempt, tag
         self.shim = procfs.identity(proc.pid)
-        msg = json.loads(line) if line else {"ok": False, "error": "the shim said nothing"}
+        msg: Dict[str, Any] = (
+            json.loads(line) if line else {"ok": False, "error": "the shim said nothing"}
+        )
         rec = read_json(self.rd.job_record(attempt))
         if rec is not None:
             self.job = procfs.Identity(rec["pid"], rec["start_ticks"])
@@ -165,7 +181,13 @@ class ShimRunner:
         if procfs.is_alive(self.shim):
             self._set_watch(self.shim)
             return None
-        return self.poll_exit()
+        status = self._recorded_exit()
+        if status is not None:
+            return status
+        if procfs.is_alive(self.job):  # the shim was killed; the job lives on
+            self._set_watch(self.job)
+            return None
+        return ExitStatus()
 
     # ---- watching
     def _set_watch(self, ident: Optional[procfs.Identity]) -> None:
@@ -187,8 +209,7 @@ class ShimRunner:
         rec = read_json(self.rd.exit_record(self.attempt))
         if rec is None:
             return None
-        return ExitStatus(code=rec.get("code"), signal=rec.get("signal"),
-                          note=rec.get("note", ""))
+        return ExitStatus(code=rec.get("code"), signal=rec.get("signal"), note=rec.get("note", ""))
 
     def poll_exit(self) -> Optional[ExitStatus]:
         """The attempt's exit status once its main process is gone, else None."""
@@ -204,8 +225,11 @@ class ShimRunner:
             return status
         if self._watch == self.shim and procfs.is_alive(self.job):
             # The shim was killed but the job lives on: watch the job itself now.
-            log(self.rd.agent_log, f"shim of attempt {self.attempt} is gone; watching the job "
-                "directly (its exit status will not be known)")
+            log(
+                self.rd.agent_log,
+                f"shim of attempt {self.attempt} is gone; watching the job "
+                "directly (its exit status will not be known)",
+            )
             self._set_watch(self.job)
             return None
         if self._watch == self.shim:

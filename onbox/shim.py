@@ -69,20 +69,32 @@ class Shim:
             except OSError:
                 pass
 
-        out = os.open(self.rd.output_log(self.attempt),
-                      os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+        out = os.open(
+            self.rd.output_log(self.attempt),
+            os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC,
+            0o600,
+        )
         try:
             return subprocess.Popen(
-                self.launch["command"], cwd=self.launch["cwd"], env=self.launch["env"],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True,
-                close_fds=True, umask=0o077, preexec_fn=before_exec,
+                self.launch["command"],
+                cwd=self.launch["cwd"],
+                env=self.launch["env"],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                close_fds=True,
+                umask=0o077,
+                preexec_fn=before_exec,
             )
         finally:
             os.close(out)
 
     def record_exit(self, code: Optional[int], sig: Optional[int], note: str = "") -> None:
-        write_json(self.rd.exit_record(self.attempt),
-                   {"code": code, "signal": sig, "note": note, "ended_at": iso(time.time())})
+        write_json(
+            self.rd.exit_record(self.attempt),
+            {"code": code, "signal": sig, "note": note, "ended_at": iso(time.time())},
+        )
 
     def run(self, ready_fd: int) -> int:
         try:
@@ -94,15 +106,18 @@ class Shim:
             return 0
         ident = procfs.identity(job.pid)
         me = procfs.identity(os.getpid())
-        write_json(self.rd.job_record(self.attempt), {
-            "pid": job.pid,
-            "start_ticks": ident.start_ticks if ident else -1,
-            "pgid": job.pid,
-            "tag": self.launch["tag"],
-            "shim": {"pid": os.getpid(), "start_ticks": me.start_ticks if me else -1},
-            "boot_id": procfs.boot_id(),
-            "started_at": iso(time.time()),
-        })
+        write_json(
+            self.rd.job_record(self.attempt),
+            {
+                "pid": job.pid,
+                "start_ticks": ident.start_ticks if ident else -1,
+                "pgid": job.pid,
+                "tag": self.launch["tag"],
+                "shim": {"pid": os.getpid(), "start_ticks": me.start_ticks if me else -1},
+                "boot_id": procfs.boot_id(),
+                "started_at": iso(time.time()),
+            },
+        )
         _say(ready_fd, {"ok": True, "pid": job.pid})
         pidfd = procfs.open_pidfd(ident) if ident else None
         while True:
@@ -141,8 +156,10 @@ class Shim:
                 self.journal.event(
                     "agent_respawn_gave_up",
                     f"the agent died {MAX_RESPAWNS} times in {RESPAWN_WINDOW:.0f}s; the job "
-                    "runs unsupervised", klass="permanent",
-                    remedy="read agent.log, then `rgt-agent start --name " + self.rd.name + "`")
+                    "runs unsupervised",
+                    klass="permanent",
+                    remedy="read agent.log, then `rgt-agent start --name " + self.rd.name + "`",
+                )
                 self.respawns.append(now)
             return
         self.respawns.append(now)
@@ -156,11 +173,15 @@ class Shim:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 return  # someone started an agent meanwhile
-            self.journal.event("agent_respawn", "no agent held the run; the shim of attempt "
-                               f"{self.attempt} is starting one", klass="transient",
-                               remedy="read agent.log for why the agent died")
-            self.agent_proc = spawn_agent(self.rd, fd, adopt_only=True,
-                                          argv=self.launch["agent_cmd"])
+            self.journal.event(
+                "agent_respawn",
+                f"no agent held the run; the shim of attempt {self.attempt} is starting one",
+                klass="transient",
+                remedy="read agent.log for why the agent died",
+            )
+            self.agent_proc = spawn_agent(
+                self.rd, fd, adopt_only=True, argv=self.launch["agent_cmd"]
+            )
         finally:
             os.close(fd)  # the agent holds the lock now
 

@@ -14,7 +14,7 @@ import re
 import shutil
 import signal
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from onbox.errors import UsageError
 
@@ -141,15 +141,24 @@ class JobSpec:
         )
 
 
-_TOP_KEYS = {"name", "command", "workdir", "env", "grace", "stop_signal", "checkpoint", "store",
-             "restart"}
+_TOP_KEYS = {
+    "name",
+    "command",
+    "workdir",
+    "env",
+    "grace",
+    "stop_signal",
+    "checkpoint",
+    "store",
+    "restart",
+}
 _CKPT_KEYS = {"dir", "trigger"}
 _RESTART_KEYS = {f.name for f in dataclasses.fields(RestartPolicy)}
 
 
 def _load_toml(path: str) -> Dict[str, Any]:
     if sys.version_info >= (3, 11):
-        import tomllib
+        import tomllib  # novermin
     else:  # pragma: no cover - exercised on the box's older Pythons
         import tomli as tomllib
     try:
@@ -161,7 +170,7 @@ def _load_toml(path: str) -> Dict[str, Any]:
         raise UsageError("JOB.toml", f"{path} cannot be read: {e}") from None
 
 
-def _unknown(keys: Any, allowed: set, where: str) -> None:
+def _unknown(keys: Any, allowed: Set[str], where: str) -> None:
     extra = sorted(set(keys) - allowed)
     if extra:
         raise UsageError(
@@ -223,8 +232,9 @@ def build_spec(
     _unknown(data, _TOP_KEYS, "")
     base = os.path.dirname(os.path.abspath(job_file)) if job_file else cwd
 
-    name = check_name(flags.name or data.get("name") or default_name,
-                      "--name" if flags.name else "name")
+    name = check_name(
+        flags.name or data.get("name") or default_name, "--name" if flags.name else "name"
+    )
     workdir = os.path.abspath(os.path.join(base, str(data.get("workdir", "."))))
     if not os.path.isdir(workdir):
         raise UsageError("workdir", f"{workdir} is not a directory")
@@ -252,16 +262,24 @@ def build_spec(
     )
     trigger = ckpt.get("trigger", "none")
     if trigger not in TRIGGERS:
-        raise UsageError("checkpoint.trigger", f"{trigger!r} is not a trigger",
-                         f"use one of {', '.join(TRIGGERS)}")
+        raise UsageError(
+            "checkpoint.trigger",
+            f"{trigger!r} is not a trigger",
+            f"use one of {', '.join(TRIGGERS)}",
+        )
 
     store = flags.store or data.get("store")
     if store is not None and (not isinstance(store, str) or "://" not in store):
-        raise UsageError("store", f"{store!r} is not a store URL",
-                         "e.g. file:///mnt/durable/rgt or s3://bucket/prefix")
+        raise UsageError(
+            "store",
+            f"{store!r} is not a store URL",
+            "e.g. file:///mnt/durable/rgt or s3://bucket/prefix",
+        )
 
-    grace = parse_duration(flags.grace if flags.grace is not None else data.get("grace", 30),
-                           "--grace" if flags.grace is not None else "grace")
+    grace = parse_duration(
+        flags.grace if flags.grace is not None else data.get("grace", 30),
+        "--grace" if flags.grace is not None else "grace",
+    )
     stop_signal = parse_signal(data.get("stop_signal", "TERM"), "stop_signal")
 
     r = data.get("restart", {})
@@ -269,9 +287,18 @@ def build_spec(
         raise UsageError("restart", "must be a table", "[restart] max_error_restarts = 5")
     _unknown(r, _RESTART_KEYS, "restart.")
     restart = _restart_policy(r)
-    return JobSpec(name=name, command=command, workdir=workdir, ckpt_dir=ckpt_dir, env=env,
-                   store=store, grace=grace, stop_signal=stop_signal, trigger=trigger,
-                   restart=restart)
+    return JobSpec(
+        name=name,
+        command=command,
+        workdir=workdir,
+        ckpt_dir=ckpt_dir,
+        env=env,
+        store=store,
+        grace=grace,
+        stop_signal=stop_signal,
+        trigger=trigger,
+        restart=restart,
+    )
 
 
 def _restart_policy(r: Mapping[str, Any]) -> RestartPolicy:

@@ -40,10 +40,10 @@ class State(str, enum.Enum):
 S = State
 
 TRANSITIONS: Dict[State, FrozenSet[State]] = {
-    S.PENDING: frozenset({S.STARTING, S.FAILED, S.STOPPED, S.PREEMPTED}),
+    S.PENDING: frozenset({S.STARTING, S.STOPPED, S.PREEMPTED}),
     S.STARTING: frozenset({S.RUNNING, S.BACKOFF, S.SUCCEEDED, S.FAILED, S.STOPPING}),
     S.RUNNING: frozenset({S.BACKOFF, S.SUCCEEDED, S.FAILED, S.STOPPING}),
-    S.BACKOFF: frozenset({S.STARTING, S.FAILED, S.STOPPING}),
+    S.BACKOFF: frozenset({S.STARTING, S.STOPPING}),
     S.STOPPING: frozenset({S.STOPPED, S.PREEMPTED}),
     S.SUCCEEDED: frozenset(),
     S.FAILED: frozenset(),

@@ -91,8 +91,15 @@ def preempt_kill_delay(grace: float) -> float:
 class Supervisor:
     """One run's state machine. Build it with ``fresh`` or ``restore``."""
 
-    def __init__(self, spec: JobSpec, runner: Runner, clock: Clock, journal: Journal,
-                 hooks: Optional[Hooks] = None, doc: Optional[Dict[str, Any]] = None) -> None:
+    def __init__(
+        self,
+        spec: JobSpec,
+        runner: Runner,
+        clock: Clock,
+        journal: Journal,
+        hooks: Optional[Hooks] = None,
+        doc: Optional[Dict[str, Any]] = None,
+    ) -> None:
         self.spec = spec
         self.policy = spec.restart
         self.runner = runner
@@ -136,16 +143,24 @@ class Supervisor:
         return self.clock.time() + (mono - self.clock.monotonic())
 
     # ---- the one place state changes
-    def _change(self, new: State, reason: str, *, klass: Optional[str] = None,
-                remedy: str = "") -> None:
+    def _change(
+        self, new: State, reason: str, *, klass: Optional[str] = None, remedy: str = ""
+    ) -> None:
         old = self.state
         if not can_transition(old, new):
             raise AssertionError(f"illegal transition {old} -> {new}: {reason}")
         self.state = new
         self.updated_at = self.clock.time()
         self.save()
-        self.journal.event("state", reason, klass=klass, remedy=remedy, state_from=old.value,
-                           state=new.value, attempt=self.attempt)
+        self.journal.event(
+            "state",
+            reason,
+            klass=klass,
+            remedy=remedy,
+            state_from=old.value,
+            state=new.value,
+            attempt=self.attempt,
+        )
 
     def save(self) -> None:
         self.journal.save(self.to_doc())
@@ -174,7 +189,8 @@ class Supervisor:
             "last_cuda_oom_step": self.last_cuda_oom_step,
             "attempt_started_ts": self._wall(self._attempt_started),
             "backoff_until_ts": self._wall(self._backoff_until)
-            if self.state == State.BACKOFF else None,
+            if self.state == State.BACKOFF
+            else None,
             "oom_before": self.oom_before,
             "exit_seen": self.exit_seen,
             "stop": self.stop,
@@ -233,25 +249,44 @@ class Supervisor:
         tail = self.runner.tail()
         oom_after = self.runner.oom_kills()
         verdict = classify(
-            status, tail, success_codes=self.policy.success_codes,
-            oom_kills_rose=oom_after is not None and self.oom_before is not None
+            status,
+            tail,
+            success_codes=self.policy.success_codes,
+            oom_kills_rose=oom_after is not None
+            and self.oom_before is not None
             and oom_after > self.oom_before,
             inodes_exhausted=self.runner.inodes_exhausted,
         )
         if self.state == State.STOPPING and self.stop is not None:
             # We ended it: that is the reason, whatever the signal.
-            verdict = Verdict(Kind.SIGNAL if status.signal else Kind.EXIT_CODE,
-                              f"ended by {self.stop['reason']} ({verdict.reason})", "", "",
-                              Budget.NONE, step=verdict.step)
+            verdict = Verdict(
+                Kind.SIGNAL if status.signal else Kind.EXIT_CODE,
+                f"ended by {self.stop['reason']} ({verdict.reason})",
+                "",
+                "",
+                Budget.NONE,
+                step=verdict.step,
+            )
         self.last_exit = {
-            "code": status.code, "signal": status.signal, "reason": verdict.reason,
-            "kind": verdict.kind.value, "class": verdict.klass or None,
-            "remedy": verdict.remedy, "attempt": self.attempt, "step": verdict.step,
+            "code": status.code,
+            "signal": status.signal,
+            "reason": verdict.reason,
+            "kind": verdict.kind.value,
+            "class": verdict.klass or None,
+            "remedy": verdict.remedy,
+            "attempt": self.attempt,
+            "step": verdict.step,
             "at": iso(self.clock.time()),
         }
-        self.journal.event("exit", f"attempt {self.attempt}: {verdict.reason}",
-                           klass=verdict.klass or None, remedy=verdict.remedy,
-                           code=status.code, signal=status.signal, exit_kind=verdict.kind.value)
+        self.journal.event(
+            "exit",
+            f"attempt {self.attempt}: {verdict.reason}",
+            klass=verdict.klass or None,
+            remedy=verdict.remedy,
+            code=status.code,
+            signal=status.signal,
+            exit_kind=verdict.kind.value,
+        )
         if self.state == State.STOPPING:
             self.save()  # tick() finishes the stop once every process is gone
             return
@@ -275,13 +310,17 @@ class Supervisor:
         elif verdict.budget == Budget.ERROR and (
             self.error_restarts >= self.policy.max_error_restarts
         ):
-            failure = (f"{verdict.reason}; error restart budget spent "
-                       f"({self.error_restarts}/{self.policy.max_error_restarts})")
+            failure = (
+                f"{verdict.reason}; error restart budget spent "
+                f"({self.error_restarts}/{self.policy.max_error_restarts})"
+            )
         elif verdict.budget == Budget.PREEMPT and (
             self.preempt_restarts >= self.policy.max_preempt_restarts
         ):
-            failure = (f"{verdict.reason}; preemption restart budget spent "
-                       f"({self.preempt_restarts}/{self.policy.max_preempt_restarts})")
+            failure = (
+                f"{verdict.reason}; preemption restart budget spent "
+                f"({self.preempt_restarts}/{self.policy.max_preempt_restarts})"
+            )
         if verdict.kind == Kind.CUDA_OOM:
             self.last_cuda_oom_step = verdict.step
         if failure is not None:
@@ -290,8 +329,9 @@ class Supervisor:
                 failure += " | last output: " + " / ".join(ln.strip() for ln in lines)
             if self.last_exit is not None:
                 self.last_exit["reason"] = failure
-            self._change(State.FAILED, failure, klass=verdict.klass or "permanent",
-                         remedy=verdict.remedy)
+            self._change(
+                State.FAILED, failure, klass=verdict.klass or "permanent", remedy=verdict.remedy
+            )
             return
         if verdict.budget == Budget.ERROR:
             self.error_restarts += 1
@@ -302,10 +342,14 @@ class Supervisor:
         delay = self.policy.backoff(self.quick_failures)
         self._backoff_until = now + delay
         why = "crash loop: exited within the start grace; " if quick else ""
-        self._change(State.BACKOFF,
-                     f"{why}restarting in {delay:.1f}s ({verdict.budget.value} restart "
-                     f"{self.error_restarts if verdict.budget == Budget.ERROR else self.preempt_restarts}): "
-                     f"{verdict.reason}", klass=verdict.klass or None, remedy=verdict.remedy)
+        used = self.error_restarts if verdict.budget == Budget.ERROR else self.preempt_restarts
+        self._change(
+            State.BACKOFF,
+            f"{why}restarting in {delay:.1f}s ({verdict.budget.value} restart "
+            f"{used}): {verdict.reason}",
+            klass=verdict.klass or None,
+            remedy=verdict.remedy,
+        )
 
     def request_stop(self, reason: str, grace: Optional[float] = None) -> None:
         """Begin a stop: ``reason`` is "stop" (ends STOPPED) or "preempt" (ends PREEMPTED).
@@ -319,16 +363,21 @@ class Supervisor:
         kill_delay = preempt_kill_delay(grace) if reason == "preempt" else grace
         self._kill_at = now + kill_delay
         self._deadline = now + grace
-        self.stop = {"reason": reason, "grace": grace, "requested_at": iso(self.clock.time()),
-                     "kill_at_ts": self._wall(self._kill_at),
-                     "deadline_ts": self._wall(self._deadline)}
+        self.stop = {
+            "reason": reason,
+            "grace": grace,
+            "requested_at": iso(self.clock.time()),
+            "kill_at_ts": self._wall(self._kill_at),
+            "deadline_ts": self._wall(self._deadline),
+        }
         final = State.PREEMPTED if reason == "preempt" else State.STOPPED
         if self.state == State.PENDING:
             self._change(final, f"{reason} before the first attempt")
             return
         self.hooks.on_stop_requested(reason, self._deadline)
-        self._change(State.STOPPING, f"{reason}: signalling the job, SIGKILL after "
-                     f"{kill_delay:.1f}s")
+        self._change(
+            State.STOPPING, f"{reason}: signalling the job, SIGKILL after {kill_delay:.1f}s"
+        )
         if self.runner.alive():
             self.runner.signal(self.spec.stop_signal)
 
@@ -364,9 +413,13 @@ class Supervisor:
             self._leftover_kill_at = None
             return False
         if self._leftover_kill_at is None:
-            self.journal.event("leftovers", f"processes of attempt {self.attempt} outlived it; "
-                               "stopping them before the next start", klass="transient",
-                               remedy="make the job's children exit with it")
+            self.journal.event(
+                "leftovers",
+                f"processes of attempt {self.attempt} outlived it; "
+                "stopping them before the next start",
+                klass="transient",
+                remedy="make the job's children exit with it",
+            )
             self.runner.signal(signal.SIGTERM)
             self._leftover_kill_at = now + LEFTOVER_GRACE
         elif now >= self._leftover_kill_at:

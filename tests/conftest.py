@@ -52,10 +52,17 @@ class Cli:
         self.home = home
         self.env = env
 
-    def __call__(self, *args: str, timeout: float = 60, check: bool = False,
-                 cwd: Optional[str] = None) -> subprocess.CompletedProcess[str]:
-        p = subprocess.run([*agent_exe(), *args], env=self.env, capture_output=True, text=True,
-                           timeout=timeout, cwd=cwd or self.home)
+    def __call__(
+        self, *args: str, timeout: float = 60, check: bool = False, cwd: Optional[str] = None
+    ) -> subprocess.CompletedProcess[str]:
+        p = subprocess.run(
+            [*agent_exe(), *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=cwd or self.home,
+        )
         if check and p.returncode != 0:
             raise AssertionError(f"rgt-agent {args} -> {p.returncode}\n{p.stdout}\n{p.stderr}")
         return p
@@ -70,8 +77,13 @@ class Cli:
         with open(path) as f:
             return [json.loads(line) for line in f if line.strip()]
 
-    def wait_for(self, name: str, pred: Callable[[Dict[str, Any]], bool], timeout: float = 30,
-                 what: str = "condition") -> Dict[str, Any]:
+    def wait_for(
+        self,
+        name: str,
+        pred: Callable[[Dict[str, Any]], bool],
+        timeout: float = 30,
+        what: str = "condition",
+    ) -> Dict[str, Any]:
         deadline = time.monotonic() + timeout
         st: Dict[str, Any] = {}
         while time.monotonic() < deadline:

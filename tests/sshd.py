@@ -1,0 +1,259 @@
+"""A throwaway OpenSSH server on loopback, for tests that need a real ssh session.
+
+``start_sshd(dir)`` generates a host key and a client key in ``dir``, writes an sshd_config that
+accepts only that client key, starts ``/usr/sbin/sshd -D -e`` (not a daemon: it stays our child)
+on a free port of 127.0.0.1 and returns once the port accepts connections. ``SshServer.stop``
+ends it, and every per-connection sshd process it left, by PID.
+
+The client runs ``ssh -F /dev/null`` (no user or system config: no ControlMaster, no agent
+keys) with the generated key. Remote commands run under the user's login shell with sshd's
+minimal environment: pass what they need inline (``remote_env``) and call programs by absolute
+path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pwd
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from typing import Dict, List, Mapping, Optional
+
+from onbox import procfs
+
+SSHD = "/usr/sbin/sshd"
+SFTP_SERVER = "/usr/lib/openssh/sftp-server"
+PRIVSEP_DIR = "/run/sshd"  # sshd refuses to start without its privilege separation directory
+
+
+def missing() -> Optional[str]:
+    """What this machine lacks to run a test sshd, or None when nothing is missing."""
+    if not os.access(SSHD, os.X_OK):
+        return f"OpenSSH server at {SSHD}"
+    for tool in ("ssh", "ssh-keygen"):
+        if shutil.which(tool) is None:
+            return f"the OpenSSH client tool {tool!r} on PATH"
+    try:
+        os.makedirs(PRIVSEP_DIR, exist_ok=True)
+        os.chmod(PRIVSEP_DIR, 0o755)
+    except OSError as e:
+        if not os.path.isdir(PRIVSEP_DIR):
+            return f"sshd's privilege separation directory {PRIVSEP_DIR} ({e.strerror})"
+    return None
+
+
+def free_port() -> int:
+    """A TCP port of 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def remote_env(env: Mapping[str, str]) -> str:
+    """``export K=V; ...`` for the start of a remote command line, each value shell-quoted."""
+    return "".join(f"export {k}={shlex.quote(v)}; " for k, v in env.items())
+
+
+@dataclasses.dataclass
+class SshServer:
+    """One running test sshd and how to reach it."""
+
+    dir: str
+    port: int
+    user: str
+    client_key: str
+    known_hosts: str
+    log_path: str
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def ssh_argv(self, command: str, *, tty: bool = False) -> List[str]:
+        """argv of an ssh client that runs ``command`` (one shell line) on this server."""
+        return [
+            "ssh", "-F", "/dev/null", "-p", str(self.port), "-i", self.client_key,
+            "-o", "IdentitiesOnly=yes",
+            "-o", "StrictHostKeyChecking=accept-new",
+            "-o", f"UserKnownHostsFile={self.known_hosts}",
+            "-o", "BatchMode=yes",
+            "-o", "ConnectTimeout=10",
+            *(["-tt"] if tty else ["-T"]),
+            f"{self.user}@127.0.0.1", command,
+        ]  # fmt: skip
+
+    def run(
+        self, command: str, *, tty: bool = False, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
+        """Run ``command`` over ssh to the end; stdout and stderr captured as text."""
+        return subprocess.run(
+            self.ssh_argv(command, tty=tty),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+
+    def session_pids(self) -> List[int]:
+        """Live per-connection sshd processes (the listener's children)."""
+        out = []
+        for pid in procfs.pids():
+            st = procfs.read_stat(pid)
+            if st is not None and st.ppid == self.pid and st.state not in ("Z", "X"):
+                out.append(pid)
+        return sorted(out)
+
+    def wait_no_sessions(self, timeout: float = 15) -> None:
+        """Until the server has torn down every connection (e.g. after a client was killed)."""
+        deadline = time.monotonic() + timeout
+        while self.session_pids():
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"sshd still has sessions {self.session_pids()} after "
+                    f"{timeout}s; its log:\n{self.log()[-4000:]}"
+                )
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def stop(self, timeout: float = 10) -> None:
+        """Stop the listener, then any connection it left behind, by PID."""
+        leftovers = [procfs.identity(pid) for pid in self.session_pids()]
+        _stop_pid(self.proc, timeout)
+        for ident in leftovers:
+            if ident is not None and procfs.is_alive(ident):
+                try:
+                    os.kill(ident.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _stop_pid(proc: subprocess.Popen[bytes], timeout: float) -> None:
+    if proc.poll() is None:
+        try:
+            os.kill(proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            proc.wait(timeout)
+
+
+def _keygen(path: str) -> None:
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "rgt-test", "-f", path],
+        check=True,
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        timeout=30,
+    )
+
+
+def _config(d: str, port: int, set_env: Mapping[str, str]) -> str:
+    lines = [
+        f"Port {port}",
+        "ListenAddress 127.0.0.1",
+        f"HostKey {os.path.join(d, 'host_ed25519')}",
+        f"PidFile {os.path.join(d, 'sshd.pid')}",
+        f"AuthorizedKeysFile {os.path.join(d, 'authorized_keys')}",
+        "PermitRootLogin prohibit-password",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "PubkeyAuthentication yes",
+        "UsePAM no",
+        "StrictModes no",
+        f"Subsystem sftp {SFTP_SERVER}",
+        "LogLevel VERBOSE",
+    ]
+    for k, v in set_env.items():
+        if not k or any(c in k + v for c in '"\n') or "=" in k:
+            raise ValueError(f"cannot pass {k!r}={v!r} through SetEnv")
+        lines.append(f'SetEnv "{k}={v}"')
+    return "\n".join(lines) + "\n"
+
+
+def _wait_listening(proc: subprocess.Popen[bytes], port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return False
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def start_sshd(
+    d: str, *, set_env: Optional[Mapping[str, str]] = None, timeout: float = 15
+) -> SshServer:
+    """Start a test sshd whose files live in ``d``; raises RuntimeError with its log if not."""
+    why = missing()
+    if why is not None:
+        raise RuntimeError(f"cannot start a test sshd: needs {why}")
+    os.makedirs(d, exist_ok=True)
+    host_key = os.path.join(d, "host_ed25519")
+    client_key = os.path.join(d, "client_ed25519")
+    for key in (host_key, client_key):
+        if not os.path.exists(key):
+            _keygen(key)
+    auth = os.path.join(d, "authorized_keys")
+    shutil.copyfile(client_key + ".pub", auth)
+    os.chmod(auth, 0o600)
+    cfg = os.path.join(d, "sshd_config")
+    log_path = os.path.join(d, "sshd.log")
+    user = pwd.getpwuid(os.geteuid()).pw_name
+    env: Dict[str, str] = dict(set_env or {})
+    for _ in range(3):  # another process may take the free port before sshd binds it
+        port = free_port()
+        with open(cfg, "w") as f:
+            f.write(_config(d, port, env))
+        check = subprocess.run(
+            [SSHD, "-t", "-f", cfg],
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if check.returncode != 0:
+            raise RuntimeError(f"sshd -t rejects {cfg}: {check.stderr.strip()}")
+        with open(log_path, "ab") as logf:
+            proc = subprocess.Popen(
+                [SSHD, "-D", "-e", "-f", cfg],
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+            )
+        if _wait_listening(proc, port, timeout):
+            return SshServer(
+                dir=d,
+                port=port,
+                user=user,
+                client_key=client_key,
+                known_hosts=os.path.join(d, "known_hosts"),
+                log_path=log_path,
+                proc=proc,
+            )
+        _stop_pid(proc, 10)
+        with open(log_path, errors="replace") as f:
+            text = f.read()
+        if "Address already in use" not in text:
+            raise RuntimeError(
+                f"sshd did not listen on 127.0.0.1:{port}; {log_path}:\n{text[-4000:]}"
+            )
+    raise RuntimeError(f"sshd found no free port; {log_path}:\n{text[-4000:]}")

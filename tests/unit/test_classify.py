@@ -1,0 +1,95 @@
+"""Every way a job ends becomes a reason a person can act on and a budget it spends."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from onbox.classify import Budget, ExitStatus, Kind, classify, last_exception
+
+TB = 'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\n    main()\n'
+
+
+@pytest.mark.parametrize(
+    "status,tail,kind,budget",
+    [
+        (ExitStatus(code=0), "", Kind.SUCCESS, Budget.NONE),
+        (ExitStatus(signal=signal.SIGKILL), "step 3\n", Kind.SIGNAL, Budget.PREEMPT),
+        (ExitStatus(code=143), "", Kind.SIGNAL, Budget.PREEMPT),
+        (
+            ExitStatus(code=1),
+            TB + "RuntimeError: CUDA out of memory. Tried to allocate 2 GiB\n",
+            Kind.CUDA_OOM,
+            Budget.ERROR,
+        ),
+        (ExitStatus(code=1), "step 7 loss nan\n", Kind.NAN_LOSS, Budget.ERROR),
+        (
+            ExitStatus(code=1),
+            TB + "OSError: [Errno 28] No space left on device\n",
+            Kind.DISK_FULL,
+            Budget.ERROR,
+        ),
+        (ExitStatus(code=1), TB + "ValueError: bad shape\n", Kind.PYTHON_EXCEPTION, Budget.ERROR),
+        (
+            ExitStatus(code=1),
+            TB + "mylib.errors.ShardMissing: shard 7\n",
+            Kind.PYTHON_EXCEPTION,
+            Budget.ERROR,
+        ),
+        (
+            ExitStatus(code=1),
+            TB + "ModuleNotFoundError: No module named 'x'\n",
+            Kind.IMPORT_ERROR,
+            Budget.ERROR,
+        ),
+        (
+            ExitStatus(code=1),
+            '  File "t.py", line 1\n    def (\nSyntaxError: invalid syntax\n',
+            Kind.SYNTAX_ERROR,
+            Budget.ERROR,
+        ),
+        (
+            ExitStatus(code=127, note="could not start 'trian.py': No such file"),
+            "",
+            Kind.COMMAND_NOT_FOUND,
+            Budget.ERROR,
+        ),
+        (ExitStatus(code=3), "done?\n", Kind.EXIT_CODE, Budget.ERROR),
+        (ExitStatus(), "", Kind.UNKNOWN, Budget.PREEMPT),
+    ],
+)
+def test_kinds(status: ExitStatus, tail: str, kind: Kind, budget: Budget) -> None:
+    v = classify(status, tail)
+    assert (v.kind, v.budget) == (kind, budget)
+    assert v.reason
+    if kind != Kind.SUCCESS:
+        assert v.klass in ("transient", "permanent", "integrity", "usage")
+        assert v.remedy
+
+
+def test_oom_killer_needs_the_cgroup_count_to_rise() -> None:
+    killed = ExitStatus(signal=signal.SIGKILL)
+    assert classify(killed, "", oom_kills_rose=True).kind == Kind.OOM_KILLED
+    assert classify(ExitStatus(code=137), "", oom_kills_rose=True).kind == Kind.OOM_KILLED
+    assert classify(killed, "", oom_kills_rose=False).kind == Kind.SIGNAL
+
+
+def test_enospc_from_inodes() -> None:
+    tail = TB + "OSError: [Errno 28] No space left on device\n"
+    v = classify(ExitStatus(code=1), tail, inodes_exhausted=lambda: True)
+    assert v.kind == Kind.INODES_EXHAUSTED and "inode" in v.reason
+
+
+def test_exception_message_and_step_are_kept() -> None:
+    v = classify(ExitStatus(code=1), "step 10\nstep 11\n" + TB + "KeyError: 'labels'\n")
+    assert v.reason == "KeyError: 'labels'" and v.step == 11
+    assert v.deterministic is False
+
+
+def test_last_exception_of_a_chain() -> None:
+    tail = (
+        TB + "KeyError: 'a'\n\nDuring handling of the above exception, another exception "
+        "occurred:\n\n" + TB + "ValueError: second\n"
+    )
+    assert last_exception(tail) == ("ValueError", "second")

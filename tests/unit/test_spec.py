@@ -1,0 +1,165 @@
+"""Job settings: a job file and flags merge into one checked JobSpec, and every bad value is
+refused with the name of its field before anything starts."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import pytest
+
+from onbox.errors import UsageError
+from onbox.spec import (
+    Overrides,
+    RestartPolicy,
+    build_spec,
+    check_name,
+    default_name,
+    parse_duration,
+    parse_signal,
+)
+
+
+def _build(tmp_path: Any, toml: str = "", **flags: Any) -> Any:
+    job = None
+    if toml:
+        job = str(tmp_path / "job.toml")
+        with open(job, "w") as f:
+            f.write(toml)
+    return build_spec(
+        job,
+        Overrides(**flags),
+        cwd=str(tmp_path),
+        environ=os.environ,
+        default_name="job",
+        run_dir_of=lambda n: f"/home/x/.rgt/runs/{n}",
+    )
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        "a/b",
+        "..",
+        "a..b",
+        "-rf",
+        "A",
+        "x y",
+        "a;rm",
+        "$(reboot)",
+        "a`b`",
+        "x" * 64,
+        "a\nb",
+        "   ",
+    ],
+)
+def test_bad_names_are_refused_with_the_pattern(name: str) -> None:
+    with pytest.raises(UsageError) as e:
+        check_name(name, "--name")
+    assert e.value.field == "--name"
+    assert "[a-z0-9]" in e.value.line()
+
+
+@pytest.mark.parametrize(
+    "value,seconds",
+    [
+        (30, 30.0),
+        ("30", 30.0),
+        ("30s", 30.0),
+        ("5m", 300.0),
+        ("1.5h", 5400.0),
+        ("250ms", 0.25),
+        (" 2d ", 172800.0),
+    ],
+)
+def test_durations(value: Any, seconds: float) -> None:
+    assert parse_duration(value, "grace") == seconds
+
+
+@pytest.mark.parametrize(
+    "value",
+    [-5, "-5", "abc", "5 parsecs", "nan", "inf", float("nan"), float("inf"), "1e12", True, "", 0],
+)
+def test_bad_durations_name_the_field(value: Any) -> None:
+    with pytest.raises(UsageError) as e:
+        parse_duration(value, "--grace")
+    assert e.value.field == "--grace"
+
+
+def test_zero_is_allowed_where_asked() -> None:
+    assert parse_duration("0", "--grace", allow_zero=True) == 0.0
+
+
+def test_signals() -> None:
+    assert parse_signal("TERM", "s") == signal.SIGTERM
+    assert parse_signal("SIGUSR2", "s") == signal.SIGUSR2
+    assert parse_signal(2, "s") == signal.SIGINT
+    with pytest.raises(UsageError):
+        parse_signal("SIGNOPE", "stop_signal")
+
+
+def test_job_file_and_flags_merge_and_flags_win(tmp_path: Any) -> None:
+    spec = _build(
+        tmp_path,
+        """
+name = "from-file"
+command = ["python3", "-c", "pass"]
+grace = "2m"
+[env]
+FOO = "1"
+[checkpoint]
+dir = "ck"
+trigger = "signal:USR2"
+[restart]
+max_error_restarts = 2
+start_grace = "10s"
+""",
+        name="from-flag",
+        grace="45",
+    )
+    assert spec.name == "from-flag" and spec.grace == 45.0
+    assert spec.command == ("python3", "-c", "pass")
+    assert spec.env == {"FOO": "1"}
+    assert spec.ckpt_dir == str(tmp_path / "ck")
+    assert spec.trigger == "signal:USR2"
+    assert spec.restart.max_error_restarts == 2 and spec.restart.start_grace == 10.0
+    assert spec.restart.max_preempt_restarts == RestartPolicy().max_preempt_restarts
+
+
+def test_defaults_and_round_trip(tmp_path: Any) -> None:
+    spec = _build(tmp_path, command=["python3", "x.py"])
+    assert spec.ckpt_dir == "/home/x/.rgt/runs/job/ckpt"
+    assert spec.workdir == str(tmp_path)
+    assert type(spec).from_json(spec.to_json()) == spec
+
+
+@pytest.mark.parametrize(
+    "toml,field",
+    [
+        ("command = []", "command"),
+        ('command = "python train.py"', "command"),
+        ('command = ["no-such-program-rgt"]', "command"),
+        ('command = ["python3"]\nbogus = 1', "bogus"),
+        ('command = ["python3"]\ngrace = -1', "grace"),
+        ('command = ["python3"]\n[restart]\nstart_grace = "soon"', "restart.start_grace"),
+        ('command = ["python3"]\n[restart]\nmax_error_restarts = -1', "restart.max_error_restarts"),
+        ('command = ["python3"]\n[restart]\nretries = 3', "restart.retries"),
+        ('command = ["python3"]\n[checkpoint]\ntrigger = "signal:KILL"', "checkpoint.trigger"),
+        ('command = ["python3"]\nstore = "bucket"', "store"),
+        ('command = ["python3"]\n[env]\nN = 1', "env"),
+        ('command = ["python3"\n', "JOB.toml"),
+    ],
+)
+def test_bad_job_files_name_the_field(tmp_path: Any, toml: str, field: str) -> None:
+    with pytest.raises(UsageError) as e:
+        _build(tmp_path, toml)
+    assert e.value.field == field, e.value.line()
+
+
+def test_default_name_from_the_command() -> None:
+    assert default_name(["python", "-u", "scripts/Train_GPT.py", "--lr", "3"]) == "train_gpt"
+    assert default_name(["torchrun", "--nproc", "8", "train.py"]) == "train"
+    assert default_name(["./run"]) == "run"
+    assert default_name([]) == "job"

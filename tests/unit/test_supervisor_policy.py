@@ -1,0 +1,365 @@
+"""The restart and stop policy, on a fake clock and a fake runner (no processes, no sleeping).
+
+The runner and the clock are the supervisor's seams; here both are fakes, as each test's name
+says, so the decisions can be checked step by step. The same Supervisor drives real processes
+in tests/integration.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import List, Optional, Set, Tuple
+
+import pytest
+
+from onbox.classify import ExitStatus
+from onbox.journal import MemoryJournal
+from onbox.spec import JobSpec, RestartPolicy
+from onbox.states import TERMINAL, TRANSITIONS, State
+from onbox.supervisor import LEFTOVER_GRACE, Supervisor, preempt_kill_delay
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.mono = 1000.0
+        self.wall = 1_800_000_000.0
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def time(self) -> float:
+        return self.wall
+
+    def advance(self, seconds: float) -> None:
+        self.mono += seconds
+        self.wall += seconds
+
+
+class FakeRunner:
+    """Records what the supervisor asked for; the test says what the processes do."""
+
+    def __init__(self) -> None:
+        self.spawned: List[int] = []
+        self.signals: List[int] = []
+        self.processes_alive = False
+        self.output = ""
+        self.ooms: Optional[int] = 0
+        self.no_inodes = False
+
+    def spawn(self, attempt: int) -> int:
+        self.spawned.append(attempt)
+        self.processes_alive = True
+        return 4000 + attempt
+
+    def signal(self, sig: int) -> None:
+        self.signals.append(sig)
+
+    def alive(self) -> bool:
+        return self.processes_alive
+
+    def tail(self) -> str:
+        return self.output
+
+    def oom_kills(self) -> Optional[int]:
+        return self.ooms
+
+    def inodes_exhausted(self) -> bool:
+        return self.no_inodes
+
+
+EDGES_TAKEN: Set[Tuple[State, State]] = set()
+
+
+class Rig:
+    def __init__(self, **policy: object) -> None:
+        self.clock = FakeClock()
+        self.runner = FakeRunner()
+        self.journal = MemoryJournal()
+        spec = JobSpec(
+            name="t",
+            command=("train",),
+            workdir="/w",
+            ckpt_dir="/w/ckpt",
+            grace=10.0,
+            restart=RestartPolicy(**policy),  # type: ignore[arg-type]
+        )
+        self.sup = Supervisor(spec, self.runner, self.clock, self.journal)
+
+    def exit(self, code: Optional[int] = None, sig: Optional[int] = None, output: str = "") -> None:
+        self.runner.output = output
+        self.runner.processes_alive = False
+        self.sup.on_exit(ExitStatus(code=code, signal=sig))
+
+    def run_for(self, seconds: float, step: float = 0.5) -> None:
+        end = self.clock.mono + seconds
+        while self.clock.mono < end:
+            self.clock.advance(step)
+            self.sup.tick()
+
+    def states(self) -> List[str]:
+        return [e["state"] for e in self.journal.events if e["kind"] == "state"]
+
+
+def _record(rig: Rig) -> None:
+    for e in rig.journal.events:
+        if e["kind"] == "state":
+            EDGES_TAKEN.add((State(e["state_from"]), State(e["state"])))
+
+
+def test_fake_clock_healthy_run_then_success() -> None:
+    rig = Rig(start_grace=5.0)
+    rig.sup.begin()
+    assert rig.sup.state == State.STARTING and rig.runner.spawned == [1]
+    rig.run_for(5.0)
+    assert rig.sup.state == State.RUNNING
+    rig.exit(code=0)
+    assert rig.sup.state == State.SUCCEEDED
+    assert rig.sup.last_exit is not None and rig.sup.last_exit["kind"] == "success"
+    _record(rig)
+
+
+def test_fake_clock_quick_success_is_success_not_crash() -> None:
+    rig = Rig(start_grace=5.0)
+    rig.sup.begin()
+    rig.exit(code=0)
+    assert rig.sup.state == State.SUCCEEDED
+    _record(rig)
+
+
+def test_fake_clock_first_restart_after_healthy_run_has_no_backoff() -> None:
+    rig = Rig(start_grace=2.0)
+    rig.sup.begin()
+    rig.run_for(3.0)
+    rig.exit(code=1, output="Traceback (most recent call last):\nRuntimeError: boom\n")
+    assert rig.sup.state == State.BACKOFF
+    assert rig.sup.next_wakeup() == 0.0
+    rig.sup.tick()
+    assert rig.sup.state == State.STARTING and rig.runner.spawned == [1, 2]
+    _record(rig)
+
+
+def test_fake_clock_crash_loop_backs_off_exponentially_then_fails_with_log_tail() -> None:
+    rig = Rig(start_grace=5.0, max_error_restarts=4, backoff_initial=1.0, backoff_max=4.0)
+    rig.sup.begin()
+    delays = []
+    for _ in range(4):
+        rig.exit(code=1, output="loading data\nboom: cannot open shard 7\n")
+        assert rig.sup.state == State.BACKOFF
+        wait = rig.sup.next_wakeup()
+        assert wait is not None
+        delays.append(wait)
+        rig.clock.advance(wait - 0.01)
+        rig.sup.tick()
+        assert rig.sup.state == State.BACKOFF  # not a moment early
+        rig.clock.advance(0.01)
+        rig.sup.tick()
+        assert rig.sup.state == State.STARTING
+    assert delays == [1.0, 2.0, 4.0, 4.0]  # doubles, capped
+    rig.exit(code=1, output="loading data\nboom: cannot open shard 7\n")
+    assert rig.sup.state == State.FAILED
+    reason = rig.sup.last_exit["reason"] if rig.sup.last_exit else ""
+    assert "error restart budget spent (4/4)" in reason
+    assert "boom: cannot open shard 7" in reason  # the tail of the log is in the reason
+    assert rig.journal.events[-1]["class"] == "permanent"
+    assert "crash loop" in " ".join(e["reason"] for e in rig.journal.events)
+    _record(rig)
+
+
+def test_fake_clock_budgets_are_separate() -> None:
+    rig = Rig(start_grace=1.0, max_error_restarts=1, max_preempt_restarts=3)
+    rig.sup.begin()
+    for _ in range(3):  # three outside kills spend the preemption budget only
+        rig.run_for(2.0)
+        rig.exit(sig=signal.SIGKILL)
+        assert rig.sup.state == State.BACKOFF
+        rig.sup.tick()
+    assert (rig.sup.preempt_restarts, rig.sup.error_restarts) == (3, 0)
+    rig.run_for(2.0)
+    rig.exit(code=1)  # a code error still has its own budget
+    assert rig.sup.state == State.BACKOFF and rig.sup.error_restarts == 1
+    rig.sup.tick()
+    rig.run_for(2.0)
+    rig.exit(sig=signal.SIGTERM)  # but the preemption budget is spent now
+    assert rig.sup.state == State.FAILED
+    assert "preemption restart budget spent (3/3)" in rig.journal.events[-1]["reason"]
+    _record(rig)
+
+
+def test_fake_clock_oom_kill_spends_the_error_budget() -> None:
+    rig = Rig(start_grace=1.0)
+    rig.sup.begin()
+    rig.run_for(2.0)
+    rig.runner.ooms = 3  # the cgroup's oom_kill count rose during the attempt
+    rig.exit(sig=signal.SIGKILL)
+    assert rig.sup.last_exit is not None and rig.sup.last_exit["kind"] == "oom_killed"
+    assert (rig.sup.error_restarts, rig.sup.preempt_restarts) == (1, 0)
+    _record(rig)
+
+
+@pytest.mark.parametrize(
+    "output",
+    [
+        '  File "train.py", line 3\n    def f(:\n          ^\nSyntaxError: invalid syntax\n',
+        'Traceback (most recent call last):\n  File "train.py", line 1, in <module>\n'
+        "ModuleNotFoundError: No module named 'flash_attn'\n",
+    ],
+)
+def test_fake_clock_deterministic_failures_are_not_retried(output: str) -> None:
+    rig = Rig()
+    rig.sup.begin()
+    rig.exit(code=1, output=output)
+    assert rig.sup.state == State.FAILED
+    assert rig.runner.spawned == [1]
+    assert "not retried" in rig.journal.events[-1]["reason"]
+    _record(rig)
+
+
+def test_fake_clock_cuda_oom_at_the_same_step_is_not_retried_again() -> None:
+    rig = Rig(start_grace=1.0)
+    rig.sup.begin()
+    oom = "step 1200 loss 0.3\ntorch.OutOfMemoryError: CUDA out of memory.\n"
+    rig.run_for(2.0)
+    rig.exit(code=1, output=oom)
+    assert rig.sup.state == State.BACKOFF  # once may be fragmentation: try again
+    rig.sup.tick()
+    rig.run_for(2.0)
+    rig.exit(code=1, output=oom)
+    assert rig.sup.state == State.FAILED
+    assert "CUDA out of memory again at step 1200" in rig.journal.events[-1]["reason"]
+    _record(rig)
+
+
+def test_fake_clock_stop_escalates_to_sigkill_after_grace_and_waits_for_every_process() -> None:
+    rig = Rig(start_grace=1.0)
+    rig.sup.begin()
+    rig.run_for(2.0)
+    rig.sup.request_stop("stop", grace=3.0)
+    assert rig.sup.state == State.STOPPING
+    assert rig.runner.signals == [signal.SIGTERM]
+    rig.run_for(2.5, step=0.5)
+    assert signal.SIGKILL not in rig.runner.signals  # the job still has its grace
+    rig.run_for(1.0, step=0.5)
+    assert signal.SIGKILL in rig.runner.signals
+    rig.runner.output = ""
+    rig.sup.on_exit(ExitStatus(signal=signal.SIGKILL))  # main process gone, a child is not
+    rig.sup.tick()
+    assert rig.sup.state == State.STOPPING
+    rig.runner.processes_alive = False
+    rig.sup.tick()
+    assert rig.sup.state == State.STOPPED
+    assert rig.sup.last_exit is not None and "ended by stop" in rig.sup.last_exit["reason"]
+    _record(rig)
+
+
+def test_fake_clock_preemption_ends_preempted_and_kills_before_the_budget_ends() -> None:
+    rig = Rig(start_grace=1.0)
+    rig.sup.begin()
+    rig.run_for(2.0)
+    rig.sup.request_stop("preempt", grace=5.0)
+    kill_after = preempt_kill_delay(5.0)
+    assert 0 < kill_after < 5.0
+    rig.run_for(kill_after + 0.1, step=0.1)
+    assert signal.SIGKILL in rig.runner.signals
+    rig.exit(sig=signal.SIGKILL)
+    rig.sup.tick()
+    assert rig.sup.state == State.PREEMPTED
+    _record(rig)
+
+
+def test_fake_clock_stop_during_backoff_and_before_start() -> None:
+    rig = Rig(start_grace=5.0, backoff_initial=30.0)
+    rig.sup.begin()
+    rig.exit(code=1)
+    assert rig.sup.state == State.BACKOFF
+    rig.sup.request_stop("stop")
+    rig.sup.tick()
+    assert rig.sup.state == State.STOPPED
+    assert rig.runner.spawned == [1]  # the backoff never turned into a start
+    _record(rig)
+    for reason, final in (("stop", State.STOPPED), ("preempt", State.PREEMPTED)):
+        rig2 = Rig()
+        rig2.sup.request_stop(reason)
+        assert rig2.sup.state == final and rig2.runner.spawned == []
+        _record(rig2)
+
+
+def test_fake_clock_stop_while_starting() -> None:
+    rig = Rig(start_grace=5.0)
+    rig.sup.begin()
+    rig.sup.request_stop("stop", grace=1.0)
+    rig.exit(sig=signal.SIGTERM)
+    rig.sup.tick()
+    assert rig.sup.state == State.STOPPED
+    _record(rig)
+
+
+def test_fake_clock_leftovers_are_killed_before_the_next_start() -> None:
+    rig = Rig(start_grace=1.0)
+    rig.sup.begin()
+    rig.run_for(2.0)
+    rig.runner.output = ""
+    rig.sup.on_exit(ExitStatus(code=1))  # the main process died; a worker did not
+    assert rig.runner.processes_alive
+    rig.sup.tick()
+    assert rig.runner.signals == [signal.SIGTERM] and rig.runner.spawned == [1]
+    rig.clock.advance(LEFTOVER_GRACE)
+    rig.sup.tick()
+    assert rig.runner.signals[-1] == signal.SIGKILL and rig.runner.spawned == [1]
+    rig.runner.processes_alive = False
+    rig.sup.tick()
+    assert rig.runner.spawned == [1, 2]
+    _record(rig)
+
+
+def test_fake_clock_deadlines_survive_a_restarted_agent() -> None:
+    rig = Rig(start_grace=5.0, backoff_initial=20.0)
+    rig.sup.begin()
+    rig.exit(code=1)
+    doc = rig.sup.to_doc()
+    rig.clock.advance(15.0)
+    again = Supervisor(rig.sup.spec, rig.runner, rig.clock, rig.journal, doc=doc)
+    wait = again.next_wakeup()
+    assert wait is not None and abs(wait - 5.0) < 1e-6  # 20 s backoff, 15 s already passed
+
+
+def test_fake_clock_new_incarnation_after_a_terminal_state_resets_budgets() -> None:
+    rig = Rig(start_grace=1.0)
+    rig.sup.begin()
+    rig.run_for(2.0)
+    rig.exit(sig=signal.SIGKILL)
+    rig.sup.tick()
+    rig.sup.request_stop("stop")
+    rig.exit(sig=signal.SIGTERM)
+    rig.sup.tick()
+    assert rig.sup.state == State.STOPPED and rig.sup.restarts == 1
+    rig.sup.new_incarnation("start again")
+    assert (rig.sup.state, rig.sup.incarnation, rig.sup.restarts) == (State.PENDING, 2, 0)
+    rig.sup.begin()
+    assert rig.runner.spawned == [1, 2, 3]  # attempt numbers go on across incarnations
+
+
+def test_fake_clock_terminal_states_accept_no_input() -> None:
+    rig = Rig()
+    rig.sup.begin()
+    rig.exit(code=0)
+    before = list(rig.journal.events)
+    rig.sup.request_stop("stop")
+    rig.sup.tick()
+    rig.sup.on_exit(ExitStatus(code=1))
+    assert rig.sup.state == State.SUCCEEDED and rig.journal.events == before
+
+
+def test_transition_table_shape() -> None:
+    assert set(TRANSITIONS) == set(State)
+    for state, exits in TRANSITIONS.items():
+        assert state not in exits
+        assert bool(exits) == (state not in TERMINAL), state
+    for state in TERMINAL:
+        assert TRANSITIONS[state] == frozenset()
+
+
+def test_zz_every_edge_of_the_table_is_exercised_and_no_other() -> None:
+    """Runs last in this module: the scenarios above took every edge the table allows."""
+    table = {(s, d) for s, exits in TRANSITIONS.items() for d in exits}
+    assert table >= EDGES_TAKEN
+    assert table - EDGES_TAKEN == set(), f"edges never exercised: {table - EDGES_TAKEN}"

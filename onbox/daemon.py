@@ -19,17 +19,53 @@ TAG_VAR = "RGT_ATTEMPT_TAG"
 JOB_VARS = ("RGT_RUN", "RGT_RUN_DIR", "RGT_CKPT_DIR", "RGT_RESUME_FROM", "RGT_ATTEMPT", TAG_VAR)
 
 
+# The user's own PYTHONPATH, kept while rgt's processes run with their own (the job gets it back).
+USER_PYTHONPATH = "RGT_USER_PYTHONPATH"
+
+
+def python_argv(module: str) -> List[str]:
+    """``python -S -m MODULE``: rgt's own processes skip site (about 2 MiB each) and find their
+    imports through the PYTHONPATH that ``agent_environ`` sets."""
+    return [sys.executable, "-S", "-m", module]
+
+
 def agent_argv(name: str) -> List[str]:
     """How the agent is started (the shim uses it too, to start a dead agent again)."""
-    return [sys.executable, "-m", "onbox.agent", name]
+    return [*python_argv("onbox.agent"), name]
+
+
+def _internal_path() -> List[str]:
+    # Wherever this onbox came from (a venv, a source checkout), rgt's processes import the same
+    # one; setproctitle (so `ps` names them) may live elsewhere.
+    paths = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
+    try:
+        import setproctitle
+
+        where = os.path.dirname(os.path.dirname(os.path.abspath(setproctitle.__file__)))
+        if where not in paths:
+            paths.append(where)
+    except ImportError:
+        pass
+    return paths
 
 
 def agent_environ(rd: RunDir) -> Dict[str, str]:
+    """The environment of rgt's own processes (agent, shim) for run ``rd``."""
     env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
     env["RGT_HOME"] = rd.home
-    # Wherever this onbox came from (a venv, a source checkout), the agent imports the same one.
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault(USER_PYTHONPATH, env.get("PYTHONPATH", ""))
+    env["PYTHONPATH"] = os.pathsep.join(_internal_path())
+    return env
+
+
+def user_environ(environ: Dict[str, str]) -> Dict[str, str]:
+    """The environment `start` was given, from an agent's own environment."""
+    env = {k: v for k, v in environ.items() if k not in JOB_VARS and k != USER_PYTHONPATH}
+    if USER_PYTHONPATH in environ:
+        if environ[USER_PYTHONPATH]:
+            env["PYTHONPATH"] = environ[USER_PYTHONPATH]
+        else:
+            env.pop("PYTHONPATH", None)
     return env
 
 

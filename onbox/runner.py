@@ -13,13 +13,12 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from typing import Any, Dict, List, Mapping, Optional
 
 from onbox import cgroup, procfs
 from onbox.classify import ExitStatus
-from onbox.daemon import JOB_VARS, TAG_VAR, agent_environ
+from onbox.daemon import TAG_VAR, agent_environ, python_argv, user_environ
 from onbox.durable import read_json, write_json
 from onbox.errors import HostError
 from onbox.journal import log
@@ -81,7 +80,7 @@ class ShimRunner:
         self.rd = rd
         self.spec = spec
         self.agent_cmd = agent_cmd
-        self.base_environ = {k: v for k, v in base_environ.items() if k not in JOB_VARS}
+        self.base_environ = user_environ(dict(base_environ))
         self.respawn_delay = respawn_delay
         self.attempt = 0
         self.tag: Optional[str] = None
@@ -133,7 +132,7 @@ class ShimRunner:
         try:
             with open(self.rd.agent_log, "ab") as logf:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "onbox.shim", self.rd.path, str(attempt), str(w)],
+                    [*python_argv("onbox.shim"), self.rd.path, str(attempt), str(w)],
                     stdin=subprocess.DEVNULL,
                     stdout=logf,
                     stderr=subprocess.STDOUT,

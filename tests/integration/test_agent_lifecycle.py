@@ -354,10 +354,12 @@ def test_detached_job_environment(cli: Cli) -> None:
             "  'cwd': os.getcwd(), 'unbuf': os.environ.get('PYTHONUNBUFFERED'),\n"
             "  'run': os.environ['RGT_RUN'], 'attempt': os.environ['RGT_ATTEMPT'],\n"
             "  'resume': os.environ['RGT_RESUME_FROM'],\n"
-            "  'onbox': __import__('onbox').__file__}))\n"
+            "  'onbox': __import__('onbox').__file__,\n"
+            "  'pythonpath': os.environ['PYTHONPATH']}))\n"
         )
     workdir = os.path.join(cli.home, "work")
     os.makedirs(workdir)
+    cli.env["PYTHONPATH"] = "/opt/user-libs"  # the user's own, which the job must keep
     cli("start", "--name", "re", "--", "python3", script, check=True, cwd=workdir)
     st = cli.wait_state("re", "SUCCEEDED")
     got = json.loads(cli("logs", "re", check=True).stdout)
@@ -367,7 +369,10 @@ def test_detached_job_environment(cli: Cli) -> None:
         assert int(got["adj"]) > int(f.read())  # the OOM killer takes the job first
     assert got["cwd"] == workdir and got["unbuf"] == "1"
     assert (got["run"], got["attempt"], got["resume"]) == ("re", "1", "")
-    assert got["onbox"].startswith(os.path.join(cli.home, "lib"))  # not the agent's packages
+    # onbox comes from a directory of its own, never the agent's packages; the user's path stays
+    assert got["onbox"].startswith(os.path.join(cli.home, "lib"))
+    lib, user = got["pythonpath"].split(os.pathsep)
+    assert lib.startswith(os.path.join(cli.home, "lib")) and user == "/opt/user-libs"
     assert st["last_exit"]["kind"] == "success"
 
 

@@ -27,15 +27,7 @@ from onbox.runner import ShimRunner
 from onbox.spec import JobSpec
 from onbox.states import TERMINAL, State
 from onbox.supervisor import LEFTOVER_GRACE, Clock, Hooks, RealClock, Supervisor
-
-
-def _title(text: str) -> None:
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(text)
-    except ImportError:  # only for people reading `ps`
-        pass
+from onbox.title import set_title
 
 
 class Agent:
@@ -240,7 +232,7 @@ def main(argv: List[str]) -> int:
     os.umask(0o077)
     os.environ.pop(TAG_VAR, None)
     rd = RunDir(args["name"])
-    _title(f"rgt-agent agent {rd.name}")
+    set_title(f"rgt-agent agent {rd.name}")
     lock = RunLock.adopt(args["lock_fd"], rd.lock)
     agent = Agent(rd, lock)
     if not agent.prepare(may_begin=not args["adopt_only"]):

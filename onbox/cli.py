@@ -40,6 +40,7 @@ from onbox.rundir import RunDir, all_runs, rgt_home
 from onbox.runner import read_ready
 from onbox.spec import JobSpec, Overrides, build_spec, default_name, parse_duration
 from onbox.states import TERMINAL
+from onbox.title import set_title
 
 TERMINAL_NAMES = {s.value for s in TERMINAL}
 READY_TIMEOUT = 10.0
@@ -209,12 +210,7 @@ def run(
     rd = _prepare_run(spec)
     lock = _take_run(spec, rd)
     os.umask(0o077)
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(f"rgt-agent run {rd.name}")
-    except ImportError:
-        pass
+    set_title(f"rgt-agent run {rd.name}")
     agent = Agent(rd, lock)
     agent.prepare(may_begin=True)
     final = agent.run()

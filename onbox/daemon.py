@@ -38,14 +38,13 @@ def _internal_path() -> List[str]:
     # Wherever this onbox came from (a venv, a source checkout), rgt's processes import the same
     # one; setproctitle (so `ps` names them) may live elsewhere.
     paths = [os.path.dirname(os.path.dirname(os.path.abspath(__file__)))]
-    try:
-        import setproctitle
+    import importlib.util
 
-        where = os.path.dirname(os.path.dirname(os.path.abspath(setproctitle.__file__)))
+    spec = importlib.util.find_spec("setproctitle")  # locate only: see onbox/title.py
+    if spec is not None and spec.origin:
+        where = os.path.dirname(os.path.dirname(os.path.abspath(spec.origin)))
         if where not in paths:
             paths.append(where)
-    except ImportError:
-        pass
     return paths
 
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Optional
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
+    from typing import Any, Optional
 
 
 def fsync_dir(path: str) -> None:

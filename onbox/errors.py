@@ -21,7 +21,9 @@ a bug and is shown with its traceback.
 
 from __future__ import annotations
 
-from typing import Optional
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
+    from typing import Optional
 
 
 class RgtError(Exception):

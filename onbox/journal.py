@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Dict, List, Optional, Protocol
 
 from onbox.durable import append_line, write_json
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
+    from typing import Any, Dict, List, Optional
 
 CLASSES = ("transient", "permanent", "integrity", "usage")
 
@@ -18,16 +21,6 @@ CLASSES = ("transient", "permanent", "integrity", "usage")
 def iso(t: float) -> str:
     """UTC ISO-8601 with milliseconds."""
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1000):03d}Z"
-
-
-class Journal(Protocol):
-    """What the supervisor writes through; files in the agent, a list in policy tests."""
-
-    def save(self, doc: Dict[str, Any]) -> None: ...
-
-    def event(
-        self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
-    ) -> None: ...
 
 
 class FileJournal:

@@ -12,10 +12,13 @@ import fcntl
 import json
 import os
 import time
-from typing import Any, Dict, Optional
 
 from onbox import procfs
 from onbox.errors import LockedError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
+    from typing import Any, Dict, Optional
 
 
 def _record() -> Dict[str, Any]:

@@ -7,30 +7,46 @@ counts as dead: PID 1 on some boxes reaps orphans seconds late, and a zombie hol
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import select
-from typing import Dict, Iterator, List, Optional
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
+    from typing import Dict, Iterator, List, Optional
 
 
-@dataclasses.dataclass(frozen=True)
 class ProcStat:
     """The fields of /proc/PID/stat that rgt uses."""
 
-    pid: int
-    state: str
-    ppid: int
-    pgid: int
-    sid: int
-    start_ticks: int
+    __slots__ = ("pid", "state", "ppid", "pgid", "sid", "start_ticks")
+
+    def __init__(
+        self, pid: int, state: str, ppid: int, pgid: int, sid: int, start_ticks: int
+    ) -> None:
+        self.pid, self.state, self.ppid = pid, state, ppid
+        self.pgid, self.sid, self.start_ticks = pgid, sid, start_ticks
 
 
-@dataclasses.dataclass(frozen=True)
 class Identity:
-    """A process named so that pid reuse cannot fool us."""
+    """A process named so that pid reuse cannot fool us: its pid and its start time."""
 
-    pid: int
-    start_ticks: int
+    __slots__ = ("pid", "start_ticks")
+
+    def __init__(self, pid: int, start_ticks: int) -> None:
+        self.pid = pid
+        self.start_ticks = start_ticks
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Identity) and (self.pid, self.start_ticks) == (
+            other.pid,
+            other.start_ticks,
+        )
+
+    def __hash__(self) -> int:
+        return hash((self.pid, self.start_ticks))
+
+    def __repr__(self) -> str:
+        return f"Identity(pid={self.pid}, start_ticks={self.start_ticks})"
 
 
 def read_stat(pid: int) -> Optional[ProcStat]:

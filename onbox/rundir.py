@@ -18,10 +18,39 @@ $RGT_HOME/                      RGT_HOME defaults to ~/.rgt
 from __future__ import annotations
 
 import os
-from typing import List, Mapping, Optional
 
 from onbox.errors import HostError, NotFound, UsageError
-from onbox.spec import check_name
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
+    from typing import List, Mapping, Optional
+
+NAME_PATTERN = "[a-z0-9][a-z0-9._-]{0,62}"
+_FIRST = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
+_REST = _FIRST | frozenset("._-")
+
+
+def is_name(name: object) -> bool:
+    """Whether ``name`` matches NAME_PATTERN and holds no "..": safe as a path component, in a
+    URL, in a shell word. (No regex: the shim imports this and stays small.)"""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 63
+        and name[0] in _FIRST
+        and all(c in _REST for c in name)
+        and ".." not in name
+    )
+
+
+def check_name(name: str, field: str = "name") -> str:
+    """Return ``name`` if it is a valid run name, else raise naming the pattern."""
+    if not is_name(name):
+        raise UsageError(
+            field,
+            f"{name!r} is not a valid run name",
+            f"use {NAME_PATTERN}: lowercase letters, digits, '.', '_', '-', no '..'",
+        )
+    return name
 
 
 def rgt_home(environ: Optional[Mapping[str, str]] = None) -> str:

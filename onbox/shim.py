@@ -19,29 +19,23 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional
 
 from onbox import procfs
-from onbox.daemon import spawn_agent
 from onbox.durable import read_json, write_json
 from onbox.journal import FileJournal, iso
 from onbox.lock import is_held
 from onbox.rundir import RunDir
+from onbox.title import set_title
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
+    from typing import Any, Dict, List, Optional
 
 # At most this many agent restarts per window; then the shim only records (a crashing agent
 # restarted forever would hide the problem).
 MAX_RESPAWNS = 5
 RESPAWN_WINDOW = 600.0
 LOCK_CHECK_EVERY = 1.0
-
-
-def _title(text: str) -> None:
-    try:
-        import setproctitle
-
-        setproctitle.setproctitle(text)
-    except ImportError:  # the title is for people reading `ps`; nothing depends on it
-        pass
 
 
 class Shim:
@@ -179,6 +173,8 @@ class Shim:
                 klass="transient",
                 remedy="read agent.log for why the agent died",
             )
+            from onbox.daemon import spawn_agent  # only now: the shim stays small until needed
+
             self.agent_proc = spawn_agent(
                 self.rd, fd, adopt_only=True, argv=self.launch["agent_cmd"]
             )
@@ -202,7 +198,7 @@ def main(argv: List[str]) -> int:
         signal.signal(sig, signal.SIG_IGN)
     rd = RunDir(os.path.basename(run_path), os.path.dirname(os.path.dirname(run_path)))
     attempt = int(attempt_s)
-    _title(f"rgt-agent shim {rd.name} attempt {attempt}")
+    set_title(f"rgt-agent shim {rd.name} attempt {attempt}")
     launch_path = os.path.join(rd.attempt_dir(attempt), "launch.json")
     launch = read_json(launch_path)
     os.unlink(launch_path)

@@ -17,24 +17,12 @@ import sys
 from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from onbox.errors import UsageError
+from onbox.rundir import check_name, is_name
 
-NAME_PATTERN = r"[a-z0-9][a-z0-9._-]{0,62}"
-_NAME_RE = re.compile(NAME_PATTERN + r"\Z")
 _DURATION_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s|m|h|d)?\s*\Z")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
 MAX_DURATION = 366 * 86400.0
 TRIGGERS = ("none", "file", "signal:USR2", "signal:USR1", "signal:INT", "signal:HUP")
-
-
-def check_name(name: str, field: str = "name") -> str:
-    """Return ``name`` if it is a valid run name, else raise naming the pattern."""
-    if not isinstance(name, str) or not _NAME_RE.match(name) or ".." in name:
-        raise UsageError(
-            field,
-            f"{name!r} is not a valid run name",
-            f"use {NAME_PATTERN}: lowercase letters, digits, '.', '_', '-', no '..'",
-        )
-    return name
 
 
 def parse_duration(value: Any, field: str, *, allow_zero: bool = False) -> float:
@@ -212,7 +200,7 @@ def default_name(command: List[str]) -> str:
     pick = next((a for a in words[1:] if "." in os.path.basename(a)), words[0] if words else "")
     stem = os.path.splitext(os.path.basename(pick))[0].lower()
     stem = re.sub(r"[^a-z0-9._-]+", "-", stem).strip("-._")[:63]
-    return stem if stem and _NAME_RE.match(stem) else "job"
+    return stem if is_name(stem) else "job"
 
 
 def build_spec(

@@ -14,7 +14,7 @@ import time
 from typing import Any, Dict, Optional, Protocol
 
 from onbox.classify import Budget, ExitStatus, Kind, Verdict, classify
-from onbox.journal import Journal, iso
+from onbox.journal import iso
 from onbox.spec import JobSpec
 from onbox.states import ACTIVE, TERMINAL, State, can_transition
 
@@ -23,6 +23,16 @@ LEFTOVER_GRACE = 5.0
 # How often to look for processes while waiting for an attempt's processes to vanish.
 REAP_POLL = 0.05
 TAIL_LINES = 8
+
+
+class Journal(Protocol):
+    """What the supervisor writes through; files in the agent, a list in policy tests."""
+
+    def save(self, doc: Dict[str, Any]) -> None: ...
+
+    def event(
+        self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
+    ) -> None: ...
 
 
 class Clock(Protocol):

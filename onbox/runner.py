@@ -174,6 +174,10 @@ class ShimRunner:
         if rec is None:
             return self._recorded_exit() or ExitStatus()
         self.tag = rec.get("tag")
+        if rec.get("boot_id") and rec["boot_id"] != procfs.boot_id():
+            # The box rebooted: pids and start times from before name nothing now.
+            self.job = self.shim = None
+            return self._recorded_exit() or ExitStatus()
         self.job = procfs.Identity(rec["pid"], rec["start_ticks"])
         shim = rec.get("shim")
         self.shim = procfs.Identity(shim["pid"], shim["start_ticks"]) if shim else None

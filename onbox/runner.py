@@ -276,6 +276,9 @@ class ShimRunner:
     def oom_kills(self) -> Optional[int]:
         return cgroup.oom_kill_count()
 
+    def kernel_oom_killed(self, pid: int) -> bool:
+        return cgroup.kernel_says_oom_killed([pid])
+
     def inodes_exhausted(self) -> bool:
         for path in (self.spec.workdir, self.spec.ckpt_dir):
             try:

@@ -72,6 +72,9 @@ class Runner(Protocol):
     def inodes_exhausted(self) -> bool:
         """Whether the job's filesystems ran out of inodes."""
 
+    def kernel_oom_killed(self, pid: int) -> bool:
+        """Whether the kernel log says the OOM killer took ``pid``."""
+
 
 class Hooks:
     """Where later parts plug into a stop. The default does nothing.
@@ -254,17 +257,18 @@ class Supervisor:
         if self.exit_seen:
             return
         self.exit_seen = True
-        self.pid = None
+        job_pid, self.pid = self.pid, None
         now = self.clock.monotonic()
         tail = self.runner.tail()
         oom_after = self.runner.oom_kills()
+        oom = oom_after is not None and self.oom_before is not None and oom_after > self.oom_before
+        if not oom and job_pid and (status.signal == signal.SIGKILL or status.code == 137):
+            oom = self.runner.kernel_oom_killed(job_pid)  # the kernel's word, where readable
         verdict = classify(
             status,
             tail,
             success_codes=self.policy.success_codes,
-            oom_kills_rose=oom_after is not None
-            and self.oom_before is not None
-            and oom_after > self.oom_before,
+            oom_kills_rose=oom,
             inodes_exhausted=self.runner.inodes_exhausted,
         )
         if self.state == State.STOPPING and self.stop is not None:

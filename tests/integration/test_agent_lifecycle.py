@@ -19,7 +19,7 @@ import pytest
 
 from onbox import procfs
 from onbox.daemon import TAG_VAR
-from tests.conftest import Cli, agent_exe, fixture
+from tests.conftest import Cli, agent_exe, fixture, require
 
 
 def _toml(path: str, command: List[str], **restart: Any) -> str:
@@ -405,3 +405,54 @@ def test_run_in_the_foreground_returns_the_final_state_as_exit_code(cli: Cli) ->
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def _memory_cgroup(limit: int) -> str:
+    """A cgroup v1 memory group of our own with ``limit`` bytes, or '' when we cannot make one."""
+    base = "/sys/fs/cgroup/memory"
+    path = os.path.join(base, f"rgt-test-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit))
+        with open(os.path.join(path, "memory.swappiness"), "w") as f:
+            f.write("0")
+    except OSError:
+        return ""
+    return path
+
+
+def test_the_oom_killer_takes_the_job_not_the_agent_and_the_exit_says_so(cli: Cli) -> None:
+    cg = _memory_cgroup(300 << 20)
+    require(bool(cg), "root and a writable cgroup v1 memory controller")
+    hog = (
+        "import time\nchunks = []\nwhile True:\n    chunks.append(b'x' * (32 << 20))\n"
+        "    print('step', len(chunks), flush=True)\n"
+    )
+    job = _job_file(cli, "oom", ["python3", "-c", hog], max_error_restarts=0)
+    wrapper = f"echo $$ > {cg}/cgroup.procs && exec {' '.join(agent_exe())} run {job} --name oom"
+    try:
+        p = subprocess.run(
+            ["bash", "-c", wrapper], env=cli.env, capture_output=True, text=True, timeout=120
+        )
+        assert p.returncode == 11, (p.stdout, p.stderr)  # FAILED, told by a living agent
+        st = cli.status("oom")
+        assert st["last_exit"]["kind"] == "oom_killed", st["last_exit"]
+        assert st["last_exit"]["signal"] == signal.SIGKILL
+        assert "OOM killer" in st["last_exit"]["reason"]
+    finally:
+        with open(os.path.join(cg, "cgroup.procs")) as f:
+            left = f.read().split()
+        for pid in left:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                os.rmdir(cg)
+                break
+            except OSError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)

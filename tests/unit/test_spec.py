@@ -10,11 +10,11 @@ from typing import Any
 import pytest
 
 from onbox.errors import UsageError
+from onbox.rundir import check_name
 from onbox.spec import (
     Overrides,
     RestartPolicy,
     build_spec,
-    check_name,
     default_name,
     parse_duration,
     parse_signal,

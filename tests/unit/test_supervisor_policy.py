@@ -45,6 +45,7 @@ class FakeRunner:
         self.output = ""
         self.ooms: Optional[int] = 0
         self.no_inodes = False
+        self.kernel_oom_pids: List[int] = []
 
     def spawn(self, attempt: int) -> int:
         self.spawned.append(attempt)
@@ -65,6 +66,9 @@ class FakeRunner:
 
     def inodes_exhausted(self) -> bool:
         return self.no_inodes
+
+    def kernel_oom_killed(self, pid: int) -> bool:
+        return pid in self.kernel_oom_pids
 
 
 EDGES_TAKEN: Set[Tuple[State, State]] = set()
@@ -183,6 +187,16 @@ def test_fake_clock_budgets_are_separate() -> None:
     assert rig.sup.state == State.FAILED
     assert "preemption restart budget spent (3/3)" in rig.journal.events[-1]["reason"]
     _record(rig)
+
+
+def test_fake_clock_the_kernels_word_on_an_oom_kill_counts_too() -> None:
+    rig = Rig(start_grace=1.0)
+    rig.sup.begin()
+    rig.run_for(2.0)
+    rig.runner.kernel_oom_pids = [4001]  # no cgroup counter, but the kernel log names the job
+    rig.runner.ooms = None
+    rig.exit(sig=signal.SIGKILL)
+    assert rig.sup.last_exit is not None and rig.sup.last_exit["kind"] == "oom_killed"
 
 
 def test_fake_clock_oom_kill_spends_the_error_budget() -> None:

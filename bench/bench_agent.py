@@ -14,6 +14,10 @@ with like on a shared, noisy machine:
    restart is the next recorded start minus the recorded crash: the first restart after a healthy
    run, which neither tool delays with backoff. The tools run one after the other, so that
    neither's restarts compete with the other's for the CPU.
+3. Where the restart time goes: each restart split into segments by the timestamps in each tool's
+   own records (rgt: exit.json, events.jsonl, job.json; supervisord: its log), next to costs that
+   are neither tool's own (a bare interpreter's RSS, forking the fixture, starting a Python that
+   imports what rgt's shim imports), measured in the same run for scale.
 
 A markdown table goes to stdout and, between the ``bench_agent`` markers, into bench/README.md.
 Targets (from the issue) are marked pass/fail; the exit code does not depend on them, because
@@ -40,6 +44,9 @@ import sys
 import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from onbox import daemon as rgt_daemon
+from onbox.rundir import RunDir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(HERE, "fixture_crasher.py")
@@ -127,7 +134,7 @@ def kill(p: Proc, grace: float = 5.0) -> None:
     for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
         if not is_alive(p):
             return
-        say(f"stopping leftover {p.what} pid {p.pid} with {signal.Signals(sig).name}")
+        say(f"stopping {p.what} pid {p.pid} with {signal.Signals(sig).name}")
         try:
             os.kill(p.pid, sig)
         except ProcessLookupError:
@@ -163,6 +170,14 @@ def wait_until(what: str, cond: Callable[[], bool], timeout: float, poll: float 
         if time.monotonic() > deadline:
             raise RuntimeError(f"gave up waiting for {what} after {timeout:.0f}s")
         time.sleep(poll)
+
+
+def rgt_python(home: str) -> Tuple[List[str], Dict[str, str]]:
+    """How rgt starts its own Python processes (agent, shim): interpreter and flags, and their
+    environment. Taken from onbox itself, so that the floors follow it when it changes."""
+    make = getattr(rgt_daemon, "python_argv", None)
+    argv = list(make("onbox.shim")) if make is not None else [sys.executable, "-m", "onbox.shim"]
+    return argv[: argv.index("-m")], rgt_daemon.agent_environ(RunDir("bench-floor", home))
 
 
 def sibling_exe(name: str, module: str) -> List[str]:
@@ -221,11 +236,20 @@ class Rgt:
         self.stopped: List[str] = []
 
     def cli(self, *args: str, timeout: float = 90.0) -> str:
-        p = subprocess.run([*self.exe, *args], env=self.env, capture_output=True, text=True,
-                           timeout=timeout, cwd=self.home, stdin=subprocess.DEVNULL)
+        p = subprocess.run(
+            [*self.exe, *args],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=self.home,
+            stdin=subprocess.DEVNULL,
+        )
         if p.returncode != 0:
-            raise RuntimeError(f"rgt-agent {' '.join(args)} exited {p.returncode}: "
-                               f"{p.stderr.strip() or p.stdout.strip()}")
+            raise RuntimeError(
+                f"rgt-agent {' '.join(args)} exited {p.returncode}: "
+                f"{p.stderr.strip() or p.stdout.strip()}"
+            )
         return p.stdout
 
     def run_dir(self, name: str) -> str:
@@ -234,12 +258,14 @@ class Rgt:
     def start(self, name: str, command: Sequence[str]) -> None:
         job = os.path.join(self.home, f"{name}.toml")
         with open(job, "w") as f:
-            f.write(f'name = {_toml(name)}\ncommand = {_toml(list(command))}\ngrace = "5s"\n\n'
-                    "[restart]\n"
-                    f'start_grace = "{START_GRACE_S}s"\n'
-                    # Budgets far above what the benchmark uses: no restart may be refused.
-                    "max_error_restarts = 100000\nmax_preempt_restarts = 100000\n"
-                    'backoff_initial = "1s"\nbackoff_max = "5s"\nsuccess_codes = [0]\n')
+            f.write(
+                f'name = {_toml(name)}\ncommand = {_toml(list(command))}\ngrace = "5s"\n\n'
+                "[restart]\n"
+                f'start_grace = "{START_GRACE_S}s"\n'
+                # Budgets far above what the benchmark uses: no restart may be refused.
+                "max_error_restarts = 100000\nmax_preempt_restarts = 100000\n"
+                'backoff_initial = "1s"\nbackoff_max = "5s"\nsuccess_codes = [0]\n'
+            )
         self.started.append(name)  # before starting: a half-started run is stopped too
         self.cli("start", job)
 
@@ -296,8 +322,11 @@ class Rgt:
         except (OSError, ValueError, KeyError, TypeError):
             pass
         try:
-            attempts = sorted(int(a) for a in os.listdir(os.path.join(self.run_dir(name),
-                                                                      "attempts")) if a.isdigit())
+            attempts = sorted(
+                int(a)
+                for a in os.listdir(os.path.join(self.run_dir(name), "attempts"))
+                if a.isdigit()
+            )
         except FileNotFoundError:
             attempts = []
         for a in attempts:
@@ -306,8 +335,7 @@ class Rgt:
                 out.append(Proc(int(rec["pid"]), int(rec["start_ticks"]), f"job of {name}"))
                 shim = rec.get("shim") or {}
                 if shim:
-                    out.append(Proc(int(shim["pid"]), int(shim["start_ticks"]),
-                                    f"rgt shim {name}"))
+                    out.append(Proc(int(shim["pid"]), int(shim["start_ticks"]), f"rgt shim {name}"))
         return out
 
     def stop(self, name: str) -> None:
@@ -356,25 +384,33 @@ class Supervisord:
                 f"[program:{name}]\ncommand={shlex.join(command)}\nautostart=true\n"
                 f"autorestart=true\nstartsecs={START_GRACE_S}\nstartretries=100000\n"
                 f"exitcodes=0\nstopsignal=TERM\nstopwaitsecs=2\nredirect_stderr=true\n"
-                f"stdout_logfile={workdir}/{name}.out\n")
+                f"stdout_logfile={workdir}/{name}.out\n"
+            )
         with open(self.conf, "w") as f:
             f.write("\n".join(sections))
 
     def start(self) -> None:
-        out = open(os.path.join(self.dir, "supervisord.stdout"), "ab")  # noqa: SIM115
-        with out:
+        with open(os.path.join(self.dir, "supervisord.stdout"), "ab") as out:
             # A session of its own: a Ctrl-C at the terminal reaches only the benchmark, whose
             # cleanup then stops supervisord by pid.
             self.popen = subprocess.Popen(
                 [*sibling_exe("supervisord", "supervisor.supervisord"), "-c", self.conf],
-                stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                start_new_session=True, cwd=self.dir)
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                cwd=self.dir,
+            )
         self.proc = proc_of(self.popen.pid, "supervisord")
 
     def ctl(self, *args: str) -> str:
-        p = subprocess.run([*sibling_exe("supervisorctl", "supervisor.supervisorctl"), "-c",
-                            self.conf, *args], capture_output=True, text=True, timeout=30,
-                           stdin=subprocess.DEVNULL)
+        p = subprocess.run(
+            [*sibling_exe("supervisorctl", "supervisor.supervisorctl"), "-c", self.conf, *args],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            stdin=subprocess.DEVNULL,
+        )
         # supervisorctl's exit code also encodes the program's state: read its output instead.
         return p.stdout
 
@@ -455,21 +491,40 @@ def idle_phase(stack: contextlib.ExitStack, rgt: Rgt, tmp: str, seconds: float) 
     say("idle: starting rgt-agent and supervisord, each supervising `sleep`")
     rgt.start(IDLE_RUN, job)
     sup.start()
-    wait_until("the idle rgt run to be RUNNING",
-               lambda: rgt.state(IDLE_RUN).get("state") == "RUNNING", 30)
-    wait_until("supervisord's idle program to be RUNNING", lambda: sup.is_running("idle"), 30,
-               poll=0.5)
+    wait_until(
+        "the idle rgt run to be RUNNING", lambda: rgt.state(IDLE_RUN).get("state") == "RUNNING", 30
+    )
+    wait_until(
+        "supervisord's idle program to be RUNNING", lambda: sup.is_running("idle"), 30, poll=0.5
+    )
     sup.child("idle")  # remembered so that cleanup can stop it by pid
     assert sup.proc is not None
     agent, shim = rgt.agent(IDLE_RUN), rgt.shim(IDLE_RUN)
+    # A bare interpreter, started as rgt starts its own, idling next to them: the RSS any such
+    # process starts from, to tell the interpreter's share of each figure from the tool's own.
+    prefix, env = rgt_python(rgt.home)
+    bare_popen = subprocess.Popen(
+        [*prefix, "-c", "import time; time.sleep(100000)"], stdin=subprocess.DEVNULL, env=env
+    )
+    bare = proc_of(bare_popen.pid, "bare python")
+    stack.callback(bare_popen.wait, 10)
+    stack.callback(kill, bare, 1.0)
     time.sleep(SETTLE_S)
-    say(f"idle: sampling for {seconds:g}s (agent {agent.pid}, shim {shim.pid}, "
-        f"supervisord {sup.proc.pid})")
-    series = [Series("rgt agent", [agent]), Series("rgt agent + shim", [agent, shim]),
-              Series("supervisord", [sup.proc])]
+    say(
+        f"idle: sampling for {seconds:g}s (agent {agent.pid}, shim {shim.pid}, "
+        f"supervisord {sup.proc.pid})"
+    )
+    series = [
+        Series("rgt agent", [agent]),
+        Series("rgt agent + shim", [agent, shim]),
+        Series("supervisord", [sup.proc]),
+        Series("bare python", [bare]),
+    ]
     measure_idle(series, seconds)
     rgt.stop(IDLE_RUN)
     sup.stop()
+    kill(bare, 1.0)
+    bare_popen.wait(10)
     return series
 
 
@@ -481,24 +536,36 @@ class Restarts:
 
 def _collect(log: str, n: int, healthy: float, tool: str) -> List[Tuple[float, float]]:
     say(f"restarts: waiting for {n} restarts of the fixture under {tool}")
-    wait_until(f"{n} restarts under {tool} (see {log})", lambda: count_starts(log) >= n + 1,
-               timeout=n * (healthy + 15) + 60, poll=0.2)
+    wait_until(
+        f"{n} restarts under {tool} (see {log})",
+        lambda: count_starts(log) >= n + 1,
+        timeout=n * (healthy + 15) + 60,
+        poll=0.2,
+    )
     return restart_pairs(log, n)
 
 
 def _iso(s: str) -> float:
-    return datetime.datetime.strptime(s, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
-        tzinfo=datetime.timezone.utc).timestamp()
+    return (
+        datetime.datetime.strptime(s, "%Y-%m-%dT%H:%M:%S.%fZ")
+        .replace(tzinfo=datetime.timezone.utc)
+        .timestamp()
+    )
 
 
 def _segments(rows: List[List[float]], names: List[str]) -> List[Tuple[str, float]]:
-    """Median ms of each gap between consecutive timestamps of a restart."""
-    return [(names[j], statistics.median(1e3 * (r[j + 1] - r[j]) for r in rows))
-            for j in range(len(names))]
+    """Median ms of each gap between consecutive timestamps of a restart; empty without rows."""
+    if not rows:
+        return []
+    return [
+        (names[j], statistics.median(1e3 * (r[j + 1] - r[j]) for r in rows))
+        for j in range(len(names))
+    ]
 
 
-def rgt_restarts(stack: contextlib.ExitStack, rgt: Rgt, tmp: str, n: int,
-                 healthy: float) -> Restarts:
+def rgt_restarts(
+    stack: contextlib.ExitStack, rgt: Rgt, tmp: str, n: int, healthy: float
+) -> Restarts:
     log = os.path.join(tmp, "rgt-crasher.log")
     stack.callback(kill_fixture_leftovers, log)
     rgt.start(CRASH_RUN, [sys.executable, FIXTURE, log, str(healthy)])
@@ -508,27 +575,53 @@ def rgt_restarts(stack: contextlib.ExitStack, rgt: Rgt, tmp: str, n: int,
     events = rgt.events(CRASH_RUN)
     rows = []
     for k, (crash, start) in enumerate(pairs, start=1):
-        seen = next(e for e in events
-                    if e["kind"] == "exit" and e["reason"].startswith(f"attempt {k}:"))
-        starting = next(e for e in events if e["kind"] == "state"
-                        and e.get("state") == "STARTING" and e.get("attempt") == k + 1)
-        rows.append([crash, _iso(rgt.exit_record(CRASH_RUN, k)["ended_at"]), _iso(seen["time"]),
-                     _iso(starting["time"]),
-                     _iso(rgt.job_record(CRASH_RUN, k + 1)["started_at"]), start])
-    names = ["job exits -> shim has recorded exit.json",
-             "-> agent has journaled the exit",
-             "-> agent has journaled STARTING of the next attempt",
-             "-> new shim has started the job (job.json)",
-             "-> job's first line (fixture interpreter start)"]
+        seen = next(
+            (e for e in events if e["kind"] == "exit" and e["reason"].startswith(f"attempt {k}:")),
+            None,
+        )
+        starting = next(
+            (
+                e
+                for e in events
+                if e["kind"] == "state"
+                and e.get("state") == "STARTING"
+                and e.get("attempt") == k + 1
+            ),
+            None,
+        )
+        # The breakdown reads rgt's internal records, whose format may change: a restart whose
+        # records are missing or do not parse is left out of it (its latency above stands).
+        if seen is None or starting is None:
+            continue
+        try:
+            rows.append(
+                [
+                    crash,
+                    _iso(rgt.exit_record(CRASH_RUN, k)["ended_at"]),
+                    _iso(seen["time"]),
+                    _iso(starting["time"]),
+                    _iso(rgt.job_record(CRASH_RUN, k + 1)["started_at"]),
+                    start,
+                ]
+            )
+        except (KeyError, ValueError):
+            continue
+    names = [
+        "job exits -> shim has reaped it (exit.json's ended_at)",
+        "-> agent has journaled the exit (after the shim's exit.json, fsynced)",
+        "-> agent has journaled STARTING of the next attempt",
+        "-> new shim has started the job (job.json)",
+        "-> job's first line (fixture interpreter start)",
+    ]
     return Restarts([1e3 * (s - c) for c, s in pairs], _segments(rows, names))
 
 
-def supervisord_restarts(stack: contextlib.ExitStack, tmp: str, n: int,
-                         healthy: float) -> Restarts:
+def supervisord_restarts(stack: contextlib.ExitStack, tmp: str, n: int, healthy: float) -> Restarts:
     log = os.path.join(tmp, "sv-crasher.log")
     stack.callback(kill_fixture_leftovers, log)
-    sup = Supervisord(os.path.join(tmp, "sv-crash"),
-                      {"crash": [sys.executable, FIXTURE, log, str(healthy)]})
+    sup = Supervisord(
+        os.path.join(tmp, "sv-crash"), {"crash": [sys.executable, FIXTURE, log, str(healthy)]}
+    )
     stack.callback(sup.stop)
     sup.start()
     pairs = _collect(log, n, healthy, "supervisord")
@@ -536,24 +629,57 @@ def supervisord_restarts(stack: contextlib.ExitStack, tmp: str, n: int,
     # Where the time goes, from supervisord's log (ms resolution): restart k is the k-th
     # "exited" line and the (k+1)-th "spawned" line.
     exited, spawned = sup.log_times("exited: crash "), sup.log_times("spawned: 'crash' ")
-    rows = [[crash, exited[k], spawned[k + 1], start] for k, (crash, start) in enumerate(pairs)]
-    names = ["job exits -> supervisord has reaped it (\"exited\" logged)",
-             "-> supervisord has forked the next (\"spawned\" logged)",
-             "-> job's first line (fixture interpreter start)"]
+    rows = [
+        [crash, exited[k], spawned[k + 1], start]
+        for k, (crash, start) in enumerate(pairs)
+        if k < len(exited) and k + 1 < len(spawned)
+    ]
+    names = [
+        'job exits -> supervisord has reaped it ("exited" logged)',
+        '-> supervisord has forked the next ("spawned" logged)',
+        "-> job's first line (fixture interpreter start)",
+    ]
     return Restarts([1e3 * (s - c) for c, s in pairs], _segments(rows, names))
 
 
-def exec_floor(tmp: str, n: int) -> List[float]:
-    """ms from just before a Python parent forks the fixture to the fixture's first line: what
-    any supervisor pays at least, the same for both."""
+@dataclasses.dataclass
+class Floors:
+    """Costs outside either tool's control, measured in the same run for scale (ms)."""
+
+    fixture_start: List[float]  # fork of the fixture until its first line: both tools pay it
+    shim_imports: List[float]  # a Python that imports what the shim imports, start to exit
+    python: str  # how rgt starts its own interpreters, e.g. "python -S"
+
+
+def measure_floors(tmp: str, home: str, n: int) -> Floors:
     log = os.path.join(tmp, "floor.log")
     before = []
     for _ in range(n):
         before.append(time.time())
-        subprocess.run([sys.executable, FIXTURE, log, "0"], stdin=subprocess.DEVNULL,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=30)
+        subprocess.run(
+            [sys.executable, FIXTURE, log, "0"],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            timeout=30,
+        )
     starts = [t for kind, t, _ in read_fixture_log(log) if kind == "start"]
-    return [1e3 * (s - b) for b, s in zip(before, starts)]
+    # rgt starts every attempt under a fresh shim interpreter; supervisord forks the job itself.
+    prefix, env = rgt_python(home)
+    shim = []
+    for _ in range(n):
+        t0 = time.monotonic()
+        subprocess.run(
+            [*prefix, "-c", "import onbox.shim, setproctitle"],
+            cwd="/",
+            env=env,
+            stdin=subprocess.DEVNULL,
+            timeout=30,
+            check=True,
+        )
+        shim.append(1e3 * (time.monotonic() - t0))
+    python = " ".join(["python", *prefix[1:]])
+    return Floors([1e3 * (s - b) for b, s in zip(before, starts)], shim, python)
 
 
 # ---------------------------------------------------------------- report
@@ -576,63 +702,117 @@ def verdict(ok: bool) -> str:
     return "**pass**" if ok else "**FAIL**"
 
 
-def render(idle: List[Series], rgt_r: Restarts, sv_r: Restarts, floor: List[float],
-           args: argparse.Namespace, fs: str) -> str:
-    agent, both, sv = idle
+def render(
+    idle: List[Series],
+    rgt_r: Restarts,
+    sv_r: Restarts,
+    floors: Floors,
+    args: argparse.Namespace,
+    fs: str,
+    onbox: str,
+) -> str:
+    agent, both, sv, bare = idle
     rows: List[Tuple[str, str, str, str, str]] = []
 
     def add_rss(label: str, a: float, b: float, judged: bool) -> None:
         r = a / b
         note = "" if judged else " (agent + shim: shown, the issue judges the agent)"
-        rows.append((label, f"{a:.1f}", f"{b:.1f}", f"{r:.2f}x",
-                     f"≤ {RSS_RATIO_MAX}x: {verdict(r <= RSS_RATIO_MAX)}{note}"))
+        rows.append(
+            (
+                label,
+                f"{a:.1f}",
+                f"{b:.1f}",
+                f"{r:.2f}x",
+                f"≤ {RSS_RATIO_MAX}x: {verdict(r <= RSS_RATIO_MAX)}{note}",
+            )
+        )
 
-    add_rss("idle RSS mean, agent process (MiB)", statistics.fmean(agent.rss),
-            statistics.fmean(sv.rss), True)
+    add_rss(
+        "idle RSS mean, agent process (MiB)",
+        statistics.fmean(agent.rss),
+        statistics.fmean(sv.rss),
+        True,
+    )
     add_rss("idle RSS max, agent process (MiB)", max(agent.rss), max(sv.rss), True)
-    add_rss("idle RSS mean, agent + shim (MiB)", statistics.fmean(both.rss),
-            statistics.fmean(sv.rss), False)
+    add_rss(
+        "idle RSS mean, agent + shim (MiB)",
+        statistics.fmean(both.rss),
+        statistics.fmean(sv.rss),
+        False,
+    )
     add_rss("idle RSS max, agent + shim (MiB)", max(both.rss), max(sv.rss), False)
     for s in (agent, both):
         r = ratio(s.cpu_pct, sv.cpu_pct)
-        rows.append((f"idle CPU, {s.label.removeprefix('rgt ')} (% of one core)",
-                     f"{s.cpu_pct:.3f}", f"{sv.cpu_pct:.3f}",
-                     f"{r:.2f}x" if r is not None else "n/a (supervisord used 0)",
-                     f"< {IDLE_CPU_MAX}% of a core: {verdict(s.cpu_pct < IDLE_CPU_MAX)}"))
+        rows.append(
+            (
+                f"idle CPU, {s.label.removeprefix('rgt ')} (% of one core)",
+                f"{s.cpu_pct:.3f}",
+                f"{sv.cpu_pct:.3f}",
+                f"{r:.2f}x" if r is not None else "n/a (supervisord used 0)",
+                f"< {IDLE_CPU_MAX}% of a core: {verdict(s.cpu_pct < IDLE_CPU_MAX)}",
+            )
+        )
     for label, q in (("median", 0.5), ("p90", 0.9)):
         a, b = pctl(rgt_r.latencies_ms, q), pctl(sv_r.latencies_ms, q)
         r = a / b
-        rows.append((f"crash-to-restart latency {label} (ms)", f"{a:.0f}", f"{b:.0f}",
-                     f"{r:.2f}x", f"≤ 0.33x: {verdict(r <= LATENCY_RATIO_MAX)}"))
+        rows.append(
+            (
+                f"crash-to-restart latency {label} (ms)",
+                f"{a:.0f}",
+                f"{b:.0f}",
+                f"{r:.2f}x",
+                f"≤ 0.33x: {verdict(r <= LATENCY_RATIO_MAX)}",
+            )
+        )
 
-    header = ("| metric | rgt-agent | supervisord | ratio (rgt/supervisord) | target |\n"
-              "|---|---:|---:|---:|---|\n")
+    header = (
+        "| metric | rgt-agent | supervisord | ratio (rgt/supervisord) | target |\n"
+        "|---|---:|---:|---:|---|\n"
+    )
     table = header + "".join(f"| {' | '.join(r)} |\n" for r in rows)
 
     sup_version = importlib.metadata.version("supervisor")
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    meta = (f"Measured {when}; machine: {os.cpu_count()} cores, {platform.system()} "
-            f"{platform.release()}, Python {platform.python_version()}, supervisor {sup_version}; "
-            f"idle window {args.idle_seconds:g} s sampled every 1 s; {args.restarts} restarts per "
-            f"tool, fixture healthy for {args.healthy:g} s, start grace / startsecs "
-            f"{START_GRACE_S} s; run files on {fs}.\n")
+    meta = (
+        f"Measured {when}; machine: {os.cpu_count()} cores, {platform.system()} "
+        f"{platform.release()}, Python {platform.python_version()}, supervisor {sup_version}; "
+        f"idle window {args.idle_seconds:g} s sampled every 1 s; {args.restarts} restarts per "
+        f"tool, fixture healthy for {args.healthy:g} s, start grace / startsecs "
+        f"{START_GRACE_S} s; CPU resolution {100 / CLK_TCK / args.idle_seconds:.3f}% "
+        f"(one clock tick over the window); run files on {fs}; onbox at {onbox}.\n"
+    )
 
     def seg_table(tool: str, r: Restarts) -> str:
         lines = [f"| {tool}: segment of one restart | median ms |\n", "|---|---:|\n"]
-        lines += [f"| {name} | {ms:.1f} |\n" for name, ms in r.breakdown]
+        lines += [f"| {name} | {ms:.1f} |\n" for name, ms in r.breakdown] or [
+            "| (its records could not be read) | |\n"
+        ]
         return "".join(lines)
 
     lat = "\n".join(
         f"- {tool}: " + ", ".join(f"{x:.0f}" for x in r.latencies_ms)
-        for tool, r in (("rgt-agent", rgt_r), ("supervisord", sv_r)))
+        for tool, r in (("rgt-agent", rgt_r), ("supervisord", sv_r))
+    )
     return (
         meta + "\n" + table + "\n"
         "Where the restart time goes (timestamps from each tool's own records, 1 ms "
         "resolution; the medians of the segments need not add up to the median total):\n\n"
-        + seg_table("rgt-agent", rgt_r) + "\n" + seg_table("supervisord", sv_r) + "\n"
-        f"Floor, the same for both: a Python parent forking the fixture until its first line, "
-        f"median {statistics.median(floor):.1f} ms over {len(floor)} runs.\n\n"
-        f"Every restart latency (ms), in order:\n\n{lat}\n")
+        + seg_table("rgt-agent", rgt_r)
+        + "\n"
+        + seg_table("supervisord", sv_r)
+        + "\n"
+        "For scale, measured in the same run:\n\n"
+        f"- a bare interpreter started as rgt starts its own (`{floors.python}`), idling: RSS "
+        f"mean {statistics.fmean(bare.rss):.1f} MiB (RSS counts the interpreter's shared pages "
+        "in every process; agent + shim counts them twice);\n"
+        f"- a Python parent forking the fixture until its first line (both tools pay it): median "
+        f"{statistics.median(floors.fixture_start):.1f} ms over {len(floors.fixture_start)} "
+        "runs;\n"
+        f"- `{floors.python} -c 'import onbox.shim, setproctitle'`, start to exit (rgt pays it per "
+        f"attempt, supervisord does not): median {statistics.median(floors.shim_imports):.1f} ms "
+        f"over {len(floors.shim_imports)} runs.\n\n"
+        f"Every restart latency (ms), in order:\n\n{lat}\n"
+    )
 
 
 def update_readme(path: str, body: str) -> None:
@@ -666,6 +846,16 @@ skews both sides alike.
 - **Crash-to-restart latency**: `bench/fixture_crasher.py` records its start, runs past the start
   grace, records its crash and exits 1; the latency is the next start minus the crash (the
   first restart after a healthy run, without backoff). Median and p90 over N restarts per tool.
+  The tools take turns here, so that neither's restarts compete with the other's for the CPU.
+- **Where the restart time goes**: each restart split into segments by the timestamps in each
+  tool's own records (rgt: exit.json, events.jsonl, job.json; supervisord: its log), and, for
+  scale, costs that are not the tools' own: a bare interpreter's RSS, forking the fixture until
+  its first line, and starting an interpreter that imports what rgt's shim imports.
+
+The targets are the issue's: idle RSS of the agent at most 1.5x supervisord's (agent + shim is
+shown beside it), idle CPU under 0.5% of one core, restart latency at most a third of
+supervisord's. Rows are marked pass or FAIL; the exit code does not depend on them. The machine
+these ran on is shared, so compare the ratios of one run rather than figures across runs.
 
 Run it from the repository root (about two and a half minutes with the defaults):
 
@@ -677,6 +867,31 @@ It writes the table below (between the markers) unless `--no-readme` is given.
 """
 
 
+def onbox_version() -> str:
+    """The commit of onbox measured, and whether its working tree differed from it."""
+    root = os.path.dirname(HERE)
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=root,
+            text=True,
+            capture_output=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--", "onbox"],
+            cwd=root,
+            text=True,
+            capture_output=True,
+            timeout=10,
+            check=True,
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + (" with uncommitted changes to onbox/" if dirty.strip() else "")
+
+
 def fs_type(path: str) -> str:
     """The filesystem type of ``path`` (fsync cost depends on it: tmpfs makes it free)."""
     best, kind = "", "unknown"
@@ -684,21 +899,32 @@ def fs_type(path: str) -> str:
         for line in f:
             parts = line.split()
             mount = parts[1]
-            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and \
-                    len(mount) > len(best):
+            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(
+                best
+            ):
                 best, kind = mount, parts[2]
     return kind
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--idle-seconds", type=float, default=60.0,
-                    help="length of the idle window (default 60)")
-    ap.add_argument("--restarts", type=int, default=10,
-                    help="crash-to-restart samples per tool (default 10)")
-    ap.add_argument("--healthy", type=float, default=2.0,
-                    help=f"seconds the fixture runs before it crashes; more than the start "
-                    f"grace of {START_GRACE_S} s (default 2)")
+    ap.add_argument(
+        "--idle-seconds", type=float, default=60.0, help="length of the idle window (default 60)"
+    )
+    ap.add_argument(
+        "--restarts", type=int, default=10, help="crash-to-restart samples per tool (default 10)"
+    )
+    ap.add_argument(
+        "--healthy",
+        type=float,
+        default=2.0,
+        help=f"seconds the fixture runs before it crashes; more than the start "
+        f"grace of {START_GRACE_S} s (default 2)",
+    )
     ap.add_argument("--readme", default=README, help="README to update (default bench/README.md)")
     ap.add_argument("--no-readme", action="store_true", help="only print the table")
     ap.add_argument("--keep", action="store_true", help="keep the temporary directory")
@@ -706,6 +932,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     if args.healthy <= START_GRACE_S or args.restarts < 1 or args.idle_seconds < 1:
         ap.error(f"need --healthy > {START_GRACE_S}, --restarts >= 1, --idle-seconds >= 1")
 
+    # A plain `kill` of the benchmark must still stop what it started: turn SIGTERM into an
+    # exception that unwinds through the ExitStack below.
+    signal.signal(signal.SIGTERM, _terminate)
+    onbox = onbox_version()  # before the run: others may edit the tree while it measures
     with contextlib.ExitStack() as stack:
         tmp = tempfile.mkdtemp(prefix="bench-agent-")
         if args.keep:
@@ -718,8 +948,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         idle = idle_phase(stack, rgt, tmp, args.idle_seconds)
         rgt_r = rgt_restarts(stack, rgt, tmp, args.restarts, args.healthy)
         sv_r = supervisord_restarts(stack, tmp, args.restarts, args.healthy)
-        floor = exec_floor(tmp, max(args.restarts, 10))
-        body = render(idle, rgt_r, sv_r, floor, args, fs_type(tmp))
+        floors = measure_floors(tmp, rgt.home, max(args.restarts, 10))
+        body = render(idle, rgt_r, sv_r, floors, args, fs_type(tmp), onbox)
     print(body)
     if not args.no_readme:
         update_readme(args.readme, body)

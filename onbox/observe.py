@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import IO, Any, Dict, List, Optional
+from typing import IO, Any, Dict, List
 
 from onbox import procfs
 from onbox.daemon import TAG_VAR
@@ -54,11 +54,6 @@ def run_status(rd: RunDir) -> Dict[str, Any]:
     out["run_dir"] = rd.path
     out["log"] = rd.output_log(doc["attempt"]) if doc.get("attempt") else None
     return out
-
-
-def attempt_tag(rd: RunDir, attempt: int) -> Optional[str]:
-    rec = read_json(rd.job_record(attempt)) if attempt else None
-    return rec.get("tag") if rec else None
 
 
 def copy_logs(rd: RunDir, out: IO[bytes], agent: bool = False) -> Dict[str, int]:
@@ -118,11 +113,13 @@ def follow(
 
 def tagged_alive(rd: RunDir, attempt: int) -> List[int]:
     """Pids of live processes of ``attempt`` (zombies excluded)."""
-    tag = attempt_tag(rd, attempt)
-    if not tag:
+    rec = read_json(rd.job_record(attempt)) if attempt else None
+    if not rec:
         return []
-    found = {i.pid for i in procfs.find_tagged(TAG_VAR, tag)}
-    rec = read_json(rd.job_record(attempt)) or {}
-    if rec and procfs.is_alive(procfs.Identity(rec["pid"], rec["start_ticks"])):
-        found.add(rec["pid"])
+    job = procfs.Identity(rec["pid"], rec["start_ticks"])
+    shim = rec.get("shim")
+    roots = [procfs.Identity(shim["pid"], shim["start_ticks"])] if shim else []
+    found = {i.pid for i in procfs.find_attempt(TAG_VAR, rec["tag"], job, roots)}
+    if procfs.is_alive(job):
+        found.add(job.pid)
     return sorted(found)

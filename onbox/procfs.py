@@ -12,7 +12,7 @@ import select
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
-    from typing import Dict, Iterator, List, Optional
+    from typing import Dict, Iterable, Iterator, List, Optional
 
 
 class ProcStat:
@@ -109,20 +109,50 @@ def pids() -> Iterator[int]:
 
 
 def find_tagged(var: str, value: str) -> List[Identity]:
-    """Live processes whose environment has ``var=value``: every process of one attempt,
-    including children that called setsid and left the process group."""
+    """Live processes whose environment has ``var=value``."""
+    return find_attempt(var, value)
+
+
+def find_attempt(
+    var: str,
+    value: str,
+    leader: Optional[Identity] = None,
+    roots: Iterable[Optional[Identity]] = (),
+) -> List[Identity]:
+    """Every live process of one attempt, found four ways, so that none hides:
+
+    the tag in its environment (kept by children that call setsid and leave the group),
+    the session and process group of ``leader`` (the job, a session leader), and descent from
+    ``leader`` or from one of ``roots`` (the shim, a child subreaper that adopts orphans;
+    descent also finds a process that called setproctitle, which blanks /proc/PID/environ).
+    The roots themselves are not included.
+    """
     want_key, want_value = var.encode(), value.encode()
     me = os.getpid()
-    found = []
+    stats = {}
     for pid in pids():
-        if pid == me:
+        st = read_stat(pid)
+        if st is not None and st.state not in ("Z", "X"):
+            stats[pid] = st
+    anchors = {r.pid for r in (leader, *roots) if r is not None and is_alive(r)}
+    group = leader.pid if leader is not None else None
+    excluded = {me} | {r.pid for r in roots if r is not None}
+    found = []
+    for pid, st in stats.items():
+        if pid in excluded:
             continue
-        env = environ(pid)
-        if env is None or env.get(want_key) != want_value:
-            continue
-        ident = identity(pid)
-        if ident is not None:
-            found.append(ident)
+        hit = group is not None and (st.sid == group or st.pgid == group)
+        if not hit and anchors:
+            hops, cur = 0, st.ppid
+            while cur > 1 and hops < 64 and not hit:
+                hit = cur in anchors
+                parent = stats.get(cur)
+                cur, hops = (parent.ppid if parent else 0), hops + 1
+        if not hit:
+            env = environ(pid)
+            hit = env is not None and env.get(want_key) == want_value
+        if hit:
+            found.append(Identity(pid, st.start_ticks))
     return found
 
 

@@ -244,18 +244,25 @@ class ShimRunner:
 
     # ---- acting on the attempt's processes
     def _tagged(self) -> List[procfs.Identity]:
-        return procfs.find_tagged(TAG_VAR, self.tag) if self.tag else []
+        if not self.tag:
+            return []
+        return procfs.find_attempt(TAG_VAR, self.tag, self.job, [self.shim])
 
     def alive(self) -> bool:
         return procfs.is_alive(self.job) or bool(self._tagged())
 
     def signal(self, sig: int) -> None:
+        group = None
         if self.job is not None and procfs.is_alive(self.job):
             try:
                 os.killpg(self.job.pid, sig)  # the job is a session leader: pgid == pid
+                group = self.job.pid
             except ProcessLookupError:
                 pass
         for ident in self._tagged():
+            st = procfs.read_stat(ident.pid)
+            if st is None or st.pgid == group:
+                continue  # the group signal reached it: a job's handler must not see two
             if procfs.is_alive(ident):
                 try:
                     os.kill(ident.pid, sig)

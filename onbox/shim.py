@@ -119,22 +119,35 @@ class Shim:
                 procfs.wait_readable([pidfd], LOCK_CHECK_EVERY)
             else:
                 time.sleep(0.1)
-            rc = job.poll()
-            if rc is not None:
+            status = self.reap(job.pid)
+            if status is not None:
                 break
             self.watch_agent()
-        if self.agent_proc is not None:
-            self.agent_proc.poll()
-        if rc < 0:
-            self.record_exit(None, -rc)
+        job.returncode = status  # reaped here, not by Popen
+        if os.WIFSIGNALED(status):
+            self.record_exit(None, os.WTERMSIG(status))
         else:
-            self.record_exit(rc, None)
+            self.record_exit(os.WEXITSTATUS(status), None)
         return 0
+
+    def reap(self, job_pid: int) -> Optional[int]:
+        """Reap every child that ended (the job, orphans we adopted, an agent we started);
+        the job's wait status once it has ended."""
+        found = None
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return found
+            if pid == 0:
+                return found
+            if pid == job_pid:
+                found = status
+            elif self.agent_proc is not None and pid == self.agent_proc.pid:
+                self.agent_proc.returncode = status
 
     def watch_agent(self) -> None:
         """Start the agent again when nobody has held the run's lock for a while."""
-        if self.agent_proc is not None:
-            self.agent_proc.poll()  # reap an agent we started, should it have died
         if is_held(self.rd.lock):
             self.lock_free_since = None
             return
@@ -190,9 +203,21 @@ def _say(fd: int, msg: Dict[str, Any]) -> None:
         pass
 
 
+def _become_subreaper() -> None:
+    """Orphans of the job are reparented to the shim instead of init, so they stay findable as
+    descendants of the attempt (containerd-shim does the same). Best effort: Linux >= 3.4."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: List[str]) -> int:
     run_path, attempt_s, ready_s = argv
     os.umask(0o077)
+    _become_subreaper()
     for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):
         # The shim must outlive everything but its job: only SIGKILL ends it early.
         signal.signal(sig, signal.SIG_IGN)

@@ -100,20 +100,51 @@ class Cli:
         return self.wait_for(name, lambda s: s["state"] in states, timeout, f"state {states}")
 
 
+def _recorded_processes(home: str) -> List[procfs.Identity]:
+    """Agents (lock holders) and shims (job.json) of every run under ``home``: found by their
+    records, since setproctitle blanks their /proc/PID/environ."""
+    found = []
+    runs = os.path.join(home, "runs")
+    for name in os.listdir(runs) if os.path.isdir(runs) else []:
+        run = os.path.join(runs, name)
+        try:
+            with open(os.path.join(run, "lock")) as f:
+                holder = json.loads(f.read() or "{}")
+            if holder.get("pid"):
+                found.append(procfs.Identity(holder["pid"], holder.get("start_ticks") or -1))
+        except (OSError, ValueError):
+            pass
+        attempts = os.path.join(run, "attempts")
+        for a in os.listdir(attempts) if os.path.isdir(attempts) else []:
+            try:
+                with open(os.path.join(attempts, a, "job.json")) as f:
+                    rec = json.load(f)
+                found.append(procfs.Identity(rec["shim"]["pid"], rec["shim"]["start_ticks"]))
+            except (OSError, ValueError, KeyError):
+                pass
+    return found
+
+
 def _kill_run_processes(home: str) -> None:
-    """SIGKILL every agent, shim and job process whose environment or title names this home."""
+    """SIGKILL, by PID, every agent and shim of the runs under ``home`` (first, so that nothing
+    restarts a job), then every process whose environment names ``home``; until none is left."""
     key = home.encode()
-    for pid in procfs.pids():
-        if pid == os.getpid():
-            continue
-        env = procfs.environ(pid)
-        if env is None:
-            continue
-        if env.get(b"RGT_HOME") == key or (env.get(b"RGT_RUN_DIR") or b"").startswith(key):
+    for _ in range(5):
+        victims = [i.pid for i in _recorded_processes(home) if procfs.is_alive(i)]
+        for pid in procfs.pids():
+            env = procfs.environ(pid) if pid != os.getpid() else None
+            if env and (
+                env.get(b"RGT_HOME") == key or (env.get(b"RGT_RUN_DIR") or b"").startswith(key)
+            ):
+                victims.append(pid)
+        if not victims:
+            return
+        for pid in victims:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        time.sleep(0.1)
 
 
 @pytest.fixture

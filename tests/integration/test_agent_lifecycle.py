@@ -221,6 +221,24 @@ def test_stop_escalates_to_sigkill_of_the_whole_group_and_setsid_children(cli: C
     assert st["state"] == "STOPPED" and st["last_exit"]["signal"] == signal.SIGKILL
 
 
+def test_stop_finds_an_orphaned_setsid_grandchild_that_blanked_its_environment(cli: Cli) -> None:
+    cli("start", "--name", "rh", "--grace", "1", "--", *fixture("hider.py"), check=True)
+    path = os.path.join(cli.home, "runs", "rh", "hider.pid")
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    with open(path) as f:
+        hidden = int(f.read())
+    env = procfs.environ(hidden) or {}
+    assert TAG_VAR.encode() not in env  # the premise: the tag cannot be read any more
+    st = procfs.read_stat(hidden)
+    assert st is not None and st.sid == hidden
+    assert st.ppid == _shim_pid(cli, "rh", 1)  # adopted by the shim, a child subreaper
+    cli("stop", "rh", check=True)
+    assert not _alive(hidden)
+
+
 def test_stop_gives_the_job_its_grace_before_sigkill(cli: Cli) -> None:
     cli("start", "--name", "r8", "--", *fixture("ignore_term.py"), check=True)
     cli.wait_state("r8", "STARTING", "RUNNING")

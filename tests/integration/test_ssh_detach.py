@@ -17,6 +17,7 @@ the run locally with the same RGT_HOME (loopback shares the filesystem).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -25,7 +26,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import pytest
 
@@ -88,6 +89,12 @@ class Session:
                 time.sleep(0.05)
         return self.shell
 
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """Kill the client and the remote shell by PID, if they still live."""
         if self.proc.poll() is None:
@@ -114,6 +121,23 @@ def _wait_gone(ident: procfs.Identity, what: str, timeout: float = TIMEOUT) -> N
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} (pid {ident.pid}) still lives after {timeout}s")
         time.sleep(0.05)
+
+
+def _session_and_tty(pid: int) -> Tuple[int, int]:
+    """Session id and controlling terminal (0: none) of a process, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        rest = f.read().rsplit(")", 1)[1].split()
+    return int(rest[3]), int(rest[4])
+
+
+def _assert_detached(shell: procfs.Identity, **procs: procfs.Identity) -> None:
+    """Each process is outside the ssh session and has no controlling terminal."""
+    shell_sid, _ = _session_and_tty(shell.pid)
+    for what, ident in procs.items():
+        sid, tty = _session_and_tty(ident.pid)
+        assert procfs.is_alive(ident), f"the {what} (pid {ident.pid}) is gone"
+        assert sid != shell_sid, f"the {what} (pid {ident.pid}) is in the ssh session {sid}"
+        assert tty == 0, f"the {what} (pid {ident.pid}) has a controlling terminal ({tty})"
 
 
 def _running(cli: Cli, name: str) -> Tuple[procfs.Identity, procfs.Identity, int]:
@@ -154,14 +178,34 @@ def _stop(cli: Cli, name: str) -> None:
     assert cli.status(name)["state"] == "STOPPED"
 
 
+@contextlib.contextmanager
+def _stopped_after(cli: Cli, name: str) -> Iterator[None]:
+    """Stop the run when the block ends: checked after a pass, best effort after a failure.
+
+    (The rgt_home sweep alone does not stop a live agent: it finds processes by their
+    environment, which setproctitle blanks in the agent and the shim, and the agent restarts
+    the job the sweep kills.)
+    """
+    try:
+        yield
+    except BaseException:
+        try:
+            cli("stop", name, "--grace", "2")
+        except subprocess.TimeoutExpired:
+            pass
+        raise
+    _stop(cli, name)
+
+
 @pytest.mark.parametrize("tty", [False, True], ids=["notty", "pty"])
 def test_survives_ssh_client_killed(sshd: SshServer, cli: Cli, session_out: str, tty: bool) -> None:
     name = f"ssh-kill-{'pty' if tty else 'notty'}"
-    s = Session(sshd, _open_session_line(cli, name), session_out, tty=tty)
-    try:
+    line = _open_session_line(cli, name)
+    with _stopped_after(cli, name), Session(sshd, line, session_out, tty=tty) as s:
         shell = s.shell_identity()
         job, agent, steps = _running(cli, name)
         assert s.proc.poll() is None, f"the session ended early: {s.output()}"
+        _assert_detached(shell, agent=agent, job=job)
 
         s.proc.send_signal(signal.SIGKILL)
         s.proc.wait(10)
@@ -169,42 +213,39 @@ def test_survives_ssh_client_killed(sshd: SshServer, cli: Cli, session_out: str,
         if tty:  # closing the terminal hung up the remote session: the SIGHUP really came
             _wait_gone(shell, "the remote shell, after its terminal hung up")
         _assert_survived(cli, name, job, agent, steps)
-    finally:
-        s.close()
-    _stop(cli, name)
 
 
 @pytest.mark.parametrize("tty", [False, True], ids=["notty", "pty"])
 def test_survives_session_closing_normally(sshd: SshServer, cli: Cli, tty: bool) -> None:
     name = f"ssh-close-{'pty' if tty else 'notty'}"
-    try:
-        p = sshd.run(_start_line(cli, name), tty=tty, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired as e:
-        raise AssertionError(
-            f"ssh did not return after `rgt-agent start` (something holds "
-            f"the session open): {e.stdout!r} {e.stderr!r}"
-        ) from None
-    assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
-    m = re.search(r"started run \S+: agent pid (\d+), job pid (\d+), attempt 1", p.stdout)
-    assert m, p.stdout
-    sshd.wait_no_sessions()
+    with _stopped_after(cli, name):
+        try:
+            p = sshd.run(_start_line(cli, name), tty=tty, timeout=TIMEOUT)
+        except subprocess.TimeoutExpired as e:
+            raise AssertionError(
+                "ssh did not return after `rgt-agent start` (something holds the session "
+                f"open): {e.stdout!r} {e.stderr!r}"
+            ) from None
+        assert p.returncode == 0, f"{p.stdout}\n{p.stderr}"
+        m = re.search(r"started run \S+: agent pid (\d+), job pid (\d+), attempt 1", p.stdout)
+        assert m, p.stdout
+        sshd.wait_no_sessions()
 
-    job, agent, steps = _running(cli, name)
-    assert (agent.pid, job.pid) == (int(m.group(1)), int(m.group(2))), p.stdout
-    _assert_survived(cli, name, job, agent, steps)
-    _stop(cli, name)
+        job, agent, steps = _running(cli, name)
+        assert (agent.pid, job.pid) == (int(m.group(1)), int(m.group(2))), p.stdout
+        _assert_survived(cli, name, job, agent, steps)
 
 
 def test_survives_explicit_sighup(sshd: SshServer, cli: Cli, session_out: str) -> None:
     name = "ssh-sighup"
-    s = Session(sshd, _open_session_line(cli, name), session_out, tty=False)
-    try:
+    line = _open_session_line(cli, name)
+    with _stopped_after(cli, name), Session(sshd, line, session_out, tty=False) as s:
         shell = s.shell_identity()
         job, agent, steps = _running(cli, name)
         rec = read_json(RunDir(name, cli.home).job_record(1))
         assert rec is not None
         shim = procfs.Identity(rec["shim"]["pid"], rec["shim"]["start_ticks"])
-        assert procfs.is_alive(shim), rec
+        _assert_detached(shell, agent=agent, shim=shim, job=job)
 
         os.kill(agent.pid, signal.SIGHUP)
         os.kill(shim.pid, signal.SIGHUP)
@@ -214,6 +255,3 @@ def test_survives_explicit_sighup(sshd: SshServer, cli: Cli, session_out: str) -
         sshd.wait_no_sessions()
         _assert_survived(cli, name, job, agent, steps)
         assert procfs.is_alive(shim), "the shim died of SIGHUP"
-    finally:
-        s.close()
-    _stop(cli, name)

@@ -1,0 +1,143 @@
+"""The one interface every durable store implements, and its errors.
+
+A store is a URL naming a root (``file:///mnt/durable/rgt``, ``s3://bucket/prefix``,
+``hf://user/repo/prefix``). Keys are '/'-separated paths relative to that root
+(``RUN/checkpoints/120/model.pt``); a key never starts with '/', never holds '..' or an empty
+part. Each run lives under ``RUN/``.
+
+Contract, for every implementation:
+
+- ``put_file`` and ``put_bytes`` are atomic: a reader sees the old object or the whole new one,
+  never a part; a failed put leaves no object under the final key. Both are idempotent, so a
+  retried put is safe.
+- ``put_file`` is given the sha256 the caller computed while reading the file, and verifies
+  what the store holds against it without downloading it again where the store computes a
+  checksum of its own (S3 additional checksums or ETags, the Hub's sha256); only a store that
+  computes none (a plain directory) is read back. A mismatch raises ``IntegrityError``.
+- ``put_bytes(..., if_absent=True)`` creates only when the key does not exist (S3
+  ``If-None-Match: *`` where the store supports it), else raises ``PreconditionFailed``.
+- Errors are ``TransientStoreError`` (retry: network, throttling, 5xx) or
+  ``PermanentStoreError`` (never retried in a loop: auth, no bucket, ENOSPC, EACCES).
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import time
+from typing import Callable, Iterator, List, Optional, TypeVar
+
+from onbox.errors import IntegrityError, RgtError
+
+T = TypeVar("T")
+
+
+class StoreError(RgtError):
+    """A store could not do what was asked."""
+
+    exit_code = 14
+
+
+class TransientStoreError(StoreError):
+    """Worth retrying: the network, throttling, a 5xx."""
+
+
+class PermanentStoreError(StoreError):
+    """Retrying cannot help: credentials, a missing bucket, a full or read-only disk."""
+
+
+class PreconditionFailed(StoreError):
+    """A conditional write found the key already there."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """What a store says about one object."""
+
+    key: str
+    size: int
+    sha256: Optional[str] = None  # hex, when the store knows it
+    etag: Optional[str] = None
+    mtime: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One thing a preflight found, for people: ``ok`` false means a warning."""
+
+    ok: bool
+    what: str
+
+
+def check_key(key: str) -> str:
+    """Refuse keys that could escape the root or collide."""
+    parts = key.split("/")
+    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
+        raise IntegrityError(f"store key {key!r} is not a clean relative path")
+    return key
+
+
+class Store(abc.ABC):
+    """A durable store root. See the module docstring for the contract."""
+
+    url: str
+
+    @abc.abstractmethod
+    def put_file(self, key: str, path: str, *, sha256: str, size: int) -> ObjectInfo:
+        """Upload the local file ``path`` (``size`` bytes, ``sha256`` hex) and verify it."""
+
+    @abc.abstractmethod
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> ObjectInfo:
+        """Write a small object (a manifest, LATEST, state) atomically."""
+
+    @abc.abstractmethod
+    def get_bytes(self, key: str) -> Optional[bytes]:
+        """A small object's bytes, or None when absent."""
+
+    @abc.abstractmethod
+    def get_file(self, key: str, dest: str) -> None:
+        """Download ``key`` to ``dest`` (the caller writes to a temporary name and verifies)."""
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> Optional[ObjectInfo]:
+        """What the store says about ``key``, or None when absent."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; absent is fine."""
+
+    @abc.abstractmethod
+    def preflight(self, run: str) -> List[Finding]:
+        """Prove the store works for ``run`` before training starts (write, read back, compare,
+        delete under ``run/``); raise StoreError naming the step that failed."""
+
+    def abort_stale_uploads(self, prefix: str) -> int:
+        """Abort half-finished uploads under ``prefix`` left by a dead writer; how many."""
+        return 0
+
+    def same_filesystem_as(self, path: str) -> bool:
+        """Whether the store lives on the filesystem holding ``path`` (so it is not durable)."""
+        return False
+
+
+def with_retries(
+    fn: Callable[[], T],
+    *,
+    attempts: int = 5,
+    base: float = 0.5,
+    cap: float = 30.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Call ``fn``; retry TransientStoreError with exponential backoff, nothing else."""
+    for n in range(attempts):
+        try:
+            return fn()
+        except TransientStoreError:
+            if n == attempts - 1:
+                raise
+            sleep(min(cap, base * 2**n))
+    raise AssertionError("unreachable")

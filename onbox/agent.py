@@ -24,6 +24,7 @@ from onbox.journal import FileJournal, log
 from onbox.lock import RunLock
 from onbox.rundir import RunDir
 from onbox.runner import ShimRunner
+from onbox.sealing import SealService
 from onbox.spec import JobSpec
 from onbox.states import TERMINAL, State
 from onbox.supervisor import LEFTOVER_GRACE, Clock, Hooks, RealClock, Supervisor
@@ -57,6 +58,11 @@ class Agent:
         )
         state_doc = read_json(rd.state)
         self.fresh = state_doc is None
+        self.seal: Optional[SealService] = None
+        if self.spec.store:
+            self.seal = SealService(self.spec, rd, self.journal, self.runner.signal_job)
+            self.runner.resume_from = self.seal.resume_from
+            hooks = self.seal
         self.sup = Supervisor(
             self.spec, self.runner, clock or RealClock(), self.journal, hooks=hooks, doc=state_doc
         )
@@ -81,12 +87,16 @@ class Agent:
                 pass
             was = "new run" if self.fresh else f"run was {sup.state}"
             sup.new_incarnation(f"rgt-agent start ({was}); agent pid {os.getpid()}")
+            if self.seal is not None:
+                self.seal.start(begin=True)  # epoch, restore, then sealing in the background
             return True
         self.adopted = True
         self.journal.event(
             "adopt",
             f"agent pid {os.getpid()} took over the run in {sup.state}, attempt {sup.attempt}",
         )
+        if self.seal is not None:
+            self.seal.start(begin=False)
         if sup.attempt > 0:
             status = self.runner.adopt(sup.attempt)
             if status is not None and not sup.exit_seen:

@@ -136,6 +136,32 @@ def _prepare_run(spec: JobSpec) -> RunDir:
     return rd
 
 
+def _check_store(spec: JobSpec) -> bool:
+    """Preflight the store before anything starts; False when the run is finished already."""
+    if not spec.store:
+        return True
+    from onbox import manifest as mf
+    from onbox.stores import open_store
+
+    store = open_store(spec.store)
+    for finding in store.preflight(spec.name):
+        _emit(("store: " if finding.ok else "WARNING: store: ") + finding.what)
+    if store.same_filesystem_as(spec.ckpt_dir):
+        click.echo(
+            f"WARNING: the store {store.url} is on the same filesystem as the checkpoint dir "
+            f"{spec.ckpt_dir}: it dies with this disk. Is the durable mount really mounted?",
+            err=True,
+        )
+    done = store.get_bytes(mf.done_key(spec.name))
+    if done is not None:
+        _emit(
+            f"run {spec.name} is finished: {store.url}/{spec.name}/DONE.json exists; not "
+            "training again (to train again, start under a new --name)"
+        )
+        return False
+    return True
+
+
 def _take_run(spec: JobSpec, rd: RunDir) -> RunLock:
     """Lock the run and write its spec; refuses to swap the command of a live run."""
     lock = RunLock.acquire(rd.lock, rd.name)
@@ -169,6 +195,8 @@ def start(
     """Check everything, then detach the agent and return with the run's name and paths."""
     spec = _resolve_spec(job_file, name, ckpt_dir, store, grace)
     rd = _prepare_run(spec)
+    if not _check_store(spec):
+        return 0
     lock = _take_run(spec, rd)
     r, w = os.pipe()
     try:
@@ -208,6 +236,8 @@ def run(
     """Like start, but supervise in the foreground; exit code tells the final state."""
     spec = _resolve_spec(job_file, name, ckpt_dir, store, grace)
     rd = _prepare_run(spec)
+    if not _check_store(spec):
+        return 0
     lock = _take_run(spec, rd)
     os.umask(0o077)
     set_title(f"rgt-agent run {rd.name}")

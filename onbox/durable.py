@@ -6,6 +6,7 @@ the caller rewrites the data (the kernel may have dropped the dirty pages alread
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -72,3 +73,16 @@ def append_line(path: str, line: str, sync: bool = True) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def sha256_file(path: str) -> tuple[str, int]:
+    """(sha256 hex, size) of a file, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(1 << 20)
+            if not b:
+                return h.hexdigest(), n
+            h.update(b)
+            n += len(b)

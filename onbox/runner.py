@@ -14,7 +14,7 @@ import os
 import shutil
 import subprocess
 import time
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional
 
 from onbox import cgroup, procfs
 from onbox.classify import ExitStatus
@@ -89,6 +89,8 @@ class ShimRunner:
         self._shim_proc: Optional[subprocess.Popen[bytes]] = None
         self._watch: Optional[procfs.Identity] = None  # what the pidfd watches
         self._pidfd: Optional[int] = None
+        # The restored checkpoint, set by the sealing service; '' when starting fresh.
+        self.resume_from: Callable[[], str] = lambda: ""
 
     # ---- starting
     def job_environ(self, attempt: int, tag: str) -> Dict[str, str]:
@@ -99,7 +101,7 @@ class ShimRunner:
                 "RGT_RUN": self.spec.name,
                 "RGT_RUN_DIR": self.rd.path,
                 "RGT_CKPT_DIR": self.spec.ckpt_dir,
-                "RGT_RESUME_FROM": "",
+                "RGT_RESUME_FROM": self.resume_from(),
                 "RGT_ATTEMPT": str(attempt),
                 TAG_VAR: tag,
             }
@@ -268,6 +270,14 @@ class ShimRunner:
                     os.kill(ident.pid, sig)
                 except ProcessLookupError:
                     pass
+
+    def signal_job(self, sig: int) -> None:
+        """Send ``sig`` to the job's main process only (a checkpoint request)."""
+        if self.job is not None and procfs.is_alive(self.job):
+            try:
+                os.kill(self.job.pid, sig)
+            except ProcessLookupError:
+                pass
 
     def tail(self) -> str:
         path = self.rd.output_log(self.attempt)

@@ -103,12 +103,17 @@ class JobSpec:
     stop_signal: int = int(signal.SIGTERM)
     trigger: str = "none"
     restart: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
+    keep: int = 3  # sealed checkpoints kept in the store (the newest verified one always)
+    ckpt_interval: Optional[float] = None  # ask the job to checkpoint this often (trigger)
+    scan_interval: float = 5.0  # look for new complete checkpoints at least this often
+    outputs: Tuple[str, ...] = ()  # paths (relative to workdir) sealed when the job succeeds
 
     def to_json(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
         d["command"] = list(self.command)
         d["env"] = dict(self.env)
         d["restart"]["success_codes"] = list(self.restart.success_codes)
+        d["outputs"] = list(self.outputs)
         return d
 
     @classmethod
@@ -126,6 +131,10 @@ class JobSpec:
             stop_signal=int(d["stop_signal"]),
             trigger=d.get("trigger", "none"),
             restart=RestartPolicy(**r),
+            keep=int(d.get("keep", 3)),
+            ckpt_interval=d.get("ckpt_interval"),
+            scan_interval=float(d.get("scan_interval", 5.0)),
+            outputs=tuple(d.get("outputs") or ()),
         )
 
 
@@ -139,8 +148,9 @@ _TOP_KEYS = {
     "checkpoint",
     "store",
     "restart",
+    "outputs",
 }
-_CKPT_KEYS = {"dir", "trigger"}
+_CKPT_KEYS = {"dir", "trigger", "keep", "interval", "scan"}
 _RESTART_KEYS = {f.name for f in dataclasses.fields(RestartPolicy)}
 
 
@@ -256,13 +266,34 @@ def build_spec(
             f"use one of {', '.join(TRIGGERS)}",
         )
 
-    store = flags.store or data.get("store")
-    if store is not None and (not isinstance(store, str) or "://" not in store):
+    keep = ckpt.get("keep", 3)
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise UsageError("checkpoint.keep", f"{keep!r} is not a count >= 1")
+    interval = ckpt.get("interval")
+    ckpt_interval = None if interval is None else parse_duration(interval, "checkpoint.interval")
+    if ckpt_interval is not None and trigger == "none":
         raise UsageError(
-            "store",
-            f"{store!r} is not a store URL",
-            "e.g. file:///mnt/durable/rgt or s3://bucket/prefix",
+            "checkpoint.interval",
+            "needs a trigger to ask the job with",
+            'set checkpoint.trigger = "signal:USR2" or "file"',
         )
+    scan = parse_duration(ckpt.get("scan", 5), "checkpoint.scan")
+    outputs = data.get("outputs", [])
+    if not isinstance(outputs, list) or not all(
+        isinstance(o, str) and o and not o.startswith("/") and ".." not in o.split("/")
+        for o in outputs
+    ):
+        raise UsageError(
+            "outputs",
+            "must be a list of paths relative to the workdir",
+            'e.g. outputs = ["out/", "metrics.json"]',
+        )
+
+    store = flags.store or data.get("store")
+    if store is not None:
+        from onbox.stores import open_store
+
+        open_store(store)  # parses the URL: a malformed one is refused here, by name
 
     grace = parse_duration(
         flags.grace if flags.grace is not None else data.get("grace", 30),
@@ -286,6 +317,10 @@ def build_spec(
         stop_signal=stop_signal,
         trigger=trigger,
         restart=restart,
+        keep=keep,
+        ckpt_interval=ckpt_interval,
+        scan_interval=scan,
+        outputs=tuple(outputs),
     )
 
 

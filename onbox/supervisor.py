@@ -80,9 +80,10 @@ class Hooks:
     """Where later parts plug into a stop. The default does nothing.
 
     ``on_stop_requested`` runs when a stop or preemption begins, before the job is signalled
-    (ask the job for a final checkpoint here); ``before_terminal`` runs once every process of
-    the attempt is gone and before the terminal state is written (seal the final checkpoint
-    here). Both get ``deadline``, a monotonic time they must return by.
+    (the sealer asks the job for a final checkpoint here); ``before_terminal`` runs once every
+    process of the attempt is gone and before the terminal state is written, with ``reason``
+    "stop", "preempt" or "success" (the sealer seals what fits, or writes DONE.json). Both get
+    ``deadline``, a monotonic time they must return by.
     """
 
     def on_stop_requested(self, reason: str, deadline: float) -> None:
@@ -310,6 +311,7 @@ class Supervisor:
 
     def _decide(self, verdict: Verdict, tail: str, now: float) -> None:
         if verdict.kind == Kind.SUCCESS:
+            self.hooks.before_terminal("success", now + 86400.0)
             self._change(State.SUCCEEDED, f"attempt {self.attempt} {verdict.reason}")
             return
         quick = self._attempt_started is not None and (

@@ -53,14 +53,26 @@ def open_store(url: str, *, endpoint_url: str | None = None) -> Store:
                 f"{bucket!r} is not a valid S3 bucket name",
                 "3-63 characters: lowercase letters, digits, '.', '-'",
             )
-        from onbox.stores.s3 import S3Store
-
+        try:
+            from onbox.stores.s3 import S3Store
+        except ImportError as e:
+            raise UsageError(
+                "store",
+                f"s3:// needs boto3 ({e})",
+                "pip install 'remote-gpu-trainer[s3]' into the agent's venv",
+            ) from None
         return S3Store(bucket, _clean_prefix(parts.path, url), endpoint_url=endpoint_url)
     if scheme == "hf":
         segs = [s for s in (parts.netloc + parts.path).split("/") if s]
         if len(segs) < 2 or not all(_HF_PART.match(s) for s in segs[:2]):
             raise UsageError("store", f"{url!r} names no Hub repo", "write hf://user/repo[/prefix]")
-        from onbox.stores.hf import HFStore
-
+        try:
+            from onbox.stores.hf import HFStore
+        except ImportError as e:
+            raise UsageError(
+                "store",
+                f"hf:// needs huggingface_hub ({e})",
+                "pip install 'remote-gpu-trainer[hf]' into the agent's venv",
+            ) from None
         return HFStore(f"{segs[0]}/{segs[1]}", _clean_prefix("/".join(segs[2:]), url))
     raise UsageError("store", f"{url!r}: unknown scheme {scheme!r}", "use file://, s3:// or hf://")

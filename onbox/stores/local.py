@@ -13,7 +13,7 @@ import hashlib
 import os
 from typing import Iterator, List, Optional
 
-from onbox.durable import fsync_dir
+from onbox.durable import fsync_dir, sha256_file
 from onbox.errors import IntegrityError
 from onbox.stores.base import (
     Finding,
@@ -36,16 +36,6 @@ _PERMANENT = {
     errno.EISDIR,
     errno.ENAMETOOLONG,
 }
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(CHUNK)
-            if not b:
-                return h.hexdigest()
-            h.update(b)
 
 
 def _fail(e: OSError, doing: str) -> Exception:
@@ -128,7 +118,7 @@ class LocalStore(Store):
             finally:
                 os.close(fd)
             got_size = os.stat(tmp).st_size
-            got = sha256_file(tmp)
+            got = sha256_file(tmp)[0]
             if got_size != size or got != sha256:
                 raise IntegrityError(
                     f"{key}: the copy in {self.root} does not match its source "

@@ -1,0 +1,356 @@
+"""Sealing inside the agent: when it runs, at what priority, and what happens at the edges.
+
+``SealService`` is the agent's ``Hooks``. At agent start it takes a new epoch in the store,
+aborts uploads a dead agent left half-done, and (for a new incarnation) restores the newest
+verified checkpoint onto a box that lacks it. Then a background thread, at lower CPU and IO
+priority than the job, seals new complete checkpoints as they appear (a periodic scan), asks
+the job to checkpoint on its declared trigger every ``checkpoint.interval``, and mirrors the
+run's state and events to the store. On preemption it asks the job for a final checkpoint and
+seals it only if the measured throughput says it fits in the budget; on success it seals the
+last checkpoints, the outputs and the logs, verifies them, and writes DONE.json.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+from onbox import manifest as mf
+from onbox.durable import sha256_file
+from onbox.journal import FileJournal
+from onbox.restore import restore_latest
+from onbox.rundir import RunDir
+from onbox.sealer import Sealer, take_epoch
+from onbox.spec import JobSpec
+from onbox.stores import open_store
+from onbox.stores.base import Store, StoreError, with_retries
+from onbox.supervisor import Hooks
+
+# Seconds kept in hand at the end of a preemption budget for the final records and the exit.
+MARGIN = 1.0
+_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
+
+
+def _lower_priority() -> None:
+    """This thread yields CPU and disk to the job (nice 10, IO best-effort level 7)."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 10)
+    except OSError:
+        pass
+    nr = _IOPRIO_SET.get(os.uname().machine)
+    if nr is None:
+        return
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).syscall(nr, 1, tid, (2 << 13) | 7)
+    except (OSError, AttributeError):
+        pass
+
+
+class SealService(Hooks):
+    """The agent's sealing: one per agent process, for a run with a store."""
+
+    def __init__(
+        self, spec: JobSpec, rd: RunDir, journal: FileJournal, signal_job: Callable[[int], None]
+    ) -> None:
+        assert spec.store is not None
+        self.spec = spec
+        self.rd = rd
+        self.journal = journal
+        self.signal_job = signal_job
+        self.store: Store = open_store(spec.store)
+        self.sealer: Optional[Sealer] = None
+        self.restored: Optional[Dict[str, Any]] = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._asked_at = time.monotonic()
+        self._mirrored: Dict[str, float] = {}
+        self._observer: Any = None
+
+    def event(
+        self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
+    ) -> None:
+        self.journal.event(kind, reason, klass=klass, remedy=remedy, **data)
+
+    # ---- start
+    def start(self, begin: bool) -> None:
+        """Epoch, stale uploads, restore (``begin``: a new incarnation), then the thread."""
+        run = self.spec.name
+        epoch = take_epoch(self.store, run)
+        aborted = self.store.abort_stale_uploads(f"{run}/")
+        if aborted:
+            self.event(
+                "uploads_aborted",
+                f"aborted {aborted} upload(s) a dead agent left half-done",
+                klass="transient",
+            )
+        staging = os.path.join(self.rd.path, "staging")
+        self.sealer = Sealer(
+            run,
+            self.spec.ckpt_dir,
+            self.store,
+            staging,
+            epoch=epoch,
+            keep=self.spec.keep,
+            event=self.event,
+            state_path=os.path.join(self.rd.path, "sealer.json"),
+        )
+        self.sealer.load()
+        self.event(
+            "epoch",
+            f"epoch {epoch} in {self.store.url}; LATEST is "
+            f"{self.sealer.latest if self.sealer.latest is not None else 'empty'}",
+            epoch=epoch,
+        )
+        if begin:
+            self.restored = restore_latest(self.store, run, self.spec.ckpt_dir, self.event)
+            if self.restored is not None:
+                self.sealer.remember_restored(self.restored)
+        self._thread = threading.Thread(target=self._loop, name="rgt-sealer", daemon=True)
+        self._thread.start()
+        self._watch()
+
+    def _watch(self) -> None:
+        """inotify (through watchdog) wakes the sealer when a file in the checkpoint dir is
+        closed after writing or renamed into place; the periodic scan stays the fallback."""
+        try:
+            from watchdog.events import FileSystemEvent, FileSystemEventHandler
+            from watchdog.observers import Observer
+        except ImportError:
+            self.event(
+                "inotify_unavailable",
+                "watchdog is not installed: checkpoints are found "
+                f"by a scan every {self.spec.scan_interval:.0f}s",
+                klass="usage",
+                remedy="pip install watchdog into the agent's venv",
+            )
+            return
+        wake = self._wake
+
+        class Handler(FileSystemEventHandler):
+            def on_any_event(self, event: FileSystemEvent) -> None:
+                if event.event_type in ("closed", "moved", "created"):
+                    wake.set()
+
+        try:
+            observer = Observer()
+            observer.daemon = True
+            observer.schedule(Handler(), self.spec.ckpt_dir, recursive=True)
+            observer.start()
+            self._observer = observer
+        except OSError as e:  # inotify limits reached: the scan still finds everything
+            self.event(
+                "inotify_unavailable",
+                f"cannot watch {self.spec.ckpt_dir}: {e}",
+                klass="transient",
+                remedy="raise fs.inotify.max_user_watches",
+            )
+
+    def resume_from(self) -> str:
+        """RGT_RESUME_FROM for the next attempt: the restored checkpoint, or ''."""
+        if self.restored is not None and os.path.exists(self.restored["local"]):
+            return str(self.restored["local"])
+        return ""
+
+    def done(self) -> Optional[Dict[str, Any]]:
+        data = self.store.get_bytes(mf.done_key(self.spec.name))
+        return json.loads(data) if data else None
+
+    # ---- the background thread
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _loop(self) -> None:
+        _lower_priority()
+        backoff = 0.0
+        while not self._stop.is_set():
+            self._wake.wait(max(self.spec.scan_interval, backoff))
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self._ask_on_timer()
+                assert self.sealer is not None
+                self.sealer.seal_pending()
+                self.mirror()
+                backoff = 0.0
+            except StoreError as e:
+                backoff = min(300.0, max(2.0, backoff * 2))
+                klass = "transient" if type(e).__name__.startswith("Transient") else "permanent"
+                self.event(
+                    "seal_error",
+                    f"{e.what}; retrying in {backoff:.0f}s",
+                    klass=klass,
+                    remedy=e.remedy or "the checkpoints stay on the box meanwhile",
+                )
+            except Exception as e:  # a bug must not kill sealing for the rest of the run
+                backoff = min(300.0, max(5.0, backoff * 2))
+                self.event(
+                    "seal_bug",
+                    f"{type(e).__name__}: {e}",
+                    klass="permanent",
+                    remedy="report this; sealing retries",
+                )
+
+    def _ask_on_timer(self) -> None:
+        if self.spec.ckpt_interval is None:
+            return
+        if time.monotonic() - self._asked_at >= self.spec.ckpt_interval:
+            self._asked_at = time.monotonic()
+            self.ask_job("timer")
+
+    def ask_job(self, why: str) -> None:
+        """Ask the job for a checkpoint the way it declared."""
+        trigger = self.spec.trigger
+        if trigger == "file":
+            with open(os.path.join(self.rd.path, "checkpoint.request"), "w") as f:
+                f.write(json.dumps({"why": why, "at": time.time()}))
+        elif trigger.startswith("signal:"):
+            self.signal_job(int(getattr(signal, "SIG" + trigger.split(":", 1)[1])))
+        else:
+            return
+        self.event("checkpoint_asked", f"asked the job for a checkpoint ({why}, {trigger})")
+
+    def mirror(self) -> None:
+        """The run's state and events in the store, so status is readable without the box."""
+        for name, path in (("state.json", self.rd.state), ("events.jsonl", self.rd.events)):
+            try:
+                mtime = os.stat(path).st_mtime
+                if self._mirrored.get(name) == mtime:
+                    continue
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            self.store.put_bytes(f"{self.spec.name}/state/{name}", data)
+            self._mirrored[name] = mtime
+
+    def _stop_thread(self, deadline: Optional[float]) -> bool:
+        """Stop the thread; True when it finished its current seal before ``deadline``."""
+        if self._observer is not None:
+            self._observer.stop()
+        self._stop.set()
+        self._wake.set()
+        if self._thread is None:
+            return True
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        self._thread.join(left)
+        return not self._thread.is_alive()
+
+    # ---- hooks
+    def on_stop_requested(self, reason: str, deadline: float) -> None:
+        if reason == "preempt":
+            self.ask_job("preemption")
+
+    def before_terminal(self, reason: str, deadline: float) -> None:
+        sealer = self.sealer
+        if sealer is None:
+            return
+        if reason == "success":
+            self._stop_thread(None)
+            self._finish()
+            return
+        budget_end = deadline - MARGIN
+        if not self._stop_thread(budget_end):
+            self.event(
+                "seal_cut",
+                f"an upload was still running when the {reason} budget ended; "
+                f"LATEST stays at step {sealer.latest}",
+                klass="transient",
+                remedy="a longer grace, or smaller/more frequent checkpoints",
+            )
+            return
+        pending = sealer.scan()
+        if not pending:
+            self.mirror_quietly()
+            return
+        need = sum(_size(self.spec.ckpt_dir, c.files) for c in pending)
+        estimate = need / max(sealer.bytes_per_s, 1.0) + 0.5
+        left = budget_end - time.monotonic()
+        if estimate > left:
+            self.event(
+                "final_not_sealed",
+                f"{reason}: sealing {need} bytes needs ~{estimate:.1f}s"
+                f" at {sealer.bytes_per_s / 1e6:.0f} MB/s, {max(left, 0):.1f}s are left; "
+                f"LATEST stays at step {sealer.latest}",
+                klass="transient",
+                remedy="the checkpoint stays on this box's disk",
+            )
+            return
+        sealer.seal_pending(budget_end)
+        self.mirror_quietly()
+
+    def mirror_quietly(self) -> None:
+        try:
+            self.mirror()
+        except StoreError:
+            pass
+
+    def _finish(self) -> None:
+        """On success: last checkpoints, outputs, logs, all verified; then DONE.json."""
+        assert self.sealer is not None
+        run = self.spec.name
+        self.sealer.seal_pending()
+        sealed: List[Dict[str, Any]] = []
+        for rel in self.spec.outputs:
+            sealed += self._put_tree(os.path.join(self.spec.workdir, rel), f"{run}/outputs/", rel)
+        for a in self.rd.attempt_numbers():
+            sealed += self._put_tree(self.rd.output_log(a), f"{run}/logs/", f"attempt-{a:04d}.log")
+        self.mirror()
+        done = {
+            "schema": mf.SCHEMA,
+            "run": run,
+            "latest": self.sealer.latest,
+            "epoch": self.sealer.epoch,
+            "files": sealed,
+            "finished_at": time.time(),
+        }
+        with_retries(lambda: self.store.put_bytes(mf.done_key(run), mf.dump(done)))
+        self.event(
+            "done",
+            f"DONE.json written: {len(sealed)} output and log files, LATEST "
+            f"step {self.sealer.latest}",
+        )
+
+    def _put_tree(self, path: str, prefix: str, rel: str) -> List[Dict[str, Any]]:
+        out = []
+        paths = []
+        if os.path.isdir(path):
+            for dirpath, _, files in os.walk(path):
+                for fn in sorted(files):
+                    full = os.path.join(dirpath, fn)
+                    paths.append((full, os.path.join(rel, os.path.relpath(full, path))))
+        elif os.path.isfile(path):
+            paths.append((path, rel))
+        else:
+            self.event(
+                "output_missing",
+                f"output {rel} does not exist",
+                klass="usage",
+                remedy="check `outputs` in the job file",
+            )
+        for full, r in paths:
+            r = r.replace(os.sep, "/").strip("/")
+            sha, size = sha256_file(full)
+            key = prefix + r
+            with_retries(functools.partial(self.store.put_file, key, full, sha256=sha, size=size))
+            out.append({"path": r, "key": key, "size": size, "sha256": sha})
+        return out
+
+
+def _size(base: str, files: List[str]) -> int:
+    n = 0
+    for rel in files:
+        try:
+            n += os.path.getsize(os.path.join(base, *rel.split("/")))
+        except OSError:
+            pass
+    return n

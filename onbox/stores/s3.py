@@ -1,0 +1,843 @@
+"""``s3://bucket/prefix``: any S3-compatible object store (AWS S3, R2, B2, MinIO, SeaweedFS...).
+
+Credentials, region and endpoint come from boto3's standard configuration (``AWS_*``
+environment variables including ``AWS_ENDPOINT_URL``, ``~/.aws/config``, profiles); the
+``endpoint_url`` argument overrides the endpoint. Any endpoint that is not AWS's own is
+addressed path-style (``http://host/bucket/key``): most S3-compatible servers have no wildcard
+DNS for virtual-hosted buckets.
+
+Uploads verify without downloading. Every body goes out with its Content-MD5, so the server
+refuses a part that arrived different from what was read. ``put_file`` hashes exactly the bytes
+it sends: their sha256 must equal the caller's (otherwise the file changed after the caller
+hashed it, and the upload is aborted), and after completion the ETag the store returns must be
+the MD5 of the object (one put) or ``md5(part digests)-N`` (multipart). The sha256 is stored as
+``x-amz-meta-sha256`` so ``stat`` returns it. A multipart upload is atomic at completion, so
+aborting on any failure leaves nothing under the final key.
+
+boto3 is an optional extra (``pip install remote-gpu-trainer[s3]``): this module is imported
+only when an ``s3://`` URL is used. boto3 >= 1.35 is needed for ``If-None-Match`` puts.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures
+import hashlib
+import ipaddress
+import os
+import threading
+import uuid
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+from urllib.parse import urlsplit
+
+import boto3
+import botocore.exceptions as bex
+from botocore.config import Config
+
+from onbox.errors import AuthError, IntegrityError, UsageError
+from onbox.stores.base import (
+    Finding,
+    ObjectInfo,
+    PermanentStoreError,
+    PreconditionFailed,
+    Store,
+    TransientStoreError,
+    check_key,
+)
+
+MiB = 1 << 20
+MULTIPART_THRESHOLD = 8 * MiB  # at most this: one put_object
+MIN_PART = 5 * MiB  # S3's smallest part (all but the last)
+MAX_PARTS = 10000  # S3's most parts in one upload
+MAX_CONCURRENCY = 8
+# Parts in flight are held in memory; bound them so a 5 TiB object cannot take the box's RAM.
+MAX_INFLIGHT_BYTES = 576 * MiB
+STREAM_CHUNK = MiB
+SHA256_META = "sha256"  # stored as x-amz-meta-sha256
+
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestLimitExceeded",
+    "RequestTimeout",
+    "InternalError",
+    "ServiceUnavailable",
+    "BadDigest",  # a body arrived different from its Content-MD5: corrupted in transit
+    "IncompleteBody",
+    "ConditionalRequestConflict",  # AWS: a concurrent conditional write; a retry settles it
+    "NoSuchUpload",  # our upload was aborted under us (a stale-upload sweep): start again
+    "OperationAborted",
+}
+_AUTH_CODES = {
+    "InvalidAccessKeyId": (
+        "the store does not know the access key {key}",
+        "check AWS_ACCESS_KEY_ID (or the profile) and that the key belongs to this endpoint",
+    ),
+    "SignatureDoesNotMatch": (
+        "the secret key does not match the access key {key}",
+        "check AWS_SECRET_ACCESS_KEY (or the profile)",
+    ),
+    "ExpiredToken": (
+        "the session token has expired",
+        "refresh the temporary credentials (AWS_SESSION_TOKEN, sso login)",
+    ),
+    "InvalidToken": ("the session token is invalid", "refresh the temporary credentials"),
+    "TokenRefreshRequired": ("the session token must be refreshed", "refresh the credentials"),
+}
+
+
+def part_size_for(size: int) -> int:
+    """Part size for an object of ``size`` bytes: about 64 parts, 8..64 MiB each (16 MiB for
+    1 GiB), larger only where 10000 parts would not hold the object; whole MiB."""
+    target = min(max(size // 64, 8 * MiB), 64 * MiB)
+    need = -(-size // MAX_PARTS)
+    part = max(target, need)
+    return -(-part // MiB) * MiB
+
+
+def _b64(digest: bytes) -> str:
+    return base64.b64encode(digest).decode("ascii")
+
+
+def _md5(data: bytes) -> Any:
+    # MD5 here is S3's transport checksum, not a security measure (FIPS builds refuse it else).
+    return hashlib.md5(data, usedforsecurity=False)
+
+
+def _etag(value: Optional[str]) -> str:
+    return (value or "").strip().strip('"').lower()
+
+
+def _pread_exact(fd: int, length: int, offset: int, path: str) -> bytes:
+    """``length`` bytes at ``offset``; a short read means the file shrank under us."""
+    chunks = []
+    got = 0
+    while got < length:
+        b = os.pread(fd, length - got, offset + got)
+        if not b:
+            raise IntegrityError(
+                f"{path} shrank while it was uploaded (read {offset + got} bytes, expected more)",
+                "write checkpoints to a new name and upload them once complete",
+            )
+        chunks.append(b)
+        got += len(b)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _is_aws(endpoint: str) -> bool:
+    host = (urlsplit(endpoint).hostname or "").lower()
+    return host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
+
+
+def _is_loopback(endpoint: str) -> bool:
+    host = urlsplit(endpoint).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _config(**extra: Any) -> Any:
+    kwargs: Dict[str, Any] = dict(
+        # Modest: the caller's base.with_retries retries whole operations on top of this.
+        retries={"max_attempts": 3, "mode": "standard"},
+        connect_timeout=10,
+        read_timeout=60,
+        max_pool_connections=MAX_CONCURRENCY + 2,
+        **extra,
+    )
+    try:
+        # boto3 >= 1.36 adds CRC32 trailers (aws-chunked bodies) to every upload by default;
+        # several S3-compatible stores reject or mangle those, and every body we send already
+        # carries a Content-MD5 the server checks. Older boto3 has no such option (TypeError).
+        return Config(request_checksum_calculation="when_required", **kwargs)
+    except TypeError:
+        return Config(**kwargs)
+
+
+class S3Store(Store):
+    """A store under ``s3://bucket/prefix`` on AWS or any S3-compatible endpoint."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: Optional[str] = None,
+        *,
+        part_size: Optional[int] = None,
+        concurrency: int = MAX_CONCURRENCY,
+        multipart_threshold: int = MULTIPART_THRESHOLD,
+        aws_access_key_id: Optional[str] = None,
+        aws_secret_access_key: Optional[str] = None,
+        aws_session_token: Optional[str] = None,
+        region_name: Optional[str] = None,
+        profile_name: Optional[str] = None,
+    ) -> None:
+        if part_size is not None and part_size < MIN_PART:
+            raise ValueError(f"part_size {part_size} is below S3's minimum of {MIN_PART}")
+        if not 1 <= concurrency <= MAX_CONCURRENCY:
+            raise ValueError(f"concurrency must be 1..{MAX_CONCURRENCY}, not {concurrency}")
+        if not 0 <= multipart_threshold <= 5 * 1024 * MiB:
+            raise ValueError(f"multipart_threshold {multipart_threshold} is out of range")
+        self.bucket = bucket
+        self.prefix = "/".join(p for p in prefix.split("/") if p)
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.part_size = part_size
+        self.concurrency = concurrency
+        self.multipart_threshold = multipart_threshold
+        self._endpoint_arg = endpoint_url
+        self._session_args = {
+            k: v
+            for k, v in (
+                ("aws_access_key_id", aws_access_key_id),
+                ("aws_secret_access_key", aws_secret_access_key),
+                ("aws_session_token", aws_session_token),
+                ("region_name", region_name),
+                ("profile_name", profile_name),
+            )
+            if v is not None
+        }
+        self._client: Any = None
+        self._session: Any = None
+        self._client_lock = threading.Lock()
+        # None: not known yet; False: the store answered NotImplemented to If-None-Match.
+        self.conditional_writes: Optional[bool] = None
+
+    # -- the client -------------------------------------------------------------------------
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client, made on first use (making one loads boto3's models, ~0.2 s)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
+
+    @property
+    def endpoint(self) -> str:
+        return str(self.client.meta.endpoint_url)
+
+    def _make_client(self) -> Any:
+        try:
+            session = self._session = boto3.session.Session(**self._session_args)
+            if self._endpoint_arg is None:
+                # Where boto3's own configuration points (AWS_ENDPOINT_URL, the profile's
+                # endpoint_url, else AWS): only AWS itself is addressed virtual-hosted.
+                default = session.client("s3", config=_config())
+                if _is_aws(default.meta.endpoint_url):
+                    return default
+                endpoint = default.meta.endpoint_url
+            else:
+                endpoint = self._endpoint_arg
+            return session.client(
+                "s3",
+                endpoint_url=endpoint,
+                config=_config(
+                    # Every body we send carries a Content-MD5, which is a signed header: it
+                    # pins the body as well as a payload hash would, without hashing it twice
+                    # (botocore otherwise sha256-signs every body on plain http).
+                    s3={"addressing_style": "path", "payload_signing_enabled": False}
+                ),
+            )
+        except bex.ProfileNotFound as e:
+            raise UsageError("store", f"{self.url}: {e}", "check AWS_PROFILE") from None
+        except ValueError as e:  # botocore: "Invalid endpoint: ..."
+            raise UsageError(
+                "store", f"{self.url}: {e}", "the endpoint is a URL like https://host:port"
+            ) from None
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _rel(self, full: str) -> str:
+        return full[len(self.prefix) + 1 :] if self.prefix else full
+
+    # -- error mapping ----------------------------------------------------------------------
+
+    def _access_key(self) -> str:
+        """The access key in use, shortened, so a message shows which one was refused."""
+        try:
+            creds = self._session.get_credentials() if self._session is not None else None
+            ak = str(creds.access_key) if creds is not None else ""
+        except Exception:  # only for a message: never mask the error being reported
+            ak = ""
+        return repr(ak[:4] + "..." + ak[-2:]) if len(ak) > 8 else repr(ak)
+
+    def _client_error(self, e: Any, doing: str) -> Exception:
+        err = e.response.get("Error", {})
+        code = str(err.get("Code", ""))
+        status = int(e.response.get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+        detail = str(err.get("Message") or code)
+        if code in _AUTH_CODES:
+            what, remedy = _AUTH_CODES[code]
+            return AuthError(
+                f"{doing}: credentials refused: {what.format(key=self._access_key())}", remedy
+            )
+        if code == "NoSuchBucket":
+            return PermanentStoreError(
+                f"{doing}: bucket '{self.bucket}' does not exist at {self.endpoint}",
+                "create the bucket, or fix the bucket name or the endpoint",
+            )
+        if code in ("PreconditionFailed",) or status == 412:
+            return PreconditionFailed(f"{doing}: the object already exists")
+        if code == "RequestTimeTooSkewed":
+            return PermanentStoreError(
+                f"{doing}: the store refuses requests because this machine's clock is off",
+                "synchronise the clock (NTP)",
+            )
+        if code == "AccessDenied" or status == 403:
+            return PermanentStoreError(
+                f"{doing}: access denied ({code or status}: {detail})",
+                f"grant these credentials read, write, list, delete and multipart-abort "
+                f"rights on {self.url}, or check that they are the right ones",
+            )
+        if code in _TRANSIENT_CODES or status >= 500 or status == 429:
+            return TransientStoreError(f"{doing}: the store answered {status} {code}: {detail}")
+        return PermanentStoreError(f"{doing}: the store answered {status} {code}: {detail}")
+
+    def _boto_error(self, e: Exception, doing: str) -> Exception:
+        if isinstance(e, (bex.NoCredentialsError, bex.PartialCredentialsError)):
+            return AuthError(
+                f"{doing}: no usable S3 credentials found ({e})",
+                "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE",
+            )
+        if isinstance(e, bex.CredentialRetrievalError):
+            return AuthError(f"{doing}: credentials refused: {e}", "check the AWS profile")
+        if isinstance(e, bex.SSLError):
+            return PermanentStoreError(
+                f"{doing}: TLS to {self.endpoint} failed: {e}",
+                "check the endpoint URL and AWS_CA_BUNDLE",
+            )
+        if isinstance(e, (bex.EndpointConnectionError, bex.ConnectTimeoutError)):
+            return TransientStoreError(
+                f"{doing}: cannot reach {self.endpoint} ({e})",
+                "check the endpoint URL and the network",
+            )
+        if isinstance(
+            e,
+            (
+                bex.ConnectionError,
+                bex.HTTPClientError,
+                bex.IncompleteReadError,
+                bex.FlexibleChecksumError,
+            ),
+        ):
+            return TransientStoreError(f"{doing}: the connection to {self.endpoint} failed: {e}")
+        if isinstance(e, bex.NoRegionError):
+            return PermanentStoreError(f"{doing}: {e}", "set AWS_REGION or AWS_DEFAULT_REGION")
+        return PermanentStoreError(f"{doing}: {type(e).__name__}: {e}")
+
+    def _call(self, doing: str, method: str, **kwargs: Any) -> Any:
+        """``client.method(Bucket=..., **kwargs)`` with its errors mapped to store errors."""
+        try:
+            return getattr(self.client, method)(Bucket=self.bucket, **kwargs)
+        except bex.ClientError as e:
+            raise self._client_error(e, doing) from None
+        except bex.BotoCoreError as e:
+            raise self._boto_error(e, doing) from None
+
+    def _call_missing_ok(self, doing: str, method: str, **kwargs: Any) -> Any:
+        """As ``_call``, but None when the key is absent (a missing bucket still raises)."""
+        try:
+            return getattr(self.client, method)(Bucket=self.bucket, **kwargs)
+        except bex.ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            # HEAD answers a bare 404 for a missing key and a missing bucket alike; the
+            # preflight's head_bucket tells a missing bucket apart before anything runs.
+            if code in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise self._client_error(e, doing) from None
+        except bex.BotoCoreError as e:
+            raise self._boto_error(e, doing) from None
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def _put_object(
+        self, key: str, data: bytes, sha256: str, *, if_absent: bool, doing: str
+    ) -> ObjectInfo:
+        full = self._key(key)
+        digest = _md5(data).digest()
+        kwargs: Dict[str, Any] = dict(
+            Key=full,
+            Body=data,
+            ContentMD5=_b64(digest),
+            ContentType="application/octet-stream",
+            Metadata={SHA256_META: sha256},
+        )
+        if if_absent and self.conditional_writes is not False:
+            try:
+                r = self.client.put_object(Bucket=self.bucket, IfNoneMatch="*", **kwargs)
+                self.conditional_writes = True
+            except bex.ClientError as e:
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                code = e.response.get("Error", {}).get("Code")
+                if code != "NotImplemented" and status != 501:
+                    raise self._client_error(e, doing) from None
+                self.conditional_writes = False
+                r = self._put_if_absent_unconditionally(full, kwargs, doing)
+            except bex.ParamValidationError:
+                raise PermanentStoreError(
+                    f"{doing}: this boto3 ({boto3.__version__}) cannot send If-None-Match",
+                    "pip install 'boto3>=1.35'",
+                ) from None
+            except bex.BotoCoreError as e:
+                raise self._boto_error(e, doing) from None
+        elif if_absent:
+            r = self._put_if_absent_unconditionally(full, kwargs, doing)
+        else:
+            r = self._call(doing, "put_object", **kwargs)
+        got = _etag(r.get("ETag"))
+        if got != digest.hex():
+            # The object is there but is not what we sent: remove it rather than leave it.
+            self._delete_quietly(full)
+            raise IntegrityError(
+                f"{doing}: the store's ETag {got!r} is not the MD5 {digest.hex()!r} of the "
+                "bytes sent; the object was removed",
+                "the data was altered on the way, or the bucket encrypts with SSE-KMS/SSE-C "
+                "(whose ETags are not MD5s, so uploads cannot be verified without reading back)",
+            )
+        return ObjectInfo(key, len(data), sha256, got)
+
+    def _put_if_absent_unconditionally(self, full: str, kwargs: Dict[str, Any], doing: str) -> Any:
+        # The store does not do If-None-Match (it answered NotImplemented): check, then write.
+        # Not atomic between two writers, but a run has one writer: the agent holding its lock.
+        if self._call_missing_ok(doing, "head_object", Key=full) is not None:
+            raise PreconditionFailed(f"{doing}: the object already exists")
+        return self._call(doing, "put_object", **kwargs)
+
+    def _delete_quietly(self, full: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=full)
+        except Exception:  # best effort on a path that already fails with a better error
+            pass
+
+    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> ObjectInfo:
+        sha = hashlib.sha256(data).hexdigest()
+        return self._put_object(
+            key, data, sha, if_absent=if_absent, doing=f"writing {key} to {self.url}"
+        )
+
+    def put_file(self, key: str, path: str, *, sha256: str, size: int) -> ObjectInfo:
+        full = self._key(key)
+        doing = f"uploading {path} to {self.url}/{key}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise PermanentStoreError(f"{doing}: cannot read it: {e.strerror or e}") from None
+        try:
+            actual = os.fstat(fd).st_size
+            if actual != size:
+                raise IntegrityError(
+                    f"{doing}: it is {actual} bytes, expected {size}",
+                    "the file changed after its checksum was taken",
+                )
+            if size <= self.multipart_threshold:
+                data = _pread_exact(fd, size, 0, path)
+                if hashlib.sha256(data).hexdigest() != sha256:
+                    raise self._changed(doing, sha256)
+                return self._put_object(key, data, sha256, if_absent=False, doing=doing)
+            return self._put_multipart(key, full, fd, path, sha256, size, doing)
+        except OSError as e:
+            raise PermanentStoreError(f"{doing}: reading it failed: {e.strerror or e}") from None
+        finally:
+            os.close(fd)
+
+    @staticmethod
+    def _changed(doing: str, sha256: str) -> IntegrityError:
+        return IntegrityError(
+            f"{doing}: the bytes read do not have the sha256 {sha256[:12]}... they were "
+            "given: the file changed after its checksum was taken; nothing was stored",
+            "write checkpoints to a new name and upload them once complete",
+        )
+
+    def _put_multipart(
+        self, key: str, full: str, fd: int, path: str, sha256: str, size: int, doing: str
+    ) -> ObjectInfo:
+        part = self.part_size or part_size_for(size)
+        count = -(-size // part)
+        if count > MAX_PARTS:
+            raise ValueError(f"part size {part} gives {count} parts, over {MAX_PARTS}")
+        r = self._call(
+            doing,
+            "create_multipart_upload",
+            Key=full,
+            ContentType="application/octet-stream",
+            Metadata={SHA256_META: sha256},
+        )
+        upload_id = str(r["UploadId"])
+        try:
+            digests, etags = self._send_parts(full, upload_id, fd, path, sha256, size, part, doing)
+            expected = _md5(b"".join(digests)).hexdigest() + f"-{count}"
+            parts = [{"PartNumber": n + 1, "ETag": etags[n]} for n in range(count)]
+            try:
+                r = self.client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
+                got = _etag(r.get("ETag"))
+            except bex.ClientError as e:
+                if e.response.get("Error", {}).get("Code") != "NoSuchUpload":
+                    raise self._client_error(e, doing) from None
+                # A retried complete whose first try succeeded but whose answer was lost:
+                # the upload is gone, and the object is ours if it carries our checksums.
+                head = self._call_missing_ok(doing, "head_object", Key=full)
+                meta = (head or {}).get("Metadata") or {}
+                if head is None or meta.get(SHA256_META) != sha256:
+                    raise self._client_error(e, doing) from None
+                got = _etag(head.get("ETag"))
+            except bex.BotoCoreError as e:
+                raise self._boto_error(e, doing) from None
+        except BaseException:
+            self._abort(full, upload_id)
+            raise
+        if got != expected:
+            self._delete_quietly(full)
+            raise IntegrityError(
+                f"{doing}: the store's ETag {got!r} is not {expected!r}, the MD5 of the "
+                f"{count} parts' MD5s that were sent; the object was removed",
+                "the data was altered on the way, or the bucket encrypts with SSE-KMS/SSE-C "
+                "(whose ETags are not MD5s, so uploads cannot be verified without reading back)",
+            )
+        return ObjectInfo(key, size, sha256, got)
+
+    def _send_parts(
+        self,
+        full: str,
+        upload_id: str,
+        fd: int,
+        path: str,
+        sha256: str,
+        size: int,
+        part: int,
+        doing: str,
+    ) -> Tuple[List[bytes], List[str]]:
+        """Read the parts in order (hashing the whole file as read) and upload them from a
+        thread pool; at most ``workers + 1`` parts are in memory at once."""
+        count = -(-size // part)
+        workers = max(1, min(self.concurrency, count, MAX_INFLIGHT_BYTES // part))
+        whole = hashlib.sha256()
+        digests: List[bytes] = [b""] * count
+        etags: List[str] = [""] * count
+        slots = threading.Semaphore(workers + 1)
+        failed = threading.Event()
+
+        def send(n: int, buf: bytes) -> None:
+            digest = _md5(buf).digest()
+            r = self._call(
+                f"{doing} (part {n + 1} of {count})",
+                "upload_part",
+                Key=full,
+                UploadId=upload_id,
+                PartNumber=n + 1,
+                Body=buf,
+                ContentMD5=_b64(digest),
+            )
+            digests[n] = digest
+            etags[n] = str(r["ETag"])
+
+        def done(fut: concurrent.futures.Future[None]) -> None:
+            if fut.cancelled() or fut.exception() is not None:
+                failed.set()
+            slots.release()
+
+        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rgt-s3-put")
+        futures: List[concurrent.futures.Future[None]] = []
+        try:
+            for n in range(count):
+                slots.acquire()
+                if failed.is_set():
+                    slots.release()
+                    break
+                offset = n * part
+                buf = _pread_exact(fd, min(part, size - offset), offset, path)
+                whole.update(buf)
+                fut = pool.submit(send, n, buf)
+                del buf  # the pool's reference is the only one: freed once sent
+                fut.add_done_callback(done)
+                futures.append(fut)
+            for fut in futures:
+                fut.result()  # the first failure, mapped already by _call
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+        if whole.hexdigest() != sha256:
+            raise self._changed(doing, sha256)
+        return digests, etags
+
+    def _abort(self, full: str, upload_id: str) -> None:
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
+        except Exception:
+            # Best effort: the upload is invisible under the key either way, and a dangling
+            # one is swept by abort_stale_uploads (and by a bucket lifecycle rule, if any).
+            pass
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def get_bytes(self, key: str) -> Optional[bytes]:
+        return self._get_bytes(key, f"reading {key} from {self.url}")
+
+    def _get_bytes(self, key: str, doing: str) -> Optional[bytes]:
+        r = self._call_missing_ok(doing, "get_object", Key=self._key(key))
+        if r is None:
+            return None
+        try:
+            data: bytes = r["Body"].read()
+            return data
+        except bex.BotoCoreError as e:
+            raise self._boto_error(e, doing) from None
+
+    def get_file(self, key: str, dest: str) -> None:
+        full = self._key(key)
+        doing = f"downloading {self.url}/{key}"
+        head = self._call_missing_ok(doing, "head_object", Key=full)
+        if head is None:
+            raise PermanentStoreError(f"{key} is not in {self.url}")
+        size = int(head["ContentLength"])
+        etag = str(head.get("ETag") or "")
+        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            if size <= self.multipart_threshold:
+                self._get_range(doing, full, etag, fd, 0, size, ranged=False)
+            else:
+                part = self.part_size or part_size_for(size)
+                count = -(-size // part)
+                workers = max(1, min(self.concurrency, count))
+                with concurrent.futures.ThreadPoolExecutor(
+                    workers, thread_name_prefix="rgt-s3-get"
+                ) as pool:
+                    futures = [
+                        pool.submit(
+                            self._get_range,
+                            doing,
+                            full,
+                            etag,
+                            fd,
+                            n * part,
+                            min(part, size - n * part),
+                            ranged=True,
+                        )
+                        for n in range(count)
+                    ]
+                    try:
+                        for fut in futures:
+                            fut.result()
+                    finally:
+                        for fut in futures:
+                            fut.cancel()
+            os.fsync(fd)
+        except OSError as e:
+            raise PermanentStoreError(f"{doing} to {dest}: {e.strerror or e}") from None
+        finally:
+            os.close(fd)
+
+    def _get_range(
+        self, doing: str, full: str, etag: str, fd: int, offset: int, length: int, *, ranged: bool
+    ) -> None:
+        kwargs: Dict[str, Any] = {"Key": full}
+        if etag:
+            kwargs["IfMatch"] = etag  # every range from the same object, even if it is replaced
+        if ranged:
+            kwargs["Range"] = f"bytes={offset}-{offset + length - 1}"
+        try:
+            r = self._call(doing, "get_object", **kwargs)
+        except PreconditionFailed:
+            raise TransientStoreError(
+                f"{doing}: the object was replaced during the download"
+            ) from None
+        body = r["Body"]
+        done = 0
+        try:
+            while True:
+                chunk = body.read(STREAM_CHUNK)
+                if not chunk:
+                    break
+                view = memoryview(chunk)
+                while view:
+                    n = os.pwrite(fd, view, offset + done)
+                    view = view[n:]
+                    done += n
+        except bex.BotoCoreError as e:
+            raise self._boto_error(e, doing) from None
+        finally:
+            body.close()
+        if done != length:
+            raise TransientStoreError(f"{doing}: got {done} bytes of {length}")
+
+    def stat(self, key: str) -> Optional[ObjectInfo]:
+        return self._stat(key, f"looking up {key} in {self.url}")
+
+    def _stat(self, key: str, doing: str) -> Optional[ObjectInfo]:
+        r = self._call_missing_ok(doing, "head_object", Key=self._key(key))
+        if r is None:
+            return None
+        meta = r.get("Metadata") or {}
+        modified = r.get("LastModified")
+        return ObjectInfo(
+            key,
+            int(r["ContentLength"]),
+            meta.get(SHA256_META),
+            _etag(r.get("ETag")) or None,
+            modified.timestamp() if modified is not None else None,
+        )
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        doing = f"listing {self.url}/{prefix}"
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=full
+            )
+            for page in pages:
+                for obj in page.get("Contents") or []:
+                    modified = obj.get("LastModified")
+                    yield ObjectInfo(
+                        self._rel(str(obj["Key"])),
+                        int(obj["Size"]),
+                        None,
+                        _etag(obj.get("ETag")) or None,
+                        modified.timestamp() if modified is not None else None,
+                    )
+        except bex.ClientError as e:
+            raise self._client_error(e, doing) from None
+        except bex.BotoCoreError as e:
+            raise self._boto_error(e, doing) from None
+
+    def delete(self, key: str) -> None:
+        # S3 answers 204 whether or not the key existed; a missing bucket still raises.
+        self._call(f"deleting {key} from {self.url}", "delete_object", Key=self._key(key))
+
+    def abort_stale_uploads(self, prefix: str) -> int:
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        doing = f"aborting unfinished uploads under {self.url}/{prefix}"
+        aborted = 0
+        try:
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=full
+            )
+            for page in pages:
+                for up in page.get("Uploads") or []:
+                    try:
+                        self.client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"]
+                        )
+                    except bex.ClientError as e:
+                        if e.response.get("Error", {}).get("Code") == "NoSuchUpload":
+                            continue  # finished or aborted meanwhile
+                        raise
+                    aborted += 1
+        except bex.ClientError as e:
+            raise self._client_error(e, doing) from None
+        except bex.BotoCoreError as e:
+            raise self._boto_error(e, doing) from None
+        return aborted
+
+    # -- preflight ---------------------------------------------------------------------------
+
+    def preflight(self, run: str) -> List[Finding]:
+        check_key(run)
+        probe = f"{run}/.rgt-preflight/{uuid.uuid4().hex}"
+        payload = os.urandom(1024)
+        sha = hashlib.sha256(payload).hexdigest()
+        found: List[Finding] = []
+        written = False
+        step = "resolve"
+        try:
+            self._resolve(run, f"store preflight failed at '{step}'")
+            step = "write probe"
+            doing = f"store preflight failed at '{step}'"
+            try:
+                self._put_object(probe, payload, sha, if_absent=False, doing=doing)
+            except IntegrityError as e:
+                raise PermanentStoreError(e.what, e.remedy) from None
+            written = True
+            step = "read back"
+            doing = f"store preflight failed at '{step}'"
+            got = self._get_bytes(probe, doing)
+            info = self._stat(probe, doing)
+            step = "compare"
+            if got != payload:
+                raise PermanentStoreError(
+                    f"store preflight failed at '{step}': read back {len(got or b'')} bytes "
+                    f"that differ from the {len(payload)} written",
+                    "the store, or a proxy on the way, alters data",
+                )
+            if info is None or info.sha256 != sha:
+                found.append(
+                    Finding(
+                        False,
+                        f"{self.url}: the store does not keep object metadata "
+                        "(x-amz-meta-sha256); checkpoints are still verified by their ETags",
+                    )
+                )
+            step = "conditional write"
+            found.append(self._probe_conditional(probe, payload, sha))
+            step = "delete"
+            self._call(f"store preflight failed at '{step}'", "delete_object", Key=self._key(probe))
+            written = False
+        finally:
+            if written:
+                self._delete_quietly(self._key(probe))
+        found.insert(
+            0,
+            Finding(
+                True,
+                f"{self.url} at {self.endpoint}: bucket reachable; a probe was written "
+                "(Content-MD5 and ETag verified), read back identical, and deleted",
+            ),
+        )
+        if self.endpoint.startswith("http://") and not _is_loopback(self.endpoint):
+            found.append(
+                Finding(
+                    False,
+                    f"{self.endpoint} is plain http: requests are signed, but data and "
+                    "checkpoints travel unencrypted",
+                )
+            )
+        return found
+
+    def _resolve(self, run: str, doing: str) -> None:
+        """The bucket exists and these credentials may use it."""
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+            return
+        except bex.ClientError as e:
+            code = str(e.response.get("Error", {}).get("Code", ""))
+            if code in ("404", "NotFound", "NoSuchBucket"):
+                raise PermanentStoreError(
+                    f"{doing}: bucket '{self.bucket}' does not exist at {self.endpoint}",
+                    "create the bucket, or fix the bucket name or the endpoint",
+                ) from None
+            if code not in ("403", "400", "Forbidden", "BadRequest"):
+                raise self._client_error(e, doing) from None
+        except bex.BotoCoreError as e:
+            raise self._boto_error(e, doing) from None
+        # HEAD answers carry no error body (a bare 403): ask again with a request whose answer
+        # says why (InvalidAccessKeyId, SignatureDoesNotMatch, AccessDenied).
+        self._call(doing, "list_objects_v2", Prefix=self._key(run) + "/", MaxKeys=1)
+
+    def _probe_conditional(self, probe: str, payload: bytes, sha: str) -> Finding:
+        doing = "store preflight failed at 'conditional write'"
+        try:
+            self._put_object(probe, payload, sha, if_absent=True, doing=doing)
+        except PreconditionFailed:
+            if self.conditional_writes is False:
+                return Finding(
+                    False,
+                    f"{self.url}: the store does not support conditional writes "
+                    "(If-None-Match); rgt checks before writing instead, which is not atomic "
+                    "between two writers",
+                )
+            return Finding(True, f"{self.url}: conditional writes (If-None-Match: *) work")
+        except IntegrityError as e:
+            raise PermanentStoreError(e.what, e.remedy) from None
+        return Finding(
+            False,
+            f"{self.url}: the store ignored If-None-Match and overwrote an existing object; "
+            "create-if-absent writes are not protected there",
+        )

@@ -224,6 +224,8 @@ class Agent:
                     klass="permanent",
                     remedy="look for D-state processes; GPU memory may be held",
                 )
+        if self.seal is not None:
+            self.seal.close()
         log(self.rd.agent_log, f"agent pid {os.getpid()} exits: run is {self.sup.state}")
         self.runner.close()
         self.lock.release()

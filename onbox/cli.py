@@ -99,7 +99,7 @@ def _resolve_spec(
         spec = JobSpec.from_json(doc)
         changes: Dict[str, Any] = {}
         if grace is not None:
-            changes["grace"] = parse_duration(grace, "--grace")
+            changes["grace"] = parse_duration(grace, "--grace", allow_zero=True)
         if ckpt_dir is not None:
             changes["ckpt_dir"] = os.path.abspath(ckpt_dir)
         if store is not None:

@@ -55,6 +55,36 @@ def _skip(name: str) -> bool:
     )
 
 
+def looks_whole(path: str) -> bool:
+    """Cheap checks that a file of a known format is not torn (its writer died mid-write and the
+    kernel closed it): a zip (torch.save's format) must end with its central directory; a
+    safetensors file must hold as many bytes as its header says. Other formats pass."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if head[:4] == b"PK\x03\x04":
+                import zipfile
+
+                return zipfile.is_zipfile(path)
+            if path.endswith(".safetensors") and len(head) == 8:
+                n = int.from_bytes(head, "little")
+                header = json.loads(f.read(n))
+                end = max(
+                    [
+                        0,
+                        *(
+                            int(v["data_offsets"][1])
+                            for k, v in header.items()
+                            if k != "__metadata__"
+                        ),
+                    ]
+                )
+                return bool(os.fstat(f.fileno()).st_size == 8 + n + end)
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
+    return True
+
+
 def open_for_writing(paths: List[str]) -> Set[str]:
     """Which of ``paths`` some process holds open for writing (from /proc/*/fd and fdinfo)."""
     wanted = {os.path.realpath(p) for p in paths}
@@ -140,6 +170,7 @@ class Sealer:
         self.latest: Optional[int] = None
         self.stale = False
         self.pruned: Set[int] = set()
+        self.torn: Dict[str, Tuple[int, int, int]] = {}
         self.bytes_per_s = 50e6  # until measured: a cautious guess for the preemption estimate
         self.seq: Dict[str, Dict[str, Any]] = self._load_seq()
 
@@ -166,6 +197,11 @@ class Sealer:
             self.manifests[doc["step"]] = doc
         latest = mf.parse_latest(self.store.get_bytes(mf.latest_key(self.run)))
         self.latest = latest["step"] if latest else None
+        newer = [s for s in self.manifests if self.latest is None or s > self.latest]
+        if newer:
+            # A MANIFEST is written only after its files verified: an agent that died before
+            # moving LATEST left a good checkpoint behind. Finish its job.
+            self._advance_latest(max(newer))
         for step, doc in self.manifests.items():  # sequences continue after a restore
             if doc.get("kind") == "file" and step_from_name(os.path.basename(doc["root"])) is None:
                 entry = self.seq.setdefault(doc["root"], {"step": -1, "sig": None})
@@ -210,6 +246,16 @@ class Sealer:
         for name, st in files:
             path = os.path.join(self.ckpt_dir, name)
             if os.path.realpath(path) in busy:
+                continue
+            if not looks_whole(path):
+                if self.torn.get(name) != _sig(st):
+                    self.torn[name] = _sig(st)
+                    self.event(
+                        "torn_checkpoint",
+                        f"{name} is incomplete (its writer stopped mid-write): not sealed",
+                        klass="integrity",
+                        remedy="write checkpoints to a temporary name, then rename",
+                    )
                 continue
             step = step_from_name(name)
             if step is None:
@@ -269,6 +315,8 @@ class Sealer:
         with self.lock:
             if step in self.manifests:
                 return self.manifests[step]
+            if self._is_stale():
+                return None  # one writer per run: a newer agent owns it now
             t0 = time.monotonic()
             try:
                 entries, uploaded = self._upload(cand)
@@ -367,20 +415,24 @@ class Sealer:
                 newest = max(newest, int(tail))
         return newest
 
-    def _advance_latest(self, step: int) -> None:
-        if self.latest is not None and step <= self.latest:
-            return  # never backwards
-        newest = self._newest_epoch()
-        if newest > self.epoch:
-            if not self.stale:
+    def _is_stale(self) -> bool:
+        if not self.stale:
+            newest = self._newest_epoch()
+            if newest > self.epoch:
+                self.stale = True
                 self.event(
                     "stale_epoch",
                     f"a newer agent (epoch {newest}) writes this run; this "
-                    f"one (epoch {self.epoch}) no longer moves LATEST",
+                    f"one (epoch {self.epoch}) no longer writes to the store",
                     klass="integrity",
                     remedy="stop this old agent: the run continues elsewhere",
                 )
-            self.stale = True
+        return self.stale
+
+    def _advance_latest(self, step: int) -> None:
+        if self.latest is not None and step <= self.latest:
+            return  # never backwards
+        if self._is_stale():
             return
         with_retries(
             lambda: self.store.put_bytes(

@@ -288,6 +288,25 @@ class SealService(Hooks):
         sealer.seal_pending(budget_end)
         self.mirror_quietly()
 
+    def close(self) -> None:
+        """The agent is leaving: the thread stops between two seals, never in the middle of
+        writing a document. A run that FAILED still gets its checkpoints sealed first."""
+        if self._thread is None:
+            return
+        stopped = self._stop.is_set()
+        self._stop_thread(None)
+        if not stopped and self.sealer is not None:
+            try:
+                self.sealer.seal_pending()
+            except StoreError as e:
+                self.event(
+                    "seal_error",
+                    e.what,
+                    klass="transient",
+                    remedy="the checkpoints stay on the box; the next start seals them",
+                )
+        self.mirror_quietly()
+
     def mirror_quietly(self) -> None:
         try:
             self.mirror()

@@ -295,9 +295,11 @@ def build_spec(
 
         open_store(store)  # parses the URL: a malformed one is refused here, by name
 
+    # 0 is a real budget: some platforms give no warning at all (SIGKILL at once).
     grace = parse_duration(
         flags.grace if flags.grace is not None else data.get("grace", 30),
         "--grace" if flags.grace is not None else "grace",
+        allow_zero=True,
     )
     stop_signal = parse_signal(data.get("stop_signal", "TERM"), "stop_signal")
 

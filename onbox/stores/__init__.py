@@ -40,6 +40,8 @@ def open_store(url: str, *, endpoint_url: str | None = None) -> Store:
         path = unquote(parts.path)
         if not path.startswith("/"):
             raise UsageError("store", f"{url!r}: the path must be absolute")
+        if ".." in path.split("/"):
+            raise UsageError("store", f"{url!r}: the path may not hold '..'")
         from onbox.stores.local import LocalStore
 
         return LocalStore(path)

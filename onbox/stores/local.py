@@ -204,6 +204,20 @@ class LocalStore(Store):
         except OSError as e:
             raise _fail(e, f"deleting {key}") from None
 
+    def abort_stale_uploads(self, prefix: str) -> int:
+        """Remove temporary files a killed writer left under ``prefix`` (never a final name)."""
+        n = 0
+        start = os.path.join(self.root, *[p for p in prefix.split("/") if p])
+        for dirpath, _, filenames in os.walk(start):
+            for name in filenames:
+                if ".rgt-tmp." in name:
+                    try:
+                        os.unlink(os.path.join(dirpath, name))
+                        n += 1
+                    except OSError:
+                        pass
+        return n
+
     def same_filesystem_as(self, path: str) -> bool:
         probe = self.root
         while not os.path.exists(probe):

@@ -1,0 +1,438 @@
+"""Sealing checkpoints to a durable directory, with real agents, real jobs and real faults.
+
+What a user relies on: the newest checkpoint verified before a fault survives it; LATEST names
+only verified checkpoints and never moves back; nothing torn is sealed or visible under a final
+name; one writer per run; a fresh box resumes from the newest sealed step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List
+
+import pytest
+
+from onbox.restore import restore_latest
+from onbox.sealer import Sealer, take_epoch
+from onbox.stores import open_store
+from tests.conftest import ROOT, Cli, fixture, require
+
+WRITER = fixture("ckpt_writer.py")
+
+
+def _store_root(tmp_path: Any) -> str:
+    root = str(tmp_path / "durable")
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+def _latest(root: str, run: str) -> Dict[str, Any]:
+    with open(os.path.join(root, run, "LATEST.json")) as f:
+        out: Dict[str, Any] = json.load(f)
+    return out
+
+
+def _manifests(root: str, run: str) -> Dict[int, Dict[str, Any]]:
+    out = {}
+    base = os.path.join(root, run, "checkpoints")
+    for step in os.listdir(base) if os.path.isdir(base) else []:
+        path = os.path.join(base, step, "MANIFEST.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                out[int(step)] = json.load(f)
+    return out
+
+
+def _wrote(cli: Cli, name: str) -> Dict[str, List[str]]:
+    """sha256 of every version the job reported complete, by file name."""
+    out: Dict[str, List[str]] = {}
+    for m in re.finditer(
+        r"wrote (\S+) version \d+ sha256 ([0-9a-f]{64})", cli("logs", name, check=True).stdout
+    ):
+        out.setdefault(m.group(1), []).append(m.group(2))
+    return out
+
+
+def _check_invariants(root: str, run: str) -> None:
+    """LATEST names a MANIFEST whose files are all there with their sha256; no temporary
+    file sits under a final name."""
+    latest = _latest(root, run)
+    with open(os.path.join(root, latest["manifest"])) as f:
+        doc = json.load(f)
+    for entry in doc["files"]:
+        with open(os.path.join(root, entry["key"]), "rb") as f:
+            assert hashlib.sha256(f.read()).hexdigest() == entry["sha256"], entry
+    for dirpath, _, files in os.walk(os.path.join(root, run)):
+        assert not [n for n in files if ".rgt-tmp." in n], dirpath
+
+
+def _wait(pred: Any, timeout: float = 30, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_checkpoint_open_for_writing_is_sealed_only_once_complete(
+    cli: Cli, tmp_path: Any
+) -> None:
+    root = _store_root(tmp_path)
+    cli(
+        "start",
+        "--name",
+        "s1",
+        "--store",
+        "file://" + root,
+        "--",
+        *WRITER,
+        "slow",
+        "10",
+        check=True,
+    )
+    ckpt = os.path.join(cli.home, "runs", "s1", "ckpt")
+    _wait(lambda: os.path.exists(os.path.join(ckpt, "step_10.pt")), what="the write to begin")
+    time.sleep(1.5)  # the sealer has scanned while the file was half written and open
+    assert not _manifests(root, "s1")
+    _wait(lambda: 10 in _manifests(root, "s1"), what="step 10 sealed")
+    sealed = _manifests(root, "s1")[10]["files"][0]["sha256"]
+    assert [sealed] == _wrote(cli, "s1")["step_10.pt"]
+    _check_invariants(root, "s1")
+    cli("stop", "s1", "--grace", "1", check=True)
+
+
+def test_a_torn_checkpoint_left_by_a_killed_job_is_never_sealed(cli: Cli, tmp_path: Any) -> None:
+    root = _store_root(tmp_path)
+    job = os.path.join(cli.home, "torn.toml")
+    with open(job, "w") as f:
+        f.write(
+            f'command = {json.dumps([*WRITER, "torn", "20"])}\nstore = "file://{root}"\n'
+            "[restart]\nmax_preempt_restarts = 0\n"
+        )
+    cli("start", job, "--name", "s2", check=True)
+    cli.wait_state("s2", "FAILED")
+    assert os.path.exists(os.path.join(cli.home, "runs", "s2", "ckpt", "step_20.pt"))
+    time.sleep(1)
+    assert not _manifests(root, "s2")
+    assert "torn_checkpoint" in [e["kind"] for e in cli.events("s2")]
+
+
+def test_a_file_rewritten_in_place_every_300ms_is_sealed_whole(cli: Cli, tmp_path: Any) -> None:
+    root = _store_root(tmp_path)
+    cli(
+        "start",
+        "--name",
+        "s3",
+        "--store",
+        "file://" + root,
+        "--",
+        *WRITER,
+        "inplace",
+        "12",
+        "0.3",
+        check=True,
+    )
+    cli.wait_state("s3", "SUCCEEDED", timeout=60)
+    complete = set(_wrote(cli, "s3")["ckpt.pt"])
+    manifests = _manifests(root, "s3")
+    assert manifests
+    for doc in manifests.values():
+        assert doc["files"][0]["sha256"] in complete  # never a half-written version
+    assert (
+        manifests[_latest(root, "s3")["step"]]["files"][0]["sha256"]
+        == _wrote(cli, "s3")["ckpt.pt"][-1]
+    )  # the last version is sealed at the end
+    _check_invariants(root, "s3")
+    assert os.path.exists(os.path.join(root, "s3", "DONE.json"))
+
+
+def test_a_job_deleting_old_checkpoints_while_they_are_sealed_is_normal(
+    cli: Cli, tmp_path: Any
+) -> None:
+    root = _store_root(tmp_path)
+    cli(
+        "start",
+        "--name",
+        "s4",
+        "--store",
+        "file://" + root,
+        "--",
+        *WRITER,
+        "rotate",
+        "40",
+        check=True,
+    )
+    cli.wait_state("s4", "SUCCEEDED", timeout=60)
+    kinds = [e["kind"] for e in cli.events("s4")]
+    assert "seal_error" not in kinds and "seal_bug" not in kinds
+    assert _latest(root, "s4")["step"] == 40
+    steps = [e["step"] for e in cli.events("s4") if e["kind"] == "latest"]
+    assert steps == sorted(steps)  # LATEST only moved forward
+    _check_invariants(root, "s4")
+
+
+def test_finished_run_is_not_trained_again(cli: Cli, tmp_path: Any) -> None:
+    root = _store_root(tmp_path)
+    cli(
+        "start",
+        "--name",
+        "s5",
+        "--store",
+        "file://" + root,
+        "--",
+        *WRITER,
+        "rotate",
+        "2",
+        check=True,
+    )
+    cli.wait_state("s5", "SUCCEEDED", timeout=60)
+    p = cli("start", "--name", "s5", check=True)
+    assert "is finished" in p.stdout and "DONE.json" in p.stdout
+    assert cli.status("s5")["attempt"] == 1
+
+
+@pytest.mark.parametrize("grace,final_sealed", [("5", True), ("0", False)])
+def test_sigterm_seals_the_final_checkpoint_only_when_it_fits(
+    cli: Cli, tmp_path: Any, grace: str, final_sealed: bool
+) -> None:
+    root = _store_root(tmp_path)
+    job = os.path.join(cli.home, "sig.toml")
+    with open(job, "w") as f:
+        f.write(
+            f"command = {json.dumps([*WRITER, 'on_signal', '4'])}\n"
+            f'store = "file://{root}"\n[checkpoint]\ntrigger = "signal:USR2"\n'
+        )
+    cli("start", job, "--name", "s6", "--grace", grace, check=True)
+    st = cli.wait_state("s6", "RUNNING", "STARTING")
+    os.kill(st["pid"], signal.SIGUSR2)  # a first checkpoint, sealed in the normal way
+    _wait(lambda: os.path.exists(os.path.join(root, "s6", "LATEST.json")), what="step 1 sealed")
+    t0 = time.monotonic()
+    os.kill(st["agent"]["pid"], signal.SIGTERM)
+    _wait(lambda: not cli.status("s6")["agent"]["alive"], timeout=15, what="the agent to exit")
+    took = time.monotonic() - t0
+    assert took < max(float(grace), 0) + 1.0  # the agent left within its budget (+ margin)
+    assert cli.status("s6")["state"] == "PREEMPTED"
+    latest = _latest(root, "s6")["step"]
+    if final_sealed:
+        assert latest == 2  # the job's answer to the preemption's request, sealed in time
+    else:
+        assert latest == 1  # no time: LATEST stays on the previous verified checkpoint
+    _check_invariants(root, "s6")
+
+
+def test_stale_epoch_cannot_move_latest(tmp_path: Any) -> None:
+    root = _store_root(tmp_path)
+    store = open_store("file://" + root)
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    events: List[str] = []
+
+    def sealer(epoch: int, name: str) -> Sealer:
+        s = Sealer(
+            "r",
+            ckpt,
+            store,
+            str(tmp_path / f"stage-{name}"),
+            epoch=epoch,
+            event=lambda kind, reason, **kw: events.append(kind),
+            state_path=str(tmp_path / f"seq-{name}.json"),
+        )
+        s.load()
+        return s
+
+    old = sealer(take_epoch(store, "r"), "old")
+    with open(os.path.join(ckpt, "step_5.pt"), "wb") as f:
+        f.write(b"five")
+    assert old.seal_pending() == 1 and _latest(root, "r")["step"] == 5
+    new = sealer(take_epoch(store, "r"), "new")  # the box came back: a newer agent writes
+    assert new.epoch == old.epoch + 1
+    with open(os.path.join(ckpt, "step_9.pt"), "wb") as f:
+        f.write(b"nine")
+    old.seal_pending()
+    assert _latest(root, "r")["step"] == 5 and "stale_epoch" in events
+    new.load()
+    new.seal_pending()
+    assert _latest(root, "r")["step"] == 9
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip"])
+def test_a_corrupt_checkpoint_in_the_store_is_quarantined_and_the_previous_used(
+    tmp_path: Any, damage: str
+) -> None:
+    root = _store_root(tmp_path)
+    store = open_store("file://" + root)
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    s = Sealer(
+        "r",
+        ckpt,
+        store,
+        str(tmp_path / "stage"),
+        epoch=take_epoch(store, "r"),
+        event=lambda *a, **k: None,
+        state_path=str(tmp_path / "seq.json"),
+    )
+    s.load()
+    for step in (10, 20):
+        with open(os.path.join(ckpt, f"step_{step}.pt"), "wb") as f:
+            f.write(os.urandom(4096))
+        s.seal_pending()
+    victim = os.path.join(root, "r", "checkpoints", "20", "step_20.pt")
+    with open(victim, "r+b") as f:
+        if damage == "truncate":
+            f.truncate(1000)
+        else:
+            f.seek(4095)
+            last = f.read(1)
+            f.seek(4095)
+            f.write(bytes([last[0] ^ 1]))
+    fresh = str(tmp_path / "fresh-box")
+    os.makedirs(fresh)
+    events: List[Dict[str, Any]] = []
+    doc = restore_latest(
+        store,
+        "r",
+        fresh,
+        lambda kind, reason, **kw: events.append({"kind": kind, "reason": reason, **kw}),
+    )
+    assert doc is not None and doc["step"] == 10
+    assert os.path.exists(os.path.join(fresh, "step_10.pt"))
+    assert not os.path.exists(os.path.join(fresh, "step_20.pt"))  # nothing torn put in place
+    assert os.path.exists(os.path.join(root, "r", "quarantine", "20.json"))
+    assert os.path.exists(victim)  # kept for a person to look at
+    assert [e["kind"] for e in events] == ["quarantined", "restored"]
+    assert _latest(root, "r")["step"] == 20  # LATEST is not rewritten backwards
+
+
+def _tmpfs(path: str, opts: str) -> bool:
+    os.makedirs(path, exist_ok=True)
+    return (
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", opts, "tmpfs", path], capture_output=True
+        ).returncode
+        == 0
+    )
+
+
+@pytest.mark.parametrize(
+    "opts,kind",
+    [("size=4m,nr_inodes=1000", "disk_full"), ("size=64m,nr_inodes=12", "inodes_exhausted")],
+)
+def test_disk_or_inodes_running_out_while_checkpointing(
+    cli: Cli, tmp_path: Any, opts: str, kind: str
+) -> None:
+    root = _store_root(tmp_path)
+    small = str(tmp_path / "small")
+    require(_tmpfs(small, opts), "root, to mount a small tmpfs")
+    try:
+        job = os.path.join(cli.home, "fill.toml")
+        with open(job, "w") as f:
+            f.write(
+                f'command = {json.dumps([*WRITER, "fill"])}\nstore = "file://{root}"\n'
+                f'[checkpoint]\ndir = "{small}"\n[restart]\nmax_error_restarts = 0\n'
+            )
+        cli("start", job, "--name", "s7", check=True)
+        st = cli.wait_for(
+            "s7",
+            lambda s: s["state"] == "FAILED" and not s["agent"]["alive"],
+            timeout=60,
+            what="FAILED and the agent gone",
+        )
+        assert st["last_exit"]["kind"] == kind, st["last_exit"]
+        time.sleep(1)
+        for doc in _manifests(root, "s7").values():  # what was sealed is whole
+            assert doc["files"][0]["size"] > (1 << 20)
+        if _manifests(root, "s7"):
+            _check_invariants(root, "s7")
+    finally:
+        cli("stop", "s7", "--grace", "0")
+        subprocess.run(["umount", "-l", small])
+
+
+def test_fresh_box_resumes_a_real_pytorch_training_from_the_sealed_step(
+    cli: Cli, tmp_path: Any
+) -> None:
+    require(__import__("importlib").util.find_spec("torch") is not None, "torch")
+    root = _store_root(tmp_path)
+    example = os.path.join(ROOT, "examples", "train_tiny.py")
+    args = ["--steps", "80", "--ckpt-every", "10", "--sleep", "0.05"]
+    cli(
+        "start",
+        "--name",
+        "fb",
+        "--store",
+        "file://" + root,
+        "--",
+        sys.executable,
+        example,
+        *args,
+        check=True,
+    )
+    _wait(
+        lambda: (
+            os.path.exists(os.path.join(root, "fb", "LATEST.json"))
+            and _latest(root, "fb")["step"] >= 20
+        ),
+        timeout=120,
+        what="a sealed step >= 20",
+    )
+    cli("stop", "fb", "--grace", "1", check=True)
+    sealed = _latest(root, "fb")["step"]
+    # The box is gone: its run directory and checkpoints with it.
+    subprocess.run(["rm", "-rf", os.path.join(cli.home, "runs")], check=True)
+    cli(
+        "start",
+        "--name",
+        "fb",
+        "--store",
+        "file://" + root,
+        "--",
+        sys.executable,
+        example,
+        *args,
+        check=True,
+    )
+    cli.wait_state("fb", "SUCCEEDED", timeout=240)
+    out = cli("logs", "fb", check=True).stdout
+    assert f"resumed from step_{sealed}.pt at step {sealed}" in out
+    first = re.search(r"^step (\d+) ", out, re.M)
+    assert first is not None and int(first.group(1)) == sealed + 1  # the counter continues
+    assert "restored" in [e["kind"] for e in cli.events("fb")]
+    _check_invariants(root, "fb")
+
+
+@pytest.mark.parametrize(
+    "url,field",
+    [
+        ("s3:/bucket", "store"),
+        ("s3://", "store"),
+        ("s3://Bad_Bucket/x", "store"),
+        ("ftp://host/x", "store"),
+        ("file://relative/path", "store"),
+        ("hf://onlyuser", "store"),
+        ("file:///x/../y", "store"),
+    ],
+)
+def test_malformed_store_urls_start_nothing(cli: Cli, url: str, field: str) -> None:
+    p = cli("start", "--name", "bad", "--store", url, "--", "true")
+    assert p.returncode == 2 and field in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not os.path.exists(os.path.join(cli.home, "runs", "bad", "spec.json"))
+
+
+def test_a_read_only_durable_dir_fails_the_preflight(cli: Cli, tmp_path: Any) -> None:
+    ro = str(tmp_path / "ro")
+    require(_tmpfs(ro, "ro,size=1m"), "root, to mount a read-only tmpfs")
+    try:
+        p = cli("start", "--name", "rodur", "--store", "file://" + ro, "--", "true")
+        assert p.returncode == 14, (p.stdout, p.stderr)
+        assert "store preflight failed at 'create the run directory'" in p.stderr
+        assert "read-only" in p.stderr.lower()
+        assert not os.path.exists(os.path.join(cli.home, "runs", "rodur", "state.json"))
+    finally:
+        subprocess.run(["umount", ro])

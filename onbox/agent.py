@@ -137,6 +137,8 @@ class Agent:
                 self.sup.request_stop("stop")
             elif signum == signal.SIGUSR2:
                 self.check_stop_request()
+                if self.seal is not None and os.path.exists(self.rd.sync_request):
+                    self.seal.sync_soon(self.rd.sync_request)
 
     def check_stop_request(self) -> None:
         try:

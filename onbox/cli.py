@@ -31,6 +31,7 @@ from onbox.errors import (
     FINAL_EXIT_CODES,
     HostError,
     LockedError,
+    NotFound,
     RgtError,
     StopFailed,
     UsageError,
@@ -383,6 +384,161 @@ def stop(name: str, grace: Optional[str]) -> int:
             )
         time.sleep(0.1)
     _emit(f"run {name} is {doc['state']}: no process of attempt {doc.get('attempt')} remains")
+    return 0
+
+
+def _store_and_run(url: str, name: Optional[str]) -> tuple[Any, str]:
+    """The store and the run: ``--store ROOT --name N``, or ``--store ROOT/N``."""
+    from onbox.rundir import check_name
+    from onbox.stores import open_store
+
+    if name is None:
+        root, _, last = url.rstrip("/").rpartition("/")
+        if "://" not in root or not last:
+            raise UsageError(
+                "--name",
+                "is needed with a store root URL",
+                "give --name N, or the run's own URL (ROOT/N)",
+            )
+        return open_store(root if not root.endswith(":/") else root + "/"), check_name(last, "run")
+    return open_store(url), check_name(name, "--name")
+
+
+@cli.command()
+@click.argument("name")
+@click.option(
+    "--timeout",
+    "timeout_s",
+    default="10m",
+    metavar="S",
+    help="How long to wait for the seal (default 10m).",
+)
+def sync(name: str, timeout_s: str) -> int:
+    """Seal the run's complete checkpoints now, and wait until they are sealed."""
+    from onbox import manifest as mf
+    from onbox.sealer import Sealer, take_epoch
+    from onbox.stores import open_store
+
+    rd = RunDir(name).require()
+    spec = JobSpec.from_json(read_json(rd.spec) or {})
+    if not spec.store:
+        raise UsageError("store", f"run {name!r} has no store", "start it with --store URL")
+    wait = parse_duration(timeout_s, "--timeout")
+    if is_held(rd.lock):
+        write_json(rd.sync_request, {"at": time.time()})
+        if not _signal_agent(rd):
+            raise StopFailed(f"the agent of {name!r} does not answer", f"see {rd.agent_log}")
+        deadline = time.monotonic() + wait
+        while os.path.exists(rd.sync_request):
+            if time.monotonic() > deadline:
+                raise StopFailed(
+                    f"the seal of {name!r} did not finish in {wait:.0f}s", f"see {rd.agent_log}"
+                )
+            time.sleep(0.1)
+        store = open_store(spec.store)
+    else:
+        lock = RunLock.acquire(rd.lock, rd.name)  # no agent: seal from here, as its writer
+        try:
+            from onbox.journal import FileJournal
+
+            journal = FileJournal(rd.state, rd.events, rd.agent_log)
+            store = open_store(spec.store)
+            sealer = Sealer(
+                name,
+                spec.ckpt_dir,
+                store,
+                os.path.join(rd.path, "staging"),
+                epoch=take_epoch(store, name),
+                keep=spec.keep,
+                event=journal.event,
+                state_path=os.path.join(rd.path, "sealer.json"),
+            )
+            sealer.load()
+            sealer.seal_pending()
+        finally:
+            lock.release()
+    latest = mf.parse_latest(store.get_bytes(mf.latest_key(name)))
+    _emit(f"run {name}: LATEST is step {latest['step'] if latest else 'none'} in {store.url}")
+    return 0
+
+
+@cli.command()
+@click.option(
+    "--store",
+    "url",
+    required=True,
+    metavar="URL",
+    help="The store root (with --name) or the run's URL (ROOT/NAME).",
+)
+@click.option("--name", metavar="N", help="The run.")
+@click.option("--to", "dest", metavar="DIR", help="Where to put it (default ./NAME-restored).")
+def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
+    """Download the newest verified checkpoint of a run and check every sha256."""
+    from onbox.restore import restore_latest
+
+    store, run = _store_and_run(url, name)
+    target = os.path.abspath(dest or f"{run}-restored")
+    os.makedirs(target, exist_ok=True)
+    doc = restore_latest(store, run, target, lambda kind, reason, **kw: _emit(reason))
+    if doc is None:
+        raise NotFound(f"run {run!r} has no sealed checkpoint in {store.url}")
+    _emit(f"{doc['local']}")
+    return 0
+
+
+@cli.command()
+@click.option(
+    "--store",
+    "url",
+    required=True,
+    metavar="URL",
+    help="The store root (with --name) or the run's URL (ROOT/NAME).",
+)
+@click.option("--name", metavar="N", help="The run.")
+@click.option("--json", "as_json", is_flag=True, help="A JSON array.")
+def checkpoints(url: str, name: Optional[str], as_json: bool) -> int:
+    """The run's sealed checkpoints: step, size, sealed time, verified."""
+    from onbox import manifest as mf
+    from onbox.errors import IntegrityError
+    from onbox.journal import iso
+    from onbox.restore import quarantined, sealed_steps
+
+    store, run = _store_and_run(url, name)
+    latest = mf.parse_latest(store.get_bytes(mf.latest_key(run)))
+    bad = set(quarantined(store, run))
+    rows = []
+    for step in sealed_steps(store, run):
+        data = store.get_bytes(mf.manifest_key(run, step))
+        try:
+            doc = mf.parse_manifest(data or b"", mf.manifest_key(run, step))
+        except IntegrityError as e:
+            rows.append({"step": step, "verified": False, "problem": e.what})
+            continue
+        rows.append(
+            {
+                "step": step,
+                "root": doc["root"],
+                "files": len(doc["files"]),
+                "size": sum(f["size"] for f in doc["files"]),
+                "sealed_at": iso(doc["created"]),
+                "epoch": doc["epoch"],
+                "verified": step not in bad,
+                "latest": bool(latest and latest["step"] == step),
+            }
+        )
+    if as_json:
+        _emit(json.dumps(rows, sort_keys=True))
+        return 0
+    if not rows:
+        _emit(f"no sealed checkpoints for {run} in {store.url}")
+        return 0
+    _emit(f"{'STEP':>10} {'SIZE':>12} {'SEALED':24} VERIFIED  ROOT")
+    for r in rows:
+        _emit(
+            f"{r['step']:>10} {r.get('size', 0):>12} {r.get('sealed_at', '-'):24} "
+            f"{'yes' if r['verified'] else 'NO':8}  {r.get('root', '-')}"
+            + ("  <- LATEST" if r.get("latest") else "")
+        )
     return 0
 
 

@@ -94,6 +94,11 @@ class RunDir:
         return os.path.join(self.path, "stop.request")
 
     @property
+    def sync_request(self) -> str:
+        """Written by `rgt-agent sync`; the agent removes it once everything is sealed."""
+        return os.path.join(self.path, "sync.request")
+
+    @property
     def attempts(self) -> str:
         return os.path.join(self.path, "attempts")
 

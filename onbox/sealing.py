@@ -74,6 +74,7 @@ class SealService(Hooks):
         self._asked_at = time.monotonic()
         self._mirrored: Dict[str, float] = {}
         self._observer: Any = None
+        self._sync_request: Optional[str] = None
 
     def event(
         self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
@@ -168,6 +169,11 @@ class SealService(Hooks):
     def wake(self) -> None:
         self._wake.set()
 
+    def sync_soon(self, request: str) -> None:
+        """`rgt-agent sync`: seal now; ``request`` is removed once all is sealed."""
+        self._sync_request = request
+        self._wake.set()
+
     def _loop(self) -> None:
         _lower_priority()
         backoff = 0.0
@@ -176,12 +182,21 @@ class SealService(Hooks):
             self._wake.clear()
             if self._stop.is_set():
                 break
+            # A sync asked before this pass began is answered once the pass is done.
+            request = self._sync_request
             try:
                 self._ask_on_timer()
                 assert self.sealer is not None
                 self.sealer.seal_pending()
                 self.mirror()
                 backoff = 0.0
+                if request is not None:
+                    if self._sync_request == request:
+                        self._sync_request = None
+                    try:
+                        os.unlink(request)
+                    except FileNotFoundError:
+                        pass
             except StoreError as e:
                 backoff = min(300.0, max(2.0, backoff * 2))
                 klass = "transient" if type(e).__name__.startswith("Transient") else "permanent"

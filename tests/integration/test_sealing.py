@@ -73,6 +73,14 @@ def _check_invariants(root: str, run: str) -> None:
         assert not [n for n in files if ".rgt-tmp." in n], dirpath
 
 
+def _text(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
+
+
 def _wait(pred: Any, timeout: float = 30, what: str = "condition") -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -436,3 +444,46 @@ def test_a_read_only_durable_dir_fails_the_preflight(cli: Cli, tmp_path: Any) ->
         assert not os.path.exists(os.path.join(cli.home, "runs", "rodur", "state.json"))
     finally:
         subprocess.run(["umount", ro])
+
+
+def test_sync_restore_and_checkpoints_commands(cli: Cli, tmp_path: Any) -> None:
+    root = _store_root(tmp_path)
+    cli.env["RGT_AGENT_RESPAWN_DELAY"] = "1000"
+    cli(
+        "start",
+        "--name",
+        "cmd",
+        "--store",
+        "file://" + root,
+        "--",
+        *WRITER,
+        "on_signal",
+        "0.1",
+        check=True,
+    )
+    st = cli.wait_state("cmd", "STARTING", "RUNNING")
+    os.kill(st["pid"], signal.SIGUSR2)
+    _wait(lambda: "wrote step_1.pt" in _text(st["log"]), what="step 1 written")
+    p = cli("sync", "cmd", check=True)  # a live agent seals on request, and says when done
+    assert "LATEST is step 1" in p.stdout
+    os.kill(st["agent"]["pid"], signal.SIGKILL)  # no agent: sync seals from the command itself
+    os.kill(st["pid"], signal.SIGUSR2)
+    _wait(lambda: "wrote step_2.pt" in _text(st["log"]), what="step 2 written")
+    assert "LATEST is step 2" in cli("sync", "cmd", check=True).stdout
+    rows = json.loads(
+        cli("checkpoints", "--store", f"file://{root}/cmd", "--json", check=True).stdout
+    )
+    assert [(r["step"], r["verified"], r["latest"]) for r in rows] == [
+        (1, True, False),
+        (2, True, True),
+    ]
+    dest = str(tmp_path / "restored")
+    out = cli(
+        "restore", "--store", f"file://{root}", "--name", "cmd", "--to", dest, check=True
+    ).stdout
+    assert out.strip().endswith(os.path.join(dest, "step_2.pt"))
+    with open(os.path.join(dest, "step_2.pt"), "rb") as f:
+        assert hashlib.sha256(f.read()).hexdigest() == _wrote(cli, "cmd")["step_2.pt"][0]
+    p = cli("restore", "--store", f"file://{root}", "--to", dest)  # the root read as a run
+    assert p.returncode == 8 and "has no sealed checkpoint" in p.stderr
+    cli("stop", "cmd", "--grace", "0", check=True)

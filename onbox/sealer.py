@@ -36,6 +36,8 @@ from onbox.stores.base import PreconditionFailed, Store, StoreError, with_retrie
 MARKERS = (".rgt-complete", "trainer_state.json", ".metadata")
 _STEP = re.compile(r"(?i)(?:global_step|checkpoint|ckpt|step|iter(?:ation)?)[_\-=]?(\d+)")
 CHUNK = 1 << 20
+MAX_BACKLOG = 8  # pending checkpoints sealed per pass at most (the newest ones)
+LOW_WATER = 0.05  # free fraction (bytes or inodes) under which sealed local copies go
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 
 
@@ -473,15 +475,62 @@ class Sealer:
             self.seq[root] = {"step": doc["step"], "sig": list(_sig(st))}
             self._save_seq()
 
+    def free_room(self) -> None:
+        """When the checkpoint disk runs low (bytes or inodes under LOW_WATER), delete local
+        copies of checkpoints that are sealed and verified, oldest first; never the newest
+        sealed one, never one that is not sealed."""
+        try:
+            st = os.statvfs(self.ckpt_dir)
+        except OSError:
+            return
+        low = (st.f_blocks and st.f_bavail / st.f_blocks < LOW_WATER) or (
+            st.f_files and st.f_favail / st.f_files < LOW_WATER
+        )
+        if not low:
+            return
+        for step in sorted(self.manifests)[:-1]:
+            doc = self.manifests[step]
+            path = os.path.join(self.ckpt_dir, *doc["root"].split("/"))
+            if not os.path.exists(path):
+                continue
+            shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
+            self.event(
+                "freed_local",
+                f"the disk is low: deleted the local copy of step {step} "
+                f"({doc['root']}), sealed and verified in the store",
+                step=step,
+                klass="transient",
+                remedy="free disk space or keep fewer checkpoints",
+            )
+            st = os.statvfs(self.ckpt_dir)
+            if st.f_bavail / max(st.f_blocks, 1) >= LOW_WATER and (
+                not st.f_files or st.f_favail / st.f_files >= LOW_WATER
+            ):
+                return
+
     def seal_pending(self, deadline: Optional[float] = None) -> int:
         """Seal every pending checkpoint, oldest first; stop at ``deadline`` (monotonic).
-        Returns how many were sealed."""
+        Returns how many were sealed. The backlog is bounded: when the store was away long
+        enough for more than MAX_BACKLOG to pile up, the oldest of them are left out."""
         n = 0
-        for cand in self.scan():
+        pending = self.scan()
+        if len(pending) > MAX_BACKLOG:
+            skipped = [c.step for c in pending[:-MAX_BACKLOG]]
+            pending = pending[-MAX_BACKLOG:]
+            self.event(
+                "backlog_bounded",
+                f"{len(skipped)} older pending checkpoints left out "
+                f"(steps {skipped[0]}..{skipped[-1]}); sealing the newest {MAX_BACKLOG}",
+                klass="transient",
+                remedy="the store was slow or away",
+            )
+        for cand in pending:
             if deadline is not None and time.monotonic() >= deadline:
                 break
             if self.seal(cand, deadline) is not None:
                 n += 1
+        if n:
+            self.free_room()
         return n
 
 

@@ -487,3 +487,32 @@ def test_sync_restore_and_checkpoints_commands(cli: Cli, tmp_path: Any) -> None:
     p = cli("restore", "--store", f"file://{root}", "--to", dest)  # the root read as a run
     assert p.returncode == 8 and "has no sealed checkpoint" in p.stderr
     cli("stop", "cmd", "--grace", "0", check=True)
+
+
+def test_a_low_disk_frees_only_sealed_local_copies_oldest_first(tmp_path: Any) -> None:
+    small = str(tmp_path / "small")
+    require(_tmpfs(small, "size=4m"), "root, to mount a small tmpfs")
+    try:
+        store = open_store("file://" + _store_root(tmp_path))
+        events: List[str] = []
+        s = Sealer(
+            "r",
+            small,
+            store,
+            str(tmp_path / "stage"),
+            epoch=take_epoch(store, "r"),
+            keep=5,
+            event=lambda kind, reason, **kw: events.append(kind),
+            state_path=str(tmp_path / "seq.json"),
+        )
+        s.load()
+        for step in (1, 2, 3):  # about 3.9 of 4 MiB: under 5 % free once the last is written
+            with open(os.path.join(small, f"step_{step}.pt"), "wb") as f:
+                f.write(os.urandom(1300 << 10))
+        s.seal_pending()
+        left = sorted(os.listdir(small))
+        assert "step_3.pt" in left  # the newest sealed copy stays
+        assert "step_1.pt" not in left and "freed_local" in events
+        assert sorted(s.manifests) == [1, 2, 3]  # all sealed before anything was freed
+    finally:
+        subprocess.run(["umount", "-l", small])

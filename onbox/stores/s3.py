@@ -114,7 +114,10 @@ def _pread_exact(fd: int, length: int, offset: int, path: str) -> bytes:
     chunks = []
     got = 0
     while got < length:
-        b = os.pread(fd, length - got, offset + got)
+        try:
+            b = os.pread(fd, length - got, offset + got)
+        except OSError as e:
+            raise PermanentStoreError(f"reading {path}: {e.strerror or e}") from None
         if not b:
             raise IntegrityError(
                 f"{path} shrank while it was uploaded (read {offset + got} bytes, expected more)",
@@ -282,7 +285,7 @@ class S3Store(Store):
                 f"{doing}: bucket '{self.bucket}' does not exist at {self.endpoint}",
                 "create the bucket, or fix the bucket name or the endpoint",
             )
-        if code in ("PreconditionFailed",) or status == 412:
+        if code == "PreconditionFailed" or status == 412:
             return PreconditionFailed(f"{doing}: the object already exists")
         if code == "RequestTimeTooSkewed":
             return PermanentStoreError(
@@ -429,7 +432,7 @@ class S3Store(Store):
         except OSError as e:
             raise PermanentStoreError(f"{doing}: cannot read it: {e.strerror or e}") from None
         try:
-            actual = os.fstat(fd).st_size
+            actual = os.fstat(fd).st_size  # cannot fail on an open descriptor
             if actual != size:
                 raise IntegrityError(
                     f"{doing}: it is {actual} bytes, expected {size}",
@@ -441,8 +444,6 @@ class S3Store(Store):
                     raise self._changed(doing, sha256)
                 return self._put_object(key, data, sha256, if_absent=False, doing=doing)
             return self._put_multipart(key, full, fd, path, sha256, size, doing)
-        except OSError as e:
-            raise PermanentStoreError(f"{doing}: reading it failed: {e.strerror or e}") from None
         finally:
             os.close(fd)
 
@@ -600,7 +601,10 @@ class S3Store(Store):
             raise PermanentStoreError(f"{key} is not in {self.url}")
         size = int(head["ContentLength"])
         etag = str(head.get("ETag") or "")
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise PermanentStoreError(f"{doing} to {dest}: {e.strerror or e}") from None
         try:
             if size <= self.multipart_threshold:
                 self._get_range(doing, full, etag, fd, 0, size, ranged=False)
@@ -631,7 +635,7 @@ class S3Store(Store):
                         for fut in futures:
                             fut.cancel()
             os.fsync(fd)
-        except OSError as e:
+        except OSError as e:  # writing or fsyncing dest (botocore's errors are mapped already)
             raise PermanentStoreError(f"{doing} to {dest}: {e.strerror or e}") from None
         finally:
             os.close(fd)

@@ -1,4 +1,5 @@
-"""Fixtures for tests against real services: a throwaway sshd on loopback (tests/sshd.py)."""
+"""Fixtures for tests against real services: a throwaway sshd on loopback (tests/sshd.py) and a
+throwaway SeaweedFS S3 server (tests/seaweed.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ from typing import Iterator
 
 import pytest
 
+from tests import seaweed
 from tests.conftest import require
+from tests.seaweed import SeaweedServer, start_seaweed
 from tests.sshd import SshServer, missing, start_sshd
 
 
@@ -26,6 +29,23 @@ def sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
             f"ssh to the test sshd failed ({p.returncode}): {p.stderr}\n"
             f"sshd log:\n{server.log()[-4000:]}"
         )
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    """One SeaweedFS S3 server (weed mini) for the whole session, on a fresh directory;
+    stopped by PID at the end. ``.endpoint``, ``.access_key``/``.secret_key``, ``.bucket()``
+    (a new bucket), ``.store(bucket)`` (an S3Store on it), ``.env()`` (for a child process).
+
+    Skips when the weed binary is missing, except under CI=true.
+    """
+    why = seaweed.missing()
+    require(why is None, why or "")
+    server = start_seaweed(str(tmp_path_factory.mktemp("seaweed")))
+    try:
         yield server
     finally:
         server.stop()

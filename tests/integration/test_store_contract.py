@@ -1,0 +1,178 @@
+"""The Store contract (onbox/stores/base.py), the same tests against every store: a directory
+(LocalStore) and a real S3 server (S3Store on SeaweedFS, tests/seaweed.py).
+
+The promise to users: whichever durable store a run seals its checkpoints to, a checkpoint comes
+back byte for byte, a failed or mismatched upload never leaves something under the final name
+that a resume would trust, create-if-absent writes refuse a second writer, and no key can
+escape the store's root.
+
+The S3 store runs with 5 MiB parts (S3's smallest), so the 20 MiB file is a real five-part
+multipart upload with a short last part.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import uuid
+from typing import Iterator, Tuple
+
+import pytest
+
+from onbox.errors import IntegrityError
+from onbox.stores.base import PreconditionFailed, Store
+from onbox.stores.local import LocalStore
+from tests.seaweed import SeaweedServer
+
+MiB = 1 << 20
+BIG = 20 * MiB + 12345  # multipart on S3: four 5 MiB parts and a short fifth
+
+
+def _file(path: str, size: int) -> Tuple[str, str]:
+    """Write ``size`` random bytes to ``path``; the path and its sha256."""
+    data = os.urandom(size)
+    with open(path, "wb") as f:
+        f.write(data)
+    return path, hashlib.sha256(data).hexdigest()
+
+
+def _sha256_of(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(MiB), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterator[Store]:
+    """A fresh, empty store of each kind (S3: a new prefix in a session bucket)."""
+    if request.param == "local":
+        yield LocalStore(os.path.join(tmp_path, "store"))
+        return
+    server: SeaweedServer = request.getfixturevalue("s3_server")
+    bucket = request.getfixturevalue("contract_bucket")
+    yield server.store(bucket, f"contract/{uuid.uuid4().hex[:8]}", part_size=5 * MiB)
+
+
+@pytest.fixture(scope="session")
+def contract_bucket(s3_server: SeaweedServer) -> str:
+    return s3_server.bucket()
+
+
+@pytest.mark.parametrize("size", [0, 1000, BIG], ids=["empty", "small", "multipart"])
+def test_put_file_round_trip(store: Store, tmp_path: os.PathLike[str], size: int) -> None:
+    """A sealed checkpoint downloads byte for byte, and stat reports its size (and, where the
+    store keeps it, its sha256) without a download."""
+    src, sha = _file(os.path.join(tmp_path, "src"), size)
+    info = store.put_file("run/ckpt/1/model.pt", src, sha256=sha, size=size)
+    assert (info.key, info.size, info.sha256) == ("run/ckpt/1/model.pt", size, sha)
+
+    dest = os.path.join(tmp_path, "dest")
+    store.get_file("run/ckpt/1/model.pt", dest)
+    assert os.path.getsize(dest) == size and _sha256_of(dest) == sha
+
+    st = store.stat("run/ckpt/1/model.pt")
+    assert st is not None and st.size == size
+    if isinstance(store, LocalStore):
+        assert st.sha256 in (None, sha)  # a directory keeps no checksum of its own
+    else:
+        assert st.sha256 == sha
+
+
+def test_put_file_twice_is_idempotent(store: Store, tmp_path: os.PathLike[str]) -> None:
+    """A retried upload (the first one's answer lost) succeeds and leaves the same object."""
+    src, sha = _file(os.path.join(tmp_path, "src"), BIG)
+    store.put_file("run/a", src, sha256=sha, size=BIG)
+    store.put_file("run/a", src, sha256=sha, size=BIG)
+    dest = os.path.join(tmp_path, "dest")
+    store.get_file("run/a", dest)
+    assert _sha256_of(dest) == sha
+
+
+def test_stat_and_get_of_a_missing_key(store: Store) -> None:
+    """Looking for a checkpoint that was never sealed answers 'absent', not an error."""
+    assert store.stat("run/nothing") is None
+    assert store.get_bytes("run/nothing") is None
+
+
+@pytest.mark.parametrize("size", [1000, BIG], ids=["small", "multipart"])
+def test_wrong_sha256_stores_nothing(store: Store, tmp_path: os.PathLike[str], size: int) -> None:
+    """A file that is not what its checksum says (changed after it was hashed) is refused, and
+    nothing a resume could trust is left under the key, nor a half upload."""
+    src, _ = _file(os.path.join(tmp_path, "src"), size)
+    with pytest.raises(IntegrityError):
+        store.put_file("run/bad", src, sha256="0" * 64, size=size)
+    assert store.stat("run/bad") is None
+    assert list(store.list("run/")) == []
+    assert store.abort_stale_uploads("run/") == 0
+
+
+def test_wrong_size_stores_nothing(store: Store, tmp_path: os.PathLike[str]) -> None:
+    """A file whose size is not the one given is refused and leaves nothing."""
+    src, sha = _file(os.path.join(tmp_path, "src"), 1000)
+    with pytest.raises(IntegrityError):
+        store.put_file("run/bad", src, sha256=sha, size=999)
+    assert store.stat("run/bad") is None
+
+
+def test_put_bytes_if_absent_refuses_a_second_writer(store: Store) -> None:
+    """Create-if-absent (a run's claim, a manifest written once) refuses the second writer and
+    keeps the first one's bytes; a plain put replaces."""
+    store.put_bytes("run/claim", b"first", if_absent=True)
+    with pytest.raises(PreconditionFailed):
+        store.put_bytes("run/claim", b"second", if_absent=True)
+    assert store.get_bytes("run/claim") == b"first"
+    info = store.put_bytes("run/claim", b"third")
+    assert info.size == 5 and info.sha256 == hashlib.sha256(b"third").hexdigest()
+    assert store.get_bytes("run/claim") == b"third"
+
+
+def test_list_by_prefix(store: Store) -> None:
+    """Listing a run's checkpoints finds exactly the keys under that prefix, with sizes."""
+    for key in ("run/a/1", "run/a/2", "run/ab/3", "run/b/4", "other/5"):
+        store.put_bytes(key, key.encode())
+    assert sorted(o.key for o in store.list("run/a/")) == ["run/a/1", "run/a/2"]
+    assert sorted(o.key for o in store.list("run/a")) == ["run/a/1", "run/a/2", "run/ab/3"]
+    assert {o.key: o.size for o in store.list("run/")} == {
+        "run/a/1": 7,
+        "run/a/2": 7,
+        "run/ab/3": 8,
+        "run/b/4": 7,
+    }
+    assert list(store.list("none/")) == []
+
+
+def test_delete_is_idempotent(store: Store) -> None:
+    """Deleting an old checkpoint twice (a retried cleanup) or one already gone is fine."""
+    store.put_bytes("run/old", b"x")
+    store.delete("run/old")
+    assert store.stat("run/old") is None
+    store.delete("run/old")
+    store.delete("run/never-was")
+
+
+@pytest.mark.parametrize("key", ["../escape", "run/../../x", "/abs", "run//x", "", "run/./x"])
+def test_unclean_keys_are_refused(store: Store, tmp_path: os.PathLike[str], key: str) -> None:
+    """No key can reach outside the store's root or alias another key."""
+    src, sha = _file(os.path.join(tmp_path, "src"), 10)
+    with pytest.raises(IntegrityError):
+        store.put_bytes(key, b"x")
+    with pytest.raises(IntegrityError):
+        store.put_file(key, src, sha256=sha, size=10)
+    with pytest.raises(IntegrityError):
+        store.get_bytes(key)
+    with pytest.raises(IntegrityError):
+        store.get_file(key, os.path.join(tmp_path, "dest"))
+    with pytest.raises(IntegrityError):
+        store.stat(key)
+    with pytest.raises(IntegrityError):
+        store.delete(key)
+
+
+def test_preflight_proves_the_store_and_leaves_nothing(store: Store) -> None:
+    """Before training starts the store is proven to write, read back and delete, and the
+    probe does not stay behind in the run's prefix."""
+    findings = store.preflight("run")
+    assert findings and findings[0].ok, findings
+    assert list(store.list("run/")) == []

@@ -36,6 +36,26 @@ from onbox.stores.base import PreconditionFailed, Store, StoreError, with_retrie
 MARKERS = (".rgt-complete", "trainer_state.json", ".metadata")
 _STEP = re.compile(r"(?i)(?:global_step|checkpoint|ckpt|step|iter(?:ation)?)[_\-=]?(\d+)")
 CHUNK = 1 << 20
+# A loose file in the checkpoint dir is a checkpoint only in a checkpoint format: scripts often
+# checkpoint into their working directory, next to logs, configs and code.
+CKPT_SUFFIXES = (
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".bin",
+    ".safetensors",
+    ".pkl",
+    ".pickle",
+    ".npz",
+    ".npy",
+    ".h5",
+    ".hdf5",
+    ".msgpack",
+    ".gguf",
+    ".tar",
+    ".zip",
+    ".distcp",
+)
 MAX_BACKLOG = 8  # pending checkpoints sealed per pass at most (the newest ones)
 LOW_WATER = 0.05  # free fraction (bytes or inodes) under which sealed local copies go
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
@@ -241,7 +261,7 @@ class Sealer:
                 cand = self._dir_candidate(name, path)
                 if cand is not None:
                     dirs.append(cand)
-            elif os.path.isfile(path):
+            elif os.path.isfile(path) and name.lower().endswith(CKPT_SUFFIXES):
                 files.append((name, st))
         busy = open_for_writing([os.path.join(self.ckpt_dir, n) for n, _ in files])
         out = dirs

@@ -516,3 +516,80 @@ def test_a_low_disk_frees_only_sealed_local_copies_oldest_first(tmp_path: Any) -
         assert sorted(s.manifests) == [1, 2, 3]  # all sealed before anything was freed
     finally:
         subprocess.run(["umount", "-l", small])
+
+
+TORCH_INPLACE = """
+import hashlib, os, time, torch
+torch.manual_seed(0)
+model = torch.nn.Linear(256, 256)
+for step in range(1, 41):
+    with torch.no_grad():
+        model.weight.add_(0.01)
+    if step % 5 == 0:  # the common naive pattern: one file, rewritten in place
+        torch.save({"step": step, "model": model.state_dict()}, "ckpt.pt")
+        with open("ckpt.pt", "rb") as f:
+            print("saved", step, hashlib.sha256(f.read()).hexdigest(), flush=True)
+    time.sleep(0.1)
+"""
+
+
+def test_a_plain_torch_save_in_place_script_gets_every_checkpoint_sealed(
+    cli: Cli, tmp_path: Any
+) -> None:
+    require(__import__("importlib").util.find_spec("torch") is not None, "torch")
+    root = _store_root(tmp_path)
+    work = str(tmp_path / "work")
+    os.makedirs(work)
+    script = os.path.join(work, "train.py")
+    with open(script, "w") as f:
+        f.write(TORCH_INPLACE)
+    job = os.path.join(work, "job.toml")
+    with open(job, "w") as f:  # keep them all, to compare every one with what the job saved
+        f.write(
+            f'command = {json.dumps([sys.executable, script])}\nstore = "file://{root}"\n'
+            '[checkpoint]\ndir = "."\nkeep = 20\n'
+        )
+    cli("start", job, "--name", "tp", check=True)
+    cli.wait_state("tp", "SUCCEEDED", timeout=120)
+    saved = re.findall(r"saved (\d+) ([0-9a-f]{64})", cli("logs", "tp", check=True).stdout)
+    assert len(saved) == 8
+    sealed = {d["files"][0]["sha256"] for d in _manifests(root, "tp").values()}
+    assert sealed == {sha for _, sha in saved}  # every complete one, and nothing else
+    for doc in _manifests(root, "tp").values():  # and each loads as torch would load it
+        import torch
+
+        state = torch.load(os.path.join(root, doc["files"][0]["key"]), weights_only=True)
+        assert isinstance(state["step"], int)
+    _check_invariants(root, "tp")
+
+
+def test_the_job_is_asked_to_checkpoint_on_a_timer(cli: Cli, tmp_path: Any) -> None:
+    root = _store_root(tmp_path)
+    script = os.path.join(cli.home, "on_request.py")
+    with open(script, "w") as f:
+        f.write(
+            "import os, time\n"
+            "req = os.path.join(os.environ['RGT_RUN_DIR'], 'checkpoint.request')\n"
+            "ck = os.environ['RGT_CKPT_DIR']\n"
+            "n = 0\n"
+            "while n < 3:\n"
+            "    if os.path.exists(req):\n"
+            "        n += 1\n"
+            "        with open(os.path.join(ck, f'step_{n}.pt.tmp'), 'wb') as f:\n"
+            "            f.write(os.urandom(1000))\n"
+            "        tmp = os.path.join(ck, f'step_{n}.pt.tmp')\n"
+            "        os.replace(tmp, os.path.join(ck, f'step_{n}.pt'))\n"
+            "        os.unlink(req)\n"
+            "    time.sleep(0.05)\n"
+        )
+    job = os.path.join(cli.home, "timer.toml")
+    with open(job, "w") as f:
+        f.write(
+            f'command = ["python3", "{script}"]\nstore = "file://{root}"\n'
+            '[checkpoint]\ntrigger = "file"\ninterval = "1s"\nscan = "0.5s"\n'
+        )
+    cli("start", job, "--name", "tm", check=True)
+    cli.wait_state("tm", "SUCCEEDED", timeout=60)
+    asked = [e for e in cli.events("tm") if e["kind"] == "checkpoint_asked"]
+    assert len(asked) >= 3 and all("timer" in e["reason"] for e in asked)
+    assert _latest(root, "tm")["step"] == 3

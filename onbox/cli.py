@@ -496,14 +496,29 @@ def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
 )
 @click.option("--name", metavar="N", help="The run.")
 @click.option("--json", "as_json", is_flag=True, help="A JSON array.")
-def checkpoints(url: str, name: Optional[str], as_json: bool) -> int:
-    """The run's sealed checkpoints: step, size, sealed time, verified."""
+@click.option("--pin", "pin", type=int, metavar="STEP", help="Keep STEP whatever `keep` says.")
+@click.option("--unpin", "unpin", type=int, metavar="STEP", help="Let pruning take STEP again.")
+def checkpoints(
+    url: str, name: Optional[str], as_json: bool, pin: Optional[int], unpin: Optional[int]
+) -> int:
+    """The run's sealed checkpoints: step, size, sealed time, verified, pinned."""
     from onbox import manifest as mf
     from onbox.errors import IntegrityError
     from onbox.journal import iso
     from onbox.restore import quarantined, sealed_steps
 
     store, run = _store_and_run(url, name)
+    if pin is not None:
+        if store.stat(mf.manifest_key(run, pin)) is None:
+            raise NotFound(f"run {run!r} has no sealed step {pin} in {store.url}")
+        store.put_bytes(mf.pin_key(run, pin), b"pinned\n")
+    if unpin is not None:
+        store.delete(mf.pin_key(run, unpin))
+    pins = {
+        int(i.key.rsplit("/", 1)[-1])
+        for i in store.list(f"{run}/pinned/")
+        if i.key.rsplit("/", 1)[-1].isdigit()
+    }
     latest = mf.parse_latest(store.get_bytes(mf.latest_key(run)))
     bad = set(quarantined(store, run))
     rows = []
@@ -524,6 +539,7 @@ def checkpoints(url: str, name: Optional[str], as_json: bool) -> int:
                 "epoch": doc["epoch"],
                 "verified": step not in bad,
                 "latest": bool(latest and latest["step"] == step),
+                "pinned": step in pins,
             }
         )
     if as_json:
@@ -538,6 +554,7 @@ def checkpoints(url: str, name: Optional[str], as_json: bool) -> int:
             f"{r['step']:>10} {r.get('size', 0):>12} {r.get('sealed_at', '-'):24} "
             f"{'yes' if r['verified'] else 'NO':8}  {r.get('root', '-')}"
             + ("  <- LATEST" if r.get("latest") else "")
+            + ("  (pinned)" if r.get("pinned") else "")
         )
     return 0
 

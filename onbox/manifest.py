@@ -7,6 +7,7 @@ Layout under a run's prefix in the store (shared/DESIGN.md)::
     LATEST.json                         advanced last, only to a verified checkpoint, never back
     epochs/<n>                          one per agent start; the highest epoch is the writer
     quarantine/<step>.json              a checkpoint found corrupt: kept, flagged, reported
+    pinned/<step>                       a checkpoint pruning never deletes
     state/                              the run's state and events, mirrored
     DONE.json                           the completion receipt
 
@@ -45,6 +46,10 @@ def done_key(run: str) -> str:
 
 def epoch_key(run: str, epoch: int) -> str:
     return f"{run}/epochs/{epoch:08d}"
+
+
+def pin_key(run: str, step: int) -> str:
+    return f"{run}/pinned/{step}"
 
 
 def quarantine_key(run: str, step: int) -> str:

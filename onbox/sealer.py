@@ -468,7 +468,12 @@ class Sealer:
         if self.stale or self.latest is None:
             return
         steps = sorted(self.manifests)
-        keep = set(steps[-self.keep :]) | {self.latest}
+        pinned = set()
+        for info in self.store.list(f"{self.run}/pinned/"):
+            tail = info.key.rsplit("/", 1)[-1]
+            if tail.isdigit():
+                pinned.add(int(tail))
+        keep = set(steps[-self.keep :]) | {self.latest} | (pinned & set(steps))
         drop = [s for s in steps if s not in keep]
         if not drop:
             return

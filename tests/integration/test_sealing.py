@@ -593,3 +593,73 @@ def test_the_job_is_asked_to_checkpoint_on_a_timer(cli: Cli, tmp_path: Any) -> N
     asked = [e for e in cli.events("tm") if e["kind"] == "checkpoint_asked"]
     assert len(asked) >= 3 and all("timer" in e["reason"] for e in asked)
     assert _latest(root, "tm")["step"] == 3
+
+
+def test_a_pinned_checkpoint_outlives_pruning(cli: Cli, tmp_path: Any) -> None:
+    root = _store_root(tmp_path)
+    store = open_store("file://" + root)
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    s = Sealer(
+        "r",
+        ckpt,
+        store,
+        str(tmp_path / "stage"),
+        epoch=take_epoch(store, "r"),
+        keep=2,
+        event=lambda *a, **k: None,
+        state_path=str(tmp_path / "seq.json"),
+    )
+    s.load()
+    with open(os.path.join(ckpt, "step_1.pt"), "wb") as f:
+        f.write(os.urandom(100))
+    s.seal_pending()
+    p = cli("checkpoints", "--store", f"file://{root}/r", "--pin", "1", "--json", check=True)
+    assert json.loads(p.stdout)[0]["pinned"] is True
+    assert cli("checkpoints", "--store", f"file://{root}/r", "--pin", "7").returncode == 8
+    for step in (2, 3, 4):
+        with open(os.path.join(ckpt, f"step_{step}.pt"), "wb") as f:
+            f.write(os.urandom(100))
+        s.seal_pending()
+    assert sorted(_manifests(root, "r")) == [1, 3, 4]  # keep 2, plus the pinned one
+    cli("checkpoints", "--store", f"file://{root}/r", "--unpin", "1", check=True)
+    with open(os.path.join(ckpt, "step_5.pt"), "wb") as f:
+        f.write(os.urandom(100))
+    s.seal_pending()
+    assert sorted(_manifests(root, "r")) == [4, 5]
+
+
+def test_kill9_of_the_agent_mid_copy_to_a_durable_dir(cli: Cli, tmp_path: Any) -> None:
+    root = _store_root(tmp_path)
+    cli.env["RGT_AGENT_RESPAWN_DELAY"] = "1000"
+    job = os.path.join(cli.home, "big.toml")
+    with open(job, "w") as f:
+        f.write(
+            f"command = {json.dumps([*WRITER, 'on_signal', '700'])}\n"
+            f'store = "file://{root}"\n[checkpoint]\ntrigger = "signal:USR2"\n'
+        )
+    cli("start", job, "--name", "kd", check=True)
+    st = cli.wait_state("kd", "STARTING", "RUNNING")
+    os.kill(st["pid"], signal.SIGUSR2)
+
+    def copying() -> bool:
+        for _, _, files in os.walk(os.path.join(root, "kd")):
+            if any(".rgt-tmp." in n for n in files):
+                return True
+        return False
+
+    _wait(copying, timeout=120, what="the copy into the store to begin")
+    os.kill(st["agent"]["pid"], signal.SIGKILL)
+    time.sleep(0.3)
+    assert not os.path.exists(os.path.join(root, "kd", "checkpoints", "1", "step_1.pt"))
+    assert not os.path.exists(os.path.join(root, "kd", "LATEST.json"))
+    cli("start", "--name", "kd", check=True)
+    _wait(
+        lambda: os.path.exists(os.path.join(root, "kd", "LATEST.json")),
+        timeout=120,
+        what="the next agent to seal step 1",
+    )
+    _check_invariants(root, "kd")  # the dead agent's temporary file is gone too
+    assert _latest(root, "kd")["step"] == 1
+    assert "uploads_aborted" in [e["kind"] for e in cli.events("kd")]
+    cli("stop", "kd", "--grace", "1", check=True)

@@ -43,15 +43,19 @@ def test_a_zombie_counts_as_dead() -> None:
 def test_find_tagged_sees_a_process_that_left_the_group() -> None:
     env = dict(os.environ, RGT_TEST_TAG="t-123")
     p = subprocess.Popen(
-        [sys.executable, "-c", "import time; time.sleep(30)"], env=env, start_new_session=True
+        [sys.executable, "-c", "import time; print('up', flush=True); time.sleep(30)"],
+        env=env,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
     )
     try:
+        assert p.stdout is not None and p.stdout.readline() == b"up\n"  # exec'd: env is its own
         found = procfs.find_tagged("RGT_TEST_TAG", "t-123")
         assert [i.pid for i in found] == [p.pid]
         assert procfs.find_tagged("RGT_TEST_TAG", "t-124") == []
     finally:
         p.kill()
-        p.wait()
+        p.communicate()
 
 
 def test_pidfd_wakes_when_the_process_exits() -> None:

@@ -302,7 +302,12 @@ class ShimRunner:
                 st = os.statvfs(path)
             except OSError:
                 continue
-            if st.f_files > 0 and st.f_favail == 0:
+            if st.f_files <= 0 or st.f_blocks <= 0:
+                continue
+            # ENOSPC reads the same for bytes and inodes; the scarcer one ran out. (Not "zero
+            # inodes left": the sealer may have freed a few sealed copies since.)
+            inodes, space = st.f_favail / st.f_files, st.f_bavail / st.f_blocks
+            if inodes < 0.1 and inodes < space:
                 return True
         return False
 

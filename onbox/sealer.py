@@ -385,10 +385,13 @@ class Sealer:
         prefix = mf.checkpoint_prefix(self.run, cand.step or 0)
         stage_dir = os.path.join(self.staging, f"step-{cand.step}")
         os.makedirs(stage_dir, exist_ok=True)
+        # Only a file with no step in its name is rewritten in place: stage it. A step-named
+        # file or a directory is new each time; hash it while reading, no copy.
+        in_place = cand.kind == "file" and step_from_name(cand.root) is None
         try:
             for rel in cand.files:
                 src = os.path.join(self.ckpt_dir, *rel.split("/"))
-                path, sha, size = self._stage(src, stage_dir, rel, in_place=cand.kind == "file")
+                path, sha, size = self._stage(src, stage_dir, rel, in_place=in_place)
                 key = known.get((sha, size))
                 if key is None:
                     key = prefix + rel

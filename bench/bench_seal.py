@@ -124,6 +124,7 @@ class Recorder(Store):
 
     def __init__(self, inner: Store) -> None:
         self.inner = inner
+        self.hashes_while_uploading = inner.hashes_while_uploading
         self.url = inner.url
         self.files: List[Put] = []
         self.small: List[Put] = []
@@ -138,7 +139,7 @@ class Recorder(Store):
     def shards_put(self) -> List[Put]:
         return [p for p in self.files if "/shard-" in p.key]
 
-    def put_file(self, key: str, path: str, *, sha256: str, size: int) -> ObjectInfo:
+    def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
         if self.fail_at is not None and "/shard-" in key and len(self.shards_put()) >= self.fail_at:
             raise PermanentStoreError("bench: this seal is interrupted here")
         t0 = time.monotonic()

@@ -391,6 +391,12 @@ class Sealer:
         try:
             for rel in cand.files:
                 src = os.path.join(self.ckpt_dir, *rel.split("/"))
+                if not in_place and self.store.hashes_while_uploading:
+                    done = self._upload_hashing(src, rel, prefix + rel, known)
+                    if done is not None:  # no sealed file of that size: nothing to dedupe
+                        entries.append(done)
+                        uploaded += done["size"]
+                        continue
                 path, sha, size = self._stage(src, stage_dir, rel, in_place=in_place)
                 key = known.get((sha, size))
                 if key is None:
@@ -404,6 +410,39 @@ class Sealer:
         finally:
             shutil.rmtree(stage_dir, ignore_errors=True)
         return entries, uploaded
+
+    def _upload_hashing(
+        self, src: str, rel: str, key: str, known: Dict[Tuple[str, int], str]
+    ) -> Optional[Dict[str, Any]]:
+        """Upload without a sha256 pass of our own first, when no sealed file has this size (so
+        it cannot be a duplicate): the store hashes while it sends, and the server verifies.
+        None when a sealed file has the same size (hash first, maybe skip the upload)."""
+        try:
+            before = os.stat(src)
+        except FileNotFoundError:
+            raise Vanished(f"{rel} was deleted") from None
+        if any(size == before.st_size for _, size in known):
+            return None
+        put = functools.partial(self.store.put_file, key, src, sha256=None, size=before.st_size)
+        try:
+            info = with_retries(put)
+        except StoreError:
+            try:
+                changed = _sig(os.stat(src)) != _sig(before)
+            except FileNotFoundError:
+                changed = True
+            if changed:  # the job rotated it away or rewrote it: normal, not a store fault
+                raise Vanished(f"{rel} changed or was deleted while uploading") from None
+            raise
+        try:
+            unchanged = _sig(os.stat(src)) == _sig(before)
+        except FileNotFoundError:
+            unchanged = False
+        if not unchanged or info.sha256 is None:
+            self.store.delete(key)
+            raise Vanished(f"{rel} changed while uploading")
+        known[(info.sha256, before.st_size)] = key
+        return {"path": rel, "size": before.st_size, "sha256": info.sha256, "key": key}
 
     def _stage(self, src: str, stage_dir: str, rel: str, in_place: bool) -> Tuple[str, str, int]:
         """(path to upload from, sha256, size). A file the job may rewrite in place is copied

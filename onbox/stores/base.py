@@ -81,10 +81,15 @@ class Store(abc.ABC):
     """A durable store root. See the module docstring for the contract."""
 
     url: str
+    # True when put_file can take sha256=None: the store hashes every byte as it sends it and
+    # the server verifies what it received (S3: Content-MD5 per part, then the ETag), so the
+    # caller need not read the file once more beforehand. The sha256 comes back in ObjectInfo.
+    hashes_while_uploading = False
 
     @abc.abstractmethod
-    def put_file(self, key: str, path: str, *, sha256: str, size: int) -> ObjectInfo:
-        """Upload the local file ``path`` (``size`` bytes, ``sha256`` hex) and verify it."""
+    def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
+        """Upload the local file ``path`` (``size`` bytes, ``sha256`` hex) and verify it;
+        ``sha256=None`` only where ``hashes_while_uploading``."""
 
     @abc.abstractmethod
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> ObjectInfo:

@@ -372,7 +372,9 @@ class HFStore(Store):
 
     # -- the Store interface -----------------------------------------------------------------
 
-    def put_file(self, key: str, path: str, *, sha256: str, size: int) -> ObjectInfo:
+    def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
+        if sha256 is None:
+            raise ValueError("this store needs the caller's sha256")
         repo_path = self._path(key)
         src: Union[str, bytes] = path
         blob_id = None

@@ -106,7 +106,9 @@ class LocalStore(Store):
             os.replace(tmp, path)
         fsync_dir(os.path.dirname(path))
 
-    def put_file(self, key: str, path: str, *, sha256: str, size: int) -> ObjectInfo:
+    def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
+        if sha256 is None:
+            raise ValueError("this store needs the caller's sha256")
         dest = self._path(key)
         tmp = self._tmp(dest)
         try:

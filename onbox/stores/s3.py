@@ -424,7 +424,9 @@ class S3Store(Store):
             key, data, sha, if_absent=if_absent, doing=f"writing {key} to {self.url}"
         )
 
-    def put_file(self, key: str, path: str, *, sha256: str, size: int) -> ObjectInfo:
+    hashes_while_uploading = True
+
+    def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
         full = self._key(key)
         doing = f"uploading {path} to {self.url}/{key}"
         try:
@@ -440,9 +442,10 @@ class S3Store(Store):
                 )
             if size <= self.multipart_threshold:
                 data = _pread_exact(fd, size, 0, path)
-                if hashlib.sha256(data).hexdigest() != sha256:
+                got_sha = hashlib.sha256(data).hexdigest()
+                if sha256 is not None and got_sha != sha256:
                     raise self._changed(doing, sha256)
-                return self._put_object(key, data, sha256, if_absent=False, doing=doing)
+                return self._put_object(key, data, got_sha, if_absent=False, doing=doing)
             return self._put_multipart(key, full, fd, path, sha256, size, doing)
         finally:
             os.close(fd)
@@ -456,7 +459,14 @@ class S3Store(Store):
         )
 
     def _put_multipart(
-        self, key: str, full: str, fd: int, path: str, sha256: str, size: int, doing: str
+        self,
+        key: str,
+        full: str,
+        fd: int,
+        path: str,
+        sha256: Optional[str],
+        size: int,
+        doing: str,
     ) -> ObjectInfo:
         part = self.part_size or part_size_for(size)
         count = -(-size // part)
@@ -467,11 +477,15 @@ class S3Store(Store):
             "create_multipart_upload",
             Key=full,
             ContentType="application/octet-stream",
-            Metadata={SHA256_META: sha256},
+            # Unknown until the whole file is read when the caller lets us hash it (then the
+            # MANIFEST alone carries the sha256; the ETag still proves the bytes).
+            Metadata={SHA256_META: sha256} if sha256 is not None else {},
         )
         upload_id = str(r["UploadId"])
         try:
-            digests, etags = self._send_parts(full, upload_id, fd, path, sha256, size, part, doing)
+            digests, etags, got_sha = self._send_parts(
+                full, upload_id, fd, path, sha256, size, part, doing
+            )
             expected = _md5(b"".join(digests)).hexdigest() + f"-{count}"
             parts = [{"PartNumber": n + 1, "ETag": etags[n]} for n in range(count)]
             try:
@@ -489,7 +503,12 @@ class S3Store(Store):
                 # the upload is gone, and the object is ours if it carries our checksums.
                 head = self._call_missing_ok(doing, "head_object", Key=full)
                 meta = (head or {}).get("Metadata") or {}
-                if head is None or meta.get(SHA256_META) != sha256:
+                ours = (
+                    meta.get(SHA256_META) == sha256
+                    if sha256 is not None
+                    else _etag((head or {}).get("ETag")) == expected
+                )
+                if head is None or not ours:
                     raise self._client_error(e, doing) from None
                 got = _etag(head.get("ETag"))
             except bex.BotoCoreError as e:
@@ -505,7 +524,7 @@ class S3Store(Store):
                 "the data was altered on the way, or the bucket encrypts with SSE-KMS/SSE-C "
                 "(whose ETags are not MD5s, so uploads cannot be verified without reading back)",
             )
-        return ObjectInfo(key, size, sha256, got)
+        return ObjectInfo(key, size, got_sha, got)
 
     def _send_parts(
         self,
@@ -513,11 +532,11 @@ class S3Store(Store):
         upload_id: str,
         fd: int,
         path: str,
-        sha256: str,
+        sha256: Optional[str],
         size: int,
         part: int,
         doing: str,
-    ) -> Tuple[List[bytes], List[str]]:
+    ) -> Tuple[List[bytes], List[str], str]:
         """Read the parts in order (hashing the whole file as read) and upload them from a
         thread pool; at most ``workers + 1`` parts are in memory at once."""
         count = -(-size // part)
@@ -566,9 +585,9 @@ class S3Store(Store):
                 fut.result()  # the first failure, mapped already by _call
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-        if whole.hexdigest() != sha256:
+        if sha256 is not None and whole.hexdigest() != sha256:
             raise self._changed(doing, sha256)
-        return digests, etags
+        return digests, etags, whole.hexdigest()
 
     def _abort(self, full: str, upload_id: str) -> None:
         try:

@@ -193,3 +193,23 @@ def test_a_missing_bucket_or_wrong_credentials_start_nothing(
     assert p.returncode in (4, 14), (p.stdout, p.stderr)
     assert "store preflight failed" in p.stderr and "credentials" in p.stderr.lower()
     assert not os.path.exists(os.path.join(cli.home, "runs", "nb", "state.json"))
+
+
+def test_s3_hashes_while_uploading_so_the_sealer_reads_each_new_file_once(
+    s3_server: SeaweedServer, tmp_path: Any
+) -> None:
+    import hashlib
+
+    store = s3_server.store(s3_server.bucket(), "p", part_size=5 << 20)
+    assert store.hashes_while_uploading
+    for size in (1000, (12 << 20) + 7):  # one put, and multipart
+        path = str(tmp_path / f"f{size}")
+        data = os.urandom(size)
+        with open(path, "wb") as f:
+            f.write(data)
+        info = store.put_file(f"k{size}", path, sha256=None, size=size)
+        assert info.sha256 == hashlib.sha256(data).hexdigest()  # what the MANIFEST records
+        got = str(tmp_path / f"g{size}")
+        store.get_file(f"k{size}", got)
+        with open(got, "rb") as f:
+            assert f.read() == data

@@ -387,6 +387,18 @@ def stop(name: str, grace: Optional[str]) -> int:
     return 0
 
 
+def _store_options(f: Any) -> Any:
+    """--store URL and --name N, for the commands that read a run from its store."""
+    f = click.option("--name", metavar="N", help="The run.")(f)
+    return click.option(
+        "--store",
+        "url",
+        required=True,
+        metavar="URL",
+        help="The store root (with --name) or the run's URL (ROOT/NAME).",
+    )(f)
+
+
 def _store_and_run(url: str, name: Optional[str]) -> tuple[Any, str]:
     """The store and the run: ``--store ROOT --name N``, or ``--store ROOT/N``."""
     from onbox.rundir import check_name
@@ -463,14 +475,7 @@ def sync(name: str, timeout_s: str) -> int:
 
 
 @cli.command()
-@click.option(
-    "--store",
-    "url",
-    required=True,
-    metavar="URL",
-    help="The store root (with --name) or the run's URL (ROOT/NAME).",
-)
-@click.option("--name", metavar="N", help="The run.")
+@_store_options
 @click.option("--to", "dest", metavar="DIR", help="Where to put it (default ./NAME-restored).")
 def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
     """Download the newest verified checkpoint of a run and check every sha256."""
@@ -487,14 +492,7 @@ def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
 
 
 @cli.command()
-@click.option(
-    "--store",
-    "url",
-    required=True,
-    metavar="URL",
-    help="The store root (with --name) or the run's URL (ROOT/NAME).",
-)
-@click.option("--name", metavar="N", help="The run.")
+@_store_options
 @click.option("--json", "as_json", is_flag=True, help="A JSON array.")
 @click.option("--pin", "pin", type=int, metavar="STEP", help="Keep STEP whatever `keep` says.")
 @click.option("--unpin", "unpin", type=int, metavar="STEP", help="Let pruning take STEP again.")

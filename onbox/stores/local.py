@@ -1,19 +1,26 @@
 """``file:///path``: a durable mount (AutoDL's autodl-fs, a RunPod network volume, NFS).
 
-Every object is written to a temporary name in its directory with a kernel-side copy, fsynced,
-read back and compared with the caller's sha256 (a directory computes no checksum of its own),
-renamed into place, and the directory fsynced. The preflight proves the mount really renames and
-fsyncs: FUSE bucket mounts (s3fs, goofys, some vendors' volumes) do neither reliably.
+Every object is written to a temporary name in its directory with a kernel-side copy while a
+second thread hashes the source (one read from the disk: whichever of the two gets there first
+pulls the pages in, the other finds them cached), fsynced, renamed into place, and the directory
+fsynced. The copy is verified by what can fail here: the source must not have changed while it
+was copied (same size, mtime and ctime before and after, and the hash of the caller, when given,
+must match), fsync must succeed, and the copy must have the source's size. A read-back after
+fsync would be served from the page cache, not the disk, so it would prove nothing more; a
+directory has no checksum of its own to compare with. The preflight proves the mount really
+renames and fsyncs: FUSE bucket mounts (s3fs, goofys, some vendors' volumes) do neither reliably.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
-from typing import Iterator, List, Optional
+import threading
+from typing import Any, BinaryIO, Iterator, List, Optional, Tuple
 
-from onbox.durable import fsync_dir, sha256_file
+from onbox.durable import fsync_dir
 from onbox.errors import IntegrityError
 from onbox.stores.base import (
     Finding,
@@ -26,6 +33,7 @@ from onbox.stores.base import (
 )
 
 CHUNK = 1 << 20
+HASH_CHUNK = 8 << 20  # large reads keep the hashing thread in OpenSSL, off the GIL
 _PERMANENT = {
     errno.ENOSPC,
     errno.EDQUOT,
@@ -52,30 +60,75 @@ def _fail(e: OSError, doing: str) -> Exception:
 def _copy(src: str, dst_fd: int) -> None:
     """Kernel-side copy (copy_file_range, else sendfile), falling back to read/write."""
     with open(src, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        done = 0
-        cfr = getattr(os, "copy_file_range", None)
+        _copy_from(f, dst_fd, os.fstat(f.fileno()).st_size)
+
+
+def _copy_from(f: BinaryIO, dst_fd: int, size: int) -> None:
+    """Copy ``size`` bytes of the open file ``f`` into ``dst_fd``, in the kernel where it can."""
+    done = 0
+    cfr = getattr(os, "copy_file_range", None)
+    try:
+        while done < size:
+            if cfr is not None:
+                n = cfr(f.fileno(), dst_fd, size - done, done)
+            else:
+                n = os.sendfile(dst_fd, f.fileno(), done, size - done)
+            if n == 0:
+                break
+            done += n
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        # Positional reads: the hashing thread shares this descriptor's file offset.
+        os.lseek(dst_fd, done, os.SEEK_SET)
+        while True:
+            b = os.pread(f.fileno(), CHUNK, done)
+            if not b:
+                break
+            done += len(b)
+            view = memoryview(b)
+            while view:
+                view = view[os.write(dst_fd, view) :]
+
+
+def _copy_hashing(src: str, dst_fd: int) -> Tuple[str, int, os.stat_result]:
+    """Copy ``src`` into ``dst_fd`` while another thread hashes it: (sha256, bytes hashed, the
+    source's stat before). Both threads spend their time in the kernel or in OpenSSL with the
+    GIL released, so on two cores the hash costs almost no wall time."""
+    with open(src, "rb") as f:
+        fd = f.fileno()
+        before = os.fstat(fd)
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        out: List[Any] = []
+
+        def hash_all() -> None:
+            try:
+                h, off = hashlib.sha256(), 0
+                while True:
+                    b = os.pread(fd, HASH_CHUNK, off)
+                    if not b:
+                        break
+                    h.update(b)
+                    off += len(b)
+                out.append((h.hexdigest(), off))
+            except BaseException as e:  # handed to the copying thread, raised there
+                out.append(e)
+
+        hasher = threading.Thread(target=hash_all, name="rgt-hash", daemon=True)
+        hasher.start()
         try:
-            while done < size:
-                if cfr is not None:
-                    n = cfr(f.fileno(), dst_fd, size - done)
-                else:
-                    n = os.sendfile(dst_fd, f.fileno(), None, size - done)
-                if n == 0:
-                    break
-                done += n
-        except OSError as e:
-            if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
-                raise
-            f.seek(done)
-            os.lseek(dst_fd, done, os.SEEK_SET)
-            while True:
-                b = f.read(CHUNK)
-                if not b:
-                    break
-                view = memoryview(b)
-                while view:
-                    view = view[os.write(dst_fd, view) :]
+            _copy_from(f, dst_fd, before.st_size)
+        finally:
+            hasher.join()
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        sha, n = out[0]
+        return sha, n, before
+
+
+def _sig(st: os.stat_result) -> Tuple[int, int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
 class LocalStore(Store):
@@ -106,26 +159,29 @@ class LocalStore(Store):
             os.replace(tmp, path)
         fsync_dir(os.path.dirname(path))
 
+    hashes_while_uploading = True
+
     def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
-        if sha256 is None:
-            raise ValueError("this store needs the caller's sha256")
         dest = self._path(key)
         tmp = self._tmp(dest)
         try:
             os.makedirs(os.path.dirname(dest), exist_ok=True)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
             try:
-                _copy(path, fd)
+                got, hashed, before = _copy_hashing(path, fd)
                 os.fsync(fd)
+                copied = os.fstat(fd).st_size
             finally:
                 os.close(fd)
-            got_size = os.stat(tmp).st_size
-            got = sha256_file(tmp)[0]
-            if got_size != size or got != sha256:
+            after = os.stat(path)
+            changed = _sig(after) != _sig(before) or hashed != before.st_size
+            if changed or copied != size or hashed != size or sha256 not in (None, got):
                 raise IntegrityError(
                     f"{key}: the copy in {self.root} does not match its source "
-                    f"({got_size} bytes sha256 {got[:12]}, expected {size} bytes {sha256[:12]})",
-                    "the source changed while it was copied, or the mount corrupts data",
+                    f"({copied} bytes copied, {hashed} hashed with sha256 {got[:12]}; expected "
+                    f"{size} bytes{'' if sha256 is None else ' sha256 ' + sha256[:12]})",
+                    "the source changed while it was copied: write checkpoints to a new "
+                    "name and let the job finish them before they are sealed",
                 )
             self._commit(tmp, dest, if_absent=False)
         except OSError as e:
@@ -133,7 +189,7 @@ class LocalStore(Store):
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-        return ObjectInfo(key, size, sha256)
+        return ObjectInfo(key, size, got)
 
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> ObjectInfo:
         dest = self._path(key)

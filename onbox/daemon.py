@@ -16,7 +16,15 @@ from onbox.rundir import RunDir
 
 TAG_VAR = "RGT_ATTEMPT_TAG"
 # Variables the agent sets for each attempt of the job; never passed on from its own environment.
-JOB_VARS = ("RGT_RUN", "RGT_RUN_DIR", "RGT_CKPT_DIR", "RGT_RESUME_FROM", "RGT_ATTEMPT", TAG_VAR)
+JOB_VARS = (
+    "RGT_RUN",
+    "RGT_RUN_DIR",
+    "RGT_CKPT_DIR",
+    "RGT_RESUME_FROM",
+    "RGT_ATTEMPT",
+    "RGT_CKPT_TRIGGER",
+    TAG_VAR,
+)
 
 
 # The user's own PYTHONPATH, kept while rgt's processes run with their own (the job gets it back).

@@ -10,10 +10,12 @@ a bug and is shown with its traceback.
     ├── AuthError                 exit 4   (controller/stores) credentials refused
     ├── LockedError               exit 5   another agent holds the run
     ├── IntegrityError            exit 6   a record or checkpoint is corrupt
+    │   └── CheckpointError       exit 6   (training API) a checkpoint will not load safely
     ├── UnsafeRefused             exit 7   a destructive step was refused
     ├── NotFound                  exit 8   no such run
     ├── HostError                 exit 9   the box cannot do it (unwritable dir, no /proc)
-    └── StopFailed                exit 10  processes of an attempt survived a stop
+    ├── StopFailed                exit 10  processes of an attempt survived a stop
+    └── CheckpointWriteFailed     exit 15  (training API) a background checkpoint write failed
 
 ``rgt-agent run`` (foreground) maps the final state of the run to an exit code as well; see
 ``FINAL_EXIT_CODES``.
@@ -75,6 +77,10 @@ class IntegrityError(RgtError):
     exit_code = 6
 
 
+class CheckpointError(IntegrityError):
+    """The training API refuses to load a checkpoint: incomplete, altered, or not plain data."""
+
+
 class UnsafeRefused(RgtError):
     """A destructive step was refused because it could lose work."""
 
@@ -97,6 +103,13 @@ class StopFailed(RgtError):
     """A stop did not end with every process of the attempt gone."""
 
     exit_code = 10
+
+
+class CheckpointWriteFailed(RgtError):
+    """A checkpoint the training API was writing in the background failed; raised in the
+    training loop at its next call, never dropped."""
+
+    exit_code = 15
 
 
 # Exit codes of `rgt-agent run` by final state, so a Slurm or Kubernetes wrapper can act on them.

@@ -103,6 +103,9 @@ class ShimRunner:
                 "RGT_CKPT_DIR": self.spec.ckpt_dir,
                 "RGT_RESUME_FROM": self.resume_from(),
                 "RGT_ATTEMPT": str(attempt),
+                # How the agent asks for a checkpoint ("signal:USR2", "file", "none"), so the
+                # training API listens the same way (onbox/train.py).
+                "RGT_CKPT_TRIGGER": self.spec.trigger,
                 TAG_VAR: tag,
             }
         )

@@ -1,0 +1,217 @@
+"""A training checkpoint written by rgt's API: its layout, writing it atomically, and reading it
+back with integrity checks.
+
+    $RGT_CKPT_DIR/step_1200/
+        state.pt             torch.save of {"format", "step", "objects", "rng", "extra"}: every
+                             optimizer, scheduler, scaler, data loader and (unless safetensors
+                             was asked for) model state, the RNGs and the user's extras
+        <model>.safetensors  each model's weights, when safetensors was asked for
+        .rgt-complete        written last: {"step", "format", "files": {name: {size, sha256}}}
+
+The directory is built under a hidden temporary name and renamed into place after every file
+and the marker are fsynced, so ``step_N`` either does not exist or is whole; the agent's sealer
+takes the marker as the sign of a complete checkpoint and reads its step from it. Reading
+verifies each file's size and sha256 against the marker and loads with ``weights_only=True``
+only; it never falls back to unsafe unpickling.
+
+Standard library at import; torch (and safetensors) when used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from onbox.durable import fsync_dir, sha256_file
+from onbox.errors import CheckpointError
+
+FORMAT = 1
+MARKER = ".rgt-complete"
+STATE = "state.pt"
+PREFIX = "step_"
+_NAME = re.compile(r"step_(\d+)\Z")
+_TMP = re.compile(r"\.step_\d+\.rgt-(tmp|old)\.")
+
+
+def name_for(step: int) -> str:
+    return f"{PREFIX}{int(step)}"
+
+
+def step_of(name: str) -> Optional[int]:
+    m = _NAME.match(name)
+    return int(m.group(1)) if m else None
+
+
+def complete(ckpt_dir: str) -> List[Tuple[int, str]]:
+    """(step, path) of every checkpoint with a marker in ``ckpt_dir``, newest first."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return []
+    out = []
+    for n in names:
+        step = step_of(n)
+        path = os.path.join(ckpt_dir, n)
+        if step is not None and os.path.isfile(os.path.join(path, MARKER)):
+            out.append((step, path))
+    return sorted(out, reverse=True)
+
+
+def clean_stale(ckpt_dir: str) -> None:
+    """Remove the temporary directories of writes that were killed (never a final name)."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return
+    for n in names:
+        if _TMP.match(n):
+            shutil.rmtree(os.path.join(ckpt_dir, n), ignore_errors=True)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write(
+    ckpt_dir: str,
+    step: int,
+    state: Dict[str, Any],
+    weights: Optional[Dict[str, Dict[str, Any]]] = None,
+) -> Tuple[str, int]:
+    """Write checkpoint ``step`` atomically; (its path, bytes written). ``weights`` maps a model's
+    name to its state dict, saved as ``<name>.safetensors``."""
+    import torch
+
+    os.makedirs(ckpt_dir, exist_ok=True)
+    final = os.path.join(ckpt_dir, name_for(step))
+    tmp = os.path.join(ckpt_dir, f".{name_for(step)}.rgt-tmp.{os.getpid()}.{os.urandom(3).hex()}")
+    os.mkdir(tmp)
+    try:
+        names = [STATE]
+        torch.save(state, os.path.join(tmp, STATE))
+        for model, sd in (weights or {}).items():
+            from safetensors.torch import save_file
+
+            fname = f"{model}.safetensors"
+            save_file(_untied(sd), os.path.join(tmp, fname), metadata={"rgt_step": str(step)})
+            names.append(fname)
+        files: Dict[str, Dict[str, Any]] = {}
+        for fname in names:
+            path = os.path.join(tmp, fname)
+            _fsync_file(path)
+            sha, size = sha256_file(path)
+            files[fname] = {"size": size, "sha256": sha}
+        marker = {"step": int(step), "format": FORMAT, "files": files, "created": time.time()}
+        with open(os.path.join(tmp, MARKER), "w") as f:
+            json.dump(marker, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_dir(tmp)
+        old = None
+        if os.path.exists(final):  # the same step saved again (after a resume): replace it
+            old = os.path.join(ckpt_dir, f".{name_for(step)}.rgt-old.{os.urandom(3).hex()}")
+            os.rename(final, old)
+        os.rename(tmp, final)
+        fsync_dir(ckpt_dir)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final, sum(f["size"] for f in files.values())
+
+
+def _untied(sd: Dict[str, Any]) -> Dict[str, Any]:
+    """safetensors refuses tensors that share memory (tied weights): give each its own copy
+    when two share one (rare, and small next to the model)."""
+    seen: Dict[Tuple[int, int], str] = {}
+    out = {}
+    for k, t in sd.items():
+        key = (t.data_ptr(), t.numel()) if t.numel() else (id(t), 0)
+        out[k] = t.clone() if key in seen else t.contiguous()
+        seen.setdefault(key, k)
+    return out
+
+
+def prune(ckpt_dir: str, keep: int, protect: Optional[str] = None) -> List[str]:
+    """Delete all but the newest ``keep`` checkpoints (never ``protect``); what was deleted."""
+    gone = []
+    for _, path in complete(ckpt_dir)[max(keep, 1) :]:
+        if protect is not None and os.path.abspath(path) == os.path.abspath(protect):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        gone.append(path)
+    return gone
+
+
+def verify(path: str) -> Dict[str, Any]:
+    """The marker of the checkpoint at ``path`` after checking every file it lists; raises
+    CheckpointError naming the first file that is missing, short, long or altered."""
+    try:
+        with open(os.path.join(path, MARKER)) as f:
+            marker = json.load(f)
+        files = marker["files"]
+        int(marker["step"])
+    except FileNotFoundError:
+        raise CheckpointError(
+            f"{path} has no {MARKER}: it is not a complete rgt checkpoint",
+            "it was cut off while written; use an older one",
+        ) from None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}/{MARKER} is unreadable: {e}", "use an older one") from None
+    if marker.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{path} has format {marker.get('format')!r}; this rgt reads format {FORMAT}",
+            "load it with the rgt version that wrote it",
+        )
+    for fname, want in sorted(files.items()):
+        fpath = os.path.join(path, fname)
+        try:
+            size = os.path.getsize(fpath)
+        except FileNotFoundError:
+            raise CheckpointError(f"{fpath} is missing", "use an older checkpoint") from None
+        if size != want["size"]:
+            raise CheckpointError(
+                f"{fpath} is {size} bytes, its marker says {want['size']}: truncated or altered",
+                "use an older checkpoint",
+            )
+        sha, _ = sha256_file(fpath)
+        if sha != want["sha256"]:
+            raise CheckpointError(
+                f"{fpath} does not match the sha256 in its marker ({sha[:12]}... vs "
+                f"{want['sha256'][:12]}...): the file was altered or corrupted",
+                "use an older checkpoint",
+            )
+    return dict(marker)
+
+
+def read(path: str) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+    """(state, weights by model name) of a verified checkpoint, loaded weights-only."""
+    import torch
+
+    marker = verify(path)
+    try:
+        state = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True)
+    except Exception as e:  # UnpicklingError for anything that is not plain data
+        raise CheckpointError(
+            f"{path}/{STATE} cannot be loaded weights-only: {type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}",
+            "rgt never unpickles arbitrary objects; store only tensors and plain data in extras",
+        ) from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT:
+        raise CheckpointError(f"{path}/{STATE} is not an rgt training state", "use another")
+    weights = {}
+    for fname in marker["files"]:
+        if fname.endswith(".safetensors"):
+            from safetensors.torch import load_file
+
+            weights[fname[: -len(".safetensors")]] = load_file(os.path.join(path, fname))
+    return state, weights

@@ -1,0 +1,70 @@
+"""The job's progress report: ``$RGT_RUN_DIR/progress.json``, written by the training-side API
+(``onbox.train``) and read by the agent.
+
+One JSON object, replaced atomically (temporary name, rename; no fsync: it is advisory and
+rewritten often)::
+
+    {"step": 1200, "attempt": 3, "pid": 4242, "time": 1764500000.0, "metrics": {"loss": 0.12}}
+
+``step`` is the number of optimizer steps the job has completed (the step a checkpoint taken now
+would carry); ``attempt`` is the job's ``RGT_ATTEMPT``, so the agent can tell a report of this
+attempt from one the previous attempt left behind. Scripts that do not use the API can report
+through their log instead (``progress.pattern`` in the job file). Standard library only: this
+module runs in the box's own Python.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any, Dict, Optional
+
+FILE = "progress.json"
+
+
+def path_in(run_dir: str) -> str:
+    """Where the progress report of the run in ``run_dir`` lives."""
+    return os.path.join(run_dir, FILE)
+
+
+def write(run_dir: str, step: int, attempt: int, metrics: Optional[Dict[str, Any]] = None) -> None:
+    """Replace the report atomically; a reader sees the old one or the new one, never a mix."""
+    doc: Dict[str, Any] = {
+        "step": int(step),
+        "attempt": int(attempt),
+        "pid": os.getpid(),
+        "time": time.time(),
+    }
+    if metrics:
+        doc["metrics"] = {k: _plain(v) for k, v in metrics.items()}
+    final = path_in(run_dir)
+    tmp = f"{final}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f)
+    os.replace(tmp, final)
+
+
+def read(run_dir: str) -> Optional[Dict[str, Any]]:
+    """The last report, or None when there is none or it cannot be read."""
+    try:
+        with open(path_in(run_dir)) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or not isinstance(doc.get("step"), int):
+        return None
+    return doc
+
+
+def _plain(v: Any) -> Any:
+    """A metric as JSON can hold it (a 0-d tensor or numpy scalar becomes a float)."""
+    if isinstance(v, (int, float, str, bool)) or v is None:
+        return v
+    item = getattr(v, "item", None)
+    if callable(item):
+        try:
+            return item()
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    return str(v)

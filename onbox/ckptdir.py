@@ -19,6 +19,7 @@ Standard library at import; torch (and safetensors) when used.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -123,10 +124,30 @@ def write(
         fsync_dir(ckpt_dir)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
-    except BaseException:
+    except BaseException as e:
+        # Judged before the partial files go: they are what filled the disk.
+        full = _out_of_room(ckpt_dir) if isinstance(e, Exception) else None
         shutil.rmtree(tmp, ignore_errors=True)
+        if full is not None:  # torch.save reports ENOSPC as an opaque RuntimeError
+            raise full from e
         raise
     return final, sum(f["size"] for f in files.values())
+
+
+def _out_of_room(ckpt_dir: str) -> Optional[OSError]:
+    """ENOSPC, said plainly, when the disk is (nearly) out of bytes or inodes."""
+    try:
+        st = os.statvfs(ckpt_dir)
+    except OSError:
+        return None
+    free = st.f_bavail * st.f_frsize
+    if st.f_files and st.f_favail == 0:
+        return OSError(errno.ENOSPC, "No inodes left on the checkpoint disk", ckpt_dir)
+    if free < 16 << 20:
+        return OSError(
+            errno.ENOSPC, f"No space left on the checkpoint disk ({free} bytes free)", ckpt_dir
+        )
+    return None
 
 
 def _untied(sd: Dict[str, Any]) -> Dict[str, Any]:
@@ -193,11 +214,15 @@ def verify(path: str) -> Dict[str, Any]:
     return dict(marker)
 
 
-def read(path: str) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
-    """(state, weights by model name) of a verified checkpoint, loaded weights-only."""
+def read(
+    path: str, marker: Optional[Dict[str, Any]] = None
+) -> Tuple[Dict[str, Any], Dict[str, Dict[str, Any]]]:
+    """(state, weights by model name) of a checkpoint, loaded weights-only; verified first
+    unless the caller passes the marker ``verify`` just returned."""
     import torch
 
-    marker = verify(path)
+    if marker is None:
+        marker = verify(path)
     try:
         state = torch.load(os.path.join(path, STATE), map_location="cpu", weights_only=True)
     except Exception as e:  # UnpicklingError for anything that is not plain data

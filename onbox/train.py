@@ -215,7 +215,7 @@ class Checkpointer:
         every = max(every, MIN_AUTO_INTERVAL, 1.5 * (self.write_seconds or 0.0))
         old = self.chosen_interval
         self.chosen_interval = every
-        if old is None or abs(every - old) > 0.2 * old:
+        if old is None or not 0.5 < every / old < 2:
             print(
                 f"rgt: checkpoint interval {every:.0f} s (Young/Daly: checkpoint cost {c:.2f} s, "
                 f"mean time between failures {mtbf / 3600:.1f} h, {source})",
@@ -304,6 +304,7 @@ class Checkpointer:
             self._staging = snapshot.Staging(pin=self._pin)
         if self._writer.inflight is not None:  # the staging buffer is still being read
             self._finish(self._writer.wait())
+            t0 = time.monotonic()  # the cost of a checkpoint itself, not of this wait
         assert self._staging is not None
         state, weights = self._tree(step, extra)
         staged = self._staging.stage({"state": state, "weights": weights})
@@ -398,9 +399,11 @@ class Checkpointer:
             return self._load_from(self._checkpoint_dir(explicit))
         for step, cand in ckptdir.complete(self.dir):
             try:
-                return self._load_from(cand)
-            except CheckpointError as e:
-                print(f"rgt: skipping checkpoint step {step}: {e.line()}", file=sys.stderr)
+                marker = ckptdir.verify(cand)
+            except CheckpointError as e:  # damaged: the one before is the newest whole one
+                print(f"rgt: skipping checkpoint step {step}: {e.what}", file=sys.stderr)
+                continue
+            return self._load_from(cand, marker)  # any other refusal is the caller's to fix
         return 0
 
     @staticmethod
@@ -415,8 +418,8 @@ class Checkpointer:
             )
         return path
 
-    def _load_from(self, path: str) -> int:
-        state, weights = ckptdir.read(path)
+    def _load_from(self, path: str, marker: Optional[Dict[str, Any]] = None) -> int:
+        state, weights = ckptdir.read(path, marker)
         saved = state.get("objects") or {}
         missing = [n for n in self.objects if n not in saved and n not in weights]
         if missing:

@@ -326,6 +326,41 @@ def logs(name: str, follow: bool, agent: bool) -> int:
     return 0
 
 
+@cli.command()
+@click.argument("name")
+def secrets(name: str) -> int:
+    """Store the run's secrets from stdin: a JSON object of VAR to value, never an argument.
+
+    They go to $RGT_HOME/secrets/NAME (mode 0600, in a 0700 directory, outside every run
+    directory); the job gets them in its environment at every start, restarts included. An
+    empty object removes them. Values are never printed."""
+    rd = RunDir(name)
+    raw = sys.stdin.buffer.read()
+    try:
+        doc = json.loads(raw or b"{}")
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or not all(
+        isinstance(k, str) and k.isidentifier() and isinstance(v, str) for k, v in doc.items()
+    ):
+        raise UsageError(
+            "stdin",
+            "is not a JSON object of variable names to string values",
+            'pipe e.g. {"WANDB_API_KEY": "..."}',
+        )
+    path = rd.secrets_file
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    os.chmod(os.path.dirname(path), 0o700)
+    if not doc:
+        if os.path.exists(path):
+            os.unlink(path)
+        _emit(f"secrets of {name}: none")
+        return 0
+    write_json(path, doc)  # atomic, 0600
+    _emit(f"secrets of {name}: {', '.join(sorted(doc))} (values not shown)")
+    return 0
+
+
 def _signal_agent(rd: RunDir) -> bool:
     holder = read_holder(rd.lock)
     if not holder or holder.get("host") != os.uname().nodename:

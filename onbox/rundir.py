@@ -108,6 +108,12 @@ class RunDir:
     def output_log(self, attempt: int) -> str:
         return os.path.join(self.attempt_dir(attempt), "output.log")
 
+    @property
+    def secrets_file(self) -> str:
+        """The job's secrets (JSON {VAR: value}, 0600), outside the run directory so that no
+        copy of the run (logs, the store's mirror) can carry them."""
+        return os.path.join(self.home, "secrets", self.name)
+
     def job_record(self, attempt: int) -> str:
         return os.path.join(self.attempt_dir(attempt), "job.json")
 

@@ -129,6 +129,8 @@ class ShimRunner:
             "oom_score_adj": min(1000, _own_oom_adj() + OOM_ADJ_STEP),
             "agent_cmd": self.agent_cmd,
             "respawn_delay": self.respawn_delay,
+            # Secrets never pass through this file: the shim reads them itself (onbox/shim.py).
+            "secrets": self.rd.secrets_file,
         }
         # The launch file holds the job's environment (maybe secrets): 0600, and the shim
         # deletes it as soon as it has read it.

@@ -50,6 +50,36 @@ class Shim:
         self.respawns: List[float] = []
         self.lock_free_since: Optional[float] = None
 
+    def job_env(self) -> Dict[str, str]:
+        """The job's environment: the launch's, plus the run's secrets, read here from their
+        0600 file on every start so that a restarted attempt gets them too and no file of the
+        run ever holds them."""
+        env = dict(self.launch["env"])
+        path = self.launch.get("secrets")
+        if not path:
+            return env
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return env
+        try:
+            if os.fstat(fd).st_mode & 0o077:
+                raise OSError(0, f"{path} is readable by others; chmod 600 it")
+            with os.fdopen(os.dup(fd), "rb") as f:
+                data = f.read()
+        finally:
+            os.close(fd)
+        try:
+            secrets = json.loads(data)
+        except ValueError:
+            raise OSError(0, f"{path} is not a JSON object of strings") from None
+        if not isinstance(secrets, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in secrets.items()
+        ):
+            raise OSError(0, f"{path} is not a JSON object of strings")
+        env.update(secrets)
+        return env
+
     def start_job(self) -> subprocess.Popen[bytes]:
         adj = str(self.launch["oom_score_adj"]).encode()
 
@@ -72,7 +102,7 @@ class Shim:
             return subprocess.Popen(
                 self.launch["command"],
                 cwd=self.launch["cwd"],
-                env=self.launch["env"],
+                env=self.job_env(),
                 stdin=subprocess.DEVNULL,
                 stdout=out,
                 stderr=out,

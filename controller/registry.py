@@ -1,0 +1,113 @@
+"""The laptop's memory of each run: where it went and how to reach it, so that later commands
+need only the run's name.
+
+One JSON file, ``$RGT_CONTROLLER_HOME/runs.json`` (default ``~/.config/rgt``), replaced
+atomically under an flock, so two rgt commands at once never lose a record. It holds no
+secrets: only the target, the profile, the store URL and paths on the box.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import json
+import os
+import time
+from typing import Any, Dict, Iterator, List, Optional
+
+from controller.remote import controller_home
+from controller.target import Target
+from onbox.durable import write_json
+from onbox.errors import NotFound
+from onbox.rundir import check_name
+
+
+@dataclasses.dataclass
+class RunRecord:
+    """One deployed run, as the laptop remembers it."""
+
+    name: str
+    target: Target
+    profile: str = "generic-ssh"
+    store: Optional[str] = None
+    box_home: str = ""  # RGT_HOME on the box (absolute)
+    agent: List[str] = dataclasses.field(default_factory=list)  # argv of rgt-agent on the box
+    agent_env: Dict[str, str] = dataclasses.field(default_factory=dict)  # e.g. PYTHONPATH
+    release: Optional[str] = None  # the content hash of the code the run started from
+    workdir: Optional[str] = None  # the release directory the job runs in
+    created: float = dataclasses.field(default_factory=time.time)
+    updated: float = dataclasses.field(default_factory=time.time)
+
+    def to_json(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["target"] = self.target.to_json()
+        return d
+
+    @classmethod
+    def from_json(cls, d: Dict[str, Any]) -> RunRecord:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        kw = {k: v for k, v in d.items() if k in fields}
+        kw["target"] = Target.from_json(d["target"])
+        return cls(**kw)
+
+    def agent_argv(self, *args: str) -> List[str]:
+        """argv that runs ``rgt-agent ARGS`` on the box for this run."""
+        env = {"RGT_HOME": self.box_home, **self.agent_env}
+        return ["env", *[f"{k}={v}" for k, v in env.items()], *self.agent, *args]
+
+
+class Registry:
+    """Load, change and save run records; every change is atomic and serialised."""
+
+    def __init__(self, home: Optional[str] = None) -> None:
+        self.home = home or controller_home()
+        self.path = os.path.join(self.home, "runs.json")
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[Dict[str, Any]]:
+        os.makedirs(self.home, mode=0o700, exist_ok=True)
+        fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            doc = self._read()
+            yield doc
+        finally:
+            os.close(fd)
+
+    def _read(self) -> Dict[str, Any]:
+        try:
+            with open(self.path) as f:
+                doc = json.load(f)
+        except FileNotFoundError:
+            return {"runs": {}}
+        except ValueError as e:
+            raise NotFound(
+                f"{self.path} is not valid JSON ({e})", "fix or move it; runs on boxes are safe"
+            ) from None
+        return doc if isinstance(doc, dict) and isinstance(doc.get("runs"), dict) else {"runs": {}}
+
+    def put(self, rec: RunRecord) -> None:
+        check_name(rec.name)
+        with self._locked() as doc:
+            old = doc["runs"].get(rec.name)
+            if old is not None:
+                rec.created = float(old.get("created", rec.created))
+            rec.updated = time.time()
+            doc["runs"][rec.name] = rec.to_json()
+            write_json(self.path, doc)
+
+    def get(self, name: str) -> RunRecord:
+        d = self._read()["runs"].get(name)
+        if d is None:
+            known = ", ".join(sorted(self._read()["runs"])) or "none yet"
+            raise NotFound(f"no run named {name!r} on this laptop (known: {known})", "rgt runs")
+        return RunRecord.from_json(d)
+
+    def all(self) -> List[RunRecord]:
+        return [RunRecord.from_json(d) for _, d in sorted(self._read()["runs"].items())]
+
+    def remove(self, name: str) -> None:
+        with self._locked() as doc:
+            if doc["runs"].pop(name, None) is not None:
+                write_json(self.path, doc)

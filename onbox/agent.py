@@ -20,8 +20,10 @@ from typing import Any, Dict, List, Optional, Tuple
 from onbox import procfs
 from onbox.daemon import TAG_VAR, agent_argv, parse_agent_args
 from onbox.durable import read_json
+from onbox.errors import UsageError
 from onbox.journal import FileJournal, log
 from onbox.lock import RunLock
+from onbox.resumecheck import ResumeCheck
 from onbox.rundir import RunDir
 from onbox.runner import ShimRunner
 from onbox.sealing import SealService
@@ -61,12 +63,23 @@ class Agent:
         self.seal: Optional[SealService] = None
         if self.spec.store:
             self.seal = SealService(self.spec, rd, self.journal, self.runner.signal_job)
-            self.runner.resume_from = self.seal.resume_from
             hooks = self.seal
+        self.runner.resume_from = self._resume_from
         self.sup = Supervisor(
             self.spec, self.runner, clock or RealClock(), self.journal, hooks=hooks, doc=state_doc
         )
         self.sup.extra["agent"] = {"pid": os.getpid(), "host": os.uname().nodename}
+        self.check: Optional[ResumeCheck] = None
+        try:
+            self.check = ResumeCheck(
+                rd,
+                self.spec.ckpt_dir,
+                self.spec.progress_pattern,
+                self.journal.event,
+                doc=(state_doc or {}).get("resume_check"),
+            )
+        except UsageError as e:  # a spec.json edited by hand: supervise without the check
+            log(rd.agent_log, f"resume check off: {e}")
         self.adopted = False
         self._pending: List[int] = []
         self._wake_r = self._wake_w = -1
@@ -97,6 +110,8 @@ class Agent:
         )
         if self.seal is not None:
             self.seal.start(begin=False)
+        if self.check is not None:
+            self.check.skip(sup.attempt)  # no-op when the last agent recorded this attempt's S
         if sup.attempt > 0:
             status = self.runner.adopt(sup.attempt)
             if status is not None and not sup.exit_seen:
@@ -188,8 +203,17 @@ class Agent:
                     "adopted": self.adopted,
                 },
             )
+        self._check_resume()
         while sup.state not in TERMINAL:
-            waits = [w for w in (sup.next_wakeup(), self.runner.poll_interval()) if w is not None]
+            waits = [
+                w
+                for w in (
+                    sup.next_wakeup(),
+                    self.runner.poll_interval(),
+                    self.check.next_wakeup() if self.check is not None else None,
+                )
+                if w is not None
+            ]
             procfs.wait_readable(
                 [self._wake_r, *self.runner.watch_fds()], min(waits) if waits else None
             )
@@ -197,10 +221,61 @@ class Agent:
             if sup.active and not sup.exit_seen:
                 status = self.runner.poll_exit()
                 if status is not None:
+                    # The attempt's output is complete: its check concludes before its exit.
+                    self._check_resume(final=True)
                     sup.on_exit(status)
             sup.tick()
+            self._check_resume()
+        self._check_resume(final=True)
         self._finish()
         return sup.state
+
+    def _resume_from(self) -> str:
+        """RGT_RESUME_FROM for the attempt being spawned. Its resume check begins here, where
+        S is taken: before the job can write a checkpoint of its own."""
+        path = self.seal.resume_from() if self.seal is not None else ""
+        self._check_resume(resume_from=path)
+        return path
+
+    def _check_resume(self, final: bool = False, resume_from: Optional[str] = None) -> None:
+        """The resume contract check (onbox/resumecheck.py): begin it for an attempt being
+        spawned (``resume_from``, its RGT_RESUME_FROM), else look a little further for the
+        attempt's first reported step (``final``: the attempt is over)."""
+        check, sup = self.check, self.sup
+        if check is None:
+            return
+        before = check.to_doc()
+        at_spawn = resume_from is not None
+        try:
+            if at_spawn or sup.attempt > check.attempt:
+                seal = self.seal
+                if resume_from is None:  # not begun at the spawn (cannot happen; be safe)
+                    resume_from = seal.resume_from() if seal is not None else ""
+                restored = seal.restored if seal is not None else None
+                check.begin(
+                    sup.attempt,
+                    resume_from=resume_from,
+                    restored_step=restored["step"] if restored else None,
+                    latest_step=seal.sealer.latest if seal and seal.sealer else None,
+                )
+            elif final:
+                check.finish()
+            else:
+                check.poll()
+        except Exception as e:  # advisory: a bug here must never stop the supervision
+            self.check = None
+            self.journal.event(
+                "resume_check_bug",
+                f"{type(e).__name__}: {e}; the resume check is off for this agent",
+                klass="permanent",
+                remedy="report this; supervision goes on",
+            )
+            return
+        doc = check.to_doc()
+        if doc != before:  # begun or concluded: an agent that takes over goes on from here
+            sup.extra["resume_check"] = doc
+            if not at_spawn:  # at a spawn, the supervisor saves right after it
+                sup.save()
 
     def _finish(self) -> None:
         """Make sure nothing of the last attempt outlives the run, then let go of it."""

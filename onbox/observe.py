@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
-from typing import IO, Any, Dict, List
+from typing import IO, Any, Dict, List, Optional
 
-from onbox import procfs
+from onbox import procfs, progress
 from onbox.daemon import TAG_VAR
 from onbox.durable import read_json
 from onbox.lock import is_held, read_holder
@@ -22,6 +22,7 @@ _PRIVATE = (
     "exit_seen",
     "quick_failures",
     "last_cuda_oom_step",
+    "resume_check",  # its verdicts are events
 )
 
 
@@ -53,6 +54,19 @@ def run_status(rd: RunDir) -> Dict[str, Any]:
     out["job_alive"] = job_alive
     out["run_dir"] = rd.path
     out["log"] = rd.output_log(doc["attempt"]) if doc.get("attempt") else None
+    out["progress"] = last_progress(rd)
+    return out
+
+
+def last_progress(rd: RunDir) -> Optional[Dict[str, Any]]:
+    """The job's last progress report (onbox/progress.py), or None when it made none: its
+    ``step``, the ``attempt`` that made it, its ``time`` (epoch seconds) and ``metrics``."""
+    rep = progress.read(rd.path)
+    if rep is None:
+        return None
+    out = {"step": rep["step"], "attempt": rep.get("attempt"), "time": rep.get("time")}
+    if isinstance(rep.get("metrics"), dict):
+        out["metrics"] = rep["metrics"]
     return out
 
 

@@ -24,6 +24,7 @@ from onbox import manifest as mf
 from onbox.durable import sha256_file
 from onbox.journal import FileJournal
 from onbox.restore import restore_latest
+from onbox.resumecheck import newest_local_step
 from onbox.rundir import RunDir
 from onbox.sealer import Sealer, take_epoch
 from onbox.spec import JobSpec
@@ -156,10 +157,17 @@ class SealService(Hooks):
             )
 
     def resume_from(self) -> str:
-        """RGT_RESUME_FROM for the next attempt: the restored checkpoint, or ''."""
-        if self.restored is not None and os.path.exists(self.restored["local"]):
-            return str(self.restored["local"])
-        return ""
+        """RGT_RESUME_FROM for the next attempt: the restored checkpoint, or ''.
+
+        Only while it is still the newest complete checkpoint on the box: after the job wrote
+        a newer one, a restart must not send it back to the step this incarnation began at
+        (with '' the job resumes from its own newest, as after any restart)."""
+        if self.restored is None or not os.path.exists(self.restored["local"]):
+            return ""
+        newest = newest_local_step(self.spec.ckpt_dir)
+        if newest is not None and newest > self.restored["step"]:
+            return ""
+        return str(self.restored["local"])
 
     def done(self) -> Optional[Dict[str, Any]]:
         data = self.store.get_bytes(mf.done_key(self.spec.name))

@@ -14,7 +14,7 @@ import re
 import shutil
 import signal
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, Union
 
 from onbox.errors import UsageError
 from onbox.rundir import check_name, is_name
@@ -107,6 +107,9 @@ class JobSpec:
     ckpt_interval: Optional[float] = None  # ask the job to checkpoint this often (trigger)
     scan_interval: float = 5.0  # look for new complete checkpoints at least this often
     outputs: Tuple[str, ...] = ()  # paths (relative to workdir) sealed when the job succeeds
+    # A regex whose group (one, or the one named ``step``) is the job's step in its output,
+    # for scripts that report progress in their log rather than through onbox.train.
+    progress_pattern: Optional[str] = None
 
     def to_json(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -135,6 +138,8 @@ class JobSpec:
             ckpt_interval=d.get("ckpt_interval"),
             scan_interval=float(d.get("scan_interval", 5.0)),
             outputs=tuple(d.get("outputs") or ()),
+            # spec.json files written before this field existed lack it
+            progress_pattern=d.get("progress_pattern"),
         )
 
 
@@ -149,9 +154,34 @@ _TOP_KEYS = {
     "store",
     "restart",
     "outputs",
+    "progress",
 }
 _CKPT_KEYS = {"dir", "trigger", "keep", "interval", "scan"}
+_PROGRESS_KEYS = {"pattern"}
 _RESTART_KEYS = {f.name for f in dataclasses.fields(RestartPolicy)}
+
+
+def compile_progress_pattern(value: Any, field: str = "progress.pattern") -> re.Pattern[str]:
+    """The job's step pattern, compiled: a regex with exactly one group, or a group named
+    ``step``, matched against each line of the job's output (``'step (\\d+)'``)."""
+    example = "e.g. pattern = 'step (\\d+)' or 'it=(?P<step>\\d+)'"
+    if not isinstance(value, str) or not value:
+        raise UsageError(field, f"{value!r} is not a regular expression", example)
+    try:
+        rx = re.compile(value)
+    except re.error as e:
+        raise UsageError(
+            field, f"{value!r} is not a valid regular expression: {e}", example
+        ) from None
+    if "step" not in rx.groupindex and rx.groups != 1:
+        what = "no group" if rx.groups == 0 else f"{rx.groups} groups, none named step,"
+        raise UsageError(field, f"{value!r} has {what} to capture the step", example)
+    return rx
+
+
+def step_group(rx: re.Pattern[str]) -> Union[int, str]:
+    """Which group of a compiled progress pattern holds the step."""
+    return "step" if "step" in rx.groupindex else 1
 
 
 def _load_toml(path: str) -> Dict[str, Any]:
@@ -308,6 +338,14 @@ def build_spec(
         raise UsageError("restart", "must be a table", "[restart] max_error_restarts = 5")
     _unknown(r, _RESTART_KEYS, "restart.")
     restart = _restart_policy(r)
+
+    prog = data.get("progress", {})
+    if not isinstance(prog, dict):
+        raise UsageError("progress", "must be a table", "[progress] pattern = 'step (\\d+)'")
+    _unknown(prog, _PROGRESS_KEYS, "progress.")
+    pattern = prog.get("pattern")
+    if pattern is not None:
+        compile_progress_pattern(pattern)
     return JobSpec(
         name=name,
         command=command,
@@ -323,6 +361,7 @@ def build_spec(
         ckpt_interval=ckpt_interval,
         scan_interval=scan,
         outputs=tuple(outputs),
+        progress_pattern=pattern,
     )
 
 

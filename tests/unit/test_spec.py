@@ -12,12 +12,15 @@ import pytest
 from onbox.errors import UsageError
 from onbox.rundir import check_name
 from onbox.spec import (
+    JobSpec,
     Overrides,
     RestartPolicy,
     build_spec,
+    compile_progress_pattern,
     default_name,
     parse_duration,
     parse_signal,
+    step_group,
 )
 
 
@@ -163,3 +166,50 @@ def test_default_name_from_the_command() -> None:
     assert default_name(["torchrun", "--nproc", "8", "train.py"]) == "train"
     assert default_name(["./run"]) == "run"
     assert default_name([]) == "job"
+
+
+@pytest.mark.parametrize(
+    "pattern,line,step",
+    [
+        (r"step (\d+)", "step 12 loss 0.5", 12),
+        (r"(?:epoch \d+ )?it=(?P<step>\d+)", "epoch 2 it=40", 40),
+        (r"(?P<epoch>\d+)/(?P<step>\d+)", "3/900", 900),
+    ],
+)
+def test_a_progress_pattern_is_kept_and_names_its_step(
+    tmp_path: Any, pattern: str, line: str, step: int
+) -> None:
+    spec = _build(tmp_path, f"command = ['python3']\n[progress]\npattern = '{pattern}'\n")
+    assert spec.progress_pattern == pattern
+    rx = compile_progress_pattern(spec.progress_pattern)
+    m = rx.search(line)
+    assert m is not None and int(m.group(step_group(rx))) == step
+    assert type(spec).from_json(spec.to_json()) == spec
+    assert _build(tmp_path, command=["python3"]).progress_pattern is None
+
+
+@pytest.mark.parametrize(
+    "toml,field,says",
+    [
+        ("[progress]\npattern = 'step (\\d+'", "progress.pattern", "not a valid regular"),
+        ("[progress]\npattern = 'step \\d+'", "progress.pattern", "has no group"),
+        ("[progress]\npattern = '(\\d+)/(\\d+)'", "progress.pattern", "2 groups, none named step"),
+        ("[progress]\npattern = 5", "progress.pattern", "not a regular expression"),
+        ("[progress]\npattern = ''", "progress.pattern", "not a regular expression"),
+        ("[progress]\nregex = 'step (\\d+)'", "progress.regex", "unknown setting"),
+        ("progress = 'step (\\d+)'", "progress", "must be a table"),
+    ],
+)
+def test_bad_progress_patterns_name_the_field(
+    tmp_path: Any, toml: str, field: str, says: str
+) -> None:
+    with pytest.raises(UsageError) as e:
+        _build(tmp_path, 'command = ["python3"]\n' + toml)
+    assert e.value.field == field, e.value.line()
+    assert says in e.value.line()
+
+
+def test_a_spec_json_written_before_progress_patterns_still_loads(tmp_path: Any) -> None:
+    doc = _build(tmp_path, command=["python3", "x.py"]).to_json()
+    del doc["progress_pattern"]
+    assert JobSpec.from_json(doc).progress_pattern is None

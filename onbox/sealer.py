@@ -401,15 +401,32 @@ class Sealer:
                 key = known.get((sha, size))
                 if key is None:
                     key = prefix + rel
-                    with_retries(
-                        functools.partial(self.store.put_file, key, path, sha256=sha, size=size)
-                    )
+                    self._put_checked(key, path, sha, size, rel, staged=path != src)
                     uploaded += size
                     known[(sha, size)] = key
                 entries.append({"path": rel, "size": size, "sha256": sha, "key": key})
         finally:
             shutil.rmtree(stage_dir, ignore_errors=True)
         return entries, uploaded
+
+    def _put_checked(
+        self, key: str, path: str, sha: str, size: int, rel: str, staged: bool
+    ) -> None:
+        """Upload a hashed file. One the job deleted or rewrote since it was hashed (rotation,
+        not a store fault) is Vanished; a staged copy is ours and cannot change."""
+        try:
+            with_retries(functools.partial(self.store.put_file, key, path, sha256=sha, size=size))
+        except (StoreError, IntegrityError):
+            if staged:
+                raise
+            try:
+                st = os.stat(path)
+                gone = st.st_size != size or sha256_file(path)[0] != sha
+            except FileNotFoundError:
+                gone = True
+            if gone:
+                raise Vanished(f"{rel} changed or was deleted while uploading") from None
+            raise
 
     def _upload_hashing(
         self, src: str, rel: str, key: str, known: Dict[Tuple[str, int], str]

@@ -280,6 +280,10 @@ def status(name: Optional[str], as_json: bool) -> int:
         _emit(f"  last exit  attempt {last.get('attempt')}: {last.get('reason')}")
         if last.get("remedy"):
             _emit(f"             {last['remedy']}")
+    prog = st.get("progress")
+    if prog:
+        metrics = "".join(f", {k} {v}" for k, v in (prog.get("metrics") or {}).items())
+        _emit(f"  progress   step {prog['step']} (attempt {prog.get('attempt')}){metrics}")
     _emit(f"  updated    {st.get('updated_at')}")
     _emit(f"  run dir    {st['run_dir']}")
     return 0

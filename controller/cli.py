@@ -1,12 +1,32 @@
-"""``rgt``: the laptop side. Deploy, observe, pull and teardown arrive with the controller issue;
-until then it reports its version and points at the agent."""
+"""``rgt``: the laptop side. It deploys, observes, pulls and verifies results, and stops the
+meter only after explicit confirmation; the box runs on without it.
+
+    rgt deploy TARGET [--profile P] [--store URL] [--name N] [--python PATH]
+               [--secret-env VAR ...] [--offline] [JOB.toml] [-- CMD ...]
+    rgt status [N] [--json]    rgt watch [N]    rgt logs N [-f]    rgt stop N
+    rgt pull N [--to DIR] [--from box|store]
+    rgt down N
+    rgt runs
+
+Errors print one line (what, why, what to do) and exit with the code of their kind
+(onbox/errors.py).
+"""
 
 from __future__ import annotations
 
+import json
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import click
+
+from controller import observe
+from controller.registry import Registry, RunRecord
+from onbox.errors import RgtError, UsageError
+
+
+def _emit(text: str = "") -> None:
+    click.echo(text)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -14,18 +34,156 @@ import click
 def cli() -> None:
     """rgt: train on a rented GPU without losing work.
 
-    The laptop commands (deploy, status, pull, down) are not built yet; on the box, use
-    `rgt-agent`.
-    """
+    `rgt deploy TARGET -- CMD` puts a run on a box and returns; the box's agent keeps it alive,
+    checkpointed and sealed to durable storage without this laptop."""
+
+
+def _pick(name: Optional[str]) -> RunRecord:
+    reg = Registry()
+    if name:
+        return reg.get(name)
+    runs = reg.all()
+    if len(runs) == 1:
+        return runs[0]
+    if not runs:
+        raise UsageError("N", "no runs deployed from this laptop yet", "rgt deploy TARGET -- CMD")
+    latest = max(runs, key=lambda r: r.updated)
+    return latest
+
+
+@cli.command(context_settings={"ignore_unknown_options": False})
+@click.argument("target")
+@click.argument("job_file", required=False, metavar="[JOB.toml]")
+@click.option("--profile", metavar="P", help="generic-ssh (default) or local.")
+@click.option("--store", metavar="URL", help="Durable store: file:///mnt/x, s3://b/p, hf://u/r.")
+@click.option("--name", metavar="N", help="Run name (default: from the job file or command).")
+@click.option("--python", metavar="PATH", help="The box's Python, when python3 is not it.")
+@click.option(
+    "--secret-env", "secret_env", multiple=True, metavar="VAR",
+    help="Pass this variable's value to the job, on stdin only. Repeatable.",
+)  # fmt: skip
+@click.option("--offline", is_flag=True, help="Bring the agent's dependencies from here.")
+@click.option("--project", default=".", metavar="DIR", help="The code to push (default: .).")
+@click.pass_context
+def deploy(
+    ctx: click.Context,
+    target: str,
+    job_file: Optional[str],
+    profile: Optional[str],
+    store: Optional[str],
+    name: Optional[str],
+    python: Optional[str],
+    secret_env: List[str],
+    offline: bool,
+    project: str,
+) -> int:
+    """Put a run on TARGET (an ssh alias, user@host[:port], a pasted `ssh ...` line, or local)
+    and return once its job has printed its first line."""
+    from controller.deploy import DeployRequest
+    from controller.deploy import deploy as do_deploy
+
+    command = list((ctx.obj or {}).get("command") or [])
+    rec = do_deploy(
+        DeployRequest(
+            target=target,
+            command=command,
+            job_file=job_file,
+            profile=profile,
+            store=store,
+            name=name,
+            python=python,
+            secret_env=secret_env,
+            offline=offline,
+            project=project,
+        )
+    )
+    _emit(rec.name)
+    return 0
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+def status(name: Optional[str], as_json: bool) -> int:
+    """The run's state, from the box, or from the store when the box does not answer."""
+    rec = _pick(name)
+    doc, why = observe.status(rec)
+    if as_json:
+        if why:
+            doc["box_unreachable"] = why
+        _emit(json.dumps(doc, indent=1, sort_keys=True))
+    else:
+        _emit(observe.describe(doc, why))
+    return 0
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--interval", default=2.0, metavar="S", help="Seconds between refreshes.")
+@click.option("--once", is_flag=True, help="One frame, then exit.")
+@click.option("--until-done", is_flag=True, help="Exit when the run ends.")
+def watch(name: Optional[str], interval: float, once: bool, until_done: bool) -> int:
+    """A live view: state, attempt, step rate, loss, GPU, disk, memory, sealed age, events."""
+    rec = _pick(name)
+    final = observe.watch(rec, interval=interval, once=once, until_done=until_done, out=sys.stdout)
+    if until_done:
+        return {"SUCCEEDED": 0, "FAILED": 11, "STOPPED": 12, "PREEMPTED": 13}.get(final, 0)
+    return 0
+
+
+@cli.command()
+@click.argument("name")
+@click.option("-f", "--follow", is_flag=True, help="Keep printing until interrupted.")
+def logs(name: str, follow: bool) -> int:
+    """The job's own output, every attempt, from the box."""
+    return observe.logs(Registry().get(name), follow, sys.stdout.buffer)
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--grace", metavar="S", help="Seconds the job gets before SIGKILL.")
+def stop(name: str, grace: Optional[str]) -> int:
+    """Stop the run's job (it can be deployed again; nothing is deleted)."""
+    return observe.stop(Registry().get(name), grace)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="A JSON array.")
+def runs(as_json: bool) -> int:
+    """The runs this laptop deployed, and where they went."""
+    recs = Registry().all()
+    if as_json:
+        _emit(json.dumps([r.to_json() for r in recs], indent=1))
+        return 0
+    if not recs:
+        _emit("no runs yet: rgt deploy TARGET -- CMD")
+    for r in recs:
+        _emit(f"{r.name}  {r.target.label}  {r.profile}  store={r.store or '-'}")
+    return 0
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point: split off the job's command after ``--``, run, map errors to exit codes."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    command = None
+    if "--" in args:
+        i = args.index("--")
+        args, command = args[:i], args[i + 1 :]
     try:
-        cli.main(args=argv, prog_name="rgt", standalone_mode=False)
+        rv: Any = cli.main(
+            args=args, prog_name="rgt", standalone_mode=False, obj={"command": command}
+        )
+    except RgtError as e:
+        click.echo(e.line(), err=True)
+        return e.exit_code
     except click.exceptions.UsageError as e:
         click.echo(f"rgt: {e.format_message()}", err=True)
         return 2
-    return 0
+    except click.exceptions.Abort:
+        return 130
+    except click.exceptions.Exit as e:
+        return int(e.exit_code)
+    return rv if isinstance(rv, int) else 0
 
 
 if __name__ == "__main__":

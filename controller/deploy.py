@@ -1,0 +1,282 @@
+"""`rgt deploy`: put a run on a box and return.
+
+1. Preflight audit (controller/audit.py): every problem is shown before anything is changed.
+2. Push the code as an immutable, content-addressed release (controller/release.py); the job
+   runs inside it, so a later deploy never changes a running job's files.
+3. Install the agent into its own environment from the box's Python (controller/install.py).
+4. Secrets: each ``--secret-env`` value travels on stdin to ``rgt-agent secrets`` (0600 file
+   outside the release and run directories), never in argv, a command line, a log or the store.
+5. Start the agent detached (``rgt-agent start`` returns within a second), then watch until the
+   job runs and has printed its first line (at most 60 s), and say where to look.
+
+Running deploy again is idempotent: the same code is not pushed again, an installed agent is
+reused, and a run that is already live on the same release is left alone. A deploy cut off
+halfway leaves the old release or the new one, never a mix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import posixpath
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+from controller import audit as auditmod
+from controller.install import install_agent
+from controller.registry import Registry, RunRecord
+from controller.release import push_release, switch_current
+from controller.remote import Remote, open_remote
+from controller.target import Target, parse_target
+from onbox.errors import HostError, LockedError, RgtError, UsageError
+from onbox.rundir import check_name
+from onbox.spec import default_name
+
+PROFILES = ("generic-ssh", "local")
+FIRST_LINE_TIMEOUT = 60.0
+LIVE = {"PENDING", "STARTING", "RUNNING", "BACKOFF", "STOPPING"}
+
+
+@dataclasses.dataclass
+class DeployRequest:
+    """What the user asked `rgt deploy` for."""
+
+    target: str
+    command: List[str]
+    job_file: Optional[str] = None
+    profile: Optional[str] = None
+    store: Optional[str] = None
+    name: Optional[str] = None
+    python: Optional[str] = None
+    secret_env: Sequence[str] = ()
+    offline: bool = False
+    project: str = "."
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _job_name(req: DeployRequest, project: str) -> str:
+    if req.name:
+        return check_name(req.name, "--name")
+    if req.job_file:
+        try:
+            import tomllib  # noqa: PLC0415  (3.11+; the laptop's Python)
+        except ImportError:  # pragma: no cover
+            import tomli as tomllib  # type: ignore[no-redef]
+        try:
+            with open(req.job_file, "rb") as f:
+                doc = tomllib.load(f)
+        except (OSError, ValueError) as e:
+            raise UsageError("JOB.toml", f"cannot read {req.job_file}: {e}") from None
+        if isinstance(doc.get("name"), str):
+            return check_name(doc["name"], "name (in the job file)")
+        cmd = doc.get("command")
+        if isinstance(cmd, list) and cmd:
+            return default_name([str(c) for c in cmd])
+    return default_name(req.command)
+
+
+def _secrets(names: Sequence[str], environ: Dict[str, str]) -> Dict[str, str]:
+    out = {}
+    for var in names:
+        if not var.isidentifier():
+            raise UsageError("--secret-env", f"{var!r} is not an environment variable name")
+        if var not in environ:
+            raise UsageError(
+                "--secret-env",
+                f"{var} is not set in this shell, so there is no value to send",
+                f"export {var}=... first (its value travels on stdin only)",
+            )
+        out[var] = environ[var]
+    return out
+
+
+def box_home_for(remote: Remote, home: str) -> str:
+    """RGT_HOME on the box: $RGT_BOX_HOME when set here, else ~/.rgt of the box's user (""
+    while the box's $HOME, ``home``, is not known yet)."""
+    override = os.environ.get("RGT_BOX_HOME")
+    if override:
+        return override
+    if remote.target.kind == "local":
+        return os.path.abspath(os.environ.get("RGT_HOME") or os.path.expanduser("~/.rgt"))
+    if not home:
+        return ""
+    if not home.startswith("/"):
+        raise HostError(f"{remote.target.label}: the box's $HOME is {home!r}, not a path")
+    return posixpath.join(home, ".rgt")
+
+
+def _durable_path(store: Optional[str]) -> Optional[str]:
+    return store[len("file://") :] if store and store.startswith("file://") else None
+
+
+def _extras(store: Optional[str]) -> List[str]:
+    if store and store.startswith("s3://"):
+        return ["s3"]
+    if store and store.startswith("hf://"):
+        return ["hf"]
+    return []
+
+
+def deploy(
+    req: DeployRequest,
+    *,
+    registry: Optional[Registry] = None,
+    environ: Optional[Dict[str, str]] = None,
+    say: Callable[[str], None] = _say,
+) -> RunRecord:
+    """Run every step of a deploy; the run's record once its job printed a first line."""
+    environ = dict(os.environ if environ is None else environ)
+    registry = registry or Registry()
+    target: Target = parse_target(req.target)
+    profile = req.profile or ("local" if target.kind == "local" else "generic-ssh")
+    if profile not in PROFILES:
+        raise UsageError("--profile", f"{profile!r} is not one of {', '.join(PROFILES)}")
+    if (profile == "local") != (target.kind == "local"):
+        raise UsageError("--profile", f"profile {profile} does not fit target {target.label}")
+    if not req.command and not req.job_file:
+        raise UsageError("command", "nothing to run", "give a JOB.toml or `-- CMD ...`")
+    project = os.path.abspath(req.project)
+    job_rel = None
+    if req.job_file:
+        job_rel = os.path.relpath(os.path.abspath(req.job_file), project)
+        if job_rel.startswith(".."):
+            raise UsageError("JOB.toml", f"{req.job_file} is not inside the project {project}")
+    name = _job_name(req, project)
+    secrets = _secrets(req.secret_env, environ)
+
+    remote = open_remote(target)
+    try:
+        say(f"rgt: auditing {target.label} ...")
+        known = box_home_for(remote, "")  # "" on an ssh box: its $HOME/.rgt, read by the audit
+        store = req.store
+        if store is None and profile == "local":
+            store = "file://" + os.path.join(known, "store")
+        report = auditmod.audit(
+            remote, python=req.python, box_home=known, durable=_durable_path(store)
+        )
+        box_home = known or box_home_for(remote, report.home)
+        for f in report.findings:
+            say(f"  {'ok  ' if f.level == 'ok' else f.level.upper() + ':'} {f.what}")
+        if report.problems:
+            raise HostError(
+                f"{target.label} is not ready: "
+                + "; ".join(f.what for f in report.problems)
+                + ". Nothing was changed on the box.",
+                "fix these, then deploy again",
+            )
+
+        pushed = push_release(remote, project, box_home, name=name)
+        say(
+            f"rgt: release {pushed.id}: "
+            + (
+                "already on the box, nothing sent"
+                if pushed.method == "existing"
+                else f"{pushed.transferred_files} files, {pushed.transferred_bytes} bytes "
+                f"sent ({pushed.method})"
+            )
+        )
+        agent = install_agent(remote, box_home, req.python, req.offline, _extras(store))
+        say(
+            f"rgt: agent {'installed' if agent.installed else 'already installed'} "
+            f"({agent.method}, Python {agent.python_version})"
+        )
+        rec = RunRecord(
+            name=name,
+            target=target,
+            profile=profile,
+            store=store,
+            box_home=box_home,
+            agent=list(agent.argv),
+            agent_env=dict(agent.env),
+            release=pushed.id,
+            workdir=pushed.path,
+        )
+        live = _live_state(remote, rec)
+        if live is not None:
+            state, release = live
+            if release == pushed.id:
+                registry.put(rec)
+                say(f"rgt: {name} is already {state} on this release; nothing to do")
+                return rec
+            raise LockedError(
+                f"run {name} is {state} on {target.label} with release {release}",
+                f"`rgt stop {name}` first, or deploy under another --name",
+            )
+        if secrets:
+            r = remote.run(rec.agent_argv("secrets", name), input=json.dumps(secrets).encode())
+            if r.rc != 0:
+                raise HostError(f"storing the secrets on the box failed: {r.err.strip()}")
+            say(f"rgt: secrets {', '.join(sorted(secrets))} stored on the box (0600)")
+        args = ["start", "--name", name]
+        if store:
+            args += ["--store", store]
+        if job_rel:
+            args.append(job_rel)
+        if req.command:
+            args += ["--", *req.command]
+        r = remote.sh(
+            'cd "$1" || exit 9; shift; exec "$@"', pushed.path, *rec.agent_argv(*args), timeout=120
+        )
+        if r.rc != 0:
+            raise RgtError(
+                f"rgt-agent start failed on {target.label} (exit {r.rc}): "
+                f"{(r.err or r.text).strip()}"
+            )
+        switch_current(remote, box_home, name, pushed.id)
+        registry.put(rec)
+        _wait_first_line(remote, rec, say)
+        return rec
+    finally:
+        remote.close()
+
+
+def _live_state(remote: Remote, rec: RunRecord) -> Optional[tuple[str, Optional[str]]]:
+    """(state, release) of a live run of this name on the box, or None."""
+    r = remote.run(rec.agent_argv("status", rec.name, "--json"), timeout=60)
+    if r.rc != 0:
+        return None
+    try:
+        doc = json.loads(r.stdout)
+    except ValueError:
+        return None
+    if doc.get("state") not in LIVE or not (doc.get("agent") or {}).get("alive"):
+        return None
+    rel = posixpath.basename(str(doc.get("workdir") or "")) or None
+    if rel is None:
+        spec = remote.run(["cat", f"{rec.box_home}/runs/{rec.name}/spec.json"], timeout=60)
+        try:
+            rel = posixpath.basename(json.loads(spec.stdout).get("workdir", "")) or None
+        except ValueError:
+            rel = None
+    return str(doc["state"]), rel
+
+
+def _wait_first_line(remote: Remote, rec: RunRecord, say: Callable[[str], None]) -> None:
+    deadline = time.monotonic() + FIRST_LINE_TIMEOUT
+    state = "?"
+    while time.monotonic() < deadline:
+        st = remote.run(rec.agent_argv("status", rec.name, "--json"), timeout=60)
+        try:
+            doc = json.loads(st.stdout)
+        except ValueError:
+            doc = {}
+        state = str(doc.get("state"))
+        log = remote.run(rec.agent_argv("logs", rec.name), timeout=60).text
+        if log.strip():
+            say(f"rgt: {rec.name} is {state}; its first line: {log.strip().splitlines()[0][:200]}")
+            break
+        if state in ("FAILED", "SUCCEEDED", "STOPPED", "PREEMPTED"):
+            say(f"rgt: {rec.name} ended ({state}) before printing anything")
+            break
+        time.sleep(0.5)
+    else:
+        say(f"rgt: {rec.name} is {state}; no output within {FIRST_LINE_TIMEOUT:.0f} s yet")
+    say(
+        f"rgt: follow it with `rgt watch {rec.name}`, `rgt logs {rec.name} -f`, "
+        f"`rgt status {rec.name}`; it runs on without this laptop"
+    )

@@ -1,0 +1,343 @@
+"""status, watch, logs and stop, as seen from the laptop.
+
+Everything is read from the box over ssh (the agent's own ``rgt-agent status --json``, its
+events, disk, memory and GPU in one round trip). When the box does not answer, status comes from
+the state the agent mirrors to the store, labelled with where and when it was read: a silent box
+is "unknown since T", never "dead" (a laptop on a train cannot tell a preempted box from a
+stalled network).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import sys
+import time
+from typing import IO, Any, Dict, List, Optional, Tuple
+
+from controller.registry import RunRecord
+from controller.remote import Remote, open_remote
+from onbox.errors import NotFound, RemoteUnreachable, RgtError
+
+# One round trip: the agent's status, then the box's view of what limits the run.
+SNAPSHOT = r"""
+rd=$1; wd=$2; shift 2
+echo "@@status"; "$@" 2>/dev/null
+echo "@@sealed"; grep -h '"kind": "sealed"' "$rd/events.jsonl" 2>/dev/null | tail -n 1
+echo "@@events"; tail -n 8 "$rd/events.jsonl" 2>/dev/null
+echo "@@disk"; df -Pk "$wd" 2>/dev/null | tail -n 1; df -Pi "$wd" 2>/dev/null | tail -n 1
+echo "@@mem"; grep -E '^(MemTotal|MemAvailable):' /proc/meminfo 2>/dev/null
+echo "@@gpu"; nvidia-smi --query-gpu=utilization.gpu,memory.used,memory.total \
+  --format=csv,noheader,nounits 2>/dev/null
+echo "@@now"; date +%s
+"""
+
+
+def _now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _sections(text: str) -> Dict[str, List[str]]:
+    out: Dict[str, List[str]] = {}
+    cur = ""
+    for line in text.splitlines():
+        if line.startswith("@@"):
+            cur = line[2:].strip()
+            out[cur] = []
+        elif cur:
+            out[cur].append(line)
+    return out
+
+
+def run_dir(rec: RunRecord) -> str:
+    return f"{rec.box_home}/runs/{rec.name}"
+
+
+def snapshot(rec: RunRecord, remote: Optional[Remote] = None) -> Dict[str, Any]:
+    """The run as the box sees it now; raises RemoteUnreachable when the box does not answer."""
+    remote = remote or open_remote(rec.target)
+    res = remote.sh(
+        SNAPSHOT,
+        run_dir(rec),
+        rec.workdir or rec.box_home,
+        *rec.agent_argv("status", rec.name, "--json"),
+        timeout=60,
+    )
+    parts = _sections(res.text)
+    try:
+        status: Dict[str, Any] = json.loads("\n".join(parts.get("status", [])))
+    except ValueError:
+        raise NotFound(
+            f"the agent on {rec.target.label} knows no run {rec.name!r}",
+            "was the box reset? `rgt status --json` shows the store's copy",
+        ) from None
+    status["source"] = "box"
+    status["read_at"] = _now_iso()
+    status["box"] = _box_facts(parts)
+    return status
+
+
+def _box_facts(parts: Dict[str, List[str]]) -> Dict[str, Any]:
+    facts: Dict[str, Any] = {}
+    events = []
+    for line in parts.get("events", []):
+        try:
+            events.append(json.loads(line))
+        except ValueError:
+            pass
+    facts["events"] = events
+    for line in parts.get("sealed", []):
+        try:
+            facts["sealed"] = json.loads(line)
+        except ValueError:
+            pass
+    disk = parts.get("disk", [])
+    if len(disk) >= 1 and len(disk[0].split()) >= 4:
+        f = disk[0].split()
+        facts["disk"] = {"used_kb": int(f[2]), "avail_kb": int(f[3])}
+    if len(disk) >= 2 and len(disk[1].split()) >= 4 and disk[1].split()[1].isdigit():
+        f = disk[1].split()
+        facts["inodes"] = {"used": int(f[2]), "free": int(f[3])}
+    mem = {}
+    for line in parts.get("mem", []):
+        k, _, v = line.partition(":")
+        if v.strip().split() and v.strip().split()[0].isdigit():
+            mem[k.strip()] = int(v.split()[0])
+    if mem:
+        facts["memory_kb"] = mem
+    gpus = []
+    for line in parts.get("gpu", []):
+        f = [x.strip() for x in line.split(",")]
+        if len(f) == 3 and all(x.replace(".", "").isdigit() for x in f):
+            gpus.append({"util": float(f[0]), "mem_used_mib": float(f[1]), "mem_mib": float(f[2])})
+    facts["gpus"] = gpus
+    now = parts.get("now", [])
+    if now and now[0].strip().isdigit():
+        facts["box_time"] = int(now[0])
+    return facts
+
+
+def from_store(rec: RunRecord) -> Dict[str, Any]:
+    """The state the agent last mirrored to the store; raises NotFound when there is none."""
+    if not rec.store:
+        raise NotFound(
+            f"{rec.target.label} does not answer and run {rec.name!r} has no store",
+            "nothing else knows its state; try again when the box is reachable",
+        )
+    from onbox.stores import open_store
+
+    store = open_store(rec.store)
+    raw = store.get_bytes(f"{rec.name}/state/state.json")
+    if raw is None:
+        raise NotFound(f"the store {rec.store} holds no state of run {rec.name!r} yet")
+    doc: Dict[str, Any] = json.loads(raw)
+    latest = store.get_bytes(f"{rec.name}/LATEST.json")
+    if latest is not None:
+        doc["latest"] = json.loads(latest)
+    doc["done"] = store.get_bytes(f"{rec.name}/DONE.json") is not None
+    doc["source"] = "store"
+    doc["read_at"] = _now_iso()
+    return doc
+
+
+def status(rec: RunRecord) -> Tuple[Dict[str, Any], Optional[str]]:
+    """(status, why the box was not used); falls back to the store when the box is silent."""
+    try:
+        return snapshot(rec), None
+    except RemoteUnreachable as e:
+        why = e.what
+    doc = from_store(rec)
+    return doc, why
+
+
+def describe(doc: Dict[str, Any], why_not_box: Optional[str] = None) -> str:
+    """The few lines `rgt status N` prints."""
+    lines = []
+    if doc.get("source") == "store":
+        since = doc.get("updated_at") or "an unknown time"
+        lines.append(
+            f"{doc.get('name')}: {doc.get('state')} as of {since}; unknown since then "
+            f"(the box does not answer: {why_not_box}; read from the store at {doc['read_at']})"
+        )
+    else:
+        lines.append(
+            f"{doc.get('name')}: {doc.get('state')}, attempt {doc.get('attempt')}, "
+            f"job {'running' if doc.get('job_alive') else 'not running'} "
+            f"(read from the box at {doc.get('read_at')})"
+        )
+    prog = doc.get("progress") or {}
+    if prog:
+        lines.append(f"  step {prog.get('step')}" + _metrics(prog))
+    sealed = (doc.get("box") or {}).get("sealed") or {}
+    if sealed:
+        lines.append(
+            f"  newest sealed checkpoint: step {sealed.get('step')} at {sealed.get('time')}"
+        )
+    elif doc.get("latest"):
+        lines.append(f"  newest sealed: step {doc['latest'].get('step')}")
+    if doc.get("last_exit"):
+        le = doc["last_exit"]
+        lines.append(f"  last exit: {le.get('kind')}: {le.get('reason', '')}".rstrip(": "))
+    return "\n".join(lines)
+
+
+def _metrics(prog: Dict[str, Any]) -> str:
+    m = prog.get("metrics") or {}
+    return "".join(f", {k} {v:.4g}" if isinstance(v, float) else f", {k} {v}" for k, v in m.items())
+
+
+def logs(rec: RunRecord, follow: bool, out: IO[bytes]) -> int:
+    """Copy the job's output from the box (following it with ``follow``)."""
+    remote = open_remote(rec.target)
+    args = ["logs", rec.name] + (["-f"] if follow else [])
+    if not follow:
+        res = remote.run(rec.agent_argv(*args), timeout=300)
+        out.write(res.stdout)
+        out.flush()
+        if res.rc:
+            raise RgtError(f"rgt-agent logs failed on the box: {res.err.strip()}")
+        return 0
+    proc = remote.popen(rec.agent_argv(*args))
+    stream = proc.stdout
+    assert stream is not None
+    try:
+        for chunk in iter(lambda: os.read(stream.fileno(), 65536), b""):
+            out.write(chunk)
+            out.flush()
+    except KeyboardInterrupt:
+        proc.terminate()
+    rc = proc.wait()
+    if rc == 255:
+        raise RemoteUnreachable(f"lost {rec.target.label} while following the log")
+    return 0
+
+
+def stop(rec: RunRecord, grace: Optional[str]) -> int:
+    remote = open_remote(rec.target)
+    res = remote.run(
+        rec.agent_argv("stop", rec.name, *(["--grace", grace] if grace else [])), timeout=900
+    )
+    sys.stdout.write(res.text)
+    sys.stderr.write(res.err)
+    return res.rc
+
+
+# ---------------------------------------------------------------- watch
+
+
+class Rates:
+    """Steps per second from successive progress reports."""
+
+    def __init__(self) -> None:
+        self.last: Optional[Tuple[int, float]] = None
+        self.rate: Optional[float] = None
+
+    def update(self, prog: Dict[str, Any]) -> Optional[float]:
+        step, t = prog.get("step"), prog.get("time")
+        if not isinstance(step, int) or not isinstance(t, (int, float)):
+            return self.rate
+        if self.last is not None and t > self.last[1] and step >= self.last[0]:
+            self.rate = (step - self.last[0]) / (t - self.last[1])
+        if self.last is None or t > self.last[1]:
+            self.last = (step, float(t))
+        return self.rate
+
+
+def render(doc: Dict[str, Any], rate: Optional[float], why_not_box: Optional[str]) -> Any:
+    """A rich renderable of one frame of `rgt watch`."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    head = Text(describe(doc, why_not_box).splitlines()[0], style="bold")
+    t = Table.grid(padding=(0, 2))
+    t.add_column(style="dim")
+    t.add_column()
+    prog = doc.get("progress") or {}
+    t.add_row("state", f"{doc.get('state')} (attempt {doc.get('attempt')})")
+    if prog:
+        t.add_row(
+            "step",
+            f"{prog.get('step')}" + (f"  ({rate:.2f} steps/s)" if rate else "") + _metrics(prog),
+        )
+    box = doc.get("box") or {}
+    gpus = box.get("gpus") or []
+    t.add_row(
+        "gpu",
+        "; ".join(f"{g['util']:.0f}% {g['mem_used_mib']:.0f}/{g['mem_mib']:.0f} MiB" for g in gpus)
+        or "none seen",
+    )
+    if box.get("disk"):
+        d = box["disk"]
+        inodes = box.get("inodes") or {}
+        t.add_row(
+            "disk",
+            f"{d['avail_kb'] / 1048576:.1f} GiB free"
+            + (f", {inodes.get('free')} inodes free" if inodes else ""),
+        )
+    mem = box.get("memory_kb") or {}
+    if mem.get("MemTotal"):
+        t.add_row(
+            "memory",
+            f"{mem.get('MemAvailable', 0) / 1048576:.1f} of {mem['MemTotal'] / 1048576:.1f} GiB "
+            "available",
+        )
+    sealed = box.get("sealed")
+    if sealed and box.get("box_time"):
+        age = _age(sealed.get("time"), box["box_time"])
+        t.add_row("sealed", f"step {sealed.get('step')}, {age} ago")
+    elif doc.get("latest"):
+        t.add_row("sealed", f"step {doc['latest'].get('step')}")
+    else:
+        t.add_row("sealed", "nothing sealed yet")
+    ev = Table.grid()
+    for e in (box.get("events") or [])[-6:]:
+        ev.add_row(Text(f"{str(e.get('time', ''))[11:19]} {e.get('kind')}: {e.get('reason', '')}"))
+    return Group(head, t, Text("recent events", style="dim"), ev)
+
+
+def _age(when: Any, now: int) -> str:
+    try:
+        t = datetime.datetime.fromisoformat(str(when).replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return "?"
+    s = max(0, int(now - t))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED", "PREEMPTED"}
+
+
+def watch(rec: RunRecord, *, interval: float, once: bool, until_done: bool, out: IO[str]) -> str:
+    """Refresh a live view until interrupted (``once``: one frame; ``until_done``: until the run
+    ends). Returns the last state seen. On a terminal it redraws in place; elsewhere (a file,
+    a pipe) it writes one plain frame per refresh."""
+    from rich.console import Console
+    from rich.live import Live
+
+    console = Console(file=out, force_terminal=None, width=100 if not out.isatty() else None)
+    rates = Rates()
+    state = "?"
+
+    def frame() -> Any:
+        nonlocal state
+        doc, why = status(rec)
+        state = str(doc.get("state"))
+        return render(doc, rates.update(doc.get("progress") or {}), why)
+
+    if once or not console.is_terminal:
+        while True:
+            console.print(frame())
+            if once or (until_done and state in TERMINAL):
+                return state
+            console.print()
+            time.sleep(interval)
+    with Live(frame(), console=console, refresh_per_second=4) as live:
+        try:
+            while not (until_done and state in TERMINAL):
+                time.sleep(interval)
+                live.update(frame())
+        except KeyboardInterrupt:
+            pass
+    return state

@@ -62,6 +62,8 @@ REQUIRES: Tuple[Requirement, ...] = (
     Requirement("watchdog>=2.1"),
     Requirement("tomli>=1.1", below=(3, 11)),
 )
+# pyproject.toml's dependencies that only the laptop's `rgt` uses: the box's agent goes without.
+LAPTOP_ONLY = ("rich",)
 EXTRAS: Dict[str, Tuple[Requirement, ...]] = {
     "s3": (Requirement("boto3>=1.35"),),
     "hf": (Requirement("huggingface_hub>=0.24"),),

@@ -118,6 +118,7 @@ class Checkpointer:
         self._request_sig: Optional[Any] = None  # the request file this save answers
         self._pending_error: Optional[BaseException] = None
         self._progress_at = 0.0
+        self._reported = 0  # the last step reported, throttled or not
         self._writer: Optional[Writer] = None
         self._staging: Optional[snapshot.Staging] = None
         self._pin = pin
@@ -247,6 +248,7 @@ class Checkpointer:
 
     def report(self, step: int, **metrics: Any) -> None:
         """Tell the agent the job's step (at most once a second; always with metrics)."""
+        self._reported = int(step)
         if self.run_dir is None:
             return
         now = time.monotonic()
@@ -367,6 +369,12 @@ class Checkpointer:
                 if reply is not None:
                     self.write_seconds = float(reply.get("seconds") or 0.0)
                     self._answer_request()
+            last = max(self._reported, self.step)
+            if self.run_dir is not None and last:
+                try:  # the final step, which the once-a-second throttle may have held back
+                    progress.write(self.run_dir, last, self.attempt)
+                except OSError:
+                    pass
         finally:
             if writer is not None:
                 writer.close()

@@ -15,6 +15,7 @@ Errors print one line (what, why, what to do) and exit with the code of their ki
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any, List, Optional
 
@@ -22,7 +23,7 @@ import click
 
 from controller import observe
 from controller.registry import Registry, RunRecord
-from onbox.errors import RgtError, UsageError
+from onbox.errors import NotFound, RgtError, UsageError
 
 
 def _emit(text: str = "") -> None:
@@ -145,6 +146,56 @@ def logs(name: str, follow: bool) -> int:
 def stop(name: str, grace: Optional[str]) -> int:
     """Stop the run's job (it can be deployed again; nothing is deleted)."""
     return observe.stop(Registry().get(name), grace)
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--to", "dest", metavar="DIR", help="Where (default ./rgt-results/NAME).")
+@click.option(
+    "--from", "source", type=click.Choice(["auto", "box", "store"]), default="auto",
+    help="Read from the box or the store (auto: the store when the laptop can reach it).",
+)  # fmt: skip
+def pull(name: str, dest: Optional[str], source: str) -> int:
+    """Fetch the newest sealed state, verify every file (sha256, then opened as its framework
+    would), rename into place, and write a verification receipt. Resumable."""
+    from controller.pull import pull as do_pull
+    from controller.pull import terminal_progress
+
+    rec = Registry().get(name)
+    dest = dest or os.path.join("rgt-results", name)
+    with terminal_progress() as progress:
+        receipt = do_pull(rec, dest, source, progress)
+    _emit(
+        f"{name}: step {receipt.sealed.step} pulled to {receipt.dest} and verified: "
+        f"{len(receipt.files)} files; receipt {os.path.join(receipt.dest, '.rgt-receipt.json')}"
+    )
+    return 0
+
+
+@cli.command()
+@click.argument("name")
+@click.option("--yes", is_flag=True, help="Do not ask (only when not on a terminal).")
+def down(name: str, yes: bool) -> int:
+    """Stop the run and remove it from the box, once a verified pull covers its newest sealed
+    state; shows what will be lost and what keeps billing, and asks for the run's name."""
+    from controller.down import down as do_down
+    from controller.receipt import state_receipt_path
+
+    try:
+        rec = Registry().get(name)
+    except NotFound:
+        if os.path.exists(state_receipt_path(name)):
+            _emit(f"{name} was taken down already; its receipt is {state_receipt_path(name)}")
+            return 0
+        raise
+    do_down(
+        rec,
+        yes=yes,
+        interactive=sys.stdin.isatty(),
+        ask=lambda prompt: click.prompt(prompt, default="", show_default=False),
+        show=_emit,
+    )
+    return 0
 
 
 @cli.command()

@@ -1,0 +1,1166 @@
+"""``rgt pull``: bring a run's newest sealed state to the laptop, verified, resumable.
+
+What is pulled is the run's newest *sealed* state, never a file that is still being written:
+
+- with a store: LATEST.json names a MANIFEST (files with path, size, sha256, key); when the run
+  is done, DONE.json adds its outputs and logs. ``--from store`` reads documents and files from
+  the store with the laptop's credentials. ``--from box`` reads them from the box over ssh: for
+  a ``file://`` store (a mount on the box) the documents and files are the store's, on the box;
+  for ``s3://``/``hf://`` the documents come from the store (the source of truth for what is
+  sealed) and the bytes from the box's own copies (its checkpoint dir, the job's workdir, the
+  run's logs), each checked against the store's sha256. ``auto`` is the store when the laptop
+  can read it (``s3://``, ``hf://``, or ``file://`` with a ``local`` target), else the box.
+- without a store (``--from box`` only): when the run is no longer live (its agent reports a
+  terminal state, so no file is being written), every file in its checkpoint dir (hidden and
+  temporary names skipped, as the sealer skips them), its outputs and its job logs, with
+  sha256 computed on the box at pull time. A live run without a store is refused: stop it
+  first.
+
+Layout under DEST: ``checkpoints/<path as sealed, relative to RGT_CKPT_DIR>``,
+``outputs/<path>``, ``logs/attempt-NNNN.log``, and ``.rgt-receipt.json`` (controller/receipt.py).
+
+Every file lands first under ``DEST/.rgt-part/`` (named by its store key or its path on the
+box), so nothing unverified ever has a final name. A pull that is killed and started again
+continues: from the box, rsync (``--inplace``, delta transfer against the partial copy) sends
+only what is missing and skips finished files; from the store, a file whose partial copy
+already has the right size and sha256 is not downloaded again (the store interface has no
+byte ranges, so an unfinished file is downloaded again whole).
+
+Verification, before any file gets its final name: each file's size and sha256 against the
+manifest (a mismatch is fetched fresh once more, then it is an IntegrityError naming the file);
+then each file of a known format is opened as its framework would: ``.safetensors`` (the
+header parsed, every tensor's offsets inside the file, contiguous, sized by dtype and shape),
+torch files ``.pt``/``.pth``/``.bin``/``.ckpt`` (``torch.load(weights_only=True,
+map_location="cpu", mmap=True)``, torch imported only then; without torch on the laptop they
+are "checked by sha256 only", said so in the receipt). Then the old receipt is removed, every
+file is renamed into place (fsynced, directories fsynced), and the receipt is written last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import fcntl
+import functools
+import hashlib
+import json
+import os
+import pickle
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import warnings
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
+
+from controller.receipt import (
+    Coverage,
+    FileRecord,
+    Receipt,
+    SealedId,
+    compare,
+    remove_receipts,
+    write_receipt,
+)
+from controller.registry import RunRecord
+from controller.remote import Remote, open_remote
+from onbox import manifest as mf
+from onbox.durable import fsync_dir
+from onbox.errors import HostError, IntegrityError, NotFound, RemoteUnreachable, UsageError
+from onbox.states import TERMINAL
+from onbox.stores import open_store
+from onbox.stores.base import Store, with_retries
+from onbox.stores.local import LocalStore
+
+SOURCES = ("box", "store", "auto")
+STAGE = ".rgt-part"
+CHUNK = 8 << 20
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+HASHERS = max(1, min(8, os.cpu_count() or 1))
+TERMINAL_NAMES = frozenset(s.value for s in TERMINAL)
+_SHA = re.compile(r"[0-9a-f]{64}\Z")
+_LOG = re.compile(r"attempt-(\d{4,})\.log\Z")
+
+
+# ---- what is pulled
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One file of the sealed state."""
+
+    path: str  # final path, relative to DEST
+    kind: str  # checkpoint | output | log
+    size: int
+    sha256: str
+    key: Optional[str]  # store key, when the bytes come from the store
+    src: Optional[str] = None  # path on the box relative to Sealed.box_root, when from the box
+    origin: str = ""  # where the bytes are, for people: the store key or the path on the box
+
+    @property
+    def stage(self) -> str:
+        """Its temporary name under DEST/.rgt-part/ (unique per source file)."""
+        return self.src if self.src is not None else (self.key or self.path)
+
+
+@dataclasses.dataclass
+class Sealed:
+    """The newest sealed state of a run, and where its bytes are."""
+
+    ident: SealedId
+    entries: List[Entry]
+    source: str  # "store" | "box"
+    box_root: Optional[str] = None  # the box directory Entry.src is relative to
+    store: Optional[Store] = None  # for source "store"
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """One progress report. ``phase`` is "fetch", "verify" or "done"; ``path`` the file
+    concerned (relative to DEST, "" for a total). Reported from a background thread while
+    fetching, from the caller's thread otherwise."""
+
+    phase: str
+    path: str
+    done: int
+    size: int
+    total_done: int
+    total: int
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+def resolve_source(rec: RunRecord, source: str) -> str:
+    """Where to pull from, "box" or "store", for ``source`` "box", "store" or "auto" (see the
+    module docstring)."""
+    if source not in SOURCES:
+        raise UsageError("--from", f"{source!r} is not box or store")
+    if source != "auto":
+        if source == "store" and not rec.store:
+            raise UsageError("--from", f"run {rec.name!r} has no store", "pull it with --from box")
+        return source
+    if not rec.store:
+        return "box"
+    if _file_root(rec.store) is not None and rec.target.kind != "local":
+        return "box"  # a file:// store is a mount on the box
+    return "store"
+
+
+def _file_root(url: str) -> Optional[str]:
+    if not url.lower().startswith("file:"):
+        return None
+    store = open_store(url)
+    assert isinstance(store, LocalStore)
+    return store.root
+
+
+def read_sealed(rec: RunRecord, source: str, remote: Optional[Remote] = None) -> Sealed:
+    """The newest sealed state of ``rec`` as ``source`` ("box" or "store") sees it."""
+    run = rec.name
+    if source == "store":
+        assert rec.store
+        root = _file_root(rec.store)
+        if root is not None and not os.path.isdir(root):
+            raise UsageError(
+                "--from",
+                f"the store {rec.store} is not a directory on this laptop",
+                "a file:// store is a path on the box: pull with --from box",
+            )
+        store = open_store(rec.store)
+        ident, entries = _from_documents(run, functools.partial(_store_get, store))
+        entries = [dataclasses.replace(e, origin=e.key or "") for e in entries]
+        return Sealed(ident, entries, "store", store=store)
+    assert remote is not None
+    if not rec.store:
+        return _box_files(rec, remote)
+    root = _file_root(rec.store)
+    if root is not None:
+        docs = _BoxDocs(remote, root)
+        docs.prefetch([mf.latest_key(run), mf.done_key(run)])  # one round trip for both
+        ident, entries = _from_documents(run, docs.get)
+        entries = [
+            dataclasses.replace(e, src=e.key, origin=_join(root, e.key or "")) for e in entries
+        ]
+        return Sealed(ident, entries, "box", box_root=root)
+    # s3://, hf://: the store says what is sealed; the box holds copies of the bytes.
+    store = open_store(rec.store)
+    ident, entries = _from_documents(run, functools.partial(_store_get, store))
+    spec = box_spec(rec, remote)
+    run_dir = box_run_dir(rec)
+    placed = []
+    for e in entries:
+        if e.kind == "checkpoint":
+            path = _join(spec["ckpt_dir"], e.path[len("checkpoints/") :])
+        elif e.kind == "output":
+            path = _join(spec["workdir"], e.path[len("outputs/") :])
+        else:
+            m = _LOG.match(e.path[len("logs/") :])
+            if not m:
+                raise IntegrityError(f"DONE.json lists a log {e.path!r} rgt did not write")
+            path = _join(run_dir, "attempts", m.group(1), "output.log")
+        placed.append(dataclasses.replace(e, src=path.lstrip("/"), origin=path))
+    return Sealed(ident, placed, "box", box_root="/")
+
+
+def _join(*parts: str) -> str:
+    return "/".join(p.rstrip("/") for p in parts)
+
+
+def _store_get(store: Store, key: str) -> Optional[bytes]:
+    return with_retries(lambda: store.get_bytes(key))
+
+
+class _BoxDocs:
+    """Documents of a file:// store on the box, read over ssh, several per round trip."""
+
+    _SCRIPT = r"""for f do
+  if [ -f "$f" ]; then s=$(wc -c < "$f") || exit 45; echo "F" $s; cat -- "$f" || exit 45
+  else echo N; fi
+done"""
+
+    def __init__(self, remote: Remote, root: str) -> None:
+        self.remote = remote
+        self.root = root
+        self.cache: Dict[str, Optional[bytes]] = {}
+
+    def prefetch(self, keys: List[str]) -> None:
+        for _ in range(3):  # a document replaced between its size and its bytes: read again
+            r = self.remote.sh(self._SCRIPT, *[_join(self.root, k) for k in keys])
+            if r.rc != 0:
+                raise HostError(
+                    f"cannot read the store's documents under {self.root} on "
+                    f"{self.remote.target.label}: {r.err.strip()[-300:]}"
+                )
+            got = _split_docs(r.stdout, len(keys))
+            if got is not None:
+                self.cache.update(zip(keys, got))
+                return
+        raise HostError(f"the store's documents under {self.root} keep changing while read")
+
+    def get(self, key: str) -> Optional[bytes]:
+        if key not in self.cache:
+            self.prefetch([key])
+        return self.cache[key]
+
+
+def _split_docs(out: bytes, n: int) -> Optional[List[Optional[bytes]]]:
+    docs: List[Optional[bytes]] = []
+    pos = 0
+    for _ in range(n):
+        end = out.find(b"\n", pos)
+        if end < 0:
+            return None
+        head = out[pos:end].split()
+        pos = end + 1
+        if head == [b"N"]:
+            docs.append(None)
+            continue
+        if len(head) != 2 or head[0] != b"F" or not head[1].isdigit():
+            return None
+        size = int(head[1])
+        docs.append(out[pos : pos + size])
+        pos += size
+    return docs if pos == len(out) else None
+
+
+def _box_read(remote: Remote, path: str) -> Optional[bytes]:
+    r = remote.sh('[ -f "$1" ] || exit 44; exec cat -- "$1"', path)
+    if r.rc == 44:
+        return None
+    if r.rc != 0:
+        raise HostError(f"cannot read {path} on {remote.target.label}: {r.err.strip()}")
+    return r.stdout
+
+
+def box_run_dir(rec: RunRecord) -> str:
+    """The run's directory on the box ($RGT_HOME/runs/NAME)."""
+    if not rec.box_home.startswith("/"):
+        raise UsageError(
+            "run", f"the record of {rec.name!r} has no RGT_HOME on the box", "deploy it again"
+        )
+    return _join(rec.box_home, "runs", rec.name)
+
+
+def box_spec(rec: RunRecord, remote: Remote) -> Dict[str, Any]:
+    """The run's spec.json on the box (NotFound when its directory is gone)."""
+    path = _join(box_run_dir(rec), "spec.json")
+    data = _box_read(remote, path)
+    if data is None:
+        raise NotFound(
+            f"run {rec.name!r} has no run directory on {remote.target.label} ({path})",
+            "was it taken down? pull --from store",
+        )
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        raise IntegrityError(f"{path} on {remote.target.label} is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise IntegrityError(f"{path} on {remote.target.label} is not a JSON object")
+    return doc
+
+
+def box_state(rec: RunRecord, remote: Remote) -> Dict[str, Any]:
+    """``rgt-agent status N --json`` on the box."""
+    r = remote.run(rec.agent_argv("status", rec.name, "--json"), env=None, timeout=60)
+    if r.rc != 0:
+        raise HostError(
+            f"rgt-agent status {rec.name} failed on {remote.target.label} (exit {r.rc}): "
+            f"{r.err.strip()[-300:]}"
+        )
+    try:
+        doc: Dict[str, Any] = json.loads(r.stdout)
+    except ValueError:
+        raise HostError(f"rgt-agent status {rec.name} printed no JSON") from None
+    return doc
+
+
+def _check_doc_file(f: Any, what: str, run: str) -> None:
+    ok = (
+        isinstance(f, dict)
+        and _clean_rel(f.get("path"))
+        and isinstance(f.get("size"), int)
+        and f["size"] >= 0
+        and isinstance(f.get("sha256"), str)
+        and _SHA.match(f["sha256"]) is not None
+        and _clean_rel(f.get("key"))
+        and f["key"].startswith(run + "/")
+    )
+    if not ok:
+        raise IntegrityError(f"{what}: a malformed file entry {f!r}")
+
+
+def _clean_rel(p: Any) -> bool:
+    return (
+        isinstance(p, str)
+        and bool(p)
+        and not p.startswith("/")
+        and not any(s in ("", ".", "..") for s in p.split("/"))
+    )
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _from_documents(
+    run: str, get: Callable[[str], Optional[bytes]]
+) -> Tuple[SealedId, List[Entry]]:
+    """LATEST -> MANIFEST, and DONE: the sealed state and its files."""
+    latest = mf.parse_latest(get(mf.latest_key(run)))
+    entries: List[Entry] = []
+    step = epoch = None
+    mkey = msha = None
+    if latest is not None:
+        step = latest["step"]
+        epoch = latest.get("epoch") if isinstance(latest.get("epoch"), int) else None
+        mkey = mf.manifest_key(run, step)
+        data = get(mkey)
+        if data is None:
+            raise IntegrityError(f"LATEST names step {step}, but {mkey} is missing")
+        doc = mf.parse_manifest(data, mkey)
+        if doc["step"] != step:
+            raise IntegrityError(f"{mkey} is for step {doc['step']}, LATEST says {step}")
+        msha = _sha(data)
+        for f in doc["files"]:
+            _check_doc_file(f, mkey, run)
+            entries.append(
+                Entry("checkpoints/" + f["path"], "checkpoint", f["size"], f["sha256"], f["key"])
+            )
+    done_raw = get(mf.done_key(run))
+    done_sha = None
+    if done_raw is not None:
+        done_sha = _sha(done_raw)
+        try:
+            done = json.loads(done_raw)
+        except ValueError:
+            raise IntegrityError(f"{mf.done_key(run)} is not valid JSON") from None
+        files = done.get("files") if isinstance(done, dict) else None
+        if not isinstance(files, list):
+            raise IntegrityError(f"{mf.done_key(run)} lists no files")
+        for f in files:
+            _check_doc_file(f, mf.done_key(run), run)
+            tail = f["key"][len(run) + 1 :]
+            kind = tail.split("/", 1)[0]
+            if kind not in ("outputs", "logs"):
+                raise IntegrityError(f"{mf.done_key(run)} lists {f['key']}, not an output or log")
+            entries.append(Entry(tail, kind[:-1], f["size"], f["sha256"], f["key"]))
+    if latest is None and done_raw is None:
+        raise NotFound(
+            f"run {run!r} has nothing sealed yet (no LATEST.json, no DONE.json)",
+            f"wait for its first sealed checkpoint (rgt status {run})",
+        )
+    paths = [e.path for e in entries]
+    if len(set(paths)) != len(paths):
+        raise IntegrityError(f"the sealed state of {run!r} lists a path twice")
+    ident = SealedId(
+        step=step,
+        epoch=epoch,
+        manifest=mkey,
+        manifest_sha256=msha,
+        done=done_raw is not None,
+        done_sha256=done_sha,
+    )
+    return ident, entries
+
+
+# Hidden and temporary names are skipped, as the sealer skips them (torn writes live there).
+# Each file comes out as four NUL-terminated fields: kind, sha256, size, path.
+_LIST_SCRIPT = r"""
+hash_files='for f do h=$(sha256sum < "$f") || exit 45; s=$(wc -c < "$f") || exit 45
+  printf "%s\0%s\0%s\0%s\0" "$K" "${h%% *}" $s "$f"; done'
+while [ $# -ge 2 ]; do
+  K=$1; p=$2; shift 2; export K
+  if [ -f "$p" ]; then sh -c "$hash_files" rgt "$p" || exit 45
+  elif [ -d "$p" ]; then
+    find "$p" -mindepth 1 \( -name '.*' -o -name '*.tmp' -o -name '*.tmp.*' -o -name '*.partial' \
+      -o -name '*.part' -o -name '*.lock' -o -name '*~' -o -name '*.rgt-*' \) -prune \
+      -o -type f -exec sh -c "$hash_files" rgt {} + || exit 45
+  fi
+done
+"""
+
+
+def _box_files(rec: RunRecord, remote: Remote) -> Sealed:
+    """A run without a store: its files on the box, hashed there (see the module docstring)."""
+    spec = box_spec(rec, remote)
+    state = box_state(rec, remote).get("state")
+    if state not in TERMINAL_NAMES:
+        raise UsageError(
+            "run",
+            f"{rec.name!r} is {state} and has no store: its files are still being written",
+            f"stop it first (rgt stop {rec.name}), or deploy with --store",
+        )
+    run_dir = box_run_dir(rec)
+    ckpt, workdir = str(spec["ckpt_dir"]), str(spec["workdir"])
+    args = ["checkpoint", ckpt, "log", _join(run_dir, "attempts")]
+    for out in spec.get("outputs") or []:
+        args += ["output", _join(workdir, str(out))]
+    r = remote.sh(_LIST_SCRIPT, *args, timeout=3600)
+    if r.rc != 0:
+        raise HostError(
+            f"listing and hashing the files of {rec.name!r} on {remote.target.label} failed: "
+            f"{r.err.strip()[-300:]}"
+        )
+    fields = r.stdout.split(b"\0")
+    entries: Dict[str, Entry] = {}
+    for i in range(0, len(fields) - 3, 4):
+        kind, sha, size, raw = (x.decode("utf-8", "surrogateescape") for x in fields[i : i + 4])
+        if kind == "checkpoint":
+            path = "checkpoints/" + os.path.relpath(raw, ckpt)
+        elif kind == "output":
+            path = "outputs/" + os.path.relpath(raw, workdir)
+        else:
+            rel = os.path.relpath(raw, _join(run_dir, "attempts"))
+            m = re.match(r"(\d{4,})/output\.log\Z", rel)
+            if not m:
+                continue  # the attempt's job.json/exit.json: rgt's records, not the job's log
+            path = f"logs/attempt-{m.group(1)}.log"
+        if not _clean_rel(path) or not _SHA.match(sha):
+            raise HostError(f"cannot pull {raw!r}: its name or hash is not usable")
+        entries[path] = Entry(path, kind, int(size), sha, None, raw.lstrip("/"), raw)
+    if not entries:
+        raise NotFound(f"run {rec.name!r} has no files on {remote.target.label} to pull")
+    listing = "".join(
+        f"{e.path}\0{e.size}\0{e.sha256}\n" for e in sorted(entries.values(), key=lambda e: e.path)
+    )
+    return Sealed(
+        SealedId(listing_sha256=_sha(listing.encode("utf-8", "surrogateescape"))),
+        list(entries.values()),
+        "box",
+        box_root="/",
+    )
+
+
+# ---- fetching
+
+
+def _stage_path(stage_dir: str, e: Entry) -> str:
+    return os.path.join(stage_dir, *e.stage.split("/"))
+
+
+def _file_sha(path: str) -> Tuple[int, str]:
+    h = hashlib.sha256()
+    n = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(CHUNK)
+            if not b:
+                return n, h.hexdigest()
+            h.update(b)
+            n += len(b)
+
+
+class _Monitor:
+    """Reports fetch progress by watching the temporary files grow (every transport), and
+    each file the moment a transport says it is finished."""
+
+    def __init__(self, stage_dir: str, items: List[Entry], fn: Optional[ProgressFn]) -> None:
+        self.stage_dir = stage_dir
+        self.items = items
+        self.fn = fn
+        self.total = sum(e.size for e in items)
+        self.seen: Dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> _Monitor:
+        if self.fn is not None:
+            self._thread = threading.Thread(
+                target=self._loop, name="rgt-pull-progress", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            if exc[0] is None:
+                self.poll()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            self.poll()
+
+    def _size(self, e: Entry) -> int:
+        try:
+            return min(os.path.getsize(_stage_path(self.stage_dir, e)), e.size)
+        except OSError:
+            return 0
+
+    def poll(self) -> None:
+        if self.fn is None:
+            return
+        with self._lock:
+            sizes = {e.stage: self._size(e) for e in self.items}
+            for e in self.items:
+                self._report(e, sizes[e.stage], sizes)
+
+    def finished(self, e: Entry) -> None:
+        """A transport finished ``e`` (its copy is complete, not yet verified)."""
+        if self.fn is None:
+            return
+        with self._lock:
+            sizes = {x.stage: self.seen.get(x.stage, 0) for x in self.items}
+            sizes[e.stage] = e.size
+            self._report(e, e.size, sizes)
+
+    def _report(self, e: Entry, size: int, sizes: Dict[str, int]) -> None:
+        assert self.fn is not None
+        if self.seen.get(e.stage) != size:
+            self.seen[e.stage] = size
+            done = sum(sizes.values())
+            self.fn(Progress("fetch", e.path, size, e.size, done, self.total))
+
+
+def _fetch_store(
+    store: Store, items: List[Entry], stage_dir: str, finished: Callable[[Entry], None]
+) -> int:
+    fetched = 0
+    for e in items:
+        assert e.key is not None
+        tmp = _stage_path(stage_dir, e)
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        with_retries(functools.partial(store.get_file, e.key, tmp))
+        fetched += e.size
+        finished(e)
+    return fetched
+
+
+def rsync_e(shell: Sequence[str]) -> str:
+    """rsync's ``-e`` string for an ssh argv: rsync splits it on spaces and honours double
+    quotes, so an argument with a space is quoted and one with a quote is refused."""
+    out = []
+    for a in shell:
+        if '"' in a or "'" in a or "\n" in a:
+            raise UsageError("ssh", f"the ssh argument {a!r} has a quote rsync cannot carry")
+        out.append(f'"{a}"' if (" " in a or not a) else a)
+    return " ".join(out)
+
+
+class _NoRemoteRsync(Exception):
+    """The box has no rsync: the caller falls back to streaming."""
+
+
+def _fetch_rsync(
+    remote: Remote, root: str, items: List[Entry], stage_dir: str, bwlimit: Optional[int]
+) -> int:
+    """One rsync for every file: --inplace into its temporary name, so a killed transfer
+    leaves its bytes there and the next one sends only the rest (delta against them)."""
+    listing = os.path.join(stage_dir, ".rgt-files-from")
+    with open(listing, "wb") as f:
+        f.write(b"\0".join(e.src.encode("utf-8", "surrogateescape") for e in items if e.src))
+    argv = [
+        "rsync", "-s", "-t", "--inplace", "--partial", "--no-whole-file",
+        "--from0", f"--files-from={listing}", "--out-format=rgt-xfer %b %n",
+    ]  # fmt: skip
+    if bwlimit:
+        argv.append(f"--bwlimit={int(bwlimit)}")
+    shell = remote.rsync_shell()
+    if shell:
+        argv += ["-e", rsync_e(shell)]
+    argv += [remote.path_arg(root.rstrip("/") + "/"), stage_dir + "/"]
+    p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True)
+    fetched = sum(int(m.group(1)) for m in re.finditer(rb"^rgt-xfer (\d+) ", p.stdout, re.M))
+    if p.returncode in (0, 23, 24):  # 23/24: some files missing; verification names them
+        return fetched
+    if p.returncode == 12 and re.search(rb"rsync: (command )?not found", p.stderr):
+        raise _NoRemoteRsync()
+    if shell:
+        remote.check_transport(p.returncode, p.stderr)
+    last = p.stderr.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+    if p.returncode in (10, 12, 30, 35):
+        raise RemoteUnreachable(
+            f"rsync from {remote.target.label} broke off (exit {p.returncode}): {last[0]}",
+            "run the pull again: it continues where it stopped",
+        )
+    raise HostError(f"rsync from {remote.target.label} failed (exit {p.returncode}): {last[0]}")
+
+
+def _fetch_stream(remote: Remote, root: str, items: List[Entry], stage_dir: str) -> int:
+    """Without rsync on one end: ``tail -c +N`` over ssh appends what the partial copy lacks."""
+    fetched = 0
+    for e in items:
+        assert e.src is not None
+        tmp = _stage_path(stage_dir, e)
+        os.makedirs(os.path.dirname(tmp), exist_ok=True)
+        have = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+        if have > e.size:
+            os.truncate(tmp, 0)
+            have = 0
+        if have == e.size:
+            continue
+        p = remote.popen(["tail", "-c", f"+{have + 1}", "--", _join(root, e.src)])
+        assert p.stdout is not None
+        try:
+            with open(tmp, "ab") as out:
+                while True:
+                    b = p.stdout.read(CHUNK)
+                    if not b:
+                        break
+                    out.write(b)
+                    fetched += len(b)
+        finally:
+            p.stdout.close()
+            rc = p.wait()
+        if rc != 0:
+            remote.check_transport(rc, b"")
+            raise HostError(f"reading {e.origin} on {remote.target.label} failed (exit {rc})")
+    return fetched
+
+
+# ---- opening checkpoints as their frameworks would
+
+_ST_DTYPES = {
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
+    "I16": 2, "U16": 2, "F16": 2, "BF16": 2,
+    "I32": 4, "U32": 4, "F32": 4,
+    "I64": 8, "U64": 8, "F64": 8, "C64": 8,
+}  # fmt: skip
+_ST_MAX_HEADER = 100_000_000  # the safetensors library's own limit
+# torch.save's format before the zip one: a protocol-2 pickle of a 10-byte magic number first.
+_TORCH_LEGACY = b"\x80\x02\x8a\x0a"
+
+
+def check_safetensors(path: str, name: str) -> None:
+    """Parse a safetensors file as the library does: the 8-byte header length, the JSON
+    header, and every tensor's offsets inside the data, contiguous, sized by dtype and shape."""
+
+    def bad(why: str) -> IntegrityError:
+        return IntegrityError(
+            f"{name}: not a valid safetensors file ({why})",
+            "its sha256 matches the manifest: the job wrote it like this",
+        )
+
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise bad("shorter than its 8-byte header length")
+        n = int.from_bytes(head, "little")
+        if n > _ST_MAX_HEADER or 8 + n > size:
+            raise bad(f"header length {n} does not fit in {size} bytes")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise bad("the header is not JSON") from None
+    if not isinstance(header, dict):
+        raise bad("the header is not a JSON object")
+    data_len = size - 8 - n
+    spans = []
+    for key, t in header.items():
+        if key == "__metadata__":
+            if not isinstance(t, dict) or not all(isinstance(v, str) for v in t.values()):
+                raise bad("__metadata__ is not a map of strings")
+            continue
+        try:
+            dtype, shape, (b, e) = t["dtype"], t["shape"], t["data_offsets"]
+            if not all(isinstance(x, int) and x >= 0 for x in [*shape, b, e]):
+                raise ValueError
+        except (KeyError, TypeError, ValueError):
+            raise bad(f"tensor {key!r} has no valid dtype, shape and data_offsets") from None
+        if not b <= e <= data_len:
+            raise bad(f"tensor {key!r} spans bytes {b}..{e} of {data_len}")
+        width = _ST_DTYPES.get(dtype)
+        if width is not None:
+            count = 1
+            for d in shape:
+                count *= d
+            if count * width != e - b:
+                raise bad(
+                    f"tensor {key!r}: {dtype}{shape} needs {count * width} bytes, has {e - b}"
+                )
+        spans.append((b, e, key))
+    pos = 0
+    for b, e, key in sorted(spans):
+        if b != pos:
+            raise bad(f"tensor {key!r} starts at {b}, the previous one ends at {pos}")
+        pos = e
+    if pos != data_len:
+        raise bad(f"the tensors end at byte {pos} of {data_len}")
+
+
+def check_torch(path: str, name: str) -> str:
+    """Open a torch file with ``torch.load(weights_only=True)``; how it was verified."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    is_zip = magic == b"PK\x03\x04"
+    if is_zip:
+        try:
+            with zipfile.ZipFile(path) as z:
+                is_torch = any(n == "data.pkl" or n.endswith("/data.pkl") for n in z.namelist())
+        except zipfile.BadZipFile:
+            is_torch = True  # torch's own reader will say what is wrong
+        if not is_torch:
+            return "sha256 (a zip file, not a torch checkpoint: not opened)"
+    elif magic != _TORCH_LEGACY:
+        return "sha256 (not a torch file: not opened)"
+    try:
+        import torch
+    except ImportError:
+        return "sha256 only (torch is not installed here: not opened)"
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, weights_only=True, map_location="cpu", mmap=is_zip)
+        del obj
+    except pickle.UnpicklingError as e:
+        if "weights only" in str(e).lower() or "weights_only" in str(e):
+            return "sha256 + torch.load(weights_only=True) refused a non-tensor object"
+        raise _torch_error(name, e) from None
+    except Exception as e:  # torch raises RuntimeError, EOFError, ValueError, ...
+        raise _torch_error(name, e) from None
+    return "sha256 + torch.load(weights_only=True)"
+
+
+def _torch_error(name: str, e: BaseException) -> IntegrityError:
+    first = (str(e).strip().splitlines() or [""])[0][:300]
+    return IntegrityError(
+        f"{name}: torch.load cannot open it ({type(e).__name__}: {first})",
+        "its sha256 matches the manifest: the job wrote a damaged checkpoint",
+    )
+
+
+def check_format(path: str, name: str) -> str:
+    """Open ``path`` (a file named ``name``) as its framework would; how it was verified."""
+    low = name.lower()
+    if low.endswith(".safetensors"):
+        check_safetensors(path, name)
+        return "sha256 + safetensors header"
+    if low.endswith(TORCH_SUFFIXES):
+        return check_torch(path, name)
+    return "sha256"
+
+
+# ---- the pull
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("remote-gpu-trainer")
+    except Exception:
+        return ""
+
+
+@contextlib.contextmanager
+def _stage_lock(stage_dir: str) -> Iterator[None]:
+    os.makedirs(stage_dir, exist_ok=True)
+    fd = os.open(os.path.join(stage_dir, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(
+                "--to", f"another pull into {os.path.dirname(stage_dir)} is running"
+            ) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _mismatch(stage_dir: str, e: Entry) -> Optional[str]:
+    """None when the temporary copy of ``e`` has its size and sha256, else what it has."""
+    path = _stage_path(stage_dir, e)
+    try:
+        size, sha = _file_sha(path)
+    except FileNotFoundError:
+        return "missing"
+    if size == e.size and sha == e.sha256:
+        return None
+    return f"{size} bytes sha256 {sha[:12]}"
+
+
+def _drop(stage_dir: str, e: Entry) -> None:
+    try:
+        os.unlink(_stage_path(stage_dir, e))
+    except FileNotFoundError:
+        pass
+
+
+def pull(
+    rec: RunRecord,
+    dest: str,
+    source: str = "auto",
+    progress: Optional[ProgressFn] = None,
+    *,
+    bwlimit: Optional[int] = None,
+    transport: Optional[str] = None,
+    remote: Optional[Remote] = None,
+    home: Optional[str] = None,
+) -> Receipt:
+    """Pull ``rec``'s newest sealed state into ``dest``, verify it, write the receipt.
+
+    ``source``: "box", "store" or "auto" (module docstring). ``bwlimit``: KiB/s for rsync from
+    the box. ``transport`` (box only): "rsync" or "stream" (``tail -c +N`` over ssh, resumable
+    too); by default rsync when both ends have it, else stream. ``remote``: an open Remote to
+    the box (else one is opened and closed here). ``home``: the laptop's state dir (default
+    controller_home()).
+    Raises IntegrityError (exit 6) naming the files that do not match; then nothing has a
+    final name and no receipt is written."""
+    where = resolve_source(rec, source)
+    own = remote is None and where == "box"
+    if own:
+        remote = open_remote(rec.target)
+    try:
+        sealed = read_sealed(rec, where, remote)
+        return _pull(rec, sealed, os.path.abspath(dest), progress, bwlimit, transport, remote, home)
+    finally:
+        if own and remote is not None:
+            remote.close()
+
+
+def _pull(
+    rec: RunRecord,
+    sealed: Sealed,
+    dest: str,
+    progress: Optional[ProgressFn],
+    bwlimit: Optional[int],
+    transport: Optional[str],
+    remote: Optional[Remote],
+    home: Optional[str],
+) -> Receipt:
+    stage_dir = os.path.join(dest, STAGE)
+    os.makedirs(dest, exist_ok=True)
+    for e in sealed.entries:
+        final = os.path.join(dest, *e.path.split("/"))
+        if os.path.isdir(final) and not os.path.islink(final):
+            raise UsageError("--to", f"{final} is a directory; the pull would put a file there")
+    # One temporary file per source file: entries that share one (a deduplicated key) agree.
+    unique: Dict[str, Entry] = {}
+    for e in sealed.entries:
+        other = unique.setdefault(e.stage, e)
+        if (other.size, other.sha256) != (e.size, e.sha256):
+            raise IntegrityError(f"{e.stage} is listed twice with different contents")
+    items = list(unique.values())
+    with _stage_lock(stage_dir):
+        good = _reusable(sealed, items, stage_dir)
+        monitor = _Monitor(stage_dir, items, progress)
+        fetch = _fetcher(sealed, stage_dir, bwlimit, transport, remote, monitor.finished)
+        with monitor:
+            fetched = fetch([e for e in items if e.stage not in good])
+        fetched += _verify(rec.name, items, good, stage_dir, fetch, progress)
+        how = _open_all(rec.name, items, stage_dir)
+        _place(rec.name, dest, stage_dir, sealed.entries, home)
+    receipt = Receipt(
+        run=rec.name,
+        source=sealed.source,
+        target=rec.target.label,
+        store=rec.store,
+        dest=dest,
+        sealed=sealed.ident,
+        files=[
+            FileRecord(e.path, e.kind, e.size, e.sha256, e.origin, how[e.stage])
+            for e in sorted(sealed.entries, key=lambda e: e.path)
+        ],
+        fetched_bytes=fetched,
+        rgt_version=_version(),
+    )
+    write_receipt(receipt, home)
+    shutil.rmtree(stage_dir, ignore_errors=True)
+    if progress is not None:
+        total = receipt.total_bytes()
+        progress(Progress("done", "", total, total, total, total))
+    return receipt
+
+
+def _reusable(sealed: Sealed, items: List[Entry], stage_dir: str) -> Set[str]:
+    """From the store, a finished copy an interrupted pull left is kept when it verifies (rsync
+    decides that by itself for the box)."""
+    good: Set[str] = set()
+    if sealed.source != "store":
+        return good
+    for e in items:
+        if os.path.exists(_stage_path(stage_dir, e)):
+            if _mismatch(stage_dir, e) is None:
+                good.add(e.stage)
+            else:
+                _drop(stage_dir, e)
+    return good
+
+
+def _verify(
+    run: str,
+    items: List[Entry],
+    good: Set[str],
+    stage_dir: str,
+    fetch: Callable[[List[Entry]], int],
+    progress: Optional[ProgressFn],
+) -> int:
+    """Every copy against its size and sha256; a mismatch (a stale partial copy, a glitch) is
+    fetched fresh once more, then it is an IntegrityError naming the files. Bytes refetched."""
+    total = sum(e.size for e in items)
+    checked = 0
+    again: List[Entry] = []
+    with ThreadPoolExecutor(HASHERS) as pool:  # hashlib lets go of the GIL: one per core
+        results = pool.map(lambda e: None if e.stage in good else _mismatch(stage_dir, e), items)
+        for e, why in zip(items, results):
+            if why is not None:
+                _drop(stage_dir, e)
+                again.append(e)
+            checked += e.size
+            if progress is not None:
+                progress(Progress("verify", e.path, e.size, e.size, checked, total))
+    if not again:
+        return 0
+    fetched = fetch(again)
+    bad = []
+    for e in again:
+        why = _mismatch(stage_dir, e)
+        if why is not None:
+            bad.append(
+                f"{e.path} ({e.origin}: {why}; sealed as {e.size} bytes sha256 {e.sha256[:12]})"
+            )
+            _drop(stage_dir, e)
+    if bad:
+        raise IntegrityError(
+            f"pull of {run}: {len(bad)} file(s) do not match the manifest: "
+            + "; ".join(bad[:5])
+            + ("" if len(bad) <= 5 else f"; and {len(bad) - 5} more")
+            + ". Nothing was put in place and no receipt was written",
+            "the copy at the source is damaged: try the other source (--from box or --from store)",
+        )
+    return fetched
+
+
+def _open_all(run: str, items: List[Entry], stage_dir: str) -> Dict[str, str]:
+    """Open every copy of a known format as its framework would; how each was verified."""
+    how: Dict[str, str] = {}
+    for e in items:
+        try:
+            how[e.stage] = check_format(_stage_path(stage_dir, e), e.path)
+        except IntegrityError as err:
+            _drop(stage_dir, e)
+            raise IntegrityError(
+                f"pull of {run}: {err.what}. Nothing was put in place and no receipt was written",
+                err.remedy,
+            ) from None
+    return how
+
+
+def _fetcher(
+    sealed: Sealed,
+    stage_dir: str,
+    bwlimit: Optional[int],
+    transport: Optional[str],
+    remote: Optional[Remote],
+    finished: Callable[[Entry], None],
+) -> Callable[[List[Entry]], int]:
+    if sealed.source == "store":
+        assert sealed.store is not None
+        store = sealed.store
+        return lambda items: _fetch_store(store, items, stage_dir, finished) if items else 0
+    assert remote is not None and sealed.box_root is not None
+    root = sealed.box_root
+    if transport is None:
+        transport = "auto" if shutil.which("rsync") else "stream"
+    if transport in ("rsync", "auto"):
+        forced = transport == "rsync"
+        mode = ["rsync"]
+
+        def fetch(items: List[Entry]) -> int:
+            if not items:
+                return 0
+            if mode[0] == "rsync":
+                try:
+                    return _fetch_rsync(remote, root, items, stage_dir, bwlimit)
+                except _NoRemoteRsync:
+                    if forced:
+                        raise HostError(
+                            f"{remote.target.label} has no rsync", "install it, or pull without it"
+                        ) from None
+                    mode[0] = "stream"  # the box has no rsync: stream with tail over ssh
+            return _fetch_stream(remote, root, items, stage_dir)
+
+        return fetch
+    if transport == "stream":
+        return lambda items: _fetch_stream(remote, root, items, stage_dir) if items else 0
+    raise UsageError("transport", f"{transport!r} is not rsync or stream")
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _place(run: str, dest: str, stage_dir: str, entries: List[Entry], home: Optional[str]) -> None:
+    """Every verified temporary copy to its final name: fsynced, renamed, directories fsynced.
+    The old receipt goes first, so no receipt ever describes a mix of two pulls."""
+    remove_receipts(run, dest, home)
+    last: Dict[str, Entry] = {}
+    for e in entries:
+        last[e.stage] = e
+    with ThreadPoolExecutor(HASHERS) as pool:
+        list(pool.map(_fsync_file, [os.path.join(stage_dir, *s.split("/")) for s in last]))
+    dirs = set()
+    for e in entries:
+        staged = _stage_path(stage_dir, e)
+        final = os.path.join(dest, *e.path.split("/"))
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        if last[e.stage] is e:
+            os.replace(staged, final)
+        else:  # the same bytes under a second name: a copy, put in place the same way
+            tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.rgt-part")
+            shutil.copyfile(staged, tmp)
+            _fsync_file(tmp)
+            os.replace(tmp, final)
+        d = os.path.dirname(final)
+        while d.startswith(dest) and d not in dirs:
+            dirs.add(d)
+            d = os.path.dirname(d)
+    for d in sorted(dirs, key=len, reverse=True):
+        fsync_dir(d)
+
+
+# ---- does a receipt cover the newest sealed state?
+
+
+def newest_sealed(rec: RunRecord, remote: Optional[Remote] = None) -> SealedId:
+    """The run's newest sealed state, from wherever its documents are (the same whichever
+    source the files came from): a file:// store of an ssh target on the box, any other store
+    from the laptop, the box's files for a run without a store."""
+    if rec.store:
+        root = _file_root(rec.store)
+        if root is None or rec.target.kind == "local":
+            store = open_store(rec.store)
+            return _from_documents(rec.name, functools.partial(_store_get, store))[0]
+    own = remote is None
+    box = remote or open_remote(rec.target)
+    try:
+        if not rec.store:
+            return _box_files(rec, box).ident
+        assert root is not None
+        docs = _BoxDocs(box, root)
+        docs.prefetch([mf.latest_key(rec.name), mf.done_key(rec.name)])
+        return _from_documents(rec.name, docs.get)[0]
+    finally:
+        if own:
+            box.close()
+
+
+def covers_newest(rec: RunRecord, receipt: Receipt, remote: Optional[Remote] = None) -> Coverage:
+    """Whether ``receipt`` covers ``rec``'s newest sealed state (read again now, see
+    ``newest_sealed``) and its files are still in its dest with their sizes. Falsy, with the
+    reason, when not."""
+    if receipt.run != rec.name:
+        return Coverage(False, f"the receipt is for run {receipt.run!r}, not {rec.name!r}")
+    try:
+        newest = newest_sealed(rec, remote)
+    except (UsageError, NotFound) as e:
+        return Coverage(False, f"the newest sealed state cannot be read: {e.what}")
+    return compare(receipt, newest)
+
+
+# ---- progress on a terminal
+
+
+@contextlib.contextmanager
+def terminal_progress(stream: Optional[IO[str]] = None) -> Iterator[ProgressFn]:
+    """A progress callback for ``pull``: rich bars (a total and one per file being fetched)
+    on a terminal, a plain line every few seconds otherwise."""
+    out = stream or sys.stderr
+    if not out.isatty():
+        last = [0.0]
+
+        def plain(p: Progress) -> None:
+            now = time.monotonic()
+            if p.phase == "done" or now - last[0] >= 5 or (p.phase == "fetch" and p.done == p.size):
+                last[0] = now
+                pct = 100 * p.total_done // max(p.total, 1)
+                print(
+                    f"rgt pull: {p.phase} {pct}% ({p.total_done >> 20}/{p.total >> 20} MiB)"
+                    + (f" {p.path}" if p.path else ""),
+                    file=out,
+                    flush=True,
+                )
+
+        yield plain
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    from rich.progress import Progress as Bars
+
+    bars = Bars(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(file=out),
+        transient=False,
+    )
+    lock = threading.Lock()
+    tasks: Dict[str, Any] = {}
+
+    def show(p: Progress) -> None:
+        if p.phase == "done":
+            return
+        with lock:
+            key = "total:" + p.phase
+            if key not in tasks:
+                tasks[key] = bars.add_task(p.phase, total=p.total)
+            bars.update(tasks[key], completed=p.total_done, total=p.total)
+            if p.phase == "fetch" and p.path:
+                if p.path not in tasks:
+                    tasks[p.path] = bars.add_task(f"  {p.path}", total=p.size)
+                bars.update(tasks[p.path], completed=p.done, visible=p.done < p.size)
+
+    with bars:
+        yield show

@@ -1,0 +1,257 @@
+"""`rgt down` against a real agent run, on this machine (`local`) and over a real sshd.
+
+What a user relies on: down never takes a run away unless a verified pull holds its newest
+sealed state; it says what will be lost and what keeps billing; it asks for the run's name
+typed (``--yes`` only from a script); it stops the job and removes exactly the run's files on
+the box (never the store, never what another run uses); and running it again is safe.
+
+Each run is a real agent with a file store; its job (tests/fixtures/ckpt_writer.py on_signal)
+writes a checkpoint each time it gets SIGUSR2, which the agent seals. The box layout of a deploy
+(releases/, deploys/NAME/current, secrets/NAME) is laid out as `rgt deploy` leaves it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from typing import Any, Iterator, List, Optional
+
+import pytest
+
+from controller.down import down
+from controller.pull import pull
+from controller.receipt import state_receipt_path
+from controller.registry import Registry, RunRecord
+from controller.remote import SshRemote
+from controller.target import Target
+from onbox.errors import NotFound, UnsafeRefused
+from tests.conftest import Cli, agent_exe, fixture
+from tests.sshd import SshServer
+
+RUN = "r1"
+RELEASE = "a1b2c3d4e5f6"
+
+
+@pytest.fixture
+def laptop(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    home = str(tmp_path / "laptop")
+    monkeypatch.setenv("RGT_CONTROLLER_HOME", home)
+    monkeypatch.setenv("RGT_SSH_CONFIG", "/dev/null")
+    return home
+
+
+def _wait(pred: Any, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+class Box:
+    """A deployed run on this machine: release, deploy link, secrets, a live agent."""
+
+    def __init__(self, cli: Cli, tmp_path: Any) -> None:
+        self.cli = cli
+        self.home = cli.home
+        self.store_root = str(tmp_path / "store")
+        self.release = os.path.join(self.home, "releases", RELEASE)
+        self.other_release = os.path.join(self.home, "releases", "ffff0000")
+        for rel, name in ((self.release, RUN), (self.other_release, "other")):
+            os.makedirs(rel)
+            with open(os.path.join(rel, ".rgt-release"), "w") as f:
+                f.write("{}")
+            d = os.path.join(self.home, "deploys", name)
+            os.makedirs(d)
+            os.symlink(f"../../releases/{os.path.basename(rel)}", os.path.join(d, "current"))
+        p = subprocess.run(
+            [*agent_exe(), "secrets", RUN],
+            input=b'{"RGT_TEST_TOKEN": "s3cr3t"}',
+            env=cli.env,
+            capture_output=True,
+            timeout=60,
+        )
+        assert p.returncode == 0, p.stderr
+        cli(
+            "start",
+            "--name",
+            RUN,
+            "--store",
+            "file://" + self.store_root,
+            "--",
+            *fixture("ckpt_writer.py"),
+            "on_signal",
+            "0.25",
+            check=True,
+            cwd=self.release,
+        )
+        cli.wait_for(RUN, lambda s: s["state"] == "RUNNING" and bool(s.get("pid")), what="job")
+        _wait(lambda: "ready" in cli("logs", RUN).stdout, "the job to be ready")
+
+    @property
+    def run_dir(self) -> str:
+        return os.path.join(self.home, "runs", RUN)
+
+    def latest(self) -> Optional[int]:
+        try:
+            with open(os.path.join(self.store_root, RUN, "LATEST.json")) as f:
+                step: int = json.load(f)["step"]
+                return step
+        except FileNotFoundError:
+            return None
+
+    def checkpoint(self, step: int) -> None:
+        """Ask the job for its next checkpoint and wait until the agent has sealed it."""
+        os.kill(self.cli.status(RUN)["pid"], signal.SIGUSR2)
+        _wait(lambda: self.latest() == step, f"step {step} sealed")
+
+    def record(self, target: Optional[Target] = None) -> RunRecord:
+        rec = RunRecord(
+            RUN,
+            target or Target("local"),
+            profile="local" if target is None else "generic-ssh",
+            store="file://" + self.store_root,
+            box_home=self.home,
+            agent=agent_exe(),
+            release=RELEASE,
+            workdir=self.release,
+        )
+        Registry().put(rec)
+        return rec
+
+    def intact(self) -> None:
+        """The run is as it was: live, every file of it on the box."""
+        assert self.cli.status(RUN)["state"] == "RUNNING"
+        for path in (
+            self.run_dir,
+            self.release,
+            os.path.join(self.home, "secrets", RUN),
+            os.path.join(self.home, "deploys", RUN, "current"),
+        ):
+            assert os.path.exists(path), path
+
+
+@pytest.fixture
+def box(cli: Cli, tmp_path: Any, laptop: str) -> Iterator[Box]:
+    b = Box(cli, tmp_path)
+    b.checkpoint(1)
+    yield b
+
+
+def _never(prompt: str) -> str:
+    raise AssertionError(f"down asked {prompt!r} before it should have")
+
+
+def test_down_is_refused_until_a_verified_pull_covers_the_newest_sealed_state(
+    box: Box, tmp_path: Any
+) -> None:
+    rec = box.record()
+    shown: List[str] = []
+
+    # No receipt at all: refused before anything is shown or asked.
+    with pytest.raises(UnsafeRefused, match="no verification receipt") as info:
+        down(rec, yes=False, interactive=True, ask=_never, show=shown.append)
+    assert info.value.exit_code == 7 and not shown
+    box.intact()
+
+    receipt = pull(rec, str(tmp_path / "dest"), "store")
+    assert receipt.sealed.step == 1
+
+    # A wrong name typed: refused, nothing done.
+    with pytest.raises(UnsafeRefused, match="does not match"):
+        down(rec, yes=False, interactive=True, ask=lambda p: "r2", show=shown.append)
+    assert any("will be lost" in line for line in shown)
+    box.intact()
+
+    # --yes on a terminal is refused; no terminal and no --yes is refused too.
+    with pytest.raises(UnsafeRefused, match="--yes works only when stdin is not a terminal"):
+        down(rec, yes=True, interactive=True, ask=_never)
+    with pytest.raises(UnsafeRefused, match="typed on a terminal"):
+        down(rec, yes=False, interactive=False, ask=_never, show=lambda line: None)
+    box.intact()
+
+    # A newer checkpoint sealed after the pull: the receipt no longer covers the newest state,
+    # and --yes does not stand in for it.
+    box.checkpoint(2)
+    with pytest.raises(UnsafeRefused, match="newest sealed step is 2, the receipt has step 1"):
+        down(rec, yes=True, interactive=False, ask=_never, show=lambda line: None)
+    box.intact()
+    assert Registry().get(RUN) == rec
+
+
+@pytest.mark.parametrize("over", ["local", "ssh"])
+def test_down_after_a_verified_pull_stops_the_run_and_removes_only_its_box_files(
+    box: Box, tmp_path: Any, over: str, request: pytest.FixtureRequest, laptop: str
+) -> None:
+    target = None
+    if over == "ssh":
+        sshd: SshServer = request.getfixturevalue("sshd")
+        target = Target(
+            "ssh", host="127.0.0.1", user=sshd.user, port=sshd.port, identity=sshd.client_key
+        )
+        request.addfinalizer(SshRemote(target).close)
+    rec = box.record(target)
+    receipt = pull(rec, str(tmp_path / "dest"), "auto")
+    # Something the job wrote that was never sealed (not a checkpoint format): lost by down.
+    with open(os.path.join(box.run_dir, "ckpt", "notes.txt"), "w") as f:
+        f.write("unsealed")
+
+    shown: List[str] = []
+    asked: List[str] = []
+
+    def ask(prompt: str) -> str:
+        asked.append(prompt)
+        return RUN
+
+    plan = down(rec, yes=False, interactive=True, ask=ask, show=shown.append)
+    text = "\n".join(shown)
+    assert len(asked) == 1 and RUN in asked[0]
+    assert "checkpoint notes.txt" in text  # on the box only: lost
+    assert "job log of attempt 1" in text  # a live run's log is not sealed yet
+    assert "step_1.pt" not in text.split("will be lost")[1].split("kept:")[0]  # it was pulled
+    if over == "local":
+        assert "nothing keeps billing" in text
+    else:
+        assert "keeps billing until you stop it in your provider's console" in text
+    assert plan.done[0] == "stopped the agent and the job"
+
+    # The run is gone from the box; the store, the pulled files and the other run stay.
+    for gone in (
+        box.run_dir,
+        box.release,
+        os.path.join(box.home, "secrets", RUN),
+        os.path.join(box.home, "deploys", RUN),
+    ):
+        assert not os.path.lexists(gone), gone
+    assert os.path.exists(os.path.join(box.other_release, ".rgt-release"))
+    assert os.path.islink(os.path.join(box.home, "deploys", "other", "current"))
+    assert box.latest() == 1
+    assert os.path.exists(os.path.join(receipt.dest, "checkpoints", "step_1.pt"))
+    assert os.path.exists(state_receipt_path(RUN))
+    with pytest.raises(NotFound):
+        Registry().get(RUN)
+    assert json.loads(box.cli("list", "--json").stdout) == []  # no run left on the box
+
+    # Running it again (the laptop kept the record) is safe: nothing is left to do.
+    again = down(rec, yes=True, interactive=False, ask=_never, show=shown.append)
+    assert again.state is None and again.done == [
+        "removed the run's files on the box",
+        "forgot the run on this laptop",
+    ]
+
+
+def test_down_finishes_after_a_down_that_stopped_halfway(box: Box, tmp_path: Any) -> None:
+    rec = box.record()
+    pull(rec, str(tmp_path / "dest"), "store")
+    # A down that died after the stop and the first removals: the agent is stopped, the
+    # secrets and the deploy link are gone, the run dir and the release are still there.
+    box.cli("stop", RUN, "--grace", "5", check=True)
+    os.unlink(os.path.join(box.home, "secrets", RUN))
+    os.unlink(os.path.join(box.home, "deploys", RUN, "current"))
+
+    plan = down(rec, yes=True, interactive=False, ask=_never, show=lambda line: None)
+    assert plan.state == "STOPPED"
+    assert not os.path.exists(box.run_dir) and not os.path.exists(box.release)
+    assert os.path.exists(box.other_release)

@@ -1,0 +1,519 @@
+"""`rgt pull` with real stores, a real agent, real rsync and a real sshd on loopback.
+
+What a user relies on: a pull puts on the laptop exactly the run's newest sealed state, every
+file checked against its manifest and opened as its framework would, and says so in a receipt;
+a damaged file anywhere (bit flip, truncation; in the store or on the box) stops the pull with
+the file named, nothing under a final name and no receipt; a pull that is killed continues
+where it stopped.
+
+Sealed states are made by a real agent (with a job that writes a real torch checkpoint, a
+safetensors file and outputs, and exits 0, so the agent writes DONE.json), or, where only the
+store matters, by the real Sealer in this process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from typing import Any, Dict, Iterator, List, Optional
+
+import pytest
+
+from controller.pull import covers_newest, pull, terminal_progress
+from controller.receipt import load_receipt, load_state_receipt, receipt_path
+from controller.registry import RunRecord
+from controller.remote import SshRemote
+from controller.target import Target
+from onbox import manifest as mf
+from onbox.errors import IntegrityError, UsageError
+from onbox.sealer import Sealer, take_epoch
+from onbox.stores import open_store
+from onbox.stores.base import Store
+from tests.conftest import ROOT, Cli, agent_exe, require
+from tests.seaweed import SeaweedServer
+from tests.sshd import SshServer
+
+RUN = "r1"
+HOSTILE = '-odd dir/we\'ird "name" $(touch pwned);\nx.txt'
+
+
+@pytest.fixture
+def laptop(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The laptop's state dir, and ssh without the user's config (for children too)."""
+    home = str(tmp_path / "laptop")
+    monkeypatch.setenv("RGT_CONTROLLER_HOME", home)
+    monkeypatch.setenv("RGT_SSH_CONFIG", "/dev/null")
+    return home
+
+
+def _torch_bytes(n: int = 64) -> bytes:
+    """A real torch.save checkpoint (the train extra installs torch)."""
+    try:
+        import torch
+    except ImportError:
+        require(False, "torch (pip install -e '.[train]')")
+    buf = io.BytesIO()
+    torch.save({"w": torch.arange(n, dtype=torch.float32), "step": torch.tensor(7)}, buf)
+    return buf.getvalue()
+
+
+def _safetensors(n: int = 64) -> bytes:
+    """A safetensors file, written by hand to the format: u64 header length, JSON, data."""
+    data = struct.pack(f"<{n}f", *range(n))
+    header = json.dumps(
+        {
+            "__metadata__": {"format": "pt"},
+            "w": {"dtype": "F32", "shape": [n], "data_offsets": [0, len(data)]},
+        }
+    ).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + data
+
+
+def _seal(base: str, store: Store, step: int, files: Dict[str, bytes], run: str = RUN) -> None:
+    """Write a directory checkpoint step_STEP/ and seal it with the real Sealer."""
+    ckpt = os.path.join(base, "ckpt")
+    d = os.path.join(ckpt, f"step_{step}")
+    for rel, data in files.items():
+        path = os.path.join(d, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(data)
+    with open(os.path.join(d, ".rgt-complete"), "w") as f:
+        json.dump({"step": step}, f)
+    sealer = Sealer(
+        run,
+        ckpt,
+        store,
+        os.path.join(base, "staging"),
+        epoch=take_epoch(store, run),
+        event=lambda *a, **k: None,
+        state_path=os.path.join(base, "sealer.json"),
+    )
+    sealer.load()
+    assert sealer.seal_pending() == 1
+    assert sealer.latest == step
+
+
+def _store(tmp_path: Any) -> Store:
+    root = tmp_path / "store"
+    root.mkdir(exist_ok=True)
+    return open_store(f"file://{root}")
+
+
+def _rec(store: Optional[str], box_home: str, target: Optional[Target] = None) -> RunRecord:
+    return RunRecord(
+        RUN,
+        target or Target("local"),
+        profile="local" if target is None else "generic-ssh",
+        store=store,
+        box_home=box_home,
+        agent=agent_exe(),
+    )
+
+
+def _ssh_target(sshd: SshServer) -> Target:
+    return Target("ssh", host="127.0.0.1", user=sshd.user, port=sshd.port, identity=sshd.client_key)
+
+
+@pytest.fixture
+def ssh_target(sshd: SshServer, laptop: str) -> Iterator[Target]:
+    target = _ssh_target(sshd)
+    yield target
+    SshRemote(target).close()  # the control master ssh keeps for 60 s
+
+
+def _finals(dest: str) -> List[str]:
+    """Every file under a final name in ``dest`` (the temporary area left out)."""
+    out = []
+    for dirpath, dirnames, files in os.walk(dest):
+        dirnames[:] = [d for d in dirnames if d != ".rgt-part"]
+        out += [os.path.relpath(os.path.join(dirpath, f), dest) for f in files]
+    return sorted(out)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _damage(path: str, how: str) -> None:
+    data = bytearray(_read(path))
+    if how == "flip":
+        data[len(data) // 2] ^= 0x10
+    else:
+        data = data[: len(data) - 100]
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _store_file(store: Store, key: str) -> str:
+    return os.path.join(store.url[len("file://") :], *key.split("/"))
+
+
+# ---- a real agent run
+
+
+JOB = """
+import json, os, shutil, sys, time
+src, ckpt = sys.argv[1], os.environ["RGT_CKPT_DIR"]
+d = os.path.join(ckpt, "step_7")
+os.makedirs(d + ".tmp")
+for name in os.listdir(src):
+    shutil.copyfile(os.path.join(src, name), os.path.join(d + ".tmp", name))
+with open(os.path.join(d + ".tmp", ".rgt-complete"), "w") as f:
+    json.dump({"step": 7}, f)
+os.rename(d + ".tmp", d)
+os.makedirs("out", exist_ok=True)
+with open("out/result.json", "w") as f:
+    json.dump({"loss": 0.25}, f)
+print("trained to step 7", flush=True)
+while len(sys.argv) > 2 and not os.path.exists(sys.argv[2]):  # hold on until told to finish
+    time.sleep(0.05)
+"""
+
+
+def _agent_run(
+    cli: Cli, tmp_path: Any, store: Optional[str], while_running: Optional[Any] = None
+) -> str:
+    """A real agent run of JOB that ends SUCCEEDED; returns its workdir. ``while_running`` is
+    called once the job has written everything and waits to be let finish."""
+    work = tmp_path / "work"
+    src = tmp_path / "src"
+    work.mkdir()
+    src.mkdir()
+    (src / "model.pt").write_bytes(_torch_bytes())
+    (src / "model.safetensors").write_bytes(_safetensors())
+    (work / "job.py").write_text(JOB)
+    go = tmp_path / "finish"
+    argv = [sys.executable, "job.py", str(src)] + ([str(go)] if while_running else [])
+    toml = f'name = {json.dumps(RUN)}\ncommand = {json.dumps(argv)}\noutputs = ["out/"]\n'
+    (work / "job.toml").write_text(toml)
+    args = ["start", str(work / "job.toml")] + (["--store", store] if store else [])
+    cli(*args, check=True, cwd=str(work))
+    if while_running is not None:
+        _wait(lambda: (work / "out" / "result.json").exists(), "the job to write its output")
+        while_running()
+        go.write_text("")
+    cli.wait_state(RUN, "SUCCEEDED", timeout=60)
+    if store:
+        done = os.path.join(store[len("file://") :], RUN, "DONE.json")
+        _wait(lambda: os.path.exists(done), "DONE.json")
+    return str(work)
+
+
+def _wait(pred: Any, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_clean_pull_from_the_store_verifies_opens_everything_and_writes_the_receipt(
+    cli: Cli, tmp_path: Any, laptop: str
+) -> None:
+    store = _store(tmp_path)
+    work = _agent_run(cli, tmp_path, store.url)
+    rec = _rec(store.url, cli.home)
+    dest = str(tmp_path / "dest")
+    seen: List[Any] = []
+    receipt = pull(rec, dest, "store", progress=seen.append)
+
+    want = {
+        "checkpoints/step_7/.rgt-complete",
+        "checkpoints/step_7/model.pt",
+        "checkpoints/step_7/model.safetensors",
+        "outputs/out/result.json",
+        "logs/attempt-0001.log",
+    }
+    assert {f.path for f in receipt.files} == want
+    assert _finals(dest) == sorted(want | {".rgt-receipt.json"})
+    assert not os.path.exists(os.path.join(dest, ".rgt-part"))
+    src = tmp_path / "src"
+    assert _read(os.path.join(dest, "checkpoints/step_7/model.pt")) == _read(str(src / "model.pt"))
+    assert json.loads(_read(os.path.join(dest, "outputs/out/result.json"))) == {"loss": 0.25}
+    assert b"trained to step 7" in _read(os.path.join(dest, "logs/attempt-0001.log"))
+    assert os.path.exists(os.path.join(work, "out/result.json"))
+
+    how = {f.path: f.verified for f in receipt.files}
+    assert how["checkpoints/step_7/model.pt"] == "sha256 + torch.load(weights_only=True)"
+    assert how["checkpoints/step_7/model.safetensors"] == "sha256 + safetensors header"
+    assert how["outputs/out/result.json"] == "sha256"
+    assert receipt.sealed.step == 7 and receipt.sealed.done
+    assert receipt.source == "store" and receipt.fetched_bytes == receipt.total_bytes()
+
+    # The receipt is in dest and in the laptop's state, identical; it covers the newest state.
+    assert load_receipt(receipt_path(dest)) == receipt
+    assert load_state_receipt(RUN, laptop) == receipt
+    manifest = _read(_store_file(store, mf.manifest_key(RUN, 7)))
+    assert receipt.to_json()["sealed"]["manifest_sha256"] == _sha(manifest)
+    assert covers_newest(rec, receipt)
+    assert {p.phase for p in seen} == {"fetch", "verify", "done"}
+
+    # A pulled file gone from dest: the receipt no longer covers anything.
+    os.unlink(os.path.join(dest, "outputs/out/result.json"))
+    cov = covers_newest(rec, receipt)
+    assert not cov and "result.json" in cov.reason
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_a_run_without_a_store_pulls_its_box_files_once_it_has_ended(
+    cli: Cli, tmp_path: Any, laptop: str
+) -> None:
+    rec = _rec(None, cli.home)
+    dest = str(tmp_path / "dest")
+
+    def refused_while_live() -> None:
+        with pytest.raises(UsageError, match="is (STARTING|RUNNING) and has no store"):
+            pull(rec, dest, "box")
+        assert _finals(dest) == []
+
+    _agent_run(cli, tmp_path, None, while_running=refused_while_live)
+    receipt = pull(rec, dest, "auto")
+    assert receipt.source == "box" and receipt.sealed.listing_sha256
+    paths = {f.path for f in receipt.files}
+    assert {
+        "checkpoints/step_7/model.pt",
+        "checkpoints/step_7/model.safetensors",
+        "outputs/out/result.json",
+        "logs/attempt-0001.log",
+    } <= paths
+    assert not any(".rgt-complete" in p for p in paths)  # hidden names are skipped
+    how = {f.path: f.verified for f in receipt.files}
+    assert how["checkpoints/step_7/model.pt"] == "sha256 + torch.load(weights_only=True)"
+    assert covers_newest(rec, receipt)
+    # A new file on the box: the receipt no longer covers the box's files.
+    with open(os.path.join(cli.home, "runs", RUN, "ckpt", "step_9.pt"), "wb") as f:
+        f.write(b"later")
+    assert not covers_newest(rec, receipt)
+    with pytest.raises(UsageError, match="has no store"):
+        pull(rec, dest, "store")
+
+
+# ---- damage, in the store and on the box
+
+
+def _sealed_store(tmp_path: Any) -> Store:
+    store = _store(tmp_path)
+    _seal(
+        str(tmp_path),
+        store,
+        5,
+        {
+            "model.safetensors": _safetensors(4096),
+            "opt.bin": os.urandom(300_000),
+            HOSTILE: b"a name from the hostile set arrives byte for byte",
+        },
+    )
+    return store
+
+
+def _assert_refused(rec: RunRecord, dest: str, source: str, name: str, laptop: str) -> None:
+    with pytest.raises(IntegrityError) as info:
+        pull(rec, dest, source)
+    assert info.value.exit_code == 6
+    assert name in info.value.what, info.value.what
+    assert _finals(dest) == []  # nothing under a final name, no receipt
+    assert load_state_receipt(RUN, laptop) is None
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate"])
+@pytest.mark.parametrize("name", ["model.safetensors", "opt.bin"])
+def test_a_damaged_file_in_the_store_is_caught(
+    tmp_path: Any, laptop: str, how: str, name: str
+) -> None:
+    store = _sealed_store(tmp_path)
+    _damage(_store_file(store, f"{RUN}/checkpoints/5/step_5/{name}"), how)
+    _assert_refused(
+        _rec(store.url, str(tmp_path / "box")), str(tmp_path / "dest"), "store", name, laptop
+    )
+
+
+@pytest.mark.parametrize("transport", ["rsync", "stream"])
+def test_a_pull_from_the_box_over_ssh_verifies_and_catches_damage(
+    tmp_path: Any, laptop: str, ssh_target: Target, transport: str
+) -> None:
+    require(transport != "rsync" or bool(shutil.which("rsync")), "rsync")
+    store = _sealed_store(tmp_path)
+    rec = _rec(store.url, str(tmp_path / "box"), ssh_target)
+    good = pull(rec, str(tmp_path / "good"), "box", transport=transport)
+    assert good.source == "box" and good.sealed.step == 5
+    odd = os.path.join(str(tmp_path / "good"), "checkpoints", "step_5", *HOSTILE.split("/"))
+    assert _read(odd).startswith(b"a name from the hostile set")
+    assert not os.path.exists("pwned") and not os.path.exists(str(tmp_path / "pwned"))
+    assert {f.verified for f in good.files} >= {"sha256 + safetensors header"}
+    assert covers_newest(rec, good)
+
+    for how in ("flip", "truncate"):
+        path = _store_file(store, f"{RUN}/checkpoints/5/step_5/opt.bin")
+        saved = _read(path)
+        _damage(path, how)
+        with pytest.raises(IntegrityError, match="opt.bin"):
+            pull(rec, str(tmp_path / f"bad-{how}"), "box", transport=transport)
+        assert _finals(str(tmp_path / f"bad-{how}")) == []
+        with open(path, "wb") as f:
+            f.write(saved)
+    # The laptop's receipt is still the good pull's: a failed pull writes none.
+    assert load_state_receipt(RUN, laptop) == good
+
+
+def test_a_checkpoint_that_matches_its_manifest_but_will_not_open_is_caught(
+    tmp_path: Any, laptop: str
+) -> None:
+    torch_bytes = _torch_bytes()
+    store = _store(tmp_path)
+    # The job itself wrote these damaged (the sha256 in the manifest is of the damaged bytes).
+    _seal(str(tmp_path), store, 3, {"model.safetensors": _safetensors()[:-8]})
+    rec = _rec(store.url, str(tmp_path / "box"))
+    _assert_refused(rec, str(tmp_path / "d1"), "store", "not a valid safetensors file", laptop)
+    _seal(str(tmp_path), store, 4, {"model.pt": torch_bytes[: len(torch_bytes) // 2]})
+    _assert_refused(rec, str(tmp_path / "d2"), "store", "torch.load cannot open it", laptop)
+
+
+# ---- killed halfway
+
+
+def _pull_in_child(
+    rec: RunRecord, dest: str, source: str, extra: str = ""
+) -> subprocess.Popen[bytes]:
+    code = (
+        "import json, os, signal, sys\n"
+        "from controller.pull import pull\n"
+        "from controller.registry import RunRecord\n"
+        "rec = RunRecord.from_json(json.loads(sys.argv[1]))\n"
+        + extra
+        + "pull(rec, sys.argv[2], sys.argv[3], **kw)\n"
+    )
+    return subprocess.Popen(
+        [sys.executable, "-c", code, json.dumps(rec.to_json()), dest, source],
+        cwd=ROOT,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its rsync and ssh die with it
+    )
+
+
+def test_a_pull_from_the_box_killed_halfway_resumes_and_sends_only_the_rest(
+    tmp_path: Any, laptop: str, ssh_target: Target
+) -> None:
+    require(bool(shutil.which("rsync")), "rsync")
+    store = _store(tmp_path)
+    big, first = 128 << 20, 16 << 20
+    _seal(
+        str(tmp_path),
+        store,
+        9,
+        {"a.bin": os.urandom(first), "model.bin": os.urandom(big), "z.txt": b"tail"},
+    )
+    rec = _rec(store.url, str(tmp_path / "box"), ssh_target)
+    dest = str(tmp_path / "dest")
+    stage = os.path.join(dest, ".rgt-part", RUN, "checkpoints", "9", "step_9")
+    child = _pull_in_child(rec, dest, "box", "kw = {'bwlimit': 30000}\n")
+    try:
+        _wait(
+            lambda: (
+                os.path.exists(os.path.join(stage, "model.bin"))
+                and os.path.getsize(os.path.join(stage, "model.bin")) > big * 0.3
+                or child.poll() is not None
+            ),
+            "the big file to be a third there",
+        )
+        assert child.poll() is None, child.stderr.read() if child.stderr else ""
+        os.killpg(child.pid, signal.SIGKILL)
+    finally:
+        child.wait()
+        if child.stderr:
+            child.stderr.close()
+    had = os.path.getsize(os.path.join(stage, "model.bin"))
+    assert big * 0.3 < had < big
+    assert os.path.getsize(os.path.join(stage, "a.bin")) == first
+    assert _finals(dest) == []  # nothing is final before everything is verified
+
+    receipt = pull(rec, dest, "box")
+    assert {f.path for f in receipt.files} >= {"checkpoints/step_9/model.bin"}
+    # Only the rest of the big file travelled again (rsync's own overhead is small); a.bin
+    # (16 MiB, finished before the kill) did not.
+    assert receipt.fetched_bytes < (big - had) + (4 << 20), (receipt.fetched_bytes, big - had)
+    assert _read(os.path.join(dest, "checkpoints/step_9/z.txt")) == b"tail"
+    assert os.path.getsize(os.path.join(dest, "checkpoints/step_9/model.bin")) == big
+    assert not os.path.exists(os.path.join(dest, ".rgt-part"))
+
+
+KILL_AFTER_FIRST = """
+def kill_after_first(p):
+    if p.phase == "fetch" and p.done == p.size and p.size > 1000:
+        os.kill(os.getpid(), signal.SIGKILL)
+kw = {"progress": kill_after_first}
+"""
+
+
+def test_a_pull_from_the_store_killed_halfway_does_not_download_finished_files_again(
+    tmp_path: Any, laptop: str
+) -> None:
+    store = _store(tmp_path)
+    files = {f"part-{i}.bin": os.urandom(8 << 20) for i in range(3)}
+    _seal(str(tmp_path), store, 2, files)
+    rec = _rec(store.url, str(tmp_path / "box"))
+    dest = str(tmp_path / "dest")
+    child = _pull_in_child(rec, dest, "store", KILL_AFTER_FIRST)
+    assert child.wait(60) == -signal.SIGKILL
+    if child.stderr:
+        child.stderr.close()
+    stage = os.path.join(dest, ".rgt-part", RUN, "checkpoints", "2", "step_2")
+    sizes = {n: len(d) for n, d in files.items()}
+    sizes[".rgt-complete"] = len(json.dumps({"step": 2}))
+    done = [n for n in os.listdir(stage) if os.path.getsize(os.path.join(stage, n)) == sizes[n]]
+    assert "part-0.bin" in done and "part-2.bin" not in done, os.listdir(stage)
+    before = {n: os.stat(os.path.join(stage, n)) for n in done}
+    assert _finals(dest) == []
+
+    receipt = pull(rec, dest, "store")
+    for n, st in before.items():
+        after = os.stat(os.path.join(dest, "checkpoints", "step_2", n))
+        assert (after.st_ino, after.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)  # not rewritten
+    assert receipt.fetched_bytes == receipt.total_bytes() - sum(sizes[n] for n in done)
+    for n, data in files.items():
+        assert _read(os.path.join(dest, "checkpoints", "step_2", n)) == data
+
+
+# ---- S3
+
+
+def test_a_pull_from_s3_verifies_and_catches_a_damaged_object(
+    tmp_path: Any, laptop: str, s3_server: SeaweedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k, v in s3_server.env({}).items():
+        monkeypatch.setenv(k, v)
+    bucket = s3_server.bucket()
+    store = s3_server.store(bucket, "rgt")
+    _seal(str(tmp_path), store, 6, {"model.safetensors": _safetensors(1024), "x.bin": b"x" * 5000})
+    rec = _rec(f"s3://{bucket}/rgt", str(tmp_path / "box"))
+    receipt = pull(rec, str(tmp_path / "good"), "auto")
+    assert receipt.source == "store" and receipt.sealed.step == 6
+    assert covers_newest(rec, receipt)
+
+    key = f"rgt/{RUN}/checkpoints/6/step_6/x.bin"
+    s3_server.client().put_object(Bucket=bucket, Key=key, Body=b"x" * 2499 + b"y" + b"x" * 2500)
+    with pytest.raises(IntegrityError, match="x.bin"):
+        pull(rec, str(tmp_path / "bad"), "store")
+    assert _finals(str(tmp_path / "bad")) == []
+
+
+def test_progress_is_plain_lines_off_a_terminal(tmp_path: Any, laptop: str) -> None:
+    store = _sealed_store(tmp_path)
+    out = io.StringIO()
+    with terminal_progress(out) as show:
+        pull(_rec(store.url, str(tmp_path / "box")), str(tmp_path / "dest"), "store", show)
+    assert "rgt pull: done 100%" in out.getvalue()

@@ -224,6 +224,11 @@ def main(argv: List[str]) -> int:
     except OSError:
         pass
     sock = socket.socket(fileno=int(argv[0]))
+    # Import torch now, while the loop trains, not when the first checkpoint is waiting.
+    import torch  # noqa: F401
+
+    from onbox import ckptdir, snapshot  # noqa: F401
+
     while True:
         try:
             msg, fds = _recv(sock)

@@ -1,0 +1,314 @@
+"""The framework callbacks (onbox/train_hf.py, train_lightning.py, train_accelerate.py) with the
+real frameworks on the CPU, under the real agent.
+
+Exactness: each example (examples/train_{hf,lightning,accelerate}.py) runs once uninterrupted
+(a plain process) and once under ``rgt-agent`` with its job SIGKILLed mid-run after a checkpoint
+exists; the resumed run must end with bitwise the same weights, optimizer state and RNG state
+(the three sha256s the example prints last). Then the agent's ways of asking: the Transformers
+callback saves when the agent's request file appears (and removes it), and saves then exits 143
+when the job is stopped with SIGTERM.
+
+The frameworks are optional extras: without one its tests skip, except under CI=true.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import pytest
+
+from onbox import procfs
+from tests.conftest import ROOT, Cli, require
+
+EXAMPLES = os.path.join(ROOT, "examples")
+_HASHES = re.compile(
+    r"weights sha256 ([0-9a-f]{64}) optimizer sha256 ([0-9a-f]{64}) rng sha256 ([0-9a-f]{64})"
+)
+
+
+def _need(*modules: str) -> None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    require(
+        not missing,
+        f"{', '.join(missing)} (pip install -e '.[train,frameworks]')",
+    )
+
+
+def _hashes(output: str) -> Tuple[str, ...]:
+    found = _HASHES.findall(output)
+    assert found, output[-3000:]
+    return tuple(found[-1])
+
+
+def _plain_env() -> Dict[str, str]:
+    """This environment without rgt's job variables (a run by hand)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RGT_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [ROOT, env.get("PYTHONPATH")]))
+    return env
+
+
+def _plain_run(example: str, args: List[str], out: str) -> Tuple[str, ...]:
+    p = subprocess.run(
+        [sys.executable, example, *args, "--out", out],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=_plain_env(),
+        cwd=os.path.dirname(out),
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return _hashes(p.stdout)
+
+
+def _wait(pred: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _steps(ckpt: str, pattern: str, marker: Optional[str] = None) -> List[int]:
+    """Steps of the complete checkpoints in ``ckpt`` whose names match ``pattern``."""
+    out = []
+    try:
+        names = os.listdir(ckpt)
+    except FileNotFoundError:
+        return []
+    for n in names:
+        m = re.fullmatch(pattern, n)
+        if m and (marker is None or os.path.isfile(os.path.join(ckpt, n, marker))):
+            out.append(int(m.group(1)))
+    return sorted(out)
+
+
+def _job(run_dir: str, attempt: int) -> procfs.Identity:
+    """The job of ``attempt`` as the agent recorded it (the pid `status` shows)."""
+    with open(os.path.join(run_dir, "attempts", f"{attempt:04d}", "job.json")) as f:
+        rec = json.load(f)
+    return procfs.Identity(int(rec["pid"]), int(rec["start_ticks"]))
+
+
+def _killed_twice_resumes_exactly(
+    cli: Cli,
+    tmp_path: object,
+    name: str,
+    example: str,
+    args: List[str],
+    pattern: str,
+    marker: Optional[str],
+) -> str:
+    """The reference hashes from a plain run; then the agent's run, its job SIGKILLed once a
+    checkpoint exists and again once the resumed attempt wrote a newer one; the same hashes at
+    the end. Returns the agent run's log."""
+    expected = _plain_run(example, args, os.path.join(str(tmp_path), "plain-ckpt"))
+
+    cli(
+        "start",
+        "--name",
+        name,
+        "--",
+        sys.executable,
+        example,
+        *args,
+        "--sleep",
+        "0.1",
+        check=True,
+    )
+    run_dir = os.path.join(cli.home, "runs", name)
+    ckpt = os.path.join(run_dir, "ckpt")
+    seen = 0
+    for attempt in (1, 2):
+
+        def newer(after: int = seen) -> bool:
+            return any(s > after for s in _steps(ckpt, pattern, marker))
+
+        _wait(newer, 150, f"a checkpoint in attempt {attempt}")
+        seen = max(_steps(ckpt, pattern, marker))
+        # Read directly, not through `rgt-agent status`: a loaded machine can take seconds to
+        # answer, and the job may be done by then.
+        job = _job(run_dir, attempt)
+        if not procfs.is_alive(job):
+            break  # it finished first: the kills so far are enough
+        os.kill(job.pid, signal.SIGKILL)
+
+        def restarted(s: Dict[str, Any], killed: int = attempt) -> bool:
+            return bool(s["attempt"] > killed or s["state"] in ("SUCCEEDED", "FAILED"))
+
+        cli.wait_for(name, restarted, timeout=60, what=f"the restart after kill {attempt}")
+    st = cli.wait_state(name, "SUCCEEDED", "FAILED", timeout=240)
+    logs = cli("logs", name, check=True).stdout
+    assert st["state"] == "SUCCEEDED", logs[-3000:]
+    assert st["attempt"] >= 2, st
+    assert re.search(r"^resumed from \S+", logs, re.M), logs[-3000:]
+    assert _hashes(logs) == expected, logs[-3000:]
+    return logs
+
+
+def test_exact_hf_trainer(cli: Cli, tmp_path: object) -> None:
+    _need("torch", "transformers", "accelerate")
+    # 16 steps per epoch, a save every 8: resumes land mid-epoch and at an epoch's end.
+    _killed_twice_resumes_exactly(
+        cli,
+        tmp_path,
+        "hf",
+        os.path.join(EXAMPLES, "train_hf.py"),
+        ["--steps", "60", "--save-steps", "8"],
+        r"checkpoint-(\d+)",
+        "trainer_state.json",
+    )
+
+
+def test_exact_lightning(cli: Cli, tmp_path: object) -> None:
+    _need("torch", "lightning", "torchdata")
+    # 32 steps per epoch, a save every 16: the one due on step 32 (an epoch's last batch) is
+    # taken after step 33.
+    _killed_twice_resumes_exactly(
+        cli,
+        tmp_path,
+        "lightning",
+        os.path.join(EXAMPLES, "train_lightning.py"),
+        ["--steps", "120", "--save-steps", "16"],
+        r"step_(\d+)\.ckpt",
+        None,
+    )
+
+
+def test_exact_accelerate(cli: Cli, tmp_path: object) -> None:
+    _need("torch", "accelerate", "torchdata")
+    # 32 steps per epoch, a save every 16: step_32 resumes from a finished epoch's loader.
+    _killed_twice_resumes_exactly(
+        cli,
+        tmp_path,
+        "accelerate",
+        os.path.join(EXAMPLES, "train_accelerate.py"),
+        ["--steps", "120", "--save-steps", "16"],
+        r"step_(\d+)",
+        ".rgt-complete",
+    )
+
+
+def _progress_step(run_dir: str) -> int:
+    try:
+        with open(os.path.join(run_dir, "progress.json")) as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def test_hf_callback_answers_the_request_file_and_saves_on_stop(cli: Cli, tmp_path: object) -> None:
+    """trigger = "file": the agent's request file makes the Trainer save checkpoint-N (outside
+    its save_steps) and is removed once that is written; `rgt-agent stop` (SIGTERM) makes it
+    save the step it is at and end with status 143."""
+    _need("torch", "transformers", "accelerate")
+    job = os.path.join(str(tmp_path), "job.toml")
+    command = [
+        sys.executable,
+        os.path.join(EXAMPLES, "train_hf.py"),
+        "--steps",
+        "2000",
+        "--save-steps",
+        "100000",
+        "--sleep",
+        "0.05",
+    ]
+    with open(job, "w") as f:
+        f.write(
+            'name = "hfreq"\n'
+            f"command = {json.dumps(command)}\n"
+            f"workdir = {json.dumps(str(tmp_path))}\n"
+            "grace = 60\n"
+            '[checkpoint]\ntrigger = "file"\n'
+        )
+    cli("start", job, check=True)
+    run_dir = os.path.join(cli.home, "runs", "hfreq")
+    ckpt = os.path.join(run_dir, "ckpt")
+    request = os.path.join(run_dir, "checkpoint.request")
+    _wait(lambda: _progress_step(run_dir) >= 3, 120, "the job to report step 3")
+    assert _steps(ckpt, r"checkpoint-(\d+)") == []
+
+    with open(request, "w") as f:
+        f.write('{"reason": "test"}\n')
+    _wait(lambda: bool(_steps(ckpt, r"checkpoint-(\d+)", "trainer_state.json")), 60, "a save")
+    _wait(lambda: not os.path.exists(request), 30, "the request file to be removed")
+    first = _steps(ckpt, r"checkpoint-(\d+)", "trainer_state.json")
+    assert len(first) == 1 and first[0] >= 3, first
+
+    _wait(lambda: _progress_step(run_dir) >= first[0] + 3, 60, "more steps")
+    st = cli.status("hfreq")
+    assert st["state"] == "RUNNING" and st["attempt"] == 1, st
+    cli("stop", "hfreq", check=True, timeout=120)
+    st = cli.wait_state("hfreq", "STOPPED", timeout=90)
+    logs = cli("logs", "hfreq", check=True).stdout
+    assert "rgt: preempted: checkpoint-" in logs, logs[-3000:]
+    steps = _steps(ckpt, r"checkpoint-(\d+)", "trainer_state.json")
+    assert len(steps) == 2 and steps[-1] > first[0], steps
+    with open(os.path.join(ckpt, f"checkpoint-{steps[-1]}", "trainer_state.json")) as f:
+        assert json.load(f)["global_step"] == steps[-1]
+    assert (st.get("last_exit") or {}).get("code") == 143, st
+
+
+def _touch(path: str, data: str = "x") -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(data)
+
+
+def test_hf_resume_checkpoint_takes_the_newest_whole_one(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _need("transformers")
+    from onbox.train_hf import resume_checkpoint
+
+    out = os.path.join(str(tmp_path), "out")
+    monkeypatch.delenv("RGT_RESUME_FROM", raising=False)
+    monkeypatch.delenv("RGT_CKPT_DIR", raising=False)
+    assert resume_checkpoint(out) is None  # no directory yet: a fresh start
+    _touch(os.path.join(out, "checkpoint-10", "trainer_state.json"), '{"global_step": 10}')
+    _touch(os.path.join(out, "checkpoint-10", "model.safetensors"))
+    # Killed while writing: no trainer_state.json yet, or half of it.
+    _touch(os.path.join(out, "checkpoint-20", "model.safetensors"))
+    _touch(os.path.join(out, "checkpoint-30", "trainer_state.json"), '{"global_st')
+    _touch(os.path.join(out, "checkpoint-30", "model.safetensors"))
+    _touch(os.path.join(out, "checkpoint-40", "trainer_state.json"), '{"global_step": 40}')
+    _touch(os.path.join(out, "runs", "checkpoint-50", "trainer_state.json"), "{}")
+    assert resume_checkpoint(out) == os.path.join(out, "checkpoint-10")
+
+    restored = os.path.join(str(tmp_path), "restored", "checkpoint-5")
+    _touch(os.path.join(restored, "trainer_state.json"), '{"global_step": 5}')
+    _touch(os.path.join(restored, "pytorch_model.bin"))
+    monkeypatch.setenv("RGT_RESUME_FROM", restored)
+    assert resume_checkpoint(out) == restored  # the agent's restored one wins
+    monkeypatch.setenv("RGT_RESUME_FROM", os.path.join(str(tmp_path), "step_5.pt"))
+    assert resume_checkpoint(out) == os.path.join(out, "checkpoint-10")  # not a Trainer's
+    monkeypatch.delenv("RGT_RESUME_FROM")
+    monkeypatch.setenv("RGT_CKPT_DIR", out)
+    assert resume_checkpoint() == os.path.join(out, "checkpoint-10")
+
+
+def test_lightning_resume_path_takes_the_newest_whole_one(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _need("lightning")
+    from onbox.train_lightning import resume_path
+
+    d = os.path.join(str(tmp_path), "ckpt")
+    monkeypatch.delenv("RGT_RESUME_FROM", raising=False)
+    monkeypatch.delenv("RGT_CKPT_DIR", raising=False)
+    assert resume_path(d) is None
+    _touch(os.path.join(d, "step_10.ckpt"))
+    _touch(os.path.join(d, ".step_30.rgt-tmp.lightning"))  # a save that was killed
+    _touch(os.path.join(d, "step_40", "model.pt"))  # a sharded save without its marker
+    _touch(os.path.join(d, "notes.txt"))
+    assert resume_path(d) == os.path.join(d, "step_10.ckpt")
+    _touch(os.path.join(d, "step_20", ".rgt-complete"), '{"step": 20, "files": {}}')
+    assert resume_path(d) == os.path.join(d, "step_20")
+    monkeypatch.setenv("RGT_RESUME_FROM", os.path.join(d, "step_10.ckpt"))
+    assert resume_path(d) == os.path.join(d, "step_10.ckpt")

@@ -257,3 +257,55 @@ def _numpy() -> Any:
     except ImportError:
         return None
     return numpy
+
+
+def resync_rng_on_first_iter(loaders: List[Any], state: Optional[Dict[str, Any]] = None) -> None:
+    """Restore the RNG state (``state``, default: the current one, which a resume has just
+    loaded) once the first of the stateful ``loaders`` has made its first iterator.
+
+    Making a DataLoader iterator draws its base seed from the global torch RNG (unless the
+    loader has a ``generator``). The uninterrupted run drew it at the start of the epoch, before
+    the checkpoint; the resumed run draws it again after the restore, which would shift every
+    later random number (dropout, noise) by one draw. So the RNG state goes back right after
+    that draw. A checkpoint taken at an epoch's end is the other case: torchdata's
+    ``StatefulDataLoader`` then makes the restored (finished) iterator and a fresh one for the
+    next epoch, two draws where the uninterrupted run made one, so the state goes back and one
+    draw is made again. Only what the main process draws from the global RNG is kept exact: a
+    dataset that draws from it while batches are fetched (``num_workers=0``) is off by the
+    draws of one prefetched batch."""
+    loaders = [x for x in loaders if hasattr(x, "load_state_dict") and hasattr(x, "state_dict")]
+    if not loaders:
+        return
+    import torch
+
+    saved = rng_state() if state is None else state
+    swapped: List[Tuple[Any, type]] = []
+
+    def restore_once(loader: Any, finished: bool) -> None:
+        if not swapped:
+            return
+        set_rng_state(saved)
+        if finished and getattr(loader, "generator", None) is None:
+            torch.empty((), dtype=torch.int64).random_()  # the next epoch's base seed
+        for obj, cls in swapped:
+            try:
+                obj.__class__ = cls
+            except TypeError:
+                pass
+        swapped.clear()
+
+    for loader in loaders:
+        cls = type(loader)
+
+        def __iter__(self: Any, _cls: Any = cls) -> Any:
+            pending = getattr(self, "next_iter_state", None)
+            finished = bool(isinstance(pending, dict) and pending.get("_iterator_finished"))
+            it = _cls.__iter__(self)  # the base seed is drawn here
+            restore_once(self, finished)
+            return it
+
+        try:
+            loader.__class__ = type(cls.__name__, (cls,), {"__iter__": __iter__})
+        except TypeError:  # a class that cannot be swapped: left alone (off by one draw)
+            continue
+        swapped.append((loader, cls))

@@ -58,13 +58,23 @@ from onbox import ckptdir, progress, snapshot
 from onbox.errors import CheckpointError, CheckpointWriteFailed
 from onbox.writer import Writer
 
-__all__ = ["Checkpointer", "CheckpointError", "CheckpointWriteFailed"]
+__all__ = ["Checkpointer", "CheckpointError", "CheckpointWriteFailed", "SaveToken"]
 
 DEFAULT_MTBF = 4 * 3600.0  # spot boxes are commonly reclaimed within hours
 FIRST_AUTO_INTERVAL = 120.0  # before a checkpoint's cost has been measured
 MIN_AUTO_INTERVAL = 10.0
 PROGRESS_EVERY = 1.0  # seconds between progress reports (a rename each)
 PREEMPT_EXIT = 128 + int(signal.SIGTERM)
+
+
+class SaveToken:
+    """What a save written by a framework answers, and when it began (``begin_save``)."""
+
+    __slots__ = ("request", "started")
+
+    def __init__(self, request: Optional[Any], started: float) -> None:
+        self.request = request
+        self.started = started
 
 
 class Checkpointer:
@@ -247,18 +257,40 @@ class Checkpointer:
         return DEFAULT_MTBF, "default; set RGT_MTBF"
 
     def report(self, step: int, **metrics: Any) -> None:
-        """Tell the agent the job's step (at most once a second; always with metrics)."""
+        """Tell the agent the job's step and metrics (at most once a second)."""
         self._reported = int(step)
         if self.run_dir is None:
             return
         now = time.monotonic()
-        if not metrics and now - self._progress_at < PROGRESS_EVERY:
+        if now - self._progress_at < PROGRESS_EVERY:
             return
         self._progress_at = now
         try:
             progress.write(self.run_dir, step, self.attempt, metrics)
         except OSError:
             pass  # advisory: never fail training over it
+
+    # ---- saves written by a framework (onbox/train_hf.py, train_lightning.py, ...)
+    def mark_preempted(self) -> None:
+        """Treat this process as preempted (e.g. another rank got the SIGTERM)."""
+        self._preempted.set()
+
+    def begin_save(self) -> SaveToken:
+        """A framework is about to write a checkpoint itself: what that save answers (the
+        agent's request as it is now, not one that arrives later) and when it began."""
+        token = SaveToken(self._request(), time.monotonic())
+        self._asked.clear()
+        return token
+
+    def saved(self, step: int, token: SaveToken, seconds: Optional[float] = None) -> None:
+        """The framework's checkpoint for ``step`` is whole on disk: answer the request it was
+        for, report the step, measure the cost for "auto"; after a preemption this ends the
+        process (SystemExit 143) unless exit_on_preempt is False."""
+        self._request_sig = token.request
+        self.cost = self.write_seconds = (
+            time.monotonic() - token.started if seconds is None else seconds
+        )
+        self._saved(step)
 
     # ---- saving
     def _tree(self, step: int, extra: Optional[Dict[str, Any]]) -> Any:
@@ -439,6 +471,13 @@ class Checkpointer:
         for name, obj in self.objects.items():
             obj.load_state_dict(weights[name] if name in weights else saved[name])
         snapshot.set_rng_state(state.get("rng") or {})
+        # A registered data loader draws its base seed from the global RNG when its first
+        # iterator is made, after this restore: put the restored state back right after it.
+        import torch
+
+        loaders = [o for o in self.objects.values() if isinstance(o, torch.utils.data.DataLoader)]
+        if loaders and state.get("rng"):
+            snapshot.resync_rng_on_first_iter(loaders, state["rng"])
         self.extra = dict(state.get("extra") or {})
         self.step = int(state["step"])
         self.last_save_at = time.monotonic()

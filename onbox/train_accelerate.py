@@ -50,9 +50,10 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple, Union
 
-from onbox import ckptdir, snapshot
+from onbox import ckptdir
 from onbox.durable import fsync_dir, sha256_file
 from onbox.errors import CheckpointError, CheckpointWriteFailed
+from onbox.snapshot import resync_rng_on_first_iter
 from onbox.train import Checkpointer
 
 __all__ = [
@@ -210,7 +211,7 @@ class AcceleratorCheckpointer:
         t = torch.tensor([int(want), int(self.ckpt.preempted)], device=acc.device)
         want_any, preempted_any = (bool(v > 0) for v in acc.reduce(t, reduction="sum").tolist())
         if preempted_any:
-            self.ckpt._preempted.set()  # every process saves, then every process ends
+            self.ckpt.mark_preempted()  # every process saves, then every process ends
         return want_any
 
     def report(self, step: int, **metrics: Any) -> None:
@@ -226,9 +227,7 @@ class AcceleratorCheckpointer:
         final = os.path.join(self.dir, name)
         # The same temporary name on every process: they all write into one directory.
         tmp = os.path.join(self.dir, f".{name}.rgt-tmp.accelerate")
-        self.ckpt._request_sig = self.ckpt._request()  # the request this save answers
-        self.ckpt._asked.clear()
-        t0 = time.monotonic()
+        token = self.ckpt.begin_save()  # the request this save answers, and its start
         try:
             if acc.is_main_process:
                 os.makedirs(self.dir, exist_ok=True)
@@ -250,7 +249,6 @@ class AcceleratorCheckpointer:
                 "free space or inodes on the checkpoint disk; the previous one is intact",
             ) from None
         acc.wait_for_everyone()
-        self.ckpt.cost = self.ckpt.write_seconds = time.monotonic() - t0
         self.step = int(step)
         if self.preempted and self.ckpt.exit_on_preempt:
             print(
@@ -258,7 +256,7 @@ class AcceleratorCheckpointer:
                 file=sys.stderr,
                 flush=True,
             )
-        self.ckpt._saved(step)  # answers the request, reports; on preemption: SystemExit(143)
+        self.ckpt.saved(step, token)  # answers the request, reports; preempted: SystemExit(143)
         return final
 
     def latest(self) -> Optional[str]:
@@ -303,55 +301,3 @@ class AcceleratorCheckpointer:
 
     def close(self) -> None:
         self.ckpt.close()
-
-
-def resync_rng_on_first_iter(loaders: List[Any], state: Optional[Dict[str, Any]] = None) -> None:
-    """Restore the RNG state (``state``, default: the current one, which a resume has just
-    loaded) once the first of the stateful ``loaders`` has made its first iterator.
-
-    Making a DataLoader iterator draws its base seed from the global torch RNG (unless the
-    loader has a ``generator``). The uninterrupted run drew it at the start of the epoch, before
-    the checkpoint; the resumed run draws it again after the restore, which would shift every
-    later random number (dropout, noise) by one draw. So the RNG state goes back right after
-    that draw. A checkpoint taken at an epoch's end is the other case: torchdata's
-    ``StatefulDataLoader`` then makes the restored (finished) iterator and a fresh one for the
-    next epoch, two draws where the uninterrupted run made one, so the state goes back and one
-    draw is made again. Only what the main process draws from the global RNG is kept exact: a
-    dataset that draws from it while batches are fetched (``num_workers=0``) is off by the
-    draws of one prefetched batch."""
-    loaders = [x for x in loaders if hasattr(x, "load_state_dict") and hasattr(x, "state_dict")]
-    if not loaders:
-        return
-    import torch
-
-    saved = snapshot.rng_state() if state is None else state
-    swapped: List[Tuple[Any, type]] = []
-
-    def restore_once(loader: Any, finished: bool) -> None:
-        if not swapped:
-            return
-        snapshot.set_rng_state(saved)
-        if finished and getattr(loader, "generator", None) is None:
-            torch.empty((), dtype=torch.int64).random_()  # the next epoch's base seed
-        for obj, cls in swapped:
-            try:
-                obj.__class__ = cls
-            except TypeError:
-                pass
-        swapped.clear()
-
-    for loader in loaders:
-        cls = type(loader)
-
-        def __iter__(self: Any, _cls: Any = cls) -> Any:
-            pending = getattr(self, "next_iter_state", None)
-            finished = bool(isinstance(pending, dict) and pending.get("_iterator_finished"))
-            it = _cls.__iter__(self)  # the base seed is drawn here
-            restore_once(self, finished)
-            return it
-
-        try:
-            loader.__class__ = type(cls.__name__, (cls,), {"__iter__": __iter__})
-        except TypeError:  # a class that cannot be swapped: left alone (off by one draw)
-            continue
-        swapped.append((loader, cls))

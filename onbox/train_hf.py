@@ -49,7 +49,6 @@ import json
 import os
 import re
 import sys
-import time
 from typing import Any, Dict, List, Optional, Union
 
 try:
@@ -61,7 +60,7 @@ except ImportError as _e:  # pragma: no cover - exercised where transformers is 
         "job's Python)"
     ) from _e
 
-from onbox.train import PREEMPT_EXIT, Checkpointer
+from onbox.train import PREEMPT_EXIT, Checkpointer, SaveToken
 
 __all__ = ["RgtCallback", "resume_checkpoint", "complete_checkpoints", "is_complete"]
 
@@ -146,8 +145,7 @@ class RgtCallback(TrainerCallback):
         self.ckpt = checkpointer or Checkpointer(
             interval=interval, exit_on_preempt=exit_on_preempt, handle_signals=handle_signals
         )
-        self._pending: Optional[Any] = None  # the request the save in progress answers
-        self._save_started: Optional[float] = None
+        self._token: Optional[SaveToken] = None  # what the save in progress answers
 
     @property
     def preempted(self) -> bool:
@@ -186,25 +184,19 @@ class RgtCallback(TrainerCallback):
         want = self.ckpt.should_checkpoint(step if state.is_world_process_zero else None)
         want, stop = _any_rank([want, self.ckpt.preempted], args)
         if stop:
-            self.ckpt._preempted.set()  # every rank saves, then every rank ends
+            self.ckpt.mark_preempted()  # every rank saves, then every rank ends
             control.should_save = True
             control.should_training_stop = True
         elif want:
             control.should_save = True
         if control.should_save:
-            # What this save answers: the request that is there now, not one that comes later.
-            self._pending = self.ckpt._request()
-            self.ckpt._asked.clear()
-            self._save_started = time.monotonic()
+            self._token = self.ckpt.begin_save()
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         # Trainer._save_checkpoint has returned: checkpoint-<step> is whole on disk.
-        if self._save_started is not None:
-            self.ckpt.cost = self.ckpt.write_seconds = time.monotonic() - self._save_started
-            self._save_started = None
-        self.ckpt._request_sig, self._pending = self._pending, None
+        token, self._token = self._token or self.ckpt.begin_save(), None
         if self.preempted:
             _barrier(args)  # every rank has written its part before any rank ends
             if self.ckpt.exit_on_preempt:
@@ -216,7 +208,7 @@ class RgtCallback(TrainerCallback):
                 )
         # Answers the request, reports the step, measures "auto"; on preemption (with
         # exit_on_preempt) raises SystemExit(143).
-        self.ckpt._saved(int(state.global_step))
+        self.ckpt.saved(int(state.global_step), token)
 
     def on_log(
         self,

@@ -166,9 +166,7 @@ class RgtCheckpoint(Callback):
         final = os.path.join(self.dirpath, name + SUFFIX)
         # The same temporary name on every rank: a sharded strategy writes one directory.
         tmp = os.path.join(self.dirpath, f".{name}.rgt-tmp.lightning")
-        self.ckpt._request_sig = self.ckpt._request()  # the request this save answers
-        self.ckpt._asked.clear()
-        t0 = time.monotonic()
+        token = self.ckpt.begin_save()  # the request this save answers, and its start
         if trainer.is_global_zero:
             os.makedirs(self.dirpath, exist_ok=True)
             ckptdir.clean_stale(self.dirpath)  # directories of killed saves
@@ -192,7 +190,6 @@ class RgtCheckpoint(Callback):
                 _remove(tmp)
             raise
         trainer.strategy.barrier("rgt-save-end")
-        self.ckpt.cost = self.ckpt.write_seconds = time.monotonic() - t0
         self.last_saved = step
         if self.preempted:
             if self.ckpt.exit_on_preempt:
@@ -204,7 +201,7 @@ class RgtCheckpoint(Callback):
                 )
             else:
                 trainer.should_stop = True
-        self.ckpt._saved(step)  # answers the request, reports; on preemption: SystemExit(143)
+        self.ckpt.saved(step, token)  # answers the request, reports; preempted: SystemExit(143)
         return final
 
     def _prune(self) -> None:
@@ -230,7 +227,7 @@ class RgtCheckpoint(Callback):
         want = bool(strategy.reduce_boolean_decision(want, all=False))
         preempted = bool(strategy.reduce_boolean_decision(self.ckpt.preempted, all=False))
         if preempted:
-            self.ckpt._preempted.set()  # every rank saves, then every rank ends
+            self.ckpt.mark_preempted()  # every rank saves, then every rank ends
         if trainer.is_global_zero and time.monotonic() - self._reported_at >= REPORT_EVERY:
             loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
             if loss is not None:

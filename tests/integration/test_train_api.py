@@ -18,7 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
-from typing import Any, Dict, Iterator, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
@@ -377,3 +377,48 @@ def test_auto_interval_follows_young_daly(
     assert abs((ck.current_interval() or 0) - 167.7) < 0.1
     err = capfd.readouterr().err
     assert "Young/Daly" in err and "168 s" in err and "RGT_MTBF" in err
+
+
+# torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates: theirs, not ours.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_a_registered_stateful_loader_resumes_mid_epoch_exactly(tmp_path: Any) -> None:
+    """A StatefulDataLoader registered with the Checkpointer, a model with dropout: resumed
+    mid-epoch from a save, the batches, the dropout masks and the weights continue exactly as
+    in the uninterrupted run (making the loader's iterator draws from the global RNG after
+    the restore; load() puts the restored state back behind that draw)."""
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    data = torch.arange(64, dtype=torch.float32).reshape(32, 2)
+
+    def setup() -> Tuple[Any, Any, Any]:
+        torch.manual_seed(3)
+        model = torch.nn.Sequential(torch.nn.Linear(2, 8), torch.nn.Dropout(0.5))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loader = sdl.StatefulDataLoader(data, batch_size=4, shuffle=True)
+        return model, opt, loader
+
+    def steps(model: Any, opt: Any, loader: Any, n: int, it: Any = None) -> Tuple[Any, List[float]]:
+        seen = []
+        it = it or iter(loader)
+        for _ in range(n):
+            batch = next(it)
+            seen.append(batch.sum().item())
+            loss = model(batch).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return it, seen
+
+    model, opt, loader = setup()
+    it, _ = steps(model, opt, loader, 3)
+    d = str(tmp_path / "ck")
+    Checkpointer(d, handle_signals=False, model=model, optimizer=opt, loader=loader).save(3)
+    _, want = steps(model, opt, loader, 4, it)
+    want_w = [p.detach().clone() for p in model.parameters()]
+
+    torch.manual_seed(99)  # a new process: whatever its RNG holds
+    model2, opt2, loader2 = setup()
+    ck = Checkpointer(d, handle_signals=False, model=model2, optimizer=opt2, loader=loader2)
+    assert ck.load() == 3
+    _, got = steps(model2, opt2, loader2, 4)
+    assert got == want
+    assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want_w))

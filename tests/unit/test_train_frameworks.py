@@ -114,7 +114,9 @@ def job_env(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Dict[str, str]:
     return {"run_dir": run_dir, "ckpt": ckpt}
 
 
-def test_accelerator_checkpointer_saves_on_request_and_resumes(job_env: Dict[str, str]) -> None:
+def test_accelerator_checkpointer_saves_on_request_and_resumes(
+    job_env: Dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     acc = FakeAccelerator()
     ck = AcceleratorCheckpointer(acc, keep=2)
     assert ck.load() == 0 and acc.loaded == []
@@ -137,7 +139,7 @@ def test_accelerator_checkpointer_saves_on_request_and_resumes(job_env: Dict[str
     acc3 = FakeAccelerator()
     assert AcceleratorCheckpointer(acc3).load() == 4 and acc3.loaded == ["step_4"]
     # ...but one named by RGT_RESUME_FROM must verify.
-    os.environ["RGT_RESUME_FROM"] = os.path.join(job_env["ckpt"], "step_6")
+    monkeypatch.setenv("RGT_RESUME_FROM", os.path.join(job_env["ckpt"], "step_6"))
     with pytest.raises(CheckpointError, match="model.safetensors"):
         AcceleratorCheckpointer(FakeAccelerator()).load()
 

@@ -263,8 +263,15 @@ class Sealer:
                     dirs.append(cand)
             elif os.path.isfile(path) and name.lower().endswith(CKPT_SUFFIXES):
                 files.append((name, st))
-        busy = open_for_writing([os.path.join(self.ckpt_dir, n) for n, _ in files])
-        out = dirs
+        in_dirs = [os.path.join(self.ckpt_dir, f) for c in dirs for f in c.files]
+        busy = open_for_writing([os.path.join(self.ckpt_dir, n) for n, _ in files] + in_dirs)
+        # A directory whose marker appeared while a file of it (the marker itself: Transformers
+        # writes trainer_state.json in place) is still open for writing is not complete yet.
+        out = [
+            c
+            for c in dirs
+            if not any(os.path.realpath(os.path.join(self.ckpt_dir, f)) in busy for f in c.files)
+        ]
         for name, st in files:
             path = os.path.join(self.ckpt_dir, name)
             if os.path.realpath(path) in busy:
@@ -308,12 +315,17 @@ class Sealer:
         if marker is None:
             return None
         step = None
-        if marker == ".rgt-complete":
+        if marker != ".metadata":  # a JSON marker cut off mid-write is no marker at all
             try:
                 with open(os.path.join(path, marker)) as f:
-                    step = int(json.load(f)["step"])
-            except (OSError, ValueError, KeyError, TypeError):
-                step = None
+                    doc = json.load(f)
+            except (OSError, ValueError):
+                return None
+            if marker == ".rgt-complete":
+                try:
+                    step = int(doc["step"])
+                except (KeyError, TypeError, ValueError):
+                    step = None
         if step is None:
             step = step_from_name(name)
         if step is None:

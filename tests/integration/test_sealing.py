@@ -269,6 +269,37 @@ def test_stale_epoch_cannot_move_latest(tmp_path: Any) -> None:
     assert _latest(root, "r")["step"] == 9
 
 
+def test_a_directory_whose_marker_is_still_being_written_is_not_sealed(tmp_path: Any) -> None:
+    """Transformers writes checkpoint-N/trainer_state.json in place, last: while it is open
+    for writing, or cut off mid-write, the directory is not a checkpoint yet."""
+    root = _store_root(tmp_path)
+    store = open_store("file://" + root)
+    ckpt = str(tmp_path / "ckpt")
+    d = os.path.join(ckpt, "checkpoint-5")
+    os.makedirs(d)
+    with open(os.path.join(d, "model.safetensors"), "wb") as f:
+        f.write(os.urandom(4096))
+    s = Sealer(
+        "hf",
+        ckpt,
+        store,
+        str(tmp_path / "stage"),
+        epoch=take_epoch(store, "hf"),
+        event=lambda kind, reason, **kw: None,
+        state_path=str(tmp_path / "seq.json"),
+    )
+    s.load()
+    marker = open(os.path.join(d, "trainer_state.json"), "w")  # noqa: SIM115 (held open)
+    marker.write('{"global_step": 5, "log_hist')
+    marker.flush()
+    assert s.seal_pending() == 0  # open for writing
+    marker.close()
+    assert s.seal_pending() == 0  # closed, but cut off: not JSON
+    with open(os.path.join(d, "trainer_state.json"), "w") as f:
+        f.write('{"global_step": 5, "log_history": []}')
+    assert s.seal_pending() == 1 and _latest(root, "hf")["step"] == 5
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_corrupt_checkpoint_in_the_store_is_quarantined_and_the_previous_used(
     tmp_path: Any, damage: str

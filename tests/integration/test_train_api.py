@@ -422,3 +422,22 @@ def test_a_registered_stateful_loader_resumes_mid_epoch_exactly(tmp_path: Any) -
     _, got = steps(model2, opt2, loader2, 4)
     assert got == want
     assert all(torch.equal(a, b) for a, b in zip(model2.parameters(), want_w))
+
+
+def test_the_api_imports_with_only_the_standard_library(tmp_path: Any) -> None:
+    """The job's Python may have nothing but torch: importing onbox.train pulls in none of the
+    agent's dependencies (and not even torch until a save or load needs it)."""
+    code = (
+        "import sys; import onbox.train, onbox.progress\n"
+        "heavy = ('click', 'boto3', 'botocore', 'psutil', 'watchdog', 'huggingface_hub',\n"
+        "         'setproctitle', 'torch', 'numpy')\n"
+        "print(sorted(m for m in heavy if m in sys.modules))\n"
+    )
+    p = subprocess.run(
+        [sys.executable, "-I", "-c", f"import sys; sys.path.insert(0, {ROOT!r})\n" + code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "[]"

@@ -30,7 +30,7 @@ from controller.registry import Registry, RunRecord
 from controller.release import push_release, switch_current
 from controller.remote import Remote, open_remote
 from controller.target import Target, parse_target
-from onbox.errors import HostError, LockedError, RgtError, UsageError
+from onbox.errors import HostError, LockedError, RemoteUnreachable, RgtError, UsageError
 from onbox.rundir import check_name
 from onbox.spec import default_name
 
@@ -200,6 +200,8 @@ def deploy(
         if live is not None:
             state, release = live
             if release == pushed.id:
+                # A deploy cut off after the start may not have switched the link yet.
+                switch_current(remote, box_home, name, pushed.id)
                 registry.put(rec)
                 say(f"rgt: {name} is already {state} on this release; nothing to do")
                 return rec
@@ -219,16 +221,25 @@ def deploy(
             args.append(job_rel)
         if req.command:
             args += ["--", *req.command]
-        r = remote.sh(
-            'cd "$1" || exit 9; shift; exec "$@"', pushed.path, *rec.agent_argv(*args), timeout=120
-        )
+        try:
+            r = remote.sh(
+                'cd "$1" || exit 9; shift; exec "$@"',
+                pushed.path,
+                *rec.agent_argv(*args),
+                timeout=120,
+            )
+        except RemoteUnreachable:
+            # The link went while the agent was starting, so it may well be running: remember
+            # the run, so that `rgt status` finds it and the next deploy sees it live.
+            registry.put(rec)
+            raise
         if r.rc != 0:
             raise RgtError(
                 f"rgt-agent start failed on {target.label} (exit {r.rc}): "
                 f"{(r.err or r.text).strip()}"
             )
-        switch_current(remote, box_home, name, pushed.id)
         registry.put(rec)
+        switch_current(remote, box_home, name, pushed.id)
         _wait_first_line(remote, rec, say)
         return rec
     finally:

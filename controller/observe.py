@@ -136,6 +136,14 @@ def from_store(rec: RunRecord) -> Dict[str, Any]:
     if latest is not None:
         doc["latest"] = json.loads(latest)
     doc["done"] = store.get_bytes(f"{rec.name}/DONE.json") is not None
+    # The state mirror changes only with the state, so a run RUNNING for days was last written
+    # when it started; a later seal is later proof that it was still alive.
+    seen = (doc.get("updated_ts"), (doc.get("latest") or {}).get("updated"))
+    newest = max((float(t) for t in seen if isinstance(t, (int, float))), default=None)
+    if newest is not None:
+        doc["known_at"] = datetime.datetime.fromtimestamp(newest, datetime.timezone.utc).isoformat(
+            timespec="seconds"
+        )
     doc["source"] = "store"
     doc["read_at"] = _now_iso()
     return doc
@@ -155,9 +163,9 @@ def describe(doc: Dict[str, Any], why_not_box: Optional[str] = None) -> str:
     """The few lines `rgt status N` prints."""
     lines = []
     if doc.get("source") == "store":
-        since = doc.get("updated_at") or "an unknown time"
+        since = doc.get("known_at") or doc.get("updated_at") or "an unknown time"
         lines.append(
-            f"{doc.get('name')}: {doc.get('state')} as of {since}; unknown since then "
+            f"{doc.get('name')}: unknown since {since}, when it was {doc.get('state')} "
             f"(the box does not answer: {why_not_box}; read from the store at {doc['read_at']})"
         )
     else:

@@ -194,7 +194,7 @@ class SshRemote(Remote):
                 "check the user and key (-i), or that your ssh agent holds the key",
             )
         raise RemoteUnreachable(
-            f"cannot reach {self.target.label}: {_last_line(text) or 'ssh exited 255'}",
+            f"cannot reach {self.target.label}: {_transport_line(text)}",
             "check the address and port, that the box is running, and your network",
         )
 
@@ -267,6 +267,21 @@ def _ssh_path(path: str) -> str:
 def _last_line(text: str) -> str:
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     return lines[-1] if lines else ""
+
+
+# What ssh (or rsync about its ssh) says when the connection fails; the remote command's own
+# stderr shares the stream and must not be taken for the reason.
+_TRANSPORT = re.compile(
+    r"^(ssh:|ssh_|mux_|client_loop|kex_|rsync error:|Timeout, server|Connection |"
+    r"Shared connection|Bad |Could not|Received disconnect|Disconnected)"
+)
+
+
+def _transport_line(text: str) -> str:
+    """The last line of ``text`` that is the transport's, or a plain reason when the connection
+    went without a word (a control master killed by its keepalive)."""
+    lines = [ln.strip() for ln in text.strip().splitlines() if _TRANSPORT.match(ln.strip())]
+    return lines[-1] if lines else "the connection was lost (ssh exited 255)"
 
 
 def env_prefix(env: Dict[str, str]) -> List[str]:

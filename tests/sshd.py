@@ -3,7 +3,9 @@
 ``start_sshd(dir)`` generates a host key and a client key in ``dir``, writes an sshd_config that
 accepts only that client key, starts ``/usr/sbin/sshd -D -e`` (not a daemon: it stays our child)
 on a free port of 127.0.0.1 and returns once the port accepts connections. ``SshServer.stop``
-ends it, and every per-connection sshd process it left, by PID.
+ends it, and every per-connection sshd process it left, by PID. ``start_sshd(dir, address=...,
+netns=...)`` runs it inside a network namespace instead (tests/netns.py), listening on the
+namespace's own address: a box the tests can cut off the network.
 
 The client runs ``ssh -F /dev/null`` (no user or system config: no ControlMaster, no agent
 keys) with the generated key. Remote commands run under the user's login shell with sshd's
@@ -71,6 +73,8 @@ class SshServer:
     known_hosts: str
     log_path: str
     proc: subprocess.Popen[bytes]
+    host: str = "127.0.0.1"  # the address it listens on
+    netns: Optional[str] = None  # the network namespace it runs in, if any
 
     @property
     def pid(self) -> int:
@@ -86,7 +90,7 @@ class SshServer:
             "-o", "BatchMode=yes",
             "-o", "ConnectTimeout=10",
             *(["-tt"] if tty else ["-T"]),
-            f"{self.user}@127.0.0.1", command,
+            f"{self.user}@{self.host}", command,
         ]  # fmt: skip
 
     def run(
@@ -163,10 +167,10 @@ def _keygen(path: str) -> None:
     )
 
 
-def _config(d: str, port: int, set_env: Mapping[str, str]) -> str:
+def _config(d: str, port: int, set_env: Mapping[str, str], address: str = "127.0.0.1") -> str:
     lines = [
         f"Port {port}",
-        "ListenAddress 127.0.0.1",
+        f"ListenAddress {address}",
         f"HostKey {os.path.join(d, 'host_ed25519')}",
         f"PidFile {os.path.join(d, 'sshd.pid')}",
         f"AuthorizedKeysFile {os.path.join(d, 'authorized_keys')}",
@@ -186,13 +190,15 @@ def _config(d: str, port: int, set_env: Mapping[str, str]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _wait_listening(proc: subprocess.Popen[bytes], port: int, timeout: float) -> bool:
+def _wait_listening(
+    proc: subprocess.Popen[bytes], port: int, timeout: float, address: str = "127.0.0.1"
+) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return False
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=1):
+            with socket.create_connection((address, port), timeout=1):
                 return True
         except OSError:
             time.sleep(0.05)
@@ -200,9 +206,18 @@ def _wait_listening(proc: subprocess.Popen[bytes], port: int, timeout: float) ->
 
 
 def start_sshd(
-    d: str, *, set_env: Optional[Mapping[str, str]] = None, timeout: float = 15
+    d: str,
+    *,
+    set_env: Optional[Mapping[str, str]] = None,
+    timeout: float = 15,
+    address: str = "127.0.0.1",
+    netns: Optional[str] = None,
 ) -> SshServer:
-    """Start a test sshd whose files live in ``d``; raises RuntimeError with its log if not."""
+    """Start a test sshd whose files live in ``d``; raises RuntimeError with its log if not.
+
+    ``address``: where it listens. ``netns``: the network namespace to run it in (through
+    ``ip netns exec``, which execs sshd itself, so the PID is still sshd's); ``address`` must then
+    be the namespace's own, reachable from here."""
     why = missing()
     if why is not None:
         raise RuntimeError(f"cannot start a test sshd: needs {why}")
@@ -222,7 +237,7 @@ def start_sshd(
     for _ in range(3):  # another process may take the free port before sshd binds it
         port = free_port()
         with open(cfg, "w") as f:
-            f.write(_config(d, port, env))
+            f.write(_config(d, port, env, address))
         check = subprocess.run(
             [SSHD, "-t", "-f", cfg],
             stdin=subprocess.DEVNULL,
@@ -234,12 +249,12 @@ def start_sshd(
             raise RuntimeError(f"sshd -t rejects {cfg}: {check.stderr.strip()}")
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(
-                [SSHD, "-D", "-e", "-f", cfg],
+                [*(["ip", "netns", "exec", netns] if netns else []), SSHD, "-D", "-e", "-f", cfg],
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
             )
-        if _wait_listening(proc, port, timeout):
+        if _wait_listening(proc, port, timeout, address):
             return SshServer(
                 dir=d,
                 port=port,
@@ -248,12 +263,14 @@ def start_sshd(
                 known_hosts=os.path.join(d, "known_hosts"),
                 log_path=log_path,
                 proc=proc,
+                host=address,
+                netns=netns,
             )
         _stop_pid(proc, 10)
         with open(log_path, errors="replace") as f:
             text = f.read()
         if "Address already in use" not in text:
             raise RuntimeError(
-                f"sshd did not listen on 127.0.0.1:{port}; {log_path}:\n{text[-4000:]}"
+                f"sshd did not listen on {address}:{port}; {log_path}:\n{text[-4000:]}"
             )
     raise RuntimeError(f"sshd found no free port; {log_path}:\n{text[-4000:]}")

@@ -1,14 +1,17 @@
-"""Fixtures for tests against real services: a throwaway sshd on loopback (tests/sshd.py) and a
-throwaway SeaweedFS S3 server (tests/seaweed.py)."""
+"""Fixtures for tests against real services: a throwaway sshd on loopback (tests/sshd.py), a second
+one inside a network namespace of its own (tests/netns.py) and a throwaway SeaweedFS S3 server
+(tests/seaweed.py)."""
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Tuple
 
 import pytest
 
+from tests import netns as netnsmod
 from tests import seaweed
 from tests.conftest import require
+from tests.netns import Netns
 from tests.seaweed import SeaweedServer, start_seaweed
 from tests.sshd import SshServer, missing, start_sshd
 
@@ -49,3 +52,32 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServe
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def netns_sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[Netns, SshServer]]:
+    """A box with an address of its own: a network namespace joined to this machine by a veth
+    pair (10.200.N.2 inside), with an sshd listening there; checked with a first login. A test
+    that cuts the link (``Netns.link_down``) must bring it back (``link_up``). At the end the
+    sshd and every connection it left are stopped by PID, and the namespace is deleted.
+
+    Skips when this machine cannot make one (no iproute2, not root, no sshd), except under CI=true.
+    """
+    why = netnsmod.missing() or missing()
+    require(why is None, why or "")
+    ns = netnsmod.create_netns()
+    try:
+        server = start_sshd(
+            str(tmp_path_factory.mktemp("netns-sshd")), address=ns.addr, netns=ns.name
+        )
+        try:
+            p = server.run("true", timeout=60)
+            assert p.returncode == 0, (
+                f"ssh to the namespace's sshd failed ({p.returncode}): {p.stderr}\n"
+                f"sshd log:\n{server.log()[-4000:]}"
+            )
+            yield ns, server
+        finally:
+            server.stop()
+    finally:
+        ns.delete()

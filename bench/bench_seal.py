@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/bench_seal.py [--size-mib 1024] [--ckpt-mib 200] [--repeats 3]
                                          [--sigterm-repeats 5]
-                                         [--no-s3] [--no-what-if] [--no-readme]
+                                         [--no-s3] [--no-readme]
 
 The real ``onbox.sealer.Sealer`` runs in-process on real stores: ``file://`` (a directory in
 the benchmark's temporary directory, on the same disk as the checkpoint) and ``s3://`` on a
@@ -10,14 +10,14 @@ real SeaweedFS (``weed mini``, started here on loopback and stopped by pid at th
 store is wrapped by a recorder that times and counts what the sealer puts, without changing it.
 
 1. Seal throughput of one ``--size-mib`` checkpoint file (``step_1.pt``) to file://: from the
-   call of ``seal_pending()`` (scan, stage, hash, copy, fsync, read back and compare, rename) to
-   the MANIFEST written, next to ``cp FILE DEST && sync`` of the same file.
+   call of ``seal_pending()`` (scan; a kernel copy while a second thread hashes the source;
+   fsync; compare the source's size and mtime before and after, and the copy's size; rename;
+   MANIFEST) to the MANIFEST written, next to ``cp FILE DEST && sync`` of the same file.
 2. The same to SeaweedFS through S3Store (multipart, Content-MD5 per part, sha256 of what is
    sent, ETag check), next to ``s5cmd cp`` of the same file to the same server.
    In 1 and 2 the tools take turns (the order rotates every repeat), the page cache is dropped
    before each timed run when this process may (root), and the median of ``--repeats`` is
-   reported. Unless ``--no-what-if``, one more arm runs a Sealer subclass without the sealer's
-   own sha256 pass before the upload, to measure that change (see NoPrehashSealer).
+   reported.
 3. SIGTERM-to-sealed time for a checkpoint of 10 equal-sized files (``--ckpt-mib`` in all) of
    which 0, 50 or 90% are already in the store, in three variants: (b) those files are in a
    previous, sealed checkpoint with identical content (dedupe); (a) the seal of this checkpoint
@@ -183,26 +183,6 @@ class Recorder(Store):
         return self.inner.same_filesystem_as(path)
 
 
-class NoPrehashSealer(Sealer):
-    """What-if: no sha256 pass of the sealer's own before the upload of a file that is not
-    staged. The sha256 is taken from ``known``, filled before the clock starts: this stands for
-    a sealer that takes the sha256 the store computes anyway from what it writes (S3Store
-    hashes every byte it sends, LocalStore reads its copy back and hashes it; both still do).
-    Files the sealer stages (in-place sequences) are staged and hashed as before."""
-
-    known: Dict[str, str]  # path -> sha256, set by make_sealer
-
-    def _stage(self, src: str, stage_dir: str, rel: str, in_place: bool) -> Tuple[str, str, int]:
-        if in_place or src not in self.known:
-            return super()._stage(src, stage_dir, rel, in_place)
-        return src, self.known[src], os.stat(src).st_size
-
-
-WHAT_IF: Dict[str, Tuple[type, str]] = {
-    "what-if": (NoPrehashSealer, "no sha256 pass of the sealer's own before the upload"),
-}
-
-
 # ---------------------------------------------------------------- the machine
 
 
@@ -316,10 +296,10 @@ class Sample:
     t0: float = 0.0  # rgt: time.monotonic() when seal_pending() was called
 
 
-def make_sealer(box: Box, rec: Recorder, run: str, ckpt_dir: str, cls: type = Sealer) -> Sealer:
+def make_sealer(box: Box, rec: Recorder, run: str, ckpt_dir: str) -> Sealer:
     """A sealer as the agent makes one: a new epoch, then what the store holds (untimed)."""
     epoch = take_epoch(rec.inner, run)
-    sealer: Sealer = cls(
+    sealer = Sealer(
         run,
         ckpt_dir,
         rec,
@@ -330,12 +310,6 @@ def make_sealer(box: Box, rec: Recorder, run: str, ckpt_dir: str, cls: type = Se
         state_path=box.path("state", f"{run}.json"),
     )
     sealer.load()
-    if isinstance(sealer, NoPrehashSealer):  # hashed here, before the clock starts
-        sealer.known = {
-            os.path.join(ckpt_dir, n): sha256_file(os.path.join(ckpt_dir, n))[0]
-            for n in os.listdir(ckpt_dir)
-            if os.path.isfile(os.path.join(ckpt_dir, n))
-        }
     return sealer
 
 
@@ -425,25 +399,22 @@ def reclaim(srv: SeaweedServer, store: Store) -> None:
 @dataclasses.dataclass
 class Throughput:
     size: int
-    arms: Dict[str, List[Sample]]  # "rgt", "reference", maybe WHAT_IF's, "sha256"
+    arms: Dict[str, List[Sample]]  # "rgt", "reference", and for file:// "sha256"
 
 
-def file_throughput(box: Box, src_dir: str, size: int, repeats: int, what_if: bool) -> Throughput:
+def file_throughput(box: Box, src_dir: str, size: int, repeats: int) -> Throughput:
     src = os.path.join(src_dir, "step_1.pt")
     durable = box.dir("durable")
 
-    def rgt(cls: type, tag: str) -> Arm:
-        def arm(rep: int) -> Sample:
-            run = f"file-{tag}-{rep}"
-            rec = Recorder(LocalStore(durable))
-            sealer = make_sealer(box, rec, run, src_dir, cls)
-            box.settle()
-            try:
-                return timed_seal(box, sealer, rec, None)
-            finally:
-                shutil.rmtree(os.path.join(durable, run), ignore_errors=True)
-
-        return arm
+    def rgt(rep: int) -> Sample:
+        run = f"file-rgt-{rep}"
+        rec = Recorder(LocalStore(durable))
+        sealer = make_sealer(box, rec, run, src_dir)
+        box.settle()
+        try:
+            return timed_seal(box, sealer, rec, None)
+        finally:
+            shutil.rmtree(os.path.join(durable, run), ignore_errors=True)
 
     def cp(rep: int) -> Sample:
         dest = box.path("durable", f"cp-{rep}", "step_1.pt")
@@ -459,30 +430,22 @@ def file_throughput(box: Box, src_dir: str, size: int, repeats: int, what_if: bo
         sha256_file(src)
         return Sample(time.monotonic() - t0, time.process_time() - c0)
 
-    arms: Dict[str, Arm] = {"rgt": rgt(Sealer, "rgt"), "reference": cp}
-    if what_if:
-        arms.update(
-            (name, rgt(cls, f"wi{n}")) for n, (name, (cls, _)) in enumerate(WHAT_IF.items())
-        )
-    arms["sha256"] = sha
+    arms: Dict[str, Arm] = {"rgt": rgt, "reference": cp, "sha256": sha}
     return Throughput(size, alternate(arms, repeats, "file://"))
 
 
 def s3_throughput(
-    box: Box, srv: SeaweedServer, bucket: str, src_dir: str, size: int, repeats: int, what_if: bool
+    box: Box, srv: SeaweedServer, bucket: str, src_dir: str, size: int, repeats: int
 ) -> Throughput:
     src = os.path.join(src_dir, "step_1.pt")
     store = srv.store(bucket)
     store.client.head_bucket(Bucket=bucket)  # boto3's models and a connection: not timed
 
-    def rgt(cls: type, tag: str) -> Arm:
-        def arm(rep: int) -> Sample:
-            rec = Recorder(store)
-            sealer = make_sealer(box, rec, f"s3-{tag}-{rep}", src_dir, cls)
-            box.settle()
-            return timed_seal(box, sealer, rec, srv.pid)
-
-        return arm
+    def rgt(rep: int) -> Sample:
+        rec = Recorder(store)
+        sealer = make_sealer(box, rec, f"s3-rgt-{rep}", src_dir)
+        box.settle()
+        return timed_seal(box, sealer, rec, srv.pid)
 
     s5 = s5cmd_binary()
     assert s5 is not None
@@ -493,11 +456,7 @@ def s3_throughput(
         argv = [s5, "--endpoint-url", srv.endpoint, "cp", src, f"s3://{bucket}/s5cmd-{rep}/"]
         return timed_command(argv, env, srv.pid)
 
-    arms: Dict[str, Arm] = {"rgt": rgt(Sealer, "rgt"), "reference": s5cmd}
-    if what_if:
-        arms.update(
-            (name, rgt(cls, f"wi{n}")) for n, (name, (cls, _)) in enumerate(WHAT_IF.items())
-        )
+    arms: Dict[str, Arm] = {"rgt": rgt, "reference": s5cmd}
     return Throughput(size, alternate(arms, repeats, "s3://", lambda: reclaim(srv, store)))
 
 
@@ -688,20 +647,6 @@ def render(res: Results, meta: str) -> str:
                 verdict(ratio >= target),
             )
         )
-        for name, (_, what) in WHAT_IF.items():
-            if name not in t.arms:
-                continue
-            w = med([s.seconds for s in t.arms[name]])
-            rows.append(
-                (
-                    f"{store}, {name}: {what} (MB/s)",
-                    f"{mbps(t.size, w):.0f}",
-                    f"{mbps(t.size, r):.0f} ({ref})",
-                    f"{r / w:.2f}x",
-                    f"≥ {target:.1f}x",
-                    "not judged: " + ("would pass" if r / w >= target else "would fail"),
-                )
-            )
 
     throughput_rows(res.file, "file://", "cp + sync", FILE_RATIO_MIN)
     if res.s3 is not None:
@@ -764,16 +709,18 @@ def render(res: Results, meta: str) -> str:
         seg.append(f"| {label} | " + " | ".join(cells) + " |\n")
 
     seg_row(
-        "rgt: scan and hash (stage in-place files), until the upload starts", "rgt", "before_put"
+        "rgt: scan, until the upload starts (a new file: no hash of the sealer's own first)",
+        "rgt",
+        "before_put",
     )
-    seg_row("rgt: the store's put_file (upload, fsync/ETag, verify)", "rgt", "putting")
+    seg_row(
+        "rgt: the store's put_file (copy or upload while hashing; fsync / ETag check)",
+        "rgt",
+        "putting",
+    )
     seg_row("rgt: upload done -> MANIFEST written", "rgt", "after_put", 3)
     seg_row("rgt: total, to MANIFEST", "rgt", "seconds")
     seg_row("rgt: CPU of the sealing process", "rgt", "cpu")
-    for name, (_, what) in WHAT_IF.items():
-        if name in res.file.arms:
-            seg_row(f"{name} ({what}): total", name, "seconds")
-            seg_row(f"{name}: CPU", name, "cpu")
     seg_row("reference (cp + sync / s5cmd cp): total", "reference", "seconds")
     seg_row("reference: CPU of the command", "reference", "cpu")
     if res.s3 is not None:
@@ -788,8 +735,8 @@ def render(res: Results, meta: str) -> str:
         f"every design that records a sha256 pays at least once): {sha:.2f} s "
         f"({mbps(res.file.size, sha):.0f} MB/s);\n"
         f"- hashing in memory on one core: sha256 {res.hash_rates['sha256']:.0f} MB/s, md5 "
-        f"{res.hash_rates['md5']:.0f} MB/s (rgt's S3 upload computes both over every byte, "
-        f"plus the stage's sha256);\n"
+        f"{res.hash_rates['md5']:.0f} MB/s (rgt's S3 upload computes both over every byte "
+        "it sends; its file:// copy hashes the source with sha256 in a second thread);\n"
     )
     if res.s3 is not None:
         floors += (
@@ -936,7 +883,6 @@ def main(argv: Optional[List[str]] = None) -> int:
         "--sigterm-repeats", type=int, default=5, help="timed runs per case of 3 (default 5)"
     )
     ap.add_argument("--no-s3", action="store_true", help="file:// only (no SeaweedFS)")
-    ap.add_argument("--no-what-if", action="store_true", help="skip the what-if arm")
     ap.add_argument("--no-drop-caches", action="store_true", help="keep the page cache warm")
     ap.add_argument("--workdir", default=None, help="where the temporary directory goes")
     ap.add_argument("--readme", default=README, help="README to update (default bench/README.md)")
@@ -965,7 +911,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         say(f"writing a {args.size_mib} MiB checkpoint file")
         write_random(os.path.join(big, "step_1.pt"), size)
         rates = hash_rates()
-        file_t = file_throughput(box, big, size, args.repeats, not args.no_what_if)
+        file_t = file_throughput(box, big, size, args.repeats)
 
         srv: Optional[SeaweedServer] = None
         s3_t: Optional[Throughput] = None
@@ -975,7 +921,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             stack.callback(srv.stop)  # by pid: SIGTERM, then SIGKILL
             say(f"weed mini pid {srv.pid} at {srv.endpoint}")
             srv.bucket(bucket)
-            s3_t = s3_throughput(box, srv, bucket, big, size, args.repeats, not args.no_what_if)
+            s3_t = s3_throughput(box, srv, bucket, big, size, args.repeats)
         os.unlink(os.path.join(big, "step_1.pt"))
 
         shards = Shards(box, args.ckpt_mib * MiB)

@@ -25,9 +25,10 @@ import concurrent.futures
 import hashlib
 import ipaddress
 import os
+import queue
 import threading
 import uuid
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 from urllib.parse import urlsplit
 
 import boto3
@@ -100,7 +101,7 @@ def _b64(digest: bytes) -> str:
     return base64.b64encode(digest).decode("ascii")
 
 
-def _md5(data: bytes) -> Any:
+def _md5(data: Union[bytes, bytearray]) -> Any:
     # MD5 here is S3's transport checksum, not a security measure (FIPS builds refuse it else).
     return hashlib.md5(data, usedforsecurity=False)
 
@@ -126,6 +127,23 @@ def _pread_exact(fd: int, length: int, offset: int, path: str) -> bytes:
         chunks.append(b)
         got += len(b)
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _pread_into(fd: int, buf: bytearray, offset: int, path: str) -> None:
+    """Fill ``buf`` with the bytes at ``offset``; a short read means the file shrank under us."""
+    view = memoryview(buf)
+    got = 0
+    while got < len(view):
+        try:
+            n = os.preadv(fd, [view[got:]], offset + got)
+        except OSError as e:
+            raise PermanentStoreError(f"reading {path}: {e.strerror or e}") from None
+        if n == 0:
+            raise IntegrityError(
+                f"{path} shrank while it was uploaded (read {offset + got} bytes, expected more)",
+                "write checkpoints to a new name and upload them once complete",
+            )
+        got += n
 
 
 def _is_aws(endpoint: str) -> bool:
@@ -538,16 +556,25 @@ class S3Store(Store):
         doing: str,
     ) -> Tuple[List[bytes], List[str], str]:
         """Read the parts in order (hashing the whole file as read) and upload them from a
-        thread pool; at most ``workers + 1`` parts are in memory at once."""
+        thread pool; at most ``workers + 1`` parts are in memory at once.
+
+        Each part is read into one of those ``workers + 1`` buffers, reused from part to part,
+        and that buffer itself is the request's body: a bytearray, which botocore sends with a
+        single ``sendall`` (a ``bytes`` body it wraps in a BytesIO and copies out again in
+        128 KiB pieces, after an ``Expect: 100-continue`` round trip). A buffer goes back to
+        the free list only when its request is over, retries included."""
         count = -(-size // part)
         workers = max(1, min(self.concurrency, count, MAX_INFLIGHT_BYTES // part))
         whole = hashlib.sha256()
         digests: List[bytes] = [b""] * count
         etags: List[str] = [""] * count
-        slots = threading.Semaphore(workers + 1)
+        # Free buffers; None: one not allocated yet (a part may be read into it).
+        free: queue.SimpleQueue[Optional[bytearray]] = queue.SimpleQueue()
+        for _ in range(min(workers + 1, count)):
+            free.put(None)
         failed = threading.Event()
 
-        def send(n: int, buf: bytes) -> None:
+        def send(n: int, buf: bytearray) -> None:
             digest = _md5(buf).digest()
             r = self._call(
                 f"{doing} (part {n + 1} of {count})",
@@ -561,26 +588,32 @@ class S3Store(Store):
             digests[n] = digest
             etags[n] = str(r["ETag"])
 
-        def done(fut: concurrent.futures.Future[None]) -> None:
-            if fut.cancelled() or fut.exception() is not None:
-                failed.set()
-            slots.release()
+        def done(buf: bytearray) -> Callable[[concurrent.futures.Future[None]], None]:
+            def release(fut: concurrent.futures.Future[None]) -> None:
+                if fut.cancelled() or fut.exception() is not None:
+                    failed.set()
+                free.put(buf if len(buf) == part else None)
+
+            return release
 
         pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rgt-s3-put")
         futures: List[concurrent.futures.Future[None]] = []
         try:
             for n in range(count):
-                slots.acquire()
+                buf = free.get()
                 if failed.is_set():
-                    slots.release()
                     break
                 offset = n * part
-                buf = _pread_exact(fd, min(part, size - offset), offset, path)
+                length = min(part, size - offset)
+                if buf is None or len(buf) != length:
+                    buf = None  # a full-size buffer is freed before a short last part is made
+                    buf = bytearray(length)
+                _pread_into(fd, buf, offset, path)
                 whole.update(buf)
                 fut = pool.submit(send, n, buf)
-                del buf  # the pool's reference is the only one: freed once sent
-                fut.add_done_callback(done)
+                fut.add_done_callback(done(buf))
                 futures.append(fut)
+                del buf  # back on the free list once sent, not held here
             for fut in futures:
                 fut.result()  # the first failure, mapped already by _call
         finally:

@@ -34,6 +34,7 @@ import stat
 import subprocess
 import tarfile
 import time
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from controller.remote import Remote
@@ -188,12 +189,19 @@ def release_id(root: str, files: Sequence[str]) -> str:
 # --- the box side: scripts run with their arguments as $1, $2, ... -----------------------------
 
 # $1 box home, $2 id, $3 minutes after which a .tmp- release is stale, $4 deploy name (or "").
-# Prints "have" when the release is complete, else "new <tmp suffix> <rsync 0|1> <link-dest id>".
+# Prints "have <1|0>" when the release is complete (1: the deploy's current link already points
+# at it), else "new <tmp suffix> <rsync 0|1> <link-dest id>".
 _PREPARE = r"""
 set -eu
 rel="$1/releases"; id="$2"
 mkdir -p "$rel"
-if [ -f "$rel/$id/.rgt-release" ]; then echo have; exit 0; fi
+have() {
+  cur=0
+  if [ -n "$4" ] && [ "$(readlink "$1/deploys/$4/current" 2>/dev/null)" = "../../releases/$id" ]
+  then cur=1; fi
+  echo "have $cur"; exit 0
+}
+if [ -f "$rel/$id/.rgt-release" ]; then have "$@"; fi
 for t in "$rel"/.tmp-*; do
   [ -d "$t" ] || continue
   # A push in progress changes some inode in its directory at least every few seconds (ctime: rsync
@@ -204,7 +212,7 @@ for t in "$rel"/.tmp-*; do
 done
 if [ -e "$rel/$id" ] || [ -L "$rel/$id" ]; then
   # no marker: not made by a finished push (those rename a marked directory into place)
-  [ -f "$rel/$id/.rgt-release" ] && { echo have; exit 0; }
+  [ -f "$rel/$id/.rgt-release" ] && have "$@"
   rm -rf -- "$rel/$id"
 fi
 tmp=$(mktemp -d "$rel/.tmp-$id-XXXXXXXX")
@@ -263,6 +271,13 @@ echo "no way to replace a link atomically here (no mv -T, no python)" >&2; exit 
 """
 
 
+# What the last push_release over a connection saw: ``deploys/<name>/current`` already
+# pointing at the release it found complete. The next switch_current to that very release over
+# the same connection is then a no-op, and skips its round trip (a second deploy of unchanged
+# code otherwise pays one to re-make the same link); any other switch_current forgets it.
+_current_seen: weakref.WeakKeyDictionary[Remote, Tuple[str, str, str]] = weakref.WeakKeyDictionary()
+
+
 def _check_home(box_home: str) -> None:
     if not posixpath.isabs(box_home) or "\0" in box_home:
         raise UsageError("RGT_HOME", f"{box_home!r} is not an absolute path on the box")
@@ -308,6 +323,8 @@ def push_release(
     if r.rc != 0 or not words:
         raise _fail(remote, "preparing the release directory", r.rc, r.stderr)
     if words[0] == "have":
+        if name is not None and words[1:] == ["1"]:
+            _current_seen[remote] = (box_home, name, rid)
         return PushResult(rid, final, 0, 0, "existing")
     if len(words) != 4 or words[0] != "new" or not _SUFFIX.match(words[1]):
         raise HostError(f"{remote.target.label}: unexpected answer {r.text!r} preparing a release")
@@ -465,6 +482,8 @@ def switch_current(remote: Remote, box_home: str, name: str, rid: str) -> None:
     check_name(name)
     if not _ID.match(rid):
         raise UsageError("release", f"{rid!r} is not a release id (16 hex digits)")
+    if _current_seen.pop(remote, None) == (box_home, name, rid):
+        return  # push_release has just seen the link there: the switch would change nothing
     r = remote.sh(_SWITCH, box_home, name, rid, timeout=120)
     if r.rc != 0:
         raise _fail(remote, f"switching {name} to release {rid}", r.rc, r.stderr)

@@ -63,10 +63,10 @@ def _job_name(req: DeployRequest, project: str) -> str:
     if req.name:
         return check_name(req.name, "--name")
     if req.job_file:
-        try:
-            import tomllib  # noqa: PLC0415  (3.11+; the laptop's Python)
-        except ImportError:  # pragma: no cover
-            import tomli as tomllib  # type: ignore[no-redef]
+        if sys.version_info >= (3, 11):
+            import tomllib  # novermin
+        else:  # pragma: no cover - older laptops
+            import tomli as tomllib
         try:
             with open(req.job_file, "rb") as f:
                 doc = tomllib.load(f)

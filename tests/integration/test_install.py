@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import stat
+import sys
 import time
 import zipfile
 from pathlib import Path
@@ -113,10 +114,10 @@ def venv_install(remote: SshRemote, tmp_path_factory: pytest.TempPathFactory) ->
 
 
 def _pyproject() -> Dict[str, object]:
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib  # novermin
-    except ImportError:  # Python < 3.11
-        import tomli as tomllib  # type: ignore[no-redef, unused-ignore]
+    else:  # Python < 3.11
+        import tomli as tomllib
     with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
         project: Dict[str, object] = tomllib.load(f)["project"]
     return project

@@ -398,6 +398,13 @@ def _rsync(
             "deploy again: the box keeps its previous release",
         )
     remote.check_transport(p.returncode, p.stderr)
+    if p.returncode in (10, 12, 30, 35):  # socket I/O, protocol stream, timeouts: the link
+        lines = p.stderr.decode("utf-8", "replace").strip().splitlines() or [""]
+        raise RemoteUnreachable(
+            f"the push to {remote.target.label} was cut off (rsync exit {p.returncode}: "
+            f"{lines[-1][-200:]})",
+            "deploy again: the box keeps its previous release",
+        )
     if p.returncode != 0:
         raise _fail(remote, "rsync", p.returncode, p.stderr)
     out = p.stdout.decode("utf-8", "replace")

@@ -88,6 +88,8 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:  # tests/ is not installed: the sshd helper is imported from here
     sys.path.insert(0, ROOT)
 
+from benchlib import can_drop_caches, fs_type, machine, verdict  # noqa: E402
+
 from controller import pull as pullmod  # noqa: E402
 from controller.registry import Registry, RunRecord  # noqa: E402
 from controller.target import Target  # noqa: E402
@@ -136,50 +138,12 @@ def cpu_ticks() -> Tuple[int, int]:
     return total - idle, total
 
 
-def can_drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 def tool_version(argv: List[str]) -> str:
     try:
         p = subprocess.run(argv, capture_output=True, text=True, timeout=30)
         return (p.stdout or p.stderr).strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         return "unknown"
-
-
-def machine() -> str:
-    cpu = mem = "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem = f"{int(line.split()[1]) / (1 << 20):.0f} GiB RAM"
-                break
-    return f"{os.cpu_count()} cores ({cpu}), {mem}, {platform.system()} {platform.release()}"
-
-
-def fs_type(path: str) -> str:
-    best, kind = "", "unknown"
-    with contextlib.suppress(OSError), open("/proc/mounts") as f:
-        for line in f:
-            parts = line.split()
-            mount = parts[1]
-            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(
-                best
-            ):
-                best, kind = mount, parts[2]
-    return kind
 
 
 def code_version() -> str:
@@ -839,10 +803,6 @@ def pull_phases(box: Box, dest: str, fresh: Callable[[], None]) -> Dict[str, Any
 
 
 # ---------------------------------------------------------------- the report
-
-
-def verdict(ok: bool) -> str:
-    return "**pass**" if ok else "**FAIL**"
 
 
 INTRO = """\

@@ -66,6 +66,8 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:  # tests/ is not installed: the SeaweedFS helper is imported from here
     sys.path.insert(0, ROOT)
 
+from benchlib import can_drop_caches, fs_type, machine, verdict  # noqa: E402
+
 from tests.seaweed import SeaweedServer, start_seaweed, weed_binary  # noqa: E402
 
 README = os.path.join(HERE, "README.md")
@@ -213,16 +215,6 @@ class Box:
         if drop and self.drop:
             with open("/proc/sys/vm/drop_caches", "w") as f:
                 f.write("3\n")
-
-
-def can_drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def proc_cpu(pid: Optional[int]) -> float:
@@ -609,10 +601,6 @@ def med(xs: Sequence[float]) -> float:
     return statistics.median(xs)
 
 
-def verdict(ok: bool) -> str:
-    return "**pass**" if ok else "**FAIL**"
-
-
 def mbps(size: int, seconds: float) -> float:
     return size / seconds / 1e6
 
@@ -822,34 +810,6 @@ def onbox_version() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + (" with uncommitted changes to onbox/" if dirty else "")
-
-
-def fs_type(path: str) -> str:
-    best, kind = "", "unknown"
-    with contextlib.suppress(OSError), open("/proc/mounts") as f:
-        for line in f:
-            parts = line.split()
-            mount = parts[1]
-            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(
-                best
-            ):
-                best, kind = mount, parts[2]
-    return kind
-
-
-def machine() -> str:
-    cpu = mem = "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem = f"{int(line.split()[1]) / (1 << 20):.0f} GiB RAM"
-                break
-    return f"{os.cpu_count()} cores ({cpu}), {mem}, {platform.system()} {platform.release()}"
 
 
 def update_readme(path: str, body: str) -> None:

@@ -102,6 +102,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from benchlib import can_drop_caches, fs_type, machine, verdict
 
 from onbox.train import Checkpointer
 
@@ -240,16 +241,6 @@ class Box:
         if self.drop:
             with open("/proc/sys/vm/drop_caches", "w") as f:
                 f.write("3\n")
-
-
-def can_drop_caches() -> bool:
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 def proc_cpu(pid: Optional[int]) -> float:
@@ -771,10 +762,6 @@ def measure_loop(
 # ---------------------------------------------------------------- the report
 
 
-def verdict(ok: bool) -> str:
-    return "**pass**" if ok else "**FAIL**"
-
-
 def size_label(size: int) -> str:
     return f"{size / MiB / 1024:g} GiB" if size >= 1024 * MiB else f"{size / MiB:g} MiB"
 
@@ -988,34 +975,6 @@ def onbox_version() -> str:
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return head + (" with uncommitted changes to onbox/" if dirty else "")
-
-
-def fs_type(path: str) -> str:
-    best, kind = "", "unknown"
-    with contextlib.suppress(OSError), open("/proc/mounts") as f:
-        for line in f:
-            parts = line.split()
-            mount = parts[1]
-            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(
-                best
-            ):
-                best, kind = mount, parts[2]
-    return kind
-
-
-def machine() -> str:
-    cpu = mem = "unknown"
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    with contextlib.suppress(OSError, ValueError), open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem = f"{int(line.split()[1]) / (1 << 20):.0f} GiB RAM"
-                break
-    return f"{os.cpu_count()} cores ({cpu}), {mem}, {platform.system()} {platform.release()}"
 
 
 def _terminate(signum: int, frame: object) -> None:

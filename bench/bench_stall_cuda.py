@@ -40,6 +40,7 @@ if HERE not in sys.path:  # bench/ is not a package: its sibling is imported fro
     sys.path.insert(0, HERE)
 
 import bench_stall as bs  # noqa: E402
+import benchlib  # noqa: E402
 
 
 def render(rows: List[str], meta: str) -> str:
@@ -107,7 +108,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 b = bs.med([s.blocked for s in samples[name]])
                 target = ""
                 if name == "rgt-pin" and size == bs.JUDGED_SIZE:
-                    target = f"≤ {bs.BLOCKED_RATIO_MAX:.2f}x: " + bs.verdict(
+                    target = f"≤ {bs.BLOCKED_RATIO_MAX:.2f}x: " + benchlib.verdict(
                         b <= bs.BLOCKED_RATIO_MAX * sync_b
                     )
                 f = first[name]
@@ -121,9 +122,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         gpu = torch.cuda.get_device_name(0)
         meta = (
             f"CUDA, measured {started.strftime('%Y-%m-%d %H:%M UTC')} with bench_stall_cuda.py; "
-            f"GPU: {gpu}; machine: {bs.machine()}; Python {platform.python_version()}, torch "
+            f"GPU: {gpu}; machine: {benchlib.machine()}; Python {platform.python_version()}, torch "
             f"{torch.__version__}, CUDA {torch.version.cuda}; checkpoints on "
-            f"{bs.fs_type(tmp)}; `sync`"
+            f"{benchlib.fs_type(tmp)}; `sync`"
             + (" and a page-cache drop" if box.drop else "")
             + f" before every save; medians of {args.repeats} timed saves per arm; "
             f"onbox at {bs.onbox_version()}.\n"

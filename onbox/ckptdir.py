@@ -19,13 +19,15 @@ Standard library at import; torch (and safetensors) when used.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import hashlib
 import json
 import os
 import re
 import shutil
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import IO, Any, Dict, List, Optional, Tuple, cast
 
 from onbox.durable import fsync_dir, sha256_file
 from onbox.errors import CheckpointError
@@ -81,6 +83,62 @@ def _fsync_file(path: str) -> None:
         os.close(fd)
 
 
+class _HashingFile:
+    """A write-only file for ``torch.save`` that hashes what it writes, in L2-sized pieces: each
+    piece is read from the staging buffer once, hashed, and copied into the page cache while it
+    is still in the CPU's cache. Reading the file back to hash it would cost a second pass over
+    the whole state in memory bandwidth, which a training loop on the same socket feels."""
+
+    PIECE = 1 << 20
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.sha = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), self.PIECE):
+            piece = view[start : start + self.PIECE]
+            self.sha.update(piece)
+            while piece:
+                piece = piece[os.write(self.fd, piece) :]
+        self.size += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+
+def _crc32_off() -> Any:
+    """torch's zip writer computes a CRC32 of every record by default, a full extra pass over the
+    state; nothing checks it (torch.load does not) and the marker's sha256 covers the file, so
+    rgt's own writes skip it where this torch lets them (2.6 and later)."""
+    try:
+        from torch.utils.serialization import config
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(getattr(config, "save", None), "compute_crc32"):
+        return contextlib.nullcontext()
+    patch = config.patch  # type: ignore[attr-defined]  # set on the module at import
+    return patch({"save.compute_crc32": False})
+
+
+def _save_state(state: Dict[str, Any], path: str) -> Tuple[str, int]:
+    """torch.save ``state`` to ``path`` and fsync it; (sha256, size) of what was written."""
+    import torch
+
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+    try:
+        out = _HashingFile(fd)
+        with _crc32_off():
+            torch.save(state, cast(IO[bytes], out))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return out.sha.hexdigest(), out.size
+
+
 def write(
     ckpt_dir: str,
     step: int,
@@ -89,24 +147,21 @@ def write(
 ) -> Tuple[str, int]:
     """Write checkpoint ``step`` atomically; (its path, bytes written). ``weights`` maps a model's
     name to its state dict, saved as ``<name>.safetensors``."""
-    import torch
-
     os.makedirs(ckpt_dir, exist_ok=True)
     final = os.path.join(ckpt_dir, name_for(step))
     tmp = os.path.join(ckpt_dir, f".{name_for(step)}.rgt-tmp.{os.getpid()}.{os.urandom(3).hex()}")
     os.mkdir(tmp)
     try:
-        names = [STATE]
-        torch.save(state, os.path.join(tmp, STATE))
+        files: Dict[str, Dict[str, Any]] = {}
+        sha, size = _save_state(state, os.path.join(tmp, STATE))
+        files[STATE] = {"size": size, "sha256": sha}
         for model, sd in (weights or {}).items():
             from safetensors.torch import save_file
 
             fname = f"{model}.safetensors"
-            save_file(_untied(sd), os.path.join(tmp, fname), metadata={"rgt_step": str(step)})
-            names.append(fname)
-        files: Dict[str, Dict[str, Any]] = {}
-        for fname in names:
             path = os.path.join(tmp, fname)
+            # safetensors writes the file itself (no stream to hash on the way): read it back.
+            save_file(_untied(sd), path, metadata={"rgt_step": str(step)})
             _fsync_file(path)
             sha, size = sha256_file(path)
             files[fname] = {"size": size, "sha256": sha}

@@ -23,6 +23,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 
 from onbox import ckptdir
+from onbox.durable import sha256_file
 from tests.conftest import ROOT, require
 
 torch = pytest.importorskip("torch") if not os.environ.get("CI") else __import__("torch")
@@ -165,6 +166,22 @@ def test_a_damaged_checkpoint_is_refused_by_path_and_skipped_by_scan(
     # Scanning on its own, the damaged newest one is skipped, loudly, for the one before.
     assert ck.load() == 1
     assert "skipping checkpoint step 2" in capfd.readouterr().err
+
+
+def test_the_marker_hashes_the_bytes_on_disk_and_stock_torch_loads_them(tmp_path: Any) -> None:
+    # The state file is hashed as it is written (no read-back) and without torch's zip CRC32s:
+    # the marker must still name exactly the bytes on disk, records larger than the hashing
+    # piece included, and a plain torch.load (not rgt's reader) must still read the file.
+    big = torch.arange(3 * (1 << 20) + 7, dtype=torch.float32)  # 12 MiB: many pieces, a tail
+    path, nbytes = ckptdir.write(str(tmp_path), 5, {"big": big, "small": torch.ones(3)})
+    with open(os.path.join(path, ckptdir.MARKER)) as f:
+        marker = json.load(f)
+    on_disk = os.path.join(path, ckptdir.STATE)
+    sha, size = sha256_file(on_disk)
+    assert marker["files"][ckptdir.STATE] == {"size": size, "sha256": sha}
+    assert nbytes == size == os.path.getsize(on_disk)
+    loaded = torch.load(on_disk, weights_only=True)
+    assert torch.equal(loaded["big"], big) and torch.equal(loaded["small"], torch.ones(3))
 
 
 def test_a_missing_marker_means_no_checkpoint(tmp_path: Any) -> None:

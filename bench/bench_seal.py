@@ -13,8 +13,9 @@ store is wrapped by a recorder that times and counts what the sealer puts, witho
    call of ``seal_pending()`` (scan; a kernel copy while a second thread hashes the source;
    fsync; compare the source's size and mtime before and after, and the copy's size; rename;
    MANIFEST) to the MANIFEST written, next to ``cp FILE DEST && sync`` of the same file.
-2. The same to SeaweedFS through S3Store (multipart, Content-MD5 per part, sha256 of what is
-   sent, ETag check), next to ``s5cmd cp`` of the same file to the same server.
+2. The same to SeaweedFS through S3Store (multipart; a CRC32 per part, which SeaweedFS checks,
+   and the composite CRC32 of the whole; sha256 of what is sent), next to ``s5cmd cp`` of the
+   same file to the same server.
    In 1 and 2 the tools take turns (the order rotates every repeat), the page cache is dropped
    before each timed run when this process may (root), and the median of ``--repeats`` is
    reported.
@@ -702,7 +703,7 @@ def render(res: Results, meta: str) -> str:
         "before_put",
     )
     seg_row(
-        "rgt: the store's put_file (copy or upload while hashing; fsync / ETag check)",
+        "rgt: the store's put_file (copy or upload while hashing; fsync / checksum check)",
         "rgt",
         "putting",
     )

@@ -82,8 +82,9 @@ class Store(abc.ABC):
 
     url: str
     # True when put_file can take sha256=None: the store hashes every byte as it sends it and
-    # the server verifies what it received (S3: Content-MD5 per part, then the ETag), so the
-    # caller need not read the file once more beforehand. The sha256 comes back in ObjectInfo.
+    # the server verifies what it received (S3: a CRC32 or Content-MD5 per part, then the
+    # whole), so the caller need not read the file once more beforehand. The sha256 comes back
+    # in ObjectInfo.
     hashes_while_uploading = False
 
     @abc.abstractmethod

@@ -6,9 +6,11 @@ The promises to users:
 - a misconfigured store is refused before training starts, by a message that names the step
   that failed and why: a missing bucket, refused credentials, an unreachable endpoint,
   credentials that may read but not write;
-- a checkpoint upload is verified without downloading it (Content-MD5 per part, the ETag of
-  the whole), and an upload that cannot be verified, or whose file changed while it was read,
-  leaves no object behind and no half upload;
+- a checkpoint upload is verified without downloading it (a CRC32 per part that the store
+  checks, and the composite CRC32 of the whole; Content-MD5 and the ETag on a store that
+  ignores flexible checksums), a body damaged on the way is refused by the store, and an
+  upload that cannot be verified, or whose file changed while it was read, leaves no object
+  behind and no half upload;
 - unfinished uploads of a dead writer are swept; a lost answer to the last request of an
   upload does not fail it;
 - the standard AWS configuration (AWS_* variables, AWS_ENDPOINT_URL) is all a user sets;
@@ -17,12 +19,14 @@ The promises to users:
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import os
 import subprocess
 import sys
 import time
 import uuid
+import zlib
 from typing import Any, Iterator, List, Tuple
 
 import pytest
@@ -151,13 +155,91 @@ def test_preflight_reports_conditional_writes(
 # -- verified uploads ------------------------------------------------------------------------
 
 
+def _crc32_b64(data: bytes) -> str:
+    return base64.b64encode(zlib.crc32(data).to_bytes(4, "big")).decode()
+
+
+def test_multipart_upload_is_verified_by_composite_crc32_and_keeps_sha256(
+    s3_server: SeaweedServer, bucket: str, prefix: str, tmp_path: Any
+) -> None:
+    """SeaweedFS checks flexible checksums, so the probe picks CRC32: the object's composite
+    CRC32 is the CRC32 of the parts' CRC32s (what rgt verified), and the sha256 travels as
+    metadata for stat."""
+    path, data, sha = _file(str(tmp_path / "f"), 20 * MiB + 1)
+    store = s3_server.store(bucket, prefix, part_size=5 * MiB)
+    info = store.put_file("run/f", path, sha256=sha, size=len(data))
+    assert store.checksum("run") == "crc32"
+    parts = [data[i : i + 5 * MiB] for i in range(0, len(data), 5 * MiB)]
+    crcs = b"".join(zlib.crc32(p).to_bytes(4, "big") for p in parts)
+    head = s3_server.client().head_object(
+        Bucket=bucket, Key=f"{prefix}/run/f", ChecksumMode="ENABLED"
+    )
+    assert head["ChecksumCRC32"] == f"{_crc32_b64(crcs)}-5"
+    assert head["Metadata"] == {"sha256": sha}
+    assert info.sha256 == sha and info.size == len(data)
+    # The probe that found this out left nothing behind.
+    assert [o.key for o in store.list("run/")] == ["run/f"]
+
+
+def test_a_store_that_ignores_flexible_checksums_simulated_gets_content_md5(
+    s3_server: SeaweedServer, bucket: str, prefix: str, tmp_path: Any
+) -> None:
+    """A store that ignores x-amz-checksum-crc32 (simulated: the header is dropped on its way
+    to the real server) stores the probe's deliberately wrong CRC32: rgt deletes that probe,
+    says so in the preflight, and verifies by Content-MD5 and ETag instead."""
+    store = s3_server.store(bucket, prefix)
+
+    def drop_checksum(request: Any, **_: Any) -> None:
+        for name in [h for h in request.headers if h.lower().startswith("x-amz-checksum-")]:
+            del request.headers[name]
+
+    store.client.meta.events.register("before-sign.s3.PutObject", drop_checksum)
+    findings = store.preflight("run")
+    assert store.checksum("run") == "md5"
+    assert any(not f.ok and "Content-MD5" in f.what for f in findings), findings
+    assert "Content-MD5 and ETag verified" in findings[0].what
+    assert list(store.list("run/")) == []
+    path, data, sha = _file(str(tmp_path / "f"), 11 * MiB)
+    store.put_file("run/f", path, sha256=sha, size=len(data))
+    assert store.get_bytes("run/f") == data
+
+
+@pytest.mark.parametrize("checksum", ["crc32", "md5"])
+@pytest.mark.parametrize("size", [1000, 12 * MiB], ids=["single", "multipart"])
+def test_a_body_damaged_on_the_way_is_refused_by_the_store(
+    s3_server: SeaweedServer, bucket: str, prefix: str, tmp_path: Any, checksum: str, size: int
+) -> None:
+    """A byte flipped after rgt took the checksum (on the wire, in a proxy) is refused by the
+    real server, as a transient error (send it again); the upload is aborted and nothing is
+    stored."""
+    path, _, sha = _file(str(tmp_path / "f"), size)
+    store = s3_server.store(bucket, prefix, part_size=5 * MiB, checksum=checksum)
+
+    def flip(request: Any, **_: Any) -> None:
+        raw = request.body
+        if hasattr(raw, "read"):  # botocore wraps a bytes body in a file object
+            raw.seek(0)
+            raw = raw.read()
+        body = bytearray(raw)
+        body[len(body) // 2] ^= 0x01
+        request.body = bytes(body)
+
+    store.client.meta.events.register("before-send.s3.PutObject", flip)
+    store.client.meta.events.register("before-send.s3.UploadPart", flip)
+    with pytest.raises(TransientStoreError, match="BadDigest"):
+        store.put_file("run/f", path, sha256=sha, size=size)
+    assert store.stat("run/f") is None
+    assert _uploads(s3_server, bucket, prefix) == []
+
+
 def test_multipart_upload_is_verified_by_etag_and_keeps_sha256(
     s3_server: SeaweedServer, bucket: str, prefix: str, tmp_path: Any
 ) -> None:
-    """A multipart checkpoint is stored as parts of the chosen size, its ETag is the MD5 of
-    the parts' MD5s (what rgt verified), and its sha256 travels as metadata for stat."""
+    """Where uploads carry Content-MD5: a multipart checkpoint is stored as parts of the
+    chosen size, its ETag is the MD5 of the parts' MD5s (what rgt verified), and its sha256
+    travels as metadata for stat."""
     path, data, sha = _file(str(tmp_path / "f"), 20 * MiB + 1)
-    store = s3_server.store(bucket, prefix, part_size=5 * MiB)
+    store = s3_server.store(bucket, prefix, part_size=5 * MiB, checksum="md5")
     info = store.put_file("run/f", path, sha256=sha, size=len(data))
     parts = [data[i : i + 5 * MiB] for i in range(0, len(data), 5 * MiB)]
     expected = hashlib.md5(b"".join(hashlib.md5(p).digest() for p in parts)).hexdigest()
@@ -182,10 +264,11 @@ def test_default_part_size_follows_the_object() -> None:
 def test_an_etag_that_does_not_verify_fails_the_upload(
     s3_server: SeaweedServer, bucket: str, prefix: str, tmp_path: Any, size: int
 ) -> None:
-    """If the store's ETag is not the MD5 rgt computed (data altered, or an SSE-KMS bucket),
-    the upload fails with IntegrityError and the unverifiable object is removed."""
+    """Where uploads carry Content-MD5: if the store's ETag is not the MD5 rgt computed (data
+    altered, or an SSE-KMS bucket), the upload fails with IntegrityError and the unverifiable
+    object is removed."""
     path, _, sha = _file(str(tmp_path / "f"), size)
-    store = s3_server.store(bucket, prefix, part_size=5 * MiB)
+    store = s3_server.store(bucket, prefix, part_size=5 * MiB, checksum="md5")
 
     def lie(parsed: Any, **_: Any) -> None:
         if "ETag" in parsed:
@@ -194,6 +277,28 @@ def test_an_etag_that_does_not_verify_fails_the_upload(
     store.client.meta.events.register("after-call.s3.PutObject", lie)
     store.client.meta.events.register("after-call.s3.CompleteMultipartUpload", lie)
     with pytest.raises(IntegrityError, match="ETag"):
+        store.put_file("run/f", path, sha256=sha, size=size)
+    assert store.stat("run/f") is None
+    assert _uploads(s3_server, bucket, prefix) == []
+
+
+@pytest.mark.parametrize("size", [1000, 12 * MiB], ids=["single", "multipart"])
+def test_a_crc32_answer_that_does_not_verify_fails_the_upload(
+    s3_server: SeaweedServer, bucket: str, prefix: str, tmp_path: Any, size: int
+) -> None:
+    """If the CRC32 the store answers is not the one rgt sent (or, for the whole object, the
+    composite of the parts' CRC32s), the upload fails with IntegrityError and the object is
+    removed."""
+    path, _, sha = _file(str(tmp_path / "f"), size)
+    store = s3_server.store(bucket, prefix, part_size=5 * MiB, checksum="crc32")
+
+    def lie(parsed: Any, **_: Any) -> None:
+        if "ChecksumCRC32" in parsed:
+            parsed["ChecksumCRC32"] = "AAAAAA==" + ("-3" if "-" in parsed["ChecksumCRC32"] else "")
+
+    store.client.meta.events.register("after-call.s3.PutObject", lie)
+    store.client.meta.events.register("after-call.s3.CompleteMultipartUpload", lie)
+    with pytest.raises(IntegrityError, match="CRC32"):
         store.put_file("run/f", path, sha256=sha, size=size)
     assert store.stat("run/f") is None
     assert _uploads(s3_server, bucket, prefix) == []

@@ -17,9 +17,11 @@ user's plain ``ssh -e`` would (a new connection per command, no multiplexing).
    from the project directory (this first deploy installs the agent: untimed), and copied once
    with ``rsync -a --exclude=.git -e 'ssh ...' project/ USER@127.0.0.1:DEST/`` (untimed). Then
    the same two commands take turns ``--repeats`` times: the second and later deploys of
-   unchanged code while the run is live (what `rgt deploy` does again: the audit, the push that
-   finds its release complete and sends nothing, the agent install found in place, the run
-   found live on this very release: "nothing to do"), against the rsync no-op (the destination
+   unchanged code while the run is live (what `rgt deploy` does again: the audit, whose one
+   script also finds the release complete on the box and the agent's install in place, so the
+   push sends nothing and installs nothing; then one more command, the found agent's
+   ``--version`` with the run's status, which finds the run live on this very release:
+   "nothing to do"), against the rsync no-op (the destination
    is up to date: rsync compares the file list and sends no file). Each rgt deploy's output is
    checked to say that nothing was sent and nothing was to do, and the rsync no-op is checked,
    untimed, to have nothing to send (``--dry-run --itemize-changes`` prints nothing). Judged:
@@ -29,8 +31,10 @@ user's plain ``ssh -e`` would (a new connection per command, no multiplexing).
    this is reported next to the same rsync no-op, not judged (the no-op starts nothing).
    The page cache stays warm (the user's project was just read by git and rsync).
 2. Where the deploy time goes: the same deploy of the live run, in this process
-   (``controller.deploy.deploy``), each step timed by a wrapper that does not change it, and
-   every ssh command it runs counted and timed (``Remote.run``); next to the costs no deploy
+   (``controller.deploy.deploy``), each step timed by a wrapper that does not change it (what
+   it does here first, the steps with a round trip to the box, and their parts), and every ssh
+   command it runs counted, timed and filed under the innermost step that ran it
+   (``Remote.run``); next to the costs no deploy
    avoids, measured in the same run: Python's start with the `rgt` CLI's imports, a new ssh
    connection (handshake and ``true``), and one command over an open connection (ssh's
    ControlMaster, which rgt uses for every command of a deploy).
@@ -524,23 +528,46 @@ class Steps:
 
 
 # (module, class or "", attribute, label): the deploy's steps as controller/deploy.py calls them,
-# and what they call inside. A name the code no longer has is left out of the report.
+# and (indented) what they call inside. A name the code no longer has is left out of the report.
+# The audit's one script also reads the box's Python for the agent, the marker of the agent's
+# install and whether the release is complete; the found agent's --version and the run's status
+# are one more command; the push and the install run commands of their own only when the audit
+# found no complete release or no install that answers.
 STEP_LABELS = (
-    ("controller.audit", "", "audit", "audit (one script: Python, GPU, disk, cgroup, clock)"),
-    ("controller.deploy", "", "push_release", "push the code"),
-    ("controller.release", "", "project_files", "  list the project's files (git ls-files)"),
-    ("controller.release", "", "release_id", "  hash them into the release id (sha256)"),
-    ("controller.deploy", "", "install_agent", "install the agent (found in place)"),
-    ("controller.install", "", "probe_python", "  probe the box's Python"),
+    ("controller.deploy", "", "project_files", "list the project's files (git ls-files)"),
+    ("controller.deploy", "", "release_id", "hash them into the release id (sha256)"),
     (
-        "controller.wheel",
+        "controller.deploy",
         "",
-        "wheel_bytes",
-        "  build rgt's wheel here (its hash names the install)",
+        "agent_wheel",
+        "build rgt's wheel here (its hash names the agent's install)",
     ),
-    ("controller.install", "", "_read_marker", "  read the install's marker"),
-    ("controller.install", "", "_runs", "  run the installed agent's --version"),
-    ("controller.deploy", "", "_live_state", "is the run live? (rgt-agent status on the box)"),
+    ("controller.deploy", "", "open_remote", "set up the ssh client"),
+    (
+        "controller.audit",
+        "",
+        "audit",
+        "audit (one script: Python, GPU, disk, cgroup, clock; the agent's install, the release)",
+    ),
+    (
+        "controller.deploy",
+        "",
+        "push_release",
+        "push the code (none to push when the audit found the release)",
+    ),
+    ("controller.deploy", "", "_agent_and_run", "the agent and the run"),
+    (
+        "controller.deploy",
+        "",
+        "_look",
+        "  the agent's --version, `status NAME --json`, spec.json (one script)",
+    ),
+    (
+        "controller.deploy",
+        "",
+        "install_agent",
+        "  install the agent (when none found answers --version)",
+    ),
     ("controller.deploy", "", "switch_current", "switch the current link (if not there yet)"),
     ("controller.registry", "Registry", "put", "remember the run (the local registry)"),
     ("controller.remote", "SshRemote", "close", "close the ssh connection (ssh -O exit)"),

@@ -6,22 +6,35 @@ non-interactive PATH, which often lacks conda) is 3.9 or newer; GPUs and driver 
 free bytes and inodes where rgt writes (RGT_HOME) and on a file:// store's mount; the cgroup
 memory limit; the clock's skew against the laptop's; rsync and tar. Each finding is ok, a
 warning (shown, deploy goes on) or a problem (deploy stops with them all listed).
+
+The same round trip looks, changing nothing, at what the next steps of a deploy would otherwise
+each ask the box for: the Python as the agent's install sees it and the install of this
+controller's wheel for it (controller/install.py ``PROBE_SH``), and whether the release of the
+project's code is complete there (controller/release.py ``SEEN_SH``). Each piece is a shell
+function of the module that owns it, prints its own section and is read by that module, so its
+errors stay its own; a deploy of unchanged code then needs no other round trip for them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
+from controller import install as installmod
+from controller import release as releasemod
 from controller.remote import Remote
 from onbox.errors import HostError
 
+# $1 RGT_HOME on the box ("": ~/.rgt), $2 a file:// store's path (or ""), $3.. $7 the Python
+# probe's arguments (install.probe_args: the Python, the probe's code, and the version, sha256 and
+# extras of the wheel whose install to look for, or ""), $8 a release id (or ""), $9 the deploy's
+# name (or "").
 PROBE = r"""
-py=$1; home=${2:-$HOME/.rgt}; durable=$3
+home=${1:-$HOME/.rgt}; durable=$2; rel=$8; name=$9
 echo "@@home"; printf '%s\n' "$HOME"
-echo "@@python"; command -v "$py" 2>/dev/null &&
-  "$py" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])' 2>&1
+echo "@@python"
+rgt_python_probe "$home" "$3" "$4" "$5" "$6" "$7"
 echo "@@gpu"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
   2>/dev/null
 echo "@@df"; for d in "$home" "$durable"; do
@@ -30,8 +43,10 @@ echo "@@df"; for d in "$home" "$durable"; do
 echo "@@cgroup"; cat /sys/fs/cgroup/memory.max 2>/dev/null ||
   cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null
 echo "@@tools"; for t in rsync tar; do command -v "$t" >/dev/null 2>&1 && echo "$t"; done
+echo "@@release"; if [ -n "$rel" ]; then rgt_release_seen "$home" "$rel" "$name"; fi
 echo "@@clock"; date +%s
 """
+SCRIPT = installmod.PROBE_SH + releasemod.SEEN_SH + PROBE
 
 MIN_FREE_BYTES = 2 << 30
 MIN_FREE_INODES = 10000
@@ -48,7 +63,9 @@ class Finding:
 
 @dataclasses.dataclass
 class Audit:
-    """What the audit found."""
+    """What the audit found. ``probed``: the box's Python and the agent's install found for it
+    (None when the Python is a problem); ``release``: what the box has of the release asked
+    about (None when none was asked about, or the answer was not understood)."""
 
     findings: List[Finding]
     home: str  # the box user's $HOME
@@ -56,13 +73,16 @@ class Audit:
     python_version: str
     tools: List[str]
     skew_s: float
+    probed: Optional[installmod.Probed] = None
+    release: Optional[releasemod.BoxRelease] = None
 
     @property
     def problems(self) -> List[Finding]:
         return [f for f in self.findings if f.level == "problem"]
 
 
-def _sections(text: str) -> Dict[str, List[str]]:
+def sections(text: str) -> Dict[str, List[str]]:
+    """The lines of a script's output under each ``@@name`` line, by name."""
     out: Dict[str, List[str]] = {}
     cur = ""
     for line in text.splitlines():
@@ -75,46 +95,35 @@ def _sections(text: str) -> Dict[str, List[str]]:
 
 
 def audit(
-    remote: Remote, *, python: Optional[str], box_home: str, durable: Optional[str] = None
+    remote: Remote,
+    *,
+    python: Optional[str],
+    box_home: str,
+    durable: Optional[str] = None,
+    wheel: Optional[installmod.AgentWheel] = None,
+    extras: Sequence[str] = (),
+    release_id: Optional[str] = None,
+    deploy: Optional[str] = None,
 ) -> Audit:
-    """Read the box and judge it; raises nothing for findings (see Audit.problems)."""
+    """Read the box and judge it; raises nothing for findings (see Audit.problems).
+
+    With ``wheel``, the look also finds the install of that wheel (with ``extras``) for the box's
+    Python; with ``release_id``, whether that release is complete on the box (and whether the
+    deploy ``deploy``'s current link is on it)."""
+    probe_args = installmod.probe_args(python, wheel, extras)  # UsageError before any command
     t0 = time.time()
-    res = remote.sh(PROBE, python or "python3", box_home, durable or "", timeout=60)
+    res = remote.sh(
+        SCRIPT, box_home, durable or "", *probe_args, release_id or "", deploy or "", timeout=60
+    )
     t1 = time.time()
-    s = _sections(res.text)
+    s = sections(res.text)
+    if res.rc != 0 and "python" not in s:
+        raise HostError(f"the audit script failed on the box: {res.err.strip()[-300:]}")
     found: List[Finding] = []
     home = (s.get("home") or [""])[0]
-    py_lines = s.get("python") or []
-    py_path = py_lines[0] if py_lines else ""
-    version = py_lines[1].strip() if len(py_lines) > 1 else ""
-    if not py_path:
-        found.append(
-            Finding(
-                "problem",
-                f"no {python or 'python3'} on the box's non-interactive PATH "
-                "(conda is often only on the interactive one): pass --python /path/to/python",
-            )
-        )
-    elif not version or tuple(int(x) for x in version.split(".")[:2]) < (3, 9):
-        found.append(Finding("problem", f"{py_path} is Python {version or '?'}; rgt needs 3.9+"))
-    else:
-        found.append(Finding("ok", f"python {version} at {py_path}"))
-    gpus = [g for g in s.get("gpu") or [] if g.strip()]
-    if gpus:
-        found.append(Finding("ok", f"{len(gpus)} GPU(s): {gpus[0].strip()}"))
-    else:
-        found.append(Finding("warn", "no NVIDIA GPU visible (nvidia-smi found none): CPU only"))
-    df = s.get("df") or []
-    for i in range(0, len(df) - 2, 3):  # per path: its name, a bytes line, an inodes line
-        where, space, inodes = df[i], df[i + 1].split(), df[i + 2].split()
-        if len(space) >= 4 and space[-3].isdigit():
-            free = int(space[-3]) * 1024
-            level = "problem" if free < MIN_FREE_BYTES else "ok"
-            found.append(Finding(level, f"{free / (1 << 30):.1f} GiB free at {where}"))
-        # Some filesystems (btrfs, many FUSE) report no inode counts at all: nothing to judge.
-        if len(inodes) >= 4 and inodes[-3].isdigit() and inodes[-5] not in ("0", "-"):
-            level = "problem" if int(inodes[-3]) < MIN_FREE_INODES else "ok"
-            found.append(Finding(level, f"{inodes[-3]} inodes free at {where}"))
+    probed = _python(python, s.get("python") or [], found)
+    _gpus(s.get("gpu") or [], found)
+    _disks(s.get("df") or [], found)
     cg = (s.get("cgroup") or [""])[0].strip()
     if cg.isdigit() and int(cg) < (1 << 60):
         found.append(Finding("ok", f"cgroup memory limit {int(cg) / (1 << 30):.1f} GiB"))
@@ -127,6 +136,50 @@ def audit(
         skew = int(clock) - (t0 + t1) / 2
         level = "warn" if abs(skew) > MAX_SKEW_S else "ok"
         found.append(Finding(level, f"clock {skew:+.0f} s from this laptop's"))
-    if res.rc != 0 and not py_path:
-        raise HostError(f"the audit script failed on the box: {res.err.strip()[-300:]}")
-    return Audit(found, home, py_path, version, tools, skew)
+    seen = releasemod.parse_seen(release_id, s.get("release") or []) if release_id else None
+    py = probed.python if probed is not None else None
+    return Audit(
+        found,
+        home,
+        py.path if py else "",
+        py.version_text if py else "",
+        tools,
+        skew,
+        probed,
+        seen,
+    )
+
+
+def _python(
+    python: Optional[str], lines: List[str], found: List[Finding]
+) -> Optional[installmod.Probed]:
+    """The Python probe's finding (install.parse_probe's error is the problem's text)."""
+    try:
+        probed = installmod.parse_probe(python, lines)
+    except HostError as e:
+        found.append(Finding("problem", f"{e.what}: {e.remedy}" if e.remedy else e.what))
+        return None
+    py = probed.python
+    found.append(Finding("ok", f"python {py.version_text} at {py.path}"))
+    return probed
+
+
+def _gpus(lines: List[str], found: List[Finding]) -> None:
+    gpus = [g for g in lines if g.strip()]
+    if gpus:
+        found.append(Finding("ok", f"{len(gpus)} GPU(s): {gpus[0].strip()}"))
+    else:
+        found.append(Finding("warn", "no NVIDIA GPU visible (nvidia-smi found none): CPU only"))
+
+
+def _disks(df: List[str], found: List[Finding]) -> None:
+    for i in range(0, len(df) - 2, 3):  # per path: its name, a bytes line, an inodes line
+        where, space, inodes = df[i], df[i + 1].split(), df[i + 2].split()
+        if len(space) >= 4 and space[-3].isdigit():
+            free = int(space[-3]) * 1024
+            level = "problem" if free < MIN_FREE_BYTES else "ok"
+            found.append(Finding(level, f"{free / (1 << 30):.1f} GiB free at {where}"))
+        # Some filesystems (btrfs, many FUSE) report no inode counts at all: nothing to judge.
+        if len(inodes) >= 4 and inodes[-3].isdigit() and inodes[-5] not in ("0", "-"):
+            level = "problem" if int(inodes[-3]) < MIN_FREE_INODES else "ok"
+            found.append(Finding(level, f"{inodes[-3]} inodes free at {where}"))

@@ -12,6 +12,14 @@
 Running deploy again is idempotent: the same code is not pushed again, an installed agent is
 reused, and a run that is already live on the same release is left alone. A deploy cut off
 halfway leaves the old release or the new one, never a mix.
+
+Round trips: the audit's one script also reads the box's Python for the agent, the marker of the
+agent's install for it and whether the release is complete (controller/audit.py); one more
+command runs the found agent's ``--version`` and, at once, its ``status NAME --json`` and reads
+the run's spec.json (``_look``). A deploy of unchanged code whose run is live runs just these
+two. Anything missing or wrong is then fixed as before, each by its own command: the push, an
+install (also when the found agent's ``--version`` fails), then the live-run check again with
+the agent installed.
 """
 
 from __future__ import annotations
@@ -22,12 +30,20 @@ import os
 import posixpath
 import sys
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from controller import audit as auditmod
-from controller.install import install_agent
+from controller.install import (
+    AgentInstall,
+    AgentWheel,
+    Probed,
+    agent_wheel,
+    answers_version,
+    found_install,
+    install_agent,
+)
 from controller.registry import Registry, RunRecord
-from controller.release import push_release, switch_current
+from controller.release import project_files, push_release, release_id, switch_current
 from controller.remote import Remote, open_remote
 from controller.target import Target, parse_target
 from onbox.errors import HostError, LockedError, RemoteUnreachable, RgtError, UsageError
@@ -148,6 +164,11 @@ def deploy(
             raise UsageError("JOB.toml", f"{req.job_file} is not inside the project {project}")
     name = _job_name(req, project)
     secrets = _secrets(req.secret_env, environ)
+    # What the audit looks for on the box, computed here first: the release's id (a project
+    # that cannot be pushed is refused before the box is touched) and the agent's wheel.
+    files = project_files(project)
+    rid = release_id(project, files)
+    wheel = agent_wheel()
 
     remote = open_remote(target)
     try:
@@ -156,8 +177,16 @@ def deploy(
         store = req.store
         if store is None and profile == "local":
             store = "file://" + os.path.join(known, "store")
+        extras = _extras(store)
         report = auditmod.audit(
-            remote, python=req.python, box_home=known, durable=_durable_path(store)
+            remote,
+            python=req.python,
+            box_home=known,
+            durable=_durable_path(store),
+            wheel=wheel,
+            extras=extras,
+            release_id=rid,
+            deploy=name,
         )
         box_home = known or box_home_for(remote, report.home)
         for f in report.findings:
@@ -170,7 +199,9 @@ def deploy(
                 "fix these, then deploy again",
             )
 
-        pushed = push_release(remote, project, box_home, name=name)
+        pushed = push_release(
+            remote, project, box_home, name=name, files=files, seen=report.release
+        )
         say(
             f"rgt: release {pushed.id}: "
             + (
@@ -180,23 +211,27 @@ def deploy(
                 f"sent ({pushed.method})"
             )
         )
-        agent = install_agent(remote, box_home, req.python, req.offline, _extras(store))
+
+        def record(agent: AgentInstall) -> RunRecord:
+            return RunRecord(
+                name=name,
+                target=target,
+                profile=profile,
+                store=store,
+                box_home=box_home,
+                agent=list(agent.argv),
+                agent_env=dict(agent.env),
+                release=pushed.id,
+                workdir=pushed.path,
+            )
+
+        agent, rec, live = _agent_and_run(
+            remote, req, box_home, wheel, extras, report.probed, record
+        )
         say(
             f"rgt: agent {'installed' if agent.installed else 'already installed'} "
             f"({agent.method}, Python {agent.python_version})"
         )
-        rec = RunRecord(
-            name=name,
-            target=target,
-            profile=profile,
-            store=store,
-            box_home=box_home,
-            agent=list(agent.argv),
-            agent_env=dict(agent.env),
-            release=pushed.id,
-            workdir=pushed.path,
-        )
-        live = _live_state(remote, rec)
         if live is not None:
             state, release = live
             if release == pushed.id:
@@ -246,23 +281,89 @@ def deploy(
         remote.close()
 
 
-def _live_state(remote: Remote, rec: RunRecord) -> Optional[tuple[str, Optional[str]]]:
-    """(state, release) of a live run of this name on the box, or None."""
-    r = remote.run(rec.agent_argv("status", rec.name, "--json"), timeout=60)
-    if r.rc != 0:
-        return None
+Live = Tuple[str, Optional[str]]  # a live run's state and the release it runs
+
+
+def _agent_and_run(
+    remote: Remote,
+    req: DeployRequest,
+    box_home: str,
+    wheel: AgentWheel,
+    extras: Sequence[str],
+    probed: Optional[Probed],
+    record: Callable[[AgentInstall], RunRecord],
+) -> Tuple[AgentInstall, RunRecord, Optional[Live]]:
+    """The agent to run (the install the audit found, once its ``--version`` answers; else one
+    installed now), the run's record with it, and the run's live state, if it is live."""
+    found = found_install(probed, box_home, wheel, extras) if probed is not None else None
+    if found is not None:
+        rec = record(found)
+        sound, live = _look(remote, rec, wheel.version)
+        if sound:
+            return found, rec, live
+    agent = install_agent(
+        remote,
+        box_home,
+        req.python,
+        req.offline,
+        extras,
+        wheel=wheel,
+        probed=probed,
+        broken=found is not None,
+    )
+    rec = record(agent)
+    return agent, rec, _look(remote, rec)[1]
+
+
+# $1 "1" to run the agent's --version, $2 the run's spec.json, $3 the run's name, $4... the
+# agent's argv (its environment first, as RunRecord.agent_argv gives it). --version runs in the
+# background while `status NAME --json` runs (its output kept until --version is done), so each
+# section comes out whole and the two agents' starts overlap.
+_LOOK = r"""
+check=$1; spec=$2; name=$3; shift 3
+if [ "$check" = 1 ]; then
+  { echo "@@version"; "$@" --version 2>&1; printf '\n@@version-rc\n%s\n' "$?"; } &
+fi
+st=$("$@" status "$name" --json 2>/dev/null); rc=$?
+wait
+printf '@@status\n%s\n@@status-rc\n%s\n@@spec\n' "$st" "$rc"
+cat -- "$spec" 2>/dev/null
+"""
+
+
+def _look(
+    remote: Remote, rec: RunRecord, version: Optional[str] = None
+) -> Tuple[bool, Optional[Live]]:
+    """In one command: whether the run's agent answers ``--version`` with ``version`` (not asked,
+    True, when ``version`` is None), and the run's (state, release) when it is live on the box."""
+    spec = posixpath.join(rec.box_home, "runs", rec.name, "spec.json")
+    r = remote.sh(_LOOK, "1" if version else "0", spec, rec.name, *rec.agent_argv(), timeout=180)
+    s = auditmod.sections(r.text)
+    if version is not None:
+        rc = "".join(s.get("version-rc") or []).strip()
+        said = "\n".join(s.get("version") or [])
+        if not answers_version(int(rc) if rc.isdigit() else -1, said, version):
+            return False, None  # its status is not to be trusted either
+    if "".join(s.get("status-rc") or []).strip() != "0":
+        return True, None
+    return True, _live(s.get("status") or [], s.get("spec") or [])
+
+
+def _live(status: List[str], spec: List[str]) -> Optional[Live]:
+    """(state, release) from ``rgt-agent status --json`` and spec.json when the run is live."""
     try:
-        doc = json.loads(r.stdout)
+        doc = json.loads("\n".join(status))
     except ValueError:
         return None
-    if doc.get("state") not in LIVE or not (doc.get("agent") or {}).get("alive"):
+    if not isinstance(doc, dict) or doc.get("state") not in LIVE:
+        return None
+    if not (doc.get("agent") or {}).get("alive"):
         return None
     rel = posixpath.basename(str(doc.get("workdir") or "")) or None
     if rel is None:
-        spec = remote.run(["cat", f"{rec.box_home}/runs/{rec.name}/spec.json"], timeout=60)
         try:
-            rel = posixpath.basename(json.loads(spec.stdout).get("workdir", "")) or None
-        except ValueError:
+            rel = posixpath.basename(str(json.loads("\n".join(spec)).get("workdir", ""))) or None
+        except (ValueError, AttributeError):
             rel = None
     return str(doc["state"]), rel
 

@@ -15,6 +15,10 @@ when both ends have it, hard-linking unchanged files from the previous release w
 leaves ``current`` on the old release or the new one, and never a half release under
 ``releases/<id>``.
 
+`rgt deploy` looks for the release in its audit's round trip (``SEEN_SH``, read by
+``parse_seen``): ``push_release`` given that look (``seen``) runs no command of its own when the
+release is complete, so a deploy of unchanged code spends no round trip on its code.
+
 Every name travels as data: paths on the box as quoted argv or as sh positional parameters
 (``Remote.sh``), file lists NUL-separated on rsync's stdin (``--from0``) with rsync's
 ``--protect-args``, tar member names inside the stream. Any byte a file system allows in a name
@@ -46,6 +50,16 @@ STATE_DIRS = (".rgt",)  # rgt's own state in a project directory: never pushed
 STALE_AFTER_MIN = 5  # a .tmp- release untouched this long belongs to a push that died
 _ID = re.compile(r"[0-9a-f]{16}\Z")
 _SUFFIX = re.compile(r"[A-Za-z0-9]{6,}\Z")
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxRelease:
+    """What a look at the box found of release ``id``: ``complete`` there, and ``current``: the
+    deploy's ``current`` link already points at it."""
+
+    id: str
+    complete: bool
+    current: bool
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +202,17 @@ def release_id(root: str, files: Sequence[str]) -> str:
 
 # --- the box side: scripts run with their arguments as $1, $2, ... -----------------------------
 
+# A shell function for a script that must change nothing (the audit's): `rgt_release_seen HOME ID
+# NAME` prints "have 1" (release ID complete, deploys/NAME/current on it), "have 0" (complete, the
+# link elsewhere or absent; NAME may be "") or "none" (not complete: push_release prepares it).
+SEEN_SH = r"""
+rgt_release_seen() {
+  if [ ! -f "$1/releases/$2/.rgt-release" ]; then echo none; return 0; fi
+  if [ -n "$3" ] && [ "$(readlink "$1/deploys/$3/current" 2>/dev/null)" = "../../releases/$2" ]
+  then echo "have 1"; else echo "have 0"; fi
+}
+"""
+
 # $1 box home, $2 id, $3 minutes after which a .tmp- release is stale, $4 deploy name (or "").
 # Prints "have <1|0>" when the release is complete (1: the deploy's current link already points
 # at it), else "new <tmp suffix> <rsync 0|1> <link-dest id>".
@@ -283,6 +308,17 @@ def _check_home(box_home: str) -> None:
         raise UsageError("RGT_HOME", f"{box_home!r} is not an absolute path on the box")
 
 
+def parse_seen(rid: str, lines: Sequence[str]) -> Optional[BoxRelease]:
+    """What ``rgt_release_seen`` printed about release ``rid``; None when that is not understood
+    (push_release then looks itself)."""
+    words = " ".join(lines).split()
+    if words == ["none"]:
+        return BoxRelease(rid, False, False)
+    if len(words) == 2 and words[0] == "have" and words[1] in ("0", "1"):
+        return BoxRelease(rid, True, words[1] == "1")
+    return None
+
+
 def _fail(remote: Remote, what: str, rc: int, stderr: bytes) -> HostError:
     text = stderr.decode("utf-8", "replace").strip()
     return HostError(f"{remote.target.label}: {what} failed (exit {rc}): {text[-2000:]}")
@@ -301,13 +337,17 @@ def push_release(
     files: Optional[Sequence[str]] = None,
     stale_after_min: int = STALE_AFTER_MIN,
     rsync_options: Sequence[str] = (),
+    seen: Optional[BoxRelease] = None,
 ) -> PushResult:
     """Put the project at ``root`` on the box as ``box_home/releases/<id>``; a no-op when that
     release is already complete there.
 
     ``method``: "auto" (rsync when both ends have it, else tar), "rsync" or "tar". ``name``: the
     deploy whose current release rsync hard-links unchanged files from (else the newest release).
-    ``rsync_options`` are added to rsync's command line (e.g. ``--bwlimit=KBPS``).
+    ``rsync_options`` are added to rsync's command line (e.g. ``--bwlimit=KBPS``). ``seen``: what
+    a look at the box (the audit's, ``SEEN_SH``) found of the release of these very ``files``,
+    which must then be given: its id is theirs, and they are not hashed again. A release it found
+    complete is the result at once, with no command run.
     """
     _check_home(box_home)
     if method not in ("auto", "rsync", "tar"):
@@ -315,9 +355,15 @@ def push_release(
     if name is not None:
         check_name(name)
     root = os.path.abspath(root)
+    if seen is not None and (files is None or not _ID.match(seen.id)):
+        raise UsageError("release", "a release seen on the box needs its files and a valid id")
     files = list(project_files(root) if files is None else files)
-    rid = release_id(root, files)
+    rid = seen.id if seen is not None else release_id(root, files)
     final = posixpath.join(box_home, "releases", rid)
+    if seen is not None and seen.complete:
+        if name is not None and seen.current:
+            _current_seen[remote] = (box_home, name, rid)
+        return PushResult(rid, final, 0, 0, "existing")
     r = remote.sh(_PREPARE, box_home, rid, str(int(stale_after_min)), name or "", timeout=300)
     words = r.text.split()
     if r.rc != 0 or not words:

@@ -11,7 +11,11 @@ one run, shared by the tests of this module. Covered:
   goes on (same process, progress advancing); status, watch (rendered to a file) and logs show it;
 - netns: the link cut in the middle of the push, then just after the agent started: deploy fails
   with RemoteUnreachable (exit 3) in bounded time; once the link is back, deploy again: one agent,
-  one complete release, the run RUNNING; a deploy of unchanged code sends no file;
+  one complete release, the run RUNNING; a deploy of unchanged code sends no file and runs two
+  commands on the box (the sshd's log counts them): the audit, and the agent's --version with the
+  run's status;
+- a deploy whose found agent no longer answers --version installs it again, next to the live
+  run's agent (whose files it leaves), and finds the run live: nothing to do;
 - netns, link down: status reads the store's mirror and says "unknown since T";
 - a canary secret (--secret-env) reaches the job, also after the agent is SIGKILLed and respawned
   and the job restarted, and is found only in the box's 0600 secrets file: in no process's argv
@@ -163,6 +167,7 @@ class Box:
     # (exit status, stderr, seconds: from the cut when a cut ended it, else in all) per deploy
     deploys: List[Tuple[int, str, float]] = dataclasses.field(default_factory=list)
     after_cut: Dict[str, Any] = dataclasses.field(default_factory=dict)  # the box, then
+    last_deploy_commands: int = -1  # commands the sshd started for the last deploy of the fixture
 
     @property
     def target(self) -> str:
@@ -252,6 +257,10 @@ class Box:
                 return out
             time.sleep(0.3)
         raise AssertionError(f"{self.label}: {text!r} not in the log: {out[-2000:]!r}")
+
+    def commands(self) -> int:
+        """Commands the box's sshd has started so far: one per ssh command, multiplexed or not."""
+        return self.sshd.log().count("Starting session: ")
 
     def run_dir(self, *parts: str) -> str:
         return os.path.join(self.box_home, "runs", self.name, *parts)
@@ -400,7 +409,9 @@ def netns(
         t0 = time.monotonic()
         box.finish(box.deploy("--offline"), t0)
         t0 = time.monotonic()
+        n = box.commands()
         box.finish(box.deploy("--offline"), t0)
+        box.last_deploy_commands = box.commands() - n
         yield box
     finally:
         box.cleanup()
@@ -564,15 +575,21 @@ def test_a_deploy_cut_after_the_start_then_again_gives_one_agent_one_release(net
 def test_a_deploy_of_unchanged_code_moves_no_file(box: Box) -> None:
     if box.label == "loop":
         t0 = time.monotonic()
+        n = box.commands()
         p = box.deploy("--secret-env", SECRET_VAR, job_args=tuple(HOSTILE_ARGS))
         rc, err, _ = box.finish(p, t0)
+        commands = box.commands() - n
     else:
         rc, err, _ = box.deploys[3]
+        commands = box.last_deploy_commands
     assert rc == 0, err
     assert "already on the box, nothing sent" in err, err
     assert "already installed" in err and "nothing to do" in err, err
     assert len(box.complete_releases()) == 1
     assert len(box.agents()) == 1
+    # The audit (with the Python, the install's marker and the release in it), then the agent's
+    # --version with the run's status and spec: nothing else.
+    assert commands == 2, box.sshd.log()[-3000:]
 
 
 def test_status_reads_the_store_when_the_box_does_not_answer(netns: Box) -> None:
@@ -602,6 +619,58 @@ def test_status_reads_the_store_when_the_box_does_not_answer(netns: Box) -> None
     finally:
         netns.ns.link_up()
     assert netns.wait_status(lambda s: s["source"] == "box", "the box again")["state"] == "RUNNING"
+
+
+def test_a_found_agent_that_does_not_answer_is_installed_again_beside_the_live_run(
+    sshd: SshServer, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    box = _new_box("again", sshd, tmp_path_factory.mktemp("again"))
+    argv = [
+        *_rgt_exe(), "deploy", box.target, "--name", box.name, "--python", sys.executable,
+        "--project", box.project, "--", "sh", "-c", "echo started; exec sleep 600",
+    ]  # fmt: skip
+
+    def deploy() -> str:
+        p = subprocess.run(
+            argv, env=box.env(), stdin=subprocess.DEVNULL, capture_output=True, text=True,
+            timeout=300, cwd=box.ctl_home,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        return p.stderr
+
+    try:
+        assert "its first line: started" in deploy()
+        first = Registry(box.ctl_home).get(box.name).agent[0]  # .../agent/<key>/venv/bin/python
+        install_dir = os.path.dirname(os.path.dirname(os.path.dirname(first)))
+        before = box.wait_status(lambda s: s["agent"]["alive"] and s["job_alive"], "the run")
+        (meta,) = glob.glob(
+            os.path.join(
+                install_dir,
+                "venv/lib/python*/site-packages/remote_gpu_trainer-*.dist-info/METADATA",
+            )
+        )
+        with open(meta) as f:
+            text = f.read()
+        broken = re.sub(r"(?m)^Version: .*$", "Version: 0.0.0+broken", text)
+        with open(meta, "w") as f:  # its --version now names another version; nothing else
+            f.write(broken)
+
+        err = deploy()
+        assert "agent installed (venv" in err and "nothing to do" in err, err
+        again = Registry(box.ctl_home).get(box.name).agent[0]
+        assert again == first.replace(install_dir, install_dir + "-2")
+        with open(meta) as f:
+            assert f.read() == broken  # the live run's agent keeps its install whole
+        after = box.status()
+        assert after["state"] == "RUNNING" and after["agent"]["alive"], after
+        assert (after["agent"]["pid"], after["pid"]) == (before["agent"]["pid"], before["pid"])
+
+        n = box.commands()
+        err = deploy()
+        assert "agent already installed" in err and "nothing to do" in err, err
+        assert box.commands() - n == 2
+    finally:
+        box.cleanup()
 
 
 # --- secrets ------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ import sys
 import time
 import zipfile
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
@@ -36,7 +36,7 @@ from controller.install import AgentInstall, install_agent, manylinux_platforms,
 from controller.remote import LocalRemote, SshRemote
 from controller.target import Target
 from onbox.errors import HostError, UsageError
-from tests.conftest import ROOT, require
+from tests.conftest import ROOT, _kill_run_processes, require
 from tests.sshd import SshServer
 
 HOME_NAME = "box home 'q' $(touch pwned) -x"
@@ -235,6 +235,69 @@ def test_a_second_install_installs_nothing(remote: SshRemote, venv_install: Inst
     )
     assert sorted(os.listdir(agent_dir)) == entries and os.stat(marker).st_mtime_ns == stamp
     assert took < venv_install.seconds / 2, (took, venv_install.seconds)
+
+
+# --- an install whose agent no longer answers -----------------------------------------------------
+
+
+def _break_version(inst: AgentInstall) -> Path:
+    """Make the install's ``--version`` name another version, and nothing else: click reads it
+    from the package's metadata, which nothing else of the agent uses."""
+    (meta,) = Path(inst.path).glob(
+        "venv/lib/python*/site-packages/remote_gpu_trainer-*.dist-info/METADATA"
+    )
+    text = meta.read_text()
+    meta.write_text(text.replace(f"Version: {wheelmod.version()}\n", "Version: 0.0.0+broken\n"))
+    return meta
+
+
+def _status(remote: SshRemote, inst: AgentInstall, home: str, name: str) -> Dict[str, Any]:
+    doc: Dict[str, Any] = json.loads(_agent(remote, inst, "status", name, "--json", home=home))
+    return doc
+
+
+def test_a_broken_install_a_live_agent_runs_from_is_left_whole(
+    remote: SshRemote, tmp_path: Path
+) -> None:
+    """An install whose --version fails is installed again, but never removed from under a live
+    run's agent: the new one goes next to it. Once nothing runs from one, it is redone in place."""
+    home = str(tmp_path / HOME_NAME)
+    first = install_agent(remote, home)
+    try:
+        _agent(remote, first, "start", "--name", "live", "--", "sleep", "600", home=home)
+        deadline = time.monotonic() + 30
+        while not ((st := _status(remote, first, home, "live"))["agent"]["alive"] and st["pid"]):
+            assert time.monotonic() < deadline, st
+            time.sleep(0.2)
+        # What the install script goes by: the agent maps a file of its install.
+        assert first.path in Path(f"/proc/{st['agent']['pid']}/maps").read_text()
+        meta = _break_version(first)
+        broken = meta.read_text()
+        assert "0.0.0+broken" in _agent(remote, first, "--version")
+
+        second = install_agent(remote, home)
+        assert (second.installed, second.method) == (True, "venv")
+        assert second.path == first.path + "-2"
+        assert meta.read_text() == broken  # the live agent's install is left whole
+        assert os.path.exists(os.path.join(first.path, ".rgt-agent.json"))
+        assert _agent(remote, second, "--version") == f"rgt-agent, version {wheelmod.version()}\n"
+        now = _status(remote, second, home, "live")
+        assert now["agent"]["alive"] and now["state"] == "RUNNING", now
+        assert (now["agent"]["pid"], now["pid"]) == (st["agent"]["pid"], st["pid"])
+        assert install_agent(remote, home) == dataclasses.replace(second, installed=False)
+
+        # Nothing runs from the newest one: broken too, it is installed again where it is.
+        _agent(remote, second, "stop", "live", "--grace", "2", home=home)
+        second_meta = _break_version(second)
+        third = install_agent(remote, home)
+        assert third == second
+        assert "0.0.0+broken" not in second_meta.read_text()
+        assert meta.read_text() == broken
+        assert sorted(os.listdir(os.path.join(home, "agent"))) == sorted(
+            os.path.basename(p) + s for p in (first.path, second.path) for s in ("", ".lock")
+        )
+    finally:
+        _kill_run_processes(home)
 
 
 # --- no venv module, no pip, old or missing Python -----------------------------------------------

@@ -12,7 +12,9 @@ each ask the box for: the Python as the agent's install sees it and the install 
 controller's wheel for it (controller/install.py ``PROBE_SH``), and whether the release of the
 project's code is complete there (controller/release.py ``SEEN_SH``). Each piece is a shell
 function of the module that owns it, prints its own section and is read by that module, so its
-errors stay its own; a deploy of unchanged code then needs no other round trip for them.
+errors stay its own; a deploy of unchanged code then needs no other round trip for them. Asked
+to (``look``), it also runs an agent's ``--version`` and the run's status through it
+(``rgt_look``, read by controller/deploy.py).
 """
 
 from __future__ import annotations
@@ -26,10 +28,31 @@ from controller import release as releasemod
 from controller.remote import Remote
 from onbox.errors import HostError
 
+# A shell function: `rgt_look CHECK SPEC NAME AGENT...` runs the agent AGENT... (its argv, its
+# environment first, as RunRecord.agent_argv gives it): its --version when CHECK is 1, in the
+# background while its `status NAME --json` runs (output kept until --version is done, so each
+# section comes out whole and the two starts overlap), then prints the run's SPEC (spec.json).
+# Sections: @@version, @@version-rc, @@status, @@status-rc, @@spec (controller/deploy.py reads
+# them).
+LOOK_SH = r"""
+rgt_look() {
+  rgt_check=$1; rgt_spec=$2; rgt_name=$3; shift 3
+  if [ "$rgt_check" = 1 ]; then
+    { echo "@@version"; "$@" --version 2>&1; printf '\n@@version-rc\n%s\n' "$?"; } &
+  fi
+  rgt_st=$("$@" status "$rgt_name" --json 2>/dev/null); rgt_rc=$?
+  wait
+  printf '@@status\n%s\n@@status-rc\n%s\n@@spec\n' "$rgt_st" "$rgt_rc"
+  cat -- "$rgt_spec" 2>/dev/null
+}
+"""
+LOOK_SECTIONS = ("version", "version-rc", "status", "status-rc", "spec")
+
 # $1 RGT_HOME on the box ("": ~/.rgt), $2 a file:// store's path (or ""), $3.. $7 the Python
 # probe's arguments (install.probe_args: the Python, the probe's code, and the version, sha256 and
 # extras of the wheel whose install to look for, or ""), $8 a release id (or ""), $9 the deploy's
-# name (or "").
+# name (or ""); then, optionally, rgt_look's arguments: the look at a run through the agent that
+# ran it last time, saving a deploy of unchanged code its second round trip.
 PROBE = r"""
 home=${1:-$HOME/.rgt}; durable=$2; rel=$8; name=$9
 echo "@@home"; printf '%s\n' "$HOME"
@@ -45,8 +68,9 @@ echo "@@cgroup"; cat /sys/fs/cgroup/memory.max 2>/dev/null ||
 echo "@@tools"; for t in rsync tar; do command -v "$t" >/dev/null 2>&1 && echo "$t"; done
 echo "@@release"; if [ -n "$rel" ]; then rgt_release_seen "$home" "$rel" "$name"; fi
 echo "@@clock"; date +%s
+shift 9; if [ "$#" -gt 0 ]; then rgt_look "$@"; fi
 """
-SCRIPT = installmod.PROBE_SH + releasemod.SEEN_SH + PROBE
+SCRIPT = installmod.PROBE_SH + releasemod.SEEN_SH + LOOK_SH + PROBE
 
 MIN_FREE_BYTES = 2 << 30
 MIN_FREE_INODES = 10000
@@ -75,6 +99,7 @@ class Audit:
     skew_s: float
     probed: Optional[installmod.Probed] = None
     release: Optional[releasemod.BoxRelease] = None
+    look: Optional[Dict[str, List[str]]] = None  # rgt_look's sections, when one was asked for
 
     @property
     def problems(self) -> List[Finding]:
@@ -104,16 +129,25 @@ def audit(
     extras: Sequence[str] = (),
     release_id: Optional[str] = None,
     deploy: Optional[str] = None,
+    look: Sequence[str] = (),
 ) -> Audit:
     """Read the box and judge it; raises nothing for findings (see Audit.problems).
 
     With ``wheel``, the look also finds the install of that wheel (with ``extras``) for the box's
     Python; with ``release_id``, whether that release is complete on the box (and whether the
-    deploy ``deploy``'s current link is on it)."""
+    deploy ``deploy``'s current link is on it). With ``look`` (rgt_look's arguments), that look
+    too, its sections in Audit.look."""
     probe_args = installmod.probe_args(python, wheel, extras)  # UsageError before any command
     t0 = time.time()
     res = remote.sh(
-        SCRIPT, box_home, durable or "", *probe_args, release_id or "", deploy or "", timeout=60
+        SCRIPT,
+        box_home,
+        durable or "",
+        *probe_args,
+        release_id or "",
+        deploy or "",
+        *look,
+        timeout=180 if look else 60,
     )
     t1 = time.time()
     s = sections(res.text)
@@ -147,6 +181,7 @@ def audit(
         skew,
         probed,
         seen,
+        {k: s[k] for k in LOOK_SECTIONS if k in s} if look else None,
     )
 
 

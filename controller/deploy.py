@@ -14,12 +14,14 @@ reused, and a run that is already live on the same release is left alone. A depl
 halfway leaves the old release or the new one, never a mix.
 
 Round trips: the audit's one script also reads the box's Python for the agent, the marker of the
-agent's install for it and whether the release is complete (controller/audit.py); one more
-command runs the found agent's ``--version`` and, at once, its ``status NAME --json`` and reads
-the run's spec.json (``_look``). A deploy of unchanged code whose run is live runs just these
-two. Anything missing or wrong is then fixed as before, each by its own command: the push, an
-install (also when the found agent's ``--version`` fails), then the live-run check again with
-the agent installed.
+agent's install for it and whether the release is complete (controller/audit.py); and, where
+this laptop has a record of the run, it runs the recorded agent's ``--version`` and, at once,
+its ``status NAME --json`` and reads the run's spec.json (the look). That look counts only if
+the recorded agent is the install the audit found; else (or with no record) the look is one
+more command. A deploy of unchanged code whose run is live, from the laptop that deployed it,
+runs the audit alone. Anything missing or wrong is then fixed as before, each by its own
+command: the push, an install (also when the agent's ``--version`` fails), then the look again
+with the agent installed.
 """
 
 from __future__ import annotations
@@ -46,7 +48,14 @@ from controller.registry import Registry, RunRecord
 from controller.release import project_files, push_release, release_id, switch_current
 from controller.remote import Remote, open_remote
 from controller.target import Target, parse_target
-from onbox.errors import HostError, LockedError, RemoteUnreachable, RgtError, UsageError
+from onbox.errors import (
+    HostError,
+    LockedError,
+    NotFound,
+    RemoteUnreachable,
+    RgtError,
+    UsageError,
+)
 from onbox.rundir import check_name
 from onbox.spec import default_name
 
@@ -178,6 +187,9 @@ def deploy(
         if store is None and profile == "local":
             store = "file://" + os.path.join(known, "store")
         extras = _extras(store)
+        # The agent this laptop last ran the run with is most likely still the one: look at
+        # the run through it within the audit's command (checked against what the audit finds).
+        prev = _previous(registry, name, target)
         report = auditmod.audit(
             remote,
             python=req.python,
@@ -187,6 +199,7 @@ def deploy(
             extras=extras,
             release_id=rid,
             deploy=name,
+            look=_look_args(prev, wheel.version) if prev is not None else (),
         )
         box_home = known or box_home_for(remote, report.home)
         for f in report.findings:
@@ -226,7 +239,7 @@ def deploy(
             )
 
         agent, rec, live = _agent_and_run(
-            remote, req, box_home, wheel, extras, report.probed, record
+            remote, req, box_home, wheel, extras, report.probed, record, prev, report.look
         )
         say(
             f"rgt: agent {'installed' if agent.installed else 'already installed'} "
@@ -292,13 +305,24 @@ def _agent_and_run(
     extras: Sequence[str],
     probed: Optional[Probed],
     record: Callable[[AgentInstall], RunRecord],
+    prev: Optional[RunRecord] = None,
+    seen: Optional[Dict[str, List[str]]] = None,
 ) -> Tuple[AgentInstall, RunRecord, Optional[Live]]:
     """The agent to run (the install the audit found, once its ``--version`` answers; else one
-    installed now), the run's record with it, and the run's live state, if it is live."""
+    installed now), the run's record with it, and the run's live state, if it is live.
+
+    ``seen``: the audit's look at the run through ``prev``'s agent (the one this laptop last
+    recorded for it); it stands for this look only where that is the agent found now."""
     found = found_install(probed, box_home, wheel, extras) if probed is not None else None
     if found is not None:
         rec = record(found)
-        sound, live = _look(remote, rec, wheel.version)
+        same = (
+            prev is not None
+            and seen is not None
+            and prev.agent_argv() == rec.agent_argv()
+            and prev.name == rec.name
+        )
+        sound, live = _look(remote, rec, wheel.version, seen if same else None)
         if sound:
             return found, rec, live
     agent = install_agent(
@@ -315,38 +339,44 @@ def _agent_and_run(
     return agent, rec, _look(remote, rec)[1]
 
 
-# $1 "1" to run the agent's --version, $2 the run's spec.json, $3 the run's name, $4... the
-# agent's argv (its environment first, as RunRecord.agent_argv gives it). --version runs in the
-# background while `status NAME --json` runs (its output kept until --version is done), so each
-# section comes out whole and the two agents' starts overlap.
-_LOOK = r"""
-check=$1; spec=$2; name=$3; shift 3
-if [ "$check" = 1 ]; then
-  { echo "@@version"; "$@" --version 2>&1; printf '\n@@version-rc\n%s\n' "$?"; } &
-fi
-st=$("$@" status "$name" --json 2>/dev/null); rc=$?
-wait
-printf '@@status\n%s\n@@status-rc\n%s\n@@spec\n' "$st" "$rc"
-cat -- "$spec" 2>/dev/null
-"""
+def _previous(registry: Registry, name: str, target: Target) -> Optional[RunRecord]:
+    """This laptop's record of run ``name`` on ``target``, if it has one with an agent."""
+    try:
+        rec = registry.get(name)
+    except NotFound:
+        return None
+    if rec.target != target or not rec.agent or not rec.box_home:
+        return None
+    return rec
+
+
+def _look_args(rec: RunRecord, version: Optional[str]) -> List[str]:
+    """audit.rgt_look's arguments for a look at ``rec``'s run (``--version`` too, with
+    ``version``)."""
+    spec = posixpath.join(rec.box_home, "runs", rec.name, "spec.json")
+    return ["1" if version else "0", spec, rec.name, *rec.agent_argv()]
 
 
 def _look(
-    remote: Remote, rec: RunRecord, version: Optional[str] = None
+    remote: Remote,
+    rec: RunRecord,
+    version: Optional[str] = None,
+    seen: Optional[Dict[str, List[str]]] = None,
 ) -> Tuple[bool, Optional[Live]]:
-    """In one command: whether the run's agent answers ``--version`` with ``version`` (not asked,
-    True, when ``version`` is None), and the run's (state, release) when it is live on the box."""
-    spec = posixpath.join(rec.box_home, "runs", rec.name, "spec.json")
-    r = remote.sh(_LOOK, "1" if version else "0", spec, rec.name, *rec.agent_argv(), timeout=180)
-    s = auditmod.sections(r.text)
+    """Whether the run's agent answers ``--version`` with ``version`` (not asked, True, when
+    ``version`` is None), and the run's (state, release) when it is live on the box: from
+    ``seen`` (the audit's look through the same agent) or one command now."""
+    if seen is None:
+        r = remote.sh(auditmod.LOOK_SH + 'rgt_look "$@"', *_look_args(rec, version), timeout=180)
+        seen = auditmod.sections(r.text)
     if version is not None:
-        rc = "".join(s.get("version-rc") or []).strip()
-        said = "\n".join(s.get("version") or [])
+        rc = "".join(seen.get("version-rc") or []).strip()
+        said = "\n".join(seen.get("version") or [])
         if not answers_version(int(rc) if rc.isdigit() else -1, said, version):
             return False, None  # its status is not to be trusted either
-    if "".join(s.get("status-rc") or []).strip() != "0":
+    if "".join(seen.get("status-rc") or []).strip() != "0":
         return True, None
-    return True, _live(s.get("status") or [], s.get("spec") or [])
+    return True, _live(seen.get("status") or [], seen.get("spec") or [])
 
 
 def _live(status: List[str], spec: List[str]) -> Optional[Live]:

@@ -46,7 +46,10 @@ user's plain ``ssh -e`` would (a new connection per command, no multiplexing).
    each safetensors header parsed; fsync; rename; the receipt), plain ``rsync -a -e 'ssh ...'
    USER@127.0.0.1:STORE/N/checkpoints/STEP/ DIR/`` of the same files (no check, no fsync), and,
    for reference, ``rgt pull N --from store`` (the store read directly: it is a path on this
-   machine) and ``rsync ... && sync`` (plain rsync made durable). Before every timed run the
+   machine), ``rsync ... && sync`` (plain rsync made durable) and rsync with ssh told to use
+   AES-GCM (``-c aes128-gcm@openssh.com``), the cipher rgt's ssh puts first where no
+   configuration chooses one (controller/remote.py): so the report shows how much of rgt's
+   pull speed is the cipher, next to plain rsync with ssh's default. Before every timed run the
    destination is removed and ``sync`` runs, and as root the page cache is dropped (as
    bench_seal.py does), so each command reads the files from the disk; then the programs
    themselves are read back in (Python with the modules `rgt pull` imports, rsync, ssh: about
@@ -96,7 +99,8 @@ from benchlib import can_drop_caches, fs_type, machine, verdict  # noqa: E402
 
 from controller import pull as pullmod  # noqa: E402
 from controller.registry import Registry, RunRecord  # noqa: E402
-from controller.target import Target  # noqa: E402
+from controller.remote import SshRemote  # noqa: E402
+from controller.target import Target, ssh_destination_args  # noqa: E402
 from onbox import procfs  # noqa: E402
 from onbox.sealer import Sealer, take_epoch  # noqa: E402
 from onbox.stores import open_store  # noqa: E402
@@ -747,6 +751,8 @@ def measure_pull(box: Box, pull_bytes: int, repeats: int) -> PullResults:
     where, size, files = seal_checkpoint(box, pull_bytes)
     dest = os.path.join(box.tmp, "pulled")
     rsync = ["rsync", "-a", "-e", box.rsync_e(), box.remote(where) + "/", dest + "/"]
+    gcm = f"{box.rsync_e()} -c aes128-gcm@openssh.com"
+    rsync_gcm = ["rsync", "-a", "-e", gcm, box.remote(where) + "/", dest + "/"]
 
     def fresh() -> None:
         shutil.rmtree(dest, ignore_errors=True)
@@ -773,6 +779,7 @@ def measure_pull(box: Box, pull_bytes: int, repeats: int) -> PullResults:
             fresh,
             lambda: plain(["sh", "-c", '"$@" && sync', "sh", *rsync]),
         ),
+        "rsync, AES-GCM": (fresh, lambda: plain(rsync_gcm)),
     }
     samples = alternate(arms, repeats, "pull")
     phases = [pull_phases(box, dest, fresh) for _ in range(repeats)]
@@ -891,6 +898,7 @@ def render(dep: DeployResults, pull: PullResults, meta: str) -> str:
         ("rgt --from box", PULL_RATIO_MIN, "`rgt pull --from box`: rsync over ssh, verified"),
         ("rgt --from store", None, "`rgt pull --from store` (file:// store read directly)"),
         ("rsync && sync", None, "`rsync -a -e ssh ... && sync` (plain rsync made durable)"),
+        ("rsync, AES-GCM", None, "`rsync -a -e 'ssh -c aes128-gcm@openssh.com'` (a tuned ssh)"),
     ):
         ratio = mbps(arm) / ref
         rows.append(
@@ -1024,9 +1032,11 @@ def update_readme(path: str, body: str) -> None:
         f.write(text)
 
 
-def ssh_cipher(box: Box) -> str:
+def ssh_cipher(box: Box, argv: Optional[List[str]] = None) -> str:
+    """The cipher an ssh command (``argv``, ending in the box's address; plain ``ssh`` with the
+    benchmark's options by default) negotiates with the box."""
     p = subprocess.run(
-        [*box.ssh, "-v", box.login, "true"],
+        [*(argv or [*box.ssh, "-v", box.login]), "true"],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -1089,12 +1099,20 @@ def main(argv: Optional[List[str]] = None) -> int:
         stack.enter_context(environ(box.environ()))
         say(f"page cache {'dropped' if box.drop else 'warm (cannot drop it)'} before each pull")
         cipher = ssh_cipher(box)
+        srv_t = Target("ssh", host=srv.host, user=srv.user, port=srv.port, identity=srv.client_key)
+        ours = SshRemote(srv_t)
+        # rgt's own options, on a connection of its own (ssh takes an option's first value).
+        own = ["-v", "-o", "ControlMaster=no", "-o", "ControlPath=none"]
+        rgt_cipher = ssh_cipher(
+            box, ["ssh", *ours.config_args, *own, *ours.options, *ssh_destination_args(srv_t)]
+        )
         dep = measure_deploy(box, int(args.project_mib * MiB), args.repeats)
         pull = measure_pull(box, args.pull_mib * MiB, args.repeats)
         versions = [
             f"Python {platform.python_version()}",
             tool_version(["rsync", "--version"]).replace("  ", " "),
-            tool_version(["ssh", "-V"]) + f" (cipher {cipher}, ssh's default here)",
+            tool_version(["ssh", "-V"])
+            + f" (cipher {cipher}, ssh's default here and plain rsync's; rgt's ssh: {rgt_cipher})",
             tool_version(["git", "--version"]),
         ]
         meta = (

@@ -55,9 +55,17 @@ LOOK_SECTIONS = ("version", "version-rc", "status", "status-rc", "spec")
 # ran it last time, saving a deploy of unchanged code its second round trip.
 PROBE = r"""
 home=${1:-$HOME/.rgt}; durable=$2; rel=$8; name=$9
+py=$3; code=$4; ver=$5; sha=$6; extras=$7; shift 9
+# The look starts first and runs beside the rest (its two Python starts are most of the
+# script's time), its output held in a temporary file until the end; without mktemp, after.
+look_out=
+if [ "$#" -gt 0 ] && look_out=$(mktemp 2>/dev/null); then
+  rgt_look "$@" >"$look_out" 2>/dev/null &
+  look_pid=$!
+fi
 echo "@@home"; printf '%s\n' "$HOME"
 echo "@@python"
-rgt_python_probe "$home" "$3" "$4" "$5" "$6" "$7"
+rgt_python_probe "$home" "$py" "$code" "$ver" "$sha" "$extras"
 echo "@@gpu"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
   2>/dev/null
 echo "@@df"; for d in "$home" "$durable"; do
@@ -68,7 +76,11 @@ echo "@@cgroup"; cat /sys/fs/cgroup/memory.max 2>/dev/null ||
 echo "@@tools"; for t in rsync tar; do command -v "$t" >/dev/null 2>&1 && echo "$t"; done
 echo "@@release"; if [ -n "$rel" ]; then rgt_release_seen "$home" "$rel" "$name"; fi
 echo "@@clock"; date +%s
-shift 9; if [ "$#" -gt 0 ]; then rgt_look "$@"; fi
+if [ -n "$look_out" ]; then
+  wait "$look_pid"; cat -- "$look_out"; rm -f -- "$look_out"
+elif [ "$#" -gt 0 ]; then
+  rgt_look "$@"
+fi
 """
 SCRIPT = installmod.PROBE_SH + releasemod.SEEN_SH + LOOK_SH + PROBE
 

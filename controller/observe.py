@@ -19,6 +19,7 @@ from typing import IO, Any, Dict, List, Optional, Tuple
 from controller.registry import RunRecord
 from controller.remote import Remote, open_remote
 from onbox.errors import NotFound, RemoteUnreachable, RgtError
+from onbox.observe import public_state
 
 # One round trip: the agent's status, then the box's view of what limits the run.
 SNAPSHOT = r"""
@@ -131,14 +132,15 @@ def from_store(rec: RunRecord) -> Dict[str, Any]:
     raw = store.get_bytes(f"{rec.name}/state/state.json")
     if raw is None:
         raise NotFound(f"the store {rec.store} holds no state of run {rec.name!r} yet")
-    doc: Dict[str, Any] = json.loads(raw)
+    mirrored: Dict[str, Any] = json.loads(raw)
+    doc = public_state(mirrored)
     latest = store.get_bytes(f"{rec.name}/LATEST.json")
     if latest is not None:
         doc["latest"] = json.loads(latest)
     doc["done"] = store.get_bytes(f"{rec.name}/DONE.json") is not None
     # The state mirror changes only with the state, so a run RUNNING for days was last written
     # when it started; a later seal is later proof that it was still alive.
-    seen = (doc.get("updated_ts"), (doc.get("latest") or {}).get("updated"))
+    seen = (mirrored.get("updated_ts"), (doc.get("latest") or {}).get("updated"))
     newest = max((float(t) for t in seen if isinstance(t, (int, float))), default=None)
     if newest is not None:
         doc["known_at"] = datetime.datetime.fromtimestamp(newest, datetime.timezone.utc).isoformat(

@@ -26,6 +26,12 @@ _PRIVATE = (
 )
 
 
+def public_state(doc: Dict[str, Any]) -> Dict[str, Any]:
+    """state.json without the agent's own bookkeeping: what status shows, from the box or from
+    the store's mirror alike."""
+    return {k: v for k, v in doc.items() if k not in _PRIVATE}
+
+
 def run_status(rd: RunDir) -> Dict[str, Any]:
     """state.json for people: plus whether an agent holds the run and whether the job lives."""
     doc = read_json(rd.state) or {
@@ -38,7 +44,7 @@ def run_status(rd: RunDir) -> Dict[str, Any]:
         "started_at": None,
         "updated_at": None,
     }
-    out = {k: v for k, v in doc.items() if k not in _PRIVATE}
+    out = public_state(doc)
     held = is_held(rd.lock)
     holder = read_holder(rd.lock) if held else None
     out["agent"] = {

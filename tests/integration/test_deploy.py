@@ -48,6 +48,7 @@ import pytest
 
 from controller.registry import Registry
 from onbox import procfs
+from onbox.observe import public_state
 from tests.conftest import ROOT, _kill_run_processes, require
 from tests.netns import Netns
 from tests.sshd import SshServer
@@ -616,6 +617,8 @@ def test_status_reads_the_store_when_the_box_does_not_answer(netns: Box) -> None
         doc = json.loads(p.stdout)
         assert doc["source"] == "store" and doc["state"] == "RUNNING", doc
         assert doc["box_unreachable"] and doc["read_at"] and doc["known_at"], doc
+        # The agent's own bookkeeping stays out, as it does in the box's answer.
+        assert public_state(doc) == doc
     finally:
         netns.ns.link_up()
     assert netns.wait_status(lambda s: s["source"] == "box", "the box again")["state"] == "RUNNING"

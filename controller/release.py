@@ -9,8 +9,8 @@ Box layout (under RGT_HOME on the box)::
 ``<id>`` is a content hash of the pushed files (path, executable bit, content or link target), so
 the same code always lands in the same directory and a second deploy of unchanged code finds its
 release complete and moves nothing. A release is uploaded into a temporary directory (with rsync
-when both ends have it, hard-linking unchanged files from the previous release with
-``--link-dest``; else as a tar stream over ssh), marked complete, then renamed into place; the
+when both ends have it, copying unchanged files on the box from the previous release with
+``--copy-dest``; else as a tar stream over ssh), marked complete, then renamed into place; the
 ``current`` link is replaced by renaming a new link over it. A push cut off anywhere therefore
 leaves ``current`` on the old release or the new one, and never a half release under
 ``releases/<id>``.
@@ -426,7 +426,10 @@ def _rsync(
         "--stats", "--timeout=300", *extra,
     ]  # fmt: skip
     if link_dest:
-        argv.append(f"--link-dest={link_dest}")
+        # Copies on the box, not hard links (--link-dest): a job that rewrites a file of its
+        # release in place (open(path, "w") truncates the inode) must not change another
+        # release, which a running job may be using. The network carries the same either way.
+        argv.append(f"--copy-dest={link_dest}")
     shell = remote.rsync_shell()
     if shell is not None:
         argv += ["-e", " ".join(_rsync_quote(a) for a in shell)]

@@ -7,7 +7,8 @@ directly. Covered:
   tree except VCS metadata, caches, venvs and rgt's state; links inside kept, outside refused;
 - hostile file names and a hostile RGT_HOME arrive byte for byte, with rsync and with tar;
 - a second push of unchanged code moves nothing; a changed file is the only one sent (the rest are
-  hard links into the previous release);
+  copied on the box from the previous release: copies, not hard links, so a job that rewrites a
+  file of its release in place leaves the other release alone);
 - a push cut off halfway (the rsync client killed, or the whole controller killed) leaves
   ``current`` on the old release and nothing under ``releases/<new id>``; the leftover
   temporary directory is removed by a later push once it is stale, and kept while it may be live;
@@ -332,8 +333,10 @@ def test_a_changed_file_makes_a_new_release(ssh_box: Box, tmp_path: Path, method
     assert Path(old.path, "pkg/mod_07.py").read_bytes() == b"# module 7\n" * 50  # untouched
     if method == "rsync":
         assert (new.transferred_files, new.transferred_bytes) == (1, len(b"changed\n"))
-        same = os.stat(Path(old.path, "pkg/mod_00.py")).st_ino
-        assert os.stat(Path(new.path, "pkg/mod_00.py")).st_ino == same  # hard-linked, not sent
+        # Not sent, and not a hard link either: rewriting it in place leaves the old release's.
+        with open(Path(new.path, "pkg/mod_00.py"), "w") as f:
+            f.write("rewritten by a job\n")
+        assert Path(old.path, "pkg/mod_00.py").read_bytes() == b"# module 0\n" * 50
     else:
         assert new.transferred_files == 40  # tar has no previous release to link from
     assert current_release(box.remote, box.home, "run-1") == old.id  # until switched

@@ -165,3 +165,12 @@ def cli(rgt_home: str) -> Cli:
     env.pop("RGT_ATTEMPT_TAG", None)
     env["RGT_AGENT_RESPAWN_DELAY"] = "1"
     return Cli(rgt_home, env)
+
+
+@pytest.fixture
+def controller_env(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Dict[str, str]:
+    """The laptop's state in the test's own directory, and ssh without the user's config."""
+    env = {"RGT_CONTROLLER_HOME": str(tmp_path / "controller"), "RGT_SSH_CONFIG": "/dev/null"}
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return env

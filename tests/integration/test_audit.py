@@ -52,14 +52,6 @@ class Box:
         return audit(self.remote, python=python, box_home=self.home, **kw)
 
 
-@pytest.fixture
-def controller_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Dict[str, str]:
-    env = {"RGT_CONTROLLER_HOME": str(tmp_path / "controller"), "RGT_SSH_CONFIG": "/dev/null"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    return env
-
-
 @pytest.fixture(params=["ssh", "local"])
 def box(
     request: pytest.FixtureRequest, tmp_path: Path, controller_env: Dict[str, str]

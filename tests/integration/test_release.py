@@ -140,14 +140,6 @@ def _ssh_remote(sshd: SshServer) -> SshRemote:
     )
 
 
-@pytest.fixture
-def controller_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Dict[str, str]:
-    env = {"RGT_CONTROLLER_HOME": str(tmp_path / "controller"), "RGT_SSH_CONFIG": "/dev/null"}
-    for k, v in env.items():
-        monkeypatch.setenv(k, v)
-    return env
-
-
 @pytest.fixture(params=["ssh", "local"])
 def box(
     request: pytest.FixtureRequest, tmp_path: Path, controller_env: Dict[str, str]

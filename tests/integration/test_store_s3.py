@@ -260,45 +260,33 @@ def test_default_part_size_follows_the_object() -> None:
     assert part_size_for(huge) * 10000 >= huge and part_size_for(huge) % MiB == 0
 
 
+# What a store that lies (or data altered after the store checked it) answers, per checksum.
+_LIES = {
+    "md5": ("ETag", "0123456789abcdef0123456789abcdef"),
+    "crc32": ("ChecksumCRC32", "AAAAAA=="),
+}
+
+
+@pytest.mark.parametrize("checksum", ["crc32", "md5"])
 @pytest.mark.parametrize("size", [1000, 12 * MiB], ids=["single", "multipart"])
-def test_an_etag_that_does_not_verify_fails_the_upload(
-    s3_server: SeaweedServer, bucket: str, prefix: str, tmp_path: Any, size: int
+def test_an_answer_that_does_not_verify_fails_the_upload(
+    s3_server: SeaweedServer, bucket: str, prefix: str, tmp_path: Any, size: int, checksum: str
 ) -> None:
-    """Where uploads carry Content-MD5: if the store's ETag is not the MD5 rgt computed (data
-    altered, or an SSE-KMS bucket), the upload fails with IntegrityError and the unverifiable
-    object is removed."""
+    """If the checksum the store answers is not the one rgt computed (the ETag where uploads
+    carry Content-MD5: data altered, or an SSE-KMS bucket; the CRC32, or for the whole object
+    the composite of the parts' CRC32s), the upload fails with IntegrityError and the
+    unverifiable object is removed."""
     path, _, sha = _file(str(tmp_path / "f"), size)
-    store = s3_server.store(bucket, prefix, part_size=5 * MiB, checksum="md5")
+    store = s3_server.store(bucket, prefix, part_size=5 * MiB, checksum=checksum)
+    field, value = _LIES[checksum]
 
     def lie(parsed: Any, **_: Any) -> None:
-        if "ETag" in parsed:
-            parsed["ETag"] = '"0123456789abcdef0123456789abcdef"'
+        if field in parsed:
+            parsed[field] = value + ("-3" if "-" in parsed[field] else "")
 
     store.client.meta.events.register("after-call.s3.PutObject", lie)
     store.client.meta.events.register("after-call.s3.CompleteMultipartUpload", lie)
-    with pytest.raises(IntegrityError, match="ETag"):
-        store.put_file("run/f", path, sha256=sha, size=size)
-    assert store.stat("run/f") is None
-    assert _uploads(s3_server, bucket, prefix) == []
-
-
-@pytest.mark.parametrize("size", [1000, 12 * MiB], ids=["single", "multipart"])
-def test_a_crc32_answer_that_does_not_verify_fails_the_upload(
-    s3_server: SeaweedServer, bucket: str, prefix: str, tmp_path: Any, size: int
-) -> None:
-    """If the CRC32 the store answers is not the one rgt sent (or, for the whole object, the
-    composite of the parts' CRC32s), the upload fails with IntegrityError and the object is
-    removed."""
-    path, _, sha = _file(str(tmp_path / "f"), size)
-    store = s3_server.store(bucket, prefix, part_size=5 * MiB, checksum="crc32")
-
-    def lie(parsed: Any, **_: Any) -> None:
-        if "ChecksumCRC32" in parsed:
-            parsed["ChecksumCRC32"] = "AAAAAA==" + ("-3" if "-" in parsed["ChecksumCRC32"] else "")
-
-    store.client.meta.events.register("after-call.s3.PutObject", lie)
-    store.client.meta.events.register("after-call.s3.CompleteMultipartUpload", lie)
-    with pytest.raises(IntegrityError, match="CRC32"):
+    with pytest.raises(IntegrityError, match="ETag" if checksum == "md5" else "CRC32"):
         store.put_file("run/f", path, sha256=sha, size=size)
     assert store.stat("run/f") is None
     assert _uploads(s3_server, bucket, prefix) == []

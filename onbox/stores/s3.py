@@ -11,10 +11,10 @@ it refuses a body that arrived different from what was read; which checksum depe
 store verifies, found out once per store by a probe (``checksum="auto"``, the default):
 
 - ``crc32``: S3's flexible checksums (``x-amz-checksum-crc32``), where the store refuses a body
-  whose CRC32 is deliberately wrong (AWS, SeaweedFS, MinIO). Each part's CRC32 is checked on
-  arrival and again when the upload is completed, and the object's composite CRC32
-  (``crc32(part CRC32s)-N``) must be what was sent. CRC32 costs a sixth of MD5's CPU, which
-  matters on a box whose cores the training job needs.
+  whose CRC32 is deliberately wrong (SeaweedFS 4.48, tested; AWS documents it). Each part's
+  CRC32 is checked on arrival and again when the upload is completed, and the object's
+  composite CRC32 (``crc32(part CRC32s)-N``) must be what was sent. CRC32 costs a sixth of
+  MD5's CPU, which matters on a box whose cores the training job needs.
 - ``md5``: ``Content-MD5`` on every body, for stores that ignore flexible checksums; after
   completion the ETag must be the MD5 of the object (one put) or ``md5(part MD5s)-N``.
 
@@ -444,7 +444,7 @@ class S3Store(Store):
         if answered is not None and answered != sent:
             raise IntegrityError(
                 f"{doing}: the store answered CRC32 {answered!r} for a body sent with {sent!r}",
-                "the data was altered on the way; the upload is retried from the start",
+                "the data was altered on the way; nothing is kept under the key",
             )
 
     # -- writing ----------------------------------------------------------------------------

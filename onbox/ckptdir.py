@@ -228,9 +228,10 @@ def prune(ckpt_dir: str, keep: int, protect: Optional[str] = None) -> List[str]:
     return gone
 
 
-def verify(path: str) -> Dict[str, Any]:
-    """The marker of the checkpoint at ``path`` after checking every file it lists; raises
-    CheckpointError naming the first file that is missing, short, long or altered."""
+def verify(path: str, fmt: Any = FORMAT) -> Dict[str, Any]:
+    """The marker of the checkpoint at ``path`` after checking every file it lists (names may
+    hold ``/``: files in subdirectories); raises CheckpointError naming the first file that is
+    missing, short, long or altered. ``fmt``: the marker's format required (None: any)."""
     try:
         with open(os.path.join(path, MARKER)) as f:
             marker = json.load(f)
@@ -243,13 +244,13 @@ def verify(path: str) -> Dict[str, Any]:
         ) from None
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{path}/{MARKER} is unreadable: {e}", "use an older one") from None
-    if marker.get("format") != FORMAT:
+    if fmt is not None and marker.get("format") != fmt:
         raise CheckpointError(
-            f"{path} has format {marker.get('format')!r}; this rgt reads format {FORMAT}",
+            f"{path} has format {marker.get('format')!r}; this rgt reads format {fmt}",
             "load it with the rgt version that wrote it",
         )
     for fname, want in sorted(files.items()):
-        fpath = os.path.join(path, fname)
+        fpath = os.path.join(path, *fname.split("/"))
         try:
             size = os.path.getsize(fpath)
         except FileNotFoundError:

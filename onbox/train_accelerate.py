@@ -113,34 +113,9 @@ def publish_dir(tmp: str, final: str, step: int, fmt: str) -> str:
 
 def verify_dir(path: str) -> Dict[str, Any]:
     """The marker of the checkpoint directory ``path`` after checking the size and sha256 of
-    every file it lists; raises CheckpointError naming the first that is missing or altered."""
-    try:
-        with open(os.path.join(path, ckptdir.MARKER)) as f:
-            marker = json.load(f)
-        files = marker["files"]
-        int(marker["step"])
-    except FileNotFoundError:
-        raise CheckpointError(
-            f"{path} has no {ckptdir.MARKER}: it is not a complete rgt checkpoint",
-            "it was cut off while written; use an older one",
-        ) from None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"{path}/{ckptdir.MARKER} is unreadable: {e}", "use an older one"
-        ) from None
-    for rel, want in sorted(files.items()):
-        fpath = os.path.join(path, *rel.split("/"))
-        try:
-            sha, size = sha256_file(fpath)
-        except FileNotFoundError:
-            raise CheckpointError(f"{fpath} is missing", "use an older checkpoint") from None
-        if size != want["size"] or sha != want["sha256"]:
-            raise CheckpointError(
-                f"{fpath} does not match its marker ({size} bytes, sha256 {sha[:12]}... vs "
-                f"{want['size']} bytes, {want['sha256'][:12]}...): truncated or altered",
-                "use an older checkpoint",
-            )
-    return dict(marker)
+    every file it lists (any format: the caller judges it); raises CheckpointError naming the
+    first that is missing or altered."""
+    return ckptdir.verify(path, fmt=None)
 
 
 def complete_checkpoints(ckpt_dir: str, fmt: Optional[str] = FORMAT) -> List[Tuple[int, str]]:

@@ -45,6 +45,8 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from benchlib import commit_of, fs_type, replace_section, verdict
+
 from onbox import daemon as rgt_daemon
 from onbox.rundir import RunDir
 
@@ -698,10 +700,6 @@ def ratio(a: float, b: float) -> Optional[float]:
     return a / b if b > 0 else None
 
 
-def verdict(ok: bool) -> str:
-    return "**pass**" if ok else "**FAIL**"
-
-
 def render(
     idle: List[Series],
     rgt_r: Restarts,
@@ -821,11 +819,8 @@ def update_readme(path: str, body: str) -> None:
     if os.path.exists(path):
         with open(path) as f:
             text = f.read()
-        if BEGIN in text and END in text:
-            head, rest = text.split(BEGIN, 1)
-            text = head + block + rest.split(END, 1)[1]
-        else:
-            text = text.rstrip("\n") + "\n\n" + block + "\n"
+        new = replace_section(text, BEGIN, END, block)
+        text = new if new is not None else text.rstrip("\n") + "\n\n" + block + "\n"
     else:
         text = README_INTRO + block + "\n"
     with open(path, "w") as f:
@@ -867,45 +862,6 @@ It writes the table below (between the markers) unless `--no-readme` is given.
 """
 
 
-def onbox_version() -> str:
-    """The commit of onbox measured, and whether its working tree differed from it."""
-    root = os.path.dirname(HERE)
-    try:
-        head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"],
-            cwd=root,
-            text=True,
-            capture_output=True,
-            timeout=10,
-            check=True,
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--", "onbox"],
-            cwd=root,
-            text=True,
-            capture_output=True,
-            timeout=10,
-            check=True,
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + (" with uncommitted changes to onbox/" if dirty.strip() else "")
-
-
-def fs_type(path: str) -> str:
-    """The filesystem type of ``path`` (fsync cost depends on it: tmpfs makes it free)."""
-    best, kind = "", "unknown"
-    with contextlib.suppress(OSError), open("/proc/mounts") as f:
-        for line in f:
-            parts = line.split()
-            mount = parts[1]
-            if (path == mount or path.startswith(mount.rstrip("/") + "/")) and len(mount) > len(
-                best
-            ):
-                best, kind = mount, parts[2]
-    return kind
-
-
 def _terminate(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -935,7 +891,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     # A plain `kill` of the benchmark must still stop what it started: turn SIGTERM into an
     # exception that unwinds through the ExitStack below.
     signal.signal(signal.SIGTERM, _terminate)
-    onbox = onbox_version()  # before the run: others may edit the tree while it measures
+    onbox = commit_of("onbox")  # before the run: others may edit the tree while it measures
     with contextlib.ExitStack() as stack:
         tmp = tempfile.mkdtemp(prefix="bench-agent-")
         if args.keep:

@@ -95,7 +95,15 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:  # tests/ is not installed: the sshd helper is imported from here
     sys.path.insert(0, ROOT)
 
-from benchlib import can_drop_caches, fs_type, machine, verdict  # noqa: E402
+from benchlib import (  # noqa: E402
+    can_drop_caches,
+    commit_of,
+    fs_type,
+    machine,
+    replace_section,
+    tool_version,
+    verdict,
+)
 
 from controller import pull as pullmod  # noqa: E402
 from controller.registry import Registry, RunRecord  # noqa: E402
@@ -144,32 +152,6 @@ def cpu_ticks() -> Tuple[int, int]:
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     total = sum(fields[:8])  # guest time is already counted in user
     return total - idle, total
-
-
-def tool_version(argv: List[str]) -> str:
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-        return (p.stdout or p.stderr).strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "unknown"
-
-
-def code_version() -> str:
-    """The commit measured, and whether controller/ differed from it."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, text=True, capture_output=True, timeout=10, check=True
-        ).stdout.strip()
-
-    try:
-        head, dirty = (
-            git("rev-parse", "--short", "HEAD"),
-            git("status", "--porcelain", "controller"),
-        )
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + (" with uncommitted changes to controller/" if dirty else "")
 
 
 def rgt_exe() -> List[str]:
@@ -1023,11 +1005,8 @@ def update_readme(path: str, body: str) -> None:
     block = f"{BEGIN}\n{body}{END}"
     with open(path) as f:
         text = f.read()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + f"\n\n{HEADING}\n\n{block}\n"
+    new = replace_section(text, BEGIN, END, block)
+    text = new if new is not None else text.rstrip("\n") + f"\n\n{HEADING}\n\n{block}\n"
     with open(path, "w") as f:
         f.write(text)
 
@@ -1084,7 +1063,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     started = datetime.datetime.now(datetime.timezone.utc)
-    code = code_version()
+    code = commit_of("controller")
     with contextlib.ExitStack() as stack:
         tmp = tempfile.mkdtemp(prefix="bench-ctl-", dir=args.workdir)
         if args.keep:

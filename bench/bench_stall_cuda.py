@@ -127,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"{benchlib.fs_type(tmp)}; `sync`"
             + (" and a page-cache drop" if box.drop else "")
             + f" before every save; medians of {args.repeats} timed saves per arm; "
-            f"onbox at {bs.onbox_version()}.\n"
+            f"onbox at {benchlib.commit_of('onbox')}.\n"
         )
     body = render(rows, meta)
     print(body)

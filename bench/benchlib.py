@@ -1,5 +1,6 @@
 """What every benchmark here reports the same way: the machine, the filesystem under a path, a
-cold page cache, and a target's verdict. Imported by the scripts beside it (bench/ is their
+cold page cache, a target's verdict, the versions of the code and tools measured, and its
+section of bench/README.md. Imported by the scripts beside it (bench/ is their
 sys.path[0])."""
 
 from __future__ import annotations
@@ -7,6 +8,10 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import subprocess
+from typing import List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def verdict(ok: bool) -> str:
@@ -49,3 +54,37 @@ def can_drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def tool_version(argv: List[str]) -> str:
+    """The first line a tool prints about its version ("unknown" when it cannot say)."""
+    try:
+        p = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        return (p.stdout or p.stderr).strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        return "unknown"
+
+
+def commit_of(part: str) -> str:
+    """The commit measured, and whether the working tree of ``part`` (onbox, controller)
+    differed from it: the figures belong to that code."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", *args], cwd=ROOT, text=True, capture_output=True, timeout=10, check=True
+        ).stdout.strip()
+
+    try:
+        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", part)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + (f" with uncommitted changes to {part}/" if dirty else "")
+
+
+def replace_section(text: str, begin: str, end: str, block: str) -> Optional[str]:
+    """``text`` with what lies from ``begin`` to ``end`` (the markers included) replaced by
+    ``block``; None when the markers are missing (the caller adds the section)."""
+    if begin not in text or end not in text:
+        return None
+    head, rest = text.split(begin, 1)
+    return head + block + rest.split(end, 1)[1]

@@ -88,7 +88,7 @@ from controller.receipt import (
 from controller.registry import RunRecord
 from controller.remote import Remote, open_remote
 from onbox import manifest as mf
-from onbox.durable import fsync_dir
+from onbox.durable import fsync_dir, fsync_file
 from onbox.errors import HostError, IntegrityError, NotFound, RemoteUnreachable, UsageError
 from onbox.states import TERMINAL
 from onbox.stores import open_store
@@ -662,7 +662,7 @@ class _Checker:
 
         def fsync() -> None:
             try:
-                _fsync_file(path)
+                fsync_file(path)
             except BaseException as e:
                 failed.append(e)
 
@@ -1263,14 +1263,6 @@ def _fetcher(
     raise UsageError("transport", f"{transport!r} is not rsync or stream")
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _place(
     run: str,
     dest: str,
@@ -1288,7 +1280,7 @@ def _place(
         last[e.stage] = e
     todo = [os.path.join(stage_dir, *s.split("/")) for s in last if s not in durable]
     with ThreadPoolExecutor(HASHERS) as pool:
-        list(pool.map(_fsync_file, todo))
+        list(pool.map(fsync_file, todo))
     dirs = set()
     for e in entries:
         staged = _stage_path(stage_dir, e)
@@ -1299,7 +1291,7 @@ def _place(
         else:  # the same bytes under a second name: a copy, put in place the same way
             tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.rgt-part")
             shutil.copyfile(staged, tmp)
-            _fsync_file(tmp)
+            fsync_file(tmp)
             os.replace(tmp, final)
         d = os.path.dirname(final)
         while d.startswith(dest) and d not in dirs:

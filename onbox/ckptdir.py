@@ -29,7 +29,7 @@ import shutil
 import time
 from typing import IO, Any, Dict, List, Optional, Tuple, cast
 
-from onbox.durable import fsync_dir, sha256_file
+from onbox.durable import fsync_dir, fsync_file, sha256_file
 from onbox.errors import CheckpointError
 
 FORMAT = 1
@@ -73,14 +73,6 @@ def clean_stale(ckpt_dir: str) -> None:
     for n in names:
         if _TMP.match(n):
             shutil.rmtree(os.path.join(ckpt_dir, n), ignore_errors=True)
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _HashingFile:
@@ -162,23 +154,11 @@ def write(
             path = os.path.join(tmp, fname)
             # safetensors writes the file itself (no stream to hash on the way): read it back.
             save_file(_untied(sd), path, metadata={"rgt_step": str(step)})
-            _fsync_file(path)
+            fsync_file(path)
             sha, size = sha256_file(path)
             files[fname] = {"size": size, "sha256": sha}
         marker = {"step": int(step), "format": FORMAT, "files": files, "created": time.time()}
-        with open(os.path.join(tmp, MARKER), "w") as f:
-            json.dump(marker, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        fsync_dir(tmp)
-        old = None
-        if os.path.exists(final):  # the same step saved again (after a resume): replace it
-            old = os.path.join(ckpt_dir, f".{name_for(step)}.rgt-old.{os.urandom(3).hex()}")
-            os.rename(final, old)
-        os.rename(tmp, final)
-        fsync_dir(ckpt_dir)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        put_in_place(tmp, final, marker)
     except BaseException as e:
         # Judged before the partial files go: they are what filled the disk.
         full = _out_of_room(ckpt_dir) if isinstance(e, Exception) else None
@@ -187,6 +167,26 @@ def write(
             raise full from e
         raise
     return final, sum(f["size"] for f in files.values())
+
+
+def put_in_place(tmp: str, final: str, marker: Dict[str, Any]) -> None:
+    """Write ``marker`` last into the directory ``tmp`` (every file in it already fsynced),
+    then rename ``tmp`` to ``final`` in the same parent, replacing a checkpoint saved at the same
+    step before, and fsync the parent: ``final`` is whole or absent after a crash."""
+    with open(os.path.join(tmp, MARKER), "w") as f:
+        json.dump(marker, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(tmp)
+    parent = os.path.dirname(final)
+    old = None
+    if os.path.exists(final):  # the same step saved again (after a resume): replace it
+        old = os.path.join(parent, f".{os.path.basename(final)}.rgt-old.{os.urandom(3).hex()}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    fsync_dir(parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _out_of_room(ckpt_dir: str) -> Optional[OSError]:

@@ -15,6 +15,15 @@ if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
     from typing import Any, Optional
 
 
+def fsync_file(path: str) -> None:
+    """fsync a file that was written and closed elsewhere (by torch.save, safetensors, rsync)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: str) -> None:
     """fsync a directory so a rename inside it survives a crash."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)

@@ -51,7 +51,7 @@ import time
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 from onbox import ckptdir
-from onbox.durable import fsync_dir, sha256_file
+from onbox.durable import fsync_dir, fsync_file, sha256_file
 from onbox.errors import CheckpointError, CheckpointWriteFailed
 from onbox.snapshot import resync_rng_on_first_iter
 from onbox.train import Checkpointer
@@ -68,14 +68,6 @@ __all__ = [
 FORMAT = "accelerate"
 
 
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def publish_dir(tmp: str, final: str, step: int, fmt: str) -> str:
     """Make the directory ``tmp`` (written, not yet visible) the complete checkpoint ``final``:
     fsync and hash every file into rgt's marker (written last), then rename ``tmp`` to ``final``
@@ -89,25 +81,12 @@ def publish_dir(tmp: str, final: str, step: int, fmt: str) -> str:
             rel = os.path.relpath(path, tmp).replace(os.sep, "/")
             if rel == ckptdir.MARKER:
                 continue
-            _fsync_file(path)
+            fsync_file(path)
             sha, size = sha256_file(path)
             files[rel] = {"size": size, "sha256": sha}
         fsync_dir(dirpath)
     marker = {"step": int(step), "format": fmt, "files": files, "created": time.time()}
-    with open(os.path.join(tmp, ckptdir.MARKER), "w") as f:
-        json.dump(marker, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    fsync_dir(tmp)
-    parent = os.path.dirname(final)
-    old = None
-    if os.path.exists(final):  # the same step saved again (after a resume): replace it
-        old = os.path.join(parent, f".{os.path.basename(final)}.rgt-old.{os.urandom(3).hex()}")
-        os.rename(final, old)
-    os.rename(tmp, final)
-    fsync_dir(parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+    ckptdir.put_in_place(tmp, final, marker)
     return final
 
 

@@ -72,7 +72,7 @@ except ImportError as _e:  # pragma: no cover - exercised where lightning is mis
     ) from _e
 
 from onbox import ckptdir, snapshot
-from onbox.durable import fsync_dir
+from onbox.durable import fsync_dir, fsync_file
 from onbox.train import PREEMPT_EXIT, Checkpointer
 from onbox.train_accelerate import publish_dir
 
@@ -84,14 +84,6 @@ _FILE = re.compile(r"step_(\d+)\.ckpt\Z")
 _TMP = re.compile(r"\.step_\d+\.rgt-tmp\.lightning\Z")
 _STATE_KEY = "rgt"
 REPORT_EVERY = 5.0  # seconds between loss reports (each reads the loss off the device)
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def complete_checkpoints(dirpath: str) -> List[Tuple[int, str]]:
@@ -181,7 +173,7 @@ class RgtCheckpoint(Callback):
                     final = os.path.join(self.dirpath, name)
                     publish_dir(tmp, final, step, FORMAT)
                 else:
-                    _fsync_file(tmp)
+                    fsync_file(tmp)
                     os.replace(tmp, final)
                     fsync_dir(self.dirpath)
                 self._prune()

@@ -10,6 +10,7 @@ its next call; the agent's requests and a preemption are heard.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import random
@@ -24,12 +25,20 @@ import pytest
 
 from onbox import ckptdir
 from onbox.durable import sha256_file
+from onbox.train import Checkpointer, CheckpointError, CheckpointWriteFailed
 from tests.conftest import ROOT, require
 
-torch = pytest.importorskip("torch") if not os.environ.get("CI") else __import__("torch")
-np = __import__("numpy")
+# Imported only where installed, so that a missing one is the fixture's skip (or, under CI=true,
+# its failure) below and not a collection error.
+_MISSING = [m for m in ("torch", "numpy") if importlib.util.find_spec(m) is None]
+if not _MISSING:
+    import numpy as np
+    import torch
 
-from onbox.train import Checkpointer, CheckpointError, CheckpointWriteFailed  # noqa: E402
+
+@pytest.fixture(autouse=True)
+def _needs_torch() -> None:
+    require(not _MISSING, f"{', '.join(_MISSING)} (pip install -e '.[train]' torch==2.13.0)")
 
 
 def _objects(seed: int = 0, width: int = 64) -> Dict[str, Any]:
@@ -78,7 +87,13 @@ def test_a_save_resumes_exactly(tmp_path: Any, mode: str) -> None:
         handle_signals=False,
         **objs,
     ) as ck:
-        assert ck.save(5, extra={"epoch": 3, "note": "x", "t": torch.arange(4)}) is None or True
+        saved = ck.save(5, extra={"epoch": 3, "note": "x", "t": torch.arange(4)})
+        if mode == "sync":  # written when save returns: its path
+            assert saved == os.path.join(d, "step_5")
+            assert ckptdir.complete(d) == [(5, saved)]
+        else:  # staged when save returns; the write goes on in the background
+            assert saved is None
+    assert ckptdir.complete(d) == [(5, os.path.join(d, "step_5"))]  # whole once closed
     _train(objs, 5)
     expected = _fingerprint(objs)
 
@@ -403,7 +418,12 @@ def test_a_registered_stateful_loader_resumes_mid_epoch_exactly(tmp_path: Any) -
     mid-epoch from a save, the batches, the dropout masks and the weights continue exactly as
     in the uninterrupted run (making the loader's iterator draws from the global RNG after
     the restore; load() puts the restored state back behind that draw)."""
-    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+    require(
+        importlib.util.find_spec("torchdata") is not None,
+        "torchdata (pip install -e '.[lightning]')",
+    )
+    import torchdata.stateful_dataloader as sdl
+
     data = torch.arange(64, dtype=torch.float32).reshape(32, 2)
 
     def setup() -> Tuple[Any, Any, Any]:

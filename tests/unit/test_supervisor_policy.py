@@ -8,7 +8,7 @@ in tests/integration.
 from __future__ import annotations
 
 import signal
-from typing import List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
@@ -71,11 +71,15 @@ class FakeRunner:
         return pid in self.kernel_oom_pids
 
 
-EDGES_TAKEN: Set[Tuple[State, State]] = set()
+# Every Rig made while this is a list joins it: how the edge test below sees what each
+# scenario did, whatever order (or selection) the tests run in.
+_RIGS: Optional[List[Rig]] = None
 
 
 class Rig:
     def __init__(self, **policy: object) -> None:
+        if _RIGS is not None:
+            _RIGS.append(self)
         self.clock = FakeClock()
         self.runner = FakeRunner()
         self.journal = MemoryJournal()
@@ -104,12 +108,6 @@ class Rig:
         return [e["state"] for e in self.journal.events if e["kind"] == "state"]
 
 
-def _record(rig: Rig) -> None:
-    for e in rig.journal.events:
-        if e["kind"] == "state":
-            EDGES_TAKEN.add((State(e["state_from"]), State(e["state"])))
-
-
 def test_fake_clock_healthy_run_then_success() -> None:
     rig = Rig(start_grace=5.0)
     rig.sup.begin()
@@ -119,7 +117,6 @@ def test_fake_clock_healthy_run_then_success() -> None:
     rig.exit(code=0)
     assert rig.sup.state == State.SUCCEEDED
     assert rig.sup.last_exit is not None and rig.sup.last_exit["kind"] == "success"
-    _record(rig)
 
 
 def test_fake_clock_quick_success_is_success_not_crash() -> None:
@@ -127,7 +124,6 @@ def test_fake_clock_quick_success_is_success_not_crash() -> None:
     rig.sup.begin()
     rig.exit(code=0)
     assert rig.sup.state == State.SUCCEEDED
-    _record(rig)
 
 
 def test_fake_clock_first_restart_after_healthy_run_has_no_backoff() -> None:
@@ -139,7 +135,6 @@ def test_fake_clock_first_restart_after_healthy_run_has_no_backoff() -> None:
     assert rig.sup.next_wakeup() == 0.0
     rig.sup.tick()
     assert rig.sup.state == State.STARTING and rig.runner.spawned == [1, 2]
-    _record(rig)
 
 
 def test_fake_clock_crash_loop_backs_off_exponentially_then_fails_with_log_tail() -> None:
@@ -166,7 +161,6 @@ def test_fake_clock_crash_loop_backs_off_exponentially_then_fails_with_log_tail(
     assert "boom: cannot open shard 7" in reason  # the tail of the log is in the reason
     assert rig.journal.events[-1]["class"] == "permanent"
     assert "crash loop" in " ".join(e["reason"] for e in rig.journal.events)
-    _record(rig)
 
 
 def test_fake_clock_budgets_are_separate() -> None:
@@ -186,7 +180,6 @@ def test_fake_clock_budgets_are_separate() -> None:
     rig.exit(sig=signal.SIGTERM)  # but the preemption budget is spent now
     assert rig.sup.state == State.FAILED
     assert "preemption restart budget spent (3/3)" in rig.journal.events[-1]["reason"]
-    _record(rig)
 
 
 def test_fake_clock_the_kernels_word_on_an_oom_kill_counts_too() -> None:
@@ -207,7 +200,6 @@ def test_fake_clock_oom_kill_spends_the_error_budget() -> None:
     rig.exit(sig=signal.SIGKILL)
     assert rig.sup.last_exit is not None and rig.sup.last_exit["kind"] == "oom_killed"
     assert (rig.sup.error_restarts, rig.sup.preempt_restarts) == (1, 0)
-    _record(rig)
 
 
 @pytest.mark.parametrize(
@@ -225,7 +217,6 @@ def test_fake_clock_deterministic_failures_are_not_retried(output: str) -> None:
     assert rig.sup.state == State.FAILED
     assert rig.runner.spawned == [1]
     assert "not retried" in rig.journal.events[-1]["reason"]
-    _record(rig)
 
 
 def test_fake_clock_cuda_oom_at_the_same_step_is_not_retried_again() -> None:
@@ -240,7 +231,6 @@ def test_fake_clock_cuda_oom_at_the_same_step_is_not_retried_again() -> None:
     rig.exit(code=1, output=oom)
     assert rig.sup.state == State.FAILED
     assert "CUDA out of memory again at step 1200" in rig.journal.events[-1]["reason"]
-    _record(rig)
 
 
 def test_fake_clock_stop_escalates_to_sigkill_after_grace_and_waits_for_every_process() -> None:
@@ -262,7 +252,6 @@ def test_fake_clock_stop_escalates_to_sigkill_after_grace_and_waits_for_every_pr
     rig.sup.tick()
     assert rig.sup.state == State.STOPPED
     assert rig.sup.last_exit is not None and "ended by stop" in rig.sup.last_exit["reason"]
-    _record(rig)
 
 
 def test_fake_clock_preemption_ends_preempted_and_kills_before_the_budget_ends() -> None:
@@ -277,7 +266,6 @@ def test_fake_clock_preemption_ends_preempted_and_kills_before_the_budget_ends()
     rig.exit(sig=signal.SIGKILL)
     rig.sup.tick()
     assert rig.sup.state == State.PREEMPTED
-    _record(rig)
 
 
 def test_fake_clock_stop_during_backoff_and_before_start() -> None:
@@ -289,12 +277,10 @@ def test_fake_clock_stop_during_backoff_and_before_start() -> None:
     rig.sup.tick()
     assert rig.sup.state == State.STOPPED
     assert rig.runner.spawned == [1]  # the backoff never turned into a start
-    _record(rig)
     for reason, final in (("stop", State.STOPPED), ("preempt", State.PREEMPTED)):
         rig2 = Rig()
         rig2.sup.request_stop(reason)
         assert rig2.sup.state == final and rig2.runner.spawned == []
-        _record(rig2)
 
 
 def test_fake_clock_stop_while_starting() -> None:
@@ -304,7 +290,6 @@ def test_fake_clock_stop_while_starting() -> None:
     rig.exit(sig=signal.SIGTERM)
     rig.sup.tick()
     assert rig.sup.state == State.STOPPED
-    _record(rig)
 
 
 def test_fake_clock_leftovers_are_killed_before_the_next_start() -> None:
@@ -322,7 +307,6 @@ def test_fake_clock_leftovers_are_killed_before_the_next_start() -> None:
     rig.runner.processes_alive = False
     rig.sup.tick()
     assert rig.runner.spawned == [1, 2]
-    _record(rig)
 
 
 def test_fake_clock_deadlines_survive_a_restarted_agent() -> None:
@@ -372,8 +356,42 @@ def test_transition_table_shape() -> None:
         assert TRANSITIONS[state] == frozenset()
 
 
-def test_zz_every_edge_of_the_table_is_exercised_and_no_other() -> None:
-    """Runs last in this module: the scenarios above took every edge the table allows."""
+def _scenarios() -> Iterator[Tuple[str, Callable[..., None], Dict[str, Any]]]:
+    """Every fake-clock scenario of this module, once per parameter."""
+    for name, fn in sorted(globals().items()):
+        if not name.startswith("test_fake_clock_") or fn is _edge_test:
+            continue
+        params = [m for m in getattr(fn, "pytestmark", []) if m.name == "parametrize"]
+        if not params:
+            yield name, fn, {}
+            continue
+        (mark,) = params  # one parametrize, one argument: all this module has
+        argname, values = mark.args
+        for value in values:
+            yield f"{name}[{value!r:.20}]", fn, {argname: value}
+
+
+def test_fake_clock_scenarios_take_every_edge_of_the_table_and_no_other() -> None:
+    """Runs every scenario above itself (so it holds alone and in any order): together they
+    take every edge the transition table allows, and none it does not."""
+    global _RIGS
     table = {(s, d) for s, exits in TRANSITIONS.items() for d in exits}
-    assert table >= EDGES_TAKEN
-    assert table - EDGES_TAKEN == set(), f"edges never exercised: {table - EDGES_TAKEN}"
+    taken: Dict[Tuple[State, State], str] = {}
+    ran = 0
+    for name, fn, kwargs in _scenarios():
+        _RIGS = []
+        try:
+            fn(**kwargs)
+        finally:
+            rigs, _RIGS = _RIGS, None
+        ran += 1
+        for rig in rigs:
+            for e in rig.journal.events:
+                if e["kind"] == "state":
+                    taken.setdefault((State(e["state_from"]), State(e["state"])), name)
+    assert ran >= 15, ran  # the scenarios were found
+    assert set(taken) - table == set(), {e: taken[e] for e in set(taken) - table}
+    assert table - set(taken) == set(), f"edges never exercised: {table - set(taken)}"
+
+
+_edge_test = test_fake_clock_scenarios_take_every_edge_of_the_table_and_no_other

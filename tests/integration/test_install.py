@@ -82,7 +82,9 @@ def _site_snapshot(remote: SshRemote, python: str) -> Dict[str, List[Tuple[str, 
     return snap
 
 
-def _wrapper(path: Path, body: str) -> str:
+def _fake_python(path: Path, body: str) -> str:
+    """A fake Python: a shell script at ``path`` that answers some calls itself (``body``) and
+    hands the rest to the real one."""
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("#!/bin/sh\n" + body)
     path.chmod(0o755)
@@ -303,12 +305,14 @@ def test_a_broken_install_a_live_agent_runs_from_is_left_whole(
 # --- no venv module, no pip, old or missing Python -----------------------------------------------
 
 
-def test_install_without_the_venv_module(remote: SshRemote, tmp_path: Path) -> None:
+def test_install_with_a_fake_python_without_the_venv_module(
+    remote: SshRemote, tmp_path: Path
+) -> None:
     py = _box_python(remote)
     r = remote.run([py, "-m", "pip", "--version"])
     require(r.rc == 0, f"pip for the box's {py} (Debian: python3-pip)")
     before = _site_snapshot(remote, py)
-    fake = _wrapper(
+    fake = _fake_python(
         tmp_path / "bin dir" / "python3",
         'if [ "$1" = -m ] && [ "$2" = venv ]; then\n'
         '  echo "ensurepip is not available (fake Debian python3 without python3-venv)" >&2\n'
@@ -336,11 +340,11 @@ def test_install_without_the_venv_module(remote: SshRemote, tmp_path: Path) -> N
     assert _agent(remote, redone, "--version").startswith("rgt-agent, version")
 
 
-def test_no_venv_and_no_pip_is_refused_with_what_to_install(
+def test_a_fake_python_with_no_venv_and_no_pip_is_refused_with_what_to_install(
     remote: SshRemote, tmp_path: Path
 ) -> None:
     py = _box_python(remote)
-    fake = _wrapper(
+    fake = _fake_python(
         tmp_path / "python3",
         'case "$1 $2" in "-m venv"|"-m pip") echo "No module named $2" >&2; exit 1;; esac\n'
         f'exec {py} "$@"\n',
@@ -352,10 +356,10 @@ def test_no_venv_and_no_pip_is_refused_with_what_to_install(
     assert "python3-pip" in e.value.remedy
 
 
-def test_an_old_python_is_refused(remote: SshRemote, tmp_path: Path) -> None:
+def test_a_fake_old_python_is_refused(remote: SshRemote, tmp_path: Path) -> None:
     py = _box_python(remote)
     # Python 3.8 as the probe sees it (sys.version_info is what it reads)
-    fake = _wrapper(
+    fake = _fake_python(
         tmp_path / "python3.8",
         'if [ "$1" = -c ]; then\n'
         f'  exec {py} -c \'import sys; sys.version_info = (3, 8, 18, "final", 0); '

@@ -114,7 +114,7 @@ def job_env(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Dict[str, str]:
     return {"run_dir": run_dir, "ckpt": ckpt}
 
 
-def test_accelerator_checkpointer_saves_on_request_and_resumes(
+def test_fake_accelerator_checkpointer_saves_on_request_and_resumes(
     job_env: Dict[str, str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     acc = FakeAccelerator()
@@ -144,7 +144,7 @@ def test_accelerator_checkpointer_saves_on_request_and_resumes(
         AcceleratorCheckpointer(FakeAccelerator()).load()
 
 
-def test_accelerator_checkpointer_exits_143_after_a_preemption_save(
+def test_fake_accelerator_checkpointer_exits_143_after_a_preemption_save(
     job_env: Dict[str, str],
 ) -> None:
     acc = FakeAccelerator()
@@ -157,7 +157,7 @@ def test_accelerator_checkpointer_exits_143_after_a_preemption_save(
     assert [s for s, _ in complete_checkpoints(job_env["ckpt"])] == [9]
 
 
-def test_accelerator_checkpointer_refuses_automatic_naming() -> None:
+def test_fake_accelerator_checkpointer_refuses_automatic_naming() -> None:
     acc = FakeAccelerator()
     acc.project_configuration.automatic_checkpoint_naming = True
     with pytest.raises(ValueError, match="automatic_checkpoint_naming"):

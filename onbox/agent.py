@@ -15,9 +15,9 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, TextIO, Tuple, cast
 
-from onbox import procfs
+from onbox import procfs, redact
 from onbox.daemon import TAG_VAR, agent_argv, parse_agent_args
 from onbox.durable import read_json
 from onbox.errors import UsageError
@@ -69,6 +69,10 @@ class Agent:
             self.spec, self.runner, clock or RealClock(), self.journal, hooks=hooks, doc=state_doc
         )
         self.sup.extra["agent"] = {"pid": os.getpid(), "host": os.uname().nodename}
+        if self.seal is not None:
+            # status's ``warnings`` (a sealed log held a secret): kept across agents of the run.
+            self.seal.warnings.extend((state_doc or {}).get("warnings") or [])
+            self.sup.extra["warnings"] = self.seal.warnings
         self.check: Optional[ResumeCheck] = None
         try:
             self.check = ResumeCheck(
@@ -321,6 +325,10 @@ def main(argv: List[str]) -> int:
     os.umask(0o077)
     os.environ.pop(TAG_VAR, None)
     rd = RunDir(args["name"])
+    # The agent's stdout and stderr are agent.log (onbox/daemon.py): a traceback or a warning
+    # printed there is redacted like every line the journal writes.
+    sys.stdout = cast(TextIO, redact.RedactingStream(sys.stdout, lambda: redact.for_home(rd.home)))
+    sys.stderr = cast(TextIO, redact.RedactingStream(sys.stderr, lambda: redact.for_home(rd.home)))
     set_title(f"rgt-agent agent {rd.name}")
     lock = RunLock.adopt(args["lock_fd"], rd.lock)
     agent = Agent(rd, lock)

@@ -608,7 +608,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             args=args, prog_name="rgt-agent", standalone_mode=False, obj={"command": command}
         )
     except RgtError as e:
-        click.echo(e.line(), err=True)
+        from onbox.redact import for_home  # a message may quote a run's state or a store's URL
+
+        click.echo(for_home().redact(e.line()), err=True)
         return e.exit_code
     except click.exceptions.UsageError as e:
         click.echo(f"rgt: {e.format_message()}", err=True)

@@ -2,6 +2,10 @@
 
 Each event has ``time``, ``kind``, ``class`` (transient | permanent | integrity | usage, or null
 for an event that is not a failure), ``reason`` (for a person) and ``remedy``, plus data.
+
+This is the chokepoint for what rgt writes into the run directory: every state document, event
+and agent.log line passes through the box's redactor (onbox/redact.py) on its way to the file,
+so a secret in an exit reason (the job's exception message, its last output lines) is masked.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 import json
 import time
 
+from onbox import redact
 from onbox.durable import append_line, write_json
 
 TYPE_CHECKING = False
@@ -39,7 +44,7 @@ class FileJournal:
         self.wall = wall
 
     def save(self, doc: Dict[str, Any]) -> None:
-        write_json(self.state_path, doc)
+        write_json(self.state_path, redact.for_run_file(self.state_path).redact_obj(doc))
 
     def event(
         self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
@@ -54,8 +59,10 @@ class FileJournal:
             "remedy": remedy,
             **data,
         }
+        ev = redact.for_run_file(self.events_path).redact_obj(ev)
         append_line(self.events_path, json.dumps(ev, sort_keys=True))
         if self.log_path:
+            reason, remedy = ev["reason"], ev["remedy"]
             log(self.log_path, f"{kind}: {reason}" + (f" [{remedy}]" if remedy else ""))
 
 
@@ -79,8 +86,9 @@ class MemoryJournal:
 
 
 def log(path: str, message: str) -> None:
-    """One line in the agent's log (not fsynced: the events file is the durable record)."""
-    append_line(path, f"{iso(time.time())} {message}", sync=False)
+    """One line in the agent's log, redacted (not fsynced: the events file is the durable
+    record)."""
+    append_line(path, f"{iso(time.time())} {redact.for_run_file(path).redact(message)}", sync=False)
 
 
 def read_events(path: str) -> List[Dict[str, Any]]:

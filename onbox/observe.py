@@ -1,11 +1,15 @@
-"""Reading a run without changing it: its status and its logs."""
+"""Reading a run without changing it: its status and its logs.
+
+What status prints and what ``logs --agent`` copies pass through the box's redactor
+(onbox/redact.py); the job's own output (``logs`` without ``--agent``) is the job's, unaltered.
+"""
 
 from __future__ import annotations
 
 import time
 from typing import IO, Any, Dict, List, Optional
 
-from onbox import procfs, progress
+from onbox import procfs, progress, redact
 from onbox.daemon import TAG_VAR
 from onbox.durable import read_json
 from onbox.lock import is_held, read_holder
@@ -61,7 +65,13 @@ def run_status(rd: RunDir) -> Dict[str, Any]:
     out["run_dir"] = rd.path
     out["log"] = rd.output_log(doc["attempt"]) if doc.get("attempt") else None
     out["progress"] = last_progress(rd)
-    return out
+    # Secret values the job printed into its sealed logs (onbox/sealing.py): which log, never
+    # the value. Always present, so that a reader can tell "none" from "not reported".
+    out.setdefault("warnings", [])
+    # state.json is redacted when written; this also covers the job's progress report and a
+    # state written before a secret was added.
+    redacted: Dict[str, Any] = redact.for_home(rd.home).redact_obj(out)
+    return redacted
 
 
 def last_progress(rd: RunDir) -> Optional[Dict[str, Any]]:
@@ -84,20 +94,31 @@ def copy_logs(rd: RunDir, out: IO[bytes], agent: bool = False) -> Dict[str, int]
     paths = [rd.agent_log] if agent else [rd.output_log(a) for a in rd.attempt_numbers()]
     offsets: Dict[str, int] = {}
     for p in paths:
-        offsets[p] = _copy_from(p, 0, out)
+        offsets[p] = _copy_from(p, 0, out, redact.for_home(rd.home) if agent else None)
     return offsets
 
 
-def _copy_from(path: str, offset: int, out: IO[bytes]) -> int:
+def _copy_from(
+    path: str, offset: int, out: IO[bytes], redactor: Optional[redact.Redactor] = None
+) -> int:
+    """Copy ``path`` from ``offset`` on, through ``redactor`` when given (the agent's log)."""
     try:
         with open(path, "rb") as f:
             f.seek(offset)
-            while True:
-                chunk = f.read(1 << 16)
-                if not chunk:
-                    break
-                out.write(chunk)
-                offset += len(chunk)
+            if redactor is not None:
+                # The agent's log is written by the journal (redacted) and by the stderr of
+                # rgt's own processes (the shim's is raw): redact on the way out as well. Its
+                # lines are whole (one write each), so no secret is split between two reads.
+                data = f.read()
+                out.write(redactor.redact_bytes(data))
+                offset += len(data)
+            else:
+                while True:
+                    chunk = f.read(1 << 16)
+                    if not chunk:
+                        break
+                    out.write(chunk)
+                    offset += len(chunk)
     except FileNotFoundError:
         pass
     out.flush()
@@ -117,8 +138,9 @@ def follow(
         paths: List[str] = (
             [rd.agent_log] if agent else [rd.output_log(a) for a in rd.attempt_numbers()]
         )
+        red = redact.for_home(rd.home) if agent else None
         for p in paths:
-            offsets[p] = _copy_from(p, offsets.get(p, 0), out)
+            offsets[p] = _copy_from(p, offsets.get(p, 0), out, red)
         doc = read_json(rd.state) or {}
         if (
             until_terminal
@@ -126,7 +148,7 @@ def follow(
             and not is_held(rd.lock)
         ):
             for p in paths:  # what was written between the last read and the end
-                offsets[p] = _copy_from(p, offsets.get(p, 0), out)
+                offsets[p] = _copy_from(p, offsets.get(p, 0), out, red)
             return
         time.sleep(interval)
 

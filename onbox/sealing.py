@@ -8,6 +8,12 @@ the job to checkpoint on its declared trigger every ``checkpoint.interval``, and
 run's state and events to the store. On preemption it asks the job for a final checkpoint and
 seals it only if the measured throughput says it fits in the budget; on success it seals the
 last checkpoints, the outputs and the logs, verifies them, and writes DONE.json.
+
+Nothing leaves the box with a secret in it unnoticed: the mirror of state and events goes
+through the redactor (onbox/redact.py), and a job's log that holds a secret value or a token
+shape is sealed as a redacted copy (the box's own log stays unaltered), with a
+``secret_in_log`` event and an entry in state.json's ``warnings`` naming the log, never the
+value.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from onbox import manifest as mf
+from onbox import redact
 from onbox.durable import sha256_file
 from onbox.journal import FileJournal
 from onbox.restore import restore_latest
@@ -76,6 +83,9 @@ class SealService(Hooks):
         self._mirrored: Dict[str, float] = {}
         self._observer: Any = None
         self._sync_request: Optional[str] = None
+        # Warnings for status (state.json's ``warnings``): the agent puts this very list into
+        # the supervisor's state document, so what is appended here is in the next save.
+        self.warnings: List[Dict[str, Any]] = []
 
     def event(
         self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
@@ -253,6 +263,9 @@ class SealService(Hooks):
                     data = f.read()
             except OSError:
                 continue
+            # Written redacted by the journal; again here for lines written before a secret
+            # was added (`rgt-agent secrets` on a live run) or by an older agent.
+            data = redact.for_home(self.rd.home).redact_bytes(data)
             self.store.put_bytes(f"{self.spec.name}/state/{name}", data)
             self._mirrored[name] = mtime
 
@@ -345,7 +358,7 @@ class SealService(Hooks):
         for rel in self.spec.outputs:
             sealed += self._put_tree(os.path.join(self.spec.workdir, rel), f"{run}/outputs/", rel)
         for a in self.rd.attempt_numbers():
-            sealed += self._put_tree(self.rd.output_log(a), f"{run}/logs/", f"attempt-{a:04d}.log")
+            sealed += self._put_log(a)
         self.mirror()
         done = {
             "schema": mf.SCHEMA,
@@ -361,6 +374,58 @@ class SealService(Hooks):
             f"DONE.json written: {len(sealed)} output and log files, LATEST "
             f"step {self.sealer.latest}",
         )
+
+    def _put_log(self, attempt: int) -> List[Dict[str, Any]]:
+        """The job's log of ``attempt`` to ``logs/``: as it is, or, when it holds a secret, a
+        redacted copy. The box's log is the job's and stays unaltered; the store's copy (what
+        `rgt pull` brings to the laptop, and maybe to others) never carries the value. A
+        redacted copy rather than none: the log is what a person needs after a failure, and
+        a warning says which one was changed."""
+        path = self.rd.output_log(attempt)
+        prefix, rel = f"{self.spec.name}/logs/", f"attempt-{attempt:04d}.log"
+        red = redact.for_home(self.rd.home)
+        try:
+            found = red.scan_file(path)
+        except FileNotFoundError:
+            found = []
+        if not found:
+            return self._put_tree(path, prefix, rel)
+        tmp_dir = os.path.join(self.rd.path, "staging", "logs")
+        os.makedirs(tmp_dir, exist_ok=True)
+        tmp = os.path.join(tmp_dir, rel)
+        try:
+            red.redact_file(path, tmp)
+            sealed = [dict(e, redacted=True) for e in self._put_tree(tmp, prefix, rel)]
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        what = ", ".join(found)
+        key = prefix + rel
+        self.warnings.append(
+            {
+                "kind": "secret_in_log",
+                "attempt": attempt,
+                "log": path,
+                "key": key,
+                "found": found,
+                "reason": f"the job's log of attempt {attempt} holds {what}: the store has a "
+                "redacted copy; the log on the box is unaltered",
+            }
+        )
+        self.event(
+            "secret_in_log",
+            f"the job's log of attempt {attempt} ({path}) holds {what}; sealed {key} as a "
+            f"redacted copy (each match replaced by {redact.MARK}), the box's log is unaltered",
+            klass="usage",
+            remedy="do not print secrets; rotate the secret if the box's log was shared",
+            attempt=attempt,
+            log=path,
+            key=key,
+            found=found,
+        )
+        return sealed
 
     def _put_tree(self, path: str, prefix: str, rel: str) -> List[Dict[str, Any]]:
         out = []

@@ -260,9 +260,12 @@ def build_spec(
     _unknown(data, _TOP_KEYS, "")
     base = os.path.dirname(os.path.abspath(job_file)) if job_file else cwd
 
-    name = check_name(
-        flags.name or data.get("name") or default_name, "--name" if flags.name else "name"
-    )
+    # A name given empty is refused, not replaced by the default: `--name ""` from a script
+    # whose variable was unset would otherwise start a run under a name nobody chose.
+    if flags.name is not None:
+        name = check_name(flags.name, "--name")
+    else:
+        name = check_name(data.get("name", default_name), "name")
     workdir = os.path.abspath(os.path.join(base, str(data.get("workdir", "."))))
     if not os.path.isdir(workdir):
         raise UsageError("workdir", f"{workdir} is not a directory")
@@ -319,11 +322,11 @@ def build_spec(
             'e.g. outputs = ["out/", "metrics.json"]',
         )
 
-    store = flags.store or data.get("store")
+    store = flags.store if flags.store is not None else data.get("store")
     if store is not None:
-        from onbox.stores import open_store
+        from onbox.stores import parse_store_url
 
-        open_store(store)  # parses the URL: a malformed one is refused here, by name
+        parse_store_url(store, "--store" if flags.store is not None else "store")
 
     # 0 is a real budget: some platforms give no warning at all (SIGKILL at once).
     grace = parse_duration(

@@ -14,6 +14,7 @@ bug and shows its traceback.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import signal
@@ -26,7 +27,7 @@ import click
 from onbox import observe, procfs
 from onbox.agent import Agent
 from onbox.daemon import spawn_agent
-from onbox.durable import read_json, write_json
+from onbox.durable import make_dirs, read_json, remove_dirs, write_json
 from onbox.errors import (
     FINAL_EXIT_CODES,
     HostError,
@@ -37,7 +38,7 @@ from onbox.errors import (
     UsageError,
 )
 from onbox.lock import RunLock, is_held, read_holder
-from onbox.rundir import RunDir, all_runs, rgt_home
+from onbox.rundir import RunDir, all_runs, check_name, rgt_home, unwritable
 from onbox.runner import read_ready
 from onbox.spec import JobSpec, Overrides, build_spec, default_name, parse_duration
 from onbox.states import TERMINAL
@@ -83,13 +84,13 @@ def _resolve_spec(
     command: Optional[List[str]] = click.get_current_context().obj.get("command")
     home = rgt_home()
     if job_file is None and not command:
-        if not name:
+        if name is None:
             raise UsageError(
                 "command",
                 "is empty",
                 "give the job after --, e.g. `rgt-agent start -- python train.py`",
             )
-        rd = RunDir(name, home)
+        rd = RunDir(check_name(name, "--name"), home)
         doc = read_json(rd.spec)
         if doc is None:
             raise UsageError(
@@ -104,7 +105,9 @@ def _resolve_spec(
         if ckpt_dir is not None:
             changes["ckpt_dir"] = os.path.abspath(ckpt_dir)
         if store is not None:
-            changes["store"] = store
+            from onbox.stores import parse_store_url
+
+            changes["store"] = parse_store_url(store, "--store").url
         return dataclasses.replace(spec, **changes)
     if job_file is not None and not job_file.endswith(".toml") and not os.path.isfile(job_file):
         raise UsageError(
@@ -122,19 +125,47 @@ def _resolve_spec(
     )
 
 
-def _prepare_run(spec: JobSpec) -> RunDir:
+def _ckpt_unwritable(spec: JobSpec, why: str) -> HostError:
+    return HostError(
+        f"checkpoint dir {spec.ckpt_dir} is not writable: {why}",
+        "pick another --ckpt-dir, one this user can write",
+    )
+
+
+def _check_dirs(spec: JobSpec) -> RunDir:
+    """The run's directory, once it and the checkpoint dir look makeable and writable; creates
+    nothing (a failed start must leave no runs/N behind)."""
     rd = RunDir(spec.name)
-    rd.create()
-    try:
-        os.makedirs(spec.ckpt_dir, exist_ok=True)
-        if not os.access(spec.ckpt_dir, os.W_OK):
-            raise PermissionError(13, "Permission denied")
-    except OSError as e:
-        raise HostError(
-            f"checkpoint dir {spec.ckpt_dir} is not writable: {e.strerror}",
-            "pick another --ckpt-dir",
-        ) from None
+    rd.check()
+    why = unwritable(spec.ckpt_dir)
+    if why:
+        raise _ckpt_unwritable(spec, why)
     return rd
+
+
+def _make_dirs(spec: JobSpec, rd: RunDir) -> List[str]:
+    """Make the run and checkpoint directories (0700, parents too; an existing --ckpt-dir is
+    left as it is) and prove them writable; the directories made. Only making a directory
+    proves it can be made (/proc says yes to access()), so a failure here removes what this
+    call made before it raises."""
+    created = rd.create()
+    try:
+        created += make_dirs(spec.ckpt_dir)
+        if not os.access(spec.ckpt_dir, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as e:
+        remove_dirs(created)
+        raise _ckpt_unwritable(spec, e.strerror or str(e)) from None
+    return created
+
+
+def _existing(path: str) -> str:
+    """``path`` or its nearest parent that exists (the checkpoint dir is made after the store
+    check, whose same-filesystem test needs a path that is there)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 def _check_store(spec: JobSpec) -> bool:
@@ -147,7 +178,7 @@ def _check_store(spec: JobSpec) -> bool:
     store = open_store(spec.store)
     for finding in store.preflight(spec.name):
         _emit(("store: " if finding.ok else "WARNING: store: ") + finding.what)
-    if store.same_filesystem_as(spec.ckpt_dir):
+    if store.same_filesystem_as(_existing(spec.ckpt_dir)):
         click.echo(
             f"WARNING: the store {store.url} is on the same filesystem as the checkpoint dir "
             f"{spec.ckpt_dir}: it dies with this disk. Is the durable mount really mounted?",
@@ -161,6 +192,18 @@ def _check_store(spec: JobSpec) -> bool:
         )
         return False
     return True
+
+
+def _prepare_run(spec: JobSpec) -> Optional[RunDir]:
+    """Everything ``start`` and ``run`` check before the lock, in the order that creates
+    nothing until all of it passed: the directories (looked at), the store's preflight (which
+    writes only in the store, and removes its probe), then the directories made. None when the
+    store says the run is finished."""
+    rd = _check_dirs(spec)
+    if not _check_store(spec):
+        return None
+    _make_dirs(spec, rd)
+    return rd
 
 
 def _take_run(spec: JobSpec, rd: RunDir) -> RunLock:
@@ -196,7 +239,7 @@ def start(
     """Check everything, then detach the agent and return with the run's name and paths."""
     spec = _resolve_spec(job_file, name, ckpt_dir, store, grace)
     rd = _prepare_run(spec)
-    if not _check_store(spec):
+    if rd is None:
         return 0
     lock = _take_run(spec, rd)
     r, w = os.pipe()
@@ -237,7 +280,7 @@ def run(
     """Like start, but supervise in the foreground; exit code tells the final state."""
     spec = _resolve_spec(job_file, name, ckpt_dir, store, grace)
     rd = _prepare_run(spec)
-    if not _check_store(spec):
+    if rd is None:
         return 0
     lock = _take_run(spec, rd)
     os.umask(0o077)
@@ -353,7 +396,7 @@ def secrets(name: str) -> int:
             'pipe e.g. {"WANDB_API_KEY": "..."}',
         )
     path = rd.secrets_file
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    make_dirs(os.path.dirname(path))  # RGT_HOME too, when this is the first command: 0700
     os.chmod(os.path.dirname(path), 0o700)
     if not doc:
         if os.path.exists(path):
@@ -440,7 +483,6 @@ def _store_options(f: Any) -> Any:
 
 def _store_and_run(url: str, name: Optional[str]) -> tuple[Any, str]:
     """The store and the run: ``--store ROOT --name N``, or ``--store ROOT/N``."""
-    from onbox.rundir import check_name
     from onbox.stores import open_store
 
     if name is None:
@@ -451,8 +493,35 @@ def _store_and_run(url: str, name: Optional[str]) -> tuple[Any, str]:
                 "is needed with a store root URL",
                 "give --name N, or the run's own URL (ROOT/N)",
             )
-        return open_store(root if not root.endswith(":/") else root + "/"), check_name(last, "run")
+        # file:///NAME: the root is file:/// (rpartition leaves "file://")
+        root = root + "/" if root.endswith((":/", "://")) else root
+        return open_store(root), check_name(last, "run")
     return open_store(url), check_name(name, "--name")
+
+
+def _require_in_store(store: Any, run: str) -> None:
+    """NotFound (exit 8, as ``restore`` says it) when the store holds nothing of ``run``, so
+    that a mistyped URL or name never reads as "no checkpoints yet"; a ``file://`` store whose
+    directory is missing is named as such. Every run that ever started with a store has taken
+    an epoch there."""
+    from onbox import manifest as mf
+
+    root = getattr(store, "root", None)  # a LocalStore's directory
+    if isinstance(root, str) and not os.path.isdir(root):
+        raise NotFound(
+            f"the store {store.url} does not exist (no directory {root}), so neither does run "
+            f"{run!r} in it",
+            "check the URL, and that the durable mount is mounted",
+        )
+    for prefix in (f"{run}/epochs/", f"{run}/checkpoints/"):
+        if next(iter(store.list(prefix)), None) is not None:
+            return
+    if store.stat(mf.latest_key(run)) is not None:
+        return
+    raise NotFound(
+        f"the store {store.url} holds no run {run!r}",
+        "check --name and the store root (or give the run's own URL, ROOT/NAME)",
+    )
 
 
 @cli.command()
@@ -545,6 +614,7 @@ def checkpoints(
     from onbox.restore import quarantined, sealed_steps
 
     store, run = _store_and_run(url, name)
+    _require_in_store(store, run)
     if pin is not None:
         if store.stat(mf.manifest_key(run, pin)) is None:
             raise NotFound(f"run {run!r} has no sealed step {pin} in {store.url}")

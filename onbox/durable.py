@@ -12,7 +12,7 @@ import os
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
-    from typing import Any, Optional
+    from typing import Any, List, Optional
 
 
 def fsync_file(path: str) -> None:
@@ -31,6 +31,50 @@ def fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def make_dirs(path: str, mode: int = 0o700) -> List[str]:
+    """Create ``path`` and each missing parent with ``mode`` (0700: rgt's directories are the
+    user's alone), oldest first; the ones it created, for ``remove_dirs`` to undo.
+
+    ``os.makedirs(path, mode)`` gives the mode to the leaf only and 0777 minus the umask (0755
+    under the usual 022) to every parent it makes, so each component is made here itself. The
+    umask still applies on top (it can only take bits away). A directory that exists already is
+    left as it is (a user's own --ckpt-dir keeps its mode).
+    """
+    path = os.path.abspath(path)
+    missing = []
+    p = path
+    while not os.path.isdir(p):
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    created: List[str] = []
+    try:
+        for d in reversed(missing):
+            try:
+                os.mkdir(d, mode)
+            except FileExistsError:
+                if not os.path.isdir(d):
+                    raise
+                continue  # a concurrent start made it: it is not ours to remove
+            created.append(d)
+    except BaseException:
+        remove_dirs(created)
+        raise
+    return created
+
+
+def remove_dirs(created: List[str]) -> None:
+    """Undo ``make_dirs``: remove the directories it created, newest first, where empty (one
+    that something else has put a file into since stays)."""
+    for d in reversed(created):
+        try:
+            os.rmdir(d)
+        except OSError:
+            pass
 
 
 def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 
+from onbox.durable import make_dirs, remove_dirs
 from onbox.errors import HostError, NotFound, UsageError
 
 TYPE_CHECKING = False
@@ -136,22 +137,50 @@ class RunDir:
             raise NotFound(f"no run named {self.name!r} under {self.home}", "see `rgt-agent list`")
         return self
 
-    def create(self) -> None:
-        """Make the run directory (0700) and prove it is writable, or raise HostError."""
-        old = os.umask(0o077)
+    _UNWRITABLE = "set RGT_HOME to a writable directory on the box's local disk"
+
+    def check(self) -> None:
+        """Raise HostError when the run directory could not be made or written; makes nothing
+        (``start`` checks everything before it creates anything)."""
+        why = unwritable(self.path)
+        if why:
+            raise HostError(f"run directory {self.path} is not writable: {why}", self._UNWRITABLE)
+
+    def create(self) -> List[str]:
+        """Make the run directory and attempts/ (0700, each missing parent up to RGT_HOME too)
+        and prove it is writable; the directories it made, for ``remove_dirs``. On HostError
+        it has removed them again."""
+        created: List[str] = []
         try:
-            os.makedirs(self.attempts, exist_ok=True)
+            created = make_dirs(self.attempts)
             probe = os.path.join(self.path, f".write-probe.{os.getpid()}")
             with open(probe, "wb") as f:
                 f.write(b"ok")
             os.unlink(probe)
         except OSError as e:
+            remove_dirs(created)
             raise HostError(
-                f"run directory {self.path} is not writable: {e.strerror}",
-                "set RGT_HOME to a writable directory on the box's local disk",
+                f"run directory {self.path} is not writable: {e.strerror}", self._UNWRITABLE
             ) from None
-        finally:
-            os.umask(old)
+        return created
+
+
+def unwritable(path: str) -> Optional[str]:
+    """Why the directory ``path`` could not be made or written into, or None when it looks
+    possible; creates nothing. (Only making it can prove it: /proc answers access() yes.)"""
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        return f"{p} is not a directory"
+    if os.access(p, os.W_OK | os.X_OK):
+        return None
+    try:
+        if os.statvfs(p).f_flag & os.ST_RDONLY:
+            return f"{p} is on a read-only file system"
+    except OSError:
+        pass
+    return f"{p} is not writable by this user (uid {os.getuid()})"
 
 
 def all_runs(home: Optional[str] = None) -> List[RunDir]:

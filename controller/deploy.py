@@ -58,6 +58,7 @@ from onbox.errors import (
 )
 from onbox.rundir import check_name
 from onbox.spec import default_name
+from onbox.stores import parse_store_url
 
 PROFILES = ("generic-ssh", "local")
 FIRST_LINE_TIMEOUT = 60.0
@@ -85,7 +86,7 @@ def _say(msg: str) -> None:
 
 
 def _job_name(req: DeployRequest, project: str) -> str:
-    if req.name:
+    if req.name is not None:  # given empty is refused, never replaced by a default
         return check_name(req.name, "--name")
     if req.job_file:
         if sys.version_info >= (3, 11):
@@ -103,6 +104,23 @@ def _job_name(req: DeployRequest, project: str) -> str:
         if isinstance(cmd, list) and cmd:
             return default_name([str(c) for c in cmd])
     return default_name(req.command)
+
+
+def _check_job_store(req: DeployRequest) -> None:
+    """Refuse a malformed ``store`` in the job file, as the box would."""
+    if not req.job_file:
+        return
+    if sys.version_info >= (3, 11):
+        import tomllib  # novermin
+    else:  # pragma: no cover - older laptops
+        import tomli as tomllib
+    try:
+        with open(req.job_file, "rb") as f:
+            store = tomllib.load(f).get("store")
+    except (OSError, ValueError):
+        return  # _job_name has read it already; the box names what is wrong with it
+    if store is not None:
+        parse_store_url(store, "store (in the job file)")
 
 
 def _secrets(names: Sequence[str], environ: Dict[str, str]) -> Dict[str, str]:
@@ -172,7 +190,17 @@ def deploy(
         if job_rel.startswith(".."):
             raise UsageError("JOB.toml", f"{req.job_file} is not inside the project {project}")
     name = _job_name(req, project)
+    # The box would refuse a bad store URL too, but only after the push and the install: check
+    # it here with the box's own parser, before anything anywhere changes.
+    if req.store is not None:
+        parse_store_url(req.store, "--store")
+    else:
+        _check_job_store(req)
     secrets = _secrets(req.secret_env, environ)
+    # The agent this laptop last ran the run with is most likely still the one: look at the run
+    # through it within the audit's command (checked against what the audit finds). Read before
+    # anything else, so that a corrupt registry stops the deploy with nothing changed.
+    prev = _previous(registry, name, target)
     # What the audit looks for on the box, computed here first: the release's id (a project
     # that cannot be pushed is refused before the box is touched) and the agent's wheel.
     files = project_files(project)
@@ -187,9 +215,6 @@ def deploy(
         if store is None and profile == "local":
             store = "file://" + os.path.join(known, "store")
         extras = _extras(store)
-        # The agent this laptop last ran the run with is most likely still the one: look at
-        # the run through it within the audit's command (checked against what the audit finds).
-        prev = _previous(registry, name, target)
         report = auditmod.audit(
             remote,
             python=req.python,

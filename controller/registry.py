@@ -3,7 +3,8 @@ need only the run's name.
 
 One JSON file, ``$RGT_CONTROLLER_HOME/runs.json`` (default ``~/.config/rgt``), replaced
 atomically under an flock, so two rgt commands at once never lose a record. It holds no
-secrets: only the target, the profile, the store URL and paths on the box.
+secrets: only the target, the profile, the store URL and paths on the box. A file that does not
+parse is reported as corrupt (exit 6), never read as empty nor overwritten.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from controller.remote import controller_home
 from controller.target import Target
-from onbox.durable import write_json
-from onbox.errors import NotFound
+from onbox.durable import make_dirs, write_json
+from onbox.errors import IntegrityError, NotFound
 from onbox.rundir import check_name
 
 
@@ -66,7 +67,7 @@ class Registry:
 
     @contextlib.contextmanager
     def _locked(self) -> Iterator[Dict[str, Any]]:
-        os.makedirs(self.home, mode=0o700, exist_ok=True)
+        make_dirs(self.home)  # 0700, and so is each parent it makes
         fd = os.open(self.path + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
@@ -75,17 +76,37 @@ class Registry:
         finally:
             os.close(fd)
 
+    def _corrupt(self, why: str) -> IntegrityError:
+        return IntegrityError(
+            f"the run registry {self.path} is corrupt: {why}",
+            "fix it by hand, or move it aside and deploy each run again to record it (the "
+            "runs on the boxes are not touched); rgt will not overwrite it",
+        )
+
     def _read(self) -> Dict[str, Any]:
+        """The registry's document. A file that does not parse, or does not hold a ``runs``
+        object, raises IntegrityError: read as "no runs", it would make every run "no such
+        run" and the next ``put`` would replace every record with one."""
         try:
-            with open(self.path) as f:
-                doc = json.load(f)
+            with open(self.path, "rb") as f:
+                raw = f.read()
         except FileNotFoundError:
             return {"runs": {}}
-        except ValueError as e:
-            raise NotFound(
-                f"{self.path} is not valid JSON ({e})", "fix or move it; runs on boxes are safe"
-            ) from None
-        return doc if isinstance(doc, dict) and isinstance(doc.get("runs"), dict) else {"runs": {}}
+        except OSError as e:
+            raise self._corrupt(f"it cannot be read ({e.strerror})") from None
+        try:
+            doc = json.loads(raw)
+        except ValueError as e:  # UnicodeDecodeError is one too
+            raise self._corrupt(f"not JSON ({e})") from None
+        if not isinstance(doc, dict) or not isinstance(doc.get("runs"), dict):
+            raise self._corrupt('not an object with a "runs" object')
+        return doc
+
+    def _record(self, name: str, d: Any) -> RunRecord:
+        try:
+            return RunRecord.from_json(d)
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise self._corrupt(f"the record of {name!r} is malformed ({e!r})") from None
 
     def put(self, rec: RunRecord) -> None:
         check_name(rec.name)
@@ -98,14 +119,15 @@ class Registry:
             write_json(self.path, doc)
 
     def get(self, name: str) -> RunRecord:
-        d = self._read()["runs"].get(name)
+        runs = self._read()["runs"]
+        d = runs.get(name)
         if d is None:
-            known = ", ".join(sorted(self._read()["runs"])) or "none yet"
+            known = ", ".join(sorted(runs)) or "none yet"
             raise NotFound(f"no run named {name!r} on this laptop (known: {known})", "rgt runs")
-        return RunRecord.from_json(d)
+        return self._record(name, d)
 
     def all(self) -> List[RunRecord]:
-        return [RunRecord.from_json(d) for _, d in sorted(self._read()["runs"].items())]
+        return [self._record(n, d) for n, d in sorted(self._read()["runs"].items())]
 
     def remove(self, name: str) -> None:
         with self._locked() as doc:

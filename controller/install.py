@@ -320,6 +320,7 @@ def probe_python(remote: Remote, python: Optional[str] = None) -> BoxPython:
 # $1 dir, $2 file name: stdin into dir/name, atomically; nothing when it is already there.
 _PUT = r"""
 set -eu
+umask 077
 [ -f "$1/$2" ] && { cat >/dev/null; exit 0; }
 mkdir -p "$1"
 cat > "$1/.$2.part.$$"
@@ -333,6 +334,7 @@ mv -f "$1/.$2.part.$$" "$1/$2"
 # be replaced but a process still runs from it.
 _INSTALL = r"""
 set -u
+umask 077   # the agent's install, like every directory of rgt's on the box, is the user's alone
 py="$1"; dir="$2"; req="$3"; links="$4"; mark_venv="$5"; mark_target="$6"; launcher="$7"
 mkdir -p "${dir%/*}"
 exec 9>>"$dir.lock"

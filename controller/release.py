@@ -6,6 +6,10 @@ Box layout (under RGT_HOME on the box)::
     releases/.tmp-<id>-<random>/   a push in progress (or one cut off: removed by a later push)
     deploys/<name>/current -> ../../releases/<id>
 
+Every directory rgt makes there is 0700 (the scripts run under umask 077, and a release's own
+directory is set to 0700 whatever mode rsync copied from the project's): on a shared box no
+other user reads the code or what the job writes next to it.
+
 ``<id>`` is a content hash of the pushed files (path, executable bit, content or link target), so
 the same code always lands in the same directory and a second deploy of unchanged code finds its
 release complete and moves nothing. A release is uploaded into a temporary directory (with rsync
@@ -46,7 +50,12 @@ from onbox.errors import HostError, RemoteUnreachable, UsageError
 from onbox.rundir import check_name
 
 MARKER = ".rgt-release"  # written last into a complete release
-STATE_DIRS = (".rgt",)  # rgt's own state in a project directory: never pushed
+# rgt's own state, wherever it sits in a project: never pushed, git-ignored or not. `.rgt` is
+# RGT_HOME's default name (a project that is $HOME holds the `local` box's), `.rgt-demo`
+# scripts/demo's home. The directories RGT_HOME, RGT_BOX_HOME and RGT_CONTROLLER_HOME name are
+# left out too when they lie inside the project (see _state_paths).
+STATE_DIRS = (".rgt", ".rgt-demo")
+STATE_VARS = ("RGT_HOME", "RGT_BOX_HOME", "RGT_CONTROLLER_HOME")
 STALE_AFTER_MIN = 5  # a .tmp- release untouched this long belongs to a push that died
 _ID = re.compile(r"[0-9a-f]{16}\Z")
 _SUFFIX = re.compile(r"[A-Za-z0-9]{6,}\Z")
@@ -89,6 +98,30 @@ def _git_root(root: str) -> Optional[str]:
         d = parent
 
 
+def _state_paths(root: str) -> List[str]:
+    """The directories of rgt's state that ``$RGT_HOME``, ``$RGT_BOX_HOME`` and
+    ``$RGT_CONTROLLER_HOME`` name inside the project ``root``, relative to it (the registry,
+    receipts, a `local` box's runs and secrets)."""
+    real_root = os.path.realpath(root)
+    out = []
+    for var in STATE_VARS:
+        value = os.environ.get(var)
+        if not value:
+            continue
+        real = os.path.realpath(os.path.expanduser(value))
+        if real != real_root and _inside(real, real_root):
+            out.append(os.path.relpath(real, real_root))
+    return out
+
+
+def _is_state(rel: str, state: Sequence[str]) -> bool:
+    """Whether the project path ``rel`` is (or is inside) rgt's own state."""
+    parts = rel.split(os.sep)
+    if any(p in STATE_DIRS for p in parts[:-1]) or parts[-1] in STATE_DIRS:
+        return True
+    return any(rel == s or rel.startswith(s + os.sep) for s in state)
+
+
 def _walk(root: str, rel: str, out: Dict[str, None]) -> None:
     """Every file and link under ``root/rel``, except VCS metadata, caches, venvs, rgt's state."""
     top = os.path.join(root, rel) if rel else root
@@ -111,8 +144,10 @@ def project_files(root: str) -> List[str]:
 
     In a git work tree: the tracked and the untracked-but-not-ignored files (a tracked file deleted
     from the tree is skipped). Elsewhere: every file under ``root`` except .git/, __pycache__/,
-    .venv*/ and rgt's own state. Symbolic links stay links; one that leads outside ``root`` is
-    refused (the box would not have what it points to). Sockets, FIFOs and devices are skipped.
+    .venv*/. Either way never rgt's own state (STATE_DIRS at any depth, and the state
+    directories STATE_VARS name inside ``root``), tracked or not. Symbolic links stay links; one
+    that leads outside ``root`` is refused (the box would not have what it points to). Sockets,
+    FIFOs and devices are skipped.
     """
     root = os.path.abspath(root)
     if not os.path.isdir(root):
@@ -150,9 +185,12 @@ def project_files(root: str) -> List[str]:
                 found[rel] = None
     else:
         _walk(root, "", found)
+    state = _state_paths(root)
     real_root = os.path.realpath(root)
     out = []
     for rel in found:
+        if _is_state(rel, state):
+            continue  # git lists an un-ignored .rgt/ as untracked: never push it
         path = os.path.join(root, rel)
         st = os.lstat(path)
         if stat.S_ISLNK(st.st_mode):
@@ -218,6 +256,7 @@ rgt_release_seen() {
 # at it), else "new <tmp suffix> <rsync 0|1> <link-dest id>".
 _PREPARE = r"""
 set -eu
+umask 077
 rel="$1/releases"; id="$2"
 mkdir -p "$rel"
 have() {
@@ -241,7 +280,7 @@ if [ -e "$rel/$id" ] || [ -L "$rel/$id" ]; then
   rm -rf -- "$rel/$id"
 fi
 tmp=$(mktemp -d "$rel/.tmp-$id-XXXXXXXX")
-chmod 755 "$tmp"
+chmod 700 "$tmp"
 has_rsync=0; command -v rsync >/dev/null 2>&1 && has_rsync=1
 prev=""
 if [ -n "$4" ] && [ -f "$1/deploys/$4/current/.rgt-release" ]; then
@@ -262,7 +301,9 @@ echo "new ${tmp##*/.tmp-$id-} $has_rsync ${prev:--}"
 # of the same code finished first: its release stands, ours is removed).
 _FINISH = r"""
 set -eu
+umask 077
 rel="$1/releases"; tmp="$rel/.tmp-$2-$3"; dst="$rel/$2"
+chmod 700 "$tmp"   # rsync -a gave it the mode of the project's directory
 printf '%s\n' "$4" > "$tmp/.rgt-release"
 if [ -f "$dst/.rgt-release" ]; then rm -rf -- "$tmp"; echo raced; exit 0; fi
 if mv -T -- "$tmp" "$dst" 2>/dev/null; then echo done; exit 0; fi
@@ -278,6 +319,7 @@ _ABANDON = r"""rm -rf -- "$1" """
 # link over the old one (rename(2) is atomic: readers see the old link or the new one).
 _SWITCH = r"""
 set -eu
+umask 077
 d="$1/deploys/$2"
 [ -f "$1/releases/$3/.rgt-release" ] || { echo "no complete release $3 on the box" >&2; exit 3; }
 mkdir -p "$d"

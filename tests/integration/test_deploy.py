@@ -22,7 +22,8 @@ one run, shared by the tests of this module. Covered:
   (sampled all along), no file of the release or run directories, no log, no store object;
 - hostile run names are refused naming --name; hostile job arguments arrive byte for byte;
   ``-oProxyCommand=...`` targets are refused and nothing runs;
-- stop stops the run; runs lists it.
+- stop stops the run; runs lists it;
+- every directory rgt made on the box is 0700.
 """
 
 from __future__ import annotations
@@ -473,6 +474,22 @@ def test_deploy_returns_while_the_job_runs(box: Box) -> None:
     assert os.readlink(os.path.join(box.box_home, "deploys", box.name, "current")) == (
         f"../../releases/{rec.release}"
     )
+
+
+def test_rgt_directories_on_the_box_are_0700(box: Box) -> None:
+    # Made by rgt, they are the box user's alone: its code, the agent's install, the runs'
+    # checkpoints, logs and secrets (mkdir -p under the usual umask 022 made them 0755).
+    home = box.box_home
+    rid = box.complete_releases()[-1]
+    dirs = [".", "releases", f"releases/{rid}", "deploys", f"deploys/{box.name}", "agent"]
+    dirs += ["runs", f"runs/{box.name}", f"runs/{box.name}/ckpt", "lib", "secrets"]
+    dirs += [
+        os.path.join("agent", d)
+        for d in os.listdir(os.path.join(home, "agent"))
+        if os.path.isdir(os.path.join(home, "agent", d))
+    ]
+    modes = {d: oct(os.stat(os.path.join(home, d)).st_mode & 0o777) for d in dirs}
+    assert {d: m for d, m in modes.items() if m != "0o700"} == {}
 
 
 def test_the_job_outlives_the_ssh_client_and_the_controller(box: Box, tmp_path: Path) -> None:

@@ -231,6 +231,73 @@ def test_project_files_of_a_plain_tree(tmp_path: Path) -> None:
     ]
 
 
+def test_rgt_state_is_never_pushed_from_a_git_work_tree(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # git lists an un-ignored .rgt/ as untracked (and a committed one as tracked): the box would
+    # get the laptop's registry, receipts or a `local` box's runs and secrets.
+    root = tmp_path / "proj"
+    _write(root, "train.py", b"1")
+    _write(root, ".rgt/committed.json", b"2")
+    _git(root, "init", "-q")
+    _git(root, "add", "-A")
+    _git(root, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "x")
+    _write(root, ".rgt/runs/r/state.json", b"3")
+    _write(root, ".rgt/secrets/r", b"4")
+    _write(root, ".rgt-demo/box/runs/x", b"5")
+    _write(root, "sub/.rgt/x", b"6")
+    _write(root, "state/ctl/runs.json", b"7")  # RGT_CONTROLLER_HOME, inside the project
+    _write(root, "boxhome/releases/x", b"8")  # RGT_BOX_HOME, inside the project
+    _write(root, ".rgt.py", b"9")  # a file that only looks like it: pushed
+    monkeypatch.setenv("RGT_CONTROLLER_HOME", str(root / "state" / "ctl"))
+    monkeypatch.setenv("RGT_BOX_HOME", str(root / "boxhome"))
+    assert project_files(str(root)) == [".rgt.py", "train.py"]
+    (root / ".git").rename(root / ".git-not")  # the same outside git
+    assert project_files(str(root)) == [".git-not/" + f for f in _git_files(root)] + [
+        ".rgt.py",
+        "train.py",
+    ]
+
+
+def _git_files(root: Path) -> List[str]:
+    base = root / ".git-not"
+    return sorted(
+        os.path.relpath(os.path.join(here, f), base) for here, _, fs in os.walk(base) for f in fs
+    )
+
+
+def _dir_modes(home: str) -> Dict[str, str]:
+    out = {}
+    for here, dirs, _ in os.walk(home):
+        for d in [".", *dirs] if here == home else dirs:
+            path = os.path.normpath(os.path.join(here, d))
+            if not os.path.islink(path):
+                out[os.path.relpath(path, home)] = oct(os.stat(path).st_mode & 0o777)
+    return out
+
+
+@pytest.mark.parametrize("method", ["rsync", "tar"])
+def test_releases_and_rgt_directories_on_the_box_are_0700(
+    box: Box, tmp_path: Path, method: str
+) -> None:
+    # A release was chmod 755 and rgt's directories 0755 (mkdir -p under umask 022): on a shared
+    # box every user could read the code. The project's own directories are 0755 here.
+    proj = tmp_path / "proj"
+    _write(proj, "a.py", b"x")
+    _write(proj, "pkg/b.py", b"y")
+    proj.chmod(0o755)
+    old = os.umask(0o022)
+    try:
+        res = push_release(box.remote, str(proj), box.home, method=method, name="run-1")
+        switch_current(box.remote, box.home, "run-1", res.id)
+    finally:
+        os.umask(old)
+    modes = _dir_modes(box.home)
+    rid = res.id
+    for d in (".", "releases", f"releases/{rid}", "deploys", "deploys/run-1"):
+        assert modes[d] == "0o700", (d, modes)
+
+
 @pytest.mark.parametrize("target", ["../outside.txt", "/etc/passwd", "sub/../../outside.txt"])
 def test_a_link_out_of_the_project_is_refused_by_name(tmp_path: Path, target: str) -> None:
     root = tmp_path / "proj"

@@ -1,7 +1,14 @@
 """Running commands on the box: over the system OpenSSH client, or on this machine (``local``).
 
-Every command is an argv list; over ssh each argument is shell-quoted, so names with spaces,
-quotes, ``;``, ``$()`` or newlines arrive byte for byte. The ssh client is the system one, so
+Every command is an argv list, and arrives byte for byte whatever the box's login shell is.
+sshd hands the command line to the user's login shell, which rentals set to bash, dash, zsh or
+fish (fish parses backslashes and quotes its own way), so no argument ever reaches it: the line
+ssh sends is always ``exec /bin/sh -c 'eval "$(printf "...")"'``, where ``...`` is a POSIX
+script (argv quoted for sh) with every byte outside a small plain set written as a printf octal
+escape (``box_line``). That line has no character any of those shells (nor csh/tcsh) treats
+specially inside single quotes, so each of them runs ``/bin/sh`` with the same argument, and sh
+alone parses the script. Stdin stays free for data (secrets, file streams); no decoder beyond
+sh's own printf is needed on the box. The ssh client is the system one, so
 ``~/.ssh/config``, ProxyJump and agents work, with rgt's options put first (ssh takes the first
 value it sees): ``BatchMode`` (never a prompt), keepalives, connection multiplexing (one TCP
 connection for a whole deploy), and rgt's own known_hosts next to the user's with
@@ -16,7 +23,8 @@ third of the CPU per byte, which is what bounds a pull over ssh. A configured li
 alone, and the server still picks from the whole default list.
 
 Errors: ssh's exit status 255 becomes RemoteUnreachable (exit 3), AuthError (exit 4, refused
-key) or HostKeyChanged (exit 4); the remote command's own status is returned to the caller.
+key) or HostKeyChanged (exit 4); a box without /bin/sh, HostError (exit 9); the remote command's
+own status is returned to the caller.
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import subprocess
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from controller.target import Target, ssh_destination_args
-from onbox.errors import AuthError, RemoteUnreachable
+from onbox.errors import AuthError, HostError, RemoteUnreachable
 
 
 class HostKeyChanged(AuthError):
@@ -63,10 +71,47 @@ class Result:
 
 
 def quote_argv(argv: Sequence[str]) -> str:
-    """One POSIX shell line that runs ``argv`` exactly (for the remote login shell)."""
+    """One POSIX sh line that runs ``argv`` exactly (run by the box's /bin/sh, see box_line)."""
     if not argv:
         raise ValueError("empty command")
     return " ".join(shlex.quote(a) for a in argv)
+
+
+BOX_SH = "/bin/sh"  # the one shell every remote command runs under (POSIX requires it there)
+# The bytes the fixed line carries as themselves: printable ASCII without ' and \ (special in
+# fish's single quotes; ' ends them in every shell), ! (csh history, even quoted), " $ ` (special
+# in sh's double quotes, where the text sits next) and % (printf's conversions). Every other byte
+# is an octal escape, a backslash and three digits, which no shell's single quotes change: fish
+# and csh keep a backslash as it is unless a quote, a backslash, a newline or ! follows.
+_PLAIN = frozenset(b for b in range(0x20, 0x7F) if chr(b) not in "'\\!\"$`%")
+# sshd runs the login shell with the line as one argument, and that shell runs sh with the
+# script as one: Linux caps one argument at 128 KiB (MAX_ARG_STRLEN), so stay below it.
+MAX_LINE = 120 * 1024
+
+
+def _no_box_sh(stderr: bytes) -> Optional[str]:
+    """The line of ``stderr`` in which a login shell says BOX_SH does not exist (bash, dash,
+    zsh, fish, tcsh, in that order), or None: not a failure of a command BOX_SH ran."""
+    sh = re.escape(os.fsencode(BOX_SH))
+    m = re.search(
+        rb"(?m)^\S+: line 1: " + sh + rb": No such file or directory$"
+        rb"|^.*: exec: " + sh + rb": not found$"
+        rb"|^.*:1: no such file or directory: " + sh + rb"$"
+        rb"|^fish: Unknown command: " + sh + rb"$"
+        rb"|^" + sh + rb": Command not found\.$",
+        stderr,
+    )
+    return m.group(0).decode("utf-8", "replace") if m else None
+
+
+def box_line(script: str) -> str:
+    """The line ssh sends to run the POSIX sh ``script`` on the box: the same command in every
+    login shell (module docstring). Non-UTF-8 bytes in ``script`` (surrogate escapes, as
+    ``os.fsdecode`` makes) are sent as the bytes they stand for."""
+    # The script never starts with "-" (callers begin it with a word), which printf would read
+    # as an option.
+    body = "".join(chr(b) if b in _PLAIN else f"\\{b:03o}" for b in os.fsencode(script))
+    return f'exec {BOX_SH} -c \'eval "$(printf "{body}")"\''
 
 
 class Remote:
@@ -186,12 +231,29 @@ class SshRemote(Remote):
         return [*self.base, *extra, *ssh_destination_args(self.target)]
 
     def argv(self, argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> List[str]:
-        line = quote_argv(argv)
-        if env:
-            line = quote_argv(["env", *[f"{k}={v}" for k, v in env.items()]]) + " " + line
+        # exec: the command is sh's own process, as with a login shell running one command, so
+        # a hangup or a signal from sshd reaches it and its status is the session's.
+        script = "exec " + quote_argv([*env_prefix(dict(env or {})), *argv])
+        line = box_line(script)
+        if len(line) > MAX_LINE:
+            raise HostError(
+                f"the command for {self.target.label} ({argv[0]!r} with {len(argv) - 1} "
+                f"arguments) is {len(line)} bytes once encoded, more than one ssh command can "
+                f"carry ({MAX_LINE})",
+                "this is a bug in rgt: please report it",
+            )
+        # "--" before the host (ssh_destination_args): neither the host nor the line can be
+        # read as an option by ssh.
         return [*self.ssh_argv("-T"), line]
 
     def check_transport(self, rc: int, stderr: bytes) -> None:
+        missing_sh = _no_box_sh(stderr) if rc in (1, 127) else None
+        if missing_sh:
+            raise HostError(
+                f"{self.target.label} has no {BOX_SH}, which rgt runs every command on the "
+                f"box with ({missing_sh})",
+                f"install a POSIX shell at {BOX_SH} (dash, bash or busybox) on the box",
+            )
         if rc != 255:
             return
         text = stderr.decode("utf-8", "replace")
@@ -236,10 +298,17 @@ class SshRemote(Remote):
         return out
 
     def rsync_shell(self) -> Optional[List[str]]:
+        """ssh for rsync's ``-e``, without the host (rsync puts it, from ``path_arg``, after
+        these). Callers must pass rsync ``-s`` (``--protect-args``): then the command rsync has
+        ssh send is only ``rsync --server [--sender] -LETTERS`` (option letters, ``.`` and
+        ``-``), which every login shell parses alike, and every path and every option with a
+        value travels inside rsync's own protocol instead of the command line. Without ``-s``,
+        rsync quotes them for a POSIX shell, which fish reads otherwise (module docstring)."""
         return [*self.base, *ssh_destination_args(self.target)[:-2]]
 
     def path_arg(self, path: str) -> str:
-        # rsync's remote side: "host:path"; protect_args (-s) keeps the path from the shell.
+        # rsync's remote side: "host:path" (the host never starts with "-": controller/target);
+        # with -s the path itself never reaches a shell (rsync_shell).
         return f"{self.target.host}:{path}"
 
     def close(self) -> None:
@@ -298,9 +367,10 @@ def open_remote(target: Target) -> Remote:
 
 
 def _control_dir(home: str) -> str:
-    # A unix socket path must fit in 108 bytes; %C adds 40.
+    # A unix socket path must fit in 104 bytes with its NUL (macOS; Linux: 108). ssh's %C adds
+    # 41, and a master first binds PATH plus a random 17-byte suffix: 104 - 1 - 41 - 17.
     d = os.path.join(home, "cm")
-    if len(d) > 60:
+    if len(d) > 45:
         d = f"/tmp/rgt-cm-{os.getuid()}"
     os.makedirs(d, mode=0o700, exist_ok=True)
     return d
@@ -323,7 +393,7 @@ def _last_line(text: str) -> str:
 # What ssh (or rsync about its ssh) says when the connection fails; the remote command's own
 # stderr shares the stream and must not be taken for the reason.
 _TRANSPORT = re.compile(
-    r"^(ssh:|ssh_|mux_|client_loop|kex_|rsync error:|Timeout, server|Connection |"
+    r"^(ssh:|ssh_|mux_|unix_listener|client_loop|kex_|rsync error:|Timeout, server|Connection |"
     r"Shared connection|Bad |Could not|Received disconnect|Disconnected)"
 )
 

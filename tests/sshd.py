@@ -11,6 +11,13 @@ The client runs ``ssh -F /dev/null`` (no user or system config: no ControlMaster
 keys) with the generated key. Remote commands run under the user's login shell with sshd's
 minimal environment: pass what they need inline (``remote_env``) and call programs by absolute
 path.
+
+The user is the one running the tests (root). ``start_sshd(dir, users=[...])`` also lets the
+client key log in as each of those users: ``shell_user(name)`` makes (once; idempotent, root
+only) a user ``rgt-sh-NAME`` whose login shell is that shell (``LOGIN_SHELLS``: bash, dash, zsh,
+fish, tcsh), as rentals set them; ``SshServer.as_user(user)`` is the same server reached as that
+user. Their authorized keys are in a directory of the server's own under /tmp that they can read
+(sshd reads the file as the user; the tests' directories are root's alone), removed by ``stop``.
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
-from typing import Dict, List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Sequence
 
 from onbox import procfs
 
@@ -47,6 +55,53 @@ def missing() -> Optional[str]:
         if not os.path.isdir(PRIVSEP_DIR):
             return f"sshd's privilege separation directory {PRIVSEP_DIR} ({e.strerror})"
     return None
+
+
+# Login shells rentals ship, by name, at the path a Debian package puts them.
+LOGIN_SHELLS = {
+    "bash": "/bin/bash",
+    "dash": "/bin/dash",
+    "zsh": "/usr/bin/zsh",
+    "fish": "/usr/bin/fish",
+    "tcsh": "/usr/bin/tcsh",
+}
+SHELL_USER_PREFIX = "rgt-sh-"
+
+
+def shell_missing(name: str) -> Optional[str]:
+    """What this machine lacks to log in with the login shell ``name``, or None."""
+    if not os.access(LOGIN_SHELLS[name], os.X_OK):
+        return f"the login shell {LOGIN_SHELLS[name]} (apt-get install {name})"
+    if os.geteuid() != 0:
+        return f"root, to create a user whose login shell is {name}"
+    if shutil.which("useradd") is None:
+        return "useradd (passwd), to create test users"
+    return None
+
+
+def shell_user(name: str) -> str:
+    """The user ``rgt-sh-NAME`` whose login shell is ``LOGIN_SHELLS[name]``, made when missing
+    (root only; idempotent, and safe when two test sessions make it at once)."""
+    user, shell = SHELL_USER_PREFIX + name, LOGIN_SHELLS[name]
+    why = shell_missing(name)
+    if why is not None:
+        raise RuntimeError(f"cannot make the test user {user}: needs {why}")
+    try:
+        if pwd.getpwnam(user).pw_shell == shell:
+            return user
+        cmd = ["usermod", "-s", shell, user]
+    except KeyError:
+        # -p '*': no password works, and the account is not locked ("!"), which sshd without
+        # PAM would refuse even for a key.
+        cmd = ["useradd", "-m", "-s", shell, "-p", "*", user]
+    p = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60)
+    try:
+        ok = pwd.getpwnam(user).pw_shell == shell  # another session may have made it first
+    except KeyError:
+        ok = False
+    if not ok:
+        raise RuntimeError(f"{' '.join(cmd)} failed ({p.returncode}): {p.stderr.strip()}")
+    return user
 
 
 def free_port() -> int:
@@ -75,6 +130,11 @@ class SshServer:
     proc: subprocess.Popen[bytes]
     host: str = "127.0.0.1"  # the address it listens on
     netns: Optional[str] = None  # the network namespace it runs in, if any
+    keys_dir: Optional[str] = None  # the authorized keys of ``users`` (start_sshd), if any
+
+    def as_user(self, user: str) -> SshServer:
+        """This server, logged into as ``user`` (one of start_sshd's ``users``)."""
+        return dataclasses.replace(self, user=user)
 
     @property
     def pid(self) -> int:
@@ -142,6 +202,8 @@ class SshServer:
                     os.kill(ident.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+        if self.keys_dir is not None:
+            shutil.rmtree(self.keys_dir, ignore_errors=True)
 
 
 def _stop_pid(proc: subprocess.Popen[bytes], timeout: float) -> None:
@@ -167,13 +229,22 @@ def _keygen(path: str) -> None:
     )
 
 
-def _config(d: str, port: int, set_env: Mapping[str, str], address: str = "127.0.0.1") -> str:
+def _config(
+    d: str,
+    port: int,
+    set_env: Mapping[str, str],
+    address: str = "127.0.0.1",
+    keys_dir: Optional[str] = None,
+) -> str:
+    keys = os.path.join(d, "authorized_keys")
+    if keys_dir is not None:  # %u: the user logging in; a user without a file there gets no key
+        keys += " " + os.path.join(keys_dir, "%u")
     lines = [
         f"Port {port}",
         f"ListenAddress {address}",
         f"HostKey {os.path.join(d, 'host_ed25519')}",
         f"PidFile {os.path.join(d, 'sshd.pid')}",
-        f"AuthorizedKeysFile {os.path.join(d, 'authorized_keys')}",
+        f"AuthorizedKeysFile {keys}",
         "PermitRootLogin prohibit-password",
         "PasswordAuthentication no",
         "KbdInteractiveAuthentication no",
@@ -212,12 +283,14 @@ def start_sshd(
     timeout: float = 15,
     address: str = "127.0.0.1",
     netns: Optional[str] = None,
+    users: Sequence[str] = (),
 ) -> SshServer:
     """Start a test sshd whose files live in ``d``; raises RuntimeError with its log if not.
 
     ``address``: where it listens. ``netns``: the network namespace to run it in (through
     ``ip netns exec``, which execs sshd itself, so the PID is still sshd's); ``address`` must then
-    be the namespace's own, reachable from here."""
+    be the namespace's own, reachable from here. ``users``: other users the client key logs in
+    as too (``shell_user``; reach them with ``SshServer.as_user``)."""
     why = missing()
     if why is not None:
         raise RuntimeError(f"cannot start a test sshd: needs {why}")
@@ -230,14 +303,34 @@ def start_sshd(
     auth = os.path.join(d, "authorized_keys")
     shutil.copyfile(client_key + ".pub", auth)
     os.chmod(auth, 0o600)
-    cfg = os.path.join(d, "sshd_config")
-    log_path = os.path.join(d, "sshd.log")
     user = pwd.getpwuid(os.geteuid()).pw_name
     env: Dict[str, str] = dict(set_env or {})
+    keys_dir = _keys_dir(client_key + ".pub", users) if users else None
+    try:
+        return _serve(d, user, client_key, env, timeout, address, netns, keys_dir)
+    except BaseException:
+        if keys_dir is not None:
+            shutil.rmtree(keys_dir, ignore_errors=True)
+        raise
+
+
+def _serve(
+    d: str,
+    user: str,
+    client_key: str,
+    env: Mapping[str, str],
+    timeout: float,
+    address: str,
+    netns: Optional[str],
+    keys_dir: Optional[str],
+) -> SshServer:
+    cfg = os.path.join(d, "sshd_config")
+    log_path = os.path.join(d, "sshd.log")
+    text = ""
     for _ in range(3):  # another process may take the free port before sshd binds it
         port = free_port()
         with open(cfg, "w") as f:
-            f.write(_config(d, port, env, address))
+            f.write(_config(d, port, env, address, keys_dir))
         check = subprocess.run(
             [SSHD, "-t", "-f", cfg],
             stdin=subprocess.DEVNULL,
@@ -265,6 +358,7 @@ def start_sshd(
                 proc=proc,
                 host=address,
                 netns=netns,
+                keys_dir=keys_dir,
             )
         _stop_pid(proc, 10)
         with open(log_path, errors="replace") as f:
@@ -274,3 +368,15 @@ def start_sshd(
                 f"sshd did not listen on {address}:{port}; {log_path}:\n{text[-4000:]}"
             )
     raise RuntimeError(f"sshd found no free port; {log_path}:\n{text[-4000:]}")
+
+
+def _keys_dir(public_key: str, users: Sequence[str]) -> str:
+    """A directory under /tmp with ``public_key`` as the authorized keys of each of ``users``,
+    readable by them (a public key is no secret; StrictModes is off, so the owner is root)."""
+    keys_dir = tempfile.mkdtemp(prefix="rgt-sshd-keys-", dir="/tmp")
+    os.chmod(keys_dir, 0o755)
+    for u in users:
+        path = os.path.join(keys_dir, u)
+        shutil.copyfile(public_key, path)
+        os.chmod(path, 0o644)
+    return keys_dir

@@ -482,7 +482,8 @@ def test_rgt_directories_on_the_box_are_0700(box: Box) -> None:
     home = box.box_home
     rid = box.complete_releases()[-1]
     dirs = [".", "releases", f"releases/{rid}", "deploys", f"deploys/{box.name}", "agent"]
-    dirs += ["runs", f"runs/{box.name}", f"runs/{box.name}/ckpt", "lib", "secrets"]
+    dirs += ["runs", f"runs/{box.name}", f"runs/{box.name}/ckpt", "lib"]
+    dirs += ["secrets"] if os.path.isdir(os.path.join(home, "secrets")) else []  # loop's only
     dirs += [
         os.path.join("agent", d)
         for d in os.listdir(os.path.join(home, "agent"))

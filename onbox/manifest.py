@@ -23,6 +23,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from onbox.errors import IntegrityError
+from onbox.safepath import safe_rel
 
 SCHEMA = 1
 _SHA = re.compile(r"[0-9a-f]{64}\Z")
@@ -54,17 +55,6 @@ def pin_key(run: str, step: int) -> str:
 
 def quarantine_key(run: str, step: int) -> str:
     return f"{run}/quarantine/{step}.json"
-
-
-def _clean_rel(path: Any) -> str:
-    if (
-        not isinstance(path, str)
-        or not path
-        or path.startswith("/")
-        or any(p in ("", ".", "..") for p in path.split("/"))
-    ):
-        raise IntegrityError(f"manifest path {path!r} is not a clean relative path")
-    return path
 
 
 def _check_schema(doc: Any, what: str) -> Dict[str, Any]:
@@ -114,7 +104,7 @@ def parse_manifest(data: bytes, what: str = "MANIFEST") -> Dict[str, Any]:
     step = doc.get("step")
     if not isinstance(step, int) or step < 0:
         raise IntegrityError(f"{what}: step {step!r} is not a step")
-    _clean_rel(doc.get("root"))
+    safe_rel(doc.get("root"), f"{what}: root")
     files = doc.get("files")
     if not isinstance(files, list) or not files:
         raise IntegrityError(f"{what}: no files")
@@ -122,7 +112,7 @@ def parse_manifest(data: bytes, what: str = "MANIFEST") -> Dict[str, Any]:
     for f in files:
         if not isinstance(f, dict):
             raise IntegrityError(f"{what}: a file entry is not an object")
-        path = _clean_rel(f.get("path"))
+        path = safe_rel(f.get("path"), f"{what}: path")
         if path in seen:
             raise IntegrityError(f"{what}: {path} is listed twice")
         seen.add(path)
@@ -130,7 +120,7 @@ def parse_manifest(data: bytes, what: str = "MANIFEST") -> Dict[str, Any]:
             raise IntegrityError(f"{what}: {path} has no size")
         if not isinstance(f.get("sha256"), str) or not _SHA.match(f["sha256"]):
             raise IntegrityError(f"{what}: {path} has a malformed sha256")
-        _clean_rel(f.get("key"))
+        safe_rel(f.get("key"), f"{what}: the key of {path!r}")
     return doc
 
 

@@ -27,7 +27,8 @@ import dataclasses
 import time
 from typing import Callable, Iterator, List, Optional, TypeVar
 
-from onbox.errors import IntegrityError, RgtError
+from onbox.errors import RgtError
+from onbox.safepath import safe_rel
 
 T = TypeVar("T")
 
@@ -70,11 +71,11 @@ class Finding:
 
 
 def check_key(key: str) -> str:
-    """Refuse keys that could escape the root or collide."""
-    parts = key.split("/")
-    if not key or key.startswith("/") or any(p in ("", ".", "..") for p in parts):
-        raise IntegrityError(f"store key {key!r} is not a clean relative path")
-    return key
+    """``key`` when it cannot escape the root or collide (onbox.safepath.safe_rel: the rule of
+    every path rgt takes from outside); else UnsafePath, an IntegrityError (exit 6). Keys a
+    store lists are checked too: one rgt could never have written means the store was
+    tampered with."""
+    return safe_rel(key, "store key")
 
 
 class Store(abc.ABC):
@@ -102,7 +103,9 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def get_file(self, key: str, dest: str) -> None:
-        """Download ``key`` to ``dest`` (the caller writes to a temporary name and verifies)."""
+        """Download ``key`` to ``dest``, a new file: created with O_EXCL and O_NOFOLLOW (an
+        existing name, a symlink too, is a PermanentStoreError). The caller downloads to a
+        temporary name under a directory of its own and verifies before renaming."""
 
     @abc.abstractmethod
     def stat(self, key: str) -> Optional[ObjectInfo]:

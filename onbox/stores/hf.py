@@ -169,7 +169,9 @@ class HFStore(Store):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _key(self, path: str) -> str:
-        return path[len(self.prefix) + 1 :] if self.prefix else path
+        # A listed path becomes a key rgt reads, deletes or downloads to a local path: one that
+        # rgt could not have written is refused (UnsafePath), not used.
+        return check_key(path[len(self.prefix) + 1 :] if self.prefix else path)
 
     def _error(self, e: BaseException, doing: str) -> Exception:
         """The StoreError (or AuthError) for an exception raised by huggingface_hub."""
@@ -456,6 +458,10 @@ class HFStore(Store):
             local = self._download(path, tmp)
             if local is None:
                 raise PermanentStoreError(f"{key} is not in {self.url}")
+            if os.path.lexists(dest):  # as the other stores: a new file, never over a symlink
+                raise PermanentStoreError(
+                    f"downloading {key}: {dest} exists already", "a download writes a new file"
+                )
             os.replace(local, dest)
         except OSError as e:
             raise _os_fail(e, f"writing {dest}") from None

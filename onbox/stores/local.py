@@ -9,6 +9,11 @@ must match), fsync must succeed, and the copy must have the source's size. A rea
 fsync would be served from the page cache, not the disk, so it would prove nothing more; a
 directory has no checksum of its own to compare with. The preflight proves the mount really
 renames and fsyncs: FUSE bucket mounts (s3fs, goofys, some vendors' volumes) do neither reliably.
+
+The store is input, not trusted: every key is walked under the root one directory at a time
+(onbox.safepath, ``O_NOFOLLOW``), so a symlink planted in the store, a key that points to
+``/etc/hostname`` or a directory that points elsewhere, is refused (UnsafePath, exit 6) when it
+is read, listed or deleted, and never written through. rgt itself never makes one there.
 """
 
 from __future__ import annotations
@@ -17,11 +22,12 @@ import contextlib
 import errno
 import hashlib
 import os
+import stat as statmod
 import threading
 from typing import Any, BinaryIO, Iterator, List, Optional, Tuple
 
-from onbox.durable import fsync_dir
 from onbox.errors import IntegrityError
+from onbox.safepath import lstat_beneath, open_beneath, open_dir, symlink_error
 from onbox.stores.base import (
     Finding,
     ObjectInfo,
@@ -55,12 +61,6 @@ def _fail(e: OSError, doing: str) -> Exception:
         }.get(e.errno or 0, "check the mount's permissions")
         return PermanentStoreError(what, remedy)
     return TransientStoreError(what)
-
-
-def _copy(src: str, dst_fd: int) -> None:
-    """Kernel-side copy (copy_file_range, else sendfile), falling back to read/write."""
-    with open(src, "rb") as f:
-        _copy_from(f, dst_fd, os.fstat(f.fileno()).st_size)
 
 
 def _copy_from(f: BinaryIO, dst_fd: int, size: int) -> None:
@@ -139,34 +139,77 @@ class LocalStore(Store):
         self.url = "file://" + self.root
 
     def _path(self, key: str) -> str:
+        """The key's path, for messages (every access goes through ``_parent``)."""
         return os.path.join(self.root, *check_key(key).split("/"))
 
-    def _tmp(self, path: str) -> str:
-        return os.path.join(
-            os.path.dirname(path),
-            f".{os.path.basename(path)}.rgt-tmp.{os.getpid()}.{os.urandom(3).hex()}",
-        )
+    def _parent(self, key: str, create: bool = False) -> Tuple[int, str]:
+        """A descriptor of the key's directory, walked from the root with O_NOFOLLOW (a symlink
+        on the way is UnsafePath; missing directories are made when ``create``), and the key's
+        last component. The caller closes the descriptor."""
+        parts = check_key(key).split("/")
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        return open_dir(self.root, parts[:-1], create=create), parts[-1]
 
-    def _commit(self, tmp: str, path: str, if_absent: bool) -> None:
+    @staticmethod
+    def _tmp(name: str) -> str:
+        return f".{name}.rgt-tmp.{os.getpid()}.{os.urandom(3).hex()}"
+
+    @staticmethod
+    def _new(dir_fd: int, name: str) -> int:
+        # A fresh name, never through a symlink: the temporary file is this writer's alone.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        return os.open(name, flags, 0o600, dir_fd=dir_fd)
+
+    @staticmethod
+    def _drop_tmp(dir_fd: int, tmp: str) -> None:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+
+    def _commit(self, dir_fd: int, tmp: str, name: str, path: str, if_absent: bool) -> None:
         if if_absent:
-            try:
-                os.link(tmp, path)  # fails if present: an atomic create-if-absent
+            try:  # fails if present: an atomic create-if-absent
+                os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
             except FileExistsError:
                 raise PreconditionFailed(f"{path} already exists") from None
             finally:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dir_fd)
         else:
-            os.replace(tmp, path)
-        fsync_dir(os.path.dirname(path))
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # a symlink there: replaced
+        os.fsync(dir_fd)
+
+    def _open_read(self, key: str) -> Tuple[int, os.stat_result]:
+        """A descriptor of the regular file under ``key`` and its fstat. FileNotFoundError when
+        absent; UnsafePath when it, or a directory on the way, is a symlink, or it is no
+        regular file (O_NONBLOCK: a FIFO planted there must not hang the open)."""
+        try:
+            fd = open_beneath(self.root, key, os.O_RDONLY | os.O_NONBLOCK, what="store key")
+        except NotADirectoryError:
+            raise FileNotFoundError(errno.ENOENT, "no such key", key) from None
+        st = os.fstat(fd)
+        if statmod.S_ISREG(st.st_mode):
+            return fd, st
+        os.close(fd)
+        if statmod.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "a directory, not an object", self._path(key))
+        raise IntegrityError(
+            f"{self._path(key)} is not a regular file (mode {st.st_mode:o})",
+            "rgt writes only regular files into a store: remove it",
+        )
 
     hashes_while_uploading = True
 
     def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
         dest = self._path(key)
-        tmp = self._tmp(dest)
         try:
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            dfd, name = self._parent(key, create=True)
+        except OSError as e:
+            raise _fail(e, f"writing {dest}") from None
+        tmp = self._tmp(name)
+        try:
+            fd = self._new(dfd, tmp)
             try:
                 got, hashed, before = _copy_hashing(path, fd)
                 os.fsync(fd)
@@ -183,20 +226,23 @@ class LocalStore(Store):
                     "the source changed while it was copied: write checkpoints to a new "
                     "name and let the job finish them before they are sealed",
                 )
-            self._commit(tmp, dest, if_absent=False)
+            self._commit(dfd, tmp, name, dest, if_absent=False)
         except OSError as e:
             raise _fail(e, f"writing {dest}") from None
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            self._drop_tmp(dfd, tmp)
+            os.close(dfd)
         return ObjectInfo(key, size, got)
 
     def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> ObjectInfo:
         dest = self._path(key)
-        tmp = self._tmp(dest)
         try:
-            os.makedirs(os.path.dirname(dest), exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            dfd, name = self._parent(key, create=True)
+        except OSError as e:
+            raise _fail(e, f"writing {dest}") from None
+        tmp = self._tmp(name)
+        try:
+            fd = self._new(dfd, tmp)
             try:
                 view = memoryview(data)
                 while view:
@@ -204,63 +250,110 @@ class LocalStore(Store):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            self._commit(tmp, dest, if_absent)
+            self._commit(dfd, tmp, name, dest, if_absent)
         except OSError as e:
             raise _fail(e, f"writing {dest}") from None
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            self._drop_tmp(dfd, tmp)
+            os.close(dfd)
         return ObjectInfo(key, len(data), hashlib.sha256(data).hexdigest())
 
     def get_bytes(self, key: str) -> Optional[bytes]:
         try:
-            with open(self._path(key), "rb") as f:
-                return f.read()
+            fd, _ = self._open_read(key)
         except FileNotFoundError:
             return None
         except OSError as e:
             raise _fail(e, f"reading {key}") from None
+        with open(fd, "rb") as f:
+            try:
+                return f.read()
+            except OSError as e:
+                raise _fail(e, f"reading {key}") from None
 
     def get_file(self, key: str, dest: str) -> None:
-        fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        """``dest`` is created here (O_EXCL, never through a symlink): it must not exist."""
         try:
-            _copy(self._path(key), fd)
-            os.fsync(fd)
+            src, st = self._open_read(key)
         except FileNotFoundError:
             raise PermanentStoreError(f"{key} is not in {self.url}") from None
         except OSError as e:
             raise _fail(e, f"reading {key}") from None
-        finally:
-            os.close(fd)
+        with open(src, "rb") as f:
+            try:
+                fd = os.open(
+                    dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+                )
+            except FileExistsError:
+                raise PermanentStoreError(
+                    f"downloading {key}: {dest} exists already", "a download writes a new file"
+                ) from None
+            except OSError as e:
+                raise _fail(e, f"writing {dest}") from None
+            done = False
+            try:
+                _copy_from(f, fd, st.st_size)
+                os.fsync(fd)
+                done = True
+            except OSError as e:
+                raise _fail(e, f"reading {key} into {dest}") from None
+            finally:
+                os.close(fd)
+                if not done:  # ours (O_EXCL): a retry creates it afresh
+                    with contextlib.suppress(OSError):
+                        os.unlink(dest)
 
     def stat(self, key: str) -> Optional[ObjectInfo]:
         try:
-            st = os.stat(self._path(key))
-        except FileNotFoundError:
+            st = lstat_beneath(self.root, key, "store key")
+        except NotADirectoryError:
             return None
+        if st is None:
+            return None
+        if statmod.S_ISLNK(st.st_mode):
+            raise symlink_error(self._path(key))
         return ObjectInfo(key, st.st_size, None, None, st.st_mtime)
 
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object under ``prefix``, symlinks never followed: a symlink to a directory is
+        not descended into, one to a file (or to nothing) is listed with its own lstat (reading
+        it is refused). A name rgt could not have written is UnsafePath."""
         base = self.root
-        start = os.path.join(base, *[p for p in prefix.split("/") if p][:-1]) if prefix else base
+        parts = [p for p in prefix.split("/") if p][:-1] if prefix else []
+        try:
+            os.close(open_dir(base, [check_key(p) for p in parts]))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        start = os.path.join(base, *parts)
         for dirpath, dirnames, filenames in os.walk(start):
             dirnames.sort()
             for name in sorted(filenames):
                 if ".rgt-tmp." in name:
                     continue
                 full = os.path.join(dirpath, name)
-                key = os.path.relpath(full, base).replace(os.sep, "/")
+                key = check_key(os.path.relpath(full, base).replace(os.sep, "/"))
                 if key.startswith(prefix):
-                    st = os.stat(full)
+                    try:
+                        st = os.lstat(full)
+                    except FileNotFoundError:
+                        continue  # deleted since the directory was read
                     yield ObjectInfo(key, st.st_size, None, None, st.st_mtime)
 
     def delete(self, key: str) -> None:
         try:
-            os.unlink(self._path(key))
+            dfd, name = self._parent(key)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as e:
+            raise _fail(e, f"deleting {key}") from None
+        try:
+            os.unlink(name, dir_fd=dfd)  # a symlink is removed itself, never followed
         except FileNotFoundError:
             pass
         except OSError as e:
             raise _fail(e, f"deleting {key}") from None
+        finally:
+            os.close(dfd)
 
     def abort_stale_uploads(self, prefix: str) -> int:
         """Remove temporary files a killed writer left under ``prefix`` (never a final name)."""
@@ -306,34 +399,44 @@ class LocalStore(Store):
         kind = self.fs_type()
         step = "create the run directory"
         d = os.path.join(self.root, run, ".rgt-preflight")
+        dfd = -1
         try:
-            os.makedirs(d, exist_ok=True)
+            os.makedirs(self.root, exist_ok=True)
+            dfd = open_dir(self.root, [check_key(run), ".rgt-preflight"], create=True)
             step = "write and fsync a probe file"
-            a, b = os.path.join(d, "a"), os.path.join(d, "b")
             payload = os.urandom(4096)
-            for p in (a, b):
-                fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+            for p in ("a", "b"):
+                fd = os.open(
+                    p,
+                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o600,
+                    dir_fd=dfd,
+                )
                 try:
                     os.write(fd, payload)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
             step = "rename a file over another (atomic replace)"
-            os.replace(a, b)
-            if os.path.exists(a):
+            os.replace("a", "b", src_dir_fd=dfd, dst_dir_fd=dfd)
+            if os.path.lexists(os.path.join(d, "a")):
                 raise OSError(errno.EIO, "the source of the rename still exists")
             step = "fsync the directory"
-            fsync_dir(d)
+            os.fsync(dfd)
             step = "read the probe back and compare"
-            with open(b, "rb") as f:
+            fd = os.open("b", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            with open(fd, "rb") as f:
                 if f.read() != payload:
                     raise OSError(errno.EIO, "read back different bytes")
             step = "delete the probe"
-            os.unlink(b)
+            os.unlink("b", dir_fd=dfd)
             os.rmdir(d)
         except OSError as e:
             err = _fail(e, f"store preflight failed at '{step}' in {self.root}")
             raise err from None
+        finally:
+            if dfd >= 0:
+                os.close(dfd)
         found.append(Finding(True, f"{self.url} ({kind}): writes, fsyncs, renames atomically"))
         if kind.startswith("fuse"):
             found.append(

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
+import contextlib
 import hashlib
 import ipaddress
 import os
@@ -302,7 +303,9 @@ class S3Store(Store):
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _rel(self, full: str) -> str:
-        return full[len(self.prefix) + 1 :] if self.prefix else full
+        # A listed key becomes a key rgt reads, deletes or downloads to a local path: one that
+        # rgt could not have written (``..``, an empty part, a NUL) is refused, not used.
+        return check_key(full[len(self.prefix) + 1 :] if self.prefix else full)
 
     # -- error mapping ----------------------------------------------------------------------
 
@@ -765,10 +768,17 @@ class S3Store(Store):
             raise PermanentStoreError(f"{key} is not in {self.url}")
         size = int(head["ContentLength"])
         etag = str(head.get("ETag") or "")
-        try:
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        try:  # a new file, never through a symlink: the caller's staging name is its own
+            fd = os.open(
+                dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+            )
+        except FileExistsError:
+            raise PermanentStoreError(
+                f"{doing}: {dest} exists already", "a download writes a new file"
+            ) from None
         except OSError as e:
             raise PermanentStoreError(f"{doing} to {dest}: {e.strerror or e}") from None
+        done = False
         try:
             if size <= self.multipart_threshold:
                 self._get_range(doing, full, etag, fd, 0, size, ranged=False)
@@ -799,10 +809,14 @@ class S3Store(Store):
                         for fut in futures:
                             fut.cancel()
             os.fsync(fd)
+            done = True
         except OSError as e:  # writing or fsyncing dest (botocore's errors are mapped already)
             raise PermanentStoreError(f"{doing} to {dest}: {e.strerror or e}") from None
         finally:
             os.close(fd)
+            if not done:  # ours (O_EXCL): a retry creates it afresh
+                with contextlib.suppress(OSError):
+                    os.unlink(dest)
 
     def _get_range(
         self, doing: str, full: str, etag: str, fd: int, offset: int, length: int, *, ranged: bool

@@ -587,14 +587,55 @@ def sync(name: str, timeout_s: str) -> int:
 @click.option("--to", "dest", metavar="DIR", help="Where to put it (default ./NAME-restored).")
 def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
     """Download the newest verified checkpoint of a run and check every sha256."""
-    from onbox.restore import restore_latest
+    # Nothing is created before a checkpoint to download is found, and a restore that fails
+    # removes the directories it made: a bad URL, name or --to leaves no empty --to behind.
+    from onbox.errors import IntegrityError
+    from onbox.restore import quarantined, restore_latest, sealed_steps
 
     store, run = _store_and_run(url, name)
     target = os.path.abspath(dest or f"{run}-restored")
-    os.makedirs(target, exist_ok=True)
-    doc = restore_latest(store, run, target, lambda kind, reason, **kw: _emit(reason))
+    probe = target
+    while not os.path.lexists(probe):
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK | os.X_OK):
+        raise HostError(
+            f"cannot restore into {target}: {probe} is "
+            + ("not a directory" if not os.path.isdir(probe) else "not writable"),
+            "pass --to a directory this user can write",
+        )
+    corrupt: List[str] = []
+
+    def event(kind: str, reason: str, **kw: Any) -> None:
+        if kind == "quarantined":
+            corrupt.append(reason)
+        _emit(reason)
+
+    made: List[str] = []
+    doc = None
+    try:
+        doc = restore_latest(store, run, target, event, made)
+    finally:
+        if doc is None:
+            for d in reversed(made):
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    pass
     if doc is None:
-        raise NotFound(f"run {run!r} has no sealed checkpoint in {store.url}")
+        bad = sorted(set(quarantined(store, run)) & set(sealed_steps(store, run)))
+        if corrupt or bad:
+            raise IntegrityError(
+                f"run {run!r} has no intact sealed checkpoint in {store.url}: "
+                + (corrupt[0] if corrupt else f"steps {bad} are quarantined"),
+                "look at the store (quarantine/ says why); nothing was restored",
+            )
+        root = getattr(store, "root", None)  # a file:// store's directory
+        raise NotFound(
+            f"run {run!r} has no sealed checkpoint in {store.url}",
+            f"{root} does not exist: is the durable mount there?"
+            if isinstance(root, str) and not os.path.isdir(root)
+            else "check --name and the store URL (rgt-agent checkpoints lists what is sealed)",
+        )
     _emit(f"{doc['local']}")
     return 0
 

@@ -20,7 +20,16 @@ Layout under DEST: ``checkpoints/<path as sealed, relative to RGT_CKPT_DIR>``,
 ``outputs/<path>``, ``logs/attempt-NNNN.log``, and ``.rgt-receipt.json`` (controller/receipt.py).
 
 Every file lands first under ``DEST/.rgt-part/`` (named by its store key or its path on the
-box), so nothing unverified ever has a final name. A pull that is killed and started again
+box), so nothing unverified ever has a final name.
+
+The box is untrusted input (and so is a store): every name it supplies, a MANIFEST path, a key,
+a line of ``find``, ``ckpt_dir``/``workdir``/``outputs`` in its ``spec.json``, becomes a staging
+or a final name only through onbox.safepath (no absolute path, no '..', no NUL or backslash,
+length caps), checked before anything is created on the laptop; a name that fails is an
+IntegrityError (exit 6) naming it. Files are created with O_EXCL and opened with O_NOFOLLOW in
+the staging directory rgt made (0700, its own), and renamed into place through directory
+descriptors walked without following symlinks: a symlink in DEST, on the way to a final name or
+under it, is refused (exit 6), never written through. A pull that is killed and started again
 continues: from the box, rsync (``--inplace``, delta transfer against the partial copy) sends
 only what is missing and skips finished files; from the store, a file whose partial copy
 already has the right size and sha256 is not downloaded again (the store interface has no
@@ -55,6 +64,7 @@ import os
 import pickle
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import threading
@@ -90,6 +100,19 @@ from controller.remote import Remote, open_remote
 from onbox import manifest as mf
 from onbox.durable import fsync_dir, fsync_file
 from onbox.errors import HostError, IntegrityError, NotFound, RemoteUnreachable, UsageError
+from onbox.safepath import (
+    UnsafePath,
+    conflicts,
+    lstat_beneath,
+    open_beneath,
+    open_dir,
+    replace_beneath,
+    safe_abs,
+    safe_join,
+    safe_rel,
+    symlink_error,
+    unlink_beneath,
+)
 from onbox.states import TERMINAL
 from onbox.stores import open_store
 from onbox.stores.base import Store, with_retries
@@ -97,6 +120,9 @@ from onbox.stores.local import LocalStore
 
 SOURCES = ("box", "store", "auto")
 STAGE = ".rgt-part"
+# rgt's own files in the staging directory: no staged file may take one of their names.
+_LOCK, _FILES_FROM, _COPY = ".lock", ".rgt-files-from", ".rgt-copy-"
+_KINDS = {"checkpoints": "checkpoint", "outputs": "output", "logs": "log"}
 CHUNK = 8 << 20
 HASH_BUFFER = 1 << 20
 PARALLEL_FSYNC = 4 << 20  # a file this large is fsynced in a thread of its own while hashed
@@ -181,7 +207,39 @@ def _file_root(url: str) -> Optional[str]:
 
 
 def read_sealed(rec: RunRecord, source: str, remote: Optional[Remote] = None) -> Sealed:
-    """The newest sealed state of ``rec`` as ``source`` ("box" or "store") sees it."""
+    """The newest sealed state of ``rec`` as ``source`` ("box" or "store") sees it, every final
+    and staging name checked (``_checked``) before anything is created on the laptop."""
+    return _checked(_read_sealed(rec, source, remote), f"pull of {rec.name}")
+
+
+def _checked(sealed: Sealed, what: str) -> Sealed:
+    """``sealed`` when every final name (``Entry.path``) and staging name (``Entry.stage``)
+    is a plain relative path (onbox.safepath.safe_rel) that cannot collide with rgt's own
+    files, a final one lies under checkpoints/, outputs/ or logs/, and no name is a directory
+    on the way to another; else UnsafePath (exit 6) naming the path."""
+    for e in sealed.entries:
+        safe_rel(e.path, f"{what}: the file")
+        safe_rel(e.stage, f"{what}: the staging name of {e.path!r}")
+        if e.path.split("/", 1)[0] not in _KINDS:
+            raise UnsafePath(
+                f"{what}: {e.path!r} is not under checkpoints/, outputs/, logs/", e.path
+            )
+        first = e.stage.split("/", 1)[0]
+        if first in (_LOCK, _FILES_FROM) or first.startswith(_COPY):
+            raise UnsafePath(f"{what}: the staging name {e.stage!r} is one of rgt's own", e.stage)
+    for kind, names in (
+        ("file", [e.path for e in sealed.entries]),
+        ("source", [e.stage for e in sealed.entries]),
+    ):
+        both = conflicts(names)
+        if both is not None:
+            raise UnsafePath(
+                f"{what}: the {kind} {both[0]!r} is listed, and so is {both[1]!r} under it", both[1]
+            )
+    return sealed
+
+
+def _read_sealed(rec: RunRecord, source: str, remote: Optional[Remote]) -> Sealed:
     run = rec.name
     if source == "store":
         assert rec.store
@@ -213,19 +271,31 @@ def read_sealed(rec: RunRecord, source: str, remote: Optional[Remote] = None) ->
     ident, entries = _from_documents(run, functools.partial(_store_get, store))
     spec = box_spec(rec, remote)
     run_dir = box_run_dir(rec)
+    ckpt, workdir = _spec_dirs(rec, spec, remote)
     placed = []
     for e in entries:
         if e.kind == "checkpoint":
-            path = _join(spec["ckpt_dir"], e.path[len("checkpoints/") :])
+            path = _join(ckpt, e.path[len("checkpoints/") :])
         elif e.kind == "output":
-            path = _join(spec["workdir"], e.path[len("outputs/") :])
+            path = _join(workdir, e.path[len("outputs/") :])
         else:
             m = _LOG.match(e.path[len("logs/") :])
             if not m:
                 raise IntegrityError(f"DONE.json lists a log {e.path!r} rgt did not write")
             path = _join(run_dir, "attempts", m.group(1), "output.log")
-        placed.append(dataclasses.replace(e, src=path.lstrip("/"), origin=path))
+        placed.append(dataclasses.replace(e, src=path[1:], origin=path))
     return Sealed(ident, placed, "box", box_root="/")
+
+
+def _spec_dirs(rec: RunRecord, spec: Dict[str, Any], remote: Remote) -> Tuple[str, str]:
+    """``ckpt_dir`` and ``workdir`` of the box's spec.json, refused (exit 6) unless absolute
+    and normalised as the agent writes them: they become staging names on the laptop."""
+    where = f"spec.json of {rec.name!r} on {remote.target.label}"
+    remedy = "the agent writes them absolute and normalised: the box's spec.json was altered"
+    return (
+        safe_abs(spec.get("ckpt_dir"), f"{where}: ckpt_dir", remedy),
+        safe_abs(spec.get("workdir"), f"{where}: workdir", remedy),
+    )
 
 
 def _join(*parts: str) -> str:
@@ -344,7 +414,9 @@ def box_run_dir(rec: RunRecord) -> str:
         raise UsageError(
             "run", f"the record of {rec.name!r} has no RGT_HOME on the box", "deploy it again"
         )
-    return _join(rec.box_home, "runs", rec.name)
+    # The box reported its RGT_HOME at deploy: it becomes part of staging names here.
+    home = safe_abs(rec.box_home.rstrip("/") or "/", f"RGT_HOME of {rec.name!r} on the box")
+    return _join(home, "runs", safe_rel(rec.name, "run name"))
 
 
 def box_spec(rec: RunRecord, remote: Remote) -> Dict[str, Any]:
@@ -381,27 +453,19 @@ def box_state(rec: RunRecord, remote: Remote) -> Dict[str, Any]:
 
 
 def _check_doc_file(f: Any, what: str, run: str) -> None:
+    if not isinstance(f, dict):
+        raise IntegrityError(f"{what}: a malformed file entry {f!r}")
+    safe_rel(f.get("path"), f"{what}: path")
+    safe_rel(f.get("key"), f"{what}: key")
     ok = (
-        isinstance(f, dict)
-        and _clean_rel(f.get("path"))
-        and isinstance(f.get("size"), int)
+        isinstance(f.get("size"), int)
         and f["size"] >= 0
         and isinstance(f.get("sha256"), str)
         and _SHA.match(f["sha256"]) is not None
-        and _clean_rel(f.get("key"))
         and f["key"].startswith(run + "/")
     )
     if not ok:
         raise IntegrityError(f"{what}: a malformed file entry {f!r}")
-
-
-def _clean_rel(p: Any) -> bool:
-    return (
-        isinstance(p, str)
-        and bool(p)
-        and not p.startswith("/")
-        and not any(s in ("", ".", "..") for s in p.split("/"))
-    )
 
 
 def _sha(data: bytes) -> str:
@@ -487,7 +551,11 @@ done
 
 
 def _box_files(rec: RunRecord, remote: Remote) -> Sealed:
-    """A run without a store: its files on the box, hashed there (see the module docstring)."""
+    """A run without a store: its files on the box, hashed there (see the module docstring).
+
+    Every name the box prints must lie under the directory it was asked to list (absolute,
+    normalised, as ``_spec_dirs`` requires of the roots); the staging name is that path on the
+    box, the final name the part under the root, both checked by ``_checked``."""
     spec = box_spec(rec, remote)
     state = box_state(rec, remote).get("state")
     if state not in TERMINAL_NAMES:
@@ -497,10 +565,24 @@ def _box_files(rec: RunRecord, remote: Remote) -> Sealed:
             f"stop it first (rgt stop {rec.name}), or deploy with --store",
         )
     run_dir = box_run_dir(rec)
-    ckpt, workdir = str(spec["ckpt_dir"]), str(spec["workdir"])
-    args = ["checkpoint", ckpt, "log", _join(run_dir, "attempts")]
-    for out in spec.get("outputs") or []:
-        args += ["output", _join(workdir, str(out))]
+    ckpt, workdir = _spec_dirs(rec, spec, remote)
+    attempts = _join(run_dir, "attempts")
+    # (kind, the path listed, the directory final names are relative to, their prefix)
+    roots = [("checkpoint", ckpt, ckpt, "checkpoints/"), ("log", attempts, attempts, "logs/")]
+    outputs = spec.get("outputs") or []
+    if not isinstance(outputs, list):
+        raise IntegrityError(f"spec.json of {rec.name!r}: outputs is not a list")
+    for out in outputs:
+        # The agent keeps outputs as the job file gave them ("out/", "./out"): normalised
+        # here, then refused if anything but a plain path under the workdir is left.
+        parts = [p for p in str(out).split("/") if p not in ("", ".")]
+        rel = (
+            safe_rel("/".join(parts), f"spec.json of {rec.name!r}: output {out!r}") if parts else ""
+        )
+        roots.append(("output", _join(workdir, rel) if rel else workdir, workdir, "outputs/"))
+    args: List[str] = []
+    for kind, listed, _, _ in roots:
+        args += [kind, listed]
     r = remote.sh(_LIST_SCRIPT, *args, timeout=3600)
     if r.rc != 0:
         raise HostError(
@@ -508,32 +590,47 @@ def _box_files(rec: RunRecord, remote: Remote) -> Sealed:
             f"{r.err.strip()[-300:]}"
         )
     fields = r.stdout.split(b"\0")
+    if len(fields) % 4 != 1 or fields[-1] != b"":
+        raise IntegrityError(
+            f"the listing of {rec.name!r}'s files on {remote.target.label} does not add up "
+            f"({len(fields) - 1} fields, not four per file)"
+        )
     entries: Dict[str, Entry] = {}
-    for i in range(0, len(fields) - 3, 4):
+    for i in range(0, len(fields) - 1, 4):
         kind, sha, size, raw = (x.decode("utf-8", "surrogateescape") for x in fields[i : i + 4])
-        if kind == "checkpoint":
-            path = "checkpoints/" + os.path.relpath(raw, ckpt)
-        elif kind == "output":
-            path = "outputs/" + os.path.relpath(raw, workdir)
-        else:
-            rel = os.path.relpath(raw, _join(run_dir, "attempts"))
+        if not _SHA.match(sha) or not size.isdigit() or not size.isascii():
+            raise IntegrityError(f"the box listed {raw!r} with a malformed hash or size")
+        root = next(
+            (x for x in roots if x[0] == kind and (raw == x[1] or raw.startswith(x[1] + "/"))),
+            None,
+        )
+        if root is None:
+            raise UnsafePath(
+                f"the box listed {raw!r} as a {kind}, outside every directory it was asked to list",
+                raw,
+            )
+        _, _, base, prefix = root
+        rel = raw[len(base) + 1 :]
+        if kind == "log":
             m = re.match(r"(\d{4,})/output\.log\Z", rel)
             if not m:
                 continue  # the attempt's job.json/exit.json: rgt's records, not the job's log
-            path = f"logs/attempt-{m.group(1)}.log"
-        if not _clean_rel(path) or not _SHA.match(sha):
-            raise HostError(f"cannot pull {raw!r}: its name or hash is not usable")
-        entries[path] = Entry(path, kind, int(size), sha, None, raw.lstrip("/"), raw)
+            rel = f"attempt-{m.group(1)}.log"
+        path = prefix + rel
+        entries[path] = Entry(path, kind, int(size), sha, None, raw[1:], raw)
     if not entries:
         raise NotFound(f"run {rec.name!r} has no files on {remote.target.label} to pull")
     listing = "".join(
         f"{e.path}\0{e.size}\0{e.sha256}\n" for e in sorted(entries.values(), key=lambda e: e.path)
     )
-    return Sealed(
-        SealedId(listing_sha256=_sha(listing.encode("utf-8", "surrogateescape"))),
-        list(entries.values()),
-        "box",
-        box_root="/",
+    return _checked(
+        Sealed(
+            SealedId(listing_sha256=_sha(listing.encode("utf-8", "surrogateescape"))),
+            list(entries.values()),
+            "box",
+            box_root="/",
+        ),
+        f"pull of {rec.name}",
     )
 
 
@@ -541,7 +638,12 @@ def _box_files(rec: RunRecord, remote: Remote) -> Sealed:
 
 
 def _stage_path(stage_dir: str, e: Entry) -> str:
-    return os.path.join(stage_dir, *e.stage.split("/"))
+    return safe_join(stage_dir, e.stage, "staging name")
+
+
+def _stage_dirs(stage_dir: str, e: Entry) -> None:
+    """The directories of ``e``'s staging name, made (0700) where missing, none a symlink."""
+    os.close(open_dir(stage_dir, e.stage.split("/")[:-1], create=True, mode=0o700))
 
 
 def _file_sha(path: str) -> Tuple[int, str]:
@@ -550,7 +652,8 @@ def _file_sha(path: str) -> Tuple[int, str]:
     buf = bytearray(HASH_BUFFER)
     view = memoryview(buf)
     n = 0
-    with open(path, "rb", buffering=0) as f:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    with open(fd, "rb", buffering=0) as f:
         while True:
             k = f.readinto(buf)
             if not k:
@@ -717,8 +820,8 @@ def _fetch_store(
     for e in items:
         assert e.key is not None
         tmp = _stage_path(stage_dir, e)
-        os.makedirs(os.path.dirname(tmp), exist_ok=True)
-        with_retries(functools.partial(store.get_file, e.key, tmp))
+        _stage_dirs(stage_dir, e)
+        with_retries(functools.partial(store.get_file, e.key, tmp))  # creates it, O_EXCL
         fetched += e.size
         finished(e)
     return fetched
@@ -766,8 +869,9 @@ def _fetch_rsync(
     own check is received again later, and logged again. So a file is handed to ``finished``
     once rsync has logged another file after it, or has exited: then rsync is done with it,
     unless it logs it again (then it is handed over again)."""
-    listing = os.path.join(stage_dir, ".rgt-files-from")
-    with open(listing, "wb") as f:
+    listing = os.path.join(stage_dir, _FILES_FROM)
+    fd = open_beneath(stage_dir, _FILES_FROM, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    with open(fd, "wb") as f:
         f.write(b"\0".join(e.src.encode("utf-8", "surrogateescape") for e in items if e.src))
     by_name = {e.src.encode("utf-8", "surrogateescape"): e for e in items if e.src}
     argv = [
@@ -839,27 +943,34 @@ def _fetch_stream(
     fetched = 0
     for e in items:
         assert e.src is not None
-        tmp = _stage_path(stage_dir, e)
-        os.makedirs(os.path.dirname(tmp), exist_ok=True)
-        have = os.path.getsize(tmp) if os.path.exists(tmp) else 0
-        if have > e.size:
-            os.truncate(tmp, 0)
-            have = 0
-        if have == e.size:
-            continue
-        p = remote.popen(["tail", "-c", f"+{have + 1}", "--", _join(root, e.src)])
-        assert p.stdout is not None
+        _stage_dirs(stage_dir, e)
+        # The partial copy a killed pull left is appended to; a new one is created O_EXCL. Both
+        # O_NOFOLLOW, through directories walked without following symlinks.
         try:
-            with open(tmp, "ab") as out:
+            fd = open_beneath(stage_dir, e.stage, os.O_WRONLY | os.O_APPEND)
+        except FileNotFoundError:
+            fd = open_beneath(
+                stage_dir, e.stage, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL
+            )
+        with open(fd, "ab") as out:
+            have = os.fstat(fd).st_size
+            if have > e.size:
+                os.ftruncate(fd, 0)
+                have = 0
+            if have == e.size:
+                continue
+            p = remote.popen(["tail", "-c", f"+{have + 1}", "--", _join(root, e.src)])
+            assert p.stdout is not None
+            try:
                 while True:
                     b = p.stdout.read(CHUNK)
                     if not b:
                         break
                     out.write(b)
                     fetched += len(b)
-        finally:
-            p.stdout.close()
-            rc = p.wait()
+            finally:
+                p.stdout.close()
+                rc = p.wait()
         if rc != 0:
             remote.check_transport(rc, b"")
             raise HostError(f"reading {e.origin} on {remote.target.label} failed (exit {rc})")
@@ -1003,10 +1114,28 @@ def _version() -> str:
         return ""
 
 
+def _make_stage(stage_dir: str) -> None:
+    """The staging directory: made here 0700, or left by an earlier pull of this user (then a
+    real directory of this user's, not a symlink); nothing else is staged into."""
+    try:
+        os.mkdir(stage_dir, 0o700)
+        return
+    except FileExistsError:
+        pass
+    st = os.lstat(stage_dir)
+    if stat.S_ISLNK(st.st_mode):
+        raise symlink_error(stage_dir)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise UnsafePath(
+            f"{stage_dir} is not a staging directory this user made",
+            stage_dir,
+            "remove it, or pull into another --to",
+        )
+
+
 @contextlib.contextmanager
 def _stage_lock(stage_dir: str) -> Iterator[None]:
-    os.makedirs(stage_dir, exist_ok=True)
-    fd = os.open(os.path.join(stage_dir, ".lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fd = open_beneath(stage_dir, _LOCK, os.O_RDWR | os.O_CREAT)
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -1032,10 +1161,7 @@ def _mismatch(stage_dir: str, e: Entry) -> Optional[str]:
 
 
 def _drop(stage_dir: str, e: Entry) -> None:
-    try:
-        os.unlink(_stage_path(stage_dir, e))
-    except FileNotFoundError:
-        pass
+    unlink_beneath(stage_dir, e.stage, "staging name")
 
 
 def pull(
@@ -1081,11 +1207,24 @@ def _pull(
     home: Optional[str],
 ) -> Receipt:
     stage_dir = os.path.join(dest, STAGE)
-    os.makedirs(dest, exist_ok=True)
-    for e in sealed.entries:
-        final = os.path.join(dest, *e.path.split("/"))
-        if os.path.isdir(final) and not os.path.islink(final):
-            raise UsageError("--to", f"{final} is a directory; the pull would put a file there")
+    _check_dest(dest, sealed.entries)
+    missing = []  # DEST and the parents it lacks, removed again if the pull cannot start
+    d = dest
+    while not os.path.lexists(d) and os.path.dirname(d) != d:
+        missing.append(d)
+        d = os.path.dirname(d)
+    try:
+        os.makedirs(dest, exist_ok=True)
+        _make_stage(stage_dir)
+    except OSError as err:
+        for d in missing:
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        raise HostError(
+            f"cannot pull into {dest}: {err.strerror or err}"
+            + (f" ({err.filename})" if err.filename else ""),
+            "pull into a directory this user can write (--to DIR)",
+        ) from None
     # One temporary file per source file: entries that share one (a deduplicated key) agree.
     unique: Dict[str, Entry] = {}
     for e in sealed.entries:
@@ -1132,6 +1271,25 @@ def _pull(
         total = receipt.total_bytes()
         progress(Progress("done", "", total, total, total, total))
     return receipt
+
+
+def _check_dest(dest: str, entries: List[Entry]) -> None:
+    """Before anything is fetched: no final name, nor a directory on the way to it, is a
+    symlink (UnsafePath, exit 6), a directory or a file in the way (UsageError)."""
+    for e in entries:
+        try:
+            st = lstat_beneath(dest, e.path, "file")
+        except NotADirectoryError as err:
+            raise UsageError(
+                "--to", f"{err.filename} is a file; the pull would put a directory there"
+            ) from None
+        if st is None:
+            continue
+        final = os.path.join(dest, *e.path.split("/"))
+        if stat.S_ISLNK(st.st_mode):
+            raise symlink_error(final)
+        if stat.S_ISDIR(st.st_mode):
+            raise UsageError("--to", f"{final} is a directory; the pull would put a file there")
 
 
 def _reusable(sealed: Sealed, items: List[Entry], stage_dir: str) -> Set[str]:
@@ -1278,21 +1436,27 @@ def _place(
     last: Dict[str, Entry] = {}
     for e in entries:
         last[e.stage] = e
-    todo = [os.path.join(stage_dir, *s.split("/")) for s in last if s not in durable]
+    todo = [safe_join(stage_dir, s) for s in last if s not in durable]
     with ThreadPoolExecutor(HASHERS) as pool:
         list(pool.map(fsync_file, todo))
     dirs = set()
-    for e in entries:
-        staged = _stage_path(stage_dir, e)
+    for i, e in enumerate(entries):
         final = os.path.join(dest, *e.path.split("/"))
-        os.makedirs(os.path.dirname(final), exist_ok=True)
+        # Renamed through directory descriptors walked from DEST without following symlinks:
+        # a symlink planted since _check_dest is refused, never written through.
         if last[e.stage] is e:
-            os.replace(staged, final)
-        else:  # the same bytes under a second name: a copy, put in place the same way
-            tmp = os.path.join(os.path.dirname(final), f".{os.path.basename(final)}.rgt-part")
-            shutil.copyfile(staged, tmp)
-            fsync_file(tmp)
-            os.replace(tmp, final)
+            replace_beneath(stage_dir, e.stage, dest, e.path)
+        else:  # the same bytes under a second name: a copy, staged and put in place the same way
+            tmp = f"{_COPY}{i}"
+            unlink_beneath(stage_dir, tmp)  # a killed pull's
+            src = open_beneath(stage_dir, e.stage, os.O_RDONLY)
+            with open(src, "rb") as fin:
+                out = open_beneath(stage_dir, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+                with open(out, "wb") as fout:
+                    shutil.copyfileobj(fin, fout, CHUNK)
+                    fout.flush()
+                    os.fsync(out)
+            replace_beneath(stage_dir, tmp, dest, e.path)
         d = os.path.dirname(final)
         while d.startswith(dest) and d not in dirs:
             dirs.add(d)

@@ -553,3 +553,53 @@ def test_ssh_prefers_aes_gcm_unless_a_configuration_chooses_ciphers(
         has_aes = " aes " in f.read().replace("\n", " ")
     want = configured or ("aes128-gcm@openssh.com" if has_aes else "chacha20-poly1305@openssh.com")
     assert negotiated == [want], p.stderr[-2000:]
+
+
+# ---- names that share bytes, and empty files
+
+
+@pytest.mark.parametrize(
+    "source,transport", [("store", None), ("box", "rsync"), ("box", "stream")], ids=str
+)
+def test_identical_files_under_two_names_both_land_from_one_download(
+    tmp_path: Any, laptop: str, ssh_target: Target, source: str, transport: Optional[str]
+) -> None:
+    """The sealer uploads identical files once (two MANIFEST entries, one key): the pull
+    fetches the key once and puts a copy under the second name, staged like the first."""
+    require(transport != "rsync" or bool(shutil.which("rsync")), "rsync")
+    store = _store(tmp_path)
+    same = os.urandom(50_000)
+    _seal(str(tmp_path), store, 4, {"a.bin": same, "sub/b.bin": same, "c.bin": b"other"})
+    keys = {
+        f["key"]
+        for f in mf.parse_manifest(_read(_store_file(store, mf.manifest_key(RUN, 4))))["files"]
+    }
+    assert len(keys) == 3  # a.bin and sub/b.bin share one key, with .rgt-complete and c.bin
+    target = ssh_target if source == "box" else None
+    rec = _rec(store.url, str(tmp_path / "box"), target)
+    dest = str(tmp_path / "dest")
+    receipt = pull(rec, dest, source, transport=transport)
+    assert receipt.fetched_bytes < 2 * len(same)
+    for name in ("a.bin", "sub/b.bin"):
+        assert _read(os.path.join(dest, "checkpoints", "step_4", name)) == same
+    assert not os.path.exists(os.path.join(dest, ".rgt-part"))
+
+
+def test_a_run_without_a_store_and_an_empty_log_pulls_over_the_stream(
+    cli: Cli, tmp_path: Any, ssh_target: Target
+) -> None:
+    """An empty file (a job that printed nothing) arrives as an empty file over the stream too
+    (it was never created there, then "missing")."""
+    cli("run", "--name", RUN, "--", "true", check=True)
+    ckpt = os.path.join(cli.home, "runs", RUN, "ckpt")
+    os.makedirs(ckpt, exist_ok=True)
+    with open(os.path.join(ckpt, "step_1.bin"), "wb") as f:
+        f.write(b"weights")
+    rec = _rec(None, cli.home, ssh_target)
+    dest = str(tmp_path / "dest")
+    receipt = pull(rec, dest, "box", transport="stream")
+    assert {f.path: f.size for f in receipt.files} == {
+        "checkpoints/step_1.bin": 7,
+        "logs/attempt-0001.log": 0,
+    }
+    assert _read(os.path.join(dest, "logs", "attempt-0001.log")) == b""

@@ -170,6 +170,9 @@ def _download(
     """Every file of ``doc`` into ``dest_dir``: staged, verified, then renamed into place. The
     directories it makes are appended to ``made`` (for a caller that undoes a failed restore).
     StoreCorrupt for a file the store holds damaged; UnsafePath or HostError for the target."""
+    for f in doc["files"]:
+        if f["path"].startswith(STAGE_PREFIX):  # would land in the staging dir, then vanish
+            raise StoreCorrupt(f"the MANIFEST lists {f['path']!r}, a name of rgt's own staging")
     check_target(doc, dest_dir)
     try:
         _make_dir(dest_dir, made)

@@ -486,6 +486,19 @@ def test_restore_of_a_manifest_with_a_nul_in_a_path_is_one_line(cli: Cli, tmp_pa
     assert not os.path.exists(dest)
 
 
+def test_restore_refuses_a_manifest_path_inside_its_own_staging_dir(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """Such a file would be renamed into the staging dir and removed with it: restored, and
+    gone. The sealer never seals a hidden name, so the MANIFEST was crafted."""
+    store = _sealed(tmp_path)
+    _edit_manifest(store, 5, lambda d: _rename_file(d, ".rgt-restore-x/model.pt"))
+    p = _restore(cli, store, str(tmp_path / "restored"))
+    assert p.returncode == 6, p.stdout + p.stderr
+    assert "'.rgt-restore-x/model.pt', a name of rgt's own staging" in _one_line(p)
+    assert not (tmp_path / "restored").exists()
+
+
 def test_restore_with_a_dangling_symlink_under_checkpoints(cli: Cli, tmp_path: Path) -> None:
     """A stray dangling symlink next to a checkpoint's files is listed, never followed, and
     the checkpoint restores; one in place of a file the MANIFEST lists is refused (exit 6)."""

@@ -23,7 +23,9 @@ Contract, for every implementation:
 from __future__ import annotations
 
 import abc
+import contextlib
 import dataclasses
+import os
 import time
 from typing import Callable, Iterator, List, Optional, TypeVar
 
@@ -45,6 +47,42 @@ class TransientStoreError(StoreError):
 
 class PermanentStoreError(StoreError):
     """Retrying cannot help: credentials, a missing bucket, a full or read-only disk."""
+
+
+def _os_failure(e: OSError, doing: str) -> StoreError:
+    return PermanentStoreError(f"{doing}: {e.strerror or e}")
+
+
+@contextlib.contextmanager
+def new_download(
+    dest: str, doing: str, fail: Callable[[OSError, str], Exception] = _os_failure
+) -> Iterator[int]:
+    """The file descriptor of ``dest``, a new file a ``get_file`` fills: created O_EXCL and
+    O_NOFOLLOW (the caller's staging name is its own, so an existing name, a symlink too, is
+    refused rather than written through), fsynced when the block ends, removed when it fails
+    (it is ours, so a retry creates it afresh). ``fail`` maps an OSError to the store's error."""
+    try:
+        fd = os.open(
+            dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+    except FileExistsError:
+        raise PermanentStoreError(
+            f"{doing}: {dest} exists already", "a download writes a new file"
+        ) from None
+    except OSError as e:
+        raise fail(e, f"{doing} to {dest}") from None
+    done = False
+    try:
+        yield fd
+        os.fsync(fd)
+        done = True
+    except OSError as e:  # writing or fsyncing dest (the store's own errors are mapped already)
+        raise fail(e, f"{doing} to {dest}") from None
+    finally:
+        os.close(fd)
+        if not done:
+            with contextlib.suppress(OSError):
+                os.unlink(dest)
 
 
 class PreconditionFailed(StoreError):

@@ -36,6 +36,7 @@ from onbox.stores.base import (
     Store,
     TransientStoreError,
     check_key,
+    new_download,
 )
 
 CHUNK = 1 << 20
@@ -279,29 +280,8 @@ class LocalStore(Store):
             raise PermanentStoreError(f"{key} is not in {self.url}") from None
         except OSError as e:
             raise _fail(e, f"reading {key}") from None
-        with open(src, "rb") as f:
-            try:
-                fd = os.open(
-                    dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-                )
-            except FileExistsError:
-                raise PermanentStoreError(
-                    f"downloading {key}: {dest} exists already", "a download writes a new file"
-                ) from None
-            except OSError as e:
-                raise _fail(e, f"writing {dest}") from None
-            done = False
-            try:
-                _copy_from(f, fd, st.st_size)
-                os.fsync(fd)
-                done = True
-            except OSError as e:
-                raise _fail(e, f"reading {key} into {dest}") from None
-            finally:
-                os.close(fd)
-                if not done:  # ours (O_EXCL): a retry creates it afresh
-                    with contextlib.suppress(OSError):
-                        os.unlink(dest)
+        with open(src, "rb") as f, new_download(dest, f"downloading {key}", _fail) as fd:
+            _copy_from(f, fd, st.st_size)
 
     def stat(self, key: str) -> Optional[ObjectInfo]:
         try:

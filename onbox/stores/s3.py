@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import base64
 import concurrent.futures
-import contextlib
 import hashlib
 import ipaddress
 import os
@@ -55,6 +54,7 @@ from onbox.stores.base import (
     Store,
     TransientStoreError,
     check_key,
+    new_download,
 )
 
 MiB = 1 << 20
@@ -768,18 +768,7 @@ class S3Store(Store):
             raise PermanentStoreError(f"{key} is not in {self.url}")
         size = int(head["ContentLength"])
         etag = str(head.get("ETag") or "")
-        try:  # a new file, never through a symlink: the caller's staging name is its own
-            fd = os.open(
-                dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-            )
-        except FileExistsError:
-            raise PermanentStoreError(
-                f"{doing}: {dest} exists already", "a download writes a new file"
-            ) from None
-        except OSError as e:
-            raise PermanentStoreError(f"{doing} to {dest}: {e.strerror or e}") from None
-        done = False
-        try:
+        with new_download(dest, doing) as fd:  # a new file, never through a symlink
             if size <= self.multipart_threshold:
                 self._get_range(doing, full, etag, fd, 0, size, ranged=False)
             else:
@@ -808,15 +797,6 @@ class S3Store(Store):
                     finally:
                         for fut in futures:
                             fut.cancel()
-            os.fsync(fd)
-            done = True
-        except OSError as e:  # writing or fsyncing dest (botocore's errors are mapped already)
-            raise PermanentStoreError(f"{doing} to {dest}: {e.strerror or e}") from None
-        finally:
-            os.close(fd)
-            if not done:  # ours (O_EXCL): a retry creates it afresh
-                with contextlib.suppress(OSError):
-                    os.unlink(dest)
 
     def _get_range(
         self, doing: str, full: str, etag: str, fd: int, offset: int, length: int, *, ranged: bool

@@ -48,6 +48,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import pytest
 
 from controller.registry import Registry
+from controller.remote import CONTROL_DIR_MAX
 from onbox import procfs
 from onbox.observe import public_state
 from tests.conftest import ROOT, _kill_run_processes, require
@@ -344,9 +345,10 @@ def _new_box(
     )
     os.makedirs(box.ctl_home)
     os.makedirs(box.store)
-    # The control sockets must be ours alone (controller/remote.py falls back to a shared
-    # directory for a long home), or killing "this controller's ssh" would be imprecise.
-    assert len(os.path.join(box.ctl_home, "cm")) <= 60, box.ctl_home
+    # Box.ssh_clients finds this controller's ssh by HOME/cm in its command line: the control
+    # directory must be that one, not the private /tmp one controller/remote.py makes instead
+    # when HOME/cm is longer than CONTROL_DIR_MAX (the same check _control_dir makes).
+    assert len(os.path.join(box.ctl_home, "cm")) <= CONTROL_DIR_MAX, box.ctl_home
     return box
 
 

@@ -10,6 +10,11 @@ while this agent's epoch is the newest) and prune. A checkpoint is complete when
 - a file is closed and open for writing by no process (checked in /proc, so a file rewritten
   every few hundred milliseconds is still caught between two writes).
 
+A checkpoint with a name that restore and ``rgt pull`` refuse (onbox/safepath.py: a CR, a
+backslash, another control character, an over-long component) is never sealed: it could not come
+back. One ``unsafe_name`` event (class usage) names it, and it is skipped at each scan after that
+until it changes, while the other checkpoints are sealed as usual.
+
 Its step comes from rgt's marker or the name (``step_120``, ``checkpoint-120``, ``ckpt_120.pt``).
 A file with no step in its name that the job rewrites in place (``ckpt.pt``) is a sequence: each
 completed rewrite is the next step. Such a file is staged (copied while hashed, and checked not
@@ -31,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from onbox import manifest as mf
 from onbox.durable import sha256_file, write_json
 from onbox.errors import IntegrityError
+from onbox.safepath import UnsafePath, safe_rel
 from onbox.stores.base import PreconditionFailed, Store, StoreError, with_retries
 
 MARKERS = (".rgt-complete", "trainer_state.json", ".metadata")
@@ -193,6 +199,7 @@ class Sealer:
         self.stale = False
         self.pruned: Set[int] = set()
         self.torn: Dict[str, Tuple[int, int, int]] = {}
+        self.refused: Dict[str, Tuple[int, int, int]] = {}  # unsafe names, reported once each
         self.bytes_per_s = 50e6  # until measured: a cautious guess for the preemption estimate
         self.seq: Dict[str, Dict[str, Any]] = self._load_seq()
 
@@ -263,6 +270,8 @@ class Sealer:
                     dirs.append(cand)
             elif os.path.isfile(path) and name.lower().endswith(CKPT_SUFFIXES):
                 files.append((name, st))
+        dirs = [c for c in dirs if self._safe_names(c.root, c.files, c.signature)]
+        files = [(n, st) for n, st in files if self._safe_names(n, [n], _sig(st))]
         in_dirs = [os.path.join(self.ckpt_dir, f) for c in dirs for f in c.files]
         busy = open_for_writing([os.path.join(self.ckpt_dir, n) for n, _ in files] + in_dirs)
         # A directory whose marker appeared while a file of it (the marker itself: Transformers
@@ -302,6 +311,30 @@ class Sealer:
             and (self.latest is None or c.step > self.latest)
         ]
         return sorted(todo, key=lambda c: c.step or 0)
+
+    def _safe_names(self, root: str, files: List[str], sig: Tuple[int, int, int]) -> bool:
+        """Whether every name of the checkpoint ``root`` is one restore and pull accept
+        (safepath.safe_rel). A refused one is reported once (again only when the checkpoint
+        changes) and never uploaded: a MANIFEST naming it could never be restored or pulled,
+        and retrying could not help."""
+        for rel in [root, *files]:
+            try:
+                safe_rel(rel, "the name")
+            except UnsafePath as e:
+                if self.refused.get(root) != sig:
+                    self.refused[root] = sig
+                    self.event(
+                        "unsafe_name",
+                        f"checkpoint {root!r} is not sealed: {e.what}; restore and `rgt pull` "
+                        "would refuse it, so it could never come back",
+                        klass="usage",
+                        remedy="rename it (letters, digits, '.', '_', '-'); the other "
+                        "checkpoints are sealed as usual",
+                        path=rel,
+                    )
+                return False
+        self.refused.pop(root, None)
+        return True
 
     def _next_seq_step(self, last: int) -> int:
         """The next step of an in-place sequence: after everything sealed, so LATEST moves."""

@@ -300,6 +300,56 @@ def test_a_directory_whose_marker_is_still_being_written_is_not_sealed(tmp_path:
     assert s.seal_pending() == 1 and _latest(root, "hf")["step"] == 5
 
 
+def test_a_checkpoint_whose_name_restore_would_refuse_is_reported_once_and_never_sealed(
+    tmp_path: Any,
+) -> None:
+    """A CR, a backslash or an escape in a checkpoint's name (its own or a file's inside it):
+    restore and `rgt pull` refuse such a name, so sealing it would put in the store a
+    checkpoint that never comes back. It gets one usage event naming it by repr, is never
+    uploaded, is not retried at every scan, and the good checkpoints around it are sealed."""
+    root = _store_root(tmp_path)
+    store = open_store("file://" + root)
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(ckpt)
+    events: List[Dict[str, Any]] = []
+    s = Sealer(
+        "names",
+        ckpt,
+        store,
+        str(tmp_path / "stage"),
+        epoch=take_epoch(store, "names"),
+        event=lambda kind, reason, **kw: events.append(dict(kw, kind=kind, reason=reason)),
+        state_path=str(tmp_path / "seq.json"),
+    )
+    s.load()
+    bad = ["step_2\r.pt", "step_3\\x.pt", "step_4/w\x1b[2J.bin"]
+    for rel in ["step_1.pt", *bad, "step_5.pt"]:
+        path = os.path.join(ckpt, *rel.split("/"))
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as f:
+            f.write(f"weights of {rel!r}".encode())
+    with open(os.path.join(ckpt, "step_4", ".rgt-complete"), "w") as f:
+        json.dump({"step": 4}, f)
+
+    assert s.seal_pending() == 2
+    for _ in range(3):  # later scans: nothing new, and no new event either
+        assert s.seal_pending() == 0
+    assert sorted(_manifests(root, "names")) == [1, 5]
+    assert _latest(root, "names")["step"] == 5
+    refused = [e for e in events if e["kind"] == "unsafe_name"]
+    assert sorted(e["path"] for e in refused) == bad
+    for e in refused:
+        name = e["path"].split("/")[0]
+        assert e["klass"] == "usage" and "rename it" in e["remedy"]
+        assert f"checkpoint {name!r} is not sealed: the name {e['path']!r}" in e["reason"]
+    uploaded = [f for _, _, files in os.walk(os.path.join(root, "names")) for f in files]
+    assert not [f for f in uploaded if "\r" in f or "\\" in f or "\x1b" in f]
+    # Renamed, it is an ordinary checkpoint again (step 6 > LATEST, so it is sealed).
+    os.rename(os.path.join(ckpt, "step_2\r.pt"), os.path.join(ckpt, "step_6.pt"))
+    assert s.seal_pending() == 1 and _latest(root, "names")["step"] == 6
+    assert len([e for e in events if e["kind"] == "unsafe_name"]) == 3
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_corrupt_checkpoint_in_the_store_is_quarantined_and_the_previous_used(
     tmp_path: Any, damage: str

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 
-from onbox import procfs
+from onbox import procfs, redact
 from onbox.durable import read_json, write_json
 from onbox.journal import FileJournal, iso
 from onbox.lock import is_held
@@ -246,6 +246,12 @@ def _become_subreaper() -> None:
 
 def main(argv: List[str]) -> int:
     run_path, attempt_s, ready_s = argv
+    # The shim's stdout and stderr are agent.log (onbox/runner.py): a traceback or a warning
+    # printed there is redacted line by line, as the agent's own are (onbox/agent.py). The
+    # redactor is built only when a line is written, so a quiet shim never pays for it.
+    home = os.path.dirname(os.path.dirname(os.path.abspath(run_path)))
+    sys.stdout = redact.RedactingStream(sys.stdout, lambda: redact.for_home(home))
+    sys.stderr = redact.RedactingStream(sys.stderr, lambda: redact.for_home(home))
     os.umask(0o077)
     _become_subreaper()
     for sig in (signal.SIGHUP, signal.SIGINT, signal.SIGTERM, signal.SIGPIPE):

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Tuple
 from controller.pull import pull
 from controller.registry import RunRecord
 from controller.target import Target
-from tests.conftest import Cli, agent_exe
+from tests.conftest import ROOT, Cli, agent_exe
 
 CANARY = f"rgt-canary-{uuid.uuid4()}"
 # A second secret with characters that URL, base64 and JSON encodings all change.
@@ -205,3 +205,29 @@ def test_a_succeeding_job_that_printed_its_secret_gets_a_redacted_log_sealed_and
         assert fb.read() == sealed
     assert _grep_tree(dest) == {}
     assert _grep_tree(controller_env["RGT_CONTROLLER_HOME"]) == {}
+
+
+def test_the_shims_own_stderr_is_redacted_on_its_way_to_agent_log(cli: Cli, tmp_path: Any) -> None:
+    """The shim's stdout and stderr are agent.log: a traceback of the shim that quotes a secret
+    (here its run directory, for a run named after the canary) is redacted there, as the
+    agent's own tracebacks are. A real shim, started as the runner starts it."""
+    _set_secrets(cli, "canary-shim")  # every run's secrets are masked everywhere on the box
+    name = CANARY  # a valid run name
+    run_dir = os.path.join(cli.home, "runs", name)
+    os.makedirs(os.path.join(run_dir, "attempts", "0001"))
+    log = str(tmp_path / "agent.log")
+    with open(log, "wb") as out:  # no launch.json: the shim dies with a traceback naming it
+        p = subprocess.run(
+            [sys.executable, "-m", "onbox.shim", run_dir, "1", "1"],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=cli.env,
+            cwd=ROOT,
+            timeout=60,
+        )
+    with open(log, "rb") as f:
+        data = f.read()
+    assert p.returncode == 1 and b"Traceback" in data, data
+    assert b"runs/[redacted]/attempts/0001/launch.json" in data, data
+    assert _hits(data) == []

@@ -326,8 +326,8 @@ def test_a_checkpoint_whose_name_restore_would_refuse_is_reported_once_and_never
     for rel in ["step_1.pt", *bad, "step_5.pt"]:
         path = os.path.join(ckpt, *rel.split("/"))
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "wb") as f:
-            f.write(f"weights of {rel!r}".encode())
+        with open(path, "wb") as fb:
+            fb.write(f"weights of {rel!r}".encode())
     with open(os.path.join(ckpt, "step_4", ".rgt-complete"), "w") as f:
         json.dump({"step": 4}, f)
 

@@ -19,7 +19,7 @@ from typing import IO, Any, Dict, List, Optional, Tuple
 from controller.registry import RunRecord
 from controller.remote import Remote, open_remote
 from onbox.errors import NotFound, RemoteUnreachable, RgtError
-from onbox.observe import public_state
+from onbox.observe import public_state, warning_lines
 
 # One round trip: the agent's status, then the box's view of what limits the run.
 SNAPSHOT = r"""
@@ -189,6 +189,7 @@ def describe(doc: Dict[str, Any], why_not_box: Optional[str] = None) -> str:
     if doc.get("last_exit"):
         le = doc["last_exit"]
         lines.append(f"  last exit: {le.get('kind')}: {le.get('reason', '')}".rstrip(": "))
+    lines += [f"  warning: {line}" for line in warning_lines(doc)]
     return "\n".join(lines)
 
 

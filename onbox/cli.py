@@ -327,6 +327,8 @@ def status(name: Optional[str], as_json: bool) -> int:
     if prog:
         metrics = "".join(f", {k} {v}" for k, v in (prog.get("metrics") or {}).items())
         _emit(f"  progress   step {prog['step']} (attempt {prog.get('attempt')}){metrics}")
+    for line in observe.warning_lines(st):
+        _emit(f"  warning    {line}")
     _emit(f"  updated    {st.get('updated_at')}")
     _emit(f"  run dir    {st['run_dir']}")
     return 0

@@ -74,6 +74,19 @@ def run_status(rd: RunDir) -> Dict[str, Any]:
     return redacted
 
 
+def warning_lines(doc: Dict[str, Any]) -> List[str]:
+    """One line per entry of a status document's ``warnings``, for people (``rgt-agent
+    status``, ``rgt status``): its ``reason``, which rgt writes from names (which log, which
+    secret), never values. Control characters are shown as '?': on the laptop the document
+    comes from the box or the store, and must not drive the terminal."""
+    out = []
+    warnings = doc.get("warnings")
+    for w in warnings if isinstance(warnings, list) else []:
+        text = str((w.get("reason") or w.get("kind")) if isinstance(w, dict) else w)
+        out.append("".join("?" if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F else c for c in text))
+    return out
+
+
 def last_progress(rd: RunDir) -> Optional[Dict[str, Any]]:
     """The job's last progress report (onbox/progress.py), or None when it made none: its
     ``step``, the ``attempt`` that made it, its ``time`` (epoch seconds) and ``metrics``."""

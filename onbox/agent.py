@@ -26,7 +26,7 @@ from onbox.lock import RunLock
 from onbox.resumecheck import ResumeCheck
 from onbox.rundir import RunDir
 from onbox.runner import ShimRunner
-from onbox.sealing import SealService
+from onbox.sealing import SealService, redact_box_logs
 from onbox.spec import JobSpec
 from onbox.states import TERMINAL, State
 from onbox.supervisor import LEFTOVER_GRACE, Clock, Hooks, RealClock, Supervisor
@@ -69,10 +69,12 @@ class Agent:
             self.spec, self.runner, clock or RealClock(), self.journal, hooks=hooks, doc=state_doc
         )
         self.sup.extra["agent"] = {"pid": os.getpid(), "host": os.uname().nodename}
+        # status's ``warnings`` (a job's log held a secret): kept across agents of the run. The
+        # supervisor's state document holds this very list, so what is appended is saved.
+        self.warnings: List[Dict[str, Any]] = list((state_doc or {}).get("warnings") or [])
+        self.sup.extra["warnings"] = self.warnings
         if self.seal is not None:
-            # status's ``warnings`` (a sealed log held a secret): kept across agents of the run.
-            self.seal.warnings.extend((state_doc or {}).get("warnings") or [])
-            self.sup.extra["warnings"] = self.seal.warnings
+            self.seal.warnings = self.warnings
         self.check: Optional[ResumeCheck] = None
         try:
             self.check = ResumeCheck(
@@ -307,6 +309,19 @@ class Agent:
                 )
         if self.seal is not None:
             self.seal.close()
+        else:
+            # No store: the box's logs are what `rgt pull` brings home. Done before the lock
+            # goes, and the pull waits for the lock, so it never finds a log not yet scanned.
+            try:
+                if redact_box_logs(self.rd, self.journal.event, self.warnings):
+                    self.sup.save()
+            except Exception as e:  # must not keep the agent from letting go of the run
+                self.journal.event(
+                    "redact_bug",
+                    f"{type(e).__name__}: {e}; the job's logs were not scanned for secrets",
+                    klass="permanent",
+                    remedy="report this; `rgt pull` may bring a log that holds a secret",
+                )
         log(self.rd.agent_log, f"agent pid {os.getpid()} exits: run is {self.sup.state}")
         self.runner.close()
         self.lock.release()

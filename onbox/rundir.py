@@ -9,6 +9,8 @@ $RGT_HOME/                      RGT_HOME defaults to ~/.rgt
     lock                        flock'ed by the one agent; holds host, pid, start time
     stop.request                written by `rgt-agent stop` for a live agent
     attempts/NNNN/output.log    the job's stdout+stderr, unaltered
+    attempts/NNNN/output.redacted.log   a copy with each secret masked, for `rgt pull`, when
+                                the log holds one (a run without a store, once it ended)
     attempts/NNNN/job.json      written by the shim: the job's pid, start time, tag
     attempts/NNNN/exit.json     written by the shim: the job's exit status
     ckpt/                       default RGT_CKPT_DIR
@@ -108,6 +110,10 @@ class RunDir:
 
     def output_log(self, attempt: int) -> str:
         return os.path.join(self.attempt_dir(attempt), "output.log")
+
+    def redacted_log(self, attempt: int) -> str:
+        """The copy of ``output_log`` with each secret masked (onbox/sealing.py writes it)."""
+        return os.path.join(self.attempt_dir(attempt), "output.redacted.log")
 
     @property
     def secrets_file(self) -> str:

@@ -13,7 +13,9 @@ Nothing leaves the box with a secret in it unnoticed: the mirror of state and ev
 through the redactor (onbox/redact.py), and a job's log that holds a secret value or a token
 shape is sealed as a redacted copy (the box's own log stays unaltered), with a
 ``secret_in_log`` event and an entry in state.json's ``warnings`` naming the log, never the
-value.
+value. A run without a store gets the same for ``rgt pull --from box`` when its agent lets go of
+it (``redact_box_logs``): a redacted copy next to each log that holds a secret, which the pull
+takes in the log's place.
 """
 
 from __future__ import annotations
@@ -461,3 +463,97 @@ def _size(base: str, files: List[str]) -> int:
         except OSError:
             pass
     return n
+
+
+def redact_box_logs(rd: RunDir, event: Callable[..., None], warnings: List[Dict[str, Any]]) -> bool:
+    """For a run without a store, as its agent lets go of it: each attempt's log that holds a
+    secret value or a token shape gets a redacted copy next to it (``RunDir.redacted_log``,
+    0600), which ``rgt pull --from box`` takes in the log's place, and a ``secret_in_log``
+    warning in ``warnings`` (and an event, once per finding). The log itself stays unaltered.
+    A copy whose log no longer holds any (a secret since removed) goes, with its warning.
+    Returns whether ``warnings`` changed.
+
+    A copy that cannot be written (a full disk) is a warning with ``copy`` null: the pull
+    then refuses that log rather than take the raw one."""
+    red = redact.for_home(rd.home)
+    changed = False
+    for attempt in rd.attempt_numbers():
+        path, copy = rd.output_log(attempt), rd.redacted_log(attempt)
+        old = next(
+            (w for w in warnings if w.get("kind") == "secret_in_log" and w.get("log") == path),
+            None,
+        )
+        try:
+            found = red.scan_file(path)
+        except FileNotFoundError:
+            found = []
+        if not found:
+            _unlink(copy)
+            if old is not None:
+                warnings.remove(old)
+                changed = True
+            continue
+        tmp = os.path.join(rd.attempt_dir(attempt), ".output.redacted.log.tmp")
+        written: Optional[str] = copy
+        why = ""
+        try:
+            red.redact_file(path, tmp)
+            os.replace(tmp, copy)
+        except OSError as e:
+            # A copy made with fewer secrets would carry the new one: none is better.
+            written, why = None, f"{e.strerror or e}"
+            for p in (tmp, copy):
+                try:
+                    os.unlink(p)
+                except OSError:  # gone already, or not a file: nothing of ours to remove
+                    pass
+        what = ", ".join(found)
+        if written is not None:
+            reason = (
+                f"the job's log of attempt {attempt} holds {what}: `rgt pull` takes its "
+                "redacted copy; the log on the box is unaltered"
+            )
+        else:
+            reason = (
+                f"the job's log of attempt {attempt} holds {what} and no redacted copy could "
+                f"be written ({why}): `rgt pull` refuses this log; the log on the box is unaltered"
+            )
+        warning = {
+            "kind": "secret_in_log",
+            "attempt": attempt,
+            "log": path,
+            "copy": written,
+            "found": found,
+            "reason": reason,
+        }
+        if warning == old:
+            continue  # reported by an earlier agent of the run, and nothing changed since
+        if old is not None:
+            warnings.remove(old)
+        warnings.append(warning)
+        changed = True
+        event(
+            "secret_in_log",
+            f"the job's log of attempt {attempt} ({path}) holds {what}; "
+            + (
+                f"wrote {copy}, a redacted copy (each match replaced by {redact.MARK}) that "
+                "`rgt pull` takes in its place"
+                if written is not None
+                else f"no redacted copy could be written ({why}), so `rgt pull` refuses it"
+            )
+            + "; the box's log is unaltered",
+            klass="usage",
+            remedy="do not print secrets; rotate the secret if the box's log was shared",
+            attempt=attempt,
+            log=path,
+            copy=written,
+            found=found,
+        )
+    return changed
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -169,6 +169,12 @@ def pull(name: str, dest: Optional[str], source: str) -> int:
         f"{name}: step {receipt.sealed.step} pulled to {receipt.dest} and verified: "
         f"{len(receipt.files)} files; receipt {os.path.join(receipt.dest, '.rgt-receipt.json')}"
     )
+    for f in receipt.files:
+        if f.redacted:
+            _emit(
+                f"  {f.path}: pulled redacted (the job's log on the box holds a secret; "
+                f"each match is masked here, the box's log is unaltered; from {f.source})"
+            )
     return 0
 
 

@@ -8,13 +8,20 @@ What is pulled is the run's newest *sealed* state, never a file that is still be
   a ``file://`` store (a mount on the box) the documents and files are the store's, on the box;
   for ``s3://``/``hf://`` the documents come from the store (the source of truth for what is
   sealed) and the bytes from the box's own copies (its checkpoint dir, the job's workdir, the
-  run's logs), each checked against the store's sha256. ``auto`` is the store when the laptop
-  can read it (``s3://``, ``hf://``, or ``file://`` with a ``local`` target), else the box.
+  run's logs), each checked against the store's sha256; but a log DONE.json marks ``redacted``
+  (the box's own log holds a secret, the store has a copy with it masked) comes from the store
+  whatever ``--from`` says, verified the same way, and when the store cannot give it the pull
+  stops and says so: the box's raw log is never taken in its place. ``auto`` is the store when
+  the laptop can read it (``s3://``, ``hf://``, or ``file://`` with a ``local`` target), else
+  the box.
 - without a store (``--from box`` only): when the run is no longer live (its agent reports a
   terminal state, so no file is being written), every file in its checkpoint dir (hidden and
   temporary names skipped, as the sealer skips them), its outputs and its job logs, with
   sha256 computed on the box at pull time. A live run without a store is refused: stop it
-  first.
+  first; a run that has ended is pulled once its agent has let go of it. A job's log that holds
+  a secret is taken as the redacted copy the agent wrote next to it when it let go
+  (``attempts/NNNN/output.redacted.log``, onbox/sealing.py ``redact_box_logs``), never as is;
+  the receipt marks it ``redacted``.
 
 Layout under DEST: ``checkpoints/<path as sealed, relative to RGT_CKPT_DIR>``,
 ``outputs/<path>``, ``logs/attempt-NNNN.log``, and ``.rgt-receipt.json`` (controller/receipt.py).
@@ -115,7 +122,7 @@ from onbox.safepath import (
 )
 from onbox.states import TERMINAL
 from onbox.stores import open_store
-from onbox.stores.base import Store, with_retries
+from onbox.stores.base import Store, StoreError, with_retries
 from onbox.stores.local import LocalStore
 
 SOURCES = ("box", "store", "auto")
@@ -147,6 +154,7 @@ class Entry:
     key: Optional[str]  # store key, when the bytes come from the store
     src: Optional[str] = None  # path on the box relative to Sealed.box_root, when from the box
     origin: str = ""  # where the bytes are, for people: the store key or the path on the box
+    redacted: bool = False  # a job's log with each secret masked (the box's own holds one)
 
     @property
     def stage(self) -> str:
@@ -162,7 +170,7 @@ class Sealed:
     entries: List[Entry]
     source: str  # "store" | "box"
     box_root: Optional[str] = None  # the box directory Entry.src is relative to
-    store: Optional[Store] = None  # for source "store"
+    store: Optional[Store] = None  # for the entries without ``src``: the store's bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,6 +282,9 @@ def _read_sealed(rec: RunRecord, source: str, remote: Optional[Remote]) -> Seale
     ckpt, workdir = _spec_dirs(rec, spec, remote)
     placed = []
     for e in entries:
+        if e.redacted:  # the box's own log holds the secret: the store's masked copy, verified
+            placed.append(dataclasses.replace(e, origin=e.key or ""))
+            continue
         if e.kind == "checkpoint":
             path = _join(ckpt, e.path[len("checkpoints/") :])
         elif e.kind == "output":
@@ -284,7 +295,7 @@ def _read_sealed(rec: RunRecord, source: str, remote: Optional[Remote]) -> Seale
                 raise IntegrityError(f"DONE.json lists a log {e.path!r} rgt did not write")
             path = _join(run_dir, "attempts", m.group(1), "output.log")
         placed.append(dataclasses.replace(e, src=path[1:], origin=path))
-    return Sealed(ident, placed, "box", box_root="/")
+    return Sealed(ident, placed, "box", box_root="/", store=store)
 
 
 def _spec_dirs(rec: RunRecord, spec: Dict[str, Any], remote: Remote) -> Tuple[str, str]:
@@ -513,7 +524,10 @@ def _from_documents(
             kind = tail.split("/", 1)[0]
             if kind not in ("outputs", "logs"):
                 raise IntegrityError(f"{mf.done_key(run)} lists {f['key']}, not an output or log")
-            entries.append(Entry(tail, kind[:-1], f["size"], f["sha256"], f["key"]))
+            redacted = f.get("redacted") is True
+            entries.append(
+                Entry(tail, kind[:-1], f["size"], f["sha256"], f["key"], redacted=redacted)
+            )
     if latest is None and done_raw is None:
         raise NotFound(
             f"run {run!r} has nothing sealed yet (no LATEST.json, no DONE.json)",
@@ -557,13 +571,7 @@ def _box_files(rec: RunRecord, remote: Remote) -> Sealed:
     normalised, as ``_spec_dirs`` requires of the roots); the staging name is that path on the
     box, the final name the part under the root, both checked by ``_checked``."""
     spec = box_spec(rec, remote)
-    state = box_state(rec, remote).get("state")
-    if state not in TERMINAL_NAMES:
-        raise UsageError(
-            "run",
-            f"{rec.name!r} is {state} and has no store: its files are still being written",
-            f"stop it first (rgt stop {rec.name}), or deploy with --store",
-        )
+    status = _let_go(rec, remote)
     run_dir = box_run_dir(rec)
     ckpt, workdir = _spec_dirs(rec, spec, remote)
     attempts = _join(run_dir, "attempts")
@@ -596,6 +604,7 @@ def _box_files(rec: RunRecord, remote: Remote) -> Sealed:
             f"({len(fields) - 1} fields, not four per file)"
         )
     entries: Dict[str, Entry] = {}
+    logs: Dict[Tuple[str, bool], Entry] = {}  # (attempt, redacted copy?) -> its entry
     for i in range(0, len(fields) - 1, 4):
         kind, sha, size, raw = (x.decode("utf-8", "surrogateescape") for x in fields[i : i + 4])
         if not _SHA.match(sha) or not size.isdigit() or not size.isascii():
@@ -612,12 +621,15 @@ def _box_files(rec: RunRecord, remote: Remote) -> Sealed:
         _, _, base, prefix = root
         rel = raw[len(base) + 1 :]
         if kind == "log":
-            m = re.match(r"(\d{4,})/output\.log\Z", rel)
-            if not m:
-                continue  # the attempt's job.json/exit.json: rgt's records, not the job's log
-            rel = f"attempt-{m.group(1)}.log"
+            m = re.match(r"(\d{4,})/output(\.redacted)?\.log\Z", rel)
+            if m:  # else the attempt's job.json/exit.json: rgt's records, not the job's log
+                path = f"{prefix}attempt-{m.group(1)}.log"
+                red = m.group(2) is not None
+                logs[(m.group(1), red)] = Entry(path, kind, int(size), sha, None, raw[1:], raw, red)
+            continue
         path = prefix + rel
         entries[path] = Entry(path, kind, int(size), sha, None, raw[1:], raw)
+    entries.update(_job_logs(rec, remote, status, logs))
     if not entries:
         raise NotFound(f"run {rec.name!r} has no files on {remote.target.label} to pull")
     listing = "".join(
@@ -632,6 +644,64 @@ def _box_files(rec: RunRecord, remote: Remote) -> Sealed:
         ),
         f"pull of {rec.name}",
     )
+
+
+# Seconds a pull of a run without a store waits for the agent of a run that has ended to let go
+# of it (it stops what is left of the attempt, then writes the redacted copies of the logs).
+AGENT_EXIT_WAIT = 60.0
+
+
+def _let_go(rec: RunRecord, remote: Remote, wait: float = AGENT_EXIT_WAIT) -> Dict[str, Any]:
+    """The status of a run without a store, once it has ended and its agent has let go of it
+    (then no file of it is being written, and each job log that holds a secret has its
+    redacted copy). A run that has not ended is refused."""
+    deadline = time.monotonic() + wait
+    while True:
+        status = box_state(rec, remote)
+        state = status.get("state")
+        if state not in TERMINAL_NAMES:
+            raise UsageError(
+                "run",
+                f"{rec.name!r} is {state} and has no store: its files are still being written",
+                f"stop it first (rgt stop {rec.name}), or deploy with --store",
+            )
+        agent = status.get("agent")
+        if not (isinstance(agent, dict) and agent.get("alive")):
+            return status
+        if time.monotonic() >= deadline:
+            raise HostError(
+                f"run {rec.name!r} is {state}, but its agent on {remote.target.label} has not "
+                f"let go of it after {wait:.0f}s",
+                f"look at `rgt-agent logs {rec.name} --agent` on the box, then pull again",
+            )
+        time.sleep(0.2)
+
+
+def _job_logs(
+    rec: RunRecord, remote: Remote, status: Dict[str, Any], logs: Dict[Tuple[str, bool], Entry]
+) -> Dict[str, Entry]:
+    """The job's log of each attempt as a run without a store is pulled: the redacted copy
+    where the agent wrote one (the log holds a secret), else the log. A log the agent found a
+    secret in but could not copy (its warning has ``copy`` null) is refused (HostError): rgt
+    does not bring the secret to the laptop."""
+    no_copy = set()
+    for w in status.get("warnings") or []:
+        if isinstance(w, dict) and w.get("kind") == "secret_in_log" and w.get("copy", 0) is None:
+            no_copy.add(w.get("attempt"))
+    out = {}
+    for attempt in sorted({a for a, _ in logs}):
+        e = logs.get((attempt, True)) or logs[(attempt, False)]
+        if not e.redacted and int(attempt) in no_copy:
+            raise HostError(
+                f"pull of {rec.name}: the job's log of attempt {int(attempt)} on "
+                f"{remote.target.label} ({e.origin}) holds a secret and the agent could not "
+                "write a redacted copy of it, so rgt does not bring it to the laptop; nothing "
+                "was fetched",
+                f"read it on the box (rgt logs {rec.name}); to pull the rest, move it out of "
+                "the run's directory there and pull again",
+            )
+        out[e.path] = e
+    return out
 
 
 # ---- fetching
@@ -1259,7 +1329,7 @@ def _pull(
         dest=dest,
         sealed=sealed.ident,
         files=[
-            FileRecord(e.path, e.kind, e.size, e.sha256, e.origin, how[e.stage])
+            FileRecord(e.path, e.kind, e.size, e.sha256, e.origin, how[e.stage], e.redacted)
             for e in sorted(sealed.entries, key=lambda e: e.path)
         ],
         fetched_bytes=fetched,
@@ -1296,10 +1366,8 @@ def _reusable(sealed: Sealed, items: List[Entry], stage_dir: str) -> Set[str]:
     """From the store, a finished copy an interrupted pull left is kept when it verifies (rsync
     decides that by itself for the box)."""
     good: Set[str] = set()
-    if sealed.source != "store":
-        return good
     for e in items:
-        if os.path.exists(_stage_path(stage_dir, e)):
+        if e.src is None and os.path.exists(_stage_path(stage_dir, e)):
             if _mismatch(stage_dir, e) is None:
                 good.add(e.stage)
             else:
@@ -1393,6 +1461,41 @@ def _fetcher(
         assert sealed.store is not None
         store = sealed.store
         return lambda items: _fetch_store(store, items, stage_dir, finished) if items else 0
+    box = _box_fetcher(sealed, stage_dir, bwlimit, transport, remote, finished)
+    if sealed.store is None:
+        return box
+    store = sealed.store
+
+    def mixed(items: List[Entry]) -> int:
+        """From the box, but the entries without a box path (redacted logs) from the store."""
+        n = box([e for e in items if e.src is not None])
+        for e in items:
+            if e.src is not None:
+                continue
+            try:
+                n += _fetch_store(store, [e], stage_dir, finished)
+            except StoreError as err:
+                raise StoreError(
+                    f"{e.path} is sealed as a redacted copy ({e.key} in {store.url}) because "
+                    f"the job's log on the box holds a secret, and that copy cannot be read: "
+                    f"{err.what}. Nothing was put in place and no receipt was written",
+                    (err.remedy + "; " if err.remedy else "")
+                    + "check the laptop's access to the store and pull again (rgt never "
+                    "pulls the box's raw log in its place)",
+                ) from None
+        return n
+
+    return mixed
+
+
+def _box_fetcher(
+    sealed: Sealed,
+    stage_dir: str,
+    bwlimit: Optional[int],
+    transport: Optional[str],
+    remote: Optional[Remote],
+    finished: Callable[[Entry], None],
+) -> Callable[[List[Entry]], int]:
     assert remote is not None and sealed.box_root is not None
     root = sealed.box_root
     if transport is None:

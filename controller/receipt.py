@@ -26,7 +26,7 @@ Format (JSON, ``schema`` 1)::
       "files": [                           every file, its path relative to DEST
         {"path": "checkpoints/step_120.pt", "kind": "checkpoint", "size": 123,
          "sha256": "<hex>", "source": "demo/checkpoints/120/step_120.pt",
-         "verified": "sha256 + torch.load(weights_only=True)"}
+         "verified": "sha256 + torch.load(weights_only=True)", "redacted": false}
       ],
       "fetched_bytes": 123,                bytes this pull moved (not those an earlier,
                                            interrupted pull of the same state had fetched)
@@ -36,7 +36,10 @@ Format (JSON, ``schema`` 1)::
 
 ``verified`` says how far each file was checked: ``sha256`` (against the manifest), plus
 ``safetensors header`` or ``torch.load(weights_only=True)`` where the file was opened as its
-framework would, or a note why it was not opened (no torch on this laptop).
+framework would, or a note why it was not opened (no torch on this laptop). ``redacted`` is true
+for a job's log whose box copy holds a secret: what was pulled is a copy with each secret masked
+(the store's, or the one the agent wrote next to the log, which ``source`` then names); a
+receipt written before this field existed reads as false.
 """
 
 from __future__ import annotations
@@ -107,6 +110,7 @@ class FileRecord:
     sha256: str
     source: str  # the store key, or the path on the box
     verified: str
+    redacted: bool = False  # a job's log pulled with each secret masked (the box's holds one)
 
 
 @dataclasses.dataclass
@@ -159,6 +163,7 @@ class Receipt:
                     sha256=str(f["sha256"]),
                     source=str(f["source"]),
                     verified=str(f["verified"]),
+                    redacted=f.get("redacted") is True,
                 )
                 for f in d["files"]
             ]

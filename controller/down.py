@@ -34,6 +34,8 @@ from onbox.errors import HostError, StopFailed, UnsafeRefused
 from onbox.rundir import check_name
 
 _RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+# A job's log in the run directory, or the redacted copy the agent wrote next to it.
+_JOB_LOG = re.compile(r"attempts/(\d{4,})/output(\.redacted)?\.log\Z")
 # Every file under the given directories as NUL-terminated (size, path) pairs.
 _SIZES = r"""
 for d do
@@ -193,8 +195,11 @@ def plan_down(rec: RunRecord, remote: Remote, home: Optional[str] = None) -> Dow
 def _losses(
     rec: RunRecord, receipt: Receipt, spec: Dict[str, Any], run_dir: str, remote: Remote
 ) -> tuple[List[str], List[str]]:
-    """(lost, kept) lines: the run dir's files the receipt does not cover."""
+    """(lost, kept) lines: the run dir's files the receipt does not cover. A job log pulled
+    redacted (its box copy holds a secret) is covered, whatever its size: what the receipt has
+    is that log with each secret masked, and the kept lines say so."""
     pulled = {f.path: f.size for f in receipt.files}
+    redacted = {f.path for f in receipt.files if f.redacted}
     ckpt = str(spec.get("ckpt_dir") or "")
     kept = []
     if ckpt and not _inside(ckpt, run_dir):
@@ -207,9 +212,17 @@ def _losses(
             if pulled.get(rel) != size:
                 lost.append(f"checkpoint {os.path.relpath(path, ckpt)} ({_human(size)})")
             continue
-        m = re.match(r"attempts/(\d{4,})/output\.log\Z", os.path.relpath(path, run_dir))
+        m = _JOB_LOG.match(os.path.relpath(path, run_dir))
         if m:
-            if pulled.get(f"logs/attempt-{m.group(1)}.log") != size:
+            log = f"logs/attempt-{m.group(1)}.log"
+            if m.group(2):  # the agent's redacted copy of the log: counted with the log
+                continue
+            if log in redacted:
+                kept.append(
+                    f"job log of attempt {int(m.group(1))}: pulled redacted (each secret "
+                    f"masked) in {receipt.dest}"
+                )
+            elif pulled.get(log) != size:
                 lost.append(f"job log of attempt {int(m.group(1))} ({_human(size)})")
             continue
         records += 1

@@ -17,11 +17,21 @@ import subprocess
 import sys
 import urllib.parse
 import uuid
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
+import pytest
+
+from controller import observe
+from controller.down import plan_down
 from controller.pull import pull
 from controller.registry import RunRecord
+from controller.remote import open_remote
 from controller.target import Target
+from onbox.durable import write_json
+from onbox.errors import HostError
+from onbox.rundir import RunDir
+from onbox.sealing import redact_box_logs
+from onbox.stores.base import StoreError
 from tests.conftest import ROOT, Cli, agent_exe
 
 CANARY = f"rgt-canary-{uuid.uuid4()}"
@@ -42,6 +52,9 @@ print("not a secret: step 2 loss 0.5", flush=True)
 if sys.argv[1] == "fail":
     print("step 3 pw", pw, file=sys.stderr, flush=True)
     raise RuntimeError("auth failed with token " + s + " and password " + pw)
+os.makedirs("out", exist_ok=True)
+with open("out/result.txt", "w") as f:
+    f.write("loss 0.5\n")
 """
 
 
@@ -97,19 +110,26 @@ def _set_secrets(cli: Cli, name: str) -> None:
     assert _hits((p.stdout + p.stderr).encode()) == []
 
 
-def _start(cli: Cli, tmp_path: Any, name: str, mode: str) -> Tuple[str, str]:
-    """Start the job under a real agent with a file:// store; returns (store root, workdir)."""
+def _start(
+    cli: Cli, tmp_path: Any, name: str, mode: str, url: Optional[str] = "file"
+) -> Tuple[str, str]:
+    """Start the job under a real agent with a store: a file:// one by default, ``url``
+    otherwise, none when ``url`` is None. Returns (the file:// store's root or "", workdir)."""
     _set_secrets(cli, name)
-    store = str(tmp_path / "durable")
+    store = ""
+    if url == "file":
+        store = str(tmp_path / "durable")
+        os.makedirs(store, exist_ok=True)
+        url = f"file://{store}"
     work = str(tmp_path / f"work-{name}")
-    os.makedirs(store, exist_ok=True)
     os.makedirs(work)
     with open(os.path.join(work, "job.py"), "w") as f:
         f.write(JOB)
     toml = (
         f'name = "{name}"\ncommand = {json.dumps([sys.executable, "job.py", mode])}\n'
-        f'store = "file://{store}"\n'
-        '[restart]\nmax_error_restarts = 1\nstart_grace = "0.1s"\nbackoff_initial = "0.1s"\n'
+        'outputs = ["out/"]\n'
+        + (f"store = {json.dumps(url)}\n" if url else "")
+        + '[restart]\nmax_error_restarts = 1\nstart_grace = "0.1s"\nbackoff_initial = "0.1s"\n'
     )
     with open(os.path.join(work, "job.toml"), "w") as f:
         f.write(toml)
@@ -118,6 +138,7 @@ def _start(cli: Cli, tmp_path: Any, name: str, mode: str) -> Tuple[str, str]:
 
 
 def _assert_nothing_rgt_wrote_holds_it(cli: Cli, store: str, name: str) -> None:
+    """``store``: a file:// store's root, or "" (none, or one checked by the caller)."""
     secrets_dir = os.path.join(cli.home, "secrets")
     run_dir = os.path.join(cli.home, "runs", name)
     logs = {os.path.join(run_dir, "attempts", a, "output.log") for a in os.listdir(
@@ -128,7 +149,8 @@ def _assert_nothing_rgt_wrote_holds_it(cli: Cli, store: str, name: str) -> None:
         with open(log, "rb") as f:
             assert f"step 1 token {CANARY}".encode() in f.read()
     assert _grep_tree(cli.home, lambda p: p in logs or p.startswith(secrets_dir + os.sep)) == {}
-    assert _grep_tree(store) == {}
+    if store:
+        assert _grep_tree(store) == {}
     for args in (
         ["status", name, "--json"],
         ["status", name],
@@ -198,13 +220,48 @@ def test_a_succeeding_job_that_printed_its_secret_gets_a_redacted_log_sealed_and
         box_home=cli.home,
         agent=agent_exe(),
     )
-    dest = str(tmp_path / "pulled")
-    receipt = pull(rec, dest, "auto")
-    assert "logs/attempt-0001.log" in {f.path for f in receipt.files}
-    with open(os.path.join(dest, "logs", "attempt-0001.log"), "rb") as fb:
-        assert fb.read() == sealed
-    assert _grep_tree(dest) == {}
+    # `--from box` reads a file:// store on the box: the same redacted copy.
+    for source in ("auto", "box"):
+        dest = str(tmp_path / f"pulled-{source}")
+        receipt = pull(rec, dest, source)
+        [got] = [f for f in receipt.files if f.path == "logs/attempt-0001.log"]
+        assert got.redacted and got.source.endswith(f"{name}/logs/attempt-0001.log")
+        with open(os.path.join(dest, "logs", "attempt-0001.log"), "rb") as fb:
+            assert fb.read() == sealed
+        assert _grep_tree(dest) == {}
     assert _grep_tree(controller_env["RGT_CONTROLLER_HOME"]) == {}
+    _assert_status_warns(cli, rec, ["the job's log of attempt 1 holds RGT_CANARY, RGT_CANARY_PW"])
+    _assert_down_counts_logs_pulled_redacted(rec, controller_env, dest, [1])
+
+
+def _assert_down_counts_logs_pulled_redacted(
+    rec: RunRecord, controller_env: Dict[str, str], dest: str, attempts: List[int]
+) -> None:
+    """`rgt down`'s plan: the logs (whose box copies differ from what was pulled) are not
+    "lost", they are "pulled redacted"."""
+    box = open_remote(rec.target)
+    try:
+        plan = plan_down(rec, box, controller_env["RGT_CONTROLLER_HOME"])
+    finally:
+        box.close()
+    assert not [x for x in plan.lost if "job log" in x], plan.lost
+    assert [x for x in plan.kept if "pulled redacted" in x] == [
+        f"job log of attempt {n}: pulled redacted (each secret masked) in {dest}" for n in attempts
+    ]
+
+
+def _assert_status_warns(cli: Cli, rec: RunRecord, want: List[str]) -> None:
+    """`rgt-agent status` and `rgt status` (from the box, and from the store's mirror when
+    there is one) print one warning line each, naming the secrets, never their values."""
+    p = cli("status", rec.name, check=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("  warning    ")]
+    assert len(lines) == len(want) and all(w in ln for w, ln in zip(want, lines)), p.stdout
+    docs = [observe.snapshot(rec)] + ([observe.from_store(rec)] if rec.store else [])
+    for doc in docs:
+        text = observe.describe(doc, "a test")
+        lines = [ln for ln in text.splitlines() if ln.startswith("  warning: ")]
+        assert len(lines) == len(want) and all(w in ln for w, ln in zip(want, lines)), text
+        assert _hits(text.encode()) == []
 
 
 def test_the_shims_own_stderr_is_redacted_on_its_way_to_agent_log(cli: Cli, tmp_path: Any) -> None:
@@ -231,3 +288,127 @@ def test_the_shims_own_stderr_is_redacted_on_its_way_to_agent_log(cli: Cli, tmp_
     assert p.returncode == 1 and b"Traceback" in data, data
     assert b"runs/[redacted]/attempts/0001/launch.json" in data, data
     assert _hits(data) == []
+
+
+def _local_rec(cli: Cli, name: str, store: Optional[str]) -> RunRecord:
+    return RunRecord(
+        name, Target("local"), profile="local", store=store, box_home=cli.home, agent=agent_exe()
+    )
+
+
+def test_a_run_without_a_store_pulled_from_the_box_brings_its_logs_redacted(
+    cli: Cli, tmp_path: Any, controller_env: Dict[str, str]
+) -> None:
+    """No store: the box's files are the result. When the run ends, the agent writes a redacted
+    copy next to each log that holds a secret; `rgt pull --from box` takes that copy (marked
+    redacted in the receipt), the box's own log stays unaltered, and `rgt down` counts the log
+    as pulled (redacted), not lost."""
+    name = "canary-nostore"
+    _start(cli, tmp_path, name, "fail", url=None)
+    st = cli.wait_state(name, "FAILED", timeout=90)
+    assert st["attempt"] == 2
+    rec = _local_rec(cli, name, None)
+    dest = str(tmp_path / "pulled")
+    receipt = pull(rec, dest, "box")  # waits for the agent to let go of the run
+
+    attempts = os.path.join(cli.home, "runs", name, "attempts")
+    st = cli.status(name)
+    assert [w["attempt"] for w in st["warnings"]] == [1, 2]
+    for n in (1, 2):
+        raw = os.path.join(attempts, f"{n:04d}", "output.log")
+        copy = os.path.join(attempts, f"{n:04d}", "output.redacted.log")
+        w = st["warnings"][n - 1]
+        assert w["kind"] == "secret_in_log" and w["log"] == raw and w["copy"] == copy
+        assert w["found"] == ["RGT_CANARY", "RGT_CANARY_PW"]
+        with open(raw, "rb") as fb:
+            assert f"step 1 token {CANARY}".encode() in fb.read()  # the job's, unaltered
+        [got] = [f for f in receipt.files if f.path == f"logs/attempt-{n:04d}.log"]
+        assert got.redacted and got.source == copy
+        with open(os.path.join(dest, got.path), "rb") as fb:
+            pulled = fb.read()
+        assert b"step 1 token [redacted]\n" in pulled and b"step 2 loss 0.5" in pulled
+    assert not any(f.redacted for f in receipt.files if not f.path.startswith("logs/"))
+    assert [e["kind"] for e in cli.events(name)].count("secret_in_log") == 2
+    assert _grep_tree(dest) == {}
+    assert _grep_tree(controller_env["RGT_CONTROLLER_HOME"]) == {}
+    _assert_nothing_rgt_wrote_holds_it(cli, "", name)
+    _assert_status_warns(cli, rec, [f"attempt {n} holds RGT_CANARY, RGT_CANARY_PW" for n in (1, 2)])
+
+    # The receipt covers the box's files; down counts each log as pulled redacted, not lost.
+    _assert_down_counts_logs_pulled_redacted(rec, controller_env, dest, [1, 2])
+
+    # A copy the agent cannot write (a directory in the way of its temporary name, as real a
+    # failure as a full disk): the warning says so, and the pull refuses that log instead of
+    # bringing the raw one.
+    rd = RunDir(name, cli.home)
+    os.unlink(rd.redacted_log(2))
+    os.mkdir(os.path.join(rd.attempt_dir(2), ".output.redacted.log.tmp"))
+    warnings = list(st["warnings"])
+    seen: List[Dict[str, Any]] = []
+    assert redact_box_logs(
+        rd, lambda kind, reason, **kw: seen.append(dict(kw, kind=kind)), warnings
+    )
+    assert warnings[0] == st["warnings"][0] and warnings[1]["copy"] is None
+    assert "no redacted copy could be written" in warnings[1]["reason"]
+    assert [e["kind"] for e in seen] == ["secret_in_log"] and seen[0]["klass"] == "usage"
+    assert not os.path.exists(rd.redacted_log(2))
+    with open(rd.state) as f:
+        doc = json.load(f)
+    write_json(rd.state, dict(doc, warnings=warnings))  # as the agent saves it
+    again = str(tmp_path / "again")
+    with pytest.raises(HostError) as info:
+        pull(rec, again, "box")
+    assert info.value.exit_code == 9
+    assert "the job's log of attempt 2" in info.value.what and "rgt logs" in str(info.value.remedy)
+    assert not os.path.exists(again)
+
+
+def test_a_run_with_an_s3_store_pulled_from_the_box_takes_its_redacted_log_from_the_store(
+    cli: Cli, tmp_path: Any, controller_env: Dict[str, str], s3_server: Any, monkeypatch: Any
+) -> None:
+    """s3:// and `--from box`: the bytes come from the box's own copies, but the box's log holds
+    the secret and DONE.json has the sha256 of the store's redacted copy. That log comes from
+    the store, verified; when the store cannot give it, the pull stops and says which log and
+    why, and the box's raw log is not pulled in its place."""
+    cli.env.update(s3_server.env(cli.env))
+    for k, v in s3_server.env({}).items():
+        monkeypatch.setenv(k, v)
+    bucket = s3_server.bucket()
+    url = f"s3://{bucket}/rgt"
+    name = "canary-s3"
+    _start(cli, tmp_path, name, "ok", url=url)
+    cli.wait_state(name, "SUCCEEDED", timeout=90)
+    st = cli.wait_for(name, lambda s: not s["agent"]["alive"], 30, "the agent to exit")
+    assert [w["key"] for w in st["warnings"]] == [f"{name}/logs/attempt-0001.log"]
+    rec = _local_rec(cli, name, url)
+    dest = str(tmp_path / "pulled")
+    receipt = pull(rec, dest, "box")
+    files = {f.path: f for f in receipt.files}
+    assert set(files) == {"logs/attempt-0001.log", "outputs/out/result.txt"}
+    log = files["logs/attempt-0001.log"]
+    assert log.redacted and log.source == f"{name}/logs/attempt-0001.log"  # the store's key
+    out = files["outputs/out/result.txt"]
+    assert not out.redacted and out.source.startswith("/")  # from the box, as asked
+    client = s3_server.client()
+    sealed = client.get_object(Bucket=bucket, Key=f"rgt/{name}/logs/attempt-0001.log")["Body"]
+    with open(os.path.join(dest, "logs", "attempt-0001.log"), "rb") as fb:
+        assert fb.read() == sealed.read()
+    assert _grep_tree(dest) == {}
+    assert _grep_tree(controller_env["RGT_CONTROLLER_HOME"]) == {}
+    for obj in client.list_objects_v2(Bucket=bucket, Prefix="rgt/")["Contents"]:
+        body = client.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read()
+        assert _hits(body) == [], obj["Key"]
+    _assert_nothing_rgt_wrote_holds_it(cli, "", name)
+
+    # The store's copy is gone: the pull names the log and why, and puts nothing in place.
+    client.delete_object(Bucket=bucket, Key=f"rgt/{name}/logs/attempt-0001.log")
+    again = str(tmp_path / "again")
+    with pytest.raises(StoreError) as info:
+        pull(rec, again, "box")
+    msg = info.value.line()
+    assert info.value.exit_code == 14
+    assert f"logs/attempt-0001.log is sealed as a redacted copy ({name}/logs/" in msg, msg
+    assert "never pulls the box's raw log in its place" in msg, msg
+    assert not os.path.exists(os.path.join(again, "logs"))
+    assert not os.path.exists(os.path.join(again, ".rgt-receipt.json"))
+    assert _grep_tree(again) == {}  # the staging area too: the raw log was never fetched

@@ -35,6 +35,7 @@ from onbox.journal import FileJournal
 from onbox.restore import restore_latest
 from onbox.resumecheck import newest_local_step
 from onbox.rundir import RunDir
+from onbox.safepath import UnsafePath, safe_rel
 from onbox.sealer import Sealer, take_epoch
 from onbox.spec import JobSpec
 from onbox.stores import open_store
@@ -448,6 +449,21 @@ class SealService(Hooks):
             )
         for full, r in paths:
             r = r.replace(os.sep, "/").strip("/")
+            try:
+                safe_rel(r, "the name")
+            except UnsafePath as e:
+                # DONE.json listing it would make every pull of the run refuse the whole
+                # result (onbox/safepath.py): leave this one file out, say so, seal the rest.
+                self.event(
+                    "unsafe_name",
+                    f"output {r!r} is not sealed: {e.what}; restore and `rgt pull` would "
+                    "refuse it, so it could never come back",
+                    klass="usage",
+                    remedy="rename it (letters, digits, '.', '_', '-'); the other outputs "
+                    "are sealed as usual",
+                    path=r,
+                )
+                continue
             sha, size = sha256_file(full)
             key = prefix + r
             with_retries(functools.partial(self.store.put_file, key, full, sha256=sha, size=size))

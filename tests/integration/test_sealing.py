@@ -19,6 +19,9 @@ from typing import Any, Dict, List
 
 import pytest
 
+from controller.pull import pull
+from controller.registry import RunRecord
+from controller.target import Target
 from onbox.restore import restore_latest
 from onbox.sealer import Sealer, take_epoch
 from onbox.stores import open_store
@@ -203,6 +206,39 @@ def test_finished_run_is_not_trained_again(cli: Cli, tmp_path: Any) -> None:
     p = cli("start", "--name", "s5", check=True)
     assert "is finished" in p.stdout and "DONE.json" in p.stdout
     assert cli.status("s5")["attempt"] == 1
+
+
+def test_an_output_whose_name_pull_would_refuse_is_left_out_and_the_rest_is_pulled(
+    cli: Cli, tmp_path: Any, controller_env: Dict[str, str]
+) -> None:
+    """An output named with a CR would make DONE.json, and so every pull of the run, refused:
+    that one file is left out with a usage event, and the rest of the result comes home."""
+    root = _store_root(tmp_path)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "job.py").write_text(
+        "import os\nos.makedirs('out')\n"
+        "for n in ('good.txt', 'bad\\rname.txt'):\n"
+        "    open(os.path.join('out', n), 'w').write(n)\n"
+    )
+    (work / "job.toml").write_text(
+        f'name = "outs"\ncommand = {json.dumps([sys.executable, "job.py"])}\n'
+        f'outputs = ["out/"]\nstore = "file://{root}"\n'
+    )
+    cli("start", str(work / "job.toml"), check=True, cwd=str(work))
+    cli.wait_state("outs", "SUCCEEDED", timeout=60)
+    _wait(lambda: os.path.exists(os.path.join(root, "outs", "DONE.json")), what="DONE.json")
+    with open(os.path.join(root, "outs", "DONE.json")) as f:
+        keys = [e["key"] for e in json.load(f)["files"]]
+    assert "outs/outputs/out/good.txt" in keys and not [k for k in keys if "\r" in k]
+    [ev] = [e for e in cli.events("outs") if e["kind"] == "unsafe_name"]
+    assert ev["class"] == "usage" and ev["path"] == "out/bad\rname.txt"
+    assert "output 'out/bad\\rname.txt' is not sealed" in ev["reason"]
+    rec = RunRecord(
+        "outs", Target("local"), profile="local", store=f"file://{root}", box_home=cli.home
+    )
+    receipt = pull(rec, str(tmp_path / "dest"), "store")
+    assert "outputs/out/good.txt" in {f.path for f in receipt.files}
 
 
 @pytest.mark.parametrize("grace,final_sealed", [("5", True), ("0", False)])

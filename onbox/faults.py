@@ -1,0 +1,46 @@
+"""Crash points: where a test may kill the agent in the middle of a multi-step protocol.
+
+The chaos suite (tests/chaos/) proves that a seal, a prune or a restore cut off at any step
+leaves the store in a state the invariants allow (borg's "set one step to None" tests,
+CrashMonkey's persistence points). Each step of such a protocol calls ``crash_point(NAME)``;
+when the agent runs with ``RGT_CRASH_AT=NAME`` (optionally ``NAME:N``, the Nth time that point
+is reached), the process ends there with ``os._exit(137)``, as a SIGKILL would: no ``finally``,
+no flush, no clean-up. Unset, the call is one dictionary lookup.
+
+Standard library only: the agent and the shim may both import it.
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "RGT_CRASH_AT"
+
+# The named points, so that a test can loop over every step of a protocol and a typo in a
+# test is an error rather than a scenario that silently never crashes.
+POINTS = (
+    "seal.after_object",  # one object of a checkpoint uploaded and verified
+    "seal.before_manifest",  # every object uploaded, MANIFEST not yet written
+    "seal.after_manifest",  # MANIFEST written, LATEST not yet advanced
+    "seal.after_latest",  # LATEST advanced, pruning not yet done
+    "prune.after_delete",  # one object of a pruned checkpoint deleted
+    "restore.after_object",  # one object of the restored checkpoint downloaded
+    "finish.before_done",  # outputs and logs sealed, DONE.json not yet written
+)
+
+_seen = {}  # type: dict[str, int]
+
+
+def crash_point(name: str) -> None:
+    """End the process here, as SIGKILL would, when ``RGT_CRASH_AT`` names this point."""
+    want = os.environ.get(ENV)
+    if not want:
+        return
+    if name not in POINTS:
+        raise ValueError(f"unknown crash point {name!r}; known: {', '.join(POINTS)}")
+    point, _, nth = want.partition(":")
+    if point != name:
+        return
+    _seen[name] = _seen.get(name, 0) + 1
+    if _seen[name] >= (int(nth) if nth else 1):
+        os._exit(137)

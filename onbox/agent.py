@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, TextIO, Tuple, cast
 from onbox import procfs, redact
 from onbox.daemon import TAG_VAR, agent_argv, parse_agent_args
 from onbox.durable import read_json
-from onbox.errors import UsageError
+from onbox.errors import IntegrityError, RgtError, UsageError
 from onbox.journal import FileJournal, log
 from onbox.lock import RunLock
 from onbox.resumecheck import ResumeCheck
@@ -29,6 +29,7 @@ from onbox.runner import ShimRunner
 from onbox.sealing import SealService, redact_box_logs
 from onbox.spec import JobSpec
 from onbox.states import TERMINAL, State
+from onbox.stores.base import TransientStoreError
 from onbox.supervisor import LEFTOVER_GRACE, Clock, Hooks, RealClock, Supervisor
 from onbox.title import set_title
 
@@ -107,7 +108,12 @@ class Agent:
             was = "new run" if self.fresh else f"run was {sup.state}"
             sup.new_incarnation(f"rgt-agent start ({was}); agent pid {os.getpid()}")
             if self.seal is not None:
-                self.seal.start(begin=True)  # epoch, restore, then sealing in the background
+                try:  # epoch, restore, then sealing in the background
+                    self.seal.start(begin=True)
+                except RgtError as e:
+                    self._fail_to_begin(e)
+                    raise
+                self._note_fallback(self.seal.restored)
             return True
         self.adopted = True
         self.journal.event(
@@ -124,6 +130,51 @@ class Agent:
                 sup.on_exit(status)
         sup.save()
         return True
+
+    def _note_fallback(self, restored: Optional[Dict[str, Any]]) -> None:
+        """Status says which step this incarnation resumed from when newer ones were unusable
+        (quarantined): one ``quarantined`` warning, replacing the one an earlier incarnation
+        left, so `rgt-agent status` and `rgt status` print it."""
+        self.warnings[:] = [w for w in self.warnings if w.get("kind") != "quarantined"]
+        skipped = (restored or {}).get("skipped")
+        if not restored or not skipped:
+            return
+        newer = "; ".join(f"step {s['step']}: {s['reason']}" for s in skipped)
+        self.warnings.append(
+            {
+                "kind": "quarantined",
+                "step": restored["step"],
+                "skipped": [s["step"] for s in skipped],
+                "reason": f"resumed from step {restored['step']}, the newest verified "
+                f"checkpoint; newer ones are quarantined ({newer})",
+            }
+        )
+        self.sup.save()
+
+    def _fail_to_begin(self, e: RgtError) -> None:
+        """The store cannot give this incarnation what it resumes from (no verified checkpoint
+        left, or the store does not answer): one ``restore_failed`` event with what was tried,
+        the run FAILED with the reason (never left PENDING with no agent), the lock let go.
+        The caller raises ``e``: its exit code is the command's."""
+        klass = (
+            "integrity"
+            if isinstance(e, IntegrityError)
+            else "transient"
+            if isinstance(e, TransientStoreError)
+            else "permanent"
+        )
+        remedy = e.remedy or "start the run again once the store answers"
+        tried = getattr(e, "tried", None)
+        self.journal.event(
+            "restore_failed",
+            f"nothing to resume from: {e.what}",
+            klass=klass,
+            remedy=remedy,
+            **({"tried": [{"step": s, "reason": r} for s, r in tried]} if tried else {}),
+        )
+        self.sup.fail_to_begin(f"nothing to resume from: {e.what}", klass, remedy)
+        self.runner.close()
+        self.lock.release()
 
     # ---- signals
     def _on_signal(self, signum: int, frame: object) -> None:
@@ -347,7 +398,17 @@ def main(argv: List[str]) -> int:
     set_title(f"rgt-agent agent {rd.name}")
     lock = RunLock.adopt(args["lock_fd"], rd.lock)
     agent = Agent(rd, lock)
-    if not agent.prepare(may_begin=not args["adopt_only"]):
+    try:
+        prepared = agent.prepare(may_begin=not args["adopt_only"])
+    except RgtError as e:  # the run is FAILED already; `start` prints this and exits with it
+        log(rd.agent_log, f"agent pid {os.getpid()}: {e.line()}")
+        if args["ready_fd"] is not None:
+            _say(
+                args["ready_fd"],
+                {"ok": False, "what": e.what, "remedy": e.remedy, "exit_code": e.exit_code},
+            )
+        return e.exit_code
+    if not prepared:
         log(rd.agent_log, f"agent pid {os.getpid()}: run is {agent.sup.state}; nothing to do")
         lock.release()
         return 0

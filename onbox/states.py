@@ -9,6 +9,7 @@ Lifecycle of one incarnation (each ``rgt-agent start`` of a run begins a new one
                  BACKOFF <─────────────────────────────┘
     exit 0 ─────────────────────────────────> SUCCEEDED
     budget spent / deterministic failure ───> FAILED
+    PENDING ──(no usable checkpoint to resume, store down)──> FAILED, before any attempt
     stop or SIGTERM ──> STOPPING ──> STOPPED (asked by `stop`) | PREEMPTED (SIGTERM to the agent)
 
 Terminal states have no exits within an incarnation.
@@ -40,7 +41,7 @@ class State(str, enum.Enum):
 S = State
 
 TRANSITIONS: Dict[State, FrozenSet[State]] = {
-    S.PENDING: frozenset({S.STARTING, S.STOPPED, S.PREEMPTED}),
+    S.PENDING: frozenset({S.STARTING, S.FAILED, S.STOPPED, S.PREEMPTED}),
     S.STARTING: frozenset({S.RUNNING, S.BACKOFF, S.SUCCEEDED, S.FAILED, S.STOPPING}),
     S.RUNNING: frozenset({S.BACKOFF, S.SUCCEEDED, S.FAILED, S.STOPPING}),
     S.BACKOFF: frozenset({S.STARTING, S.STOPPING}),

@@ -231,6 +231,25 @@ class Supervisor:
         self.save()
         self.journal.event("incarnation", reason, incarnation=self.incarnation)
 
+    def fail_to_begin(self, reason: str, klass: str, remedy: str) -> None:
+        """PENDING -> FAILED with no attempt: what the first attempt needs before it can run
+        (the checkpoint to resume from) cannot be had. ``last_exit`` says why, as status shows
+        an attempt's failure, so nothing is left PENDING with no agent behind it."""
+        if self.state != State.PENDING:
+            raise AssertionError(f"fail_to_begin() in {self.state}")
+        self.last_exit = {
+            "code": None,
+            "signal": None,
+            "reason": reason,
+            "kind": "begin",
+            "class": klass,
+            "remedy": remedy,
+            "attempt": self.attempt,
+            "step": None,
+            "at": iso(self.clock.time()),
+        }
+        self._change(State.FAILED, reason, klass=klass, remedy=remedy)
+
     def begin(self) -> None:
         """PENDING -> STARTING: the first attempt of this incarnation."""
         if self.state != State.PENDING:

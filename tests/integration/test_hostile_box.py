@@ -251,6 +251,15 @@ def _store_path(store: Store, key: str) -> str:
     return os.path.join(store.url[len("file://") :], *key.split("/"))
 
 
+def _object_file(store: Store, step: int, path: str) -> str:
+    """Where the file:// store holds the bytes of ``path`` (relative to RGT_CKPT_DIR) of
+    checkpoint ``step``: the key its MANIFEST names, whatever the sealer's key layout."""
+    with open(_store_path(store, mf.manifest_key(RUN, step))) as f:
+        doc = json.load(f)
+    (key,) = [e["key"] for e in doc["files"] if e["path"] == path]
+    return _store_path(store, key)
+
+
 def _edit_manifest(store: Store, step: int, edit: Any) -> None:
     path = _store_path(store, mf.manifest_key(RUN, step))
     with open(path) as f:
@@ -427,7 +436,7 @@ def test_restore_refuses_a_store_key_that_is_a_symlink(cli: Cli, tmp_path: Path)
     restore copied that file into --to."""
     store = _sealed(tmp_path)
     secret = _plant(str(tmp_path / "secret"), SECRET)
-    key_path = _store_path(store, f"{RUN}/checkpoints/5/step_5/model.pt")
+    key_path = _object_file(store, 5, "step_5/model.pt")
     os.unlink(key_path)
     os.symlink(secret.path, key_path)
 
@@ -441,7 +450,7 @@ def test_restore_refuses_a_store_key_that_is_a_symlink(cli: Cli, tmp_path: Path)
     p = _restore(cli, store, dest)
     assert p.returncode == 6, p.stdout + p.stderr
     line = _one_line(p)
-    assert f"{key_path} is a symlink" in line and "no intact sealed checkpoint" in line, line
+    assert f"{key_path} is a symlink" in line and "no verified checkpoint left" in line, line
     assert not os.path.exists(dest) and SECRET not in _bytes_under(str(tmp_path / "restored"))
     secret.assert_intact()
 
@@ -503,7 +512,7 @@ def test_restore_with_a_dangling_symlink_under_checkpoints(cli: Cli, tmp_path: P
     """A stray dangling symlink next to a checkpoint's files is listed, never followed, and
     the checkpoint restores; one in place of a file the MANIFEST lists is refused (exit 6)."""
     store = _sealed(tmp_path)
-    step_dir = os.path.dirname(_store_path(store, f"{RUN}/checkpoints/5/step_5/model.pt"))
+    step_dir = os.path.dirname(_object_file(store, 5, "step_5/model.pt"))
     os.symlink(str(tmp_path / "nowhere"), os.path.join(step_dir, "stray"))
     dest = str(tmp_path / "restored")
     p = _restore(cli, store, dest)
@@ -562,7 +571,7 @@ def test_a_restore_that_fails_midway_removes_the_directories_it_made(
     """A file the store holds damaged (not a hostile name): quarantined, the restore fails
     (exit 6), and --to, made for it, is gone again."""
     store = _sealed(tmp_path)
-    with open(_store_path(store, f"{RUN}/checkpoints/5/step_5/model.pt"), "ab") as f:
+    with open(_object_file(store, 5, "step_5/model.pt"), "ab") as f:
         f.write(b"!")
     dest = tmp_path / "new" / "restored"
     p = _restore(cli, store, str(dest))

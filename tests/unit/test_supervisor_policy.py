@@ -347,6 +347,15 @@ def test_fake_clock_terminal_states_accept_no_input() -> None:
     assert rig.sup.state == State.SUCCEEDED and rig.journal.events == before
 
 
+def test_fake_clock_a_run_that_cannot_begin_fails_from_pending_with_no_attempt() -> None:
+    rig = Rig()
+    rig.sup.fail_to_begin("no verified checkpoint left", "integrity", "repair the store")
+    assert rig.states() == ["FAILED"] and rig.runner.spawned == []
+    last = rig.sup.last_exit
+    assert last is not None and last["reason"] == "no verified checkpoint left"
+    assert last["class"] == "integrity" and last["attempt"] == 0
+
+
 def test_transition_table_shape() -> None:
     assert set(TRANSITIONS) == set(State)
     for state, exits in TRANSITIONS.items():

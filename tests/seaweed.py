@@ -6,7 +6,8 @@ P..P+4 and the gRPC ports P+10000..P+10004 are free, and returns once the S3 por
 anonymous request with 403 (about a second). ``SeaweedServer.stop`` ends it by PID (SIGTERM,
 then SIGKILL after 10 s) and removes the unix sockets weed leaves in /tmp for its ports;
 ``restart`` stops it and starts it again on the same directory and ports, so a test can take
-the store away for a while and bring it back with its data.
+the store away for a while and bring it back with its data; ``kill`` ends it with SIGKILL (a
+crash) and ``start`` brings it back.
 
 Two identities: ``rgt`` (admin: read, write, list, tag, create buckets) and ``reader`` (read and
 list only). Nothing is set in ``os.environ``: tests pass credentials as arguments
@@ -215,6 +216,23 @@ class SeaweedServer:
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(timeout)
+        for port in _all_ports(self.port):
+            for path in _sockets(port):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+    def kill(self, timeout: float = 10) -> None:
+        """SIGKILL, as a crash or an OOM kill would end it (no flush, no clean shutdown); remove
+        weed's sockets for our ports. ``start`` brings it back on the same data."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            try:
+                os.kill(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait(timeout)
         for port in _all_ports(self.port):
             for path in _sockets(port):
                 try:

@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 from onbox import manifest as mf
 from onbox.durable import sha256_file, write_json
 from onbox.errors import IntegrityError
+from onbox.room import Room
 from onbox.safepath import UnsafePath, safe_rel
 from onbox.stores.base import PreconditionFailed, Store, StoreError, with_retries
 
@@ -63,7 +64,6 @@ CKPT_SUFFIXES = (
     ".distcp",
 )
 MAX_BACKLOG = 8  # pending checkpoints sealed per pass at most (the newest ones)
-LOW_WATER = 0.05  # free fraction (bytes or inodes) under which sealed local copies go
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
 
 
@@ -604,38 +604,16 @@ class Sealer:
             self.seq[root] = {"step": doc["step"], "sig": list(_sig(st))}
             self._save_seq()
 
-    def free_room(self) -> None:
-        """When the checkpoint disk runs low (bytes or inodes under LOW_WATER), delete local
-        copies of checkpoints that are sealed and verified, oldest first; never the newest
-        sealed one, never one that is not sealed."""
-        try:
-            st = os.statvfs(self.ckpt_dir)
-        except OSError:
-            return
-        low = (st.f_blocks and st.f_bavail / st.f_blocks < LOW_WATER) or (
-            st.f_files and st.f_favail / st.f_files < LOW_WATER
-        )
-        if not low:
-            return
-        for step in sorted(self.manifests)[:-1]:
-            doc = self.manifests[step]
-            path = os.path.join(self.ckpt_dir, *doc["root"].split("/"))
-            if not os.path.exists(path):
-                continue
-            shutil.rmtree(path) if os.path.isdir(path) else os.unlink(path)
-            self.event(
-                "freed_local",
-                f"the disk is low: deleted the local copy of step {step} "
-                f"({doc['root']}), sealed and verified in the store",
-                step=step,
-                klass="transient",
-                remedy="free disk space or keep fewer checkpoints",
+    _room: Optional[Room] = None
+
+    def free_room(self) -> int:
+        """When the checkpoint disk runs low, delete local copies whose exact bytes are sealed
+        and reached in the store, oldest first (onbox/room.py says what may go); bytes freed."""
+        if self._room is None:
+            self._room = Room(
+                self.run, self.ckpt_dir, self.store, event=self.event, busy=open_for_writing
             )
-            st = os.statvfs(self.ckpt_dir)
-            if st.f_bavail / max(st.f_blocks, 1) >= LOW_WATER and (
-                not st.f_files or st.f_favail / st.f_files >= LOW_WATER
-            ):
-                return
+        return self._room.free(self.manifests, self.latest)
 
     def seal_pending(self, deadline: Optional[float] = None) -> int:
         """Seal every pending checkpoint, oldest first; stop at ``deadline`` (monotonic).

@@ -20,6 +20,7 @@ from controller.registry import RunRecord
 from controller.remote import Remote, open_remote
 from onbox.errors import NotFound, RemoteUnreachable, RgtError
 from onbox.observe import public_state, warning_lines
+from onbox.restore import in_effect, quarantine_reasons, sealed_steps
 
 # One round trip: the agent's status, then the box's view of what limits the run.
 SNAPSHOT = r"""
@@ -137,6 +138,12 @@ def from_store(rec: RunRecord) -> Dict[str, Any]:
     latest = store.get_bytes(f"{rec.name}/LATEST.json")
     if latest is not None:
         doc["latest"] = json.loads(latest)
+        step = doc["latest"].get("step") if isinstance(doc["latest"], dict) else None
+        bad = quarantine_reasons(store, rec.name)
+        if isinstance(step, int) and step in bad:
+            # The step a fresh box resumes from and `rgt pull` takes, and why it is not LATEST's.
+            effective, note = in_effect(step, sealed_steps(store, rec.name), bad)
+            doc["in_effect"] = {"step": effective, "note": note}
     doc["done"] = store.get_bytes(f"{rec.name}/DONE.json") is not None
     # The state mirror changes only with the state, so a run RUNNING for days was last written
     # when it started; a later seal is later proof that it was still alive.
@@ -184,6 +191,9 @@ def describe(doc: Dict[str, Any], why_not_box: Optional[str] = None) -> str:
         lines.append(
             f"  newest sealed checkpoint: step {sealed.get('step')} at {sealed.get('time')}"
         )
+    elif doc.get("in_effect"):
+        lines.append(f"  newest verified: step {doc['in_effect'].get('step')}")
+        lines.append(f"  {doc['in_effect'].get('note')}")
     elif doc.get("latest"):
         lines.append(f"  newest sealed: step {doc['latest'].get('step')}")
     if doc.get("last_exit"):
@@ -298,6 +308,8 @@ def render(doc: Dict[str, Any], rate: Optional[float], why_not_box: Optional[str
     if sealed and box.get("box_time"):
         age = _age(sealed.get("time"), box["box_time"])
         t.add_row("sealed", f"step {sealed.get('step')}, {age} ago")
+    elif doc.get("in_effect"):
+        t.add_row("sealed", f"step {doc['in_effect'].get('step')} ({doc['in_effect'].get('note')})")
     elif doc.get("latest"):
         t.add_row("sealed", f"step {doc['latest'].get('step')}")
     else:

@@ -160,6 +160,27 @@ def _store_file(store: Store, key: str) -> str:
     return os.path.join(store.url[len("file://") :], *key.split("/"))
 
 
+def _object_key(store: Store, step: int, path: str) -> str:
+    """The store key of ``path`` (relative to RGT_CKPT_DIR) of checkpoint ``step``: the one
+    its MANIFEST names, whatever the sealer's key layout."""
+    doc = json.loads(store.get_bytes(mf.manifest_key(RUN, step)) or b"")
+    (key,) = [e["key"] for e in doc["files"] if e["path"] == path]
+    return str(key)
+
+
+def _object_file(store: Store, step: int, path: str) -> str:
+    """Where the file:// store holds the bytes of ``path`` of checkpoint ``step``."""
+    return _store_file(store, _object_key(store, step, path))
+
+
+def _stage_of(store: Store, dest: str, step: int, path: str) -> str:
+    """The staging directory of a pull into ``dest`` that holds ``path`` of ``step``: files
+    are staged under their store keys."""
+    return os.path.join(
+        dest, ".rgt-part", *os.path.dirname(_object_key(store, step, path)).split("/")
+    )
+
+
 # ---- a real agent run
 
 
@@ -335,7 +356,7 @@ def test_a_damaged_file_in_the_store_is_caught(
     tmp_path: Any, laptop: str, how: str, name: str
 ) -> None:
     store = _sealed_store(tmp_path)
-    _damage(_store_file(store, f"{RUN}/checkpoints/5/step_5/{name}"), how)
+    _damage(_object_file(store, 5, f"step_5/{name}"), how)
     _assert_refused(
         _rec(store.url, str(tmp_path / "box")), str(tmp_path / "dest"), "store", name, laptop
     )
@@ -357,7 +378,7 @@ def test_a_pull_from_the_box_over_ssh_verifies_and_catches_damage(
     assert covers_newest(rec, good)
 
     for how in ("flip", "truncate"):
-        path = _store_file(store, f"{RUN}/checkpoints/5/step_5/opt.bin")
+        path = _object_file(store, 5, "step_5/opt.bin")
         saved = _read(path)
         _damage(path, how)
         with pytest.raises(IntegrityError, match="opt.bin"):
@@ -420,7 +441,7 @@ def test_a_pull_from_the_box_killed_halfway_resumes_and_sends_only_the_rest(
     )
     rec = _rec(store.url, str(tmp_path / "box"), ssh_target)
     dest = str(tmp_path / "dest")
-    stage = os.path.join(dest, ".rgt-part", RUN, "checkpoints", "9", "step_9")
+    stage = _stage_of(store, dest, 9, "step_9/a.bin")
     child = _pull_in_child(rec, dest, "box", "kw = {'bwlimit': 30000}\n")
     try:
         _wait(
@@ -472,7 +493,7 @@ def test_a_pull_from_the_store_killed_halfway_does_not_download_finished_files_a
     assert child.wait(60) == -signal.SIGKILL
     if child.stderr:
         child.stderr.close()
-    stage = os.path.join(dest, ".rgt-part", RUN, "checkpoints", "2", "step_2")
+    stage = _stage_of(store, dest, 2, "step_2/part-0.bin")
     sizes = {n: len(d) for n, d in files.items()}
     sizes[".rgt-complete"] = len(json.dumps({"step": 2}))
     done = [n for n in os.listdir(stage) if os.path.getsize(os.path.join(stage, n)) == sizes[n]]
@@ -505,7 +526,8 @@ def test_a_pull_from_s3_verifies_and_catches_a_damaged_object(
     assert receipt.source == "store" and receipt.sealed.step == 6
     assert covers_newest(rec, receipt)
 
-    key = f"rgt/{RUN}/checkpoints/6/step_6/x.bin"
+    doc = json.loads(store.get_bytes(mf.manifest_key(RUN, 6)) or b"")
+    (key,) = ["rgt/" + f["key"] for f in doc["files"] if f["path"] == "step_6/x.bin"]
     s3_server.client().put_object(Bucket=bucket, Key=key, Body=b"x" * 2499 + b"y" + b"x" * 2500)
     with pytest.raises(IntegrityError, match="x.bin"):
         pull(rec, str(tmp_path / "bad"), "store")

@@ -2,7 +2,7 @@
 meter only after explicit confirmation; the box runs on without it.
 
     rgt deploy TARGET [--profile P] [--store URL] [--name N] [--python PATH]
-               [--secret-env VAR ...] [--offline] [JOB.toml] [-- CMD ...]
+               [--secret-env VAR ...] [--output PATH ...] [--offline] [JOB.toml] [-- CMD ...]
     rgt status [N] [--json]    rgt watch [N]    rgt logs N [-f]    rgt stop N
     rgt pull N [--to DIR] [--from box|store]
     rgt down N
@@ -24,6 +24,7 @@ import click
 from controller import observe
 from controller.registry import Registry, RunRecord
 from onbox.errors import NotFound, RgtError, UsageError
+from onbox.observe import warning_lines
 
 
 def _emit(text: str = "") -> None:
@@ -63,6 +64,11 @@ def _pick(name: Optional[str]) -> RunRecord:
     "--secret-env", "secret_env", multiple=True, metavar="VAR",
     help="Pass this variable's value to the job, on stdin only. Repeatable.",
 )  # fmt: skip
+@click.option(
+    "--output", "outputs", multiple=True, metavar="PATH",
+    help="A result the agent seals when the job succeeds (relative to the job's workdir; "
+    "added to the job file's outputs). Repeatable.",
+)  # fmt: skip
 @click.option("--offline", is_flag=True, help="Bring the agent's dependencies from here.")
 @click.option("--project", default=".", metavar="DIR", help="The code to push (default: .).")
 @click.pass_context
@@ -75,6 +81,7 @@ def deploy(
     name: Optional[str],
     python: Optional[str],
     secret_env: List[str],
+    outputs: List[str],
     offline: bool,
     project: str,
 ) -> int:
@@ -94,6 +101,7 @@ def deploy(
             name=name,
             python=python,
             secret_env=secret_env,
+            outputs=list(outputs),
             offline=offline,
             project=project,
         )
@@ -169,6 +177,17 @@ def pull(name: str, dest: Optional[str], source: str) -> int:
         f"{name}: step {receipt.sealed.step} pulled to {receipt.dest} and verified: "
         f"{len(receipt.files)} files; receipt {os.path.join(receipt.dest, '.rgt-receipt.json')}"
     )
+    # The names come from DONE.json (the box's): shown as status shows warnings, control
+    # characters as '?'.
+    missing = [
+        {
+            "reason": f"declared output {out} was missing when the job succeeded: it was never "
+            "sealed, so it is not here"
+        }
+        for out in receipt.sealed.missing_outputs
+    ]
+    for line in warning_lines({"warnings": missing}):
+        _emit(f"  warning: {line}")
     for f in receipt.files:
         if f.redacted:
             _emit(

@@ -57,7 +57,7 @@ from onbox.errors import (
     UsageError,
 )
 from onbox.rundir import check_name
-from onbox.spec import default_name
+from onbox.spec import check_outputs, default_name
 from onbox.stores import parse_store_url
 
 PROFILES = ("generic-ssh", "local")
@@ -77,6 +77,7 @@ class DeployRequest:
     name: Optional[str] = None
     python: Optional[str] = None
     secret_env: Sequence[str] = ()
+    outputs: Sequence[str] = ()  # --output: passed to `rgt-agent start`, added to the job file's
     offline: bool = False
     project: str = "."
 
@@ -196,6 +197,7 @@ def deploy(
         parse_store_url(req.store, "--store")
     else:
         _check_job_store(req)
+    check_outputs(list(req.outputs), "--output")  # as the box would, before anything changes
     secrets = _secrets(req.secret_env, environ)
     # The agent this laptop last ran the run with is most likely still the one: look at the run
     # through it within the audit's command (checked against what the audit finds). Read before
@@ -290,6 +292,8 @@ def deploy(
         args = ["start", "--name", name]
         if store:
             args += ["--store", store]
+        for out in req.outputs:
+            args += ["--output", out]
         if job_rel:
             args.append(job_rel)
         if req.command:

@@ -509,6 +509,7 @@ def _from_documents(
             )
     done_raw = get(mf.done_key(run))
     done_sha = None
+    missing_outputs: Tuple[str, ...] = ()
     if done_raw is not None:
         done_sha = _sha(done_raw)
         try:
@@ -522,12 +523,25 @@ def _from_documents(
             _check_doc_file(f, mf.done_key(run), run)
             tail = f["key"][len(run) + 1 :]
             kind = tail.split("/", 1)[0]
+            if kind == "results" and f.get("root") == "ckpt":
+                # A file the job left in RGT_CKPT_DIR that no checkpoint holds (result.txt):
+                # beside LATEST's files, at its path under the checkpoint dir, as a pull
+                # without a store puts it (onbox/sealing.py _put_results).
+                entries.append(
+                    Entry(
+                        "checkpoints/" + f["path"], "checkpoint", f["size"], f["sha256"], f["key"]
+                    )
+                )
+                continue
             if kind not in ("outputs", "logs"):
                 raise IntegrityError(f"{mf.done_key(run)} lists {f['key']}, not an output or log")
             redacted = f.get("redacted") is True
             entries.append(
                 Entry(tail, kind[:-1], f["size"], f["sha256"], f["key"], redacted=redacted)
             )
+        missing = done.get("missing_outputs")
+        if isinstance(missing, list):
+            missing_outputs = tuple(str(m) for m in missing)
     if latest is None and done_raw is None:
         raise NotFound(
             f"run {run!r} has nothing sealed yet (no LATEST.json, no DONE.json)",
@@ -543,6 +557,7 @@ def _from_documents(
         manifest_sha256=msha,
         done=done_raw is not None,
         done_sha256=done_sha,
+        missing_outputs=missing_outputs,
     )
     return ident, entries
 

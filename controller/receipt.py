@@ -48,7 +48,7 @@ import dataclasses
 import json
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from controller.remote import controller_home
 from onbox.durable import write_json
@@ -76,6 +76,12 @@ class SealedId:
     done: bool = False
     done_sha256: Optional[str] = None
     listing_sha256: Optional[str] = None
+    # Declared outputs DONE.json says were missing when the job succeeded (never sealed).
+    missing_outputs: Tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # A receipt read back from JSON holds a list: the same state, so equal to this one.
+        object.__setattr__(self, "missing_outputs", tuple(self.missing_outputs))
 
     def describe(self) -> str:
         if self.listing_sha256 is not None:

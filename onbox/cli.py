@@ -1,6 +1,7 @@
 """``rgt-agent``: the on-box command line.
 
-    rgt-agent start [JOB.toml] [--name N] [--ckpt-dir D] [--store URL] [--grace S] [-- CMD ...]
+    rgt-agent start [JOB.toml] [--name N] [--ckpt-dir D] [--store URL] [--grace S]
+                    [--output PATH ...] [-- CMD ...]
     rgt-agent run   (the same; stays in the foreground: Slurm, Kubernetes, containers)
     rgt-agent status [N] [--json]
     rgt-agent logs N [-f] [--agent]
@@ -20,7 +21,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import click
 
@@ -40,7 +41,14 @@ from onbox.errors import (
 from onbox.lock import RunLock, is_held, read_holder
 from onbox.rundir import RunDir, all_runs, check_name, rgt_home, unwritable
 from onbox.runner import read_ready
-from onbox.spec import JobSpec, Overrides, build_spec, default_name, parse_duration
+from onbox.spec import (
+    JobSpec,
+    Overrides,
+    build_spec,
+    check_outputs,
+    default_name,
+    parse_duration,
+)
 from onbox.states import TERMINAL
 from onbox.title import set_title
 
@@ -59,6 +67,14 @@ def cli() -> None:
 
 
 def _job_options(f: Any) -> Any:
+    f = click.option(
+        "--output",
+        "outputs",
+        multiple=True,
+        metavar="PATH",
+        help="A result to seal when the job succeeds (relative to the workdir; added to the "
+        "job file's outputs). Repeatable.",
+    )(f)
     f = click.option(
         "--grace",
         metavar="S",
@@ -80,6 +96,7 @@ def _resolve_spec(
     ckpt_dir: Optional[str],
     store: Optional[str],
     grace: Optional[str],
+    outputs: Sequence[str] = (),
 ) -> JobSpec:
     command: Optional[List[str]] = click.get_current_context().obj.get("command")
     home = rgt_home()
@@ -108,6 +125,10 @@ def _resolve_spec(
             from onbox.stores import parse_store_url
 
             changes["store"] = parse_store_url(store, "--store").url
+        if outputs:
+            changes["outputs"] = tuple(
+                dict.fromkeys(spec.outputs + check_outputs(list(outputs), "--output"))
+            )
         return dataclasses.replace(spec, **changes)
     if job_file is not None and not job_file.endswith(".toml") and not os.path.isfile(job_file):
         raise UsageError(
@@ -117,7 +138,14 @@ def _resolve_spec(
         )
     return build_spec(
         job_file,
-        Overrides(name=name, command=command, ckpt_dir=ckpt_dir, store=store, grace=grace),
+        Overrides(
+            name=name,
+            command=command,
+            ckpt_dir=ckpt_dir,
+            store=store,
+            grace=grace,
+            outputs=list(outputs),
+        ),
         cwd=os.getcwd(),
         environ=os.environ,
         default_name=default_name(command or []),
@@ -235,9 +263,10 @@ def start(
     ckpt_dir: Optional[str],
     store: Optional[str],
     grace: Optional[str],
+    outputs: Tuple[str, ...],
 ) -> int:
     """Check everything, then detach the agent and return with the run's name and paths."""
-    spec = _resolve_spec(job_file, name, ckpt_dir, store, grace)
+    spec = _resolve_spec(job_file, name, ckpt_dir, store, grace, outputs)
     rd = _prepare_run(spec)
     if rd is None:
         return 0
@@ -276,9 +305,10 @@ def run(
     ckpt_dir: Optional[str],
     store: Optional[str],
     grace: Optional[str],
+    outputs: Tuple[str, ...],
 ) -> int:
     """Like start, but supervise in the foreground; exit code tells the final state."""
-    spec = _resolve_spec(job_file, name, ckpt_dir, store, grace)
+    spec = _resolve_spec(job_file, name, ckpt_dir, store, grace, outputs)
     rd = _prepare_run(spec)
     if rd is None:
         return 0

@@ -7,7 +7,9 @@ priority than the job, seals new complete checkpoints as they appear (a periodic
 the job to checkpoint on its declared trigger every ``checkpoint.interval``, and mirrors the
 run's state and events to the store. On preemption it asks the job for a final checkpoint and
 seals it only if the measured throughput says it fits in the budget; on success it seals the
-last checkpoints, the outputs and the logs, verifies them, and writes DONE.json.
+last checkpoints, every other file the job left under RGT_CKPT_DIR (``results/``, any format),
+the declared outputs and the logs, each verified, and only then writes DONE.json, which lists
+them and names the declared outputs that were missing (each also an event and a status warning).
 
 Nothing leaves the box with a secret in it unnoticed: the mirror of state and events goes
 through the redactor (onbox/redact.py), and a job's log that holds a secret value or a token
@@ -31,12 +33,21 @@ from typing import Any, Callable, Dict, List, Optional
 from onbox import manifest as mf
 from onbox import redact
 from onbox.durable import sha256_file
+from onbox.faults import crash_point
 from onbox.journal import FileJournal
 from onbox.restore import restore_latest
 from onbox.resumecheck import newest_local_step
 from onbox.rundir import RunDir
 from onbox.safepath import UnsafePath, safe_rel
-from onbox.sealer import Sealer, take_epoch
+from onbox.sealer import (
+    CKPT_SUFFIXES,
+    Sealer,
+    _skip,
+    looks_whole,
+    open_for_writing,
+    step_from_name,
+    take_epoch,
+)
 from onbox.spec import JobSpec
 from onbox.stores import open_store
 from onbox.stores.base import Store, StoreError, with_retries
@@ -353,30 +364,165 @@ class SealService(Hooks):
             pass
 
     def _finish(self) -> None:
-        """On success: last checkpoints, outputs, logs, all verified; then DONE.json."""
+        """On success: the last checkpoints; then every other file the job left under
+        RGT_CKPT_DIR (``_put_results``), the declared outputs and the logs, each verified by
+        the store as it is uploaded; only then DONE.json, which lists them all and the
+        declared outputs that were missing. Cut off before DONE.json (a crash, a store
+        outage), nothing claims completion, and the next agent of the run does it all again
+        (every upload is idempotent)."""
         assert self.sealer is not None
         run = self.spec.name
         self.sealer.seal_pending()
-        sealed: List[Dict[str, Any]] = []
+        results = self._put_results()
+        outputs: List[Dict[str, Any]] = []
+        missing: List[str] = []
         for rel in self.spec.outputs:
-            sealed += self._put_tree(os.path.join(self.spec.workdir, rel), f"{run}/outputs/", rel)
+            path = os.path.join(self.spec.workdir, rel)
+            if not os.path.exists(path):
+                missing.append(rel)
+                continue
+            outputs += self._put_tree(path, f"{run}/outputs/", rel)
+        self._report_missing(missing)
+        logs: List[Dict[str, Any]] = []
         for a in self.rd.attempt_numbers():
-            sealed += self._put_log(a)
+            logs += self._put_log(a)
         self.mirror()
+        crash_point("finish.before_done")
         done = {
             "schema": mf.SCHEMA,
             "run": run,
             "latest": self.sealer.latest,
             "epoch": self.sealer.epoch,
-            "files": sealed,
+            "files": results + outputs + logs,
+            "missing_outputs": missing,
             "finished_at": time.time(),
         }
         with_retries(lambda: self.store.put_bytes(mf.done_key(run), mf.dump(done)))
         self.event(
             "done",
-            f"DONE.json written: {len(sealed)} output and log files, LATEST "
-            f"step {self.sealer.latest}",
+            f"DONE.json written: {len(results)} file(s) from the checkpoint dir, "
+            f"{len(outputs)} output file(s), {len(logs)} log(s)"
+            + (f", declared outputs missing: {', '.join(missing)}" if missing else "")
+            + f"; LATEST step {self.sealer.latest}",
+            missing_outputs=missing,
         )
+
+    def _put_results(self) -> List[Dict[str, Any]]:
+        """Every file under RGT_CKPT_DIR that no checkpoint rule covers, to ``results/``, for
+        DONE.json with ``"root": "ckpt"`` (``rgt pull`` puts each at ``checkpoints/<path>``,
+        beside LATEST's files, as a pull without a store does).
+
+        Covered, so not sealed here: a step-named checkpoint (a file in a checkpoint format
+        with a step in its name, a directory with a completeness marker and a step), which
+        ``checkpoint.keep`` governs; a file LATEST's MANIFEST holds with these very bytes;
+        hidden and temporary names (torn writes live there; pull skips them too). Everything
+        else is sealed, in any format: results (``result.txt``, ``metrics.json``), files in
+        a directory with no marker, an in-place checkpoint other than LATEST's own
+        (``best.pt`` beside ``last.pt``). A file that cannot be taken as it is (torn, still
+        open for writing, a symlink, a name pull refuses, LATEST's path with other bytes) is
+        left out with one event naming it."""
+        sealer = self.sealer
+        assert sealer is not None
+        base = self.spec.ckpt_dir
+        latest_doc = sealer.manifests.get(sealer.latest) if sealer.latest is not None else None
+        in_latest = {f["path"]: f for f in latest_doc["files"]} if latest_doc else {}
+        todo: List[str] = []
+        try:
+            names = sorted(os.listdir(base))
+        except FileNotFoundError:
+            return []
+        for name in names:
+            path = os.path.join(base, name)
+            if _skip(name):
+                continue
+            if os.path.islink(path):
+                self._left_out(name, "it is a symlink")
+            elif os.path.isdir(path):
+                if sealer._dir_candidate(name, path) is None:
+                    todo += self._walk_results(path, name)
+            elif os.path.isfile(path) and not _step_named(name):
+                todo.append(name)
+        busy = open_for_writing([os.path.join(base, *r.split("/")) for r in todo])
+        out: List[Dict[str, Any]] = []
+        for rel in todo:
+            full = os.path.join(base, *rel.split("/"))
+            if os.path.realpath(full) in busy:
+                self._left_out(rel, "a process still holds it open for writing")
+                continue
+            if rel.lower().endswith(CKPT_SUFFIXES) and not looks_whole(full):
+                self._left_out(rel, "it is torn (its writer stopped mid-write)")
+                continue
+            sealed = in_latest.get(rel)
+            if sealed is not None:
+                if sha256_file(full) == (sealed["sha256"], sealed["size"]):
+                    continue  # pulled as LATEST's own file
+                self._left_out(
+                    rel,
+                    f"LATEST's checkpoint (step {sealer.latest}) holds other bytes under this "
+                    "name, and these could not be sealed as a checkpoint",
+                )
+                continue
+            out += [
+                dict(e, root="ckpt")
+                for e in self._put_tree(full, f"{self.spec.name}/results/", rel)
+            ]
+        return out
+
+    def _walk_results(self, path: str, rel: str) -> List[str]:
+        """The files under the directory ``path`` (``rel`` under the checkpoint dir), hidden
+        and temporary names (and what is under them) skipped; symlinks left out, said so."""
+        out: List[str] = []
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames[:] = sorted(d for d in dirnames if not _skip(d))
+            for d in list(dirnames):
+                if os.path.islink(os.path.join(dirpath, d)):
+                    dirnames.remove(d)
+                    self._left_out(_rel_under(path, rel, os.path.join(dirpath, d)), "a symlink")
+            for fn in sorted(filenames):
+                full = os.path.join(dirpath, fn)
+                r = _rel_under(path, rel, full)
+                if _skip(fn):
+                    continue
+                if os.path.islink(full) or not os.path.isfile(full):
+                    self._left_out(r, "it is a symlink or not a regular file")
+                    continue
+                out.append(r)
+        return out
+
+    def _left_out(self, rel: str, why: str) -> None:
+        self.event(
+            "result_left_out",
+            f"{rel} in the checkpoint dir is not sealed at completion: {why}",
+            klass="usage",
+            remedy="write results as plain files under RGT_CKPT_DIR, closed before the job "
+            "exits; the file stays on the box",
+            path=rel,
+        )
+
+    def _report_missing(self, missing: List[str]) -> None:
+        """One ``output_missing`` event and status warning per declared output that did not
+        exist at completion. The warning list is the agent's own (in state.json); those of an
+        earlier completion of this run (cut off before DONE.json) are replaced, not doubled."""
+        self.warnings[:] = [w for w in self.warnings if w.get("kind") != "output_missing"]
+        for rel in missing:
+            path = os.path.join(self.spec.workdir, rel)
+            self.warnings.append(
+                {
+                    "kind": "output_missing",
+                    "path": rel,
+                    "reason": f"declared output {rel} did not exist when the job succeeded "
+                    f"({path}): it is not sealed and `rgt pull` cannot bring it",
+                }
+            )
+            self.event(
+                "output_missing",
+                f"declared output {rel} does not exist ({path}) now that the job succeeded: "
+                "nothing sealed for it",
+                klass="usage",
+                remedy=f"make the job write it under its workdir {self.spec.workdir}, or fix "
+                "the path in `outputs` (job file) or --output",
+                path=rel,
+            )
 
     def _put_log(self, attempt: int) -> List[Dict[str, Any]]:
         """The job's log of ``attempt`` to ``logs/``: as it is, or, when it holds a secret, a
@@ -442,10 +588,10 @@ class SealService(Hooks):
             paths.append((path, rel))
         else:
             self.event(
-                "output_missing",
-                f"output {rel} does not exist",
+                "seal_missing",
+                f"{rel} does not exist ({path}): nothing sealed for it",
                 klass="usage",
-                remedy="check `outputs` in the job file",
+                remedy="",
             )
         for full, r in paths:
             r = r.replace(os.sep, "/").strip("/")
@@ -469,6 +615,17 @@ class SealService(Hooks):
             with_retries(functools.partial(self.store.put_file, key, full, sha256=sha, size=size))
             out.append({"path": r, "key": key, "size": size, "sha256": sha})
         return out
+
+
+def _step_named(name: str) -> bool:
+    """A loose file the sealer seals as a step of its own (``step_120.pt``), not in place."""
+    return name.lower().endswith(CKPT_SUFFIXES) and step_from_name(name) is not None
+
+
+def _rel_under(top: str, rel: str, full: str) -> str:
+    """``full`` (under the directory ``top``, which is ``rel`` under the checkpoint dir) as a
+    '/'-separated path relative to the checkpoint dir."""
+    return "/".join([rel, *os.path.relpath(full, top).split(os.sep)])
 
 
 def _size(base: str, files: List[str]) -> int:

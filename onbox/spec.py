@@ -215,6 +215,22 @@ class Overrides:
     ckpt_dir: Optional[str] = None
     store: Optional[str] = None
     grace: Optional[str] = None
+    outputs: Optional[List[str]] = None  # --output, repeatable: added to the job file's
+
+
+def check_outputs(outputs: Any, field: str = "outputs") -> Tuple[str, ...]:
+    """Declared outputs: paths relative to the workdir, never absolute, never climbing out
+    with '..' (pull puts each under DEST/outputs/). Duplicates are dropped, order kept."""
+    if field == "outputs":
+        what, example = "must be a list of paths", 'e.g. outputs = ["out/", "metrics.json"]'
+    else:
+        what, example = "must be a path", "e.g. --output out/ --output metrics.json"
+    if not isinstance(outputs, (list, tuple)) or not all(
+        isinstance(o, str) and o and not o.startswith("/") and ".." not in o.split("/")
+        for o in outputs
+    ):
+        raise UsageError(field, f"{what} relative to the workdir", example)
+    return tuple(dict.fromkeys(outputs))
 
 
 def _check_command(command: Any, workdir: str, env: Mapping[str, str]) -> Tuple[str, ...]:
@@ -311,16 +327,8 @@ def build_spec(
             'set checkpoint.trigger = "signal:USR2" or "file"',
         )
     scan = parse_duration(ckpt.get("scan", 5), "checkpoint.scan")
-    outputs = data.get("outputs", [])
-    if not isinstance(outputs, list) or not all(
-        isinstance(o, str) and o and not o.startswith("/") and ".." not in o.split("/")
-        for o in outputs
-    ):
-        raise UsageError(
-            "outputs",
-            "must be a list of paths relative to the workdir",
-            'e.g. outputs = ["out/", "metrics.json"]',
-        )
+    # --output adds to the job file's outputs (both are sealed), it does not replace them.
+    merged = check_outputs(data.get("outputs", [])) + check_outputs(flags.outputs or [], "--output")
 
     store = flags.store if flags.store is not None else data.get("store")
     if store is not None:
@@ -363,7 +371,7 @@ def build_spec(
         keep=keep,
         ckpt_interval=ckpt_interval,
         scan_interval=scan,
-        outputs=tuple(outputs),
+        outputs=tuple(dict.fromkeys(merged)),
         progress_pattern=pattern,
     )
 

@@ -213,3 +213,26 @@ def test_a_spec_json_written_before_progress_patterns_still_loads(tmp_path: Any)
     doc = _build(tmp_path, command=["python3", "x.py"]).to_json()
     del doc["progress_pattern"]
     assert JobSpec.from_json(doc).progress_pattern is None
+
+
+def test_output_flags_add_to_the_job_files_outputs_once_each(tmp_path: Any) -> None:
+    spec = _build(
+        tmp_path,
+        'command = ["true"]\noutputs = ["out/", "metrics.json"]\n',
+        outputs=["result.txt", "out/", "result.txt"],
+    )
+    assert spec.outputs == ("out/", "metrics.json", "result.txt")
+    assert _build(tmp_path, outputs=["a.txt"], command=["true"]).outputs == ("a.txt",)
+    assert JobSpec.from_json(spec.to_json()).outputs == spec.outputs
+
+
+@pytest.mark.parametrize("bad", ["/abs/x", "../up", "a/../../b", ""])
+def test_an_output_flag_outside_the_workdir_is_refused_naming_the_flag(
+    tmp_path: Any, bad: str
+) -> None:
+    with pytest.raises(UsageError) as e:
+        _build(tmp_path, 'command = ["true"]\n', outputs=[bad])
+    assert e.value.line().startswith("rgt: --output: must be a path relative to the workdir")
+    with pytest.raises(UsageError) as e:
+        _build(tmp_path, f'command = ["true"]\noutputs = [{bad!r}]\n')
+    assert "outputs: must be a list of paths relative to the workdir" in e.value.line()

@@ -177,6 +177,8 @@ def pull(name: str, dest: Optional[str], source: str) -> int:
         f"{name}: step {receipt.sealed.step} pulled to {receipt.dest} and verified: "
         f"{len(receipt.files)} files; receipt {os.path.join(receipt.dest, '.rgt-receipt.json')}"
     )
+    if receipt.sealed.note:  # LATEST names a quarantined step: which one was pulled, and why
+        _emit(f"  {receipt.sealed.note}")
     # The names come from DONE.json (the box's): shown as status shows warnings, control
     # characters as '?'.
     missing = [

@@ -107,6 +107,7 @@ from controller.remote import Remote, open_remote
 from onbox import manifest as mf
 from onbox.durable import fsync_dir, fsync_file
 from onbox.errors import HostError, IntegrityError, NotFound, RemoteUnreachable, UsageError
+from onbox.restore import in_effect, quarantine_reason, quarantine_reasons, sealed_steps
 from onbox.safepath import (
     UnsafePath,
     conflicts,
@@ -259,7 +260,9 @@ def _read_sealed(rec: RunRecord, source: str, remote: Optional[Remote]) -> Seale
                 "a file:// store is a path on the box: pull with --from box",
             )
         store = open_store(rec.store)
-        ident, entries = _from_documents(run, functools.partial(_store_get, store))
+        ident, entries = _from_documents(
+            run, functools.partial(_store_get, store), functools.partial(_store_listing, store, run)
+        )
         entries = [dataclasses.replace(e, origin=e.key or "") for e in entries]
         return Sealed(ident, entries, "store", store=store)
     assert remote is not None
@@ -269,14 +272,16 @@ def _read_sealed(rec: RunRecord, source: str, remote: Optional[Remote]) -> Seale
     if root is not None:
         docs = _BoxDocs(remote, root)
         docs.prefetch([mf.latest_key(run), mf.done_key(run)], run=run)  # one round trip
-        ident, entries = _from_documents(run, docs.get)
+        ident, entries = _from_documents(run, docs.get, functools.partial(docs.listing, run))
         entries = [
             dataclasses.replace(e, src=e.key, origin=_join(root, e.key or "")) for e in entries
         ]
         return Sealed(ident, entries, "box", box_root=root)
     # s3://, hf://: the store says what is sealed; the box holds copies of the bytes.
     store = open_store(rec.store)
-    ident, entries = _from_documents(run, functools.partial(_store_get, store))
+    ident, entries = _from_documents(
+        run, functools.partial(_store_get, store), functools.partial(_store_listing, store, run)
+    )
     spec = box_spec(rec, remote)
     run_dir = box_run_dir(rec)
     ckpt, workdir = _spec_dirs(rec, spec, remote)
@@ -315,6 +320,15 @@ def _join(*parts: str) -> str:
 
 def _store_get(store: Store, key: str) -> Optional[bytes]:
     return with_retries(lambda: store.get_bytes(key))
+
+
+# (sealed steps, {quarantined step: reason}) of a run, as the store lists them.
+Listing = Callable[[], Tuple[List[int], Dict[int, str]]]
+
+
+def _store_listing(store: Store, run: str) -> Tuple[List[int], Dict[int, str]]:
+    bad = quarantine_reasons(store, run)
+    return (with_retries(lambda: sealed_steps(store, run)) if bad else []), bad
 
 
 class _BoxDocs:
@@ -365,6 +379,66 @@ fi"""
         if key not in self.cache:
             self.prefetch([key])
         return self.cache[key]
+
+    # The steps with a MANIFEST ("S STEP") and each quarantine record ("Q STEP", then the
+    # record as ``doc`` prints it), in one round trip.
+    _LISTING = r"""doc() {
+  if [ -f "$1" ]; then s=$(wc -c < "$1") || exit 45; echo "F" $s; cat -- "$1" || exit 45
+  else echo N; fi
+}
+for m in "$1"/checkpoints/*/MANIFEST.json; do
+  [ -f "$m" ] || continue; s=${m%/MANIFEST.json}; echo "S ${s##*/}"
+done
+for q in "$1"/quarantine/*.json; do
+  [ -f "$q" ] || continue; n=${q##*/}; echo "Q ${n%.json}"; doc "$q"
+done"""
+
+    def listing(self, run: str) -> Tuple[List[int], Dict[int, str]]:
+        """The run's sealed steps and quarantined steps (with reasons), as the box sees the
+        store. Names that are not steps rgt writes are left out."""
+        r = self.remote.sh(self._LISTING, _join(self.root, run))
+        if r.rc != 0:
+            raise HostError(
+                f"cannot list the store under {self.root} on {self.remote.target.label}: "
+                f"{r.err.strip()[-300:]}"
+            )
+        return _split_listing(r.stdout)
+
+
+def _is_step(raw: bytes) -> bool:
+    return 0 < len(raw) <= 18 and raw.isdigit() and raw == str(int(raw)).encode()
+
+
+def _split_listing(out: bytes) -> Tuple[List[int], Dict[int, str]]:
+    """What _BoxDocs._LISTING printed: (sealed steps, {quarantined step: reason})."""
+    sealed: List[int] = []
+    bad: Dict[int, str] = {}
+    pos = 0
+    while pos < len(out):
+        end = out.find(b"\n", pos)
+        if end < 0:
+            raise HostError("the store's listing on the box was cut short")
+        head = out[pos:end].split(b" ", 1)
+        pos = end + 1
+        if len(head) != 2 or head[0] not in (b"S", b"Q"):
+            raise HostError(f"the store's listing on the box has a line rgt never writes: {head!r}")
+        if head[0] == b"S":
+            if _is_step(head[1]):
+                sealed.append(int(head[1]))
+            continue
+        end = out.find(b"\n", pos)
+        doc = out[pos:end].split() if end >= 0 else []
+        if doc == [b"N"]:
+            pos = end + 1
+            continue
+        if len(doc) != 2 or doc[0] != b"F" or not doc[1].isdigit():
+            raise HostError("the store's listing on the box was cut short")
+        size = int(doc[1])
+        data = out[end + 1 : end + 1 + size]
+        pos = end + 1 + size
+        if _is_step(head[1]):
+            bad[int(head[1])] = quarantine_reason(data)
+    return sorted(sealed), bad
 
 
 _STEP_LINE = re.compile(rb"S ([0-9]+)\n")
@@ -484,16 +558,28 @@ def _sha(data: bytes) -> str:
 
 
 def _from_documents(
-    run: str, get: Callable[[str], Optional[bytes]]
+    run: str, get: Callable[[str], Optional[bytes]], listing: Optional[Listing] = None
 ) -> Tuple[SealedId, List[Entry]]:
-    """LATEST -> MANIFEST, and DONE: the sealed state and its files."""
+    """LATEST -> MANIFEST, and DONE: the sealed state and its files. When LATEST names a
+    quarantined step (``listing`` says which are), the newest sealed step before it that is
+    not quarantined is the sealed state instead (onbox.restore.in_effect), and ``note`` says
+    so; a run with none left is an IntegrityError."""
     latest = mf.parse_latest(get(mf.latest_key(run)))
     entries: List[Entry] = []
     step = epoch = None
-    mkey = msha = None
+    mkey = msha = note = None
     if latest is not None:
         step = latest["step"]
         epoch = latest.get("epoch") if isinstance(latest.get("epoch"), int) else None
+        sealed, bad = listing() if listing is not None else ([], {})
+        if step in bad:
+            effective, note = in_effect(step, sealed, bad)
+            if effective is None:
+                raise IntegrityError(
+                    f"run {run!r} has no verified checkpoint to pull: {note}",
+                    "look at the store (quarantine/ says why)",
+                )
+            step, epoch = effective, None
         mkey = mf.manifest_key(run, step)
         data = get(mkey)
         if data is None:
@@ -502,6 +588,8 @@ def _from_documents(
         if doc["step"] != step:
             raise IntegrityError(f"{mkey} is for step {doc['step']}, LATEST says {step}")
         msha = _sha(data)
+        if note is not None and isinstance(doc.get("epoch"), int):
+            epoch = doc["epoch"]
         for f in doc["files"]:
             _check_doc_file(f, mkey, run)
             entries.append(
@@ -557,6 +645,7 @@ def _from_documents(
         manifest_sha256=msha,
         done=done_raw is not None,
         done_sha256=done_sha,
+        note=note,
         missing_outputs=missing_outputs,
     )
     return ident, entries
@@ -1594,7 +1683,11 @@ def newest_sealed(rec: RunRecord, remote: Optional[Remote] = None) -> SealedId:
         root = _file_root(rec.store)
         if root is None or rec.target.kind == "local":
             store = open_store(rec.store)
-            return _from_documents(rec.name, functools.partial(_store_get, store))[0]
+            return _from_documents(
+                rec.name,
+                functools.partial(_store_get, store),
+                functools.partial(_store_listing, store, rec.name),
+            )[0]
     own = remote is None
     box = remote or open_remote(rec.target)
     try:
@@ -1603,7 +1696,7 @@ def newest_sealed(rec: RunRecord, remote: Optional[Remote] = None) -> SealedId:
         assert root is not None
         docs = _BoxDocs(box, root)
         docs.prefetch([mf.latest_key(rec.name), mf.done_key(rec.name)], run=rec.name)
-        return _from_documents(rec.name, docs.get)[0]
+        return _from_documents(rec.name, docs.get, functools.partial(docs.listing, rec.name))[0]
     finally:
         if own:
             box.close()

@@ -67,7 +67,8 @@ class SealedId:
 
     With a store: LATEST's step and epoch, the MANIFEST it names (key and the sha256 of its
     bytes) and DONE.json (whether it exists, the sha256 of its bytes). Without a store:
-    ``listing_sha256`` over the box's files (path, size, sha256)."""
+    ``listing_sha256`` over the box's files (path, size, sha256). ``note``, for people: why
+    the step is not the one LATEST names (that one is quarantined)."""
 
     step: Optional[int] = None
     epoch: Optional[int] = None
@@ -76,6 +77,7 @@ class SealedId:
     done: bool = False
     done_sha256: Optional[str] = None
     listing_sha256: Optional[str] = None
+    note: Optional[str] = None
     # Declared outputs DONE.json says were missing when the job succeeded (never sealed).
     missing_outputs: Tuple[str, ...] = ()
 

@@ -285,6 +285,10 @@ def start(
         ) from None
     finally:
         os.close(r)
+    if msg.get("ok") is False:  # it could not begin (onbox/agent.py): the run is FAILED, why
+        err = RgtError(str(msg.get("what")), msg.get("remedy"))
+        err.exit_code = int(msg.get("exit_code") or 1)
+        raise err
     verb = "re-attached to" if msg.get("adopted") else "started"
     _emit(
         f"{verb} run {rd.name}: agent pid {msg['pid']}, job pid {msg.get('job_pid')}, "
@@ -621,8 +625,9 @@ def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
     """Download the newest verified checkpoint of a run and check every sha256."""
     # Nothing is created before a checkpoint to download is found, and a restore that fails
     # removes the directories it made: a bad URL, name or --to leaves no empty --to behind.
-    from onbox.errors import IntegrityError
-    from onbox.restore import quarantined, restore_latest, sealed_steps
+    # An unusable checkpoint is quarantined and the previous one used (onbox/restore.py); when
+    # none is left, NoVerifiedCheckpoint (exit 6) lists each step tried and why.
+    from onbox.restore import restore_latest
 
     store, run = _store_and_run(url, name)
     target = os.path.abspath(dest or f"{run}-restored")
@@ -635,11 +640,8 @@ def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
             + ("not a directory" if not os.path.isdir(probe) else "not writable"),
             "pass --to a directory this user can write",
         )
-    corrupt: List[str] = []
 
     def event(kind: str, reason: str, **kw: Any) -> None:
-        if kind == "quarantined":
-            corrupt.append(reason)
         _emit(reason)
 
     made: List[str] = []
@@ -654,13 +656,6 @@ def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
                 except OSError:
                     pass
     if doc is None:
-        bad = sorted(set(quarantined(store, run)) & set(sealed_steps(store, run)))
-        if corrupt or bad:
-            raise IntegrityError(
-                f"run {run!r} has no intact sealed checkpoint in {store.url}: "
-                + (corrupt[0] if corrupt else f"steps {bad} are quarantined"),
-                "look at the store (quarantine/ says why); nothing was restored",
-            )
         root = getattr(store, "root", None)  # a file:// store's directory
         raise NotFound(
             f"run {run!r} has no sealed checkpoint in {store.url}",
@@ -680,11 +675,15 @@ def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
 def checkpoints(
     url: str, name: Optional[str], as_json: bool, pin: Optional[int], unpin: Optional[int]
 ) -> int:
-    """The run's sealed checkpoints: step, size, sealed time, verified, pinned."""
+    """The run's sealed checkpoints: step, size, sealed time, verified, pinned, quarantined.
+
+    LATEST marks the step a restore and ``rgt pull`` take: LATEST's own, or when that one is
+    quarantined the newest verified step before it (a line says so); a quarantined step is
+    never marked LATEST."""
     from onbox import manifest as mf
     from onbox.errors import IntegrityError
     from onbox.journal import iso
-    from onbox.restore import quarantined, sealed_steps
+    from onbox.restore import in_effect, quarantine_reasons, sealed_steps
 
     store, run = _store_and_run(url, name)
     _require_in_store(store, run)
@@ -700,28 +699,30 @@ def checkpoints(
         if i.key.rsplit("/", 1)[-1].isdigit()
     }
     latest = mf.parse_latest(store.get_bytes(mf.latest_key(run)))
-    bad = set(quarantined(store, run))
-    rows = []
-    for step in sealed_steps(store, run):
-        data = store.get_bytes(mf.manifest_key(run, step))
+    bad = quarantine_reasons(store, run)
+    sealed = sealed_steps(store, run)
+    effective, why = in_effect(latest["step"] if latest else None, sealed, bad)
+    rows: List[Dict[str, Any]] = []
+    for step in sorted(set(sealed) | set(bad)):
+        row: Dict[str, Any] = {"step": step, "verified": False, "latest": step == effective}
+        if step in bad:
+            row["quarantined"] = bad[step]
+        data = store.get_bytes(mf.manifest_key(run, step)) if step in sealed else None
         try:
             doc = mf.parse_manifest(data or b"", mf.manifest_key(run, step))
         except IntegrityError as e:
-            rows.append({"step": step, "verified": False, "problem": e.what})
+            rows.append({**row, "problem": e.what if data else "its MANIFEST is missing"})
             continue
-        rows.append(
-            {
-                "step": step,
-                "root": doc["root"],
-                "files": len(doc["files"]),
-                "size": sum(f["size"] for f in doc["files"]),
-                "sealed_at": iso(doc["created"]),
-                "epoch": doc["epoch"],
-                "verified": step not in bad,
-                "latest": bool(latest and latest["step"] == step),
-                "pinned": step in pins,
-            }
+        row.update(
+            root=doc["root"],
+            files=len(doc["files"]),
+            size=sum(f["size"] for f in doc["files"]),
+            sealed_at=iso(doc["created"]),
+            epoch=doc["epoch"],
+            verified=step not in bad,
+            pinned=step in pins,
         )
+        rows.append(row)
     if as_json:
         _emit(json.dumps(rows, sort_keys=True))
         return 0
@@ -735,7 +736,10 @@ def checkpoints(
             f"{'yes' if r['verified'] else 'NO':8}  {r.get('root', '-')}"
             + ("  <- LATEST" if r.get("latest") else "")
             + ("  (pinned)" if r.get("pinned") else "")
+            + (f"  QUARANTINED: {r['quarantined']}" if "quarantined" in r else "")
         )
+    if why:
+        _emit(why)
     return 0
 
 

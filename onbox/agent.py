@@ -107,20 +107,19 @@ class Agent:
                 pass
             was = "new run" if self.fresh else f"run was {sup.state}"
             sup.new_incarnation(f"rgt-agent start ({was}); agent pid {os.getpid()}")
-            if self.seal is not None:
-                try:  # epoch, restore, then sealing in the background
-                    self.seal.start(begin=True)
-                except RgtError as e:
-                    self._fail_to_begin(e)
-                    raise
-                self._note_fallback(self.seal.restored)
+            self._begin_sealing()
             return True
         self.adopted = True
         self.journal.event(
             "adopt",
             f"agent pid {os.getpid()} took over the run in {sup.state}, attempt {sup.attempt}",
         )
-        if self.seal is not None:
+        if sup.attempt == 0:
+            # The last agent died before the first attempt started (in its restore, say):
+            # nothing has run, so this one restores as a beginning does; adopting would start
+            # the job from step 0 beside a sealed checkpoint.
+            self._begin_sealing()
+        elif self.seal is not None:
             self.seal.start(begin=False)
         if self.check is not None:
             self.check.skip(sup.attempt)  # no-op when the last agent recorded this attempt's S
@@ -130,6 +129,17 @@ class Agent:
                 sup.on_exit(status)
         sup.save()
         return True
+
+    def _begin_sealing(self) -> None:
+        """Take an epoch, restore, then seal in the background (when the run has a store)."""
+        if self.seal is None:
+            return
+        try:
+            self.seal.start(begin=True)
+        except RgtError as e:
+            self._fail_to_begin(e)
+            raise
+        self._note_fallback(self.seal.restored)
 
     def _note_fallback(self, restored: Optional[Dict[str, Any]]) -> None:
         """Status says which step this incarnation resumed from when newer ones were unusable

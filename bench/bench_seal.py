@@ -158,9 +158,11 @@ class Recorder(Store):
         self.files.append(Put(key, size, t0, time.monotonic()))
         return info
 
-    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> ObjectInfo:
+    def put_bytes(
+        self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
+    ) -> ObjectInfo:
         t0 = time.monotonic()
-        info = self.inner.put_bytes(key, data, if_absent=if_absent)
+        info = self.inner.put_bytes(key, data, if_absent=if_absent, if_match=if_match)
         t1 = time.monotonic()
         self.small.append(Put(key, len(data), t0, t1))
         if key.endswith("/MANIFEST.json"):
@@ -171,6 +173,9 @@ class Recorder(Store):
 
     def get_bytes(self, key: str) -> Optional[bytes]:
         return self.inner.get_bytes(key)
+
+    def get_versioned(self, key: str) -> Optional[Tuple[bytes, str]]:
+        return self.inner.get_versioned(key)
 
     def get_file(self, key: str, dest: str) -> None:
         self.inner.get_file(key, dest)

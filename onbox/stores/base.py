@@ -16,6 +16,14 @@ Contract, for every implementation:
   computes none (a plain directory) is read back. A mismatch raises ``IntegrityError``.
 - ``put_bytes(..., if_absent=True)`` creates only when the key does not exist (S3
   ``If-None-Match: *`` where the store supports it), else raises ``PreconditionFailed``.
+- ``get_versioned(key)`` returns an object's bytes with its version (``ObjectInfo.etag``: S3's
+  ETag, the Hub's git blob id, a ``file://`` store's sha256), read together; and
+  ``put_bytes(..., if_match=VERSION)`` replaces the object only while it still is that version,
+  else raises ``PreconditionFailed`` (S3 ``If-Match``, a Hub commit whose parent is the head
+  that was checked, a ``file://`` check and rename under the run's lock). This compare-and-swap
+  is how one writer per run is enforced at the documents that matter (MANIFEST, LATEST: see
+  onbox/sealer.py); where a store cannot do it atomically the caller's read-back after the
+  write is the check.
 - Errors are ``TransientStoreError`` (retry: network, throttling, 5xx) or
   ``PermanentStoreError`` (never retried in a loop: auth, no bucket, ENOSPC, EACCES).
 """
@@ -27,7 +35,7 @@ import contextlib
 import dataclasses
 import os
 import time
-from typing import Callable, Iterator, List, Optional, TypeVar
+from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
 
 from onbox.errors import RgtError
 from onbox.safepath import safe_rel
@@ -86,7 +94,7 @@ def new_download(
 
 
 class PreconditionFailed(StoreError):
-    """A conditional write found the key already there."""
+    """A conditional write found the key already there, or not at the version it was given."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,8 +140,17 @@ class Store(abc.ABC):
         ``sha256=None`` only where ``hashes_while_uploading``."""
 
     @abc.abstractmethod
-    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> ObjectInfo:
-        """Write a small object (a manifest, LATEST, state) atomically."""
+    def put_bytes(
+        self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
+    ) -> ObjectInfo:
+        """Write a small object (a manifest, LATEST, state) atomically; ``if_absent`` only when
+        absent, ``if_match`` only while it is still the version ``get_versioned`` returned
+        (PreconditionFailed else). The ObjectInfo's etag is the new version."""
+
+    @abc.abstractmethod
+    def get_versioned(self, key: str) -> Optional[Tuple[bytes, str]]:
+        """A small object's bytes and its version (what ``put_bytes(if_match=...)`` takes),
+        read together; None when absent."""
 
     @abc.abstractmethod
     def get_bytes(self, key: str) -> Optional[bytes]:

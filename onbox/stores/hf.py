@@ -15,7 +15,10 @@ mismatch removes the object again and raises ``IntegrityError``.
 
 ``put_bytes(if_absent=True)`` checks at the head commit it read and commits with that commit as
 ``parent_commit``: the Hub refuses (412) a commit whose parent is no longer the head, and the
-store then looks again (PreconditionFailed if the key is there now).
+store then looks again (PreconditionFailed if the key is there now). ``put_bytes(if_match=V)``
+does the same with the file's git blob id (its version, what ``get_versioned`` returns): the
+file at that head must still be blob V, and the commit's parent is that head, so nothing another
+writer committed in between is overwritten.
 
 Uploads use whatever transfer huggingface_hub picks (Xet when ``hf_xet`` is installed, else the
 LFS batch API; ``HF_HUB_DISABLE_XET=1`` forces the latter). Downloads go to a temporary
@@ -351,13 +354,13 @@ class HFStore(Store):
             )
         return ObjectInfo(key, size, sha256, hub_blob)
 
-    def _download(self, path: str, into: str) -> Optional[str]:
+    def _download(self, path: str, into: str, revision: str = REVISION) -> Optional[str]:
         """Download ``path`` under the directory ``into``; its local path, or None if absent."""
         try:
             got = hf_hub_download(
                 self.repo_id,
                 path,
-                revision=REVISION,
+                revision=revision,
                 endpoint=self.endpoint,
                 local_dir=os.path.join(into, "d"),
                 cache_dir=os.path.join(into, "c"),
@@ -403,11 +406,13 @@ class HFStore(Store):
             key, repo_path, revision, size=size, sha256=sha256, blob_id=blob_id, local=path
         )
 
-    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> ObjectInfo:
+    def put_bytes(
+        self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
+    ) -> ObjectInfo:
         repo_path = self._path(key)
         self._ensure_repo()
         sha256, blob_id = hashlib.sha256(data).hexdigest(), git_blob_id(data)
-        if not if_absent:
+        if not if_absent and if_match is None:
             try:
                 revision = self._commit_add(key, repo_path, data, f"rgt: put {key}")
             except Exception as e:
@@ -417,8 +422,11 @@ class HFStore(Store):
             )
         for _ in range(IF_ABSENT_ATTEMPTS):
             head = self._head()
-            if self._file(repo_path, head, doing="checking") is not None:
+            now = self._file(repo_path, head, doing="checking")
+            if if_match is None and now is not None:
                 raise PreconditionFailed(f"{key} already exists in {self.url}")
+            if if_match is not None and (now is None or now.blob_id != if_match):
+                raise PreconditionFailed(f"{key} in {self.url} is not at version {if_match}")
             try:
                 revision = self._commit_add(key, repo_path, data, f"rgt: create {key}", parent=head)
             except HfHubHTTPError as e:
@@ -444,6 +452,22 @@ class HFStore(Store):
                 return None
             with open(local, "rb") as f:
                 return f.read()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def get_versioned(self, key: str) -> Optional[Tuple[bytes, str]]:
+        path = self._path(key)
+        head = self._head()  # the bytes and the blob id of one commit, read together
+        f = self._file(path, head, doing="reading")
+        if f is None:
+            return None
+        tmp = tempfile.mkdtemp(prefix="rgt-hf-")
+        try:
+            local = self._download(path, tmp, revision=head)
+            if local is None:
+                return None
+            with open(local, "rb") as fh:
+                return fh.read(), f.blob_id
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 

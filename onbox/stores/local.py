@@ -10,6 +10,14 @@ fsync would be served from the page cache, not the disk, so it would prove nothi
 directory has no checksum of its own to compare with. The preflight proves the mount really
 renames and fsyncs: FUSE bucket mounts (s3fs, goofys, some vendors' volumes) do neither reliably.
 
+A conditional replace (``put_bytes(if_match=VERSION)``, the version being the object's sha256)
+compares and renames while holding ``RUN/.rgt-lock`` with ``flock`` (NFS turns it into a lock
+the server keeps, across hosts): POSIX has no rename-if-unchanged, and without the lock a writer
+paused between its check and its rename would replace what another wrote meanwhile. The lock is
+held for one read and one rename, never across an upload; a mount that has no locks (some FUSE
+filesystems) gets the check and rename without it, and the caller's read-back is the check.
+A create-if-absent is a ``link()``, atomic by itself.
+
 The store is input, not trusted: every key is walked under the root one directory at a time
 (onbox.safepath, ``O_NOFOLLOW``), so a symlink planted in the store, a key that points to
 ``/etc/hostname`` or a directory that points elsewhere, is refused (UnsafePath, exit 6) when it
@@ -20,10 +28,12 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import hashlib
 import os
 import stat as statmod
 import threading
+import time
 from typing import Any, BinaryIO, Iterator, List, Optional, Tuple
 
 from onbox.errors import IntegrityError
@@ -40,6 +50,8 @@ from onbox.stores.base import (
 )
 
 CHUNK = 1 << 20
+LOCK_NAME = ".rgt-lock"  # RUN/.rgt-lock: held around a conditional replace, never listed
+LOCK_WAIT = 30.0  # seconds a conditional replace waits for another writer's lock
 HASH_CHUNK = 8 << 20  # large reads keep the hashing thread in OpenSSL, off the GIL
 _PERMANENT = {
     errno.ENOSPC,
@@ -169,7 +181,68 @@ class LocalStore(Store):
         except FileNotFoundError:
             pass
 
-    def _commit(self, dir_fd: int, tmp: str, name: str, path: str, if_absent: bool) -> None:
+    @contextlib.contextmanager
+    def _run_lock(self, key: str) -> Iterator[None]:
+        """``flock`` on ``RUN/.rgt-lock`` (RUN: the key's first part), waited for up to
+        LOCK_WAIT seconds; a filesystem without locks yields without one."""
+        run = check_key(key).split("/")[0]
+        dfd = open_dir(self.root, [run], create=True)
+        try:
+            fd = os.open(
+                LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd
+            )
+        finally:
+            os.close(dfd)
+        try:
+            deadline = time.monotonic() + LOCK_WAIT
+            locked = False
+            while not locked:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    locked = True
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TransientStoreError(
+                            f"{self.root}/{run}/{LOCK_NAME} has been locked by another writer "
+                            f"for {LOCK_WAIT:.0f}s",
+                            "another agent of this run is writing (or is frozen mid-write)",
+                        ) from None
+                    time.sleep(0.05)
+                except OSError as e:
+                    if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    break  # no locks on this mount: check and rename without one
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _current_version(self, dir_fd: int, name: str) -> Optional[str]:
+        """The sha256 of the object ``name`` in ``dir_fd``, or None when absent."""
+        try:
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+            )
+        except FileNotFoundError:
+            return None
+        with open(fd, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    def _commit(
+        self,
+        dir_fd: int,
+        tmp: str,
+        name: str,
+        path: str,
+        if_absent: bool,
+        if_match: Optional[str] = None,
+    ) -> None:
+        if if_match is not None:
+            with self._run_lock(path[len(self.root) + 1 :]):
+                if self._current_version(dir_fd, name) != if_match:
+                    raise PreconditionFailed(f"{path} is not at version {if_match[:12]} any more")
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                os.fsync(dir_fd)
+            return
         if if_absent:
             try:  # fails if present: an atomic create-if-absent
                 os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
@@ -235,7 +308,9 @@ class LocalStore(Store):
             os.close(dfd)
         return ObjectInfo(key, size, got)
 
-    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> ObjectInfo:
+    def put_bytes(
+        self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
+    ) -> ObjectInfo:
         dest = self._path(key)
         try:
             dfd, name = self._parent(key, create=True)
@@ -251,13 +326,18 @@ class LocalStore(Store):
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            self._commit(dfd, tmp, name, dest, if_absent)
+            self._commit(dfd, tmp, name, dest, if_absent, if_match)
         except OSError as e:
             raise _fail(e, f"writing {dest}") from None
         finally:
             self._drop_tmp(dfd, tmp)
             os.close(dfd)
-        return ObjectInfo(key, len(data), hashlib.sha256(data).hexdigest())
+        sha = hashlib.sha256(data).hexdigest()
+        return ObjectInfo(key, len(data), sha, sha)
+
+    def get_versioned(self, key: str) -> Optional[Tuple[bytes, str]]:
+        data = self.get_bytes(key)
+        return None if data is None else (data, hashlib.sha256(data).hexdigest())
 
     def get_bytes(self, key: str) -> Optional[bytes]:
         try:
@@ -308,7 +388,7 @@ class LocalStore(Store):
         for dirpath, dirnames, filenames in os.walk(start):
             dirnames.sort()
             for name in sorted(filenames):
-                if ".rgt-tmp." in name:
+                if ".rgt-tmp." in name or name == LOCK_NAME:
                     continue
                 full = os.path.join(dirpath, name)
                 key = check_key(os.path.relpath(full, base).replace(os.sep, "/"))

@@ -23,6 +23,12 @@ the file changed after the caller hashed it, and the upload is aborted). The sha
 ``x-amz-meta-sha256`` so ``stat`` returns it. A multipart upload is atomic at completion, so
 aborting on any failure leaves nothing under the final key.
 
+Conditional writes fence the run's documents: ``put_bytes(if_absent=True)`` sends
+``If-None-Match: *`` and ``put_bytes(if_match=ETAG)`` sends ``If-Match`` (AWS supports both
+since 2024; SeaweedFS 4.48 refuses either with 412 when it does not hold, tested). A store that
+answers NotImplemented gets a HEAD and a compare before a plain put instead, which is not
+atomic; the sealer's read-back after every document write covers that.
+
 boto3 is an optional extra (``pip install remote-gpu-trainer[s3]``): this module is imported
 only when an ``s3://`` URL is used. boto3 >= 1.35 is needed for ``If-None-Match`` puts.
 """
@@ -453,7 +459,14 @@ class S3Store(Store):
     # -- writing ----------------------------------------------------------------------------
 
     def _put_object(
-        self, key: str, data: bytes, sha256: str, *, if_absent: bool, doing: str
+        self,
+        key: str,
+        data: bytes,
+        sha256: str,
+        *,
+        if_absent: bool,
+        doing: str,
+        if_match: Optional[str] = None,
     ) -> ObjectInfo:
         full = self._key(key)
         crc = self.checksum(key.split("/")[0]) == "crc32"
@@ -465,7 +478,9 @@ class S3Store(Store):
             Metadata={SHA256_META: sha256},
         )
         kwargs["ChecksumCRC32" if crc else "ContentMD5"] = _b64(digest)
-        if if_absent and self.conditional_writes is not False:
+        if if_match is not None:
+            r = self._put_if_match(full, kwargs, if_match, doing)
+        elif if_absent and self.conditional_writes is not False:
             try:
                 r = self.client.put_object(Bucket=self.bucket, IfNoneMatch="*", **kwargs)
                 self.conditional_writes = True
@@ -506,6 +521,31 @@ class S3Store(Store):
             )
         return ObjectInfo(key, len(data), sha256, got)
 
+    def _put_if_match(self, full: str, kwargs: Dict[str, Any], version: str, doing: str) -> Any:
+        """PutObject with ``If-Match: "<ETag>"`` (AWS since 2024; SeaweedFS 4.48 refuses a
+        stale one with 412, tested). A store that answers NotImplemented gets a HEAD, a compare
+        and a plain put: not atomic, so the caller reads back after the write."""
+        if self.conditional_writes is not False:
+            try:
+                return self.client.put_object(Bucket=self.bucket, IfMatch=f'"{version}"', **kwargs)
+            except bex.ClientError as e:
+                status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+                code = e.response.get("Error", {}).get("Code")
+                if code != "NotImplemented" and status != 501:
+                    raise self._client_error(e, doing) from None
+                self.conditional_writes = False
+            except bex.ParamValidationError:
+                raise PermanentStoreError(
+                    f"{doing}: this boto3 ({boto3.__version__}) cannot send If-Match",
+                    "pip install 'boto3>=1.35'",
+                ) from None
+            except bex.BotoCoreError as e:
+                raise self._boto_error(e, doing) from None
+        head = self._call_missing_ok(doing, "head_object", Key=full)
+        if head is None or _etag(head.get("ETag")) != version:
+            raise PreconditionFailed(f"{doing}: the object is not at version {version} any more")
+        return self._call(doing, "put_object", **kwargs)
+
     def _put_if_absent_unconditionally(self, full: str, kwargs: Dict[str, Any], doing: str) -> Any:
         # The store does not do If-None-Match (it answered NotImplemented): check, then write.
         # Not atomic between two writers, but a run has one writer: the agent holding its lock.
@@ -519,10 +559,17 @@ class S3Store(Store):
         except Exception:  # best effort on a path that already fails with a better error
             pass
 
-    def put_bytes(self, key: str, data: bytes, *, if_absent: bool = False) -> ObjectInfo:
+    def put_bytes(
+        self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
+    ) -> ObjectInfo:
         sha = hashlib.sha256(data).hexdigest()
         return self._put_object(
-            key, data, sha, if_absent=if_absent, doing=f"writing {key} to {self.url}"
+            key,
+            data,
+            sha,
+            if_absent=if_absent,
+            if_match=if_match,
+            doing=f"writing {key} to {self.url}",
         )
 
     hashes_while_uploading = True
@@ -759,6 +806,17 @@ class S3Store(Store):
             return data
         except bex.BotoCoreError as e:
             raise self._boto_error(e, doing) from None
+
+    def get_versioned(self, key: str) -> Optional[Tuple[bytes, str]]:
+        doing = f"reading {key} from {self.url}"
+        r = self._call_missing_ok(doing, "get_object", Key=self._key(key))
+        if r is None:
+            return None
+        try:
+            data: bytes = r["Body"].read()
+        except bex.BotoCoreError as e:
+            raise self._boto_error(e, doing) from None
+        return data, _etag(r.get("ETag"))
 
     def get_file(self, key: str, dest: str) -> None:
         full = self._key(key)

@@ -187,6 +187,28 @@ def test_put_bytes_if_absent_refuses_a_second_writer(store: Store) -> None:
     assert store.get_bytes("run/claim") == b"third"
 
 
+def test_put_bytes_if_match_replaces_only_the_version_that_was_read(store: Store) -> None:
+    """Compare-and-swap (how MANIFEST and LATEST are fenced): a writer that read version V
+    replaces it; a second writer that read V too is refused and the first one's bytes stay;
+    a version of an absent key is refused, as is one that never existed."""
+    assert store.get_versioned("run/doc") is None
+    store.put_bytes("run/doc", b"v1", if_absent=True)
+    got = store.get_versioned("run/doc")
+    assert got is not None and got[0] == b"v1"
+    info = store.put_bytes("run/doc", b"v2 by A", if_match=got[1])
+    assert store.get_bytes("run/doc") == b"v2 by A"
+    with pytest.raises(PreconditionFailed):  # B read v1 as well: too late
+        store.put_bytes("run/doc", b"v2 by B", if_match=got[1])
+    assert store.get_bytes("run/doc") == b"v2 by A"
+    now = store.get_versioned("run/doc")
+    assert now is not None and now[1] != got[1]
+    assert info.etag == now[1]  # the version a put returns is the one a read returns
+    with pytest.raises(PreconditionFailed):
+        store.put_bytes("run/absent", b"x", if_match=now[1])
+    assert store.get_bytes("run/absent") is None
+    assert [i.key for i in store.list("run/")] == ["run/doc"]  # no lock or temporary listed
+
+
 def test_list_by_prefix(store: Store) -> None:
     """Listing a run's checkpoints finds exactly the keys under that prefix, with sizes."""
     for key in ("run/a/1", "run/a/2", "run/ab/3", "run/b/4", "other/5"):

@@ -308,6 +308,31 @@ def test_preflight_steps_fake_hub(fake_hub: FakeHub) -> None:
     assert len(commits(fake_hub)) == n + 2
 
 
+def test_put_bytes_if_match_fake_hub(fake_hub: FakeHub) -> None:
+    """Compare-and-swap on the fake Hub: the version is the git blob id; a commit another writer
+    lands between the check and the commit makes the Hub refuse ours (stale parent), and the
+    store, looking again, finds the file changed: PreconditionFailed, their bytes kept."""
+    store = hf_store()
+    store.put_bytes("run1/LATEST.json", b"v1", if_absent=True)
+    got = store.get_versioned("run1/LATEST.json")
+    assert got is not None and got == (b"v1", git_blob_id(b"v1"))
+    store.put_bytes("run1/LATEST.json", b"v2", if_match=got[1])
+    with pytest.raises(PreconditionFailed):
+        store.put_bytes("run1/LATEST.json", b"v2 late", if_match=got[1])
+    now = store.get_versioned("run1/LATEST.json")
+    assert now is not None and now[0] == b"v2"
+    fake_hub.before_next_commit(lambda: fake_hub.write(REPO, "rgt/run1/LATEST.json", b"theirs"))
+    with pytest.raises(PreconditionFailed):
+        store.put_bytes("run1/LATEST.json", b"mine", if_match=now[1])
+    assert store.get_bytes("run1/LATEST.json") == b"theirs"
+    # A commit to another file in between only makes the store look again: ours lands.
+    now = store.get_versioned("run1/LATEST.json")
+    assert now is not None
+    fake_hub.before_next_commit(lambda: fake_hub.write(REPO, "rgt/run1/state/x", b"mirror"))
+    store.put_bytes("run1/LATEST.json", b"mine", if_match=now[1])
+    assert store.get_bytes("run1/LATEST.json") == b"mine"
+
+
 def test_put_bytes_if_absent_fake_hub(fake_hub: FakeHub) -> None:
     store = hf_store()
     store.put_bytes("run1/owner", b"mine", if_absent=True)

@@ -1,9 +1,9 @@
 """The sealer: finds complete checkpoints in the job's checkpoint dir and makes them durable.
 
 For each new complete checkpoint, oldest first: stage what may change under us, hash while
-reading, upload every file (or point at an identical file an earlier checkpoint already holds),
-let the store verify it, write its MANIFEST, then advance LATEST (by step, never backwards, only
-while this agent's epoch is the newest) and prune. A checkpoint is complete when:
+reading, upload every file (or point at an identical file an earlier checkpoint of this epoch
+already holds), let the store verify it, write its MANIFEST, then advance LATEST (by step, never
+backwards, only while this agent's epoch is the newest) and prune. A checkpoint is complete when:
 
 - a directory holds a completeness marker (rgt's ``.rgt-complete``, Transformers'
   ``trainer_state.json``, DCP's ``.metadata``);
@@ -19,6 +19,36 @@ Its step comes from rgt's marker or the name (``step_120``, ``checkpoint-120``, 
 A file with no step in its name that the job rewrites in place (``ckpt.pt``) is a sequence: each
 completed rewrite is the next step. Such a file is staged (copied while hashed, and checked not
 to have changed meanwhile) before upload, so the upload never reads a half-rewritten file.
+
+One writer per run, fenced at every write. Each agent start takes a new epoch (``epochs/<n>``,
+created if absent); the newest epoch owns the run. An agent that lost it (a preempted box come
+back, an agent frozen mid-upload while a new box took over) is kept from doing harm this way:
+
+- objects: the files of checkpoint S sealed by epoch E go under ``checkpoints/S/eE/``, a prefix
+  no other epoch writes, and dedupe only against objects of E; so no writer ever overwrites
+  another's object, and an old agent's late upload lands beside the newer agent's, never on it;
+- MANIFEST and LATEST: written only by compare-and-swap (``Store.get_versioned``, then
+  ``put_bytes(if_absent=True)`` or ``put_bytes(if_match=VERSION)``: S3 If-None-Match/If-Match,
+  a Hub commit on the head that was checked, a ``file://`` check and rename under the run's
+  lock), and only after ``epochs/`` shows no newer epoch. A MANIFEST or LATEST that a newer
+  epoch wrote is never replaced (LATEST carries its writer's epoch, ``writer``); each write is
+  read back, and ``epochs/`` listed again, afterwards;
+- a new agent claims LATEST when it loads (rewrites it with its own epoch as ``writer``), so
+  from then on an older agent's conditional LATEST write fails even where the newer one has not
+  sealed anything yet; a MANIFEST above LATEST whose epoch is older than LATEST's writer (an old
+  agent's, written late) is never promoted; one that is newer is promoted only when every file
+  it lists is in the store with its size (and sha256, where the store keeps one);
+- the first time an agent finds a newer epoch it says so once (``stale_epoch``, class
+  permanent, naming both epochs) and never writes an object, a MANIFEST or LATEST again, nor
+  prunes.
+
+LATEST moves down in one case only: from a checkpoint restore quarantined (corrupt in the store)
+to a newer verified one of this epoch, after restore fell back below it
+(``latest_after_quarantine``). A quarantined step may be sealed again by a newer epoch: its
+record moves to ``quarantine/<step>.e<epoch>.json`` with the MANIFEST it judged (kept, no longer
+in the way), then the new MANIFEST replaces the old. Pruning keeps what LATEST names, the newest
+checkpoint before it, the newest ``keep``, every pinned one, and every object a kept (or
+quarantined, or not promoted) MANIFEST references.
 """
 
 from __future__ import annotations
@@ -31,14 +61,21 @@ import re
 import shutil
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
 from onbox import manifest as mf
 from onbox.durable import sha256_file, write_json
 from onbox.errors import IntegrityError
+from onbox.faults import crash_point
 from onbox.room import Room
 from onbox.safepath import UnsafePath, safe_rel
-from onbox.stores.base import PreconditionFailed, Store, StoreError, with_retries
+from onbox.stores.base import (
+    PreconditionFailed,
+    Store,
+    StoreError,
+    TransientStoreError,
+    with_retries,
+)
 
 MARKERS = (".rgt-complete", "trainer_state.json", ".metadata")
 _STEP = re.compile(r"(?i)(?:global_step|checkpoint|ckpt|step|iter(?:ation)?)[_\-=]?(\d+)")
@@ -65,6 +102,7 @@ CKPT_SUFFIXES = (
 )
 MAX_BACKLOG = 8  # pending checkpoints sealed per pass at most (the newest ones)
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
+CAS_ATTEMPTS = 8  # conditional writes of one document before giving up (another writer races)
 
 
 def step_from_name(name: str) -> Optional[int]:
@@ -194,7 +232,11 @@ class Sealer:
         self.event = event
         self.state_path = state_path  # local memory of in-place sequences
         self.lock = threading.Lock()
-        self.manifests: Dict[int, Dict[str, Any]] = {}
+        self.manifests: Dict[int, Dict[str, Any]] = {}  # sealed, verified, not quarantined
+        # MANIFESTs in the store that are not sealed checkpoints of this run's line: quarantined
+        # ones, an old agent's late ones, unverified ones. Their objects are never pruned.
+        self.others: Dict[int, Dict[str, Any]] = {}
+        self.quarantined: Set[int] = set()
         self.latest: Optional[int] = None
         self.stale = False
         self.pruned: Set[int] = set()
@@ -205,16 +247,24 @@ class Sealer:
 
     # ---- what the store holds
     def load(self) -> None:
-        """Read the sealed manifests and LATEST from the store."""
-        self.manifests = {}
+        """Read the sealed manifests and LATEST from the store; promote a verified MANIFEST
+        newer than LATEST (an agent that died between the two), and claim LATEST for this
+        epoch (see the module docstring)."""
+        self.manifests, self.others = {}, {}
+        self.quarantined = self._quarantined_steps()
+        latest = self._read_latest()
+        found: Dict[int, Dict[str, Any]] = {}
         for info in self.store.list(f"{self.run}/checkpoints/"):
-            if not info.key.endswith("/MANIFEST.json"):
-                continue
-            data = self.store.get_bytes(info.key)
+            step = mf.manifest_step(self.run, info.key)
+            if step is None:
+                continue  # an object, or a file of a checkpoint named MANIFEST.json
+            data = with_retries(functools.partial(self.store.get_bytes, info.key))
             if data is None:
                 continue
             try:
                 doc = mf.parse_manifest(data, info.key)
+                if doc["step"] != step:
+                    raise IntegrityError(f"{info.key} is for step {doc['step']}")
             except IntegrityError as e:
                 self.event(
                     "manifest_unreadable",
@@ -223,18 +273,79 @@ class Sealer:
                     remedy="it is ignored; the previous checkpoint is used",
                 )
                 continue
-            self.manifests[doc["step"]] = doc
-        latest = mf.parse_latest(self.store.get_bytes(mf.latest_key(self.run)))
-        self.latest = latest["step"] if latest else None
-        newer = [s for s in self.manifests if self.latest is None or s > self.latest]
-        if newer:
+            found[step] = doc
+        at = latest["step"] if latest else None
+        writer = mf.latest_writer(latest) if latest else 0
+        newer: List[int] = []
+        for step, doc in found.items():
+            if step in self.quarantined:
+                self.others[step] = doc  # not sealed: the step may be sealed again
+            elif at is None or step <= at:
+                self.manifests[step] = doc
+            else:
+                newer.append(step)
+        promote = None
+        for step in sorted(newer, reverse=True):
+            doc = found[step]
+            epoch = mf.manifest_epoch(doc)
+            if epoch < writer:
+                problem: Optional[str] = (
+                    f"it was written by epoch {epoch} after epoch {writer} had taken the run "
+                    f"over (LATEST is step {at}): an old agent's, written late"
+                )
+            else:
+                problem = self._unverified(doc)
+            if problem is not None:
+                self.others[step] = doc
+                self.event(
+                    "manifest_not_promoted",
+                    f"the MANIFEST of step {step} is newer than LATEST but is not promoted: "
+                    f"{problem}",
+                    klass="integrity",
+                    remedy="nothing to do: it is left in the store, and LATEST stays",
+                    step=step,
+                )
+                continue
+            self.manifests[step] = doc
+            promote = step if promote is None else promote
+        self.latest = at
+        if promote is not None:
             # A MANIFEST is written only after its files verified: an agent that died before
             # moving LATEST left a good checkpoint behind. Finish its job.
-            self._advance_latest(max(newer))
+            self._advance_latest(promote)
+        elif latest is not None:  # the claim: LATEST as it is, with this epoch as its writer
+            self._advance_latest(latest["step"], epoch=mf.manifest_epoch(latest))
         for step, doc in self.manifests.items():  # sequences continue after a restore
             if doc.get("kind") == "file" and step_from_name(os.path.basename(doc["root"])) is None:
                 entry = self.seq.setdefault(doc["root"], {"step": -1, "sig": None})
                 entry["step"] = max(entry["step"], step)
+
+    def _read_latest(self) -> Optional[Dict[str, Any]]:
+        data = with_retries(functools.partial(self.store.get_bytes, mf.latest_key(self.run)))
+        return mf.parse_latest(data)
+
+    def _quarantined_steps(self) -> Set[int]:
+        out = set()
+        for info in self.store.list(f"{self.run}/quarantine/"):
+            name = info.key.rsplit("/", 1)[-1]
+            if name.endswith(".json") and name[:-5].isdigit():
+                out.add(int(name[:-5]))
+        return out
+
+    def _unverified(self, doc: Dict[str, Any]) -> Optional[str]:
+        """Why the store does not hold every file of ``doc`` as listed (present, its size, its
+        sha256 where the store keeps one), or None when it does. From the store's own stat:
+        nothing is downloaded."""
+        for f in doc["files"]:
+            key = mf.object_key(self.run, doc["step"], f)
+            info = with_retries(functools.partial(self.store.stat, key))
+            if info is None:
+                return f"{key} is missing"
+            if info.size != f["size"]:
+                return f"{key} is {info.size} bytes, the MANIFEST says {f['size']}"
+            if info.sha256 is not None and info.sha256 != f["sha256"]:
+                return f"{key} has sha256 {info.sha256[:12]}, the MANIFEST says {f['sha256'][:12]}"
+        return None
 
     def _load_seq(self) -> Dict[str, Dict[str, Any]]:
         try:
@@ -376,13 +487,14 @@ class Sealer:
 
     # ---- sealing
     def seal(self, cand: Candidate, deadline: Optional[float] = None) -> Optional[Dict[str, Any]]:
-        """Upload, verify, MANIFEST, LATEST. None when the job took the checkpoint away."""
+        """Upload, verify, MANIFEST, LATEST. None when the job took the checkpoint away, or
+        when a newer agent owns the run (this one then writes nothing more)."""
         assert cand.step is not None
         step = cand.step
         with self.lock:
             if step in self.manifests:
                 return self.manifests[step]
-            if self._is_stale():
+            if self._is_stale(f"checkpoint {cand.root} (step {step})"):
                 return None  # one writer per run: a newer agent owns it now
             t0 = time.monotonic()
             try:
@@ -396,10 +508,11 @@ class Sealer:
                     remedy="",
                 )
                 return None
+            crash_point("seal.before_manifest")
             doc = mf.new_manifest(self.run, step, self.epoch, cand.root, cand.kind, entries)
-            with_retries(
-                lambda: self.store.put_bytes(mf.manifest_key(self.run, step), mf.dump(doc))
-            )
+            if not self._put_manifest(step, doc):
+                return None  # stale: the objects stay where no MANIFEST names them
+            crash_point("seal.after_manifest")
             self.manifests[step] = doc
             took = time.monotonic() - t0
             if uploaded and took > 0:
@@ -416,18 +529,22 @@ class Sealer:
                 uploaded=uploaded,
                 seconds=took,
             )
-            self._advance_latest(cand.step)
+            if self._advance_latest(step):
+                crash_point("seal.after_latest")
             self._prune()
             return doc
 
     def _upload(self, cand: Candidate) -> Tuple[List[Dict[str, Any]], int]:
+        # Dedupe only against this epoch's own objects: an older agent that lost the run may
+        # still prune its checkpoints (it was frozen past its last check), never ours.
         known: Dict[Tuple[str, int], str] = {}
         for doc in self.manifests.values():
-            for f in doc["files"]:
-                known[(f["sha256"], f["size"])] = f["key"]
+            if mf.manifest_epoch(doc) == self.epoch:
+                for f in doc["files"]:
+                    known[(f["sha256"], f["size"])] = f["key"]
         entries = []
         uploaded = 0
-        prefix = mf.checkpoint_prefix(self.run, cand.step or 0)
+        prefix = mf.epoch_prefix(self.run, cand.step or 0, self.epoch)
         stage_dir = os.path.join(self.staging, f"step-{cand.step}")
         os.makedirs(stage_dir, exist_ok=True)
         # Only a file with no step in its name is rewritten in place: stage it. A step-named
@@ -441,6 +558,7 @@ class Sealer:
                     if done is not None:  # no sealed file of that size: nothing to dedupe
                         entries.append(done)
                         uploaded += done["size"]
+                        crash_point("seal.after_object")
                         continue
                 path, sha, size = self._stage(src, stage_dir, rel, in_place=in_place)
                 key = known.get((sha, size))
@@ -449,6 +567,7 @@ class Sealer:
                     self._put_checked(key, path, sha, size, rel, staged=path != src)
                     uploaded += size
                     known[(sha, size)] = key
+                    crash_point("seal.after_object")
                 entries.append({"path": rel, "size": size, "sha256": sha, "key": key})
         finally:
             shutil.rmtree(stage_dir, ignore_errors=True)
@@ -533,6 +652,7 @@ class Sealer:
         except FileNotFoundError:
             raise Vanished(f"{rel} was deleted") from None
 
+    # ---- fencing: one writer per run
     def _newest_epoch(self) -> int:
         newest = self.epoch
         for info in self.store.list(f"{self.run}/epochs/"):
@@ -541,32 +661,176 @@ class Sealer:
                 newest = max(newest, int(tail))
         return newest
 
-    def _is_stale(self) -> bool:
+    def _go_stale(self, newest: int, what: str) -> None:
+        """From now on this agent writes nothing to the store; said once."""
+        if self.stale:
+            return
+        self.stale = True
+        self.event(
+            "stale_epoch",
+            f"a newer agent (epoch {newest}) has taken run {self.run} over in {self.store.url}; "
+            f"this one (epoch {self.epoch}) stops writing to the store: {what} is not sealed, "
+            "and it writes no checkpoint, MANIFEST or LATEST of this run again",
+            klass="permanent",
+            remedy="stop this old agent (`rgt-agent stop` on this box): the run goes on with "
+            "the newer one; this box's checkpoints stay on its disk",
+            epoch=self.epoch,
+            newer_epoch=newest,
+        )
+
+    def _is_stale(self, what: str = "the next checkpoint") -> bool:
+        """Whether a newer epoch owns the run (listed afresh until it does: then for good)."""
         if not self.stale:
-            newest = self._newest_epoch()
+            newest = with_retries(self._newest_epoch)
             if newest > self.epoch:
-                self.stale = True
-                self.event(
-                    "stale_epoch",
-                    f"a newer agent (epoch {newest}) writes this run; this "
-                    f"one (epoch {self.epoch}) no longer writes to the store",
-                    klass="integrity",
-                    remedy="stop this old agent: the run continues elsewhere",
-                )
+                self._go_stale(newest, what)
         return self.stale
 
-    def _advance_latest(self, step: int) -> None:
-        if self.latest is not None and step <= self.latest:
-            return  # never backwards
-        if self._is_stale():
-            return
-        with_retries(
-            lambda: self.store.put_bytes(
-                mf.latest_key(self.run), mf.dump(mf.new_latest(self.run, step, self.epoch))
-            )
+    def is_writer(self) -> bool:
+        """Whether this agent still owns the run's store prefix (no newer epoch): callers
+        that write other documents of the run (DONE.json, outputs) ask first."""
+        return not self._is_stale("the run's documents")
+
+    def _cas(
+        self, key: str, decide: Callable[[Optional[bytes]], Union[bytes, bool]], what: str
+    ) -> bool:
+        """Compare-and-swap ``key``: ``decide`` sees the current bytes (None: absent) and
+        answers the bytes to write, True (it is as wanted already) or False (write nothing);
+        the write happens only if ``key`` is still what was read, else it is read again. After
+        the write ``epochs/`` is listed and the document read back: a newer epoch means this
+        agent is stale (False), another writer's bytes there mean read and decide again."""
+        for _ in range(CAS_ATTEMPTS):
+            if self._is_stale(what):
+                return False
+            cur = with_retries(functools.partial(self.store.get_versioned, key))
+            data = decide(None if cur is None else cur[0])
+            if data is True or data is False:
+                return data and not self.stale
+            try:
+                if cur is None:
+                    put = functools.partial(self.store.put_bytes, key, data, if_absent=True)
+                else:
+                    put = functools.partial(self.store.put_bytes, key, data, if_match=cur[1])
+                with_retries(put)
+            except PreconditionFailed:
+                continue  # another writer got there first: look again
+            if self._is_stale(what):
+                return False
+            if with_retries(functools.partial(self.store.get_bytes, key)) == data:
+                return True
+        raise TransientStoreError(
+            f"{what}: {key} in {self.store.url} changed under each of {CAS_ATTEMPTS} "
+            "conditional writes",
+            "another writer races this agent; it is tried again at the next seal",
         )
+
+    def _put_manifest(self, step: int, doc: Dict[str, Any]) -> bool:
+        """Write checkpoint ``step``'s MANIFEST: created, or replacing one of an older epoch
+        (an old agent's, or a quarantined one), never one a newer epoch wrote."""
+        key = mf.manifest_key(self.run, step)
+        data = mf.dump(doc)
+        what = f"the MANIFEST of step {step}"
+        if step in self.quarantined and not self._unquarantine(step, what):
+            return False
+
+        def decide(cur: Optional[bytes]) -> Union[bytes, bool]:
+            if cur is None:
+                return data
+            if cur == data:
+                return True
+            try:
+                epoch = mf.manifest_epoch(mf.parse_manifest(cur, key))
+            except IntegrityError:
+                epoch = -1  # a malformed MANIFEST is no checkpoint: replaced
+            if epoch > self.epoch:
+                self._go_stale(epoch, what)
+                return False
+            return data
+
+        return self._cas(key, decide, what)
+
+    def _unquarantine(self, step: int, what: str) -> bool:
+        """Before a newer epoch seals ``step`` again: its quarantine record moves to
+        ``quarantine/<step>.e<epoch>.json`` together with the MANIFEST it judged, so both are
+        kept and the new checkpoint is not hidden by them. A crash in between leaves the old
+        MANIFEST unflagged; a restore finds it corrupt again and flags it again."""
+        if self._is_stale(what):
+            return False
+        old = self.others.get(step)
+        qkey = mf.quarantine_key(self.run, step)
+        record = with_retries(functools.partial(self.store.get_bytes, qkey))
+        epoch = mf.manifest_epoch(old) if old is not None else 0
+        archive = json.dumps(
+            {
+                "step": step,
+                "record": (record or b"").decode("utf-8", "replace"),
+                "manifest": old,
+                "sealed_again_by": self.epoch,
+                "at": time.time(),
+            },
+            indent=1,
+        ).encode()
+        akey = f"{self.run}/quarantine/{step}.e{epoch}.json"
+        with_retries(functools.partial(self.store.put_bytes, akey, archive))
+        with_retries(functools.partial(self.store.delete, qkey))
+        self.quarantined.discard(step)
+        self.event(
+            "quarantine_superseded",
+            f"step {step} was quarantined (its record and MANIFEST are kept as {akey}); "
+            f"epoch {self.epoch} seals a new checkpoint of that step",
+            step=step,
+        )
+        return True
+
+    def _advance_latest(self, step: int, epoch: Optional[int] = None) -> bool:
+        """Point LATEST at ``step`` (whose MANIFEST ``epoch`` sealed: by default this agent's,
+        or the one in ``self.manifests``), written by this epoch. Never backwards, except away
+        from a quarantined checkpoint; never over a LATEST a newer epoch wrote. True when
+        LATEST names it now."""
+        if epoch is None:
+            doc = self.manifests.get(step)
+            epoch = mf.manifest_epoch(doc) if doc is not None else self.epoch
+        key = mf.latest_key(self.run)
+        what = f"LATEST -> step {step}"
+        down_from: List[int] = []
+
+        def decide(cur: Optional[bytes]) -> Union[bytes, bool]:
+            down_from.clear()
+            try:
+                doc = mf.parse_latest(cur)
+            except IntegrityError:
+                doc = None  # an unreadable LATEST names nothing: replaced
+            if doc is not None:
+                writer = mf.latest_writer(doc)
+                if writer > self.epoch:
+                    self._go_stale(writer, what)
+                    return False
+                at = doc["step"]
+                if at == step and writer == self.epoch and mf.manifest_epoch(doc) == epoch:
+                    return True
+                if step < at:
+                    if at not in self._quarantined_steps():
+                        return False  # never backwards
+                    down_from.append(at)
+            return mf.dump(mf.new_latest(self.run, step, epoch, writer=self.epoch))
+
+        if not self._cas(key, decide, what):
+            return False
+        moved = self.latest != step
         self.latest = step
-        self.event("latest", f"LATEST -> step {step}", step=step)
+        if down_from:
+            self.event(
+                "latest_after_quarantine",
+                f"LATEST -> step {step}, down from step {down_from[0]}, which is quarantined "
+                "(unusable in the store): the run went on from an earlier checkpoint",
+                klass="integrity",
+                remedy=f"see {mf.quarantine_key(self.run, down_from[0])} in the store",
+                step=step,
+                quarantined=down_from[0],
+            )
+        elif moved:
+            self.event("latest", f"LATEST -> step {step}", step=step)
+        return True
 
     def _prune(self) -> None:
         if self.stale or self.latest is None:
@@ -577,24 +841,50 @@ class Sealer:
             tail = info.key.rsplit("/", 1)[-1]
             if tail.isdigit():
                 pinned.add(int(tail))
-        keep = set(steps[-self.keep :]) | {self.latest} | (pinned & set(steps))
+        before = [s for s in steps if s < self.latest]
+        keep = (
+            set(steps[-self.keep :])
+            | {self.latest}
+            | set(before[-1:])  # the newest verified one before LATEST: the fallback
+            | {s for s in steps if s > self.latest}  # sealed, LATEST not there yet
+            | (pinned & set(steps))
+        )
         drop = [s for s in steps if s not in keep]
         if not drop:
             return
-        referenced = {f["key"] for s in keep for f in self.manifests[s]["files"]}
+        referenced = {
+            f["key"]
+            for docs in (self.others, {s: self.manifests[s] for s in keep})
+            for doc in docs.values()
+            for f in doc["files"]
+        }
         for s in drop:
+            # Listed afresh before each checkpoint goes: an agent that lost the run between
+            # two deletes stops there.
+            if self._is_stale(f"pruning step {s}"):
+                return
             doc = self.manifests.pop(s)
             self.pruned.add(s)
             # The MANIFEST goes first: a checkpoint without one does not exist.
-            self.store.delete(mf.manifest_key(self.run, s))
+            with_retries(functools.partial(self.store.delete, mf.manifest_key(self.run, s)))
             for f in doc["files"]:
                 if f["key"] not in referenced:
-                    self.store.delete(f["key"])
+                    with_retries(functools.partial(self.store.delete, f["key"]))
+                    crash_point("prune.after_delete")
             self.event("pruned", f"step {s} pruned (keeping {sorted(keep)})", step=s)
 
     def remember_restored(self, doc: Dict[str, Any]) -> None:
-        """A checkpoint restore put back is sealed already: an in-place file restored at step S
-        continues its sequence from S instead of being sealed again as new."""
+        """A checkpoint restore put back is sealed already, and it is where this agent goes on
+        from: the newest sealed step is the restored one (lower than LATEST's when restore fell
+        back from a quarantined checkpoint, so the job's next checkpoints are sealed and LATEST
+        re-pointed to them). An in-place file restored at step S continues its sequence from S
+        instead of being sealed again as new."""
+        with self.lock:
+            self.quarantined = self._quarantined_steps()  # restore may have added some
+            for step in self.quarantined:
+                if step in self.manifests:
+                    self.others[step] = self.manifests.pop(step)
+            self.latest = doc["step"]
         root = doc["root"]
         if doc.get("kind") == "file" and step_from_name(os.path.basename(root)) is None:
             try:

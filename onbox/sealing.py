@@ -268,6 +268,8 @@ class SealService(Hooks):
 
     def mirror(self) -> None:
         """The run's state and events in the store, so status is readable without the box."""
+        if self.sealer is not None and self.sealer.stale:
+            return  # a newer epoch's agent mirrors the run now; ours would overwrite its state
         for name, path in (("state.json", self.rd.state), ("events.jsonl", self.rd.events)):
             try:
                 mtime = os.stat(path).st_mtime
@@ -372,6 +374,10 @@ class SealService(Hooks):
         (every upload is idempotent)."""
         assert self.sealer is not None
         run = self.spec.name
+        # A stale agent (a newer epoch owns the run) writes none of the run's documents: its
+        # DONE.json would end a run another box is still training.
+        if not self.sealer.is_writer():
+            return
         self.sealer.seal_pending()
         results = self._put_results()
         outputs: List[Dict[str, Any]] = []
@@ -388,6 +394,8 @@ class SealService(Hooks):
             logs += self._put_log(a)
         self.mirror()
         crash_point("finish.before_done")
+        if not self.sealer.is_writer():  # checked again last: the uploads above take time
+            return
         done = {
             "schema": mf.SCHEMA,
             "run": run,

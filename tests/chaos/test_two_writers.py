@@ -1,0 +1,216 @@
+"""Two agents on one run: the preempted box comes back while its replacement writes (E4, A7).
+
+Box A (epoch 1) seals step 10, then is frozen (SIGSTOP) in the middle of uploading its next
+checkpoint. Box B, a fresh box, starts the same run on the same store: it takes epoch 2,
+restores step 10 and seals its own checkpoints. Then A is resumed (SIGCONT), in both orders:
+after B sealed (A's checkpoint collides with B's step 30), or before (A's late checkpoint is
+step 40, above B's LATEST, and B's agent restarts afterwards, reading the store A wrote into).
+A variant kills A right after its next object upload (RGT_CRASH_AT=seal.after_object).
+
+Whatever A does, the store must stay B's: LATEST names a checkpoint B sealed, verified (I2,
+I3), by B's epoch (I5, I6); B's sealed checkpoints are unchanged and step 10 still verifies
+(I1); a fresh restore gives exactly LATEST's bytes; A says once that it is stale (I7).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, List
+
+import pytest
+
+from tests.chaos.harness import Backend, Box, alive, freeze_mid_upload, thaw, wait
+from tests.chaos.invariants import LatestWatch
+
+CLASSES = ("transient", "permanent", "integrity", "usage")
+
+
+def _job(box: Box, steps: str, tag: str, kind: str = "dir", then: str = "idle") -> List[str]:
+    return [
+        "--steps", steps, "--gate", box.gate, "--tag", tag, "--kind", kind,
+        "--mib", "12", "--then", then, "--limit", "120",
+    ]  # fmt: skip
+
+
+def _latest_is(backend: Backend, run: str, step: int, epoch: int) -> bool:
+    doc = backend.checker(run).latest()
+    return bool(doc and doc["step"] == step and doc.get("epoch") == epoch)
+
+
+def _settle(box: Box, run: str, since: int, what: str = "stale_epoch") -> None:
+    """Give a thawed stale agent time to do whatever it will: until it says it is stale."""
+    try:
+        wait(lambda: what in box.kinds(run)[since:], 15, f"{box.label} to report {what}")
+    finally:
+        time.sleep(0.5)  # and any write it was about to make after that
+
+
+@pytest.mark.parametrize("order", ["thawed_after_new_sealed", "thawed_before_new_sealed"])
+def test_a_frozen_stale_agent_resumed_cannot_touch_the_new_writers_store(
+    tmp_path: Any, backend: Backend, run_name: str, order: str
+) -> None:
+    run, chk = run_name, backend.checker(run_name)
+    a, b = Box(str(tmp_path), "box-a", backend.env), Box(str(tmp_path), "box-b", backend.env)
+    stale_step = 30 if order == "thawed_after_new_sealed" else 40
+    try:
+        with LatestWatch(backend.view, run) as watch:
+            a.start(run, backend.url, _job(a, f"10,{stale_step}", "A"))
+            a.open_gate(10)
+            wait(lambda: _latest_is(backend, run, 10, a.epoch(run)), 60, "A to seal step 10")
+            survivor = chk.survivor()
+            a_pid = freeze_mid_upload(a, run, backend.view, stale_step)
+            seen_a = len(a.events(run))
+            b.start(run, backend.url, _job(b, "10,30", "B"))
+            epoch_b = b.wait_epoch(run)
+            wait(lambda: "restored" in b.kinds(run), 60, "B to restore step 10")
+            if order == "thawed_before_new_sealed":
+                thaw(a_pid)
+                _settle(a, run, seen_a)
+            b.open_gate(30)
+            wait(lambda: _latest_is(backend, run, 30, epoch_b), 60, "B to seal step 30")
+            snap = chk.snapshot(epoch_b)
+            if order == "thawed_after_new_sealed":
+                thaw(a_pid)
+                _settle(a, run, seen_a)
+            else:
+                # B's next agent reads a store the stale A wrote into (Sealer.load).
+                b_pid = b.wait_agent(run)
+                b.kill_agent(run)
+                wait(lambda: not alive(b_pid), 10, "B's agent to die")
+                b.restart(run)
+                wait(lambda: len(b.epochs(run)) == 2, 30, "B's second agent to take an epoch")
+                time.sleep(1.0)
+        a.kill_all()
+        b.kill_all()
+        chk.assert_writer(b.epochs(run))
+        chk.assert_unchanged(snap)
+        chk.assert_survived(survivor)
+        chk.assert_visible_verify()
+        watch.check(chk.quarantined())
+        chk.assert_restorable(backend.env, str(tmp_path / "fresh"))
+        stale = [e for e in a.events(run) if e["kind"] == "stale_epoch"]
+        assert len(stale) == 1 and stale[0]["class"] in CLASSES and stale[0]["reason"], (
+            f"I7: the stale agent says once, classified, that it no longer writes: {stale}"
+        )
+    finally:
+        a.kill_all()
+        b.kill_all()
+
+
+def test_a_stale_agent_killed_right_after_an_object_upload_leaves_latest_intact(
+    tmp_path: Any, backend: Backend, run_name: str
+) -> None:
+    run, chk = run_name, backend.checker(run_name)
+    a, b = Box(str(tmp_path), "box-a", backend.env), Box(str(tmp_path), "box-b", backend.env)
+    try:
+        with LatestWatch(backend.view, run) as watch:
+            # One object per checkpoint: the 2nd object A uploads is its step 30.
+            a.start(
+                run,
+                backend.url,
+                _job(a, "10,30", "A", kind="file"),
+                env={"RGT_CRASH_AT": "seal.after_object:2"},
+            )
+            a.open_gate(10)
+            wait(lambda: _latest_is(backend, run, 10, a.epoch(run)), 60, "A to seal step 10")
+            survivor = chk.survivor()
+            a_pid = freeze_mid_upload(a, run, backend.view, 30)
+            b.start(run, backend.url, _job(b, "10,30", "B", kind="file"))
+            epoch_b = b.wait_epoch(run)
+            wait(lambda: "restored" in b.kinds(run), 60, "B to restore step 10")
+            b.open_gate(30)
+            wait(lambda: _latest_is(backend, run, 30, epoch_b), 60, "B to seal step 30")
+            snap = chk.snapshot(epoch_b)
+            seen_a = len(a.events(run))
+            thaw(a_pid)
+            # A dies at the crash point, or (fenced before it uploads) says it is stale.
+            wait(
+                lambda: not alive(a_pid) or "stale_epoch" in a.kinds(run)[seen_a:],
+                20,
+                "A to die at seal.after_object:2 or to report itself stale",
+            )
+            time.sleep(0.5)
+            crashed = not alive(a_pid)
+        a.kill_all()
+        b.kill_all()
+        chk.assert_writer(b.epochs(run))
+        chk.assert_unchanged(snap)
+        chk.assert_survived(survivor)
+        chk.assert_visible_verify()
+        watch.check(chk.quarantined())
+        chk.assert_restorable(backend.env, str(tmp_path / "fresh"))
+        assert crashed or "stale_epoch" in a.kinds(run), (
+            "the crash point seal.after_object:2 never fired and A never said it was stale"
+        )
+    finally:
+        a.kill_all()
+        b.kill_all()
+
+
+@pytest.mark.chaos_long
+def test_long_the_only_agent_paused_for_a_minute_gets_no_twin_and_goes_on(
+    tmp_path: Any, run_name: str
+) -> None:
+    """A7: SIGSTOP for 60 s, then SIGCONT. The shim starts no second agent while the paused
+    one holds the run (its lock), and the paused one finishes its seal (I1, I2, I5)."""
+    from tests.chaos.conftest import file_backend
+
+    backend = file_backend(str(tmp_path / "store"))
+    run, chk = run_name, backend.checker(run_name)
+    box = Box(str(tmp_path), "box", backend.env)
+    try:
+        with LatestWatch(backend.view, run) as watch:
+            env = {"RGT_AGENT_RESPAWN_DELAY": "1"}  # the shim's watch is armed
+            box.start(run, backend.url, _job(box, "10,20", "A"), env=env)
+            box.open_gate(10)
+            wait(lambda: _latest_is(backend, run, 10, box.epoch(run)), 60, "step 10 sealed")
+            survivor = chk.survivor()
+            pid = freeze_mid_upload(box, run, backend.view, 20)
+            time.sleep(60)
+            assert box.agent_pid(run) == pid and "agent_respawn" not in box.kinds(run), (
+                "I5: a second agent was started while the first was only paused"
+            )
+            thaw(pid)
+            wait(lambda: _latest_is(backend, run, 20, box.epoch(run)), 60, "step 20 sealed")
+        box.kill_all()
+        chk.assert_writer(box.epochs(run))
+        chk.assert_survived(survivor)
+        chk.assert_visible_verify()
+        watch.check(chk.quarantined())
+        chk.assert_restorable(backend.env, str(tmp_path / "fresh"))
+    finally:
+        box.kill_all()
+
+
+def test_a_stale_agent_whose_job_succeeds_writes_no_done_json(
+    tmp_path: Any, backend: Backend, run_name: str
+) -> None:
+    """A's job finishes (exit 0) after B took the run over: A's completion would end a run B is
+    still training, so A writes no DONE.json, no outputs and no state mirror (I5), and B later
+    completes the run itself."""
+    run, chk = run_name, backend.checker(run_name)
+    a, b = Box(str(tmp_path), "box-a", backend.env), Box(str(tmp_path), "box-b", backend.env)
+    try:
+        a.start(run, backend.url, _job(a, "10,20", "A", then="exit"))
+        a.open_gate(10)
+        wait(lambda: _latest_is(backend, run, 10, a.epoch(run)), 60, "A to seal step 10")
+        b.start(run, backend.url, _job(b, "10,30", "B"))
+        epoch_b = b.wait_epoch(run)
+        wait(lambda: "restored" in b.kinds(run), 60, "B to restore step 10")
+        seen_a = len(a.events(run))
+        a.open_gate(20)  # A's job writes step 20 and exits 0: A's agent would complete the run
+        wait(lambda: a.state(run) == "SUCCEEDED", 60, f"A's job to succeed\n{a.diagnose(run)}")
+        wait(lambda: a.agent_pid(run) is None, 30, "A's agent to exit")
+        assert chk.view.read(f"{run}/DONE.json") is None, (
+            "I5: a stale agent wrote DONE.json for a run a newer epoch is training"
+        )
+        assert "done" not in a.kinds(run)[seen_a:], a.events(run)[seen_a:]
+        b.open_gate(30)
+        wait(lambda: _latest_is(backend, run, 30, epoch_b), 60, "B to seal step 30")
+        b.kill_all()
+        chk.assert_writer(b.epochs(run))
+        chk.assert_visible_verify()
+        chk.assert_restorable(backend.env, str(tmp_path / "fresh"))
+    finally:
+        a.kill_all()
+        b.kill_all()

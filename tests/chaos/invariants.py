@@ -364,8 +364,12 @@ class Checker:
             assert needle not in data, f"I8: the canary secret is in the store's {key}"
 
     def assert_restorable(self, env: Dict[str, str], dest: str) -> Dict[str, Any]:
-        """``rgt-agent restore`` into the fresh ``dest`` gives exactly LATEST's MANIFEST."""
+        """``rgt-agent restore`` into the fresh ``dest`` gives exactly LATEST's MANIFEST, and
+        every checkpoint the newest epoch sealed is unchanged afterwards (a restore reads; it
+        never rewrites or drops what the run's owner sealed)."""
         latest = self.assert_latest_verified()
+        epochs = self.epochs()
+        owned = self.snapshot(epochs[-1]) if epochs and self._sealed_by(epochs[-1]) else None
         got = self.manifest(latest["step"])
         assert got is not None
         doc = got[1]
@@ -396,7 +400,16 @@ class Checker:
             f"restorable: a fresh restore of step {latest['step']} gave "
             f"{sorted(found)} (sizes, sha256 differ?), its MANIFEST lists {sorted(want)}"
         )
+        if owned is not None:
+            self.assert_unchanged(owned)
         return latest
+
+    def _sealed_by(self, epoch: int) -> bool:
+        for step in self.manifest_keys():
+            got = self.manifest(step)
+            if got is not None and got[1].get("epoch") == epoch:
+                return True
+        return False
 
 
 class LatestWatch:

@@ -1,7 +1,7 @@
 """Fixtures of the chaos suite: the stores under test, and the two tiers.
 
 Short scenarios (a few seconds each) run with the rest of the tests. Long ones are marked
-``chaos_long`` and skipped by design unless RGT_CHAOS_LONG=1 (more crash points per protocol,
+``chaos_long`` and deselected unless RGT_CHAOS_LONG=1 (more crash points per protocol,
 every crash point against S3, long pauses): they are the same faults, more of them.
 
 S3 is a real SeaweedFS (tests/seaweed.py), one for the suite; a scenario that kills its server
@@ -32,12 +32,13 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item]) -> None:
+    # The long tier is opt-in: deselected (not run, not reported as skipped) unless asked for.
     if LONG:
         return
-    skip = pytest.mark.skip(reason="long chaos tier: set RGT_CHAOS_LONG=1 to run it")
-    for item in items:
-        if "chaos_long" in item.keywords:
-            item.add_marker(skip)
+    long = [item for item in items if "chaos_long" in item.keywords]
+    if long:
+        config.hook.pytest_deselected(items=long)
+        items[:] = [item for item in items if "chaos_long" not in item.keywords]
 
 
 @pytest.fixture(scope="session")

@@ -299,8 +299,20 @@ class SealService(Hooks):
 
     # ---- hooks
     def on_stop_requested(self, reason: str, deadline: float) -> None:
-        if reason == "preempt":
-            self.ask_job("preemption")
+        if reason != "preempt":
+            return
+        if deadline - MARGIN <= time.monotonic():
+            # No budget to seal anything (grace 0): a checkpoint asked for now could only be
+            # half-sealed when SIGKILL comes, and the job's last moments go to its own exit.
+            self.event(
+                "checkpoint_not_asked",
+                "preemption with no grace left to seal a final checkpoint; LATEST stays at "
+                f"step {self.sealer.latest if self.sealer is not None else 'none'}",
+                klass="transient",
+                remedy="give the run a longer grace (--grace) where the platform allows it",
+            )
+            return
+        self.ask_job("preemption")
 
     def before_terminal(self, reason: str, deadline: float) -> None:
         sealer = self.sealer

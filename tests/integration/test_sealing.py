@@ -267,6 +267,9 @@ def test_sigterm_seals_the_final_checkpoint_only_when_it_fits(
         assert latest == 2  # the job's answer to the preemption's request, sealed in time
     else:
         assert latest == 1  # no time: LATEST stays on the previous verified checkpoint
+        # and the job is not asked for a checkpoint that could not be sealed in time
+        kinds = [e["kind"] for e in cli.events("s6")]
+        assert "checkpoint_not_asked" in kinds and "checkpoint_asked" not in kinds[-5:], kinds
     _check_invariants(root, "s6")
 
 

@@ -216,12 +216,7 @@ class SeaweedServer:
             except subprocess.TimeoutExpired:
                 os.kill(proc.pid, signal.SIGKILL)
                 proc.wait(timeout)
-        for port in _all_ports(self.port):
-            for path in _sockets(port):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+        self._remove_sockets()
 
     def kill(self, timeout: float = 10) -> None:
         """SIGKILL, as a crash or an OOM kill would end it (no flush, no clean shutdown); remove
@@ -233,6 +228,11 @@ class SeaweedServer:
             except ProcessLookupError:
                 pass
             proc.wait(timeout)
+        self._remove_sockets()
+
+    def _remove_sockets(self) -> None:
+        """weed's unix sockets for our ports: a dead server leaves them, and a new one on the
+        same ports refuses to bind while they are there."""
         for port in _all_ports(self.port):
             for path in _sockets(port):
                 try:

@@ -374,27 +374,11 @@ class Checker:
         assert got is not None
         doc = got[1]
         assert not os.path.exists(dest), f"{dest} must be fresh"
-        env = dict(env)
-        env["RGT_HOME"] = dest + ".home"
-        p = subprocess.run(
-            [*agent_exe(), "restore", "--store", self.view.url, "--name", self.run, "--to", dest],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        p, found = restore_fresh(env, self.view.url, self.run, dest)
         assert p.returncode == 0, (
             f"restorable: `rgt-agent restore` of LATEST (step {latest['step']}) exited "
             f"{p.returncode}: {p.stdout}{p.stderr}"
         )
-        found = {}
-        for dirpath, _, filenames in os.walk(dest):
-            for name in filenames:
-                full = os.path.join(dirpath, name)
-                with open(full, "rb") as f:
-                    data = f.read()
-                rel = os.path.relpath(full, dest).replace(os.sep, "/")
-                found[rel] = (len(data), hashlib.sha256(data).hexdigest())
         want = {f["path"]: (f["size"], f["sha256"]) for f in doc["files"]}
         assert found == want, (
             f"restorable: a fresh restore of step {latest['step']} gave "
@@ -410,6 +394,30 @@ class Checker:
             if got is not None and got[1].get("epoch") == epoch:
                 return True
         return False
+
+
+def restore_fresh(
+    env: Dict[str, str], url: str, run: str, dest: str
+) -> Tuple[subprocess.CompletedProcess[str], Dict[str, Tuple[int, str]]]:
+    """Run the real ``rgt-agent restore`` of ``run`` into ``dest`` (a fresh box: its own
+    RGT_HOME) and read back what landed there: relative path -> (size, sha256)."""
+    env = dict(env, RGT_HOME=dest + ".home")
+    p = subprocess.run(
+        [*agent_exe(), "restore", "--store", url, "--name", run, "--to", dest],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    found = {}
+    for dirpath, _, filenames in os.walk(dest):
+        for name in filenames:
+            full = os.path.join(dirpath, name)
+            with open(full, "rb") as f:
+                data = f.read()
+            rel = os.path.relpath(full, dest).replace(os.sep, "/")
+            found[rel] = (len(data), hashlib.sha256(data).hexdigest())
+    return p, found
 
 
 class LatestWatch:

@@ -10,16 +10,12 @@ fresh restore gives exactly step 15.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import subprocess
 from typing import Any
 
 import pytest
 
 from tests.chaos.harness import Backend, Box, wait
-from tests.chaos.invariants import LatestWatch, Survivor
-from tests.conftest import agent_exe
+from tests.chaos.invariants import LatestWatch, Survivor, restore_fresh
 
 
 def _latest_step(backend: Backend, run: str) -> int:
@@ -79,23 +75,11 @@ def test_an_object_of_latest_lost_or_rotten_a_fresh_box_falls_back_and_moves_on(
 
 def _restore_is(backend: Backend, run: str, dest: str, doc: Any) -> None:
     """`rgt-agent restore` into ``dest`` succeeds with exactly the files of ``doc``."""
-    env = dict(backend.env, RGT_HOME=dest + ".home")
-    p = subprocess.run(
-        [*agent_exe(), "restore", "--store", backend.url, "--name", run, "--to", dest],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p, got = restore_fresh(backend.env, backend.url, run, dest)
     assert p.returncode == 0, (
         f"I1: a fresh restore must fall back to step {doc['step']}, the previous verified "
         f"checkpoint; it exited {p.returncode}: {p.stdout}{p.stderr}"
     )
-    found = {}
-    for dirpath, _, names in os.walk(dest):
-        for n in names:
-            full = os.path.join(dirpath, n)
-            with open(full, "rb") as f:
-                found[os.path.relpath(full, dest)] = hashlib.sha256(f.read()).hexdigest()
+    found = {rel: sha for rel, (_, sha) in got.items()}
     want = {f["path"]: f["sha256"] for f in doc["files"]}
     assert found == want, f"I1: the fallback restore gave {sorted(found)}, not step {doc['step']}"

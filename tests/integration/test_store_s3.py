@@ -451,7 +451,9 @@ def test_outage_is_transient_and_data_survives_a_restart(
         assert store.get_bytes("run/a") == b"before"
         assert store.get_bytes("run/b") == b"during"
         server.restart(down_for=0.5)
-        assert store.get_bytes("run/b") == b"during"
+        # weed's S3 gateway answers before its volume server has reloaded, and a read in that
+        # window gets a 500 (seen in CI): a transient answer, which the agent's retry carries.
+        assert with_retries(lambda: store.get_bytes("run/b")) == b"during"
     finally:
         server.stop()
 

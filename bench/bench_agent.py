@@ -47,8 +47,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from benchlib import commit_of, fs_type, replace_section, verdict
 
-from onbox import daemon as rgt_daemon
-from onbox.rundir import RunDir
+from onbox.agent import daemon as rgt_daemon
+from onbox.common.rundir import RunDir
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(HERE, "fixture_crasher.py")
@@ -178,7 +178,11 @@ def rgt_python(home: str) -> Tuple[List[str], Dict[str, str]]:
     """How rgt starts its own Python processes (agent, shim): interpreter and flags, and their
     environment. Taken from onbox itself, so that the floors follow it when it changes."""
     make = getattr(rgt_daemon, "python_argv", None)
-    argv = list(make("onbox.shim")) if make is not None else [sys.executable, "-m", "onbox.shim"]
+    argv = (
+        list(make("onbox.agent.shim"))
+        if make is not None
+        else [sys.executable, "-m", "onbox.agent.shim"]
+    )
     return argv[: argv.index("-m")], rgt_daemon.agent_environ(RunDir("bench-floor", home))
 
 
@@ -672,7 +676,7 @@ def measure_floors(tmp: str, home: str, n: int) -> Floors:
     for _ in range(n):
         t0 = time.monotonic()
         subprocess.run(
-            [*prefix, "-c", "import onbox.shim, setproctitle"],
+            [*prefix, "-c", "import onbox.agent.shim, setproctitle"],
             cwd="/",
             env=env,
             stdin=subprocess.DEVNULL,
@@ -806,7 +810,8 @@ def render(
         f"- a Python parent forking the fixture until its first line (both tools pay it): median "
         f"{statistics.median(floors.fixture_start):.1f} ms over {len(floors.fixture_start)} "
         "runs;\n"
-        f"- `{floors.python} -c 'import onbox.shim, setproctitle'`, start to exit (rgt pays it per "
+        f"- `{floors.python} -c 'import onbox.agent.shim, setproctitle'`, start to exit "
+        "(rgt pays it per "
         f"attempt, supervisord does not): median {statistics.median(floors.shim_imports):.1f} ms "
         f"over {len(floors.shim_imports)} runs.\n\n"
         f"Every restart latency (ms), in order:\n\n{lat}\n"

@@ -31,7 +31,7 @@ user's plain ``ssh -e`` would (a new connection per command, no multiplexing).
    this is reported next to the same rsync no-op, not judged (the no-op starts nothing).
    The page cache stays warm (the user's project was just read by git and rsync).
 2. Where the deploy time goes: the same deploy of the live run, in this process
-   (``controller.deploy.deploy``), each step timed by a wrapper that does not change it (what
+   (``controller.deploy.flow.deploy``), each step timed by a wrapper that does not change it (what
    it does here first, the steps with a round trip to the box, and their parts), and every ssh
    command it runs counted, timed and filed under the innermost step that ran it
    (``Remote.run``); next to the costs no deploy
@@ -39,7 +39,8 @@ user's plain ``ssh -e`` would (a new connection per command, no multiplexing).
    connection (handshake and ``true``), and one command over an open connection (ssh's
    ControlMaster, which rgt uses for every command of a deploy).
 3. Pull throughput. A checkpoint of ``--pull-mib`` MiB (four safetensors shards of random
-   data, with a valid header, plus a config.json) is sealed by the real ``onbox.sealer.Sealer``
+   data, with a valid header, plus a config.json) is sealed by the real
+   ``onbox.sealing.sealer.Sealer``
    into a ``file://`` store on the box side, and the run is recorded in the laptop's registry.
    Then, taking turns, each ``--repeats`` times, into a fresh directory: ``rgt pull N --from box
    --to DIR`` (rsync over ssh into temporary names; each file's sha256 against the manifest;
@@ -55,7 +56,7 @@ user's plain ``ssh -e`` would (a new connection per command, no multiplexing).
    themselves are read back in (Python with the modules `rgt pull` imports, rsync, ssh: about
    0.1 s for rgt's, which a user's warm laptop does not pay either). Judged: rgt's
    throughput from the box at least 0.8x rsync's (medians).
-4. Where the pull time goes: the same pull in this process (``controller.pull.pull``), timed
+4. Where the pull time goes: the same pull in this process (``controller.results.pull.pull``), timed
    per phase, with when each file's hash ran (during the transfer, or after it).
 
 Every timed run also records how busy the machine's CPUs were (/proc/stat), since on a 2-core
@@ -105,13 +106,13 @@ from benchlib import (  # noqa: E402
     verdict,
 )
 
-from controller import pull as pullmod  # noqa: E402
 from controller.registry import Registry, RunRecord  # noqa: E402
 from controller.remote import SshRemote  # noqa: E402
+from controller.results import pull as pullmod  # noqa: E402
 from controller.target import Target, ssh_destination_args  # noqa: E402
-from onbox import procfs  # noqa: E402
-from onbox.sealer import Sealer, take_epoch  # noqa: E402
-from onbox.stores import open_store  # noqa: E402
+from onbox.agent import procfs  # noqa: E402
+from onbox.sealing.sealer import Sealer, take_epoch  # noqa: E402
+from onbox.sealing.stores import open_store  # noqa: E402
 from tests.sshd import SshServer, start_sshd  # noqa: E402
 
 README = os.path.join(HERE, "README.md")
@@ -513,48 +514,49 @@ class Steps:
         cls.run = run
 
 
-# (module, class or "", attribute, label): the deploy's steps as controller/deploy.py calls them,
+# (module, class or "", attribute, label): the deploy's steps as controller/deploy/flow.py calls
+# them,
 # and (indented) what they call inside. A name the code no longer has is left out of the report.
 # The audit's one script also reads the box's Python for the agent, the marker of the agent's
 # install and whether the release is complete; the found agent's --version and the run's status
 # are one more command; the push and the install run commands of their own only when the audit
 # found no complete release or no install that answers.
 STEP_LABELS = (
-    ("controller.deploy", "", "project_files", "list the project's files (git ls-files)"),
-    ("controller.deploy", "", "release_id", "hash them into the release id (sha256)"),
+    ("controller.deploy.flow", "", "project_files", "list the project's files (git ls-files)"),
+    ("controller.deploy.flow", "", "release_id", "hash them into the release id (sha256)"),
     (
-        "controller.deploy",
+        "controller.deploy.flow",
         "",
         "agent_wheel",
         "build rgt's wheel here (its hash names the agent's install)",
     ),
-    ("controller.deploy", "", "open_remote", "set up the ssh client"),
+    ("controller.deploy.flow", "", "open_remote", "set up the ssh client"),
     (
-        "controller.audit",
+        "controller.deploy.audit",
         "",
         "audit",
         "audit (one script: Python, GPU, disk, cgroup, clock; the agent's install, the release)",
     ),
     (
-        "controller.deploy",
+        "controller.deploy.flow",
         "",
         "push_release",
         "push the code (none to push when the audit found the release)",
     ),
-    ("controller.deploy", "", "_agent_and_run", "the agent and the run"),
+    ("controller.deploy.flow", "", "_agent_and_run", "the agent and the run"),
     (
-        "controller.deploy",
+        "controller.deploy.flow",
         "",
         "_look",
         "  the agent's --version, `status NAME --json`, spec.json (one script)",
     ),
     (
-        "controller.deploy",
+        "controller.deploy.flow",
         "",
         "install_agent",
         "  install the agent (when none found answers --version)",
     ),
-    ("controller.deploy", "", "switch_current", "switch the current link (if not there yet)"),
+    ("controller.deploy.flow", "", "switch_current", "switch the current link (if not there yet)"),
     ("controller.registry", "Registry", "put", "remember the run (the local registry)"),
     ("controller.remote", "SshRemote", "close", "close the ssh connection (ssh -O exit)"),
 )
@@ -567,8 +569,8 @@ def _resolve(module: str, cls: str) -> Any:
 
 def deploy_steps(box: Box, project: str, repeats: int) -> Steps:
     """The live run's deploy in this process, ``repeats`` times, every step timed."""
-    from controller import deploy as deploymod
     from controller import remote as remotemod
+    from controller.deploy import flow as deploymod
 
     steps = Steps()
     for rep in range(repeats):
@@ -609,7 +611,7 @@ def deploy_floors(box: Box, repeats: int) -> Dict[str, List[float]]:
     """Costs every deploy pays whatever it does: the CLI's start, a new ssh connection, one
     command over an open one."""
     out: Dict[str, List[float]] = {"python": [], "connect": [], "mux": []}
-    imports = "import controller.cli, controller.deploy"
+    imports = "import controller.cli, controller.deploy.flow"
     cm = os.path.join(box.dir("cm-floor"), "m")
     master = [*box.ssh, "-o", "ControlMaster=yes", "-o", f"ControlPath={cm}"]
     subprocess.run(
@@ -717,7 +719,7 @@ def warm_programs() -> None:
     """After a page-cache drop, read the programs back in (Python and the modules `rgt pull`
     imports, rsync, ssh), so that the timed runs read only their data from the disk."""
     for argv in (
-        [sys.executable, "-c", "import controller.cli, controller.pull, rich.progress"],
+        [sys.executable, "-c", "import controller.cli, controller.results.pull, rich.progress"],
         ["rsync", "--version"],
         ["ssh", "-V"],
     ):
@@ -927,7 +929,7 @@ def render(dep: DeployResults, pull: PullResults, meta: str) -> str:
     f = dep.floors
     floors = (
         f"- Python's start with the imports of `rgt deploy` (`python -c 'import controller.cli, "
-        f"controller.deploy'`): {med(f['python']):.2f} s; the whole `rgt deploy` command "
+        f"controller.deploy.flow'`): {med(f['python']):.2f} s; the whole `rgt deploy` command "
         f"(median {d_live:.2f} s) is this plus the in-process total above;\n"
         f"- a new ssh connection (handshake, authentication, `true`), what rsync pays once and "
         f"the first ssh command of a deploy pays once: {med(f['connect']):.2f} s;\n"

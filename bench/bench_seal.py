@@ -4,7 +4,7 @@
                                          [--sigterm-repeats 5]
                                          [--no-s3] [--no-readme]
 
-The real ``onbox.sealer.Sealer`` runs in-process on real stores: ``file://`` (a directory in
+The real ``onbox.sealing.sealer.Sealer`` runs in-process on real stores: ``file://`` (a directory in
 the benchmark's temporary directory, on the same disk as the checkpoint) and ``s3://`` on a
 real SeaweedFS (``weed mini``, started here on loopback and stopped by pid at the end). Every
 store is wrapped by a recorder that times and counts what the sealer puts, without changing it.
@@ -57,10 +57,10 @@ import time
 import urllib.request
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
-from onbox.durable import sha256_file
-from onbox.sealer import Sealer, take_epoch
-from onbox.stores.base import Finding, ObjectInfo, PermanentStoreError, Store
-from onbox.stores.local import LocalStore
+from onbox.common.durable import sha256_file
+from onbox.sealing.sealer import Sealer, take_epoch
+from onbox.sealing.stores.base import Finding, ObjectInfo, PermanentStoreError, Store
+from onbox.sealing.stores.local import LocalStore
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

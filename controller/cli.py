@@ -9,7 +9,7 @@ meter only after explicit confirmation; the box runs on without it.
     rgt runs
 
 Errors print one line (what, why, what to do) and exit with the code of their kind
-(onbox/errors.py).
+(onbox/common/errors.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import click
 
 from controller import observe
 from controller.registry import Registry, RunRecord
-from onbox.errors import NotFound, RgtError, UsageError
-from onbox.observe import warning_lines
+from onbox.agent.observe import warning_lines
+from onbox.common.errors import NotFound, RgtError, UsageError
 
 
 def _emit(text: str = "") -> None:
@@ -87,8 +87,8 @@ def deploy(
 ) -> int:
     """Put a run on TARGET (an ssh alias, user@host[:port], a pasted `ssh ...` line, or local)
     and return once its job has printed its first line."""
-    from controller.deploy import DeployRequest
-    from controller.deploy import deploy as do_deploy
+    from controller.deploy.flow import DeployRequest
+    from controller.deploy.flow import deploy as do_deploy
 
     command = list((ctx.obj or {}).get("command") or [])
     rec = do_deploy(
@@ -166,8 +166,8 @@ def stop(name: str, grace: Optional[str]) -> int:
 def pull(name: str, dest: Optional[str], source: str) -> int:
     """Fetch the newest sealed state, verify every file (sha256, then opened as its framework
     would), rename into place, and write a verification receipt. Resumable."""
-    from controller.pull import pull as do_pull
-    from controller.pull import terminal_progress
+    from controller.results.pull import pull as do_pull
+    from controller.results.pull import terminal_progress
 
     rec = Registry().get(name)
     dest = dest or os.path.join("rgt-results", name)
@@ -205,8 +205,8 @@ def pull(name: str, dest: Optional[str], source: str) -> int:
 def down(name: str, yes: bool) -> int:
     """Stop the run and remove it from the box, once a verified pull covers its newest sealed
     state; shows what will be lost and what keeps billing, and asks for the run's name."""
-    from controller.down import down as do_down
-    from controller.receipt import state_receipt_path
+    from controller.results.down import down as do_down
+    from controller.results.receipt import state_receipt_path
 
     try:
         rec = Registry().get(name)

@@ -18,9 +18,9 @@ from typing import IO, Any, Dict, List, Optional, Tuple
 
 from controller.registry import RunRecord
 from controller.remote import Remote, open_remote
-from onbox.errors import NotFound, RemoteUnreachable, RgtError
-from onbox.observe import public_state, warning_lines
-from onbox.restore import in_effect, quarantine_reasons, sealed_steps
+from onbox.agent.observe import public_state, warning_lines
+from onbox.common.errors import NotFound, RemoteUnreachable, RgtError
+from onbox.sealing.restore import in_effect, quarantine_reasons, sealed_steps
 
 # One round trip: the agent's status, then the box's view of what limits the run.
 SNAPSHOT = r"""
@@ -127,7 +127,7 @@ def from_store(rec: RunRecord) -> Dict[str, Any]:
             f"{rec.target.label} does not answer and run {rec.name!r} has no store",
             "nothing else knows its state; try again when the box is reachable",
         )
-    from onbox.stores import open_store
+    from onbox.sealing.stores import open_store
 
     store = open_store(rec.store)
     raw = store.get_bytes(f"{rec.name}/state/state.json")

@@ -19,9 +19,9 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from controller.remote import controller_home
 from controller.target import Target
-from onbox.durable import make_dirs, write_json
-from onbox.errors import IntegrityError, NotFound
-from onbox.rundir import check_name
+from onbox.common.durable import make_dirs, write_json
+from onbox.common.errors import IntegrityError, NotFound
+from onbox.common.rundir import check_name
 
 
 @dataclasses.dataclass

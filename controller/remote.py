@@ -44,7 +44,7 @@ import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from controller.target import Target, ssh_destination_args
-from onbox.errors import AuthError, HostError, RemoteUnreachable, UsageError
+from onbox.common.errors import AuthError, HostError, RemoteUnreachable, UsageError
 
 
 class HostKeyChanged(AuthError):

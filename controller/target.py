@@ -21,7 +21,7 @@ import re
 import shlex
 from typing import Any, Dict, List, Optional
 
-from onbox.errors import UsageError
+from onbox.common.errors import UsageError
 
 _HOST = re.compile(r"[A-Za-z0-9_.:%\[\]-]+\Z")  # names, IPv4, [IPv6], ssh config aliases
 _USER = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*\$?\Z")

@@ -2,7 +2,7 @@
 
 An MLP with dropout regresses a fixed synthetic dataset on the CPU, with AdamW, a one-cycle
 schedule and a shuffled ``StatefulDataLoader`` over several epochs; each step also draws a
-random input-noise level from Python's ``random``. ``onbox.train_accelerate`` saves
+random input-noise level from Python's ``random``. ``onbox.train.accelerate`` saves
 ``accelerator.save_state`` as sealed ``step_<N>`` checkpoints (every ``--save-steps``, when the
 agent asks, and before ending on a preemption) and loads the newest one at start.
 
@@ -35,7 +35,7 @@ from torchdata.stateful_dataloader import (
     StatefulDataLoader,
 )
 
-from onbox.train_accelerate import AcceleratorCheckpointer
+from onbox.train.accelerate import AcceleratorCheckpointer
 
 SEED = 1234
 N_SAMPLES = 2048

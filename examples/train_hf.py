@@ -7,7 +7,7 @@ an exact resume needs the weights, AdamW's moments, the scheduler, the RNGs and 
     python examples/train_hf.py [--steps 60] [--save-steps 20] [--sleep 0]
 
 Under ``rgt-agent`` the Trainer's ``output_dir`` is ``RGT_CKPT_DIR``: its ``checkpoint-<N>/``
-directories are sealed by the agent as they appear, and ``onbox.train_hf.RgtCallback`` saves
+directories are sealed by the agent as they appear, and ``onbox.train.hf.RgtCallback`` saves
 one when the agent asks (``checkpoint.trigger``) and before ending on a preemption.
 ``resume_checkpoint`` picks the checkpoint to resume from. Run by hand, it writes to
 ``./ckpt-hf``. The last line carries the sha256 of the final weights, optimizer state and RNG
@@ -39,7 +39,7 @@ from transformers import (
 )
 from transformers.utils import logging as hf_logging
 
-from onbox.train_hf import RgtCallback, resume_checkpoint
+from onbox.train.hf import RgtCallback, resume_checkpoint
 
 SEED = 1234
 VOCAB = 128

@@ -3,7 +3,7 @@
 An MLP with dropout regresses a fixed synthetic dataset on the CPU, with AdamW, a one-cycle
 schedule stepped every batch, and a shuffled torchdata ``StatefulDataLoader`` (Lightning saves
 and restores its position, so a resumed epoch continues with the next batch); each step also
-draws a random input-noise level from Python's ``random``. ``onbox.train_lightning.RgtCheckpoint``
+draws a random input-noise level from Python's ``random``. ``onbox.train.lightning.RgtCheckpoint``
 saves ``step_<N>.ckpt`` (every ``--save-steps``, when the agent asks, and before ending on a
 preemption) and adds the RNG states Lightning leaves out; ``resume_path`` picks the checkpoint.
 
@@ -33,7 +33,7 @@ from torchdata.stateful_dataloader import (
     StatefulDataLoader,
 )
 
-from onbox.train_lightning import RgtCheckpoint, resume_path
+from onbox.train.lightning import RgtCheckpoint, resume_path
 
 SEED = 1234
 N_SAMPLES = 2048

@@ -8,7 +8,8 @@
     rgt-agent stop N [--grace S]
     rgt-agent list [--json]
 
-An ``RgtError`` is printed as one line and exits with its code (onbox.errors); anything else is a
+An ``RgtError`` is printed as one line and exits with its code (onbox.common.errors); anything else
+is a
 bug and shows its traceback.
 """
 
@@ -25,11 +26,23 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import click
 
-from onbox import observe, procfs
-from onbox.agent import Agent
-from onbox.daemon import spawn_agent
-from onbox.durable import make_dirs, read_json, remove_dirs, write_json
-from onbox.errors import (
+from onbox.agent import observe, procfs
+from onbox.agent.daemon import spawn_agent
+from onbox.agent.lock import RunLock, is_held, read_holder
+from onbox.agent.loop import Agent
+from onbox.agent.runner import read_ready
+from onbox.agent.spec import (
+    JobSpec,
+    Overrides,
+    build_spec,
+    check_outputs,
+    default_name,
+    parse_duration,
+)
+from onbox.agent.states import TERMINAL
+from onbox.agent.title import set_title
+from onbox.common.durable import make_dirs, read_json, remove_dirs, write_json
+from onbox.common.errors import (
     FINAL_EXIT_CODES,
     HostError,
     LockedError,
@@ -38,19 +51,7 @@ from onbox.errors import (
     StopFailed,
     UsageError,
 )
-from onbox.lock import RunLock, is_held, read_holder
-from onbox.rundir import RunDir, all_runs, check_name, rgt_home, unwritable
-from onbox.runner import read_ready
-from onbox.spec import (
-    JobSpec,
-    Overrides,
-    build_spec,
-    check_outputs,
-    default_name,
-    parse_duration,
-)
-from onbox.states import TERMINAL
-from onbox.title import set_title
+from onbox.common.rundir import RunDir, all_runs, check_name, rgt_home, unwritable
 
 TERMINAL_NAMES = {s.value for s in TERMINAL}
 READY_TIMEOUT = 10.0
@@ -122,7 +123,7 @@ def _resolve_spec(
         if ckpt_dir is not None:
             changes["ckpt_dir"] = os.path.abspath(ckpt_dir)
         if store is not None:
-            from onbox.stores import parse_store_url
+            from onbox.sealing.stores import parse_store_url
 
             changes["store"] = parse_store_url(store, "--store").url
         if outputs:
@@ -200,8 +201,8 @@ def _check_store(spec: JobSpec) -> bool:
     """Preflight the store before anything starts; False when the run is finished already."""
     if not spec.store:
         return True
-    from onbox import manifest as mf
-    from onbox.stores import open_store
+    from onbox.sealing import manifest as mf
+    from onbox.sealing.stores import open_store
 
     store = open_store(spec.store)
     for finding in store.preflight(spec.name):
@@ -285,7 +286,7 @@ def start(
         ) from None
     finally:
         os.close(r)
-    if msg.get("ok") is False:  # it could not begin (onbox/agent.py): the run is FAILED, why
+    if msg.get("ok") is False:  # it could not begin (onbox/agent/loop.py): the run is FAILED, why
         err = RgtError(str(msg.get("what")), msg.get("remedy"))
         err.exit_code = int(msg.get("exit_code") or 1)
         raise err
@@ -519,7 +520,7 @@ def _store_options(f: Any) -> Any:
 
 def _store_and_run(url: str, name: Optional[str]) -> tuple[Any, str]:
     """The store and the run: ``--store ROOT --name N``, or ``--store ROOT/N``."""
-    from onbox.stores import open_store
+    from onbox.sealing.stores import open_store
 
     if name is None:
         root, _, last = url.rstrip("/").rpartition("/")
@@ -540,7 +541,7 @@ def _require_in_store(store: Any, run: str) -> None:
     that a mistyped URL or name never reads as "no checkpoints yet"; a ``file://`` store whose
     directory is missing is named as such. Every run that ever started with a store has taken
     an epoch there."""
-    from onbox import manifest as mf
+    from onbox.sealing import manifest as mf
 
     root = getattr(store, "root", None)  # a LocalStore's directory
     if isinstance(root, str) and not os.path.isdir(root):
@@ -571,9 +572,9 @@ def _require_in_store(store: Any, run: str) -> None:
 )
 def sync(name: str, timeout_s: str) -> int:
     """Seal the run's complete checkpoints now, and wait until they are sealed."""
-    from onbox import manifest as mf
-    from onbox.sealer import Sealer, take_epoch
-    from onbox.stores import open_store
+    from onbox.sealing import manifest as mf
+    from onbox.sealing.sealer import Sealer, take_epoch
+    from onbox.sealing.stores import open_store
 
     rd = RunDir(name).require()
     spec = JobSpec.from_json(read_json(rd.spec) or {})
@@ -595,7 +596,7 @@ def sync(name: str, timeout_s: str) -> int:
     else:
         lock = RunLock.acquire(rd.lock, rd.name)  # no agent: seal from here, as its writer
         try:
-            from onbox.journal import FileJournal
+            from onbox.agent.journal import FileJournal
 
             journal = FileJournal(rd.state, rd.events, rd.agent_log)
             store = open_store(spec.store)
@@ -625,9 +626,10 @@ def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
     """Download the newest verified checkpoint of a run and check every sha256."""
     # Nothing is created before a checkpoint to download is found, and a restore that fails
     # removes the directories it made: a bad URL, name or --to leaves no empty --to behind.
-    # An unusable checkpoint is quarantined and the previous one used (onbox/restore.py); when
+    # An unusable checkpoint is quarantined and the previous one used (onbox/sealing/restore.py);
+    # when
     # none is left, NoVerifiedCheckpoint (exit 6) lists each step tried and why.
-    from onbox.restore import restore_latest
+    from onbox.sealing.restore import restore_latest
 
     store, run = _store_and_run(url, name)
     target = os.path.abspath(dest or f"{run}-restored")
@@ -680,10 +682,10 @@ def checkpoints(
     LATEST marks the step a restore and ``rgt pull`` take: LATEST's own, or when that one is
     quarantined the newest verified step before it (a line says so); a quarantined step is
     never marked LATEST."""
-    from onbox import manifest as mf
-    from onbox.errors import IntegrityError
-    from onbox.journal import iso
-    from onbox.restore import in_effect, quarantine_reasons, sealed_steps
+    from onbox.agent.journal import iso
+    from onbox.common.errors import IntegrityError
+    from onbox.sealing import manifest as mf
+    from onbox.sealing.restore import in_effect, quarantine_reasons, sealed_steps
 
     store, run = _store_and_run(url, name)
     _require_in_store(store, run)
@@ -755,7 +757,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             args=args, prog_name="rgt-agent", standalone_mode=False, obj={"command": command}
         )
     except RgtError as e:
-        from onbox.redact import for_home  # a message may quote a run's state or a store's URL
+        from onbox.common.redact import (
+            for_home,  # a message may quote a run's state or a store's URL
+        )
 
         click.echo(for_home().redact(e.line()), err=True)
         return e.exit_code

@@ -40,7 +40,7 @@ import uuid
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 if TYPE_CHECKING:  # boto3 is imported only when a test uses S3, so sshd tests run without it
-    from onbox.stores.s3 import S3Store
+    from onbox.sealing.stores.s3 import S3Store
 
 ACCESS_KEY, SECRET_KEY = "rgtaccesskey", "rgtsecretkey"
 READER_ACCESS_KEY, READER_SECRET_KEY = "rgtreaderkey", "rgtreadersecret"
@@ -286,7 +286,7 @@ class SeaweedServer:
 
     def store(self, bucket: str, prefix: str = "", **kwargs: Any) -> S3Store:
         """An S3Store on this server with the admin identity (override with keyword args)."""
-        from onbox.stores.s3 import S3Store
+        from onbox.sealing.stores.s3 import S3Store
 
         args: Dict[str, Any] = dict(
             aws_access_key_id=self.access_key,

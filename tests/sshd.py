@@ -34,7 +34,7 @@ import tempfile
 import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
-from onbox import procfs
+from onbox.agent import procfs
 
 SSHD = "/usr/sbin/sshd"
 SFTP_SERVER = "/usr/lib/openssh/sftp-server"

@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any, Collection, Dict, List, Optional, Set, Tuple
 
-from onbox import manifest as mf
+from onbox.sealing import manifest as mf
 from tests.conftest import agent_exe
 
 

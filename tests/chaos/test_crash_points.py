@@ -1,6 +1,7 @@
 """The agent killed at each step of its protocols, then started again (borg, CrashMonkey).
 
-For every crash point of onbox/faults.py in the seal, prune and finish protocols, a real agent
+For every crash point of onbox/common/faults.py in the seal, prune and finish protocols, a real
+agent
 runs a bounded job (three checkpoints, keep = 2 so that one is pruned, then success) with
 RGT_CRASH_AT naming that point: it ends there as SIGKILL would. The store it leaves must
 already satisfy the invariants (I2, I3). Then a new agent is started by hand, adopts the run
@@ -20,8 +21,8 @@ from typing import Any
 
 import pytest
 
-from onbox import faults
-from onbox import manifest as mf
+from onbox.common import faults
+from onbox.sealing import manifest as mf
 from tests.chaos.harness import Backend, Box, alive, wait
 from tests.chaos.invariants import Checker, LatestWatch
 

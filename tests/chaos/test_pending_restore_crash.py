@@ -1,6 +1,6 @@
 """A fresh box killed in the middle of its restore, then started again (F3).
 
-The restore protocol's crash points (onbox/faults.py ``restore.*``) cut a fresh box's restore
+The restore protocol's crash points (onbox/common/faults.py ``restore.*``) cut a fresh box's restore
 of step 10 short. A cut restore leaves nothing half-written under a final name on the box (I3),
 and the next start restores the same checkpoint whole and the job resumes from it (I1, I6).
 """
@@ -12,7 +12,7 @@ from typing import Any, List
 
 import pytest
 
-from onbox import faults
+from onbox.common import faults
 from tests.chaos.conftest import file_backend
 from tests.chaos.harness import Box, wait
 

@@ -17,8 +17,8 @@ from typing import Any, Callable, Dict, List
 
 import pytest
 
-from onbox import procfs
-from onbox.daemon import TAG_VAR
+from onbox.agent import procfs
+from onbox.agent.daemon import TAG_VAR
 from tests.conftest import Cli, agent_exe, fixture, require
 
 

@@ -1,8 +1,10 @@
-"""The audit of `rgt deploy` (controller/audit.py) over a real sshd on loopback and on ``local``.
+"""The audit of `rgt deploy` (controller/deploy/audit.py) over a real sshd on loopback and on
+``local``.
 
 Its one script also reads, changing nothing, what the next steps of a deploy would otherwise ask
 the box for: the Python as the agent's install sees it and the marker of this controller's
-install for it (controller/install.py), and whether the release is complete (controller/release.py).
+install for it (controller/deploy/install.py), and whether the release is complete
+(controller/deploy/release.py).
 The box is this machine, so what the audit reports is checked against files made directly.
 Covered:
 
@@ -28,12 +30,18 @@ from typing import Any, Dict, Iterator, Optional
 
 import pytest
 
-from controller import install
-from controller.audit import Audit, audit
-from controller.release import BoxRelease, project_files, push_release, release_id, switch_current
+from controller.deploy import install
+from controller.deploy.audit import Audit, audit
+from controller.deploy.release import (
+    BoxRelease,
+    project_files,
+    push_release,
+    release_id,
+    switch_current,
+)
 from controller.remote import LocalRemote, Remote, SshRemote
 from controller.target import Target
-from onbox.errors import UsageError
+from onbox.common.errors import UsageError
 from tests.sshd import SshServer, free_port
 
 HOSTILE_HOME = "box home 'q' \"dq\" $(touch pwned); `x` -n"

@@ -22,16 +22,16 @@ from typing import Any, Dict, List, Optional, Tuple
 import pytest
 
 from controller import observe
-from controller.down import plan_down
-from controller.pull import pull
 from controller.registry import RunRecord
 from controller.remote import open_remote
+from controller.results.down import plan_down
+from controller.results.pull import pull
 from controller.target import Target
-from onbox.durable import write_json
-from onbox.errors import HostError
-from onbox.rundir import RunDir
-from onbox.sealing import redact_box_logs
-from onbox.stores.base import StoreError
+from onbox.agent.sealservice import redact_box_logs
+from onbox.common.durable import write_json
+from onbox.common.errors import HostError
+from onbox.common.rundir import RunDir
+from onbox.sealing.stores.base import StoreError
 from tests.conftest import ROOT, Cli, agent_exe
 
 CANARY = f"rgt-canary-{uuid.uuid4()}"
@@ -60,7 +60,7 @@ with open("out/result.txt", "w") as f:
 
 def _needles() -> List[Tuple[str, bytes]]:
     """(what, bytes) of each form of the two secrets a leak could take. Computed here, not
-    with onbox.redact, so that the test does not share the redactor's idea of an encoding."""
+    with onbox.common.redact, so that the test does not share the redactor's idea of an encoding."""
     out = []
     for name, value in (("canary", CANARY), ("pw", CANARY_PW)):
         raw = value.encode()
@@ -275,7 +275,7 @@ def test_the_shims_own_stderr_is_redacted_on_its_way_to_agent_log(cli: Cli, tmp_
     log = str(tmp_path / "agent.log")
     with open(log, "wb") as out:  # no launch.json: the shim dies with a traceback naming it
         p = subprocess.run(
-            [sys.executable, "-m", "onbox.shim", run_dir, "1", "1"],
+            [sys.executable, "-m", "onbox.agent.shim", run_dir, "1", "1"],
             stdin=subprocess.DEVNULL,
             stdout=out,
             stderr=subprocess.STDOUT,

@@ -12,7 +12,7 @@ import subprocess
 from pathlib import Path
 from typing import Dict
 
-from onbox import procfs
+from onbox.agent import procfs
 from tests.conftest import Cli, _kill_run_processes, agent_exe, fixture, require
 
 

@@ -25,12 +25,12 @@ from typing import Any, Dict, Iterator, List
 import pytest
 
 from controller.cli import main as rgt_main
-from controller.pull import pull
 from controller.registry import Registry, RunRecord
+from controller.results.pull import pull
 from controller.target import Target
-from onbox.room import is_low
-from onbox.sealer import Sealer, take_epoch
-from onbox.stores import open_store
+from onbox.sealing.room import is_low
+from onbox.sealing.sealer import Sealer, take_epoch
+from onbox.sealing.stores import open_store
 from tests.conftest import Cli, agent_exe, require
 
 MiB = 1 << 20

@@ -48,8 +48,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import pytest
 
 from controller.registry import Registry
-from onbox import procfs
-from onbox.observe import public_state
+from onbox.agent import procfs
+from onbox.agent.observe import public_state
 from tests.conftest import ROOT, _kill_run_processes, require
 from tests.netns import Netns
 from tests.sshd import SshServer

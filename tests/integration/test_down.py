@@ -21,13 +21,13 @@ from typing import Any, Iterator, List, Optional
 
 import pytest
 
-from controller.down import down
-from controller.pull import pull
-from controller.receipt import state_receipt_path
 from controller.registry import Registry, RunRecord
 from controller.remote import SshRemote
+from controller.results.down import down
+from controller.results.pull import pull
+from controller.results.receipt import state_receipt_path
 from controller.target import Target
-from onbox.errors import NotFound, UnsafeRefused
+from onbox.common.errors import NotFound, UnsafeRefused
 from tests.conftest import Cli, agent_exe, fixture
 from tests.sshd import SshServer
 

@@ -1,4 +1,4 @@
-"""The framework callbacks (onbox/train_hf.py, train_lightning.py, train_accelerate.py) with the
+"""The framework callbacks (onbox/train/hf.py, train_lightning.py, train_accelerate.py) with the
 real frameworks on the CPU, under the real agent.
 
 Exactness: each example (examples/train_{hf,lightning,accelerate}.py) runs once uninterrupted
@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 
-from onbox import procfs
+from onbox.agent import procfs
 from tests.conftest import ROOT, Cli, require
 
 EXAMPLES = os.path.join(ROOT, "examples")
@@ -265,7 +265,7 @@ def test_hf_resume_checkpoint_takes_the_newest_whole_one(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _need("transformers")
-    from onbox.train_hf import resume_checkpoint
+    from onbox.train.hf import resume_checkpoint
 
     out = os.path.join(str(tmp_path), "out")
     monkeypatch.delenv("RGT_RESUME_FROM", raising=False)
@@ -297,7 +297,7 @@ def test_lightning_resume_path_takes_the_newest_whole_one(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     _need("lightning")
-    from onbox.train_lightning import resume_path
+    from onbox.train.lightning import resume_path
 
     d = os.path.join(str(tmp_path), "ckpt")
     monkeypatch.delenv("RGT_RESUME_FROM", raising=False)

@@ -27,11 +27,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import pytest
 
-from onbox import manifest as mf
-from onbox.restore import restore_latest
-from onbox.sealer import Sealer, take_epoch
-from onbox.stores import open_store
-from onbox.stores.base import Store
+from onbox.sealing import manifest as mf
+from onbox.sealing.restore import restore_latest
+from onbox.sealing.sealer import Sealer, take_epoch
+from onbox.sealing.stores import open_store
+from onbox.sealing.stores.base import Store
 from tests.conftest import ROOT
 from tests.seaweed import SeaweedServer
 
@@ -40,8 +40,8 @@ RUN = "fence"
 # Agent A: the real Sealer in a process of its own, frozen (SIGSTOP to itself) at one step.
 CHILD = r"""
 import json, os, signal, sys
-from onbox.sealer import Sealer, take_epoch
-from onbox.stores import open_store
+from onbox.sealing.sealer import Sealer, take_epoch
+from onbox.sealing.stores import open_store
 
 cfg = json.loads(sys.argv[1])
 store = open_store(cfg["url"])

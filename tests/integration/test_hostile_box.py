@@ -26,14 +26,14 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
-from controller.pull import pull
 from controller.registry import Registry, RunRecord
 from controller.remote import SshRemote
+from controller.results.pull import pull
 from controller.target import Target
-from onbox import manifest as mf
-from onbox.errors import IntegrityError
-from onbox.stores import open_store
-from onbox.stores.base import Store
+from onbox.common.errors import IntegrityError
+from onbox.sealing import manifest as mf
+from onbox.sealing.stores import open_store
+from onbox.sealing.stores.base import Store
 from tests.conftest import Cli, agent_exe, require
 from tests.integration.test_pull import _seal
 from tests.seaweed import SeaweedServer

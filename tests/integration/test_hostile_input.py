@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
-from onbox import procfs
+from onbox.agent import procfs
 from tests.conftest import Cli
 
 # --- the trees a command could write to --------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Installing the agent on the box (controller/wheel.py, controller/install.py) over a real sshd.
+"""Installing the agent on the box (controller/deploy/wheel.py, controller/deploy/install.py) over
+a real sshd.
 
 The box is this machine over loopback ssh; its ``python3`` is the image's Python, which must come
 out of every install unchanged. Covered:
@@ -31,11 +32,11 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
-from controller import wheel as wheelmod
-from controller.install import AgentInstall, install_agent, manylinux_platforms, probe_python
+from controller.deploy import wheel as wheelmod
+from controller.deploy.install import AgentInstall, install_agent, manylinux_platforms, probe_python
 from controller.remote import LocalRemote, SshRemote
 from controller.target import Target
-from onbox.errors import HostError, UsageError
+from onbox.common.errors import HostError, UsageError
 from tests.conftest import ROOT, _kill_run_processes, require
 from tests.sshd import SshServer
 
@@ -200,7 +201,9 @@ def test_install_into_a_venv_and_run_it(remote: SshRemote, venv_install: Install
     # The installed package is the pushed wheel, whole, and pip is content with it.
     r = remote.run([inst.argv[0], "-m", "pip", "check"])
     assert r.rc == 0, r.text + r.err
-    site = remote.run([inst.argv[0], "-c", "import onbox.stores.local, click, watchdog; print(1)"])
+    site = remote.run(
+        [inst.argv[0], "-c", "import onbox.sealing.stores.local, click, watchdog; print(1)"]
+    )
     assert site.rc == 0, site.err
     wheels = os.listdir(os.path.join(venv_install.home, "wheels"))
     assert len(wheels) == 1 and wheels[0].startswith("rgt-")
@@ -411,12 +414,12 @@ def test_offline_install_from_pushed_wheels(remote: SshRemote, tmp_path: Path) -
     log = Path(inst.path, "install.log").read_text()
     assert os.path.join(home, "wheels") in log and "Looking in indexes" not in log
     assert _agent(remote, inst, "--version") == f"rgt-agent, version {wheelmod.version()}\n"
-    r = remote.run([inst.argv[0], "-c", "import boto3, onbox.stores.s3"])
+    r = remote.run([inst.argv[0], "-c", "import boto3, onbox.sealing.stores.s3"])
     assert r.rc == 0, r.err
 
 
 def test_platform_tags_for_offline_downloads() -> None:
-    from controller.install import BoxPython
+    from controller.deploy.install import BoxPython
 
     glibc = BoxPython("/p", (3, 10, 1), "cpython", "", "aarch64", ("glibc", "2.31"))
     tags = manylinux_platforms(glibc)

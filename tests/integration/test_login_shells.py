@@ -33,10 +33,10 @@ from typing import Dict, Iterator, List, Tuple
 import pytest
 
 from controller import remote as remotemod
-from controller.release import push_release
+from controller.deploy.release import push_release
 from controller.remote import SshRemote
 from controller.target import Target
-from onbox.errors import HostError
+from onbox.common.errors import HostError
 from tests.conftest import require
 from tests.sshd import LOGIN_SHELLS, SshServer, missing, shell_missing, shell_user, start_sshd
 
@@ -194,7 +194,7 @@ def test_popen(box: Box) -> None:
 
 
 def test_deploy_start_line_job_argv(box: Box) -> None:
-    """The line controller/deploy.py starts the agent with, ``cd DIR; shift; exec "$@"``, with
+    """The line controller/deploy/flow.py starts the agent with, ``cd DIR; shift; exec "$@"``, with
     ``env K=V`` and a job after ``--``: the job (a Python on the box) sees its argv as given."""
     args = hostile(box.plant)
     job = (

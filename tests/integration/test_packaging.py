@@ -2,7 +2,8 @@
 frontend (``python -m build``) from a clean copy of the checkout (its tracked and unignored
 files), the wheel installed, not editable, into a fresh venv, and its two programs run from a
 directory outside the checkout with no PYTHONPATH, so that nothing is imported from the source
-tree. A package the build leaves out (``onbox.stores`` once was) fails here; an editable install,
+tree. A package the build leaves out (``onbox.sealing.stores`` once was) fails here; an editable
+install,
 which imports from the checkout, never notices.
 """
 
@@ -24,7 +25,7 @@ from typing import Any, Dict, Iterator, List, Set
 
 import pytest
 
-from controller import wheel as wheelmod
+from controller.deploy import wheel as wheelmod
 from tests.conftest import ROOT, _kill_run_processes, require
 
 # Building in an isolated environment and installing the wheel's dependencies both go to the
@@ -158,7 +159,7 @@ def test_the_wheel_ships_onbox_and_controller_and_nothing_else(dists: Dists) -> 
 def test_the_box_wheel_carries_the_same_onbox_modules_as_the_standard_wheel(
     dists: Dists,
 ) -> None:
-    """controller/wheel.py packs the agent's wheel for the box itself: the same ``onbox``."""
+    """controller/deploy/wheel.py packs the agent's wheel for the box itself: the same ``onbox``."""
 
     def onbox_modules(names: List[str]) -> Set[str]:
         return {n for n in names if n.startswith("onbox/") and n.endswith(".py")}
@@ -166,7 +167,7 @@ def test_the_box_wheel_carries_the_same_onbox_modules_as_the_standard_wheel(
     box = onbox_modules(_wheel_names(wheelmod.wheel_bytes()))
     standard = onbox_modules(_wheel_names(Path(dists.wheel).read_bytes()))
     assert box == standard, {"box only": box - standard, "standard only": standard - box}
-    assert "onbox/stores/local.py" in box
+    assert "onbox/sealing/stores/local.py" in box
 
 
 def test_the_installed_programs_run_from_the_venv_alone(venv: Venv, tmp_path: Path) -> None:
@@ -176,8 +177,9 @@ def test_the_installed_programs_run_from_the_venv_alone(venv: Venv, tmp_path: Pa
         p = _run([os.path.join(venv.bin, prog), "--version"], env=env, cwd=venv.cwd)
         assert p.stdout == f"{prog}, version {version}\n"
     code = (
-        "import json, onbox, onbox.stores.local, controller.cli; "
-        "print(json.dumps([m.__file__ for m in (onbox, onbox.stores.local, controller.cli)]))"
+        "import json, onbox, onbox.sealing.stores.local, controller.cli; "
+        "mods = (onbox, onbox.sealing.stores.local, controller.cli); "
+        "print(json.dumps([m.__file__ for m in mods]))"
     )
     p = _run([os.path.join(venv.bin, "python"), "-c", code], env=env, cwd=venv.cwd)
     for path in json.loads(p.stdout):
@@ -208,7 +210,9 @@ def test_the_installed_agent_starts_stops_and_mirrors_a_run_into_a_file_store(
         assert st["state"] in ("STARTING", "RUNNING") and st["command"] == job
         mirror = os.path.join(store, "clean", "state", "state.json")
         deadline = time.monotonic() + 30
-        while not os.path.exists(mirror):  # the agent reached the store through onbox.stores
+        while not os.path.exists(
+            mirror
+        ):  # the agent reached the store through onbox.sealing.stores
             assert time.monotonic() < deadline, sorted(Path(store).rglob("*"))
             time.sleep(0.2)
 

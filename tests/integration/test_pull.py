@@ -28,16 +28,16 @@ from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
-from controller.pull import covers_newest, pull, terminal_progress
-from controller.receipt import load_receipt, load_state_receipt, receipt_path
 from controller.registry import RunRecord
 from controller.remote import SshRemote
+from controller.results.pull import covers_newest, pull, terminal_progress
+from controller.results.receipt import load_receipt, load_state_receipt, receipt_path
 from controller.target import Target, ssh_destination_args
-from onbox import manifest as mf
-from onbox.errors import IntegrityError, UsageError
-from onbox.sealer import Sealer, take_epoch
-from onbox.stores import open_store
-from onbox.stores.base import Store
+from onbox.common.errors import IntegrityError, UsageError
+from onbox.sealing import manifest as mf
+from onbox.sealing.sealer import Sealer, take_epoch
+from onbox.sealing.stores import open_store
+from onbox.sealing.stores.base import Store
 from tests.conftest import ROOT, Cli, agent_exe, require
 from tests.seaweed import SeaweedServer
 from tests.sshd import SshServer
@@ -411,7 +411,7 @@ def _pull_in_child(
 ) -> subprocess.Popen[bytes]:
     code = (
         "import json, os, signal, sys\n"
-        "from controller.pull import pull\n"
+        "from controller.results.pull import pull\n"
         "from controller.registry import RunRecord\n"
         "rec = RunRecord.from_json(json.loads(sys.argv[1]))\n"
         + extra

@@ -1,4 +1,5 @@
-"""Pushing code to the box (controller/release.py) over a real sshd on loopback and to ``local``.
+"""Pushing code to the box (controller/deploy/release.py) over a real sshd on loopback and to
+``local``.
 
 The box is this machine (loopback), so what arrived is checked by reading the box's files
 directly. Covered:
@@ -31,7 +32,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
-from controller.release import (
+from controller.deploy.release import (
     MARKER,
     PushResult,
     current_release,
@@ -41,8 +42,8 @@ from controller.release import (
 )
 from controller.remote import LocalRemote, Remote, SshRemote
 from controller.target import Target
-from onbox import procfs
-from onbox.errors import HostError, RemoteUnreachable, UsageError
+from onbox.agent import procfs
+from onbox.common.errors import HostError, RemoteUnreachable, UsageError
 from tests.conftest import ROOT
 from tests.sshd import SshServer
 
@@ -499,7 +500,7 @@ def test_killing_rsync_midway_leaves_the_old_release(ssh_box: Box, tmp_path: Pat
 def _push_in_child(box: Box, proj: Path, env: Dict[str, str]) -> subprocess.Popen[bytes]:
     code = (
         "import sys; from controller.remote import SshRemote; from controller.target import Target;"
-        "from controller.release import push_release;"
+        "from controller.deploy.release import push_release;"
         "r = SshRemote(Target('ssh', host='127.0.0.1', port=int(sys.argv[1]), user=sys.argv[2],"
         " identity=sys.argv[3]));"
         "push_release(r, sys.argv[4], sys.argv[5], rsync_options=['--bwlimit=1000'])"

@@ -22,15 +22,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import pytest
 
-from controller.pull import covers_newest, newest_sealed, pull
 from controller.registry import RunRecord
+from controller.results.pull import covers_newest, newest_sealed, pull
 from controller.target import Target
-from onbox import manifest as mf
-from onbox.errors import IntegrityError
-from onbox.restore import NoVerifiedCheckpoint, restore_latest
-from onbox.sealer import Sealer, take_epoch
-from onbox.stores import open_store
-from onbox.stores.base import Store, StoreError
+from onbox.common.errors import IntegrityError
+from onbox.sealing import manifest as mf
+from onbox.sealing.restore import NoVerifiedCheckpoint, restore_latest
+from onbox.sealing.sealer import Sealer, take_epoch
+from onbox.sealing.stores import open_store
+from onbox.sealing.stores.base import Store, StoreError
 from tests.conftest import Cli
 from tests.seaweed import SeaweedServer, closed_port
 
@@ -107,7 +107,7 @@ def where(request: Any, cli: Cli, tmp_path: Any) -> Iterator[Raw]:
 def _open(raw: Raw, cli: Cli) -> Store:
     """The store of ``raw`` opened as the agent opens it (for S3: the CLI's AWS_* settings)."""
     if raw.url.startswith("s3://"):
-        from onbox.stores.s3 import S3Store
+        from onbox.sealing.stores.s3 import S3Store
 
         bucket = raw.url[len("s3://") :].split("/")[0]
         env = cli.env

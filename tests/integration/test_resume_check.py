@@ -1,6 +1,6 @@
 """The resume contract check with a real agent: a job restarted after a checkpoint at step S
 that reports a step below S is flagged, once, with what to do; one that resumes is recorded
-quietly. Reports come from the progress file (onbox.progress) or a log pattern."""
+quietly. Reports come from the progress file (onbox.common.progress) or a log pattern."""
 
 from __future__ import annotations
 

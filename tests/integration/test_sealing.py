@@ -19,12 +19,12 @@ from typing import Any, Dict, List
 
 import pytest
 
-from controller.pull import pull
 from controller.registry import RunRecord
+from controller.results.pull import pull
 from controller.target import Target
-from onbox.restore import restore_latest
-from onbox.sealer import Sealer, take_epoch
-from onbox.stores import open_store
+from onbox.sealing.restore import restore_latest
+from onbox.sealing.sealer import Sealer, take_epoch
+from onbox.sealing.stores import open_store
 from tests.conftest import ROOT, Cli, fixture, require
 
 WRITER = fixture("ckpt_writer.py")

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Dict, List
 
-from onbox import manifest as mf
+from onbox.sealing import manifest as mf
 from tests.conftest import ROOT, Cli, fixture, require
 from tests.seaweed import SeaweedServer
 

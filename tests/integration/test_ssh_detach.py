@@ -30,9 +30,9 @@ from typing import Iterator, Optional, Tuple
 
 import pytest
 
-from onbox import procfs
-from onbox.durable import read_json
-from onbox.rundir import RunDir
+from onbox.agent import procfs
+from onbox.common.durable import read_json
+from onbox.common.rundir import RunDir
 from tests.conftest import Cli, fixture
 from tests.sshd import SshServer, remote_env
 

@@ -1,4 +1,5 @@
-"""The Store contract (onbox/stores/base.py), the same tests against every store: a directory
+"""The Store contract (onbox/sealing/stores/base.py), the same tests against every store: a
+directory
 (LocalStore) and a real S3 server (S3Store on SeaweedFS, tests/seaweed.py).
 
 The promise to users: whichever durable store a run seals its checkpoints to, a checkpoint comes
@@ -21,9 +22,9 @@ from typing import Iterator, Tuple
 
 import pytest
 
-from onbox.errors import IntegrityError
-from onbox.stores.base import PreconditionFailed, Store
-from onbox.stores.local import LocalStore
+from onbox.common.errors import IntegrityError
+from onbox.sealing.stores.base import PreconditionFailed, Store
+from onbox.sealing.stores.local import LocalStore
 from tests.seaweed import SeaweedServer
 
 MiB = 1 << 20

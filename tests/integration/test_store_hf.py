@@ -20,9 +20,9 @@ import pytest
 from huggingface_hub import close_session
 from huggingface_hub import constants as hf_constants
 
-from onbox.errors import AuthError, IntegrityError
-from onbox.stores import open_store
-from onbox.stores.base import (
+from onbox.common.errors import AuthError, IntegrityError
+from onbox.sealing.stores import open_store
+from onbox.sealing.stores.base import (
     ObjectInfo,
     PermanentStoreError,
     PreconditionFailed,
@@ -30,7 +30,7 @@ from onbox.stores.base import (
     TransientStoreError,
     with_retries,
 )
-from onbox.stores.hf import AUTH_MESSAGE, HFStore, git_blob_id
+from onbox.sealing.stores.hf import AUTH_MESSAGE, HFStore, git_blob_id
 from tests.conftest import ROOT
 from tests.fakehub import FakeHub, Request
 
@@ -215,7 +215,7 @@ def test_hf_endpoint_is_honoured_fake_hub(fake_hub: FakeHub, tmp_path: Path) -> 
     )
     script = textwrap.dedent(
         """
-        from onbox.stores import open_store
+        from onbox.sealing.stores import open_store
         s = open_store("hf://alice/mirrored/p")
         s.put_bytes("a/b.txt", b"hello")
         print(s.endpoint, s.get_bytes("a/b.txt").decode())

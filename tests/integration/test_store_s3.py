@@ -32,13 +32,13 @@ from typing import Any, Iterator, List, Tuple
 import pytest
 from botocore.awsrequest import AWSResponse
 
-from onbox.errors import AuthError, IntegrityError
-from onbox.stores.base import (
+from onbox.common.errors import AuthError, IntegrityError
+from onbox.sealing.stores.base import (
     PermanentStoreError,
     TransientStoreError,
     with_retries,
 )
-from onbox.stores.s3 import S3Store, part_size_for
+from onbox.sealing.stores.s3 import S3Store, part_size_for
 from tests.conftest import ROOT
 from tests.seaweed import SeaweedServer, closed_port, start_seaweed
 
@@ -408,7 +408,7 @@ def test_standard_aws_configuration_is_enough(
     s3:// URL: the store finds the endpoint, addresses it path-style, and works."""
     code = (
         "import sys\n"
-        "from onbox.stores import open_store\n"
+        "from onbox.sealing.stores import open_store\n"
         "s = open_store(sys.argv[1])\n"
         "print(s.client.meta.config.s3['addressing_style'], s.endpoint)\n"
         "s.preflight('run')\n"

@@ -23,9 +23,8 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
-from onbox import ckptdir
-from onbox.durable import sha256_file
-from onbox.train import Checkpointer, CheckpointError, CheckpointWriteFailed
+from onbox.common.durable import sha256_file
+from onbox.train import Checkpointer, CheckpointError, CheckpointWriteFailed, ckptdir
 from tests.conftest import ROOT, require
 
 # Imported only where installed, so that a missing one is the fixture's skip (or, under CI=true,
@@ -148,7 +147,7 @@ class _Payload:
 
 def _remark(step_dir: str) -> None:
     """Rewrite the marker to match the files as they are now (a forger's marker)."""
-    from onbox.durable import sha256_file
+    from onbox.common.durable import sha256_file
 
     path = os.path.join(step_dir, ckptdir.MARKER)
     with open(path) as f:
@@ -350,7 +349,7 @@ def test_requests_signals_and_interval_make_a_checkpoint_due(
         json.dump({"why": "preemption"}, f)
     ck.exit_on_preempt = False
     assert ck.should_checkpoint(2) and ck.preempted
-    from onbox import progress
+    from onbox.common import progress
 
     doc = progress.read(run_dir)
     assert doc is not None and doc["step"] >= 1
@@ -465,7 +464,7 @@ def test_the_api_imports_with_only_the_standard_library(tmp_path: Any) -> None:
     """The job's Python may have nothing but torch: importing onbox.train pulls in none of the
     agent's dependencies (and not even torch until a save or load needs it)."""
     code = (
-        "import sys; import onbox.train, onbox.progress\n"
+        "import sys; import onbox.train, onbox.common.progress\n"
         "heavy = ('click', 'boto3', 'botocore', 'psutil', 'watchdog', 'huggingface_hub',\n"
         "         'setproctitle', 'torch', 'numpy')\n"
         "print(sorted(m for m in heavy if m in sys.modules))\n"

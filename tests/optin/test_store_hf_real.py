@@ -27,10 +27,10 @@ if os.environ.get("RGT_HF_TESTS") != "1" or not os.environ.get("HF_TOKEN"):
 
 from huggingface_hub import HfApi
 
-from onbox.errors import IntegrityError
-from onbox.stores import open_store
-from onbox.stores.base import PreconditionFailed
-from onbox.stores.hf import HFStore
+from onbox.common.errors import IntegrityError
+from onbox.sealing.stores import open_store
+from onbox.sealing.stores.base import PreconditionFailed
+from onbox.sealing.stores.hf import HFStore
 
 # Without hf_xet, huggingface_hub 2.4 hands httpx2 a file object for LFS uploads (deprecated).
 pytestmark = pytest.mark.filterwarnings(

@@ -6,7 +6,7 @@ import signal
 
 import pytest
 
-from onbox.classify import Budget, ExitStatus, Kind, classify, last_exception
+from onbox.agent.classify import Budget, ExitStatus, Kind, classify, last_exception
 
 TB = 'Traceback (most recent call last):\n  File "train.py", line 9, in <module>\n    main()\n'
 

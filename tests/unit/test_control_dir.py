@@ -21,7 +21,7 @@ import pytest
 from controller import remote as remotemod
 from controller.remote import SshRemote
 from controller.target import Target
-from onbox.errors import UsageError
+from onbox.common.errors import UsageError
 from tests.conftest import require
 
 NOBODY = 65534

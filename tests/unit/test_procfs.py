@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from onbox import procfs
+from onbox.agent import procfs
 
 
 def test_identity_of_a_live_process_and_a_stale_record() -> None:

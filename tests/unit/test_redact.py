@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from onbox import redact
-from onbox.redact import MARK, MIN_SECRET_LEN, Redactor
+from onbox.common import redact
+from onbox.common.redact import MARK, MIN_SECRET_LEN, Redactor
 
 SECRET = "s3cr3t-" + os.urandom(8).hex()
 # A value with characters that URL and JSON encodings change.

@@ -12,9 +12,8 @@ from typing import Any, Dict, List, Optional
 
 import pytest
 
-from onbox import progress
-from onbox.journal import MemoryJournal
-from onbox.resumecheck import (
+from onbox.agent.journal import MemoryJournal
+from onbox.agent.resumecheck import (
     FAST_FOR,
     POLL_FAST,
     POLL_SLOW,
@@ -22,7 +21,8 @@ from onbox.resumecheck import (
     ResumeCheck,
     newest_local_step,
 )
-from onbox.rundir import RunDir
+from onbox.common import progress
+from onbox.common.rundir import RunDir
 
 
 class Box:

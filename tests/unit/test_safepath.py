@@ -1,4 +1,5 @@
-"""onbox.safepath: the one gate for paths from a box or a store, and its no-follow file helpers.
+"""onbox.common.safepath: the one gate for paths from a box or a store, and its no-follow file
+helpers.
 
 Hostile names are refused with an IntegrityError (exit 6) that names the path and says why;
 names that look odd but are plain file names (spaces, quotes, shell syntax, unicode, a newline)
@@ -13,8 +14,8 @@ from typing import List
 
 import pytest
 
-from onbox.errors import IntegrityError
-from onbox.safepath import (
+from onbox.common.errors import IntegrityError
+from onbox.common.safepath import (
     UnsafePath,
     conflicts,
     lstat_beneath,

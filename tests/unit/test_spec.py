@@ -9,9 +9,7 @@ from typing import Any
 
 import pytest
 
-from onbox.errors import UsageError
-from onbox.rundir import check_name
-from onbox.spec import (
+from onbox.agent.spec import (
     JobSpec,
     Overrides,
     RestartPolicy,
@@ -22,6 +20,8 @@ from onbox.spec import (
     parse_signal,
     step_group,
 )
+from onbox.common.errors import UsageError
+from onbox.common.rundir import check_name
 
 
 def _build(tmp_path: Any, toml: str = "", **flags: Any) -> Any:

@@ -12,11 +12,11 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
-from onbox.classify import ExitStatus
-from onbox.journal import MemoryJournal
-from onbox.spec import JobSpec, RestartPolicy
-from onbox.states import TERMINAL, TRANSITIONS, State
-from onbox.supervisor import LEFTOVER_GRACE, Supervisor, preempt_kill_delay
+from onbox.agent.classify import ExitStatus
+from onbox.agent.journal import MemoryJournal
+from onbox.agent.spec import JobSpec, RestartPolicy
+from onbox.agent.states import TERMINAL, TRANSITIONS, State
+from onbox.agent.supervisor import LEFTOVER_GRACE, Supervisor, preempt_kill_delay
 
 
 class FakeClock:

@@ -1,5 +1,5 @@
 """The framework-neutral parts of the framework callbacks, without the frameworks: publishing a
-directory as a complete rgt checkpoint (onbox/train_accelerate.py), the save/load cycle of
+directory as a complete rgt checkpoint (onbox/train/accelerate.py), the save/load cycle of
 ``AcceleratorCheckpointer`` against a fake ``Accelerator`` (the object the user hands in: the
 seam), and the ImportError a missing framework gives."""
 
@@ -13,9 +13,9 @@ from typing import Any, Dict, List
 
 import pytest
 
-from onbox import ckptdir
-from onbox.errors import CheckpointError
-from onbox.train_accelerate import (
+from onbox.common.errors import CheckpointError
+from onbox.train import ckptdir
+from onbox.train.accelerate import (
     AcceleratorCheckpointer,
     complete_checkpoints,
     publish_dir,
@@ -167,8 +167,8 @@ def test_fake_accelerator_checkpointer_refuses_automatic_naming() -> None:
 @pytest.mark.parametrize(
     "module, blocked, extra",
     [
-        ("onbox.train_hf", "transformers", "transformers"),
-        ("onbox.train_lightning", "lightning", "lightning"),
+        ("onbox.train.hf", "transformers", "transformers"),
+        ("onbox.train.lightning", "lightning", "lightning"),
     ],
 )
 def test_a_missing_framework_names_the_extra(module: str, blocked: str, extra: str) -> None:

@@ -1,0 +1,453 @@
+"""`rgt deploy`: put a run on a box and return.
+
+1. Preflight audit (controller/deploy/audit.py): every problem is shown before anything is changed.
+2. Push the code as an immutable, content-addressed release (controller/deploy/release.py); the job
+   runs inside it, so a later deploy never changes a running job's files.
+3. Install the agent into its own environment from the box's Python (controller/deploy/install.py).
+4. Secrets: each ``--secret-env`` value travels on stdin to ``rgt-agent secrets`` (0600 file
+   outside the release and run directories), never in argv, a command line, a log or the store.
+5. Start the agent detached (``rgt-agent start`` returns within a second), then watch until the
+   job runs and has printed its first line (at most 60 s), and say where to look.
+
+Running deploy again is idempotent: the same code is not pushed again, an installed agent is
+reused, and a run that is already live on the same release is left alone. A deploy cut off
+halfway leaves the old release or the new one, never a mix.
+
+Round trips: the audit's one script also reads the box's Python for the agent, the marker of the
+agent's install for it and whether the release is complete (controller/deploy/audit.py); and, where
+this laptop has a record of the run, it runs the recorded agent's ``--version`` and, at once,
+its ``status NAME --json`` and reads the run's spec.json (the look). That look counts only if
+the recorded agent is the install the audit found; else (or with no record) the look is one
+more command. A deploy of unchanged code whose run is live, from the laptop that deployed it,
+runs the audit alone. Anything missing or wrong is then fixed as before, each by its own
+command: the push, an install (also when the agent's ``--version`` fails), then the look again
+with the agent installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import posixpath
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from controller.deploy import audit as auditmod
+from controller.deploy.install import (
+    AgentInstall,
+    AgentWheel,
+    Probed,
+    agent_wheel,
+    answers_version,
+    found_install,
+    install_agent,
+)
+from controller.deploy.release import project_files, push_release, release_id, switch_current
+from controller.registry import Registry, RunRecord
+from controller.remote import Remote, open_remote
+from controller.target import Target, parse_target
+from onbox.agent.spec import check_outputs, default_name
+from onbox.common.errors import (
+    HostError,
+    LockedError,
+    NotFound,
+    RemoteUnreachable,
+    RgtError,
+    UsageError,
+)
+from onbox.common.rundir import check_name
+from onbox.sealing.stores import parse_store_url
+
+PROFILES = ("generic-ssh", "local")
+FIRST_LINE_TIMEOUT = 60.0
+LIVE = {"PENDING", "STARTING", "RUNNING", "BACKOFF", "STOPPING"}
+
+
+@dataclasses.dataclass
+class DeployRequest:
+    """What the user asked `rgt deploy` for."""
+
+    target: str
+    command: List[str]
+    job_file: Optional[str] = None
+    profile: Optional[str] = None
+    store: Optional[str] = None
+    name: Optional[str] = None
+    python: Optional[str] = None
+    secret_env: Sequence[str] = ()
+    outputs: Sequence[str] = ()  # --output: passed to `rgt-agent start`, added to the job file's
+    offline: bool = False
+    project: str = "."
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _job_name(req: DeployRequest, project: str) -> str:
+    if req.name is not None:  # given empty is refused, never replaced by a default
+        return check_name(req.name, "--name")
+    if req.job_file:
+        if sys.version_info >= (3, 11):
+            import tomllib  # novermin
+        else:  # pragma: no cover - older laptops
+            import tomli as tomllib
+        try:
+            with open(req.job_file, "rb") as f:
+                doc = tomllib.load(f)
+        except (OSError, ValueError) as e:
+            raise UsageError("JOB.toml", f"cannot read {req.job_file}: {e}") from None
+        if isinstance(doc.get("name"), str):
+            return check_name(doc["name"], "name (in the job file)")
+        cmd = doc.get("command")
+        if isinstance(cmd, list) and cmd:
+            return default_name([str(c) for c in cmd])
+    return default_name(req.command)
+
+
+def _check_job_store(req: DeployRequest) -> None:
+    """Refuse a malformed ``store`` in the job file, as the box would."""
+    if not req.job_file:
+        return
+    if sys.version_info >= (3, 11):
+        import tomllib  # novermin
+    else:  # pragma: no cover - older laptops
+        import tomli as tomllib
+    try:
+        with open(req.job_file, "rb") as f:
+            store = tomllib.load(f).get("store")
+    except (OSError, ValueError):
+        return  # _job_name has read it already; the box names what is wrong with it
+    if store is not None:
+        parse_store_url(store, "store (in the job file)")
+
+
+def _secrets(names: Sequence[str], environ: Dict[str, str]) -> Dict[str, str]:
+    out = {}
+    for var in names:
+        if not var.isidentifier():
+            raise UsageError("--secret-env", f"{var!r} is not an environment variable name")
+        if var not in environ:
+            raise UsageError(
+                "--secret-env",
+                f"{var} is not set in this shell, so there is no value to send",
+                f"export {var}=... first (its value travels on stdin only)",
+            )
+        out[var] = environ[var]
+    return out
+
+
+def box_home_for(remote: Remote, home: str) -> str:
+    """RGT_HOME on the box: $RGT_BOX_HOME when set here, else ~/.rgt of the box's user (""
+    while the box's $HOME, ``home``, is not known yet)."""
+    override = os.environ.get("RGT_BOX_HOME")
+    if override:
+        return override
+    if remote.target.kind == "local":
+        return os.path.abspath(os.environ.get("RGT_HOME") or os.path.expanduser("~/.rgt"))
+    if not home:
+        return ""
+    if not home.startswith("/"):
+        raise HostError(f"{remote.target.label}: the box's $HOME is {home!r}, not a path")
+    return posixpath.join(home, ".rgt")
+
+
+def _durable_path(store: Optional[str]) -> Optional[str]:
+    return store[len("file://") :] if store and store.startswith("file://") else None
+
+
+def _extras(store: Optional[str]) -> List[str]:
+    if store and store.startswith("s3://"):
+        return ["s3"]
+    if store and store.startswith("hf://"):
+        return ["hf"]
+    return []
+
+
+def deploy(
+    req: DeployRequest,
+    *,
+    registry: Optional[Registry] = None,
+    environ: Optional[Dict[str, str]] = None,
+    say: Callable[[str], None] = _say,
+) -> RunRecord:
+    """Run every step of a deploy; the run's record once its job printed a first line."""
+    environ = dict(os.environ if environ is None else environ)
+    registry = registry or Registry()
+    target: Target = parse_target(req.target)
+    profile = req.profile or ("local" if target.kind == "local" else "generic-ssh")
+    if profile not in PROFILES:
+        raise UsageError("--profile", f"{profile!r} is not one of {', '.join(PROFILES)}")
+    if (profile == "local") != (target.kind == "local"):
+        raise UsageError("--profile", f"profile {profile} does not fit target {target.label}")
+    if not req.command and not req.job_file:
+        raise UsageError("command", "nothing to run", "give a JOB.toml or `-- CMD ...`")
+    project = os.path.abspath(req.project)
+    job_rel = None
+    if req.job_file:
+        job_rel = os.path.relpath(os.path.abspath(req.job_file), project)
+        if job_rel.startswith(".."):
+            raise UsageError("JOB.toml", f"{req.job_file} is not inside the project {project}")
+    name = _job_name(req, project)
+    # The box would refuse a bad store URL too, but only after the push and the install: check
+    # it here with the box's own parser, before anything anywhere changes.
+    if req.store is not None:
+        parse_store_url(req.store, "--store")
+    else:
+        _check_job_store(req)
+    check_outputs(list(req.outputs), "--output")  # as the box would, before anything changes
+    secrets = _secrets(req.secret_env, environ)
+    # The agent this laptop last ran the run with is most likely still the one: look at the run
+    # through it within the audit's command (checked against what the audit finds). Read before
+    # anything else, so that a corrupt registry stops the deploy with nothing changed.
+    prev = _previous(registry, name, target)
+    # What the audit looks for on the box, computed here first: the release's id (a project
+    # that cannot be pushed is refused before the box is touched) and the agent's wheel.
+    files = project_files(project)
+    rid = release_id(project, files)
+    wheel = agent_wheel()
+
+    remote = open_remote(target)
+    try:
+        say(f"rgt: auditing {target.label} ...")
+        known = box_home_for(remote, "")  # "" on an ssh box: its $HOME/.rgt, read by the audit
+        store = req.store
+        if store is None and profile == "local":
+            store = "file://" + os.path.join(known, "store")
+        extras = _extras(store)
+        report = auditmod.audit(
+            remote,
+            python=req.python,
+            box_home=known,
+            durable=_durable_path(store),
+            wheel=wheel,
+            extras=extras,
+            release_id=rid,
+            deploy=name,
+            look=_look_args(prev, wheel.version) if prev is not None else (),
+        )
+        box_home = known or box_home_for(remote, report.home)
+        for f in report.findings:
+            say(f"  {'ok  ' if f.level == 'ok' else f.level.upper() + ':'} {f.what}")
+        if report.problems:
+            raise HostError(
+                f"{target.label} is not ready: "
+                + "; ".join(f.what for f in report.problems)
+                + ". Nothing was changed on the box.",
+                "fix these, then deploy again",
+            )
+
+        pushed = push_release(
+            remote, project, box_home, name=name, files=files, seen=report.release
+        )
+        say(
+            f"rgt: release {pushed.id}: "
+            + (
+                "already on the box, nothing sent"
+                if pushed.method == "existing"
+                else f"{pushed.transferred_files} files, {pushed.transferred_bytes} bytes "
+                f"sent ({pushed.method})"
+            )
+        )
+
+        def record(agent: AgentInstall) -> RunRecord:
+            return RunRecord(
+                name=name,
+                target=target,
+                profile=profile,
+                store=store,
+                box_home=box_home,
+                agent=list(agent.argv),
+                agent_env=dict(agent.env),
+                release=pushed.id,
+                workdir=pushed.path,
+            )
+
+        agent, rec, live = _agent_and_run(
+            remote, req, box_home, wheel, extras, report.probed, record, prev, report.look
+        )
+        say(
+            f"rgt: agent {'installed' if agent.installed else 'already installed'} "
+            f"({agent.method}, Python {agent.python_version})"
+        )
+        if live is not None:
+            state, release = live
+            if release == pushed.id:
+                # A deploy cut off after the start may not have switched the link yet.
+                switch_current(remote, box_home, name, pushed.id)
+                registry.put(rec)
+                say(f"rgt: {name} is already {state} on this release; nothing to do")
+                return rec
+            raise LockedError(
+                f"run {name} is {state} on {target.label} with release {release}",
+                f"`rgt stop {name}` first, or deploy under another --name",
+            )
+        if secrets:
+            r = remote.run(rec.agent_argv("secrets", name), input=json.dumps(secrets).encode())
+            if r.rc != 0:
+                raise HostError(f"storing the secrets on the box failed: {r.err.strip()}")
+            say(f"rgt: secrets {', '.join(sorted(secrets))} stored on the box (0600)")
+        args = ["start", "--name", name]
+        if store:
+            args += ["--store", store]
+        for out in req.outputs:
+            args += ["--output", out]
+        if job_rel:
+            args.append(job_rel)
+        if req.command:
+            args += ["--", *req.command]
+        try:
+            r = remote.sh(
+                'cd "$1" || exit 9; shift; exec "$@"',
+                pushed.path,
+                *rec.agent_argv(*args),
+                timeout=120,
+            )
+        except RemoteUnreachable:
+            # The link went while the agent was starting, so it may well be running: remember
+            # the run, so that `rgt status` finds it and the next deploy sees it live.
+            registry.put(rec)
+            raise
+        if r.rc != 0:
+            raise RgtError(
+                f"rgt-agent start failed on {target.label} (exit {r.rc}): "
+                f"{(r.err or r.text).strip()}"
+            )
+        registry.put(rec)
+        switch_current(remote, box_home, name, pushed.id)
+        _wait_first_line(remote, rec, say)
+        return rec
+    finally:
+        remote.close()
+
+
+Live = Tuple[str, Optional[str]]  # a live run's state and the release it runs
+
+
+def _agent_and_run(
+    remote: Remote,
+    req: DeployRequest,
+    box_home: str,
+    wheel: AgentWheel,
+    extras: Sequence[str],
+    probed: Optional[Probed],
+    record: Callable[[AgentInstall], RunRecord],
+    prev: Optional[RunRecord] = None,
+    seen: Optional[Dict[str, List[str]]] = None,
+) -> Tuple[AgentInstall, RunRecord, Optional[Live]]:
+    """The agent to run (the install the audit found, once its ``--version`` answers; else one
+    installed now), the run's record with it, and the run's live state, if it is live.
+
+    ``seen``: the audit's look at the run through ``prev``'s agent (the one this laptop last
+    recorded for it); it stands for this look only where that is the agent found now."""
+    found = found_install(probed, box_home, wheel, extras) if probed is not None else None
+    if found is not None:
+        rec = record(found)
+        same = (
+            prev is not None
+            and seen is not None
+            and prev.agent_argv() == rec.agent_argv()
+            and prev.name == rec.name
+        )
+        sound, live = _look(remote, rec, wheel.version, seen if same else None)
+        if sound:
+            return found, rec, live
+    agent = install_agent(
+        remote,
+        box_home,
+        req.python,
+        req.offline,
+        extras,
+        wheel=wheel,
+        probed=probed,
+        broken=found is not None,
+    )
+    rec = record(agent)
+    return agent, rec, _look(remote, rec)[1]
+
+
+def _previous(registry: Registry, name: str, target: Target) -> Optional[RunRecord]:
+    """This laptop's record of run ``name`` on ``target``, if it has one with an agent."""
+    try:
+        rec = registry.get(name)
+    except NotFound:
+        return None
+    if rec.target != target or not rec.agent or not rec.box_home:
+        return None
+    return rec
+
+
+def _look_args(rec: RunRecord, version: Optional[str]) -> List[str]:
+    """audit.rgt_look's arguments for a look at ``rec``'s run (``--version`` too, with
+    ``version``)."""
+    spec = posixpath.join(rec.box_home, "runs", rec.name, "spec.json")
+    return ["1" if version else "0", spec, rec.name, *rec.agent_argv()]
+
+
+def _look(
+    remote: Remote,
+    rec: RunRecord,
+    version: Optional[str] = None,
+    seen: Optional[Dict[str, List[str]]] = None,
+) -> Tuple[bool, Optional[Live]]:
+    """Whether the run's agent answers ``--version`` with ``version`` (not asked, True, when
+    ``version`` is None), and the run's (state, release) when it is live on the box: from
+    ``seen`` (the audit's look through the same agent) or one command now."""
+    if seen is None:
+        r = remote.sh(auditmod.LOOK_SH + 'rgt_look "$@"', *_look_args(rec, version), timeout=180)
+        seen = auditmod.sections(r.text)
+    if version is not None:
+        rc = "".join(seen.get("version-rc") or []).strip()
+        said = "\n".join(seen.get("version") or [])
+        if not answers_version(int(rc) if rc.isdigit() else -1, said, version):
+            return False, None  # its status is not to be trusted either
+    if "".join(seen.get("status-rc") or []).strip() != "0":
+        return True, None
+    return True, _live(seen.get("status") or [], seen.get("spec") or [])
+
+
+def _live(status: List[str], spec: List[str]) -> Optional[Live]:
+    """(state, release) from ``rgt-agent status --json`` and spec.json when the run is live."""
+    try:
+        doc = json.loads("\n".join(status))
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("state") not in LIVE:
+        return None
+    if not (doc.get("agent") or {}).get("alive"):
+        return None
+    rel = posixpath.basename(str(doc.get("workdir") or "")) or None
+    if rel is None:
+        try:
+            rel = posixpath.basename(str(json.loads("\n".join(spec)).get("workdir", ""))) or None
+        except (ValueError, AttributeError):
+            rel = None
+    return str(doc["state"]), rel
+
+
+def _wait_first_line(remote: Remote, rec: RunRecord, say: Callable[[str], None]) -> None:
+    deadline = time.monotonic() + FIRST_LINE_TIMEOUT
+    state = "?"
+    while time.monotonic() < deadline:
+        st = remote.run(rec.agent_argv("status", rec.name, "--json"), timeout=60)
+        try:
+            doc = json.loads(st.stdout)
+        except ValueError:
+            doc = {}
+        state = str(doc.get("state"))
+        log = remote.run(rec.agent_argv("logs", rec.name), timeout=60).text
+        if log.strip():
+            say(f"rgt: {rec.name} is {state}; its first line: {log.strip().splitlines()[0][:200]}")
+            break
+        if state in ("FAILED", "SUCCEEDED", "STOPPED", "PREEMPTED"):
+            say(f"rgt: {rec.name} ended ({state}) before printing anything")
+            break
+        time.sleep(0.5)
+    else:
+        say(f"rgt: {rec.name} is {state}; no output within {FIRST_LINE_TIMEOUT:.0f} s yet")
+    say(
+        f"rgt: follow it with `rgt watch {rec.name}`, `rgt logs {rec.name} -f`, "
+        f"`rgt status {rec.name}`; it runs on without this laptop"
+    )

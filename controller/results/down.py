@@ -1,0 +1,314 @@
+"""``rgt down``: stop a run and remove its files from the box, only once its results are safe.
+
+Refused (UnsafeRefused, exit 7) unless the laptop holds a verification receipt of the run
+(controller/results/receipt.py, written by ``rgt pull``) that covers its newest sealed state, read
+again
+now from the store or the box, and whose files are still in the receipt's destination. Before
+anything is done it shows what will be lost (files in the run's directory on the box that the
+receipt does not cover: checkpoints newer than the sealed one, job logs not pulled, rgt's own
+records) and what keeps billing, then asks for the run's name to be typed. ``--yes`` replaces
+the typing only when stdin is not a terminal (a script), and never replaces the receipt.
+
+What down does on the box, each step idempotent so that running it again after a failure is
+safe: ``rgt-agent stop N`` (waits until no process of the run is left; a run already gone is
+fine; if the stop fails nothing is removed), then removes ``secrets/N``, ``deploys/N``, the
+release the run was deployed from when no other deploy or run uses it, and ``runs/N`` (with the
+default checkpoint dir inside it). Never the store, never a checkpoint dir outside the run dir,
+never a release another run uses. The machine itself is not stopped: for ``generic-ssh`` it
+keeps billing until the user stops it in the provider's console (platform profiles will add
+their meter-stop verbs). Last, the run is removed from the laptop's registry; its receipt
+stays in ``$RGT_CONTROLLER_HOME/receipts/``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from typing import Any, Callable, Dict, List, Optional
+
+from controller.registry import Registry, RunRecord
+from controller.remote import Remote, open_remote
+from controller.results.pull import box_run_dir, box_spec, box_state, covers_newest
+from controller.results.receipt import Coverage, Receipt, load_state_receipt, state_receipt_path
+from onbox.common.errors import HostError, StopFailed, UnsafeRefused
+from onbox.common.rundir import check_name
+
+_RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
+# A job's log in the run directory, or the redacted copy the agent wrote next to it.
+_JOB_LOG = re.compile(r"attempts/(\d{4,})/output(\.redacted)?\.log\Z")
+# Every file under the given directories as NUL-terminated (size, path) pairs.
+_SIZES = r"""
+for d do
+  [ -d "$d" ] || continue
+  find "$d" -type f -exec sh -c 'for f do s=$(wc -c < "$f") || continue
+    printf "%s\0%s\0" $s "$f"; done' rgt {} +
+done
+"""
+# $1 RGT_HOME, $2 run name, $3 release id (may be empty). Every step may have been done already.
+_REMOVE = r"""
+home=$1; name=$2; rel=$3
+rm -f -- "$home/secrets/$name"
+rm -rf -- "$home/deploys/$name"
+if [ -n "$rel" ] && [ -d "$home/releases/$rel" ]; then
+  used=
+  for d in "$home"/deploys/*/; do
+    [ -d "$d" ] || continue
+    t=$(readlink "$d/current" 2>/dev/null) || continue
+    case "$t" in */releases/"$rel"|*/releases/"$rel"/) used=1;; esac
+  done
+  for s in "$home"/runs/*/spec.json; do
+    [ -f "$s" ] && [ "$s" != "$home/runs/$name/spec.json" ] || continue
+    grep -qF "/releases/$rel" "$s" && used=1
+  done
+  if [ -z "$used" ]; then
+    # Only directories need write permission to be emptied; files may be hard links that
+    # other releases share, so their modes are left alone.
+    find "$home/releases/$rel" -type d ! -perm -u+w -exec chmod u+w {} + 2>/dev/null
+    rm -rf -- "$home/releases/$rel"
+  fi
+fi
+rm -rf -- "$home/runs/$name"
+[ ! -e "$home/runs/$name" ] && [ ! -e "$home/secrets/$name" ] && [ ! -e "$home/deploys/$name" ]
+"""
+
+
+@dataclasses.dataclass
+class DownPlan:
+    """What ``down`` found and will do; ``lines()`` is what the user is shown."""
+
+    rec: RunRecord
+    receipt: Receipt
+    coverage: Coverage
+    state: Optional[str]  # the run's state on the box; None when its directory is gone
+    lost: List[str]
+    kept: List[str]
+    billing: List[str]
+    actions: List[str]
+    grace: float = 30.0
+    done: List[str] = dataclasses.field(default_factory=list)
+
+    def lines(self) -> List[str]:
+        r = self.receipt
+        out = [
+            f"run {self.rec.name} on {self.rec.target.label} (profile {self.rec.profile}): "
+            + (f"{self.state}" if self.state else "nothing of it is left on the box"),
+            f"verified pull: {len(r.files)} file{'' if len(r.files) == 1 else 's'}, "
+            f"{_human(r.total_bytes())} in {r.dest} "
+            f"({r.sealed.describe()}; from the {r.source}); it covers the newest sealed state",
+        ]
+        out.append("will be lost (on the box only, not in the receipt):")
+        out += [f"  {x}" for x in self.lost[:20]] or ["  nothing"]
+        if len(self.lost) > 20:
+            out.append(f"  ... and {len(self.lost) - 20} more")
+        if self.kept:
+            out.append("kept:")
+            out += [f"  {x}" for x in self.kept]
+        out.append("billing:")
+        out += [f"  {x}" for x in self.billing]
+        out.append("down will:")
+        out += [f"  {x}" for x in self.actions]
+        return out
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _box_sizes(remote: Remote, *dirs: str) -> Dict[str, int]:
+    r = remote.sh(_SIZES, *dirs, timeout=600)
+    fields = r.stdout.split(b"\0")
+    out = {}
+    for i in range(0, len(fields) - 1, 2):
+        try:
+            out[fields[i + 1].decode("utf-8", "surrogateescape")] = int(fields[i])
+        except ValueError:
+            continue
+    return out
+
+
+def _inside(path: str, d: str) -> bool:
+    return path == d or path.startswith(d.rstrip("/") + "/")
+
+
+def _billing(rec: RunRecord) -> List[str]:
+    if rec.target.kind == "local" or rec.profile == "local":
+        return ["nothing keeps billing: the target is this machine"]
+    return [
+        f"the box {rec.target.label} keeps billing until you stop it in your provider's "
+        "console: rgt stops the agent and the job and removes the run's files on the box, "
+        "it does not stop the machine"
+    ]
+
+
+def plan_down(rec: RunRecord, remote: Remote, home: Optional[str] = None) -> DownPlan:
+    """Everything down checks and shows, read-only; UnsafeRefused when no receipt covers the
+    newest sealed state."""
+    name = check_name(rec.name)
+    receipt = load_state_receipt(name, home)
+    if receipt is None:
+        raise UnsafeRefused(
+            f"run {name}: no verification receipt on this laptop "
+            f"({state_receipt_path(name, home)}): taking it down could lose its results",
+            f"rgt pull {name} first",
+        )
+    run_dir = box_run_dir(rec)
+    present = remote.sh('[ -d "$1" ]', run_dir).rc == 0
+    if present or rec.store:
+        coverage = covers_newest(rec, receipt, remote)
+    else:  # no store, and its directory is gone: the box holds nothing of it to lose
+        coverage = Coverage(True, "nothing of the run is left on the box")
+    if not coverage:
+        raise UnsafeRefused(
+            f"run {name}: the verification receipt does not cover the newest sealed state: "
+            f"{coverage.reason}",
+            f"rgt pull {name} again, then rgt down {name}",
+        )
+    state = None
+    lost: List[str] = []
+    kept: List[str] = []
+    grace = 30.0
+    if present:
+        spec = box_spec(rec, remote)
+        grace = float(spec.get("grace") or 30.0)
+        state = str(box_state(rec, remote).get("state"))
+        lost, kept = _losses(rec, receipt, spec, run_dir, remote)
+    if rec.store:
+        kept.append(f"the store {rec.store}: every sealed checkpoint (rgt never deletes it)")
+    kept.append(f"the pulled files in {receipt.dest}")
+    home_box = rec.box_home.rstrip("/")
+    actions = []
+    if present:
+        actions.append(f"stop the agent and the job (rgt-agent stop {name}; now {state})")
+    actions += [
+        f"remove {run_dir}, {home_box}/secrets/{name} and {home_box}/deploys/{name}",
+    ]
+    if rec.release:
+        actions.append(f"remove {home_box}/releases/{rec.release} unless another run uses it")
+    actions.append("forget the run on this laptop (its receipt stays)")
+    return DownPlan(rec, receipt, coverage, state, lost, kept, _billing(rec), actions, grace)
+
+
+def _losses(
+    rec: RunRecord, receipt: Receipt, spec: Dict[str, Any], run_dir: str, remote: Remote
+) -> tuple[List[str], List[str]]:
+    """(lost, kept) lines: the run dir's files the receipt does not cover. A job log pulled
+    redacted (its box copy holds a secret) is covered, whatever its size: what the receipt has
+    is that log with each secret masked, and the kept lines say so."""
+    pulled = {f.path: f.size for f in receipt.files}
+    redacted = {f.path for f in receipt.files if f.redacted}
+    ckpt = str(spec.get("ckpt_dir") or "")
+    kept = []
+    if ckpt and not _inside(ckpt, run_dir):
+        kept.append(f"the checkpoint dir {ckpt} on the box (outside the run dir: not removed)")
+    lost: List[str] = []
+    records, records_bytes = 0, 0
+    for path, size in sorted(_box_sizes(remote, run_dir).items()):
+        if ckpt and _inside(path, ckpt):
+            rel = "checkpoints/" + os.path.relpath(path, ckpt)
+            if pulled.get(rel) != size:
+                lost.append(f"checkpoint {os.path.relpath(path, ckpt)} ({_human(size)})")
+            continue
+        m = _JOB_LOG.match(os.path.relpath(path, run_dir))
+        if m:
+            log = f"logs/attempt-{m.group(1)}.log"
+            if m.group(2):  # the agent's redacted copy of the log: counted with the log
+                continue
+            if log in redacted:
+                kept.append(
+                    f"job log of attempt {int(m.group(1))}: pulled redacted (each secret "
+                    f"masked) in {receipt.dest}"
+                )
+            elif pulled.get(log) != size:
+                lost.append(f"job log of attempt {int(m.group(1))} ({_human(size)})")
+            continue
+        records += 1
+        records_bytes += size
+    if records:
+        lost.append(
+            f"rgt's records of the run (state, events, agent log): {records} files, "
+            f"{_human(records_bytes)}"
+            + (" (the store keeps a mirror of state and events)" if rec.store else "")
+        )
+    return lost, kept
+
+
+def down(
+    rec: RunRecord,
+    *,
+    yes: bool,
+    interactive: bool,
+    ask: Callable[[str], str],
+    show: Callable[[str], None] = print,
+    remote: Optional[Remote] = None,
+    home: Optional[str] = None,
+    registry: Optional[Registry] = None,
+) -> DownPlan:
+    """Take ``rec`` down (module docstring). ``interactive``: stdin is a terminal; ``ask``
+    prompts and returns what was typed; ``show`` prints one line. Returns the plan, with
+    ``done`` listing what was done. Raises UnsafeRefused (exit 7) when refused."""
+    name = check_name(rec.name)
+    if yes and interactive:
+        raise UnsafeRefused(
+            f"run {name}: --yes works only when stdin is not a terminal",
+            f"type the run's name when asked instead (rgt down {name})",
+        )
+    own = remote is None
+    box = remote or open_remote(rec.target)
+    try:
+        plan = plan_down(rec, box, home)
+        for line in plan.lines():
+            show(line)
+        if not yes:
+            if not interactive:
+                raise UnsafeRefused(
+                    f"run {name}: down needs the run's name typed on a terminal",
+                    "run it in a terminal, or pass --yes from a script",
+                )
+            typed = ask(f"Type the run's name ({name}) to take it down: ")
+            if typed.strip() != name:
+                raise UnsafeRefused(
+                    f"run {name}: the typed name {typed.strip()!r} does not match; nothing done"
+                )
+        _execute(plan, box)
+        (registry or Registry(home)).remove(name)
+        plan.done.append("forgot the run on this laptop")
+        show(f"run {name} is down")
+        return plan
+    finally:
+        if own:
+            box.close()
+
+
+def _execute(plan: DownPlan, remote: Remote) -> None:
+    rec = plan.rec
+    name = rec.name
+    home = rec.box_home.rstrip("/")
+    if not home.startswith("/") or home in ("", "/"):
+        raise HostError(f"the record of {name!r} has no usable RGT_HOME on the box ({home!r})")
+    release = rec.release or ""
+    if release and not _RELEASE.match(release):
+        raise HostError(f"the record of {name!r} names a release {release!r} rgt never makes")
+    if plan.state is not None:
+        r = remote.run(rec.agent_argv("stop", name), timeout=plan.grace + 120)
+        # 8: the agent knows no such run (a down that removed it already): nothing to stop.
+        if r.rc not in (0, 8):
+            err = (r.err.strip().splitlines() or [f"exit {r.rc}"])[-1]
+            cls = StopFailed if r.rc == StopFailed.exit_code else HostError
+            raise cls(
+                f"rgt-agent stop {name} failed on {rec.target.label}: {err}; nothing was removed",
+                f"look at the box, then run rgt down {name} again",
+            )
+        plan.done.append("stopped the agent and the job")
+    r = remote.sh(_REMOVE, home, name, release, timeout=600)
+    if r.rc != 0:
+        raise HostError(
+            f"removing the files of {name} on {rec.target.label} failed: "
+            f"{r.err.strip()[-300:] or f'exit {r.rc}'}",
+            f"run rgt down {name} again",
+        )
+    plan.done.append("removed the run's files on the box")

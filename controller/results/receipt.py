@@ -1,0 +1,283 @@
+"""The verification receipt: what a pull put on the laptop, and how each file was checked.
+
+``rgt pull`` writes it last, only after every file matched its manifest and was put in place:
+``DEST/.rgt-receipt.json``, and a copy in the laptop's state,
+``$RGT_CONTROLLER_HOME/receipts/<run>.json``, which ``rgt down`` reads. No receipt means no
+verified pull: a pull that fails or is cut off writes none (and removes the old one before it
+puts the first new file in place), so a receipt always describes files that are all there.
+
+Format (JSON, ``schema`` 1)::
+
+    {
+      "schema": 1,
+      "kind": "rgt-pull-receipt",
+      "run": "demo",
+      "source": "store" | "box",          where the bytes came from
+      "target": "local" | "user@host:22",
+      "store": "file:///mnt/durable/rgt" | null,
+      "dest": "/abs/path/of/DEST",
+      "sealed": {                          the sealed state the files are (see SealedId)
+        "step": 120, "epoch": 3,
+        "manifest": "demo/checkpoints/120/MANIFEST.json",
+        "manifest_sha256": "<hex of the MANIFEST's bytes>",
+        "done": true, "done_sha256": "<hex of DONE.json's bytes>",
+        "listing_sha256": null             (runs without a store: the box's files, hashed)
+      },
+      "files": [                           every file, its path relative to DEST
+        {"path": "checkpoints/step_120.pt", "kind": "checkpoint", "size": 123,
+         "sha256": "<hex>", "source": "demo/checkpoints/120/step_120.pt",
+         "verified": "sha256 + torch.load(weights_only=True)", "redacted": false}
+      ],
+      "fetched_bytes": 123,                bytes this pull moved (not those an earlier,
+                                           interrupted pull of the same state had fetched)
+      "created": 1700000000.0, "created_at": "2023-11-14T22:13:20.000Z",
+      "rgt_version": "0.1.0"
+    }
+
+``verified`` says how far each file was checked: ``sha256`` (against the manifest), plus
+``safetensors header`` or ``torch.load(weights_only=True)`` where the file was opened as its
+framework would, or a note why it was not opened (no torch on this laptop). ``redacted`` is true
+for a job's log whose box copy holds a secret: what was pulled is a copy with each secret masked
+(the store's, or the one the agent wrote next to the log, which ``source`` then names); a
+receipt written before this field existed reads as false.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from controller.remote import controller_home
+from onbox.agent.journal import iso
+from onbox.common.durable import write_json
+from onbox.common.errors import IntegrityError
+from onbox.common.rundir import check_name
+
+SCHEMA = 1
+KIND = "rgt-pull-receipt"
+RECEIPT_NAME = ".rgt-receipt.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class SealedId:
+    """Which sealed state of a run: enough to tell whether a newer one exists.
+
+    With a store: LATEST's step and epoch, the MANIFEST it names (key and the sha256 of its
+    bytes) and DONE.json (whether it exists, the sha256 of its bytes). Without a store:
+    ``listing_sha256`` over the box's files (path, size, sha256). ``note``, for people: why
+    the step is not the one LATEST names (that one is quarantined)."""
+
+    step: Optional[int] = None
+    epoch: Optional[int] = None
+    manifest: Optional[str] = None
+    manifest_sha256: Optional[str] = None
+    done: bool = False
+    done_sha256: Optional[str] = None
+    listing_sha256: Optional[str] = None
+    note: Optional[str] = None
+    # Declared outputs DONE.json says were missing when the job succeeded (never sealed).
+    missing_outputs: Tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        # A receipt read back from JSON holds a list: the same state, so equal to this one.
+        object.__setattr__(self, "missing_outputs", tuple(self.missing_outputs))
+
+    def describe(self) -> str:
+        if self.listing_sha256 is not None:
+            return f"the box's files (no store), listing {self.listing_sha256[:12]}"
+        what = f"sealed step {self.step}" if self.step is not None else "no sealed checkpoint"
+        return what + (", run done (outputs and logs)" if self.done else "")
+
+    def differs_from(self, newer: SealedId) -> Optional[str]:
+        """Why ``newer`` is not the state this one names, or None when it is."""
+        if self.listing_sha256 is not None or newer.listing_sha256 is not None:
+            if self.listing_sha256 != newer.listing_sha256:
+                return "the box's files changed since the pull"
+            return None
+        if newer.step != self.step:
+            return f"the newest sealed step is {newer.step}, the receipt has step {self.step}"
+        if newer.manifest_sha256 != self.manifest_sha256:
+            return f"the MANIFEST of step {newer.step} changed since the pull"
+        if newer.done and not self.done:
+            return "the run finished (DONE.json) after the pull: its outputs and logs are newer"
+        if newer.done_sha256 != self.done_sha256:
+            return "DONE.json changed since the pull"
+        return None
+
+
+@dataclasses.dataclass(frozen=True)
+class FileRecord:
+    """One pulled file."""
+
+    path: str  # relative to dest
+    kind: str  # checkpoint | output | log
+    size: int
+    sha256: str
+    source: str  # the store key, or the path on the box
+    verified: str
+    redacted: bool = False  # a job's log pulled with each secret masked (the box's holds one)
+
+
+@dataclasses.dataclass
+class Receipt:
+    """A verified pull (see the module docstring for the JSON)."""
+
+    run: str
+    source: str
+    target: str
+    store: Optional[str]
+    dest: str
+    sealed: SealedId
+    files: List[FileRecord]
+    fetched_bytes: int = 0
+    created: float = dataclasses.field(default_factory=time.time)
+    rgt_version: str = ""
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "schema": SCHEMA,
+            "kind": KIND,
+            "run": self.run,
+            "source": self.source,
+            "target": self.target,
+            "store": self.store,
+            "dest": self.dest,
+            "sealed": dataclasses.asdict(self.sealed),
+            "files": [dataclasses.asdict(f) for f in self.files],
+            "fetched_bytes": self.fetched_bytes,
+            "created": self.created,
+            "created_at": iso(self.created),
+            "rgt_version": self.rgt_version,
+        }
+
+    @classmethod
+    def from_json(cls, d: Any, what: str = "receipt") -> Receipt:
+        """A receipt from its JSON; anything malformed is an IntegrityError."""
+        try:
+            if not isinstance(d, dict) or d.get("kind") != KIND:
+                raise ValueError("not an rgt pull receipt")
+            if not isinstance(d.get("schema"), int) or d["schema"] > SCHEMA:
+                raise ValueError(f"schema {d.get('schema')!r} is not one this rgt reads")
+            sealed_fields = {f.name for f in dataclasses.fields(SealedId)}
+            sealed = SealedId(**{k: v for k, v in d["sealed"].items() if k in sealed_fields})
+            files = [
+                FileRecord(
+                    path=str(f["path"]),
+                    kind=str(f["kind"]),
+                    size=int(f["size"]),
+                    sha256=str(f["sha256"]),
+                    source=str(f["source"]),
+                    verified=str(f["verified"]),
+                    redacted=f.get("redacted") is True,
+                )
+                for f in d["files"]
+            ]
+            return cls(
+                run=check_name(str(d["run"]), "run"),
+                source=str(d["source"]),
+                target=str(d["target"]),
+                store=d.get("store"),
+                dest=str(d["dest"]),
+                sealed=sealed,
+                files=files,
+                fetched_bytes=int(d.get("fetched_bytes") or 0),
+                created=float(d["created"]),
+                rgt_version=str(d.get("rgt_version") or ""),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise IntegrityError(
+                f"{what} is not a valid verification receipt ({e})", "pull again"
+            ) from None
+
+    def total_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def missing_in_dest(self) -> List[str]:
+        """Files of the receipt no longer in ``dest`` with their size (cheap: no re-hash)."""
+        out = []
+        for f in self.files:
+            try:
+                if os.path.getsize(os.path.join(self.dest, *f.path.split("/"))) != f.size:
+                    out.append(f.path)
+            except OSError:
+                out.append(f.path)
+        return out
+
+
+def receipt_path(dest: str) -> str:
+    """The receipt inside a pull's destination."""
+    return os.path.join(dest, RECEIPT_NAME)
+
+
+def state_receipt_path(run: str, home: Optional[str] = None) -> str:
+    """The laptop's copy, the one ``rgt down`` reads."""
+    return os.path.join(home or controller_home(), "receipts", f"{check_name(run)}.json")
+
+
+def write_receipt(receipt: Receipt, home: Optional[str] = None) -> None:
+    """Write the receipt into its dest and into the laptop's state, each atomically."""
+    doc = receipt.to_json()
+    write_json(receipt_path(receipt.dest), doc)
+    path = state_receipt_path(receipt.run, home)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    write_json(path, doc)
+
+
+def remove_receipts(run: str, dest: str, home: Optional[str] = None) -> None:
+    """Before a pull changes anything under a final name: no receipt may describe a mix."""
+    for path in (receipt_path(dest), state_receipt_path(run, home)):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def load_receipt(path: str) -> Optional[Receipt]:
+    """The receipt at ``path``, or None when there is none."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        doc = json.loads(data)
+    except ValueError:
+        raise IntegrityError(f"{path} is not valid JSON", "pull again") from None
+    return Receipt.from_json(doc, path)
+
+
+def load_state_receipt(run: str, home: Optional[str] = None) -> Optional[Receipt]:
+    """The laptop's receipt of ``run``'s newest verified pull, or None."""
+    return load_receipt(state_receipt_path(run, home))
+
+
+@dataclasses.dataclass(frozen=True)
+class Coverage:
+    """Whether a receipt covers the newest sealed state; ``reason`` says why not. True-ish when
+    it does."""
+
+    ok: bool
+    reason: str = ""
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def compare(receipt: Receipt, newest: SealedId, *, check_dest: bool = True) -> Coverage:
+    """Does ``receipt`` cover ``newest``, and are its files still in its dest?"""
+    why = receipt.sealed.differs_from(newest)
+    if why is not None:
+        return Coverage(False, why)
+    if check_dest:
+        gone = receipt.missing_in_dest()
+        if gone:
+            more = f" and {len(gone) - 3} more" if len(gone) > 3 else ""
+            return Coverage(
+                False,
+                f"pulled files are no longer in {receipt.dest} as pulled: "
+                f"{', '.join(gone[:3])}{more}",
+            )
+    return Coverage(True)

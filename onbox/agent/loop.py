@@ -1,0 +1,431 @@
+"""The agent: one per run, holding its lock, driving the Supervisor from real events.
+
+``python -m onbox.agent.loop NAME --lock-fd N [--ready-fd N] [--adopt-only]`` is the daemon that
+``rgt-agent start`` detaches (and that a shim starts again when the agent died). The foreground
+``rgt-agent run`` and a ``rgt-agent stop`` that finds no agent use the same ``Agent`` in-process.
+
+Signals: SIGTERM is a preemption (ends PREEMPTED within the grace budget); SIGINT is a stop;
+SIGUSR2 means "read stop.request"; SIGHUP is ignored (sessions come and go).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Dict, List, Optional, TextIO, Tuple, cast
+
+from onbox.agent import procfs
+from onbox.agent.daemon import TAG_VAR, agent_argv, parse_agent_args
+from onbox.agent.journal import FileJournal, log
+from onbox.agent.lock import RunLock
+from onbox.agent.resumecheck import ResumeCheck
+from onbox.agent.runner import ShimRunner
+from onbox.agent.sealservice import SealService, redact_box_logs
+from onbox.agent.spec import JobSpec
+from onbox.agent.states import TERMINAL, State
+from onbox.agent.supervisor import LEFTOVER_GRACE, Clock, Hooks, RealClock, Supervisor
+from onbox.agent.title import set_title
+from onbox.common import redact
+from onbox.common.durable import read_json
+from onbox.common.errors import IntegrityError, RgtError, UsageError
+from onbox.common.rundir import RunDir
+from onbox.sealing.stores.base import TransientStoreError
+
+
+class Agent:
+    """Supervises one run until it reaches a terminal state."""
+
+    def __init__(
+        self,
+        rd: RunDir,
+        lock: RunLock,
+        *,
+        clock: Optional[Clock] = None,
+        hooks: Optional[Hooks] = None,
+    ) -> None:
+        self.rd = rd
+        self.lock = lock
+        doc = read_json(rd.spec)
+        if doc is None:
+            raise SystemExit(f"rgt agent: {rd.spec} is missing")
+        self.spec = JobSpec.from_json(doc)
+        self.journal = FileJournal(rd.state, rd.events, rd.agent_log)
+        self.runner = ShimRunner(
+            rd,
+            self.spec,
+            agent_cmd=agent_argv(rd.name),
+            base_environ=os.environ,
+            respawn_delay=float(os.environ.get("RGT_AGENT_RESPAWN_DELAY", "3")),
+        )
+        state_doc = read_json(rd.state)
+        self.fresh = state_doc is None
+        self.seal: Optional[SealService] = None
+        if self.spec.store:
+            self.seal = SealService(self.spec, rd, self.journal, self.runner.signal_job)
+            hooks = self.seal
+        self.runner.resume_from = self._resume_from
+        self.sup = Supervisor(
+            self.spec, self.runner, clock or RealClock(), self.journal, hooks=hooks, doc=state_doc
+        )
+        self.sup.extra["agent"] = {"pid": os.getpid(), "host": os.uname().nodename}
+        # status's ``warnings`` (a job's log held a secret): kept across agents of the run. The
+        # supervisor's state document holds this very list, so what is appended is saved.
+        self.warnings: List[Dict[str, Any]] = list((state_doc or {}).get("warnings") or [])
+        self.sup.extra["warnings"] = self.warnings
+        if self.seal is not None:
+            self.seal.warnings = self.warnings
+        self.check: Optional[ResumeCheck] = None
+        try:
+            self.check = ResumeCheck(
+                rd,
+                self.spec.ckpt_dir,
+                self.spec.progress_pattern,
+                self.journal.event,
+                doc=(state_doc or {}).get("resume_check"),
+            )
+        except UsageError as e:  # a spec.json edited by hand: supervise without the check
+            log(rd.agent_log, f"resume check off: {e}")
+        self.adopted = False
+        self._pending: List[int] = []
+        self._wake_r = self._wake_w = -1
+
+    # ---- deciding what to do with the run as found
+    def prepare(self, may_begin: bool) -> bool:
+        """Adopt a live run, or (when ``may_begin``) begin a new incarnation of an ended one.
+
+        Returns False when there is nothing to supervise.
+        """
+        sup = self.sup
+        if self.fresh or sup.state in TERMINAL:
+            if not may_begin:
+                return False
+            try:
+                os.unlink(self.rd.stop_request)
+            except FileNotFoundError:
+                pass
+            was = "new run" if self.fresh else f"run was {sup.state}"
+            sup.new_incarnation(f"rgt-agent start ({was}); agent pid {os.getpid()}")
+            self._begin_sealing()
+            return True
+        self.adopted = True
+        self.journal.event(
+            "adopt",
+            f"agent pid {os.getpid()} took over the run in {sup.state}, attempt {sup.attempt}",
+        )
+        if sup.attempt == 0:
+            # The last agent died before the first attempt started (in its restore, say):
+            # nothing has run, so this one restores as a beginning does; adopting would start
+            # the job from step 0 beside a sealed checkpoint.
+            self._begin_sealing()
+        elif self.seal is not None:
+            self.seal.start(begin=False)
+        if self.check is not None:
+            self.check.skip(sup.attempt)  # no-op when the last agent recorded this attempt's S
+        if sup.attempt > 0:
+            status = self.runner.adopt(sup.attempt)
+            if status is not None and not sup.exit_seen:
+                sup.on_exit(status)
+        sup.save()
+        return True
+
+    def _begin_sealing(self) -> None:
+        """Take an epoch, restore, then seal in the background (when the run has a store)."""
+        if self.seal is None:
+            return
+        try:
+            self.seal.start(begin=True)
+        except RgtError as e:
+            self._fail_to_begin(e)
+            raise
+        self._note_fallback(self.seal.restored)
+
+    def _note_fallback(self, restored: Optional[Dict[str, Any]]) -> None:
+        """Status says which step this incarnation resumed from when newer ones were unusable
+        (quarantined): one ``quarantined`` warning, replacing the one an earlier incarnation
+        left, so `rgt-agent status` and `rgt status` print it."""
+        self.warnings[:] = [w for w in self.warnings if w.get("kind") != "quarantined"]
+        skipped = (restored or {}).get("skipped")
+        if not restored or not skipped:
+            return
+        newer = "; ".join(f"step {s['step']}: {s['reason']}" for s in skipped)
+        self.warnings.append(
+            {
+                "kind": "quarantined",
+                "step": restored["step"],
+                "skipped": [s["step"] for s in skipped],
+                "reason": f"resumed from step {restored['step']}, the newest verified "
+                f"checkpoint; newer ones are quarantined ({newer})",
+            }
+        )
+        self.sup.save()
+
+    def _fail_to_begin(self, e: RgtError) -> None:
+        """The store cannot give this incarnation what it resumes from (no verified checkpoint
+        left, or the store does not answer): one ``restore_failed`` event with what was tried,
+        the run FAILED with the reason (never left PENDING with no agent), the lock let go.
+        The caller raises ``e``: its exit code is the command's."""
+        klass = (
+            "integrity"
+            if isinstance(e, IntegrityError)
+            else "transient"
+            if isinstance(e, TransientStoreError)
+            else "permanent"
+        )
+        remedy = e.remedy or "start the run again once the store answers"
+        tried = getattr(e, "tried", None)
+        self.journal.event(
+            "restore_failed",
+            f"nothing to resume from: {e.what}",
+            klass=klass,
+            remedy=remedy,
+            **({"tried": [{"step": s, "reason": r} for s, r in tried]} if tried else {}),
+        )
+        self.sup.fail_to_begin(f"nothing to resume from: {e.what}", klass, remedy)
+        self.runner.close()
+        self.lock.release()
+
+    # ---- signals
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._pending.append(signum)
+
+    def _install_signals(self) -> None:
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_w, False)
+        os.set_blocking(self._wake_r, False)
+        signal.set_wakeup_fd(self._wake_w)
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
+            signal.signal(sig, self._on_signal)
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+
+    def _handle_signals(self) -> None:
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+        pending, self._pending = self._pending, []
+        for signum in pending:
+            if signum == signal.SIGTERM:
+                self.journal.event(
+                    "preempt",
+                    "SIGTERM to the agent: treating it as a "
+                    f"preemption with a {self.spec.grace:.0f}s budget",
+                )
+                self.sup.request_stop("preempt")
+            elif signum == signal.SIGINT:
+                self.sup.request_stop("stop")
+            elif signum == signal.SIGUSR2:
+                self.check_stop_request()
+                if self.seal is not None and os.path.exists(self.rd.sync_request):
+                    self.seal.sync_soon(self.rd.sync_request)
+
+    def check_stop_request(self) -> None:
+        try:
+            req = read_json(self.rd.stop_request)
+        except ValueError:
+            req = {}
+        if req is None:
+            return
+        grace = req.get("grace")
+        self.journal.event(
+            "stop",
+            "stop requested by rgt-agent stop"
+            + (f" with grace {grace}s" if grace is not None else ""),
+        )
+        self.sup.request_stop("stop", None if grace is None else float(grace))
+        try:
+            os.unlink(self.rd.stop_request)
+        except FileNotFoundError:
+            pass
+
+    # ---- the loop
+    def run(
+        self, ready_fd: Optional[int] = None, stop: Optional[Tuple[str, Optional[float]]] = None
+    ) -> State:
+        """Supervise until terminal; return the final state."""
+        self._install_signals()
+        sup = self.sup
+        log(
+            self.rd.agent_log,
+            f"agent pid {os.getpid()} supervising {self.rd.name} "
+            f"({sup.state}, attempt {sup.attempt})",
+        )
+        if stop is not None:
+            sup.request_stop(*stop)
+        self.check_stop_request()
+        if sup.state == State.PENDING:
+            sup.begin()
+        if ready_fd is not None:
+            _say(
+                ready_fd,
+                {
+                    "ok": True,
+                    "pid": os.getpid(),
+                    "job_pid": sup.pid,
+                    "state": sup.state.value,
+                    "attempt": sup.attempt,
+                    "adopted": self.adopted,
+                },
+            )
+        self._check_resume()
+        while sup.state not in TERMINAL:
+            waits = [
+                w
+                for w in (
+                    sup.next_wakeup(),
+                    self.runner.poll_interval(),
+                    self.check.next_wakeup() if self.check is not None else None,
+                )
+                if w is not None
+            ]
+            procfs.wait_readable(
+                [self._wake_r, *self.runner.watch_fds()], min(waits) if waits else None
+            )
+            self._handle_signals()
+            if sup.active and not sup.exit_seen:
+                status = self.runner.poll_exit()
+                if status is not None:
+                    # The attempt's output is complete: its check concludes before its exit.
+                    self._check_resume(final=True)
+                    sup.on_exit(status)
+            sup.tick()
+            self._check_resume()
+        self._check_resume(final=True)
+        self._finish()
+        return sup.state
+
+    def _resume_from(self) -> str:
+        """RGT_RESUME_FROM for the attempt being spawned. Its resume check begins here, where
+        S is taken: before the job can write a checkpoint of its own."""
+        path = self.seal.resume_from() if self.seal is not None else ""
+        self._check_resume(resume_from=path)
+        return path
+
+    def _check_resume(self, final: bool = False, resume_from: Optional[str] = None) -> None:
+        """The resume contract check (onbox/agent/resumecheck.py): begin it for an attempt being
+        spawned (``resume_from``, its RGT_RESUME_FROM), else look a little further for the
+        attempt's first reported step (``final``: the attempt is over)."""
+        check, sup = self.check, self.sup
+        if check is None:
+            return
+        before = check.to_doc()
+        at_spawn = resume_from is not None
+        try:
+            if at_spawn or sup.attempt > check.attempt:
+                seal = self.seal
+                if resume_from is None:  # not begun at the spawn (cannot happen; be safe)
+                    resume_from = seal.resume_from() if seal is not None else ""
+                restored = seal.restored if seal is not None else None
+                check.begin(
+                    sup.attempt,
+                    resume_from=resume_from,
+                    restored_step=restored["step"] if restored else None,
+                    latest_step=seal.sealer.latest if seal and seal.sealer else None,
+                )
+            elif final:
+                check.finish()
+            else:
+                check.poll()
+        except Exception as e:  # advisory: a bug here must never stop the supervision
+            self.check = None
+            self.journal.event(
+                "resume_check_bug",
+                f"{type(e).__name__}: {e}; the resume check is off for this agent",
+                klass="permanent",
+                remedy="report this; supervision goes on",
+            )
+            return
+        doc = check.to_doc()
+        if doc != before:  # begun or concluded: an agent that takes over goes on from here
+            sup.extra["resume_check"] = doc
+            if not at_spawn:  # at a spawn, the supervisor saves right after it
+                sup.save()
+
+    def _finish(self) -> None:
+        """Make sure nothing of the last attempt outlives the run, then let go of it."""
+        if self.runner.alive():
+            self.journal.event(
+                "leftovers",
+                "processes of the last attempt outlived it; stopping them",
+                klass="transient",
+                remedy="make the job's children exit with it",
+            )
+            self.runner.signal(signal.SIGTERM)
+            deadline = time.monotonic() + LEFTOVER_GRACE
+            while self.runner.alive() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            deadline = time.monotonic() + 10.0
+            while self.runner.alive() and time.monotonic() < deadline:
+                self.runner.signal(signal.SIGKILL)
+                time.sleep(0.05)
+            if self.runner.alive():
+                self.journal.event(
+                    "leftovers_survived",
+                    "processes of the last attempt survived SIGKILL (stuck in the kernel?)",
+                    klass="permanent",
+                    remedy="look for D-state processes; GPU memory may be held",
+                )
+        if self.seal is not None:
+            self.seal.close()
+        else:
+            # No store: the box's logs are what `rgt pull` brings home. Done before the lock
+            # goes, and the pull waits for the lock, so it never finds a log not yet scanned.
+            try:
+                if redact_box_logs(self.rd, self.journal.event, self.warnings):
+                    self.sup.save()
+            except Exception as e:  # must not keep the agent from letting go of the run
+                self.journal.event(
+                    "redact_bug",
+                    f"{type(e).__name__}: {e}; the job's logs were not scanned for secrets",
+                    klass="permanent",
+                    remedy="report this; `rgt pull` may bring a log that holds a secret",
+                )
+        log(self.rd.agent_log, f"agent pid {os.getpid()} exits: run is {self.sup.state}")
+        self.runner.close()
+        self.lock.release()
+
+
+def _say(fd: int, msg: Dict[str, Any]) -> None:
+    try:
+        os.write(fd, (json.dumps(msg) + "\n").encode())
+        os.close(fd)
+    except OSError:
+        pass
+
+
+def main(argv: List[str]) -> int:
+    args = parse_agent_args(argv)
+    os.umask(0o077)
+    os.environ.pop(TAG_VAR, None)
+    rd = RunDir(args["name"])
+    # The agent's stdout and stderr are agent.log (onbox/agent/daemon.py): a traceback or a warning
+    # printed there is redacted like every line the journal writes.
+    sys.stdout = cast(TextIO, redact.RedactingStream(sys.stdout, lambda: redact.for_home(rd.home)))
+    sys.stderr = cast(TextIO, redact.RedactingStream(sys.stderr, lambda: redact.for_home(rd.home)))
+    set_title(f"rgt-agent agent {rd.name}")
+    lock = RunLock.adopt(args["lock_fd"], rd.lock)
+    agent = Agent(rd, lock)
+    try:
+        prepared = agent.prepare(may_begin=not args["adopt_only"])
+    except RgtError as e:  # the run is FAILED already; `start` prints this and exits with it
+        log(rd.agent_log, f"agent pid {os.getpid()}: {e.line()}")
+        if args["ready_fd"] is not None:
+            _say(
+                args["ready_fd"],
+                {"ok": False, "what": e.what, "remedy": e.remedy, "exit_code": e.exit_code},
+            )
+        return e.exit_code
+    if not prepared:
+        log(rd.agent_log, f"agent pid {os.getpid()}: run is {agent.sup.state}; nothing to do")
+        lock.release()
+        return 0
+    agent.run(ready_fd=args["ready_fd"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

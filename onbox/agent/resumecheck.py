@@ -1,0 +1,272 @@
+"""The resume contract check: a job restarted after a checkpoint at step S must report S or more.
+
+rgt restores checkpoints and restarts the job, but only the job can load one. A script that
+ignores RGT_RESUME_FROM (or its own newest checkpoint) starts again from step 0 and nothing
+fails: it silently trains the same steps twice. The job reports its step through the progress
+file (``onbox.common.progress``, which the training API writes) or its output (``progress.pattern``
+in
+the job file). For each attempt that should resume, the first step it reports is compared with
+S, once: below S is a ``resume_mismatch`` event (class usage), else a quiet ``resumed`` event.
+
+S is taken when the attempt starts: the largest of the step of the checkpoint restored into
+RGT_RESUME_FROM, LATEST in the store, and the newest complete checkpoint on the local disk (which
+also covers one the last attempt wrote just before it died, not sealed yet). The first attempt of
+a run is checked only when a checkpoint was restored for it; S unknown or 0 means no check.
+
+The agent calls ``poll`` from its loop: each call reads the progress file and at most
+``READ_BYTES`` more of the attempt's output, so the check never holds supervision up.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+
+from onbox.agent.spec import compile_progress_pattern, step_group
+from onbox.common import progress
+from onbox.common.rundir import RunDir
+from onbox.sealing.sealer import CKPT_SUFFIXES, MARKERS, _skip, looks_whole, step_from_name
+
+READ_BYTES = 256 << 10  # of the job's output per poll
+FINAL_BYTES = 4 << 20  # read at once when the attempt is over
+MAX_LINE = 8192  # longer lines are matched on their last MAX_LINE bytes
+POLL_FAST = 0.5  # seconds between polls early in an attempt, when the first report comes
+POLL_SLOW = 2.0
+FAST_FOR = 120.0
+_EOL = re.compile(rb"[\r\n]")  # tqdm-style progress ends its lines with \r
+
+
+def newest_local_step(ckpt_dir: str) -> Optional[int]:
+    """The step of the newest complete checkpoint in ``ckpt_dir``, as the sealer would see it
+    when nothing is writing there (between two attempts): a directory with a completeness
+    marker, or a whole file in a checkpoint format, each with a step from its marker or name."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except OSError:
+        return None
+    files: List[Tuple[int, str]] = []
+    best: Optional[int] = None
+    for name in names:
+        if _skip(name):
+            continue
+        path = os.path.join(ckpt_dir, name)
+        if os.path.isdir(path):
+            step = _dir_step(name, path)
+            if step is not None and (best is None or step > best):
+                best = step
+        elif name.lower().endswith(CKPT_SUFFIXES):
+            step = step_from_name(name)
+            if step is not None:
+                files.append((step, path))
+    for step, path in sorted(files, reverse=True):
+        if best is not None and step <= best:
+            break
+        if looks_whole(path):  # a torn file (its writer died mid-write) is no checkpoint
+            return step
+    return best
+
+
+def _dir_step(name: str, path: str) -> Optional[int]:
+    marker = next((m for m in MARKERS if os.path.isfile(os.path.join(path, m))), None)
+    if marker is None:
+        return None
+    if marker == ".rgt-complete":
+        try:
+            with open(os.path.join(path, marker)) as f:
+                return int(json.load(f)["step"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    return step_from_name(name)
+
+
+class LogScanner:
+    """The first step a progress pattern captures in a growing output file, read incrementally:
+    ``scan`` reads at most ``budget`` bytes from where the last call stopped."""
+
+    def __init__(self, rx: re.Pattern[str]) -> None:
+        self.rx = rx
+        self.group: Union[int, str] = step_group(rx)
+        self.offset = 0
+        self._carry = b""
+
+    def scan(self, path: str, budget: int, final: bool = False) -> Optional[int]:
+        """The first step in the lines read now. Only whole lines count (``step 1`` may still
+        become ``step 12``), unless ``final``: the writer is gone, its last line is whole."""
+        try:
+            with open(path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(budget)
+        except OSError:
+            return None
+        self.offset += len(data)
+        lines = _EOL.split(self._carry + data)
+        tail = lines.pop()
+        if final and len(data) < budget:
+            lines.append(tail)
+            tail = b""
+        self._carry = tail[-MAX_LINE:]
+        for raw in lines:
+            step = self.match(raw[-MAX_LINE:].decode("utf-8", "replace"))
+            if step is not None:
+                return step
+        return None
+
+    def match(self, line: str) -> Optional[int]:
+        m = self.rx.search(line)
+        if m is None:
+            return None
+        try:
+            return int(m.group(self.group))
+        except (TypeError, ValueError, IndexError):  # an optional group that did not match
+            return None
+
+
+class ResumeCheck:
+    """The check for the current attempt; ``to_doc`` and ``doc`` carry it across agents."""
+
+    def __init__(
+        self,
+        rd: RunDir,
+        ckpt_dir: str,
+        pattern: Optional[str],
+        event: Callable[..., None],
+        doc: Optional[Dict[str, Any]] = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.rd = rd
+        self.ckpt_dir = ckpt_dir
+        self.rx = compile_progress_pattern(pattern) if pattern else None
+        self.event = event
+        self.clock = clock
+        d = doc or {}
+        self.attempt: int = int(d.get("attempt", 0))
+        self.resume_step: Optional[int] = d.get("resume_step")
+        self.resume_from: str = d.get("resume_from", "")
+        self.restored_step: Optional[int] = d.get("restored_step")
+        self.pending: bool = bool(d.get("pending", False))
+        self.verdict: Optional[str] = d.get("verdict")
+        self.reported_step: Optional[int] = d.get("reported_step")
+        self._began = clock()  # an adopted check polls fast again: its attempt may be young
+        self._scanner = LogScanner(self.rx) if self.rx is not None else None
+
+    def to_doc(self) -> Dict[str, Any]:
+        return {
+            "attempt": self.attempt,
+            "resume_step": self.resume_step,
+            "resume_from": self.resume_from,
+            "restored_step": self.restored_step,
+            "pending": self.pending,
+            "verdict": self.verdict,
+            "reported_step": self.reported_step,
+        }
+
+    # ---- attempts
+    def begin(
+        self,
+        attempt: int,
+        *,
+        resume_from: str = "",
+        restored_step: Optional[int] = None,
+        latest_step: Optional[int] = None,
+    ) -> None:
+        """Attempt ``attempt`` has just started with RGT_RESUME_FROM = ``resume_from`` (the
+        checkpoint of ``restored_step``); ``latest_step`` is LATEST in the store, if any."""
+        if self.pending:
+            self.finish()  # the previous attempt's output is complete now
+        restored = restored_step if resume_from else None
+        known: List[int] = []
+        if attempt > 1 or restored is not None:  # a run's first attempt resumes only a restore
+            local = newest_local_step(self.ckpt_dir)
+            known = [s for s in (restored, latest_step, local) if s is not None]
+        self.attempt = attempt
+        self.resume_from = resume_from if restored is not None else ""
+        self.restored_step = restored
+        self.resume_step = max(known) if known else None
+        self.pending = bool(self.resume_step)  # S unknown or 0: nothing to check
+        self.verdict = self.reported_step = None
+        self._began = self.clock()
+        self._scanner = LogScanner(self.rx) if self.rx is not None else None
+
+    def skip(self, attempt: int) -> None:
+        """Attempt ``attempt`` began under an agent that left no record of S: not checked."""
+        if self.attempt != attempt:
+            self.attempt, self.pending, self.resume_step = attempt, False, None
+
+    def next_wakeup(self) -> Optional[float]:
+        """Seconds until the next poll; None when there is nothing to check."""
+        if not self.pending:
+            return None
+        return POLL_FAST if self.clock() - self._began < FAST_FOR else POLL_SLOW
+
+    def poll(self, final: bool = False) -> bool:
+        """Look for the attempt's first report; True when the check concluded now."""
+        if not self.pending:
+            return False
+        found: Optional[Tuple[int, str]] = None
+        if self._scanner is not None:
+            budget = FINAL_BYTES if final else READ_BYTES
+            step = self._scanner.scan(self.rd.output_log(self.attempt), budget, final)
+            if step is not None:
+                found = (step, "log")
+        if found is None:
+            rep = progress.read(self.rd.path)
+            if rep is not None and rep.get("attempt") == self.attempt:
+                found = (int(rep["step"]), "progress")
+        if found is None:
+            if final:
+                self.pending = False  # the attempt ended without reporting a step
+            return False
+        self._conclude(*found)
+        return True
+
+    def finish(self) -> bool:
+        """The attempt is over: one last, larger read; the check ends either way."""
+        return self.poll(final=True)
+
+    def _conclude(self, step: int, source: str) -> None:
+        s = self.resume_step
+        assert s is not None
+        self.pending = False
+        self.reported_step = step
+        how = "its progress file" if source == "progress" else "its output (progress.pattern)"
+        data: Dict[str, Any] = {
+            "attempt": self.attempt,
+            "resume_step": s,
+            "reported_step": step,
+            "source": source,
+            "resume_from": self.resume_from,
+        }
+        if step >= s:
+            self.verdict = "resumed"
+            self.event(
+                "resumed",
+                f"attempt {self.attempt} resumed: the job reports step {step} in {how}, "
+                f"the checkpoint was at step {s}",
+                **data,
+            )
+            return
+        self.verdict = "mismatch"
+        if self.resume_from and self.restored_step == s:
+            reason = (
+                f"attempt {self.attempt} resumed from step {s} but the job reports step "
+                f"{step} in {how}: is it loading RGT_RESUME_FROM?"
+            )
+            remedy = (
+                f"load the checkpoint RGT_RESUME_FROM names ({self.resume_from}) before "
+                "training, or use the training API (onbox.train), which does; otherwise the "
+                "steps already trained are trained again"
+            )
+        else:
+            reason = (
+                f"attempt {self.attempt} restarted after a checkpoint at step {s} but the job "
+                f"reports step {step} in {how}: is it loading its newest checkpoint?"
+            )
+            remedy = (
+                "on a restart, load the newest checkpoint in RGT_CKPT_DIR (RGT_RESUME_FROM "
+                "names one only after a restore from the store), or use the training API "
+                "(onbox.train), which does; otherwise the steps already trained are trained again"
+            )
+        self.event("resume_mismatch", reason, klass="usage", remedy=remedy, **data)

@@ -1,0 +1,395 @@
+"""What a run is asked to do: ``JobSpec`` and ``RestartPolicy``, from a job file and CLI flags.
+
+A job file (TOML) carries the same settings as the flags; flags win. Every value is checked here,
+before anything starts, and a bad one raises ``UsageError`` naming its field. The schema is in
+the README ("Job file").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import shutil
+import signal
+import sys
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, Union
+
+from onbox.common.errors import UsageError
+from onbox.common.rundir import check_name, is_name
+
+_DURATION_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s|m|h|d)?\s*\Z")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+MAX_DURATION = 366 * 86400.0
+TRIGGERS = ("none", "file", "signal:USR2", "signal:USR1", "signal:INT", "signal:HUP")
+
+
+def parse_duration(value: Any, field: str, *, allow_zero: bool = False) -> float:
+    """Seconds from ``30``, ``2.5``, ``"30s"``, ``"5m"``, ``"1h"``, ``"250ms"``, ``"1d"``."""
+    if isinstance(value, bool):
+        raise UsageError(field, f"{value!r} is not a duration", "give seconds, e.g. 30 or '5m'")
+    if isinstance(value, (int, float)):
+        seconds = float(value)
+    else:
+        m = _DURATION_RE.match(str(value))
+        if not m:
+            raise UsageError(
+                field, f"{value!r} is not a duration", "give seconds or a number with ms/s/m/h/d"
+            )
+        seconds = float(m.group(1)) * _UNITS[m.group(2)]
+    if math.isnan(seconds) or math.isinf(seconds) or seconds < 0:
+        raise UsageError(field, f"{value!r} is not a finite duration >= 0", "e.g. 30 or '5m'")
+    if seconds == 0 and not allow_zero:
+        raise UsageError(field, "must be greater than 0", "e.g. 30 or '5m'")
+    if seconds > MAX_DURATION:
+        raise UsageError(field, f"{value!r} is longer than a year", "use a realistic duration")
+    return seconds
+
+
+def parse_signal(value: Any, field: str) -> int:
+    """A signal number from ``"TERM"``, ``"SIGINT"`` or ``15``."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            return int(signal.Signals(value))
+        except ValueError:
+            pass
+    elif isinstance(value, str):
+        name = value.upper()
+        name = name if name.startswith("SIG") else "SIG" + name
+        sig = getattr(signal.Signals, name, None)
+        if sig is not None:
+            return int(sig)
+    raise UsageError(field, f"{value!r} is not a signal", "e.g. TERM, INT, USR2")
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartPolicy:
+    """When to restart an attempt that ended, and how long to wait first.
+
+    Preemption-like ends (a signal from outside, SIGKILL that was not the OOM killer) and code
+    errors have separate budgets. An exit within ``start_grace`` of the start is a crash loop:
+    the backoff doubles from ``backoff_initial`` up to ``backoff_max``. The first restart after
+    a healthy run (one that lived past the start grace) waits for nothing.
+    """
+
+    max_error_restarts: int = 5
+    max_preempt_restarts: int = 100
+    start_grace: float = 5.0
+    backoff_initial: float = 1.0
+    backoff_max: float = 300.0
+    success_codes: Tuple[int, ...] = (0,)
+
+    def backoff(self, consecutive_quick_failures: int) -> float:
+        """Delay before the next start; 0 when the last attempt was healthy."""
+        if consecutive_quick_failures <= 0:
+            return 0.0
+        return float(
+            min(self.backoff_max, self.backoff_initial * 2 ** (consecutive_quick_failures - 1))
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class JobSpec:
+    """Everything the agent needs to run a job; stored as spec.json in the run directory."""
+
+    name: str
+    command: Tuple[str, ...]
+    workdir: str
+    ckpt_dir: str
+    env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    store: Optional[str] = None
+    grace: float = 30.0
+    stop_signal: int = int(signal.SIGTERM)
+    trigger: str = "none"
+    restart: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
+    keep: int = 3  # sealed checkpoints kept in the store (the newest verified one always)
+    ckpt_interval: Optional[float] = None  # ask the job to checkpoint this often (trigger)
+    scan_interval: float = 5.0  # look for new complete checkpoints at least this often
+    outputs: Tuple[str, ...] = ()  # paths (relative to workdir) sealed when the job succeeds
+    # A regex whose group (one, or the one named ``step``) is the job's step in its output,
+    # for scripts that report progress in their log rather than through onbox.train.
+    progress_pattern: Optional[str] = None
+
+    def to_json(self) -> Dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["command"] = list(self.command)
+        d["env"] = dict(self.env)
+        d["restart"]["success_codes"] = list(self.restart.success_codes)
+        d["outputs"] = list(self.outputs)
+        return d
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> JobSpec:
+        r = dict(d["restart"])
+        r["success_codes"] = tuple(r["success_codes"])
+        return cls(
+            name=d["name"],
+            command=tuple(d["command"]),
+            workdir=d["workdir"],
+            ckpt_dir=d["ckpt_dir"],
+            env=dict(d.get("env") or {}),
+            store=d.get("store"),
+            grace=float(d["grace"]),
+            stop_signal=int(d["stop_signal"]),
+            trigger=d.get("trigger", "none"),
+            restart=RestartPolicy(**r),
+            keep=int(d.get("keep", 3)),
+            ckpt_interval=d.get("ckpt_interval"),
+            scan_interval=float(d.get("scan_interval", 5.0)),
+            outputs=tuple(d.get("outputs") or ()),
+            # spec.json files written before this field existed lack it
+            progress_pattern=d.get("progress_pattern"),
+        )
+
+
+_TOP_KEYS = {
+    "name",
+    "command",
+    "workdir",
+    "env",
+    "grace",
+    "stop_signal",
+    "checkpoint",
+    "store",
+    "restart",
+    "outputs",
+    "progress",
+}
+_CKPT_KEYS = {"dir", "trigger", "keep", "interval", "scan"}
+_PROGRESS_KEYS = {"pattern"}
+_RESTART_KEYS = {f.name for f in dataclasses.fields(RestartPolicy)}
+
+
+def compile_progress_pattern(value: Any, field: str = "progress.pattern") -> re.Pattern[str]:
+    """The job's step pattern, compiled: a regex with exactly one group, or a group named
+    ``step``, matched against each line of the job's output (``'step (\\d+)'``)."""
+    example = "e.g. pattern = 'step (\\d+)' or 'it=(?P<step>\\d+)'"
+    if not isinstance(value, str) or not value:
+        raise UsageError(field, f"{value!r} is not a regular expression", example)
+    try:
+        rx = re.compile(value)
+    except re.error as e:
+        raise UsageError(
+            field, f"{value!r} is not a valid regular expression: {e}", example
+        ) from None
+    if "step" not in rx.groupindex and rx.groups != 1:
+        what = "no group" if rx.groups == 0 else f"{rx.groups} groups, none named step,"
+        raise UsageError(field, f"{value!r} has {what} to capture the step", example)
+    return rx
+
+
+def step_group(rx: re.Pattern[str]) -> Union[int, str]:
+    """Which group of a compiled progress pattern holds the step."""
+    return "step" if "step" in rx.groupindex else 1
+
+
+def _load_toml(path: str) -> Dict[str, Any]:
+    if sys.version_info >= (3, 11):
+        import tomllib  # novermin
+    else:  # pragma: no cover - exercised on the box's older Pythons
+        import tomli as tomllib
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError:
+        raise UsageError("JOB.toml", f"{path} does not exist") from None
+    except (OSError, ValueError) as e:  # TOMLDecodeError is a ValueError
+        raise UsageError("JOB.toml", f"{path} cannot be read: {e}") from None
+
+
+def _unknown(keys: Any, allowed: Set[str], where: str) -> None:
+    extra = sorted(set(keys) - allowed)
+    if extra:
+        raise UsageError(
+            f"{where}{extra[0]}", "unknown setting", f"valid: {', '.join(sorted(allowed))}"
+        )
+
+
+@dataclasses.dataclass
+class Overrides:
+    """Values given on the command line; ``None`` means not given."""
+
+    name: Optional[str] = None
+    command: Optional[List[str]] = None
+    ckpt_dir: Optional[str] = None
+    store: Optional[str] = None
+    grace: Optional[str] = None
+    outputs: Optional[List[str]] = None  # --output, repeatable: added to the job file's
+
+
+def check_outputs(outputs: Any, field: str = "outputs") -> Tuple[str, ...]:
+    """Declared outputs: paths relative to the workdir, never absolute, never climbing out
+    with '..' (pull puts each under DEST/outputs/). Duplicates are dropped, order kept."""
+    if field == "outputs":
+        what, example = "must be a list of paths", 'e.g. outputs = ["out/", "metrics.json"]'
+    else:
+        what, example = "must be a path", "e.g. --output out/ --output metrics.json"
+    if not isinstance(outputs, (list, tuple)) or not all(
+        isinstance(o, str) and o and not o.startswith("/") and ".." not in o.split("/")
+        for o in outputs
+    ):
+        raise UsageError(field, f"{what} relative to the workdir", example)
+    return tuple(dict.fromkeys(outputs))
+
+
+def _check_command(command: Any, workdir: str, env: Mapping[str, str]) -> Tuple[str, ...]:
+    if not isinstance(command, (list, tuple)) or not all(isinstance(a, str) for a in command):
+        raise UsageError(
+            "command", "must be a list of strings", 'e.g. command = ["python", "train.py"]'
+        )
+    if not command or not command[0].strip():
+        raise UsageError("command", "is empty", "give the job after --, e.g. -- python train.py")
+    exe = command[0]
+    if "/" in exe:
+        path = exe if os.path.isabs(exe) else os.path.join(workdir, exe)
+        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+            raise UsageError("command", f"{exe!r} is not an executable file (from {workdir})")
+    elif shutil.which(exe, path=env.get("PATH", os.defpath)) is None:
+        raise UsageError("command", f"{exe!r} is not found on PATH", "give its full path")
+    return tuple(command)
+
+
+def default_name(command: List[str]) -> str:
+    """A run name from the command: ``python train.py`` -> ``train``."""
+    words = [a for a in command if not a.startswith("-")]
+    pick = next((a for a in words[1:] if "." in os.path.basename(a)), words[0] if words else "")
+    stem = os.path.splitext(os.path.basename(pick))[0].lower()
+    stem = re.sub(r"[^a-z0-9._-]+", "-", stem).strip("-._")[:63]
+    return stem if is_name(stem) else "job"
+
+
+def build_spec(
+    job_file: Optional[str],
+    flags: Overrides,
+    *,
+    cwd: str,
+    environ: Mapping[str, str],
+    default_name: str,
+    run_dir_of: Any,
+) -> JobSpec:
+    """Merge a job file and flags into a checked ``JobSpec``; flags win.
+
+    ``run_dir_of(name)`` gives the run directory, for the default checkpoint dir.
+    """
+    data: Dict[str, Any] = _load_toml(job_file) if job_file else {}
+    _unknown(data, _TOP_KEYS, "")
+    base = os.path.dirname(os.path.abspath(job_file)) if job_file else cwd
+
+    # A name given empty is refused, not replaced by the default: `--name ""` from a script
+    # whose variable was unset would otherwise start a run under a name nobody chose.
+    if flags.name is not None:
+        name = check_name(flags.name, "--name")
+    else:
+        name = check_name(data.get("name", default_name), "name")
+    workdir = os.path.abspath(os.path.join(base, str(data.get("workdir", "."))))
+    if not os.path.isdir(workdir):
+        raise UsageError("workdir", f"{workdir} is not a directory")
+
+    env = data.get("env", {})
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise UsageError("env", "must be a table of string values", 'e.g. [env] FOO = "1"')
+    full_env = dict(environ)
+    full_env.update(env)
+    command = _check_command(
+        flags.command if flags.command else data.get("command"), workdir, full_env
+    )
+
+    ckpt = data.get("checkpoint", {})
+    if not isinstance(ckpt, dict):
+        raise UsageError("checkpoint", "must be a table", '[checkpoint] dir = "ckpt"')
+    _unknown(ckpt, _CKPT_KEYS, "checkpoint.")
+    ckpt_dir = flags.ckpt_dir or ckpt.get("dir")
+    ckpt_dir = (
+        os.path.abspath(os.path.join(cwd if flags.ckpt_dir else workdir, ckpt_dir))
+        if ckpt_dir
+        else os.path.join(run_dir_of(name), "ckpt")
+    )
+    trigger = ckpt.get("trigger", "none")
+    if trigger not in TRIGGERS:
+        raise UsageError(
+            "checkpoint.trigger",
+            f"{trigger!r} is not a trigger",
+            f"use one of {', '.join(TRIGGERS)}",
+        )
+
+    keep = ckpt.get("keep", 3)
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise UsageError("checkpoint.keep", f"{keep!r} is not a count >= 1")
+    interval = ckpt.get("interval")
+    ckpt_interval = None if interval is None else parse_duration(interval, "checkpoint.interval")
+    if ckpt_interval is not None and trigger == "none":
+        raise UsageError(
+            "checkpoint.interval",
+            "needs a trigger to ask the job with",
+            'set checkpoint.trigger = "signal:USR2" or "file"',
+        )
+    scan = parse_duration(ckpt.get("scan", 5), "checkpoint.scan")
+    # --output adds to the job file's outputs (both are sealed), it does not replace them.
+    merged = check_outputs(data.get("outputs", [])) + check_outputs(flags.outputs or [], "--output")
+
+    store = flags.store if flags.store is not None else data.get("store")
+    if store is not None:
+        from onbox.sealing.stores import parse_store_url
+
+        parse_store_url(store, "--store" if flags.store is not None else "store")
+
+    # 0 is a real budget: some platforms give no warning at all (SIGKILL at once).
+    grace = parse_duration(
+        flags.grace if flags.grace is not None else data.get("grace", 30),
+        "--grace" if flags.grace is not None else "grace",
+        allow_zero=True,
+    )
+    stop_signal = parse_signal(data.get("stop_signal", "TERM"), "stop_signal")
+
+    r = data.get("restart", {})
+    if not isinstance(r, dict):
+        raise UsageError("restart", "must be a table", "[restart] max_error_restarts = 5")
+    _unknown(r, _RESTART_KEYS, "restart.")
+    restart = _restart_policy(r)
+
+    prog = data.get("progress", {})
+    if not isinstance(prog, dict):
+        raise UsageError("progress", "must be a table", "[progress] pattern = 'step (\\d+)'")
+    _unknown(prog, _PROGRESS_KEYS, "progress.")
+    pattern = prog.get("pattern")
+    if pattern is not None:
+        compile_progress_pattern(pattern)
+    return JobSpec(
+        name=name,
+        command=command,
+        workdir=workdir,
+        ckpt_dir=ckpt_dir,
+        env=env,
+        store=store,
+        grace=grace,
+        stop_signal=stop_signal,
+        trigger=trigger,
+        restart=restart,
+        keep=keep,
+        ckpt_interval=ckpt_interval,
+        scan_interval=scan,
+        outputs=tuple(dict.fromkeys(merged)),
+        progress_pattern=pattern,
+    )
+
+
+def _restart_policy(r: Mapping[str, Any]) -> RestartPolicy:
+    d = RestartPolicy()
+    kw: Dict[str, Any] = {}
+    for key in ("max_error_restarts", "max_preempt_restarts"):
+        v = r.get(key, getattr(d, key))
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise UsageError(f"restart.{key}", f"{v!r} is not a count >= 0")
+        kw[key] = v
+    for key in ("start_grace", "backoff_initial", "backoff_max"):
+        kw[key] = parse_duration(r.get(key, getattr(d, key)), f"restart.{key}")
+    codes = r.get("success_codes", list(d.success_codes))
+    if not isinstance(codes, list) or not all(
+        isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= 255 for c in codes
+    ):
+        raise UsageError("restart.success_codes", f"{codes!r} is not a list of exit codes 0-255")
+    kw["success_codes"] = tuple(codes)
+    return RestartPolicy(**kw)

@@ -1,0 +1,479 @@
+"""The state machine of one run: decides, and acts only through an injected Runner and Clock.
+
+``_change`` is the one place the state changes; it checks the edge against ``states.TRANSITIONS``
+and writes state.json and an event. The agent feeds the machine three kinds of input:
+``on_exit`` (the attempt's main process ended), ``request_stop`` (``rgt-agent stop`` or SIGTERM)
+and ``tick`` (time passed; ``next_wakeup`` says when the machine next needs one). Because time
+comes from the clock and processes from the runner, the policy is tested without sleeping.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Any, Dict, Optional, Protocol
+
+from onbox.agent.classify import Budget, ExitStatus, Kind, Verdict, classify
+from onbox.agent.journal import iso
+from onbox.agent.spec import JobSpec
+from onbox.agent.states import ACTIVE, TERMINAL, State, can_transition
+
+# Orphans of an attempt that ended on its own get this long after SIGTERM before SIGKILL.
+LEFTOVER_GRACE = 5.0
+# How often to look for processes while waiting for an attempt's processes to vanish.
+REAP_POLL = 0.05
+TAIL_LINES = 8
+
+
+class Journal(Protocol):
+    """What the supervisor writes through; files in the agent, a list in policy tests."""
+
+    def save(self, doc: Dict[str, Any]) -> None: ...
+
+    def event(
+        self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
+    ) -> None: ...
+
+
+class Clock(Protocol):
+    def monotonic(self) -> float: ...
+
+    def time(self) -> float: ...
+
+
+class RealClock:
+    """The system clocks: monotonic for decisions, wall time for records."""
+
+    def monotonic(self) -> float:
+        return time.monotonic()
+
+    def time(self) -> float:
+        return time.time()
+
+
+class Runner(Protocol):
+    """The supervisor's hands: processes of the current attempt."""
+
+    def spawn(self, attempt: int) -> int:
+        """Start attempt ``attempt``; return the job's pid."""
+
+    def signal(self, sig: int) -> None:
+        """Send ``sig`` to every process of the current attempt (group and tagged)."""
+
+    def alive(self) -> bool:
+        """Whether any process of the current attempt is alive (zombies are dead)."""
+
+    def tail(self) -> str:
+        """The end of the current attempt's output."""
+
+    def oom_kills(self) -> Optional[int]:
+        """The cgroup's OOM-kill count, when the box exposes it."""
+
+    def inodes_exhausted(self) -> bool:
+        """Whether the job's filesystems ran out of inodes."""
+
+    def kernel_oom_killed(self, pid: int) -> bool:
+        """Whether the kernel log says the OOM killer took ``pid``."""
+
+
+class Hooks:
+    """Where later parts plug into a stop. The default does nothing.
+
+    ``on_stop_requested`` runs when a stop or preemption begins, before the job is signalled
+    (the sealer asks the job for a final checkpoint here); ``before_terminal`` runs once every
+    process of the attempt is gone and before the terminal state is written, with ``reason``
+    "stop", "preempt" or "success" (the sealer seals what fits, or writes DONE.json). Both get
+    ``deadline``, a monotonic time they must return by.
+    """
+
+    def on_stop_requested(self, reason: str, deadline: float) -> None:
+        pass
+
+    def before_terminal(self, reason: str, deadline: float) -> None:
+        pass
+
+
+def preempt_kill_delay(grace: float) -> float:
+    """How long the job gets after SIGTERM when the agent has ``grace`` seconds in all.
+
+    The agent must be gone before the budget ends: keep a margin for SIGKILL, the wait for
+    the processes to vanish, and the final records.
+    """
+    return max(0.0, grace - min(2.0, 0.2 * grace))
+
+
+class Supervisor:
+    """One run's state machine. Build it with ``fresh`` or ``restore``."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        runner: Runner,
+        clock: Clock,
+        journal: Journal,
+        hooks: Optional[Hooks] = None,
+        doc: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        self.spec = spec
+        self.policy = spec.restart
+        self.runner = runner
+        self.clock = clock
+        self.journal = journal
+        self.hooks = hooks or Hooks()
+        self.extra: Dict[str, Any] = {}  # agent-provided fields for state.json
+        d = doc or {}
+        self.state = State(d.get("state", State.PENDING.value))
+        self.incarnation: int = d.get("incarnation", 1)
+        self.attempt: int = d.get("attempt", 0)
+        self.restarts: int = d.get("restarts", 0)
+        budgets = d.get("budgets", {})
+        self.error_restarts: int = budgets.get("error_used", 0)
+        self.preempt_restarts: int = budgets.get("preempt_used", 0)
+        self.quick_failures: int = d.get("quick_failures", 0)
+        self.last_exit: Optional[Dict[str, Any]] = d.get("last_exit")
+        self.last_cuda_oom_step: Optional[int] = d.get("last_cuda_oom_step", -1)
+        self.pid: Optional[int] = d.get("pid")
+        self.started_at: float = d.get("started_ts", clock.time())
+        self.updated_at: float = d.get("updated_ts", clock.time())
+        self.oom_before: Optional[int] = d.get("oom_before")
+        self.exit_seen: bool = d.get("exit_seen", True)
+        self.stop: Optional[Dict[str, Any]] = d.get("stop")
+        # Deadlines are monotonic in memory and wall-clock on disk (a restarted agent converts).
+        self._attempt_started = self._mono(d.get("attempt_started_ts"))
+        self._backoff_until = self._mono(d.get("backoff_until_ts"))
+        self._kill_at = self._mono(self.stop.get("kill_at_ts") if self.stop else None)
+        self._deadline = self._mono(self.stop.get("deadline_ts") if self.stop else None)
+        self._leftover_kill_at: Optional[float] = None
+
+    # ---- time helpers
+    def _mono(self, wall: Optional[float]) -> Optional[float]:
+        if wall is None:
+            return None
+        return self.clock.monotonic() + (wall - self.clock.time())
+
+    def _wall(self, mono: Optional[float]) -> Optional[float]:
+        if mono is None:
+            return None
+        return self.clock.time() + (mono - self.clock.monotonic())
+
+    # ---- the one place state changes
+    def _change(
+        self, new: State, reason: str, *, klass: Optional[str] = None, remedy: str = ""
+    ) -> None:
+        old = self.state
+        if not can_transition(old, new):
+            raise AssertionError(f"illegal transition {old} -> {new}: {reason}")
+        self.state = new
+        self.updated_at = self.clock.time()
+        self.save()
+        self.journal.event(
+            "state",
+            reason,
+            klass=klass,
+            remedy=remedy,
+            state_from=old.value,
+            state=new.value,
+            attempt=self.attempt,
+        )
+
+    def save(self) -> None:
+        self.journal.save(self.to_doc())
+
+    def to_doc(self) -> Dict[str, Any]:
+        """The state.json document."""
+        doc: Dict[str, Any] = {
+            "name": self.spec.name,
+            "state": self.state.value,
+            "pid": self.pid,
+            "attempt": self.attempt,
+            "restarts": self.restarts,
+            "incarnation": self.incarnation,
+            "last_exit": self.last_exit,
+            "started_at": iso(self.started_at),
+            "updated_at": iso(self.updated_at),
+            "started_ts": self.started_at,
+            "updated_ts": self.updated_at,
+            "budgets": {
+                "error_used": self.error_restarts,
+                "error_max": self.policy.max_error_restarts,
+                "preempt_used": self.preempt_restarts,
+                "preempt_max": self.policy.max_preempt_restarts,
+            },
+            "quick_failures": self.quick_failures,
+            "last_cuda_oom_step": self.last_cuda_oom_step,
+            "attempt_started_ts": self._wall(self._attempt_started),
+            "backoff_until_ts": self._wall(self._backoff_until)
+            if self.state == State.BACKOFF
+            else None,
+            "oom_before": self.oom_before,
+            "exit_seen": self.exit_seen,
+            "stop": self.stop,
+            "command": list(self.spec.command),
+        }
+        doc.update(self.extra)
+        return doc
+
+    # ---- inputs
+    def new_incarnation(self, reason: str) -> None:
+        """Begin again at PENDING (a `start` of a run that reached a terminal state)."""
+        if self.state not in TERMINAL and self.attempt > 0:
+            raise AssertionError(f"new incarnation of a live run in {self.state}")
+        if self.attempt > 0 or self.state != State.PENDING:
+            self.incarnation += 1
+        self.state = State.PENDING
+        self.restarts = self.error_restarts = self.preempt_restarts = self.quick_failures = 0
+        self.last_cuda_oom_step = -1
+        self.stop = None
+        self._kill_at = self._deadline = self._backoff_until = None
+        self.exit_seen = True
+        self.pid = None
+        self.started_at = self.updated_at = self.clock.time()
+        self.save()
+        self.journal.event("incarnation", reason, incarnation=self.incarnation)
+
+    def fail_to_begin(self, reason: str, klass: str, remedy: str) -> None:
+        """PENDING -> FAILED with no attempt: what the first attempt needs before it can run
+        (the checkpoint to resume from) cannot be had. ``last_exit`` says why, as status shows
+        an attempt's failure, so nothing is left PENDING with no agent behind it."""
+        if self.state != State.PENDING:
+            raise AssertionError(f"fail_to_begin() in {self.state}")
+        self.last_exit = {
+            "code": None,
+            "signal": None,
+            "reason": reason,
+            "kind": "begin",
+            "class": klass,
+            "remedy": remedy,
+            "attempt": self.attempt,
+            "step": None,
+            "at": iso(self.clock.time()),
+        }
+        self._change(State.FAILED, reason, klass=klass, remedy=remedy)
+
+    def begin(self) -> None:
+        """PENDING -> STARTING: the first attempt of this incarnation."""
+        if self.state != State.PENDING:
+            raise AssertionError(f"begin() in {self.state}")
+        self._start_attempt()
+
+    def _start_attempt(self) -> None:
+        self.attempt += 1
+        self._attempt_started = self.clock.monotonic()
+        self.oom_before = self.runner.oom_kills()
+        self.exit_seen = False
+        self.pid = None
+        self._leftover_kill_at = None
+        self._change(State.STARTING, f"attempt {self.attempt} starting")
+        try:
+            self.pid = self.runner.spawn(self.attempt)
+        except OSError as e:
+            self.save()
+            self.on_exit(ExitStatus(code=127, note=f"could not start the job: {e}"))
+            return
+        self.save()
+
+    def on_exit(self, status: ExitStatus) -> None:
+        """The current attempt's main process ended (or was found gone)."""
+        if self.exit_seen:
+            return
+        self.exit_seen = True
+        job_pid, self.pid = self.pid, None
+        now = self.clock.monotonic()
+        tail = self.runner.tail()
+        oom_after = self.runner.oom_kills()
+        oom = oom_after is not None and self.oom_before is not None and oom_after > self.oom_before
+        if not oom and job_pid and (status.signal == signal.SIGKILL or status.code == 137):
+            oom = self.runner.kernel_oom_killed(job_pid)  # the kernel's word, where readable
+        verdict = classify(
+            status,
+            tail,
+            success_codes=self.policy.success_codes,
+            oom_kills_rose=oom,
+            inodes_exhausted=self.runner.inodes_exhausted,
+        )
+        if self.state == State.STOPPING and self.stop is not None:
+            # We ended it: that is the reason, whatever the signal.
+            verdict = Verdict(
+                Kind.SIGNAL if status.signal else Kind.EXIT_CODE,
+                f"ended by {self.stop['reason']} ({verdict.reason})",
+                "",
+                "",
+                Budget.NONE,
+                step=verdict.step,
+            )
+        self.last_exit = {
+            "code": status.code,
+            "signal": status.signal,
+            "reason": verdict.reason,
+            "kind": verdict.kind.value,
+            "class": verdict.klass or None,
+            "remedy": verdict.remedy,
+            "attempt": self.attempt,
+            "step": verdict.step,
+            "at": iso(self.clock.time()),
+        }
+        self.journal.event(
+            "exit",
+            f"attempt {self.attempt}: {verdict.reason}",
+            klass=verdict.klass or None,
+            remedy=verdict.remedy,
+            code=status.code,
+            signal=status.signal,
+            exit_kind=verdict.kind.value,
+        )
+        if self.state == State.STOPPING:
+            self.save()  # tick() finishes the stop once every process is gone
+            return
+        if self.state not in (State.STARTING, State.RUNNING):
+            raise AssertionError(f"exit in {self.state}")
+        self._decide(verdict, tail, now)
+
+    def _decide(self, verdict: Verdict, tail: str, now: float) -> None:
+        if verdict.kind == Kind.SUCCESS:
+            self.hooks.before_terminal("success", now + 86400.0)
+            self._change(State.SUCCEEDED, f"attempt {self.attempt} {verdict.reason}")
+            return
+        quick = self._attempt_started is not None and (
+            now - self._attempt_started < self.policy.start_grace
+        )
+        failure = None
+        if verdict.deterministic:
+            failure = f"{verdict.reason} (deterministic: not retried)"
+        elif verdict.kind == Kind.CUDA_OOM and verdict.step == self.last_cuda_oom_step:
+            at = f" at step {verdict.step}" if verdict.step is not None else ""
+            failure = f"CUDA out of memory again{at} (deterministic: not retried)"
+        elif verdict.budget == Budget.ERROR and (
+            self.error_restarts >= self.policy.max_error_restarts
+        ):
+            failure = (
+                f"{verdict.reason}; error restart budget spent "
+                f"({self.error_restarts}/{self.policy.max_error_restarts})"
+            )
+        elif verdict.budget == Budget.PREEMPT and (
+            self.preempt_restarts >= self.policy.max_preempt_restarts
+        ):
+            failure = (
+                f"{verdict.reason}; preemption restart budget spent "
+                f"({self.preempt_restarts}/{self.policy.max_preempt_restarts})"
+            )
+        if verdict.kind == Kind.CUDA_OOM:
+            self.last_cuda_oom_step = verdict.step
+        if failure is not None:
+            lines = [ln for ln in tail.splitlines() if ln.strip()][-TAIL_LINES:]
+            if lines:
+                failure += " | last output: " + " / ".join(ln.strip() for ln in lines)
+            if self.last_exit is not None:
+                self.last_exit["reason"] = failure
+            self._change(
+                State.FAILED, failure, klass=verdict.klass or "permanent", remedy=verdict.remedy
+            )
+            return
+        if verdict.budget == Budget.ERROR:
+            self.error_restarts += 1
+        else:
+            self.preempt_restarts += 1
+        self.restarts += 1
+        self.quick_failures = self.quick_failures + 1 if quick else 0
+        delay = self.policy.backoff(self.quick_failures)
+        self._backoff_until = now + delay
+        why = "crash loop: exited within the start grace; " if quick else ""
+        used = self.error_restarts if verdict.budget == Budget.ERROR else self.preempt_restarts
+        self._change(
+            State.BACKOFF,
+            f"{why}restarting in {delay:.1f}s ({verdict.budget.value} restart "
+            f"{used}): {verdict.reason}",
+            klass=verdict.klass or None,
+            remedy=verdict.remedy,
+        )
+
+    def request_stop(self, reason: str, grace: Optional[float] = None) -> None:
+        """Begin a stop: ``reason`` is "stop" (ends STOPPED) or "preempt" (ends PREEMPTED).
+
+        For "preempt", ``grace`` is the whole budget: the agent must be gone before it ends.
+        """
+        if self.state in TERMINAL or (self.stop and self.stop["reason"] == "preempt"):
+            return
+        grace = self.spec.grace if grace is None else grace
+        now = self.clock.monotonic()
+        kill_delay = preempt_kill_delay(grace) if reason == "preempt" else grace
+        self._kill_at = now + kill_delay
+        self._deadline = now + grace
+        self.stop = {
+            "reason": reason,
+            "grace": grace,
+            "requested_at": iso(self.clock.time()),
+            "kill_at_ts": self._wall(self._kill_at),
+            "deadline_ts": self._wall(self._deadline),
+        }
+        final = State.PREEMPTED if reason == "preempt" else State.STOPPED
+        if self.state == State.PENDING:
+            self._change(final, f"{reason} before the first attempt")
+            return
+        self.hooks.on_stop_requested(reason, self._deadline)
+        self._change(
+            State.STOPPING, f"{reason}: signalling the job, SIGKILL after {kill_delay:.1f}s"
+        )
+        if self.runner.alive():
+            self.runner.signal(self.spec.stop_signal)
+
+    def tick(self) -> None:
+        """Advance the time-based edges."""
+        now = self.clock.monotonic()
+        if self.state == State.STARTING:
+            if self._attempt_started is not None and (
+                now - self._attempt_started >= self.policy.start_grace
+            ):
+                self.quick_failures = 0
+                self._change(State.RUNNING, f"attempt {self.attempt} running")
+        elif self.state == State.BACKOFF:
+            if self._reaping(now):
+                return
+            if self._backoff_until is None or now >= self._backoff_until:
+                self._start_attempt()
+        elif self.state == State.STOPPING:
+            alive = self.runner.alive()
+            if alive and self._kill_at is not None and now >= self._kill_at:
+                self.runner.signal(signal.SIGKILL)
+                alive = self.runner.alive()
+            if not alive and self.exit_seen:
+                assert self.stop is not None
+                reason = self.stop["reason"]
+                self.hooks.before_terminal(reason, self._deadline or now)
+                final = State.PREEMPTED if reason == "preempt" else State.STOPPED
+                self._change(final, f"{reason}: every process of attempt {self.attempt} is gone")
+
+    def _reaping(self, now: float) -> bool:
+        """Kill what is left of an ended attempt; True while something is."""
+        if not self.runner.alive():
+            self._leftover_kill_at = None
+            return False
+        if self._leftover_kill_at is None:
+            self.journal.event(
+                "leftovers",
+                f"processes of attempt {self.attempt} outlived it; "
+                "stopping them before the next start",
+                klass="transient",
+                remedy="make the job's children exit with it",
+            )
+            self.runner.signal(signal.SIGTERM)
+            self._leftover_kill_at = now + LEFTOVER_GRACE
+        elif now >= self._leftover_kill_at:
+            self.runner.signal(signal.SIGKILL)
+        return True
+
+    def next_wakeup(self) -> Optional[float]:
+        """Seconds until the machine needs a ``tick``; None when only an exit can move it."""
+        now = self.clock.monotonic()
+        if self.state == State.STARTING and self._attempt_started is not None:
+            return max(0.0, self._attempt_started + self.policy.start_grace - now)
+        if self.state == State.BACKOFF:
+            if self._leftover_kill_at is not None:
+                return REAP_POLL
+            return max(0.0, (self._backoff_until or now) - now)
+        if self.state == State.STOPPING:
+            return REAP_POLL
+        return None
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE

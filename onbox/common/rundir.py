@@ -1,0 +1,208 @@
+"""The one owner of every path rgt writes on the box.
+
+$RGT_HOME/                      RGT_HOME defaults to ~/.rgt
+  runs/NAME/                    RGT_RUN_DIR
+    spec.json                   the resolved JobSpec (atomic replace)
+    state.json                  the run's state (atomic replace, the only writer is the agent)
+    events.jsonl                every transition and decision, append-only
+    agent.log                   the agent's own log
+    lock                        flock'ed by the one agent; holds host, pid, start time
+    stop.request                written by `rgt-agent stop` for a live agent
+    attempts/NNNN/output.log    the job's stdout+stderr, unaltered
+    attempts/NNNN/output.redacted.log   a copy with each secret masked, for `rgt pull`, when
+                                the log holds one (a run without a store, once it ended)
+    attempts/NNNN/job.json      written by the shim: the job's pid, start time, tag
+    attempts/NNNN/exit.json     written by the shim: the job's exit status
+    ckpt/                       default RGT_CKPT_DIR
+  secrets/                      0700; secrets the job needs across restarts (controller)
+"""
+
+from __future__ import annotations
+
+import os
+
+from onbox.common.durable import make_dirs, remove_dirs
+from onbox.common.errors import HostError, NotFound, UsageError
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
+    from typing import List, Mapping, Optional
+
+NAME_PATTERN = "[a-z0-9][a-z0-9._-]{0,62}"
+_FIRST = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
+_REST = _FIRST | frozenset("._-")
+
+
+def is_name(name: object) -> bool:
+    """Whether ``name`` matches NAME_PATTERN and holds no "..": safe as a path component, in a
+    URL, in a shell word. (No regex: the shim imports this and stays small.)"""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 63
+        and name[0] in _FIRST
+        and all(c in _REST for c in name)
+        and ".." not in name
+    )
+
+
+def check_name(name: str, field: str = "name") -> str:
+    """Return ``name`` if it is a valid run name, else raise naming the pattern."""
+    if not is_name(name):
+        raise UsageError(
+            field,
+            f"{name!r} is not a valid run name",
+            f"use {NAME_PATTERN}: lowercase letters, digits, '.', '_', '-', no '..'",
+        )
+    return name
+
+
+def rgt_home(environ: Optional[Mapping[str, str]] = None) -> str:
+    """$RGT_HOME, or ~/.rgt."""
+    env = os.environ if environ is None else environ
+    home = env.get("RGT_HOME") or os.path.join(os.path.expanduser("~"), ".rgt")
+    return os.path.abspath(home)
+
+
+class RunDir:
+    """Paths of one run; creating it checks that the box lets us write there."""
+
+    def __init__(self, name: str, home: Optional[str] = None) -> None:
+        self.name = check_name(name)
+        self.home = home or rgt_home()
+        self.path = os.path.join(self.home, "runs", self.name)
+
+    # ---- files
+    @property
+    def spec(self) -> str:
+        return os.path.join(self.path, "spec.json")
+
+    @property
+    def state(self) -> str:
+        return os.path.join(self.path, "state.json")
+
+    @property
+    def events(self) -> str:
+        return os.path.join(self.path, "events.jsonl")
+
+    @property
+    def agent_log(self) -> str:
+        return os.path.join(self.path, "agent.log")
+
+    @property
+    def lock(self) -> str:
+        return os.path.join(self.path, "lock")
+
+    @property
+    def stop_request(self) -> str:
+        return os.path.join(self.path, "stop.request")
+
+    @property
+    def sync_request(self) -> str:
+        """Written by `rgt-agent sync`; the agent removes it once everything is sealed."""
+        return os.path.join(self.path, "sync.request")
+
+    @property
+    def attempts(self) -> str:
+        return os.path.join(self.path, "attempts")
+
+    def attempt_dir(self, attempt: int) -> str:
+        return os.path.join(self.attempts, f"{attempt:04d}")
+
+    def output_log(self, attempt: int) -> str:
+        return os.path.join(self.attempt_dir(attempt), "output.log")
+
+    def redacted_log(self, attempt: int) -> str:
+        """The copy of ``output_log`` with each secret masked (onbox/agent/sealservice.py writes
+        it)."""
+        return os.path.join(self.attempt_dir(attempt), "output.redacted.log")
+
+    @property
+    def secrets_file(self) -> str:
+        """The job's secrets (JSON {VAR: value}, 0600), outside the run directory so that no
+        copy of the run (logs, the store's mirror) can carry them."""
+        return os.path.join(self.home, "secrets", self.name)
+
+    def job_record(self, attempt: int) -> str:
+        return os.path.join(self.attempt_dir(attempt), "job.json")
+
+    def exit_record(self, attempt: int) -> str:
+        return os.path.join(self.attempt_dir(attempt), "exit.json")
+
+    def attempt_numbers(self) -> List[int]:
+        """Attempts that have a directory, oldest first."""
+        try:
+            names = os.listdir(self.attempts)
+        except FileNotFoundError:
+            return []
+        return sorted(int(n) for n in names if n.isdigit())
+
+    def exists(self) -> bool:
+        return os.path.isfile(self.spec)
+
+    def require(self) -> RunDir:
+        if not self.exists():
+            raise NotFound(f"no run named {self.name!r} under {self.home}", "see `rgt-agent list`")
+        return self
+
+    _UNWRITABLE = "set RGT_HOME to a writable directory on the box's local disk"
+
+    def check(self) -> None:
+        """Raise HostError when the run directory could not be made or written; makes nothing
+        (``start`` checks everything before it creates anything)."""
+        why = unwritable(self.path)
+        if why:
+            raise HostError(f"run directory {self.path} is not writable: {why}", self._UNWRITABLE)
+
+    def create(self) -> List[str]:
+        """Make the run directory and attempts/ (0700, each missing parent up to RGT_HOME too)
+        and prove it is writable; the directories it made, for ``remove_dirs``. On HostError
+        it has removed them again."""
+        created: List[str] = []
+        try:
+            created = make_dirs(self.attempts)
+            probe = os.path.join(self.path, f".write-probe.{os.getpid()}")
+            with open(probe, "wb") as f:
+                f.write(b"ok")
+            os.unlink(probe)
+        except OSError as e:
+            remove_dirs(created)
+            raise HostError(
+                f"run directory {self.path} is not writable: {e.strerror}", self._UNWRITABLE
+            ) from None
+        return created
+
+
+def unwritable(path: str) -> Optional[str]:
+    """Why the directory ``path`` could not be made or written into, or None when it looks
+    possible; creates nothing. (Only making it can prove it: /proc answers access() yes.)"""
+    p = os.path.abspath(path)
+    while not os.path.lexists(p):
+        p = os.path.dirname(p)
+    if not os.path.isdir(p):
+        return f"{p} is not a directory"
+    if os.access(p, os.W_OK | os.X_OK):
+        return None
+    try:
+        if os.statvfs(p).f_flag & os.ST_RDONLY:
+            return f"{p} is on a read-only file system"
+    except OSError:
+        pass
+    return f"{p} is not writable by this user (uid {os.getuid()})"
+
+
+def all_runs(home: Optional[str] = None) -> List[RunDir]:
+    """Every run under RGT_HOME, by name."""
+    home = home or rgt_home()
+    try:
+        names = sorted(os.listdir(os.path.join(home, "runs")))
+    except FileNotFoundError:
+        return []
+    runs = []
+    for n in names:
+        try:
+            rd = RunDir(n, home)
+        except UsageError:  # a stray directory with a name rgt would never make
+            continue
+        if rd.exists():
+            runs.append(rd)
+    return runs

@@ -1,0 +1,211 @@
+"""The documents that make a sealed checkpoint real: MANIFEST.json, LATEST.json, DONE.json.
+
+Layout under a run's prefix in the store (shared/DESIGN.md)::
+
+    checkpoints/<step>/e<epoch>/...     the files, uploaded first, under the writer's epoch
+    checkpoints/<step>/MANIFEST.json    written after every file is verified
+    LATEST.json                         advanced last, only to a verified checkpoint, never back
+    epochs/<n>                          one per agent start; the highest epoch is the writer
+    quarantine/<step>.json              a checkpoint found corrupt: kept, flagged, reported
+    pinned/<step>                       a checkpoint pruning never deletes
+    state/                              the run's state and events, mirrored
+    DONE.json                           the completion receipt
+
+A checkpoint without a MANIFEST does not exist. Each file entry of a MANIFEST names the object
+that holds its bytes (``key``): the files of a checkpoint sealed by epoch E live under
+``checkpoints/<step>/e<E>/`` (so two agents of one run never write the same object), and an
+entry may name an object an earlier checkpoint of the same epoch holds (same sha256). MANIFESTs
+from before epoch-scoped keys name ``checkpoints/<step>/<path>``; readers take the key as
+written (``object_key``), so both read the same way.
+
+LATEST names the step, the epoch of the MANIFEST it points to (``epoch``) and the epoch of the
+agent that wrote it (``writer``, the fencing token: an agent never replaces a LATEST whose writer
+is newer than itself). A LATEST from before ``writer`` existed counts as written by its
+``epoch``.
+
+Standard library only: the training API reads these too.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from typing import Any, Dict, List, Optional
+
+from onbox.common.errors import IntegrityError
+from onbox.common.safepath import safe_rel
+
+SCHEMA = 1
+_SHA = re.compile(r"[0-9a-f]{64}\Z")
+
+
+def checkpoint_prefix(run: str, step: int) -> str:
+    return f"{run}/checkpoints/{step}/"
+
+
+def manifest_key(run: str, step: int) -> str:
+    return f"{run}/checkpoints/{step}/MANIFEST.json"
+
+
+def manifest_step(run: str, key: str) -> Optional[int]:
+    """The step of ``key`` when it is a MANIFEST's key (``RUN/checkpoints/<step>/MANIFEST.json``),
+    else None: a checkpoint's own file named MANIFEST.json lies deeper and is none."""
+    head = f"{run}/checkpoints/"
+    if not key.startswith(head) or not key.endswith("/MANIFEST.json"):
+        return None
+    middle = key[len(head) : -len("/MANIFEST.json")]
+    return int(middle) if middle.isdigit() else None
+
+
+def epoch_prefix(run: str, step: int, epoch: int) -> str:
+    """Where the agent of ``epoch`` uploads the files of checkpoint ``step``: a prefix no other
+    epoch writes under, so an agent that lost the run (frozen, preempted, come back) can never
+    overwrite an object the newer one sealed."""
+    return f"{run}/checkpoints/{step}/e{epoch}/"
+
+
+def new_object_key(run: str, step: int, epoch: int, path: str) -> str:
+    """The key a file sealed now gets (see ``epoch_prefix``); ``path`` is relative to
+    RGT_CKPT_DIR."""
+    return epoch_prefix(run, step, epoch) + path
+
+
+def object_key(run: str, step: int, entry: Dict[str, Any]) -> str:
+    """The store key holding the bytes of one MANIFEST file entry; restore and pull read each
+    file from here (they read ``entry["key"]``, which is the same for every MANIFEST rgt
+    wrote). It is the entry's ``key`` as sealed: epoch-scoped since fencing
+    (``checkpoints/<step>/e<epoch>/<path>``), ``checkpoints/<step>/<path>`` before it, an
+    earlier step's object when deduplicated. ``parse_manifest`` requires a key; an entry
+    without one (a hand-made document) means the original layout."""
+    key = entry.get("key")
+    if isinstance(key, str) and key:
+        return key
+    return checkpoint_prefix(run, step) + str(entry["path"])
+
+
+def latest_key(run: str) -> str:
+    return f"{run}/LATEST.json"
+
+
+def done_key(run: str) -> str:
+    return f"{run}/DONE.json"
+
+
+def epoch_key(run: str, epoch: int) -> str:
+    return f"{run}/epochs/{epoch:08d}"
+
+
+def pin_key(run: str, step: int) -> str:
+    return f"{run}/pinned/{step}"
+
+
+def quarantine_key(run: str, step: int) -> str:
+    return f"{run}/quarantine/{step}.json"
+
+
+def _check_schema(doc: Any, what: str) -> Dict[str, Any]:
+    if not isinstance(doc, dict):
+        raise IntegrityError(f"{what} is not a JSON object")
+    schema = doc.get("schema")
+    if not isinstance(schema, int):
+        raise IntegrityError(f"{what} has no schema version")
+    if schema > SCHEMA:
+        raise IntegrityError(
+            f"{what} was written by a newer rgt (schema {schema})", "upgrade rgt on this box"
+        )
+    return doc
+
+
+def _load(data: bytes, what: str) -> Dict[str, Any]:
+    try:
+        return _check_schema(json.loads(data), what)
+    except ValueError:
+        raise IntegrityError(f"{what} is not valid JSON") from None
+
+
+def dump(doc: Dict[str, Any]) -> bytes:
+    return (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
+
+
+def new_manifest(
+    run: str, step: int, epoch: int, root: str, kind: str, files: List[Dict[str, Any]]
+) -> Dict[str, Any]:
+    """A MANIFEST: ``root`` is the checkpoint's path relative to RGT_CKPT_DIR (a file or a
+    directory), ``files`` are {path (relative to RGT_CKPT_DIR), size, sha256, key}."""
+    return {
+        "schema": SCHEMA,
+        "run": run,
+        "step": step,
+        "epoch": epoch,
+        "root": root,
+        "kind": kind,
+        "files": files,
+        "created": time.time(),
+    }
+
+
+def parse_manifest(data: bytes, what: str = "MANIFEST") -> Dict[str, Any]:
+    """A checked MANIFEST; anything malformed is an IntegrityError."""
+    doc = _load(data, what)
+    step = doc.get("step")
+    if not isinstance(step, int) or step < 0:
+        raise IntegrityError(f"{what}: step {step!r} is not a step")
+    safe_rel(doc.get("root"), f"{what}: root")
+    files = doc.get("files")
+    if not isinstance(files, list) or not files:
+        raise IntegrityError(f"{what}: no files")
+    seen = set()
+    for f in files:
+        if not isinstance(f, dict):
+            raise IntegrityError(f"{what}: a file entry is not an object")
+        path = safe_rel(f.get("path"), f"{what}: path")
+        if path in seen:
+            raise IntegrityError(f"{what}: {path} is listed twice")
+        seen.add(path)
+        if not isinstance(f.get("size"), int) or f["size"] < 0:
+            raise IntegrityError(f"{what}: {path} has no size")
+        if not isinstance(f.get("sha256"), str) or not _SHA.match(f["sha256"]):
+            raise IntegrityError(f"{what}: {path} has a malformed sha256")
+        safe_rel(f.get("key"), f"{what}: the key of {path!r}")
+    if "epoch" in doc and (not isinstance(doc["epoch"], int) or doc["epoch"] < 0):
+        raise IntegrityError(f"{what}: epoch {doc['epoch']!r} is not an epoch")
+    return doc
+
+
+def manifest_epoch(doc: Dict[str, Any]) -> int:
+    """The epoch of the agent that sealed a MANIFEST (0 for one older than epochs)."""
+    epoch = doc.get("epoch")
+    return epoch if isinstance(epoch, int) else 0
+
+
+def new_latest(run: str, step: int, epoch: int, writer: Optional[int] = None) -> Dict[str, Any]:
+    """LATEST naming checkpoint ``step`` whose MANIFEST epoch ``epoch`` sealed, written by the
+    agent of epoch ``writer`` (default: ``epoch``)."""
+    return {
+        "schema": SCHEMA,
+        "run": run,
+        "step": step,
+        "epoch": epoch,
+        "writer": epoch if writer is None else writer,
+        "manifest": manifest_key(run, step),
+        "updated": time.time(),
+    }
+
+
+def latest_writer(doc: Dict[str, Any]) -> int:
+    """The epoch of the agent that wrote a LATEST: ``writer``, else (older documents) ``epoch``."""
+    for field in ("writer", "epoch"):
+        value = doc.get(field)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def parse_latest(data: Optional[bytes]) -> Optional[Dict[str, Any]]:
+    if data is None:
+        return None
+    doc = _load(data, "LATEST")
+    if not isinstance(doc.get("step"), int):
+        raise IntegrityError("LATEST names no step")
+    return doc

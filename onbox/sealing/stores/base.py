@@ -1,0 +1,208 @@
+"""The one interface every durable store implements, and its errors.
+
+A store is a URL naming a root (``file:///mnt/durable/rgt``, ``s3://bucket/prefix``,
+``hf://user/repo/prefix``). Keys are '/'-separated paths relative to that root
+(``RUN/checkpoints/120/model.pt``); a key never starts with '/', never holds '..' or an empty
+part. Each run lives under ``RUN/``.
+
+Contract, for every implementation:
+
+- ``put_file`` and ``put_bytes`` are atomic: a reader sees the old object or the whole new one,
+  never a part; a failed put leaves no object under the final key. Both are idempotent, so a
+  retried put is safe.
+- ``put_file`` is given the sha256 the caller computed while reading the file, and verifies
+  what the store holds against it without downloading it again where the store computes a
+  checksum of its own (S3 additional checksums or ETags, the Hub's sha256); only a store that
+  computes none (a plain directory) is read back. A mismatch raises ``IntegrityError``.
+- ``put_bytes(..., if_absent=True)`` creates only when the key does not exist (S3
+  ``If-None-Match: *`` where the store supports it), else raises ``PreconditionFailed``.
+- ``get_versioned(key)`` returns an object's bytes with its version (``ObjectInfo.etag``: S3's
+  ETag, the Hub's git blob id, a ``file://`` store's sha256), read together; and
+  ``put_bytes(..., if_match=VERSION)`` replaces the object only while it still is that version,
+  else raises ``PreconditionFailed`` (S3 ``If-Match``, a Hub commit whose parent is the head
+  that was checked, a ``file://`` check and rename under the run's lock). This compare-and-swap
+  is how one writer per run is enforced at the documents that matter (MANIFEST, LATEST: see
+  onbox/sealing/sealer.py); where a store cannot do it atomically the caller's read-back after the
+  write is the check.
+- Errors are ``TransientStoreError`` (retry: network, throttling, 5xx) or
+  ``PermanentStoreError`` (never retried in a loop: auth, no bucket, ENOSPC, EACCES).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import os
+import time
+from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
+
+from onbox.common.errors import RgtError
+from onbox.common.safepath import safe_rel
+
+T = TypeVar("T")
+
+
+class StoreError(RgtError):
+    """A store could not do what was asked."""
+
+    exit_code = 14
+
+
+class TransientStoreError(StoreError):
+    """Worth retrying: the network, throttling, a 5xx."""
+
+
+class PermanentStoreError(StoreError):
+    """Retrying cannot help: credentials, a missing bucket, a full or read-only disk."""
+
+
+def _os_failure(e: OSError, doing: str) -> StoreError:
+    return PermanentStoreError(f"{doing}: {e.strerror or e}")
+
+
+@contextlib.contextmanager
+def new_download(
+    dest: str, doing: str, fail: Callable[[OSError, str], Exception] = _os_failure
+) -> Iterator[int]:
+    """The file descriptor of ``dest``, a new file a ``get_file`` fills: created O_EXCL and
+    O_NOFOLLOW (the caller's staging name is its own, so an existing name, a symlink too, is
+    refused rather than written through), fsynced when the block ends, removed when it fails
+    (it is ours, so a retry creates it afresh). ``fail`` maps an OSError to the store's error."""
+    try:
+        fd = os.open(
+            dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+        )
+    except FileExistsError:
+        raise PermanentStoreError(
+            f"{doing}: {dest} exists already", "a download writes a new file"
+        ) from None
+    except OSError as e:
+        raise fail(e, f"{doing} to {dest}") from None
+    done = False
+    try:
+        yield fd
+        os.fsync(fd)
+        done = True
+    except OSError as e:  # writing or fsyncing dest (the store's own errors are mapped already)
+        raise fail(e, f"{doing} to {dest}") from None
+    finally:
+        os.close(fd)
+        if not done:
+            with contextlib.suppress(OSError):
+                os.unlink(dest)
+
+
+class PreconditionFailed(StoreError):
+    """A conditional write found the key already there, or not at the version it was given."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectInfo:
+    """What a store says about one object."""
+
+    key: str
+    size: int
+    sha256: Optional[str] = None  # hex, when the store knows it
+    etag: Optional[str] = None
+    mtime: Optional[float] = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One thing a preflight found, for people: ``ok`` false means a warning."""
+
+    ok: bool
+    what: str
+
+
+def check_key(key: str) -> str:
+    """``key`` when it cannot escape the root or collide (onbox.common.safepath.safe_rel: the rule
+    of
+    every path rgt takes from outside); else UnsafePath, an IntegrityError (exit 6). Keys a
+    store lists are checked too: one rgt could never have written means the store was
+    tampered with."""
+    return safe_rel(key, "store key")
+
+
+class Store(abc.ABC):
+    """A durable store root. See the module docstring for the contract."""
+
+    url: str
+    # True when put_file can take sha256=None: the store hashes every byte as it sends it and
+    # the server verifies what it received (S3: a CRC32 or Content-MD5 per part, then the
+    # whole), so the caller need not read the file once more beforehand. The sha256 comes back
+    # in ObjectInfo.
+    hashes_while_uploading = False
+
+    @abc.abstractmethod
+    def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
+        """Upload the local file ``path`` (``size`` bytes, ``sha256`` hex) and verify it;
+        ``sha256=None`` only where ``hashes_while_uploading``."""
+
+    @abc.abstractmethod
+    def put_bytes(
+        self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
+    ) -> ObjectInfo:
+        """Write a small object (a manifest, LATEST, state) atomically; ``if_absent`` only when
+        absent, ``if_match`` only while it is still the version ``get_versioned`` returned
+        (PreconditionFailed else). The ObjectInfo's etag is the new version."""
+
+    @abc.abstractmethod
+    def get_versioned(self, key: str) -> Optional[Tuple[bytes, str]]:
+        """A small object's bytes and its version (what ``put_bytes(if_match=...)`` takes),
+        read together; None when absent."""
+
+    @abc.abstractmethod
+    def get_bytes(self, key: str) -> Optional[bytes]:
+        """A small object's bytes, or None when absent."""
+
+    @abc.abstractmethod
+    def get_file(self, key: str, dest: str) -> None:
+        """Download ``key`` to ``dest``, a new file: created with O_EXCL and O_NOFOLLOW (an
+        existing name, a symlink too, is a PermanentStoreError). The caller downloads to a
+        temporary name under a directory of its own and verifies before renaming."""
+
+    @abc.abstractmethod
+    def stat(self, key: str) -> Optional[ObjectInfo]:
+        """What the store says about ``key``, or None when absent."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object whose key starts with ``prefix``."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove ``key``; absent is fine."""
+
+    @abc.abstractmethod
+    def preflight(self, run: str) -> List[Finding]:
+        """Prove the store works for ``run`` before training starts (write, read back, compare,
+        delete under ``run/``); raise StoreError naming the step that failed."""
+
+    def abort_stale_uploads(self, prefix: str) -> int:
+        """Abort half-finished uploads under ``prefix`` left by a dead writer; how many."""
+        return 0
+
+    def same_filesystem_as(self, path: str) -> bool:
+        """Whether the store lives on the filesystem holding ``path`` (so it is not durable)."""
+        return False
+
+
+def with_retries(
+    fn: Callable[[], T],
+    *,
+    attempts: int = 5,
+    base: float = 0.5,
+    cap: float = 30.0,
+    sleep: Callable[[float], None] = time.sleep,
+) -> T:
+    """Call ``fn``; retry TransientStoreError with exponential backoff, nothing else."""
+    for n in range(attempts):
+        try:
+            return fn()
+        except TransientStoreError:
+            if n == attempts - 1:
+                raise
+            sleep(min(cap, base * 2**n))
+    raise AssertionError("unreachable")

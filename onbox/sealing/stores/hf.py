@@ -1,0 +1,584 @@
+"""``hf://user/repo[/prefix]``: a (private) model repo on the Hugging Face Hub.
+
+Everything goes through huggingface_hub's ``HfApi``, configured the library's own way: the token
+from ``HF_TOKEN`` (else the one ``hf auth login`` saved), the endpoint from ``HF_ENDPOINT`` (a
+mirror or a self-hosted Hub), read when the store is opened. Key ``K`` is the file
+``prefix/K`` of the repo's ``main`` branch; the first write creates the repo, private.
+
+Every put is one commit, so it is atomic: readers see the old file or the new one. The content
+goes up first (LFS or Xet) and is committed only if the sha256 huggingface_hub computed from the
+bytes it sent is the caller's. After the commit the store asks the Hub what it now holds there
+(``paths-info`` at that commit) and compares without downloading: for an LFS (or Xet) file the
+sha256 the Hub recorded must equal the caller's; for a small regular file the git blob id must
+equal ``sha1(b"blob SIZE\\0" + bytes)`` computed here from the very bytes that were sent. A
+mismatch removes the object again and raises ``IntegrityError``.
+
+``put_bytes(if_absent=True)`` checks at the head commit it read and commits with that commit as
+``parent_commit``: the Hub refuses (412) a commit whose parent is no longer the head, and the
+store then looks again (PreconditionFailed if the key is there now). ``put_bytes(if_match=V)``
+does the same with the file's git blob id (its version, what ``get_versioned`` returns): the
+file at that head must still be blob V, and the commit's parent is that head, so nothing another
+writer committed in between is overwritten.
+
+Uploads use whatever transfer huggingface_hub picks (Xet when ``hf_xet`` is installed, else the
+LFS batch API; ``HF_HUB_DISABLE_XET=1`` forces the latter). Downloads go to a temporary
+``local_dir`` next to the destination, with a ``cache_dir`` inside it: nothing lands in
+``~/.cache/huggingface/hub``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from typing import Iterator, List, Optional, Tuple, Union
+
+from onbox.common.errors import AuthError, IntegrityError, RgtError, UsageError
+
+try:
+    from huggingface_hub import (
+        CommitOperationAdd,
+        CommitOperationDelete,
+        HfApi,
+        get_token,
+        hf_hub_download,
+    )
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    from huggingface_hub.hf_api import RepoFile
+except ImportError as e:  # not installed, or older than huggingface_hub.errors (0.24)
+    raise UsageError(
+        "store",
+        f"hf:// stores need huggingface_hub >= 0.24 ({e})",
+        "pip install 'remote-gpu-trainer[hf]' (or 'huggingface_hub>=0.24')",
+    ) from e
+
+from onbox.sealing.stores.base import (
+    Finding,
+    ObjectInfo,
+    PermanentStoreError,
+    PreconditionFailed,
+    Store,
+    TransientStoreError,
+    check_key,
+)
+from onbox.sealing.stores.local import _fail as _os_fail
+
+REVISION = "main"
+# Up to this size put_file reads the file into memory once: the bytes it hashes are the bytes it
+# sends, and a regular (non-LFS) file's git blob id can be checked against them. The Hub stores
+# larger files in LFS, whose sha256 it reports itself.
+INLINE_MAX = 10 * 1024 * 1024
+IF_ABSENT_ATTEMPTS = 5
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+CHUNK = 1 << 20
+AUTH_MESSAGE = "token refused or without write scope: set HF_TOKEN to a write token"
+# Exceptions of the HTTP stacks huggingface_hub has used (httpx2 now, requests before 1.0):
+# the network, not the Hub, failed.
+_TRANSPORT_MODULES = ("httpx", "httpcore", "requests", "urllib3")
+
+
+def git_blob_id(data: bytes) -> str:
+    """The git object id of a blob holding ``data`` (what the Hub reports for regular files)."""
+    h = hashlib.sha1()
+    h.update(b"blob %d\0" % len(data))
+    h.update(data)
+    return h.hexdigest()
+
+
+def _hashes_of_file(path: str) -> Tuple[int, str, str]:
+    """(size, sha256, git blob id) of a local file, from one read."""
+    size = os.path.getsize(path)
+    s256, s1 = hashlib.sha256(), hashlib.sha1()
+    s1.update(b"blob %d\0" % size)
+    n = 0
+    with open(path, "rb") as f:
+        while True:
+            b = f.read(CHUNK)
+            if not b:
+                break
+            n += len(b)
+            s256.update(b)
+            s1.update(b)
+    if n != size:
+        raise IntegrityError(
+            f"{path} changed size while it was read", "do not write it during a put"
+        )
+    return size, s256.hexdigest(), s1.hexdigest()
+
+
+def _chain(e: BaseException) -> List[BaseException]:
+    """``e`` and the exceptions it was raised from, outermost first."""
+    out: List[BaseException] = []
+    cur: Optional[BaseException] = e
+    while cur is not None and cur not in out:
+        out.append(cur)
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
+    return out
+
+
+def _status(e: HfHubHTTPError) -> int:
+    response = getattr(e, "response", None)
+    code = getattr(response, "status_code", None)
+    return code if isinstance(code, int) else 0
+
+
+def _server_says(e: HfHubHTTPError) -> str:
+    msg = getattr(e, "server_message", None)
+    return str(msg).strip().splitlines()[0] if msg else _first_line(e)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _info(key: str, f: RepoFile) -> ObjectInfo:
+    """ObjectInfo from the Hub's entry: sha256 only for LFS files (the Hub knows no other)."""
+    if f.lfs is not None:
+        sha256: Optional[str] = f.lfs.sha256
+    else:  # a regular file: only the empty one's sha256 is known without its bytes
+        sha256 = EMPTY_SHA256 if f.size == 0 else None
+    return ObjectInfo(key, f.size, sha256, f.blob_id)
+
+
+class HFStore(Store):
+    """A store in a model repo of the Hugging Face Hub (or a mirror of it)."""
+
+    def __init__(self, repo_id: str, prefix: str = "") -> None:
+        self.repo_id = repo_id
+        self.prefix = "/".join(p for p in prefix.split("/") if p)
+        self.url = f"hf://{repo_id}" + (f"/{self.prefix}" if self.prefix else "")
+        # huggingface_hub reads HF_ENDPOINT once, when it is imported; read it again here so a
+        # store opened later still honours it.
+        endpoint = os.environ.get("HF_ENDPOINT", "").strip().rstrip("/") or None
+        self.api = HfApi(endpoint=endpoint, library_name="rgt")
+        self.endpoint: str = self.api.endpoint
+        self._repo_ready = False
+        self._private: Optional[bool] = None
+        self._tokens = f"write tokens are made at {self.endpoint}/settings/tokens"
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def _path(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _key(self, path: str) -> str:
+        # A listed path becomes a key rgt reads, deletes or downloads to a local path: one that
+        # rgt could not have written is refused (UnsafePath), not used.
+        return check_key(path[len(self.prefix) + 1 :] if self.prefix else path)
+
+    def _error(self, e: BaseException, doing: str) -> Exception:
+        """The StoreError (or AuthError) for an exception raised by huggingface_hub."""
+        where = f"{doing} ({self.url} on {self.endpoint})"
+        for c in _chain(e):
+            if isinstance(c, RgtError):
+                return c
+            if isinstance(c, RepositoryNotFoundError):
+                if _status(c) == 401 and get_token() is None:
+                    return AuthError(
+                        f"{where}: no Hugging Face token: {AUTH_MESSAGE}", self._tokens
+                    )
+                return PermanentStoreError(
+                    f"{where}: the Hub has no repo {self.repo_id} that this token can see",
+                    "check the repo in the store URL, and that HF_TOKEN belongs to its owner",
+                )
+            if isinstance(c, RevisionNotFoundError):
+                return PermanentStoreError(f"{where}: the repo has no branch {REVISION!r}")
+            if isinstance(c, HfHubHTTPError):
+                code = _status(c)
+                what = f"{where}: HTTP {code}: {_server_says(c)}"
+                if code in (401, 403):
+                    return AuthError(
+                        f"{where}: HTTP {code} ({_server_says(c)}): {AUTH_MESSAGE}", self._tokens
+                    )
+                if code in (408, 412, 425, 429) or code >= 500 or code == 0:
+                    return TransientStoreError(what)
+                return PermanentStoreError(what)
+            if isinstance(c, OfflineModeIsEnabled):
+                return PermanentStoreError(f"{where}: HF_HUB_OFFLINE is set", "unset it")
+            if type(c).__name__ == "FileMetadataError":
+                return PermanentStoreError(
+                    f"{where}: {_first_line(c)}", "check that HF_ENDPOINT points to a Hub"
+                )
+            if type(c).__module__.split(".")[0].startswith(_TRANSPORT_MODULES) or isinstance(
+                c, (ConnectionError, TimeoutError)
+            ):
+                return TransientStoreError(f"{where}: {type(c).__name__}: {c}")
+            if isinstance(c, LocalEntryNotFoundError):
+                continue  # hf_hub_download's wrapper: the reason is its cause
+            if isinstance(c, OSError):
+                return _os_fail(c, where)
+        if isinstance(e, LocalEntryNotFoundError):
+            return TransientStoreError(f"{where}: could not reach the Hub")
+        if isinstance(e, (ValueError, RuntimeError)):  # malformed answers, LFS batch errors
+            root = _chain(e)[-1]
+            why = "" if root is e else f" ({type(root).__name__}: {_first_line(root)})"
+            return PermanentStoreError(f"{where}: {_first_line(e)}{why}")
+        raise e
+
+    def _ensure_repo(self) -> Optional[bool]:
+        """Create the repo, private, unless it exists (checked first: a token that may write to
+        the repo need not be allowed to create repos); once per store. Whether it is private."""
+        if self._repo_ready:
+            return self._private
+        doing = f"opening (or creating, private) the repo {self.repo_id}"
+        try:
+            try:
+                self._private = self.api.model_info(self.repo_id).private
+            except RepositoryNotFoundError:
+                self.api.create_repo(self.repo_id, private=True, exist_ok=True, repo_type="model")
+                self._private = True
+        except Exception as e:
+            raise self._error(e, doing) from None
+        self._repo_ready = True
+        return self._private
+
+    def _head(self) -> str:
+        try:
+            sha = self.api.model_info(self.repo_id, revision=REVISION).sha
+        except Exception as e:
+            raise self._error(e, "reading the head commit") from None
+        if not sha:
+            raise TransientStoreError(f"{self.url}: the Hub returned no head commit")
+        return sha
+
+    def _file(self, path: str, revision: str = REVISION, doing: str = "stat") -> Optional[RepoFile]:
+        """The Hub's RepoFile for ``path`` at ``revision``, or None."""
+        try:
+            infos = self.api.get_paths_info(self.repo_id, [path], revision=revision)
+        except Exception as e:
+            raise self._error(e, f"{doing} {path}") from None
+        for info in infos:
+            if isinstance(info, RepoFile) and info.path == path:
+                return info
+        return None
+
+    def _commit_add(
+        self,
+        key: str,
+        path: str,
+        src: Union[str, bytes],
+        message: str,
+        parent: Optional[str] = None,
+        sha256: Optional[str] = None,
+    ) -> str:
+        """Commit one file; the commit id (or the head's, when nothing changed).
+
+        The content goes up first (LFS or Xet); if the sha256 huggingface_hub computed from the
+        bytes it sent is not ``sha256``, nothing is committed."""
+        op = CommitOperationAdd(path_in_repo=path, path_or_fileobj=src)
+        self.api.preupload_lfs_files(self.repo_id, [op], revision=REVISION)
+        sent = op.upload_info.sha256.hex()
+        if sha256 is not None and sent != sha256:
+            raise IntegrityError(
+                f"{key}: the bytes uploaded to {self.url} have sha256 {sent[:12]}, "
+                f"expected {sha256[:12]}; nothing was committed",
+                "the source changed after it was hashed: put again",
+            )
+        info = self.api.create_commit(
+            self.repo_id,
+            [op],
+            commit_message=message,
+            revision=REVISION,
+            parent_commit=parent,
+        )
+        return str(info.oid)
+
+    def _discard(self, path: str, revision: str) -> bool:
+        """Best effort: remove a file that failed verification, unless the repo moved on."""
+        try:
+            self.api.create_commit(
+                self.repo_id,
+                [CommitOperationDelete(path_in_repo=path)],
+                commit_message=f"rgt: remove {path} (failed verification)",
+                revision=REVISION,
+                parent_commit=revision,
+            )
+        except Exception:
+            return False
+        return True
+
+    def _verify(
+        self,
+        key: str,
+        path: str,
+        revision: str,
+        *,
+        size: int,
+        sha256: str,
+        blob_id: Optional[str] = None,
+        local: Optional[str] = None,
+    ) -> ObjectInfo:
+        """Compare what the Hub holds at ``revision`` with what was sent; IntegrityError else."""
+        f = self._file(path, revision, doing="verifying")
+        problem = None
+        hub_sha256: Optional[str] = None
+        hub_blob: Optional[str] = None
+        if f is None:
+            problem = f"the Hub has no {path} at commit {revision[:12]}"
+        else:
+            hub_size, hub_blob = f.size, f.blob_id
+            if f.lfs is not None:
+                hub_sha256 = f.lfs.sha256
+                if hub_sha256 != sha256 or hub_size != size:
+                    problem = (
+                        f"the Hub holds {hub_size} bytes sha256 {hub_sha256[:12]}, "
+                        f"expected {size} bytes sha256 {sha256[:12]}"
+                    )
+            else:
+                if blob_id is None:  # a large file the Hub kept out of LFS: hash it here
+                    assert local is not None
+                    got_size, got_sha256, blob_id = _hashes_of_file(local)
+                    if got_size != size or got_sha256 != sha256:
+                        problem = f"{local} changed since its sha256 was computed"
+                if problem is None and (hub_blob != blob_id or hub_size != size):
+                    problem = (
+                        f"the Hub holds {hub_size} bytes git blob {hub_blob[:12]}, "
+                        f"expected {size} bytes git blob {blob_id[:12]}"
+                    )
+        if problem is not None:
+            removed = f is not None and self._discard(path, revision)
+            raise IntegrityError(
+                f"{key}: the upload to {self.url} does not match its source: {problem}"
+                + ("; removed it again" if removed else ""),
+                "the source changed during the upload, or the Hub stored other bytes; put again",
+            )
+        return ObjectInfo(key, size, sha256, hub_blob)
+
+    def _download(self, path: str, into: str, revision: str = REVISION) -> Optional[str]:
+        """Download ``path`` under the directory ``into``; its local path, or None if absent."""
+        try:
+            got = hf_hub_download(
+                self.repo_id,
+                path,
+                revision=revision,
+                endpoint=self.endpoint,
+                local_dir=os.path.join(into, "d"),
+                cache_dir=os.path.join(into, "c"),
+                library_name="rgt",
+            )
+        except EntryNotFoundError as e:
+            if isinstance(e, LocalEntryNotFoundError):
+                raise self._error(e, f"reading {path}") from None
+            return None
+        except Exception as e:
+            raise self._error(e, f"reading {path}") from None
+        # Old huggingface_hub versions may leave a symlink into cache_dir: move the real file.
+        return os.path.realpath(str(got))
+
+    # -- the Store interface -----------------------------------------------------------------
+
+    def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
+        if sha256 is None:
+            raise ValueError("this store needs the caller's sha256")
+        repo_path = self._path(key)
+        src: Union[str, bytes] = path
+        blob_id = None
+        if size <= INLINE_MAX:
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as e:
+                raise _os_fail(e, f"reading {path}") from None
+            got = hashlib.sha256(data).hexdigest()
+            if len(data) != size or got != sha256:
+                raise IntegrityError(
+                    f"{key}: {path} does not match the sha256 it was given "
+                    f"({len(data)} bytes sha256 {got[:12]}, expected {size} bytes {sha256[:12]})",
+                    "the source changed after it was hashed",
+                )
+            src, blob_id = data, git_blob_id(data)
+        self._ensure_repo()
+        try:
+            revision = self._commit_add(key, repo_path, src, f"rgt: put {key}", sha256=sha256)
+        except Exception as e:
+            raise self._error(e, f"uploading {key}") from None
+        return self._verify(
+            key, repo_path, revision, size=size, sha256=sha256, blob_id=blob_id, local=path
+        )
+
+    def put_bytes(
+        self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
+    ) -> ObjectInfo:
+        repo_path = self._path(key)
+        self._ensure_repo()
+        sha256, blob_id = hashlib.sha256(data).hexdigest(), git_blob_id(data)
+        if not if_absent and if_match is None:
+            try:
+                revision = self._commit_add(key, repo_path, data, f"rgt: put {key}")
+            except Exception as e:
+                raise self._error(e, f"writing {key}") from None
+            return self._verify(
+                key, repo_path, revision, size=len(data), sha256=sha256, blob_id=blob_id
+            )
+        for _ in range(IF_ABSENT_ATTEMPTS):
+            head = self._head()
+            now = self._file(repo_path, head, doing="checking")
+            if if_match is None and now is not None:
+                raise PreconditionFailed(f"{key} already exists in {self.url}")
+            if if_match is not None and (now is None or now.blob_id != if_match):
+                raise PreconditionFailed(f"{key} in {self.url} is not at version {if_match}")
+            try:
+                revision = self._commit_add(key, repo_path, data, f"rgt: create {key}", parent=head)
+            except HfHubHTTPError as e:
+                if _status(e) == 412:  # the head moved since we looked: look again
+                    continue
+                raise self._error(e, f"creating {key}") from None
+            except Exception as e:
+                raise self._error(e, f"creating {key}") from None
+            return self._verify(
+                key, repo_path, revision, size=len(data), sha256=sha256, blob_id=blob_id
+            )
+        raise TransientStoreError(
+            f"creating {key} in {self.url}: the repo changed under every one of "
+            f"{IF_ABSENT_ATTEMPTS} attempts"
+        )
+
+    def get_bytes(self, key: str) -> Optional[bytes]:
+        path = self._path(key)
+        tmp = tempfile.mkdtemp(prefix="rgt-hf-")
+        try:
+            local = self._download(path, tmp)
+            if local is None:
+                return None
+            with open(local, "rb") as f:
+                return f.read()
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def get_versioned(self, key: str) -> Optional[Tuple[bytes, str]]:
+        path = self._path(key)
+        head = self._head()  # the bytes and the blob id of one commit, read together
+        f = self._file(path, head, doing="reading")
+        if f is None:
+            return None
+        tmp = tempfile.mkdtemp(prefix="rgt-hf-")
+        try:
+            local = self._download(path, tmp, revision=head)
+            if local is None:
+                return None
+            with open(local, "rb") as fh:
+                return fh.read(), f.blob_id
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def get_file(self, key: str, dest: str) -> None:
+        path = self._path(key)
+        try:
+            # next to dest, so that the final move is a rename within one filesystem
+            tmp = tempfile.mkdtemp(prefix=".rgt-hf-", dir=os.path.dirname(os.path.abspath(dest)))
+        except OSError as e:
+            raise _os_fail(e, f"writing {dest}") from None
+        try:
+            local = self._download(path, tmp)
+            if local is None:
+                raise PermanentStoreError(f"{key} is not in {self.url}")
+            if os.path.lexists(dest):  # as the other stores: a new file, never over a symlink
+                raise PermanentStoreError(
+                    f"downloading {key}: {dest} exists already", "a download writes a new file"
+                )
+            os.replace(local, dest)
+        except OSError as e:
+            raise _os_fail(e, f"writing {dest}") from None
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def stat(self, key: str) -> Optional[ObjectInfo]:
+        f = self._file(self._path(key))
+        return None if f is None else _info(key, f)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        parts = [p for p in prefix.split("/") if p][:-1] if prefix else []
+        folder = "/".join(([self.prefix] if self.prefix else []) + parts)
+        want = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        try:
+            entries = self.api.list_repo_tree(
+                self.repo_id, folder or None, recursive=True, revision=REVISION
+            )
+            for f in entries:
+                path = f.path
+                if not isinstance(f, RepoFile) or not path.startswith(want):
+                    continue
+                if self.prefix and not path.startswith(self.prefix + "/"):
+                    continue
+                if not self.prefix and path == ".gitattributes":
+                    continue  # the repo's own, not an object of ours
+                yield _info(self._key(path), f)
+        except EntryNotFoundError as e:
+            if isinstance(e, LocalEntryNotFoundError):
+                raise self._error(e, f"listing {prefix!r}") from None
+            return  # no such folder: nothing under the prefix
+        except Exception as e:
+            raise self._error(e, f"listing {prefix!r}") from None
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            self.api.delete_file(
+                path, self.repo_id, revision=REVISION, commit_message=f"rgt: delete {key}"
+            )
+        except EntryNotFoundError as e:
+            if isinstance(e, LocalEntryNotFoundError):
+                raise self._error(e, f"deleting {key}") from None
+        except Exception as e:
+            raise self._error(e, f"deleting {key}") from None
+
+    def preflight(self, run: str) -> List[Finding]:
+        found: List[Finding] = []
+        step = "find a Hub token"
+        try:
+            if get_token() is None:
+                raise AuthError(f"{self.url}: no Hugging Face token: {AUTH_MESSAGE}", self._tokens)
+            step = "create or resolve the private repo"
+            private = self._ensure_repo()
+            step = "write a probe (upload, then compare with the Hub's sha256)"
+            key = f"{run}/.rgt-preflight/probe-{os.urandom(4).hex()}"
+            payload = os.urandom(64 * 1024)
+            fd, probe = tempfile.mkstemp(prefix="rgt-hf-probe-")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(payload)
+                self.put_file(
+                    key, probe, sha256=hashlib.sha256(payload).hexdigest(), size=len(payload)
+                )
+            finally:
+                os.unlink(probe)
+            step = "read the probe back"
+            got = self.get_bytes(key)
+            step = "compare"
+            if got != payload:
+                raise IntegrityError(
+                    f"{key}: read back "
+                    + ("nothing" if got is None else f"{len(got)} different bytes"),
+                    "the Hub or a mirror in between serves other bytes than it stored",
+                )
+            step = "delete the probe"
+            self.delete(key)
+        except RgtError as e:
+            err = type(e)(f"store preflight failed at '{step}': {e.what}", e.remedy)
+            raise err from None
+        found.append(
+            Finding(
+                True,
+                f"{self.url} on {self.endpoint}: wrote a probe, the Hub's sha256 matched, "
+                "read it back, deleted it",
+            )
+        )
+        if private is False:
+            found.append(
+                Finding(
+                    False,
+                    f"{self.repo_id} is a public repo: anyone can download its checkpoints; "
+                    "make it private in its settings on the Hub",
+                )
+            )
+        return found

@@ -1,0 +1,509 @@
+"""``file:///path``: a durable mount (AutoDL's autodl-fs, a RunPod network volume, NFS).
+
+Every object is written to a temporary name in its directory with a kernel-side copy while a
+second thread hashes the source (one read from the disk: whichever of the two gets there first
+pulls the pages in, the other finds them cached), fsynced, renamed into place, and the directory
+fsynced. The copy is verified by what can fail here: the source must not have changed while it
+was copied (same size, mtime and ctime before and after, and the hash of the caller, when given,
+must match), fsync must succeed, and the copy must have the source's size. A read-back after
+fsync would be served from the page cache, not the disk, so it would prove nothing more; a
+directory has no checksum of its own to compare with. The preflight proves the mount really
+renames and fsyncs: FUSE bucket mounts (s3fs, goofys, some vendors' volumes) do neither reliably.
+
+A conditional replace (``put_bytes(if_match=VERSION)``, the version being the object's sha256)
+compares and renames while holding ``RUN/.rgt-lock`` with ``flock`` (NFS turns it into a lock
+the server keeps, across hosts): POSIX has no rename-if-unchanged, and without the lock a writer
+paused between its check and its rename would replace what another wrote meanwhile. The lock is
+held for one read and one rename, never across an upload; a mount that has no locks (some FUSE
+filesystems) gets the check and rename without it, and the caller's read-back is the check.
+A create-if-absent is a ``link()``, atomic by itself.
+
+The store is input, not trusted: every key is walked under the root one directory at a time
+(onbox.common.safepath, ``O_NOFOLLOW``), so a symlink planted in the store, a key that points to
+``/etc/hostname`` or a directory that points elsewhere, is refused (UnsafePath, exit 6) when it
+is read, listed or deleted, and never written through. rgt itself never makes one there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import stat as statmod
+import threading
+import time
+from typing import Any, BinaryIO, Iterator, List, Optional, Tuple
+
+from onbox.common.errors import IntegrityError
+from onbox.common.safepath import lstat_beneath, open_beneath, open_dir, symlink_error
+from onbox.sealing.stores.base import (
+    Finding,
+    ObjectInfo,
+    PermanentStoreError,
+    PreconditionFailed,
+    Store,
+    TransientStoreError,
+    check_key,
+    new_download,
+)
+
+CHUNK = 1 << 20
+LOCK_NAME = ".rgt-lock"  # RUN/.rgt-lock: held around a conditional replace, never listed
+LOCK_WAIT = 30.0  # seconds a conditional replace waits for another writer's lock
+HASH_CHUNK = 8 << 20  # large reads keep the hashing thread in OpenSSL, off the GIL
+_PERMANENT = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ENAMETOOLONG,
+}
+
+
+def _fail(e: OSError, doing: str) -> Exception:
+    what = f"{doing}: {e.strerror or e}"
+    if e.errno in _PERMANENT:
+        remedy = {
+            errno.ENOSPC: "free space on the durable mount",
+            errno.EROFS: "the mount is read-only; remount it read-write",
+        }.get(e.errno or 0, "check the mount's permissions")
+        return PermanentStoreError(what, remedy)
+    return TransientStoreError(what)
+
+
+def _copy_from(f: BinaryIO, dst_fd: int, size: int) -> None:
+    """Copy ``size`` bytes of the open file ``f`` into ``dst_fd``, in the kernel where it can."""
+    done = 0
+    cfr = getattr(os, "copy_file_range", None)
+    try:
+        while done < size:
+            if cfr is not None:
+                n = cfr(f.fileno(), dst_fd, size - done, done)
+            else:
+                n = os.sendfile(dst_fd, f.fileno(), done, size - done)
+            if n == 0:
+                break
+            done += n
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        # Positional reads: the hashing thread shares this descriptor's file offset.
+        os.lseek(dst_fd, done, os.SEEK_SET)
+        while True:
+            b = os.pread(f.fileno(), CHUNK, done)
+            if not b:
+                break
+            done += len(b)
+            view = memoryview(b)
+            while view:
+                view = view[os.write(dst_fd, view) :]
+
+
+def _copy_hashing(src: str, dst_fd: int) -> Tuple[str, int, os.stat_result]:
+    """Copy ``src`` into ``dst_fd`` while another thread hashes it: (sha256, bytes hashed, the
+    source's stat before). Both threads spend their time in the kernel or in OpenSSL with the
+    GIL released, so on two cores the hash costs almost no wall time."""
+    with open(src, "rb") as f:
+        fd = f.fileno()
+        before = os.fstat(fd)
+        with contextlib.suppress(OSError, AttributeError):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        out: List[Any] = []
+
+        def hash_all() -> None:
+            try:
+                h, off = hashlib.sha256(), 0
+                while True:
+                    b = os.pread(fd, HASH_CHUNK, off)
+                    if not b:
+                        break
+                    h.update(b)
+                    off += len(b)
+                out.append((h.hexdigest(), off))
+            except BaseException as e:  # handed to the copying thread, raised there
+                out.append(e)
+
+        hasher = threading.Thread(target=hash_all, name="rgt-hash", daemon=True)
+        hasher.start()
+        try:
+            _copy_from(f, dst_fd, before.st_size)
+        finally:
+            hasher.join()
+        if isinstance(out[0], BaseException):
+            raise out[0]
+        sha, n = out[0]
+        return sha, n, before
+
+
+def _sig(st: os.stat_result) -> Tuple[int, int, int, int]:
+    return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
+class LocalStore(Store):
+    """A store in a directory of a (durable) mount."""
+
+    def __init__(self, root: str) -> None:
+        self.root = os.path.abspath(root)
+        self.url = "file://" + self.root
+
+    def _path(self, key: str) -> str:
+        """The key's path, for messages (every access goes through ``_parent``)."""
+        return os.path.join(self.root, *check_key(key).split("/"))
+
+    def _parent(self, key: str, create: bool = False) -> Tuple[int, str]:
+        """A descriptor of the key's directory, walked from the root with O_NOFOLLOW (a symlink
+        on the way is UnsafePath; missing directories are made when ``create``), and the key's
+        last component. The caller closes the descriptor."""
+        parts = check_key(key).split("/")
+        if create:
+            os.makedirs(self.root, exist_ok=True)
+        return open_dir(self.root, parts[:-1], create=create), parts[-1]
+
+    @staticmethod
+    def _tmp(name: str) -> str:
+        return f".{name}.rgt-tmp.{os.getpid()}.{os.urandom(3).hex()}"
+
+    @staticmethod
+    def _new(dir_fd: int, name: str) -> int:
+        # A fresh name, never through a symlink: the temporary file is this writer's alone.
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        return os.open(name, flags, 0o600, dir_fd=dir_fd)
+
+    @staticmethod
+    def _drop_tmp(dir_fd: int, tmp: str) -> None:
+        try:
+            os.unlink(tmp, dir_fd=dir_fd)
+        except FileNotFoundError:
+            pass
+
+    @contextlib.contextmanager
+    def _run_lock(self, key: str) -> Iterator[None]:
+        """``flock`` on ``RUN/.rgt-lock`` (RUN: the key's first part), waited for up to
+        LOCK_WAIT seconds; a filesystem without locks yields without one."""
+        run = check_key(key).split("/")[0]
+        dfd = open_dir(self.root, [run], create=True)
+        try:
+            fd = os.open(
+                LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd
+            )
+        finally:
+            os.close(dfd)
+        try:
+            deadline = time.monotonic() + LOCK_WAIT
+            locked = False
+            while not locked:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    locked = True
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise TransientStoreError(
+                            f"{self.root}/{run}/{LOCK_NAME} has been locked by another writer "
+                            f"for {LOCK_WAIT:.0f}s",
+                            "another agent of this run is writing (or is frozen mid-write)",
+                        ) from None
+                    time.sleep(0.05)
+                except OSError as e:
+                    if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.EINVAL):
+                        raise
+                    break  # no locks on this mount: check and rename without one
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _current_version(self, dir_fd: int, name: str) -> Optional[str]:
+        """The sha256 of the object ``name`` in ``dir_fd``, or None when absent."""
+        try:
+            fd = os.open(
+                name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd
+            )
+        except FileNotFoundError:
+            return None
+        with open(fd, "rb") as f:
+            return hashlib.sha256(f.read()).hexdigest()
+
+    def _commit(
+        self,
+        dir_fd: int,
+        tmp: str,
+        name: str,
+        path: str,
+        if_absent: bool,
+        if_match: Optional[str] = None,
+    ) -> None:
+        if if_match is not None:
+            with self._run_lock(path[len(self.root) + 1 :]):
+                if self._current_version(dir_fd, name) != if_match:
+                    raise PreconditionFailed(f"{path} is not at version {if_match[:12]} any more")
+                os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+                os.fsync(dir_fd)
+            return
+        if if_absent:
+            try:  # fails if present: an atomic create-if-absent
+                os.link(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+            except FileExistsError:
+                raise PreconditionFailed(f"{path} already exists") from None
+            finally:
+                os.unlink(tmp, dir_fd=dir_fd)
+        else:
+            os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)  # a symlink there: replaced
+        os.fsync(dir_fd)
+
+    def _open_read(self, key: str) -> Tuple[int, os.stat_result]:
+        """A descriptor of the regular file under ``key`` and its fstat. FileNotFoundError when
+        absent; UnsafePath when it, or a directory on the way, is a symlink, or it is no
+        regular file (O_NONBLOCK: a FIFO planted there must not hang the open)."""
+        try:
+            fd = open_beneath(self.root, key, os.O_RDONLY | os.O_NONBLOCK, what="store key")
+        except NotADirectoryError:
+            raise FileNotFoundError(errno.ENOENT, "no such key", key) from None
+        st = os.fstat(fd)
+        if statmod.S_ISREG(st.st_mode):
+            return fd, st
+        os.close(fd)
+        if statmod.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "a directory, not an object", self._path(key))
+        raise IntegrityError(
+            f"{self._path(key)} is not a regular file (mode {st.st_mode:o})",
+            "rgt writes only regular files into a store: remove it",
+        )
+
+    hashes_while_uploading = True
+
+    def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
+        dest = self._path(key)
+        try:
+            dfd, name = self._parent(key, create=True)
+        except OSError as e:
+            raise _fail(e, f"writing {dest}") from None
+        tmp = self._tmp(name)
+        try:
+            fd = self._new(dfd, tmp)
+            try:
+                got, hashed, before = _copy_hashing(path, fd)
+                os.fsync(fd)
+                copied = os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+            after = os.stat(path)
+            changed = _sig(after) != _sig(before) or hashed != before.st_size
+            if changed or copied != size or hashed != size or sha256 not in (None, got):
+                raise IntegrityError(
+                    f"{key}: the copy in {self.root} does not match its source "
+                    f"({copied} bytes copied, {hashed} hashed with sha256 {got[:12]}; expected "
+                    f"{size} bytes{'' if sha256 is None else ' sha256 ' + sha256[:12]})",
+                    "the source changed while it was copied: write checkpoints to a new "
+                    "name and let the job finish them before they are sealed",
+                )
+            self._commit(dfd, tmp, name, dest, if_absent=False)
+        except OSError as e:
+            raise _fail(e, f"writing {dest}") from None
+        finally:
+            self._drop_tmp(dfd, tmp)
+            os.close(dfd)
+        return ObjectInfo(key, size, got)
+
+    def put_bytes(
+        self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
+    ) -> ObjectInfo:
+        dest = self._path(key)
+        try:
+            dfd, name = self._parent(key, create=True)
+        except OSError as e:
+            raise _fail(e, f"writing {dest}") from None
+        tmp = self._tmp(name)
+        try:
+            fd = self._new(dfd, tmp)
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._commit(dfd, tmp, name, dest, if_absent, if_match)
+        except OSError as e:
+            raise _fail(e, f"writing {dest}") from None
+        finally:
+            self._drop_tmp(dfd, tmp)
+            os.close(dfd)
+        sha = hashlib.sha256(data).hexdigest()
+        return ObjectInfo(key, len(data), sha, sha)
+
+    def get_versioned(self, key: str) -> Optional[Tuple[bytes, str]]:
+        data = self.get_bytes(key)
+        return None if data is None else (data, hashlib.sha256(data).hexdigest())
+
+    def get_bytes(self, key: str) -> Optional[bytes]:
+        try:
+            fd, _ = self._open_read(key)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise _fail(e, f"reading {key}") from None
+        with open(fd, "rb") as f:
+            try:
+                return f.read()
+            except OSError as e:
+                raise _fail(e, f"reading {key}") from None
+
+    def get_file(self, key: str, dest: str) -> None:
+        """``dest`` is created here (O_EXCL, never through a symlink): it must not exist."""
+        try:
+            src, st = self._open_read(key)
+        except FileNotFoundError:
+            raise PermanentStoreError(f"{key} is not in {self.url}") from None
+        except OSError as e:
+            raise _fail(e, f"reading {key}") from None
+        with open(src, "rb") as f, new_download(dest, f"downloading {key}", _fail) as fd:
+            _copy_from(f, fd, st.st_size)
+
+    def stat(self, key: str) -> Optional[ObjectInfo]:
+        try:
+            st = lstat_beneath(self.root, key, "store key")
+        except NotADirectoryError:
+            return None
+        if st is None:
+            return None
+        if statmod.S_ISLNK(st.st_mode):
+            raise symlink_error(self._path(key))
+        return ObjectInfo(key, st.st_size, None, None, st.st_mtime)
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        """Every object under ``prefix``, symlinks never followed: a symlink to a directory is
+        not descended into, one to a file (or to nothing) is listed with its own lstat (reading
+        it is refused). A name rgt could not have written is UnsafePath."""
+        base = self.root
+        parts = [p for p in prefix.split("/") if p][:-1] if prefix else []
+        try:
+            os.close(open_dir(base, [check_key(p) for p in parts]))
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        start = os.path.join(base, *parts)
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames.sort()
+            for name in sorted(filenames):
+                if ".rgt-tmp." in name or name == LOCK_NAME:
+                    continue
+                full = os.path.join(dirpath, name)
+                key = check_key(os.path.relpath(full, base).replace(os.sep, "/"))
+                if key.startswith(prefix):
+                    try:
+                        st = os.lstat(full)
+                    except FileNotFoundError:
+                        continue  # deleted since the directory was read
+                    yield ObjectInfo(key, st.st_size, None, None, st.st_mtime)
+
+    def delete(self, key: str) -> None:
+        try:
+            dfd, name = self._parent(key)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except OSError as e:
+            raise _fail(e, f"deleting {key}") from None
+        try:
+            os.unlink(name, dir_fd=dfd)  # a symlink is removed itself, never followed
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise _fail(e, f"deleting {key}") from None
+        finally:
+            os.close(dfd)
+
+    def abort_stale_uploads(self, prefix: str) -> int:
+        """Remove temporary files a killed writer left under ``prefix`` (never a final name)."""
+        n = 0
+        start = os.path.join(self.root, *[p for p in prefix.split("/") if p])
+        for dirpath, _, filenames in os.walk(start):
+            for name in filenames:
+                if ".rgt-tmp." in name:
+                    try:
+                        os.unlink(os.path.join(dirpath, name))
+                        n += 1
+                    except OSError:
+                        pass
+        return n
+
+    def same_filesystem_as(self, path: str) -> bool:
+        probe = self.root
+        while not os.path.exists(probe):
+            probe = os.path.dirname(probe)
+        try:
+            return os.stat(probe).st_dev == os.stat(path).st_dev
+        except OSError:
+            return False
+
+    def fs_type(self) -> str:
+        """The filesystem type of the root, from /proc/self/mountinfo."""
+        best, kind = "", "unknown"
+        try:
+            with open("/proc/self/mountinfo") as f:
+                for line in f:
+                    left, _, right = line.partition(" - ")
+                    mount = left.split()[4].replace("\\040", " ")
+                    if (self.root + "/").startswith(mount.rstrip("/") + "/") and len(mount) > len(
+                        best
+                    ):
+                        best, kind = mount, right.split()[0]
+        except (OSError, IndexError):
+            pass
+        return kind
+
+    def preflight(self, run: str) -> List[Finding]:
+        found: List[Finding] = []
+        kind = self.fs_type()
+        step = "create the run directory"
+        d = os.path.join(self.root, run, ".rgt-preflight")
+        dfd = -1
+        try:
+            os.makedirs(self.root, exist_ok=True)
+            dfd = open_dir(self.root, [check_key(run), ".rgt-preflight"], create=True)
+            step = "write and fsync a probe file"
+            payload = os.urandom(4096)
+            for p in ("a", "b"):
+                fd = os.open(
+                    p,
+                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                    0o600,
+                    dir_fd=dfd,
+                )
+                try:
+                    os.write(fd, payload)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            step = "rename a file over another (atomic replace)"
+            os.replace("a", "b", src_dir_fd=dfd, dst_dir_fd=dfd)
+            if os.path.lexists(os.path.join(d, "a")):
+                raise OSError(errno.EIO, "the source of the rename still exists")
+            step = "fsync the directory"
+            os.fsync(dfd)
+            step = "read the probe back and compare"
+            fd = os.open("b", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+            with open(fd, "rb") as f:
+                if f.read() != payload:
+                    raise OSError(errno.EIO, "read back different bytes")
+            step = "delete the probe"
+            os.unlink("b", dir_fd=dfd)
+            os.rmdir(d)
+        except OSError as e:
+            err = _fail(e, f"store preflight failed at '{step}' in {self.root}")
+            raise err from None
+        finally:
+            if dfd >= 0:
+                os.close(dfd)
+        found.append(Finding(True, f"{self.url} ({kind}): writes, fsyncs, renames atomically"))
+        if kind.startswith("fuse"):
+            found.append(
+                Finding(
+                    False,
+                    f"{self.url} is a FUSE mount ({kind}): renames and fsync "
+                    "may not be atomic or durable there; prefer s3:// directly",
+                )
+            )
+        return found

@@ -49,6 +49,7 @@ from controller.registry import Registry, RunRecord
 from controller.remote import Remote, open_remote
 from controller.target import Target, parse_target
 from onbox.agent.spec import check_outputs, default_name
+from onbox.common import jobenv
 from onbox.common.errors import (
     HostError,
     LockedError,
@@ -146,7 +147,7 @@ def box_home_for(remote: Remote, home: str) -> str:
     if override:
         return override
     if remote.target.kind == "local":
-        return os.path.abspath(os.environ.get("RGT_HOME") or os.path.expanduser("~/.rgt"))
+        return os.path.abspath(os.environ.get(jobenv.HOME) or os.path.expanduser("~/.rgt"))
     if not home:
         return ""
     if not home.startswith("/"):

@@ -52,6 +52,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from controller.deploy import wheel as wheelmod
 from controller.remote import Remote, Result
+from onbox.common import jobenv
 from onbox.common.errors import HostError, UsageError
 
 MARKER = ".rgt-agent.json"
@@ -531,7 +532,7 @@ def install_agent(
     the caller ran the install ``probed`` found and its ``--version`` failed: it is not run again,
     but replaced; in place, or next to it (``<key>-N``) while an agent or shim runs from it."""
     if not posixpath.isabs(box_home) or "\0" in box_home:
-        raise UsageError("RGT_HOME", f"{box_home!r} is not an absolute path on the box")
+        raise UsageError(jobenv.HOME, f"{box_home!r} is not an absolute path on the box")
     unknown = sorted(set(extras) - set(wheelmod.EXTRAS))
     if unknown:
         raise UsageError(

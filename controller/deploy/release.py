@@ -46,6 +46,7 @@ import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from controller.remote import Remote
+from onbox.common import jobenv
 from onbox.common.errors import HostError, RemoteUnreachable, UsageError
 from onbox.common.rundir import check_name
 
@@ -55,7 +56,7 @@ MARKER = ".rgt-release"  # written last into a complete release
 # scripts/demo's home. The directories RGT_HOME, RGT_BOX_HOME and RGT_CONTROLLER_HOME name are
 # left out too when they lie inside the project (see _state_paths).
 STATE_DIRS = (".rgt", ".rgt-demo")
-STATE_VARS = ("RGT_HOME", "RGT_BOX_HOME", "RGT_CONTROLLER_HOME")
+STATE_VARS = (jobenv.HOME, "RGT_BOX_HOME", "RGT_CONTROLLER_HOME")
 STALE_AFTER_MIN = 5  # a .tmp- release untouched this long belongs to a push that died
 _ID = re.compile(r"[0-9a-f]{16}\Z")
 _SUFFIX = re.compile(r"[A-Za-z0-9]{6,}\Z")
@@ -347,7 +348,7 @@ _current_seen: weakref.WeakKeyDictionary[Remote, Tuple[str, str, str]] = weakref
 
 def _check_home(box_home: str) -> None:
     if not posixpath.isabs(box_home) or "\0" in box_home:
-        raise UsageError("RGT_HOME", f"{box_home!r} is not an absolute path on the box")
+        raise UsageError(jobenv.HOME, f"{box_home!r} is not an absolute path on the box")
 
 
 def parse_seen(rid: str, lines: Sequence[str]) -> Optional[BoxRelease]:

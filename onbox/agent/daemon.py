@@ -13,23 +13,24 @@ import sys
 from typing import Any, Dict, List, Optional
 
 import onbox
+from onbox.common import jobenv
 from onbox.common.rundir import RunDir
 
-TAG_VAR = "RGT_ATTEMPT_TAG"
+TAG_VAR = jobenv.ATTEMPT_TAG
 # Variables the agent sets for each attempt of the job; never passed on from its own environment.
 JOB_VARS = (
-    "RGT_RUN",
-    "RGT_RUN_DIR",
-    "RGT_CKPT_DIR",
-    "RGT_RESUME_FROM",
-    "RGT_ATTEMPT",
-    "RGT_CKPT_TRIGGER",
+    jobenv.RUN,
+    jobenv.RUN_DIR,
+    jobenv.CKPT_DIR,
+    jobenv.RESUME_FROM,
+    jobenv.ATTEMPT,
+    jobenv.CKPT_TRIGGER,
     TAG_VAR,
 )
 
 
 # The user's own PYTHONPATH, kept while rgt's processes run with their own (the job gets it back).
-USER_PYTHONPATH = "RGT_USER_PYTHONPATH"
+USER_PYTHONPATH = jobenv.USER_PYTHONPATH
 
 
 def python_argv(module: str) -> List[str]:
@@ -60,7 +61,7 @@ def _internal_path() -> List[str]:
 def agent_environ(rd: RunDir) -> Dict[str, str]:
     """The environment of rgt's own processes (agent, shim) for run ``rd``."""
     env = {k: v for k, v in os.environ.items() if k not in JOB_VARS}
-    env["RGT_HOME"] = rd.home
+    env[jobenv.HOME] = rd.home
     env.setdefault(USER_PYTHONPATH, env.get("PYTHONPATH", ""))
     env["PYTHONPATH"] = os.pathsep.join(_internal_path())
     return env

@@ -22,6 +22,7 @@ from onbox.agent.classify import ExitStatus
 from onbox.agent.daemon import TAG_VAR, agent_environ, python_argv, user_environ
 from onbox.agent.journal import log
 from onbox.agent.spec import JobSpec
+from onbox.common import jobenv
 from onbox.common.durable import read_json, write_json
 from onbox.common.errors import HostError
 from onbox.common.rundir import RunDir
@@ -103,14 +104,14 @@ class ShimRunner:
         env.update(self.spec.env)
         env.update(
             {
-                "RGT_RUN": self.spec.name,
-                "RGT_RUN_DIR": self.rd.path,
-                "RGT_CKPT_DIR": self.spec.ckpt_dir,
-                "RGT_RESUME_FROM": self.resume_from(),
-                "RGT_ATTEMPT": str(attempt),
+                jobenv.RUN: self.spec.name,
+                jobenv.RUN_DIR: self.rd.path,
+                jobenv.CKPT_DIR: self.spec.ckpt_dir,
+                jobenv.RESUME_FROM: self.resume_from(),
+                jobenv.ATTEMPT: str(attempt),
                 # How the agent asks for a checkpoint ("signal:USR2", "file", "none"), so the
                 # training API listens the same way (onbox/train/checkpointer.py).
-                "RGT_CKPT_TRIGGER": self.spec.trigger,
+                jobenv.CKPT_TRIGGER: self.spec.trigger,
                 TAG_VAR: tag,
             }
         )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 
+from onbox.common import jobenv
 from onbox.common.durable import make_dirs, remove_dirs
 from onbox.common.errors import HostError, NotFound, UsageError
 
@@ -59,7 +60,7 @@ def check_name(name: str, field: str = "name") -> str:
 def rgt_home(environ: Optional[Mapping[str, str]] = None) -> str:
     """$RGT_HOME, or ~/.rgt."""
     env = os.environ if environ is None else environ
-    home = env.get("RGT_HOME") or os.path.join(os.path.expanduser("~"), ".rgt")
+    home = env.get(jobenv.HOME) or os.path.join(os.path.expanduser("~"), ".rgt")
     return os.path.abspath(home)
 
 

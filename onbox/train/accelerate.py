@@ -51,6 +51,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Tuple, Union
 
+from onbox.common import jobenv
 from onbox.common.durable import fsync_dir, fsync_file, sha256_file
 from onbox.common.errors import CheckpointError, CheckpointWriteFailed
 from onbox.train import Checkpointer, ckptdir
@@ -215,7 +216,7 @@ class AcceleratorCheckpointer:
 
     def latest(self) -> Optional[str]:
         """The checkpoint ``load`` would use: RGT_RESUME_FROM, else the newest local one."""
-        explicit = os.environ.get("RGT_RESUME_FROM")
+        explicit = os.environ.get(jobenv.RESUME_FROM)
         if explicit:
             return explicit
         found = complete_checkpoints(self.dir)
@@ -224,7 +225,7 @@ class AcceleratorCheckpointer:
     def load(self, path: Optional[str] = None) -> int:
         """``accelerator.load_state`` from ``path``, RGT_RESUME_FROM or the newest verified local
         checkpoint; the step to continue from (0 when there is none)."""
-        explicit = path or os.environ.get("RGT_RESUME_FROM") or None
+        explicit = path or os.environ.get(jobenv.RESUME_FROM) or None
         if explicit:
             if os.path.isfile(explicit):
                 explicit = os.path.dirname(explicit)

@@ -54,7 +54,7 @@ import threading
 import time
 from typing import Any, Dict, Optional, Tuple, Union
 
-from onbox.common import progress
+from onbox.common import jobenv, progress
 from onbox.common.errors import CheckpointError, CheckpointWriteFailed
 from onbox.train import ckptdir, snapshot
 from onbox.train.writer import Writer
@@ -103,16 +103,16 @@ class Checkpointer:
             raise ValueError(f"interval must be positive seconds or 'auto', not {interval!r}")
         if safetensors:
             import safetensors as _  # noqa: F401  (fail here, not at the first save)
-        self.dir = os.path.abspath(dir or os.environ.get("RGT_CKPT_DIR") or "checkpoints")
+        self.dir = os.path.abspath(dir or os.environ.get(jobenv.CKPT_DIR) or "checkpoints")
         self.keep = keep
         self.interval = interval
         self.async_save = async_save
         self.safetensors = safetensors
         self.exit_on_preempt = exit_on_preempt
         self.objects = objects
-        self.run_dir = os.environ.get("RGT_RUN_DIR") or None
-        self.attempt = int(os.environ.get("RGT_ATTEMPT") or 0)
-        self.trigger = os.environ.get("RGT_CKPT_TRIGGER", "none")
+        self.run_dir = os.environ.get(jobenv.RUN_DIR) or None
+        self.attempt = int(os.environ.get(jobenv.ATTEMPT) or 0)
+        self.trigger = os.environ.get(jobenv.CKPT_TRIGGER, "none")
         self.request_path = (
             os.path.join(self.run_dir, "checkpoint.request")
             if self.run_dir and self.trigger == "file"
@@ -149,7 +149,7 @@ class Checkpointer:
             signum = getattr(signal, "SIG" + self.trigger.split(":", 1)[1], None)
             if signum is not None:
                 signal.signal(signum, lambda *_: self._asked.set())
-        if os.environ.get("RGT_RUN"):
+        if os.environ.get(jobenv.RUN):
             signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
@@ -236,10 +236,10 @@ class Checkpointer:
             )
 
     def _mtbf(self) -> Tuple[float, str]:
-        env = os.environ.get("RGT_MTBF")
+        env = os.environ.get(jobenv.MTBF)
         if env:
             try:
-                return float(env), "RGT_MTBF"
+                return float(env), jobenv.MTBF
             except ValueError:
                 pass
         if self.run_dir and self.attempt > 1:
@@ -424,7 +424,7 @@ class Checkpointer:
     # ---- loading
     def latest(self) -> Optional[str]:
         """The checkpoint ``load`` would use: RGT_RESUME_FROM, else the newest local one."""
-        resume = os.environ.get("RGT_RESUME_FROM")
+        resume = os.environ.get(jobenv.RESUME_FROM)
         if resume:
             return resume
         found = ckptdir.complete(self.dir)
@@ -435,7 +435,7 @@ class Checkpointer:
         from (0 when there is nothing to resume). A checkpoint named by ``path`` or by
         RGT_RESUME_FROM must verify; among local ones found by scanning, one that does not is
         skipped with a warning and the next older one is used."""
-        explicit = path or os.environ.get("RGT_RESUME_FROM") or None
+        explicit = path or os.environ.get(jobenv.RESUME_FROM) or None
         if explicit:
             return self._load_from(self._checkpoint_dir(explicit))
         for step, cand in ckptdir.complete(self.dir):

@@ -60,6 +60,7 @@ except ImportError as _e:  # pragma: no cover - exercised where transformers is 
         "job's Python)"
     ) from _e
 
+from onbox.common import jobenv
 from onbox.train import PREEMPT_EXIT, Checkpointer, SaveToken
 
 __all__ = ["RgtCallback", "resume_checkpoint", "complete_checkpoints", "is_complete"]
@@ -108,7 +109,7 @@ def resume_checkpoint(output_dir: Optional[str] = None) -> Optional[str]:
     """The checkpoint to pass as ``trainer.train(resume_from_checkpoint=...)``: RGT_RESUME_FROM
     when it is a complete Trainer checkpoint, else the newest complete ``checkpoint-<N>`` in
     ``output_dir`` (default RGT_CKPT_DIR), else None."""
-    explicit = os.environ.get("RGT_RESUME_FROM") or ""
+    explicit = os.environ.get(jobenv.RESUME_FROM) or ""
     if explicit:
         path = explicit if os.path.isdir(explicit) else os.path.dirname(explicit)
         if is_complete(path):
@@ -119,7 +120,7 @@ def resume_checkpoint(output_dir: Optional[str] = None) -> Optional[str]:
             file=sys.stderr,
             flush=True,
         )
-    where = output_dir or os.environ.get("RGT_CKPT_DIR") or ""
+    where = output_dir or os.environ.get(jobenv.CKPT_DIR) or ""
     if not where:
         return None
     found = complete_checkpoints(where)
@@ -156,7 +157,7 @@ class RgtCallback(TrainerCallback):
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
-        ckpt_dir = os.environ.get("RGT_CKPT_DIR")
+        ckpt_dir = os.environ.get(jobenv.CKPT_DIR)
         if ckpt_dir and state.is_world_process_zero:
             out = os.path.realpath(args.output_dir or "")
             if out != os.path.realpath(ckpt_dir):

@@ -71,6 +71,7 @@ except ImportError as _e:  # pragma: no cover - exercised where lightning is mis
         "the job's Python)"
     ) from _e
 
+from onbox.common import jobenv
 from onbox.common.durable import fsync_dir, fsync_file
 from onbox.train import PREEMPT_EXIT, Checkpointer, ckptdir, snapshot
 from onbox.train.accelerate import publish_dir
@@ -104,10 +105,10 @@ def complete_checkpoints(dirpath: str) -> List[Tuple[int, str]]:
 def resume_path(dirpath: Optional[str] = None) -> Optional[str]:
     """The ``ckpt_path`` for ``trainer.fit``: RGT_RESUME_FROM when set, else the newest complete
     checkpoint in ``dirpath`` (default RGT_CKPT_DIR, else ./checkpoints), else None."""
-    explicit = os.environ.get("RGT_RESUME_FROM") or ""
+    explicit = os.environ.get(jobenv.RESUME_FROM) or ""
     if explicit:
         return os.path.abspath(explicit)
-    where = dirpath or os.environ.get("RGT_CKPT_DIR") or "checkpoints"
+    where = dirpath or os.environ.get(jobenv.CKPT_DIR) or "checkpoints"
     found = complete_checkpoints(where)
     return found[0][1] if found else None
 

@@ -24,7 +24,7 @@ import click
 from controller import observe
 from controller.registry import Registry, RunRecord
 from onbox.agent.observe import warning_lines
-from onbox.common.errors import NotFound, RgtError, UsageError
+from onbox.common.errors import FINAL_EXIT_CODES, NotFound, RgtError, UsageError
 
 
 def _emit(text: str = "") -> None:
@@ -136,7 +136,7 @@ def watch(name: Optional[str], interval: float, once: bool, until_done: bool) ->
     rec = _pick(name)
     final = observe.watch(rec, interval=interval, once=once, until_done=until_done, out=sys.stdout)
     if until_done:
-        return {"SUCCEEDED": 0, "FAILED": 11, "STOPPED": 12, "PREEMPTED": 13}.get(final, 0)
+        return FINAL_EXIT_CODES.get(final, 0)
     return 0
 
 

@@ -19,6 +19,7 @@ from typing import IO, Any, Dict, List, Optional, Tuple
 from controller.registry import RunRecord
 from controller.remote import Remote, open_remote
 from onbox.agent.observe import public_state, warning_lines
+from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.errors import NotFound, RemoteUnreachable, RgtError
 from onbox.sealing.restore import in_effect, quarantine_reasons, sealed_steps
 
@@ -329,9 +330,6 @@ def _age(when: Any, now: int) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
-TERMINAL = {"SUCCEEDED", "FAILED", "STOPPED", "PREEMPTED"}
-
-
 def watch(rec: RunRecord, *, interval: float, once: bool, until_done: bool, out: IO[str]) -> str:
     """Refresh a live view until interrupted (``once``: one frame; ``until_done``: until the run
     ends). Returns the last state seen. On a terminal it redraws in place; elsewhere (a file,
@@ -352,13 +350,13 @@ def watch(rec: RunRecord, *, interval: float, once: bool, until_done: bool, out:
     if once or not console.is_terminal:
         while True:
             console.print(frame())
-            if once or (until_done and state in TERMINAL):
+            if once or (until_done and state in TERMINAL_NAMES):
                 return state
             console.print()
             time.sleep(interval)
     with Live(frame(), console=console, refresh_per_second=4) as live:
         try:
-            while not (until_done and state in TERMINAL):
+            while not (until_done and state in TERMINAL_NAMES):
                 time.sleep(interval)
                 live.update(frame())
         except KeyboardInterrupt:

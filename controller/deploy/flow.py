@@ -49,6 +49,7 @@ from controller.registry import Registry, RunRecord
 from controller.remote import Remote, open_remote
 from controller.target import Target, parse_target
 from onbox.agent.spec import check_outputs, default_name
+from onbox.agent.states import LIVE_NAMES, TERMINAL_NAMES
 from onbox.common import jobenv
 from onbox.common.errors import (
     HostError,
@@ -63,7 +64,6 @@ from onbox.sealing.stores import parse_store_url
 
 PROFILES = ("generic-ssh", "local")
 FIRST_LINE_TIMEOUT = 60.0
-LIVE = {"PENDING", "STARTING", "RUNNING", "BACKOFF", "STOPPING"}
 
 
 @dataclasses.dataclass
@@ -415,7 +415,7 @@ def _live(status: List[str], spec: List[str]) -> Optional[Live]:
         doc = json.loads("\n".join(status))
     except ValueError:
         return None
-    if not isinstance(doc, dict) or doc.get("state") not in LIVE:
+    if not isinstance(doc, dict) or doc.get("state") not in LIVE_NAMES:
         return None
     if not (doc.get("agent") or {}).get("alive"):
         return None
@@ -442,7 +442,7 @@ def _wait_first_line(remote: Remote, rec: RunRecord, say: Callable[[str], None])
         if log.strip():
             say(f"rgt: {rec.name} is {state}; its first line: {log.strip().splitlines()[0][:200]}")
             break
-        if state in ("FAILED", "SUCCEEDED", "STOPPED", "PREEMPTED"):
+        if state in TERMINAL_NAMES:
             say(f"rgt: {rec.name} ended ({state}) before printing anything")
             break
         time.sleep(0.5)

@@ -55,6 +55,9 @@ TRANSITIONS: Dict[State, FrozenSet[State]] = {
 TERMINAL: FrozenSet[State] = frozenset(s for s, exits in TRANSITIONS.items() if not exits)
 
 # States in which an attempt's processes may exist and must be watched.
+# The same as the names state.json holds: what the laptop compares a box's answer with.
+TERMINAL_NAMES: FrozenSet[str] = frozenset(s.value for s in TERMINAL)
+LIVE_NAMES: FrozenSet[str] = frozenset(s.value for s in State if s not in TERMINAL)
 ACTIVE: FrozenSet[State] = frozenset({S.STARTING, S.RUNNING, S.STOPPING, S.BACKOFF})
 
 

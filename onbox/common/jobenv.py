@@ -1,0 +1,17 @@
+"""The names of the environment the agent gives a job (and rgt's own processes), owned here.
+
+The agent sets them (onbox/agent/runner.py), the training API and the framework callbacks read
+them (onbox/train/), and the daemon keeps them out of rgt's own processes' inherited
+environment (onbox/agent/daemon.py). A name typed anywhere else is a fact retyped.
+"""
+
+HOME = "RGT_HOME"  # rgt's state directory on the box (default ~/.rgt)
+RUN = "RGT_RUN"  # the run's name
+RUN_DIR = "RGT_RUN_DIR"  # $RGT_HOME/runs/NAME
+CKPT_DIR = "RGT_CKPT_DIR"  # where the job writes its checkpoints (the sealer watches it)
+RESUME_FROM = "RGT_RESUME_FROM"  # the checkpoint an attempt resumes from ("" for none)
+ATTEMPT = "RGT_ATTEMPT"  # the attempt's number, 1, 2, ...
+ATTEMPT_TAG = "RGT_ATTEMPT_TAG"  # the tag that finds the attempt's processes in /proc
+CKPT_TRIGGER = "RGT_CKPT_TRIGGER"  # how the agent asks for a checkpoint: signal:NAME, file, none
+MTBF = "RGT_MTBF"  # seconds between failures, for the "auto" checkpoint interval
+USER_PYTHONPATH = "RGT_USER_PYTHONPATH"  # the job's own PYTHONPATH, before rgt's lib

@@ -486,3 +486,27 @@ def _transport_line(text: str) -> str:
 def env_prefix(env: Dict[str, str]) -> List[str]:
     """``env K=V ...`` argv prefix (never for secrets: those go on stdin)."""
     return ["env", *[f"{k}={v}" for k, v in env.items()]] if env else []
+
+
+def rsync_e(shell: Sequence[str]) -> str:
+    """rsync's ``-e`` string for an ssh argv (the one quoting of it, for push and pull).
+
+    rsync splits ``-e`` on spaces and honours single and double quotes, not backslashes: an
+    argument of plain characters goes as is, another in the quotes it does not contain; one
+    with both quote characters or a newline cannot be carried and is refused (exit 2).
+    """
+    out = []
+    for arg in shell:
+        if arg and all(c.isalnum() or c in "@%+=:,./_-" for c in arg):
+            out.append(arg)
+        elif "\n" in arg:
+            raise UsageError("ssh option", f"{arg!r} has a newline, which rsync -e cannot carry")
+        elif "'" not in arg:
+            out.append(f"'{arg}'")
+        elif '"' not in arg:
+            out.append(f'"{arg}"')
+        else:
+            raise UsageError(
+                "ssh option", f"{arg!r} has both quote characters, which rsync -e cannot carry"
+            )
+    return " ".join(out)

@@ -45,7 +45,7 @@ import time
 import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from controller.remote import Remote
+from controller.remote import Remote, rsync_e
 from onbox.common import jobenv
 from onbox.common.errors import HostError, RemoteUnreachable, UsageError
 from onbox.common.rundir import check_name
@@ -475,7 +475,7 @@ def _rsync(
         argv.append(f"--copy-dest={link_dest}")
     shell = remote.rsync_shell()
     if shell is not None:
-        argv += ["-e", " ".join(_rsync_quote(a) for a in shell)]
+        argv += ["-e", rsync_e(shell)]
     argv += ["./", remote.path_arg(tmp) + "/"]
     listing = b"".join(os.fsencode(f) + b"\0" for f in files)
     env = dict(os.environ, LC_ALL="C")
@@ -502,19 +502,6 @@ def _rsync(
     out = p.stdout.decode("utf-8", "replace")
     return _stat(out, "Number of regular files transferred"), _stat(
         out, "Total transferred file size"
-    )
-
-
-def _rsync_quote(arg: str) -> str:
-    # rsync splits -e on spaces and honours single and double quotes (not backslashes).
-    if arg and all(c.isalnum() or c in "@%+=:,./_-" for c in arg):
-        return arg
-    if "'" not in arg:
-        return f"'{arg}'"
-    if '"' not in arg:
-        return f'"{arg}"'
-    raise UsageError(
-        "ssh option", f"{arg!r} has both quote characters, which rsync -e cannot carry"
     )
 
 

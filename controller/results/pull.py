@@ -90,13 +90,12 @@ from typing import (
     Iterator,
     List,
     Optional,
-    Sequence,
     Set,
     Tuple,
 )
 
 from controller.registry import RunRecord
-from controller.remote import Remote, open_remote
+from controller.remote import Remote, open_remote, rsync_e
 from controller.results.receipt import (
     Coverage,
     FileRecord,
@@ -1001,17 +1000,6 @@ def _fetch_store(
         fetched += e.size
         finished(e)
     return fetched
-
-
-def rsync_e(shell: Sequence[str]) -> str:
-    """rsync's ``-e`` string for an ssh argv: rsync splits it on spaces and honours double
-    quotes, so an argument with a space is quoted and one with a quote is refused."""
-    out = []
-    for a in shell:
-        if '"' in a or "'" in a or "\n" in a:
-            raise UsageError("ssh", f"the ssh argument {a!r} has a quote rsync cannot carry")
-        out.append(f'"{a}"' if (" " in a or not a) else a)
-    return " ".join(out)
 
 
 class _NoRemoteRsync(Exception):

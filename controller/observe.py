@@ -21,6 +21,7 @@ from controller.remote import Remote, open_remote
 from onbox.agent.observe import public_state, warning_lines
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.errors import NotFound, RemoteUnreachable, RgtError
+from onbox.sealing import manifest as mf
 from onbox.sealing.restore import in_effect, quarantine_reasons, sealed_steps
 
 # One round trip: the agent's status, then the box's view of what limits the run.
@@ -131,12 +132,12 @@ def from_store(rec: RunRecord) -> Dict[str, Any]:
     from onbox.sealing.stores import open_store
 
     store = open_store(rec.store)
-    raw = store.get_bytes(f"{rec.name}/state/state.json")
+    raw = store.get_bytes(mf.state_key(rec.name, "state.json"))
     if raw is None:
         raise NotFound(f"the store {rec.store} holds no state of run {rec.name!r} yet")
     mirrored: Dict[str, Any] = json.loads(raw)
     doc = public_state(mirrored)
-    latest = store.get_bytes(f"{rec.name}/LATEST.json")
+    latest = store.get_bytes(mf.latest_key(rec.name))
     if latest is not None:
         doc["latest"] = json.loads(latest)
         step = doc["latest"].get("step") if isinstance(doc["latest"], dict) else None
@@ -145,7 +146,7 @@ def from_store(rec: RunRecord) -> Dict[str, Any]:
             # The step a fresh box resumes from and `rgt pull` takes, and why it is not LATEST's.
             effective, note = in_effect(step, sealed_steps(store, rec.name), bad)
             doc["in_effect"] = {"step": effective, "note": note}
-    doc["done"] = store.get_bytes(f"{rec.name}/DONE.json") is not None
+    doc["done"] = store.get_bytes(mf.done_key(rec.name)) is not None
     # The state mirror changes only with the state, so a run RUNNING for days was last written
     # when it started; a later seal is later proof that it was still alive.
     seen = (mirrored.get("updated_ts"), (doc.get("latest") or {}).get("updated"))

@@ -550,7 +550,7 @@ def _require_in_store(store: Any, run: str) -> None:
             f"{run!r} in it",
             "check the URL, and that the durable mount is mounted",
         )
-    for prefix in (f"{run}/epochs/", f"{run}/checkpoints/"):
+    for prefix in (mf.epochs_prefix(run), mf.checkpoints_prefix(run)):
         if next(iter(store.list(prefix)), None) is not None:
             return
     if store.stat(mf.latest_key(run)) is not None:
@@ -697,7 +697,7 @@ def checkpoints(
         store.delete(mf.pin_key(run, unpin))
     pins = {
         int(i.key.rsplit("/", 1)[-1])
-        for i in store.list(f"{run}/pinned/")
+        for i in store.list(mf.pins_prefix(run))
         if i.key.rsplit("/", 1)[-1].isdigit()
     }
     latest = mf.parse_latest(store.get_bytes(mf.latest_key(run)))

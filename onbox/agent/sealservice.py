@@ -282,7 +282,7 @@ class SealService(Hooks):
             # Written redacted by the journal; again here for lines written before a secret
             # was added (`rgt-agent secrets` on a live run) or by an older agent.
             data = redact.for_home(self.rd.home).redact_bytes(data)
-            self.store.put_bytes(f"{self.spec.name}/state/{name}", data)
+            self.store.put_bytes(mf.state_key(self.spec.name, name), data)
             self._mirrored[name] = mtime
 
     def _stop_thread(self, deadline: Optional[float]) -> bool:

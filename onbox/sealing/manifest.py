@@ -40,8 +40,16 @@ SCHEMA = 1
 _SHA = re.compile(r"[0-9a-f]{64}\Z")
 
 
+# Every key of a run in the store is made here: RUN/checkpoints/, epochs/, pinned/,
+# quarantine/, state/, LATEST.json and DONE.json.
+
+
+def checkpoints_prefix(run: str) -> str:
+    return f"{run}/checkpoints/"
+
+
 def checkpoint_prefix(run: str, step: int) -> str:
-    return f"{run}/checkpoints/{step}/"
+    return f"{checkpoints_prefix(run)}{step}/"
 
 
 def manifest_key(run: str, step: int) -> str:
@@ -92,16 +100,40 @@ def done_key(run: str) -> str:
     return f"{run}/DONE.json"
 
 
+def epochs_prefix(run: str) -> str:
+    return f"{run}/epochs/"
+
+
 def epoch_key(run: str, epoch: int) -> str:
-    return f"{run}/epochs/{epoch:08d}"
+    return f"{epochs_prefix(run)}{epoch:08d}"
+
+
+def pins_prefix(run: str) -> str:
+    return f"{run}/pinned/"
 
 
 def pin_key(run: str, step: int) -> str:
-    return f"{run}/pinned/{step}"
+    return f"{pins_prefix(run)}{step}"
+
+
+def state_key(run: str, name: str) -> str:
+    """The store's mirror of the run's ``name`` (state.json, events.jsonl, a log): what
+    ``rgt status`` reads when the box is gone."""
+    return f"{run}/state/{name}"
+
+
+def quarantine_prefix(run: str) -> str:
+    return f"{run}/quarantine/"
 
 
 def quarantine_key(run: str, step: int) -> str:
-    return f"{run}/quarantine/{step}.json"
+    return f"{quarantine_prefix(run)}{step}.json"
+
+
+def quarantine_attempt_key(run: str, step: int, epoch: int) -> str:
+    """Where a quarantine record of ``step`` is kept once a newer epoch seals that step again,
+    named by the epoch of the checkpoint it had refused."""
+    return f"{quarantine_prefix(run)}{step}.e{epoch}.json"
 
 
 def _check_schema(doc: Any, what: str) -> Dict[str, Any]:

@@ -105,7 +105,7 @@ def local_matches(doc: Dict[str, Any], ckpt_dir: str, verify: bool = False) -> b
 
 def sealed_steps(store: Store, run: str) -> List[int]:
     steps = []
-    for info in store.list(f"{run}/checkpoints/"):
+    for info in store.list(mf.checkpoints_prefix(run)):
         if info.key.endswith("/MANIFEST.json"):
             try:
                 steps.append(int(info.key.split("/")[-2]))
@@ -117,7 +117,7 @@ def sealed_steps(store: Store, run: str) -> List[int]:
 def quarantined(store: Store, run: str) -> List[int]:
     """The steps flagged in ``quarantine/`` (whether or not their MANIFEST is still there)."""
     out = []
-    for info in store.list(f"{run}/quarantine/"):
+    for info in store.list(mf.quarantine_prefix(run)):
         name = info.key.rsplit("/", 1)[-1]
         if name.endswith(".json") and name[:-5].isdigit():
             out.append(int(name[:-5]))

@@ -135,7 +135,7 @@ class Room:
         this agent remembers may be older than what another agent or a restore did since."""
         latest = mf.parse_latest(self.store.get_bytes(mf.latest_key(self.run)))
         pinned = set()
-        for info in self.store.list(f"{self.run}/pinned/"):
+        for info in self.store.list(mf.pins_prefix(self.run)):
             tail = info.key.rsplit("/", 1)[-1]
             if tail.isdigit():
                 pinned.add(int(tail))

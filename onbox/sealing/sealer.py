@@ -254,7 +254,7 @@ class Sealer:
         self.quarantined = self._quarantined_steps()
         latest = self._read_latest()
         found: Dict[int, Dict[str, Any]] = {}
-        for info in self.store.list(f"{self.run}/checkpoints/"):
+        for info in self.store.list(mf.checkpoints_prefix(self.run)):
             step = mf.manifest_step(self.run, info.key)
             if step is None:
                 continue  # an object, or a file of a checkpoint named MANIFEST.json
@@ -326,7 +326,7 @@ class Sealer:
 
     def _quarantined_steps(self) -> Set[int]:
         out = set()
-        for info in self.store.list(f"{self.run}/quarantine/"):
+        for info in self.store.list(mf.quarantine_prefix(self.run)):
             name = info.key.rsplit("/", 1)[-1]
             if name.endswith(".json") and name[:-5].isdigit():
                 out.add(int(name[:-5]))
@@ -655,7 +655,7 @@ class Sealer:
     # ---- fencing: one writer per run
     def _newest_epoch(self) -> int:
         newest = self.epoch
-        for info in self.store.list(f"{self.run}/epochs/"):
+        for info in self.store.list(mf.epochs_prefix(self.run)):
             tail = info.key.rsplit("/", 1)[-1]
             if tail.isdigit():
                 newest = max(newest, int(tail))
@@ -770,7 +770,7 @@ class Sealer:
             },
             indent=1,
         ).encode()
-        akey = f"{self.run}/quarantine/{step}.e{epoch}.json"
+        akey = mf.quarantine_attempt_key(self.run, step, epoch)
         with_retries(functools.partial(self.store.put_bytes, akey, archive))
         with_retries(functools.partial(self.store.delete, qkey))
         self.quarantined.discard(step)
@@ -837,7 +837,7 @@ class Sealer:
             return
         steps = sorted(self.manifests)
         pinned = set()
-        for info in self.store.list(f"{self.run}/pinned/"):
+        for info in self.store.list(mf.pins_prefix(self.run)):
             tail = info.key.rsplit("/", 1)[-1]
             if tail.isdigit():
                 pinned.add(int(tail))
@@ -935,7 +935,7 @@ class Sealer:
 def take_epoch(store: Store, run: str) -> int:
     """A new epoch for this agent start: the first to create ``epochs/<n>`` owns ``n``."""
     newest = 0
-    for info in store.list(f"{run}/epochs/"):
+    for info in store.list(mf.epochs_prefix(run)):
         tail = info.key.rsplit("/", 1)[-1]
         if tail.isdigit():
             newest = max(newest, int(tail))

@@ -15,12 +15,7 @@ connection for a whole deploy), and rgt's own known_hosts next to the user's wit
 ``StrictHostKeyChecking=accept-new``. A changed host key is a hard stop that shows both
 fingerprints; it is never accepted.
 
-Ciphers: where neither the user's nor the system's ssh configuration chooses them (``ssh -G``
-gives the same list as with no configuration at all), AES-GCM goes first in OpenSSH's own
-list. OpenSSH's default, chacha20-poly1305, runs in software; AES-GCM runs on the AES and
-carry-less multiply instructions every laptop and server CPU of the last decade has, at a
-third of the CPU per byte, which is what bounds a pull over ssh. A configured list is left
-alone, and the server still picks from the whole default list.
+Ciphers: AES-GCM first where no configuration chose them (controller/sshcipher.py).
 
 Errors: ssh's exit status 255 becomes RemoteUnreachable (exit 3), AuthError (exit 4, refused
 key) or HostKeyChanged (exit 4); a box without /bin/sh, HostError (exit 9); the remote command's
@@ -43,6 +38,7 @@ import tempfile
 import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from controller.sshcipher import cipher_preference
 from controller.target import Target, ssh_destination_args
 from onbox.common.errors import AuthError, HostError, RemoteUnreachable, UsageError
 
@@ -337,48 +333,6 @@ class SshRemote(Remote):
                     break
                 except OSError:
                     time.sleep(0.05)
-
-
-FAST_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
-
-
-def _effective_ciphers(config_args: Sequence[str], dest: Sequence[str]) -> Optional[str]:
-    try:
-        p = subprocess.run(
-            ["ssh", *config_args, "-G", *dest],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    found = re.search(r"^ciphers (\S+)$", p.stdout, re.MULTILINE) if p.returncode == 0 else None
-    return found.group(1) if found else None
-
-
-def cipher_preference(config_args: Sequence[str], dest: Sequence[str]) -> List[str]:
-    """``-o Ciphers=...`` with AES-GCM first, or nothing where a configuration chose the
-    ciphers, the CPU lacks AES instructions, or ssh cannot say (module docstring)."""
-    if not _has_aes():
-        return []
-    ours = _effective_ciphers(config_args, dest)
-    bare = _effective_ciphers(["-F", os.devnull], dest)
-    if ours is None or ours != bare:
-        return []
-    default = ours.split(",")
-    fast = [c for c in FAST_CIPHERS if c in default]
-    if not fast:
-        return []
-    return ["-o", "Ciphers=" + ",".join(fast + [c for c in default if c not in fast])]
-
-
-def _has_aes() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return bool(re.search(r"^(flags|Features)\s*:.*\baes\b", f.read(), re.MULTILINE))
-    except OSError:
-        return True  # not Linux (a Mac): every Apple and Intel Mac CPU has AES instructions
 
 
 def open_remote(target: Target) -> Remote:

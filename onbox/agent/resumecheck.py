@@ -10,7 +10,8 @@ S, once: below S is a ``resume_mismatch`` event (class usage), else a quiet ``re
 
 S is taken when the attempt starts: the largest of the step of the checkpoint restored into
 RGT_RESUME_FROM, LATEST in the store, and the newest complete checkpoint on the local disk (which
-also covers one the last attempt wrote just before it died, not sealed yet). The first attempt of
+also covers one the last attempt wrote just before it died, not sealed yet; complete as the
+sealer sees it: ``onbox.sealing.discovery.newest_local_step``). The first attempt of
 a run is checked only when a checkpoint was restored for it; S unknown or 0 means no check.
 
 The agent calls ``poll`` from its loop: each call reads the progress file and at most
@@ -19,8 +20,6 @@ The agent calls ``poll`` from its loop: each call reads the progress file and at
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
@@ -28,7 +27,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 from onbox.agent.spec import compile_progress_pattern, step_group
 from onbox.common import progress
 from onbox.common.rundir import RunDir
-from onbox.sealing.sealer import CKPT_SUFFIXES, MARKERS, _skip, looks_whole, step_from_name
+from onbox.sealing.discovery import newest_local_step
 
 READ_BYTES = 256 << 10  # of the job's output per poll
 FINAL_BYTES = 4 << 20  # read at once when the attempt is over
@@ -37,49 +36,6 @@ POLL_FAST = 0.5  # seconds between polls early in an attempt, when the first rep
 POLL_SLOW = 2.0
 FAST_FOR = 120.0
 _EOL = re.compile(rb"[\r\n]")  # tqdm-style progress ends its lines with \r
-
-
-def newest_local_step(ckpt_dir: str) -> Optional[int]:
-    """The step of the newest complete checkpoint in ``ckpt_dir``, as the sealer would see it
-    when nothing is writing there (between two attempts): a directory with a completeness
-    marker, or a whole file in a checkpoint format, each with a step from its marker or name."""
-    try:
-        names = os.listdir(ckpt_dir)
-    except OSError:
-        return None
-    files: List[Tuple[int, str]] = []
-    best: Optional[int] = None
-    for name in names:
-        if _skip(name):
-            continue
-        path = os.path.join(ckpt_dir, name)
-        if os.path.isdir(path):
-            step = _dir_step(name, path)
-            if step is not None and (best is None or step > best):
-                best = step
-        elif name.lower().endswith(CKPT_SUFFIXES):
-            step = step_from_name(name)
-            if step is not None:
-                files.append((step, path))
-    for step, path in sorted(files, reverse=True):
-        if best is not None and step <= best:
-            break
-        if looks_whole(path):  # a torn file (its writer died mid-write) is no checkpoint
-            return step
-    return best
-
-
-def _dir_step(name: str, path: str) -> Optional[int]:
-    marker = next((m for m in MARKERS if os.path.isfile(os.path.join(path, m))), None)
-    if marker is None:
-        return None
-    if marker == ".rgt-complete":
-        try:
-            with open(os.path.join(path, marker)) as f:
-                return int(json.load(f)["step"])
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
-    return step_from_name(name)
 
 
 class LogScanner:

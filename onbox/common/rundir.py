@@ -8,6 +8,11 @@ $RGT_HOME/                      RGT_HOME defaults to ~/.rgt
     agent.log                   the agent's own log
     lock                        flock'ed by the one agent; holds host, pid, start time
     stop.request                written by `rgt-agent stop` for a live agent
+    sync.request                written by `rgt-agent sync`; removed once everything is sealed
+    checkpoint.request          written by the agent to ask the job for a checkpoint (trigger
+                                "file"; the training API watches it)
+    sealer.json                 the sealer's memory of in-place checkpoint sequences
+    staging/                    the sealer's copies of files it uploads (step-N/, logs/)
     attempts/NNNN/output.log    the job's stdout+stderr, unaltered
     attempts/NNNN/output.redacted.log   a copy with each secret masked, for `rgt pull`, when
                                 the log holds one (a run without a store, once it ended)
@@ -30,6 +35,9 @@ if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
     from typing import List, Mapping, Optional
 
 NAME_PATTERN = "[a-z0-9][a-z0-9._-]{0,62}"
+# The name under the run dir (RGT_RUN_DIR) of the agent's request for a checkpoint: the job's
+# side (onbox.train) knows the run dir only as RGT_RUN_DIR.
+CHECKPOINT_REQUEST = "checkpoint.request"
 _FIRST = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
 _REST = _FIRST | frozenset("._-")
 
@@ -103,6 +111,26 @@ class RunDir:
         return os.path.join(self.path, "sync.request")
 
     @property
+    def checkpoint_request(self) -> str:
+        """Written by the agent when the job asked to be told by a file (trigger "file")."""
+        return os.path.join(self.path, CHECKPOINT_REQUEST)
+
+    @property
+    def sealer_state(self) -> str:
+        """The sealer's memory of in-place checkpoint sequences (``ckpt.pt`` rewritten)."""
+        return os.path.join(self.path, "sealer.json")
+
+    @property
+    def staging(self) -> str:
+        """The sealer's copies of what may change while it uploads."""
+        return os.path.join(self.path, "staging")
+
+    @property
+    def staged_logs(self) -> str:
+        """Redacted copies of the job's logs on their way to the store."""
+        return os.path.join(self.staging, "logs")
+
+    @property
     def attempts(self) -> str:
         return os.path.join(self.path, "attempts")
 
@@ -116,6 +144,10 @@ class RunDir:
         """The copy of ``output_log`` with each secret masked (onbox/agent/sealservice.py writes
         it)."""
         return os.path.join(self.attempt_dir(attempt), "output.redacted.log")
+
+    def redacted_log_tmp(self, attempt: int) -> str:
+        """Where ``redacted_log`` is written before it is renamed into place (a hidden name)."""
+        return os.path.join(self.attempt_dir(attempt), ".output.redacted.log.tmp")
 
     @property
     def secrets_file(self) -> str:

@@ -9,7 +9,9 @@ Layout under a run's prefix in the store (shared/DESIGN.md)::
     quarantine/<step>.json              a checkpoint found corrupt: kept, flagged, reported
     pinned/<step>                       a checkpoint pruning never deletes
     state/                              the run's state and events, mirrored
-    DONE.json                           the completion receipt
+    results/, outputs/, logs/           sealed at completion: the other files of the checkpoint
+                                        dir, the declared outputs, the job's logs
+    DONE.json                           the completion receipt (it lists those three)
 
 A checkpoint without a MANIFEST does not exist. Each file entry of a MANIFEST names the object
 that holds its bytes (``key``): the files of a checkpoint sealed by epoch E live under
@@ -98,6 +100,21 @@ def latest_key(run: str) -> str:
 
 def done_key(run: str) -> str:
     return f"{run}/DONE.json"
+
+
+def results_prefix(run: str) -> str:
+    """Files the job left in its checkpoint dir that no checkpoint rule covers (completion)."""
+    return f"{run}/results/"
+
+
+def outputs_prefix(run: str) -> str:
+    """The declared outputs (``outputs`` in the job file), sealed at completion."""
+    return f"{run}/outputs/"
+
+
+def logs_prefix(run: str) -> str:
+    """The job's logs, one per attempt (redacted copies where they held a secret)."""
+    return f"{run}/logs/"
 
 
 def epochs_prefix(run: str) -> str:

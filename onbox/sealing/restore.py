@@ -50,6 +50,7 @@ from onbox.common.safepath import (
     symlink_error,
 )
 from onbox.sealing import manifest as mf
+from onbox.sealing.ledger import quarantined
 from onbox.sealing.stores.base import Store, StoreError, TransientStoreError, with_retries
 
 STAGE_PREFIX = ".rgt-restore-"
@@ -112,16 +113,6 @@ def sealed_steps(store: Store, run: str) -> List[int]:
             except ValueError:
                 continue
     return sorted(steps)
-
-
-def quarantined(store: Store, run: str) -> List[int]:
-    """The steps flagged in ``quarantine/`` (whether or not their MANIFEST is still there)."""
-    out = []
-    for info in store.list(mf.quarantine_prefix(run)):
-        name = info.key.rsplit("/", 1)[-1]
-        if name.endswith(".json") and name[:-5].isdigit():
-            out.append(int(name[:-5]))
-    return sorted(out)
 
 
 def quarantine_reason(data: Optional[bytes]) -> str:

@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 from onbox.common.durable import sha256_file
 from onbox.common.errors import IntegrityError
 from onbox.sealing import manifest as mf
-from onbox.sealing.restore import quarantined
+from onbox.sealing.ledger import pinned_steps, quarantined
 from onbox.sealing.stores.base import Store
 
 LOW_WATER = 0.05  # free fraction (bytes or inodes) under which sealed local copies go
@@ -134,14 +134,9 @@ class Room:
         """(LATEST's step, pinned steps, quarantined steps), read from the store now: what
         this agent remembers may be older than what another agent or a restore did since."""
         latest = mf.parse_latest(self.store.get_bytes(mf.latest_key(self.run)))
-        pinned = set()
-        for info in self.store.list(mf.pins_prefix(self.run)):
-            tail = info.key.rsplit("/", 1)[-1]
-            if tail.isdigit():
-                pinned.add(int(tail))
         return (
             latest["step"] if latest else None,
-            pinned,
+            pinned_steps(self.store, self.run),
             set(quarantined(self.store, self.run)),
         )
 

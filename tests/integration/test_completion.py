@@ -28,8 +28,9 @@ from controller.cli import main as rgt_main
 from controller.registry import Registry, RunRecord
 from controller.results.pull import pull
 from controller.target import Target
+from onbox.sealing.ledger import take_epoch
 from onbox.sealing.room import is_low
-from onbox.sealing.sealer import Sealer, take_epoch
+from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from tests.conftest import Cli, agent_exe, require
 

@@ -28,8 +28,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import pytest
 
 from onbox.sealing import manifest as mf
+from onbox.sealing.ledger import take_epoch
 from onbox.sealing.restore import restore_latest
-from onbox.sealing.sealer import Sealer, take_epoch
+from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from tests.conftest import ROOT
@@ -40,7 +41,8 @@ RUN = "fence"
 # Agent A: the real Sealer in a process of its own, frozen (SIGSTOP to itself) at one step.
 CHILD = r"""
 import json, os, signal, sys
-from onbox.sealing.sealer import Sealer, take_epoch
+from onbox.sealing.ledger import take_epoch
+from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 
 cfg = json.loads(sys.argv[1])
@@ -390,7 +392,7 @@ def test_a_newer_manifest_is_promoted_only_when_its_files_are_there(
         s = _sealer(store, tmp_path, name, ckpt, Events())
         s.load()
         _write(ckpt, f"step_{step}.pt", f"step {step}".encode() * 100)
-        s._advance_latest = lambda step, epoch=None: False  # type: ignore[method-assign]
+        s.ledger.advance_latest = lambda step, epoch=None: False  # type: ignore[method-assign]
         s.seal_pending()  # the MANIFEST, LATEST left: as if killed in between
         man = _doc(store, mf.manifest_key(RUN, step))
         assert man is not None

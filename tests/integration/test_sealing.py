@@ -22,8 +22,9 @@ import pytest
 from controller.registry import RunRecord
 from controller.results.pull import pull
 from controller.target import Target
+from onbox.sealing.ledger import take_epoch
 from onbox.sealing.restore import restore_latest
-from onbox.sealing.sealer import Sealer, take_epoch
+from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from tests.conftest import ROOT, Cli, fixture, require
 

@@ -19,10 +19,10 @@ from onbox.agent.resumecheck import (
     POLL_SLOW,
     LogScanner,
     ResumeCheck,
-    newest_local_step,
 )
 from onbox.common import progress
 from onbox.common.rundir import RunDir
+from onbox.sealing.discovery import newest_local_step
 
 
 class Box:

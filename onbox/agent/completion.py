@@ -1,0 +1,320 @@
+"""The completion seal: what a run that succeeded leaves in the store, and DONE.json last.
+
+On success the sealer seals the last checkpoints; then every other file the job left under
+RGT_CKPT_DIR (``results/``, any format), the declared outputs and the logs, each verified by the
+store as it is uploaded; only then DONE.json, which lists them and names the declared outputs
+that were missing (each also an event and a status warning). A job's log that holds a secret
+value or a token shape is sealed as a redacted copy (the box's own log stays unaltered), with a
+``secret_in_log`` event and a status warning naming the log, never the value.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from typing import Any, Callable, Dict, List
+
+from onbox.agent.spec import JobSpec
+from onbox.common import redact
+from onbox.common.durable import sha256_file
+from onbox.common.faults import crash_point
+from onbox.common.rundir import RunDir
+from onbox.common.safepath import UnsafePath, safe_rel
+from onbox.sealing import manifest as mf
+from onbox.sealing.discovery import (
+    dir_candidate,
+    is_ckpt_file,
+    looks_whole,
+    open_for_writing,
+    skip,
+    step_named,
+)
+from onbox.sealing.sealer import Sealer
+from onbox.sealing.stores.base import Store, with_retries
+
+
+class Completion:
+    """The completion seal of one run, by its sealer (which must still own the run)."""
+
+    def __init__(
+        self,
+        spec: JobSpec,
+        rd: RunDir,
+        store: Store,
+        sealer: Sealer,
+        *,
+        event: Callable[..., None],
+        warnings: List[Dict[str, Any]],
+        mirror: Callable[[], None],
+    ) -> None:
+        self.spec = spec
+        self.rd = rd
+        self.store = store
+        self.sealer = sealer
+        self.event = event
+        self.warnings = warnings  # the agent's own list, in state.json: appended to in place
+        self.mirror = mirror
+
+    def run(self) -> None:
+        """On success: the last checkpoints; then every other file the job left under
+        RGT_CKPT_DIR (``_results``), the declared outputs and the logs, each verified by
+        the store as it is uploaded; only then DONE.json, which lists them all and the
+        declared outputs that were missing. Cut off before DONE.json (a crash, a store
+        outage), nothing claims completion, and the next agent of the run does it all again
+        (every upload is idempotent)."""
+        run = self.spec.name
+        # A stale agent (a newer epoch owns the run) writes none of the run's documents: its
+        # DONE.json would end a run another box is still training.
+        if not self.sealer.is_writer():
+            return
+        self.sealer.seal_pending()
+        results = self._results()
+        outputs: List[Dict[str, Any]] = []
+        missing: List[str] = []
+        for rel in self.spec.outputs:
+            path = os.path.join(self.spec.workdir, rel)
+            if not os.path.exists(path):
+                missing.append(rel)
+                continue
+            outputs += self._put_tree(path, mf.outputs_prefix(run), rel)
+        self._report_missing(missing)
+        logs: List[Dict[str, Any]] = []
+        for a in self.rd.attempt_numbers():
+            logs += self._put_log(a)
+        self.mirror()
+        crash_point("finish.before_done")
+        if not self.sealer.is_writer():  # checked again last: the uploads above take time
+            return
+        done = {
+            "schema": mf.SCHEMA,
+            "run": run,
+            "latest": self.sealer.latest,
+            "epoch": self.sealer.epoch,
+            "files": results + outputs + logs,
+            "missing_outputs": missing,
+            "finished_at": time.time(),
+        }
+        with_retries(lambda: self.store.put_bytes(mf.done_key(run), mf.dump(done)))
+        self.event(
+            "done",
+            f"DONE.json written: {len(results)} file(s) from the checkpoint dir, "
+            f"{len(outputs)} output file(s), {len(logs)} log(s)"
+            + (f", declared outputs missing: {', '.join(missing)}" if missing else "")
+            + f"; LATEST step {self.sealer.latest}",
+            missing_outputs=missing,
+        )
+
+    def _results(self) -> List[Dict[str, Any]]:
+        """Every file under RGT_CKPT_DIR that no checkpoint rule covers, to ``results/``, for
+        DONE.json with ``"root": "ckpt"`` (``rgt pull`` puts each at ``checkpoints/<path>``,
+        beside LATEST's files, as a pull without a store does).
+
+        Covered, so not sealed here: a step-named checkpoint (a file in a checkpoint format
+        with a step in its name, a directory with a completeness marker and a step), which
+        ``checkpoint.keep`` governs; a file LATEST's MANIFEST holds with these very bytes;
+        hidden and temporary names (torn writes live there; pull skips them too). Everything
+        else is sealed, in any format: results (``result.txt``, ``metrics.json``), files in
+        a directory with no marker, an in-place checkpoint other than LATEST's own
+        (``best.pt`` beside ``last.pt``). A file that cannot be taken as it is (torn, still
+        open for writing, a symlink, a name pull refuses, LATEST's path with other bytes) is
+        left out with one event naming it."""
+        sealer = self.sealer
+        base = self.spec.ckpt_dir
+        latest_doc = sealer.manifests.get(sealer.latest) if sealer.latest is not None else None
+        in_latest = {f["path"]: f for f in latest_doc["files"]} if latest_doc else {}
+        todo: List[str] = []
+        try:
+            names = sorted(os.listdir(base))
+        except FileNotFoundError:
+            return []
+        for name in names:
+            path = os.path.join(base, name)
+            if skip(name):
+                continue
+            if os.path.islink(path):
+                self._left_out(name, "it is a symlink")
+            elif os.path.isdir(path):
+                if dir_candidate(base, name, path) is None:
+                    todo += self._walk_results(path, name)
+            elif os.path.isfile(path) and not step_named(name):
+                todo.append(name)
+        busy = open_for_writing([os.path.join(base, *r.split("/")) for r in todo])
+        out: List[Dict[str, Any]] = []
+        for rel in todo:
+            full = os.path.join(base, *rel.split("/"))
+            if os.path.realpath(full) in busy:
+                self._left_out(rel, "a process still holds it open for writing")
+                continue
+            if is_ckpt_file(rel) and not looks_whole(full):
+                self._left_out(rel, "it is torn (its writer stopped mid-write)")
+                continue
+            sealed = in_latest.get(rel)
+            if sealed is not None:
+                if sha256_file(full) == (sealed["sha256"], sealed["size"]):
+                    continue  # pulled as LATEST's own file
+                self._left_out(
+                    rel,
+                    f"LATEST's checkpoint (step {sealer.latest}) holds other bytes under this "
+                    "name, and these could not be sealed as a checkpoint",
+                )
+                continue
+            out += [
+                dict(e, root="ckpt")
+                for e in self._put_tree(full, mf.results_prefix(self.spec.name), rel)
+            ]
+        return out
+
+    def _walk_results(self, path: str, rel: str) -> List[str]:
+        """The files under the directory ``path`` (``rel`` under the checkpoint dir), hidden
+        and temporary names (and what is under them) skipped; symlinks left out, said so."""
+        out: List[str] = []
+        for dirpath, dirnames, filenames in os.walk(path):
+            dirnames[:] = sorted(d for d in dirnames if not skip(d))
+            for d in list(dirnames):
+                if os.path.islink(os.path.join(dirpath, d)):
+                    dirnames.remove(d)
+                    self._left_out(_rel_under(path, rel, os.path.join(dirpath, d)), "a symlink")
+            for fn in sorted(filenames):
+                full = os.path.join(dirpath, fn)
+                r = _rel_under(path, rel, full)
+                if skip(fn):
+                    continue
+                if os.path.islink(full) or not os.path.isfile(full):
+                    self._left_out(r, "it is a symlink or not a regular file")
+                    continue
+                out.append(r)
+        return out
+
+    def _left_out(self, rel: str, why: str) -> None:
+        self.event(
+            "result_left_out",
+            f"{rel} in the checkpoint dir is not sealed at completion: {why}",
+            klass="usage",
+            remedy="write results as plain files under RGT_CKPT_DIR, closed before the job "
+            "exits; the file stays on the box",
+            path=rel,
+        )
+
+    def _report_missing(self, missing: List[str]) -> None:
+        """One ``output_missing`` event and status warning per declared output that did not
+        exist at completion. The warning list is the agent's own (in state.json); those of an
+        earlier completion of this run (cut off before DONE.json) are replaced, not doubled."""
+        self.warnings[:] = [w for w in self.warnings if w.get("kind") != "output_missing"]
+        for rel in missing:
+            path = os.path.join(self.spec.workdir, rel)
+            self.warnings.append(
+                {
+                    "kind": "output_missing",
+                    "path": rel,
+                    "reason": f"declared output {rel} did not exist when the job succeeded "
+                    f"({path}): it is not sealed and `rgt pull` cannot bring it",
+                }
+            )
+            self.event(
+                "output_missing",
+                f"declared output {rel} does not exist ({path}) now that the job succeeded: "
+                "nothing sealed for it",
+                klass="usage",
+                remedy=f"make the job write it under its workdir {self.spec.workdir}, or fix "
+                "the path in `outputs` (job file) or --output",
+                path=rel,
+            )
+
+    def _put_log(self, attempt: int) -> List[Dict[str, Any]]:
+        """The job's log of ``attempt`` to ``logs/``: as it is, or, when it holds a secret, a
+        redacted copy. The box's log is the job's and stays unaltered; the store's copy (what
+        `rgt pull` brings to the laptop, and maybe to others) never carries the value. A
+        redacted copy rather than none: the log is what a person needs after a failure, and
+        a warning says which one was changed."""
+        path = self.rd.output_log(attempt)
+        prefix, rel = mf.logs_prefix(self.spec.name), f"attempt-{attempt:04d}.log"
+        red = redact.for_home(self.rd.home)
+        try:
+            found = red.scan_file(path)
+        except FileNotFoundError:
+            found = []
+        if not found:
+            return self._put_tree(path, prefix, rel)
+        tmp_dir = self.rd.staged_logs
+        os.makedirs(tmp_dir, exist_ok=True)
+        tmp = os.path.join(tmp_dir, rel)
+        try:
+            red.redact_file(path, tmp)
+            sealed = [dict(e, redacted=True) for e in self._put_tree(tmp, prefix, rel)]
+        finally:
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+        what = ", ".join(found)
+        key = prefix + rel
+        self.warnings.append(
+            {
+                "kind": "secret_in_log",
+                "attempt": attempt,
+                "log": path,
+                "key": key,
+                "found": found,
+                "reason": f"the job's log of attempt {attempt} holds {what}: the store has a "
+                "redacted copy; the log on the box is unaltered",
+            }
+        )
+        self.event(
+            "secret_in_log",
+            f"the job's log of attempt {attempt} ({path}) holds {what}; sealed {key} as a "
+            f"redacted copy (each match replaced by {redact.MARK}), the box's log is unaltered",
+            klass="usage",
+            remedy="do not print secrets; rotate the secret if the box's log was shared",
+            attempt=attempt,
+            log=path,
+            key=key,
+            found=found,
+        )
+        return sealed
+
+    def _put_tree(self, path: str, prefix: str, rel: str) -> List[Dict[str, Any]]:
+        out = []
+        paths = []
+        if os.path.isdir(path):
+            for dirpath, _, files in os.walk(path):
+                for fn in sorted(files):
+                    full = os.path.join(dirpath, fn)
+                    paths.append((full, os.path.join(rel, os.path.relpath(full, path))))
+        elif os.path.isfile(path):
+            paths.append((path, rel))
+        else:
+            self.event(
+                "seal_missing",
+                f"{rel} does not exist ({path}): nothing sealed for it",
+                klass="usage",
+                remedy="",
+            )
+        for full, r in paths:
+            r = r.replace(os.sep, "/").strip("/")
+            try:
+                safe_rel(r, "the name")
+            except UnsafePath as e:
+                # DONE.json listing it would make every pull of the run refuse the whole
+                # result (onbox/common/safepath.py): leave this one file out, say so, seal the rest.
+                self.event(
+                    "unsafe_name",
+                    f"output {r!r} is not sealed: {e.what}; restore and `rgt pull` would "
+                    "refuse it, so it could never come back",
+                    klass="usage",
+                    remedy="rename it (letters, digits, '.', '_', '-'); the other outputs "
+                    "are sealed as usual",
+                    path=r,
+                )
+                continue
+            sha, size = sha256_file(full)
+            key = prefix + r
+            with_retries(functools.partial(self.store.put_file, key, full, sha256=sha, size=size))
+            out.append({"path": r, "key": key, "size": size, "sha256": sha})
+        return out
+
+
+def _rel_under(top: str, rel: str, full: str) -> str:
+    """``full`` (under the directory ``top``, which is ``rel`` under the checkpoint dir) as a
+    '/'-separated path relative to the checkpoint dir."""
+    return "/".join([rel, *os.path.relpath(full, top).split(os.sep)])

@@ -1,0 +1,273 @@
+"""What a complete checkpoint is: the one rule the sealer, the resume check and completion use.
+
+A checkpoint in the job's checkpoint dir is complete when:
+
+- a directory holds a completeness marker (rgt's ``.rgt-complete``, Transformers'
+  ``trainer_state.json``, DCP's ``.metadata``) that parses: a JSON marker cut off mid-write is
+  no marker at all, so that directory is not a complete checkpoint (yet);
+- a file in a checkpoint format is closed and open for writing by no process (checked in /proc,
+  so a file rewritten every few hundred milliseconds is still caught between two writes), and
+  not torn (``looks_whole``).
+
+Its step comes from rgt's marker or the name (``step_120``, ``checkpoint-120``, ``ckpt_120.pt``).
+Hidden and temporary names (``skip``) are never checkpoints: torn writes live there.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import List, Optional, Set, Tuple
+
+MARKERS = (".rgt-complete", "trainer_state.json", ".metadata")
+_STEP = re.compile(r"(?i)(?:global_step|checkpoint|ckpt|step|iter(?:ation)?)[_\-=]?(\d+)")
+# A loose file in the checkpoint dir is a checkpoint only in a checkpoint format: scripts often
+# checkpoint into their working directory, next to logs, configs and code.
+CKPT_SUFFIXES = (
+    ".pt",
+    ".pth",
+    ".ckpt",
+    ".bin",
+    ".safetensors",
+    ".pkl",
+    ".pickle",
+    ".npz",
+    ".npy",
+    ".h5",
+    ".hdf5",
+    ".msgpack",
+    ".gguf",
+    ".tar",
+    ".zip",
+    ".distcp",
+)
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR
+
+Sig = Tuple[int, int, int]
+
+
+def step_from_name(name: str) -> Optional[int]:
+    found = _STEP.findall(name)
+    return int(found[-1]) if found else None
+
+
+def skip(name: str) -> bool:
+    """Temporary and hidden names are never checkpoints (torn writes live there)."""
+    low = name.lower()
+    return (
+        name.startswith(".")
+        or low.endswith((".tmp", ".partial", ".part", ".lock", "~"))
+        or ".tmp." in low
+        or ".rgt-" in low
+    )
+
+
+def is_ckpt_file(name: str) -> bool:
+    """Whether a loose file's name is in a checkpoint format."""
+    return name.lower().endswith(CKPT_SUFFIXES)
+
+
+def step_named(name: str) -> bool:
+    """A loose file sealed as a step of its own (``step_120.pt``), not rewritten in place."""
+    return is_ckpt_file(name) and step_from_name(name) is not None
+
+
+def in_place(root: str, kind: str) -> bool:
+    """A file with no step in its name (``ckpt.pt``) is rewritten in place: a sequence, each
+    completed rewrite the next step."""
+    return kind == "file" and step_from_name(os.path.basename(root)) is None
+
+
+def signature(st: os.stat_result) -> Sig:
+    """(size, mtime_ns, inode): what changes when a file is rewritten or replaced."""
+    return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def looks_whole(path: str) -> bool:
+    """Cheap checks that a file of a known format is not torn (its writer died mid-write and the
+    kernel closed it): a zip (torch.save's format) must end with its central directory; a
+    safetensors file must hold as many bytes as its header says. Other formats pass."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if head[:4] == b"PK\x03\x04":
+                import zipfile
+
+                return zipfile.is_zipfile(path)
+            if path.endswith(".safetensors") and len(head) == 8:
+                n = int.from_bytes(head, "little")
+                header = json.loads(f.read(n))
+                end = max(
+                    [
+                        0,
+                        *(
+                            int(v["data_offsets"][1])
+                            for k, v in header.items()
+                            if k != "__metadata__"
+                        ),
+                    ]
+                )
+                return bool(os.fstat(f.fileno()).st_size == 8 + n + end)
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return False
+    return True
+
+
+def open_for_writing(paths: List[str]) -> Set[str]:
+    """Which of ``paths`` some process holds open for writing (from /proc/*/fd and fdinfo)."""
+    wanted = {os.path.realpath(p) for p in paths}
+    busy: Set[str] = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"{fd_dir}/{fd}")
+            except OSError:
+                continue
+            if target not in wanted:
+                continue
+            try:
+                with open(f"/proc/{pid}/fdinfo/{fd}") as f:
+                    for line in f:
+                        if line.startswith("flags:"):
+                            if int(line.split()[1], 8) & _WRITE_FLAGS:
+                                busy.add(target)
+                            break
+            except (OSError, ValueError):
+                busy.add(target)  # cannot tell: assume it is being written
+    return busy
+
+
+class Candidate:
+    """A complete checkpoint found on disk, not sealed yet."""
+
+    def __init__(
+        self,
+        root: str,
+        kind: str,
+        step: Optional[int],
+        files: List[str],
+        signature: Sig,
+    ) -> None:
+        self.root = root  # relative to the checkpoint dir
+        self.kind = kind  # "file" | "dir"
+        self.step = step
+        self.files = files  # relative to the checkpoint dir
+        self.signature = signature  # (size, mtime_ns, inode) of a file; of the marker for a dir
+
+
+def dir_marker(path: str) -> Optional[Tuple[str, Optional[int]]]:
+    """The completeness marker of the directory ``path`` and the step it carries, or None when
+    it has none, or its JSON marker does not parse (cut off mid-write: no marker at all)."""
+    marker = next((m for m in MARKERS if os.path.isfile(os.path.join(path, m))), None)
+    if marker is None:
+        return None
+    step = None
+    if marker != ".metadata":
+        try:
+            with open(os.path.join(path, marker)) as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            return None
+        if marker == ".rgt-complete":
+            try:
+                step = int(doc["step"])
+            except (KeyError, TypeError, ValueError):
+                step = None
+    return marker, step
+
+
+def dir_step(name: str, path: str) -> Optional[int]:
+    """The step of the directory checkpoint ``name`` at ``path`` (its marker's, else its
+    name's), or None when it is not a complete checkpoint with a step."""
+    found = dir_marker(path)
+    if found is None:
+        return None
+    return found[1] if found[1] is not None else step_from_name(name)
+
+
+def dir_candidate(ckpt_dir: str, name: str, path: str) -> Optional[Candidate]:
+    """The directory ``name`` (at ``path``, in ``ckpt_dir``) as a checkpoint with every file
+    in it, or None when it is not a complete checkpoint with a step."""
+    found = dir_marker(path)
+    if found is None:
+        return None
+    marker, step = found
+    if step is None:
+        step = step_from_name(name)
+    if step is None:
+        return None
+    rel_files = []
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for fn in sorted(filenames):
+            if skip(fn) and fn != ".rgt-complete" and fn != ".metadata":
+                continue
+            full = os.path.join(dirpath, fn)
+            rel_files.append(os.path.relpath(full, ckpt_dir).replace(os.sep, "/"))
+    st = os.stat(os.path.join(path, marker))
+    return Candidate(name, "dir", step, rel_files, signature(st))
+
+
+def listing(ckpt_dir: str) -> Tuple[List[Candidate], List[Tuple[str, os.stat_result]]]:
+    """What ``ckpt_dir`` holds that may be a checkpoint, by name: the complete directory
+    checkpoints, and the loose files in a checkpoint format (with their stat), whose
+    completeness (closed, whole) the caller checks."""
+    try:
+        names = sorted(os.listdir(ckpt_dir))
+    except FileNotFoundError:
+        return [], []
+    dirs: List[Candidate] = []
+    files: List[Tuple[str, os.stat_result]] = []
+    for name in names:
+        if skip(name):
+            continue
+        path = os.path.join(ckpt_dir, name)
+        try:
+            st = os.stat(path)
+        except FileNotFoundError:
+            continue
+        if os.path.isdir(path):
+            cand = dir_candidate(ckpt_dir, name, path)
+            if cand is not None:
+                dirs.append(cand)
+        elif os.path.isfile(path) and is_ckpt_file(name):
+            files.append((name, st))
+    return dirs, files
+
+
+def newest_local_step(ckpt_dir: str) -> Optional[int]:
+    """The step of the newest complete checkpoint in ``ckpt_dir``, as the sealer would see it
+    when nothing is writing there (between two attempts): a directory with a completeness
+    marker, or a whole file in a checkpoint format, each with a step from its marker or name."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except OSError:
+        return None
+    files: List[Tuple[int, str]] = []
+    best: Optional[int] = None
+    for name in names:
+        if skip(name):
+            continue
+        path = os.path.join(ckpt_dir, name)
+        if os.path.isdir(path):
+            step = dir_step(name, path)
+            if step is not None and (best is None or step > best):
+                best = step
+        elif is_ckpt_file(name):
+            step = step_from_name(name)
+            if step is not None:
+                files.append((step, path))
+    for step, path in sorted(files, reverse=True):
+        if best is not None and step <= best:
+            break
+        if looks_whole(path):  # a torn file (its writer died mid-write) is no checkpoint
+            return step
+    return best

@@ -17,14 +17,15 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, List, Optional
+from typing import List, Optional
 
 import click
 
 from controller import observe
 from controller.registry import Registry, RunRecord
 from onbox.agent.observe import warning_lines
-from onbox.common.errors import FINAL_EXIT_CODES, NotFound, RgtError, UsageError
+from onbox.common.climain import run_cli
+from onbox.common.errors import FINAL_EXIT_CODES, NotFound, UsageError
 
 
 def _emit(text: str = "") -> None:
@@ -241,27 +242,8 @@ def runs(as_json: bool) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point: split off the job's command after ``--``, run, map errors to exit codes."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    command = None
-    if "--" in args:
-        i = args.index("--")
-        args, command = args[:i], args[i + 1 :]
-    try:
-        rv: Any = cli.main(
-            args=args, prog_name="rgt", standalone_mode=False, obj={"command": command}
-        )
-    except RgtError as e:
-        click.echo(e.line(), err=True)
-        return e.exit_code
-    except click.exceptions.UsageError as e:
-        click.echo(f"rgt: {e.format_message()}", err=True)
-        return 2
-    except click.exceptions.Abort:
-        return 130
-    except click.exceptions.Exit as e:
-        return int(e.exit_code)
-    return rv if isinstance(rv, int) else 0
+    """Entry point: run, map errors to exit codes (onbox.common.climain)."""
+    return run_cli(cli, "rgt", argv)
 
 
 if __name__ == "__main__":

@@ -8,52 +8,36 @@
     rgt-agent stop N [--grace S]
     rgt-agent list [--json]
 
-An ``RgtError`` is printed as one line and exits with its code (onbox.common.errors); anything else
-is a
-bug and shows its traceback.
+Only the click commands live here: claiming a run is onbox.agent.claim, asking its agent to stop
+or seal is onbox.agent.mailbox, what a store holds of a run is onbox.agent.catalog. An
+``RgtError`` is printed as one line (redacted) and exits with its code (onbox.common.climain);
+anything else is a bug and shows its traceback.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import errno
 import json
 import os
-import signal
 import sys
-import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import click
 
-from onbox.agent import observe, procfs
+from onbox.agent import observe
+from onbox.agent.claim import prepare_run, resolve_spec, take_run
 from onbox.agent.daemon import spawn_agent
-from onbox.agent.lock import RunLock, is_held, read_holder
+from onbox.agent.lock import RunLock
 from onbox.agent.loop import Agent
+from onbox.agent.mailbox import stop_run, sync_run
 from onbox.agent.runner import read_ready
-from onbox.agent.spec import (
-    JobSpec,
-    Overrides,
-    build_spec,
-    check_outputs,
-    default_name,
-    parse_duration,
-)
-from onbox.agent.states import TERMINAL
+from onbox.agent.spec import JobSpec, parse_duration
+from onbox.agent.states import TERMINAL_NAMES
 from onbox.agent.title import set_title
-from onbox.common.durable import make_dirs, read_json, remove_dirs, write_json
-from onbox.common.errors import (
-    FINAL_EXIT_CODES,
-    HostError,
-    LockedError,
-    NotFound,
-    RgtError,
-    StopFailed,
-    UsageError,
-)
-from onbox.common.rundir import RunDir, all_runs, check_name, rgt_home, unwritable
+from onbox.common.climain import run_cli
+from onbox.common.durable import make_dirs, read_json, write_json
+from onbox.common.errors import FINAL_EXIT_CODES, HostError, NotFound, RgtError, UsageError
+from onbox.common.rundir import RunDir, all_runs
 
-TERMINAL_NAMES = {s.value for s in TERMINAL}
 READY_TIMEOUT = 10.0
 
 
@@ -91,169 +75,26 @@ def _job_options(f: Any) -> Any:
     return click.argument("job_file", metavar="[JOB.toml]", required=False)(f)
 
 
-def _resolve_spec(
+def _warn(text: str) -> None:
+    click.echo(text, err=True)
+
+
+def _claim(
     job_file: Optional[str],
     name: Optional[str],
     ckpt_dir: Optional[str],
     store: Optional[str],
     grace: Optional[str],
-    outputs: Sequence[str] = (),
-) -> JobSpec:
+    outputs: Sequence[str],
+) -> Optional[Tuple[JobSpec, RunDir, RunLock]]:
+    """The spec, the run's directory and its lock, for start and run (onbox.agent.claim); None
+    when the store says the run is finished."""
     command: Optional[List[str]] = click.get_current_context().obj.get("command")
-    home = rgt_home()
-    if job_file is None and not command:
-        if name is None:
-            raise UsageError(
-                "command",
-                "is empty",
-                "give the job after --, e.g. `rgt-agent start -- python train.py`",
-            )
-        rd = RunDir(check_name(name, "--name"), home)
-        doc = read_json(rd.spec)
-        if doc is None:
-            raise UsageError(
-                "command",
-                f"is empty and there is no run {name!r} to start again",
-                "give the job after --",
-            )
-        spec = JobSpec.from_json(doc)
-        changes: Dict[str, Any] = {}
-        if grace is not None:
-            changes["grace"] = parse_duration(grace, "--grace", allow_zero=True)
-        if ckpt_dir is not None:
-            changes["ckpt_dir"] = os.path.abspath(ckpt_dir)
-        if store is not None:
-            from onbox.sealing.stores import parse_store_url
-
-            changes["store"] = parse_store_url(store, "--store").url
-        if outputs:
-            changes["outputs"] = tuple(
-                dict.fromkeys(spec.outputs + check_outputs(list(outputs), "--output"))
-            )
-        return dataclasses.replace(spec, **changes)
-    if job_file is not None and not job_file.endswith(".toml") and not os.path.isfile(job_file):
-        raise UsageError(
-            "JOB.toml",
-            f"{job_file!r} is not a job file",
-            "put the command after --, e.g. `rgt-agent start -- python train.py`",
-        )
-    return build_spec(
-        job_file,
-        Overrides(
-            name=name,
-            command=command,
-            ckpt_dir=ckpt_dir,
-            store=store,
-            grace=grace,
-            outputs=list(outputs),
-        ),
-        cwd=os.getcwd(),
-        environ=os.environ,
-        default_name=default_name(command or []),
-        run_dir_of=lambda n: RunDir(n, home).path,
-    )
-
-
-def _ckpt_unwritable(spec: JobSpec, why: str) -> HostError:
-    return HostError(
-        f"checkpoint dir {spec.ckpt_dir} is not writable: {why}",
-        "pick another --ckpt-dir, one this user can write",
-    )
-
-
-def _check_dirs(spec: JobSpec) -> RunDir:
-    """The run's directory, once it and the checkpoint dir look makeable and writable; creates
-    nothing (a failed start must leave no runs/N behind)."""
-    rd = RunDir(spec.name)
-    rd.check()
-    why = unwritable(spec.ckpt_dir)
-    if why:
-        raise _ckpt_unwritable(spec, why)
-    return rd
-
-
-def _make_dirs(spec: JobSpec, rd: RunDir) -> List[str]:
-    """Make the run and checkpoint directories (0700, parents too; an existing --ckpt-dir is
-    left as it is) and prove them writable; the directories made. Only making a directory
-    proves it can be made (/proc says yes to access()), so a failure here removes what this
-    call made before it raises."""
-    created = rd.create()
-    try:
-        created += make_dirs(spec.ckpt_dir)
-        if not os.access(spec.ckpt_dir, os.W_OK | os.X_OK):
-            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
-    except OSError as e:
-        remove_dirs(created)
-        raise _ckpt_unwritable(spec, e.strerror or str(e)) from None
-    return created
-
-
-def _existing(path: str) -> str:
-    """``path`` or its nearest parent that exists (the checkpoint dir is made after the store
-    check, whose same-filesystem test needs a path that is there)."""
-    path = os.path.abspath(path)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
-    return path
-
-
-def _check_store(spec: JobSpec) -> bool:
-    """Preflight the store before anything starts; False when the run is finished already."""
-    if not spec.store:
-        return True
-    from onbox.sealing import manifest as mf
-    from onbox.sealing.stores import open_store
-
-    store = open_store(spec.store)
-    for finding in store.preflight(spec.name):
-        _emit(("store: " if finding.ok else "WARNING: store: ") + finding.what)
-    if store.same_filesystem_as(_existing(spec.ckpt_dir)):
-        click.echo(
-            f"WARNING: the store {store.url} is on the same filesystem as the checkpoint dir "
-            f"{spec.ckpt_dir}: it dies with this disk. Is the durable mount really mounted?",
-            err=True,
-        )
-    done = store.get_bytes(mf.done_key(spec.name))
-    if done is not None:
-        _emit(
-            f"run {spec.name} is finished: {store.url}/{spec.name}/DONE.json exists; not "
-            "training again (to train again, start under a new --name)"
-        )
-        return False
-    return True
-
-
-def _prepare_run(spec: JobSpec) -> Optional[RunDir]:
-    """Everything ``start`` and ``run`` check before the lock, in the order that creates
-    nothing until all of it passed: the directories (looked at), the store's preflight (which
-    writes only in the store, and removes its probe), then the directories made. None when the
-    store says the run is finished."""
-    rd = _check_dirs(spec)
-    if not _check_store(spec):
+    spec = resolve_spec(job_file, command, name, ckpt_dir, store, grace, outputs)
+    rd = prepare_run(spec, _emit, _warn)
+    if rd is None:
         return None
-    _make_dirs(spec, rd)
-    return rd
-
-
-def _take_run(spec: JobSpec, rd: RunDir) -> RunLock:
-    """Lock the run and write its spec; refuses to swap the command of a live run."""
-    lock = RunLock.acquire(rd.lock, rd.name)
-    try:
-        old = read_json(rd.spec)
-        state = read_json(rd.state) or {}
-        live = state.get("state") not in TERMINAL_NAMES and state.get("attempt")
-        if old is not None and live and tuple(old["command"]) != spec.command:
-            raise UsageError(
-                "command",
-                f"run {rd.name!r} is {state.get('state')} with command "
-                f"{' '.join(old['command'])!r}",
-                "stop it first, or choose another --name",
-            )
-        write_json(rd.spec, spec.to_json())
-    except BaseException:
-        lock.release()
-        raise
-    return lock
+    return spec, rd, take_run(spec, rd)
 
 
 @cli.command(context_settings={"ignore_unknown_options": False})
@@ -267,11 +108,10 @@ def start(
     outputs: Tuple[str, ...],
 ) -> int:
     """Check everything, then detach the agent and return with the run's name and paths."""
-    spec = _resolve_spec(job_file, name, ckpt_dir, store, grace, outputs)
-    rd = _prepare_run(spec)
-    if rd is None:
+    claimed = _claim(job_file, name, ckpt_dir, store, grace, outputs)
+    if claimed is None:
         return 0
-    lock = _take_run(spec, rd)
+    spec, rd, lock = claimed
     r, w = os.pipe()
     try:
         spawn_agent(rd, lock.fd, ready_fd=w)
@@ -313,11 +153,10 @@ def run(
     outputs: Tuple[str, ...],
 ) -> int:
     """Like start, but supervise in the foreground; exit code tells the final state."""
-    spec = _resolve_spec(job_file, name, ckpt_dir, store, grace, outputs)
-    rd = _prepare_run(spec)
-    if rd is None:
+    claimed = _claim(job_file, name, ckpt_dir, store, grace, outputs)
+    if claimed is None:
         return 0
-    lock = _take_run(spec, rd)
+    spec, rd, lock = claimed
     os.umask(0o077)
     set_title(f"rgt-agent run {rd.name}")
     agent = Agent(rd, lock)
@@ -445,17 +284,6 @@ def secrets(name: str) -> int:
     return 0
 
 
-def _signal_agent(rd: RunDir) -> bool:
-    holder = read_holder(rd.lock)
-    if not holder or holder.get("host") != os.uname().nodename:
-        return False
-    ident = procfs.Identity(holder["pid"], holder.get("start_ticks") or -1)
-    if not procfs.is_alive(ident):
-        return False
-    os.kill(ident.pid, signal.SIGUSR2)
-    return True
-
-
 @cli.command()
 @click.argument("name")
 @click.option("--grace", metavar="S", help="Seconds the job gets before SIGKILL.")
@@ -467,41 +295,7 @@ def stop(name: str, grace: Optional[str]) -> int:
     if doc.get("state") in TERMINAL_NAMES:
         _emit(f"run {name} is already {doc['state']}")
         return 0
-    spec = JobSpec.from_json(read_json(rd.spec) or {})
-    wait = (g if g is not None else spec.grace) + 30.0
-    deadline = time.monotonic() + wait
-    while True:
-        if is_held(rd.lock):
-            write_json(rd.stop_request, {"grace": g, "requested_at": time.time()})
-            if _signal_agent(rd):
-                break
-        else:
-            try:
-                lock = RunLock.acquire(rd.lock, rd.name)
-            except LockedError:
-                continue  # an agent just came up (a shim restarting it): ask that one
-            # No agent: this command does the stop itself, with the same machine.
-            agent = Agent(rd, lock)
-            if agent.prepare(may_begin=False):
-                agent.run(stop=("stop", g))
-            else:
-                lock.release()
-            break
-        if time.monotonic() > deadline:
-            raise StopFailed(f"the agent of {name!r} does not answer", f"see {rd.agent_log}")
-        time.sleep(0.1)
-    while True:
-        doc = read_json(rd.state) or {}
-        left = observe.tagged_alive(rd, doc.get("attempt") or 0)
-        if doc.get("state") in TERMINAL_NAMES and not left and not is_held(rd.lock):
-            break
-        if time.monotonic() > deadline:
-            raise StopFailed(
-                f"run {name!r} is {doc.get('state')} after {wait:.0f}s"
-                + (f"; processes still alive: {left}" if left else ""),
-                f"see {rd.agent_log}",
-            )
-        time.sleep(0.1)
+    doc = stop_run(rd, g)
     _emit(f"run {name} is {doc['state']}: no process of attempt {doc.get('attempt')} remains")
     return 0
 
@@ -518,49 +312,6 @@ def _store_options(f: Any) -> Any:
     )(f)
 
 
-def _store_and_run(url: str, name: Optional[str]) -> tuple[Any, str]:
-    """The store and the run: ``--store ROOT --name N``, or ``--store ROOT/N``."""
-    from onbox.sealing.stores import open_store
-
-    if name is None:
-        root, _, last = url.rstrip("/").rpartition("/")
-        if "://" not in root or not last:
-            raise UsageError(
-                "--name",
-                "is needed with a store root URL",
-                "give --name N, or the run's own URL (ROOT/N)",
-            )
-        # file:///NAME: the root is file:/// (rpartition leaves "file://")
-        root = root + "/" if root.endswith((":/", "://")) else root
-        return open_store(root), check_name(last, "run")
-    return open_store(url), check_name(name, "--name")
-
-
-def _require_in_store(store: Any, run: str) -> None:
-    """NotFound (exit 8, as ``restore`` says it) when the store holds nothing of ``run``, so
-    that a mistyped URL or name never reads as "no checkpoints yet"; a ``file://`` store whose
-    directory is missing is named as such. Every run that ever started with a store has taken
-    an epoch there."""
-    from onbox.sealing import manifest as mf
-
-    root = getattr(store, "root", None)  # a LocalStore's directory
-    if isinstance(root, str) and not os.path.isdir(root):
-        raise NotFound(
-            f"the store {store.url} does not exist (no directory {root}), so neither does run "
-            f"{run!r} in it",
-            "check the URL, and that the durable mount is mounted",
-        )
-    for prefix in (mf.epochs_prefix(run), mf.checkpoints_prefix(run)):
-        if next(iter(store.list(prefix)), None) is not None:
-            return
-    if store.stat(mf.latest_key(run)) is not None:
-        return
-    raise NotFound(
-        f"the store {store.url} holds no run {run!r}",
-        "check --name and the store root (or give the run's own URL, ROOT/NAME)",
-    )
-
-
 @cli.command()
 @click.argument("name")
 @click.option(
@@ -573,47 +324,12 @@ def _require_in_store(store: Any, run: str) -> None:
 def sync(name: str, timeout_s: str) -> int:
     """Seal the run's complete checkpoints now, and wait until they are sealed."""
     from onbox.sealing import manifest as mf
-    from onbox.sealing.sealer import Sealer, take_epoch
-    from onbox.sealing.stores import open_store
 
     rd = RunDir(name).require()
     spec = JobSpec.from_json(read_json(rd.spec) or {})
     if not spec.store:
         raise UsageError("store", f"run {name!r} has no store", "start it with --store URL")
-    wait = parse_duration(timeout_s, "--timeout")
-    if is_held(rd.lock):
-        write_json(rd.sync_request, {"at": time.time()})
-        if not _signal_agent(rd):
-            raise StopFailed(f"the agent of {name!r} does not answer", f"see {rd.agent_log}")
-        deadline = time.monotonic() + wait
-        while os.path.exists(rd.sync_request):
-            if time.monotonic() > deadline:
-                raise StopFailed(
-                    f"the seal of {name!r} did not finish in {wait:.0f}s", f"see {rd.agent_log}"
-                )
-            time.sleep(0.1)
-        store = open_store(spec.store)
-    else:
-        lock = RunLock.acquire(rd.lock, rd.name)  # no agent: seal from here, as its writer
-        try:
-            from onbox.agent.journal import FileJournal
-
-            journal = FileJournal(rd.state, rd.events, rd.agent_log)
-            store = open_store(spec.store)
-            sealer = Sealer(
-                name,
-                spec.ckpt_dir,
-                store,
-                os.path.join(rd.path, "staging"),
-                epoch=take_epoch(store, name),
-                keep=spec.keep,
-                event=journal.event,
-                state_path=os.path.join(rd.path, "sealer.json"),
-            )
-            sealer.load()
-            sealer.seal_pending()
-        finally:
-            lock.release()
+    store = sync_run(rd, spec, parse_duration(timeout_s, "--timeout"))
     latest = mf.parse_latest(store.get_bytes(mf.latest_key(name)))
     _emit(f"run {name}: LATEST is step {latest['step'] if latest else 'none'} in {store.url}")
     return 0
@@ -629,9 +345,10 @@ def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
     # An unusable checkpoint is quarantined and the previous one used (onbox/sealing/restore.py);
     # when
     # none is left, NoVerifiedCheckpoint (exit 6) lists each step tried and why.
+    from onbox.agent.catalog import store_and_run
     from onbox.sealing.restore import restore_latest
 
-    store, run = _store_and_run(url, name)
+    store, run = store_and_run(url, name)
     target = os.path.abspath(dest or f"{run}-restored")
     probe = target
     while not os.path.lexists(probe):
@@ -682,49 +399,12 @@ def checkpoints(
     LATEST marks the step a restore and ``rgt pull`` take: LATEST's own, or when that one is
     quarantined the newest verified step before it (a line says so); a quarantined step is
     never marked LATEST."""
-    from onbox.agent.journal import iso
-    from onbox.common.errors import IntegrityError
-    from onbox.sealing import manifest as mf
-    from onbox.sealing.restore import in_effect, quarantine_reasons, sealed_steps
+    from onbox.agent.catalog import checkpoint_rows, require_in_store, set_pins, store_and_run
 
-    store, run = _store_and_run(url, name)
-    _require_in_store(store, run)
-    if pin is not None:
-        if store.stat(mf.manifest_key(run, pin)) is None:
-            raise NotFound(f"run {run!r} has no sealed step {pin} in {store.url}")
-        store.put_bytes(mf.pin_key(run, pin), b"pinned\n")
-    if unpin is not None:
-        store.delete(mf.pin_key(run, unpin))
-    pins = {
-        int(i.key.rsplit("/", 1)[-1])
-        for i in store.list(mf.pins_prefix(run))
-        if i.key.rsplit("/", 1)[-1].isdigit()
-    }
-    latest = mf.parse_latest(store.get_bytes(mf.latest_key(run)))
-    bad = quarantine_reasons(store, run)
-    sealed = sealed_steps(store, run)
-    effective, why = in_effect(latest["step"] if latest else None, sealed, bad)
-    rows: List[Dict[str, Any]] = []
-    for step in sorted(set(sealed) | set(bad)):
-        row: Dict[str, Any] = {"step": step, "verified": False, "latest": step == effective}
-        if step in bad:
-            row["quarantined"] = bad[step]
-        data = store.get_bytes(mf.manifest_key(run, step)) if step in sealed else None
-        try:
-            doc = mf.parse_manifest(data or b"", mf.manifest_key(run, step))
-        except IntegrityError as e:
-            rows.append({**row, "problem": e.what if data else "its MANIFEST is missing"})
-            continue
-        row.update(
-            root=doc["root"],
-            files=len(doc["files"]),
-            size=sum(f["size"] for f in doc["files"]),
-            sealed_at=iso(doc["created"]),
-            epoch=doc["epoch"],
-            verified=step not in bad,
-            pinned=step in pins,
-        )
-        rows.append(row)
+    store, run = store_and_run(url, name)
+    require_in_store(store, run)
+    set_pins(store, run, pin, unpin)
+    rows, why = checkpoint_rows(store, run)
     if as_json:
         _emit(json.dumps(rows, sort_keys=True))
         return 0
@@ -745,32 +425,15 @@ def checkpoints(
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point: split off the job's command after ``--``, run, map errors to exit codes."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    command = None
-    if "--" in args:
-        i = args.index("--")
-        args, command = args[:i], args[i + 1 :]
-    try:
-        rv = cli.main(
-            args=args, prog_name="rgt-agent", standalone_mode=False, obj={"command": command}
-        )
-    except RgtError as e:
-        from onbox.common.redact import (
-            for_home,  # a message may quote a run's state or a store's URL
-        )
+def _redacted(e: RgtError) -> str:
+    from onbox.common.redact import for_home  # a message may quote a run's state or a store's URL
 
-        click.echo(for_home().redact(e.line()), err=True)
-        return e.exit_code
-    except click.exceptions.UsageError as e:
-        click.echo(f"rgt: {e.format_message()}", err=True)
-        return 2
-    except click.exceptions.Abort:
-        return 130
-    except click.exceptions.Exit as e:
-        return int(e.exit_code)
-    return rv if isinstance(rv, int) else 0
+    return for_home().redact(e.line())
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point: run, map errors to exit codes (onbox.common.climain), redacted."""
+    return run_cli(cli, "rgt-agent", argv, line=_redacted)
 
 
 if __name__ == "__main__":

@@ -109,38 +109,16 @@ def last_step(tail: str) -> Optional[int]:
     return int(found[-1]) if found else None
 
 
-def classify(
+def _resource_verdict(
     status: ExitStatus,
     tail: str,
-    *,
-    success_codes: Tuple[int, ...] = (0,),
-    oom_kills_rose: bool = False,
-    inodes_exhausted: Callable[[], bool] = lambda: False,
-) -> Verdict:
-    """Classify one ended attempt."""
-    step = last_step(tail)
+    step: Optional[int],
+    oom_kills_rose: bool,
+    inodes_exhausted: Callable[[], bool],
+) -> Optional[Verdict]:
+    """The end's verdict when a resource ran out (host memory, GPU memory, disk, inodes) or
+    the loss went non-finite; None otherwise."""
     code, sig = status.code, status.signal
-    if code is not None and code in success_codes:
-        return Verdict(Kind.SUCCESS, f"exited with code {code}", "", "", Budget.NONE, step=step)
-    if not status.known:
-        return Verdict(
-            Kind.UNKNOWN,
-            "exit status was not recorded (the shim was killed)",
-            "look at the end of the job's log",
-            "transient",
-            Budget.PREEMPT,
-            step=step,
-        )
-    if code == 127 and status.note:
-        return Verdict(
-            Kind.COMMAND_NOT_FOUND,
-            status.note,
-            "check the command and PATH",
-            "usage",
-            Budget.ERROR,
-            deterministic=True,
-            step=step,
-        )
     killed = sig == signal.SIGKILL or code == 128 + signal.SIGKILL
     if killed and oom_kills_rose:
         return Verdict(
@@ -187,6 +165,12 @@ def classify(
             Budget.ERROR,
             step=step,
         )
+    return None
+
+
+def _exception_verdict(tail: str, sig: Optional[int], step: Optional[int]) -> Optional[Verdict]:
+    """The end's verdict from the last Python exception in the log; None when there is none
+    (or it was a KeyboardInterrupt, or a signal ended the job after it)."""
     exc = last_exception(tail)
     if exc is not None:
         etype, msg = exc
@@ -221,6 +205,46 @@ def classify(
                 Budget.ERROR,
                 step=step,
             )
+    return None
+
+
+def classify(
+    status: ExitStatus,
+    tail: str,
+    *,
+    success_codes: Tuple[int, ...] = (0,),
+    oom_kills_rose: bool = False,
+    inodes_exhausted: Callable[[], bool] = lambda: False,
+) -> Verdict:
+    """Classify one ended attempt."""
+    step = last_step(tail)
+    code, sig = status.code, status.signal
+    if code is not None and code in success_codes:
+        return Verdict(Kind.SUCCESS, f"exited with code {code}", "", "", Budget.NONE, step=step)
+    if not status.known:
+        return Verdict(
+            Kind.UNKNOWN,
+            "exit status was not recorded (the shim was killed)",
+            "look at the end of the job's log",
+            "transient",
+            Budget.PREEMPT,
+            step=step,
+        )
+    if code == 127 and status.note:
+        return Verdict(
+            Kind.COMMAND_NOT_FOUND,
+            status.note,
+            "check the command and PATH",
+            "usage",
+            Budget.ERROR,
+            deterministic=True,
+            step=step,
+        )
+    verdict = _resource_verdict(status, tail, step, oom_kills_rose, inodes_exhausted)
+    if verdict is None:
+        verdict = _exception_verdict(tail, sig, step)
+    if verdict is not None:
+        return verdict
     if sig is not None or (code is not None and code in _SHELL_SIGNALS):
         n = sig if sig is not None else (code or 0) - 128
         return Verdict(

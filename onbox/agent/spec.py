@@ -18,6 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, Union
 
 from onbox.common.errors import UsageError
 from onbox.common.rundir import check_name, is_name
+from onbox.common.storeurl import StoreURL, parse_store_setting, parse_store_url, with_endpoint
 
 _DURATION_RE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(ms|s|m|h|d)?\s*\Z")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
@@ -98,7 +99,7 @@ class JobSpec:
     workdir: str
     ckpt_dir: str
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
-    store: Optional[str] = None
+    store: Optional[StoreURL] = None  # spec.json holds its URL (and endpoint_url when set)
     grace: float = 30.0
     stop_signal: int = int(signal.SIGTERM)
     trigger: str = "none"
@@ -117,6 +118,9 @@ class JobSpec:
         d["env"] = dict(self.env)
         d["restart"]["success_codes"] = list(self.restart.success_codes)
         d["outputs"] = list(self.outputs)
+        d["store"] = self.store.url if self.store else None
+        if self.store and self.store.endpoint_url:
+            d["store_endpoint_url"] = self.store.endpoint_url
         return d
 
     @classmethod
@@ -129,7 +133,7 @@ class JobSpec:
             workdir=d["workdir"],
             ckpt_dir=d["ckpt_dir"],
             env=dict(d.get("env") or {}),
-            store=d.get("store"),
+            store=_stored_store(d),
             grace=float(d["grace"]),
             stop_signal=int(d["stop_signal"]),
             trigger=d.get("trigger", "none"),
@@ -141,6 +145,14 @@ class JobSpec:
             # spec.json files written before this field existed lack it
             progress_pattern=d.get("progress_pattern"),
         )
+
+
+def _stored_store(d: Mapping[str, Any]) -> Optional[StoreURL]:
+    """The store of a spec.json, whose URL was checked when the run was set up."""
+    if not d.get("store"):
+        return None
+    store = parse_store_url(d["store"])
+    return with_endpoint(store, d.get("store_endpoint_url"), "store_endpoint_url")
 
 
 _TOP_KEYS = {
@@ -259,6 +271,79 @@ def default_name(command: List[str]) -> str:
     return stem if is_name(stem) else "job"
 
 
+def _table(data: Mapping[str, Any], key: str, allowed: Set[str], example: str) -> Dict[str, Any]:
+    """The job file's ``[key]`` table (empty when absent), its keys checked."""
+    table = data.get(key, {})
+    if not isinstance(table, dict):
+        raise UsageError(key, "must be a table", example)
+    _unknown(table, allowed, f"{key}.")
+    return table
+
+
+def _env_and_command(
+    data: Mapping[str, Any], flags: Overrides, workdir: str, environ: Mapping[str, str]
+) -> Tuple[Dict[str, str], Tuple[str, ...]]:
+    """The job file's ``[env]`` and the command, checked against the PATH the job will get."""
+    env = data.get("env", {})
+    if not isinstance(env, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+    ):
+        raise UsageError("env", "must be a table of string values", 'e.g. [env] FOO = "1"')
+    full_env = dict(environ)
+    full_env.update(env)
+    command = _check_command(
+        flags.command if flags.command else data.get("command"), workdir, full_env
+    )
+    return env, command
+
+
+def _checkpoint_settings(ckpt: Mapping[str, Any], ckpt_dir: str) -> Dict[str, Any]:
+    """The JobSpec fields of the ``[checkpoint]`` table, ``ckpt_dir`` already resolved."""
+    trigger = ckpt.get("trigger", "none")
+    if trigger not in TRIGGERS:
+        raise UsageError(
+            "checkpoint.trigger",
+            f"{trigger!r} is not a trigger",
+            f"use one of {', '.join(TRIGGERS)}",
+        )
+    keep = ckpt.get("keep", 3)
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise UsageError("checkpoint.keep", f"{keep!r} is not a count >= 1")
+    interval = ckpt.get("interval")
+    ckpt_interval = None if interval is None else parse_duration(interval, "checkpoint.interval")
+    if ckpt_interval is not None and trigger == "none":
+        raise UsageError(
+            "checkpoint.interval",
+            "needs a trigger to ask the job with",
+            'set checkpoint.trigger = "signal:USR2" or "file"',
+        )
+    return dict(
+        ckpt_dir=ckpt_dir,
+        trigger=trigger,
+        keep=keep,
+        ckpt_interval=ckpt_interval,
+        scan_interval=parse_duration(ckpt.get("scan", 5), "checkpoint.scan"),
+    )
+
+
+def store_override(flag: str, endpoint_url: Optional[str], field: str) -> StoreURL:
+    """``--store URL`` in place of the job file's or the last run's store: its ``endpoint_url``
+    stays when the new store is S3 too (the flag names a bucket, the endpoint is where that
+    bucket lives)."""
+    store = parse_store_url(flag, "--store")
+    return with_endpoint(store, endpoint_url, field) if store.scheme == "s3" else store
+
+
+def _store_setting(data: Mapping[str, Any], flags: Overrides) -> Optional[StoreURL]:
+    """The store, parsed once: ``--store`` wins over the job file's ``store`` (whose URL is then
+    not looked at; only its ``endpoint_url``)."""
+    in_file = data.get("store")
+    if flags.store is None:
+        return None if in_file is None else parse_store_setting(in_file, "store")
+    endpoint = in_file.get("endpoint_url") if isinstance(in_file, dict) else None
+    return store_override(flags.store, endpoint, "store.endpoint_url")
+
+
 def build_spec(
     job_file: Optional[str],
     flags: Overrides,
@@ -285,56 +370,19 @@ def build_spec(
     workdir = os.path.abspath(os.path.join(base, str(data.get("workdir", "."))))
     if not os.path.isdir(workdir):
         raise UsageError("workdir", f"{workdir} is not a directory")
+    env, command = _env_and_command(data, flags, workdir, environ)
 
-    env = data.get("env", {})
-    if not isinstance(env, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in env.items()
-    ):
-        raise UsageError("env", "must be a table of string values", 'e.g. [env] FOO = "1"')
-    full_env = dict(environ)
-    full_env.update(env)
-    command = _check_command(
-        flags.command if flags.command else data.get("command"), workdir, full_env
-    )
-
-    ckpt = data.get("checkpoint", {})
-    if not isinstance(ckpt, dict):
-        raise UsageError("checkpoint", "must be a table", '[checkpoint] dir = "ckpt"')
-    _unknown(ckpt, _CKPT_KEYS, "checkpoint.")
+    ckpt = _table(data, "checkpoint", _CKPT_KEYS, '[checkpoint] dir = "ckpt"')
     ckpt_dir = flags.ckpt_dir or ckpt.get("dir")
     ckpt_dir = (
         os.path.abspath(os.path.join(cwd if flags.ckpt_dir else workdir, ckpt_dir))
         if ckpt_dir
         else os.path.join(run_dir_of(name), "ckpt")
     )
-    trigger = ckpt.get("trigger", "none")
-    if trigger not in TRIGGERS:
-        raise UsageError(
-            "checkpoint.trigger",
-            f"{trigger!r} is not a trigger",
-            f"use one of {', '.join(TRIGGERS)}",
-        )
-
-    keep = ckpt.get("keep", 3)
-    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-        raise UsageError("checkpoint.keep", f"{keep!r} is not a count >= 1")
-    interval = ckpt.get("interval")
-    ckpt_interval = None if interval is None else parse_duration(interval, "checkpoint.interval")
-    if ckpt_interval is not None and trigger == "none":
-        raise UsageError(
-            "checkpoint.interval",
-            "needs a trigger to ask the job with",
-            'set checkpoint.trigger = "signal:USR2" or "file"',
-        )
-    scan = parse_duration(ckpt.get("scan", 5), "checkpoint.scan")
+    checkpoint = _checkpoint_settings(ckpt, ckpt_dir)
     # --output adds to the job file's outputs (both are sealed), it does not replace them.
     merged = check_outputs(data.get("outputs", [])) + check_outputs(flags.outputs or [], "--output")
-
-    store = flags.store if flags.store is not None else data.get("store")
-    if store is not None:
-        from onbox.sealing.stores import parse_store_url
-
-        parse_store_url(store, "--store" if flags.store is not None else "store")
+    store = _store_setting(data, flags)
 
     # 0 is a real budget: some platforms give no warning at all (SIGKILL at once).
     grace = parse_duration(
@@ -343,17 +391,9 @@ def build_spec(
         allow_zero=True,
     )
     stop_signal = parse_signal(data.get("stop_signal", "TERM"), "stop_signal")
-
-    r = data.get("restart", {})
-    if not isinstance(r, dict):
-        raise UsageError("restart", "must be a table", "[restart] max_error_restarts = 5")
-    _unknown(r, _RESTART_KEYS, "restart.")
+    r = _table(data, "restart", _RESTART_KEYS, "[restart] max_error_restarts = 5")
     restart = _restart_policy(r)
-
-    prog = data.get("progress", {})
-    if not isinstance(prog, dict):
-        raise UsageError("progress", "must be a table", "[progress] pattern = 'step (\\d+)'")
-    _unknown(prog, _PROGRESS_KEYS, "progress.")
+    prog = _table(data, "progress", _PROGRESS_KEYS, "[progress] pattern = 'step (\\d+)'")
     pattern = prog.get("pattern")
     if pattern is not None:
         compile_progress_pattern(pattern)
@@ -361,18 +401,14 @@ def build_spec(
         name=name,
         command=command,
         workdir=workdir,
-        ckpt_dir=ckpt_dir,
         env=env,
         store=store,
         grace=grace,
         stop_signal=stop_signal,
-        trigger=trigger,
         restart=restart,
-        keep=keep,
-        ckpt_interval=ckpt_interval,
-        scan_interval=scan,
         outputs=tuple(dict.fromkeys(merged)),
         progress_pattern=pattern,
+        **checkpoint,
     )
 
 

@@ -1,0 +1,203 @@
+"""Claiming a run on this box for ``rgt-agent start`` and ``run``: the JobSpec from a job file
+and flags (or the run's last spec, when started again without a command), the run and
+checkpoint directories looked at and then made, the store's preflight, and the run's lock taken
+with its spec.json written. Nothing is created until every check passed."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from onbox.agent.lock import RunLock
+from onbox.agent.spec import (
+    JobSpec,
+    Overrides,
+    build_spec,
+    check_outputs,
+    default_name,
+    parse_duration,
+    store_override,
+)
+from onbox.agent.states import TERMINAL_NAMES
+from onbox.common.durable import make_dirs, read_json, remove_dirs, write_json
+from onbox.common.errors import HostError, UsageError
+from onbox.common.rundir import RunDir, check_name, rgt_home, unwritable
+
+Say = Callable[[str], None]
+
+
+def _again(
+    spec: JobSpec,
+    ckpt_dir: Optional[str],
+    store: Optional[str],
+    grace: Optional[str],
+    outputs: Sequence[str],
+) -> JobSpec:
+    """The run's last spec with the flags given this time."""
+    changes: Dict[str, Any] = {}
+    if grace is not None:
+        changes["grace"] = parse_duration(grace, "--grace", allow_zero=True)
+    if ckpt_dir is not None:
+        changes["ckpt_dir"] = os.path.abspath(ckpt_dir)
+    if store is not None:
+        endpoint = spec.store.endpoint_url if spec.store else None
+        changes["store"] = store_override(store, endpoint, "--store")
+    if outputs:
+        changes["outputs"] = tuple(
+            dict.fromkeys(spec.outputs + check_outputs(list(outputs), "--output"))
+        )
+    return dataclasses.replace(spec, **changes)
+
+
+def resolve_spec(
+    job_file: Optional[str],
+    command: Optional[List[str]],
+    name: Optional[str],
+    ckpt_dir: Optional[str],
+    store: Optional[str],
+    grace: Optional[str],
+    outputs: Sequence[str] = (),
+) -> JobSpec:
+    """The spec ``start`` and ``run`` were asked for: from the job file and flags, or, with no
+    command and no job file, the named run's last spec with the flags given."""
+    home = rgt_home()
+    if job_file is None and not command:
+        if name is None:
+            raise UsageError(
+                "command",
+                "is empty",
+                "give the job after --, e.g. `rgt-agent start -- python train.py`",
+            )
+        rd = RunDir(check_name(name, "--name"), home)
+        doc = read_json(rd.spec)
+        if doc is None:
+            raise UsageError(
+                "command",
+                f"is empty and there is no run {name!r} to start again",
+                "give the job after --",
+            )
+        return _again(JobSpec.from_json(doc), ckpt_dir, store, grace, outputs)
+    if job_file is not None and not job_file.endswith(".toml") and not os.path.isfile(job_file):
+        raise UsageError(
+            "JOB.toml",
+            f"{job_file!r} is not a job file",
+            "put the command after --, e.g. `rgt-agent start -- python train.py`",
+        )
+    return build_spec(
+        job_file,
+        Overrides(
+            name=name,
+            command=command,
+            ckpt_dir=ckpt_dir,
+            store=store,
+            grace=grace,
+            outputs=list(outputs),
+        ),
+        cwd=os.getcwd(),
+        environ=os.environ,
+        default_name=default_name(command or []),
+        run_dir_of=lambda n: RunDir(n, home).path,
+    )
+
+
+def _ckpt_unwritable(spec: JobSpec, why: str) -> HostError:
+    return HostError(
+        f"checkpoint dir {spec.ckpt_dir} is not writable: {why}",
+        "pick another --ckpt-dir, one this user can write",
+    )
+
+
+def _check_dirs(spec: JobSpec) -> RunDir:
+    """The run's directory, once it and the checkpoint dir look makeable and writable; creates
+    nothing (a failed start must leave no runs/N behind)."""
+    rd = RunDir(spec.name)
+    rd.check()
+    why = unwritable(spec.ckpt_dir)
+    if why:
+        raise _ckpt_unwritable(spec, why)
+    return rd
+
+
+def _make_dirs(spec: JobSpec, rd: RunDir) -> List[str]:
+    """Make the run and checkpoint directories (0700, parents too; an existing --ckpt-dir is
+    left as it is) and prove them writable; the directories made. Only making a directory
+    proves it can be made (/proc says yes to access()), so a failure here removes what this
+    call made before it raises."""
+    created = rd.create()
+    try:
+        created += make_dirs(spec.ckpt_dir)
+        if not os.access(spec.ckpt_dir, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as e:
+        remove_dirs(created)
+        raise _ckpt_unwritable(spec, e.strerror or str(e)) from None
+    return created
+
+
+def _existing(path: str) -> str:
+    """``path`` or its nearest parent that exists (the checkpoint dir is made after the store
+    check, whose same-filesystem test needs a path that is there)."""
+    path = os.path.abspath(path)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _check_store(spec: JobSpec, say: Say, warn: Say) -> bool:
+    """Preflight the store before anything starts; False when the run is finished already."""
+    if not spec.store:
+        return True
+    from onbox.sealing import manifest as mf
+    from onbox.sealing.stores import open_store
+
+    store = open_store(spec.store)
+    for finding in store.preflight(spec.name):
+        say(("store: " if finding.ok else "WARNING: store: ") + finding.what)
+    if store.same_filesystem_as(_existing(spec.ckpt_dir)):
+        warn(
+            f"WARNING: the store {store.url} is on the same filesystem as the checkpoint dir "
+            f"{spec.ckpt_dir}: it dies with this disk. Is the durable mount really mounted?"
+        )
+    done = store.get_bytes(mf.done_key(spec.name))
+    if done is not None:
+        say(
+            f"run {spec.name} is finished: {store.url}/{spec.name}/DONE.json exists; not "
+            "training again (to train again, start under a new --name)"
+        )
+        return False
+    return True
+
+
+def prepare_run(spec: JobSpec, say: Say, warn: Say) -> Optional[RunDir]:
+    """Everything ``start`` and ``run`` check before the lock, in the order that creates
+    nothing until all of it passed: the directories (looked at), the store's preflight (which
+    writes only in the store, and removes its probe), then the directories made. None when the
+    store says the run is finished. ``say`` prints a line, ``warn`` one for stderr."""
+    rd = _check_dirs(spec)
+    if not _check_store(spec, say, warn):
+        return None
+    _make_dirs(spec, rd)
+    return rd
+
+
+def take_run(spec: JobSpec, rd: RunDir) -> RunLock:
+    """Lock the run and write its spec; refuses to swap the command of a live run."""
+    lock = RunLock.acquire(rd.lock, rd.name)
+    try:
+        old = read_json(rd.spec)
+        state = read_json(rd.state) or {}
+        live = state.get("state") not in TERMINAL_NAMES and state.get("attempt")
+        if old is not None and live and tuple(old["command"]) != spec.command:
+            raise UsageError(
+                "command",
+                f"run {rd.name!r} is {state.get('state')} with command "
+                f"{' '.join(old['command'])!r}",
+                "stop it first, or choose another --name",
+            )
+        write_json(rd.spec, spec.to_json())
+    except BaseException:
+        lock.release()
+        raise
+    return lock

@@ -1,0 +1,126 @@
+"""The agent's mailbox, for ``rgt-agent stop`` and ``sync``: a request file in the run directory
+(``stop.request``, ``sync.request``) and SIGUSR2 to the agent that holds the run's lock, then a
+wait for the answer; with no agent, the same work done from here, as the run's writer."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from typing import Any, Dict, Optional
+
+from onbox.agent import observe, procfs
+from onbox.agent.lock import RunLock, is_held, read_holder
+from onbox.agent.loop import Agent
+from onbox.agent.spec import JobSpec
+from onbox.agent.states import TERMINAL_NAMES
+from onbox.common.durable import read_json, write_json
+from onbox.common.errors import LockedError, StopFailed
+from onbox.common.rundir import RunDir
+from onbox.sealing.stores.base import Store
+
+
+def signal_agent(rd: RunDir) -> bool:
+    """Wake the run's agent (SIGUSR2) to read its mailbox; False when none runs on this host."""
+    holder = read_holder(rd.lock)
+    if not holder or holder.get("host") != os.uname().nodename:
+        return False
+    ident = procfs.Identity(holder["pid"], holder.get("start_ticks") or -1)
+    if not procfs.is_alive(ident):
+        return False
+    os.kill(ident.pid, signal.SIGUSR2)
+    return True
+
+
+def _ask_to_stop(rd: RunDir, grace: Optional[float], deadline: float) -> None:
+    """Ask the run's agent to stop the job; with no agent, stop it from here."""
+    while True:
+        if is_held(rd.lock):
+            write_json(rd.stop_request, {"grace": grace, "requested_at": time.time()})
+            if signal_agent(rd):
+                return
+        else:
+            try:
+                lock = RunLock.acquire(rd.lock, rd.name)
+            except LockedError:
+                continue  # an agent just came up (a shim restarting it): ask that one
+            # No agent: this command does the stop itself, with the same machine.
+            agent = Agent(rd, lock)
+            if agent.prepare(may_begin=False):
+                agent.run(stop=("stop", grace))
+            else:
+                lock.release()
+            return
+        if time.monotonic() > deadline:
+            raise StopFailed(f"the agent of {rd.name!r} does not answer", f"see {rd.agent_log}")
+        time.sleep(0.1)
+
+
+def stop_run(rd: RunDir, grace: Optional[float]) -> Dict[str, Any]:
+    """Stop the run (stop signal, ``grace`` or the spec's, SIGKILL of the whole group) and wait
+    until it is terminal with no process of its attempt left; its state document then."""
+    spec = JobSpec.from_json(read_json(rd.spec) or {})
+    wait = (grace if grace is not None else spec.grace) + 30.0
+    deadline = time.monotonic() + wait
+    _ask_to_stop(rd, grace, deadline)
+    while True:
+        doc = read_json(rd.state) or {}
+        left = observe.tagged_alive(rd, doc.get("attempt") or 0)
+        if doc.get("state") in TERMINAL_NAMES and not left and not is_held(rd.lock):
+            return doc
+        if time.monotonic() > deadline:
+            raise StopFailed(
+                f"run {rd.name!r} is {doc.get('state')} after {wait:.0f}s"
+                + (f"; processes still alive: {left}" if left else ""),
+                f"see {rd.agent_log}",
+            )
+        time.sleep(0.1)
+
+
+def _seal_here(rd: RunDir, spec: JobSpec) -> Store:
+    """With no agent: take the run's lock and seal its pending checkpoints as its writer."""
+    from onbox.agent.journal import FileJournal
+    from onbox.sealing.sealer import Sealer, take_epoch
+    from onbox.sealing.stores import open_store
+
+    assert spec.store is not None
+    lock = RunLock.acquire(rd.lock, rd.name)
+    try:
+        journal = FileJournal(rd.state, rd.events, rd.agent_log)
+        store = open_store(spec.store)
+        sealer = Sealer(
+            rd.name,
+            spec.ckpt_dir,
+            store,
+            rd.staging,
+            epoch=take_epoch(store, rd.name),
+            keep=spec.keep,
+            event=journal.event,
+            state_path=rd.sealer_state,
+        )
+        sealer.load()
+        sealer.seal_pending()
+    finally:
+        lock.release()
+    return store
+
+
+def sync_run(rd: RunDir, spec: JobSpec, wait: float) -> Store:
+    """Seal the run's complete checkpoints now: its agent is asked and waited for (``wait``
+    seconds at most), or, with none, they are sealed from here. The run's store."""
+    from onbox.sealing.stores import open_store
+
+    assert spec.store is not None
+    if not is_held(rd.lock):
+        return _seal_here(rd, spec)
+    write_json(rd.sync_request, {"at": time.time()})
+    if not signal_agent(rd):
+        raise StopFailed(f"the agent of {rd.name!r} does not answer", f"see {rd.agent_log}")
+    deadline = time.monotonic() + wait
+    while os.path.exists(rd.sync_request):
+        if time.monotonic() > deadline:
+            raise StopFailed(
+                f"the seal of {rd.name!r} did not finish in {wait:.0f}s", f"see {rd.agent_log}"
+            )
+        time.sleep(0.1)
+    return open_store(spec.store)

@@ -7,7 +7,7 @@ a bug and is shown with its traceback.
     RgtError                      exit 1 (never raised bare)
     ├── UsageError                exit 2   bad flag, value, name, job file
     ├── RemoteUnreachable         exit 3   (controller) the box does not answer
-    ├── AuthError                 exit 4   (controller/stores) credentials refused
+    ├── AuthError                 exit 4   (controller) the box refused the ssh login
     ├── LockedError               exit 5   another agent holds the run
     ├── IntegrityError            exit 6   a record or checkpoint is corrupt
     │   └── CheckpointError       exit 6   (training API) a checkpoint will not load safely
@@ -15,7 +15,15 @@ a bug and is shown with its traceback.
     ├── NotFound                  exit 8   no such run
     ├── HostError                 exit 9   the box cannot do it (unwritable dir, no /proc)
     ├── StopFailed                exit 10  processes of an attempt survived a stop
+    ├── StoreError                exit 14  (stores) a durable store could not do it
+    │   ├── TransientStoreError   exit 14  worth retrying: network, throttling, a 5xx
+    │   ├── PermanentStoreError   exit 14  retrying cannot help: no bucket, ENOSPC, EACCES
+    │   │   └── StoreAuthError    exit 14  the store refused the credentials (an AuthError too)
+    │   └── PreconditionFailed    exit 14  a conditional write found another version
     └── CheckpointWriteFailed     exit 15  (training API) a background checkpoint write failed
+
+``StoreAuthError`` is both: ``except AuthError`` and ``except StoreError`` catch it, and it exits
+14 as every store error does, whatever refused (exit 4 is the box's login only).
 
 ``rgt-agent run`` (foreground) maps the final state of the run to an exit code as well; see
 ``FINAL_EXIT_CODES``.
@@ -103,6 +111,31 @@ class StopFailed(RgtError):
     """A stop did not end with every process of the attempt gone."""
 
     exit_code = 10
+
+
+class StoreError(RgtError):
+    """A store could not do what was asked (onbox/sealing/stores: base.Store's contract)."""
+
+    exit_code = 14
+
+
+class TransientStoreError(StoreError):
+    """Worth retrying: the network, throttling, a 5xx."""
+
+
+class PermanentStoreError(StoreError):
+    """Retrying cannot help: credentials, a missing bucket, a full or read-only disk."""
+
+
+class StoreAuthError(PermanentStoreError, AuthError):
+    """The store refused the credentials, or found none: an AuthError that is a store's, so
+    sealing reports it as the store's refusal (not a bug) and it exits 14."""
+
+    exit_code = 14
+
+
+class PreconditionFailed(StoreError):
+    """A conditional write found the key already there, or not at the version it was given."""
 
 
 class CheckpointWriteFailed(RgtError):

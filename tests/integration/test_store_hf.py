@@ -30,7 +30,8 @@ from onbox.sealing.stores.base import (
     TransientStoreError,
     with_retries,
 )
-from onbox.sealing.stores.hf import AUTH_MESSAGE, HFStore, git_blob_id
+from onbox.sealing.stores.hf import HFStore
+from onbox.sealing.stores.hfhub import AUTH_MESSAGE, git_blob_id
 from tests.conftest import ROOT
 from tests.fakehub import FakeHub, Request
 

@@ -35,6 +35,7 @@ from botocore.awsrequest import AWSResponse
 from onbox.common.errors import AuthError, IntegrityError
 from onbox.sealing.stores.base import (
     PermanentStoreError,
+    StoreError,
     TransientStoreError,
     with_retries,
 )
@@ -96,8 +97,9 @@ def test_preflight_refuses_a_missing_bucket(s3_server: SeaweedServer) -> None:
 def test_wrong_credentials_are_named(
     s3_server: SeaweedServer, bucket: str, prefix: str, access_key: str, secret_key: str, says: str
 ) -> None:
-    """Wrong credentials are an AuthError (exit 4) that says 'credentials refused' and which
-    half is wrong, at the preflight's first step and on any later operation."""
+    """Wrong credentials are a StoreAuthError (an AuthError and a StoreError, exit 14) that says
+    'credentials refused' and which half is wrong, at the preflight's first step and on any
+    later operation."""
     store = s3_server.store(
         bucket, prefix, aws_access_key_id=access_key, aws_secret_access_key=secret_key
     )
@@ -105,6 +107,7 @@ def test_wrong_credentials_are_named(
         store.preflight("run")
     assert e.value.what.startswith("store preflight failed at 'resolve': credentials refused: ")
     assert says in e.value.what and e.value.remedy
+    assert isinstance(e.value, StoreError) and e.value.exit_code == 14
     with pytest.raises(AuthError, match="credentials refused"):
         store.put_bytes("run/x", b"x")
     with pytest.raises(AuthError, match="credentials refused"):

@@ -25,7 +25,9 @@ Contract, for every implementation:
   onbox/sealing/sealer.py); where a store cannot do it atomically the caller's read-back after the
   write is the check.
 - Errors are ``TransientStoreError`` (retry: network, throttling, 5xx) or
-  ``PermanentStoreError`` (never retried in a loop: auth, no bucket, ENOSPC, EACCES).
+  ``PermanentStoreError`` (never retried in a loop: auth, no bucket, ENOSPC, EACCES), refused
+  credentials a ``StoreAuthError`` (a PermanentStoreError and an AuthError): all StoreErrors,
+  exit 14 (onbox.common.errors draws the tree).
 """
 
 from __future__ import annotations
@@ -33,28 +35,63 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import errno
 import os
 import time
 from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
 
-from onbox.common.errors import RgtError
+# The store errors are drawn in onbox.common.errors' tree (exit 14); imported here too because
+# every user of a Store catches them.
+from onbox.common.errors import (
+    PermanentStoreError,
+    PreconditionFailed,
+    StoreAuthError,
+    StoreError,
+    TransientStoreError,
+)
 from onbox.common.safepath import safe_rel
+
+__all__ = [
+    "Finding",
+    "ObjectInfo",
+    "PermanentStoreError",
+    "PreconditionFailed",
+    "Store",
+    "StoreAuthError",
+    "StoreError",
+    "TransientStoreError",
+    "check_key",
+    "new_download",
+    "os_error",
+    "with_retries",
+]
 
 T = TypeVar("T")
 
+_PERMANENT_ERRNOS = {
+    errno.ENOSPC,
+    errno.EDQUOT,
+    errno.EACCES,
+    errno.EPERM,
+    errno.EROFS,
+    errno.ENOTDIR,
+    errno.EISDIR,
+    errno.ENAMETOOLONG,
+}
 
-class StoreError(RgtError):
-    """A store could not do what was asked."""
 
-    exit_code = 14
-
-
-class TransientStoreError(StoreError):
-    """Worth retrying: the network, throttling, a 5xx."""
-
-
-class PermanentStoreError(StoreError):
-    """Retrying cannot help: credentials, a missing bucket, a full or read-only disk."""
+def os_error(e: OSError, doing: str) -> StoreError:
+    """The StoreError for an OSError on a store's own disk (a ``file://`` root, a download's
+    file): permanent where retrying cannot help (a full, read-only or forbidden place), else
+    transient."""
+    what = f"{doing}: {e.strerror or e}"
+    if e.errno in _PERMANENT_ERRNOS:
+        remedy = {
+            errno.ENOSPC: "free space on the durable mount",
+            errno.EROFS: "the mount is read-only; remount it read-write",
+        }.get(e.errno or 0, "check the mount's permissions")
+        return PermanentStoreError(what, remedy)
+    return TransientStoreError(what)
 
 
 def _os_failure(e: OSError, doing: str) -> StoreError:
@@ -91,10 +128,6 @@ def new_download(
         if not done:
             with contextlib.suppress(OSError):
                 os.unlink(dest)
-
-
-class PreconditionFailed(StoreError):
-    """A conditional write found the key already there, or not at the version it was given."""
 
 
 @dataclasses.dataclass(frozen=True)

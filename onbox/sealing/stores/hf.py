@@ -34,7 +34,7 @@ import shutil
 import tempfile
 from typing import Iterator, List, Optional, Tuple, Union
 
-from onbox.common.errors import AuthError, IntegrityError, RgtError, UsageError
+from onbox.common.errors import IntegrityError, RgtError, StoreAuthError, UsageError
 
 try:
     from huggingface_hub import (
@@ -48,9 +48,7 @@ try:
         EntryNotFoundError,
         HfHubHTTPError,
         LocalEntryNotFoundError,
-        OfflineModeIsEnabled,
         RepositoryNotFoundError,
-        RevisionNotFoundError,
     )
     from huggingface_hub.hf_api import RepoFile
 except ImportError as e:  # not installed, or older than huggingface_hub.errors (0.24)
@@ -68,8 +66,15 @@ from onbox.sealing.stores.base import (
     Store,
     TransientStoreError,
     check_key,
+    os_error,
 )
-from onbox.sealing.stores.local import _fail as _os_fail
+from onbox.sealing.stores.hfhub import (
+    AUTH_MESSAGE,
+    git_blob_id,
+    hashes_of_file,
+    http_status,
+    store_error,
+)
 
 REVISION = "main"
 # Up to this size put_file reads the file into memory once: the bytes it hashes are the bytes it
@@ -78,66 +83,6 @@ REVISION = "main"
 INLINE_MAX = 10 * 1024 * 1024
 IF_ABSENT_ATTEMPTS = 5
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
-CHUNK = 1 << 20
-AUTH_MESSAGE = "token refused or without write scope: set HF_TOKEN to a write token"
-# Exceptions of the HTTP stacks huggingface_hub has used (httpx2 now, requests before 1.0):
-# the network, not the Hub, failed.
-_TRANSPORT_MODULES = ("httpx", "httpcore", "requests", "urllib3")
-
-
-def git_blob_id(data: bytes) -> str:
-    """The git object id of a blob holding ``data`` (what the Hub reports for regular files)."""
-    h = hashlib.sha1()
-    h.update(b"blob %d\0" % len(data))
-    h.update(data)
-    return h.hexdigest()
-
-
-def _hashes_of_file(path: str) -> Tuple[int, str, str]:
-    """(size, sha256, git blob id) of a local file, from one read."""
-    size = os.path.getsize(path)
-    s256, s1 = hashlib.sha256(), hashlib.sha1()
-    s1.update(b"blob %d\0" % size)
-    n = 0
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(CHUNK)
-            if not b:
-                break
-            n += len(b)
-            s256.update(b)
-            s1.update(b)
-    if n != size:
-        raise IntegrityError(
-            f"{path} changed size while it was read", "do not write it during a put"
-        )
-    return size, s256.hexdigest(), s1.hexdigest()
-
-
-def _chain(e: BaseException) -> List[BaseException]:
-    """``e`` and the exceptions it was raised from, outermost first."""
-    out: List[BaseException] = []
-    cur: Optional[BaseException] = e
-    while cur is not None and cur not in out:
-        out.append(cur)
-        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
-    return out
-
-
-def _status(e: HfHubHTTPError) -> int:
-    response = getattr(e, "response", None)
-    code = getattr(response, "status_code", None)
-    return code if isinstance(code, int) else 0
-
-
-def _server_says(e: HfHubHTTPError) -> str:
-    msg = getattr(e, "server_message", None)
-    return str(msg).strip().splitlines()[0] if msg else _first_line(e)
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
 
 
 def _info(key: str, f: RepoFile) -> ObjectInfo:
@@ -177,53 +122,9 @@ class HFStore(Store):
         return check_key(path[len(self.prefix) + 1 :] if self.prefix else path)
 
     def _error(self, e: BaseException, doing: str) -> Exception:
-        """The StoreError (or AuthError) for an exception raised by huggingface_hub."""
+        """The StoreError for an exception raised by huggingface_hub (hferrors.store_error)."""
         where = f"{doing} ({self.url} on {self.endpoint})"
-        for c in _chain(e):
-            if isinstance(c, RgtError):
-                return c
-            if isinstance(c, RepositoryNotFoundError):
-                if _status(c) == 401 and get_token() is None:
-                    return AuthError(
-                        f"{where}: no Hugging Face token: {AUTH_MESSAGE}", self._tokens
-                    )
-                return PermanentStoreError(
-                    f"{where}: the Hub has no repo {self.repo_id} that this token can see",
-                    "check the repo in the store URL, and that HF_TOKEN belongs to its owner",
-                )
-            if isinstance(c, RevisionNotFoundError):
-                return PermanentStoreError(f"{where}: the repo has no branch {REVISION!r}")
-            if isinstance(c, HfHubHTTPError):
-                code = _status(c)
-                what = f"{where}: HTTP {code}: {_server_says(c)}"
-                if code in (401, 403):
-                    return AuthError(
-                        f"{where}: HTTP {code} ({_server_says(c)}): {AUTH_MESSAGE}", self._tokens
-                    )
-                if code in (408, 412, 425, 429) or code >= 500 or code == 0:
-                    return TransientStoreError(what)
-                return PermanentStoreError(what)
-            if isinstance(c, OfflineModeIsEnabled):
-                return PermanentStoreError(f"{where}: HF_HUB_OFFLINE is set", "unset it")
-            if type(c).__name__ == "FileMetadataError":
-                return PermanentStoreError(
-                    f"{where}: {_first_line(c)}", "check that HF_ENDPOINT points to a Hub"
-                )
-            if type(c).__module__.split(".")[0].startswith(_TRANSPORT_MODULES) or isinstance(
-                c, (ConnectionError, TimeoutError)
-            ):
-                return TransientStoreError(f"{where}: {type(c).__name__}: {c}")
-            if isinstance(c, LocalEntryNotFoundError):
-                continue  # hf_hub_download's wrapper: the reason is its cause
-            if isinstance(c, OSError):
-                return _os_fail(c, where)
-        if isinstance(e, LocalEntryNotFoundError):
-            return TransientStoreError(f"{where}: could not reach the Hub")
-        if isinstance(e, (ValueError, RuntimeError)):  # malformed answers, LFS batch errors
-            root = _chain(e)[-1]
-            why = "" if root is e else f" ({type(root).__name__}: {_first_line(root)})"
-            return PermanentStoreError(f"{where}: {_first_line(e)}{why}")
-        raise e
+        return store_error(e, where, repo_id=self.repo_id, branch=REVISION, tokens=self._tokens)
 
     def _ensure_repo(self) -> Optional[bool]:
         """Create the repo, private, unless it exists (checked first: a token that may write to
@@ -337,7 +238,7 @@ class HFStore(Store):
             else:
                 if blob_id is None:  # a large file the Hub kept out of LFS: hash it here
                     assert local is not None
-                    got_size, got_sha256, blob_id = _hashes_of_file(local)
+                    got_size, got_sha256, blob_id = hashes_of_file(local)
                     if got_size != size or got_sha256 != sha256:
                         problem = f"{local} changed since its sha256 was computed"
                 if problem is None and (hub_blob != blob_id or hub_size != size):
@@ -388,7 +289,7 @@ class HFStore(Store):
                 with open(path, "rb") as f:
                     data = f.read()
             except OSError as e:
-                raise _os_fail(e, f"reading {path}") from None
+                raise os_error(e, f"reading {path}") from None
             got = hashlib.sha256(data).hexdigest()
             if len(data) != size or got != sha256:
                 raise IntegrityError(
@@ -430,7 +331,7 @@ class HFStore(Store):
             try:
                 revision = self._commit_add(key, repo_path, data, f"rgt: create {key}", parent=head)
             except HfHubHTTPError as e:
-                if _status(e) == 412:  # the head moved since we looked: look again
+                if http_status(e) == 412:  # the head moved since we looked: look again
                     continue
                 raise self._error(e, f"creating {key}") from None
             except Exception as e:
@@ -477,7 +378,7 @@ class HFStore(Store):
             # next to dest, so that the final move is a rename within one filesystem
             tmp = tempfile.mkdtemp(prefix=".rgt-hf-", dir=os.path.dirname(os.path.abspath(dest)))
         except OSError as e:
-            raise _os_fail(e, f"writing {dest}") from None
+            raise os_error(e, f"writing {dest}") from None
         try:
             local = self._download(path, tmp)
             if local is None:
@@ -488,7 +389,7 @@ class HFStore(Store):
                 )
             os.replace(local, dest)
         except OSError as e:
-            raise _os_fail(e, f"writing {dest}") from None
+            raise os_error(e, f"writing {dest}") from None
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
@@ -537,7 +438,9 @@ class HFStore(Store):
         step = "find a Hub token"
         try:
             if get_token() is None:
-                raise AuthError(f"{self.url}: no Hugging Face token: {AUTH_MESSAGE}", self._tokens)
+                raise StoreAuthError(
+                    f"{self.url}: no Hugging Face token: {AUTH_MESSAGE}", self._tokens
+                )
             step = "create or resolve the private repo"
             private = self._ensure_repo()
             step = "write a probe (upload, then compare with the Hub's sha256)"

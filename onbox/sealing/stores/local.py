@@ -47,33 +47,13 @@ from onbox.sealing.stores.base import (
     TransientStoreError,
     check_key,
     new_download,
+    os_error,
 )
 
 CHUNK = 1 << 20
 LOCK_NAME = ".rgt-lock"  # RUN/.rgt-lock: held around a conditional replace, never listed
 LOCK_WAIT = 30.0  # seconds a conditional replace waits for another writer's lock
 HASH_CHUNK = 8 << 20  # large reads keep the hashing thread in OpenSSL, off the GIL
-_PERMANENT = {
-    errno.ENOSPC,
-    errno.EDQUOT,
-    errno.EACCES,
-    errno.EPERM,
-    errno.EROFS,
-    errno.ENOTDIR,
-    errno.EISDIR,
-    errno.ENAMETOOLONG,
-}
-
-
-def _fail(e: OSError, doing: str) -> Exception:
-    what = f"{doing}: {e.strerror or e}"
-    if e.errno in _PERMANENT:
-        remedy = {
-            errno.ENOSPC: "free space on the durable mount",
-            errno.EROFS: "the mount is read-only; remount it read-write",
-        }.get(e.errno or 0, "check the mount's permissions")
-        return PermanentStoreError(what, remedy)
-    return TransientStoreError(what)
 
 
 def _copy_from(f: BinaryIO, dst_fd: int, size: int) -> None:
@@ -280,7 +260,7 @@ class LocalStore(Store):
         try:
             dfd, name = self._parent(key, create=True)
         except OSError as e:
-            raise _fail(e, f"writing {dest}") from None
+            raise os_error(e, f"writing {dest}") from None
         tmp = self._tmp(name)
         try:
             fd = self._new(dfd, tmp)
@@ -302,7 +282,7 @@ class LocalStore(Store):
                 )
             self._commit(dfd, tmp, name, dest, if_absent=False)
         except OSError as e:
-            raise _fail(e, f"writing {dest}") from None
+            raise os_error(e, f"writing {dest}") from None
         finally:
             self._drop_tmp(dfd, tmp)
             os.close(dfd)
@@ -315,7 +295,7 @@ class LocalStore(Store):
         try:
             dfd, name = self._parent(key, create=True)
         except OSError as e:
-            raise _fail(e, f"writing {dest}") from None
+            raise os_error(e, f"writing {dest}") from None
         tmp = self._tmp(name)
         try:
             fd = self._new(dfd, tmp)
@@ -328,7 +308,7 @@ class LocalStore(Store):
                 os.close(fd)
             self._commit(dfd, tmp, name, dest, if_absent, if_match)
         except OSError as e:
-            raise _fail(e, f"writing {dest}") from None
+            raise os_error(e, f"writing {dest}") from None
         finally:
             self._drop_tmp(dfd, tmp)
             os.close(dfd)
@@ -345,12 +325,12 @@ class LocalStore(Store):
         except FileNotFoundError:
             return None
         except OSError as e:
-            raise _fail(e, f"reading {key}") from None
+            raise os_error(e, f"reading {key}") from None
         with open(fd, "rb") as f:
             try:
                 return f.read()
             except OSError as e:
-                raise _fail(e, f"reading {key}") from None
+                raise os_error(e, f"reading {key}") from None
 
     def get_file(self, key: str, dest: str) -> None:
         """``dest`` is created here (O_EXCL, never through a symlink): it must not exist."""
@@ -359,8 +339,8 @@ class LocalStore(Store):
         except FileNotFoundError:
             raise PermanentStoreError(f"{key} is not in {self.url}") from None
         except OSError as e:
-            raise _fail(e, f"reading {key}") from None
-        with open(src, "rb") as f, new_download(dest, f"downloading {key}", _fail) as fd:
+            raise os_error(e, f"reading {key}") from None
+        with open(src, "rb") as f, new_download(dest, f"downloading {key}", os_error) as fd:
             _copy_from(f, fd, st.st_size)
 
     def stat(self, key: str) -> Optional[ObjectInfo]:
@@ -405,13 +385,13 @@ class LocalStore(Store):
         except (FileNotFoundError, NotADirectoryError):
             return
         except OSError as e:
-            raise _fail(e, f"deleting {key}") from None
+            raise os_error(e, f"deleting {key}") from None
         try:
             os.unlink(name, dir_fd=dfd)  # a symlink is removed itself, never followed
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise _fail(e, f"deleting {key}") from None
+            raise os_error(e, f"deleting {key}") from None
         finally:
             os.close(dfd)
 
@@ -492,7 +472,7 @@ class LocalStore(Store):
             os.unlink("b", dir_fd=dfd)
             os.rmdir(d)
         except OSError as e:
-            err = _fail(e, f"store preflight failed at '{step}' in {self.root}")
+            err = os_error(e, f"store preflight failed at '{step}' in {self.root}")
             raise err from None
         finally:
             if dfd >= 0:

@@ -1,0 +1,452 @@
+"""The S3Store itself (see the package docstring): the client, keys under the prefix, calls
+with their errors mapped (errors.py), puts (plain, create-if-absent, replace-if-version),
+reads, ranged parallel downloads, stat, list, delete and the stale-upload sweep. The checksum
+protocol, multipart uploads and the preflight are their own modules beside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+from urllib.parse import urlsplit
+
+import boto3
+import botocore.exceptions as bex
+from botocore.config import Config
+
+from onbox.common.errors import IntegrityError, UsageError
+from onbox.sealing.stores.base import (
+    Finding,
+    ObjectInfo,
+    PermanentStoreError,
+    PreconditionFailed,
+    Store,
+    check_key,
+)
+from onbox.sealing.stores.s3.checksums import (
+    CHECKSUMS,
+    SHA256_META,
+    b64,
+    check_put,
+    digest,
+    etag,
+    header,
+    probe_crc32,
+)
+from onbox.sealing.stores.s3.download import download
+from onbox.sealing.stores.s3.errors import boto_error, client_error, error_code, not_implemented
+from onbox.sealing.stores.s3.multipart import (
+    MIN_PART,
+    MULTIPART_THRESHOLD,
+    MiB,
+    changed,
+    pread_exact,
+    put_multipart,
+)
+from onbox.sealing.stores.s3.preflight import preflight as run_preflight
+
+MAX_CONCURRENCY = 8
+
+
+def _is_aws(endpoint: str) -> bool:
+    host = (urlsplit(endpoint).hostname or "").lower()
+    return host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
+
+
+def _config(**extra: Any) -> Any:
+    kwargs: Dict[str, Any] = dict(
+        # Modest: the caller's base.with_retries retries whole operations on top of this.
+        retries={"max_attempts": 3, "mode": "standard"},
+        connect_timeout=10,
+        read_timeout=60,
+        max_pool_connections=MAX_CONCURRENCY + 2,
+        **extra,
+    )
+    try:
+        # boto3 >= 1.36 adds CRC32 trailers (aws-chunked bodies) to every upload by default;
+        # several S3-compatible stores reject or mangle those, and every body we send already
+        # carries a Content-MD5 the server checks. Older boto3 has no such option (TypeError).
+        return Config(request_checksum_calculation="when_required", **kwargs)
+    except TypeError:
+        return Config(**kwargs)
+
+
+class S3Store(Store):
+    """A store under ``s3://bucket/prefix`` on AWS or any S3-compatible endpoint."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: Optional[str] = None,
+        *,
+        part_size: Optional[int] = None,
+        concurrency: int = MAX_CONCURRENCY,
+        multipart_threshold: int = MULTIPART_THRESHOLD,
+        aws_access_key_id: Optional[str] = None,
+        aws_secret_access_key: Optional[str] = None,
+        aws_session_token: Optional[str] = None,
+        region_name: Optional[str] = None,
+        profile_name: Optional[str] = None,
+        checksum: str = "auto",
+    ) -> None:
+        if checksum not in CHECKSUMS:
+            raise ValueError(f"checksum must be one of {', '.join(CHECKSUMS)}, not {checksum!r}")
+        if part_size is not None and part_size < MIN_PART:
+            raise ValueError(f"part_size {part_size} is below S3's minimum of {MIN_PART}")
+        if not 1 <= concurrency <= MAX_CONCURRENCY:
+            raise ValueError(f"concurrency must be 1..{MAX_CONCURRENCY}, not {concurrency}")
+        if not 0 <= multipart_threshold <= 5 * 1024 * MiB:
+            raise ValueError(f"multipart_threshold {multipart_threshold} is out of range")
+        self.bucket = bucket
+        self.prefix = "/".join(p for p in prefix.split("/") if p)
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self.part_size = part_size
+        self.concurrency = concurrency
+        self.multipart_threshold = multipart_threshold
+        self._endpoint_arg = endpoint_url
+        self._session_args = {
+            k: v
+            for k, v in (
+                ("aws_access_key_id", aws_access_key_id),
+                ("aws_secret_access_key", aws_secret_access_key),
+                ("aws_session_token", aws_session_token),
+                ("region_name", region_name),
+                ("profile_name", profile_name),
+            )
+            if v is not None
+        }
+        self._client: Any = None
+        self._session: Any = None
+        self._client_lock = threading.Lock()
+        # None: not known yet; False: the store answered NotImplemented to If-None-Match.
+        self.conditional_writes: Optional[bool] = None
+        # "crc32" or "md5" once known (see the module docstring); "auto" probes on first need.
+        self._checksum = checksum
+        self._checksum_lock = threading.Lock()
+
+    # -- the client -------------------------------------------------------------------------
+
+    @property
+    def client(self) -> Any:
+        """The boto3 S3 client, made on first use (making one loads boto3's models, ~0.2 s)."""
+        with self._client_lock:
+            if self._client is None:
+                self._client = self._make_client()
+            return self._client
+
+    @property
+    def endpoint(self) -> str:
+        return str(self.client.meta.endpoint_url)
+
+    def _make_client(self) -> Any:
+        try:
+            session = self._session = boto3.session.Session(**self._session_args)
+            if self._endpoint_arg is None:
+                # Where boto3's own configuration points (AWS_ENDPOINT_URL, the profile's
+                # endpoint_url, else AWS): only AWS itself is addressed virtual-hosted.
+                default = session.client("s3", config=_config())
+                if _is_aws(default.meta.endpoint_url):
+                    return default
+                endpoint = default.meta.endpoint_url
+            else:
+                endpoint = self._endpoint_arg
+            return session.client(
+                "s3",
+                endpoint_url=endpoint,
+                config=_config(
+                    # Every body we send carries a Content-MD5, which is a signed header: it
+                    # pins the body as well as a payload hash would, without hashing it twice
+                    # (botocore otherwise sha256-signs every body on plain http).
+                    s3={"addressing_style": "path", "payload_signing_enabled": False}
+                ),
+            )
+        except bex.ProfileNotFound as e:
+            raise UsageError("store", f"{self.url}: {e}", "check AWS_PROFILE") from None
+        except ValueError as e:  # botocore: "Invalid endpoint: ..."
+            raise UsageError(
+                "store", f"{self.url}: {e}", "the endpoint is a URL like https://host:port"
+            ) from None
+
+    def full_key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _rel(self, full: str) -> str:
+        # A listed key becomes a key rgt reads, deletes or downloads to a local path: one that
+        # rgt could not have written (``..``, an empty part, a NUL) is refused, not used.
+        return check_key(full[len(self.prefix) + 1 :] if self.prefix else full)
+
+    def access_key_hint(self) -> str:
+        """The access key in use, shortened, so a message shows which one was refused."""
+        try:
+            creds = self._session.get_credentials() if self._session is not None else None
+            ak = str(creds.access_key) if creds is not None else ""
+        except Exception:  # only for a message: never mask the error being reported
+            ak = ""
+        return repr(ak[:4] + "..." + ak[-2:]) if len(ak) > 8 else repr(ak)
+
+    # -- calls, their errors mapped (errors.py) ---------------------------------------------
+
+    def call(self, doing: str, method: str, **kwargs: Any) -> Any:
+        """``client.method(Bucket=..., **kwargs)`` with its errors mapped to store errors."""
+        try:
+            return getattr(self.client, method)(Bucket=self.bucket, **kwargs)
+        except bex.ClientError as e:
+            raise client_error(self, e, doing) from None
+        except bex.BotoCoreError as e:
+            raise boto_error(self, e, doing) from None
+
+    def call_missing_ok(self, doing: str, method: str, **kwargs: Any) -> Any:
+        """As ``call``, but None when the key is absent (a missing bucket still raises)."""
+        try:
+            return getattr(self.client, method)(Bucket=self.bucket, **kwargs)
+        except bex.ClientError as e:
+            code = error_code(e)
+            # HEAD answers a bare 404 for a missing key and a missing bucket alike; the
+            # preflight's head_bucket tells a missing bucket apart before anything runs.
+            if code in ("NoSuchKey", "404", "NotFound"):
+                return None
+            raise client_error(self, e, doing) from None
+        except bex.BotoCoreError as e:
+            raise boto_error(self, e, doing) from None
+
+    # -- checksums --------------------------------------------------------------------------
+
+    def checksum(self, scope: str, doing: Optional[str] = None) -> str:
+        """The checksum uploads carry, ``crc32`` or ``md5``. Probed once, under ``scope`` (a
+        run's key prefix), where the store was made with ``checksum="auto"``."""
+        with self._checksum_lock:
+            if self._checksum == "auto":
+                self._checksum = "crc32" if probe_crc32(self, scope, doing) else "md5"
+            return self._checksum
+
+    # -- writing ----------------------------------------------------------------------------
+
+    def put_object(
+        self,
+        key: str,
+        data: bytes,
+        sha256: str,
+        *,
+        if_absent: bool,
+        doing: str,
+        if_match: Optional[str] = None,
+    ) -> ObjectInfo:
+        """Put ``data`` (whose sha256 is ``sha256``) under ``key`` with the checksum the store
+        verifies, and check the store's answer (checksums.check_put); ``if_absent`` or
+        ``if_match`` as in ``put_bytes``. Errors say ``doing``."""
+        full = self.full_key(key)
+        crc = self.checksum(key.split("/")[0]) == "crc32"
+        sent = digest(data, crc)
+        kwargs: Dict[str, Any] = dict(
+            Key=full,
+            Body=data,
+            ContentType="application/octet-stream",
+            Metadata={SHA256_META: sha256},
+        )
+        kwargs[header(crc)] = b64(sent)
+        if if_match is not None:
+            r = self._put_if_match(full, kwargs, if_match, doing)
+        elif if_absent:
+            r = self._put_if_absent(full, kwargs, doing)
+        else:
+            r = self.call(doing, "put_object", **kwargs)
+        # Checked by the store on arrival where it takes CRC32s; else the ETag must be the MD5.
+        check_put(self, doing, full, sent, crc, r)
+        return ObjectInfo(key, len(data), sha256, etag(r.get("ETag")))
+
+    def _put_if_absent(self, full: str, kwargs: Dict[str, Any], doing: str) -> Any:
+        """PutObject with ``If-None-Match: *``; a store that answers NotImplemented (once is
+        enough) gets a HEAD and a plain put instead."""
+        if self.conditional_writes is not False:
+            r = self._put_conditionally(doing, "If-None-Match", IfNoneMatch="*", **kwargs)
+            if r is not None:
+                self.conditional_writes = True
+                return r
+        return self._put_if_absent_unconditionally(full, kwargs, doing)
+
+    def _put_if_match(self, full: str, kwargs: Dict[str, Any], version: str, doing: str) -> Any:
+        """PutObject with ``If-Match: "<ETag>"`` (AWS since 2024; SeaweedFS 4.48 refuses a
+        stale one with 412, tested). A store that answers NotImplemented gets a HEAD, a compare
+        and a plain put: not atomic, so the caller reads back after the write."""
+        if self.conditional_writes is not False:
+            r = self._put_conditionally(doing, "If-Match", IfMatch=f'"{version}"', **kwargs)
+            if r is not None:
+                return r
+        head = self.call_missing_ok(doing, "head_object", Key=full)
+        if head is None or etag(head.get("ETag")) != version:
+            raise PreconditionFailed(f"{doing}: the object is not at version {version} any more")
+        return self.call(doing, "put_object", **kwargs)
+
+    def _put_conditionally(self, doing: str, condition: str, **kwargs: Any) -> Any:
+        """PutObject with the ``condition`` header in ``kwargs``; None where the store answered
+        NotImplemented (``conditional_writes`` is False from then on)."""
+        try:
+            return self.client.put_object(Bucket=self.bucket, **kwargs)
+        except bex.ClientError as e:
+            if not not_implemented(e):
+                raise client_error(self, e, doing) from None
+            self.conditional_writes = False
+            return None
+        except bex.ParamValidationError:
+            raise PermanentStoreError(
+                f"{doing}: this boto3 ({boto3.__version__}) cannot send {condition}",
+                "pip install 'boto3>=1.35'",
+            ) from None
+        except bex.BotoCoreError as e:
+            raise boto_error(self, e, doing) from None
+
+    def _put_if_absent_unconditionally(self, full: str, kwargs: Dict[str, Any], doing: str) -> Any:
+        # The store does not do If-None-Match (it answered NotImplemented): check, then write.
+        # Not atomic between two writers, but a run has one writer: the agent holding its lock.
+        if self.call_missing_ok(doing, "head_object", Key=full) is not None:
+            raise PreconditionFailed(f"{doing}: the object already exists")
+        return self.call(doing, "put_object", **kwargs)
+
+    def delete_quietly(self, full: str) -> None:
+        try:
+            self.client.delete_object(Bucket=self.bucket, Key=full)
+        except Exception:  # best effort on a path that already fails with a better error
+            pass
+
+    def put_bytes(
+        self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
+    ) -> ObjectInfo:
+        sha = hashlib.sha256(data).hexdigest()
+        return self.put_object(
+            key,
+            data,
+            sha,
+            if_absent=if_absent,
+            if_match=if_match,
+            doing=f"writing {key} to {self.url}",
+        )
+
+    hashes_while_uploading = True
+
+    def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
+        check_key(key)  # a bad key is refused before the file is opened
+        doing = f"uploading {path} to {self.url}/{key}"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise PermanentStoreError(f"{doing}: cannot read it: {e.strerror or e}") from None
+        try:
+            actual = os.fstat(fd).st_size  # cannot fail on an open descriptor
+            if actual != size:
+                raise IntegrityError(
+                    f"{doing}: it is {actual} bytes, expected {size}",
+                    "the file changed after its checksum was taken",
+                )
+            if size <= self.multipart_threshold:
+                data = pread_exact(fd, size, 0, path)
+                got_sha = hashlib.sha256(data).hexdigest()
+                if sha256 is not None and got_sha != sha256:
+                    raise changed(doing, sha256)
+                return self.put_object(key, data, got_sha, if_absent=False, doing=doing)
+            return put_multipart(self, key, fd, path, sha256, size, doing)
+        finally:
+            os.close(fd)
+
+    # -- reading ----------------------------------------------------------------------------
+
+    def get_bytes(self, key: str) -> Optional[bytes]:
+        return self.read(key, f"reading {key} from {self.url}")
+
+    def read(self, key: str, doing: str) -> Optional[bytes]:
+        r = self.call_missing_ok(doing, "get_object", Key=self.full_key(key))
+        if r is None:
+            return None
+        try:
+            data: bytes = r["Body"].read()
+            return data
+        except bex.BotoCoreError as e:
+            raise boto_error(self, e, doing) from None
+
+    def get_versioned(self, key: str) -> Optional[Tuple[bytes, str]]:
+        doing = f"reading {key} from {self.url}"
+        r = self.call_missing_ok(doing, "get_object", Key=self.full_key(key))
+        if r is None:
+            return None
+        try:
+            data: bytes = r["Body"].read()
+        except bex.BotoCoreError as e:
+            raise boto_error(self, e, doing) from None
+        return data, etag(r.get("ETag"))
+
+    def get_file(self, key: str, dest: str) -> None:
+        download(self, key, dest)
+
+    def stat(self, key: str) -> Optional[ObjectInfo]:
+        return self.head(key, f"looking up {key} in {self.url}")
+
+    def head(self, key: str, doing: str) -> Optional[ObjectInfo]:
+        r = self.call_missing_ok(doing, "head_object", Key=self.full_key(key))
+        if r is None:
+            return None
+        meta = r.get("Metadata") or {}
+        modified = r.get("LastModified")
+        return ObjectInfo(
+            key,
+            int(r["ContentLength"]),
+            meta.get(SHA256_META),
+            etag(r.get("ETag")) or None,
+            modified.timestamp() if modified is not None else None,
+        )
+
+    def list(self, prefix: str) -> Iterator[ObjectInfo]:
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        doing = f"listing {self.url}/{prefix}"
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=full
+            )
+            for page in pages:
+                for obj in page.get("Contents") or []:
+                    modified = obj.get("LastModified")
+                    yield ObjectInfo(
+                        self._rel(str(obj["Key"])),
+                        int(obj["Size"]),
+                        None,
+                        etag(obj.get("ETag")) or None,
+                        modified.timestamp() if modified is not None else None,
+                    )
+        except bex.ClientError as e:
+            raise client_error(self, e, doing) from None
+        except bex.BotoCoreError as e:
+            raise boto_error(self, e, doing) from None
+
+    def delete(self, key: str) -> None:
+        # S3 answers 204 whether or not the key existed; a missing bucket still raises.
+        self.call(f"deleting {key} from {self.url}", "delete_object", Key=self.full_key(key))
+
+    def abort_stale_uploads(self, prefix: str) -> int:
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        doing = f"aborting unfinished uploads under {self.url}/{prefix}"
+        aborted = 0
+        try:
+            pages = self.client.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self.bucket, Prefix=full
+            )
+            for page in pages:
+                for up in page.get("Uploads") or []:
+                    try:
+                        self.client.abort_multipart_upload(
+                            Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"]
+                        )
+                    except bex.ClientError as e:
+                        if error_code(e) == "NoSuchUpload":
+                            continue  # finished or aborted meanwhile
+                        raise
+                    aborted += 1
+        except bex.ClientError as e:
+            raise client_error(self, e, doing) from None
+        except bex.BotoCoreError as e:
+            raise boto_error(self, e, doing) from None
+        return aborted
+
+    def preflight(self, run: str) -> List[Finding]:
+        return run_preflight(self, run)

@@ -236,3 +236,53 @@ def test_an_output_flag_outside_the_workdir_is_refused_naming_the_flag(
     with pytest.raises(UsageError) as e:
         _build(tmp_path, f'command = ["true"]\noutputs = [{bad!r}]\n')
     assert "outputs: must be a list of paths relative to the workdir" in e.value.line()
+
+
+def test_the_store_is_parsed_once_and_spec_json_keeps_its_url(tmp_path: Any) -> None:
+    spec = _build(tmp_path, 'command = ["true"]\nstore = "s3://bucket/runs"\n')
+    assert spec.store.scheme == "s3" and spec.store.bucket == "bucket"
+    assert spec.store.prefix == "runs" and spec.store.endpoint_url is None
+    doc = spec.to_json()
+    assert doc["store"] == "s3://bucket/runs" and "store_endpoint_url" not in doc
+    assert JobSpec.from_json(doc) == spec
+    assert _build(tmp_path, command=["true"]).to_json()["store"] is None
+
+
+def test_a_job_files_store_table_carries_its_endpoint_url(tmp_path: Any) -> None:
+    toml = (
+        'command = ["true"]\n[store]\nurl = "s3://bucket/runs"\n'
+        'endpoint_url = "https://s3.example.com:9000"\n'
+    )
+    spec = _build(tmp_path, toml)
+    assert spec.store.url == "s3://bucket/runs"
+    assert spec.store.endpoint_url == "https://s3.example.com:9000"
+    doc = spec.to_json()
+    assert doc["store"] == "s3://bucket/runs"  # the same string on disk as before
+    assert JobSpec.from_json(doc) == spec
+    # --store names another bucket; the endpoint is where buckets live, so it stays
+    moved = _build(tmp_path, toml, store="s3://other/p")
+    assert moved.store.bucket == "other"
+    assert moved.store.endpoint_url == "https://s3.example.com:9000"
+    assert _build(tmp_path, toml, store="file:///mnt/d").store.endpoint_url is None
+
+
+@pytest.mark.parametrize(
+    "table,field,says",
+    [
+        ('url = "s3://bkt/p"\nendpoint_url = "s3.example.com"', "store.endpoint_url", "http"),
+        ('url = "s3://bkt/p"\nendpoint_url = "ftp://h"', "store.endpoint_url", "http"),
+        ('url = "s3://bkt/p"\nendpoint_url = "http://"', "store.endpoint_url", "http"),
+        ('url = "s3://bkt/p"\nendpoint_url = "http://h:x"', "store.endpoint_url", "http"),
+        ('url = "s3://bkt/p"\nendpoint_url = 9000', "store.endpoint_url", "http"),
+        ('url = "file:///d"\nendpoint_url = "http://h"', "store.endpoint_url", "only to an s3"),
+        ('endpoint_url = "http://h"', "store.url", "is missing"),
+        ('url = "bucket"', "store.url", "not a store URL"),
+        ('url = "s3://bkt/p"\nregion = "x"', "store.region", "unknown setting"),
+    ],
+)
+def test_a_bad_store_table_is_refused_naming_the_field(
+    tmp_path: Any, table: str, field: str, says: str
+) -> None:
+    with pytest.raises(UsageError) as e:
+        _build(tmp_path, f'command = ["true"]\n[store]\n{table}\n')
+    assert e.value.field == field and says in e.value.line(), e.value.line()

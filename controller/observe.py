@@ -16,8 +16,10 @@ import sys
 import time
 from typing import IO, Any, Dict, List, Optional, Tuple
 
+from controller import boxrun
 from controller.registry import RunRecord
 from controller.remote import Remote, open_remote
+from controller.shell import script
 from onbox.agent.observe import public_state, warning_lines
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.errors import NotFound, RemoteUnreachable, RgtError
@@ -25,17 +27,7 @@ from onbox.sealing import manifest as mf
 from onbox.sealing.restore import in_effect, quarantine_reasons, sealed_steps
 
 # One round trip: the agent's status, then the box's view of what limits the run.
-SNAPSHOT = r"""
-rd=$1; wd=$2; shift 2
-echo "@@status"; "$@" 2>/dev/null
-echo "@@sealed"; grep -h '"kind": "sealed"' "$rd/events.jsonl" 2>/dev/null | tail -n 1
-echo "@@events"; tail -n 8 "$rd/events.jsonl" 2>/dev/null
-echo "@@disk"; df -Pk "$wd" 2>/dev/null | tail -n 1; df -Pi "$wd" 2>/dev/null | tail -n 1
-echo "@@mem"; grep -E '^(MemTotal|MemAvailable):' /proc/meminfo 2>/dev/null
-echo "@@gpu"; nvidia-smi --query-gpu=utilization.gpu,memory.used,memory.total \
-  --format=csv,noheader,nounits 2>/dev/null
-echo "@@now"; date +%s
-"""
+SNAPSHOT = script("observe.sh")
 
 
 def _now_iso() -> str:
@@ -54,18 +46,14 @@ def _sections(text: str) -> Dict[str, List[str]]:
     return out
 
 
-def run_dir(rec: RunRecord) -> str:
-    return f"{rec.box_home}/runs/{rec.name}"
-
-
 def snapshot(rec: RunRecord, remote: Optional[Remote] = None) -> Dict[str, Any]:
     """The run as the box sees it now; raises RemoteUnreachable when the box does not answer."""
     remote = remote or open_remote(rec.target)
     res = remote.sh(
         SNAPSHOT,
-        run_dir(rec),
+        boxrun.look_dir(rec).path,
         rec.workdir or rec.box_home,
-        *rec.agent_argv("status", rec.name, "--json"),
+        *boxrun.status_argv(rec),
         timeout=60,
     )
     parts = _sections(res.text)

@@ -27,50 +27,21 @@ import os
 import re
 from typing import Any, Callable, Dict, List, Optional
 
+from controller import boxrun
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, open_remote
-from controller.results.pull import box_run_dir, box_spec, box_state, covers_newest
 from controller.results.receipt import Coverage, Receipt, load_state_receipt, state_receipt_path
+from controller.results.sealed import covers_newest
+from controller.shell import script
 from onbox.common.errors import HostError, StopFailed, UnsafeRefused
 from onbox.common.rundir import check_name
 
 _RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 # A job's log in the run directory, or the redacted copy the agent wrote next to it.
 _JOB_LOG = re.compile(r"attempts/(\d{4,})/output(\.redacted)?\.log\Z")
-# Every file under the given directories as NUL-terminated (size, path) pairs.
-_SIZES = r"""
-for d do
-  [ -d "$d" ] || continue
-  find "$d" -type f -exec sh -c 'for f do s=$(wc -c < "$f") || continue
-    printf "%s\0%s\0" $s "$f"; done' rgt {} +
-done
-"""
-# $1 RGT_HOME, $2 run name, $3 release id (may be empty). Every step may have been done already.
-_REMOVE = r"""
-home=$1; name=$2; rel=$3
-rm -f -- "$home/secrets/$name"
-rm -rf -- "$home/deploys/$name"
-if [ -n "$rel" ] && [ -d "$home/releases/$rel" ]; then
-  used=
-  for d in "$home"/deploys/*/; do
-    [ -d "$d" ] || continue
-    t=$(readlink "$d/current" 2>/dev/null) || continue
-    case "$t" in */releases/"$rel"|*/releases/"$rel"/) used=1;; esac
-  done
-  for s in "$home"/runs/*/spec.json; do
-    [ -f "$s" ] && [ "$s" != "$home/runs/$name/spec.json" ] || continue
-    grep -qF "/releases/$rel" "$s" && used=1
-  done
-  if [ -z "$used" ]; then
-    # Only directories need write permission to be emptied; files may be hard links that
-    # other releases share, so their modes are left alone.
-    find "$home/releases/$rel" -type d ! -perm -u+w -exec chmod u+w {} + 2>/dev/null
-    rm -rf -- "$home/releases/$rel"
-  fi
-fi
-rm -rf -- "$home/runs/$name"
-[ ! -e "$home/runs/$name" ] && [ ! -e "$home/secrets/$name" ] && [ ! -e "$home/deploys/$name" ]
-"""
+# The shell of down on the box: two functions (controller/shell/down.sh), and the call of one.
+_SIZES = script("down.sh") + 'rgt_sizes "$@"\n'
+_REMOVE = script("down.sh") + 'rgt_remove "$@"\n'
 
 
 @dataclasses.dataclass
@@ -156,7 +127,7 @@ def plan_down(rec: RunRecord, remote: Remote, home: Optional[str] = None) -> Dow
             f"({state_receipt_path(name, home)}): taking it down could lose its results",
             f"rgt pull {name} first",
         )
-    run_dir = box_run_dir(rec)
+    run_dir = boxrun.run_dir(rec).path
     present = remote.sh('[ -d "$1" ]', run_dir).rc == 0
     if present or rec.store:
         coverage = covers_newest(rec, receipt, remote)
@@ -173,9 +144,10 @@ def plan_down(rec: RunRecord, remote: Remote, home: Optional[str] = None) -> Dow
     kept: List[str] = []
     grace = 30.0
     if present:
-        spec = box_spec(rec, remote)
+        run = boxrun.read(rec, remote)  # the spec and the status in one round trip
+        spec = run.spec
         grace = float(spec.get("grace") or 30.0)
-        state = str(box_state(rec, remote).get("state"))
+        state = str(run.status.get("state"))
         lost, kept = _losses(rec, receipt, spec, run_dir, remote)
     if rec.store:
         kept.append(f"the store {rec.store}: every sealed checkpoint (rgt never deletes it)")

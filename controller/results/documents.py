@@ -1,0 +1,156 @@
+"""The sealed state of a run from its documents (LATEST -> MANIFEST, DONE), wherever they are
+read (a store, or a file:// store on the box): every file entry checked as untrusted input."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from controller.results.entries import SHA256_HEX, Entry, sha_hex
+from controller.results.receipt import SealedId
+from onbox.common.errors import IntegrityError, NotFound
+from onbox.common.safepath import safe_rel
+from onbox.sealing import manifest as mf
+from onbox.sealing.restore import in_effect, quarantine_reasons, sealed_steps
+from onbox.sealing.stores.base import Store, with_retries
+
+
+def store_get(store: Store, key: str) -> Optional[bytes]:
+    """A document of the store (None when it has none), retried as the store retries."""
+    return with_retries(lambda: store.get_bytes(key))
+
+
+# (sealed steps, {quarantined step: reason}) of a run, as the store lists them.
+Listing = Callable[[], Tuple[List[int], Dict[int, str]]]
+
+
+def store_listing(store: Store, run: str) -> Tuple[List[int], Dict[int, str]]:
+    """The run's sealed steps (only when some step is quarantined) and quarantined steps."""
+    bad = quarantine_reasons(store, run)
+    return (with_retries(lambda: sealed_steps(store, run)) if bad else []), bad
+
+
+def _check_doc_file(f: Any, what: str, run: str) -> None:
+    if not isinstance(f, dict):
+        raise IntegrityError(f"{what}: a malformed file entry {f!r}")
+    safe_rel(f.get("path"), f"{what}: path")
+    safe_rel(f.get("key"), f"{what}: key")
+    ok = (
+        isinstance(f.get("size"), int)
+        and f["size"] >= 0
+        and isinstance(f.get("sha256"), str)
+        and SHA256_HEX.match(f["sha256"]) is not None
+        and f["key"].startswith(run + "/")
+    )
+    if not ok:
+        raise IntegrityError(f"{what}: a malformed file entry {f!r}")
+
+
+def from_documents(
+    run: str, get: Callable[[str], Optional[bytes]], listing: Optional[Listing] = None
+) -> Tuple[SealedId, List[Entry]]:
+    """LATEST -> MANIFEST, and DONE: the sealed state and its files. When LATEST names a
+    quarantined step (``listing`` says which are), the newest sealed step before it that is
+    not quarantined is the sealed state instead (onbox.sealing.restore.in_effect), and ``note`` says
+    so; a run with none left is an IntegrityError."""
+    latest = mf.parse_latest(get(mf.latest_key(run)))
+    entries: List[Entry] = []
+    step = epoch = None
+    mkey = msha = note = None
+    if latest is not None:
+        step, epoch, mkey, msha, note = _checkpoint(run, latest, get, listing, entries)
+    done_raw = get(mf.done_key(run))
+    done_sha = None
+    missing_outputs: Tuple[str, ...] = ()
+    if done_raw is not None:
+        done_sha = sha_hex(done_raw)
+        missing_outputs = _done(run, done_raw, entries)
+    if latest is None and done_raw is None:
+        raise NotFound(
+            f"run {run!r} has nothing sealed yet (no LATEST.json, no DONE.json)",
+            f"wait for its first sealed checkpoint (rgt status {run})",
+        )
+    paths = [e.path for e in entries]
+    if len(set(paths)) != len(paths):
+        raise IntegrityError(f"the sealed state of {run!r} lists a path twice")
+    ident = SealedId(
+        step=step,
+        epoch=epoch,
+        manifest=mkey,
+        manifest_sha256=msha,
+        done=done_raw is not None,
+        done_sha256=done_sha,
+        note=note,
+        missing_outputs=missing_outputs,
+    )
+    return ident, entries
+
+
+def _checkpoint(
+    run: str,
+    latest: Dict[str, Any],
+    get: Callable[[str], Optional[bytes]],
+    listing: Optional[Listing],
+    entries: List[Entry],
+) -> Tuple[int, Optional[int], str, str, Optional[str]]:
+    """The checkpoint LATEST names (or the one in effect), its files added to ``entries``:
+    (step, epoch, MANIFEST key, its sha256, note)."""
+    step = latest["step"]
+    epoch = latest.get("epoch") if isinstance(latest.get("epoch"), int) else None
+    note = None
+    sealed, bad = listing() if listing is not None else ([], {})
+    if step in bad:
+        effective, note = in_effect(step, sealed, bad)
+        if effective is None:
+            raise IntegrityError(
+                f"run {run!r} has no verified checkpoint to pull: {note}",
+                "look at the store (quarantine/ says why)",
+            )
+        step, epoch = effective, None
+    mkey = mf.manifest_key(run, step)
+    data = get(mkey)
+    if data is None:
+        raise IntegrityError(f"LATEST names step {step}, but {mkey} is missing")
+    doc = mf.parse_manifest(data, mkey)
+    if doc["step"] != step:
+        raise IntegrityError(f"{mkey} is for step {doc['step']}, LATEST says {step}")
+    msha = sha_hex(data)
+    if note is not None and isinstance(doc.get("epoch"), int):
+        epoch = doc["epoch"]
+    for f in doc["files"]:
+        _check_doc_file(f, mkey, run)
+        entries.append(
+            Entry("checkpoints/" + f["path"], "checkpoint", f["size"], f["sha256"], f["key"])
+        )
+    return step, epoch, mkey, msha, note
+
+
+def _done(run: str, done_raw: bytes, entries: List[Entry]) -> Tuple[str, ...]:
+    """DONE.json's outputs and logs added to ``entries``; the outputs it says are missing."""
+    try:
+        done = json.loads(done_raw)
+    except ValueError:
+        raise IntegrityError(f"{mf.done_key(run)} is not valid JSON") from None
+    files = done.get("files") if isinstance(done, dict) else None
+    if not isinstance(files, list):
+        raise IntegrityError(f"{mf.done_key(run)} lists no files")
+    for f in files:
+        _check_doc_file(f, mf.done_key(run), run)
+        tail = f["key"][len(run) + 1 :]
+        kind = tail.split("/", 1)[0]
+        if kind == "results" and f.get("root") == "ckpt":
+            # A file the job left in RGT_CKPT_DIR that no checkpoint holds (result.txt):
+            # beside LATEST's files, at its path under the checkpoint dir, as a pull
+            # without a store puts it (onbox/agent/sealservice.py _put_results).
+            entries.append(
+                Entry("checkpoints/" + f["path"], "checkpoint", f["size"], f["sha256"], f["key"])
+            )
+            continue
+        if kind not in ("outputs", "logs"):
+            raise IntegrityError(f"{mf.done_key(run)} lists {f['key']}, not an output or log")
+        redacted = f.get("redacted") is True
+        entries.append(Entry(tail, kind[:-1], f["size"], f["sha256"], f["key"], redacted=redacted))
+    missing = done.get("missing_outputs")
+    if isinstance(missing, list):
+        return tuple(str(m) for m in missing)
+    return ()

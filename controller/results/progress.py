@@ -1,0 +1,159 @@
+"""Progress of a pull: the reports ``pull`` makes (Progress), the watch on the staged copies
+that makes them while files are fetched (Monitor), and how a terminal shows them."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import sys
+import threading
+import time
+from typing import IO, Any, Callable, Dict, Iterator, List, Optional
+
+from controller.results.entries import Entry, stage_path
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """One progress report. ``phase`` is "fetch", "verify" or "done"; ``path`` the file
+    concerned (relative to DEST, "" for a total). Reported from a background thread while
+    fetching, from the caller's thread otherwise."""
+
+    phase: str
+    path: str
+    done: int
+    size: int
+    total_done: int
+    total: int
+
+
+ProgressFn = Callable[[Progress], None]
+
+
+class Monitor:
+    """Reports fetch progress by watching the temporary files grow (every transport), and
+    each file the moment a transport says it is finished."""
+
+    def __init__(self, stage_dir: str, items: List[Entry], fn: Optional[ProgressFn]) -> None:
+        self.stage_dir = stage_dir
+        self.items = items
+        self.fn = fn
+        self.total = sum(e.size for e in items)
+        self.seen: Dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def __enter__(self) -> Monitor:
+        if self.fn is not None:
+            self._thread = threading.Thread(
+                target=self._loop, name="rgt-pull-progress", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            if exc[0] is None:
+                self.poll()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(0.2):
+            self.poll()
+
+    def _size(self, e: Entry) -> int:
+        try:
+            return min(os.path.getsize(stage_path(self.stage_dir, e)), e.size)
+        except OSError:
+            return 0
+
+    def poll(self) -> None:
+        if self.fn is None:
+            return
+        with self._lock:
+            sizes = {e.stage: self._size(e) for e in self.items}
+            for e in self.items:
+                self._report(e, sizes[e.stage], sizes)
+
+    def finished(self, e: Entry) -> None:
+        """A transport finished ``e`` (its copy is complete, not yet verified)."""
+        if self.fn is None:
+            return
+        with self._lock:
+            sizes = {x.stage: self.seen.get(x.stage, 0) for x in self.items}
+            sizes[e.stage] = e.size
+            self._report(e, e.size, sizes)
+
+    def _report(self, e: Entry, size: int, sizes: Dict[str, int]) -> None:
+        assert self.fn is not None
+        if self.seen.get(e.stage) != size:
+            self.seen[e.stage] = size
+            done = sum(sizes.values())
+            self.fn(Progress("fetch", e.path, size, e.size, done, self.total))
+
+
+# ---- progress on a terminal
+
+
+@contextlib.contextmanager
+def terminal_progress(stream: Optional[IO[str]] = None) -> Iterator[ProgressFn]:
+    """A progress callback for ``pull``: rich bars (a total and one per file being fetched)
+    on a terminal, a plain line every few seconds otherwise."""
+    out = stream or sys.stderr
+    if not out.isatty():
+        last = [0.0]
+
+        def plain(p: Progress) -> None:
+            now = time.monotonic()
+            if p.phase == "done" or now - last[0] >= 5 or (p.phase == "fetch" and p.done == p.size):
+                last[0] = now
+                pct = 100 * p.total_done // max(p.total, 1)
+                print(
+                    f"rgt pull: {p.phase} {pct}% ({p.total_done >> 20}/{p.total >> 20} MiB)"
+                    + (f" {p.path}" if p.path else ""),
+                    file=out,
+                    flush=True,
+                )
+
+        yield plain
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+    from rich.progress import Progress as Bars
+
+    bars = Bars(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(file=out),
+        transient=False,
+    )
+    lock = threading.Lock()
+    tasks: Dict[str, Any] = {}
+
+    def show(p: Progress) -> None:
+        if p.phase == "done":
+            return
+        with lock:
+            key = "total:" + p.phase
+            if key not in tasks:
+                tasks[key] = bars.add_task(p.phase, total=p.total)
+            bars.update(tasks[key], completed=p.total_done, total=p.total)
+            if p.phase == "fetch" and p.path:
+                if p.path not in tasks:
+                    tasks[p.path] = bars.add_task(f"  {p.path}", total=p.size)
+                bars.update(tasks[p.path], completed=p.done, visible=p.done < p.size)
+
+    with bars:
+        yield show

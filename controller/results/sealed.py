@@ -1,0 +1,157 @@
+"""What is sealed: a run's newest sealed state and where its bytes are (``read_sealed``), as
+the store or the box sees it, and whether a receipt covers it (``covers_newest``, for ``rgt
+down``). The sources are described in controller/results/pull.py's docstring."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import re
+from typing import List, Optional, Tuple
+
+from controller import boxrun
+from controller.registry import RunRecord
+from controller.remote import Remote, open_remote
+from controller.results.boxdocs import BoxDocs
+from controller.results.boxfiles import box_files
+from controller.results.documents import from_documents, store_get, store_listing
+from controller.results.entries import Entry, Sealed, box_join, checked
+from controller.results.receipt import Coverage, Receipt, SealedId, compare
+from onbox.common.errors import IntegrityError, NotFound, UsageError
+from onbox.sealing import manifest as mf
+from onbox.sealing.stores import open_store
+from onbox.sealing.stores.base import Store
+from onbox.sealing.stores.local import LocalStore
+
+SOURCES = ("box", "store", "auto")
+_LOG = re.compile(r"attempt-(\d{4,})\.log\Z")
+
+
+def resolve_source(rec: RunRecord, source: str) -> str:
+    """Where to pull from, "box" or "store", for ``source`` "box", "store" or "auto" (see
+    controller/results/pull.py's docstring)."""
+    if source not in SOURCES:
+        raise UsageError("--from", f"{source!r} is not box or store")
+    if source != "auto":
+        if source == "store" and not rec.store:
+            raise UsageError("--from", f"run {rec.name!r} has no store", "pull it with --from box")
+        return source
+    if not rec.store:
+        return "box"
+    if _file_root(rec.store) is not None and rec.target.kind != "local":
+        return "box"  # a file:// store is a mount on the box
+    return "store"
+
+
+def _file_root(url: str) -> Optional[str]:
+    if not url.lower().startswith("file:"):
+        return None
+    store = open_store(url)
+    assert isinstance(store, LocalStore)
+    return store.root
+
+
+def read_sealed(rec: RunRecord, source: str, remote: Optional[Remote] = None) -> Sealed:
+    """The newest sealed state of ``rec`` as ``source`` ("box" or "store") sees it, every final
+    and staging name checked (``checked``) before anything is created on the laptop."""
+    return checked(_read_sealed(rec, source, remote), f"pull of {rec.name}")
+
+
+def _read_sealed(rec: RunRecord, source: str, remote: Optional[Remote]) -> Sealed:
+    run = rec.name
+    if source == "store":
+        assert rec.store
+        root = _file_root(rec.store)
+        if root is not None and not os.path.isdir(root):
+            raise UsageError(
+                "--from",
+                f"the store {rec.store} is not a directory on this laptop",
+                "a file:// store is a path on the box: pull with --from box",
+            )
+        store = open_store(rec.store)
+        ident, entries = _from_store(store, run)
+        entries = [dataclasses.replace(e, origin=e.key or "") for e in entries]
+        return Sealed(ident, entries, "store", store=store)
+    assert remote is not None
+    if not rec.store:
+        return box_files(rec, remote)
+    root = _file_root(rec.store)
+    if root is not None:
+        ident, entries = _from_box_docs(remote, root, run)
+        entries = [
+            dataclasses.replace(e, src=e.key, origin=box_join(root, e.key or "")) for e in entries
+        ]
+        return Sealed(ident, entries, "box", box_root=root)
+    # s3://, hf://: the store says what is sealed; the box holds copies of the bytes.
+    store = open_store(rec.store)
+    ident, entries = _from_store(store, run)
+    spec = boxrun.spec(rec, remote)
+    attempts = boxrun.run_dir(rec).attempts
+    ckpt, workdir = boxrun.spec_dirs(rec, spec, remote)
+    placed = []
+    for e in entries:
+        if e.redacted:  # the box's own log holds the secret: the store's masked copy, verified
+            placed.append(dataclasses.replace(e, origin=e.key or ""))
+            continue
+        if e.kind == "checkpoint":
+            path = box_join(ckpt, e.path[len("checkpoints/") :])
+        elif e.kind == "output":
+            path = box_join(workdir, e.path[len("outputs/") :])
+        else:
+            m = _LOG.match(e.path[len("logs/") :])
+            if not m:
+                raise IntegrityError(f"DONE.json lists a log {e.path!r} rgt did not write")
+            path = box_join(attempts, m.group(1), "output.log")
+        placed.append(dataclasses.replace(e, src=path[1:], origin=path))
+    return Sealed(ident, placed, "box", box_root="/", store=store)
+
+
+def _from_store(store: Store, run: str) -> Tuple[SealedId, List[Entry]]:
+    """The sealed state as the store's documents say, read with the laptop's credentials."""
+    return from_documents(
+        run, functools.partial(store_get, store), functools.partial(store_listing, store, run)
+    )
+
+
+def _from_box_docs(remote: Remote, root: str, run: str) -> Tuple[SealedId, List[Entry]]:
+    """The sealed state as the documents of a file:// store on the box say."""
+    docs = BoxDocs(remote, root)
+    docs.prefetch([mf.latest_key(run), mf.done_key(run)], run=run)  # one round trip
+    return from_documents(run, docs.get, functools.partial(docs.listing, run))
+
+
+# ---- does a receipt cover the newest sealed state?
+
+
+def newest_sealed(rec: RunRecord, remote: Optional[Remote] = None) -> SealedId:
+    """The run's newest sealed state, from wherever its documents are (the same whichever
+    source the files came from): a file:// store of an ssh target on the box, any other store
+    from the laptop, the box's files for a run without a store."""
+    if rec.store:
+        root = _file_root(rec.store)
+        if root is None or rec.target.kind == "local":
+            return _from_store(open_store(rec.store), rec.name)[0]
+    own = remote is None
+    box = remote or open_remote(rec.target)
+    try:
+        if not rec.store:
+            return box_files(rec, box).ident
+        assert root is not None
+        return _from_box_docs(box, root, rec.name)[0]
+    finally:
+        if own:
+            box.close()
+
+
+def covers_newest(rec: RunRecord, receipt: Receipt, remote: Optional[Remote] = None) -> Coverage:
+    """Whether ``receipt`` covers ``rec``'s newest sealed state (read again now, see
+    ``newest_sealed``) and its files are still in its dest with their sizes. Falsy, with the
+    reason, when not."""
+    if receipt.run != rec.name:
+        return Coverage(False, f"the receipt is for run {receipt.run!r}, not {rec.name!r}")
+    try:
+        newest = newest_sealed(rec, remote)
+    except (UsageError, NotFound) as e:
+        return Coverage(False, f"the newest sealed state cannot be read: {e.what}")
+    return compare(receipt, newest)

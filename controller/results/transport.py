@@ -1,0 +1,250 @@
+"""The transports of a pull, each into the staged copies and each saying when a file is done:
+from the store (its own client), from the box with one rsync (``--inplace``, resumable), or,
+without rsync on one end, a stream of ``tail -c +N`` over ssh (resumable too)."""
+
+from __future__ import annotations
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import threading
+from typing import Callable, List, Optional
+
+from controller.remote import Remote, rsync_e
+from controller.results.entries import FILES_FROM, Entry, Sealed, box_join, stage_dirs, stage_path
+from onbox.common.errors import HostError, RemoteUnreachable, StoreError, UsageError
+from onbox.common.safepath import open_beneath
+from onbox.sealing.stores.base import Store, with_retries
+
+CHUNK = 8 << 20
+
+
+def _fetch_store(
+    store: Store, items: List[Entry], stage_dir: str, finished: Callable[[Entry], None]
+) -> int:
+    fetched = 0
+    for e in items:
+        assert e.key is not None
+        tmp = stage_path(stage_dir, e)
+        stage_dirs(stage_dir, e)
+        with_retries(functools.partial(store.get_file, e.key, tmp))  # creates it, O_EXCL
+        fetched += e.size
+        finished(e)
+    return fetched
+
+
+class _NoRemoteRsync(Exception):
+    """The box has no rsync: the caller falls back to streaming."""
+
+
+_XFER = re.compile(rb"rgt-xfer (\d+) (.*)\Z")
+_ESCAPE = re.compile(rb"\\#([0-7]{3})")
+
+
+def _rsync_name(raw: bytes) -> bytes:
+    """A file name as rsync logs it, unescaped: rsync writes each byte it will not print as it
+    is (a control character; a byte outside ASCII, unless the locale prints it; the backslash of
+    a ``\\#ddd`` in the name) as ``\\#`` and three octal digits."""
+    return _ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), raw)
+
+
+def _fetch_rsync(
+    remote: Remote,
+    root: str,
+    items: List[Entry],
+    stage_dir: str,
+    bwlimit: Optional[int],
+    finished: Callable[[Entry], None],
+) -> int:
+    """One rsync for every file: --inplace into its temporary name, so a killed transfer
+    leaves its bytes there and the next one sends only the rest (delta against them).
+
+    rsync's receiver takes one file at a time: once it has received a file, it logs it
+    (``--out-format``), and only then closes it and sets its mtime; a file that fails rsync's
+    own check is received again later, and logged again. So a file is handed to ``finished``
+    once rsync has logged another file after it, or has exited: then rsync is done with it,
+    unless it logs it again (then it is handed over again)."""
+    listing = os.path.join(stage_dir, FILES_FROM)
+    fd = open_beneath(stage_dir, FILES_FROM, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    with open(fd, "wb") as f:
+        f.write(b"\0".join(e.src.encode("utf-8", "surrogateescape") for e in items if e.src))
+    by_name = {e.src.encode("utf-8", "surrogateescape"): e for e in items if e.src}
+    argv = [
+        "rsync", "-s", "-t", "--inplace", "--partial", "--no-whole-file",
+        "--from0", f"--files-from={listing}", "--out-format=rgt-xfer %b %n",
+    ]  # fmt: skip
+    if bwlimit:
+        argv.append(f"--bwlimit={int(bwlimit)}")
+    shell = remote.rsync_shell()
+    if shell:
+        argv += ["-e", rsync_e(shell)]
+    argv += [remote.path_arg(root.rstrip("/") + "/"), stage_dir + "/"]
+    p = subprocess.Popen(
+        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    assert p.stdout is not None and p.stderr is not None
+    errors: List[bytes] = []
+    stderr = p.stderr
+    drain = threading.Thread(target=lambda: errors.append(stderr.read()), daemon=True)
+    drain.start()
+    fetched = 0
+    pending: Optional[Entry] = None
+    try:
+        for line in p.stdout:  # rsync flushes each line as it logs it
+            m = _XFER.match(line.rstrip(b"\n"))
+            if m is None:
+                continue
+            fetched += int(m.group(1))
+            e = by_name.get(_rsync_name(m.group(2)))
+            if e is None:
+                continue
+            if pending is not None and pending is not e:
+                finished(pending)
+            pending = e
+    except BaseException:
+        p.kill()
+        raise
+    finally:
+        p.stdout.close()
+        rc = p.wait()
+        drain.join()
+        stderr.close()
+    err = b"".join(errors)
+    if rc in (0, 23, 24):  # 23/24: some files missing; verification names them
+        if pending is not None:
+            finished(pending)
+        return fetched
+    if rc == 12 and re.search(rb"rsync: (command )?not found", err):
+        raise _NoRemoteRsync()
+    if shell:
+        remote.check_transport(rc, err)
+    last = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+    if rc in (10, 12, 30, 35):
+        raise RemoteUnreachable(
+            f"rsync from {remote.target.label} broke off (exit {rc}): {last[0]}",
+            "run the pull again: it continues where it stopped",
+        )
+    raise HostError(f"rsync from {remote.target.label} failed (exit {rc}): {last[0]}")
+
+
+def _fetch_stream(
+    remote: Remote,
+    root: str,
+    items: List[Entry],
+    stage_dir: str,
+    finished: Callable[[Entry], None],
+) -> int:
+    """Without rsync on one end: ``tail -c +N`` over ssh appends what the partial copy lacks."""
+    fetched = 0
+    for e in items:
+        assert e.src is not None
+        stage_dirs(stage_dir, e)
+        # The partial copy a killed pull left is appended to; a new one is created O_EXCL. Both
+        # O_NOFOLLOW, through directories walked without following symlinks.
+        try:
+            fd = open_beneath(stage_dir, e.stage, os.O_WRONLY | os.O_APPEND)
+        except FileNotFoundError:
+            fd = open_beneath(
+                stage_dir, e.stage, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL
+            )
+        with open(fd, "ab") as out:
+            have = os.fstat(fd).st_size
+            if have > e.size:
+                os.ftruncate(fd, 0)
+                have = 0
+            if have == e.size:
+                continue
+            p = remote.popen(["tail", "-c", f"+{have + 1}", "--", box_join(root, e.src)])
+            assert p.stdout is not None
+            try:
+                while True:
+                    b = p.stdout.read(CHUNK)
+                    if not b:
+                        break
+                    out.write(b)
+                    fetched += len(b)
+            finally:
+                p.stdout.close()
+                rc = p.wait()
+        if rc != 0:
+            remote.check_transport(rc, b"")
+            raise HostError(f"reading {e.origin} on {remote.target.label} failed (exit {rc})")
+        finished(e)
+    return fetched
+
+
+def fetcher(
+    sealed: Sealed,
+    stage_dir: str,
+    bwlimit: Optional[int],
+    transport: Optional[str],
+    remote: Optional[Remote],
+    finished: Callable[[Entry], None],
+) -> Callable[[List[Entry]], int]:
+    if sealed.source == "store":
+        assert sealed.store is not None
+        store = sealed.store
+        return lambda items: _fetch_store(store, items, stage_dir, finished) if items else 0
+    box = _box_fetcher(sealed, stage_dir, bwlimit, transport, remote, finished)
+    if sealed.store is None:
+        return box
+    store = sealed.store
+
+    def mixed(items: List[Entry]) -> int:
+        """From the box, but the entries without a box path (redacted logs) from the store."""
+        n = box([e for e in items if e.src is not None])
+        for e in items:
+            if e.src is not None:
+                continue
+            try:
+                n += _fetch_store(store, [e], stage_dir, finished)
+            except StoreError as err:
+                raise StoreError(
+                    f"{e.path} is sealed as a redacted copy ({e.key} in {store.url}) because "
+                    f"the job's log on the box holds a secret, and that copy cannot be read: "
+                    f"{err.what}. Nothing was put in place and no receipt was written",
+                    (err.remedy + "; " if err.remedy else "")
+                    + "check the laptop's access to the store and pull again (rgt never "
+                    "pulls the box's raw log in its place)",
+                ) from None
+        return n
+
+    return mixed
+
+
+def _box_fetcher(
+    sealed: Sealed,
+    stage_dir: str,
+    bwlimit: Optional[int],
+    transport: Optional[str],
+    remote: Optional[Remote],
+    finished: Callable[[Entry], None],
+) -> Callable[[List[Entry]], int]:
+    assert remote is not None and sealed.box_root is not None
+    root = sealed.box_root
+    if transport is None:
+        transport = "auto" if shutil.which("rsync") else "stream"
+    if transport in ("rsync", "auto"):
+        forced = transport == "rsync"
+        mode = ["rsync"]
+
+        def fetch(items: List[Entry]) -> int:
+            if not items:
+                return 0
+            if mode[0] == "rsync":
+                try:
+                    return _fetch_rsync(remote, root, items, stage_dir, bwlimit, finished)
+                except _NoRemoteRsync:
+                    if forced:
+                        raise HostError(
+                            f"{remote.target.label} has no rsync", "install it, or pull without it"
+                        ) from None
+                    mode[0] = "stream"  # the box has no rsync: stream with tail over ssh
+            return _fetch_stream(remote, root, items, stage_dir, finished)
+
+        return fetch
+    if transport == "stream":
+        return lambda items: _fetch_stream(remote, root, items, stage_dir, finished) if items else 0
+    raise UsageError("transport", f"{transport!r} is not rsync or stream")

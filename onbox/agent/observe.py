@@ -13,7 +13,7 @@ from typing import IO, Any, Dict, List, Optional
 from onbox.agent import procfs
 from onbox.agent.daemon import TAG_VAR
 from onbox.agent.lock import is_held, read_holder
-from onbox.agent.states import TERMINAL
+from onbox.agent.states import TERMINAL_NAMES, State
 from onbox.common import progress, redact
 from onbox.common.durable import read_json
 from onbox.common.rundir import RunDir
@@ -42,7 +42,7 @@ def run_status(rd: RunDir) -> Dict[str, Any]:
     """state.json for people: plus whether an agent holds the run and whether the job lives."""
     doc = read_json(rd.state) or {
         "name": rd.name,
-        "state": "PENDING",
+        "state": State.PENDING.value,
         "pid": None,
         "attempt": 0,
         "restarts": 0,
@@ -61,7 +61,7 @@ def run_status(rd: RunDir) -> Dict[str, Any]:
     job_alive = False
     if doc.get("attempt"):
         rec = read_json(rd.job_record(doc["attempt"]))
-        if rec is not None and doc.get("state") not in {s.value for s in TERMINAL}:
+        if rec is not None and doc.get("state") not in TERMINAL_NAMES:
             job_alive = procfs.is_alive(procfs.Identity(rec["pid"], rec["start_ticks"]))
     out["job_alive"] = job_alive
     out["run_dir"] = rd.path
@@ -158,11 +158,7 @@ def follow(
         for p in paths:
             offsets[p] = _copy_from(p, offsets.get(p, 0), out, red)
         doc = read_json(rd.state) or {}
-        if (
-            until_terminal
-            and doc.get("state") in {s.value for s in TERMINAL}
-            and not is_held(rd.lock)
-        ):
+        if until_terminal and doc.get("state") in TERMINAL_NAMES and not is_held(rd.lock):
             for p in paths:  # what was written between the last read and the end
                 offsets[p] = _copy_from(p, offsets.get(p, 0), out, red)
             return

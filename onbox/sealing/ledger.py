@@ -32,6 +32,10 @@ record moves to ``quarantine/<step>.e<epoch>.json`` with the MANIFEST it judged 
 in the way), then the new MANIFEST replaces the old. Pruning keeps what LATEST names, the newest
 checkpoint before it, the newest ``keep``, every pinned one, and every object a kept (or
 quarantined, or not promoted) MANIFEST references.
+
+The quarantine records themselves (``quarantine/<step>.json``: written by restore through
+``flag_quarantined``, listed and read by everyone through ``quarantined`` and
+``quarantine_reasons``) are documents of this ledger too.
 """
 
 from __future__ import annotations
@@ -78,6 +82,33 @@ def quarantined(store: Store, run: str) -> List[int]:
         if name.endswith(".json") and name[:-5].isdigit():
             out.append(int(name[:-5]))
     return sorted(out)
+
+
+def quarantine_reason(data: Optional[bytes]) -> str:
+    """The reason a quarantine record gives, for people; a record that is not rgt's JSON
+    still quarantines its step (it is there), with a reason that says so."""
+    try:
+        doc = json.loads(data or b"")
+        if isinstance(doc, dict) and isinstance(doc.get("reason"), str):
+            return str(doc["reason"])
+    except ValueError:
+        pass
+    return "flagged in quarantine/ (the record gives no reason)"
+
+
+def quarantine_reasons(store: Store, run: str) -> Dict[int, str]:
+    """Every quarantined step and the reason its record gives."""
+    out = {}
+    for step in with_retries(lambda: quarantined(store, run)):
+        key = mf.quarantine_key(run, step)
+        out[step] = quarantine_reason(with_retries(functools.partial(store.get_bytes, key)))
+    return out
+
+
+def flag_quarantined(store: Store, run: str, step: int, reason: str) -> None:
+    """Write the quarantine record of ``step`` (found unusable in the store by a restore)."""
+    record = json.dumps({"step": step, "reason": reason, "at": time.time(), "by": "restore"})
+    with_retries(lambda: store.put_bytes(mf.quarantine_key(run, step), record.encode()))
 
 
 def take_epoch(store: Store, run: str) -> int:

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import json
 import os
 import shutil
 import stat
@@ -50,7 +49,7 @@ from onbox.common.safepath import (
     symlink_error,
 )
 from onbox.sealing import manifest as mf
-from onbox.sealing.ledger import quarantined
+from onbox.sealing.ledger import flag_quarantined, quarantine_reason, quarantine_reasons
 from onbox.sealing.stores.base import Store, StoreError, TransientStoreError, with_retries
 
 STAGE_PREFIX = ".rgt-restore-"
@@ -113,27 +112,6 @@ def sealed_steps(store: Store, run: str) -> List[int]:
             except ValueError:
                 continue
     return sorted(steps)
-
-
-def quarantine_reason(data: Optional[bytes]) -> str:
-    """The reason a quarantine record gives, for people; a record that is not rgt's JSON
-    still quarantines its step (it is there), with a reason that says so."""
-    try:
-        doc = json.loads(data or b"")
-        if isinstance(doc, dict) and isinstance(doc.get("reason"), str):
-            return str(doc["reason"])
-    except ValueError:
-        pass
-    return "flagged in quarantine/ (the record gives no reason)"
-
-
-def quarantine_reasons(store: Store, run: str) -> Dict[int, str]:
-    """Every quarantined step and the reason its record gives."""
-    out = {}
-    for step in _retried(lambda: quarantined(store, run)):
-        key = mf.quarantine_key(run, step)
-        out[step] = quarantine_reason(_retried(functools.partial(store.get_bytes, key)))
-    return out
 
 
 def in_effect(
@@ -223,9 +201,8 @@ def _quarantine(
     """Flag ``step`` as unusable, with the reason. A store this restore may only read (the
     laptop's read-only credentials) cannot take the record: the step is still skipped here,
     and an event says it is not flagged for the next reader."""
-    record = json.dumps({"step": step, "reason": e.what, "at": time.time(), "by": "restore"})
     try:
-        _retried(lambda: store.put_bytes(mf.quarantine_key(run, step), record.encode()))
+        flag_quarantined(store, run, step, e.what)
         flagged = "it is kept, flagged in quarantine/"
     except StoreError as w:
         flagged = f"it is kept but not flagged (writing its quarantine record failed: {w.what})"
@@ -434,6 +411,7 @@ def restore_latest(
 __all__ = [
     "restore_latest",
     "NoVerifiedCheckpoint",
+    "quarantine_reason",
     "quarantine_reasons",
     "in_effect",
     "local_matches",

@@ -8,6 +8,7 @@ from typing import Dict, List, Optional, Tuple
 
 from controller.remote import Remote
 from controller.results.entries import box_join
+from controller.shell import script
 from onbox.common.errors import HostError
 from onbox.sealing import manifest as mf
 from onbox.sealing.restore import quarantine_reason
@@ -21,16 +22,9 @@ class BoxDocs:
     that document): the caller parses LATEST itself and asks for its MANIFEST by key, which is
     then served from what was read, or read in a round trip of its own when the two differ."""
 
-    _SCRIPT = r"""doc() {
-  if [ -f "$1" ]; then s=$(wc -c < "$1") || exit 45; echo "F" $s; cat -- "$1" || exit 45
-  else echo N; fi
-}
-latest=$1; checkpoints=$2; shift 2
-for f do doc "$f"; done
-if [ -n "$latest" ] && [ -f "$latest" ]; then
-  step=$(sed -n 's/^ *"step": *\([0-9][0-9]*\),\{0,1\}$/\1/p' "$latest" | head -n 1)
-  if [ -n "$step" ]; then echo "S $step"; doc "$checkpoints/$step/MANIFEST.json"; fi
-fi"""
+    # controller/shell/storedocs.sh: rgt_docs LATEST CHECKPOINTS FILE..., rgt_listing RUN.
+    _SCRIPT = script("storedocs.sh") + 'rgt_docs "$@"\n'
+    _LISTING = script("storedocs.sh") + 'rgt_listing "$@"\n'
 
     def __init__(self, remote: Remote, root: str) -> None:
         self.remote = remote
@@ -64,19 +58,6 @@ fi"""
         if key not in self.cache:
             self.prefetch([key])
         return self.cache[key]
-
-    # The steps with a MANIFEST ("S STEP") and each quarantine record ("Q STEP", then the
-    # record as ``doc`` prints it), in one round trip.
-    _LISTING = r"""doc() {
-  if [ -f "$1" ]; then s=$(wc -c < "$1") || exit 45; echo "F" $s; cat -- "$1" || exit 45
-  else echo N; fi
-}
-for m in "$1"/checkpoints/*/MANIFEST.json; do
-  [ -f "$m" ] || continue; s=${m%/MANIFEST.json}; echo "S ${s##*/}"
-done
-for q in "$1"/quarantine/*.json; do
-  [ -f "$q" ] || continue; n=${q##*/}; echo "Q ${n%.json}"; doc "$q"
-done"""
 
     def listing(self, run: str) -> Tuple[List[int], Dict[int, str]]:
         """The run's sealed steps and quarantined steps (with reasons), as the box sees the

@@ -13,25 +13,12 @@ from controller.registry import RunRecord
 from controller.remote import Remote
 from controller.results.entries import SHA256_HEX, Entry, Sealed, box_join, checked, sha_hex
 from controller.results.receipt import SealedId
+from controller.shell import script
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.errors import HostError, IntegrityError, NotFound, UsageError
 from onbox.common.safepath import UnsafePath, safe_rel
 
-# Hidden and temporary names are skipped, as the sealer skips them (torn writes live there).
-# Each file comes out as four NUL-terminated fields: kind, sha256, size, path.
-_LIST_SCRIPT = r"""
-hash_files='for f do h=$(sha256sum < "$f") || exit 45; s=$(wc -c < "$f") || exit 45
-  printf "%s\0%s\0%s\0%s\0" "$K" "${h%% *}" $s "$f"; done'
-while [ $# -ge 2 ]; do
-  K=$1; p=$2; shift 2; export K
-  if [ -f "$p" ]; then sh -c "$hash_files" rgt "$p" || exit 45
-  elif [ -d "$p" ]; then
-    find "$p" -mindepth 1 \( -name '.*' -o -name '*.tmp' -o -name '*.tmp.*' -o -name '*.partial' \
-      -o -name '*.part' -o -name '*.lock' -o -name '*~' -o -name '*.rgt-*' \) -prune \
-      -o -type f -exec sh -c "$hash_files" rgt {} + || exit 45
-  fi
-done
-"""
+_LIST_SCRIPT = script("boxfiles.sh")  # each file listed: kind, sha256, size, path
 
 
 def box_files(rec: RunRecord, remote: Remote) -> Sealed:

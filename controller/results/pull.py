@@ -59,6 +59,11 @@ or exited), and that hash is used only if the file cannot have changed since (th
 not write it again, and its size, mtime, ctime and inode are unchanged); otherwise it is hashed
 again after the transfer. A pull thus ends shortly after its last byte arrives (the hashes of
 the last files), instead of after a hash and an fsync of everything.
+
+This module is the orchestration: staging, verification, placing, the receipt. What is sealed
+is read by controller/results/sealed.py (documents.py, boxdocs.py, boxfiles.py; entries.py
+checks every name), the bytes come by transport.py, hashing.py hashes them while they come,
+loadcheck.py opens them as their frameworks would, progress.py reports.
 """
 
 from __future__ import annotations

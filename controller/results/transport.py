@@ -183,11 +183,14 @@ def fetcher(
     remote: Optional[Remote],
     finished: Callable[[Entry], None],
 ) -> Callable[[List[Entry]], int]:
+    """The fetch of a list of entries into their staged copies (the bytes fetched), from where
+    ``sealed`` says they are; each file handed to ``finished`` once its transport is done."""
     if sealed.source == "store":
         assert sealed.store is not None
         store = sealed.store
         return lambda items: _fetch_store(store, items, stage_dir, finished) if items else 0
-    box = _box_fetcher(sealed, stage_dir, bwlimit, transport, remote, finished)
+    assert remote is not None and sealed.box_root is not None
+    box = _box_fetcher(remote, sealed.box_root, stage_dir, bwlimit, transport, finished)
     if sealed.store is None:
         return box
     store = sealed.store
@@ -215,15 +218,15 @@ def fetcher(
 
 
 def _box_fetcher(
-    sealed: Sealed,
+    remote: Remote,
+    root: str,
     stage_dir: str,
     bwlimit: Optional[int],
     transport: Optional[str],
-    remote: Optional[Remote],
     finished: Callable[[Entry], None],
 ) -> Callable[[List[Entry]], int]:
-    assert remote is not None and sealed.box_root is not None
-    root = sealed.box_root
+    """From the box (``root``: the directory the entries' ``src`` is relative to), by rsync or
+    by stream (``transport``, see ``rgt pull``)."""
     if transport is None:
         transport = "auto" if shutil.which("rsync") else "stream"
     if transport in ("rsync", "auto"):

@@ -1,0 +1,16 @@
+# controller/results/boxfiles.py: the files of a run without a store, listed and hashed on the
+# box. Arguments in pairs: KIND PATH (a file, or a directory listed whole).
+# Hidden and temporary names are skipped, as the sealer skips them (torn writes live there).
+# Each file comes out as four NUL-terminated fields: kind, sha256, size, path.
+# shellcheck disable=SC2016 # expanded by the sh that runs it, once per batch of files
+hash_files='for f do h=$(sha256sum < "$f") || exit 45; s=$(wc -c < "$f") || exit 45
+  printf "%s\0%s\0%s\0%s\0" "$K" "${h%% *}" $s "$f"; done'
+while [ $# -ge 2 ]; do
+  K=$1; p=$2; shift 2; export K
+  if [ -f "$p" ]; then sh -c "$hash_files" rgt "$p" || exit 45
+  elif [ -d "$p" ]; then
+    find "$p" -mindepth 1 \( -name '.*' -o -name '*.tmp' -o -name '*.tmp.*' -o -name '*.partial' \
+      -o -name '*.part' -o -name '*.lock' -o -name '*~' -o -name '*.rgt-*' \) -prune \
+      -o -type f -exec sh -c "$hash_files" rgt {} + || exit 45
+  fi
+done

@@ -27,6 +27,7 @@ from onbox.sealing.stores.base import (
     PermanentStoreError,
     PreconditionFailed,
     Store,
+    StoreError,
     TransientStoreError,
     with_retries,
 )
@@ -255,6 +256,7 @@ def test_refused_token_raises_auth_error_fake_hub(fake_hub: FakeHub) -> None:
         assert AUTH_MESSAGE in str(e.value)
         assert "HTTP 401" in str(e.value)
         assert e.value.remedy == f"write tokens are made at {fake_hub.url}/settings/tokens"
+        assert isinstance(e.value, StoreError) and e.value.exit_code == 14
     with pytest.raises(AuthError, match="create or resolve the private repo.*" + AUTH_MESSAGE):
         hf_store().preflight("run1")
 

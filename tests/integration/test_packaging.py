@@ -118,14 +118,15 @@ def venv(dists: Dists, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Ven
     shutil.rmtree(work, ignore_errors=True)
 
 
-def _source_modules(root: str, *packages: str) -> Set[str]:
-    """``.py`` files under ``packages`` of a directory tree, as paths relative to it."""
+def _source_modules(root: str, *packages: str, data: bool = False) -> Set[str]:
+    """``.py`` files under ``packages`` of a directory tree, as paths relative to it (with
+    ``data``, the package data too: the shell the laptop runs on the box)."""
     found = set()
     for package in packages:
         for here, dirs, files in os.walk(os.path.join(root, package)):
             dirs[:] = [d for d in dirs if d != "__pycache__"]
             for f in files:
-                if f.endswith(".py"):
+                if f.endswith(".py") or (data and f.endswith(".sh")):
                     found.add(os.path.relpath(os.path.join(here, f), root).replace(os.sep, "/"))
     return found
 
@@ -140,8 +141,10 @@ def test_the_sdist_holds_every_module_and_the_project_files(dists: Dists) -> Non
         members = [m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name]
     modules = {n for n in members if n.endswith(".py") and n.startswith(("onbox/", "controller/"))}
     assert modules == _source_modules(dists.src, "onbox", "controller")
-    for name in ("base", "local", "s3", "hf"):
-        assert f"onbox/stores/{name}.py" in modules
+    for name in ("base", "local", "hf", "s3/__init__"):
+        assert f"onbox/sealing/stores/{name}.py" in modules
+    shell = {n for n in members if n.startswith("controller/shell/") and n.endswith(".sh")}
+    assert shell and shell == _source_modules(dists.src, "controller", data=True) - modules
     assert {"pyproject.toml", "README.md"} <= set(members)
 
 
@@ -150,7 +153,8 @@ def test_the_wheel_ships_onbox_and_controller_and_nothing_else(dists: Dists) -> 
     info = f"remote_gpu_trainer-{wheelmod.version()}.dist-info"
     assert {n.split("/", 1)[0] for n in names} == {"onbox", "controller", info}
     code = {n for n in names if not n.startswith(info + "/")}
-    assert code == _source_modules(dists.src, "onbox", "controller")
+    # The shell the laptop runs on the box ships as package data (controller/shell/*.sh).
+    assert code == _source_modules(dists.src, "onbox", "controller", data=True)
     with zipfile.ZipFile(dists.wheel) as zf:
         scripts = zf.read(f"{info}/entry_points.txt").decode()
     assert "rgt = controller.cli:main" in scripts and "rgt-agent = onbox.cli:main" in scripts

@@ -58,7 +58,9 @@ def _tagged(cli: Cli, name: str, attempt: int) -> List[int]:
 
 def _cmdline(pid: int) -> str:
     with open(f"/proc/{pid}/cmdline", "rb") as f:
-        return f.read().replace(b"\0", b" ").decode()
+        # Any process's arguments may be bytes that are not UTF-8 (the hostile-box tests run
+        # such a job): this scan over every pid must not fail on one of them.
+        return f.read().replace(b"\0", b" ").decode(errors="replace")
 
 
 def _shim_pid(cli: Cli, name: str, attempt: int) -> int:

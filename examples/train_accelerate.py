@@ -16,20 +16,19 @@ print the same three.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import random
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import List, Optional
 
-import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import (
     DataLoaderConfiguration,
     set_seed,
 )
+from statehash import rng_state, sha256_of  # examples/statehash.py, beside this script
 from torch import nn
 from torchdata.stateful_dataloader import (
     StatefulDataLoader,
@@ -49,40 +48,6 @@ def make_data() -> torch.utils.data.TensorDataset:
     w = torch.randn(N_IN, 1, generator=g) / N_IN**0.5
     y = torch.sin(2.0 * (x @ w)) + 0.1 * torch.randn(N_SAMPLES, 1, generator=g)
     return torch.utils.data.TensorDataset(x, y)
-
-
-def _feed(h: Any, obj: Any) -> None:
-    """Hash nested state (dicts in key order, tensors and arrays by their bytes)."""
-    if isinstance(obj, dict):
-        for k in sorted(obj, key=str):
-            h.update(f"<{k}>".encode())
-            _feed(h, obj[k])
-    elif isinstance(obj, (list, tuple)):
-        h.update(b"[")
-        for v in obj:
-            _feed(h, v)
-        h.update(b"]")
-    elif isinstance(obj, torch.Tensor):
-        h.update(str(obj.dtype).encode() + str(tuple(obj.shape)).encode())
-        h.update(obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    elif isinstance(obj, np.ndarray):
-        h.update(obj.tobytes())
-    else:
-        h.update(repr(obj).encode())
-
-
-def sha256_of(obj: Any) -> str:
-    h = hashlib.sha256()
-    _feed(h, obj)
-    return h.hexdigest()
-
-
-def rng_state() -> Dict[str, Any]:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:

@@ -17,15 +17,13 @@ state: an uninterrupted run and one killed and resumed print the same three.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
-import random
 import sys
 import time
 from typing import Any, Dict, List, Optional
 
-import numpy as np
 import torch
+from statehash import rng_state, sha256_of  # examples/statehash.py, beside this script
 from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
@@ -89,40 +87,6 @@ class Show(TrainerCallback):
     ) -> None:
         if self.sleep:
             time.sleep(self.sleep)
-
-
-def _feed(h: Any, obj: Any) -> None:
-    """Hash nested state (dicts in key order, tensors and arrays by their bytes)."""
-    if isinstance(obj, dict):
-        for k in sorted(obj, key=str):
-            h.update(f"<{k}>".encode())
-            _feed(h, obj[k])
-    elif isinstance(obj, (list, tuple)):
-        h.update(b"[")
-        for v in obj:
-            _feed(h, v)
-        h.update(b"]")
-    elif isinstance(obj, torch.Tensor):
-        h.update(str(obj.dtype).encode() + str(tuple(obj.shape)).encode())
-        h.update(obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    elif isinstance(obj, np.ndarray):
-        h.update(obj.tobytes())
-    else:
-        h.update(repr(obj).encode())
-
-
-def sha256_of(obj: Any) -> str:
-    h = hashlib.sha256()
-    _feed(h, obj)
-    return h.hexdigest()
-
-
-def rng_state() -> Dict[str, Any]:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:

@@ -17,17 +17,16 @@ print the same three.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import random
 import sys
 import time
 import warnings
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import lightning.pytorch as pl
-import numpy as np
 import torch
+from statehash import rng_state, sha256_of  # examples/statehash.py, beside this script
 from torch import nn
 from torchdata.stateful_dataloader import (
     StatefulDataLoader,
@@ -76,40 +75,6 @@ class Regressor(pl.LightningModule):
         opt = torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=3e-3, total_steps=self.total_steps)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-
-
-def _feed(h: Any, obj: Any) -> None:
-    """Hash nested state (dicts in key order, tensors and arrays by their bytes)."""
-    if isinstance(obj, dict):
-        for k in sorted(obj, key=str):
-            h.update(f"<{k}>".encode())
-            _feed(h, obj[k])
-    elif isinstance(obj, (list, tuple)):
-        h.update(b"[")
-        for v in obj:
-            _feed(h, v)
-        h.update(b"]")
-    elif isinstance(obj, torch.Tensor):
-        h.update(str(obj.dtype).encode() + str(tuple(obj.shape)).encode())
-        h.update(obj.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    elif isinstance(obj, np.ndarray):
-        h.update(obj.tobytes())
-    else:
-        h.update(repr(obj).encode())
-
-
-def sha256_of(obj: Any) -> str:
-    h = hashlib.sha256()
-    _feed(h, obj)
-    return h.hexdigest()
-
-
-def rng_state() -> Dict[str, Any]:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
 
 
 def parse_args(argv: Optional[List[str]]) -> argparse.Namespace:

@@ -9,13 +9,12 @@ warning (shown, deploy goes on) or a problem (deploy stops with them all listed)
 
 The same round trip looks, changing nothing, at what the next steps of a deploy would otherwise
 each ask the box for: the Python as the agent's install sees it and the install of this
-controller's wheel for it (controller/deploy/install.py ``PROBE_SH``), and whether the release of
-the
-project's code is complete there (controller/deploy/release.py ``SEEN_SH``). Each piece is a shell
-function of the module that owns it, prints its own section and is read by that module, so its
-errors stay its own; a deploy of unchanged code then needs no other round trip for them. Asked
-to (``look``), it also runs an agent's ``--version`` and the run's status through it
-(``rgt_look``, read by controller/deploy/flow.py).
+controller's wheel for it (controller/deploy/probe.py ``PROBE_SH``), and whether the release of
+the project's code is complete there (controller/deploy/release.py ``SEEN_SH``). Each piece is
+a shell function (in controller/shell/) of the module that owns it, prints its own section and is
+read by that module, so its errors stay its own; a deploy of unchanged code then needs no other
+round trip for them. Asked to (``look``), it also runs an agent's ``--version`` and the run's
+status through it (``rgt_look``, read by controller/deploy/flow.py).
 """
 
 from __future__ import annotations
@@ -24,66 +23,19 @@ import dataclasses
 import time
 from typing import Dict, List, Optional, Sequence
 
-from controller.deploy import install as installmod
+from controller import shell
+from controller.deploy import probe as probemod
 from controller.deploy import release as releasemod
+from controller.deploy.wheel import AgentWheel
 from controller.remote import Remote
 from onbox.common.errors import HostError
 
-# A shell function: `rgt_look CHECK SPEC NAME AGENT...` runs the agent AGENT... (its argv, its
-# environment first, as RunRecord.agent_argv gives it): its --version when CHECK is 1, in the
-# background while its `status NAME --json` runs (output kept until --version is done, so each
-# section comes out whole and the two starts overlap), then prints the run's SPEC (spec.json).
-# Sections: @@version, @@version-rc, @@status, @@status-rc, @@spec (controller/deploy/flow.py reads
-# them).
-LOOK_SH = r"""
-rgt_look() {
-  rgt_check=$1; rgt_spec=$2; rgt_name=$3; shift 3
-  if [ "$rgt_check" = 1 ]; then
-    { echo "@@version"; "$@" --version 2>&1; printf '\n@@version-rc\n%s\n' "$?"; } &
-  fi
-  rgt_st=$("$@" status "$rgt_name" --json 2>/dev/null); rgt_rc=$?
-  wait
-  printf '@@status\n%s\n@@status-rc\n%s\n@@spec\n' "$rgt_st" "$rgt_rc"
-  cat -- "$rgt_spec" 2>/dev/null
-}
-"""
+# The look at a run (controller/shell/look.sh defines rgt_look; controller/deploy/flow.py reads
+# its sections), and the audit's own script, which runs after the functions it calls: each piece
+# is its owner's (the Python probe's, the release's, the look's).
+LOOK_SH = shell.script("look.sh")
 LOOK_SECTIONS = ("version", "version-rc", "status", "status-rc", "spec")
-
-# $1 RGT_HOME on the box ("": ~/.rgt), $2 a file:// store's path (or ""), $3.. $7 the Python
-# probe's arguments (install.probe_args: the Python, the probe's code, and the version, sha256 and
-# extras of the wheel whose install to look for, or ""), $8 a release id (or ""), $9 the deploy's
-# name (or ""); then, optionally, rgt_look's arguments: the look at a run through the agent that
-# ran it last time, saving a deploy of unchanged code its second round trip.
-PROBE = r"""
-home=${1:-$HOME/.rgt}; durable=$2; rel=$8; name=$9
-py=$3; code=$4; ver=$5; sha=$6; extras=$7; shift 9
-# The look starts first and runs beside the rest (its two Python starts are most of the
-# script's time), its output held in a temporary file until the end; without mktemp, after.
-look_out=
-if [ "$#" -gt 0 ] && look_out=$(mktemp 2>/dev/null); then
-  rgt_look "$@" >"$look_out" 2>/dev/null &
-  look_pid=$!
-fi
-echo "@@home"; printf '%s\n' "$HOME"
-echo "@@python"
-rgt_python_probe "$home" "$py" "$code" "$ver" "$sha" "$extras"
-echo "@@gpu"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
-  2>/dev/null
-echo "@@df"; for d in "$home" "$durable"; do
-  [ -n "$d" ] || continue; p=$d; while [ ! -e "$p" ]; do p=$(dirname "$p"); done
-  printf '%s\n' "$d"; df -Pk "$p" | tail -n 1; df -Pi "$p" | tail -n 1; done
-echo "@@cgroup"; cat /sys/fs/cgroup/memory.max 2>/dev/null ||
-  cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null
-echo "@@tools"; for t in rsync tar; do command -v "$t" >/dev/null 2>&1 && echo "$t"; done
-echo "@@release"; if [ -n "$rel" ]; then rgt_release_seen "$home" "$rel" "$name"; fi
-echo "@@clock"; date +%s
-if [ -n "$look_out" ]; then
-  wait "$look_pid"; cat -- "$look_out"; rm -f -- "$look_out"
-elif [ "$#" -gt 0 ]; then
-  rgt_look "$@"
-fi
-"""
-SCRIPT = installmod.PROBE_SH + releasemod.SEEN_SH + LOOK_SH + PROBE
+SCRIPT = probemod.PROBE_SH + releasemod.SEEN_SH + LOOK_SH + shell.script("audit.sh")
 
 MIN_FREE_BYTES = 2 << 30
 MIN_FREE_INODES = 10000
@@ -110,7 +62,7 @@ class Audit:
     python_version: str
     tools: List[str]
     skew_s: float
-    probed: Optional[installmod.Probed] = None
+    probed: Optional[probemod.Probed] = None
     release: Optional[releasemod.BoxRelease] = None
     look: Optional[Dict[str, List[str]]] = None  # rgt_look's sections, when one was asked for
 
@@ -138,7 +90,7 @@ def audit(
     python: Optional[str],
     box_home: str,
     durable: Optional[str] = None,
-    wheel: Optional[installmod.AgentWheel] = None,
+    wheel: Optional[AgentWheel] = None,
     extras: Sequence[str] = (),
     release_id: Optional[str] = None,
     deploy: Optional[str] = None,
@@ -150,7 +102,7 @@ def audit(
     Python; with ``release_id``, whether that release is complete on the box (and whether the
     deploy ``deploy``'s current link is on it). With ``look`` (rgt_look's arguments), that look
     too, its sections in Audit.look."""
-    probe_args = installmod.probe_args(python, wheel, extras)  # UsageError before any command
+    probe_args = probemod.probe_args(python, wheel, extras)  # UsageError before any command
     t0 = time.time()
     res = remote.sh(
         SCRIPT,
@@ -200,10 +152,10 @@ def audit(
 
 def _python(
     python: Optional[str], lines: List[str], found: List[Finding]
-) -> Optional[installmod.Probed]:
-    """The Python probe's finding (install.parse_probe's error is the problem's text)."""
+) -> Optional[probemod.Probed]:
+    """The Python probe's finding (probe.parse_probe's error is the problem's text)."""
     try:
-        probed = installmod.parse_probe(python, lines)
+        probed = probemod.parse_probe(python, lines)
     except HostError as e:
         found.append(Finding("problem", f"{e.what}: {e.remedy}" if e.remedy else e.what))
         return None

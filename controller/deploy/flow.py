@@ -1,5 +1,6 @@
 """`rgt deploy`: put a run on a box and return.
 
+0. The request is checked here, before the box is touched (controller/deploy/request.py).
 1. Preflight audit (controller/deploy/audit.py): every problem is shown before anything is changed.
 2. Push the code as an immutable, content-addressed release (controller/deploy/release.py); the job
    runs inside it, so a later deploy never changes a running job's files.
@@ -26,7 +27,6 @@ with the agent installed.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import posixpath
@@ -35,20 +35,16 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from controller.deploy import audit as auditmod
-from controller.deploy.install import (
-    AgentInstall,
-    AgentWheel,
-    Probed,
-    agent_wheel,
-    answers_version,
-    found_install,
-    install_agent,
-)
-from controller.deploy.release import project_files, push_release, release_id, switch_current
+from controller.deploy.install import AgentInstall, answers_version, found_install, install_agent
+from controller.deploy.probe import Probed
+from controller.deploy.project import project_files, release_id
+from controller.deploy.release import PushResult, push_release, switch_current
+from controller.deploy.request import DeployRequest as DeployRequest  # rgt's cli imports it here
+from controller.deploy.request import Plan, check_request
+from controller.deploy.wheel import AgentWheel, agent_wheel
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, open_remote
-from controller.target import Target, parse_target
-from onbox.agent.spec import check_outputs, default_name
+from controller.target import Target
 from onbox.agent.states import LIVE_NAMES, TERMINAL_NAMES
 from onbox.common import jobenv
 from onbox.common.errors import (
@@ -57,87 +53,13 @@ from onbox.common.errors import (
     NotFound,
     RemoteUnreachable,
     RgtError,
-    UsageError,
 )
-from onbox.common.rundir import check_name
-from onbox.sealing.stores import parse_store_url
 
-PROFILES = ("generic-ssh", "local")
 FIRST_LINE_TIMEOUT = 60.0
-
-
-@dataclasses.dataclass
-class DeployRequest:
-    """What the user asked `rgt deploy` for."""
-
-    target: str
-    command: List[str]
-    job_file: Optional[str] = None
-    profile: Optional[str] = None
-    store: Optional[str] = None
-    name: Optional[str] = None
-    python: Optional[str] = None
-    secret_env: Sequence[str] = ()
-    outputs: Sequence[str] = ()  # --output: passed to `rgt-agent start`, added to the job file's
-    offline: bool = False
-    project: str = "."
 
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
-
-
-def _job_name(req: DeployRequest, project: str) -> str:
-    if req.name is not None:  # given empty is refused, never replaced by a default
-        return check_name(req.name, "--name")
-    if req.job_file:
-        if sys.version_info >= (3, 11):
-            import tomllib  # novermin
-        else:  # pragma: no cover - older laptops
-            import tomli as tomllib
-        try:
-            with open(req.job_file, "rb") as f:
-                doc = tomllib.load(f)
-        except (OSError, ValueError) as e:
-            raise UsageError("JOB.toml", f"cannot read {req.job_file}: {e}") from None
-        if isinstance(doc.get("name"), str):
-            return check_name(doc["name"], "name (in the job file)")
-        cmd = doc.get("command")
-        if isinstance(cmd, list) and cmd:
-            return default_name([str(c) for c in cmd])
-    return default_name(req.command)
-
-
-def _check_job_store(req: DeployRequest) -> None:
-    """Refuse a malformed ``store`` in the job file, as the box would."""
-    if not req.job_file:
-        return
-    if sys.version_info >= (3, 11):
-        import tomllib  # novermin
-    else:  # pragma: no cover - older laptops
-        import tomli as tomllib
-    try:
-        with open(req.job_file, "rb") as f:
-            store = tomllib.load(f).get("store")
-    except (OSError, ValueError):
-        return  # _job_name has read it already; the box names what is wrong with it
-    if store is not None:
-        parse_store_url(store, "store (in the job file)")
-
-
-def _secrets(names: Sequence[str], environ: Dict[str, str]) -> Dict[str, str]:
-    out = {}
-    for var in names:
-        if not var.isidentifier():
-            raise UsageError("--secret-env", f"{var!r} is not an environment variable name")
-        if var not in environ:
-            raise UsageError(
-                "--secret-env",
-                f"{var} is not set in this shell, so there is no value to send",
-                f"export {var}=... first (its value travels on stdin only)",
-            )
-        out[var] = environ[var]
-    return out
 
 
 def box_home_for(remote: Remote, home: str) -> str:
@@ -177,151 +99,185 @@ def deploy(
     """Run every step of a deploy; the run's record once its job printed a first line."""
     environ = dict(os.environ if environ is None else environ)
     registry = registry or Registry()
-    target: Target = parse_target(req.target)
-    profile = req.profile or ("local" if target.kind == "local" else "generic-ssh")
-    if profile not in PROFILES:
-        raise UsageError("--profile", f"{profile!r} is not one of {', '.join(PROFILES)}")
-    if (profile == "local") != (target.kind == "local"):
-        raise UsageError("--profile", f"profile {profile} does not fit target {target.label}")
-    if not req.command and not req.job_file:
-        raise UsageError("command", "nothing to run", "give a JOB.toml or `-- CMD ...`")
-    project = os.path.abspath(req.project)
-    job_rel = None
-    if req.job_file:
-        job_rel = os.path.relpath(os.path.abspath(req.job_file), project)
-        if job_rel.startswith(".."):
-            raise UsageError("JOB.toml", f"{req.job_file} is not inside the project {project}")
-    name = _job_name(req, project)
-    # The box would refuse a bad store URL too, but only after the push and the install: check
-    # it here with the box's own parser, before anything anywhere changes.
-    if req.store is not None:
-        parse_store_url(req.store, "--store")
-    else:
-        _check_job_store(req)
-    check_outputs(list(req.outputs), "--output")  # as the box would, before anything changes
-    secrets = _secrets(req.secret_env, environ)
+    plan = check_request(req, environ)
     # The agent this laptop last ran the run with is most likely still the one: look at the run
     # through it within the audit's command (checked against what the audit finds). Read before
     # anything else, so that a corrupt registry stops the deploy with nothing changed.
-    prev = _previous(registry, name, target)
+    prev = _previous(registry, plan.name, plan.target)
     # What the audit looks for on the box, computed here first: the release's id (a project
     # that cannot be pushed is refused before the box is touched) and the agent's wheel.
-    files = project_files(project)
-    rid = release_id(project, files)
+    files = project_files(plan.project)
+    rid = release_id(plan.project, files)
     wheel = agent_wheel()
 
-    remote = open_remote(target)
+    remote = open_remote(plan.target)
     try:
-        say(f"rgt: auditing {target.label} ...")
-        known = box_home_for(remote, "")  # "" on an ssh box: its $HOME/.rgt, read by the audit
-        store = req.store
-        if store is None and profile == "local":
-            store = "file://" + os.path.join(known, "store")
-        extras = _extras(store)
-        report = auditmod.audit(
-            remote,
-            python=req.python,
-            box_home=known,
-            durable=_durable_path(store),
-            wheel=wheel,
-            extras=extras,
-            release_id=rid,
-            deploy=name,
-            look=_look_args(prev, wheel.version) if prev is not None else (),
-        )
-        box_home = known or box_home_for(remote, report.home)
-        for f in report.findings:
-            say(f"  {'ok  ' if f.level == 'ok' else f.level.upper() + ':'} {f.what}")
-        if report.problems:
-            raise HostError(
-                f"{target.label} is not ready: "
-                + "; ".join(f.what for f in report.problems)
-                + ". Nothing was changed on the box.",
-                "fix these, then deploy again",
-            )
-
+        say(f"rgt: auditing {plan.target.label} ...")
+        report, box_home, store = _audit(remote, plan, rid, wheel, prev, say)
         pushed = push_release(
-            remote, project, box_home, name=name, files=files, seen=report.release
+            remote, plan.project, box_home, name=plan.name, files=files, seen=report.release
         )
-        say(
-            f"rgt: release {pushed.id}: "
-            + (
-                "already on the box, nothing sent"
-                if pushed.method == "existing"
-                else f"{pushed.transferred_files} files, {pushed.transferred_bytes} bytes "
-                f"sent ({pushed.method})"
-            )
-        )
-
-        def record(agent: AgentInstall) -> RunRecord:
-            return RunRecord(
-                name=name,
-                target=target,
-                profile=profile,
-                store=store,
-                box_home=box_home,
-                agent=list(agent.argv),
-                agent_env=dict(agent.env),
-                release=pushed.id,
-                workdir=pushed.path,
-            )
-
+        say(_pushed_line(pushed))
+        record = _recorder(plan, store, box_home, pushed)
         agent, rec, live = _agent_and_run(
-            remote, req, box_home, wheel, extras, report.probed, record, prev, report.look
+            remote, req, box_home, wheel, _extras(store), report.probed, record, prev, report.look
         )
         say(
             f"rgt: agent {'installed' if agent.installed else 'already installed'} "
             f"({agent.method}, Python {agent.python_version})"
         )
         if live is not None:
-            state, release = live
-            if release == pushed.id:
-                # A deploy cut off after the start may not have switched the link yet.
-                switch_current(remote, box_home, name, pushed.id)
-                registry.put(rec)
-                say(f"rgt: {name} is already {state} on this release; nothing to do")
-                return rec
-            raise LockedError(
-                f"run {name} is {state} on {target.label} with release {release}",
-                f"`rgt stop {name}` first, or deploy under another --name",
-            )
-        if secrets:
-            r = remote.run(rec.agent_argv("secrets", name), input=json.dumps(secrets).encode())
-            if r.rc != 0:
-                raise HostError(f"storing the secrets on the box failed: {r.err.strip()}")
-            say(f"rgt: secrets {', '.join(sorted(secrets))} stored on the box (0600)")
-        args = ["start", "--name", name]
-        if store:
-            args += ["--store", store]
-        for out in req.outputs:
-            args += ["--output", out]
-        if job_rel:
-            args.append(job_rel)
-        if req.command:
-            args += ["--", *req.command]
-        try:
-            r = remote.sh(
-                'cd "$1" || exit 9; shift; exec "$@"',
-                pushed.path,
-                *rec.agent_argv(*args),
-                timeout=120,
-            )
-        except RemoteUnreachable:
-            # The link went while the agent was starting, so it may well be running: remember
-            # the run, so that `rgt status` finds it and the next deploy sees it live.
-            registry.put(rec)
-            raise
-        if r.rc != 0:
-            raise RgtError(
-                f"rgt-agent start failed on {target.label} (exit {r.rc}): "
-                f"{(r.err or r.text).strip()}"
-            )
+            return _already_live(remote, registry, plan, rec, live, pushed, say)
+        _store_secrets(remote, rec, plan.secrets, say)
+        _start(remote, registry, plan, rec, store, pushed)
         registry.put(rec)
-        switch_current(remote, box_home, name, pushed.id)
+        switch_current(remote, box_home, plan.name, pushed.id)
         _wait_first_line(remote, rec, say)
         return rec
     finally:
         remote.close()
+
+
+def _audit(
+    remote: Remote,
+    plan: Plan,
+    rid: str,
+    wheel: AgentWheel,
+    prev: Optional[RunRecord],
+    say: Callable[[str], None],
+) -> Tuple[auditmod.Audit, str, Optional[str]]:
+    """The audit, shown line by line: HostError with every problem, before anything on the box
+    is changed. Returns it, RGT_HOME on the box and the run's store."""
+    known = box_home_for(remote, "")  # "" on an ssh box: its $HOME/.rgt, read by the audit
+    store = plan.req.store
+    if store is None and plan.profile == "local":
+        store = "file://" + os.path.join(known, "store")
+    report = auditmod.audit(
+        remote,
+        python=plan.req.python,
+        box_home=known,
+        durable=_durable_path(store),
+        wheel=wheel,
+        extras=_extras(store),
+        release_id=rid,
+        deploy=plan.name,
+        look=_look_args(prev, wheel.version) if prev is not None else (),
+    )
+    box_home = known or box_home_for(remote, report.home)
+    for f in report.findings:
+        say(f"  {'ok  ' if f.level == 'ok' else f.level.upper() + ':'} {f.what}")
+    if report.problems:
+        raise HostError(
+            f"{plan.target.label} is not ready: "
+            + "; ".join(f.what for f in report.problems)
+            + ". Nothing was changed on the box.",
+            "fix these, then deploy again",
+        )
+    return report, box_home, store
+
+
+def _pushed_line(pushed: PushResult) -> str:
+    """What the push did, in one line."""
+    return f"rgt: release {pushed.id}: " + (
+        "already on the box, nothing sent"
+        if pushed.method == "existing"
+        else f"{pushed.transferred_files} files, {pushed.transferred_bytes} bytes "
+        f"sent ({pushed.method})"
+    )
+
+
+def _recorder(
+    plan: Plan, store: Optional[str], box_home: str, pushed: PushResult
+) -> Callable[[AgentInstall], RunRecord]:
+    """The run's record, given the agent that runs it."""
+
+    def record(agent: AgentInstall) -> RunRecord:
+        return RunRecord(
+            name=plan.name,
+            target=plan.target,
+            profile=plan.profile,
+            store=store,
+            box_home=box_home,
+            agent=list(agent.argv),
+            agent_env=dict(agent.env),
+            release=pushed.id,
+            workdir=pushed.path,
+        )
+
+    return record
+
+
+def _already_live(
+    remote: Remote,
+    registry: Registry,
+    plan: Plan,
+    rec: RunRecord,
+    live: Live,
+    pushed: PushResult,
+    say: Callable[[str], None],
+) -> RunRecord:
+    """A run already live on the box: left alone on this release, refused on another."""
+    state, release = live
+    if release != pushed.id:
+        raise LockedError(
+            f"run {plan.name} is {state} on {plan.target.label} with release {release}",
+            f"`rgt stop {plan.name}` first, or deploy under another --name",
+        )
+    # A deploy cut off after the start may not have switched the link yet.
+    switch_current(remote, rec.box_home, plan.name, pushed.id)
+    registry.put(rec)
+    say(f"rgt: {plan.name} is already {state} on this release; nothing to do")
+    return rec
+
+
+def _store_secrets(
+    remote: Remote, rec: RunRecord, secrets: Dict[str, str], say: Callable[[str], None]
+) -> None:
+    """Each secret's value on stdin to ``rgt-agent secrets`` (never in argv)."""
+    if not secrets:
+        return
+    r = remote.run(rec.agent_argv("secrets", rec.name), input=json.dumps(secrets).encode())
+    if r.rc != 0:
+        raise HostError(f"storing the secrets on the box failed: {r.err.strip()}")
+    say(f"rgt: secrets {', '.join(sorted(secrets))} stored on the box (0600)")
+
+
+def _start(
+    remote: Remote,
+    registry: Registry,
+    plan: Plan,
+    rec: RunRecord,
+    store: Optional[str],
+    pushed: PushResult,
+) -> None:
+    """``rgt-agent start`` in the release's directory (it returns once the agent is detached)."""
+    req = plan.req
+    args = ["start", "--name", plan.name]
+    if store:
+        args += ["--store", store]
+    for out in req.outputs:
+        args += ["--output", out]
+    if plan.job_rel:
+        args.append(plan.job_rel)
+    if req.command:
+        args += ["--", *req.command]
+    try:
+        r = remote.sh(
+            'cd "$1" || exit 9; shift; exec "$@"',
+            pushed.path,
+            *rec.agent_argv(*args),
+            timeout=120,
+        )
+    except RemoteUnreachable:
+        # The link went while the agent was starting, so it may well be running: remember
+        # the run, so that `rgt status` finds it and the next deploy sees it live.
+        registry.put(rec)
+        raise
+    if r.rc != 0:
+        raise RgtError(
+            f"rgt-agent start failed on {plan.target.label} (exit {r.rc}): "
+            f"{(r.err or r.text).strip()}"
+        )
 
 
 Live = Tuple[str, Optional[str]]  # a live run's state and the release it runs

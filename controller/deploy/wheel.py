@@ -83,13 +83,20 @@ def wheel_filename(ver: Optional[str] = None) -> str:
 
 
 def package_files() -> List[Tuple[str, str]]:
-    """(path in the wheel, path on disk) of every ``.py`` file of the importable ``onbox``."""
+    """(path in the wheel, path on disk) of every module of the importable ``onbox``: the
+    ``.py`` files of its packages (directories with an ``__init__.py``), as setuptools finds
+    them, so no editor's or another tool's stray file (``.#x.py``, a scratch directory) rides
+    along and changes the wheel's hash."""
     root = os.path.dirname(os.path.abspath(onbox.__file__))
     out = []
     for here, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d != "__pycache__" and not d.startswith("."))
+        dirs[:] = sorted(
+            d
+            for d in dirs
+            if not d.startswith(".") and os.path.isfile(os.path.join(here, d, "__init__.py"))
+        )
         for f in files:
-            if f.endswith(".py"):
+            if f.endswith(".py") and not f.startswith("."):
                 path = os.path.join(here, f)
                 rel = os.path.relpath(path, os.path.dirname(root)).replace(os.sep, "/")
                 out.append((rel, path))
@@ -156,6 +163,22 @@ def wheel_bytes(ver: Optional[str] = None) -> bytes:
             _add(zf, name, data)
         _add(zf, f"{dist_info}/RECORD", record.encode())
     return buf.getvalue()
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentWheel:
+    """rgt's wheel as this controller builds it: its sha256 names the agent's install on the box."""
+
+    version: str
+    data: bytes = dataclasses.field(repr=False)
+    sha256: str
+
+
+def agent_wheel() -> AgentWheel:
+    """This controller's wheel, built here in memory."""
+    ver = version()
+    data = wheel_bytes(ver)
+    return AgentWheel(ver, data, hashlib.sha256(data).hexdigest())
 
 
 def build_wheel(dest_dir: str) -> str:

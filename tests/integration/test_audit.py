@@ -32,13 +32,9 @@ import pytest
 
 from controller.deploy import install
 from controller.deploy.audit import Audit, audit
-from controller.deploy.release import (
-    BoxRelease,
-    project_files,
-    push_release,
-    release_id,
-    switch_current,
-)
+from controller.deploy.project import project_files, release_id
+from controller.deploy.release import BoxRelease, push_release, switch_current
+from controller.deploy.wheel import agent_wheel
 from controller.remote import LocalRemote, Remote, SshRemote
 from controller.target import Target
 from onbox.common.errors import UsageError
@@ -103,7 +99,7 @@ def _nothing_pwned(*dirs: str) -> None:
 
 def test_an_empty_box_python_found_byte_for_byte_nothing_else(box: Box, tmp_path: Path) -> None:
     py = _hostile_python(tmp_path)
-    wheel = install.agent_wheel()
+    wheel = agent_wheel()
     rep = box.audit(py, wheel=wheel, extras=["s3"], release_id=RID, deploy="run-1")
     assert rep.probed is not None, rep.findings
     assert rep.probed.python.path == py  # the non-UTF-8 byte too
@@ -118,7 +114,7 @@ def test_an_empty_box_python_found_byte_for_byte_nothing_else(box: Box, tmp_path
 
 def test_the_install_and_the_release_are_found(box: Box, tmp_path: Path) -> None:
     py = _hostile_python(tmp_path)
-    wheel = install.agent_wheel()
+    wheel = agent_wheel()
     key = install.install_key(wheel, py, ["s3"])
     # Installs that are not the one asked for: another Python's, other extras', and an
     # incomplete one with a higher number.
@@ -174,7 +170,7 @@ def test_a_python_that_talks_before_its_answer_is_still_read(box: Box, tmp_path:
         "echo 'DeprecationWarning: this Python is noisy' >&2\n"
         f'exec {real} "$@"\n',
     )
-    wheel = install.agent_wheel()
+    wheel = agent_wheel()
     key = install.install_key(wheel, noisy)
     text = _marker(box.home, key)
     rep = box.audit(noisy, wheel=wheel)
@@ -204,7 +200,7 @@ def test_a_python_that_will_not_do_is_a_problem_in_the_install_s_words(
         old: "is Python 3.8.18; rgt's agent needs 3.9 or newer",
     }
     for python, why in cases.items():
-        rep = box.audit(python, wheel=install.agent_wheel(), release_id=RID)
+        rep = box.audit(python, wheel=agent_wheel(), release_id=RID)
         assert rep.probed is None and rep.python == ""
         (problem,) = [f for f in rep.problems if why in f.what]
         assert "--python" in problem.what, problem

@@ -33,7 +33,8 @@ from typing import Any, Dict, Iterator, List, Tuple
 import pytest
 
 from controller.deploy import wheel as wheelmod
-from controller.deploy.install import AgentInstall, install_agent, manylinux_platforms, probe_python
+from controller.deploy.install import AgentInstall, install_agent, manylinux_platforms
+from controller.deploy.probe import probe_python
 from controller.remote import LocalRemote, SshRemote
 from controller.target import Target
 from onbox.common.errors import HostError, UsageError
@@ -146,7 +147,7 @@ def test_the_wheel_is_reproducible_and_holds_only_onbox(tmp_path: Path) -> None:
     with zipfile.ZipFile(a) as zf:
         names = zf.namelist()
         code = sorted(n for n in names if ".dist-info/" not in n)
-        assert code == expected and "onbox/stores/s3.py" in code
+        assert code == expected and "onbox/sealing/stores/s3/core.py" in code
         assert not any(n.startswith("controller/") for n in names)
         info = f"remote_gpu_trainer-{wheelmod.version()}.dist-info"
         assert names[-1] == f"{info}/RECORD"
@@ -419,7 +420,7 @@ def test_offline_install_from_pushed_wheels(remote: SshRemote, tmp_path: Path) -
 
 
 def test_platform_tags_for_offline_downloads() -> None:
-    from controller.deploy.install import BoxPython
+    from controller.deploy.probe import BoxPython
 
     glibc = BoxPython("/p", (3, 10, 1), "cpython", "", "aarch64", ("glibc", "2.31"))
     tags = manylinux_platforms(glibc)

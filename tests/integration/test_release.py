@@ -32,11 +32,11 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
+from controller.deploy.project import project_files
 from controller.deploy.release import (
     MARKER,
     PushResult,
     current_release,
-    project_files,
     push_release,
     switch_current,
 )

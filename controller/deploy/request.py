@@ -1,0 +1,133 @@
+"""What the user asked `rgt deploy` for, checked before anything anywhere changes.
+
+``check_request`` refuses (UsageError) what the box would refuse only after the push and the
+install: a profile that does not fit the target, nothing to run, a job file outside the project,
+a bad run name, store URL or ``--output``, a ``--secret-env`` with no value here. What it returns,
+a ``Plan``, is what controller/deploy/flow.py carries through the steps of the deploy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+from controller.target import Target, parse_target
+from onbox.agent.spec import check_outputs, default_name
+from onbox.common.errors import UsageError
+from onbox.common.rundir import check_name
+from onbox.sealing.stores import parse_store_url
+
+PROFILES = ("generic-ssh", "local")
+
+
+@dataclasses.dataclass
+class DeployRequest:
+    """What the user asked `rgt deploy` for."""
+
+    target: str
+    command: List[str]
+    job_file: Optional[str] = None
+    profile: Optional[str] = None
+    store: Optional[str] = None
+    name: Optional[str] = None
+    python: Optional[str] = None
+    secret_env: Sequence[str] = ()
+    outputs: Sequence[str] = ()  # --output: passed to `rgt-agent start`, added to the job file's
+    offline: bool = False
+    project: str = "."
+
+
+def _read_toml(path: str) -> Dict[str, Any]:
+    """The job file's document; OSError or ValueError when it cannot be read as TOML."""
+    if sys.version_info >= (3, 11):
+        import tomllib  # novermin
+    else:  # pragma: no cover - older laptops
+        import tomli as tomllib
+    with open(path, "rb") as f:
+        return tomllib.load(f)
+
+
+def _job_name(req: DeployRequest, project: str) -> str:
+    if req.name is not None:  # given empty is refused, never replaced by a default
+        return check_name(req.name, "--name")
+    if req.job_file:
+        try:
+            doc = _read_toml(req.job_file)
+        except (OSError, ValueError) as e:
+            raise UsageError("JOB.toml", f"cannot read {req.job_file}: {e}") from None
+        if isinstance(doc.get("name"), str):
+            return check_name(doc["name"], "name (in the job file)")
+        cmd = doc.get("command")
+        if isinstance(cmd, list) and cmd:
+            return default_name([str(c) for c in cmd])
+    return default_name(req.command)
+
+
+def _check_job_store(req: DeployRequest) -> None:
+    """Refuse a malformed ``store`` in the job file, as the box would."""
+    if not req.job_file:
+        return
+    try:
+        store = _read_toml(req.job_file).get("store")
+    except (OSError, ValueError):
+        return  # _job_name has read it already; the box names what is wrong with it
+    if store is not None:
+        parse_store_url(store, "store (in the job file)")
+
+
+def _secrets(names: Sequence[str], environ: Dict[str, str]) -> Dict[str, str]:
+    out = {}
+    for var in names:
+        if not var.isidentifier():
+            raise UsageError("--secret-env", f"{var!r} is not an environment variable name")
+        if var not in environ:
+            raise UsageError(
+                "--secret-env",
+                f"{var} is not set in this shell, so there is no value to send",
+                f"export {var}=... first (its value travels on stdin only)",
+            )
+        out[var] = environ[var]
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What a deploy was checked to do before anything anywhere changes."""
+
+    req: DeployRequest
+    target: Target
+    profile: str
+    project: str
+    job_rel: Optional[str]  # the job file, relative to the project
+    name: str
+    secrets: Dict[str, str]
+
+
+def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
+    """The request checked: UsageError for what the box would refuse, before it is touched."""
+    target: Target = parse_target(req.target)
+    profile = req.profile or ("local" if target.kind == "local" else "generic-ssh")
+    if profile not in PROFILES:
+        raise UsageError("--profile", f"{profile!r} is not one of {', '.join(PROFILES)}")
+    if (profile == "local") != (target.kind == "local"):
+        raise UsageError("--profile", f"profile {profile} does not fit target {target.label}")
+    if not req.command and not req.job_file:
+        raise UsageError("command", "nothing to run", "give a JOB.toml or `-- CMD ...`")
+    project = os.path.abspath(req.project)
+    job_rel = None
+    if req.job_file:
+        job_rel = os.path.relpath(os.path.abspath(req.job_file), project)
+        if job_rel.startswith(".."):
+            raise UsageError("JOB.toml", f"{req.job_file} is not inside the project {project}")
+    name = _job_name(req, project)
+    # The box would refuse a bad store URL too, but only after the push and the install: check
+    # it here with the box's own parser, before anything anywhere changes.
+    if req.store is not None:
+        parse_store_url(req.store, "--store")
+    else:
+        _check_job_store(req)
+    check_outputs(list(req.outputs), "--output")  # as the box would, before anything changes
+    secrets = _secrets(req.secret_env, environ)
+    return Plan(req, target, profile, project, job_rel, name, secrets)

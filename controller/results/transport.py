@@ -21,9 +21,10 @@ from onbox.sealing.stores.base import Store, with_retries
 CHUNK = 8 << 20
 
 
-def _fetch_store(
+def fetch_store(
     store: Store, items: List[Entry], stage_dir: str, finished: Callable[[Entry], None]
 ) -> int:
+    """Each entry from the store by its key, downloaded whole (the store has no byte ranges)."""
     fetched = 0
     for e in items:
         assert e.key is not None
@@ -50,7 +51,7 @@ def _rsync_name(raw: bytes) -> bytes:
     return _ESCAPE.sub(lambda m: bytes([int(m.group(1), 8)]), raw)
 
 
-def _fetch_rsync(
+def fetch_rsync(
     remote: Remote,
     root: str,
     items: List[Entry],
@@ -129,7 +130,7 @@ def _fetch_rsync(
     raise HostError(f"rsync from {remote.target.label} failed (exit {rc}): {last[0]}")
 
 
-def _fetch_stream(
+def fetch_stream(
     remote: Remote,
     root: str,
     items: List[Entry],
@@ -188,7 +189,7 @@ def fetcher(
     if sealed.source == "store":
         assert sealed.store is not None
         store = sealed.store
-        return lambda items: _fetch_store(store, items, stage_dir, finished) if items else 0
+        return lambda items: fetch_store(store, items, stage_dir, finished) if items else 0
     assert remote is not None and sealed.box_root is not None
     box = _box_fetcher(remote, sealed.box_root, stage_dir, bwlimit, transport, finished)
     if sealed.store is None:
@@ -202,7 +203,7 @@ def fetcher(
             if e.src is not None:
                 continue
             try:
-                n += _fetch_store(store, [e], stage_dir, finished)
+                n += fetch_store(store, [e], stage_dir, finished)
             except StoreError as err:
                 raise StoreError(
                     f"{e.path} is sealed as a redacted copy ({e.key} in {store.url}) because "
@@ -238,16 +239,16 @@ def _box_fetcher(
                 return 0
             if mode[0] == "rsync":
                 try:
-                    return _fetch_rsync(remote, root, items, stage_dir, bwlimit, finished)
+                    return fetch_rsync(remote, root, items, stage_dir, bwlimit, finished)
                 except _NoRemoteRsync:
                     if forced:
                         raise HostError(
                             f"{remote.target.label} has no rsync", "install it, or pull without it"
                         ) from None
                     mode[0] = "stream"  # the box has no rsync: stream with tail over ssh
-            return _fetch_stream(remote, root, items, stage_dir, finished)
+            return fetch_stream(remote, root, items, stage_dir, finished)
 
         return fetch
     if transport == "stream":
-        return lambda items: _fetch_stream(remote, root, items, stage_dir, finished) if items else 0
+        return lambda items: fetch_stream(remote, root, items, stage_dir, finished) if items else 0
     raise UsageError("transport", f"{transport!r} is not rsync or stream")

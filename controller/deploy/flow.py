@@ -34,6 +34,7 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from controller import boxrun
 from controller.deploy import audit as auditmod
 from controller.deploy.install import AgentInstall, answers_version, found_install, install_agent
 from controller.deploy.probe import Probed
@@ -339,8 +340,7 @@ def _previous(registry: Registry, name: str, target: Target) -> Optional[RunReco
 def _look_args(rec: RunRecord, version: Optional[str]) -> List[str]:
     """audit.rgt_look's arguments for a look at ``rec``'s run (``--version`` too, with
     ``version``)."""
-    spec = posixpath.join(rec.box_home, "runs", rec.name, "spec.json")
-    return ["1" if version else "0", spec, rec.name, *rec.agent_argv()]
+    return ["1" if version else "0", boxrun.look_dir(rec).spec, rec.name, *rec.agent_argv()]
 
 
 def _look(
@@ -388,12 +388,7 @@ def _wait_first_line(remote: Remote, rec: RunRecord, say: Callable[[str], None])
     deadline = time.monotonic() + FIRST_LINE_TIMEOUT
     state = "?"
     while time.monotonic() < deadline:
-        st = remote.run(rec.agent_argv("status", rec.name, "--json"), timeout=60)
-        try:
-            doc = json.loads(st.stdout)
-        except ValueError:
-            doc = {}
-        state = str(doc.get("state"))
+        state = str(boxrun.poll_status(rec, remote).get("state"))
         log = remote.run(rec.agent_argv("logs", rec.name), timeout=60).text
         if log.strip():
             say(f"rgt: {rec.name} is {state}; its first line: {log.strip().splitlines()[0][:200]}")

@@ -108,10 +108,13 @@ from benchlib import (  # noqa: E402
 
 from controller.registry import Registry, RunRecord  # noqa: E402
 from controller.remote import SshRemote  # noqa: E402
+from controller.results import hashing as hashingmod  # noqa: E402
 from controller.results import pull as pullmod  # noqa: E402
+from controller.results import transport as transportmod  # noqa: E402
 from controller.target import Target, ssh_destination_args  # noqa: E402
 from onbox.agent import procfs  # noqa: E402
-from onbox.sealing.sealer import Sealer, take_epoch  # noqa: E402
+from onbox.sealing.ledger import take_epoch  # noqa: E402
+from onbox.sealing.sealer import Sealer  # noqa: E402
 from onbox.sealing.stores import open_store  # noqa: E402
 from tests.sshd import SshServer, start_sshd  # noqa: E402
 
@@ -799,12 +802,12 @@ def pull_phases(box: Box, dest: str, fresh: Callable[[], None]) -> Dict[str, Any
 
     with contextlib.ExitStack() as stack:
         wrap(stack, pullmod, "read_sealed", "read")
-        wrap(stack, pullmod, "_fetch_rsync", "fetch")
+        wrap(stack, transportmod, "fetch_rsync", "fetch")  # called inside transport
         wrap(stack, pullmod, "_verify", "verify")
         wrap(stack, pullmod, "_open_all", "open")
         wrap(stack, pullmod, "_place", "place")
         wrap(stack, pullmod, "write_receipt", "receipt")
-        checker = getattr(pullmod, "_Checker", None)
+        checker = getattr(hashingmod, "Checker", None)
         if checker is not None:
             wrap(stack, checker, "_hash", "hash")
         t0 = time.monotonic()

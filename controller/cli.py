@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import click
 
@@ -73,40 +73,16 @@ def _pick(name: Optional[str]) -> RunRecord:
 @click.option("--offline", is_flag=True, help="Bring the agent's dependencies from here.")
 @click.option("--project", default=".", metavar="DIR", help="The code to push (default: .).")
 @click.pass_context
-def deploy(
-    ctx: click.Context,
-    target: str,
-    job_file: Optional[str],
-    profile: Optional[str],
-    store: Optional[str],
-    name: Optional[str],
-    python: Optional[str],
-    secret_env: List[str],
-    outputs: List[str],
-    offline: bool,
-    project: str,
-) -> int:
+def deploy(ctx: click.Context, /, outputs: List[str], **options: Any) -> int:
     """Put a run on TARGET (an ssh alias, user@host[:port], a pasted `ssh ...` line, or local)
     and return once its job has printed its first line."""
-    from controller.deploy.flow import DeployRequest
     from controller.deploy.flow import deploy as do_deploy
+    from controller.deploy.request import DeployRequest
 
+    # The options are DeployRequest's fields by name (target, job_file, profile, store, name,
+    # python, secret_env, offline, project): click hands them over as they are.
     command = list((ctx.obj or {}).get("command") or [])
-    rec = do_deploy(
-        DeployRequest(
-            target=target,
-            command=command,
-            job_file=job_file,
-            profile=profile,
-            store=store,
-            name=name,
-            python=python,
-            secret_env=secret_env,
-            outputs=list(outputs),
-            offline=offline,
-            project=project,
-        )
-    )
+    rec = do_deploy(DeployRequest(command=command, outputs=list(outputs), **options))
     _emit(rec.name)
     return 0
 

@@ -24,7 +24,8 @@ from onbox.agent.observe import public_state, warning_lines
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.errors import NotFound, RemoteUnreachable, RgtError
 from onbox.sealing import manifest as mf
-from onbox.sealing.restore import in_effect, quarantine_reasons, sealed_steps
+from onbox.sealing.ledger import quarantine_reasons
+from onbox.sealing.restore import in_effect, sealed_steps
 
 # One round trip: the agent's status, then the box's view of what limits the run.
 SNAPSHOT = script("observe.sh")

@@ -35,7 +35,14 @@ from onbox.agent.states import TERMINAL_NAMES
 from onbox.agent.title import set_title
 from onbox.common.climain import run_cli
 from onbox.common.durable import make_dirs, read_json, write_json
-from onbox.common.errors import FINAL_EXIT_CODES, HostError, NotFound, RgtError, UsageError
+from onbox.common.errors import (
+    FINAL_EXIT_CODES,
+    HostError,
+    NotFound,
+    RgtError,
+    UsageError,
+    error_from_code,
+)
 from onbox.common.rundir import RunDir, all_runs
 
 READY_TIMEOUT = 10.0
@@ -127,9 +134,8 @@ def start(
     finally:
         os.close(r)
     if msg.get("ok") is False:  # it could not begin (onbox/agent/loop.py): the run is FAILED, why
-        err = RgtError(str(msg.get("what")), msg.get("remedy"))
-        err.exit_code = int(msg.get("exit_code") or 1)
-        raise err
+        code = int(msg.get("exit_code") or 1)
+        raise error_from_code(code, str(msg.get("what")), msg.get("remedy"))
     verb = "re-attached to" if msg.get("adopted") else "started"
     _emit(
         f"{verb} run {rd.name}: agent pid {msg['pid']}, job pid {msg.get('job_pid')}, "

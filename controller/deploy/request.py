@@ -17,7 +17,7 @@ from controller.target import Target, parse_target
 from onbox.agent.spec import check_outputs, default_name
 from onbox.common.errors import UsageError
 from onbox.common.rundir import check_name
-from onbox.sealing.stores import parse_store_url
+from onbox.common.storeurl import parse_store_setting, parse_store_url
 
 PROFILES = ("generic-ssh", "local")
 
@@ -74,7 +74,7 @@ def _check_job_store(req: DeployRequest) -> None:
     except (OSError, ValueError):
         return  # _job_name has read it already; the box names what is wrong with it
     if store is not None:
-        parse_store_url(store, "store (in the job file)")
+        parse_store_setting(store, "store (in the job file)")
 
 
 def _secrets(names: Sequence[str], environ: Dict[str, str]) -> Dict[str, str]:

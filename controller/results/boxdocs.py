@@ -11,7 +11,7 @@ from controller.results.entries import box_join
 from controller.shell import script
 from onbox.common.errors import HostError
 from onbox.sealing import manifest as mf
-from onbox.sealing.restore import quarantine_reason
+from onbox.sealing.ledger import quarantine_reason
 
 
 class BoxDocs:

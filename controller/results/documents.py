@@ -11,7 +11,8 @@ from controller.results.receipt import SealedId
 from onbox.common.errors import IntegrityError, NotFound
 from onbox.common.safepath import safe_rel
 from onbox.sealing import manifest as mf
-from onbox.sealing.restore import in_effect, quarantine_reasons, sealed_steps
+from onbox.sealing.ledger import quarantine_reasons
+from onbox.sealing.restore import in_effect, sealed_steps
 from onbox.sealing.stores.base import Store, with_retries
 
 

@@ -21,9 +21,10 @@ from onbox.agent import procfs
 from onbox.agent.daemon import TAG_VAR, agent_argv, parse_agent_args
 from onbox.agent.journal import FileJournal, log
 from onbox.agent.lock import RunLock
+from onbox.agent.logredact import redact_box_logs
 from onbox.agent.resumecheck import ResumeCheck
 from onbox.agent.runner import ShimRunner
-from onbox.agent.sealservice import SealService, redact_box_logs
+from onbox.agent.sealservice import SealService
 from onbox.agent.spec import JobSpec
 from onbox.agent.states import TERMINAL, State
 from onbox.agent.supervisor import LEFTOVER_GRACE, Clock, Hooks, RealClock, Supervisor

@@ -80,7 +80,7 @@ def stop_run(rd: RunDir, grace: Optional[float]) -> Dict[str, Any]:
 def _seal_here(rd: RunDir, spec: JobSpec) -> Store:
     """With no agent: take the run's lock and seal its pending checkpoints as its writer."""
     from onbox.agent.journal import FileJournal
-    from onbox.sealing.sealer import Sealer, take_epoch
+    from onbox.sealing.sealer import Sealer
     from onbox.sealing.stores import open_store
 
     assert spec.store is not None
@@ -88,16 +88,7 @@ def _seal_here(rd: RunDir, spec: JobSpec) -> Store:
     try:
         journal = FileJournal(rd.state, rd.events, rd.agent_log)
         store = open_store(spec.store)
-        sealer = Sealer(
-            rd.name,
-            spec.ckpt_dir,
-            store,
-            rd.staging,
-            epoch=take_epoch(store, rd.name),
-            keep=spec.keep,
-            event=journal.event,
-            state_path=rd.sealer_state,
-        )
+        sealer = Sealer.for_run(rd, store, spec.ckpt_dir, keep=spec.keep, event=journal.event)
         sealer.load()
         sealer.seal_pending()
     finally:

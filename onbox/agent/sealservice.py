@@ -13,8 +13,7 @@ DONE.json).
 Nothing leaves the box with a secret in it unnoticed: the mirror of state and events goes
 through the redactor (onbox/common/redact.py), and the completion seal seals a job's log that
 holds a secret as a redacted copy. A run without a store gets the same for ``rgt pull --from
-box`` when its agent lets go of it (``redact_box_logs``, onbox/agent/logredact.py, imported here
-for the agent loop).
+box`` when its agent lets go of it (``redact_box_logs``, onbox/agent/logredact.py).
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from typing import Any, Callable, Dict, List, Optional
 
 from onbox.agent.completion import Completion
 from onbox.agent.journal import FileJournal
-from onbox.agent.logredact import redact_box_logs as redact_box_logs
 from onbox.agent.spec import JobSpec
 from onbox.agent.supervisor import Hooks
 from onbox.common import redact

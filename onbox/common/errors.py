@@ -152,3 +152,32 @@ FINAL_EXIT_CODES = {
     "STOPPED": 12,
     "PREEMPTED": 13,
 }
+
+
+# The class of the tree that owns each exit code (UsageError, exit 2, needs a field: not here).
+_BY_CODE = {
+    c.exit_code: c
+    for c in (
+        RemoteUnreachable,
+        AuthError,
+        LockedError,
+        IntegrityError,
+        UnsafeRefused,
+        NotFound,
+        HostError,
+        StopFailed,
+        StoreError,
+        CheckpointWriteFailed,
+    )
+}
+
+
+def error_from_code(code: int, what: str, remedy: Optional[str] = None) -> RgtError:
+    """An error another process reported by its exit code (the agent to ``rgt-agent start``),
+    rebuilt as the tree's class for that code, so that it is caught and exits as what it is."""
+    cls = _BY_CODE.get(code)
+    if cls is not None:
+        return cls(what, remedy)
+    err = RgtError(what, remedy)
+    err.exit_code = code if code > 0 else 1
+    return err

@@ -1,4 +1,5 @@
-"""The names of the environment the agent gives a job (and rgt's own processes), owned here.
+"""The names the job and the agent meet at, owned here: the environment the agent gives a job
+(and rgt's own processes), and the marker that makes a checkpoint directory complete.
 
 The agent sets them (onbox/agent/runner.py), the training API and the framework callbacks read
 them (onbox/train/), and the daemon keeps them out of rgt's own processes' inherited
@@ -15,3 +16,7 @@ ATTEMPT_TAG = "RGT_ATTEMPT_TAG"  # the tag that finds the attempt's processes in
 CKPT_TRIGGER = "RGT_CKPT_TRIGGER"  # how the agent asks for a checkpoint: signal:NAME, file, none
 MTBF = "RGT_MTBF"  # seconds between failures, for the "auto" checkpoint interval
 USER_PYTHONPATH = "RGT_USER_PYTHONPATH"  # the job's own PYTHONPATH, before rgt's lib
+
+# The last file written into a complete rgt checkpoint directory (the training API writes it,
+# onbox/train/ckptdir.py; the sealer's discovery looks for it, onbox/sealing/discovery.py).
+COMPLETE_MARKER = ".rgt-complete"

@@ -20,7 +20,9 @@ import os
 import re
 from typing import List, Optional, Set, Tuple
 
-MARKERS = (".rgt-complete", "trainer_state.json", ".metadata")
+from onbox.common import jobenv
+
+MARKERS = (jobenv.COMPLETE_MARKER, "trainer_state.json", ".metadata")
 _STEP = re.compile(r"(?i)(?:global_step|checkpoint|ckpt|step|iter(?:ation)?)[_\-=]?(\d+)")
 # A loose file in the checkpoint dir is a checkpoint only in a checkpoint format: scripts often
 # checkpoint into their working directory, next to logs, configs and code.
@@ -176,7 +178,7 @@ def dir_marker(path: str) -> Optional[Tuple[str, Optional[int]]]:
                 doc = json.load(f)
         except (OSError, ValueError):
             return None
-        if marker == ".rgt-complete":
+        if marker == jobenv.COMPLETE_MARKER:
             try:
                 step = int(doc["step"])
             except (KeyError, TypeError, ValueError):
@@ -208,7 +210,7 @@ def dir_candidate(ckpt_dir: str, name: str, path: str) -> Optional[Candidate]:
     for dirpath, dirnames, filenames in os.walk(path):
         dirnames.sort()
         for fn in sorted(filenames):
-            if skip(fn) and fn != ".rgt-complete" and fn != ".metadata":
+            if skip(fn) and fn != jobenv.COMPLETE_MARKER and fn != ".metadata":
                 continue
             full = os.path.join(dirpath, fn)
             rel_files.append(os.path.relpath(full, ckpt_dir).replace(os.sep, "/"))

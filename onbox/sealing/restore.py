@@ -49,7 +49,7 @@ from onbox.common.safepath import (
     symlink_error,
 )
 from onbox.sealing import manifest as mf
-from onbox.sealing.ledger import flag_quarantined, quarantine_reason, quarantine_reasons
+from onbox.sealing.ledger import flag_quarantined, quarantine_reasons
 from onbox.sealing.stores.base import Store, StoreError, TransientStoreError, with_retries
 
 STAGE_PREFIX = ".rgt-restore-"
@@ -411,8 +411,6 @@ def restore_latest(
 __all__ = [
     "restore_latest",
     "NoVerifiedCheckpoint",
-    "quarantine_reason",
-    "quarantine_reasons",
     "in_effect",
     "local_matches",
     "sealed_steps",

@@ -448,4 +448,4 @@ class Sealer:
         return n
 
 
-__all__ = ["Sealer", "StoreError", "take_epoch", "open_for_writing", "step_from_name"]
+__all__ = ["Sealer", "StoreError", "open_for_writing", "step_from_name"]

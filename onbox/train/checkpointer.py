@@ -56,6 +56,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 from onbox.common import jobenv, progress
 from onbox.common.errors import CheckpointError, CheckpointWriteFailed
+from onbox.common.rundir import CHECKPOINT_REQUEST
 from onbox.train import ckptdir, snapshot
 from onbox.train.writer import Writer
 
@@ -114,7 +115,7 @@ class Checkpointer:
         self.attempt = int(os.environ.get(jobenv.ATTEMPT) or 0)
         self.trigger = os.environ.get(jobenv.CKPT_TRIGGER, "none")
         self.request_path = (
-            os.path.join(self.run_dir, "checkpoint.request")
+            os.path.join(self.run_dir, CHECKPOINT_REQUEST)
             if self.run_dir and self.trigger == "file"
             else None
         )

@@ -29,11 +29,12 @@ import shutil
 import time
 from typing import IO, Any, Dict, List, Optional, Tuple, cast
 
+from onbox.common import jobenv
 from onbox.common.durable import fsync_dir, fsync_file, sha256_file
 from onbox.common.errors import CheckpointError
 
 FORMAT = 1
-MARKER = ".rgt-complete"
+MARKER = jobenv.COMPLETE_MARKER
 STATE = "state.pt"
 PREFIX = "step_"
 _NAME = re.compile(r"step_(\d+)\Z")

@@ -27,7 +27,7 @@ from controller.remote import open_remote
 from controller.results.down import plan_down
 from controller.results.pull import pull
 from controller.target import Target
-from onbox.agent.sealservice import redact_box_logs
+from onbox.agent.logredact import redact_box_logs
 from onbox.common.durable import write_json
 from onbox.common.errors import HostError
 from onbox.common.rundir import RunDir

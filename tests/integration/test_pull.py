@@ -35,7 +35,8 @@ from controller.results.receipt import load_receipt, load_state_receipt, receipt
 from controller.target import Target, ssh_destination_args
 from onbox.common.errors import IntegrityError, UsageError
 from onbox.sealing import manifest as mf
-from onbox.sealing.sealer import Sealer, take_epoch
+from onbox.sealing.ledger import take_epoch
+from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from tests.conftest import ROOT, Cli, agent_exe, require

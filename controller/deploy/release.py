@@ -154,7 +154,7 @@ def push_release(
         raise UsageError("release", "a release seen on the box needs its files and a valid id")
     files = list(project_files(root) if files is None else files)
     rid = seen.id if seen is not None else release_id(root, files)
-    final = posixpath.join(box_home, "releases", rid)
+    final = release_path(box_home, rid)
     if seen is not None and seen.complete:
         if name is not None and seen.current:
             _current_seen[remote] = (box_home, name, rid)
@@ -170,14 +170,14 @@ def push_release(
     if len(words) != 4 or words[0] != "new" or not _SUFFIX.match(words[1]):
         raise HostError(f"{remote.target.label}: unexpected answer {r.text!r} preparing a release")
     suffix, box_rsync, prev = words[1], words[2] == "1", words[3]
-    tmp = posixpath.join(box_home, "releases", f".tmp-{rid}-{suffix}")
+    tmp = release_path(box_home, f".tmp-{rid}-{suffix}")
     use_rsync = method == "rsync" or (
         method == "auto" and box_rsync and shutil.which("rsync") is not None
     )
     ok = False
     try:
         if use_rsync:
-            link_dest = posixpath.join(box_home, "releases", prev) if _ID.match(prev) else None
+            link_dest = release_path(box_home, prev) if _ID.match(prev) else None
             n, size = _rsync(remote, root, files, tmp, link_dest, rsync_options)
         else:
             n, size = _tar(remote, root, files, tmp)
@@ -327,10 +327,22 @@ def switch_current(remote: Remote, box_home: str, name: str, rid: str) -> None:
         raise _fail(remote, f"switching {name} to release {rid}", r.rc, r.stderr)
 
 
+def release_path(box_home: str, rid: str) -> str:
+    """``box_home/releases/<id>``: where a release lives on the box (this module owns the
+    layout of releases/ and deploys/)."""
+    return posixpath.join(box_home, "releases", rid)
+
+
+def deploy_path(box_home: str, name: str) -> str:
+    """``box_home/deploys/<name>``: the run's deploy, whose ``current`` names its release."""
+    return posixpath.join(box_home, "deploys", name)
+
+
 def current_release(remote: Remote, box_home: str, name: str) -> Optional[str]:
     """The release id ``deploys/<name>/current`` points at, or None."""
     _check_home(box_home)
     check_name(name)
-    r = remote.run(["readlink", posixpath.join(box_home, "deploys", name, "current")], timeout=60)
+    current = posixpath.join(deploy_path(box_home, name), "current")
+    r = remote.run(["readlink", current], timeout=60)
     rid = posixpath.basename(r.text.strip()) if r.rc == 0 else ""
     return rid if _ID.match(rid) else None

@@ -28,13 +28,14 @@ import re
 from typing import Any, Callable, Dict, List, Optional
 
 from controller import boxrun
+from controller.deploy.release import deploy_path, release_path
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, open_remote
 from controller.results.receipt import Coverage, Receipt, load_state_receipt, state_receipt_path
 from controller.results.sealed import covers_newest
 from controller.shell import script
 from onbox.common.errors import HostError, StopFailed, UnsafeRefused
-from onbox.common.rundir import check_name
+from onbox.common.rundir import RunDir, check_name
 
 _RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 # A job's log in the run directory, or the redacted copy the agent wrote next to it.
@@ -276,7 +277,9 @@ def _execute(plan: DownPlan, remote: Remote) -> None:
                 f"look at the box, then run rgt down {name} again",
             )
         plan.done.append("stopped the agent and the job")
-    r = remote.sh(_REMOVE, home, name, release, timeout=600)
+    rd = RunDir(name, home)
+    rel_dir = release_path(home, release) if release else ""
+    r = remote.sh(_REMOVE, rd.path, rd.secrets_file, deploy_path(home, name), rel_dir, timeout=600)
     if r.rc != 0:
         raise HostError(
             f"removing the files of {name} on {rec.target.label} failed: "

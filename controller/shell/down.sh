@@ -11,30 +11,33 @@ rgt_sizes() {
   done
 }
 
-# rgt_remove RGT_HOME NAME RELEASE: remove the run's files (RELEASE may be empty: none). Every
-# step may have been done already; the status says whether nothing of the run is left.
+# rgt_remove RUN_DIR SECRETS DEPLOY RELEASE: remove the run's files, every path given by its
+# owner (onbox.common.rundir.RunDir, controller/deploy/release.py); RELEASE may be empty (none).
+# Every step may have been done already; the status says whether nothing of the run is left.
 rgt_remove() {
-  home=$1; name=$2; rel=$3
-  rm -f -- "$home/secrets/$name"
-  rm -rf -- "$home/deploys/$name"
-  if [ -n "$rel" ] && [ -d "$home/releases/$rel" ]; then
+  run=$1; secrets=$2; deploy=$3; release=$4
+  rm -f -- "$secrets"
+  rm -rf -- "$deploy"
+  if [ -n "$release" ] && [ -d "$release" ]; then
     used=
-    for d in "$home"/deploys/*/; do
+    rel=${release##*/}          # the release's id
+    rels=${release%/*}; rels=${rels##*/}   # the name of the releases directory
+    for d in "${deploy%/*}"/*/; do
       [ -d "$d" ] || continue
       t=$(readlink "$d/current" 2>/dev/null) || continue
-      case "$t" in */releases/"$rel"|*/releases/"$rel"/) used=1;; esac
+      case "$t" in */"$rels"/"$rel"|*/"$rels"/"$rel"/) used=1;; esac
     done
-    for s in "$home"/runs/*/spec.json; do
-      if [ ! -f "$s" ] || [ "$s" = "$home/runs/$name/spec.json" ]; then continue; fi
-      grep -qF "/releases/$rel" "$s" && used=1
+    for s in "${run%/*}"/*/spec.json; do
+      if [ ! -f "$s" ] || [ "$s" = "$run/spec.json" ]; then continue; fi
+      grep -qF "/$rels/$rel" "$s" && used=1
     done
     if [ -z "$used" ]; then
       # Only directories need write permission to be emptied; files may be hard links that
       # other releases share, so their modes are left alone.
-      find "$home/releases/$rel" -type d ! -perm -u+w -exec chmod u+w {} + 2>/dev/null
-      rm -rf -- "$home/releases/$rel"
+      find "$release" -type d ! -perm -u+w -exec chmod u+w {} + 2>/dev/null
+      rm -rf -- "$release"
     fi
   fi
-  rm -rf -- "$home/runs/$name"
-  [ ! -e "$home/runs/$name" ] && [ ! -e "$home/secrets/$name" ] && [ ! -e "$home/deploys/$name" ]
+  rm -rf -- "$run"
+  [ ! -e "$run" ] && [ ! -e "$secrets" ] && [ ! -e "$deploy" ]
 }

@@ -574,6 +574,7 @@ def deploy_steps(box: Box, project: str, repeats: int) -> Steps:
     """The live run's deploy in this process, ``repeats`` times, every step timed."""
     from controller import remote as remotemod
     from controller.deploy import flow as deploymod
+    from controller.deploy.request import DeployRequest
 
     steps = Steps()
     for rep in range(repeats):
@@ -582,7 +583,7 @@ def deploy_steps(box: Box, project: str, repeats: int) -> Steps:
             for module, cls, attr, label in STEP_LABELS:
                 steps.wrap(stack, _resolve(module, cls), attr, label)
             steps.wrap_ssh(stack, remotemod.Remote)
-            req = deploymod.DeployRequest(
+            req = DeployRequest(
                 target=box.target,
                 command=list(LIVE_JOB),
                 name=LIVE,

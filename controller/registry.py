@@ -19,6 +19,7 @@ from typing import Any, Dict, Iterator, List, Optional
 
 from controller.remote import controller_home
 from controller.target import Target
+from onbox.common import jobenv
 from onbox.common.durable import make_dirs, write_json
 from onbox.common.errors import IntegrityError, NotFound
 from onbox.common.rundir import check_name
@@ -54,7 +55,7 @@ class RunRecord:
 
     def agent_argv(self, *args: str) -> List[str]:
         """argv that runs ``rgt-agent ARGS`` on the box for this run."""
-        env = {"RGT_HOME": self.box_home, **self.agent_env}
+        env = {jobenv.HOME: self.box_home, **self.agent_env}
         return ["env", *[f"{k}={v}" for k, v in env.items()], *self.agent, *args]
 
 

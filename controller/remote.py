@@ -38,6 +38,7 @@ import tempfile
 import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
+from controller import envnames
 from controller.sshcipher import cipher_preference
 from controller.target import Target, ssh_destination_args
 from onbox.common.errors import AuthError, HostError, RemoteUnreachable, UsageError
@@ -49,7 +50,7 @@ class HostKeyChanged(AuthError):
 
 def controller_home() -> str:
     """Where the laptop keeps rgt's state: the run registry, known_hosts, ssh control sockets."""
-    env = os.environ.get("RGT_CONTROLLER_HOME")
+    env = os.environ.get(envnames.CONTROLLER_HOME)
     if env:
         return os.path.abspath(env)
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
@@ -210,7 +211,7 @@ class SshRemote(Remote):
         os.makedirs(self.home, mode=0o700, exist_ok=True)
         self.known_hosts = os.path.join(self.home, "known_hosts")
         self.control_dir = _control_dir(self.home)
-        alive = os.environ.get("RGT_SSH_KEEPALIVE", "15")
+        alive = os.environ.get(envnames.SSH_KEEPALIVE, "15")
         user_known = os.path.join(os.path.expanduser("~"), ".ssh", "known_hosts")
         self.options = [
             "-o", "BatchMode=yes",
@@ -225,7 +226,7 @@ class SshRemote(Remote):
             "-o", f"UserKnownHostsFile={_ssh_path(self.known_hosts)} {_ssh_path(user_known)}",
             "-o", "LogLevel=ERROR",
         ]  # fmt: skip
-        config = os.environ.get("RGT_SSH_CONFIG")  # tests: -F /dev/null
+        config = os.environ.get(envnames.SSH_CONFIG)  # tests: -F /dev/null
         self.config_args = ["-F", config] if config else []
         self.options += cipher_preference(self.config_args, ssh_destination_args(target))
         self.base = ["ssh", *self.config_args, *self.options]
@@ -367,7 +368,7 @@ def _control_dir(home: str) -> str:
         why = _unsafe_dir(d)
         if why:
             raise UsageError(
-                "RGT_CONTROLLER_HOME",
+                envnames.CONTROLLER_HOME,
                 f"the ssh control directory {d} {why}, so another user could take over rgt's "
                 "ssh connections",
                 f"remove {d} (rgt makes it again, private), or set RGT_CONTROLLER_HOME",

@@ -34,14 +34,13 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from controller import boxrun
+from controller import boxrun, envnames
 from controller.deploy import audit as auditmod
 from controller.deploy.install import AgentInstall, answers_version, found_install, install_agent
 from controller.deploy.probe import Probed
 from controller.deploy.project import project_files, release_id
 from controller.deploy.release import PushResult, push_release, switch_current
-from controller.deploy.request import DeployRequest as DeployRequest  # rgt's cli imports it here
-from controller.deploy.request import Plan, check_request
+from controller.deploy.request import DeployRequest, Plan, check_request
 from controller.deploy.wheel import AgentWheel, agent_wheel
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, open_remote
@@ -66,7 +65,7 @@ def _say(msg: str) -> None:
 def box_home_for(remote: Remote, home: str) -> str:
     """RGT_HOME on the box: $RGT_BOX_HOME when set here, else ~/.rgt of the box's user (""
     while the box's $HOME, ``home``, is not known yet)."""
-    override = os.environ.get("RGT_BOX_HOME")
+    override = os.environ.get(envnames.BOX_HOME)
     if override:
         return override
     if remote.target.kind == "local":

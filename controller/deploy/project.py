@@ -14,6 +14,7 @@ import stat
 import subprocess
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from controller import envnames
 from onbox.common import jobenv
 from onbox.common.errors import UsageError
 
@@ -22,7 +23,7 @@ from onbox.common.errors import UsageError
 # scripts/demo's home. The directories RGT_HOME, RGT_BOX_HOME and RGT_CONTROLLER_HOME name are
 # left out too when they lie inside the project (see _state_paths).
 STATE_DIRS = (".rgt", ".rgt-demo")
-STATE_VARS = (jobenv.HOME, "RGT_BOX_HOME", "RGT_CONTROLLER_HOME")
+STATE_VARS = (jobenv.HOME, envnames.BOX_HOME, envnames.CONTROLLER_HOME)
 
 
 def _git_root(root: str) -> Optional[str]:

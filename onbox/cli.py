@@ -30,11 +30,12 @@ from onbox.agent.lock import RunLock
 from onbox.agent.loop import Agent
 from onbox.agent.mailbox import stop_run, sync_run
 from onbox.agent.runner import read_ready
-from onbox.agent.spec import JobSpec, parse_duration
+from onbox.agent.spec import JobSpec
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.agent.title import set_title
 from onbox.common.climain import run_cli
 from onbox.common.durable import make_dirs, read_json, write_json
+from onbox.common.duration import parse_duration
 from onbox.common.errors import (
     FINAL_EXIT_CODES,
     HostError,

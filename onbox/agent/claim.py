@@ -17,11 +17,11 @@ from onbox.agent.spec import (
     build_spec,
     check_outputs,
     default_name,
-    parse_duration,
     store_override,
 )
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.durable import make_dirs, read_json, remove_dirs, write_json
+from onbox.common.duration import parse_duration
 from onbox.common.errors import HostError, UsageError
 from onbox.common.rundir import RunDir, check_name, rgt_home, unwritable
 

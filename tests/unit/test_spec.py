@@ -16,10 +16,10 @@ from onbox.agent.spec import (
     build_spec,
     compile_progress_pattern,
     default_name,
-    parse_duration,
     parse_signal,
     step_group,
 )
+from onbox.common.duration import parse_duration
 from onbox.common.errors import UsageError
 from onbox.common.rundir import check_name
 

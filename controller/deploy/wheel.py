@@ -85,7 +85,7 @@ def wheel_filename(ver: Optional[str] = None) -> str:
 def package_files() -> List[Tuple[str, str]]:
     """(path in the wheel, path on disk) of every module of the importable ``onbox``: the
     ``.py`` files of its packages (directories with an ``__init__.py``), as setuptools finds
-    them, so no editor's or another tool's stray file (``.#x.py``, a scratch directory) rides
+    them, and the platform profiles (package data), so no editor's or another tool's stray file (``.#x.py``, a scratch directory) rides
     along and changes the wheel's hash."""
     root = os.path.dirname(os.path.abspath(onbox.__file__))
     out = []
@@ -100,6 +100,11 @@ def package_files() -> List[Tuple[str, str]]:
                 path = os.path.join(here, f)
                 rel = os.path.relpath(path, os.path.dirname(root)).replace(os.sep, "/")
                 out.append((rel, path))
+    # The platform profiles are data the agent reads (onbox/profiles/data is profiles/).
+    data = os.path.join(root, "profiles", "data")
+    for f in sorted(os.listdir(data)):
+        if f.endswith(".toml") and not f.startswith("."):
+            out.append((f"onbox/profiles/data/{f}", os.path.join(data, f)))
     return sorted(out)
 
 

@@ -59,6 +59,7 @@ class UsageError(RgtError):
     def __init__(self, field: str, problem: str, remedy: Optional[str] = None) -> None:
         super().__init__(f"{field}: {problem}", remedy)
         self.field = field
+        self.problem = problem
 
 
 class RemoteUnreachable(RgtError):

@@ -16,6 +16,7 @@ ATTEMPT_TAG = "RGT_ATTEMPT_TAG"  # the tag that finds the attempt's processes in
 CKPT_TRIGGER = "RGT_CKPT_TRIGGER"  # how the agent asks for a checkpoint: signal:NAME, file, none
 MTBF = "RGT_MTBF"  # seconds between failures, for the "auto" checkpoint interval
 USER_PYTHONPATH = "RGT_USER_PYTHONPATH"  # the job's own PYTHONPATH, before rgt's lib
+PROFILES_DIR = "RGT_PROFILES_DIR"  # a directory of profiles that add to or override the shipped ones
 
 # The last file written into a complete rgt checkpoint directory (the training API writes it,
 # onbox/train/ckptdir.py; the sealer's discovery looks for it, onbox/sealing/discovery.py).

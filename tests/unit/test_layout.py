@@ -29,8 +29,9 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "onbox.common": {"onbox"},
     "onbox.train": {"onbox", "onbox.common"},
     "onbox.sealing": {"onbox", "onbox.common"},
-    "onbox.agent": {"onbox", "onbox.common", "onbox.sealing"},
-    "onbox.cli": {"onbox", "onbox.common", "onbox.sealing", "onbox.agent"},
+    "onbox.profiles": {"onbox", "onbox.common"},
+    "onbox.agent": {"onbox", "onbox.common", "onbox.sealing", "onbox.profiles"},
+    "onbox.cli": {"onbox", "onbox.common", "onbox.sealing", "onbox.agent", "onbox.profiles"},
 }
 
 

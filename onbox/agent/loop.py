@@ -22,6 +22,7 @@ from onbox.agent.daemon import TAG_VAR, agent_argv, parse_agent_args
 from onbox.agent.journal import FileJournal, log
 from onbox.agent.lock import RunLock
 from onbox.agent.logredact import redact_box_logs
+from onbox.agent.notice import NoticeWatcher, watcher_for
 from onbox.agent.resumecheck import ResumeCheck
 from onbox.agent.runner import ShimRunner
 from onbox.agent.sealservice import SealService
@@ -90,6 +91,7 @@ class Agent:
         except UsageError as e:  # a spec.json edited by hand: supervise without the check
             log(rd.agent_log, f"resume check off: {e}")
         self.adopted = False
+        self.notice: Optional[NoticeWatcher] = None  # the platform's preemption notice
         self._pending: List[int] = []
         self._wake_r = self._wake_w = -1
 
@@ -273,6 +275,7 @@ class Agent:
                 },
             )
         self._check_resume()
+        self.notice = watcher_for(self.spec, self.seal, self.journal.event)
         while sup.state not in TERMINAL:
             waits = [
                 w
@@ -348,6 +351,8 @@ class Agent:
 
     def _finish(self) -> None:
         """Make sure nothing of the last attempt outlives the run, then let go of it."""
+        if self.notice is not None:
+            self.notice.stop()
         if self.runner.alive():
             self.journal.event(
                 "leftovers",

@@ -16,7 +16,9 @@ ATTEMPT_TAG = "RGT_ATTEMPT_TAG"  # the tag that finds the attempt's processes in
 CKPT_TRIGGER = "RGT_CKPT_TRIGGER"  # how the agent asks for a checkpoint: signal:NAME, file, none
 MTBF = "RGT_MTBF"  # seconds between failures, for the "auto" checkpoint interval
 USER_PYTHONPATH = "RGT_USER_PYTHONPATH"  # the job's own PYTHONPATH, before rgt's lib
-PROFILES_DIR = "RGT_PROFILES_DIR"  # a directory of profiles that add to or override the shipped ones
+PROFILES_DIR = "RGT_PROFILES_DIR"  # profiles that add to or override the shipped ones
+METADATA_URL = "RGT_METADATA_URL"  # the cloud metadata server's base URL (notice poller; tests)
+NOTICE_POLL = "RGT_NOTICE_POLL"  # seconds between preemption-notice polls (default 5)
 
 # The last file written into a complete rgt checkpoint directory (the training API writes it,
 # onbox/train/ckptdir.py; the sealer's discovery looks for it, onbox/sealing/discovery.py).

@@ -14,16 +14,19 @@ the project's code is complete there (controller/deploy/release.py ``SEEN_SH``).
 a shell function (in controller/shell/) of the module that owns it, prints its own section and is
 read by that module, so its errors stay its own; a deploy of unchanged code then needs no other
 round trip for them. Asked to (``look``), it also runs an agent's ``--version`` and the run's
-status through it (``rgt_look``, read by controller/deploy/flow.py).
+status through it (``rgt_look``, read by controller/deploy/flow.py). And it lists which of the
+profiles' marker files and init-process variable names the box has (``rgt_markers``, read by
+controller/deploy/guess.py when no profile was named or guessed from the host).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from controller import shell
+from controller.deploy import guess as guessmod
 from controller.deploy import probe as probemod
 from controller.deploy import release as releasemod
 from controller.deploy.wheel import AgentWheel
@@ -35,7 +38,13 @@ from onbox.common.errors import HostError
 # is its owner's (the Python probe's, the release's, the look's).
 LOOK_SH = shell.script("look.sh")
 LOOK_SECTIONS = ("version", "version-rc", "status", "status-rc", "spec")
-SCRIPT = probemod.PROBE_SH + releasemod.SEEN_SH + LOOK_SH + shell.script("audit.sh")
+SCRIPT = (
+    probemod.PROBE_SH
+    + releasemod.SEEN_SH
+    + LOOK_SH
+    + guessmod.MARKERS_SH
+    + shell.script("audit.sh")
+)
 
 MIN_FREE_BYTES = 2 << 30
 MIN_FREE_INODES = 10000
@@ -44,10 +53,12 @@ MAX_SKEW_S = 120
 
 @dataclasses.dataclass
 class Finding:
-    """One line of the audit: ``level`` is "ok", "warn" or "problem"."""
+    """One line of the audit: ``level`` is "ok", "warn" or "problem"; ``remedy``, what to do
+    about a warning or a problem ("" when the line says it)."""
 
     level: str
     what: str
+    remedy: str = ""
 
 
 @dataclasses.dataclass
@@ -65,6 +76,7 @@ class Audit:
     probed: Optional[probemod.Probed] = None
     release: Optional[releasemod.BoxRelease] = None
     look: Optional[Dict[str, List[str]]] = None  # rgt_look's sections, when one was asked for
+    markers: Optional[List[str]] = None  # rgt_markers' lines, when markers were asked about
 
     @property
     def problems(self) -> List[Finding]:
@@ -95,13 +107,15 @@ def audit(
     release_id: Optional[str] = None,
     deploy: Optional[str] = None,
     look: Sequence[str] = (),
+    markers: Optional[Sequence[str]] = None,
 ) -> Audit:
     """Read the box and judge it; raises nothing for findings (see Audit.problems).
 
     With ``wheel``, the look also finds the install of that wheel (with ``extras``) for the box's
     Python; with ``release_id``, whether that release is complete on the box (and whether the
     deploy ``deploy``'s current link is on it). With ``look`` (rgt_look's arguments), that look
-    too, its sections in Audit.look."""
+    too, its sections in Audit.look. With ``markers`` (guess.marker_args), which of them the box
+    has, in Audit.markers."""
     probe_args = probemod.probe_args(python, wheel, extras)  # UsageError before any command
     t0 = time.time()
     res = remote.sh(
@@ -111,6 +125,7 @@ def audit(
         *probe_args,
         release_id or "",
         deploy or "",
+        *(markers or ("", "")),
         *look,
         timeout=180 if look else 60,
     )
@@ -147,6 +162,7 @@ def audit(
         probed,
         seen,
         {k: s[k] for k in LOOK_SECTIONS if k in s} if look else None,
+        (s.get("markers") or []) if markers is not None else None,
     )
 
 
@@ -172,14 +188,22 @@ def _gpus(lines: List[str], found: List[Finding]) -> None:
         found.append(Finding("warn", "no NVIDIA GPU visible (nvidia-smi found none): CPU only"))
 
 
+def df_free(space_line: str, inodes_line: str) -> Tuple[Optional[int], Optional[int]]:
+    """Free bytes and free inodes from ``df -Pk`` and ``df -Pi`` lines (None where not read:
+    some filesystems, btrfs and many FUSE ones, report no inode counts at all)."""
+    space, inodes = space_line.split(), inodes_line.split()
+    free = int(space[-3]) * 1024 if len(space) >= 4 and space[-3].isdigit() else None
+    ok_inodes = len(inodes) >= 5 and inodes[-3].isdigit() and inodes[-5] not in ("0", "-")
+    return free, int(inodes[-3]) if ok_inodes else None
+
+
 def _disks(df: List[str], found: List[Finding]) -> None:
     for i in range(0, len(df) - 2, 3):  # per path: its name, a bytes line, an inodes line
-        where, space, inodes = df[i], df[i + 1].split(), df[i + 2].split()
-        if len(space) >= 4 and space[-3].isdigit():
-            free = int(space[-3]) * 1024
+        where = df[i]
+        free, inodes = df_free(df[i + 1], df[i + 2])
+        if free is not None:
             level = "problem" if free < MIN_FREE_BYTES else "ok"
             found.append(Finding(level, f"{free / (1 << 30):.1f} GiB free at {where}"))
-        # Some filesystems (btrfs, many FUSE) report no inode counts at all: nothing to judge.
-        if len(inodes) >= 4 and inodes[-3].isdigit() and inodes[-5] not in ("0", "-"):
-            level = "problem" if int(inodes[-3]) < MIN_FREE_INODES else "ok"
-            found.append(Finding(level, f"{inodes[-3]} inodes free at {where}"))
+        if inodes is not None:
+            level = "problem" if inodes < MIN_FREE_INODES else "ok"
+            found.append(Finding(level, f"{inodes} inodes free at {where}"))

@@ -1,13 +1,19 @@
 """`rgt deploy`: put a run on a box and return.
 
-0. The request is checked here, before the box is touched (controller/deploy/request.py).
+0. The request is checked here, before the box is touched (controller/deploy/request.py), and the
+   platform profile chosen: ``--profile``, else guessed from the host name, else from the marker
+   files and init variables the audit finds (controller/deploy/guess.py); one line says which and
+   why, and the first time this laptop meets the target under that profile, its danger clocks and
+   conveniences are shown (controller/contacts.py).
 1. Preflight audit (controller/deploy/audit.py): every problem is shown before anything is changed.
 2. Push the code as an immutable, content-addressed release (controller/deploy/release.py); the job
    runs inside it, so a later deploy never changes a running job's files.
 3. Install the agent into its own environment from the box's Python (controller/deploy/install.py).
 4. Secrets: each ``--secret-env`` value travels on stdin to ``rgt-agent secrets`` (0600 file
    outside the release and run directories), never in argv, a command line, a log or the store.
-5. Start the agent detached (``rgt-agent start`` returns within a second), then watch until the
+5. Start the agent detached (``rgt-agent start --profile NAME [--on-done ACTION]`` returns within a
+   second; a user override of the profile on this laptop is first put at
+   $RGT_HOME/profiles/NAME.toml, so that the box resolves the same profile), then watch until the
    job runs and has printed its first line (at most 60 s), and say where to look.
 
 Running deploy again is idempotent: the same code is not pushed again, an installed agent is
@@ -27,6 +33,7 @@ with the agent installed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import posixpath
@@ -34,13 +41,14 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from controller import boxrun, envnames
+from controller import boxrun, contacts, envnames
 from controller.deploy import audit as auditmod
+from controller.deploy import guess as guessmod
 from controller.deploy.install import AgentInstall, answers_version, found_install, install_agent
 from controller.deploy.probe import Probed
 from controller.deploy.project import project_files, release_id
 from controller.deploy.release import PushResult, push_release, switch_current
-from controller.deploy.request import DeployRequest, Plan, check_request
+from controller.deploy.request import DeployRequest, Plan, check_on_done, check_request
 from controller.deploy.wheel import AgentWheel, agent_wheel
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, open_remote
@@ -54,6 +62,7 @@ from onbox.common.errors import (
     RemoteUnreachable,
     RgtError,
 )
+from onbox.profiles.load import SHIPPED_DIR
 
 FIRST_LINE_TIMEOUT = 60.0
 
@@ -113,7 +122,7 @@ def deploy(
     remote = open_remote(plan.target)
     try:
         say(f"rgt: auditing {plan.target.label} ...")
-        report, box_home, store = _audit(remote, plan, rid, wheel, prev, say)
+        report, box_home, store, plan = _audit(remote, plan, rid, wheel, prev, say)
         pushed = push_release(
             remote, plan.project, box_home, name=plan.name, files=files, seen=report.release
         )
@@ -129,6 +138,7 @@ def deploy(
         if live is not None:
             return _already_live(remote, registry, plan, rec, live, pushed, say)
         _store_secrets(remote, rec, plan.secrets, say)
+        _put_override(remote, plan, box_home)
         _start(remote, registry, plan, rec, store, pushed)
         registry.put(rec)
         switch_current(remote, box_home, plan.name, pushed.id)
@@ -145,13 +155,12 @@ def _audit(
     wheel: AgentWheel,
     prev: Optional[RunRecord],
     say: Callable[[str], None],
-) -> Tuple[auditmod.Audit, str, Optional[str]]:
+) -> Tuple[auditmod.Audit, str, Optional[str], Plan]:
     """The audit, shown line by line: HostError with every problem, before anything on the box
-    is changed. Returns it, RGT_HOME on the box and the run's store."""
+    is changed. Returns it, RGT_HOME on the box, the run's store and the plan with its profile
+    chosen (from the box's markers when neither --profile nor the host told)."""
     known = box_home_for(remote, "")  # "" on an ssh box: its $HOME/.rgt, read by the audit
-    store = plan.req.store
-    if store is None and plan.profile == "local":
-        store = "file://" + os.path.join(known, "store")
+    store = _store(plan, known)
     report = auditmod.audit(
         remote,
         python=plan.req.python,
@@ -162,7 +171,17 @@ def _audit(
         release_id=rid,
         deploy=plan.name,
         look=_look_args(prev, wheel.version) if prev is not None else (),
+        markers=None if plan.guess else guessmod.marker_args(guessmod.candidates(plan.dirs)),
     )
+    if plan.guess is None:
+        guess = guessmod.chosen(plan.target, plan.dirs, report.markers or [])
+        check_on_done(guess.profile, plan.req.on_done)
+        plan = dataclasses.replace(plan, guess=guess)
+        store = _store(plan, known)
+    assert plan.guess is not None
+    say(plan.guess.line)
+    for line in contacts.first_contact(plan.target.label, plan.guess.profile):
+        say(line)
     box_home = known or box_home_for(remote, report.home)
     for f in report.findings:
         say(f"  {'ok  ' if f.level == 'ok' else f.level.upper() + ':'} {f.what}")
@@ -173,7 +192,48 @@ def _audit(
             + ". Nothing was changed on the box.",
             "fix these, then deploy again",
         )
-    return report, box_home, store
+    return report, box_home, store, plan
+
+
+def _store(plan: Plan, known: str) -> Optional[str]:
+    """The run's store: --store, else the profile's durable default (the local profile's:
+    $RGT_HOME/store), else none (the job file's, or the agent's default)."""
+    if plan.req.store is not None:
+        return plan.req.store
+    if plan.guess is not None and plan.guess.profile.default_store():
+        return plan.guess.profile.default_store()
+    if plan.profile == "local":
+        return "file://" + os.path.join(known, "store")
+    return None
+
+
+# stdin into $1/$2 atomically, replacing what is there (the user's override may have changed).
+_PUT_OVERRIDE = (
+    'umask 077; mkdir -p "$1" && cat >"$1/.$2.part.$$" && mv -f "$1/.$2.part.$$" "$1/$2"'
+)
+
+
+def _put_override(remote: Remote, plan: Plan, box_home: str) -> None:
+    """The laptop's user override of the run's profile, at $RGT_HOME/profiles/NAME.toml on
+    the box, so that the agent resolves the same profile (a shipped profile needs nothing)."""
+    assert plan.guess is not None
+    prof = plan.guess.profile
+    mine = prof.override or (prof.file if not _shipped(prof.file) else None)
+    if mine is None:
+        return
+    try:
+        with open(mine, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise HostError(f"cannot read the profile override {mine}: {e.strerror}") from None
+    d = posixpath.join(box_home, "profiles")
+    r = remote.sh(_PUT_OVERRIDE, d, f"{prof.name}.toml", input=data, timeout=60)
+    if r.rc != 0:
+        raise HostError(f"{plan.target.label}: cannot write {d}/{prof.name}.toml: {r.err.strip()}")
+
+
+def _shipped(path: str) -> bool:
+    return os.path.dirname(os.path.abspath(path)) == os.path.abspath(SHIPPED_DIR)
 
 
 def _pushed_line(pushed: PushResult) -> str:
@@ -202,6 +262,7 @@ def _recorder(
             agent_env=dict(agent.env),
             release=pushed.id,
             workdir=pushed.path,
+            instance=plan.req.instance,
         )
 
     return record
@@ -252,7 +313,9 @@ def _start(
 ) -> None:
     """``rgt-agent start`` in the release's directory (it returns once the agent is detached)."""
     req = plan.req
-    args = ["start", "--name", plan.name]
+    args = ["start", "--name", plan.name, "--profile", plan.profile]
+    if req.on_done is not None:
+        args += ["--on-done", req.on_done]
     if store:
         args += ["--store", store]
     for out in req.outputs:

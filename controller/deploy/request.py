@@ -1,7 +1,9 @@
 """What the user asked `rgt deploy` for, checked before anything anywhere changes.
 
 ``check_request`` refuses (UsageError) what the box would refuse only after the push and the
-install: a profile that does not fit the target, nothing to run, a job file outside the project,
+install: a profile that is not one (shipped, or the user's in $RGT_CONTROLLER_HOME/profiles or
+$RGT_PROFILES_DIR) or does not fit the target, an ``--on-done`` the profile does not offer, nothing
+to run, a job file outside the project,
 a bad run name, store URL or ``--output``, a ``--secret-env`` with no value here. What it returns,
 a ``Plan``, is what controller/deploy/flow.py carries through the steps of the deploy.
 """
@@ -13,13 +15,14 @@ import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from controller.deploy import guess as guessmod
 from controller.target import Target, parse_target
 from onbox.agent.spec import check_outputs, default_name
 from onbox.common.errors import UsageError
 from onbox.common.rundir import check_name
 from onbox.common.storeurl import parse_store_setting, parse_store_url
-
-PROFILES = ("generic-ssh", "local")
+from onbox.profiles.load import load
+from onbox.profiles.schema import Profile
 
 
 @dataclasses.dataclass
@@ -30,6 +33,7 @@ class DeployRequest:
     command: List[str]
     job_file: Optional[str] = None
     profile: Optional[str] = None
+    on_done: Optional[str] = None  # --on-done: one of the profile's [[meter.on_done]] names
     store: Optional[str] = None
     name: Optional[str] = None
     python: Optional[str] = None
@@ -37,6 +41,7 @@ class DeployRequest:
     outputs: Sequence[str] = ()  # --output: passed to `rgt-agent start`, added to the job file's
     offline: bool = False
     project: str = "."
+    instance: Optional[str] = None  # --instance: the provider's id of the box, for rgt down
 
 
 def _read_toml(path: str) -> Dict[str, Any]:
@@ -98,21 +103,60 @@ class Plan:
 
     req: DeployRequest
     target: Target
-    profile: str
+    guess: Optional[guessmod.Guess]  # None: to be guessed from the audit's markers
     project: str
     job_rel: Optional[str]  # the job file, relative to the project
     name: str
     secrets: Dict[str, str]
+    dirs: Sequence[str] = ()  # the laptop's user profile directories
+
+    @property
+    def profile(self) -> str:
+        """The chosen profile's name ("" while it is still to be guessed)."""
+        return self.guess.profile.name if self.guess is not None else ""
+
+
+def check_on_done(profile: Profile, on_done: Optional[str]) -> None:
+    """Refuse an ``--on-done`` the profile does not offer, naming the ones it does."""
+    if on_done is None or profile.on_done(on_done) is not None:
+        return
+    offered = ", ".join(a.name for a in profile.meter.on_done)
+    raise UsageError(
+        "--on-done",
+        f"profile {profile.name} offers no on-done action {on_done!r}",
+        f"allowed: {offered}" if offered else "this profile offers none: leave --on-done out",
+    )
+
+
+def _profile(req: DeployRequest, target: Target, dirs: Sequence[str]) -> Optional[guessmod.Guess]:
+    """The profile asked for (checked against the target), or guessed from the host; None when
+    only the box's markers can tell."""
+    if req.profile is None:
+        if target.kind == "local":
+            return guessmod.chosen(target, dirs)
+        return guessmod.by_host(target, guessmod.candidates(dirs))
+    return named_profile(req.profile, target, dirs)
+
+
+def named_profile(name: str, target: Target, dirs: Sequence[str]) -> guessmod.Guess:
+    """The profile ``name`` (UsageError naming the known ones), checked against ``target``."""
+    profile = load(name, dirs)
+    if (profile.name == "local") != (target.kind == "local"):
+        raise UsageError(
+            "--profile",
+            f"profile {profile.name} does not fit target {target.label}",
+            "the local target takes only the local profile, and local fits only it",
+        )
+    return guessmod.Guess(profile, "given with --profile")
 
 
 def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
     """The request checked: UsageError for what the box would refuse, before it is touched."""
     target: Target = parse_target(req.target)
-    profile = req.profile or ("local" if target.kind == "local" else "generic-ssh")
-    if profile not in PROFILES:
-        raise UsageError("--profile", f"{profile!r} is not one of {', '.join(PROFILES)}")
-    if (profile == "local") != (target.kind == "local"):
-        raise UsageError("--profile", f"profile {profile} does not fit target {target.label}")
+    dirs = guessmod.profile_dirs()
+    guess = _profile(req, target, dirs)
+    if guess is not None:
+        check_on_done(guess.profile, req.on_done)
     if not req.command and not req.job_file:
         raise UsageError("command", "nothing to run", "give a JOB.toml or `-- CMD ...`")
     project = os.path.abspath(req.project)
@@ -130,4 +174,4 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
         _check_job_store(req)
     check_outputs(list(req.outputs), "--output")  # as the box would, before anything changes
     secrets = _secrets(req.secret_env, environ)
-    return Plan(req, target, profile, project, job_rel, name, secrets)
+    return Plan(req, target, guess, project, job_rel, name, secrets, dirs)

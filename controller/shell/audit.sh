@@ -1,13 +1,16 @@
 # shellcheck shell=sh
 # The audit's one round trip (controller/deploy/audit.py), run after the functions it calls:
-# rgt_python_probe (python_probe.sh), rgt_release_seen (release_seen.sh), rgt_look (look.sh).
+# rgt_python_probe (python_probe.sh), rgt_release_seen (release_seen.sh), rgt_look (look.sh),
+# rgt_markers (markers.sh).
 # $1 RGT_HOME on the box ("": ~/.rgt), $2 a file:// store's path (or ""), $3.. $7 the Python
 # probe's arguments (probe.probe_args: the Python, the probe's code, and the version, sha256
 # and extras of the wheel whose install to look for, or ""), $8 a release id (or ""), $9 the
-# deploy's name (or ""); then, optionally, rgt_look's arguments: the look at a run through the
+# deploy's name (or ""), ${10} ${11} rgt_markers' arguments (the profiles' marker files and
+# init-variable names, newline-separated, or ""); then, optionally, rgt_look's arguments: the look at a run through the
 # agent that ran it last time, saving a deploy of unchanged code its second round trip.
 home=${1:-$HOME/.rgt}; durable=$2; rel=$8; name=$9
 py=$3; code=$4; ver=$5; sha=$6; extras=$7; shift 9
+mfiles=$1; mnames=$2; shift 2
 # The look starts first and runs beside the rest (its two Python starts are most of the
 # script's time), its output held in a temporary file until the end; without mktemp, after.
 look_out=
@@ -27,6 +30,7 @@ echo "@@cgroup"; cat /sys/fs/cgroup/memory.max 2>/dev/null ||
   cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null
 echo "@@tools"; for t in rsync tar; do command -v "$t" >/dev/null 2>&1 && echo "$t"; done
 echo "@@release"; if [ -n "$rel" ]; then rgt_release_seen "$home" "$rel" "$name"; fi
+echo "@@markers"; rgt_markers "$mfiles" "$mnames"
 echo "@@clock"; date +%s
 if [ -n "$look_out" ]; then
   wait "$look_pid"; cat -- "$look_out"; rm -f -- "$look_out"

@@ -7,6 +7,7 @@
     rgt-agent logs N [-f] [--agent]
     rgt-agent stop N [--grace S]
     rgt-agent list [--json]
+    rgt-agent boot  (after a power-on: start again every interrupted run; the boot hook's)
 
 Only the click commands live here: claiming a run is onbox.agent.claim, asking its agent to stop
 or seal is onbox.agent.mailbox, what a store holds of a run is onbox.agent.catalog. An
@@ -107,6 +108,12 @@ def _claim(
 
 @cli.command(context_settings={"ignore_unknown_options": False})
 @_job_options
+@click.option(
+    "--boot-hook",
+    is_flag=True,
+    help="On a generic box (profile boot.hook = cron): install an @reboot entry in /etc/cron.d "
+    "so the run resumes after a reboot. This is OS persistence; off unless asked.",
+)
 def start(
     job_file: Optional[str],
     name: Optional[str],
@@ -114,12 +121,17 @@ def start(
     store: Optional[str],
     grace: Optional[str],
     outputs: Tuple[str, ...],
+    boot_hook: bool = False,
 ) -> int:
     """Check everything, then detach the agent and return with the run's name and paths."""
     claimed = _claim(job_file, name, ckpt_dir, store, grace, outputs)
     if claimed is None:
         return 0
     spec, rd, lock = claimed
+    if boot_hook:
+        from onbox.agent.boot import record_opt_in
+
+        record_opt_in(rd)
     r, w = os.pipe()
     try:
         spawn_agent(rd, lock.fd, ready_fd=w)
@@ -171,6 +183,15 @@ def run(
     final = agent.run()
     _emit(f"run {rd.name} ended {final.value}")
     return FINAL_EXIT_CODES.get(final.value, 1)
+
+
+@cli.command()
+def boot() -> int:
+    """Start again every run a power-off interrupted (the boot hook runs this; idempotent)."""
+    from onbox.agent.boot import boot as resume_all
+
+    resume_all(_emit)
+    return 0
 
 
 def _pick_run(name: Optional[str]) -> Optional[RunDir]:

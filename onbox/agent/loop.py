@@ -18,6 +18,7 @@ import time
 from typing import Any, Dict, List, Optional, TextIO, Tuple, cast
 
 from onbox.agent import procfs
+from onbox.agent.boot import install_hook, take_from_boot
 from onbox.agent.daemon import TAG_VAR, agent_argv, parse_agent_args
 from onbox.agent.journal import FileJournal, log
 from onbox.agent.lock import RunLock
@@ -102,6 +103,8 @@ class Agent:
         Returns False when there is nothing to supervise.
         """
         sup = self.sup
+        # `rgt-agent boot` started this agent after a power-on: restore as a beginning does.
+        from_boot = take_from_boot(self.rd)
         if self.fresh or sup.state in TERMINAL:
             if not may_begin:
                 return False
@@ -124,7 +127,8 @@ class Agent:
             # the job from step 0 beside a sealed checkpoint.
             self._begin_sealing()
         elif self.seal is not None:
-            self.seal.start(begin=False)
+            self.seal.start(begin=from_boot)
+            self._note_fallback(self.seal.restored)
         if self.check is not None:
             self.check.skip(sup.attempt)  # no-op when the last agent recorded this attempt's S
         if sup.attempt > 0:
@@ -276,6 +280,7 @@ class Agent:
             )
         self._check_resume()
         self.notice = watcher_for(self.spec, self.seal, self.journal.event)
+        install_hook(self.rd, getattr(self.spec, "profile", None), self.journal.event)
         while sup.state not in TERMINAL:
             waits = [
                 w

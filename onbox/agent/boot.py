@@ -1,0 +1,260 @@
+"""Boot survival: runs come back by themselves after the box powers on again.
+
+Two halves. ``install_hook`` (called by the agent) puts the platform's way back in place, once:
+a script under $RGT_HOME that starts ``rgt-agent boot`` detached, at most once per boot (it
+compares /proc/sys/kernel/random/boot_id with the one ``boot`` recorded), wired in where the
+platform runs things at power-on: a file in /etc/profile.d (AutoDL restarts the container and
+every login shell sources it), one guarded line in /root/onstart.sh (vast.ai), or, only when
+asked with ``rgt-agent start --boot-hook``, an @reboot line in /etc/cron.d (OS persistence on
+a generic box). Not root, or the path not writable: one ``boot_hook_failed`` warning with the
+remedy, and the run goes on.
+
+``boot`` (``rgt-agent boot``) records this boot, then starts again every run whose agent is not
+alive and whose state is not STOPPED, FAILED or SUCCEEDED, with ``rgt-agent start --name N``
+itself (its spec.json, the store's DONE.json check, the run lock: one writer), and leaves a
+``boot.json`` in the run for the agent: the start came from a power-on, so it restores from
+the store as a new incarnation would (``from_boot``). Quiet and idempotent: it can run at every
+login.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shlex
+import subprocess
+import sys
+from typing import Callable, List, Optional
+
+import onbox
+from onbox.common import jobenv
+from onbox.common.durable import read_json, write_atomic, write_json
+from onbox.common.rundir import RunDir, all_runs, rgt_home
+
+ENDED = ("STOPPED", "FAILED", "SUCCEEDED")
+BOOT_ID = "/proc/sys/kernel/random/boot_id"
+MARK = "# rgt-agent boot hook"
+OPT_IN = "boot_hook.json"  # in the run dir: `start --boot-hook` asked for an OS-level hook
+FROM_BOOT = "boot.json"  # in the run dir: this start of the run came from `rgt-agent boot`
+CRON_PATH = "/etc/cron.d/rgt-agent"
+Event = Callable[..., None]
+
+
+def current_boot() -> str:
+    try:
+        with open(BOOT_ID) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _q(s: str) -> str:
+    return shlex.quote(s)
+
+
+def boot_command() -> List[str]:
+    """How the hook starts ``rgt-agent boot``: this Python, this onbox."""
+    return [sys.executable, "-m", "onbox.cli", "boot"]
+
+
+def hook_script(home: str) -> str:
+    """The POSIX sh hook: sourced by login shells, so it never exits and leaves no variables."""
+    log = os.path.join(home, "boot.log")
+    env = f"{jobenv.HOME}={_q(home)} PYTHONPATH={_q(onbox.import_root())} "
+    cmd = " ".join(_q(a) for a in boot_command())
+    return (
+        f"{MARK}: starts `rgt-agent boot` once per boot, in the background, so that rgt runs\n"
+        "# interrupted by a power-off come back (written by rgt-agent; remove this file to\n"
+        "# stop that). Valid POSIX sh; sourced by login shells, so it never exits.\n"
+        f'if [ "$(id -u 2>/dev/null)" = {os.getuid()} ] && [ -r {BOOT_ID} ] &&\n'
+        f'    [ "$(cat {BOOT_ID} 2>/dev/null)" != '
+        f'"$(cat {_q(os.path.join(home, "boot_id"))} 2>/dev/null)" ]; then\n'
+        "    if command -v setsid >/dev/null 2>&1; then\n"
+        f"        ( {env}setsid {cmd} </dev/null >>{_q(log)} 2>&1 & )\n"
+        "    else\n"
+        f"        ( {env}nohup {cmd} </dev/null >>{_q(log)} 2>&1 & )\n"
+        "    fi\n"
+        "fi\n"
+    )
+
+
+def hook_path(home: str) -> str:
+    return os.path.join(home, "boot-hook.sh")
+
+
+# ---- installing the hook (the agent)
+def install_hook(rd: RunDir, profile_name: Optional[str], event: Event) -> Optional[str]:
+    """Put the boot hook in place for a run under ``profile_name``; the path wired in, or None.
+
+    Never raises: a failure is one warning event, and the run goes on without the hook."""
+    if not profile_name:
+        return None
+    try:
+        from onbox.profiles.load import load, user_dirs
+
+        boot = load(profile_name, user_dirs(os.path.join(rd.home, "profiles"))).boot
+    except Exception:  # the profile was checked at start; a file changed since costs the hook
+        return None
+    hook = boot.hook
+    opted = read_json(os.path.join(rd.path, OPT_IN)) is not None
+    if hook in ("none", "") or (hook == "cron" and not opted):
+        return None
+    target = boot.path or (CRON_PATH if hook == "cron" else "")
+    if not target:
+        return None
+    try:
+        script = hook_script(rd.home)
+        if hook == "profile.d":
+            _write_if_changed(target, script.encode(), 0o644)
+        else:
+            _write_if_changed(hook_path(rd.home), script.encode(), 0o700)
+            line = f". {_q(hook_path(rd.home))}  {MARK}\n"
+            if hook == "cron":
+                user = _user()
+                _write_if_changed(
+                    target, f"@reboot {user} sh -c {_q(line.strip())}\n".encode(), 0o644
+                )
+            else:  # onstart: one guarded line, never twice
+                _append_once(target, line)
+    except OSError as e:
+        event(
+            "boot_hook_failed",
+            f"cannot install the {hook} boot hook at {target}: {e.strerror or e}; after a "
+            "power-off the run will not come back by itself",
+            klass="usage",
+            remedy="run the agent as root, or run `rgt-agent boot` after each power-on",
+        )
+        return None
+    event(
+        "boot_hook",
+        f"{hook} boot hook at {target}: `rgt-agent boot` resumes the run after a power-off"
+        + (
+            "; this is OS persistence (an @reboot cron entry), asked for with --boot-hook"
+            if hook == "cron"
+            else ""
+        ),
+        hook=hook,
+        path=target,
+    )
+    return target
+
+
+def _user() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.getuid()).pw_name
+    except KeyError:
+        return str(os.getuid())
+
+
+def _write_if_changed(path: str, data: bytes, mode: int) -> None:
+    try:
+        with open(path, "rb") as f:
+            if f.read() == data:
+                return
+    except FileNotFoundError:
+        pass
+    write_atomic(path, data, mode)
+    os.chmod(path, mode)  # the agent's umask is 077; a login shell of root reads it anyway
+
+
+def _append_once(path: str, line: str) -> None:
+    """Append ``line`` to a script unless a line with the hook's mark is there already."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        text = "#!/bin/sh\n"
+    if MARK in text:
+        return
+    if text and not text.endswith("\n"):
+        text += "\n"
+    write_atomic(path, (text + line).encode(), 0o755)
+    os.chmod(path, 0o755)
+
+
+def record_opt_in(rd: RunDir) -> None:
+    """`rgt-agent start --boot-hook`: this run may install an OS-level (cron) hook."""
+    write_json(os.path.join(rd.path, OPT_IN), {"cron": True})
+
+
+def take_from_boot(rd: RunDir) -> bool:
+    """Whether this agent's start came from `rgt-agent boot` (the mark is used up)."""
+    path = os.path.join(rd.path, FROM_BOOT)
+    try:
+        os.unlink(path)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+# ---- resuming at boot (`rgt-agent boot`)
+def resumable(rd: RunDir) -> bool:
+    """A run whose agent is gone and whose incarnation did not end by itself or by a stop."""
+    from onbox.agent.lock import is_held
+
+    try:
+        state = read_json(rd.state)
+    except ValueError:
+        return False
+    if not state or state.get("state") in ENDED or read_json(rd.spec) is None:
+        return False
+    return not is_held(rd.lock)
+
+
+def boot(say: Callable[[str], None], home: Optional[str] = None) -> int:
+    """Record this boot, then start every resumable run again; the number started."""
+    home = home or rgt_home()
+    os.makedirs(home, mode=0o700, exist_ok=True)
+    fd = os.open(os.path.join(home, "boot.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # two logins at once: the second finds nothing to do
+        write_atomic(os.path.join(home, "boot_id"), (current_boot() + "\n").encode())
+        started = 0
+        for rd in all_runs(home):
+            if not resumable(rd):
+                continue
+            started += _start(rd, say)
+        return started
+    finally:
+        os.close(fd)
+
+
+def _start(rd: RunDir, say: Callable[[str], None]) -> int:
+    """`rgt-agent start --name N`, as a user would type it after a power-on."""
+    mark = os.path.join(rd.path, FROM_BOOT)
+    write_json(mark, {"boot_id": current_boot()})
+    env = {k: v for k, v in os.environ.items() if k != jobenv.ATTEMPT_TAG}
+    env[jobenv.HOME] = rd.home
+    try:
+        p = subprocess.run(
+            [sys.executable, "-m", "onbox.cli", "start", "--name", rd.name],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd="/",
+        )
+    except (OSError, subprocess.TimeoutExpired) as e:
+        say(f"rgt-agent boot: {rd.name}: {e}")
+        return 0
+    finally:
+        if not _agent_took(rd):
+            _unmark(mark)
+    say(f"rgt-agent boot: {rd.name}: " + (p.stdout.strip().splitlines() or [""])[0])
+    if p.returncode != 0:
+        say(p.stderr.strip())
+    return 1 if p.returncode == 0 else 0
+
+
+def _agent_took(rd: RunDir) -> bool:
+    return not os.path.exists(os.path.join(rd.path, FROM_BOOT))
+
+
+def _unmark(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass

@@ -1,7 +1,8 @@
 """``rgt-agent``: the on-box command line.
 
     rgt-agent start [JOB.toml] [--name N] [--ckpt-dir D] [--store URL] [--grace S]
-                    [--output PATH ...] [-- CMD ...]
+                    [--output PATH ...] [--profile NAME] [--on-done NAME]
+                    [--deadline DURATION | --max-cost AMOUNT --price PER_HOUR] [-- CMD ...]
     rgt-agent run   (the same; stays in the foreground: Slurm, Kubernetes, containers)
     rgt-agent status [N] [--json]
     rgt-agent logs N [-f] [--agent]
@@ -20,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import click
 
@@ -31,7 +32,7 @@ from onbox.agent.lock import RunLock
 from onbox.agent.loop import Agent
 from onbox.agent.mailbox import stop_run, sync_run
 from onbox.agent.runner import read_ready
-from onbox.agent.spec import JobSpec
+from onbox.agent.spec import JobSpec, Overrides
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.agent.title import set_title
 from onbox.common.climain import run_cli
@@ -60,7 +61,31 @@ def cli() -> None:
     """Keep a training job alive on this box: detached, restarted with resume, never twice."""
 
 
+def _platform_options(f: Any) -> Any:
+    """--profile, --on-done and the meter cap (onbox/agent/profileuse.py)."""
+    f = click.option(
+        "--price", metavar="PER_HOUR", help="The box's price per hour, for --max-cost."
+    )(f)
+    f = click.option(
+        "--max-cost", metavar="AMOUNT", help="Stop the run once it has cost AMOUNT (with --price)."
+    )(f)
+    f = click.option(
+        "--deadline",
+        metavar="DURATION",
+        help="Stop the run (checkpoint, final seal) this long after its first start, e.g. 72h.",
+    )(f)
+    f = click.option(
+        "--on-done",
+        metavar="NAME",
+        help="Run the profile's on-done action NAME (e.g. poweroff) once DONE.json is verified.",
+    )(f)
+    return click.option(
+        "--profile", metavar="NAME", help="The platform profile (grace, env, default store)."
+    )(f)
+
+
 def _job_options(f: Any) -> Any:
+    f = _platform_options(f)
     f = click.option(
         "--output",
         "outputs",
@@ -95,11 +120,19 @@ def _claim(
     store: Optional[str],
     grace: Optional[str],
     outputs: Sequence[str],
+    platform: Dict[str, Optional[str]],
 ) -> Optional[Tuple[JobSpec, RunDir, RunLock]]:
     """The spec, the run's directory and its lock, for start and run (onbox.agent.claim); None
     when the store says the run is finished."""
     command: Optional[List[str]] = click.get_current_context().obj.get("command")
-    spec = resolve_spec(job_file, command, name, ckpt_dir, store, grace, outputs)
+    more = Overrides(  # --profile, --on-done, the meter cap
+        profile=platform.get("profile"),
+        on_done=platform.get("on_done"),
+        deadline=platform.get("deadline"),
+        max_cost=platform.get("max_cost"),
+        price=platform.get("price"),
+    )
+    spec = resolve_spec(job_file, command, name, ckpt_dir, store, grace, outputs, more)
     rd = prepare_run(spec, _emit, _warn)
     if rd is None:
         return None
@@ -122,9 +155,10 @@ def start(
     grace: Optional[str],
     outputs: Tuple[str, ...],
     boot_hook: bool = False,
+    **platform: Optional[str],
 ) -> int:
     """Check everything, then detach the agent and return with the run's name and paths."""
-    claimed = _claim(job_file, name, ckpt_dir, store, grace, outputs)
+    claimed = _claim(job_file, name, ckpt_dir, store, grace, outputs, platform)
     if claimed is None:
         return 0
     spec, rd, lock = claimed
@@ -170,9 +204,10 @@ def run(
     store: Optional[str],
     grace: Optional[str],
     outputs: Tuple[str, ...],
+    **platform: Optional[str],
 ) -> int:
     """Like start, but supervise in the foreground; exit code tells the final state."""
-    claimed = _claim(job_file, name, ckpt_dir, store, grace, outputs)
+    claimed = _claim(job_file, name, ckpt_dir, store, grace, outputs, platform)
     if claimed is None:
         return 0
     spec, rd, lock = claimed

@@ -11,6 +11,7 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from onbox.agent.lock import RunLock
+from onbox.agent.profileuse import apply_again
 from onbox.agent.spec import (
     JobSpec,
     Overrides,
@@ -59,10 +60,13 @@ def resolve_spec(
     store: Optional[str],
     grace: Optional[str],
     outputs: Sequence[str] = (),
+    platform: Optional[Overrides] = None,
 ) -> JobSpec:
     """The spec ``start`` and ``run`` were asked for: from the job file and flags, or, with no
-    command and no job file, the named run's last spec with the flags given."""
+    command and no job file, the named run's last spec with the flags given. ``platform``
+    holds the profile, on-done and meter-cap flags (onbox/agent/profileuse.py)."""
     home = rgt_home()
+    more = platform or Overrides()
     if job_file is None and not command:
         if name is None:
             raise UsageError(
@@ -78,7 +82,8 @@ def resolve_spec(
                 f"is empty and there is no run {name!r} to start again",
                 "give the job after --",
             )
-        return _again(JobSpec.from_json(doc), ckpt_dir, store, grace, outputs)
+        spec = _again(JobSpec.from_json(doc), ckpt_dir, store, grace, outputs)
+        return apply_again(spec, more, os.environ)
     if job_file is not None and not job_file.endswith(".toml") and not os.path.isfile(job_file):
         raise UsageError(
             "JOB.toml",
@@ -94,6 +99,11 @@ def resolve_spec(
             store=store,
             grace=grace,
             outputs=list(outputs),
+            profile=more.profile,
+            on_done=more.on_done,
+            deadline=more.deadline,
+            max_cost=more.max_cost,
+            price=more.price,
         ),
         cwd=os.getcwd(),
         environ=os.environ,

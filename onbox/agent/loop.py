@@ -23,7 +23,9 @@ from onbox.agent.daemon import TAG_VAR, agent_argv, parse_agent_args
 from onbox.agent.journal import FileJournal, log
 from onbox.agent.lock import RunLock
 from onbox.agent.logredact import redact_box_logs
+from onbox.agent.meter import MeterCap
 from onbox.agent.notice import NoticeWatcher, watcher_for
+from onbox.agent.ondone import after_finish
 from onbox.agent.resumecheck import ResumeCheck
 from onbox.agent.runner import ShimRunner
 from onbox.agent.sealservice import SealService
@@ -70,6 +72,7 @@ class Agent:
             self.seal = SealService(self.spec, rd, self.journal, self.runner.signal_job)
             hooks = self.seal
         self.runner.resume_from = self._resume_from
+        self.runner.event = self.journal.event  # the proxy hook's events
         self.sup = Supervisor(
             self.spec, self.runner, clock or RealClock(), self.journal, hooks=hooks, doc=state_doc
         )
@@ -80,6 +83,11 @@ class Agent:
         self.sup.extra["warnings"] = self.warnings
         if self.seal is not None:
             self.seal.warnings = self.warnings
+        # The meter cap (onbox/agent/meter.py); one that fired before this agent stays fired.
+        capped = bool((state_doc or {}).get("meter_cap"))
+        self.meter = MeterCap(self.spec.deadline, fired=capped)
+        if capped and self.seal is not None:
+            self.seal.capped = True
         self.check: Optional[ResumeCheck] = None
         try:
             self.check = ResumeCheck(
@@ -288,6 +296,7 @@ class Agent:
                     sup.next_wakeup(),
                     self.runner.poll_interval(),
                     self.check.next_wakeup() if self.check is not None else None,
+                    self.meter.wait(self.seal is not None and self.seal.sealing),
                 )
                 if w is not None
             ]
@@ -295,6 +304,7 @@ class Agent:
                 [self._wake_r, *self.runner.watch_fds()], min(waits) if waits else None
             )
             self._handle_signals()
+            self.meter.check(sup, self.seal, self.journal.event)
             if sup.active and not sup.exit_seen:
                 status = self.runner.poll_exit()
                 if status is not None:
@@ -395,6 +405,8 @@ class Agent:
                     klass="permanent",
                     remedy="report this; `rgt pull` may bring a log that holds a secret",
                 )
+        # The profile's on-done action, only after a verified DONE (onbox/agent/ondone.py).
+        after_finish(self.spec, self.rd, self.sup.state, self.seal, self.journal.event)
         log(self.rd.agent_log, f"agent pid {os.getpid()} exits: run is {self.sup.state}")
         self.runner.close()
         self.lock.release()

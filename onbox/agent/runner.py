@@ -17,7 +17,7 @@ import time
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import onbox
-from onbox.agent import cgroup, procfs
+from onbox.agent import cgroup, procfs, proxyhook
 from onbox.agent.classify import ExitStatus
 from onbox.agent.daemon import TAG_VAR, agent_environ, python_argv, user_environ
 from onbox.agent.journal import log
@@ -97,10 +97,15 @@ class ShimRunner:
         self._pidfd: Optional[int] = None
         # The restored checkpoint, set by the sealing service; '' when starting fresh.
         self.resume_from: Callable[[], str] = lambda: ""
+        # The run's journal (set by the agent); the proxy hook's events go there, once each.
+        self.event: Callable[..., None] = lambda kind, reason, **kw: log(rd.agent_log, reason)
+        self._hook_said = False
 
     # ---- starting
     def job_environ(self, attempt: int, tag: str) -> Dict[str, str]:
         env = dict(self.base_environ)
+        # The platform's proxy hook first: the profile's vars and the user's [env] win over it.
+        env.update(self._hook_vars(env))
         env.update(self.spec.env)
         env.update(
             {
@@ -120,6 +125,30 @@ class ShimRunner:
         old = env.get("PYTHONPATH")
         env["PYTHONPATH"] = lib + (os.pathsep + old if old else "")
         return env
+
+    def _hook_vars(self, base: Mapping[str, str]) -> Dict[str, str]:
+        """What the profile's proxy hook exports (onbox/agent/proxyhook.py); {} without one."""
+        hook = self.spec.proxy_hook
+        if not hook:
+            return {}
+        got, why = proxyhook.source(hook, base)
+        if not self._hook_said:  # once per agent, not once per attempt
+            self._hook_said = True
+            if why is not None:
+                self.event(
+                    "proxy_hook_failed",
+                    f"{why}: the job starts without the platform's proxy settings",
+                    klass="usage",
+                    remedy=f"fix {hook} or set env.proxy_hook in the {self.spec.profile} "
+                    "profile ($RGT_HOME/profiles); meanwhile downloads go without the proxy",
+                )
+            else:  # names only: a proxy URL may hold a password
+                self.event(
+                    "proxy_hook",
+                    f"sourced {hook}: the job gets {', '.join(proxyhook.names(got)) or 'nothing'}",
+                    variables=proxyhook.names(got),
+                )
+        return got
 
     def spawn(self, attempt: int) -> int:
         os.makedirs(self.rd.attempt_dir(attempt), exist_ok=True)

@@ -27,6 +27,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from onbox.agent.completion import Completion
 from onbox.agent.journal import FileJournal
+from onbox.agent.meter import final_seal
 from onbox.agent.spec import JobSpec
 from onbox.agent.supervisor import Hooks
 from onbox.common import redact
@@ -87,6 +88,11 @@ class SealService(Hooks):
         # Warnings for status (state.json's ``warnings``): the agent puts this very list into
         # the supervisor's state document, so what is appended here is in the next save.
         self.warnings: List[Dict[str, Any]] = []
+        # The meter cap (onbox/agent/meter.py) waits while a pass is ``sealing``; once it has
+        # ``capped`` the run, the stop's final seal takes what it needs and is checked.
+        self.sealing = False
+        self.capped = False
+        self.final_verified = False
 
     def event(
         self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
@@ -200,6 +206,7 @@ class SealService(Hooks):
                 break
             # A sync asked before this pass began is answered once the pass is done.
             request = self._sync_request
+            self.sealing = True
             try:
                 self._ask_on_timer()
                 assert self.sealer is not None
@@ -230,6 +237,8 @@ class SealService(Hooks):
                     klass="permanent",
                     remedy="report this; sealing retries",
                 )
+            finally:
+                self.sealing = False
 
     def _ask_on_timer(self) -> None:
         if self.spec.ckpt_interval is None:
@@ -313,6 +322,13 @@ class SealService(Hooks):
                 warnings=self.warnings,
                 mirror=self.mirror,
             ).run()
+            return
+        if reason == "stop" and self.capped:  # the meter cap: no budget, the seal is checked
+            self._stop_thread(None)
+            self.final_verified = final_seal(
+                sealer, self.store, self.spec.name, self.spec.ckpt_dir, self.event
+            )
+            self.mirror_quietly()
             return
         budget_end = deadline - MARGIN
         if not self._stop_thread(budget_end):

@@ -86,6 +86,13 @@ class JobSpec:
     # A regex whose group (one, or the one named ``step``) is the job's step in its output,
     # for scripts that report progress in their log rather than through onbox.train.
     progress_pattern: Optional[str] = None
+    # From a platform profile (onbox/agent/profileuse.py); spec.json files from before lack them.
+    profile: Optional[str] = None
+    proxy_hook: str = ""  # a file the job's environment sources first (onbox/agent/proxyhook.py)
+    notice: str = "none"  # how the platform warns of a preemption ("none", "signal", "aws", ...)
+    on_done: Optional[str] = None  # the profile's [[meter.on_done]] action run after DONE
+    on_done_command: Tuple[str, ...] = ()
+    deadline: Optional[float] = None  # the meter cap: epoch seconds, when the run is stopped
 
     def to_json(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -93,6 +100,7 @@ class JobSpec:
         d["env"] = dict(self.env)
         d["restart"]["success_codes"] = list(self.restart.success_codes)
         d["outputs"] = list(self.outputs)
+        d["on_done_command"] = list(self.on_done_command)
         d["store"] = self.store.url if self.store else None
         if self.store and self.store.endpoint_url:
             d["store_endpoint_url"] = self.store.endpoint_url
@@ -119,6 +127,12 @@ class JobSpec:
             outputs=tuple(d.get("outputs") or ()),
             # spec.json files written before this field existed lack it
             progress_pattern=d.get("progress_pattern"),
+            profile=d.get("profile"),
+            proxy_hook=str(d.get("proxy_hook") or ""),
+            notice=str(d.get("notice") or "none"),
+            on_done=d.get("on_done"),
+            on_done_command=tuple(d.get("on_done_command") or ()),
+            deadline=None if d.get("deadline") is None else float(d["deadline"]),
         )
 
 
@@ -142,6 +156,9 @@ _TOP_KEYS = {
     "restart",
     "outputs",
     "progress",
+    "profile",
+    "on_done",
+    "meter",
 }
 _CKPT_KEYS = {"dir", "trigger", "keep", "interval", "scan"}
 _PROGRESS_KEYS = {"pattern"}
@@ -203,6 +220,11 @@ class Overrides:
     store: Optional[str] = None
     grace: Optional[str] = None
     outputs: Optional[List[str]] = None  # --output, repeatable: added to the job file's
+    profile: Optional[str] = None  # --profile NAME: a platform profile (onbox/profiles)
+    on_done: Optional[str] = None  # --on-done NAME: one of the profile's [[meter.on_done]]
+    deadline: Optional[str] = None  # --deadline DURATION: the meter cap, from the first start
+    max_cost: Optional[str] = None  # --max-cost AMOUNT, with --price PER_HOUR
+    price: Optional[str] = None
 
 
 def check_outputs(outputs: Any, field: str = "outputs") -> Tuple[str, ...]:
@@ -372,7 +394,7 @@ def build_spec(
     pattern = prog.get("pattern")
     if pattern is not None:
         compile_progress_pattern(pattern)
-    return JobSpec(
+    spec = JobSpec(
         name=name,
         command=command,
         workdir=workdir,
@@ -385,6 +407,9 @@ def build_spec(
         progress_pattern=pattern,
         **checkpoint,
     )
+    from onbox.agent.profileuse import apply_profile  # it imports this module
+
+    return apply_profile(spec, data, flags, environ)
 
 
 def _restart_policy(r: Mapping[str, Any]) -> RestartPolicy:

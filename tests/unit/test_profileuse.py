@@ -1,0 +1,231 @@
+"""What a platform profile changes in a JobSpec, the meter cap and the on-done choice: the user's
+values always win, a bad name is refused before anything starts (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Dict, List
+
+import pytest
+
+from onbox.agent.meter import POLL, MeterCap
+from onbox.agent.ondone import run_once
+from onbox.agent.spec import JobSpec, Overrides, build_spec
+from onbox.common.errors import UsageError
+from onbox.common.rundir import RunDir
+
+
+def _build(tmp_path: Any, toml: str = "", environ: Any = None, **flags: Any) -> JobSpec:
+    job = None
+    if toml:
+        job = str(tmp_path / "job.toml")
+        with open(job, "w") as f:
+            f.write('command = ["true"]\n' + toml)
+    env = {"PATH": os.environ["PATH"], "RGT_HOME": str(tmp_path / "home")}
+    env.update(environ or {})
+    if job is None:
+        flags.setdefault("command", ["true"])
+    return build_spec(
+        job,
+        Overrides(**flags),
+        cwd=str(tmp_path),
+        environ=env,
+        default_name="job",
+        run_dir_of=lambda n: str(tmp_path / "runs" / n),
+    )
+
+
+def test_runpod_gives_grace_env_store_and_notice(tmp_path: Any) -> None:
+    spec = _build(tmp_path, profile="runpod")
+    assert spec.profile == "runpod" and spec.grace == 5.0 and spec.notice == "signal"
+    assert spec.env["HF_HOME"] == "/workspace/hf"
+    assert spec.store is not None and spec.store.url == "file:///workspace/rgt"
+    assert spec.proxy_hook == "" and spec.deadline is None and spec.on_done is None
+
+
+def test_the_users_values_win_over_the_profile(tmp_path: Any) -> None:
+    toml = 'grace = 40\nstore = "file:///data/s"\n[env]\nHF_HOME = "/mine"\n'
+    spec = _build(tmp_path, toml, profile="runpod")
+    assert spec.grace == 40.0 and spec.env["HF_HOME"] == "/mine"
+    assert spec.env["PIP_CACHE_DIR"] == "/workspace/.cache/pip"
+    assert spec.store is not None and spec.store.url == "file:///data/s"
+    assert _build(tmp_path, profile="runpod", grace="12").grace == 12.0
+    assert _build(tmp_path, 'profile = "runpod"\n', grace="12").grace == 12.0
+
+
+def test_the_flag_names_the_profile_over_the_job_file(tmp_path: Any) -> None:
+    spec = _build(tmp_path, 'profile = "runpod"\n', profile="autodl")
+    assert spec.profile == "autodl" and spec.grace == 10.0
+    assert spec.proxy_hook == "/etc/network_turbo"
+    assert spec.env["PIP_INDEX_URL"] == "https://pypi.tuna.tsinghua.edu.cn/simple"
+
+
+def test_no_profile_keeps_the_old_defaults(tmp_path: Any) -> None:
+    spec = _build(tmp_path)
+    assert spec.profile is None and spec.grace == 30.0 and spec.store is None and spec.env == {}
+
+
+def test_a_user_override_dir_is_read(tmp_path: Any) -> None:
+    d = tmp_path / "profiles"
+    d.mkdir()
+    (d / "runpod.toml").write_text('[durable]\npath = "/mnt/vol"\n')
+    spec = _build(tmp_path, profile="runpod", environ={"RGT_PROFILES_DIR": str(d)})
+    assert spec.store is not None and spec.store.url == "file:///mnt/vol/rgt"
+    # $RGT_HOME/profiles is the box's user dir when RGT_PROFILES_DIR is not set
+    home = tmp_path / "home" / "profiles"
+    home.mkdir(parents=True)
+    (home / "runpod.toml").write_text('[durable]\npath = "/mnt/home"\n')
+    spec = _build(tmp_path, profile="runpod")
+    assert spec.store is not None and spec.store.url == "file:///mnt/home/rgt"
+
+
+@pytest.mark.parametrize(
+    "flags,field",
+    [
+        ({"profile": "nope"}, "--profile"),
+        ({"on_done": "poweroff"}, "--on-done"),
+        ({"profile": "runpod", "on_done": "poweroff"}, "--on-done"),
+        ({"profile": "autodl", "on_done": "reboot"}, "--on-done"),
+        ({"max_cost": "20"}, "--max-cost"),
+        ({"price": "2"}, "--price"),
+        ({"max_cost": "-1", "price": "2"}, "--max-cost"),
+        ({"deadline": "soon"}, "--deadline"),
+    ],
+)
+def test_bad_choices_are_usage_errors(tmp_path: Any, flags: Dict[str, str], field: str) -> None:
+    with pytest.raises(UsageError) as e:
+        _build(tmp_path, **flags)
+    assert e.value.exit_code == 2 and field in e.value.line()
+
+
+def test_on_done_errors_say_what_is_allowed(tmp_path: Any) -> None:
+    with pytest.raises(UsageError) as e:
+        _build(tmp_path, profile="autodl", on_done="reboot")
+    assert "poweroff" in e.value.line()
+    with pytest.raises(UsageError) as e:
+        _build(tmp_path, profile="runpod", on_done="poweroff")
+    assert "no reversible automatic meter-stop" in e.value.line()
+
+
+def test_on_done_picks_the_profiles_action(tmp_path: Any) -> None:
+    spec = _build(tmp_path, 'on_done = "poweroff"\n', profile="autodl")
+    assert spec.on_done == "poweroff" and spec.on_done_command == ("shutdown", "-h", "now")
+
+
+def test_meter_cap_is_an_absolute_deadline(tmp_path: Any) -> None:
+    import time
+
+    before = time.time()
+    spec = _build(tmp_path, deadline="72h")
+    assert (
+        spec.deadline is not None and before + 72 * 3600 <= spec.deadline <= time.time() + 72 * 3600
+    )
+    spec = _build(tmp_path, max_cost="20", price="2")  # 10 hours
+    assert spec.deadline is not None and abs(spec.deadline - before - 36000) < 60
+    spec = _build(tmp_path, '[meter]\ndeadline = "1h"\nmax_cost = 20\nprice_per_hour = 2\n')
+    assert spec.deadline is not None and abs(spec.deadline - before - 3600) < 60  # the earlier
+    spec = _build(tmp_path, '[meter]\ndeadline = "1h"\n', deadline="2h")  # the flag wins
+    assert spec.deadline is not None and abs(spec.deadline - before - 7200) < 60
+    with pytest.raises(UsageError):
+        _build(tmp_path, "[meter]\ncost = 3\n")
+
+
+def test_new_fields_round_trip_and_old_spec_files_read(tmp_path: Any) -> None:
+    spec = _build(tmp_path, 'on_done = "poweroff"\n', profile="autodl", deadline="3s")
+    doc = json.loads(json.dumps(spec.to_json()))
+    assert JobSpec.from_json(doc) == spec
+    for key in ("profile", "proxy_hook", "notice", "on_done", "on_done_command", "deadline"):
+        del doc[key]
+    old = JobSpec.from_json(doc)
+    assert (old.profile, old.proxy_hook, old.notice, old.on_done, old.deadline) == (
+        None,
+        "",
+        "none",
+        None,
+        None,
+    )
+    assert old.on_done_command == ()
+
+
+def test_a_cap_reached_during_a_seal_waits_for_the_seal() -> None:
+    now = [100.0]
+    cap = MeterCap(103.0, clock=lambda: now[0])
+    assert not cap.due(sealing=False) and cap.wait(sealing=False) == 3.0
+    now[0] = 104.0
+    assert not cap.due(sealing=True)  # a seal is in progress: not yet
+    assert cap.wait(sealing=True) == POLL
+    assert cap.due(sealing=False)  # the seal ended
+    assert not cap.due(sealing=False) and cap.wait(sealing=False) is None  # once
+    assert MeterCap(None).wait(sealing=False) is None
+
+
+class _Sup:
+    def __init__(self, state: Any) -> None:
+        self.state = state
+        self.extra: Dict[str, Any] = {}
+        self.stops: List[str] = []
+
+    def request_stop(self, reason: str) -> None:
+        self.stops.append(reason)
+
+
+class _Seal:
+    def __init__(self) -> None:
+        self.sealing = True
+        self.capped = False
+        self.asked: List[str] = []
+
+    def ask_job(self, why: str) -> None:
+        self.asked.append(why)
+
+
+def test_the_cap_asks_for_a_checkpoint_then_stops_but_not_mid_seal() -> None:
+    from onbox.agent.states import State
+
+    events: List[str] = []
+    sup, seal = _Sup(State.RUNNING), _Seal()
+    cap = MeterCap(1.0, clock=lambda: 2.0)
+    cap.check(sup, seal, lambda kind, reason, **kw: events.append(kind))
+    assert sup.stops == [] and events == []  # waiting for the seal in progress
+    seal.sealing = False
+    cap.check(sup, seal, lambda kind, reason, **kw: events.append(kind))
+    assert seal.asked == ["meter cap"] and seal.capped and sup.stops == ["stop"]
+    assert events == ["meter_cap"] and sup.extra["meter_cap"] == {"deadline": 1.0}
+
+
+def test_on_done_runs_once_and_a_shebangless_script_runs_with_sh(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("RGT_HOME", str(tmp_path / "home"))
+    rd = RunDir("od")
+    os.makedirs(rd.path)
+    marker = tmp_path / "marker"
+    script = tmp_path / "fake-poweroff"
+    script.write_text('echo off >> "$1"\n')  # no #! line: exec fails with ENOEXEC
+    script.chmod(0o755)
+    events: List[str] = []
+
+    def event(kind: str, reason: str, **kw: Any) -> None:
+        events.append(kind)
+
+    assert run_once("poweroff", [str(script), str(marker)], rd, "test", event) == 0
+    assert run_once("poweroff", [str(script), str(marker)], rd, "test", event) is None
+    assert marker.read_text() == "off\n"
+    assert events == ["on_done_started", "on_done_finished", "on_done_skipped"]
+
+
+def test_on_done_that_fails_says_so(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RGT_HOME", str(tmp_path / "home"))
+    rd = RunDir("od")
+    os.makedirs(rd.path)
+    events: List[Dict[str, Any]] = []
+
+    def event(kind: str, reason: str, **kw: Any) -> None:
+        events.append(dict(kw, kind=kind))
+
+    assert run_once("poweroff", ["sh", "-c", "exit 3"], rd, "test", event) == 3
+    assert events[-1]["kind"] == "on_done_failed" and events[-1]["code"] == 3
+    os.unlink(os.path.join(rd.path, "on_done.json"))
+    assert run_once("poweroff", [str(tmp_path / "missing")], rd, "test", event) is None
+    assert events[-1]["kind"] == "on_done_failed"

@@ -50,6 +50,15 @@ S3_ENDPOINT = "https://s3.amazonaws.com"
 HF_ENDPOINT = "https://huggingface.co"
 MIN_PYTHON = (3, 9)
 _SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?B?)?\Z", re.IGNORECASE)
+# curl's exit codes that say why no answer came.
+_CURL = {
+    "5": "the proxy's name does not resolve",
+    "6": "the host name does not resolve (no DNS, or no egress)",
+    "7": "the connection was refused or cut (a firewall, or no route)",
+    "28": f"no answer within {NET_TIMEOUT_S} s",
+    "35": "the TLS handshake failed (an intercepting proxy?)",
+    "60": "its TLS certificate is not trusted here (an intercepting proxy's CA?)",
+}
 _ERRNO = {
     "Read-only file system": ("EROFS", "remount it read-write, or give --store a writable one"),
     "Permission denied": ("EACCES", "give the box's user write access there (chown or chmod)"),
@@ -288,7 +297,8 @@ def _reach(text: str) -> Tuple[bool, str]:
         return False, "not tried (neither curl nor wget on the box)"
     if rc == "0":
         return True, f"answered (HTTP {code})"
-    return False, f"no answer within {NET_TIMEOUT_S} s (curl exit {rc})"
+    why = _CURL.get(rc, f"no answer within {NET_TIMEOUT_S} s")
+    return False, f"{why} (curl exit {rc})"
 
 
 def _egress(lines: List[str], kind: str, found: List[Finding]) -> None:

@@ -1,0 +1,301 @@
+"""`rgt doctor` (controller/doctor.py) as the real `rgt` CLI, over the real test sshd on loopback.
+
+The box is this machine, so its durable locations are made here for real, as root: a tmpfs out
+of inodes (filled with empty files until ENOSPC), a read-only tmpfs, a plain directory on the
+work dir's filesystem (a durable volume that failed to mount) and a healthy tmpfs of its own. A
+profile override (RGT_PROFILES_DIR) points generic-ssh's durable.path at each. Covered:
+
+- four different, correct verdicts, each with its remedy; only the healthy one exits 0;
+- the probe file is removed, and nothing else is left in the healthy mount;
+- a profile's stale facts (``checked = "2020-01"``) and never-tested tables are warned about in
+  one line each; the first-contact notes (danger clocks, conveniences) are shown on the first
+  doctor run only, and again with --verbose;
+- the profile guessed from a marker file on the box (a user profile whose reach.markers names a
+  file under the test's directory), by doctor and by deploy's audit (its ``@@markers``).
+
+Every mount is unmounted in a finally; the tests skip where they cannot mount (not root, and CI
+unset) and fail under CI=true.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Dict, Iterator, List
+
+import pytest
+
+from controller.deploy import guess
+from controller.deploy.audit import audit
+from controller.remote import SshRemote
+from controller.target import Target
+from onbox.profiles.load import SHIPPED_DIR
+from tests.conftest import require
+from tests.sshd import SshServer
+
+BUDGET = "1M"  # the tmpfs mounts are small; the inode budget (doctor.BUDGET_INODES) stays
+
+
+def _rgt_exe() -> List[str]:
+    script = os.path.join(os.path.dirname(sys.executable), "rgt")
+    return [script] if os.path.exists(script) else [sys.executable, "-m", "controller.cli"]
+
+
+class Box:
+    """The sshd box seen from a laptop of the test's own (controller home, profile dir)."""
+
+    def __init__(self, sshd: SshServer, tmp: Path) -> None:
+        self.sshd = sshd
+        self.tmp = tmp
+        self.ctl = tmp / "ctl"
+        self.profiles = tmp / "profiles"
+        self.work = tmp / "work"
+        self.box_home = tmp / "box-home"
+        for d in (self.ctl, self.profiles, self.work):
+            d.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def target(self) -> str:
+        s = self.sshd
+        return f"ssh -p {s.port} -i {s.client_key} {s.user}@{s.host}"
+
+    def override(self, name: str, text: str) -> None:
+        (self.profiles / f"{name}.toml").write_text(text)
+
+    def durable_at(self, path: Path, extra: str = "") -> None:
+        """generic-ssh with its durable path at ``path`` and its work dir the test's."""
+        self.override(
+            "generic-ssh",
+            f"{extra}\n[box]\nworkdir = {json.dumps(str(self.work))}\n"
+            f"python = {json.dumps(sys.executable)}\n"
+            f'[durable]\npath = {json.dumps(str(path))}\nnote = "the test\'s"\n',
+        )
+
+    def rgt(self, *args: str) -> subprocess.CompletedProcess[str]:
+        env = dict(os.environ)
+        env.pop("RGT_HOME", None)
+        env.update(
+            RGT_CONTROLLER_HOME=str(self.ctl),
+            RGT_BOX_HOME=str(self.box_home),
+            RGT_PROFILES_DIR=str(self.profiles),
+            RGT_SSH_CONFIG="/dev/null",
+            RGT_SSH_CONNECT_TIMEOUT="5",
+        )
+        return subprocess.run(
+            [*_rgt_exe(), *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=180,
+            cwd=str(self.ctl),
+        )
+
+    def doctor(self, *args: str) -> Dict[str, Any]:
+        """`rgt doctor --json`: its document, with its exit status as ``rc``."""
+        p = self.rgt("doctor", self.target, "--profile", "generic-ssh", "--json", *args)
+        assert p.returncode in (0, 9), (p.returncode, p.stdout, p.stderr)
+        doc: Dict[str, Any] = json.loads(p.stdout)
+        doc["rc"] = p.returncode
+        doc["stderr"] = p.stderr
+        return doc
+
+
+def _problems(doc: Dict[str, Any]) -> List[Dict[str, str]]:
+    return [f for f in doc["findings"] if f["level"] == "problem"]
+
+
+def _one(doc: Dict[str, Any], level: str, text: str) -> Dict[str, str]:
+    hits: List[Dict[str, str]] = [
+        f for f in doc["findings"] if f["level"] == level and text in f["what"]
+    ]
+    assert len(hits) == 1, (level, text, doc["findings"])
+    return hits[0]
+
+
+class Mounts:
+    """tmpfs mounts made for real; ``unmount_all`` (in a finally) leaves none."""
+
+    def __init__(self) -> None:
+        self.made: List[str] = []
+
+    def tmpfs(self, path: Path, options: str) -> Path:
+        path.mkdir(parents=True, exist_ok=True)
+        p = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", options, "rgt-doctor-test", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        if p.returncode != 0:
+            require(False, f"mounting a tmpfs failed: {p.stderr.strip()}")
+        self.made.append(str(path))
+        return path
+
+    def unmount_all(self) -> None:
+        for path in reversed(self.made):
+            subprocess.run(["umount", "-l", path], capture_output=True, timeout=30)
+        left = [m for m in self.made if os.path.ismount(m)]
+        assert not left, f"mounts left behind: {left}"
+
+
+@pytest.fixture
+def mounts() -> Iterator[Mounts]:
+    require(os.geteuid() == 0, "root, to mount the test's tmpfs durable locations")
+    m = Mounts()
+    try:
+        yield m
+    finally:
+        m.unmount_all()
+
+
+@pytest.fixture
+def box(sshd: SshServer, tmp_path: Path, controller_env: Dict[str, str]) -> Box:
+    return Box(sshd, tmp_path)
+
+
+def _fill_inodes(path: Path) -> int:
+    """Empty files in ``path`` until the filesystem has no inode left; how many it took."""
+    n = 0
+    while n < 100000:  # bounded: nr_inodes is far below this
+        try:
+            (path / f"f{n}").touch()
+        except OSError as e:
+            assert e.errno == errno.ENOSPC, e
+            return n
+        n += 1
+    raise AssertionError(f"{path} never ran out of inodes")
+
+
+def test_four_durable_mounts_four_verdicts_each_with_its_remedy(box: Box, mounts: Mounts) -> None:
+    inodes = mounts.tmpfs(box.tmp / "no-inodes", "size=8m,nr_inodes=64")
+    assert _fill_inodes(inodes) > 0
+    ro = mounts.tmpfs(box.tmp / "read-only", "ro,size=8m")
+    plain = box.tmp / "plain"  # on the work dir's filesystem: a mount that never happened
+    plain.mkdir()
+    healthy = mounts.tmpfs(box.tmp / "healthy", "size=64m")
+
+    box.durable_at(inodes)
+    doc = box.doctor("--budget", BUDGET)
+    assert doc["rc"] == 9, doc
+    f = _one(doc, "problem", "inodes free")
+    assert "out of inodes" in f["what"] and f"{inodes} has 0 inodes free" in f["what"]
+    assert "a filesystem with more inodes" in f["remedy"]
+    f = _one(doc, "problem", "is not writable")
+    assert "full (ENOSPC)" in f["what"] and "free bytes and inodes there" in f["remedy"]
+    assert "inodes" in doc["stderr"] and "rgt doctor again" in doc["stderr"]
+
+    box.durable_at(ro)
+    doc = box.doctor("--budget", BUDGET)
+    assert doc["rc"] == 9, doc
+    f = _one(doc, "problem", "is not writable")
+    assert "read-only file system (EROFS)" in f["what"]
+    assert "remount it read-write" in f["remedy"]
+    assert len(_problems(doc)) == 1, _problems(doc)
+
+    box.durable_at(plain)
+    doc = box.doctor("--budget", BUDGET)
+    assert doc["rc"] == 9, doc
+    f = _one(doc, "problem", "same filesystem as the work dir")
+    assert "just a directory on the volatile disk" in f["what"]
+    assert f"mount the durable volume at {plain}" in f["remedy"]
+    assert len(_problems(doc)) == 1, _problems(doc)
+    _one(doc, "ok", "is writable")
+    assert os.listdir(plain) == []  # the probe file removed
+
+    box.durable_at(healthy)
+    doc = box.doctor("--budget", BUDGET)
+    assert doc["rc"] == 0, doc
+    assert _problems(doc) == []
+    _one(doc, "ok", "is writable")
+    assert "tmpfs" in _one(doc, "ok", "a filesystem of its own")["what"]
+    _one(doc, "ok", "inodes free")
+    assert os.listdir(healthy) == []
+
+    # The whole budget counts: 20G does not fit in 64 MiB.
+    doc = box.doctor()
+    f = _one(doc, "problem", "under the checkpoint budget")
+    assert "lower --budget" in f["remedy"] and doc["rc"] == 9
+
+
+def test_stale_facts_warned_and_first_contact_shown_once(box: Box, mounts: Mounts) -> None:
+    healthy = mounts.tmpfs(box.tmp / "healthy", "size=16m")
+    box.durable_at(healthy, extra='checked = "2020-01"')
+    first = box.rgt("doctor", box.target, "--profile", "generic-ssh", "--budget", BUDGET)
+    assert first.returncode == 0, (first.stdout, first.stderr)
+    out = first.stdout
+    stale = [ln for ln in out.splitlines() if "facts older than 6 months" in ln]
+    assert len(stale) == 1 and "reach (2020-01)" in stale[0] and "durable (2020-01)" in stale[0]
+    untried = [ln for ln in out.splitlines() if "never tested hands-on" in ln]
+    assert len(untried) == 1 and "meter" in untried[0], out
+    assert "update checked in the profile" in out
+    assert "first contact with" in out
+    assert "danger: forgotten-box" in out and "tip: " in out
+
+    second = box.rgt("doctor", box.target, "--profile", "generic-ssh", "--budget", BUDGET)
+    assert second.returncode == 0, second.stderr
+    assert "first contact" not in second.stdout and "danger:" not in second.stdout
+    assert "facts older than 6 months" in second.stdout  # the warning stays
+
+    again = box.rgt("doctor", box.target, "--profile", "generic-ssh", "--verbose")
+    assert "danger: forgotten-box" in again.stdout
+    seen = json.loads((box.ctl / "contacts.json").read_text())["seen"]
+    assert list(seen) == [f"{box.sshd.user}@{box.sshd.host}:{box.sshd.port} generic-ssh"]
+
+
+def _marked_profile(box: Box) -> Path:
+    """A user profile of its own, recognised by a marker file under the test's directory."""
+    marker = box.tmp / "marker dir" / "this-is-testbox"
+    marker.parent.mkdir()
+    marker.write_text("")
+    text = (Path(SHIPPED_DIR) / "generic-ssh.toml").read_text()
+    text = text.replace('name = "generic-ssh"', 'name = "testbox"')
+    text = text.replace("[reach]\n", f"[reach]\nmarkers = [{json.dumps(str(marker))}]\n", 1)
+    box.override("testbox", text)
+    return marker
+
+
+def test_the_profile_is_guessed_from_a_marker_file_on_the_box(
+    box: Box, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    marker = _marked_profile(box)
+    p = box.rgt("doctor", box.target, "--budget", BUDGET)
+    assert f"rgt: profile testbox (the box has {marker})" in p.stdout, (p.stdout, p.stderr)
+
+    # deploy's audit reads the same markers in its one round trip.
+    monkeypatch.setenv("RGT_PROFILES_DIR", str(box.profiles))
+    s = box.sshd
+    remote = SshRemote(
+        Target("ssh", host="127.0.0.1", port=s.port, user=s.user, identity=s.client_key)
+    )
+    try:
+        dirs = guess.profile_dirs()
+        rep = audit(
+            remote,
+            python=sys.executable,
+            box_home=str(box.box_home),
+            markers=guess.marker_args(guess.candidates(dirs)),
+        )
+        assert rep.markers == [f"file {marker}"], rep.markers
+        g = guess.chosen(remote.target, dirs, rep.markers)
+        assert (g.profile.name, g.line) == (
+            "testbox",
+            f"rgt: profile testbox (the box has {marker})",
+        )
+        marker.unlink()
+        rep = audit(
+            remote,
+            python=sys.executable,
+            box_home=str(box.box_home),
+            markers=guess.marker_args(guess.candidates(dirs)),
+        )
+        assert rep.markers == []
+        assert guess.chosen(remote.target, dirs, rep.markers).profile.name == "generic-ssh"
+    finally:
+        with contextlib.suppress(Exception):
+            remote.close()

@@ -7,6 +7,7 @@ meter only after explicit confirmation; the box runs on without it.
     rgt pull N [--to DIR] [--from box|store]
     rgt down N
     rgt runs
+    rgt profiles [--json]    rgt profiles show PROFILE [--json]
 
 Errors print one line (what, why, what to do) and exit with the code of their kind
 (onbox/common/errors.py).
@@ -214,6 +215,32 @@ def runs(as_json: bool) -> int:
         _emit("no runs yet: rgt deploy TARGET -- CMD")
     for r in recs:
         _emit(f"{r.name}  {r.target.label}  {r.profile}  store={r.store or '-'}")
+    return 0
+
+
+@cli.group(invoke_without_command=True)
+@click.option("--json", "as_json", is_flag=True, help="A JSON array.")
+@click.pass_context
+def profiles(ctx: click.Context, as_json: bool) -> int:
+    """The platform profiles rgt knows (shipped, and yours in $RGT_CONTROLLER_HOME/profiles)."""
+    from controller import profiles as prof
+
+    if ctx.invoked_subcommand is not None:
+        return 0
+    found = prof.load_all()
+    _emit(json.dumps([prof.row(p) for p in found], indent=1) if as_json else prof.table(found))
+    return 0
+
+
+@profiles.command("show")
+@click.argument("name", metavar="PROFILE")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+def profiles_show(name: str, as_json: bool) -> int:
+    """Every fact of one profile: reach, storage survival, billing, danger clocks, env, origin."""
+    from controller import profiles as prof
+
+    p = prof.load(name)
+    _emit(json.dumps(prof.to_json(p), indent=1, sort_keys=True) if as_json else prof.describe(p))
     return 0
 
 

@@ -1,11 +1,12 @@
 """``rgt``: the laptop side. It deploys, observes, pulls and verifies results, and stops the
 meter only after explicit confirmation; the box runs on without it.
 
-    rgt deploy TARGET [--profile P] [--store URL] [--name N] [--python PATH]
+    rgt deploy TARGET [--profile P] [--on-done A] [--store URL] [--name N] [--python PATH]
                [--secret-env VAR ...] [--output PATH ...] [--offline] [JOB.toml] [-- CMD ...]
     rgt status [N] [--json]    rgt watch [N]    rgt logs N [-f]    rgt stop N
     rgt pull N [--to DIR] [--from box|store]
     rgt down N
+    rgt doctor TARGET [--profile P] [--store URL] [--budget SIZE] [--verbose] [--json]
     rgt runs
     rgt profiles [--json]    rgt profiles show PROFILE [--json]
 
@@ -58,7 +59,15 @@ def _pick(name: Optional[str]) -> RunRecord:
 @cli.command(context_settings={"ignore_unknown_options": False})
 @click.argument("target")
 @click.argument("job_file", required=False, metavar="[JOB.toml]")
-@click.option("--profile", metavar="P", help="generic-ssh (default) or local.")
+@click.option(
+    "--profile", metavar="P",
+    help="The platform profile (rgt profiles); default: guessed from the host and the box.",
+)  # fmt: skip
+@click.option(
+    "--on-done", "on_done", metavar="ACTION",
+    help="A reversible action of the profile's the agent runs after a verified DONE "
+    "(e.g. autodl's poweroff).",
+)  # fmt: skip
 @click.option("--store", metavar="URL", help="Durable store: file:///mnt/x, s3://b/p, hf://u/r.")
 @click.option("--name", metavar="N", help="Run name (default: from the job file or command).")
 @click.option("--python", metavar="PATH", help="The box's Python, when python3 is not it.")
@@ -86,6 +95,25 @@ def deploy(ctx: click.Context, /, outputs: List[str], **options: Any) -> int:
     rec = do_deploy(DeployRequest(command=command, outputs=list(outputs), **options))
     _emit(rec.name)
     return 0
+
+
+@cli.command()
+@click.argument("target")
+@click.option(
+    "--profile", metavar="P", help="The profile to hold the box against (default: guessed)."
+)
+@click.option(
+    "--store", metavar="URL", help="Check this store instead of the profile's durable path."
+)
+@click.option("--budget", default="20G", metavar="SIZE", help="Checkpoint budget (default 20G).")
+@click.option("--verbose", is_flag=True, help="Show the first-contact notes again.")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object.")
+def doctor(target: str, **options: Any) -> int:
+    """Hold TARGET against its platform profile: durable mount, egress, proxy, Python, CUDA,
+    stale facts; every problem with its remedy (exit 9 when there is one)."""
+    from controller.doctor import run as run_doctor
+
+    return run_doctor(target, _emit, **options)
 
 
 @cli.command()

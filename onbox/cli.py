@@ -27,12 +27,13 @@ import click
 
 from onbox.agent import observe
 from onbox.agent.claim import prepare_run, resolve_spec, take_run
+from onbox.agent.cliflags import platform_options, platform_overrides
 from onbox.agent.daemon import spawn_agent
 from onbox.agent.lock import RunLock
 from onbox.agent.loop import Agent
 from onbox.agent.mailbox import stop_run, sync_run
 from onbox.agent.runner import read_ready
-from onbox.agent.spec import JobSpec, Overrides
+from onbox.agent.spec import JobSpec
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.agent.title import set_title
 from onbox.common.climain import run_cli
@@ -61,31 +62,8 @@ def cli() -> None:
     """Keep a training job alive on this box: detached, restarted with resume, never twice."""
 
 
-def _platform_options(f: Any) -> Any:
-    """--profile, --on-done and the meter cap (onbox/agent/profileuse.py)."""
-    f = click.option(
-        "--price", metavar="PER_HOUR", help="The box's price per hour, for --max-cost."
-    )(f)
-    f = click.option(
-        "--max-cost", metavar="AMOUNT", help="Stop the run once it has cost AMOUNT (with --price)."
-    )(f)
-    f = click.option(
-        "--deadline",
-        metavar="DURATION",
-        help="Stop the run (checkpoint, final seal) this long after its first start, e.g. 72h.",
-    )(f)
-    f = click.option(
-        "--on-done",
-        metavar="NAME",
-        help="Run the profile's on-done action NAME (e.g. poweroff) once DONE.json is verified.",
-    )(f)
-    return click.option(
-        "--profile", metavar="NAME", help="The platform profile (grace, env, default store)."
-    )(f)
-
-
 def _job_options(f: Any) -> Any:
-    f = _platform_options(f)
+    f = platform_options(f)  # onbox/agent/cliflags.py
     f = click.option(
         "--output",
         "outputs",
@@ -125,13 +103,7 @@ def _claim(
     """The spec, the run's directory and its lock, for start and run (onbox.agent.claim); None
     when the store says the run is finished."""
     command: Optional[List[str]] = click.get_current_context().obj.get("command")
-    more = Overrides(  # --profile, --on-done, the meter cap
-        profile=platform.get("profile"),
-        on_done=platform.get("on_done"),
-        deadline=platform.get("deadline"),
-        max_cost=platform.get("max_cost"),
-        price=platform.get("price"),
-    )
+    more = platform_overrides(platform)  # --profile, --on-done, the meter cap
     spec = resolve_spec(job_file, command, name, ckpt_dir, store, grace, outputs, more)
     rd = prepare_run(spec, _emit, _warn)
     if rd is None:

@@ -106,8 +106,10 @@ def row(p: Profile) -> Dict[str, Any]:
     }
 
 
-def table(profiles: Sequence[Profile]) -> str:
-    """The ``rgt profiles`` table: one line per profile, columns aligned."""
+def table(profiles: Sequence[Profile], today: Optional[datetime.date] = None) -> str:
+    """The ``rgt profiles`` table: one line per profile, columns aligned; a month older than
+    STALE_MONTHS is marked "(old)"."""
+    today = today or datetime.date.today()
     head = ["NAME", "TITLE", "KIND", "METER STOP", "REVERSIBLE", "GRACE", "DURABLE", "CHECKED"]
     head.append("HANDS-ON")
     lines = [head]
@@ -121,7 +123,7 @@ def table(profiles: Sequence[Profile]) -> str:
                 _yes(p.meter.reversible),
                 grace(p.preemption.grace),
                 p.durable.path or "(off the box)",
-                p.stamp.checked,
+                p.stamp.checked + (" (old)" if months_old(p.stamp, today) > STALE_MONTHS else ""),
                 _yes(p.stamp.hands_on),
             ]
         )

@@ -6,6 +6,7 @@ a user override changes only what it sets, and README.md's platform table is the
 
 from __future__ import annotations
 
+import datetime
 import os
 import subprocess
 import sys
@@ -254,3 +255,21 @@ def test_readme_table_has_a_row_per_profile_and_splice_needs_markers() -> None:
     assert [r.split("`")[1] for r in rows] == names()
     with pytest.raises(ValueError, match="platforms:begin"):
         prof.splice("no markers here\n", table)
+
+
+def test_old_and_untested_facts_are_flagged() -> None:
+    """Six months after the stamp a fact is old (the fact base's own staleness rule)."""
+    vast = load("vastai")  # checked 2026-06, never tested hands-on
+    fresh, old = datetime.date(2026, 12, 1), datetime.date(2027, 1, 1)
+    assert prof.flags(vast.stamp, fresh) == ["not tested hands-on"]
+    assert prof.flags(vast.stamp, old) == ["not tested hands-on", "checked 7 months ago"]
+    assert prof.flags(load("autodl").stamp, fresh) == []
+    line = next(ln for ln in prof.table([vast], old).splitlines() if ln.startswith("vastai"))
+    assert "2026-06 (old)" in line
+    assert "(old)" not in prof.table([vast], fresh)
+    assert "checked 2026-06 (not tested hands-on; checked 7 months ago)" in prof.describe(vast, old)
+
+
+def test_durations_read_as_the_profiles_write_them() -> None:
+    got = [prof.seconds(s) for s in (None, 0, 5, 90, 5400, 86400, 15 * DAY)]
+    assert got == ["-", "0s", "5s", "90s", "90m", "24h", "15d"]

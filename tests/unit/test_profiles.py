@@ -222,10 +222,15 @@ def test_a_bad_field_in_an_override_names_the_users_file(tmp_path: Path) -> None
     assert str(mine) in line and "preemption.grace" in line and SHIPPED_DIR not in line, line
 
 
-def test_an_override_changes_only_what_it_sets(tmp_path: Path) -> None:
+def test_an_override_changes_only_what_it_sets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (tmp_path / "vastai.toml").write_text('[preemption]\ngrace = "3s"\n')
-    base = {p.name: p for p in load_all()}
-    mine = {p.name: p for p in load_all([str(tmp_path)])}
+    monkeypatch.setenv("RGT_CONTROLLER_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("RGT_PROFILES_DIR", raising=False)
+    base = {p.name: p for p in prof.load_all()}
+    monkeypatch.setenv("RGT_PROFILES_DIR", str(tmp_path))
+    mine = {p.name: p for p in prof.load_all()}
     assert mine.keys() == base.keys()
     v = mine["vastai"]
     assert v.preemption.grace == 3 and v.override == str(tmp_path / "vastai.toml")

@@ -299,3 +299,29 @@ def test_the_profile_is_guessed_from_a_marker_file_on_the_box(
     finally:
         with contextlib.suppress(Exception):
             remote.close()
+
+
+def test_the_proxy_hook_is_sourced_and_a_missing_one_warned(box: Box) -> None:
+    """A hook that sets a proxy nobody answers on: the doctor says it sets http(s)_proxy and
+    reports the request without and with it (bounded; this box is offline or not)."""
+    hook = box.tmp / "network turbo"
+    hook.write_text("export https_proxy=http://127.0.0.1:9 http_proxy=http://127.0.0.1:9\n")
+    box.override(
+        "autodl",
+        f"[env]\nproxy_hook = {json.dumps(str(hook))}\n"
+        f"[box]\nworkdir = {json.dumps(str(box.work))}\npython = {json.dumps(sys.executable)}\n"
+        f'[durable]\npath = ""\nnote = "off the box in this test"\n',
+    )
+    p = box.rgt("doctor", box.target, "--profile", "autodl", "--json", "--store", "file:///x")
+    doc = json.loads(p.stdout)
+    _one(doc, "ok", f"sourcing {hook} sets http(s)_proxy")
+    f = [x for x in doc["findings"] if "a request to https://pypi.org" in x["what"]]
+    assert len(f) == 1 and "without the proxy" in f[0]["what"] and "with it" in f[0]["what"], f
+    assert "curl exit 7" in f[0]["what"] or "curl exit 5" in f[0]["what"], f  # port 9: refused
+    assert doc["first_contact"] and "auto-release" in " ".join(doc["first_contact"])
+
+    hook.unlink()
+    doc = json.loads(box.rgt("doctor", box.target, "--profile", "autodl", "--json").stdout)
+    w = _one(doc, "warn", f"proxy hook {hook} is not on the box")
+    assert "the job runs without a proxy" in w["remedy"]
+    assert doc["first_contact"] == []

@@ -83,11 +83,12 @@ class Agent:
         self.sup.extra["warnings"] = self.warnings
         if self.seal is not None:
             self.seal.warnings = self.warnings
-        # The meter cap (onbox/agent/meter.py); one that fired before this agent stays fired.
-        capped = bool((state_doc or {}).get("meter_cap"))
-        self.meter = MeterCap(self.spec.deadline, fired=capped)
-        if capped and self.seal is not None:
-            self.seal.capped = True
+        # The meter cap (onbox/agent/meter.py); a stop it began goes on under this agent.
+        self.meter = MeterCap.resume(self.spec.deadline, state_doc)
+        if self.meter.stopping:
+            self.sup.extra["meter_cap"] = {"deadline": self.spec.deadline}
+            if self.seal is not None:
+                self.seal.capped = True
         self.check: Optional[ResumeCheck] = None
         try:
             self.check = ResumeCheck(
@@ -136,7 +137,8 @@ class Agent:
             self._begin_sealing()
         elif self.seal is not None:
             self.seal.start(begin=from_boot)
-            self._note_fallback(self.seal.restored)
+            if from_boot:  # an adopting agent keeps the warnings of the incarnation's beginning
+                self._note_fallback(self.seal.restored)
         if self.check is not None:
             self.check.skip(sup.attempt)  # no-op when the last agent recorded this attempt's S
         if sup.attempt > 0:
@@ -296,7 +298,7 @@ class Agent:
                     sup.next_wakeup(),
                     self.runner.poll_interval(),
                     self.check.next_wakeup() if self.check is not None else None,
-                    self.meter.wait(self.seal is not None and self.seal.sealing),
+                    self.meter.wait(sup, self.seal),
                 )
                 if w is not None
             ]

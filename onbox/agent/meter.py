@@ -10,10 +10,10 @@ state changes only through the supervisor's ``request_stop``; nothing here write
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Dict, Optional
 
 from onbox.agent.journal import iso
-from onbox.agent.states import State
+from onbox.agent.states import TERMINAL, State
 from onbox.common.errors import IntegrityError, StoreError
 from onbox.sealing import manifest as mf
 from onbox.sealing.discovery import newest_local_step
@@ -36,13 +36,27 @@ class MeterCap:
         self.deadline = deadline
         self.fired = fired
         self.clock = clock
+        self.stopping = False
 
-    def wait(self, sealing: bool) -> Optional[float]:
-        """Seconds until the agent should look again; None when the cap cannot come."""
-        if self.deadline is None or self.fired:
+    @classmethod
+    def resume(cls, deadline: Optional[float], state_doc: Optional[Dict[str, Any]]) -> MeterCap:
+        """The cap of an agent that finds the run as ``state_doc`` says: one that fired for
+        this very deadline stays fired (a run started again after its cap is not stopped
+        again at once; a new --deadline arms it again), and ``stopping`` says whether that
+        stop is still under way (an agent taking over a run the cap is stopping)."""
+        doc = (state_doc or {}).get("meter_cap") or {}
+        fired = deadline is not None and doc.get("deadline") == deadline
+        cap = cls(deadline, fired=fired)
+        state = (state_doc or {}).get("state")
+        cap.stopping = fired and state is not None and State(state) not in TERMINAL
+        return cap
+
+    def wait(self, sup: Any, seal: Any) -> Optional[float]:
+        """Seconds until ``check`` should look again; None when the cap cannot come now."""
+        if self.deadline is None or self.fired or sup.state not in _CAPPABLE:
             return None
         left = self.deadline - self.clock()
-        return POLL if left <= 0 and sealing else max(0.0, left)
+        return POLL if left <= 0 and _sealing(seal) else max(0.0, left)
 
     def due(self, sealing: bool) -> bool:
         """True once: the deadline passed and no seal is in progress."""
@@ -54,7 +68,7 @@ class MeterCap:
     def check(self, sup: Any, seal: Any, event: Callable[..., None]) -> None:
         """Stop the run when the cap is due (``sup`` the Supervisor, ``seal`` the SealService
         or None): a checkpoint asked for, then the stop; the final seal is the sealer's."""
-        if sup.state not in _CAPPABLE or not self.due(bool(seal is not None and seal.sealing)):
+        if sup.state not in _CAPPABLE or not self.due(_sealing(seal)):
             return
         assert self.deadline is not None
         sup.extra["meter_cap"] = {"deadline": self.deadline}
@@ -68,6 +82,11 @@ class MeterCap:
             seal.capped = True
             seal.ask_job("meter cap")
         sup.request_stop("stop")
+
+
+def _sealing(seal: Any) -> bool:
+    """Whether the sealing thread (a SealService, or None without a store) is in a pass."""
+    return bool(seal is not None and seal.sealing)
 
 
 def final_seal(

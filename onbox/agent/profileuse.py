@@ -137,7 +137,14 @@ def apply_profile(
             url = profile.default_store()
             if url is not None:
                 changes["store"] = parse_store_url(url, f"{profile.name}: durable.path")
-    return dataclasses.replace(spec, **changes)
+    out = dataclasses.replace(spec, **changes)
+    if out.on_done and out.store is None:
+        raise UsageError(
+            od_field,
+            "needs a durable store: the meter stops only once DONE.json is verified there",
+            f"give --store URL (profile {out.profile!r} has no durable path on the box)",
+        )
+    return out
 
 
 def profile_fields(profile: Profile, user_env: Mapping[str, str]) -> Dict[str, Any]:

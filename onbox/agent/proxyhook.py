@@ -15,6 +15,7 @@ URL may hold a password): the events name the variables only.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 from typing import Dict, List, Mapping, Optional, Tuple
 
@@ -30,22 +31,30 @@ def source(hook: str, base: Mapping[str, str]) -> Tuple[Dict[str, str], Optional
     if not os.path.isfile(hook):
         return {}, f"the proxy hook {hook} does not exist"
     try:
-        p = subprocess.run(
+        # Its own session, so a hook that hangs is killed with whatever it started.
+        p = subprocess.Popen(
             ["/bin/sh", "-c", _SCRIPT, "sh", hook],
             env=dict(base),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-            timeout=TIMEOUT,
             cwd="/",
+            start_new_session=True,
         )
-    except subprocess.TimeoutExpired:
-        return {}, f"sourcing the proxy hook {hook} took over {TIMEOUT:.0f}s"
     except OSError as e:
         return {}, f"the proxy hook {hook} could not be sourced: {e.strerror}"
+    try:
+        out, _ = p.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.communicate()
+        return {}, f"sourcing the proxy hook {hook} took over {TIMEOUT:.0f}s"
     if p.returncode != 0:
         return {}, f"sourcing the proxy hook {hook} failed (sh exited {p.returncode})"
-    return _changed(p.stdout, base), None
+    return _changed(out, base), None
 
 
 def _changed(raw: bytes, base: Mapping[str, str]) -> Dict[str, str]:

@@ -149,15 +149,32 @@ def test_new_fields_round_trip_and_old_spec_files_read(tmp_path: Any) -> None:
 
 
 def test_a_cap_reached_during_a_seal_waits_for_the_seal() -> None:
+    from onbox.agent.states import State
+
     now = [100.0]
     cap = MeterCap(103.0, clock=lambda: now[0])
-    assert not cap.due(sealing=False) and cap.wait(sealing=False) == 3.0
+    sup, seal = _Sup(State.RUNNING), _Seal()
+    seal.sealing = False
+    assert not cap.due(sealing=False) and cap.wait(sup, seal) == 3.0
     now[0] = 104.0
     assert not cap.due(sealing=True)  # a seal is in progress: not yet
-    assert cap.wait(sealing=True) == POLL
+    seal.sealing = True
+    assert cap.wait(sup, seal) == POLL
+    assert cap.wait(_Sup(State.STOPPING), seal) is None  # a stop under way: nothing to wait for
     assert cap.due(sealing=False)  # the seal ended
-    assert not cap.due(sealing=False) and cap.wait(sealing=False) is None  # once
-    assert MeterCap(None).wait(sealing=False) is None
+    assert not cap.due(sealing=False) and cap.wait(sup, None) is None  # once
+    assert MeterCap(None).wait(sup, None) is None
+
+
+def test_a_new_agent_keeps_a_fired_cap_and_a_new_deadline_arms_it_again() -> None:
+    doc = {"state": "STOPPING", "meter_cap": {"deadline": 5.0}}
+    cap = MeterCap.resume(5.0, doc)
+    assert cap.fired and cap.stopping
+    cap = MeterCap.resume(5.0, dict(doc, state="STOPPED"))
+    assert cap.fired and not cap.stopping  # started again after its cap: not capped at once
+    cap = MeterCap.resume(9.0, dict(doc, state="STOPPED"))
+    assert not cap.fired and not cap.stopping
+    assert not MeterCap.resume(5.0, None).fired
 
 
 class _Sup:
@@ -229,3 +246,37 @@ def test_on_done_that_fails_says_so(tmp_path: Any, monkeypatch: pytest.MonkeyPat
     os.unlink(os.path.join(rd.path, "on_done.json"))
     assert run_once("poweroff", [str(tmp_path / "missing")], rd, "test", event) is None
     assert events[-1]["kind"] == "on_done_failed"
+
+
+def test_on_done_needs_a_store(tmp_path: Any) -> None:
+    d = tmp_path / "profiles"
+    d.mkdir()
+    (d / "autodl.toml").write_text('[durable]\npath = ""\n')
+    with pytest.raises(UsageError) as e:
+        _build(tmp_path, profile="autodl", on_done="poweroff", environ={"RGT_PROFILES_DIR": str(d)})
+    assert "--store" in e.value.line()
+    spec = _build(
+        tmp_path,
+        profile="autodl",
+        on_done="poweroff",
+        store="file:///data/s",
+        environ={"RGT_PROFILES_DIR": str(d)},
+    )
+    assert spec.on_done == "poweroff"
+
+
+def test_a_proxy_hook_gives_what_it_exported_or_changed(tmp_path: Any) -> None:
+    from onbox.agent.proxyhook import source
+
+    hook = tmp_path / "turbo"
+    hook.write_text(
+        "export http_proxy=http://p:1\nexport KEEP=same\n"
+        'PATH="/opt/x:$PATH"\nexport PATH\necho hi\n'
+    )
+    got, why = source(str(hook), {"PATH": "/usr/bin:/bin", "KEEP": "same"})
+    assert why is None and got == {"http_proxy": "http://p:1", "PATH": "/opt/x:/usr/bin:/bin"}
+    hook.write_text("exit 4\n")
+    got, why = source(str(hook), {"PATH": "/usr/bin:/bin"})
+    assert got == {} and why is not None and "failed" in why
+    got, why = source(str(tmp_path / "none"), {})
+    assert got == {} and why is not None and "does not exist" in why

@@ -1,0 +1,238 @@
+"""Boot survival with real processes: the hook the agent installs, a power loss by SIGKILL, the
+hook run as the box would at power-on, and the run back by itself, resuming from its seal.
+
+The one thing that cannot be done here is a reboot: the hook's "new boot" test compares the
+kernel's boot_id with the one `rgt-agent boot` recorded under $RGT_HOME, so the test marks the
+boot as new by changing the recorded one.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+from onbox.agent import procfs
+from onbox.common.rundir import RunDir
+from tests.conftest import Cli
+
+JOB = r"""
+import io, json, os, re, sys, time, zipfile
+ck, run = os.environ["RGT_CKPT_DIR"], os.environ["RGT_RUN_DIR"]
+frm = os.environ.get("RGT_RESUME_FROM", "")
+with open(os.path.join(run, "seen.jsonl"), "a") as f:
+    f.write(json.dumps({"attempt": os.environ["RGT_ATTEMPT"], "resume_from": frm}) + "\n")
+m = re.search(r"step_(\d+)", os.path.basename(frm))
+step = int(m.group(1)) + 1 if m else 1
+buf = io.BytesIO()
+with zipfile.ZipFile(buf, "w") as z:
+    z.writestr("version", str(step))
+tmp = os.path.join(ck, ".tmp-step")
+with open(tmp, "wb") as f:
+    f.write(buf.getvalue())
+os.replace(tmp, os.path.join(ck, "step_%d.pt" % step))
+print("wrote step %d" % step, flush=True)
+time.sleep(float(sys.argv[1]))  # bounded: then it ends by itself
+"""
+
+
+LIVE = ("STARTING", "RUNNING")
+
+
+def _wait(pred: Callable[[], Any], timeout: float = 30, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = pred()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _latest(root: str, run: str) -> Optional[int]:
+    try:
+        with open(os.path.join(root, run, "LATEST.json")) as f:
+            return int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def _seen(cli: Cli, name: str) -> List[Dict[str, str]]:
+    try:
+        with open(os.path.join(cli.home, "runs", name, "seen.jsonl")) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+def _kinds(cli: Cli, name: str, kind: str) -> List[Dict[str, Any]]:
+    return [e for e in cli.events(name) if e["kind"] == kind]
+
+
+def _override(tmp_path: Any, cli: Cli, profile: str, boot_path: str) -> None:
+    d = tmp_path / "profiles"
+    d.mkdir(exist_ok=True)
+    (d / f"{profile}.toml").write_text(f"[boot]\npath = {json.dumps(boot_path)}\n")
+    cli.env["RGT_PROFILES_DIR"] = str(d)
+
+
+def _start(cli: Cli, tmp_path: Any, name: str, profile: str, life: float = 120) -> str:
+    root = str(tmp_path / "durable")
+    os.makedirs(root, exist_ok=True)
+    script = tmp_path / "job.py"
+    script.write_text(JOB)
+    job = os.path.join(cli.home, f"{name}.toml")
+    with open(job, "w") as f:
+        f.write(
+            f'profile = "{profile}"\n'
+            f"command = {json.dumps([sys.executable, str(script), str(life)])}\n"
+            f'store = "file://{root}"\n'
+        )
+    cli("start", job, "--name", name, check=True)
+    return root
+
+
+def _power_loss(cli: Cli, name: str) -> None:
+    """SIGKILL the agent, its shim and the job by PID, as a power-off ends them all at once."""
+    st = cli.status(name)
+    with open(RunDir(name, cli.home).job_record(st["attempt"])) as f:
+        rec = json.load(f)
+    idents = [
+        # the shim first: it would start a dead agent again
+        procfs.Identity(rec["shim"]["pid"], rec["shim"]["start_ticks"]),
+        procfs.Identity(st["agent"]["pid"], -1),
+        procfs.Identity(rec["pid"], rec["start_ticks"]),
+    ]
+    for i in idents:
+        try:
+            os.kill(i.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    _wait(lambda: not any(procfs.is_alive(i) for i in idents[::2]), what="the processes to die")
+    _wait(lambda: not cli.status(name)["agent"]["alive"], what="the agent's lock to go")
+
+
+def _new_boot(cli: Cli) -> None:
+    with open(os.path.join(cli.home, "boot_id"), "w") as f:
+        f.write("a-boot-before-the-power-loss\n")
+
+
+def _run_hook(cli: Cli, hook: str) -> None:
+    env = dict(cli.env)
+    env.pop("RGT_HOME", None)  # the hook names it itself
+    subprocess.run(["sh", hook], env=env, check=True, timeout=30, cwd="/")
+
+
+def test_profile_d_hook_brings_the_run_back_after_a_power_loss(cli: Cli, tmp_path: Any) -> None:
+    hook = str(tmp_path / "profile.d" / "rgt-agent.sh")
+    os.makedirs(os.path.dirname(hook))
+    _override(tmp_path, cli, "autodl", hook)
+    root = _start(cli, tmp_path, "b1", "autodl")
+    _wait(lambda: _latest(root, "b1") == 1, what="step 1 sealed")
+
+    # The hook: installed where the profile says, valid POSIX sh, and said so in an event.
+    _wait(lambda: os.path.exists(hook), what="the hook")
+    subprocess.run(["sh", "-n", hook], check=True, timeout=10)
+    if shutil.which("shellcheck"):
+        subprocess.run(["shellcheck", "-s", "sh", hook], check=True, timeout=30)
+    assert [e for e in cli.events("b1") if e["kind"] == "boot_hook" and e["path"] == hook]
+    first = cli.status("b1")
+
+    _power_loss(cli, "b1")
+    _new_boot(cli)
+    _run_hook(cli, hook)
+
+    # The agent comes back by itself; the next attempt resumes from the sealed checkpoint.
+    st = cli.wait_for(
+        "b1",
+        lambda s: s["agent"]["alive"] and s["attempt"] >= 2 and s["state"] in LIVE,
+        timeout=60,
+        what="the run to come back",
+    )
+    assert st["agent"]["pid"] != first["agent"]["pid"]
+    seen = _wait(lambda: len(_seen(cli, "b1")) >= 2 and _seen(cli, "b1"), what="attempt 2")
+    assert seen[0]["resume_from"] == ""
+    assert os.path.basename(seen[1]["resume_from"]) == "step_1.pt", seen
+    _wait(lambda: _latest(root, "b1") == 2, what="the resumed attempt's step 2 sealed")
+    with open(os.path.join(cli.home, "boot_id")) as f:
+        assert f.read().strip() == procfs.boot_id()  # this boot is recorded
+
+    # Running the hook again, or `rgt-agent boot` itself, starts nothing twice.
+    _run_hook(cli, hook)
+    cli("boot", check=True)
+    time.sleep(1.0)  # give a wrongly started second agent time to show (not a timed assertion)
+    again = cli.status("b1")
+    assert again["agent"]["pid"] == st["agent"]["pid"] and again["attempt"] == st["attempt"]
+    assert len(_seen(cli, "b1")) == 2
+    cli("stop", "b1", "--grace", "5", check=True)
+
+
+def test_a_stopped_run_is_not_resumed_at_boot(cli: Cli, tmp_path: Any) -> None:
+    hook = str(tmp_path / "rgt-agent.sh")
+    _override(tmp_path, cli, "autodl", hook)
+    root = _start(cli, tmp_path, "b2", "autodl")
+    _wait(lambda: _latest(root, "b2") == 1, what="step 1 sealed")
+    cli("stop", "b2", "--grace", "5", check=True)
+    cli.wait_state("b2", "STOPPED")
+    _wait(lambda: not cli.status("b2")["agent"]["alive"], what="the agent to exit")
+    _new_boot(cli)
+    p = cli("boot", check=True)
+    assert "b2" not in p.stdout
+    st = cli.status("b2")
+    assert st["state"] == "STOPPED" and not st["agent"]["alive"]
+    assert len(_seen(cli, "b2")) == 1
+
+
+def test_onstart_hook_is_one_guarded_line(cli: Cli, tmp_path: Any) -> None:
+    onstart = tmp_path / "onstart.sh"
+    onstart.write_text("#!/bin/sh\necho user-setup\n")
+    _override(tmp_path, cli, "vastai", str(onstart))
+    _start(cli, tmp_path, "v1", "vastai")
+    _start(cli, tmp_path, "v2", "vastai")
+    for name in ("v1", "v2"):
+        _wait(functools.partial(_kinds, cli, name, "boot_hook"), what="the hooks")
+    text = onstart.read_text()
+    assert text.startswith("#!/bin/sh\necho user-setup\n")  # the user's lines are kept
+    assert text.count("rgt-agent boot hook") == 1, text
+    subprocess.run(["sh", "-n", str(onstart)], check=True, timeout=10)
+    for name in ("v1", "v2"):
+        cli("stop", name, "--grace", "5", check=True)
+
+
+def test_an_unwritable_hook_path_is_one_warning_and_the_run_goes_on(
+    cli: Cli, tmp_path: Any
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    _override(tmp_path, cli, "autodl", str(blocker / "rgt-agent.sh"))
+    root = _start(cli, tmp_path, "b3", "autodl")
+    _wait(lambda: _latest(root, "b3") == 1, what="step 1 sealed")
+    failed = [e for e in cli.events("b3") if e["kind"] == "boot_hook_failed"]
+    assert len(failed) == 1 and failed[0]["remedy"], failed
+    assert cli.status("b3")["state"] in ("STARTING", "RUNNING")
+    cli("stop", "b3", "--grace", "5", check=True)
+
+
+def test_cron_hook_needs_the_opt_in(cli: Cli, tmp_path: Any) -> None:
+    cron = tmp_path / "cron.d-rgt-agent"
+    _override(tmp_path, cli, "generic-ssh", str(cron))
+    _start(cli, tmp_path, "c1", "generic-ssh")
+    cli.wait_state("c1", "STARTING", "RUNNING")
+    assert not cron.exists()  # OS persistence only when asked
+    assert not [e for e in cli.events("c1") if e["kind"].startswith("boot_hook")]
+    cli("stop", "c1", "--grace", "5", check=True)
+    cli.wait_state("c1", "STOPPED")
+    _wait(lambda: not cli.status("c1")["agent"]["alive"], what="the agent to exit")
+    cli("start", "--name", "c1", "--boot-hook", check=True)
+    _wait(lambda: cron.exists(), what="the @reboot entry")
+    line = cron.read_text()
+    assert line.startswith("@reboot ") and "rgt-agent boot hook" in line, line
+    ev = [e for e in cli.events("c1") if e["kind"] == "boot_hook"]
+    assert ev and "OS persistence" in ev[-1]["reason"]
+    cli("stop", "c1", "--grace", "5", check=True)

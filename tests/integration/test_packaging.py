@@ -136,6 +136,22 @@ def _wheel_names(data: bytes) -> List[str]:
         return zf.namelist()
 
 
+def _profiles() -> Dict[str, bytes]:
+    """The checkout's platform profiles, as the wheel names them (onbox/profiles/data links to
+    profiles/), with their bytes."""
+    out = {}
+    for f in sorted(os.listdir(os.path.join(ROOT, "profiles"))):
+        if f.endswith(".toml"):
+            out[f"onbox/profiles/data/{f}"] = Path(ROOT, "profiles", f).read_bytes()
+    assert len(out) >= 18, out.keys()
+    return out
+
+
+def _wheel_profiles(data: bytes) -> Dict[str, bytes]:
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        return {n: zf.read(n) for n in zf.namelist() if n.startswith("onbox/profiles/data/")}
+
+
 def test_the_sdist_holds_every_module_and_the_project_files(dists: Dists) -> None:
     with tarfile.open(dists.sdist) as tf:
         members = [m.name.split("/", 1)[1] for m in tf.getmembers() if "/" in m.name]
@@ -153,8 +169,9 @@ def test_the_wheel_ships_onbox_and_controller_and_nothing_else(dists: Dists) -> 
     info = f"remote_gpu_trainer-{wheelmod.version()}.dist-info"
     assert {n.split("/", 1)[0] for n in names} == {"onbox", "controller", info}
     code = {n for n in names if not n.startswith(info + "/")}
-    # The shell the laptop runs on the box ships as package data (controller/shell/*.sh).
-    assert code == _source_modules(dists.src, "onbox", "controller", data=True)
+    # The shell the laptop runs on the box ships as package data (controller/shell/*.sh), and
+    # so do the platform profiles (onbox/profiles/data/*.toml).
+    assert code == _source_modules(dists.src, "onbox", "controller", data=True) | set(_profiles())
     with zipfile.ZipFile(dists.wheel) as zf:
         scripts = zf.read(f"{info}/entry_points.txt").decode()
     assert "rgt = controller.cli:main" in scripts and "rgt-agent = onbox.cli:main" in scripts
@@ -172,6 +189,28 @@ def test_the_box_wheel_carries_the_same_onbox_modules_as_the_standard_wheel(
     standard = onbox_modules(_wheel_names(Path(dists.wheel).read_bytes()))
     assert box == standard, {"box only": box - standard, "standard only": standard - box}
     assert "onbox/sealing/stores/local.py" in box
+
+
+def test_the_wheel_pip_builds_carries_every_profile(dists: Dists) -> None:
+    assert _wheel_profiles(Path(dists.wheel).read_bytes()) == _profiles()
+
+
+def test_the_box_wheel_carries_every_profile() -> None:
+    """agent_wheel (controller/deploy/wheel.py) packs onbox itself: the profiles must ride along,
+    byte for byte, or the agent on the box knows no platform."""
+    assert _wheel_profiles(wheelmod.wheel_bytes()) == _profiles()
+
+
+def test_the_installed_package_loads_every_profile(venv: Venv, tmp_path: Path) -> None:
+    """From a directory outside the checkout, the non-editable install finds its own profiles."""
+    env = venv.env(str(tmp_path / "home"))
+    code = (
+        "import json; from onbox.profiles.load import SHIPPED_DIR, load_all; "
+        "print(json.dumps([len(load_all()), SHIPPED_DIR]))"
+    )
+    p = _run([os.path.join(venv.bin, "python"), "-c", code], env=env, cwd=venv.cwd)
+    count, shipped = json.loads(p.stdout)
+    assert count == len(_profiles()) and shipped.startswith(venv.root + os.sep), p.stdout
 
 
 def test_the_installed_programs_run_from_the_venv_alone(venv: Venv, tmp_path: Path) -> None:

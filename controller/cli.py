@@ -2,10 +2,11 @@
 meter only after explicit confirmation; the box runs on without it.
 
     rgt deploy TARGET [--profile P] [--on-done A] [--store URL] [--name N] [--python PATH]
-               [--secret-env VAR ...] [--output PATH ...] [--offline] [JOB.toml] [-- CMD ...]
+               [--secret-env VAR ...] [--output PATH ...] [--offline] [--instance ID]
+               [JOB.toml] [-- CMD ...]
     rgt status [N] [--json]    rgt watch [N]    rgt logs N [-f]    rgt stop N
     rgt pull N [--to DIR] [--from box|store]
-    rgt down N
+    rgt down N [--instance ID]
     rgt doctor TARGET [--profile P] [--store URL] [--budget SIZE] [--verbose] [--json]
     rgt runs
     rgt profiles [--json]    rgt profiles show PROFILE [--json]
@@ -56,6 +57,12 @@ def _pick(name: Optional[str]) -> RunRecord:
     return latest
 
 
+def _instance(value: Optional[str]) -> Optional[str]:
+    from controller.meter.api import check_instance
+
+    return None if value is None else check_instance(value)
+
+
 @cli.command(context_settings={"ignore_unknown_options": False})
 @click.argument("target")
 @click.argument("job_file", required=False, metavar="[JOB.toml]")
@@ -82,6 +89,10 @@ def _pick(name: Optional[str]) -> RunRecord:
 )  # fmt: skip
 @click.option("--offline", is_flag=True, help="Bring the agent's dependencies from here.")
 @click.option("--project", default=".", metavar="DIR", help="The code to push (default: .).")
+@click.option(
+    "--instance", metavar="ID", callback=lambda c, p, v: _instance(v),
+    help="The provider's id of the box (pod, instance, machine): rgt down stops its meter.",
+)  # fmt: skip
 @click.pass_context
 def deploy(ctx: click.Context, /, outputs: List[str], **options: Any) -> int:
     """Put a run on TARGET (an ssh alias, user@host[:port], a pasted `ssh ...` line, or local)
@@ -208,7 +219,11 @@ def pull(name: str, dest: Optional[str], source: str) -> int:
 @cli.command()
 @click.argument("name")
 @click.option("--yes", is_flag=True, help="Do not ask (only when not on a terminal).")
-def down(name: str, yes: bool) -> int:
+@click.option(
+    "--instance", metavar="ID", callback=lambda c, p, v: _instance(v),
+    help="The provider's id of the box, when rgt deploy was not told it.",
+)  # fmt: skip
+def down(name: str, yes: bool, instance: Optional[str]) -> int:
     """Stop the run and remove it from the box, once a verified pull covers its newest sealed
     state; shows what will be lost and what keeps billing, and asks for the run's name."""
     from controller.results.down import down as do_down
@@ -223,6 +238,7 @@ def down(name: str, yes: bool) -> int:
         raise
     do_down(
         rec,
+        instance=instance,
         yes=yes,
         interactive=sys.stdin.isatty(),
         ask=lambda prompt: click.prompt(prompt, default="", show_default=False),

@@ -38,6 +38,7 @@ class RunRecord:
     agent_env: Dict[str, str] = dataclasses.field(default_factory=dict)  # e.g. PYTHONPATH
     release: Optional[str] = None  # the content hash of the code the run started from
     workdir: Optional[str] = None  # the release directory the job runs in
+    instance: Optional[str] = None  # the provider's id of the box (rgt deploy --instance)
     created: float = dataclasses.field(default_factory=time.time)
     updated: float = dataclasses.field(default_factory=time.time)
 

@@ -14,10 +14,16 @@ safe: ``rgt-agent stop N`` (waits until no process of the run is left; a run alr
 fine; if the stop fails nothing is removed), then removes ``secrets/N``, ``deploys/N``, the
 release the run was deployed from when no other deploy or run uses it, and ``runs/N`` (with the
 default checkpoint dir inside it). Never the store, never a checkpoint dir outside the run dir,
-never a release another run uses. The machine itself is not stopped: for ``generic-ssh`` it
-keeps billing until the user stops it in the provider's console (platform profiles will add
-their meter-stop verbs). Last, the run is removed from the laptop's registry; its receipt
-stays in ``$RGT_CONTROLLER_HOME/receipts/``.
+never a release another run uses.
+
+Then the meter (controller/meter/stop.py), from the run's platform profile: where it has an API
+and rgt was given the box's id (``--instance``), the profile's meter-stop verb is sent once,
+journaled, and polled until the provider no longer has the box; where it has none, its console
+steps are shown. The plan shows, before anything is done, what survives that verb (each storage
+tier), what keeps billing after it, what it makes irreversible, and the profile's danger clocks.
+A meter-stop that was refused or whose end is unknown fails down and keeps the run's record: a
+second ``rgt down N`` finds the journal, never re-sends the call, and only polls. Last, the run
+is removed from the laptop's registry; its receipt stays in ``$RGT_CONTROLLER_HOME/receipts/``.
 """
 
 from __future__ import annotations
@@ -25,17 +31,22 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from controller import boxrun
 from controller.deploy.release import deploy_path, release_path
+from controller.meter import stop as meter
+from controller.meter.api import noun
 from controller.registry import Registry, RunRecord
-from controller.remote import Remote, open_remote
+from controller.remote import Remote, controller_home, open_remote
 from controller.results.receipt import Coverage, Receipt, load_state_receipt, state_receipt_path
 from controller.results.sealed import covers_newest
 from controller.shell import script
-from onbox.common.errors import HostError, StopFailed, UnsafeRefused
+from onbox.common.errors import HostError, StopFailed, UnsafeRefused, UsageError
 from onbox.common.rundir import RunDir, check_name
+from onbox.profiles.load import load as load_profile
+from onbox.profiles.load import user_dirs
+from onbox.profiles.schema import Profile
 
 _RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 # A job's log in the run directory, or the redacted copy the agent wrote next to it.
@@ -59,6 +70,9 @@ class DownPlan:
     actions: List[str]
     grace: float = 30.0
     done: List[str] = dataclasses.field(default_factory=list)
+    profile: Optional[Profile] = None  # None: the record's profile could not be loaded
+    instance: Optional[str] = None  # the provider's id of the box, when rgt was told it
+    after: List[str] = dataclasses.field(default_factory=list)  # what the meter-stop leaves
 
     def lines(self) -> List[str]:
         r = self.receipt
@@ -78,6 +92,9 @@ class DownPlan:
             out += [f"  {x}" for x in self.kept]
         out.append("billing:")
         out += [f"  {x}" for x in self.billing]
+        if self.after and self.profile is not None:
+            out.append(f"after the meter-stop ({self.profile.meter.verb}):")
+            out += [f"  {x}" for x in self.after]
         out.append("down will:")
         out += [f"  {x}" for x in self.actions]
         return out
@@ -107,20 +124,64 @@ def _inside(path: str, d: str) -> bool:
     return path == d or path.startswith(d.rstrip("/") + "/")
 
 
-def _billing(rec: RunRecord) -> List[str]:
-    if rec.target.kind == "local" or rec.profile == "local":
-        return ["nothing keeps billing: the target is this machine"]
-    return [
+def run_profile(rec: RunRecord, home: Optional[str] = None) -> Optional[Profile]:
+    """The run's platform profile (the laptop's user dir over the shipped ones), or None when
+    it cannot be loaded: down then says only that the machine keeps billing."""
+    try:
+        dirs = user_dirs(os.path.join(home or controller_home(), "profiles"))
+        return load_profile(rec.profile, dirs)
+    except UsageError:
+        return None
+
+
+def _billing(
+    rec: RunRecord, profile: Optional[Profile], instance: Optional[str]
+) -> Tuple[List[str], List[str]]:
+    """(billing, after): what keeps billing and how down stops the meter; what survives the
+    meter-stop verb, what it makes irreversible, and the danger clocks."""
+    if rec.profile == "local":
+        return ["nothing keeps billing: the target is this machine"], []
+    console = [
         f"the box {rec.target.label} keeps billing until you stop it in your provider's "
         "console: rgt stops the agent and the job and removes the run's files on the box, "
         "it does not stop the machine"
     ]
+    if profile is None:
+        return console, []
+    m = profile.meter
+    what = noun(m.api)
+    if m.api == "none":
+        billing = console + [f"  {i}. {x}" for i, x in enumerate(m.console_steps, 1)]
+    elif instance:
+        billing = [
+            f"down will {m.verb} the {what} {instance} through {profile.title}'s API "
+            f"({'reversible' if m.reversible else 'irreversible'}) once the run is off the box, "
+            "and poll until it is gone"
+        ]
+    else:
+        billing = [
+            f"rgt was not told the {what}'s id: down will stop nothing and the {what} keeps "
+            f"billing (pass it: rgt down {rec.name} --instance ID)"
+        ]
+    billing += [f"keeps billing after the {m.verb}: {x}" for x in m.keeps_billing]
+    after = []
+    for t in profile.storage:
+        kept = t.survives_stop if m.reversible else t.survives_destroy
+        after.append(
+            f"{t.name} ({t.path}): {'survives' if kept else 'LOST'} "
+            f"(survives a stop: {_yes(t.survives_stop)}, a destroy: {_yes(t.survives_destroy)})"
+        )
+    after += [f"irreversible: {x}" for x in m.irreversible]
+    for d in profile.danger:
+        after.append(f"danger, {d.name}: {d.what} ({d.remedy})")
+    return billing, after
 
 
-def plan_down(rec: RunRecord, remote: Remote, home: Optional[str] = None) -> DownPlan:
-    """Everything down checks and shows, read-only; UnsafeRefused when no receipt covers the
-    newest sealed state."""
-    name = check_name(rec.name)
+def _yes(b: bool) -> str:
+    return "yes" if b else "no"
+
+
+def _receipt(name: str, home: Optional[str]) -> Receipt:
     receipt = load_state_receipt(name, home)
     if receipt is None:
         raise UnsafeRefused(
@@ -128,6 +189,24 @@ def plan_down(rec: RunRecord, remote: Remote, home: Optional[str] = None) -> Dow
             f"({state_receipt_path(name, home)}): taking it down could lose its results",
             f"rgt pull {name} first",
         )
+    return receipt
+
+
+def plan_down(
+    rec: RunRecord,
+    remote: Remote,
+    home: Optional[str] = None,
+    *,
+    profile: Optional[Profile] = None,
+    instance: Optional[str] = None,
+) -> DownPlan:
+    """Everything down checks and shows, read-only; UnsafeRefused when no receipt covers the
+    newest sealed state. ``profile``: the run's (loaded when not given); ``instance``: the
+    provider's id of the box (the record's when not given)."""
+    name = check_name(rec.name)
+    receipt = _receipt(name, home)
+    profile = profile or run_profile(rec, home)
+    instance = instance or rec.instance
     run_dir = boxrun.run_dir(rec).path
     present = remote.sh('[ -d "$1" ]', run_dir).rc == 0
     if present or rec.store:
@@ -162,8 +241,13 @@ def plan_down(rec: RunRecord, remote: Remote, home: Optional[str] = None) -> Dow
     ]
     if rec.release:
         actions.append(f"remove {home_box}/releases/{rec.release} unless another run uses it")
+    billing, after = _billing(rec, profile, instance)
+    if profile is not None and profile.meter.api != "none" and instance:
+        actions.append(f"{profile.meter.verb} the {noun(profile.meter.api)} {instance}")
     actions.append("forget the run on this laptop (its receipt stays)")
-    return DownPlan(rec, receipt, coverage, state, lost, kept, _billing(rec), actions, grace)
+    plan = DownPlan(rec, receipt, coverage, state, lost, kept, billing, actions, grace)
+    plan.profile, plan.instance, plan.after = profile, instance, after
+    return plan
 
 
 def _losses(
@@ -220,20 +304,27 @@ def down(
     remote: Optional[Remote] = None,
     home: Optional[str] = None,
     registry: Optional[Registry] = None,
+    instance: Optional[str] = None,
 ) -> DownPlan:
     """Take ``rec`` down (module docstring). ``interactive``: stdin is a terminal; ``ask``
-    prompts and returns what was typed; ``show`` prints one line. Returns the plan, with
-    ``done`` listing what was done. Raises UnsafeRefused (exit 7) when refused."""
+    prompts and returns what was typed; ``show`` prints one line; ``instance``: the provider's
+    id of the box (``--instance``; else the record's). Returns the plan, with ``done`` listing
+    what was done. Raises UnsafeRefused (exit 7) when refused; MeterRefused (16) or
+    MeterUnresolved (17) when the meter-stop fails, keeping the run's record."""
     name = check_name(rec.name)
     if yes and interactive:
         raise UnsafeRefused(
             f"run {name}: --yes works only when stdin is not a terminal",
             f"type the run's name when asked instead (rgt down {name})",
         )
+    profile = run_profile(rec, home)
+    prior = meter.pending(name, home)
+    if prior is not None and profile is not None:
+        return _resume(rec, profile, instance or prior.instance, show, home, registry)
     own = remote is None
     box = remote or open_remote(rec.target)
     try:
-        plan = plan_down(rec, box, home)
+        plan = plan_down(rec, box, home, profile=profile, instance=instance)
         for line in plan.lines():
             show(line)
         if not yes:
@@ -248,13 +339,50 @@ def down(
                     f"run {name}: the typed name {typed.strip()!r} does not match; nothing done"
                 )
         _execute(plan, box)
-        (registry or Registry(home)).remove(name)
-        plan.done.append("forgot the run on this laptop")
-        show(f"run {name} is down")
-        return plan
+        return _stop_meter(plan, show, home, registry)
     finally:
         if own:
             box.close()
+
+
+def _stop_meter(
+    plan: DownPlan, show: Callable[[str], None], home: Optional[str], registry: Optional[Registry]
+) -> DownPlan:
+    """The run is off the box: stop the meter, then forget the run, unless the meter is left
+    running for a later ``rgt down N --instance ID`` (then the record stays)."""
+    name = plan.rec.name
+    if plan.profile is not None and plan.rec.profile != "local":
+        step = meter.Step(name, plan.profile, plan.instance, show, home)
+        outcome = meter.stop_meter(step)  # refused or unresolved: raised, the record stays
+        if outcome.stopped:  # console steps shown, or no id: rgt itself did nothing
+            plan.done.append(f"meter: {outcome.kind}: {outcome.what}")
+        if outcome.kind == "no-instance":
+            show(
+                f"run {name} is off the box; its record stays on this laptop so that "
+                f"rgt down {name} --instance ID can stop the meter"
+            )
+            return plan
+    (registry or Registry(home)).remove(name)
+    plan.done.append("forgot the run on this laptop")
+    show(f"run {name} is down")
+    return plan
+
+
+def _resume(
+    rec: RunRecord,
+    profile: Profile,
+    instance: str,
+    show: Callable[[str], None],
+    home: Optional[str],
+    registry: Optional[Registry],
+) -> DownPlan:
+    """An earlier down took the run off the box and sent the meter-stop, whose end it did not
+    see: only poll (the receipt must still be here; nothing on the box is touched)."""
+    receipt = _receipt(rec.name, home)
+    show(f"run {rec.name}: an earlier down took it off the box and sent the meter-stop")
+    plan = DownPlan(rec, receipt, Coverage(True, "off the box already"), None, [], [], [], [], 30.0)
+    plan.profile, plan.instance = profile, instance
+    return _stop_meter(plan, show, home, registry)
 
 
 def _execute(plan: DownPlan, remote: Remote) -> None:

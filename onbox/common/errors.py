@@ -20,7 +20,9 @@ a bug and is shown with its traceback.
     │   ├── PermanentStoreError   exit 14  retrying cannot help: no bucket, ENOSPC, EACCES
     │   │   └── StoreAuthError    exit 14  the store refused the credentials (an AuthError too)
     │   └── PreconditionFailed    exit 14  a conditional write found another version
-    └── CheckpointWriteFailed     exit 15  (training API) a background checkpoint write failed
+    ├── CheckpointWriteFailed     exit 15  (training API) a background checkpoint write failed
+    ├── MeterRefused              exit 16  (controller) the provider's API refused the meter-stop
+    └── MeterUnresolved           exit 17  (controller) the meter-stop's outcome is not known
 
 ``StoreAuthError`` is both: ``except AuthError`` and ``except StoreError`` catch it, and it exits
 14 as every store error does, whatever refused (exit 4 is the box's login only).
@@ -146,6 +148,19 @@ class CheckpointWriteFailed(RgtError):
     exit_code = 15
 
 
+class MeterRefused(RgtError):
+    """The provider's API said no to the meter-stop (401, 403, another 4xx): nothing changed."""
+
+    exit_code = 16
+
+
+class MeterUnresolved(RgtError):
+    """The meter-stop's outcome is not known (no answer, or the resource still listed when the
+    poll gave up): the message says what to check in the provider's console."""
+
+    exit_code = 17
+
+
 # Exit codes of `rgt-agent run` by final state, so a Slurm or Kubernetes wrapper can act on them.
 FINAL_EXIT_CODES = {
     "SUCCEEDED": 0,
@@ -169,6 +184,8 @@ _BY_CODE = {
         StopFailed,
         StoreError,
         CheckpointWriteFailed,
+        MeterRefused,
+        MeterUnresolved,
     )
 }
 

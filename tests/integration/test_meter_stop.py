@@ -1,0 +1,421 @@
+"""`rgt down` stops the meter: each provider's API, as a fake HTTP server on 127.0.0.1.
+
+A cloud provider's API cannot run here, so each test uses a fake of it (hence "fake" in every
+name): stdlib http.server in a thread, implementing the documented endpoints and auth (Bearer)
+of RunPod, vast.ai, Lambda and Paperspace, and recording every request. What a user relies on:
+down calls the provider only after the receipt gate and the typed confirmation; it sends exactly
+the documented calls for the one resource it was pointed at; it sends the stop call once, even
+when its outcome is unknown (a second down only polls); it polls until the resource is really
+gone; and a refusal or an unknown end is typed, with its own exit code.
+
+The runs are real agent runs on this machine (tests/integration/test_down.py's ``Box``); the
+scenarios that need no box call controller.meter with a journal directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import pytest
+
+from controller.meter import journal
+from controller.meter.stop import Step, stop_meter
+from controller.registry import Registry, RunRecord
+from controller.results.down import down
+from controller.results.pull import pull
+from onbox.common.errors import MeterRefused, MeterUnresolved, NotFound
+from onbox.profiles.load import SHIPPED_DIR
+from onbox.profiles.load import load as load_profile
+from tests.integration import test_down
+from tests.integration.test_down import RUN, Box
+
+# test_down's fixtures: a laptop home, and a real agent run with one sealed checkpoint.
+laptop, box = test_down.laptop, test_down.box
+
+KEY = "k3y-" + "x" * 20
+IDS = {"runpod": "pod1abc", "vastai": "4242", "lambda": "0920582c7ff041399e34823a0be62549",
+       "paperspace": "psabc123"}  # fmt: skip
+# api -> (profile name, key variable, base URL variable)
+APIS = {
+    "runpod": ("runpod", "RUNPOD_API_KEY", "RGT_RUNPOD_API"),
+    "vastai": ("test-vastai", "VAST_API_KEY", "RGT_VAST_API"),
+    "lambda": ("test-lambda", "LAMBDA_API_KEY", "RGT_LAMBDA_API"),
+    "paperspace": ("test-paperspace", "PAPERSPACE_API_KEY", "RGT_PAPERSPACE_API"),
+}
+# The documented stop call of each: (method, path, body).
+STOP = {
+    "runpod": ("DELETE", "/pods/pod1abc", None),
+    "vastai": ("DELETE", "/instances/4242/", None),
+    "lambda": (
+        "POST",
+        "/instance-operations/terminate",
+        {"instance_ids": ["0920582c7ff041399e34823a0be62549"]},
+    ),
+    "paperspace": ("PATCH", "/machines/psabc123/stop", None),
+}
+SHOW = {
+    "runpod": "/pods/pod1abc",
+    "vastai": "/instances/4242/",
+    "lambda": "/instances/0920582c7ff041399e34823a0be62549",
+    "paperspace": "/machines/psabc123",
+}
+
+
+class FakeApi:
+    """One provider's API: ``present`` (does it have the resource), ``linger`` (how many shows
+    after the stop still list it as running), ``stop_mode`` ("ok", "drop": read the request and
+    close the connection without an answer, or an HTTP status to answer with)."""
+
+    def __init__(self, api: str) -> None:
+        self.api = api
+        self.present = True
+        self.linger = 0
+        self.stop_mode: Any = "ok"
+        self.stopped = False
+        self.requests: List[Tuple[str, str, str, Any]] = []
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: Any) -> None:
+                pass
+
+            def _any(self) -> None:
+                n = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(n) if n else b""
+                body = json.loads(raw) if raw else None
+                auth = self.headers.get("Authorization", "")
+                fake.requests.append((self.command, self.path, auth, body))
+                status, doc = fake.answer(self.command, self.path, auth, body)
+                if status == 0:  # drop: no answer at all
+                    self.close_connection = True
+                    return
+                out = json.dumps(doc).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            do_GET = do_DELETE = do_POST = do_PATCH = _any
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(10)
+
+    def answer(self, method: str, path: str, auth: str, body: Any) -> Tuple[int, Any]:
+        if auth != f"Bearer {KEY}":
+            return 401, {"error": "invalid api key"}
+        if (method, path, body) == STOP[self.api]:
+            if self.stop_mode == "drop":
+                self.stopped = True  # the provider acted; its answer never came
+                return 0, None
+            if self.stop_mode != "ok":
+                return int(self.stop_mode), {"error": "not allowed"}
+            if not self.present:
+                return 404, {"error": "not found"}
+            self.stopped = True
+            return 200, {"success": True}
+        if method == "GET" and path == SHOW[self.api]:
+            return self._show()
+        return 404, {"error": f"no such endpoint {method} {path}"}
+
+    def _show(self) -> Tuple[int, Any]:
+        running = self.present and (not self.stopped or self.linger > 0)
+        if self.stopped and self.linger > 0:
+            self.linger -= 1
+        ident = IDS[self.api]
+        if self.api == "runpod":
+            return (200, {"id": ident, "desiredStatus": "RUNNING"}) if running else (404, {})
+        if self.api == "vastai":
+            if not self.present:
+                return 200, {"instances": None}
+            if running:
+                return 200, {"instances": {"id": 4242, "actual_status": "running"}}
+            # VAST15: after the destroy's 200 it still shows, exited, then null.
+            return 200, {"instances": {"id": 4242, "actual_status": "exited"}}
+        if self.api == "lambda":
+            if not self.present:
+                return 404, {"error": {"code": "global/object-does-not-exist"}}
+            return 200, {"data": {"id": ident, "status": "active" if running else "terminated"}}
+        if not self.present:
+            return 404, {"error": "not found"}
+        return 200, {"id": ident, "state": "ready" if running else "off"}
+
+    def calls(self) -> List[Tuple[str, str]]:
+        return [(m, p) for m, p, _, _ in self.requests]
+
+    def stops(self) -> int:
+        return sum(1 for m, p, _, b in self.requests if (m, p, b) == STOP[self.api])
+
+
+def _test_profiles(d: str) -> None:
+    """vast.ai, Lambda and Paperspace profiles (test-*), from the shipped runpod one."""
+    with open(os.path.join(SHIPPED_DIR, "runpod.toml")) as f:
+        text = f.read()
+    for api, (name, _, _) in APIS.items():
+        if api == "runpod":
+            continue
+        t = text.replace('name = "runpod"', f'name = "{name}"', 1)
+        t = t.replace('api = "runpod"', f'api = "{api}"', 1)
+        if api == "paperspace":
+            t = t.replace(
+                'verb = "terminate"\nreversible = false', 'verb = "shut-down"\nreversible = true'
+            )
+        with open(os.path.join(d, f"{name}.toml"), "w") as f:
+            f.write(t)
+
+
+@pytest.fixture
+def fakes(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Dict[str, FakeApi]]:
+    """A fake of every provider's API, each named to rgt by its RGT_*_API and key."""
+    d = tmp_path / "profiles"
+    d.mkdir()
+    _test_profiles(str(d))
+    monkeypatch.setenv("RGT_PROFILES_DIR", str(d))
+    for v in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy"):
+        monkeypatch.delenv(v, raising=False)
+    out = {api: FakeApi(api) for api in APIS}
+    for api, (_, key_var, url_var) in APIS.items():
+        monkeypatch.setenv(key_var, KEY)
+        monkeypatch.setenv(url_var, out[api].url)
+    monkeypatch.setenv("RGT_METER_TIMEOUT", "5")
+    yield out
+    for f in out.values():
+        f.close()
+
+
+def _record(b: Box, profile: str, instance: Optional[str]) -> RunRecord:
+    rec = dataclasses.replace(b.record(), profile=profile, instance=instance)
+    Registry().put(rec)
+    return rec
+
+
+def _profile(api: str) -> Any:
+    return load_profile(APIS[api][0], [os.environ["RGT_PROFILES_DIR"]])
+
+
+# ---- through rgt down, on a real run
+
+
+def test_fake_runpod_rgt_down_cli_terminates_the_pod_only_after_the_gate(
+    box: Box, tmp_path: Any, fakes: Dict[str, FakeApi]
+) -> None:
+    """The real `rgt down` command: refused without a receipt (no request), then after a pull
+    it terminates the pod it was pointed at (--instance) and polls until RunPod says 404."""
+    fake = fakes["runpod"]
+    _record(box, "runpod", None)
+    rgt = [os.path.join(os.path.dirname(sys.executable), "rgt")]
+    argv = [*rgt, "down", RUN, "--yes", "--instance", IDS["runpod"]]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert p.returncode == 7, p.stderr
+    assert "no verification receipt" in p.stderr and fake.requests == []
+    box.intact()
+
+    pull(Registry().get(RUN), str(tmp_path / "dest"), "store")
+    fake.linger = 2
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
+    assert p.returncode == 0, p.stdout + p.stderr
+    # The plan said what the terminate leaves and what keeps billing, before anything was done.
+    assert "down will terminate the pod pod1abc through RunPod pods's API" in p.stdout
+    assert "volume (/workspace): LOST" in p.stdout
+    assert "network-volume (/workspace): survives" in p.stdout
+    assert "keeps billing after the terminate: Network Volumes bill" in p.stdout
+    assert "danger, stale-stopped" in p.stdout
+    assert "terminate confirmed" in p.stdout
+    assert (
+        fake.calls()
+        == [("GET", "/pods/pod1abc"), ("DELETE", "/pods/pod1abc")] + [("GET", "/pods/pod1abc")] * 3
+    )
+    assert {auth for _, _, auth, _ in fake.requests} == {f"Bearer {KEY}"}
+    assert KEY not in p.stdout + p.stderr
+    with open(journal.journal_path(RUN)) as f:
+        text = f.read()
+    assert KEY not in text and json.loads(text)["state"] == "confirmed"
+    with pytest.raises(NotFound):
+        Registry().get(RUN)
+    assert not os.path.exists(box.run_dir)
+
+
+@pytest.mark.parametrize("api", ["vastai", "lambda", "paperspace"])
+def test_fake_provider_rgt_down_sends_exactly_the_documented_calls(
+    box: Box, tmp_path: Any, fakes: Dict[str, FakeApi], api: str
+) -> None:
+    rec = _record(box, APIS[api][0], IDS[api])  # rgt deploy --instance ID recorded it
+    pull(rec, str(tmp_path / "dest"), "store")
+    shown: List[str] = []
+    plan = down(rec, yes=True, interactive=False, ask=lambda p: "", show=shown.append)
+    fake = fakes[api]
+    method, path, body = STOP[api]
+    assert [(m, p, b) for m, p, _, b in fake.requests] == [
+        ("GET", SHOW[api], None),
+        (method, path, body),
+        ("GET", SHOW[api], None),
+    ]
+    assert all(auth == f"Bearer {KEY}" for _, _, auth, _ in fake.requests)
+    assert any(d.startswith("meter: confirmed") for d in plan.done)
+    assert all(not f.requests for a, f in fakes.items() if a != api)  # no other provider
+    if api == "paperspace":
+        assert "(reversible)" in "\n".join(shown) and "shut-down confirmed, off" in shown[-2]
+    with pytest.raises(NotFound):
+        Registry().get(RUN)
+
+
+def test_fake_autodl_down_prints_the_console_steps_and_calls_nothing(
+    box: Box, tmp_path: Any, fakes: Dict[str, FakeApi]
+) -> None:
+    rec = _record(box, "autodl", "whatever-id")
+    pull(rec, str(tmp_path / "dest"), "store")
+    shown: List[str] = []
+    down(rec, yes=True, interactive=False, ask=lambda p: "", show=shown.append)
+    text = "\n".join(shown)
+    steps = load_profile("autodl").meter.console_steps
+    assert steps and all(f"{i}. {s}" in text for i, s in enumerate(steps, 1))
+    assert "keeps billing until you stop it in your provider's console" in text
+    assert "danger, auto-release" in text
+    assert all(not f.requests for f in fakes.values())
+
+
+def test_fake_runpod_unknown_outcome_second_down_only_polls(
+    box: Box, tmp_path: Any, fakes: Dict[str, FakeApi], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The DELETE is taken and the connection dropped: unresolved (exit 17), the record stays;
+    a second down never re-sends the DELETE, polls, and confirms once RunPod says 404."""
+    fake = fakes["runpod"]
+    fake.stop_mode, fake.linger = "drop", 10**6
+    monkeypatch.setenv("RGT_METER_WAIT", "1")
+    rec = _record(box, "runpod", IDS["runpod"])
+    pull(rec, str(tmp_path / "dest"), "store")
+    with pytest.raises(MeterUnresolved, match="got no answer") as info:
+        down(rec, yes=True, interactive=False, ask=lambda p: "", show=lambda line: None)
+    assert info.value.exit_code == 17
+    assert "check https://www.console.runpod.io/pods" in info.value.line()
+    assert Registry().get(RUN).instance == IDS["runpod"]  # kept for the second down
+    assert not os.path.exists(box.run_dir) and fake.stops() == 1
+
+    fake.linger = 1
+    shown: List[str] = []
+    plan = down(
+        Registry().get(RUN), yes=True, interactive=False, ask=lambda p: "", show=shown.append
+    )
+    assert fake.stops() == 1  # one DELETE in all
+    assert fake.calls()[-2:] == [("GET", "/pods/pod1abc")] * 2
+    assert any("never sends it again" in line for line in shown)
+    assert any(d.startswith("meter: confirmed") for d in plan.done)
+    with pytest.raises(NotFound):
+        Registry().get(RUN)
+
+
+def test_fake_runpod_no_instance_stops_nothing_and_says_what_to_pass(
+    box: Box, tmp_path: Any, fakes: Dict[str, FakeApi]
+) -> None:
+    rec = _record(box, "runpod", None)
+    pull(rec, str(tmp_path / "dest"), "store")
+    shown: List[str] = []
+    down(rec, yes=True, interactive=False, ask=lambda p: "", show=shown.append)
+    text = "\n".join(shown)
+    assert "rgt was not told the pod's id" in text and f"rgt down {RUN} --instance ID" in text
+    assert fakes["runpod"].requests == []
+    assert Registry().get(RUN).name == RUN  # kept, for rgt down N --instance ID
+
+
+# ---- the meter step alone, with a journal directory
+
+
+def _step(api: str, home: str, shown: List[str], wait: str = "5") -> Step:
+    env = dict(os.environ, RGT_METER_WAIT=wait)
+    return Step("r9", _profile(api), IDS[api], shown.append, home, env, sleep=lambda s: None)
+
+
+@pytest.mark.parametrize("api", list(APIS))
+def test_fake_provider_listed_for_a_few_polls_after_the_stop_is_confirmed(
+    fakes: Dict[str, FakeApi], tmp_path: Any, api: str
+) -> None:
+    fake = fakes[api]
+    fake.linger = 3
+    shown: List[str] = []
+    out = stop_meter(_step(api, str(tmp_path), shown))
+    assert out.kind == "confirmed" and out.stopped
+    assert fake.stops() == 1
+    assert fake.calls().count(("GET", SHOW[api])) == 1 + 3 + 1
+    j = journal.load("r9", str(tmp_path))
+    assert j is not None and j.state == "confirmed" and not j.unknown
+
+
+@pytest.mark.parametrize("api", list(APIS))
+def test_fake_provider_dropped_stop_is_unresolved_and_never_resent(
+    fakes: Dict[str, FakeApi], tmp_path: Any, api: str
+) -> None:
+    fake = fakes[api]
+    fake.stop_mode, fake.linger = "drop", 10**6
+    shown: List[str] = []
+    with pytest.raises(MeterUnresolved) as info:
+        stop_meter(_step(api, str(tmp_path), shown, wait="0.5"))
+    assert info.value.exit_code == 17 and "got no answer" in info.value.what
+    j = journal.load("r9", str(tmp_path))
+    assert j is not None and j.state == "unresolved" and j.unknown
+    # A second down: polls only; still listed: unresolved again; then gone: confirmed.
+    with pytest.raises(MeterUnresolved):
+        stop_meter(_step(api, str(tmp_path), shown, wait="0.5"))
+    fake.linger = 0
+    assert stop_meter(_step(api, str(tmp_path), shown)).kind == "confirmed"
+    assert fake.stops() == 1
+
+
+@pytest.mark.parametrize("api", list(APIS))
+def test_fake_provider_refused_stop_is_typed_and_not_retried(
+    fakes: Dict[str, FakeApi], tmp_path: Any, api: str
+) -> None:
+    fake = fakes[api]
+    fake.stop_mode = 403
+    with pytest.raises(MeterRefused, match="refused to") as info:
+        stop_meter(_step(api, str(tmp_path), []))
+    assert info.value.exit_code == 16 and "nothing changed" in info.value.what
+    assert fake.stops() == 1 and len(fake.requests) == 2  # the show, the one stop
+    j = journal.load("r9", str(tmp_path))
+    assert j is not None and j.state == "refused"
+
+
+@pytest.mark.parametrize("api", list(APIS))
+def test_fake_provider_wrong_key_is_refused_before_any_stop(
+    fakes: Dict[str, FakeApi], tmp_path: Any, api: str
+) -> None:
+    step = _step(api, str(tmp_path), [])
+    step.environ = dict(step.environ or {}, **{APIS[api][1]: "wrong"})
+    with pytest.raises(MeterRefused, match="HTTP 401: invalid api key") as info:
+        stop_meter(step)
+    assert "wrong" not in info.value.line()
+    assert fakes[api].calls() == [("GET", SHOW[api])]
+
+
+@pytest.mark.parametrize("api", list(APIS))
+def test_fake_provider_already_gone_sends_no_stop(
+    fakes: Dict[str, FakeApi], tmp_path: Any, api: str
+) -> None:
+    fakes[api].present = False
+    out = stop_meter(_step(api, str(tmp_path), []))
+    assert out.kind == "gone" and out.stopped
+    assert fakes[api].calls() == [("GET", SHOW[api])]
+
+
+def test_fake_runpod_missing_key_sends_nothing(fakes: Dict[str, FakeApi], tmp_path: Any) -> None:
+    step = _step("runpod", str(tmp_path), [])
+    step.environ = {k: v for k, v in (step.environ or {}).items() if k != "RUNPOD_API_KEY"}
+    with pytest.raises(Exception, match="RUNPOD_API_KEY: not set") as info:
+        stop_meter(step)
+    assert getattr(info.value, "exit_code", None) == 2
+    assert fakes["runpod"].requests == []
+    assert re.search(r"export RUNPOD_API_KEY=", str(getattr(info.value, "remedy", "")))

@@ -24,7 +24,7 @@ from typing import Any, Dict, Mapping, Optional
 
 from onbox.agent.spec import JobSpec, Overrides
 from onbox.common.duration import MAX_DURATION, parse_duration
-from onbox.common.errors import UsageError
+from onbox.common.errors import HostError, UsageError
 from onbox.common.rundir import rgt_home
 from onbox.common.storeurl import parse_store_url
 from onbox.profiles import Profile, load, user_dirs
@@ -136,6 +136,7 @@ def apply_profile(
         if spec.store is None:
             url = profile.default_store()
             if url is not None:
+                _check_durable(profile)
                 changes["store"] = parse_store_url(url, f"{profile.name}: durable.path")
     out = dataclasses.replace(spec, **changes)
     if out.on_done and out.store is None:
@@ -145,6 +146,19 @@ def apply_profile(
             f"give --store URL (profile {out.profile!r} has no durable path on the box)",
         )
     return out
+
+
+def _check_durable(profile: Profile) -> None:
+    """The profile's durable path must be there before it is the default store: a file store
+    makes its root, and one made on the container's disk because the volume is not mounted
+    would die with the box while looking durable."""
+    path = profile.durable.path
+    if not os.path.isdir(path):
+        raise HostError(
+            f"the {profile.name} profile's durable path {path} is not a directory on this box, "
+            "so it cannot be the default store",
+            f"mount the durable volume there ({profile.durable.note}), or give --store URL",
+        )
 
 
 def profile_fields(profile: Profile, user_env: Mapping[str, str]) -> Dict[str, Any]:

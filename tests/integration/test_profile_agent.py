@@ -262,3 +262,31 @@ def test_fake_poweroff_never_runs_after_a_failed_job(cli: Cli, tmp_path: Any) ->
     assert not marker.exists()
     kinds = [e["kind"] for e in cli.events("od")]
     assert "on_done_started" not in kinds and "on_done_skipped" in kinds
+
+
+def test_fake_poweroff_runs_after_a_meter_caps_verified_final_seal(cli: Cli, tmp_path: Any) -> None:
+    marker = _poweroff_profile(cli, tmp_path)
+    job = tmp_path / "ckptjob.py"
+    job.write_text(CKPT_JOB)
+    cli(
+        "start",
+        "--profile",
+        "autodl",
+        "--on-done",
+        "poweroff",
+        "--deadline",
+        "3s",
+        "--name",
+        "od",
+        "--",
+        sys.executable,
+        str(job),
+        check=True,
+    )
+    assert cli.wait_state("od", "STOPPED", "FAILED", "SUCCEEDED", timeout=90)["state"] == "STOPPED"
+    cli.wait_for("od", lambda s: not s["agent"]["alive"], what="the agent to exit")
+    events = cli.events("od")
+    kinds = [e["kind"] for e in events]
+    assert kinds.index("meter_cap_sealed") < kinds.index("on_done_started")
+    assert kinds.count("on_done_started") == 1
+    assert marker.read_text() == "before-done\n"  # a capped run has no DONE.json: its LATEST

@@ -12,7 +12,7 @@ import pytest
 from onbox.agent.meter import POLL, MeterCap
 from onbox.agent.ondone import run_once
 from onbox.agent.spec import JobSpec, Overrides, build_spec
-from onbox.common.errors import UsageError
+from onbox.common.errors import HostError, UsageError
 from onbox.common.rundir import RunDir
 
 
@@ -23,7 +23,12 @@ def _build(tmp_path: Any, toml: str = "", environ: Any = None, **flags: Any) -> 
         with open(job, "w") as f:
             f.write('command = ["true"]\n' + toml)
     env = {"PATH": os.environ["PATH"], "RGT_HOME": str(tmp_path / "home")}
-    env.update(environ or {})
+    if environ is None:  # the shipped durable paths (/workspace, /root/autodl-fs) are not here
+        vol = tmp_path / "vol"
+        vol.mkdir(exist_ok=True)
+        _durable(tmp_path, "runpod", str(vol))
+        environ = _durable(tmp_path, "autodl", str(vol))
+    env.update(environ)
     if job is None:
         flags.setdefault("command", ["true"])
     return build_spec(
@@ -36,11 +41,21 @@ def _build(tmp_path: Any, toml: str = "", environ: Any = None, **flags: Any) -> 
     )
 
 
+def _durable(tmp_path: Any, name: str, path: str) -> Dict[str, str]:
+    """A user profile dir whose ``name`` profile has its durable path at ``path``."""
+    d = tmp_path / "profiles"
+    d.mkdir(exist_ok=True)
+    (d / f"{name}.toml").write_text(f'[durable]\npath = "{path}"\n')
+    return {"RGT_PROFILES_DIR": str(d)}
+
+
 def test_runpod_gives_grace_env_store_and_notice(tmp_path: Any) -> None:
-    spec = _build(tmp_path, profile="runpod")
+    vol = tmp_path / "workspace"
+    vol.mkdir()
+    spec = _build(tmp_path, profile="runpod", environ=_durable(tmp_path, "runpod", str(vol)))
     assert spec.profile == "runpod" and spec.grace == 5.0 and spec.notice == "signal"
     assert spec.env["HF_HOME"] == "/workspace/hf"
-    assert spec.store is not None and spec.store.url == "file:///workspace/rgt"
+    assert spec.store is not None and spec.store.url == f"file://{vol}/rgt"
     assert spec.proxy_hook == "" and spec.deadline is None and spec.on_done is None
 
 
@@ -67,17 +82,32 @@ def test_no_profile_keeps_the_old_defaults(tmp_path: Any) -> None:
 
 
 def test_a_user_override_dir_is_read(tmp_path: Any) -> None:
-    d = tmp_path / "profiles"
-    d.mkdir()
-    (d / "runpod.toml").write_text('[durable]\npath = "/mnt/vol"\n')
-    spec = _build(tmp_path, profile="runpod", environ={"RGT_PROFILES_DIR": str(d)})
-    assert spec.store is not None and spec.store.url == "file:///mnt/vol/rgt"
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    spec = _build(tmp_path, profile="runpod", environ=_durable(tmp_path, "runpod", str(a)))
+    assert spec.store is not None and spec.store.url == f"file://{a}/rgt"
     # $RGT_HOME/profiles is the box's user dir when RGT_PROFILES_DIR is not set
     home = tmp_path / "home" / "profiles"
     home.mkdir(parents=True)
-    (home / "runpod.toml").write_text('[durable]\npath = "/mnt/home"\n')
-    spec = _build(tmp_path, profile="runpod")
-    assert spec.store is not None and spec.store.url == "file:///mnt/home/rgt"
+    (home / "runpod.toml").write_text(f'[durable]\npath = "{b}"\n')
+    spec = _build(tmp_path, profile="runpod", environ={})
+    assert spec.store is not None and spec.store.url == f"file://{b}/rgt"
+
+
+def test_a_missing_durable_path_is_refused_as_the_default_store(tmp_path: Any) -> None:
+    gone = tmp_path / "not-mounted"
+    with pytest.raises(HostError) as e:
+        _build(tmp_path, profile="runpod", environ=_durable(tmp_path, "runpod", str(gone)))
+    assert str(gone) in e.value.line() and "--store" in e.value.line()
+    assert not gone.exists()
+    spec = _build(  # a store the user names needs no durable path
+        tmp_path,
+        profile="runpod",
+        store="file:///data/s",
+        environ=_durable(tmp_path, "runpod", str(gone)),
+    )
+    assert spec.store is not None and spec.store.url == "file:///data/s"
 
 
 @pytest.mark.parametrize(
@@ -250,7 +280,7 @@ def test_on_done_that_fails_says_so(tmp_path: Any, monkeypatch: pytest.MonkeyPat
 
 def test_on_done_needs_a_store(tmp_path: Any) -> None:
     d = tmp_path / "profiles"
-    d.mkdir()
+    d.mkdir(exist_ok=True)
     (d / "autodl.toml").write_text('[durable]\npath = ""\n')
     with pytest.raises(UsageError) as e:
         _build(tmp_path, profile="autodl", on_done="poweroff", environ={"RGT_PROFILES_DIR": str(d)})

@@ -28,7 +28,16 @@ from typing import Callable, Mapping, Optional
 
 from controller import envnames
 from controller.meter import journal
-from controller.meter.api import Answered, Client, NoAnswer, NotSent, client, key_name, noun
+from controller.meter.api import (
+    Answered,
+    Client,
+    NoAnswer,
+    NotSent,
+    check_instance,
+    client,
+    key_name,
+    noun,
+)
 from onbox.common.errors import (
     MeterRefused,
     MeterUnresolved,
@@ -103,6 +112,7 @@ def stop_meter(step: Step) -> Outcome:
         )
         step.show(what)
         return Outcome("no-instance", what)
+    check_instance(step.instance)  # it goes into a URL's path: the record's too
     j = journal.load(step.run, step.home)
     if j is not None and j.instance != step.instance and j.call_sent:
         raise UsageError(

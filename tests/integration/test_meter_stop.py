@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -97,6 +98,9 @@ class FakeApi:
                 if status == 0:  # drop: no answer at all
                     self.close_connection = True
                     return
+                if status == -1:  # hang: answer only after the client's timeout
+                    time.sleep(3)
+                    status, doc = 200, {"data": {"terminated_instances": []}}
                 out = json.dumps(doc).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -120,9 +124,9 @@ class FakeApi:
         if auth != f"Bearer {KEY}":
             return 401, {"error": "invalid api key"}
         if (method, path, body) == STOP[self.api]:
-            if self.stop_mode == "drop":
-                self.stopped = True  # the provider acted; its answer never came
-                return 0, None
+            if self.stop_mode in ("drop", "hang"):
+                self.stopped = True  # the provider acted; its answer never came in time
+                return (0 if self.stop_mode == "drop" else -1), None
             if self.stop_mode != "ok":
                 return int(self.stop_mode), {"error": "not allowed"}
             if not self.present:
@@ -419,3 +423,35 @@ def test_fake_runpod_missing_key_sends_nothing(fakes: Dict[str, FakeApi], tmp_pa
     assert getattr(info.value, "exit_code", None) == 2
     assert fakes["runpod"].requests == []
     assert re.search(r"export RUNPOD_API_KEY=", str(getattr(info.value, "remedy", "")))
+
+
+def test_fake_lambda_terminate_that_hangs_past_the_timeout_is_never_resent(
+    fakes: Dict[str, FakeApi], tmp_path: Any
+) -> None:
+    """LAM14: the terminate call can hang. The client's timeout ends it, the outcome is
+    unknown, and rgt re-queries state instead of sending the terminate again."""
+    fake = fakes["lambda"]
+    fake.stop_mode = "hang"
+    step = _step("lambda", str(tmp_path), [])
+    step.environ = dict(step.environ or {}, RGT_METER_TIMEOUT="1")
+    out = stop_meter(step)
+    assert out.kind == "confirmed"
+    assert fake.stops() == 1 and fake.calls()[-1] == ("GET", SHOW["lambda"])
+    j = journal.load("r9", str(tmp_path))
+    assert j is not None and j.unknown and "no answer" in j.events[1]["what"]
+
+
+def test_fake_runpod_bad_instance_id_is_refused_before_anything(
+    fakes: Dict[str, FakeApi], tmp_path: Any, laptop: str
+) -> None:
+    rgt = os.path.join(os.path.dirname(sys.executable), "rgt")
+    for argv in (["down", RUN], ["deploy", "local"]):
+        p = subprocess.run(
+            [rgt, *argv, "--instance", "../pods/x"], capture_output=True, text=True, timeout=60
+        )
+        assert p.returncode == 2 and "--instance: '../pods/x' is not a provider's id" in p.stderr
+    step = _step("runpod", str(tmp_path), [])
+    step.instance = "x/../../v2"  # from a record edited by hand: refused all the same
+    with pytest.raises(Exception, match="is not a provider's id"):
+        stop_meter(step)
+    assert all(not f.requests for f in fakes.values())

@@ -105,17 +105,16 @@ def install_hook(rd: RunDir, profile_name: Optional[str], event: Event) -> Optio
     try:
         script = hook_script(rd.home)
         if hook == "profile.d":
-            _write_if_changed(target, script.encode(), 0o644)
+            changed = _write_if_changed(target, script.encode(), 0o644)
         else:
-            _write_if_changed(hook_path(rd.home), script.encode(), 0o700)
+            changed = _write_if_changed(hook_path(rd.home), script.encode(), 0o700)
             line = f". {_q(hook_path(rd.home))}  {MARK}\n"
             if hook == "cron":
                 user = _user()
-                _write_if_changed(
-                    target, f"@reboot {user} sh -c {_q(line.strip())}\n".encode(), 0o644
-                )
+                entry = f"@reboot {user} sh -c {_q(line.strip())}\n"
+                changed = _write_if_changed(target, entry.encode(), 0o644) or changed
             else:  # onstart: one guarded line, never twice
-                _append_once(target, line)
+                changed = _append_once(target, line) or changed
     except OSError as e:
         event(
             "boot_hook_failed",
@@ -125,6 +124,8 @@ def install_hook(rd: RunDir, profile_name: Optional[str], event: Event) -> Optio
             remedy="run the agent as root, or run `rgt-agent boot` after each power-on",
         )
         return None
+    if not changed:
+        return target  # in place already (an earlier agent of this or another run put it there)
     event(
         "boot_hook",
         f"{hook} boot hook at {target}: `rgt-agent boot` resumes the run after a power-off"
@@ -148,30 +149,34 @@ def _user() -> str:
         return str(os.getuid())
 
 
-def _write_if_changed(path: str, data: bytes, mode: int) -> None:
+def _write_if_changed(path: str, data: bytes, mode: int) -> bool:
+    """Write ``path`` atomically unless it holds ``data`` already; whether it was written."""
     try:
         with open(path, "rb") as f:
             if f.read() == data:
-                return
+                return False
     except FileNotFoundError:
         pass
     write_atomic(path, data, mode)
-    os.chmod(path, mode)  # the agent's umask is 077; a login shell of root reads it anyway
+    os.chmod(path, mode)  # not the agent's umask (077): the file is read by login shells
+    return True
 
 
-def _append_once(path: str, line: str) -> None:
-    """Append ``line`` to a script unless a line with the hook's mark is there already."""
+def _append_once(path: str, line: str) -> bool:
+    """Append ``line`` to a script unless a line with the hook's mark is there already; whether
+    it was appended."""
     try:
         with open(path) as f:
             text = f.read()
     except FileNotFoundError:
         text = "#!/bin/sh\n"
     if MARK in text:
-        return
+        return False
     if text and not text.endswith("\n"):
         text += "\n"
     write_atomic(path, (text + line).encode(), 0o755)
     os.chmod(path, 0o755)
+    return True
 
 
 def record_opt_in(rd: RunDir) -> None:
@@ -243,7 +248,9 @@ def _start(rd: RunDir, say: Callable[[str], None]) -> int:
     finally:
         if not _agent_took(rd):
             _unmark(mark)
-    say(f"rgt-agent boot: {rd.name}: " + (p.stdout.strip().splitlines() or [""])[0])
+    lines = p.stdout.strip().splitlines()
+    said = [ln for ln in lines if ln.startswith(("started", "re-attached", "run "))]
+    say(f"rgt-agent boot: {rd.name}: " + ((said or lines or ["(no output)"])[0]))
     if p.returncode != 0:
         say(p.stderr.strip())
     return 1 if p.returncode == 0 else 0

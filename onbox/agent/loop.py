@@ -114,6 +114,8 @@ class Agent:
         sup = self.sup
         # `rgt-agent boot` started this agent after a power-on: restore as a beginning does.
         from_boot = take_from_boot(self.rd)
+        if from_boot:
+            self.journal.event("boot", "started again by `rgt-agent boot` after a power-on")
         if self.fresh or sup.state in TERMINAL:
             if not may_begin:
                 return False

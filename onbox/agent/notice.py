@@ -178,7 +178,9 @@ class NoticeWatcher:
     def stop(self) -> None:
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(TIMEOUT * 3 + 1)
+            # Not the length of a poll: the agent may be leaving inside a preemption budget,
+            # and the thread is a daemon that holds nothing.
+            self._thread.join(0.5)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

@@ -8,7 +8,6 @@ boot as new by changing the recorded one.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -156,6 +155,8 @@ def test_profile_d_hook_brings_the_run_back_after_a_power_loss(cli: Cli, tmp_pat
         what="the run to come back",
     )
     assert st["agent"]["pid"] != first["agent"]["pid"]
+    assert _kinds(cli, "b1", "boot"), "the agent says it came from rgt-agent boot"
+    assert len(_kinds(cli, "b1", "boot_hook")) == 1  # installed once; the second agent found it
     seen = _wait(lambda: len(_seen(cli, "b1")) >= 2 and _seen(cli, "b1"), what="attempt 2")
     assert seen[0]["resume_from"] == ""
     assert os.path.basename(seen[1]["resume_from"]) == "step_1.pt", seen
@@ -195,14 +196,14 @@ def test_onstart_hook_is_one_guarded_line(cli: Cli, tmp_path: Any) -> None:
     _override(tmp_path, cli, "vastai", str(onstart))
     _start(cli, tmp_path, "v1", "vastai")
     _start(cli, tmp_path, "v2", "vastai")
-    for name in ("v1", "v2"):
-        _wait(functools.partial(_kinds, cli, name, "boot_hook"), what="the hooks")
+    for name in ("v1", "v2"):  # a stop is read in the agent's loop, after the hook's install
+        cli("stop", name, "--grace", "5", check=True)
+        cli.wait_state(name, "STOPPED")
     text = onstart.read_text()
     assert text.startswith("#!/bin/sh\necho user-setup\n")  # the user's lines are kept
     assert text.count("rgt-agent boot hook") == 1, text
+    assert len(_kinds(cli, "v1", "boot_hook")) == 1 and not _kinds(cli, "v2", "boot_hook")
     subprocess.run(["sh", "-n", str(onstart)], check=True, timeout=10)
-    for name in ("v1", "v2"):
-        cli("stop", name, "--grace", "5", check=True)
 
 
 def test_an_unwritable_hook_path_is_one_warning_and_the_run_goes_on(

@@ -6,8 +6,9 @@
 # probe's arguments (probe.probe_args: the Python, the probe's code, and the version, sha256
 # and extras of the wheel whose install to look for, or ""), $8 a release id (or ""), $9 the
 # deploy's name (or ""), ${10} ${11} rgt_markers' arguments (the profiles' marker files and
-# init-variable names, newline-separated, or ""); then, optionally, rgt_look's arguments: the look at a run through the
-# agent that ran it last time, saving a deploy of unchanged code its second round trip.
+# init-variable names, newline-separated, or ""); then, optionally, rgt_look's arguments: the
+# look at a run through the agent that ran it last time, saving a deploy of unchanged code its
+# second round trip.
 home=${1:-$HOME/.rgt}; durable=$2; rel=$8; name=$9
 py=$3; code=$4; ver=$5; sha=$6; extras=$7; shift 9
 mfiles=$1; mnames=$2; shift 2

@@ -277,6 +277,11 @@ def noun(api: str) -> str:
     return _APIS[api][2] if api in _APIS else "box"
 
 
+def title(api: str) -> str:
+    """The provider's name, for messages."""
+    return _APIS[api][1] if api in _APIS else api
+
+
 def key_name(api: str) -> str:
     return _APIS[api][4]
 

@@ -99,8 +99,8 @@ def stop_meter(step: Step) -> Outcome:
     m = step.profile.meter
     if m.api == "none":
         step.show(
-            f"rgt has no API to stop this box's meter ({step.profile.title}): "
-            f"{m.verb} it in the console yourself:"
+            f"rgt has no API to stop this box's meter ({step.profile.title}); its meter-stop "
+            f"is {m.verb}, in the console:"
         )
         for i, line in enumerate(m.console_steps, 1):
             step.show(f"  {i}. {line}")

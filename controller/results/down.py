@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from controller import boxrun
 from controller.deploy.release import deploy_path, release_path
 from controller.meter import stop as meter
-from controller.meter.api import noun
+from controller.meter.api import noun, title
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, controller_home, open_remote
 from controller.results.receipt import Coverage, Receipt, load_state_receipt, state_receipt_path
@@ -154,7 +154,7 @@ def _billing(
         billing = console + [f"  {i}. {x}" for i, x in enumerate(m.console_steps, 1)]
     elif instance:
         billing = [
-            f"down will {m.verb} the {what} {instance} through {profile.title}'s API "
+            f"down will {m.verb} the {what} {instance} through {title(m.api)}'s API "
             f"({'reversible' if m.reversible else 'irreversible'}) once the run is off the box, "
             "and poll until it is gone"
         ]

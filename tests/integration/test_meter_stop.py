@@ -33,7 +33,6 @@ from controller.registry import Registry, RunRecord
 from controller.results.down import down
 from controller.results.pull import pull
 from onbox.common.errors import MeterRefused, MeterUnresolved, NotFound
-from onbox.profiles.load import SHIPPED_DIR
 from onbox.profiles.load import load as load_profile
 from tests.integration import test_down
 from tests.integration.test_down import RUN, Box
@@ -47,9 +46,9 @@ IDS = {"runpod": "pod1abc", "vastai": "4242", "lambda": "0920582c7ff041399e34823
 # api -> (profile name, key variable, base URL variable)
 APIS = {
     "runpod": ("runpod", "RUNPOD_API_KEY", "RGT_RUNPOD_API"),
-    "vastai": ("test-vastai", "VAST_API_KEY", "RGT_VAST_API"),
-    "lambda": ("test-lambda", "LAMBDA_API_KEY", "RGT_LAMBDA_API"),
-    "paperspace": ("test-paperspace", "PAPERSPACE_API_KEY", "RGT_PAPERSPACE_API"),
+    "vastai": ("vastai", "VAST_API_KEY", "RGT_VAST_API"),
+    "lambda": ("lambda", "LAMBDA_API_KEY", "RGT_LAMBDA_API"),
+    "paperspace": ("paperspace", "PAPERSPACE_API_KEY", "RGT_PAPERSPACE_API"),
 }
 # The documented stop call of each: (method, path, body).
 STOP = {
@@ -166,29 +165,11 @@ class FakeApi:
         return sum(1 for m, p, _, b in self.requests if (m, p, b) == STOP[self.api])
 
 
-def _test_profiles(d: str) -> None:
-    """vast.ai, Lambda and Paperspace profiles (test-*), from the shipped runpod one."""
-    with open(os.path.join(SHIPPED_DIR, "runpod.toml")) as f:
-        text = f.read()
-    for api, (name, _, _) in APIS.items():
-        if api == "runpod":
-            continue
-        t = text.replace('name = "runpod"', f'name = "{name}"', 1)
-        t = t.replace('api = "runpod"', f'api = "{api}"', 1)
-        if api == "paperspace":
-            t = t.replace(
-                'verb = "terminate"\nreversible = false', 'verb = "shut-down"\nreversible = true'
-            )
-        with open(os.path.join(d, f"{name}.toml"), "w") as f:
-            f.write(t)
-
-
 @pytest.fixture
 def fakes(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Dict[str, FakeApi]]:
     """A fake of every provider's API, each named to rgt by its RGT_*_API and key."""
     d = tmp_path / "profiles"
-    d.mkdir()
-    _test_profiles(str(d))
+    d.mkdir()  # the shipped profiles, and no user's file over them
     monkeypatch.setenv("RGT_PROFILES_DIR", str(d))
     for v in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy"):
         monkeypatch.delenv(v, raising=False)
@@ -234,7 +215,7 @@ def test_fake_runpod_rgt_down_cli_terminates_the_pod_only_after_the_gate(
     p = subprocess.run(argv, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stdout + p.stderr
     # The plan said what the terminate leaves and what keeps billing, before anything was done.
-    assert "down will terminate the pod pod1abc through RunPod pods's API" in p.stdout
+    assert "down will terminate the pod pod1abc through RunPod's API (irreversible)" in p.stdout
     assert "volume (/workspace): LOST" in p.stdout
     assert "network-volume (/workspace): survives" in p.stdout
     assert "keeps billing after the terminate: Network Volumes bill" in p.stdout

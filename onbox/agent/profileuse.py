@@ -189,4 +189,10 @@ def apply_again(spec: JobSpec, flags: Overrides, environ: Mapping[str, str]) -> 
     if flags.on_done is not None:
         profile = None if spec.profile is None else load_profile(spec.profile, environ)
         changes.update(_on_done(profile, flags.on_done, "--on-done"))
+        if spec.store is None:
+            raise UsageError(
+                "--on-done",
+                f"run {spec.name!r} has no store: DONE.json could never be verified",
+                "start it again with --store URL",
+            )
     return dataclasses.replace(spec, **changes) if changes else spec

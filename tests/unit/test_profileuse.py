@@ -310,3 +310,19 @@ def test_a_proxy_hook_gives_what_it_exported_or_changed(tmp_path: Any) -> None:
     assert got == {} and why is not None and "failed" in why
     got, why = source(str(tmp_path / "none"), {})
     assert got == {} and why is not None and "does not exist" in why
+
+
+def test_a_run_started_again_keeps_its_profile_and_takes_a_new_cap(tmp_path: Any) -> None:
+    from onbox.agent.profileuse import apply_again
+
+    spec = _build(tmp_path, profile="runpod", deadline="1h")
+    env = {"RGT_HOME": str(tmp_path / "home")}
+    assert apply_again(spec, Overrides(), env) == spec  # nothing given: the last spec
+    again = apply_again(spec, Overrides(deadline="2h"), env)
+    assert again.deadline is not None and spec.deadline is not None
+    assert again.deadline > spec.deadline
+    with pytest.raises(UsageError) as e:
+        apply_again(spec, Overrides(profile="autodl"), env)
+    assert "runpod" in e.value.line()
+    with pytest.raises(UsageError):  # runpod has no on-done action
+        apply_again(spec, Overrides(on_done="poweroff"), env)

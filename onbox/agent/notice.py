@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import email.utils
+import http.client
 import json
 import os
 import threading
@@ -45,6 +46,19 @@ BASES = {
 }
 POLL = 5.0  # seconds between polls: what the AWS documentation recommends
 TIMEOUT = 2.0  # per request; the link-local endpoints answer in milliseconds or not at all
+# The link-local servers are asked directly: never through the http(s)_proxy a box's environment
+# may hold (AutoDL's network_turbo, a corporate proxy), which cannot reach them.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+# What a poll may fail with, all quiet: the network, HTTP, and whatever the answer holds.
+POLL_ERRORS = (
+    OSError,
+    http.client.HTTPException,
+    ValueError,
+    AttributeError,
+    TypeError,
+    KeyError,
+    RecursionError,
+)
 GCP_LEAD = 30.0  # GCE's shutdown window after the preemption begins, when no lead is known
 TOKEN_TTL = 21600
 Event = Callable[..., None]
@@ -89,7 +103,7 @@ class Metadata:
         """The body of a 200 answer; None for a 404. Other failures raise OSError."""
         req = urllib.request.Request(self.base + path, method=method, headers=headers)
         try:
-            with urllib.request.urlopen(req, timeout=TIMEOUT) as r:
+            with _OPENER.open(req, timeout=TIMEOUT) as r:
                 return str(r.read(64 << 10).decode("utf-8", "replace"))
         except urllib.error.HTTPError as e:
             if e.code == 404:
@@ -99,7 +113,7 @@ class Metadata:
             raise
 
     def poll(self) -> Optional[Notice]:
-        """The notice the platform announces now, or None. Raises OSError/ValueError."""
+        """The notice the platform announces now, or None; raises one of ``POLL_ERRORS``."""
         return {"aws": self._aws, "gcp": self._gcp, "azure": self._azure}[self.kind]()
 
     def _aws(self) -> Optional[Notice]:
@@ -112,13 +126,14 @@ class Metadata:
             self._token, self._token_until = token.strip(), time.monotonic() + TOKEN_TTL / 2
         h = {"X-aws-ec2-metadata-token": self._token}
         body = self._call("GET", "/latest/meta-data/spot/instance-action", h)
-        if body is not None:
-            doc = json.loads(body)
+        doc = json.loads(body) if body is not None else None
+        if isinstance(doc, dict) and "action" in doc:  # 200 only once one is scheduled
             action, when = str(doc.get("action", "?"))[:40], str(doc.get("time", ""))[:40]
             return Notice("aws", f"spot instance-action {action}", _iso(when), f"action:{when}")
         body = self._call("GET", "/latest/meta-data/events/recommendations/rebalance", h)
-        if body is not None:
-            when = str(json.loads(body).get("noticeTime", ""))[:40]
+        doc = json.loads(body) if body is not None else None
+        if isinstance(doc, dict) and "noticeTime" in doc:
+            when = str(doc["noticeTime"])[:40]
             # A recommendation announces no interruption time: it is earlier than one.
             return Notice("aws", "rebalance recommendation", None, f"rebalance:{when}")
         return None
@@ -200,8 +215,8 @@ class NoticeWatcher:
         """One poll, then a look at the seal a notice started."""
         try:
             notice = self.source.poll()
-        except (OSError, ValueError, AttributeError):
-            notice = None  # quiet: the metadata server is down, slow or not there
+        except POLL_ERRORS:
+            notice = None  # quiet: the server is down, slow, not there, or answers nonsense
         if notice is not None and notice.key not in self._seen:
             self._seen.add(notice.key)
             self._announce(notice)

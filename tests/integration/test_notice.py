@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
+from onbox.agent.notice import Metadata, NoticeWatcher
 from tests.conftest import Cli, fixture
 
 WRITER = fixture("ckpt_writer.py")
@@ -34,6 +35,7 @@ class _Meta:
         self.aws_rebalance: Optional[Dict[str, str]] = None
         self.gcp_preempted = False
         self.azure_events: List[Dict[str, Any]] = []
+        self.raw: Optional[str] = None  # served as the answer of every notice path, when set
         self.asked: List[Tuple[str, int]] = []  # (path, status)
         self.lock = threading.Lock()
 
@@ -48,9 +50,11 @@ def _handler(meta: _Meta) -> type:
             pass
 
         def _answer(self, status: int, body: str = "", ctype: str = "text/plain") -> None:
+            if meta.raw is not None and status == 200 and "api/token" not in self.path:
+                body = meta.raw
             with meta.lock:
                 meta.asked.append((self.path, status))
-            data = body.encode()
+            data = body.encode("utf-8", "surrogateescape")
             self.send_response(status)
             self.send_header("Content-Type", ctype)
             self.send_header("Content-Length", str(len(data)))
@@ -70,7 +74,8 @@ def _handler(meta: _Meta) -> type:
                 if self.headers.get("X-aws-ec2-metadata-token") != meta.token:
                     return self._answer(401)
                 doc = {
-                    "/latest/meta-data/spot/instance-action": meta.aws_action,
+                    "/latest/meta-data/spot/instance-action": meta.aws_action
+                    or ({} if meta.raw is not None else None),
                     "/latest/meta-data/events/recommendations/rebalance": meta.aws_rebalance,
                 }.get(p)
                 if doc is None:
@@ -260,3 +265,36 @@ def test_fake_metadata_refuses_requests_without_the_platform_header(
             urllib.request.urlopen(base + path, timeout=5)
         assert e.value.code == code
         e.value.close()
+
+
+def test_fake_metadata_nonsense_is_quiet(fake_metadata: Tuple[_Meta, str]) -> None:
+    """Whatever the server answers, a poll never raises into the agent: nonsense is no notice,
+    and an odd but well-formed Preempt event is still one."""
+    meta, base = fake_metadata
+    events: List[Tuple[str, Dict[str, Any]]] = []
+    nonsense = ["not json", "[1, 2]", '"a string"', '{"action": 5, "time": null}', "[" * 100000]
+    nonsense += ['{"Events": "x"}', '{"Events": [5, null]}', "\u0000\udcff" * 1000]
+    for kind in ("aws", "gcp", "azure"):
+        for raw in nonsense:
+            meta.raw = raw
+            w = NoticeWatcher(Metadata(kind, base), lambda k, r, **kw: events.append((k, kw)), None)
+            w.step()
+    assert {k for k, _ in events} <= {"preemption_notice"}, events
+    assert [kw["notice"] for _, kw in events] == ["aws"]  # {"action": 5}: an action, no time
+    meta.raw = '{"Events": [{"EventType": "Preempt", "NotBefore": 7}]}'
+    n = Metadata("azure", base).poll()
+    assert n is not None and n.at is None
+
+
+def test_fake_metadata_is_asked_past_a_proxy(
+    fake_metadata: Tuple[_Meta, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A box's http_proxy (AutoDL's network_turbo sets one) cannot reach link-local servers."""
+    meta, base = fake_metadata
+    for var in ("http_proxy", "HTTP_PROXY"):
+        monkeypatch.setenv(var, "http://127.0.0.1:9")  # nothing listens there
+    monkeypatch.delenv("no_proxy", raising=False)
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    meta.gcp_preempted = True
+    n = Metadata("gcp", base, lead=30).poll()
+    assert n is not None and n.kind == "gcp" and n.at is not None

@@ -157,7 +157,8 @@ def _first(step: Step, c: Client, j: journal.Journal) -> Outcome:
             f"run rgt down {step.run} again",
         ) from None
     if c.settled(seen, sent=False):
-        what = f"the {step.noun} {ident} was gone already ({seen.status}): nothing sent"
+        was = "gone" if seen.gone else seen.status
+        what = f"the {step.noun} {ident} was {was} already ({seen.status}): nothing sent"
         j.note("gone", what)
         step.show(what)
         return Outcome("gone", what)

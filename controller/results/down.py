@@ -36,7 +36,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from controller import boxrun
 from controller.deploy.release import deploy_path, release_path
 from controller.meter import stop as meter
-from controller.meter.api import noun, title
+from controller.meter.api import check_instance, client, noun, title
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, controller_home, open_remote
 from controller.results.receipt import Coverage, Receipt, load_state_receipt, state_receipt_path
@@ -243,6 +243,8 @@ def plan_down(
         actions.append(f"remove {home_box}/releases/{rec.release} unless another run uses it")
     billing, after = _billing(rec, profile, instance)
     if profile is not None and profile.meter.api != "none" and instance:
+        check_instance(instance)
+        client(profile.meter.api)  # no API key: refused now, before anything is done
         actions.append(f"{profile.meter.verb} the {noun(profile.meter.api)} {instance}")
     actions.append("forget the run on this laptop (its receipt stays)")
     plan = DownPlan(rec, receipt, coverage, state, lost, kept, billing, actions, grace)

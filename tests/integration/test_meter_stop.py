@@ -211,6 +211,15 @@ def test_fake_runpod_rgt_down_cli_terminates_the_pod_only_after_the_gate(
     box.intact()
 
     pull(Registry().get(RUN), str(tmp_path / "dest"), "store")
+    # No API key: refused before anything is done on the box or sent.
+    env = {k: v for k, v in os.environ.items() if k != "RUNPOD_API_KEY"}
+    p = subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env=env
+    )
+    assert p.returncode == 2 and "RUNPOD_API_KEY: not set" in p.stderr, p.stderr
+    assert fake.requests == []
+    box.intact()
+
     fake.linger = 2
     p = subprocess.run(argv, capture_output=True, text=True, timeout=180, stdin=subprocess.DEVNULL)
     assert p.returncode == 0, p.stdout + p.stderr

@@ -6,7 +6,8 @@ compares /proc/sys/kernel/random/boot_id with the one ``boot`` recorded), wired 
 platform runs things at power-on: a file in /etc/profile.d (AutoDL restarts the container and
 every login shell sources it), one guarded line in /root/onstart.sh (vast.ai), or, only when
 asked with ``rgt-agent start --boot-hook``, an @reboot line in /etc/cron.d (OS persistence on
-a generic box). Not root, or the path not writable: one ``boot_hook_failed`` warning with the
+a generic box). Installing it records the boot it was installed in, so a login of this same
+boot starts nothing. Not root, or the path not writable: one ``boot_hook_failed`` warning with the
 remedy, and the run goes on.
 
 ``boot`` (``rgt-agent boot``) records this boot, then starts again every run whose agent is not
@@ -68,7 +69,7 @@ def hook_script(home: str) -> str:
         "# stop that). Valid POSIX sh; sourced by login shells, so it never exits.\n"
         f'if [ "$(id -u 2>/dev/null)" = {os.getuid()} ] && [ -r {BOOT_ID} ] &&\n'
         f'    [ "$(cat {BOOT_ID} 2>/dev/null)" != '
-        f'"$(cat {_q(os.path.join(home, "boot_id"))} 2>/dev/null)" ]; then\n'
+        f'"$(cat {_q(boot_id_path(home))} 2>/dev/null)" ]; then\n'
         "    if command -v setsid >/dev/null 2>&1; then\n"
         f"        ( {env}setsid {cmd} </dev/null >>{_q(log)} 2>&1 & )\n"
         "    else\n"
@@ -76,6 +77,11 @@ def hook_script(home: str) -> str:
         "    fi\n"
         "fi\n"
     )
+
+
+def boot_id_path(home: str) -> str:
+    """The boot `rgt-agent boot` last ran in (or the hook was installed in)."""
+    return os.path.join(home, "boot_id")
 
 
 def hook_path(home: str) -> str:
@@ -103,6 +109,10 @@ def install_hook(rd: RunDir, profile_name: Optional[str], event: Event) -> Optio
     if not target:
         return None
     try:
+        # This boot counts as seen: the hook acts from the next power-on, never on a login of
+        # this boot (a run stopped by a SIGTERM now is not the hook's to start again).
+        if not os.path.exists(boot_id_path(rd.home)):
+            write_atomic(boot_id_path(rd.home), (current_boot() + "\n").encode())
         script = hook_script(rd.home)
         if hook == "profile.d":
             changed = _write_if_changed(target, script.encode(), 0o644)
@@ -215,7 +225,7 @@ def boot(say: Callable[[str], None], home: Optional[str] = None) -> int:
     fd = os.open(os.path.join(home, "boot.lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # two logins at once: the second finds nothing to do
-        write_atomic(os.path.join(home, "boot_id"), (current_boot() + "\n").encode())
+        write_atomic(boot_id_path(home), (current_boot() + "\n").encode())
         started = 0
         for rd in all_runs(home):
             if not resumable(rd):

@@ -142,6 +142,9 @@ def test_profile_d_hook_brings_the_run_back_after_a_power_loss(cli: Cli, tmp_pat
         subprocess.run(["shellcheck", "-s", "sh", hook], check=True, timeout=30)
     assert [e for e in cli.events("b1") if e["kind"] == "boot_hook" and e["path"] == hook]
     first = cli.status("b1")
+    # Installing it counts this boot as seen: the hook acts from the next power-on only.
+    with open(os.path.join(cli.home, "boot_id")) as f:
+        assert f.read().strip() == procfs.boot_id()
 
     _power_loss(cli, "b1")
     _new_boot(cli)

@@ -156,7 +156,7 @@ def _billing(
         billing = [
             f"down will {m.verb} the {what} {instance} through {title(m.api)}'s API "
             f"({'reversible' if m.reversible else 'irreversible'}) once the run is off the box, "
-            "and poll until it is gone"
+            f"and poll until it is {'off' if m.reversible else 'gone'}"
         ]
     else:
         billing = [

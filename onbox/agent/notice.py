@@ -246,7 +246,10 @@ class NoticeWatcher:
             return
         self._sealing = {"notice": notice, "since": now, "from": seal.sealer.latest}
         if seal.spec.trigger != "none":
-            seal.ask_job("preemption notice")
+            try:
+                seal.ask_job("preemption notice")
+            except OSError:  # the request file (trigger "file") cannot be written: seal what is
+                pass
         seal.wake()
 
     def _check_sealed(self) -> None:

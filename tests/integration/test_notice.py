@@ -129,7 +129,9 @@ def _event(cli: Cli, name: str, kind: str) -> List[Dict[str, Any]]:
     return [e for e in cli.events(name) if e["kind"] == kind]
 
 
-def _start(cli: Cli, tmp_path: Any, name: str, profile: str, base: str) -> Tuple[str, int]:
+def _start(
+    cli: Cli, tmp_path: Any, name: str, profile: str, base: str, trigger: str = "signal:USR2"
+) -> Tuple[str, int]:
     """A run under ``profile`` whose job checkpoints on SIGUSR2; (store root, job pid), with
     step 1 sealed the normal way."""
     root = str(tmp_path / "durable")
@@ -139,7 +141,7 @@ def _start(cli: Cli, tmp_path: Any, name: str, profile: str, base: str) -> Tuple
         f.write(
             f'profile = "{profile}"\n'
             f"command = {json.dumps([*WRITER, 'on_signal', '1'])}\n"
-            f'store = "file://{root}"\n[checkpoint]\ntrigger = "signal:USR2"\n'
+            f'store = "file://{root}"\n[checkpoint]\ntrigger = "{trigger}"\n'
         )
     cli.env["RGT_METADATA_URL"] = base
     cli.env["RGT_NOTICE_POLL"] = "0.3"
@@ -298,3 +300,19 @@ def test_fake_metadata_is_asked_past_a_proxy(
     meta.gcp_preempted = True
     n = Metadata("gcp", base, lead=30).poll()
     assert n is not None and n.kind == "gcp" and n.at is not None
+
+
+def test_fake_metadata_notice_without_a_trigger_seals_what_the_box_holds(
+    cli: Cli, tmp_path: Any, fake_metadata: Tuple[_Meta, str]
+) -> None:
+    """A job that cannot be asked for a checkpoint: the notice seals what is on the box (here
+    step 1, sealed already) and says so, asking the job for nothing."""
+    meta, base = fake_metadata
+    root, pid = _start(cli, tmp_path, "ntrig", "aws-spot", base, trigger="none")
+    when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
+    meta.aws_action = {"action": "stop", "time": when}
+    done = _wait(lambda: _event(cli, "ntrig", "notice_sealed"), what="the notice's seal")[0]
+    assert done["step"] == 1 and _latest(root, "ntrig") == 1
+    assert not _event(cli, "ntrig", "checkpoint_asked")
+    os.kill(pid, 0)
+    cli("stop", "ntrig", "--grace", "5", check=True)

@@ -11,7 +11,10 @@ profile override (RGT_PROFILES_DIR) points generic-ssh's durable.path at each. C
   one line each; the first-contact notes (danger clocks, conveniences) are shown on the first
   doctor run only, and again with --verbose;
 - the profile guessed from a marker file on the box (a user profile whose reach.markers names a
-  file under the test's directory), by doctor and by deploy's audit (its ``@@markers``).
+  file under the test's directory), by doctor and by deploy's audit (its ``@@markers``); a real
+  deploy then says so, records it, starts the agent under it and puts the user's profile file
+  at $RGT_HOME/profiles/NAME.toml on the box; an --on-done the profile lacks is refused first;
+- the proxy hook: sourced, it sets http(s)_proxy; a missing one is warned about.
 
 Every mount is unmounted in a finally; the tests skip where they cannot mount (not root, and CI
 unset) and fail under CI=true.
@@ -35,7 +38,7 @@ from controller.deploy.audit import audit
 from controller.remote import SshRemote
 from controller.target import Target
 from onbox.profiles.load import SHIPPED_DIR
-from tests.conftest import require
+from tests.conftest import _kill_run_processes, require
 from tests.sshd import SshServer
 
 BUDGET = "1M"  # the tmpfs mounts are small; the inode budget (doctor.BUDGET_INODES) stays
@@ -325,3 +328,39 @@ def test_the_proxy_hook_is_sourced_and_a_missing_one_warned(box: Box) -> None:
     w = _one(doc, "warn", f"proxy hook {hook} is not on the box")
     assert "the job runs without a proxy" in w["remedy"]
     assert doc["first_contact"] == []
+
+
+def test_deploy_guesses_from_the_marker_and_puts_the_user_profile_on_the_box(box: Box) -> None:
+    """deploy with no --profile on a box that has testbox's marker: the profile is testbox,
+    said in one line, recorded, passed to rgt-agent start, and the user's file (a profile the
+    package does not ship) is at $RGT_HOME/profiles/testbox.toml on the box before the start.
+    An --on-done the profile does not offer is refused before the box is touched."""
+    marker = _marked_profile(box)
+    project = box.tmp / "project"
+    project.mkdir()
+    (project / "job.py").write_text("print('hello from the job', flush=True)\n")
+    store = box.tmp / "store"
+    store.mkdir()
+    name = f"doctor-guess-{os.getpid()}"
+    base = [
+        "deploy", box.target, "--name", name, "--python", sys.executable,
+        "--project", str(project), "--store", f"file://{store}",
+    ]  # fmt: skip
+    p = box.rgt(*base, "--on-done", "poweroff", "--", sys.executable, "job.py")
+    assert p.returncode == 2, (p.returncode, p.stderr)
+    assert "offers no on-done action 'poweroff'" in p.stderr and "offers none" in p.stderr
+    assert not box.box_home.exists()  # refused before anything on the box
+
+    try:
+        p = box.rgt(*base, "--", sys.executable, "job.py")
+        assert p.returncode == 0, p.stderr
+        assert f"rgt: profile testbox (the box has {marker})" in p.stderr
+        on_box = box.box_home / "profiles" / "testbox.toml"
+        assert on_box.read_bytes() == (box.profiles / "testbox.toml").read_bytes()
+        assert oct(on_box.stat().st_mode & 0o777) == "0o600"
+        runs = json.loads((box.ctl / "runs.json").read_text())["runs"]
+        assert runs[name]["profile"] == "testbox"
+        spec = json.loads((box.box_home / "runs" / name / "spec.json").read_text())
+        assert spec.get("profile") == "testbox", spec  # the agent ran under it
+    finally:
+        _kill_run_processes(str(box.box_home))

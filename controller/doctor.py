@@ -27,7 +27,7 @@ import datetime
 import json
 import os
 import re
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from controller import contacts, shell
 from controller.deploy import guess as guessmod
@@ -37,7 +37,7 @@ from controller.deploy.request import named_profile
 from controller.remote import Remote, open_remote
 from controller.target import Target, parse_target
 from onbox.common.errors import HostError, UsageError
-from onbox.common.storeurl import parse_store_url
+from onbox.common.storeurl import StoreURL, parse_store_url
 from onbox.profiles.schema import Profile
 
 SCRIPT = shell.script("doctor.sh")
@@ -115,43 +115,35 @@ def doctor(
     verbose: bool = False,
     today: Optional[datetime.date] = None,
 ) -> Report:
-    """Audit the box against its profile; findings, not exceptions, for what is wrong."""
+    """Audit the box against its profile; findings, not exceptions, for what is wrong.
+
+    With no --profile and no host pattern matching, the round trip is made under generic-ssh
+    and also lists the profiles' markers; only when they name another profile is it made
+    again, under that one."""
     target = parse_target(target_text)
     need = parse_size(budget)
     url = parse_store_url(store, "--store") if store is not None else None
     dirs = guessmod.profile_dirs()
     guess = named_profile(profile, target, dirs) if profile else None
+    if guess is None and target.kind == "local":
+        guess = guessmod.chosen(target, dirs)
+    if guess is None:
+        guess = guessmod.by_host(target, guessmod.candidates(dirs))
     remote = open_remote(target)
     try:
-        if guess is None:
-            guess = _guess(remote, target, dirs)
-        prof = guess.profile
-        durable = url.path if url is not None and url.scheme == "file" else None
-        if url is None:
-            durable = prof.durable.path or None
-        kind = url.scheme if url is not None and url.scheme != "file" else ""
-        endpoint = (url.endpoint_url if url else None) or S3_ENDPOINT
-        if kind == "hf":
-            endpoint = prof.env.vars.get("HF_ENDPOINT") or HF_ENDPOINT
-        res = remote.sh(
-            SCRIPT,
-            box_home_for(remote, ""),
-            prof.box.workdir,
-            durable or "",
-            prof.box.python,
-            prof.env.proxy_hook,
-            kind,
-            endpoint,
-            KNOWN_URL if prof.env.proxy_hook else "",
-            str(NET_TIMEOUT_S),
-            f".rgt-doctor-probe-{os.urandom(6).hex()}",
-            timeout=120,
-        )
+        if guess is not None:
+            s = _trip(remote, guess.profile, url)
+        else:
+            fallback = guessmod.chosen(target, dirs, [])
+            markers = guessmod.marker_args(guessmod.candidates(dirs))
+            s = _trip(remote, fallback.profile, url, markers)
+            guess = guessmod.chosen(target, dirs, s.get("markers") or [])
+            if guess.profile.name != fallback.profile.name:
+                s = _trip(remote, guess.profile, url)
     finally:
         remote.close()
-    s = sections(res.text)
-    if "fs" not in s:
-        raise HostError(f"the doctor's script failed on {target.label}: {res.err.strip()[-300:]}")
+    prof = guess.profile
+    durable, kind, _ = _where(prof, url)
     found: List[Finding] = []
     _durable(s, durable, url.url if url else None, need, found)
     _egress(s.get("egress") or [], kind, found)
@@ -163,16 +155,48 @@ def doctor(
     return Report(target, guess, found, notes)
 
 
-def _guess(remote: Remote, target: Target, dirs: Sequence[str]) -> guessmod.Guess:
-    """The profile from the host name, else from the box's markers (one short command)."""
-    if target.kind == "local":
-        return guessmod.chosen(target, dirs)
-    found = guessmod.by_host(target, guessmod.candidates(dirs))
-    if found is not None:
-        return found
-    args = guessmod.marker_args(guessmod.candidates(dirs))
-    r = remote.sh(guessmod.MARKERS_SH + 'rgt_markers "$1" "$2"', *args, timeout=60)
-    return guessmod.chosen(target, dirs, r.text.splitlines())
+def _where(prof: Profile, url: Optional[StoreURL]) -> Tuple[Optional[str], str, str]:
+    """The durable path to check (None: none on the box), the store's kind for the egress
+    check ("" for none or file://) and its endpoint when the box's environment names none."""
+    durable = url.path if url is not None and url.scheme == "file" else None
+    if url is None:
+        durable = prof.durable.path or None
+    kind = url.scheme if url is not None and url.scheme != "file" else ""
+    endpoint = (url.endpoint_url if url else None) or S3_ENDPOINT
+    if kind == "hf":
+        endpoint = prof.env.vars.get("HF_ENDPOINT") or HF_ENDPOINT
+    return durable, kind, endpoint
+
+
+def _trip(
+    remote: Remote,
+    prof: Profile,
+    url: Optional[StoreURL],
+    markers: Tuple[str, str] = ("", ""),
+) -> Dict[str, List[str]]:
+    """doctor.sh's sections, read under ``prof`` (and rgt_markers' with ``markers``)."""
+    durable, kind, endpoint = _where(prof, url)
+    res = remote.sh(
+        guessmod.MARKERS_SH + SCRIPT,
+        box_home_for(remote, ""),
+        prof.box.workdir,
+        durable or "",
+        prof.box.python,
+        prof.env.proxy_hook,
+        kind,
+        endpoint,
+        KNOWN_URL if prof.env.proxy_hook else "",
+        str(NET_TIMEOUT_S),
+        f".rgt-doctor-probe-{os.urandom(6).hex()}",
+        *markers,
+        timeout=120,
+    )
+    s = sections(res.text)
+    if "fs" not in s:
+        raise HostError(
+            f"the doctor's script failed on {remote.target.label}: {res.err.strip()[-300:]}"
+        )
+    return s
 
 
 def _fs(lines: List[str]) -> Dict[str, List[str]]:

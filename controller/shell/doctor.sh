@@ -5,9 +5,10 @@
 # durable location (or ""), $4 the profile's Python (or "": python3), $5 the proxy hook (or ""),
 # $6 the store's kind for the egress check (s3, hf or ""), $7 its endpoint when the box's
 # environment names none, $8 a known URL for the proxy check (or ""), $9 seconds per network
-# try, ${10} the probe file's name.
+# try, ${10} the probe file's name, ${11} ${12} rgt_markers' arguments (markers.sh, run before
+# this script; "" "" lists none).
 home=${1:-$HOME/.rgt}; work=$2; durable=$3; py=${4:-python3}; hook=$5; kind=$6; ep=$7
-known=$8; t=$9; probe=${10}
+known=$8; t=$9; probe=${10}; mfiles=${11}; mnames=${12}
 # shellcheck disable=SC2088 # the profile's literal "~", matched, not expanded
 case $work in "~") work=$HOME ;; "~/"*) work=$HOME/${work#"~/"} ;; "") work=$HOME ;; esac
 # The nearest existing directory at or above $1 (a path not made yet is on its parent's disk).
@@ -32,6 +33,7 @@ rgt_get() {  # URL: "RC HTTP-CODE" of one bounded request (any HTTP answer is a 
   fi
 }
 echo "@@home"; printf '%s\n' "$HOME"
+echo "@@markers"; rgt_markers "$mfiles" "$mnames"
 echo "@@fs"; rgt_fs work "$work"; rgt_fs home "$home"
 if [ -n "$durable" ]; then rgt_fs durable "$durable"; fi
 echo "@@df"; if [ -n "$durable" ] && [ -d "$durable" ]; then

@@ -251,6 +251,11 @@ def test_stale_facts_warned_and_first_contact_shown_once(box: Box, mounts: Mount
     assert list(seen) == [f"{box.sshd.user}@{box.sshd.host}:{box.sshd.port} generic-ssh"]
 
 
+def _commands(box: Box) -> int:
+    """Commands the box's sshd has started so far (one per ssh command, multiplexed or not)."""
+    return box.sshd.log().count("Starting session: ")
+
+
 def _marked_profile(box: Box) -> Path:
     """A user profile of its own, recognised by a marker file under the test's directory."""
     marker = box.tmp / "marker dir" / "this-is-testbox"
@@ -267,8 +272,10 @@ def test_the_profile_is_guessed_from_a_marker_file_on_the_box(
     box: Box, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     marker = _marked_profile(box)
+    n = _commands(box)
     p = box.rgt("doctor", box.target, "--budget", BUDGET)
     assert f"rgt: profile testbox (the box has {marker})" in p.stdout, (p.stdout, p.stderr)
+    assert _commands(box) - n == 2  # the markers named another profile: once more under it
 
     # deploy's audit reads the same markers in its one round trip.
     monkeypatch.setenv("RGT_PROFILES_DIR", str(box.profiles))
@@ -299,6 +306,10 @@ def test_the_profile_is_guessed_from_a_marker_file_on_the_box(
         )
         assert rep.markers == []
         assert guess.chosen(remote.target, dirs, rep.markers).profile.name == "generic-ssh"
+        n = _commands(box)
+        p = box.rgt("doctor", box.target, "--budget", BUDGET)
+        assert "rgt: profile generic-ssh (no host pattern or marker" in p.stdout, p.stdout
+        assert _commands(box) - n == 1  # one round trip: generic-ssh's, markers and all
     finally:
         with contextlib.suppress(Exception):
             remote.close()

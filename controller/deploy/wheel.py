@@ -85,8 +85,8 @@ def wheel_filename(ver: Optional[str] = None) -> str:
 def package_files() -> List[Tuple[str, str]]:
     """(path in the wheel, path on disk) of every module of the importable ``onbox``: the
     ``.py`` files of its packages (directories with an ``__init__.py``), as setuptools finds
-    them, and the platform profiles (package data), so no editor's or another tool's stray file (``.#x.py``, a scratch directory) rides
-    along and changes the wheel's hash."""
+    them, and the platform profiles (package data), so no editor's or another tool's stray
+    file (``.#x.py``, a scratch directory) rides along and changes the wheel's hash."""
     root = os.path.dirname(os.path.abspath(onbox.__file__))
     out = []
     for here, dirs, files in os.walk(root):

@@ -196,14 +196,16 @@ def _audit(
 
 
 def _store(plan: Plan, known: str) -> Optional[str]:
-    """The run's store: --store, else the profile's durable default (the local profile's:
-    $RGT_HOME/store), else none (the job file's, or the agent's default)."""
+    """The run's store: --store; on local, $RGT_HOME/store (as before profiles); else the job
+    file's (None here: the agent reads it), else the profile's durable default, else none."""
     if plan.req.store is not None:
         return plan.req.store
-    if plan.guess is not None and plan.guess.profile.default_store():
-        return plan.guess.profile.default_store()
     if plan.profile == "local":
         return "file://" + os.path.join(known, "store")
+    if plan.job_store:
+        return None  # the job file's, read by the agent
+    if plan.guess is not None and plan.guess.profile.default_store():
+        return plan.guess.profile.default_store()
     return None
 
 
@@ -316,7 +318,10 @@ def _start(
     args = ["start", "--name", plan.name, "--profile", plan.profile]
     if req.on_done is not None:
         args += ["--on-done", req.on_done]
-    if store:
+    # The profile's own default store is the agent's to pick (it checks the durable path is
+    # there first); the record keeps it all the same, for `rgt pull --from store`.
+    profile_default = plan.guess.profile.default_store() if plan.guess is not None else None
+    if store and (req.store is not None or store != profile_default):
         args += ["--store", store]
     for out in req.outputs:
         args += ["--output", out]

@@ -70,16 +70,17 @@ def _job_name(req: DeployRequest, project: str) -> str:
     return default_name(req.command)
 
 
-def _check_job_store(req: DeployRequest) -> None:
-    """Refuse a malformed ``store`` in the job file, as the box would."""
+def _check_job_store(req: DeployRequest) -> bool:
+    """Refuse a malformed ``store`` in the job file, as the box would; whether it has one."""
     if not req.job_file:
-        return
+        return False
     try:
         store = _read_toml(req.job_file).get("store")
     except (OSError, ValueError):
-        return  # _job_name has read it already; the box names what is wrong with it
+        return False  # _job_name has read it already; the box names what is wrong with it
     if store is not None:
         parse_store_setting(store, "store (in the job file)")
+    return store is not None
 
 
 def _secrets(names: Sequence[str], environ: Dict[str, str]) -> Dict[str, str]:
@@ -109,6 +110,7 @@ class Plan:
     name: str
     secrets: Dict[str, str]
     dirs: Sequence[str] = ()  # the laptop's user profile directories
+    job_store: bool = False  # the job file names a store (it wins over the profile's default)
 
     @property
     def profile(self) -> str:
@@ -168,10 +170,11 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
     name = _job_name(req, project)
     # The box would refuse a bad store URL too, but only after the push and the install: check
     # it here with the box's own parser, before anything anywhere changes.
+    job_store = False
     if req.store is not None:
         parse_store_url(req.store, "--store")
     else:
-        _check_job_store(req)
+        job_store = _check_job_store(req)
     check_outputs(list(req.outputs), "--output")  # as the box would, before anything changes
     secrets = _secrets(req.secret_env, environ)
-    return Plan(req, target, guess, project, job_rel, name, secrets, dirs)
+    return Plan(req, target, guess, project, job_rel, name, secrets, dirs, job_store)

@@ -366,6 +366,7 @@ def test_deploy_guesses_from_the_marker_and_puts_the_user_profile_on_the_box(box
         p = box.rgt(*base, "--", sys.executable, "job.py")
         assert p.returncode == 0, p.stderr
         assert f"rgt: profile testbox (the box has {marker})" in p.stderr
+        assert "first contact with" in p.stderr and "danger: forgotten-box" in p.stderr
         on_box = box.box_home / "profiles" / "testbox.toml"
         assert on_box.read_bytes() == (box.profiles / "testbox.toml").read_bytes()
         assert oct(on_box.stat().st_mode & 0o777) == "0o600"

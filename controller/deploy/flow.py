@@ -204,8 +204,10 @@ def _store(plan: Plan, known: str) -> Optional[str]:
         return "file://" + os.path.join(known, "store")
     if plan.job_store:
         return None  # the job file's, read by the agent
-    if plan.guess is not None and plan.guess.profile.default_store():
-        return plan.guess.profile.default_store()
+    default = plan.guess.profile.default_store() if plan.guess is not None else None
+    # A default naming the box's variables (Slurm's /scratch/$USER) is the agent's to expand.
+    if default and "$" not in default and "~" not in default:
+        return default
     return None
 
 

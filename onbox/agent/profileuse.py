@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import time
 from typing import Any, Dict, Mapping, Optional
 
@@ -133,11 +134,10 @@ def apply_profile(
         changes.update(profile_fields(profile, spec.env))
         if flags.grace is None and "grace" not in data:
             changes["grace"] = profile.preemption.grace
-        if spec.store is None:
-            url = profile.default_store()
-            if url is not None:
-                _check_durable(profile)
-                changes["store"] = parse_store_url(url, f"{profile.name}: durable.path")
+        if spec.store is None and profile.durable.path:
+            path = _check_durable(profile, environ)
+            url = f"file://{path.rstrip('/')}/rgt"
+            changes["store"] = parse_store_url(url, f"{profile.name}: durable.path")
     out = dataclasses.replace(spec, **changes)
     if out.on_done and out.store is None:
         raise UsageError(
@@ -148,17 +148,37 @@ def apply_profile(
     return out
 
 
-def _check_durable(profile: Profile) -> None:
-    """The profile's durable path must be there before it is the default store: a file store
-    makes its root, and one made on the container's disk because the volume is not mounted
-    would die with the box while looking durable."""
-    path = profile.durable.path
+def _check_durable(profile: Profile, environ: Mapping[str, str]) -> str:
+    """The profile's durable path, its ``$VAR`` and ``~`` expanded from this box's environment
+    (Slurm's is ``/scratch/$USER/proj``). It must be there before it is the default store: a
+    file store makes its root, and one made on the container's disk because the volume is not
+    mounted would die with the box while looking durable."""
+    path = _expand(profile.durable.path, environ)
+    if "$" in path or not os.path.isabs(path):
+        raise HostError(
+            f"the {profile.name} profile's durable path {profile.durable.path} names a "
+            "variable this box does not set, so it cannot be the default store",
+            "give --store URL",
+        )
     if not os.path.isdir(path):
         raise HostError(
             f"the {profile.name} profile's durable path {path} is not a directory on this box, "
             "so it cannot be the default store",
             f"mount the durable volume there ({profile.durable.note}), or give --store URL",
         )
+    return path
+
+
+def _expand(path: str, environ: Mapping[str, str]) -> str:
+    """``path`` with ``~`` and ``$VAR``/``${VAR}`` from ``environ`` (unset ones left as is)."""
+    if path.startswith("~"):
+        home = environ.get("HOME") or os.path.expanduser("~")
+        path = home + path[1:]
+    return re.sub(
+        r"\$(\w+|\{\w+\})",
+        lambda m: environ.get(m.group(1).strip("{}"), m.group(0)),
+        path,
+    )
 
 
 def profile_fields(profile: Profile, user_env: Mapping[str, str]) -> Dict[str, Any]:

@@ -326,3 +326,16 @@ def test_a_run_started_again_keeps_its_profile_and_takes_a_new_cap(tmp_path: Any
     assert "runpod" in e.value.line()
     with pytest.raises(UsageError):  # runpod has no on-done action
         apply_again(spec, Overrides(on_done="poweroff"), env)
+
+
+def test_a_durable_path_with_the_boxs_variables_is_expanded(tmp_path: Any) -> None:
+    """Slurm's durable path is /scratch/$USER/proj: the default store is this box's, expanded;
+    a variable the box does not set is refused, not made into a directory named '$X'."""
+    scratch = tmp_path / "scratch" / "alice" / "proj"
+    scratch.mkdir(parents=True)
+    env = _durable(tmp_path, "slurm", str(tmp_path / "scratch" / "$USER" / "proj"))
+    spec = _build(tmp_path, profile="slurm", environ={**env, "USER": "alice"})
+    assert spec.store is not None and spec.store.url == f"file://{scratch}/rgt"
+    env = _durable(tmp_path, "slurm", "/scratch/$RGT_TEST_UNSET_VAR/proj")
+    with pytest.raises(HostError, match="variable this box does not set"):
+        _build(tmp_path, profile="slurm", environ=env)

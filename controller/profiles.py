@@ -262,7 +262,7 @@ def readme_table(profiles: Sequence[Profile]) -> str:
         cells = [
             name,
             _survival(p),
-            f"`{p.durable.path}`" if p.durable.path else "off the box",
+            f"`{p.durable.path}`" if p.durable.path else "none: give `--store`",
             verb,
             grace(p.preemption.grace),
             p.preemption.notice + lead,

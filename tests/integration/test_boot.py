@@ -15,11 +15,12 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List
 
 from onbox.agent import procfs
 from onbox.common.rundir import RunDir
 from tests.conftest import Cli
+from tests.polling import latest_step, wait
 
 JOB = r"""
 import io, json, os, re, sys, time, zipfile
@@ -42,24 +43,6 @@ time.sleep(float(sys.argv[1]))  # bounded: then it ends by itself
 
 
 LIVE = ("STARTING", "RUNNING")
-
-
-def _wait(pred: Callable[[], Any], timeout: float = 30, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _latest(root: str, run: str) -> Optional[int]:
-    try:
-        with open(os.path.join(root, run, "LATEST.json")) as f:
-            return int(json.load(f)["step"])
-    except (OSError, ValueError, KeyError):
-        return None
 
 
 def _seen(cli: Cli, name: str) -> List[Dict[str, str]]:
@@ -113,8 +96,8 @@ def _power_loss(cli: Cli, name: str) -> None:
             os.kill(i.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
-    _wait(lambda: not any(procfs.is_alive(i) for i in idents[::2]), what="the processes to die")
-    _wait(lambda: not cli.status(name)["agent"]["alive"], what="the agent's lock to go")
+    wait(lambda: not any(procfs.is_alive(i) for i in idents[::2]), what="the processes to die")
+    wait(lambda: not cli.status(name)["agent"]["alive"], what="the agent's lock to go")
 
 
 def _new_boot(cli: Cli) -> None:
@@ -133,10 +116,10 @@ def test_profile_d_hook_brings_the_run_back_after_a_power_loss(cli: Cli, tmp_pat
     os.makedirs(os.path.dirname(hook))
     _override(tmp_path, cli, "autodl", hook)
     root = _start(cli, tmp_path, "b1", "autodl")
-    _wait(lambda: _latest(root, "b1") == 1, what="step 1 sealed")
+    wait(lambda: latest_step(root, "b1") == 1, what="step 1 sealed")
 
     # The hook: installed where the profile says, valid POSIX sh, and said so in an event.
-    _wait(lambda: os.path.exists(hook), what="the hook")
+    wait(lambda: os.path.exists(hook), what="the hook")
     subprocess.run(["sh", "-n", hook], check=True, timeout=10)
     if shutil.which("shellcheck"):
         subprocess.run(["shellcheck", "-s", "sh", hook], check=True, timeout=30)
@@ -160,10 +143,10 @@ def test_profile_d_hook_brings_the_run_back_after_a_power_loss(cli: Cli, tmp_pat
     assert st["agent"]["pid"] != first["agent"]["pid"]
     assert _kinds(cli, "b1", "boot"), "the agent says it came from rgt-agent boot"
     assert len(_kinds(cli, "b1", "boot_hook")) == 1  # installed once; the second agent found it
-    seen = _wait(lambda: len(_seen(cli, "b1")) >= 2 and _seen(cli, "b1"), what="attempt 2")
+    seen = wait(lambda: len(_seen(cli, "b1")) >= 2 and _seen(cli, "b1"), what="attempt 2")
     assert seen[0]["resume_from"] == ""
     assert os.path.basename(seen[1]["resume_from"]) == "step_1.pt", seen
-    _wait(lambda: _latest(root, "b1") == 2, what="the resumed attempt's step 2 sealed")
+    wait(lambda: latest_step(root, "b1") == 2, what="the resumed attempt's step 2 sealed")
     with open(os.path.join(cli.home, "boot_id")) as f:
         assert f.read().strip() == procfs.boot_id()  # this boot is recorded
 
@@ -181,10 +164,10 @@ def test_a_stopped_run_is_not_resumed_at_boot(cli: Cli, tmp_path: Any) -> None:
     hook = str(tmp_path / "rgt-agent.sh")
     _override(tmp_path, cli, "autodl", hook)
     root = _start(cli, tmp_path, "b2", "autodl")
-    _wait(lambda: _latest(root, "b2") == 1, what="step 1 sealed")
+    wait(lambda: latest_step(root, "b2") == 1, what="step 1 sealed")
     cli("stop", "b2", "--grace", "5", check=True)
     cli.wait_state("b2", "STOPPED")
-    _wait(lambda: not cli.status("b2")["agent"]["alive"], what="the agent to exit")
+    wait(lambda: not cli.status("b2")["agent"]["alive"], what="the agent to exit")
     _new_boot(cli)
     p = cli("boot", check=True)
     assert "b2" not in p.stdout
@@ -216,7 +199,7 @@ def test_an_unwritable_hook_path_is_one_warning_and_the_run_goes_on(
     blocker.write_text("")
     _override(tmp_path, cli, "autodl", str(blocker / "rgt-agent.sh"))
     root = _start(cli, tmp_path, "b3", "autodl")
-    _wait(lambda: _latest(root, "b3") == 1, what="step 1 sealed")
+    wait(lambda: latest_step(root, "b3") == 1, what="step 1 sealed")
     failed = [e for e in cli.events("b3") if e["kind"] == "boot_hook_failed"]
     assert len(failed) == 1 and failed[0]["remedy"], failed
     assert cli.status("b3")["state"] in ("STARTING", "RUNNING")
@@ -232,9 +215,9 @@ def test_cron_hook_needs_the_opt_in(cli: Cli, tmp_path: Any) -> None:
     assert not [e for e in cli.events("c1") if e["kind"].startswith("boot_hook")]
     cli("stop", "c1", "--grace", "5", check=True)
     cli.wait_state("c1", "STOPPED")
-    _wait(lambda: not cli.status("c1")["agent"]["alive"], what="the agent to exit")
+    wait(lambda: not cli.status("c1")["agent"]["alive"], what="the agent to exit")
     cli("start", "--name", "c1", "--boot-hook", check=True)
-    _wait(lambda: cron.exists(), what="the @reboot entry")
+    wait(lambda: cron.exists(), what="the @reboot entry")
     line = cron.read_text()
     assert line.startswith("@reboot ") and "rgt-agent boot hook" in line, line
     ev = [e for e in cli.events("c1") if e["kind"] == "boot_hook"]

@@ -16,12 +16,13 @@ import signal
 import threading
 import time
 import uuid
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
 from onbox.agent.notice import Metadata, NoticeWatcher
 from tests.conftest import Cli, fixture
+from tests.polling import latest_step, wait
 
 WRITER = fixture("ckpt_writer.py")
 
@@ -107,24 +108,6 @@ def fake_metadata() -> Iterator[Tuple[_Meta, str]]:
     t.join(5)
 
 
-def _wait(pred: Callable[[], Any], timeout: float = 30, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def _latest(root: str, run: str) -> Optional[int]:
-    try:
-        with open(os.path.join(root, run, "LATEST.json")) as f:
-            return int(json.load(f)["step"])
-    except (OSError, ValueError, KeyError):
-        return None
-
-
 def _event(cli: Cli, name: str, kind: str) -> List[Dict[str, Any]]:
     return [e for e in cli.events(name) if e["kind"] == kind]
 
@@ -147,17 +130,17 @@ def _start(
     cli.env["RGT_NOTICE_POLL"] = "0.3"
     cli("start", job, "--name", name, check=True)
     st = cli.wait_state(name, "RUNNING", "STARTING")
-    _wait(lambda: "ready" in cli("logs", name).stdout, what="the job to be ready")
+    wait(lambda: "ready" in cli("logs", name).stdout, what="the job to be ready")
     os.kill(st["pid"], signal.SIGUSR2)
-    _wait(lambda: _latest(root, name) == 1, what="step 1 sealed")
+    wait(lambda: latest_step(root, name) == 1, what="step 1 sealed")
     return root, int(st["pid"])
 
 
 def _assert_sealed_before_any_signal(
     cli: Cli, name: str, root: str, pid: int, lead: float
 ) -> Dict[str, Any]:
-    done = _wait(lambda: _event(cli, name, "notice_sealed"), what="the notice's seal")[0]
-    assert _latest(root, name) == 2  # the checkpoint the job wrote when the notice came
+    done = wait(lambda: _event(cli, name, "notice_sealed"), what="the notice's seal")[0]
+    assert latest_step(root, name) == 2  # the checkpoint the job wrote when the notice came
     assert done["step"] == 2
     notice = _event(cli, name, "preemption_notice")
     assert len(notice) == 1, notice
@@ -173,7 +156,7 @@ def _assert_sealed_before_any_signal(
 
 def _one_seal_per_notice(cli: Cli, name: str, meta: _Meta, path: str) -> None:
     seen = meta.count(path)
-    _wait(lambda: meta.count(path) >= seen + 5, what="more polls of the same notice")
+    wait(lambda: meta.count(path) >= seen + 5, what="more polls of the same notice")
     assert len(_event(cli, name, "preemption_notice")) == 1
     asked = [e for e in _event(cli, name, "checkpoint_asked") if "notice" in e["reason"]]
     assert len(asked) == 1, asked
@@ -199,8 +182,8 @@ def test_fake_metadata_aws_rebalance_recommendation_seals_too(
     meta, base = fake_metadata
     root, _ = _start(cli, tmp_path, "nreb", "aws-spot", base)
     meta.aws_rebalance = {"noticeTime": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-    done = _wait(lambda: _event(cli, "nreb", "notice_sealed"), what="the seal")[0]
-    assert done["step"] == 2 and _latest(root, "nreb") == 2
+    done = wait(lambda: _event(cli, "nreb", "notice_sealed"), what="the seal")[0]
+    assert done["step"] == 2 and latest_step(root, "nreb") == 2
     assert "rebalance" in _event(cli, "nreb", "preemption_notice")[0]["announced"]
     cli("stop", "nreb", "--grace", "5", check=True)
 
@@ -241,10 +224,10 @@ def test_fake_metadata_no_notice_forces_no_seal(
     meta, base = fake_metadata
     root, pid = _start(cli, tmp_path, "nnone", "aws-spot", base)
     path = "/latest/meta-data/spot/instance-action"
-    _wait(lambda: meta.count(path, 404) >= 5, what="polls answered 404")
+    wait(lambda: meta.count(path, 404) >= 5, what="polls answered 404")
     assert meta.count(path, 401) == 0
     assert not _event(cli, "nnone", "preemption_notice")
-    assert _latest(root, "nnone") == 1
+    assert latest_step(root, "nnone") == 1
     assert not [e for e in _event(cli, "nnone", "checkpoint_asked") if "notice" in e["reason"]]
     os.kill(pid, 0)
     cli("stop", "nnone", "--grace", "5", check=True)
@@ -311,8 +294,8 @@ def test_fake_metadata_notice_without_a_trigger_seals_what_the_box_holds(
     root, pid = _start(cli, tmp_path, "ntrig", "aws-spot", base, trigger="none")
     when = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 120))
     meta.aws_action = {"action": "stop", "time": when}
-    done = _wait(lambda: _event(cli, "ntrig", "notice_sealed"), what="the notice's seal")[0]
-    assert done["step"] == 1 and _latest(root, "ntrig") == 1
+    done = wait(lambda: _event(cli, "ntrig", "notice_sealed"), what="the notice's seal")[0]
+    assert done["step"] == 1 and latest_step(root, "ntrig") == 1
     assert not _event(cli, "ntrig", "checkpoint_asked")
     os.kill(pid, 0)
     cli("stop", "ntrig", "--grace", "5", check=True)

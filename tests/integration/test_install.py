@@ -131,7 +131,7 @@ def _norm(req: str) -> str:
     return req.replace("'", '"').replace(" ", "")
 
 
-def test_the_wheel_is_reproducible_and_holds_only_onbox(tmp_path: Path) -> None:
+def test_the_wheel_is_reproducible_and_holds_only_onbox_and_its_profiles(tmp_path: Path) -> None:
     a = wheelmod.build_wheel(str(tmp_path / "a"))
     b = wheelmod.build_wheel(str(tmp_path / "b"))
     assert os.path.basename(a) == f"remote_gpu_trainer-{wheelmod.version()}-py3-none-any.whl"
@@ -144,6 +144,11 @@ def test_the_wheel_is_reproducible_and_holds_only_onbox(tmp_path: Path) -> None:
         for f in files
         if f.endswith(".py")
     )
+    # ... and the platform profiles, package data the agent reads (onbox/profiles/data is a
+    # link to profiles/, which os.walk does not follow).
+    profiles = sorted(f for f in os.listdir(os.path.join(ROOT, "profiles")) if f.endswith(".toml"))
+    assert profiles, "no profiles/*.toml"
+    expected = sorted(expected + [f"onbox/profiles/data/{f}" for f in profiles])
     with zipfile.ZipFile(a) as zf:
         names = zf.namelist()
         code = sorted(n for n in names if ".dist-info/" not in n)

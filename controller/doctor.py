@@ -34,6 +34,7 @@ from controller.deploy import guess as guessmod
 from controller.deploy.audit import Finding, df_free, sections
 from controller.deploy.flow import box_home_for
 from controller.deploy.request import named_profile
+from controller.profiles import user_dirs as profile_dirs
 from controller.remote import Remote, open_remote
 from controller.target import Target, parse_target
 from onbox.common.errors import HostError, UsageError
@@ -123,7 +124,7 @@ def doctor(
     target = parse_target(target_text)
     need = parse_size(budget)
     url = parse_store_url(store, "--store") if store is not None else None
-    dirs = guessmod.profile_dirs()
+    dirs = profile_dirs()
     guess = named_profile(profile, target, dirs) if profile else None
     if guess is None and target.kind == "local":
         guess = guessmod.chosen(target, dirs)

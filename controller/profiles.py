@@ -18,6 +18,7 @@ import unicodedata
 from typing import Any, Dict, List, Optional, Sequence
 
 from controller.remote import controller_home
+from onbox.common.rundir import profiles_dir
 from onbox.profiles import load_all as load_every
 from onbox.profiles import user_dirs as dirs_of
 from onbox.profiles.load import load as load_one
@@ -29,9 +30,10 @@ STALE_MONTHS = 6  # a fact checked longer ago than this is flagged (as the fact 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def user_dirs() -> List[str]:
-    """The laptop's user profile directories: $RGT_PROFILES_DIR, else the controller home's."""
-    return dirs_of(os.path.join(controller_home(), "profiles"))
+def user_dirs(home: Optional[str] = None) -> List[str]:
+    """The laptop's user profile directories: $RGT_PROFILES_DIR, else the controller home's
+    (``home``, default $RGT_CONTROLLER_HOME) profiles/."""
+    return dirs_of(profiles_dir(home or controller_home()))
 
 
 def load_all() -> List[Profile]:

@@ -62,6 +62,7 @@ from onbox.common.errors import (
     RemoteUnreachable,
     RgtError,
 )
+from onbox.common.rundir import profiles_dir
 from onbox.profiles.load import SHIPPED_DIR
 
 FIRST_LINE_TIMEOUT = 60.0
@@ -230,7 +231,7 @@ def _put_override(remote: Remote, plan: Plan, box_home: str) -> None:
             data = f.read()
     except OSError as e:
         raise HostError(f"cannot read the profile override {mine}: {e.strerror}") from None
-    d = posixpath.join(box_home, "profiles")
+    d = profiles_dir(box_home)
     r = remote.sh(_PUT_OVERRIDE, d, f"{prof.name}.toml", input=data, timeout=60)
     if r.rc != 0:
         raise HostError(f"{plan.target.label}: cannot write {d}/{prof.name}.toml: {r.err.strip()}")

@@ -12,13 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import os
 from typing import List, Optional, Sequence, Set, Tuple
 
 from controller import shell
-from controller.remote import controller_home
 from controller.target import Target
-from onbox.profiles.load import load, load_all, user_dirs
+from onbox.profiles.load import load, load_all
 from onbox.profiles.schema import Profile
 
 MARKERS_SH = shell.script("markers.sh")
@@ -35,12 +33,6 @@ class Guess:
     @property
     def line(self) -> str:
         return f"rgt: profile {self.profile.name} ({self.why})"
-
-
-def profile_dirs() -> List[str]:
-    """The laptop's user profile directories: $RGT_PROFILES_DIR, else
-    $RGT_CONTROLLER_HOME/profiles."""
-    return user_dirs(os.path.join(controller_home(), "profiles"))
 
 
 def candidates(dirs: Sequence[str]) -> List[Profile]:

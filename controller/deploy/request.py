@@ -16,6 +16,7 @@ import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from controller.deploy import guess as guessmod
+from controller.profiles import user_dirs as profile_dirs
 from controller.target import Target, parse_target
 from onbox.agent.spec import check_outputs, default_name
 from onbox.common.errors import UsageError
@@ -155,7 +156,7 @@ def named_profile(name: str, target: Target, dirs: Sequence[str]) -> guessmod.Gu
 def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
     """The request checked: UsageError for what the box would refuse, before it is touched."""
     target: Target = parse_target(req.target)
-    dirs = guessmod.profile_dirs()
+    dirs = profile_dirs()
     guess = _profile(req, target, dirs)
     if guess is not None:
         check_on_done(guess.profile, req.on_done)

@@ -37,15 +37,15 @@ from controller import boxrun
 from controller.deploy.release import deploy_path, release_path
 from controller.meter import stop as meter
 from controller.meter.api import check_instance, client, noun, title
+from controller.profiles import user_dirs as profile_dirs
 from controller.registry import Registry, RunRecord
-from controller.remote import Remote, controller_home, open_remote
+from controller.remote import Remote, open_remote
 from controller.results.receipt import Coverage, Receipt, load_state_receipt, state_receipt_path
 from controller.results.sealed import covers_newest
 from controller.shell import script
 from onbox.common.errors import HostError, StopFailed, UnsafeRefused, UsageError
 from onbox.common.rundir import RunDir, check_name
 from onbox.profiles.load import load as load_profile
-from onbox.profiles.load import user_dirs
 from onbox.profiles.schema import Profile
 
 _RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
@@ -128,8 +128,7 @@ def run_profile(rec: RunRecord, home: Optional[str] = None) -> Optional[Profile]
     """The run's platform profile (the laptop's user dir over the shipped ones), or None when
     it cannot be loaded: down then says only that the machine keeps billing."""
     try:
-        dirs = user_dirs(os.path.join(home or controller_home(), "profiles"))
-        return load_profile(rec.profile, dirs)
+        return load_profile(rec.profile, profile_dirs(home))
     except UsageError:
         return None
 

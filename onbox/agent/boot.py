@@ -96,9 +96,10 @@ def install_hook(rd: RunDir, profile_name: Optional[str], event: Event) -> Optio
     if not profile_name:
         return None
     try:
+        from onbox.common.rundir import profiles_dir
         from onbox.profiles.load import load, user_dirs
 
-        boot = load(profile_name, user_dirs(os.path.join(rd.home, "profiles"))).boot
+        boot = load(profile_name, user_dirs(profiles_dir(rd.home))).boot
     except Exception:  # the profile was checked at start; a file changed since costs the hook
         return None
     hook = boot.hook

@@ -318,10 +318,9 @@ def notice_kind(spec: Any) -> Tuple[str, Optional[float]]:
     name = getattr(spec, "profile", None)
     if name:
         try:
-            from onbox.common.rundir import rgt_home
-            from onbox.profiles.load import load, user_dirs
+            from onbox.agent.profileuse import load_profile
 
-            p = load(name, user_dirs(os.path.join(rgt_home(), "profiles")))
+            p = load_profile(name, os.environ)
             kind = p.preemption.notice if kind in (None, "none") else kind
             lead = p.preemption.notice_lead
         except Exception:  # a profile gone bad since start: watch what the spec says

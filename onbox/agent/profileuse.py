@@ -26,7 +26,7 @@ from typing import Any, Dict, Mapping, Optional
 from onbox.agent.spec import JobSpec, Overrides
 from onbox.common.duration import MAX_DURATION, parse_duration
 from onbox.common.errors import HostError, UsageError
-from onbox.common.rundir import rgt_home
+from onbox.common.rundir import profiles_dir, rgt_home
 from onbox.common.storeurl import parse_store_url
 from onbox.profiles import Profile, load, user_dirs
 
@@ -39,7 +39,7 @@ def load_profile(name: str, environ: Mapping[str, str], field: str = "--profile"
     if not isinstance(name, str) or not name:
         raise UsageError(field, f"{name!r} is not a profile name", "e.g. --profile autodl")
     home = rgt_home(environ)
-    return load(name, user_dirs(os.path.join(home, "profiles"), environ), field)
+    return load(name, user_dirs(profiles_dir(home), environ), field)
 
 
 def _amount(value: Any, field: str) -> float:

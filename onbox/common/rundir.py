@@ -72,6 +72,12 @@ def rgt_home(environ: Optional[Mapping[str, str]] = None) -> str:
     return os.path.abspath(home)
 
 
+def profiles_dir(home: str) -> str:
+    """The user's platform profiles under a home: ``$RGT_HOME/profiles`` on the box,
+    ``$RGT_CONTROLLER_HOME/profiles`` on the laptop (onbox/profiles/load.py reads them)."""
+    return os.path.join(home, "profiles")
+
+
 class RunDir:
     """Paths of one run; creating it checks that the box lets us write there."""
 

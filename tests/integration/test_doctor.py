@@ -35,6 +35,7 @@ import pytest
 
 from controller.deploy import guess
 from controller.deploy.audit import audit
+from controller.profiles import user_dirs as profile_dirs
 from controller.remote import SshRemote
 from controller.target import Target
 from onbox.profiles.load import SHIPPED_DIR
@@ -284,7 +285,7 @@ def test_the_profile_is_guessed_from_a_marker_file_on_the_box(
         Target("ssh", host="127.0.0.1", port=s.port, user=s.user, identity=s.client_key)
     )
     try:
-        dirs = guess.profile_dirs()
+        dirs = profile_dirs()
         rep = audit(
             remote,
             python=sys.executable,

@@ -19,6 +19,7 @@ import pytest
 
 from controller.deploy import guess
 from controller.deploy.request import DeployRequest, check_request
+from controller.profiles import user_dirs as profile_dirs
 from controller.target import Target, parse_target
 from onbox.common.errors import UsageError
 from onbox.profiles.load import SHIPPED_DIR
@@ -39,7 +40,7 @@ def _ssh(host: str) -> Target:
 
 
 def test_the_host_picks_the_profile_and_says_which_pattern(dirs: Path) -> None:
-    ds = guess.profile_dirs()
+    ds = profile_dirs()
     assert ds == [str(dirs)]
     g = guess.chosen(_ssh("connect.westb.SeetaCloud.com"), ds)
     assert g.profile.name == "autodl"
@@ -51,7 +52,7 @@ def test_the_host_picks_the_profile_and_says_which_pattern(dirs: Path) -> None:
 
 
 def test_markers_seen_on_the_box_pick_the_profile(dirs: Path) -> None:
-    ds = guess.profile_dirs()
+    ds = profile_dirs()
     files, names = guess.marker_args(guess.candidates(ds))
     assert "/etc/network_turbo" in files.split("\n") and "RUNPOD_POD_ID" in names.split("\n")
     lines = ["file /etc/network_turbo", "file /root/autodl-tmp", "env RUNPOD_POD_ID"]
@@ -73,7 +74,7 @@ def test_a_user_profile_is_guessed_by_its_own_marker(dirs: Path) -> None:
     text = text.replace('name = "generic-ssh"', 'name = "labbox"')
     text = text.replace("[reach]\n", '[reach]\nmarkers = ["/etc/labbox"]\n', 1)
     (dirs / "labbox.toml").write_text(text)
-    g = guess.chosen(_ssh("10.0.0.5"), guess.profile_dirs(), ["file /etc/labbox"])
+    g = guess.chosen(_ssh("10.0.0.5"), profile_dirs(), ["file /etc/labbox"])
     assert g.line == "rgt: profile labbox (the box has /etc/labbox)"
 
 
@@ -89,7 +90,7 @@ def test_local_fits_only_the_local_target(dirs: Path) -> None:
         check_request(_req("local", profile="autodl"), env)
     with pytest.raises(UsageError, match="profile local does not fit target root@gpu1"):
         check_request(_req("root@gpu1", profile="local"), env)
-    assert guess.chosen(parse_target("local"), guess.profile_dirs()).profile.name == "local"
+    assert guess.chosen(parse_target("local"), profile_dirs()).profile.name == "local"
 
 
 def test_any_profile_by_name_else_the_host_else_the_markers_later(dirs: Path) -> None:

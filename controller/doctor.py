@@ -26,7 +26,6 @@ import dataclasses
 import datetime
 import json
 import os
-import re
 from typing import Callable, Dict, List, Optional, Tuple
 
 from controller import contacts, shell
@@ -37,7 +36,8 @@ from controller.deploy.request import named_profile
 from controller.profiles import user_dirs as profile_dirs
 from controller.remote import Remote, open_remote
 from controller.target import Target, parse_target
-from onbox.common.errors import HostError, UsageError
+from onbox.common import size
+from onbox.common.errors import HostError
 from onbox.common.storeurl import StoreURL, parse_store_url
 from onbox.profiles.schema import Profile
 
@@ -50,7 +50,6 @@ KNOWN_URL = "https://pypi.org/simple/"
 S3_ENDPOINT = "https://s3.amazonaws.com"
 HF_ENDPOINT = "https://huggingface.co"
 MIN_PYTHON = (3, 9)
-_SIZE = re.compile(r"([0-9]+(?:\.[0-9]+)?)\s*([KMGT]?)(i?B?)?\Z", re.IGNORECASE)
 # curl's exit codes that say why no answer came.
 _CURL = {
     "5": "the proxy's name does not resolve",
@@ -96,11 +95,7 @@ class Report:
 
 def parse_size(text: str, field: str = "--budget") -> int:
     """Bytes of "20G", "512M", "1.5T", "4096" (powers of 1024); UsageError otherwise."""
-    m = _SIZE.match(text.strip())
-    if not m:
-        raise UsageError(field, f"{text!r} is not a size", 'e.g. "20G", "512M" or "4096"')
-    scale = 1024 ** "KMGT".find(m.group(2).upper()) * 1024 if m.group(2) else 1
-    return int(float(m.group(1)) * scale)
+    return size.parse_size(text, field)
 
 
 def _gib(n: int) -> str:

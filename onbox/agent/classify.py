@@ -11,7 +11,7 @@ import dataclasses
 import enum
 import re
 import signal
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,10 @@ class Kind(str, enum.Enum):
     SIGNAL = "signal"
     EXIT_CODE = "exit_code"
     UNKNOWN = "unknown"
+    # Ended by the agent on a probe's word (onbox/health/): a hang, or a training signal whose
+    # policy is to stop (a NaN loss).
+    STALLED = "stalled"
+    HEALTH = "health"
 
 
 class Budget(str, enum.Enum):
@@ -262,4 +266,30 @@ def classify(
         "permanent",
         Budget.ERROR,
         step=step,
+    )
+
+
+def ended_by_agent(verdict: Verdict, kill: Dict[str, Any]) -> Verdict:
+    """An end the agent asked for on a probe's word (``Supervisor.kill_attempt``): that is the
+    reason, whatever the signal; "fail" ends the run, "restart" spends the error budget."""
+    return Verdict(
+        Kind(kill["kind"]),
+        f"{kill['reason']} (ended by the agent: {verdict.reason})",
+        kill.get("remedy", ""),
+        kill.get("klass") or "transient",
+        Budget.ERROR,
+        deterministic=kill["then"] == "fail",
+        step=verdict.step,
+    )
+
+
+def ended_by_stop(verdict: Verdict, status: ExitStatus, reason: str) -> Verdict:
+    """An end during a stop or a preemption: we ended it, whatever the signal; no budget."""
+    return Verdict(
+        Kind.SIGNAL if status.signal else Kind.EXIT_CODE,
+        f"ended by {reason} ({verdict.reason})",
+        "",
+        "",
+        Budget.NONE,
+        step=verdict.step,
     )

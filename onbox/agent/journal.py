@@ -43,6 +43,9 @@ class FileJournal:
         self.events_path = events_path
         self.log_path = log_path
         self.wall = wall
+        # Called with each event as written (redacted), e.g. the notifier's queue
+        # (onbox/health/notify.py). A listener must return at once and never raise.
+        self.listeners: List[Any] = []
 
     def save(self, doc: Dict[str, Any]) -> None:
         write_json(self.state_path, redact.for_run_file(self.state_path).redact_obj(doc))
@@ -62,6 +65,11 @@ class FileJournal:
         }
         ev = redact.for_run_file(self.events_path).redact_obj(ev)
         append_line(self.events_path, json.dumps(ev, sort_keys=True))
+        for listen in self.listeners:
+            try:
+                listen(ev)
+            except Exception:  # a listener's bug must not lose the next event
+                pass
         if self.log_path:
             reason, remedy = ev["reason"], ev["remedy"]
             log(self.log_path, f"{kind}: {reason}" + (f" [{remedy}]" if remedy else ""))

@@ -17,7 +17,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, TextIO, Tuple, cast
 
-from onbox.agent import procfs
+from onbox.agent import healthuse, procfs
 from onbox.agent.boot import install_hook, take_from_boot
 from onbox.agent.daemon import TAG_VAR, agent_argv, parse_agent_args
 from onbox.agent.journal import FileJournal, log
@@ -29,9 +29,10 @@ from onbox.agent.ondone import after_finish
 from onbox.agent.resumecheck import ResumeCheck
 from onbox.agent.runner import ShimRunner
 from onbox.agent.sealservice import SealService
+from onbox.agent.seams import Clock, Hooks, RealClock
 from onbox.agent.spec import JobSpec
 from onbox.agent.states import TERMINAL, State
-from onbox.agent.supervisor import LEFTOVER_GRACE, Clock, Hooks, RealClock, Supervisor
+from onbox.agent.supervisor import LEFTOVER_GRACE, Supervisor
 from onbox.agent.title import set_title
 from onbox.common import redact
 from onbox.common.durable import read_json
@@ -102,6 +103,7 @@ class Agent:
             log(rd.agent_log, f"resume check off: {e}")
         self.adopted = False
         self.notice: Optional[NoticeWatcher] = None  # the platform's preemption notice
+        self.health: Optional[healthuse.AgentHealth] = None  # the probes (onbox/health/)
         self._pending: List[int] = []
         self._wake_r = self._wake_w = -1
 
@@ -293,6 +295,9 @@ class Agent:
         self._check_resume()
         self.notice = watcher_for(self.spec, self.seal, self.journal.event)
         install_hook(self.rd, getattr(self.spec, "profile", None), self.journal.event)
+        self.health = healthuse.start(
+            self.spec, self.rd, self.journal, sup, self.runner, self.seal, self._wake_w
+        )
         while sup.state not in TERMINAL:
             waits = [
                 w
@@ -308,6 +313,8 @@ class Agent:
                 [self._wake_r, *self.runner.watch_fds()], min(waits) if waits else None
             )
             self._handle_signals()
+            if self.health is not None:
+                self.health.act()
             self.meter.check(sup, self.seal, self.journal.event)
             if sup.active and not sup.exit_seen:
                 status = self.runner.poll_exit()
@@ -372,6 +379,8 @@ class Agent:
         """Make sure nothing of the last attempt outlives the run, then let go of it."""
         if self.notice is not None:
             self.notice.stop()
+        if self.health is not None:
+            self.health.stop()
         if self.runner.alive():
             self.journal.event(
                 "leftovers",

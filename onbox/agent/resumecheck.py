@@ -20,64 +20,20 @@ The agent calls ``poll`` from its loop: each call reads the progress file and at
 
 from __future__ import annotations
 
-import re
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from onbox.agent.spec import compile_progress_pattern, step_group
+from onbox.agent.spec import compile_progress_pattern
 from onbox.common import progress
+from onbox.common.logscan import LogScanner
 from onbox.common.rundir import RunDir
 from onbox.sealing.discovery import newest_local_step
 
 READ_BYTES = 256 << 10  # of the job's output per poll
 FINAL_BYTES = 4 << 20  # read at once when the attempt is over
-MAX_LINE = 8192  # longer lines are matched on their last MAX_LINE bytes
 POLL_FAST = 0.5  # seconds between polls early in an attempt, when the first report comes
 POLL_SLOW = 2.0
 FAST_FOR = 120.0
-_EOL = re.compile(rb"[\r\n]")  # tqdm-style progress ends its lines with \r
-
-
-class LogScanner:
-    """The first step a progress pattern captures in a growing output file, read incrementally:
-    ``scan`` reads at most ``budget`` bytes from where the last call stopped."""
-
-    def __init__(self, rx: re.Pattern[str]) -> None:
-        self.rx = rx
-        self.group: Union[int, str] = step_group(rx)
-        self.offset = 0
-        self._carry = b""
-
-    def scan(self, path: str, budget: int, final: bool = False) -> Optional[int]:
-        """The first step in the lines read now. Only whole lines count (``step 1`` may still
-        become ``step 12``), unless ``final``: the writer is gone, its last line is whole."""
-        try:
-            with open(path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read(budget)
-        except OSError:
-            return None
-        self.offset += len(data)
-        lines = _EOL.split(self._carry + data)
-        tail = lines.pop()
-        if final and len(data) < budget:
-            lines.append(tail)
-            tail = b""
-        self._carry = tail[-MAX_LINE:]
-        for raw in lines:
-            step = self.match(raw[-MAX_LINE:].decode("utf-8", "replace"))
-            if step is not None:
-                return step
-        return None
-
-    def match(self, line: str) -> Optional[int]:
-        m = self.rx.search(line)
-        if m is None:
-            return None
-        try:
-            return int(m.group(self.group))
-        except (TypeError, ValueError, IndexError):  # an optional group that did not match
-            return None
 
 
 class ResumeCheck:

@@ -28,11 +28,12 @@ from typing import Any, Callable, Dict, List, Optional
 from onbox.agent.completion import Completion
 from onbox.agent.journal import FileJournal
 from onbox.agent.meter import final_seal
+from onbox.agent.seams import Hooks
 from onbox.agent.spec import JobSpec
-from onbox.agent.supervisor import Hooks
 from onbox.common import redact
 from onbox.common.errors import StoreError, TransientStoreError
 from onbox.common.rundir import RunDir
+from onbox.health.verdict import SealView
 from onbox.sealing import manifest as mf
 from onbox.sealing.discovery import newest_local_step
 from onbox.sealing.ledger import take_epoch
@@ -64,6 +65,9 @@ def _lower_priority() -> None:
         pass
 
 
+HEALTH_MIRROR_EVERY = 60.0  # seconds between mirrors of the health samples
+
+
 class SealService(Hooks):
     """The agent's sealing: one per agent process, for a run with a store."""
 
@@ -93,6 +97,17 @@ class SealService(Hooks):
         self.sealing = False
         self.capped = False
         self.final_verified = False
+        # What the health probes read (onbox/health/verdict.py SealView), set by the thread.
+        self.last_ok_wall: Optional[float] = None
+        self.last_error: Optional[str] = None
+        self.last_error_wall: Optional[float] = None
+        self.backlog: Optional[int] = None
+        # The disk probe asks for room (delete local copies already verified in the store).
+        self.room_wanted = False
+        # A training signal stopped the run (a NaN loss): nothing newer than this step is
+        # sealed from now on, so the last good checkpoint stays LATEST.
+        self.frozen_above: Optional[int] = None
+        self._health_mirrored = 0.0
 
     def event(
         self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
@@ -210,8 +225,16 @@ class SealService(Hooks):
             try:
                 self._ask_on_timer()
                 assert self.sealer is not None
-                self.sealer.seal_pending()
-                self.mirror()
+                if self.frozen_above is None:
+                    self.sealer.seal_pending()
+                if self.room_wanted:
+                    self.room_wanted = False
+                    self.sealer.free_room()
+                due = time.monotonic() - self._health_mirrored >= HEALTH_MIRROR_EVERY
+                self.mirror(health=due)
+                if due:
+                    self._health_mirrored = time.monotonic()
+                self.last_ok_wall, self.last_error = time.time(), None
                 backoff = 0.0
                 if request is not None:
                     if self._sync_request == request:
@@ -222,6 +245,7 @@ class SealService(Hooks):
                         pass
             except StoreError as e:
                 backoff = min(300.0, max(2.0, backoff * 2))
+                self.last_error, self.last_error_wall = e.what, time.time()
                 klass = "transient" if isinstance(e, TransientStoreError) else "permanent"
                 self.event(
                     "seal_error",
@@ -247,6 +271,34 @@ class SealService(Hooks):
             self._asked_at = time.monotonic()
             self.ask_job("timer")
 
+    # ---- for the health probes (onbox/health/)
+    def sealed_step(self) -> Optional[int]:
+        return self.sealer.latest if self.sealer is not None else None
+
+    def view(self) -> SealView:
+        """The pipeline as the sealing probe sees it: LATEST and when it was sealed, the
+        last pass that reached the store, the last error."""
+        sealer = self.sealer
+        latest = sealer.latest if sealer is not None else None
+        doc = sealer.manifests.get(latest) if sealer is not None and latest is not None else None
+        return SealView(
+            latest_step=latest,
+            latest_wall=doc.get("created") if doc else None,
+            backlog=self.backlog,
+            last_ok_wall=self.last_ok_wall,
+            last_error=self.last_error,
+            last_error_wall=self.last_error_wall,
+            ckpt_bytes=sum(int(f.get("size", 0)) for f in doc.get("files", [])) if doc else None,
+        )
+
+    def want_room(self) -> None:
+        self.room_wanted = True
+        self._wake.set()
+
+    def freeze(self, keep_step: Optional[int]) -> None:
+        """Seal nothing newer from now on (a NaN loss stopped the run at ``keep_step``)."""
+        self.frozen_above = -1 if keep_step is None else keep_step
+
     def ask_job(self, why: str) -> None:
         """Ask the job for a checkpoint the way it declared."""
         trigger = self.spec.trigger
@@ -259,11 +311,18 @@ class SealService(Hooks):
             return
         self.event("checkpoint_asked", f"asked the job for a checkpoint ({why}, {trigger})")
 
-    def mirror(self) -> None:
-        """The run's state and events in the store, so status is readable without the box."""
+    def mirror(self, health: bool = False) -> None:
+        """The run's state and events in the store, so status is readable without the box;
+        with ``health``, the health samples too (megabytes: once a minute, and when the agent
+        leaves, never inside a preemption's budget)."""
         if self.sealer is not None and self.sealer.stale:
             return  # a newer epoch's agent mirrors the run now; ours would overwrite its state
-        for name, path in (("state.json", self.rd.state), ("events.jsonl", self.rd.events)):
+        files = [("state.json", self.rd.state), ("events.jsonl", self.rd.events)]
+        if health:  # for `rgt report` when the box is gone (onbox/health/series.py)
+            files += [
+                (n, os.path.join(self.rd.health, n)) for n in ("samples.jsonl", "coarse.jsonl")
+            ]
+        for name, path in files:
             try:
                 mtime = os.stat(path).st_mtime
                 if self._mirrored.get(name) == mtime:
@@ -377,11 +436,11 @@ class SealService(Hooks):
                     klass="transient",
                     remedy="the checkpoints stay on the box; the next start seals them",
                 )
-        self.mirror_quietly()
+        self.mirror_quietly(health=True)
 
-    def mirror_quietly(self) -> None:
+    def mirror_quietly(self, health: bool = False) -> None:
         try:
-            self.mirror()
+            self.mirror(health=health)
         except StoreError:
             pass
 

@@ -13,12 +13,14 @@ import re
 import shutil
 import signal
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from onbox.common.duration import parse_duration
 from onbox.common.errors import UsageError
 from onbox.common.rundir import check_name, is_name
 from onbox.common.storeurl import StoreURL, parse_store_setting, parse_store_url, with_endpoint
+from onbox.health import config as health_config
+from onbox.health.config import HealthConfig
 
 TRIGGERS = ("none", "file", "signal:USR2", "signal:USR1", "signal:INT", "signal:HUP")
 
@@ -55,6 +57,9 @@ class RestartPolicy:
     backoff_initial: float = 1.0
     backoff_max: float = 300.0
     success_codes: Tuple[int, ...] = (0,)
+    # With a store: this many error restarts in a row in which LATEST did not advance end the
+    # run as a crash loop (0: off). Each one resumed from the same checkpoint and got nowhere.
+    max_stuck_restarts: int = 3
 
     def backoff(self, consecutive_quick_failures: int) -> float:
         """Delay before the next start; 0 when the last attempt was healthy."""
@@ -93,6 +98,8 @@ class JobSpec:
     on_done: Optional[str] = None  # the profile's [[meter.on_done]] action run after DONE
     on_done_command: Tuple[str, ...] = ()
     deadline: Optional[float] = None  # the meter cap: epoch seconds, when the run is stopped
+    # The job file's [health] and [notify] (onbox/health/config.py); defaults when absent.
+    health: HealthConfig = dataclasses.field(default_factory=HealthConfig)
 
     def to_json(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -102,6 +109,7 @@ class JobSpec:
         d["outputs"] = list(self.outputs)
         d["on_done_command"] = list(self.on_done_command)
         d["store"] = self.store.url if self.store else None
+        d["health"] = self.health.to_json()
         if self.store and self.store.endpoint_url:
             d["store_endpoint_url"] = self.store.endpoint_url
         return d
@@ -110,6 +118,7 @@ class JobSpec:
     def from_json(cls, d: Mapping[str, Any]) -> JobSpec:
         r = dict(d["restart"])
         r["success_codes"] = tuple(r["success_codes"])
+        r.setdefault("max_stuck_restarts", 0)  # spec.json from before the rule: as it ran then
         return cls(
             name=d["name"],
             command=tuple(d["command"]),
@@ -133,6 +142,7 @@ class JobSpec:
             on_done=d.get("on_done"),
             on_done_command=tuple(d.get("on_done_command") or ()),
             deadline=None if d.get("deadline") is None else float(d["deadline"]),
+            health=HealthConfig.from_json(d.get("health")),
         )
 
 
@@ -159,6 +169,8 @@ _TOP_KEYS = {
     "profile",
     "on_done",
     "meter",
+    "health",
+    "notify",
 }
 _CKPT_KEYS = {"dir", "trigger", "keep", "interval", "scan"}
 _PROGRESS_KEYS = {"pattern"}
@@ -181,11 +193,6 @@ def compile_progress_pattern(value: Any, field: str = "progress.pattern") -> re.
         what = "no group" if rx.groups == 0 else f"{rx.groups} groups, none named step,"
         raise UsageError(field, f"{value!r} has {what} to capture the step", example)
     return rx
-
-
-def step_group(rx: re.Pattern[str]) -> Union[int, str]:
-    """Which group of a compiled progress pattern holds the step."""
-    return "step" if "step" in rx.groupindex else 1
 
 
 def _load_toml(path: str) -> Dict[str, Any]:
@@ -405,6 +412,7 @@ def build_spec(
         restart=restart,
         outputs=tuple(dict.fromkeys(merged)),
         progress_pattern=pattern,
+        health=health_config.parse(data, environ),
         **checkpoint,
     )
     from onbox.agent.profileuse import apply_profile  # it imports this module
@@ -415,7 +423,7 @@ def build_spec(
 def _restart_policy(r: Mapping[str, Any]) -> RestartPolicy:
     d = RestartPolicy()
     kw: Dict[str, Any] = {}
-    for key in ("max_error_restarts", "max_preempt_restarts"):
+    for key in ("max_error_restarts", "max_preempt_restarts", "max_stuck_restarts"):
         v = r.get(key, getattr(d, key))
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise UsageError(f"restart.{key}", f"{v!r} is not a count >= 0")

@@ -10,11 +10,19 @@ comes from the clock and processes from the runner, the policy is tested without
 from __future__ import annotations
 
 import signal
-import time
-from typing import Any, Dict, Optional, Protocol
+from typing import Any, Callable, Dict, Optional
 
-from onbox.agent.classify import Budget, ExitStatus, Kind, Verdict, classify
+from onbox.agent.classify import (
+    Budget,
+    ExitStatus,
+    Kind,
+    Verdict,
+    classify,
+    ended_by_agent,
+    ended_by_stop,
+)
 from onbox.agent.journal import iso
+from onbox.agent.seams import Clock, Hooks, Journal, Runner
 from onbox.agent.spec import JobSpec
 from onbox.agent.states import ACTIVE, TERMINAL, State, can_transition
 
@@ -22,75 +30,8 @@ from onbox.agent.states import ACTIVE, TERMINAL, State, can_transition
 LEFTOVER_GRACE = 5.0
 # How often to look for processes while waiting for an attempt's processes to vanish.
 REAP_POLL = 0.05
+GATE_POLL = 0.5  # how often a start held by the start gate asks it again
 TAIL_LINES = 8
-
-
-class Journal(Protocol):
-    """What the supervisor writes through; files in the agent, a list in policy tests."""
-
-    def save(self, doc: Dict[str, Any]) -> None: ...
-
-    def event(
-        self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
-    ) -> None: ...
-
-
-class Clock(Protocol):
-    def monotonic(self) -> float: ...
-
-    def time(self) -> float: ...
-
-
-class RealClock:
-    """The system clocks: monotonic for decisions, wall time for records."""
-
-    def monotonic(self) -> float:
-        return time.monotonic()
-
-    def time(self) -> float:
-        return time.time()
-
-
-class Runner(Protocol):
-    """The supervisor's hands: processes of the current attempt."""
-
-    def spawn(self, attempt: int) -> int:
-        """Start attempt ``attempt``; return the job's pid."""
-
-    def signal(self, sig: int) -> None:
-        """Send ``sig`` to every process of the current attempt (group and tagged)."""
-
-    def alive(self) -> bool:
-        """Whether any process of the current attempt is alive (zombies are dead)."""
-
-    def tail(self) -> str:
-        """The end of the current attempt's output."""
-
-    def oom_kills(self) -> Optional[int]:
-        """The cgroup's OOM-kill count, when the box exposes it."""
-
-    def inodes_exhausted(self) -> bool:
-        """Whether the job's filesystems ran out of inodes."""
-
-    def kernel_oom_killed(self, pid: int) -> bool:
-        """Whether the kernel log says the OOM killer took ``pid``."""
-
-
-class Hooks:
-    """Where later parts plug into a stop. The default does nothing.
-
-    ``on_stop_requested`` runs when a stop or preemption begins, before the job is signalled
-    (the sealer asks the job for a final checkpoint here); ``before_terminal`` runs once every
-    process of the attempt is gone and before the terminal state is written, with ``reason``
-    "stop", "preempt" or "success" (the sealer seals what fits, or writes DONE.json). Both get
-    ``deadline``, a monotonic time they must return by.
-    """
-
-    def on_stop_requested(self, reason: str, deadline: float) -> None:
-        pass
-
-    def before_terminal(self, reason: str, deadline: float) -> None:
-        pass
 
 
 def preempt_kill_delay(grace: float) -> float:
@@ -144,17 +85,24 @@ class Supervisor:
         self._kill_at = self._mono(self.stop.get("kill_at_ts") if self.stop else None)
         self._deadline = self._mono(self.stop.get("deadline_ts") if self.stop else None)
         self._leftover_kill_at: Optional[float] = None
+        # An end the agent asked for on a probe's word (kill_attempt): what it was for.
+        self.kill: Optional[Dict[str, Any]] = d.get("kill")
+        self._kill_attempt_at = self._mono(self.kill.get("kill_at_ts") if self.kill else None)
+        # The crash-loop rule: LATEST when the attempt started, and how many error ends in a
+        # row did not move it.
+        self.sealed_at_start: Optional[int] = d.get("sealed_at_start")
+        self.stuck_restarts: int = d.get("stuck_restarts", 0)
+        # Whether the next attempt may start (the GPU probe waits, bounded, for the last
+        # attempt's GPU memory to be released); asked in BACKOFF once nothing is left alive.
+        self.start_gate: Callable[[], bool] = lambda: True
+        self._gate_held = False
 
-    # ---- time helpers
+    # ---- time helpers (deadlines are monotonic in memory, wall-clock on disk)
     def _mono(self, wall: Optional[float]) -> Optional[float]:
-        if wall is None:
-            return None
-        return self.clock.monotonic() + (wall - self.clock.time())
+        return None if wall is None else self.clock.monotonic() + (wall - self.clock.time())
 
     def _wall(self, mono: Optional[float]) -> Optional[float]:
-        if mono is None:
-            return None
-        return self.clock.time() + (mono - self.clock.monotonic())
+        return None if mono is None else self.clock.time() + (mono - self.clock.monotonic())
 
     # ---- the one place state changes
     def _change(
@@ -208,6 +156,9 @@ class Supervisor:
             "oom_before": self.oom_before,
             "exit_seen": self.exit_seen,
             "stop": self.stop,
+            "kill": self.kill,
+            "sealed_at_start": self.sealed_at_start,
+            "stuck_restarts": self.stuck_restarts,
             "command": list(self.spec.command),
         }
         doc.update(self.extra)
@@ -222,6 +173,9 @@ class Supervisor:
             self.incarnation += 1
         self.state = State.PENDING
         self.restarts = self.error_restarts = self.preempt_restarts = self.quick_failures = 0
+        self.stuck_restarts = 0
+        self.kill = None
+        self._kill_attempt_at = None
         self.last_cuda_oom_step = -1
         self.stop = None
         self._kill_at = self._deadline = self._backoff_until = None
@@ -263,6 +217,9 @@ class Supervisor:
         self.exit_seen = False
         self.pid = None
         self._leftover_kill_at = None
+        self.kill = None
+        self._kill_attempt_at = None
+        self.sealed_at_start = self.hooks.sealed_step()
         self._change(State.STARTING, f"attempt {self.attempt} starting")
         try:
             self.pid = self.runner.spawn(self.attempt)
@@ -291,16 +248,10 @@ class Supervisor:
             oom_kills_rose=oom,
             inodes_exhausted=self.runner.inodes_exhausted,
         )
+        if self.kill is not None and self.state in (State.STARTING, State.RUNNING):
+            verdict = ended_by_agent(verdict, self.kill)  # on a probe's word
         if self.state == State.STOPPING and self.stop is not None:
-            # We ended it: that is the reason, whatever the signal.
-            verdict = Verdict(
-                Kind.SIGNAL if status.signal else Kind.EXIT_CODE,
-                f"ended by {self.stop['reason']} ({verdict.reason})",
-                "",
-                "",
-                Budget.NONE,
-                step=verdict.step,
-            )
+            verdict = ended_by_stop(verdict, status, self.stop["reason"])
         self.last_exit = {
             "code": status.code,
             "signal": status.signal,
@@ -337,7 +288,9 @@ class Supervisor:
             now - self._attempt_started < self.policy.start_grace
         )
         failure = None
-        if verdict.deterministic:
+        if verdict.kind == Kind.HEALTH:
+            failure = verdict.reason
+        elif verdict.deterministic:
             failure = f"{verdict.reason} (deterministic: not retried)"
         elif verdict.kind == Kind.CUDA_OOM and verdict.step == self.last_cuda_oom_step:
             at = f" at step {verdict.step}" if verdict.step is not None else ""
@@ -358,6 +311,8 @@ class Supervisor:
             )
         if verdict.kind == Kind.CUDA_OOM:
             self.last_cuda_oom_step = verdict.step
+        if failure is None and verdict.budget == Budget.ERROR:
+            failure = self._stuck(verdict)
         if failure is not None:
             lines = [ln for ln in tail.splitlines() if ln.strip()][-TAIL_LINES:]
             if lines:
@@ -385,6 +340,53 @@ class Supervisor:
             klass=verdict.klass or None,
             remedy=verdict.remedy,
         )
+
+    def _stuck(self, verdict: Verdict) -> Optional[str]:
+        """The crash-loop rule for an error end: None to restart, else why the run stops."""
+        limit = self.policy.max_stuck_restarts
+        if not limit or self.spec.store is None:
+            return None
+        now = self.hooks.sealed_step()
+        was = self.sealed_at_start
+        if now is not None and (was is None or now > was):
+            self.stuck_restarts = 0
+            return None
+        self.stuck_restarts += 1
+        if self.stuck_restarts <= limit:
+            return None
+        at = f"step {now}" if now is not None else "nothing sealed"
+        return (
+            f"crash loop: {self.stuck_restarts - 1} restarts in a row and the sealed checkpoint "
+            f"did not advance ({at}); last end: {verdict.reason}"
+        )
+
+    def kill_attempt(
+        self, reason: str, *, then: str, kind: str, klass: str = "transient", remedy: str = ""
+    ) -> bool:
+        """End the running attempt on a probe's word: the stop signal now, SIGKILL after the
+        stop grace. ``then`` is "restart" (its end spends the error budget, and the next attempt
+        resumes from the newest sealed checkpoint) or "fail" (the run ends FAILED with
+        ``reason``). False when there is no attempt to end, or one is being ended already."""
+        assert then in ("restart", "fail"), then
+        if self.state not in (State.STARTING, State.RUNNING) or self.exit_seen or self.kill:
+            return False
+        self._kill_attempt_at = self.clock.monotonic() + self.spec.grace
+        at, kill_at = iso(self.clock.time()), self._wall(self._kill_attempt_at)
+        kind = Kind(kind).value
+        self.kill = dict(reason=reason, then=then, kind=kind, klass=klass, remedy=remedy, at=at)
+        self.kill["kill_at_ts"] = kill_at
+        self.save()
+        self.journal.event(
+            "kill_attempt",
+            f"ending attempt {self.attempt} "
+            f"({'then restarting' if then == 'restart' else 'and the run'}): {reason}",
+            klass=klass,
+            remedy=remedy,
+            attempt=self.attempt,
+        )
+        if self.runner.alive():
+            self.runner.signal(self.spec.stop_signal)
+        return True
 
     def request_stop(self, reason: str, grace: Optional[float] = None) -> None:
         """Begin a stop: ``reason`` is "stop" (ends STOPPED) or "preempt" (ends PREEMPTED).
@@ -419,6 +421,14 @@ class Supervisor:
     def tick(self) -> None:
         """Advance the time-based edges."""
         now = self.clock.monotonic()
+        if (
+            self.kill is not None
+            and self.state in (State.STARTING, State.RUNNING)
+            and self._kill_attempt_at is not None
+            and now >= self._kill_attempt_at
+            and self.runner.alive()
+        ):
+            self.runner.signal(signal.SIGKILL)
         if self.state == State.STARTING:
             if self._attempt_started is not None and (
                 now - self._attempt_started >= self.policy.start_grace
@@ -429,7 +439,9 @@ class Supervisor:
             if self._reaping(now):
                 return
             if self._backoff_until is None or now >= self._backoff_until:
-                self._start_attempt()
+                self._gate_held = not self.start_gate()
+                if not self._gate_held:
+                    self._start_attempt()
         elif self.state == State.STOPPING:
             alive = self.runner.alive()
             if alive and self._kill_at is not None and now >= self._kill_at:
@@ -464,15 +476,24 @@ class Supervisor:
     def next_wakeup(self) -> Optional[float]:
         """Seconds until the machine needs a ``tick``; None when only an exit can move it."""
         now = self.clock.monotonic()
+        if self.kill is not None and self.state in (State.STARTING, State.RUNNING):
+            return max(0.05, min(0.5, (self._kill_attempt_at or now) - now))
         if self.state == State.STARTING and self._attempt_started is not None:
             return max(0.0, self._attempt_started + self.policy.start_grace - now)
         if self.state == State.BACKOFF:
             if self._leftover_kill_at is not None:
                 return REAP_POLL
+            if self._gate_held:
+                return GATE_POLL
             return max(0.0, (self._backoff_until or now) - now)
         if self.state == State.STOPPING:
             return REAP_POLL
         return None
+
+    @property
+    def attempt_started(self) -> Optional[float]:
+        """When the current attempt started (monotonic), for the health probes."""
+        return self._attempt_started
 
     @property
     def active(self) -> bool:

@@ -38,6 +38,9 @@ NAME_PATTERN = "[a-z0-9][a-z0-9._-]{0,62}"
 # The name under the run dir (RGT_RUN_DIR) of the agent's request for a checkpoint: the job's
 # side (onbox.train) knows the run dir only as RGT_RUN_DIR.
 CHECKPOINT_REQUEST = "checkpoint.request"
+# While this file is in the run directory, the training API writes no new local checkpoint: the
+# disk probe (onbox/health/disk.py) found the disk too full for one.
+CHECKPOINT_HOLD = "checkpoint.hold"
 _FIRST = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
 _REST = _FIRST | frozenset("._-")
 
@@ -137,11 +140,26 @@ class RunDir:
         return os.path.join(self.staging, "logs")
 
     @property
+    def health(self) -> str:
+        """The health wing's files: the samples' time series (onbox/health/series.py)."""
+        return os.path.join(self.path, "health")
+
+    @property
+    def checkpoint_hold(self) -> str:
+        """Present while the disk is too full for new local checkpoints (the disk probe writes
+        it; the training API reads it before a save)."""
+        return os.path.join(self.path, CHECKPOINT_HOLD)
+
+    @property
     def attempts(self) -> str:
         return os.path.join(self.path, "attempts")
 
     def attempt_dir(self, attempt: int) -> str:
         return os.path.join(self.attempts, f"{attempt:04d}")
+
+    def stacks(self, attempt: int) -> str:
+        """Every thread's Python stack of the attempt's processes, dumped at a stall."""
+        return os.path.join(self.attempt_dir(attempt), "stacks.txt")
 
     def output_log(self, attempt: int) -> str:
         return os.path.join(self.attempt_dir(attempt), "output.log")

@@ -30,8 +30,16 @@ MAY_IMPORT: Dict[str, Set[str]] = {
     "onbox.train": {"onbox", "onbox.common"},
     "onbox.sealing": {"onbox", "onbox.common"},
     "onbox.profiles": {"onbox", "onbox.common"},
-    "onbox.agent": {"onbox", "onbox.common", "onbox.sealing", "onbox.profiles"},
-    "onbox.cli": {"onbox", "onbox.common", "onbox.sealing", "onbox.agent", "onbox.profiles"},
+    "onbox.health": {"onbox", "onbox.common"},
+    "onbox.agent": {"onbox", "onbox.common", "onbox.sealing", "onbox.profiles", "onbox.health"},
+    "onbox.cli": {
+        "onbox",
+        "onbox.common",
+        "onbox.sealing",
+        "onbox.agent",
+        "onbox.profiles",
+        "onbox.health",
+    },
 }
 
 

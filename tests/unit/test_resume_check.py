@@ -17,10 +17,10 @@ from onbox.agent.resumecheck import (
     FAST_FOR,
     POLL_FAST,
     POLL_SLOW,
-    LogScanner,
     ResumeCheck,
 )
 from onbox.common import progress
+from onbox.common.logscan import LogScanner
 from onbox.common.rundir import RunDir
 from onbox.sealing.discovery import newest_local_step
 

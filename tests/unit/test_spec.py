@@ -17,10 +17,10 @@ from onbox.agent.spec import (
     compile_progress_pattern,
     default_name,
     parse_signal,
-    step_group,
 )
 from onbox.common.duration import parse_duration
 from onbox.common.errors import UsageError
+from onbox.common.logscan import step_group
 from onbox.common.rundir import check_name
 
 

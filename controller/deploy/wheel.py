@@ -60,6 +60,7 @@ REQUIRES: Tuple[Requirement, ...] = (
     Requirement("click>=8.0"),
     Requirement("setproctitle>=1.2"),
     Requirement("watchdog>=2.1"),
+    Requirement("psutil>=5.8"),
     Requirement("tomli>=1.1", below=(3, 11)),
 )
 # pyproject.toml's dependencies that only the laptop's `rgt` uses: the box's agent goes without.

@@ -66,7 +66,7 @@ class Series:
                 os.replace(newer, older)
 
 
-def _rows(path: str) -> Iterator[Dict[str, Any]]:
+def rows(path: str) -> Iterator[Dict[str, Any]]:
     try:
         with open(path, "rb") as f:
             for raw in f:
@@ -83,9 +83,9 @@ def _rows(path: str) -> Iterator[Dict[str, Any]]:
 def read(directory: str) -> List[Dict[str, Any]]:
     """Every row, oldest first: the coarse series where the fine one no longer reaches, then
     the fine one."""
-    fine = [r for p in files(directory, "samples") for r in _rows(p)]
+    fine = [r for p in files(directory, "samples") for r in rows(p)]
     start = fine[0]["t"] if fine else float("inf")
-    coarse = [r for p in files(directory, "coarse") for r in _rows(p) if r["t"] < start]
+    coarse = [r for p in files(directory, "coarse") for r in rows(p) if r["t"] < start]
     return coarse + fine
 
 

@@ -38,6 +38,7 @@ from onbox.common import redact
 from onbox.common.durable import read_json
 from onbox.common.errors import IntegrityError, RgtError, UsageError
 from onbox.common.rundir import RunDir
+from onbox.health.notify import Notifier
 from onbox.sealing.stores.base import TransientStoreError
 
 
@@ -59,6 +60,10 @@ class Agent:
             raise SystemExit(f"rgt agent: {rd.spec} is missing")
         self.spec = JobSpec.from_json(doc)
         self.journal = FileJournal(rd.state, rd.events, rd.agent_log)
+        self.notifier: Optional[Notifier] = None  # Apprise URLs and the dead-man's switch
+        if self.spec.health.notify.urls or self.spec.health.notify.deadman:
+            self.notifier = Notifier(self.spec.health.notify, rd.name, self.journal.event)
+            self.journal.listeners.append(self.notifier.listen)
         self.runner = ShimRunner(
             rd,
             self.spec,
@@ -205,6 +210,8 @@ class Agent:
             **({"tried": [{"step": s, "reason": r} for s, r in tried]} if tried else {}),
         )
         self.sup.fail_to_begin(f"nothing to resume from: {e.what}", klass, remedy)
+        if self.notifier is not None:
+            self.notifier.finish(self.sup.state.value)
         self.runner.close()
         self.lock.release()
 
@@ -275,6 +282,8 @@ class Agent:
             f"agent pid {os.getpid()} supervising {self.rd.name} "
             f"({sup.state}, attempt {sup.attempt})",
         )
+        if self.notifier is not None:
+            self.notifier.start()
         if stop is not None:
             sup.request_stop(*stop)
         self.check_stop_request()
@@ -420,6 +429,8 @@ class Agent:
                 )
         # The profile's on-done action, only after a verified DONE (onbox/agent/ondone.py).
         after_finish(self.spec, self.rd, self.sup.state, self.seal, self.journal.event)
+        if self.notifier is not None:  # the last ping and a bounded drain (a few seconds)
+            self.notifier.finish(self.sup.state.value)
         log(self.rd.agent_log, f"agent pid {os.getpid()} exits: run is {self.sup.state}")
         self.runner.close()
         self.lock.release()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import sys
 from typing import Any, Dict, List
 
 import pytest
@@ -17,6 +19,12 @@ from onbox.health import config, series
 from onbox.health.config import HealthConfig
 from onbox.health.verdict import Action, Context, Reading, Verdict, ok
 from onbox.health.watcher import HealthWatcher
+from tests.conftest import ROOT
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the on-box tests run under 3.9 too
+    import tomli as tomllib
 
 
 def _ctx(**kw: Any) -> Context:
@@ -192,9 +200,7 @@ def test_the_series_is_bounded_and_rotates(tmp_path: Any) -> None:
     ts = [r["t"] for r in rows]
     assert ts == sorted(ts) and ts[-1] == 399.0
     # the coarse series reaches further back than the fine one, one row in COARSE_EVERY
-    fine_start = min(
-        r["t"] for p in series.files(str(tmp_path), "samples") for r in series.rows(p)
-    )
+    fine_start = min(r["t"] for p in series.files(str(tmp_path), "samples") for r in series.rows(p))
     assert ts[0] < fine_start
     assert all(int(t) % series.COARSE_EVERY == 0 for t in ts if t < fine_start)
 
@@ -205,3 +211,18 @@ def test_a_torn_last_line_is_skipped(tmp_path: Any) -> None:
     with open(os.path.join(str(tmp_path), "samples.jsonl"), "a") as f:
         f.write('{"t": 2.0, "attem')
     assert [r["t"] for r in series.read(str(tmp_path))] == [1.0]
+
+
+def test_the_readme_job_file_example_of_health_and_notify_parses_to_the_defaults() -> None:
+    """README's "Job file" block: its [health] tables say the defaults, and are valid."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    block = next(b for b in re.findall(r"```toml\n(.*?)```", text, re.S) if "[health]" in b)
+    data = tomllib.loads(block)
+    cfg = config.parse({k: data[k] for k in ("health", "notify")}, {})
+    defaults = HealthConfig()
+    for part in ("disk", "memory", "gpu", "stall"):
+        assert getattr(cfg, part) == getattr(defaults, part), part
+    assert cfg.interval == defaults.interval and cfg.enabled
+    assert cfg.training.nan == defaults.training.nan
+    assert cfg.notify.rate_per_hour == defaults.notify.rate_per_hour

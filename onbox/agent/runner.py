@@ -35,7 +35,8 @@ OOM_ADJ_STEP = 500
 
 
 def ensure_job_lib(home: str) -> str:
-    """A directory holding only the pure-Python ``onbox`` package, for the job's PYTHONPATH.
+    """A directory holding only the pure-Python ``onbox`` package and rgt's ``sitecustomize``
+    (the stack hook), for the job's PYTHONPATH.
 
     The job runs in the box's own Python; it must be able to ``import onbox`` (the training
     API) without seeing the agent's site-packages. Named by content hash, made atomically.
@@ -56,6 +57,10 @@ def ensure_job_lib(home: str) -> str:
         for name in files:
             os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
             shutil.copy2(os.path.join(root, name), os.path.join(tmp, name))
+        # The job's Python runs it at start (and then the next sitecustomize on its path): the
+        # faulthandler hook that dumps every thread's stack at a stall (onbox/health/stacks.py).
+        hook = os.path.join(root, "onbox", "health", "stackhook.py")
+        shutil.copy2(hook, os.path.join(tmp, "sitecustomize.py"))
         try:
             os.rename(tmp, dest)
         except OSError:  # another agent made it first
@@ -117,6 +122,7 @@ class ShimRunner:
                 # How the agent asks for a checkpoint ("signal:USR2", "file", "none"), so the
                 # training API listens the same way (onbox/train/checkpointer.py).
                 jobenv.CKPT_TRIGGER: self.spec.trigger,
+                jobenv.STACKS_FILE: self.rd.stacks(attempt),
                 TAG_VAR: tag,
             }
         )

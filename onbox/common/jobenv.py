@@ -19,6 +19,13 @@ USER_PYTHONPATH = "RGT_USER_PYTHONPATH"  # the job's own PYTHONPATH, before rgt'
 PROFILES_DIR = "RGT_PROFILES_DIR"  # profiles that add to or override the shipped ones
 METADATA_URL = "RGT_METADATA_URL"  # the cloud metadata server's base URL (notice poller; tests)
 NOTICE_POLL = "RGT_NOTICE_POLL"  # seconds between preemption-notice polls (default 5)
+# Where the job's faulthandler hook (rgt's sitecustomize, onbox/health/stackhook.py) writes every
+# thread's stack when the agent sends STACKS_SIGNAL (the stall probe, onbox/health/stacks.py).
+STACKS_FILE = "RGT_STACKS_FILE"
+# SIGRTMIN+4 under glibc (whose SIGRTMIN is 34: 32 and 33 are its own). A fixed number, so the
+# hook and the probe agree without signal.SIGRTMIN (Python 3.11+). Its default action kills:
+# the probe sends it only to a process whose SigCgt shows the hook's handler.
+STACKS_SIGNAL = 38
 
 # The last file written into a complete rgt checkpoint directory (the training API writes it,
 # onbox/train/ckptdir.py; the sealer's discovery looks for it, onbox/sealing/discovery.py).

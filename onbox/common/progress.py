@@ -6,6 +6,8 @@ rewritten often)::
 
     {"step": 1200, "attempt": 3, "pid": 4242, "time": 1764500000.0, "metrics": {"loss": 0.12}}
 
+and, while the job writes a checkpoint or evaluates, ``"phase": "checkpoint"`` (or ``"eval"``).
+
 ``step`` is the number of optimizer steps the job has completed (the step a checkpoint taken now
 would carry); ``attempt`` is the job's ``RGT_ATTEMPT``, so the agent can tell a report of this
 attempt from one the previous attempt left behind. Scripts that do not use the API can report
@@ -28,14 +30,25 @@ def path_in(run_dir: str) -> str:
     return os.path.join(run_dir, FILE)
 
 
-def write(run_dir: str, step: int, attempt: int, metrics: Optional[Dict[str, Any]] = None) -> None:
-    """Replace the report atomically; a reader sees the old one or the new one, never a mix."""
+def write(
+    run_dir: str,
+    step: int,
+    attempt: int,
+    metrics: Optional[Dict[str, Any]] = None,
+    phase: Optional[str] = None,
+) -> None:
+    """Replace the report atomically; a reader sees the old one or the new one, never a mix.
+
+    ``phase`` ("checkpoint", "eval") says the job is in a stretch with no steps: the stall probe
+    gives it that phase's budget instead of the step budget (onbox/health/stall.py)."""
     doc: Dict[str, Any] = {
         "step": int(step),
         "attempt": int(attempt),
         "pid": os.getpid(),
         "time": time.time(),
     }
+    if phase:
+        doc["phase"] = str(phase)
     if metrics:
         doc["metrics"] = {k: _plain(v) for k, v in metrics.items()}
     final = path_in(run_dir)

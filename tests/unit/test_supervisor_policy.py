@@ -7,6 +7,7 @@ in tests/integration.
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -14,9 +15,11 @@ import pytest
 
 from onbox.agent.classify import ExitStatus
 from onbox.agent.journal import MemoryJournal
+from onbox.agent.seams import Hooks
 from onbox.agent.spec import JobSpec, RestartPolicy
 from onbox.agent.states import TERMINAL, TRANSITIONS, State
 from onbox.agent.supervisor import LEFTOVER_GRACE, Supervisor, preempt_kill_delay
+from onbox.common.storeurl import parse_store_url
 
 
 class FakeClock:
@@ -354,6 +357,86 @@ def test_fake_clock_a_run_that_cannot_begin_fails_from_pending_with_no_attempt()
     last = rig.sup.last_exit
     assert last is not None and last["reason"] == "no verified checkpoint left"
     assert last["class"] == "integrity" and last["attempt"] == 0
+
+
+class SealedHooks(Hooks):
+    """The sealed step (LATEST) the test says, for the crash-loop rule."""
+
+    def __init__(self) -> None:
+        self.latest: Optional[int] = None
+
+    def sealed_step(self) -> Optional[int]:
+        return self.latest
+
+
+def _with_store(rig: Rig) -> SealedHooks:
+    hooks = SealedHooks()
+    spec = dataclasses.replace(rig.sup.spec, store=parse_store_url("file:///tmp/rgt-store"))
+    rig.sup = Supervisor(spec, rig.runner, rig.clock, rig.journal, hooks=hooks)
+    return hooks
+
+
+def test_fake_clock_error_ends_that_never_advance_latest_stop_as_a_crash_loop() -> None:
+    rig = Rig(start_grace=1.0, max_error_restarts=10, max_stuck_restarts=3)
+    hooks = _with_store(rig)
+    hooks.latest = 40
+    rig.sup.begin()
+    for n in range(3):  # each attempt resumes from step 40 and gets nowhere
+        rig.run_for(2.0)
+        rig.exit(code=1, output="RuntimeError: NCCL timeout\n")
+        assert rig.sup.state == State.BACKOFF, n
+        rig.sup.tick()
+    rig.run_for(2.0)
+    rig.exit(code=1, output="RuntimeError: NCCL timeout\n")  # the 4th in a row
+    assert rig.sup.state == State.FAILED and rig.runner.spawned == [1, 2, 3, 4]
+    reason = rig.sup.last_exit["reason"] if rig.sup.last_exit else ""
+    assert reason.startswith("crash loop: 3 restarts in a row") and "(step 40)" in reason
+    assert "NCCL timeout" in reason
+
+
+def test_fake_clock_error_ends_that_advance_latest_keep_restarting() -> None:
+    rig = Rig(start_grace=1.0, max_error_restarts=10, max_stuck_restarts=3)
+    hooks = _with_store(rig)
+    rig.sup.begin()
+    for n in range(6):
+        rig.run_for(2.0)
+        hooks.latest = 10 * (n + 1)  # each attempt sealed something newer before it died
+        rig.exit(code=1)
+        assert rig.sup.state == State.BACKOFF and rig.sup.stuck_restarts == 0
+        rig.sup.tick()
+    assert rig.runner.spawned == [1, 2, 3, 4, 5, 6, 7]
+
+
+def test_fake_clock_kill_attempt_restart_ends_it_as_stalled_on_the_error_budget() -> None:
+    rig = Rig(start_grace=1.0)
+    rig.sup.begin()
+    rig.run_for(2.0)
+    why = "stalled: no step for 12.0 s, budget 10.0 s = 5 x longest interval 2.0 s, last step 7"
+    assert rig.sup.kill_attempt(why, then="restart", kind="stalled", remedy="see stacks.txt")
+    assert rig.runner.signals == [signal.SIGTERM]
+    assert not rig.sup.kill_attempt("again", then="restart", kind="stalled")  # once
+    rig.run_for(9.0)
+    assert signal.SIGKILL not in rig.runner.signals  # the stop grace (10 s) first
+    rig.run_for(1.5)
+    assert rig.runner.signals[-1] == signal.SIGKILL
+    rig.exit(sig=signal.SIGKILL)
+    last = rig.sup.last_exit or {}
+    assert last["kind"] == "stalled" and last["reason"].startswith(why)
+    assert last["remedy"] == "see stacks.txt"
+    assert rig.sup.state == State.BACKOFF and rig.sup.error_restarts == 1
+    rig.sup.tick()
+    assert rig.runner.spawned == [1, 2] and rig.sup.kill is None
+
+
+def test_fake_clock_kill_attempt_fail_ends_the_run_and_needs_a_running_attempt() -> None:
+    rig = Rig(start_grace=1.0)
+    assert not rig.sup.kill_attempt("nan", then="fail", kind="health")  # nothing runs yet
+    rig.sup.begin()
+    rig.run_for(2.0)
+    assert rig.sup.kill_attempt("loss is NaN at step 30", then="fail", kind="health")
+    rig.exit(sig=signal.SIGTERM)
+    assert rig.sup.state == State.FAILED and rig.runner.spawned == [1]
+    assert "loss is NaN at step 30" in rig.journal.events[-1]["reason"]
 
 
 def test_transition_table_shape() -> None:

@@ -1,0 +1,227 @@
+"""The stall probe's budget, learned per attempt from the step counter: a real progress.json (or
+the job's real output.log) in a temporary run dir, and time from the Context the test builds
+(no sleeping). The stack dump itself, on real processes, is in tests/integration.
+
+A test whose GPU reading is made up (there is no GPU here) says "fake" in its name.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, List, Optional, Tuple
+
+import pytest
+
+from onbox.common import progress
+from onbox.common.rundir import RunDir
+from onbox.health.config import StallConfig
+from onbox.health.stall import StallProbe
+from onbox.health.verdict import Context, Reading, Verdict, unavailable, unknown
+
+Events = List[Tuple[str, str, Dict[str, Any]]]
+
+
+def _never(tag: Optional[str], current: Optional[str]) -> Optional[str]:
+    return None  # no process of this test's made-up attempt exists: the dump finds none
+
+
+class Rig:
+    """A probe over a real run dir; ``at(t)`` is one tick at monotonic time ``t``."""
+
+    def __init__(self, tmp: Any, pattern: Optional[str] = None, **cfg: Any) -> None:
+        base: Dict[str, Any] = dict(floor=3.0, factor=5.0, warmup=3, startup=60.0)
+        base.update(cfg)
+        self.rd = RunDir("t", home=str(tmp))
+        os.makedirs(self.rd.attempt_dir(1), exist_ok=True)
+        os.makedirs(self.rd.attempt_dir(2), exist_ok=True)
+        self.events: Events = []
+        self.probe = StallProbe(
+            StallConfig(**base),
+            self.rd,
+            pattern,
+            _never,
+            lambda kind, reason, **kw: self.events.append((kind, reason, kw)),
+            environ={"RGT_PYSPY": "off", "PATH": ""},
+        )
+        self.attempt, self.started = 1, 0.0
+        self.gpu: Optional[Reading] = None
+
+    def step(self, n: int, phase: Optional[str] = None, attempt: Optional[int] = None) -> None:
+        progress.write(self.rd.path, n, attempt or self.attempt, phase=phase)
+
+    def at(self, t: float, state: str = "RUNNING", pid: Optional[int] = 4242) -> Reading:
+        ctx = Context(
+            now=t,
+            wall=1_700_000_000.0 + t,
+            state=state,
+            attempt=self.attempt,
+            attempt_started=self.started,
+            job_pid=pid,
+            tag=f"t:{self.attempt}:x",
+            sealing=None,
+        )
+        if self.gpu is not None:
+            ctx.readings["gpu"] = self.gpu
+        return self.probe.check(ctx)
+
+    def steps(self, first: int, last: int, every: float, t0: float) -> float:
+        """Steps first..last, one every ``every`` seconds from ``t0``; returns the last time."""
+        t = t0
+        for n in range(first, last + 1):
+            self.step(n)
+            r = self.at(t)
+            assert r.verdict.level == "ok", r.verdict
+            t += every
+        return t - every
+
+
+def _restarts(r: Reading) -> List[str]:
+    return [a.reason for a in r.actions if a.kind == "restart"]
+
+
+def test_no_step_at_all_is_a_stall_only_after_the_startup_budget(tmp_path: Any) -> None:
+    rig = Rig(tmp_path, startup=60.0)
+    rig.at(0.0)  # the probe sees the attempt at its start
+    assert rig.at(59.0).verdict.level == "ok"
+    r = rig.at(61.0)
+    assert (r.verdict.level, r.verdict.code) == ("alert", "stalled")
+    assert "no step yet" in r.verdict.reason and "until the first step" in r.verdict.reason
+    assert _restarts(r) and r.actions[0].klass == "transient"
+
+
+def test_budget_is_factor_times_the_longest_interval_after_the_warm_up(tmp_path: Any) -> None:
+    rig = Rig(tmp_path, floor=3.0, factor=5.0, warmup=3)
+    t = rig.steps(0, 3, every=1.0, t0=0.0)  # first step, then the 3 warm-up changes
+    t = rig.steps(4, 8, every=2.0, t0=t + 2.0)  # learned: 2 s, so 10 s
+    r = rig.at(t + 9.5)
+    assert r.verdict.level == "ok" and r.sample["budget"] == pytest.approx(10.0)
+    assert r.sample["step"] == 8 and r.sample["since_step"] == pytest.approx(9.5)
+    r = rig.at(t + 10.5)
+    assert r.verdict.code == "stalled" and _restarts(r)
+    assert "5 x longest interval 2.0 s" in r.verdict.reason
+    assert "last step 8" in r.verdict.reason and "no step for 10.5 s" in r.verdict.reason
+
+
+def test_the_floor_holds_for_fast_steps(tmp_path: Any) -> None:
+    rig = Rig(tmp_path, floor=3.0, warmup=2)
+    t = rig.steps(0, 20, every=0.1, t0=0.0)
+    assert rig.at(t + 2.9).verdict.level == "ok"
+    r = rig.at(t + 3.1)
+    assert r.verdict.code == "stalled" and "the floor" in r.verdict.reason
+    assert r.sample["steps_per_s"] == pytest.approx(10.0)
+
+
+def test_warm_up_intervals_teach_nothing(tmp_path: Any) -> None:
+    """Slow first steps (compilation) are under the startup budget; what is learned after them
+    is the steady interval, so a later hang is caught at the floor, not at 5 x 30 s."""
+    rig = Rig(tmp_path, floor=3.0, warmup=3, startup=60.0)
+    t = rig.steps(0, 2, every=30.0, t0=0.0)
+    assert rig.at(t + 50.0).verdict.level == "ok"  # still the warm-up: the startup budget
+    t = rig.steps(3, 10, every=0.5, t0=t + 55.0)  # the last warm-up change, then steady
+    r = rig.at(t + 4.0)
+    assert r.verdict.code == "stalled", r.verdict  # 4 s > floor 3 s (not 150 s)
+
+
+def test_an_earlier_attempts_report_is_no_step(tmp_path: Any) -> None:
+    rig = Rig(tmp_path, startup=60.0)
+    rig.attempt, rig.started = 2, 100.0
+    rig.step(500, attempt=1)  # what attempt 1 left behind
+    r = rig.at(101.0)
+    assert r.sample["step"] is None and "until the first step" in r.verdict.reason
+    rig.step(500)  # attempt 2 resumed at 500
+    assert rig.at(102.0).sample["step"] == 500
+
+
+def test_checkpoint_phase_has_its_own_budget_and_teaches_nothing(tmp_path: Any) -> None:
+    rig = Rig(tmp_path, floor=3.0, warmup=1, checkpoint=100.0)
+    t = rig.steps(0, 5, every=0.5, t0=0.0)
+    rig.step(5, phase="checkpoint")
+    r = rig.at(t + 50.0)
+    assert r.verdict.level == "ok" and "while in checkpoint" in r.verdict.reason
+    assert r.sample["budget"] >= 100.0
+    rig.step(6)  # the save ended; the 50 s interval around it is not learned
+    t = rig.steps(6, 8, every=0.5, t0=t + 50.5)
+    assert rig.at(t + 4.0).verdict.code == "stalled"
+
+
+def test_the_log_pattern_counts_steps_and_other_output_is_not_liveness(tmp_path: Any) -> None:
+    rig = Rig(tmp_path, pattern=r"step (\d+)", floor=3.0, warmup=1)
+    log = rig.rd.output_log(1)
+    with open(log, "a") as f:
+        for n in range(5):
+            f.write(f"step {n} loss 0.5\n")
+            f.flush()
+            assert rig.at(float(n)).verdict.level == "ok"
+        for k in range(14):  # a telemetry thread keeps printing; no step (budget 5 x 1 s)
+            f.write(f"heartbeat {k}: gpu 0%\n")
+            f.flush()
+            r = rig.at(4.0 + 0.5 * (k + 1))
+    assert r.sample["step"] == 4 and r.verdict.code == "stalled"
+
+
+def test_a_stall_fires_once_per_attempt_and_a_new_attempt_learns_afresh(tmp_path: Any) -> None:
+    rig = Rig(tmp_path, floor=3.0, warmup=1, startup=60.0)
+    t = rig.steps(0, 4, every=0.5, t0=0.0)
+    first = rig.at(t + 5.0)
+    assert _restarts(first)
+    again = rig.at(t + 6.0)
+    assert again.verdict.code == "stalled" and not again.actions
+    assert [e[0] for e in rig.events] == ["stall"]
+    kind, reason, kw = rig.events[0]
+    assert kw["stacks"] == rig.rd.stacks(1) and os.path.exists(kw["stacks"])
+    assert "stacks of 0 of 0" in reason  # this test's attempt has no processes
+    assert rig.at(t + 7.0, state="BACKOFF", pid=None).verdict.level == "ok"
+    rig.attempt, rig.started = 2, t + 8.0
+    rig.step(2)
+    r = rig.at(t + 9.0)
+    assert r.verdict.level == "ok" and "warm-up" in r.verdict.reason
+
+
+def test_alert_only_asks_for_nothing_and_off_is_unavailable(tmp_path: Any) -> None:
+    rig = Rig(tmp_path, action="alert", startup=5.0)
+    rig.at(0.0)
+    r = rig.at(6.0)
+    assert r.verdict.code == "stalled" and r.actions == []
+    off = Rig(tmp_path / "off", action="off")
+    assert off.at(0.0).verdict.level == "unavailable"
+
+
+def test_not_running_is_never_a_stall(tmp_path: Any) -> None:
+    rig = Rig(tmp_path, startup=5.0)
+    for t in (0.0, 100.0, 1000.0):
+        r = rig.at(t, state="BACKOFF", pid=None)
+        assert r.verdict.level == "ok" and not r.actions
+
+
+def _gpu(level: str, idle: Optional[bool]) -> Reading:
+    v = Verdict("gpu", level, level, "made up") if level in ("ok", "warn") else None
+    if level == "unknown":
+        v = unknown("gpu", "nvidia-smi timed out")
+    if level == "unavailable":
+        v = unavailable("gpu", "no GPU")
+    assert v is not None
+    return Reading(v, {"idle": idle})
+
+
+@pytest.mark.parametrize(
+    "level,idle,stall",
+    [
+        ("ok", True, True),  # idle GPU and no step: a stall
+        ("ok", False, False),  # a busy GPU: a long step, not a stall
+        ("unknown", None, False),  # unreadable counts as busy
+        ("unavailable", None, True),  # no GPU: the step counter alone
+        ("ok", None, True),  # a GPU reading with no idle sample: the counter alone
+    ],
+)
+def test_fake_gpu_reading_decides_with_the_counter(
+    tmp_path: Any, level: str, idle: Optional[bool], stall: bool
+) -> None:
+    rig = Rig(tmp_path, floor=3.0, warmup=1)
+    t = rig.steps(0, 4, every=0.5, t0=0.0)
+    rig.gpu = _gpu(level, idle)
+    r = rig.at(t + 5.0)
+    if stall:
+        assert r.verdict.code == "stalled" and _restarts(r)
+    else:
+        assert (r.verdict.level, r.verdict.code) == ("warn", "slow_gpu_busy")
+        assert not r.actions and "not a stall" in r.verdict.reason

@@ -56,7 +56,7 @@ from typing import Any, Dict, Optional, Tuple, Union
 
 from onbox.common import jobenv, progress
 from onbox.common.errors import CheckpointError, CheckpointWriteFailed
-from onbox.common.rundir import CHECKPOINT_REQUEST
+from onbox.common.rundir import CHECKPOINT_HOLD, CHECKPOINT_REQUEST
 from onbox.train import ckptdir, snapshot
 from onbox.train.writer import Writer
 
@@ -131,6 +131,7 @@ class Checkpointer:
         self._pending_error: Optional[BaseException] = None
         self._progress_at = 0.0
         self._reported = 0  # the last step reported, throttled or not
+        self._held = False  # the disk probe's hold was seen (said once per hold)
         self._writer: Optional[Writer] = None
         self._staging: Optional[snapshot.Staging] = None
         self._pin = pin
@@ -317,8 +318,11 @@ class Checkpointer:
 
     def save(self, step: int, extra: Optional[Dict[str, Any]] = None) -> Optional[str]:
         """Checkpoint the registered objects at ``step``. Synchronous: the path once written.
-        Async: None once the state is staged (the write goes on in the background)."""
+        Async: None once the state is staged (the write goes on in the background). None,
+        writing nothing, while the disk probe holds checkpoints back (not after a preemption)."""
         self._collect()
+        if self._hold() and not self.preempted:
+            return None
         self._request_sig = self._request()
         self._asked.clear()
         t0 = time.monotonic()
@@ -359,6 +363,13 @@ class Checkpointer:
         if self.preempted:
             self._finish(self._writer.wait())
         return None
+
+    def _hold(self) -> bool:
+        held = bool(self.run_dir) and os.path.exists(f"{self.run_dir}/{CHECKPOINT_HOLD}")
+        if held and not self._held:  # said once per hold, not on every call
+            print("rgt: disk too full: checkpoint skipped (rgt-agent status)", file=sys.stderr)
+        self._held = held
+        return held
 
     def _saved(self, step: int) -> None:
         self.step = int(step)

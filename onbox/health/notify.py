@@ -28,6 +28,7 @@ import re
 import threading
 import time
 import urllib.request
+import warnings
 from typing import Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from onbox.health.config import NotifyConfig
@@ -191,6 +192,7 @@ class Notifier:
         self._cond = threading.Condition()
         self._final: Optional[str] = None
         self._closed = False
+        self._bug = False
         self._thread: Optional[threading.Thread] = None
         self._busy: Dict[str, threading.Thread] = {}  # sink -> its stuck worker
         self._failing: Dict[str, bool] = {}
@@ -209,6 +211,11 @@ class Notifier:
             self._q.append(ev)
             self.counts["queued"] += 1
             self._cond.notify()
+
+    def backlog(self) -> List[Dict[str, Any]]:
+        """The events waiting to be sent, oldest first."""
+        with self._cond:
+            return list(self._q)
 
     def start(self) -> None:
         """The sender thread; its first act is the dead-man's ``/start``."""
@@ -243,6 +250,7 @@ class Notifier:
     def _loop(self) -> None:
         if self.cfg.deadman:
             self._ping("/start", f"rgt {self.run}: supervising")
+        self._apprise()  # loaded now, not in the run's last seconds (it takes a second or two)
         beat = self.clock() + self.cfg.heartbeat
         while True:
             with self._cond:
@@ -253,11 +261,11 @@ class Notifier:
                     self._cond.wait(wait)
                 ev = self._q.popleft() if self._q else None
                 final = self._final
+            if ev is not None:
+                self._guarded(ev)
             if final is not None:
                 self._last(final)
                 return
-            if ev is not None:
-                self._handle(ev)
             if self.cfg.deadman and self.clock() >= beat:
                 self._ping("", f"rgt {self.run}: alive")
                 beat = self.clock() + self.cfg.heartbeat
@@ -271,7 +279,20 @@ class Notifier:
                 ev = self._q.popleft() if self._q else None
             if ev is None:
                 return
+            self._guarded(ev)
+
+    def _guarded(self, ev: Dict[str, Any]) -> None:
+        try:
             self._handle(ev)
+        except Exception as e:  # the sender must outlive a bug: say so once, go on
+            if not self._bug:
+                self._bug = True
+                self._say(
+                    "notify_bug",
+                    f"{type(e).__name__}: {self._scrub(str(e))}",
+                    klass="permanent",
+                    remedy="report this; the run goes on",
+                )
 
     def _handle(self, ev: Dict[str, Any]) -> None:
         try:
@@ -355,37 +376,48 @@ class Notifier:
 
     def _apprise(self) -> List[Tuple[str, Any]]:
         """One Apprise object per URL (each sink's result is its own), made once, here on the
-        sender thread (importing Apprise takes a while)."""
+        sender thread (importing Apprise and its plugins takes a while)."""
         if self._sinks is not None:
             return self._sinks
         self._sinks = []
         if not self.cfg.urls:
             return self._sinks
-        try:
-            import apprise
-        except ImportError:
-            self._say(
-                "notify_unavailable",
-                "apprise is not installed in the agent's Python: no notifications are sent "
-                "(the dead-man's switch still pings)",
-                remedy="pip install 'remote-gpu-trainer[notify]' into the agent's venv",
-            )
-            return self._sinks
-        quiet = logging.getLogger("apprise")  # it may log a URL, token and all
-        quiet.setLevel(logging.CRITICAL + 1)
-        quiet.propagate = False
-        for url in self.cfg.urls:
-            obj = apprise.Apprise()
-            if obj.add(url):
-                self._sinks.append((url, obj))
-            else:
+        # Its plugins load at the first add(): their deprecation warnings are not the run's
+        # news (and under warnings-as-errors they would raise); the logger may print a URL.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                import apprise
+
+                logging.getLogger("apprise").setLevel(logging.CRITICAL + 1)
+                logging.getLogger("apprise").propagate = False
+                objs = [(url, apprise.Apprise()) for url in self.cfg.urls]
+                added = [(url, obj) for url, obj in objs if obj.add(url)]
+            except Exception as e:  # ImportError, or a broken install
+                self._say(
+                    "notify_unavailable",
+                    f"apprise cannot be used in the agent's Python ({type(e).__name__}): no "
+                    "notifications are sent (the dead-man's switch still pings)",
+                    remedy="pip install 'remote-gpu-trainer[notify]' into the agent's venv",
+                )
+                return self._sinks
+        for url, _ in objs:
+            if not any(u == url for u, _ in added):
                 self._say(
                     "notify_bad_url",
                     f"{safe_url(url)} is not a URL Apprise can send to; it is left out",
                     klass="usage",
                     remedy="fix it in [notify] urls (see Apprise's wiki for the service)",
                 )
+        self._sinks = added
         return self._sinks
+
+    def _scrub(self, text: str) -> str:
+        """``text`` with every configured URL (tokens and all) named by ``safe_url``."""
+        for url in (*self.cfg.urls, self.cfg.deadman or ""):
+            if url:
+                text = text.replace(url, safe_url(url))
+        return text
 
     def _say(self, kind: str, reason: str, **data: Any) -> None:
         if self._closed:

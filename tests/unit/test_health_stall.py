@@ -1,6 +1,7 @@
 """The stall probe's budget, learned per attempt from the step counter: a real progress.json (or
 the job's real output.log) in a temporary run dir, and time from the Context the test builds
-(no sleeping). The stack dump itself, on real processes, is in tests/integration.
+(no sleeping). The stack dump on a stalled job is in tests/integration; here, the job's
+sitecustomize in real Python processes.
 
 A test whose GPU reading is made up (there is no GPU here) says "fake" in its name.
 """
@@ -8,11 +9,14 @@ A test whose GPU reading is made up (there is no GPU here) says "fake" in its na
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
-from onbox.common import progress
+from onbox.agent.runner import ensure_job_lib
+from onbox.common import jobenv, progress
 from onbox.common.rundir import RunDir
 from onbox.health.config import StallConfig
 from onbox.health.stall import StallProbe
@@ -225,3 +229,40 @@ def test_fake_gpu_reading_decides_with_the_counter(
     else:
         assert (r.verdict.level, r.verdict.code) == ("warn", "slow_gpu_busy")
         assert not r.actions and "not a stall" in r.verdict.reason
+
+
+# ---- the job's sitecustomize (real Python processes, each bounded by a timeout)
+def _python(lib: str, extra_path: str, stacks: str, code: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=f"{lib}{os.pathsep}{extra_path}", RGT_STACKS_FILE=stacks)
+    return subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=30
+    )
+
+
+def test_the_stack_hook_answers_its_signal_and_chains_to_the_next_sitecustomize(
+    tmp_path: Any,
+) -> None:
+    lib = ensure_job_lib(str(tmp_path / "home"))
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "sitecustomize.py").write_text("print('the user sitecustomize ran')\n")
+    stacks = str(tmp_path / "stacks.txt")
+    code = (
+        "import os, time\n"
+        "def stuck_here():\n"
+        f"    os.kill(os.getpid(), {jobenv.STACKS_SIGNAL}); time.sleep(0.3)\n"
+        "stuck_here(); print('alive')\n"
+    )
+    p = _python(lib, str(user), stacks, code)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["the user sitecustomize ran", "alive"]
+    with open(stacks) as f:
+        text = f.read()
+    assert "stuck_here" in text and "most recent call first" in text
+
+
+def test_the_job_starts_even_when_the_stack_hook_cannot_open_its_file(tmp_path: Any) -> None:
+    lib = ensure_job_lib(str(tmp_path / "home"))
+    p = _python(lib, "", "/nonexistent/dir/stacks.txt", "print('started')")
+    assert (p.returncode, p.stdout, p.stderr) == (0, "started\n", "")

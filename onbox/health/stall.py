@@ -166,8 +166,9 @@ class StallProbe:
     # ---- the GPU's word
     @staticmethod
     def _gpu(ctx: Context) -> Optional[str]:
-        """Why the GPU says "not a stall" (busy, or unreadable), None when it agrees or there is
-        none: then the step counter alone decides."""
+        """Why the GPU says "not a stall" (busy, or unreadable: a signal that cannot be read is
+        busy, never idle), None when it is idle or there is none: then the step counter alone
+        decides."""
         r = ctx.readings.get("gpu")
         if r is None or r.verdict.level == "unavailable":
             return None
@@ -176,6 +177,8 @@ class StallProbe:
         idle = r.sample.get("idle")
         if idle is False:
             return "the GPU is busy"
+        if idle is None:  # a GPU whose utilisation cannot be read (MIG): unknown is busy
+            return "the GPU's utilisation could not be read (counted as busy)"
         return None
 
     # ---- the stall

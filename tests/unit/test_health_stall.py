@@ -214,7 +214,7 @@ def _gpu(level: str, idle: Optional[bool]) -> Reading:
         ("ok", False, False),  # a busy GPU: a long step, not a stall
         ("unknown", None, False),  # unreadable counts as busy
         ("unavailable", None, True),  # no GPU: the step counter alone
-        ("ok", None, True),  # a GPU reading with no idle sample: the counter alone
+        ("ok", None, False),  # a GPU whose utilisation is unreadable: busy
     ],
 )
 def test_fake_gpu_reading_decides_with_the_counter(

@@ -25,6 +25,7 @@ JOB_VARS = (
     jobenv.RESUME_FROM,
     jobenv.ATTEMPT,
     jobenv.CKPT_TRIGGER,
+    jobenv.STACKS_FILE,
     TAG_VAR,
 )
 

@@ -227,6 +227,7 @@ class SealService(Hooks):
                 assert self.sealer is not None
                 if self.frozen_above is None:
                     self.sealer.seal_pending()
+                    self.backlog = self.sealer.backlog
                 if self.room_wanted:
                     self.room_wanted = False
                     self.sealer.free_room()
@@ -426,7 +427,8 @@ class SealService(Hooks):
             return
         stopped = self._stop.is_set()
         self._stop_thread(None)
-        if not stopped and self.sealer is not None:
+        # A frozen run (a NaN loss) leaves its newer checkpoints unsealed: LATEST stays good.
+        if not stopped and self.sealer is not None and self.frozen_above is None:
             try:
                 self.sealer.seal_pending()
             except StoreError as e:

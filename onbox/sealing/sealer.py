@@ -81,6 +81,7 @@ class Sealer:
         self.torn: Dict[str, Tuple[int, int, int]] = {}
         self.refused: Dict[str, Tuple[int, int, int]] = {}  # unsafe names, reported once each
         self.bytes_per_s = 50e6  # until measured: a cautious guess for the preemption estimate
+        self.backlog: Optional[int] = None  # complete checkpoints the last pass left unsealed
         self.seq: Dict[str, Dict[str, Any]] = self._load_seq()
 
     @classmethod
@@ -443,6 +444,7 @@ class Sealer:
                 break
             if self.seal(cand, deadline) is not None:
                 n += 1
+        self.backlog = len(pending) - n
         if n:
             self.free_room()
         return n

@@ -1,0 +1,104 @@
+"""A NaN in the loss, with a real agent, a real PyTorch CPU job and a file:// store.
+
+What a user relies on: when the loss goes NaN the run ends FAILED saying so and at which step;
+the store's LATEST stays the last good checkpoint (sealed before the NaN, still restorable, its
+weights finite) although the job went on writing checkpoints after it; the events say what the
+health probe saw; a loss spike before it is a warning while the run goes on.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import sys
+from typing import Any, Dict, List
+
+from tests.conftest import FIXTURES, Cli, require
+from tests.polling import latest_step
+
+SPIKE_FROM, SPIKE_TO, NAN_AT, TOTAL, EVERY = 150, 180, 205, 400, 50
+FIRST_BAD_CKPT = 250  # the first checkpoint on the job's schedule after NAN_AT
+
+
+def _health(events: List[Dict[str, Any]], code: str) -> List[Dict[str, Any]]:
+    return [e for e in events if e["kind"] == "health" and e.get("code") == code]
+
+
+def _local_steps(ckpt_dir: str) -> List[int]:
+    return sorted(
+        int(m.group(1)) for n in os.listdir(ckpt_dir) if (m := re.fullmatch(r"step_(\d+)", n))
+    )
+
+
+def test_a_nan_loss_fails_the_run_and_keeps_the_last_good_checkpoint(
+    cli: Cli, tmp_path: Any
+) -> None:
+    require(importlib.util.find_spec("torch") is not None, "torch (pip install torch)")
+    root = str(tmp_path / "durable")
+    os.makedirs(root)
+    command = [
+        sys.executable,
+        os.path.join(FIXTURES, "nan_job.py"),
+        *(str(n) for n in (SPIKE_FROM, SPIKE_TO, NAN_AT, TOTAL, EVERY)),
+    ]
+    job = os.path.join(cli.home, "nan.toml")
+    with open(job, "w") as f:
+        f.write(
+            f"command = {json.dumps(command)}\n"
+            f'store = "file://{root}"\n'
+            "grace = 20\n"
+            "[health]\ninterval = 1\n"
+        )
+    cli("start", job, "--name", "nan1", check=True)
+    st = cli.wait_state("nan1", "FAILED", "SUCCEEDED", timeout=120)
+    print(json.dumps(cli.events("nan1"), indent=None))  # shown when the test fails
+
+    # the run ended FAILED, saying the loss went NaN, and at which step
+    assert st["state"] == "FAILED", st
+    reason = st["last_exit"]["reason"]
+    m = re.search(r"loss is nan at step (\d+)", reason)
+    assert m, reason
+    bad_step = int(m.group(1))
+    assert NAN_AT <= bad_step < FIRST_BAD_CKPT, reason
+
+    # the health event says what was kept; it is the store's LATEST, a step before the NaN
+    events = cli.events("nan1")
+    [nan] = [e for e in _health(events, "nan_loss") if e["level"] == "alert"]
+    keep = nan["data"]["keep_step"]
+    assert nan["probe"] == "training" and nan["class"] == "permanent"
+    assert f"step {keep} in the store" in nan["remedy"]
+    latest = latest_step(root, "nan1")
+    assert latest == keep and latest is not None and latest < NAN_AT, (latest, keep)
+
+    # the job went on checkpointing after the NaN; none of those was sealed
+    ckpt_dir = os.path.join(cli.home, "runs", "nan1", "ckpt")
+    after = [s for s in _local_steps(ckpt_dir) if s >= NAN_AT]
+    assert after, _local_steps(ckpt_dir)
+    sealed = os.listdir(os.path.join(root, "nan1", "checkpoints"))
+    assert all(int(s) < NAN_AT for s in sealed), sealed
+
+    # the kept checkpoint restores, and its weights are finite
+    dest = str(tmp_path / "restored")
+    p = cli("restore", "--store", f"file://{root}", "--name", "nan1", "--to", dest, check=True)
+    restored = p.stdout.strip().splitlines()[-1]
+    import torch
+
+    from onbox.train import Checkpointer
+
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    step = Checkpointer(
+        str(tmp_path / "unused"), model=model, optimizer=opt, handle_signals=False
+    ).load(restored)
+    assert step == latest
+    assert all(math.isfinite(v) for t in model.state_dict().values() for v in t.flatten().tolist())
+
+    # the spike before it was a warning, and the run went on after it
+    [spike] = [e for e in _health(events, "loss_spike") if e["level"] == "warn"]
+    assert spike["class"] == "transient" and "x the median" in spike["reason"]
+    step_at_spike = int(re.search(r"at step (\d+)", spike["reason"]).group(1))  # type: ignore[union-attr]
+    assert SPIKE_FROM <= step_at_spike <= SPIKE_TO
+    assert events.index(spike) < events.index(nan)

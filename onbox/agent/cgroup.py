@@ -8,52 +8,18 @@ from __future__ import annotations
 
 import os
 import re
+from typing import Iterable, Optional
 
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from typing import Iterable, Iterator, Optional
+from onbox.health.memory import cgroup_chain
 
-ROOT = "/sys/fs/cgroup"
 _KMSG_OOM = re.compile(rb"(?:Killed process|oom-kill:.*?\bpid=)\s*(\d+)")
 
 
-def _own_paths() -> Iterator[str]:
-    """Files that hold this process's OOM-kill count, most specific first."""
-    try:
-        with open("/proc/self/cgroup") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        lines = []
-    for line in lines:
-        parts = line.split(":", 2)
-        if len(parts) != 3:
-            continue
-        rel = parts[2].lstrip("/")
-        if parts[0] == "0" and parts[1] == "":
-            for mount in (ROOT, os.path.join(ROOT, "unified")):
-                yield os.path.join(mount, rel, "memory.events")
-        elif "memory" in parts[1].split(","):
-            yield os.path.join(ROOT, "memory", rel, "memory.oom_control")
-    yield os.path.join(ROOT, "memory.events")
-    yield os.path.join(ROOT, "memory", "memory.oom_control")
-
-
-def _read_key(path: str, key: str) -> Optional[int]:
-    try:
-        with open(path) as f:
-            for line in f:
-                k, _, v = line.partition(" ")
-                if k == key:
-                    return int(v)
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 def oom_kill_count() -> Optional[int]:
-    """How many processes the OOM killer has killed in our cgroup, or None when unknown."""
-    for path in _own_paths():
-        n = _read_key(path, "oom_kill")
+    """How many processes the OOM killer has killed in our cgroup, or None when unknown. The
+    memory probe's reader (onbox/health/memory.py) knows the cgroup files; innermost first."""
+    for cg in cgroup_chain(None):
+        n = cg.oom_kills()
         if n is not None:
             return n
     return None

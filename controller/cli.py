@@ -5,6 +5,7 @@ meter only after explicit confirmation; the box runs on without it.
                [--secret-env VAR ...] [--output PATH ...] [--offline] [--instance ID]
                [JOB.toml] [-- CMD ...]
     rgt status [N] [--json]    rgt watch [N]    rgt logs N [-f]    rgt stop N
+    rgt report [N] [--out FILE.html]
     rgt pull N [--to DIR] [--from box|store]
     rgt down N [--instance ID]
     rgt doctor TARGET [--profile P] [--store URL] [--budget SIZE] [--verbose] [--json]
@@ -154,6 +155,19 @@ def watch(name: Optional[str], interval: float, once: bool, until_done: bool) ->
     final = observe.watch(rec, interval=interval, once=once, until_done=until_done, out=sys.stdout)
     if until_done:
         return FINAL_EXIT_CODES.get(final, 0)
+    return 0
+
+
+@cli.command()
+@click.argument("name", required=False)
+@click.option("--out", metavar="FILE.html", help="Where (default ./NAME-report.html).")
+def report(name: Optional[str], out: Optional[str]) -> int:
+    """One self-contained HTML file of the run over time: step rate, loss, GPU, disk, memory,
+    attempts, preemptions, seals, stalls, restarts and every event; from the box, or from
+    the store when the box does not answer."""
+    from controller.report import write
+
+    _emit(write(_pick(name), out))
     return 0
 
 

@@ -20,7 +20,7 @@ from controller import boxrun
 from controller.registry import RunRecord
 from controller.remote import Remote, open_remote
 from controller.shell import script
-from onbox.agent.observe import public_state, warning_lines
+from onbox.agent.observe import health_lines, public_state, warning_lines
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.errors import NotFound, RemoteUnreachable, RgtError
 from onbox.sealing import manifest as mf
@@ -191,7 +191,14 @@ def describe(doc: Dict[str, Any], why_not_box: Optional[str] = None) -> str:
         le = doc["last_exit"]
         lines.append(f"  last exit: {le.get('kind')}: {le.get('reason', '')}".rstrip(": "))
     lines += [f"  warning: {line}" for line in warning_lines(doc)]
+    lines += [f"  {line}" for line in health_lines(doc, _box_now(doc))]
     return "\n".join(lines)
+
+
+def _box_now(doc: Dict[str, Any]) -> float:
+    """The box's clock when the document was read (the verdicts' ages are the box's)."""
+    box_time = (doc.get("box") or {}).get("box_time")
+    return float(box_time) if isinstance(box_time, int) else time.time()
 
 
 def _metrics(prog: Dict[str, Any]) -> str:
@@ -305,6 +312,9 @@ def render(doc: Dict[str, Any], rate: Optional[float], why_not_box: Optional[str
         t.add_row("sealed", f"step {doc['latest'].get('step')}")
     else:
         t.add_row("sealed", "nothing sealed yet")
+    health = health_lines(doc, _box_now(doc))
+    if health:
+        t.add_row("health", Text("\n".join([health[-1], *health[:-1]])))
     ev = Table.grid()
     for e in (box.get("events") or [])[-6:]:
         ev.add_row(Text(f"{str(e.get('time', ''))[11:19]} {e.get('kind')}: {e.get('reason', '')}"))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import click
@@ -238,6 +239,8 @@ def status(name: Optional[str], as_json: bool) -> int:
         _emit(f"  progress   step {prog['step']} (attempt {prog.get('attempt')}){metrics}")
     for line in observe.warning_lines(st):
         _emit(f"  warning    {line}")
+    for line in observe.health_lines(st, time.time()):
+        _emit(f"  {line}")
     _emit(f"  updated    {st.get('updated_at')}")
     _emit(f"  run dir    {st['run_dir']}")
     return 0
@@ -257,6 +260,14 @@ def _list(as_json: bool) -> int:
             f"{r['name']:24} {r['state']:10} {r.get('attempt') or 0:>7} "
             f"{r.get('pid') or '-':>8}  {r.get('updated_at') or '-'}"
         )
+    return 0
+
+
+@cli.command(name="report-data", hidden=True)
+@click.argument("name")
+def report_data(name: str) -> int:
+    """One JSON object for `rgt report`: status, health samples, events (onbox.agent.observe)."""
+    _emit(json.dumps(observe.report_data(RunDir(name).require()), sort_keys=True))
     return 0
 
 

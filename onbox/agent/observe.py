@@ -1,4 +1,5 @@
-"""Reading a run without changing it: its status and its logs.
+"""Reading a run without changing it: its status (with the health verdicts), its logs, and what
+``rgt report`` draws.
 
 What status prints and what ``logs --agent`` copies pass through the box's redactor
 (onbox/common/redact.py); the job's own output (``logs`` without ``--agent``) is the job's,
@@ -86,8 +87,64 @@ def warning_lines(doc: Dict[str, Any]) -> List[str]:
     warnings = doc.get("warnings")
     for w in warnings if isinstance(warnings, list) else []:
         text = str((w.get("reason") or w.get("kind")) if isinstance(w, dict) else w)
-        out.append("".join("?" if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F else c for c in text))
+        out.append(_printable(text))
     return out
+
+
+def _printable(text: str) -> str:
+    return "".join("?" if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F else c for c in text)
+
+
+# Levels of concern first: what a line is shown for (ok and unavailable go in the summary).
+_CONCERN = ("alert", "warn", "unknown")
+
+
+def health_lines(doc: Dict[str, Any], now: Optional[float] = None) -> List[str]:
+    """The health probes' verdicts of a status document (state.json's ``health``), for people:
+    one line per probe of concern (alert, warn, unknown; with its remedy), then a summary such
+    as ``health: ok (7 probes, 12 s ago)``. None of it when the run has no probes. Control
+    characters are shown as '?' (the document may come from the box or the store)."""
+    health = doc.get("health")
+    probes = health.get("probes") if isinstance(health, dict) else None
+    if not isinstance(probes, dict) or not probes:
+        return []
+    out = []
+    levels: Dict[str, List[str]] = {}
+    for name, v in sorted(probes.items()):
+        v = v if isinstance(v, dict) else {}
+        level = str(v.get("level") or "unknown")
+        levels.setdefault(level, []).append(str(name))
+        if level in _CONCERN:
+            line = f"{name}: {level}: {v.get('reason') or v.get('code') or ''}"
+            if v.get("remedy"):
+                line += f" ({v['remedy']})"
+            out.append(_printable(line))
+    worst = next((lv for lv in _CONCERN if lv in levels), "ok" if "ok" in levels else "")
+    worst = worst or "unavailable"  # no probe could run here: not "ok"
+    parts = [f"{len(probes)} probes"]
+    if levels.get("unavailable"):
+        parts.append(f"unavailable here: {', '.join(levels['unavailable'])}")
+    at = health.get("at") if isinstance(health, dict) else None
+    if isinstance(at, (int, float)) and now is not None:
+        parts.append(f"{max(0, int(now - at))} s ago")
+    out.append(_printable(f"health: {worst} ({'; '.join(parts)})"))
+    return out
+
+
+def report_data(rd: RunDir, max_rows: int = 5000, max_events: int = 2000) -> Dict[str, Any]:
+    """What ``rgt report`` draws, in one document (``rgt-agent report-data``): the status, the
+    health samples (onbox/health/series.py; at most ``max_rows``, evenly thinned, the last
+    kept) and the last ``max_events`` events."""
+    from onbox.agent.journal import read_events
+    from onbox.health import series
+
+    rows = series.read(rd.health)
+    if len(rows) > max_rows:
+        stride = -(-len(rows) // max_rows)
+        rows = rows[::stride] + ([rows[-1]] if (len(rows) - 1) % stride else [])
+    # Written redacted by the journal; again here for lines written before a secret was added.
+    events = redact.for_home(rd.home).redact_obj(read_events(rd.events)[-max_events:])
+    return {"status": run_status(rd), "samples": rows, "events": events, "now": time.time()}
 
 
 def last_progress(rd: RunDir) -> Optional[Dict[str, Any]]:

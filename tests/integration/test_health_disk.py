@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator
 
 import pytest
 
+from tests import mounts
 from tests.conftest import Cli, fixture, require
 from tests.polling import wait
 
@@ -24,21 +25,8 @@ NAME = "diskfull"
 def tmpfs(tmp_path: Any) -> Iterator[str]:
     """A 64 MiB tmpfs with 2000 inodes, mounted for real; unmounted at the end (after the
     test's processes are killed: ``cli`` is set up after it, so torn down before it)."""
-    require(os.geteuid() == 0, "root, to mount the test's tmpfs")
-    path = str(tmp_path / "fs")
-    os.makedirs(path)
-    p = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=2000", "rgt-health-disk", path],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    require(p.returncode == 0, f"mounting a tmpfs ({p.stderr.strip()})")
-    try:
+    with mounts.tmpfs(str(tmp_path / "fs"), "size=64m,nr_inodes=2000", "rgt-health-disk") as path:
         yield path
-    finally:
-        subprocess.run(["umount", "-l", path], capture_output=True, timeout=30)
-        assert not os.path.ismount(path)
 
 
 def _log(cli: Cli) -> str:

@@ -21,6 +21,7 @@ from onbox.health.config import DiskConfig, MemoryConfig
 from onbox.health.disk import DiskProbe
 from onbox.health.memory import MemoryProbe
 from onbox.health.verdict import Context, SealView
+from tests import mounts
 from tests.conftest import require
 from tests.polling import wait
 
@@ -45,21 +46,8 @@ def _ctx(now: float = 0.0, **kw: Any) -> Context:
 @pytest.fixture
 def tmpfs(tmp_path: Any) -> Iterator[str]:
     """A 64 MiB tmpfs with 2000 inodes, mounted for real; unmounted at the end."""
-    require(os.geteuid() == 0, "root, to mount the test's tmpfs")
-    path = str(tmp_path / "fs")
-    os.makedirs(path)
-    p = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64m,nr_inodes=2000", "rgt-disk-test", path],
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    require(p.returncode == 0, f"mounting a tmpfs ({p.stderr.strip()})")
-    try:
+    with mounts.tmpfs(str(tmp_path / "fs"), "size=64m,nr_inodes=2000", "rgt-disk-test") as path:
         yield path
-    finally:
-        subprocess.run(["umount", "-l", path], capture_output=True, timeout=30)
-        assert not os.path.ismount(path)
 
 
 def _fill_inodes(path: str) -> List[str]:

@@ -1,0 +1,30 @@
+"""A real tmpfs for a test: mounted with the options given, unmounted at the end (root only;
+skipped, or failed under CI, elsewhere)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from typing import Iterator
+
+from tests.conftest import require
+
+
+@contextlib.contextmanager
+def tmpfs(path: str, options: str, label: str = "rgt-test") -> Iterator[str]:
+    """``mount -t tmpfs -o OPTIONS LABEL PATH``; lazily unmounted when the block ends."""
+    require(os.geteuid() == 0, "root, to mount the test's tmpfs")
+    os.makedirs(path, exist_ok=True)
+    p = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, label, path],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    require(p.returncode == 0, f"mounting a tmpfs ({p.stderr.strip()})")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", path], capture_output=True, timeout=30)
+        assert not os.path.ismount(path)

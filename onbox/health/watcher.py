@@ -27,6 +27,9 @@ def _plain(v: Any) -> Any:
     return v
 
 
+SAVE_EVERY = 60.0
+
+
 class HealthWatcher:
     """The probes of one agent, and what they last said."""
 
@@ -51,6 +54,7 @@ class HealthWatcher:
         self.cpu_s = 0.0  # this thread's CPU time in the probes, for status and the bench
         self.last_tick: Optional[float] = None  # wall time
         self._actions: List[Action] = []
+        self._saved: Optional[float] = None  # monotonic, when a save was last asked for
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -122,7 +126,10 @@ class HealthWatcher:
         self.ticks += 1
         self.last_tick = ctx.wall
         self.cpu_s += time.thread_time() - t0
-        if changed:
+        # state.json's verdicts also say how fresh they are (status shows "12 s ago"): saved
+        # on each change, and at least every SAVE_EVERY seconds.
+        if changed or self._saved is None or ctx.now - self._saved >= SAVE_EVERY:
+            self._saved = ctx.now
             actions.append(Action("save"))
         if actions:
             with self._lock:

@@ -295,14 +295,17 @@ def table(idle: Dict[str, float], det: Dict[str, Any], args: argparse.Namespace)
         f"Measured {now}; machine: {os.cpu_count()} cores, Linux {platform.release()}, Python "
         f"{platform.python_version()}; idle window {idle['wall']:.0f} s; the user's loop every "
         f"{args.loop_interval:g} s for detection (10 s for the idle cost); stall floor "
-        f"{args.stall_floor:g} s; onbox at {commit_of('onbox')}.\n\n"
+        f"{args.stall_floor:g} s; onbox at {commit_of('onbox')}. One fault of each kind: a "
+        "poller's latency depends on where in its interval the fault falls (anywhere from 0 to "
+        "the interval: rgt's probes tick every 10 s, the loop every "
+        f"{args.loop_interval:g} s; a crash rgt sees at once, from the job's exit).\n\n"
     )
     rows = [
         "| metric | rgt probes | user's loop | ratio (rgt/loop) | target |",
         "|---|---:|---:|---:|---|",
         f"| idle CPU, % of one core (agent with probes - agent without) | {probes:.3f} | "
         f"{idle['loop_cpu']:.3f} | {probes / idle['loop_cpu'] if idle['loop_cpu'] else 0:.2f}x | "
-        f"< {CPU_TARGET:g}%: **{verdict(probes < CPU_TARGET)}** |",
+        f"< {CPU_TARGET:g}%: {verdict(probes < CPU_TARGET)} |",
         f"| the probes' thread alone (watcher's account), % of one core | "
         f"{idle['probes_thread']:.3f} | | | |",
         f"| agent RSS mean, probes on / off (MiB) | {idle['rss_on']:.1f} / {idle['rss_off']:.1f} "

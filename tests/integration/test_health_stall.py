@@ -104,6 +104,7 @@ def test_a_job_stuck_in_c_calls_still_gets_every_threads_stack(cli: Cli, path: s
     if path == "faulthandler":
         assert "most recent call first" in text  # faulthandler's own format
     st = cli.status("st2")
-    assert st["state"] == "RUNNING" and st["attempt"] == 1  # the shell survived; alert only
+    # the shell survived (alert only); the stall may come before the start grace ended
+    assert st["state"] in ("STARTING", "RUNNING") and st["attempt"] == 1, st
     assert not _events(cli, "st2", "exit")
     cli("stop", "st2", "--grace", "1", check=True)

@@ -66,6 +66,7 @@ def _lower_priority() -> None:
 
 
 HEALTH_MIRROR_EVERY = 60.0  # seconds between mirrors of the health samples
+SKEW_EVERY = 600.0  # seconds between readings of the store's clock
 
 
 class SealService(Hooks):
@@ -108,6 +109,8 @@ class SealService(Hooks):
         # sealed from now on, so the last good checkpoint stays LATEST.
         self.frozen_above: Optional[int] = None
         self._health_mirrored = 0.0
+        self.skew: Optional[float] = None  # the store's clock minus ours (SealView.skew)
+        self._skew_at: Optional[float] = None
 
     def event(
         self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
@@ -236,6 +239,7 @@ class SealService(Hooks):
                 if due:
                     self._health_mirrored = time.monotonic()
                 self.last_ok_wall, self.last_error = time.time(), None
+                self._measure_skew()
                 backoff = 0.0
                 if request is not None:
                     if self._sync_request == request:
@@ -289,8 +293,18 @@ class SealService(Hooks):
             last_ok_wall=self.last_ok_wall,
             last_error=self.last_error,
             last_error_wall=self.last_error_wall,
+            skew=self.skew,
             ckpt_bytes=sum(int(f.get("size", 0)) for f in doc.get("files", [])) if doc else None,
         )
+
+    def _measure_skew(self) -> None:
+        """The store's clock against the box's, every SKEW_EVERY (a clock minutes off makes
+        a box's times lie: the sealing probe warns)."""
+        now = time.monotonic()
+        if self._skew_at is not None and now - self._skew_at < SKEW_EVERY:
+            return
+        self._skew_at = now
+        self.skew = self.store.clock_skew()
 
     def want_room(self) -> None:
         self.room_wanted = True

@@ -33,6 +33,7 @@ import pytest
 from botocore.awsrequest import AWSResponse
 
 from onbox.common.errors import AuthError, IntegrityError
+from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import (
     PermanentStoreError,
     StoreError,
@@ -467,3 +468,16 @@ def test_bad_arguments_are_refused_early() -> None:
         S3Store("bucket", "p", part_size=MiB)
     with pytest.raises(ValueError):
         S3Store("bucket", "p", concurrency=9)
+
+
+def test_the_store_clock_is_read_from_the_servers_date(
+    s3_server: SeaweedServer, bucket: str, tmp_path: Any
+) -> None:
+    """The sealing probe's clock skew: the server's Date header against this box's clock. The
+    server runs on this very machine, so the skew is the Date's rounding (a second) and the
+    request's time; a store without a clock of its own (a mount) says it cannot tell."""
+    skew = s3_server.store(bucket, "skew").clock_skew()
+    assert skew is not None and abs(skew) < 3.0, skew
+    assert open_store(f"file://{tmp_path}").clock_skew() is None
+    # a bucket that is not there: unknown, not an error and not 0
+    assert s3_server.store(f"rgt-missing-{uuid.uuid4().hex[:8]}", "p").clock_skew() is None

@@ -221,6 +221,11 @@ class Store(abc.ABC):
         """Whether the store lives on the filesystem holding ``path`` (so it is not durable)."""
         return False
 
+    def clock_skew(self) -> Optional[float]:
+        """The store's clock minus this box's, in seconds, from the server's ``Date`` where the
+        store has one (S3); None where it cannot say (a mount's clock is this box's own)."""
+        return None
+
 
 def with_retries(
     fn: Callable[[], T],

@@ -6,9 +6,11 @@ protocol, multipart uploads and the preflight are their own modules beside it.
 
 from __future__ import annotations
 
+import email.utils
 import hashlib
 import os
 import threading
+import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 from urllib.parse import urlsplit
 
@@ -212,6 +214,24 @@ class S3Store(Store):
             raise client_error(self, e, doing) from None
         except bex.BotoCoreError as e:
             raise boto_error(self, e, doing) from None
+
+    def clock_skew(self) -> Optional[float]:
+        """From the ``Date`` of a HEAD of the bucket: whole seconds, so the skew is known to a
+        second or so (the midpoint of the request stands for the server's moment)."""
+        t0 = time.time()
+        try:
+            got = self.client.head_bucket(Bucket=self.bucket)
+        except (bex.ClientError, bex.BotoCoreError):
+            return None
+        t1 = time.time()
+        date = (got.get("ResponseMetadata", {}).get("HTTPHeaders", {}) or {}).get("date")
+        if not date:
+            return None
+        try:
+            server = email.utils.parsedate_to_datetime(date).timestamp()
+        except (TypeError, ValueError):
+            return None
+        return server - (t0 + t1) / 2
 
     # -- checksums --------------------------------------------------------------------------
 

@@ -106,7 +106,7 @@ class StallProbe:
                     "slow_gpu_busy",
                     f"no step for {_fmt(since)} (budget {why}), {last}; not a stall: {gpu}",
                     remedy="a long step, or a phase the job does not report "
-                    '(progress.write(..., phase="eval"))',
+                    '(with onbox.train.phase("eval"): ...)',
                     klass="transient",
                 ),
                 sample,

@@ -14,5 +14,13 @@ from onbox.train.checkpointer import (
     CheckpointWriteFailed,
     SaveToken,
 )
+from onbox.train.phase import phase
 
-__all__ = ["PREEMPT_EXIT", "Checkpointer", "CheckpointError", "CheckpointWriteFailed", "SaveToken"]
+__all__ = [
+    "PREEMPT_EXIT",
+    "Checkpointer",
+    "CheckpointError",
+    "CheckpointWriteFailed",
+    "SaveToken",
+    "phase",
+]

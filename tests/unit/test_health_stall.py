@@ -21,6 +21,7 @@ from onbox.common.rundir import RunDir
 from onbox.health.config import StallConfig
 from onbox.health.stall import StallProbe
 from onbox.health.verdict import Context, Reading, Verdict, unavailable, unknown
+from onbox.train import phase
 
 Events = List[Tuple[str, str, Dict[str, Any]]]
 
@@ -266,3 +267,28 @@ def test_the_job_starts_even_when_the_stack_hook_cannot_open_its_file(tmp_path: 
     lib = ensure_job_lib(str(tmp_path / "home"))
     p = _python(lib, "", "/nonexistent/dir/stacks.txt", "print('started')")
     assert (p.returncode, p.stdout, p.stderr) == (0, "started\n", "")
+
+
+def test_the_training_apis_phase_block_reports_the_phase_and_clears_it(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``with onbox.train.phase("eval")``: progress.json says the phase at once (keeping the step
+    and metrics the job last reported), and no longer once the block ends, even by an error."""
+    run_dir = str(tmp_path)
+    monkeypatch.setenv(jobenv.RUN_DIR, run_dir)
+    monkeypatch.setenv(jobenv.ATTEMPT, "2")
+    progress.write(run_dir, 7, 2, {"loss": 0.5})
+    with pytest.raises(RuntimeError), phase("eval"):
+        doc = progress.read(run_dir)
+        assert doc is not None
+        assert (doc["step"], doc.get("phase"), doc["metrics"]) == (7, "eval", {"loss": 0.5})
+        raise RuntimeError("the evaluation failed")
+    doc = progress.read(run_dir)
+    assert doc is not None and doc["step"] == 7 and "phase" not in doc
+    with pytest.raises(ValueError), phase("lunch"):
+        pass
+    monkeypatch.delenv(jobenv.RUN_DIR)
+    os.unlink(progress.path_in(run_dir))
+    with phase("checkpoint"):  # outside the agent: nothing written, nothing raised
+        pass
+    assert progress.read(run_dir) is None

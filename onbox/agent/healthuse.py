@@ -136,7 +136,9 @@ class AgentHealth:
                 sup.kill_attempt(a.reason, then=a.kind, kind=kind, klass=a.klass, remedy=a.remedy)
 
     def stop(self) -> None:
-        self.watcher.stop()
+        # Short: the run's end is recorded already, and a preemption's budget may be nearly
+        # spent; the thread is a daemon, and each probe's close() ends what it started.
+        self.watcher.stop(timeout=1.0)
         self.sup.extra["health"] = self.watcher.to_doc()
 
 

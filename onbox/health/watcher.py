@@ -143,8 +143,8 @@ class HealthWatcher:
         self.verdicts[v.probe] = v
         if prev is not None and prev.key == v.key:
             return prev.reason != v.reason  # the same verdict, updated numbers: state only
-        if prev is None and v.level == "ok":
-            return True
+        if prev is None and v.level in ("ok", "unavailable"):
+            return True  # a first verdict with nothing to say (no GPU here): state only
         concern = RANK[v.level] >= RANK["warn"]
         self.event(
             "health",

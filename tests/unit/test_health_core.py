@@ -226,3 +226,15 @@ def test_the_readme_job_file_example_of_health_and_notify_parses_to_the_defaults
     assert cfg.interval == defaults.interval and cfg.enabled
     assert cfg.training.nan == defaults.training.nan
     assert cfg.notify.rate_per_hour == defaults.notify.rate_per_hour
+
+
+def test_a_first_verdict_of_ok_or_unavailable_is_no_event() -> None:
+    """No GPU on this box is said in status, not journaled at every agent start; a probe that
+    cannot read its signal (unknown) is an event from the first tick."""
+    j = MemoryJournal()
+    gpu = Scripted("gpu", [Reading(Verdict("gpu", "unavailable", "no_gpu", "no GPU seen"))])
+    stall = Scripted("stall", [Reading(Verdict("stall", "unknown", "unknown", "cannot read"))])
+    w = HealthWatcher(HealthConfig(), [gpu, stall], _ctx, j.event)
+    w.tick()
+    assert [e["probe"] for e in j.events if e["kind"] == "health"] == ["stall"]
+    assert w.to_doc()["probes"]["gpu"]["code"] == "no_gpu"

@@ -45,17 +45,23 @@ def agent_argv(name: str) -> List[str]:
     return [*python_argv("onbox.agent.loop"), name]
 
 
+# The packages rgt's processes import from wherever the installer put them (locate only: nothing
+# is imported here; setproctitle's own import is avoided, see onbox/agent/title.py).
+_DEPENDENCIES = ("setproctitle", "psutil", "watchdog", "click")
+
+
 def _internal_path() -> List[str]:
     # Wherever this onbox came from (a venv, a source checkout), rgt's processes import the same
-    # one; setproctitle (so `ps` names them) may live elsewhere.
+    # one; its dependencies may live elsewhere (an editable checkout beside a venv's packages).
     paths = [onbox.import_root()]
     import importlib.util
 
-    spec = importlib.util.find_spec("setproctitle")  # locate only: see onbox/agent/title.py
-    if spec is not None and spec.origin:
-        where = os.path.dirname(os.path.dirname(os.path.abspath(spec.origin)))
-        if where not in paths:
-            paths.append(where)
+    for name in _DEPENDENCIES:
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.origin:
+            where = os.path.dirname(os.path.dirname(os.path.abspath(spec.origin)))
+            if where not in paths:
+                paths.append(where)
     return paths
 
 

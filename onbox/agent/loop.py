@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from typing import Any, Dict, List, Optional, TextIO, Tuple, cast
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, TextIO, Tuple, cast
 
 from onbox.agent import healthuse, procfs
 from onbox.agent.boot import install_hook, take_from_boot
@@ -38,8 +38,10 @@ from onbox.common import redact
 from onbox.common.durable import read_json
 from onbox.common.errors import IntegrityError, RgtError, UsageError
 from onbox.common.rundir import RunDir
-from onbox.health.notify import Notifier
 from onbox.sealing.stores.base import TransientStoreError
+
+if TYPE_CHECKING:
+    from onbox.health.notify import Notifier
 
 
 class Agent:
@@ -62,6 +64,9 @@ class Agent:
         self.journal = FileJournal(rd.state, rd.events, rd.agent_log)
         self.notifier: Optional[Notifier] = None  # Apprise URLs and the dead-man's switch
         if self.spec.health.notify.urls or self.spec.health.notify.deadman:
+            # Imported only here: urllib, ssl and logging cost an agent without them ~4 MiB.
+            from onbox.health.notify import Notifier
+
             self.notifier = Notifier(self.spec.health.notify, rd.name, self.journal.event)
             self.journal.listeners.append(self.notifier.listen)
         self.runner = ShimRunner(

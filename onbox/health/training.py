@@ -20,8 +20,7 @@ import collections
 import math
 import os
 import re
-import statistics
-from typing import Any, Deque, List, Optional, Tuple, Union
+from typing import Any, Deque, List, Optional, Sequence, Tuple, Union
 
 from onbox.common import progress
 from onbox.common.logscan import LineReader
@@ -46,6 +45,13 @@ def _value(v: Any) -> Optional[float]:
         return float(v)
     except (TypeError, ValueError):
         return None
+
+
+def _median(values: Sequence[float]) -> float:
+    """The median (statistics.median, without its imports in the agent: decimal, fractions)."""
+    v = sorted(values)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else (v[mid - 1] + v[mid]) / 2
 
 
 class _Attempt:
@@ -101,7 +107,7 @@ class TrainingProbe:
         rate, median_rate = self._rate(ctx, at)
         sample = {
             "loss": at.loss,
-            "loss_median": statistics.median(at.window) if at.window else None,
+            "loss_median": _median(at.window) if at.window else None,
             "steps_per_s": None if rate is None else round(rate, 4),
         }
         verdict, actions = self._judge(ctx, at, rate, median_rate)
@@ -176,7 +182,7 @@ class TrainingProbe:
             at.nan = None  # policy alert: the verdict follows the newest value
         at.spike = None
         if len(at.window) >= MIN_VALUES:
-            median = statistics.median(at.window)
+            median = _median(at.window)
             if median > 0 and v > self.cfg.spike_factor * median:
                 at.spike = (v, at.loss_step, median, len(at.window))
         at.window.append(v)
@@ -199,10 +205,10 @@ class TrainingProbe:
             # is not a drop; a slowdown over most of the window is.
             pairs = list(at.ticks)
             each = [(b[1] - a[1]) / (b[0] - a[0]) for a, b in zip(pairs, pairs[1:]) if b[0] > a[0]]
-            rate = statistics.median(each) if each else None
+            rate = _median(each) if each else None
         if rate is None or at.step == at.first_step:
             return rate, None  # warm-up: not stepping yet (loading, compiling)
-        median = statistics.median(at.rates) if len(at.rates) >= RATE_WARMUP else None
+        median = _median(at.rates) if len(at.rates) >= RATE_WARMUP else None
         at.rates.append(rate)
         return rate, median
 

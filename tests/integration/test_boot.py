@@ -217,7 +217,11 @@ def test_cron_hook_needs_the_opt_in(cli: Cli, tmp_path: Any) -> None:
     cli.wait_state("c1", "STOPPED")
     wait(lambda: not cli.status("c1")["agent"]["alive"], what="the agent to exit")
     cli("start", "--name", "c1", "--boot-hook", check=True)
-    wait(lambda: cron.exists(), what="the @reboot entry")
+    # The entry is written, then its event: wait for the event (the file alone raced it).
+    wait(
+        lambda: [e for e in cli.events("c1") if e["kind"] == "boot_hook"],
+        what="the boot_hook event",
+    )
     line = cron.read_text()
     assert line.startswith("@reboot ") and "rgt-agent boot hook" in line, line
     ev = [e for e in cli.events("c1") if e["kind"] == "boot_hook"]

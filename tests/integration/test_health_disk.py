@@ -98,3 +98,26 @@ def test_inodes_full_alerts_in_status_and_events_and_holds_the_jobs_saves(
                 os.kill(int(job_pid), 9)
             except ProcessLookupError:
                 pass
+
+
+def test_checkpointer_save_is_skipped_while_held_and_said_once(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+
+    from onbox.train import Checkpointer
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.setenv("RGT_RUN_DIR", str(run_dir))
+    (run_dir / "checkpoint.hold").write_text('{"reason": "test"}')
+    model = torch.nn.Linear(2, 2)
+    ckpt = Checkpointer(str(tmp_path / "ckpt"), model=model, handle_signals=False)
+    assert ckpt.save(1) is None and ckpt.save(2) is None
+    assert not os.path.exists(tmp_path / "ckpt") or os.listdir(tmp_path / "ckpt") == []
+    err = capfd.readouterr().err
+    assert err.count("checkpoint skipped") == 1, err
+    (run_dir / "checkpoint.hold").unlink()
+    path = ckpt.save(3)
+    assert path is not None and os.path.isdir(path)
+    ckpt.close()

@@ -1,5 +1,5 @@
-"""A real tmpfs for a test: mounted with the options given, unmounted at the end (root only;
-skipped, or failed under CI, elsewhere)."""
+"""Real kernel objects for a test: a tmpfs mounted with the options given and unmounted at the
+end (root only; skipped, or failed under CI, elsewhere), and a cgroup v1 memory group."""
 
 from __future__ import annotations
 
@@ -28,3 +28,18 @@ def tmpfs(path: str, options: str, label: str = "rgt-test") -> Iterator[str]:
     finally:
         subprocess.run(["umount", "-l", path], capture_output=True, timeout=30)
         assert not os.path.ismount(path)
+
+
+def memory_cgroup(limit: int, name: str) -> str:
+    """A cgroup v1 memory group ``name`` with ``limit`` bytes and no swap, or '' when one cannot
+    be made here. The caller empties and removes it."""
+    path = os.path.join("/sys/fs/cgroup/memory", f"{name}-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
+            f.write(str(limit))
+        with open(os.path.join(path, "memory.swappiness"), "w") as f:
+            f.write("0")
+    except OSError:
+        return ""
+    return path

@@ -19,6 +19,7 @@ import pytest
 
 from onbox.agent import procfs
 from onbox.agent.daemon import TAG_VAR
+from tests import mounts
 from tests.conftest import Cli, agent_exe, fixture, require
 
 
@@ -427,23 +428,8 @@ def test_run_in_the_foreground_returns_the_final_state_as_exit_code(cli: Cli) ->
             proc.communicate()
 
 
-def _memory_cgroup(limit: int) -> str:
-    """A cgroup v1 memory group of our own with ``limit`` bytes, or '' when we cannot make one."""
-    base = "/sys/fs/cgroup/memory"
-    path = os.path.join(base, f"rgt-test-{os.getpid()}")
-    try:
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(limit))
-        with open(os.path.join(path, "memory.swappiness"), "w") as f:
-            f.write("0")
-    except OSError:
-        return ""
-    return path
-
-
 def test_the_oom_killer_takes_the_job_not_the_agent_and_the_exit_says_so(cli: Cli) -> None:
-    cg = _memory_cgroup(300 << 20)
+    cg = mounts.memory_cgroup(300 << 20, "rgt-test")
     require(bool(cg), "root and a writable cgroup v1 memory controller")
     hog = (
         "import time\nchunks = []\nwhile True:\n    chunks.append(b'x' * (32 << 20))\n"

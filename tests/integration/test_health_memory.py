@@ -14,6 +14,7 @@ from typing import Any, Dict, Iterator
 
 import pytest
 
+from tests import mounts
 from tests.conftest import Cli, agent_exe, fixture, require
 from tests.polling import wait
 
@@ -25,16 +26,8 @@ LIMIT = 300 << 20
 def cgroup() -> Iterator[str]:
     """A cgroup v1 memory group of our own with LIMIT bytes and no swap; at the end every
     process left in it is killed by PID and the group removed."""
-    base = "/sys/fs/cgroup/memory"
-    path = os.path.join(base, f"rgt-health-{os.getpid()}")
-    try:
-        os.makedirs(path, exist_ok=True)
-        with open(os.path.join(path, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(LIMIT))
-        with open(os.path.join(path, "memory.swappiness"), "w") as f:
-            f.write("0")
-    except OSError as e:
-        require(False, f"root and a writable cgroup v1 memory controller ({e})")
+    path = mounts.memory_cgroup(LIMIT, "rgt-health")
+    require(bool(path), "root and a writable cgroup v1 memory controller")
     try:
         yield path
     finally:

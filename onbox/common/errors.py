@@ -169,6 +169,20 @@ FINAL_EXIT_CODES = {
     "PREEMPTED": 13,
 }
 
+# Exit codes that no retry can fix, for a scheduler's failure policy (a Kubernetes Job's
+# podFailurePolicy FailJob, a Slurm requeue refused): bad input (2), credentials (4), a corrupt
+# store (6), a refused unsafe action (7), a run FAILED by its policy (11: crash loop, NaN loss,
+# error budget spent) and a run the user STOPPED (12). PREEMPTED (13) and everything else may
+# succeed on a new pod or allocation.
+PERMANENT_EXIT_CODES = (
+    UsageError.exit_code,
+    AuthError.exit_code,
+    IntegrityError.exit_code,
+    UnsafeRefused.exit_code,
+    FINAL_EXIT_CODES["FAILED"],
+    FINAL_EXIT_CODES["STOPPED"],
+)
+
 
 # The class of the tree that owns each exit code (UsageError, exit 2, needs a field: not here).
 _BY_CODE = {

@@ -1,0 +1,69 @@
+"""The seal time a scheduler's warning and a pod's grace are derived from, as the laptop finds
+it: ``--seal-time S`` when the user measured it (``rgt smoke``, an earlier run), else the run's
+own events mirrored in its store (``RUN/state/events.jsonl``: a run that sealed before, e.g. the
+previous allocation of the same job), else nothing measured (onbox/common/sealtime.py then uses
+the caller's assumption and says so).
+
+Everything read from the store is untrusted: an events file larger than MAX_EVENTS_BYTES is read
+from its end, torn and foreign lines are skipped, and a number that is not a finite seconds
+value counts as no measurement.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List, Optional
+
+from onbox.common.duration import parse_duration
+from onbox.common.errors import StoreError
+from onbox.common.sealtime import SealTime, measure
+from onbox.sealing import manifest as mf
+
+MAX_EVENTS_BYTES = 8 << 20
+
+
+def _lines(raw: Optional[bytes]) -> List[Dict[str, Any]]:
+    if not raw:
+        return []
+    if len(raw) > MAX_EVENTS_BYTES:
+        raw = raw[-MAX_EVENTS_BYTES:]
+        raw = raw[raw.find(b"\n") + 1 :]  # the first line is torn
+    out = []
+    for line in raw.splitlines():
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(ev, dict):
+            out.append(ev)
+    return out
+
+
+def from_store(store_url: Optional[str], run: str) -> SealTime:
+    """The seal time measured from ``run``'s mirrored events in ``store_url`` (not measured
+    when there is no store, no such run, or the store cannot be read: said in ``source``)."""
+    if not store_url:
+        return SealTime(None, 0, f"not measured: run {run} has no store to read its seals from")
+    from onbox.sealing.stores import open_store
+
+    try:
+        store = open_store(store_url)
+        raw = store.get_bytes(mf.state_key(run, "events.jsonl"))
+    except StoreError as e:
+        return SealTime(None, 0, f"not measured: the store {store_url} cannot be read ({e.what})")
+    if raw is None:
+        return SealTime(None, 0, f"not measured: the store {store_url} holds no run {run} yet")
+    return measure(_lines(raw), f"run {run}")
+
+
+def given(value: str) -> SealTime:
+    """``--seal-time S`` (seconds or a duration: 45, 90s, 2m), checked."""
+    seconds = parse_duration(value, "--seal-time")  # refuses 0, negatives, NaN, words
+    return SealTime(float(seconds), 1, f"given: --seal-time {value}")
+
+
+def seal_time(seal_time_flag: Optional[str], store_url: Optional[str], run: str) -> SealTime:
+    """The flag when given, else the store's measurement."""
+    if seal_time_flag is not None:
+        return given(seal_time_flag)
+    return from_store(store_url, run)

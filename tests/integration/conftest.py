@@ -1,6 +1,6 @@
 """Fixtures for tests against real services: a throwaway sshd on loopback (tests/sshd.py), a second
-one inside a network namespace of its own (tests/netns.py) and a throwaway SeaweedFS S3 server
-(tests/seaweed.py)."""
+one inside a network namespace of its own (tests/netns.py), a throwaway SeaweedFS S3 server
+(tests/seaweed.py) and a single-node Slurm (tests/slurm.py)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,11 @@ import pytest
 
 from tests import netns as netnsmod
 from tests import seaweed
+from tests import slurm as slurmmod
 from tests.conftest import require
 from tests.netns import Netns
 from tests.seaweed import SeaweedServer, start_seaweed
+from tests.slurm import SlurmCluster, start_slurm
 from tests.sshd import SshServer, missing, start_sshd
 
 
@@ -81,3 +83,19 @@ def netns_sshd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Tuple[Netns
             server.stop()
     finally:
         ns.delete()
+
+
+@pytest.fixture(scope="session")
+def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """One single-node Slurm (munged, slurmctld, slurmd) for the whole session; its jobs are
+    cancelled and its daemons stopped by PID at the end. Clients need ``.env()`` (SLURM_CONF).
+
+    Skips when slurm-wlm or munge is missing (or not root), except under CI=true.
+    """
+    why = slurmmod.missing()
+    require(why is None, why or "")
+    cluster = start_slurm(str(tmp_path_factory.mktemp("slurm")))
+    try:
+        yield cluster
+    finally:
+        cluster.stop()

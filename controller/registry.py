@@ -39,6 +39,9 @@ class RunRecord:
     release: Optional[str] = None  # the content hash of the code the run started from
     workdir: Optional[str] = None  # the release directory the job runs in
     instance: Optional[str] = None  # the provider's id of the box (rgt deploy --instance)
+    # The scheduler that runs the agent, when one does: {"kind": "slurm", "job": ID, ...}
+    # (controller/slurm/submit.py); {} for a run the agent was started on directly.
+    scheduler: Dict[str, Any] = dataclasses.field(default_factory=dict)
     created: float = dataclasses.field(default_factory=time.time)
     updated: float = dataclasses.field(default_factory=time.time)
 

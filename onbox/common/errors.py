@@ -22,7 +22,8 @@ a bug and is shown with its traceback.
     │   └── PreconditionFailed    exit 14  a conditional write found another version
     ├── CheckpointWriteFailed     exit 15  (training API) a background checkpoint write failed
     ├── MeterRefused              exit 16  (controller) the provider's API refused the meter-stop
-    └── MeterUnresolved           exit 17  (controller) the meter-stop's outcome is not known
+    ├── MeterUnresolved           exit 17  (controller) the meter-stop's outcome is not known
+    └── NotReconciled             exit 18  (controller) a sweep's cells are not all sealed+verified
 
 ``StoreAuthError`` is both: ``except AuthError`` and ``except StoreError`` catch it, and it exits
 14 as every store error does, whatever refused (exit 4 is the box's login only).
@@ -161,6 +162,13 @@ class MeterUnresolved(RgtError):
     exit_code = 17
 
 
+class NotReconciled(RgtError):
+    """``rgt reconcile``: some cell of the sweep's roster is missing, failed, unverified, or
+    claimed twice (controller/sweep/reconcile.py); the report lists each."""
+
+    exit_code = 18
+
+
 # Exit codes of `rgt-agent run` by final state, so a Slurm or Kubernetes wrapper can act on them.
 FINAL_EXIT_CODES = {
     "SUCCEEDED": 0,
@@ -200,6 +208,7 @@ _BY_CODE = {
         CheckpointWriteFailed,
         MeterRefused,
         MeterUnresolved,
+        NotReconciled,
     )
 }
 

@@ -22,8 +22,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # The opt-in tier (a real Hub token, a GPU, a cloud account) is not even collected unless asked
-# for: RGT_HF_TESTS=1 (with HF_TOKEN) runs tests/optin.
-collect_ignore = [] if os.environ.get("RGT_HF_TESTS") else ["optin"]
+# for: RGT_HF_TESTS=1 (with HF_TOKEN) or RGT_SKYPILOT_TESTS=1 (SkyPilot's parser) runs tests/optin.
+_OPTIN = ("RGT_HF_TESTS", "RGT_SKYPILOT_TESTS")
+collect_ignore = [] if any(os.environ.get(v) for v in _OPTIN) else ["optin"]
 
 
 def require(ok: bool, what: str) -> None:

@@ -150,7 +150,12 @@ def from_store(rec: RunRecord) -> Dict[str, Any]:
 
 
 def status(rec: RunRecord) -> Tuple[Dict[str, Any], Optional[str]]:
-    """(status, why the box was not used); falls back to the store when the box is silent."""
+    """(status, why the box was not used); falls back to the store when the box is silent.
+    A run a Slurm job runs joins Slurm's side (controller/slurm/runs.py)."""
+    if rec.scheduler.get("kind") == "slurm":
+        from controller.slurm import runs
+
+        return runs.status(rec)
     try:
         return snapshot(rec), None
     except RemoteUnreachable as e:
@@ -162,7 +167,12 @@ def status(rec: RunRecord) -> Tuple[Dict[str, Any], Optional[str]]:
 def describe(doc: Dict[str, Any], why_not_box: Optional[str] = None) -> str:
     """The few lines `rgt status N` prints."""
     lines = []
-    if doc.get("source") == "store":
+    slurm = (doc.get("scheduler") or {}).get("line")
+    if doc.get("source") == "slurm":  # queued: no agent has started yet
+        from controller.slurm.runs import first_line
+
+        lines.append(str(first_line(doc)))
+    elif doc.get("source") == "store":
         since = doc.get("known_at") or doc.get("updated_at") or "an unknown time"
         lines.append(
             f"{doc.get('name')}: unknown since {since}, when it was {doc.get('state')} "
@@ -175,6 +185,8 @@ def describe(doc: Dict[str, Any], why_not_box: Optional[str] = None) -> str:
             f"(read from the box at {doc.get('read_at')})"
         )
     prog = doc.get("progress") or {}
+    if slurm:
+        lines.append(f"  {slurm}")
     if prog:
         lines.append(f"  step {prog.get('step')}" + _metrics(prog))
     sealed = (doc.get("box") or {}).get("sealed") or {}
@@ -206,8 +218,13 @@ def _metrics(prog: Dict[str, Any]) -> str:
     return "".join(f", {k} {v:.4g}" if isinstance(v, float) else f", {k} {v}" for k, v in m.items())
 
 
-def logs(rec: RunRecord, follow: bool, out: IO[bytes]) -> int:
-    """Copy the job's output from the box (following it with ``follow``)."""
+def logs(rec: RunRecord, follow: bool, out: IO[bytes], slurm: bool = True) -> int:
+    """Copy the job's output from the box (following it with ``follow``); for a Slurm run,
+    controller/slurm/runs.py's (the batch output while no agent started)."""
+    if slurm and rec.scheduler.get("kind") == "slurm":
+        from controller.slurm import runs
+
+        return runs.logs(rec, follow, out)
     remote = open_remote(rec.target)
     args = ["logs", rec.name] + (["-f"] if follow else [])
     if not follow:
@@ -233,6 +250,10 @@ def logs(rec: RunRecord, follow: bool, out: IO[bytes]) -> int:
 
 
 def stop(rec: RunRecord, grace: Optional[str]) -> int:
+    if rec.scheduler.get("kind") == "slurm":  # the agent, then scancel
+        from controller.slurm import runs
+
+        return runs.stop(rec, grace)
     remote = open_remote(rec.target)
     res = remote.run(
         rec.agent_argv("stop", rec.name, *(["--grace", grace] if grace else [])), timeout=900
@@ -275,6 +296,8 @@ def render(doc: Dict[str, Any], rate: Optional[float], why_not_box: Optional[str
     t.add_column()
     prog = doc.get("progress") or {}
     t.add_row("state", f"{doc.get('state')} (attempt {doc.get('attempt')})")
+    if (doc.get("scheduler") or {}).get("line"):
+        t.add_row("slurm", str(doc["scheduler"]["line"]).removeprefix("slurm: "))
     if prog:
         t.add_row(
             "step",
@@ -340,23 +363,27 @@ def watch(rec: RunRecord, *, interval: float, once: bool, until_done: bool, out:
     console = Console(file=out, force_terminal=None, width=100 if not out.isatty() else None)
     rates = Rates()
     state = "?"
+    ended = False
 
     def frame() -> Any:
-        nonlocal state
+        nonlocal state, ended
         doc, why = status(rec)
         state = str(doc.get("state"))
+        # A Slurm run's PREEMPTED agent goes on once Slurm starts its requeued job.
+        live = (doc.get("scheduler") or {}).get("live")
+        ended = state in TERMINAL_NAMES and live is not True
         return render(doc, rates.update(doc.get("progress") or {}), why)
 
     if once or not console.is_terminal:
         while True:
             console.print(frame())
-            if once or (until_done and state in TERMINAL_NAMES):
+            if once or (until_done and ended):
                 return state
             console.print()
             time.sleep(interval)
     with Live(frame(), console=console, refresh_per_second=4) as live:
         try:
-            while not (until_done and state in TERMINAL_NAMES):
+            while not (until_done and ended):
                 time.sleep(interval)
                 live.update(frame())
         except KeyboardInterrupt:

@@ -140,6 +140,13 @@ def deploy(
             return _already_live(remote, registry, plan, rec, live, pushed, say)
         _store_secrets(remote, rec, plan.secrets, say)
         _put_override(remote, plan, box_home)
+        if plan.slurm is not None and plan.guess is not None:
+            # A batch job runs the agent (controller/slurm/submit.py): submitted, not started.
+            from controller.slurm.submit import submit_run
+
+            grace = plan.guess.profile.preemption.grace
+            args = _agent_args("run", plan, store)
+            return submit_run(remote, registry, rec, plan.slurm, grace, store, args, prev, say)
         _start(remote, registry, plan, rec, store, pushed)
         registry.put(rec)
         switch_current(remote, box_home, plan.name, pushed.id)
@@ -317,21 +324,7 @@ def _start(
     pushed: PushResult,
 ) -> None:
     """``rgt-agent start`` in the release's directory (it returns once the agent is detached)."""
-    req = plan.req
-    args = ["start", "--name", plan.name, "--profile", plan.profile]
-    if req.on_done is not None:
-        args += ["--on-done", req.on_done]
-    # The profile's own default store is the agent's to pick (it checks the durable path is
-    # there first); the record keeps it all the same, for `rgt pull --from store`.
-    profile_default = plan.guess.profile.default_store() if plan.guess is not None else None
-    if store and (req.store is not None or store != profile_default):
-        args += ["--store", store]
-    for out in req.outputs:
-        args += ["--output", out]
-    if plan.job_rel:
-        args.append(plan.job_rel)
-    if req.command:
-        args += ["--", *req.command]
+    args = _agent_args("start", plan, store)
     try:
         r = remote.sh(
             'cd "$1" || exit 9; shift; exec "$@"',
@@ -349,6 +342,26 @@ def _start(
             f"rgt-agent start failed on {plan.target.label} (exit {r.rc}): "
             f"{(r.err or r.text).strip()}"
         )
+
+
+def _agent_args(verb: str, plan: Plan, store: Optional[str]) -> List[str]:
+    """``rgt-agent VERB``'s arguments for the run (start, or run under a scheduler)."""
+    req = plan.req
+    args = [verb, "--name", plan.name, "--profile", plan.profile]
+    if req.on_done is not None:
+        args += ["--on-done", req.on_done]
+    # The profile's own default store is the agent's to pick (it checks the durable path is
+    # there first); the record keeps it all the same, for `rgt pull --from store`.
+    profile_default = plan.guess.profile.default_store() if plan.guess is not None else None
+    if store and (req.store is not None or store != profile_default):
+        args += ["--store", store]
+    for out in req.outputs:
+        args += ["--output", out]
+    if plan.job_rel:
+        args.append(plan.job_rel)
+    if req.command:
+        args += ["--", *req.command]
+    return args
 
 
 Live = Tuple[str, Optional[str]]  # a live run's state and the release it runs

@@ -4,7 +4,8 @@
 install: a profile that is not one (shipped, or the user's in $RGT_CONTROLLER_HOME/profiles or
 $RGT_PROFILES_DIR) or does not fit the target, an ``--on-done`` the profile does not offer, nothing
 to run, a job file outside the project,
-a bad run name, store URL or ``--output``, a ``--secret-env`` with no value here. What it returns,
+a bad run name, store URL or ``--output``, a ``--secret-env`` with no value here, a Slurm flag
+(``--time``, ``--sbatch``, ...) off a Slurm profile or a bad one on it. What it returns,
 a ``Plan``, is what controller/deploy/flow.py carries through the steps of the deploy.
 """
 
@@ -17,6 +18,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from controller.deploy import guess as guessmod
 from controller.profiles import user_dirs as profile_dirs
+from controller.slurm.submit import SlurmAsk, check_ask
 from controller.target import Target, parse_target
 from onbox.agent.spec import check_outputs, default_name
 from onbox.common.errors import UsageError
@@ -43,6 +45,15 @@ class DeployRequest:
     offline: bool = False
     project: str = "."
     instance: Optional[str] = None  # --instance: the provider's id of the box, for rgt down
+    # --profile slurm only (controller/slurm/submit.py checks them): the walltime, resources,
+    # extra sbatch options and the seal time the warning is planned from.
+    slurm_time: Optional[str] = None
+    partition: Optional[str] = None
+    gpus: Optional[str] = None
+    cpus: Optional[int] = None
+    mem: Optional[str] = None
+    sbatch: Sequence[str] = ()
+    seal_time: Optional[str] = None
 
 
 def _read_toml(path: str) -> Dict[str, Any]:
@@ -112,6 +123,7 @@ class Plan:
     secrets: Dict[str, str]
     dirs: Sequence[str] = ()  # the laptop's user profile directories
     job_store: bool = False  # the job file names a store (it wins over the profile's default)
+    slurm: Optional[SlurmAsk] = None  # a Slurm profile's batch job, submitted instead of a start
 
     @property
     def profile(self) -> str:
@@ -160,6 +172,16 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
     guess = _profile(req, target, dirs)
     if guess is not None:
         check_on_done(guess.profile, req.on_done)
+    slurm = check_ask(
+        kind=guess.profile.kind if guess is not None else None,
+        time=req.slurm_time,
+        partition=req.partition,
+        gpus=req.gpus,
+        cpus=req.cpus,
+        mem=req.mem,
+        sbatch=req.sbatch,
+        seal_time=req.seal_time,
+    )
     if not req.command and not req.job_file:
         raise UsageError("command", "nothing to run", "give a JOB.toml or `-- CMD ...`")
     project = os.path.abspath(req.project)
@@ -178,4 +200,4 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
         job_store = _check_job_store(req)
     check_outputs(list(req.outputs), "--output")  # as the box would, before anything changes
     secrets = _secrets(req.secret_env, environ)
-    return Plan(req, target, guess, project, job_rel, name, secrets, dirs, job_store)
+    return Plan(req, target, guess, project, job_rel, name, secrets, dirs, job_store, slurm)

@@ -1,6 +1,8 @@
 """``rgt down``: stop a run and remove its files from the box, only once its results are safe.
 
-Refused (UnsafeRefused, exit 7) unless the laptop holds a verification receipt of the run
+Refused (UnsafeRefused, exit 7) while a cell of a sweep that ran on the run's box is not
+reconciled (controller/sweep/reconcile.py ``gate``: remedy ``rgt reconcile PLAN.toml``), and
+unless the laptop holds a verification receipt of the run
 (controller/results/receipt.py, written by ``rgt pull``) that covers its newest sealed state, read
 again
 now from the store or the box, and whose files are still in the receipt's destination. Before
@@ -322,6 +324,10 @@ def down(
     prior = meter.pending(name, home)
     if prior is not None and profile is not None:
         return _resume(rec, profile, instance or prior.instance, show, home, registry)
+    # A box that ran cells of a sweep goes down only once each of them is reconciled.
+    from controller.sweep.reconcile import gate
+
+    gate(rec, home)
     own = remote is None
     box = remote or open_remote(rec.target)
     try:

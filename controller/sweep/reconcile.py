@@ -1,0 +1,249 @@
+"""``rgt reconcile PLAN.toml``: the sweep's expected roster against what is sealed, the hard gate
+before any of its boxes is taken down (``gate``, called by ``rgt down``).
+
+Each cell's current run (the sweep record's, controller/sweep/record.py) is read from the store
+with this laptop's credentials, as ``rgt pull --from store`` reads it
+(controller/results/documents.py ``from_documents``: LATEST -> MANIFEST, and DONE.json), and
+every file of its sealed state is fetched into a private temporary directory and verified as a
+pull verifies it: size and sha256 against the manifest, then opened as its framework would
+(controller/results/loadcheck.py ``check_format``). Existence or a "synced" line does not count.
+A cell is
+
+- ``ok``: DONE.json, no declared output missing, every file there with its sha256, loadable;
+- ``failed``: no DONE.json and the run FAILED (the store's state mirror, or the sweep saw it);
+- ``missing``: no DONE.json otherwise (never ran, still running, or its box died);
+- ``unverified``: DONE.json, but a file is missing or has other bytes, a declared output was
+  missing when the job succeeded, or its documents do not parse.
+
+Duplicates: a run in the store under the sweep's prefix (``<sweep>-``, shaped as a cell's run
+name) that claims a cell of the roster but was never deployed by this sweep (two runs claiming
+one cell), or matches no cell of the roster nor of another sweep this laptop knows. The
+verdicts are written to the record; ``rgt sweep PLAN.toml`` then launches a fresh run of the
+identical config for each failed or unverified cell (and continues each missing one).
+Reconciled means every cell ok and no duplicate; else NotReconciled (exit 18).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from controller.registry import RunRecord
+from controller.results.documents import from_documents, store_get, store_listing
+from controller.results.hashing import file_sha
+from controller.results.loadcheck import check_format
+from controller.sweep import record
+from onbox.common.errors import IntegrityError, NotReconciled, StoreError, UnsafeRefused
+from onbox.sealing import manifest as mf
+from onbox.sealing.stores import open_store
+from onbox.sealing.stores.base import Store
+
+VERDICTS = ("ok", "missing", "failed", "unverified")
+_RERUN = re.compile(r"-r\d{1,3}\Z")
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One cell of the roster, as the store has it."""
+
+    cell: str
+    run: str
+    box: str
+    verdict: str  # one of VERDICTS
+    reason: str
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "ok"
+
+
+@dataclasses.dataclass
+class Report:
+    """The roster reconciled: a finding per cell, and the duplicate runs found in the store."""
+
+    sweep: str
+    findings: List[Finding]
+    duplicates: List[Dict[str, str]]
+
+    @property
+    def ok(self) -> bool:
+        return all(f.ok for f in self.findings) and not self.duplicates
+
+    def of(self, verdict: str) -> List[Finding]:
+        return [f for f in self.findings if f.verdict == verdict]
+
+    def to_json(self) -> Dict[str, Any]:
+        return {
+            "sweep": self.sweep,
+            "reconciled": self.ok,
+            "cells": [dataclasses.asdict(f) for f in self.findings],
+            **{v: [f.cell for f in self.of(v)] for v in VERDICTS if v != "ok"},
+            "duplicates": self.duplicates,
+            "total": len(self.findings),
+            "ok": len(self.of("ok")),
+        }
+
+    def lines(self, plan_path: str) -> List[str]:
+        out = [
+            f"sweep {self.sweep}: {len(self.of('ok'))}/{len(self.findings)} cells reconciled"
+            + ("" if self.duplicates else "")
+        ]
+        for f in self.findings:
+            if not f.ok:
+                out.append(f"  {f.verdict.upper()}: {f.cell} (run {f.run} on {f.box}): {f.reason}")
+        for d in self.duplicates:
+            out.append(f"  DUPLICATE: {d['run']}: {d['why']}")
+        if not self.ok:
+            out.append(
+                f"  remedy: rgt sweep {plan_path} launches a fresh run of the identical config "
+                "for each failed or unverified cell and continues each missing one; a duplicate "
+                "is for you to look at (rgt never deletes from the store)"
+            )
+        return out
+
+
+def _failed_in_store(store: Store, run: str) -> bool:
+    raw = store_get(store, mf.state_key(run, "state.json"))
+    try:
+        doc = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and doc.get("state") == "FAILED"
+
+
+def check_run(store: Store, run: str, seen_failed: bool, tmp: str) -> Tuple[str, str]:
+    """(verdict, reason) of one run (module docstring); files fetched under ``tmp``."""
+    get: Callable[[str], Optional[bytes]] = functools.partial(store_get, store)
+    if get(mf.done_key(run)) is None:
+        if seen_failed or _failed_in_store(store, run):
+            return "failed", "the run FAILED: no DONE.json (rgt logs or the store's logs say why)"
+        return "missing", "no DONE.json in the store: never ran, still running, or its box died"
+    try:
+        ident, entries = from_documents(run, get, functools.partial(store_listing, store, run))
+    except IntegrityError as err:
+        return "unverified", err.what
+    if ident.missing_outputs:
+        missing = ", ".join(ident.missing_outputs)
+        return "unverified", f"declared output(s) {missing} missing when the job succeeded"
+    for i, e in enumerate(entries):
+        assert e.key is not None
+        if store.stat(e.key) is None:
+            return "unverified", f"{e.path} is missing from the store ({e.key})"
+        dest = os.path.join(tmp, str(i), os.path.basename(e.path))
+        os.makedirs(os.path.dirname(dest))
+        store.get_file(e.key, dest)
+        size, sha = file_sha(dest)
+        if (size, sha) != (e.size, e.sha256):
+            return "unverified", (
+                f"{e.path} is {size} bytes sha256 {sha[:12]} in the store, sealed as "
+                f"{e.size} bytes sha256 {e.sha256[:12]}"
+            )
+        try:
+            check_format(dest, e.path)
+        except IntegrityError as err:
+            return "unverified", err.what
+        os.unlink(dest)
+    return "ok", f"DONE.json and {len(entries)} files verified (sha256, loaded where a format)"
+
+
+def _duplicates(store: Store, doc: Dict[str, Any], home: Optional[str]) -> List[Dict[str, str]]:
+    sweep = doc["sweep"]
+    shape = re.compile(re.escape(sweep) + r"-[a-z0-9-]+-[0-9a-f]{8}(-r\d{1,3})?\Z")
+    names = {i.key.split("/", 1)[0] for i in store.list(sweep + "-")}
+    others = {
+        n for d in record.all_records(home) if d.get("sweep") != sweep for n in d["cells"]
+    }  # fmt: skip
+    out = []
+    for name in sorted(n for n in names if shape.match(n)):
+        base = _RERUN.sub("", name)
+        cell = doc["cells"].get(base)
+        if cell is not None:
+            if name not in cell["runs"] and name != cell["run"]:
+                why = f"claims cell {base}, but this sweep never deployed it (another laptop?)"
+                out.append({"run": name, "cell": base, "why": why})
+        elif base not in others:
+            why = "under the sweep's prefix, but no cell of its roster (an older grid?)"
+            out.append({"run": name, "cell": "", "why": why})
+    return out
+
+
+def reconcile(
+    doc: Dict[str, Any],
+    *,
+    cells: Optional[Sequence[str]] = None,
+    home: Optional[str] = None,
+    duplicates: bool = True,
+    say: Optional[Callable[[str], None]] = None,
+) -> Report:
+    """The roster of the sweep record ``doc`` (or only ``cells`` of it) against its store."""
+    store = open_store(doc["store"])
+    names = sorted(
+        cells if cells is not None else doc["cells"], key=lambda n: doc["cells"][n]["index"]
+    )
+    findings = []
+    tmp = tempfile.mkdtemp(prefix="rgt-reconcile-")
+    try:
+        for name in names:
+            c = doc["cells"][name]
+            try:
+                verdict, reason = check_run(
+                    store, c["run"], c["state"] == "failed", os.path.join(tmp, name)
+                )
+            except StoreError as e:
+                verdict, reason = "unverified", f"the store could not give it: {e.what}"
+            findings.append(Finding(name, c["run"], c["box"], verdict, reason))
+            if say is not None:
+                say(f"  {name}: {verdict}")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dups = _duplicates(store, doc, home) if duplicates else []
+    return Report(doc["sweep"], findings, dups)
+
+
+def remember(report: Report, home: Optional[str] = None) -> None:
+    """The verdicts into the sweep record, for ``rgt sweep``'s remedy."""
+    with record.update(report.sweep, home) as doc:
+        for f in report.findings:
+            c = doc["cells"].get(f.cell)
+            if c is not None and c["run"] == f.run:
+                c["verdict"] = {"verdict": f.verdict, "reason": f.reason, "at": time.time()}
+
+
+def raise_unless_ok(report: Report, plan_path: str) -> None:
+    if not report.ok:
+        bad = [f for f in report.findings if not f.ok]
+        raise NotReconciled(
+            f"sweep {report.sweep}: {len(bad)} of {len(report.findings)} cells not reconciled, "
+            f"{len(report.duplicates)} duplicate run(s)",
+            f"rgt sweep {plan_path} re-runs them; then rgt reconcile {plan_path} again",
+        )
+
+
+def gate(rec: RunRecord, home: Optional[str] = None) -> None:
+    """``rgt down``'s gate: UnsafeRefused while a cell of a sweep that ran on ``rec``'s box is
+    not reconciled (checked against the store now, not by an earlier reconcile's word)."""
+    for doc in record.all_records(home):
+        ran = [
+            n for n, c in doc["cells"].items()
+            if c["runs"] and record.cell_target(c) == rec.target
+        ]  # fmt: skip
+        if not ran:
+            continue
+        report = reconcile(doc, cells=ran, home=home, duplicates=False)
+        bad = [f for f in report.findings if not f.ok]
+        if bad:
+            shown = "; ".join(f"{f.cell}: {f.verdict} ({f.reason})" for f in bad[:3])
+            more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
+            raise UnsafeRefused(
+                f"run {rec.name}: {rec.target.label} ran cells of sweep {doc['sweep']} that are "
+                f"not reconciled: {shown}{more}",
+                f"rgt reconcile {doc.get('plan') or 'PLAN.toml'} (then rgt sweep it to re-run "
+                "them); down only once every cell that ran there is sealed and verified",
+            )

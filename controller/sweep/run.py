@@ -1,0 +1,311 @@
+"""``rgt sweep PLAN.toml``: fan the cells out over the plan's boxes, one sequential queue per box,
+and track them until every queue is done (or, ``--no-wait``, deploy each idle box's next cell
+and return).
+
+Each cell is deployed with rgt's own deploy (controller/deploy/flow.py), as its own run: run
+name = the cell's (``NAME-rK`` for a fresh re-run), store = the plan's store (the run's prefix
+under it), outputs = the cell's own paths, ``RGT_CELL``/``RGT_SWEEP`` in its environment (the
+command is run through ``env``). A box's next cell is deployed when its current one ends:
+succeeded once the store holds its DONE.json, failed when its run FAILED (or was STOPPED). A
+current cell whose agent is gone while the run is not done (the box died, rebooted, was
+preempted) is deployed again under the same name: its agent restores the newest verified
+checkpoint from the store and the cell resumes mid-way. A box that does not answer for
+``MAX_MISSES`` polls in a row, or whose deploy fails, is left with its cells pending.
+
+Progress is kept in the sweep record (controller/sweep/record.py), so running ``rgt sweep``
+again resumes: a cell whose store has DONE.json is skipped, a live one is followed, a dead one
+deployed again, and each cell the last ``rgt reconcile`` found failed or unverified gets a fresh
+run of the identical config (a run whose store holds DONE.json never trains again).
+
+Exit: 0 when every cell succeeded; 11 when some failed (FINAL_EXIT_CODES' FAILED); 3 when a box
+was left with cells to do (RemoteUnreachable's code); 0 with ``--no-wait`` once deployed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import shlex
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+from controller import boxrun
+from controller.registry import Registry
+from controller.remote import Remote, open_remote
+from controller.sweep import record
+from controller.sweep.plan import Cell, Plan
+from controller.target import parse_target
+from onbox.agent.states import LIVE_NAMES
+from onbox.common.errors import (
+    FINAL_EXIT_CODES,
+    LockedError,
+    NotFound,
+    RemoteUnreachable,
+    RgtError,
+    UsageError,
+)
+from onbox.sealing import manifest as mf
+from onbox.sealing.stores import open_store
+
+MAX_MISSES = 10  # polls in a row a box may not answer before its queue is left
+MAX_REDEPLOYS = 3  # deploys of one dead cell per invocation, before its box is left
+Say = Callable[[str], None]
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+@dataclasses.dataclass
+class Box:
+    """One target's queue, as this invocation drives it."""
+
+    target: str
+    remote: Optional[Remote] = None
+    misses: int = 0
+    redeploys: int = 0
+    left: Optional[str] = None  # why this box's queue was left, when it was
+
+
+def deploy_command(cell: Cell) -> List[str]:
+    """The cell's command, its environment passed through ``env`` (the deploy has no per-run
+    environment of its own)."""
+    return ["env", *[f"{k}={v}" for k, v in sorted(cell.env.items())], *cell.command]
+
+
+def show_plan(plan: Plan, doc: Optional[Dict[str, Any]], say: Say) -> None:
+    """What the sweep would do (``--dry-run``)."""
+    from controller.sweep.plan import assign
+
+    if plan.slurm:
+        say(f"sweep {plan.name}: {len(plan.cells)} cells as one Slurm job array on {plan.slurm}")
+        queues = {plan.slurm: plan.cells}
+    else:
+        say(f"sweep {plan.name}: {len(plan.cells)} cells over {len(plan.targets)} box(es)")
+        queues = assign(plan.cells, plan.targets)
+    for box, cells in queues.items():
+        say(f"{box}: {len(cells)} cells, cost {sum(c.cost for c in cells):g}")
+        for c in cells:
+            outs = f"; outputs {', '.join(c.outputs)}" if c.outputs else ""
+            say(f"  {c.index:>4} {c.name} (cost {c.cost:g}): {shlex.join(c.command)}{outs}")
+    say(f"store: {plan.store} (each cell under its run name)")
+
+
+class Driver:
+    """One invocation of ``rgt sweep`` over the boxes of a plan."""
+
+    def __init__(self, plan: Plan, say: Say, interval: float, home: Optional[str]) -> None:
+        self.plan = plan
+        self.say = say
+        self.interval = interval
+        self.home = home
+        self.registry = Registry(home)
+        self.store = open_store(plan.store or "")
+        self.cells = {c.name: c for c in plan.cells}
+        self.boxes = [Box(t) for t in plan.targets]
+
+    def _set(self, name: str, **fields: Any) -> Dict[str, Any]:
+        with record.update(self.plan.name, self.home) as doc:
+            doc["cells"][name].update(fields)
+            return dict(doc["cells"][name])
+
+    def _doc(self) -> Dict[str, Any]:
+        doc = record.load(self.plan.name, self.home)
+        assert doc is not None
+        return doc
+
+    def remediate(self) -> None:
+        """Each cell the last reconcile found failed or unverified: a fresh run (a new name,
+        the identical config); a missing one is continued under its own name."""
+        with record.update(self.plan.name, self.home) as doc:
+            for name, c in doc["cells"].items():
+                v = (c.get("verdict") or {}).get("verdict")
+                if v in ("failed", "unverified"):
+                    run = f"{name}-r{len(c['runs']) + 1}"
+                    self.say(f"rgt sweep: {name}: {v} at the last reconcile; a fresh run {run}")
+                    c.update(run=run, state="pending", verdict=None, error=None)
+                elif v == "missing" and c["state"] == "succeeded":
+                    c.update(state="pending", verdict=None)
+
+    def _done(self, run: str) -> bool:
+        return self.store.get_bytes(mf.done_key(run)) is not None
+
+    def _remote(self, box: Box) -> Remote:
+        if box.remote is None:
+            box.remote = open_remote(parse_target(box.target))
+        return box.remote
+
+    def _observe(self, box: Box, run: str) -> str:
+        """done | failed | live | dead, for the run of a box's current cell."""
+        if self._done(run):
+            return "done"
+        try:
+            rec = self.registry.get(run)
+        except NotFound:
+            return "dead"  # deployed, but cut off before the record: deploy again
+        st = boxrun.poll_status(rec, self._remote(box))
+        state = st.get("state")
+        alive = bool((st.get("agent") or {}).get("alive"))
+        if state in ("FAILED", "STOPPED") and not alive:
+            return "failed"
+        if alive and (state in LIVE_NAMES or state == "SUCCEEDED"):
+            return "live"  # SUCCEEDED and alive: the completion seal is on its way
+        return "dead"
+
+    def _deploy(self, box: Box, name: str, run: str) -> None:
+        from controller.deploy.flow import deploy
+        from controller.deploy.request import DeployRequest
+
+        p, cell = self.plan, self.cells[name]
+        req = DeployRequest(
+            target=box.target, command=deploy_command(cell), job_file=p.job_file,
+            profile=p.profile, store=p.store, name=run, python=p.python,
+            secret_env=p.secret_env, outputs=list(cell.outputs), offline=p.offline,
+            project=p.project,
+        )  # fmt: skip
+        try:
+            deploy(req, registry=self.registry, say=lambda m: self.say(f"  [{box.target}] {m}"))
+        except LockedError as e:  # live on the box already (an older release): follow it
+            self.say(f"rgt sweep: {name}: {e.what}; following it")
+        with record.update(p.name, self.home) as doc:
+            c = doc["cells"][name]
+            if run not in c["runs"]:
+                c["runs"].append(run)
+            c.update(state="running", error=None, deployed_at=time.time())
+
+    def step(self, box: Box) -> bool:
+        """One poll of ``box``: follow its current cell, deploy its next; whether it has
+        work left."""
+        doc = self._doc()
+        cells = doc["cells"]
+        names = record.queue(doc, box.target)
+        current = next((n for n in names if cells[n]["state"] == "running"), None)
+        try:
+            if current is not None:
+                run = cells[current]["run"]
+                seen = self._observe(box, run)
+                box.misses = 0
+                if seen == "live":
+                    return True
+                if seen == "done":
+                    self._set(current, state="succeeded")
+                    self.say(f"rgt sweep: {current} succeeded on {box.target} (run {run})")
+                elif seen == "failed":
+                    self._set(current, state="failed")
+                    self.say(f"rgt sweep: {current} FAILED on {box.target} (run {run})")
+                else:
+                    box.redeploys += 1
+                    if box.redeploys > MAX_REDEPLOYS:
+                        box.left = f"{current}'s agent died {box.redeploys} times"
+                        return False
+                    self.say(
+                        f"rgt sweep: {current}'s agent on {box.target} is gone mid-cell: "
+                        "deploying it again (it resumes from its newest sealed checkpoint)"
+                    )
+                    self._deploy(box, current, run)
+                    return True
+            return self._next(box, names, cells)
+        except RemoteUnreachable as e:
+            box.misses += 1
+            box.remote = None
+            if box.misses >= MAX_MISSES:
+                box.left = f"it did not answer {box.misses} times: {e.what}"
+                return False
+            return True
+        except RgtError as e:  # the box cannot take a deploy: its queue waits for a re-run
+            box.left = e.line()
+            return False
+
+    def _next(self, box: Box, names: List[str], cells: Dict[str, Dict[str, Any]]) -> bool:
+        for name in names:
+            c = cells[name]
+            if c["state"] != "pending":
+                continue
+            run = str(c["run"])
+            if self._done(run):  # sealed already (a record lost or a finished deploy)
+                self._set(name, state="succeeded")
+                self.say(f"rgt sweep: {name} is sealed already (DONE.json): skipped")
+                continue
+            self.say(f"rgt sweep: {name} -> {box.target} (run {run})")
+            try:
+                self._deploy(box, name, run)
+            except RgtError as e:
+                self._set(name, error=e.line())
+                raise
+            return True
+        return False
+
+    def close(self) -> None:
+        for b in self.boxes:
+            if b.remote is not None:
+                b.remote.close()
+
+    def drive(self, wait: bool) -> int:
+        busy = [b for b in self.boxes]
+        while busy:
+            busy = [b for b in busy if self.step(b)]
+            if not wait:
+                break
+            if busy:
+                time.sleep(self.interval)
+        return self.summary(wait)
+
+    def summary(self, wait: bool) -> int:
+        cells = self._doc()["cells"]
+        by: Dict[str, List[str]] = {s: [] for s in record.STATES}
+        for n, c in cells.items():
+            by[c["state"]].append(n)
+        self.say(
+            f"rgt sweep {self.plan.name}: {len(by['succeeded'])} succeeded, {len(by['failed'])} "
+            f"failed, {len(by['running'])} running, {len(by['pending'])} pending "
+            f"of {len(cells)}"
+        )
+        for b in self.boxes:
+            if b.left:
+                self.say(f"  {b.target}: its queue is left: {b.left}")
+        if not wait:
+            self.say(f"  follow it with: rgt sweep {self.plan.path} (it resumes where it is)")
+            return 0
+        if any(b.left for b in self.boxes) and (by["pending"] or by["running"]):
+            self.say(f"  rgt sweep {self.plan.path} again resumes them")
+            return RemoteUnreachable.exit_code
+        if by["failed"]:
+            self.say(f"  rgt reconcile {self.plan.path}, then rgt sweep it to re-run them")
+            return FINAL_EXIT_CODES["FAILED"]
+        self.say(f"  next: rgt reconcile {self.plan.path}")
+        return 0
+
+
+def sweep(
+    plan: Plan,
+    *,
+    dry_run: bool = False,
+    wait: bool = True,
+    interval: float = 3.0,
+    say: Say = _say,
+    home: Optional[str] = None,
+) -> int:
+    """``rgt sweep`` (module docstring); the exit code."""
+    if dry_run:
+        show_plan(plan, record.load(plan.name, home), say)
+        return 0
+    if plan.slurm:
+        try:  # helper module of the Slurm wing (controller/slurm/array.py)
+            submit = importlib.import_module("controller.slurm.array").submit_array
+        except (ImportError, AttributeError):
+            raise UsageError(
+                "slurm",
+                "this rgt cannot submit a sweep as a Slurm job array yet",
+                "list the boxes in targets = [...] instead",
+            ) from None
+        result = submit(plan, say)
+        return result if isinstance(result, int) else 0
+    with record.driving(plan.name, home):
+        record.begin(plan, home)
+        driver = Driver(plan, say, interval, home)
+        try:
+            driver.remediate()
+            return driver.drive(wait)
+        finally:
+            driver.close()

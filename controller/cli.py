@@ -10,6 +10,7 @@ meter only after explicit confirmation; the box runs on without it.
     rgt down N [--instance ID]
     rgt doctor TARGET [--profile P] [--store URL] [--budget SIZE] [--verbose] [--json]
     rgt runs
+    rgt sweep PLAN.toml [--dry-run] [--no-wait]    rgt reconcile PLAN.toml [--json]
     rgt profiles [--json]    rgt profiles show PROFILE [--json]
 
 Errors print one line (what, why, what to do) and exit with the code of their kind
@@ -26,7 +27,9 @@ from typing import Any, List, Optional
 import click
 
 from controller import observe
+from controller.emit.cli import emit
 from controller.registry import Registry, RunRecord
+from controller.sweep.cli import reconcile_cmd, sweep_cmd
 from onbox.agent.observe import warning_lines
 from onbox.common.climain import run_cli
 from onbox.common.errors import FINAL_EXIT_CODES, NotFound, UsageError
@@ -300,6 +303,13 @@ def profiles_show(name: str, as_json: bool) -> int:
     p = prof.load(name)
     _emit(json.dumps(prof.to_json(p), indent=1, sort_keys=True) if as_json else prof.describe(p))
     return 0
+
+
+cli.add_command(emit)  # rgt emit k8s|skypilot (controller/emit/cli.py)
+
+
+cli.add_command(sweep_cmd)  # rgt sweep PLAN.toml (controller/sweep/cli.py)
+cli.add_command(reconcile_cmd)  # rgt reconcile PLAN.toml
 
 
 def main(argv: Optional[List[str]] = None) -> int:

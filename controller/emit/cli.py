@@ -1,0 +1,135 @@
+"""The ``rgt emit`` command group: ``rgt emit k8s`` and ``rgt emit skypilot``.
+
+Both read the job file as the agent will (controller/emit/common.py load_job), find the seal
+time the grace is derived from (controller/sealbudget.py), and write one file (atomically) or
+stdout. Bad input is a UsageError naming its field (exit 2), raised before anything is written.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, List, Optional, Tuple
+
+import click
+
+from controller.emit.common import load_job, write_out
+from onbox.agent.spec import Overrides
+from onbox.common.errors import UsageError
+
+
+@click.group("emit")
+def emit() -> None:
+    """Write what another engine runs (a Kubernetes Job, a SkyPilot task) with rgt inside."""
+
+
+def _seal(flag: Optional[str], store: Optional[str], run: str) -> Any:
+    from controller.sealbudget import seal_time
+
+    return seal_time(flag, store, run)
+
+
+def _sweep_cells(plan_path: str) -> Tuple[List[Any], str]:
+    from controller.emit.k8s import Cell
+    from controller.sweep.plan import load_plan
+
+    try:
+        plan = load_plan(plan_path)
+    except NotImplementedError:
+        raise UsageError(
+            "--sweep", "sweep plans are not supported by this rgt yet", "emit one job per cell"
+        ) from None
+    cells = [Cell(c.name, list(c.command), dict(c.env)) for c in plan.cells]
+    if not cells:
+        raise UsageError("--sweep", f"{plan_path} has no cells")
+    return cells, plan.name
+
+
+@emit.command("k8s")
+@click.argument("job_file", metavar="JOB.toml")
+@click.option("--image", required=True, metavar="IMG", help="The image (rgt and the code in it).")
+@click.option(
+    "--store", metavar="URL", help="A bucket store (s3://, hf://) in place of the file's."
+)
+@click.option("--pvc", metavar="NAME", help="A PersistentVolumeClaim mounted at the durable path.")
+@click.option("--gpus", type=click.IntRange(min=0), default=0, help="nvidia.com/gpu per pod.")
+@click.option("--secret", metavar="NAME", help="The Secret the agent's environment comes from.")
+@click.option("--sweep", "plan", metavar="PLAN.toml", help="An Indexed Job, one index per cell.")
+@click.option("--seal-time", metavar="S", help="The measured seal time (45, 90s, 2m).")
+@click.option(
+    "--seal-from",
+    metavar="URL",
+    help="A store holding this run's events (when the pod's is a PVC).",
+)
+@click.option("--image-dir", default="/app", show_default=True, help="The project in the image.")
+@click.option("--out", metavar="FILE", help="Write here (replaced atomically); default stdout.")
+def emit_k8s(
+    job_file: str,
+    image: str,
+    store: Optional[str],
+    pvc: Optional[str],
+    gpus: int,
+    secret: Optional[str],
+    plan: Optional[str],
+    seal_time: Optional[str],
+    seal_from: Optional[str],
+    image_dir: str,
+    out: Optional[str],
+) -> int:
+    """A Kubernetes Job manifest: rgt-agent run in the foreground, the pod's grace from the
+    measured seal time, disruptions ignored, rgt's permanent exit codes fail the Job.
+
+    The job runs in the agent's container (rgt-agent starts and restarts it itself), so an OOM
+    kill of that container ends the pod; the next pod restores the last sealed checkpoint."""
+    from controller import profiles as prof
+    from controller.emit import k8s
+
+    _check_k8s_names(pvc, secret, image_dir)
+    profile = prof.load(k8s.PROFILE)
+    spec = k8s.load(job_file, store, pvc, profile)
+    cells, sweep_name = _sweep_cells(plan) if plan else (None, None)
+    measured_in = seal_from or (spec.store.url if spec.store else None)
+    seal = _seal(seal_time, measured_in, spec.name)
+    opts = k8s.K8sOptions(image=image, pvc=pvc, gpus=gpus, secret=secret, image_dir=image_dir)
+    text = k8s.render(spec, opts, profile, seal, job_file, dict(os.environ), cells, sweep_name)
+    write_out(text, out)
+    return 0
+
+
+def _check_k8s_names(pvc: Optional[str], secret: Optional[str], image_dir: str) -> None:
+    import re
+
+    for field, v in (("--pvc", pvc), ("--secret", secret)):
+        if v is not None and not re.fullmatch(r"[a-z0-9]([a-z0-9.-]{0,251}[a-z0-9])?", v):
+            raise UsageError(field, f"{v!r} is not a Kubernetes object name", "e.g. ckpt-pvc")
+    if not image_dir.startswith("/"):
+        raise UsageError("--image-dir", f"{image_dir!r} is not an absolute path", "e.g. /app")
+
+
+@emit.command("skypilot")
+@click.argument("job_file", metavar="JOB.toml")
+@click.option("--store", metavar="URL", help="The task's bucket (s3://BUCKET/rgt, hf://USER/REPO).")
+@click.option("--gpus", "accelerators", metavar="NAME:N", help="resources.accelerators (A100:8).")
+@click.option("--spot", is_flag=True, help="resources.use_spot: true.")
+@click.option("--install", metavar="REQ", help="What setup pip-installs (a wheel path works).")
+@click.option("--secret-env", multiple=True, metavar="VAR", help="A secret's name. Repeatable.")
+@click.option("--seal-time", metavar="S", help="The measured seal time (45, 90s, 2m).")
+@click.option("--out", metavar="FILE", help="Write here (replaced atomically); default stdout.")
+def emit_skypilot(
+    job_file: str,
+    store: Optional[str],
+    accelerators: Optional[str],
+    spot: bool,
+    install: Optional[str],
+    secret_env: Tuple[str, ...],
+    seal_time: Optional[str],
+    out: Optional[str],
+) -> int:
+    """A SkyPilot task YAML (sky jobs launch): rgt-agent run as the run step, the bucket as the
+    store, a preemption hook that asks rgt for the final seal."""
+    from controller.emit import skypilot
+
+    spec = load_job(job_file, Overrides(store=store))
+    seal = _seal(seal_time, spec.store.url if spec.store else None, spec.name)
+    opts = skypilot.SkyOptions(accelerators, spot, install, tuple(secret_env))
+    write_out(skypilot.render(spec, opts, seal, job_file, dict(os.environ)), out)
+    return 0

@@ -28,20 +28,15 @@ def _seal(flag: Optional[str], store: Optional[str], run: str) -> Any:
     return seal_time(flag, store, run)
 
 
-def _sweep_cells(plan_path: str) -> Tuple[List[Any], str]:
+def _sweep_cells(plan_path: str) -> Tuple[List[Any], str, Optional[str]]:
     from controller.emit.k8s import Cell
     from controller.sweep.plan import load_plan
 
-    try:
-        plan = load_plan(plan_path)
-    except NotImplementedError:
-        raise UsageError(
-            "--sweep", "sweep plans are not supported by this rgt yet", "emit one job per cell"
-        ) from None
-    cells = [Cell(c.name, list(c.command), dict(c.env)) for c in plan.cells]
+    plan = load_plan(plan_path)  # a bad plan is its own UsageError, naming the field
+    cells = [Cell(c.name, list(c.command), dict(c.env), list(c.outputs)) for c in plan.cells]
     if not cells:
         raise UsageError("--sweep", f"{plan_path} has no cells")
-    return cells, plan.name
+    return cells, plan.name, plan.store
 
 
 @emit.command("k8s")
@@ -85,8 +80,10 @@ def emit_k8s(
 
     _check_k8s_names(pvc, secret, image_dir)
     profile = prof.load(k8s.PROFILE)
+    cells, sweep_name, plan_store = _sweep_cells(plan) if plan else (None, None, None)
+    if plan_store and store is None and pvc is None:
+        store = plan_store  # the sweep's store root: each cell is its own run under it
     spec = k8s.load(job_file, store, pvc, profile)
-    cells, sweep_name = _sweep_cells(plan) if plan else (None, None)
     measured_in = seal_from or (spec.store.url if spec.store else None)
     seal = _seal(seal_time, measured_in, spec.name)
     opts = k8s.K8sOptions(image=image, pvc=pvc, gpus=gpus, secret=secret, image_dir=image_dir)

@@ -78,6 +78,7 @@ class Cell:
     name: str
     command: Sequence[str]
     env: Dict[str, str]
+    outputs: Sequence[str] = ()  # the cell's own output paths (rgt-agent run --output)
 
 
 def k8s_name(run: str) -> str:
@@ -170,6 +171,7 @@ def _cell_command(cells: Sequence[Cell], base: List[str]) -> List[str]:
     for c in cells:
         argv = list(base)
         argv[argv.index("--name") + 1] = c.name
+        argv += [a for o in c.outputs for a in ("--output", o)]
         table.append({"argv": argv + (["--", *c.command] if c.command else []), "env": c.env})
     return ["python3", "-c", _PICK_CELL, json.dumps(table, sort_keys=True)]
 

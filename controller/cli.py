@@ -3,6 +3,7 @@ meter only after explicit confirmation; the box runs on without it.
 
     rgt deploy TARGET [--profile P] [--on-done A] [--store URL] [--name N] [--python PATH]
                [--secret-env VAR ...] [--output PATH ...] [--offline] [--instance ID]
+               [--time T --partition P --gpus N --cpus N --mem SIZE --sbatch OPT --seal-time S]
                [JOB.toml] [-- CMD ...]
     rgt status [N] [--json]    rgt watch [N]    rgt logs N [-f]    rgt stop N
     rgt report [N] [--out FILE.html]
@@ -97,8 +98,25 @@ def _instance(value: Optional[str]) -> Optional[str]:
     "--instance", metavar="ID", callback=lambda c, p, v: _instance(v),
     help="The provider's id of the box (pod, instance, machine): rgt down stops its meter.",
 )  # fmt: skip
+@click.option(
+    "--time", "slurm_time", metavar="T",
+    help="Slurm: the walltime, as sbatch takes it (90, 4:00:00, 1-00:00:00); required.",
+)  # fmt: skip
+@click.option("--partition", metavar="P", help="Slurm: the partition.")
+@click.option("--gpus", metavar="N", help="Slurm: sbatch --gpus (2, a100:2).")
+@click.option("--cpus", type=int, metavar="N", help="Slurm: CPUs per task.")
+@click.option("--mem", metavar="SIZE", help="Slurm: memory per node (32G).")
+@click.option(
+    "--sbatch", "sbatch", multiple=True, metavar="OPT",
+    help='Slurm: one more sbatch option, "--opt=value" (checked). Repeatable.',
+)  # fmt: skip
+@click.option(
+    "--seal-time", "seal_time", metavar="S",
+    help="Slurm: the measured seal time the warning is planned from (default: the run's own "
+    "seals in its store).",
+)  # fmt: skip
 @click.pass_context
-def deploy(ctx: click.Context, /, outputs: List[str], **options: Any) -> int:
+def deploy(ctx: click.Context, /, outputs: List[str], sbatch: List[str], **options: Any) -> int:
     """Put a run on TARGET (an ssh alias, user@host[:port], a pasted `ssh ...` line, or local)
     and return once its job has printed its first line."""
     from controller.deploy.flow import deploy as do_deploy
@@ -107,7 +125,8 @@ def deploy(ctx: click.Context, /, outputs: List[str], **options: Any) -> int:
     # The options are DeployRequest's fields by name (target, job_file, profile, store, name,
     # python, secret_env, offline, project): click hands them over as they are.
     command = list((ctx.obj or {}).get("command") or [])
-    rec = do_deploy(DeployRequest(command=command, outputs=list(outputs), **options))
+    req = DeployRequest(command=command, outputs=list(outputs), sbatch=list(sbatch), **options)
+    rec = do_deploy(req)
     _emit(rec.name)
     return 0
 

@@ -144,9 +144,8 @@ def deploy(
             # A batch job runs the agent (controller/slurm/submit.py): submitted, not started.
             from controller.slurm.submit import submit_run
 
-            grace = plan.guess.profile.preemption.grace
-            args = _agent_args("run", plan, store)
-            return submit_run(remote, registry, rec, plan.slurm, grace, store, args, prev, say)
+            opts = _agent_args("run", plan, store, tail=False)[5:]  # after --profile P
+            return submit_run(remote, registry, plan.slurm, rec, opts, plan.job_rel, prev, say)
         _start(remote, registry, plan, rec, store, pushed)
         registry.put(rec)
         switch_current(remote, box_home, plan.name, pushed.id)
@@ -344,8 +343,8 @@ def _start(
         )
 
 
-def _agent_args(verb: str, plan: Plan, store: Optional[str]) -> List[str]:
-    """``rgt-agent VERB``'s arguments for the run (start, or run under a scheduler)."""
+def _agent_args(verb: str, plan: Plan, store: Optional[str], tail: bool = True) -> List[str]:
+    """``rgt-agent VERB``'s arguments for the run (``tail``: with the job file and command)."""
     req = plan.req
     args = [verb, "--name", plan.name, "--profile", plan.profile]
     if req.on_done is not None:
@@ -357,9 +356,9 @@ def _agent_args(verb: str, plan: Plan, store: Optional[str]) -> List[str]:
         args += ["--store", store]
     for out in req.outputs:
         args += ["--output", out]
-    if plan.job_rel:
+    if plan.job_rel and tail:
         args.append(plan.job_rel)
-    if req.command:
+    if req.command and tail:
         args += ["--", *req.command]
     return args
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from controller.deploy import guess as guessmod
 from controller.profiles import user_dirs as profile_dirs
@@ -54,6 +54,9 @@ class DeployRequest:
     mem: Optional[str] = None
     sbatch: Sequence[str] = ()
     seal_time: Optional[str] = None
+    # A sweep's cells as one Slurm job array (controller/slurm/array.py): (array index, run
+    # name, command, environment) each (controller/slurm/batch.py's Cell).
+    cells: Sequence[Tuple[int, str, Sequence[str], Dict[str, str]]] = ()
 
 
 def _read_toml(path: str) -> Dict[str, Any]:
@@ -172,17 +175,7 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
     guess = _profile(req, target, dirs)
     if guess is not None:
         check_on_done(guess.profile, req.on_done)
-    slurm = check_ask(
-        kind=guess.profile.kind if guess is not None else None,
-        time=req.slurm_time,
-        partition=req.partition,
-        gpus=req.gpus,
-        cpus=req.cpus,
-        mem=req.mem,
-        sbatch=req.sbatch,
-        seal_time=req.seal_time,
-    )
-    if not req.command and not req.job_file:
+    if not req.command and not req.job_file and not req.cells:
         raise UsageError("command", "nothing to run", "give a JOB.toml or `-- CMD ...`")
     project = os.path.abspath(req.project)
     job_rel = None
@@ -200,4 +193,20 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
         job_store = _check_job_store(req)
     check_outputs(list(req.outputs), "--output")  # as the box would, before anything changes
     secrets = _secrets(req.secret_env, environ)
+    slurm = check_ask(
+        kind=guess.profile.kind if guess is not None else None,
+        time=req.slurm_time,
+        partition=req.partition,
+        gpus=req.gpus,
+        cpus=req.cpus,
+        mem=req.mem,
+        sbatch=req.sbatch,
+        seal_time=req.seal_time,
+        run=name,
+        store=req.store,
+        grace=guess.profile.preemption.grace if guess is not None else 0.0,
+        command=req.command,
+        job_file=job_rel,
+        cells=req.cells,
+    )
     return Plan(req, target, guess, project, job_rel, name, secrets, dirs, job_store, slurm)

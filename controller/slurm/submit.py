@@ -19,13 +19,15 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from controller import sealbudget
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote
 from controller.slurm import batch, queue
 from controller.slurm.queue import job_ref
+from controller.target import Target
+from onbox.common import jobenv
 from onbox.common.errors import HostError, LockedError, RemoteUnreachable, UsageError
 from onbox.common.rundir import RunDir
 from onbox.common.sealtime import SealTime
@@ -62,7 +64,9 @@ Say = Callable[[str], None]
 
 @dataclasses.dataclass(frozen=True)
 class SlurmAsk:
-    """What the user asked Slurm for, checked."""
+    """What the batch job was asked to be, checked: the walltime and resources, extra sbatch
+    options, the warning lead (and where it came from), and what it runs: the job's command,
+    or a sweep's cells (controller/slurm/batch.py's Cell: index, run name, argv, env)."""
 
     time: str  # as given (sbatch's format)
     walltime: int  # the same, in seconds
@@ -72,19 +76,33 @@ class SlurmAsk:
     mem: Optional[str] = None
     sbatch: Tuple[str, ...] = ()
     seal_time: Optional[str] = None
+    lead: int = 0  # seconds of warning before the limit
+    lead_line: str = ""  # the lead, and where it came from, in words
+    command: Tuple[str, ...] = ()
+    cells: Tuple[batch.Cell, ...] = ()
 
-    def sbatch_args(self, job_name: str) -> List[str]:
-        """sbatch's arguments for these resources (before the script's path)."""
-        args = [f"--job-name={job_name}", f"--time={self.time}"]
-        if self.partition:
-            args.append(f"--partition={self.partition}")
-        if self.gpus:
-            args.append(f"--gpus={self.gpus}")
-        if self.cpus:
-            args.append(f"--cpus-per-task={self.cpus}")
-        if self.mem:
-            args.append(f"--mem={self.mem}")
-        return [*args, *self.sbatch]
+    def script(
+        self, rec: RunRecord, output_dir: str, opts: Sequence[str], job_file: Optional[str]
+    ) -> str:
+        """The batch script for ``rec``'s run (``opts``: more ``rgt-agent run`` flags)."""
+        return batch.batch_script(
+            name=rec.name,
+            agent_argv=rec.agent or ["rgt-agent"],
+            release_dir=rec.workdir or output_dir,
+            output_dir=output_dir,
+            time_limit=self.time,
+            lead=self.lead,
+            command=self.command,
+            job_file=job_file,
+            env={jobenv.HOME: rec.box_home or "/", **rec.agent_env},
+            agent_args=opts,
+            partition=self.partition,
+            gpus=self.gpus,
+            cpus_per_task=self.cpus,
+            mem=self.mem,
+            extra=self.sbatch,
+            cells=list(self.cells) if self.cells else None,
+        )
 
 
 def _word(value: Optional[str], field: str, pattern: str, example: str) -> Optional[str]:
@@ -124,9 +142,18 @@ def check_ask(
     mem: Optional[str] = None,
     sbatch: Sequence[str] = (),
     seal_time: Optional[str] = None,
+    run: str = "run",
+    store: Optional[str] = None,
+    grace: float = 30.0,
+    command: Sequence[str] = (),
+    job_file: Optional[str] = None,
+    cells: Sequence[batch.Cell] = (),
 ) -> Optional[SlurmAsk]:
-    """The Slurm flags for a profile of ``kind`` (None: not chosen yet), checked; None for a
-    profile that is not Slurm's (whose deploy refuses them)."""
+    """The Slurm flags for a profile of ``kind`` (None: not chosen yet), checked, with the
+    warning lead planned (the run's seal time from ``--seal-time`` or ``store``, else
+    ``grace`` assumed); None for a profile that is not Slurm's (whose deploy refuses them).
+    The batch script is written here once, so that every value it cannot hold is refused
+    before anything on the cluster changes."""
     given = [
         f
         for f, v in (
@@ -155,9 +182,7 @@ def check_ask(
         )
     if cpus is not None and not 1 <= cpus <= 100000:
         raise UsageError("--cpus", f"{cpus} is not a number of CPUs", "e.g. --cpus 8")
-    if seal_time is not None:
-        sealbudget.given(seal_time)  # refuses 0, negatives, words
-    return SlurmAsk(
+    ask = SlurmAsk(
         time=time,
         walltime=queue.parse_walltime(time),
         partition=_word(partition, "--partition", r"[A-Za-z0-9_.,-]{1,128}", "--partition gpu"),
@@ -166,15 +191,25 @@ def check_ask(
         mem=_word(mem, "--mem", r"[0-9]{1,9}[KMGT]?", "--mem 32G"),
         sbatch=check_sbatch(sbatch),
         seal_time=seal_time,
+        command=tuple(command),
+        cells=tuple(cells),
     )
+    lead, line = lead_for(ask, store, cells[0][1] if cells else run, grace)
+    ask = dataclasses.replace(ask, lead=lead, lead_line=line)
+    # The script with stand-in paths: its own checks (the lead against --time, each #SBATCH
+    # value) refuse here what it would refuse after the push.
+    stand_in = RunRecord(name=run, target=Target("local"), agent=["rgt-agent"], box_home="/")
+    ask.script(stand_in, "/", [], job_file)
+    return ask
 
 
 def job_name(run: str) -> str:
-    """The Slurm job name of run ``run`` (how a later deploy finds its live job)."""
-    return f"rgt-{run}"
+    """The Slurm job name of run ``run`` (how a later deploy finds its live job): the run's
+    (or the sweep's) own name, as the batch script sets it."""
+    return run
 
 
-def lead_line(st: SealTime, lead: int, assumed: float, walltime: int) -> str:
+def lead_line(st: SealTime, lead: int, assumed: float) -> str:
     """What the deploy says about the warning: the lead and where it came from."""
     if st.seconds is None:
         head = (
@@ -187,12 +222,6 @@ def lead_line(st: SealTime, lead: int, assumed: float, walltime: int) -> str:
             f"rgt: Slurm signals USR2 {lead} s before the limit: 2 x the measured "
             f"{st.seconds:.0f} s seal + {SLACK} s slack ({st.source})"
         )
-    if lead >= walltime:
-        head += (
-            f". WARNING: that is not shorter than --time ({walltime} s): each allocation is "
-            "warned as soon as Slurm next looks (about 30 s), so the job gets little done per "
-            "allocation; ask for a longer --time"
-        )
     return head
 
 
@@ -200,7 +229,7 @@ def lead_for(ask: SlurmAsk, store: Optional[str], run: str, grace: float) -> Tup
     """The warning lead in seconds and the line that explains it."""
     st = sealbudget.seal_time(ask.seal_time, store, run)
     lead = st.lead(assumed=grace, slack=SLACK)
-    return lead, lead_line(st, lead, grace, ask.walltime)
+    return lead, lead_line(st, lead, grace)
 
 
 # Under a lock in the run's directory ($1): refuse (45) when one of the user's jobs named $3 is
@@ -265,14 +294,14 @@ def sbatch(
     return job
 
 
-def scheduler_doc(ask: SlurmAsk, job: str, lead: int, **more: Any) -> Dict[str, Any]:
+def scheduler_doc(ask: SlurmAsk, job: str, **more: Any) -> Dict[str, Any]:
     """The run record's ``scheduler`` for a Slurm job."""
     return {
         "kind": "slurm",
         "job": job,
         "time": ask.time,
         "walltime": ask.walltime,
-        "lead": lead,
+        "lead": ask.lead,
         "script": SCRIPT,
         **more,
     }
@@ -289,25 +318,28 @@ def unsure(e: RemoteUnreachable, name: str) -> RemoteUnreachable:
 def submit_run(
     remote: Remote,
     registry: Registry,
-    rec: RunRecord,
     ask: SlurmAsk,
-    grace: float,
-    store: Optional[str],
-    agent_args: Sequence[str],
+    rec: RunRecord,
+    opts: Sequence[str],
+    job_file: Optional[str],
     prev: Optional[RunRecord],
     say: Say,
 ) -> RunRecord:
-    """Submit the run's batch job (in place of ``rgt-agent start``: ``agent_args`` are
-    ``rgt-agent run``'s) and record it; a run whose job is live already is left alone (this
-    laptop's record of that job, same release) or refused (LockedError), never submitted
-    twice. ``grace``: the profile's, the seal time assumed when none was measured."""
-    lead, line = lead_for(ask, store, rec.name, grace)
-    say(line)
+    """Submit the run's batch job (in place of ``rgt-agent start``; ``opts``: more ``rgt-agent
+    run`` flags) and record it. A run whose job is live already is left alone (this laptop's
+    record of that job, same release) or refused (LockedError), never submitted twice. With
+    ``ask.cells``, one job array whose task i runs cell i, each cell recorded as a run of its
+    own (controller/slurm/array.py)."""
+    say(ask.lead_line)
+    say(f"rgt: {batch.requeue_side(list(ask.command), rec.workdir or '.')}")
     rd = RunDir(rec.name, rec.box_home)
-    script = _script(rec, rd, agent_args, lead)
-    args = [f"--chdir={rec.workdir or rec.box_home}", *ask.sbatch_args(job_name(rec.name))]
+    script = ask.script(rec, rd.path, opts, job_file)
+    if ask.cells:
+        from controller.slurm.array import submit_cells
+
+        return submit_cells(remote, registry, rec, ask, rd, script, say)
     try:
-        job = sbatch(remote, rd, script, args, rec.name)
+        job = sbatch(remote, rd, script, [], rec.name)
     except LockedError:
         known = (prev.scheduler if prev is not None else {}).get("job")
         if prev is None or prev.release != rec.release or not known:
@@ -321,13 +353,13 @@ def submit_run(
     except RemoteUnreachable as e:
         registry.put(rec)  # so that `rgt status` finds the run; the next deploy finds its job
         raise unsure(e, rec.name) from None
-    rec = dataclasses.replace(rec, scheduler=scheduler_doc(ask, job, lead))
+    rec = dataclasses.replace(rec, scheduler=scheduler_doc(ask, job))
     registry.put(rec)
     _switch(remote, rec)
-    say(f"rgt: submitted {rec.name} as Slurm job {job} ({' '.join(args[1:])})")
+    say(f"rgt: submitted {rec.name} as Slurm job {job} (--time {ask.time}; output {rd.path})")
     say(
-        f"rgt: the agent requeues the job when it is warned or preempted; follow it with "
-        f"`rgt status {rec.name}`, `rgt logs {rec.name} -f`; `rgt stop {rec.name}` ends it"
+        f"rgt: follow it with `rgt status {rec.name}`, `rgt logs {rec.name} -f`; "
+        f"`rgt stop {rec.name}` ends it"
     )
     return rec
 
@@ -338,22 +370,3 @@ def _switch(remote: Remote, rec: RunRecord) -> None:
 
     if rec.release:
         switch_current(remote, rec.box_home, rec.name, rec.release)
-
-
-def _script(rec: RunRecord, rd: RunDir, agent_args: Sequence[str], lead: int) -> str:
-    """The batch script (controller/slurm/batch.py's; INTERIM until it lands)."""
-    make = getattr(batch, "batch_script", None)
-    if make is not None:
-        return str(
-            make(name=rec.name, agent=rec.agent_argv(*agent_args), run_dir=rd.path, lead=lead)
-        )
-    from controller.remote import quote_argv
-
-    return (
-        "#!/bin/sh\n"
-        f"#SBATCH --signal=B:USR2@{lead}\n"
-        "#SBATCH --requeue\n"
-        "#SBATCH --open-mode=append\n"
-        f"#SBATCH --output={rd.path}/slurm-%j.out\n"
-        f"exec {quote_argv(rec.agent_argv(*agent_args))}\n"
-    )

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from controller.registry import RunRecord
 from controller.slurm import queue, submit
+from controller.target import Target
 from onbox.common.errors import UsageError
 from onbox.common.sealtime import SealTime
 
@@ -164,7 +166,7 @@ def test_bad_slurm_flags_are_refused(field: str, kw: dict) -> None:  # type: ign
         submit.check_ask(kind="slurm", time="10", **kw)
 
 
-def test_a_good_ask_becomes_sbatch_arguments() -> None:
+def test_a_good_ask_becomes_the_batch_script() -> None:
     ask = submit.check_ask(
         kind="slurm",
         time="1-0",
@@ -173,28 +175,48 @@ def test_a_good_ask_becomes_sbatch_arguments() -> None:
         cpus=8,
         mem="32G",
         sbatch=["--qos=low", "--exclusive"],
+        seal_time="12",
+        run="demo",
+        command=["python", "train.py"],
     )
-    assert ask is not None and ask.walltime == 86400
-    assert ask.sbatch_args("rgt-x") == [
-        "--job-name=rgt-x",
-        "--time=1-0",
-        "--partition=gpu",
-        "--gpus=a100:2",
-        "--cpus-per-task=8",
-        "--mem=32G",
-        "--qos=low",
-        "--exclusive",
-    ]
+    assert ask is not None and ask.walltime == 86400 and ask.lead == 84
+    rec = RunRecord(
+        name="demo",
+        target=Target("local"),
+        agent=["/home/u/.rgt/agent/venv/bin/rgt-agent"],
+        box_home="/home/u/.rgt",
+        workdir="/home/u/.rgt/releases/abc",
+    )
+    text = ask.script(rec, "/home/u/.rgt/runs/demo", ["--store", "s3://b/p"], None)
+    for line in (
+        "#SBATCH --time=1-0",
+        "#SBATCH --signal=B:USR2@84",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --gpus=a100:2",
+        "#SBATCH --cpus-per-task=8",
+        "#SBATCH --mem=32G",
+        "#SBATCH --qos=low",
+        "#SBATCH --exclusive",
+        "#SBATCH --output=/home/u/.rgt/runs/demo/slurm-%j.out",
+    ):
+        assert line in text.splitlines()
+    assert "--store s3://b/p" in text and "-- python train.py" in text
+
+
+def test_a_lead_that_leaves_no_time_to_train_is_refused_before_anything_changes() -> None:
+    # Not measured: 2 x the assumed 30 s + 60 s = 120 s, not shorter than one minute.
+    with pytest.raises(UsageError, match="--time"):
+        submit.check_ask(kind="slurm", time="1", run="demo", command=["python", "t.py"])
+    ask = submit.check_ask(kind="slurm", time="3", run="demo", command=["python", "t.py"])
+    assert ask is not None and ask.lead == 120 and "NOT MEASURED" in ask.lead_line
 
 
 def test_the_lead_says_where_it_came_from() -> None:
     none = SealTime(None, 0, "not measured: run x has sealed nothing yet")
     lead = none.lead(assumed=30, slack=submit.SLACK)
-    line = submit.lead_line(none, lead, 30, 3600)
+    line = submit.lead_line(none, lead, 30)
     assert lead == 120 and "NOT MEASURED: assumed 30 s" in line and "rgt smoke" in line
     measured = SealTime(12.0, 3, "measured: ...")
     lead = measured.lead(assumed=30, slack=submit.SLACK)
-    line = submit.lead_line(measured, lead, 30, 3600)
+    line = submit.lead_line(measured, lead, 30)
     assert lead == 84 and "2 x the measured 12 s seal + 60 s slack" in line
-    assert "WARNING" not in line
-    assert "WARNING" in submit.lead_line(measured, lead, 30, 60)  # not shorter than --time

@@ -1,0 +1,135 @@
+"""A sweep's cells as one Slurm job array: ``submit_array(plan, say)``, which ``rgt sweep``
+calls for a plan with ``slurm = "LOGIN_NODE"`` (controller/sweep/run.py).
+
+It is `rgt deploy --profile slurm` once for the whole sweep (one audit, one release, one agent
+install on the login node, controller/deploy/flow.py), whose submission is one ``sbatch
+--array=0-(N-1)``: task i runs ``rgt-agent run`` for cell i (controller/slurm/batch.py's script,
+``cells=``), each cell with its own run name, run directory and store prefix (the run name), so
+no two cells share a write path. Each cell is recorded as a run of its own (the Registry), its
+``scheduler`` naming the array job and its task index, so that ``rgt status/logs/stop CELL``
+work on it as on any Slurm run. The array's job name is the sweep's: a second submission while
+any of its tasks is live is refused (one writer per cell).
+
+The walltime and resources come from ``ask`` (a SlurmAsk), else from the plan's ``slurm_*``
+attributes when its PLAN.toml gives them (``slurm_time``, ``slurm_partition``, ``slurm_gpus``,
+``slurm_cpus``, ``slurm_mem``, ``slurm_sbatch``, ``seal_time``); there is no default walltime:
+rgt plans the warning against it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Dict, Optional
+
+from controller.registry import Registry, RunRecord
+from controller.remote import Remote
+from controller.slurm.submit import Say, SlurmAsk, check_ask, sbatch, scheduler_doc
+from onbox.common.errors import UsageError
+from onbox.common.rundir import RunDir
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def plan_ask(plan: Any) -> SlurmAsk:
+    """The Slurm ask of a sweep's plan (its ``slurm_*`` attributes), checked."""
+    ask = check_ask(
+        kind="slurm",
+        time=getattr(plan, "slurm_time", None),
+        partition=getattr(plan, "slurm_partition", None),
+        gpus=getattr(plan, "slurm_gpus", None),
+        cpus=getattr(plan, "slurm_cpus", None),
+        mem=getattr(plan, "slurm_mem", None),
+        sbatch=list(getattr(plan, "slurm_sbatch", None) or ()),
+        seal_time=getattr(plan, "seal_time", None),
+    )
+    assert ask is not None
+    return ask
+
+
+def submit_array(
+    plan: Any,
+    say: Say = _say,
+    *,
+    ask: Optional[SlurmAsk] = None,
+    registry: Optional[Registry] = None,
+) -> Dict[str, Any]:
+    """Deploy the sweep ``plan`` (controller/sweep/plan.py's Plan) as one Slurm job array;
+    ``{"job": ARRAY_JOB_ID, "cells": {name: {"job", "array_task"}}}``."""
+    from controller.deploy.flow import deploy
+    from controller.deploy.request import DeployRequest
+
+    if not plan.slurm:
+        raise UsageError("slurm", "the plan names no login node", 'slurm = "LOGIN_NODE"')
+    cells = list(plan.cells)
+    if not cells or [c.index for c in cells] != list(range(len(cells))):
+        raise UsageError("cells", "a job array needs the cells 0..N-1 in order", "fix the plan")
+    if any(c.outputs for c in cells):
+        raise UsageError(
+            "outputs",
+            "per-cell outputs are not passed to the cells of a Slurm array yet",
+            "leave outputs out (each cell's checkpoints are still sealed under its run name)",
+        )
+    if plan.secret_env:
+        raise UsageError(
+            "secret_env",
+            "is not passed to the cells of a Slurm array yet",
+            "give the job its secrets through the cluster's own means, or deploy cells one by one",
+        )
+    ask = ask or plan_ask(plan)
+    req = DeployRequest(
+        target=plan.slurm,
+        command=[],
+        job_file=plan.job_file,
+        profile=plan.profile or "slurm",
+        store=plan.store,
+        name=plan.name,
+        python=plan.python,
+        offline=plan.offline,
+        project=plan.project,
+        slurm_time=ask.time,
+        partition=ask.partition,
+        gpus=ask.gpus,
+        cpus=ask.cpus,
+        mem=ask.mem,
+        sbatch=ask.sbatch,
+        seal_time=ask.seal_time,
+        cells=[(c.index, c.name, list(c.command), dict(c.env)) for c in cells],
+    )
+    rec = deploy(req, registry=registry, say=say)
+    job = str(rec.scheduler.get("job"))
+    return {
+        "job": job,
+        "cells": {c.name: {"job": job, "array_task": c.index} for c in cells},
+    }
+
+
+def submit_cells(
+    remote: Remote,
+    registry: Registry,
+    rec: RunRecord,
+    ask: SlurmAsk,
+    rd: RunDir,
+    script: str,
+    say: Say,
+) -> RunRecord:
+    """Submit the array's ``script`` (``ask.cells``) from the sweep's directory ``rd``, and
+    record each cell as a run; the sweep's own record (not registered) naming the array job."""
+    from controller.deploy.release import switch_current
+
+    job = sbatch(remote, rd, script, [], rec.name)
+    for index, name, _, _ in ask.cells:
+        doc = scheduler_doc(ask, job, array_job=job, array_task=index, sweep=rec.name)
+        registry.put(dataclasses.replace(rec, name=name, scheduler=doc))
+        if rec.release:
+            switch_current(remote, rec.box_home, name, rec.release)
+    say(
+        f"rgt: submitted {len(ask.cells)} cells of {rec.name} as Slurm job array {job} "
+        f"(task i runs cell i; `rgt status CELL` for each; output {rd.path})"
+    )
+    names = [c[1] for c in ask.cells]
+    return dataclasses.replace(
+        rec, scheduler={"kind": "slurm", "job": job, "array": len(names), "cells": names}
+    )

@@ -1,6 +1,6 @@
 """Fixtures for tests against real services: a throwaway sshd on loopback (tests/sshd.py), a second
 one inside a network namespace of its own (tests/netns.py), a throwaway SeaweedFS S3 server
-(tests/seaweed.py) and a single-node Slurm (tests/slurm.py)."""
+(tests/seaweed.py) and a single-node Slurm (tests/slurm.py) with an sshd login node."""
 
 from __future__ import annotations
 
@@ -99,3 +99,23 @@ def slurm_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmClu
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def slurm_login(
+    slurm_cluster: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[SshServer]:
+    """A "login node" of the session's Slurm: an sshd on loopback whose sessions get the
+    cluster's SLURM_CONF (SetEnv), so sbatch, squeue, scontrol and scancel work over ssh as on
+    a cluster; checked with a first login; stopped by PID at the end."""
+    why = missing()
+    require(why is None, why or "")
+    server = start_sshd(
+        str(tmp_path_factory.mktemp("slurm-login")), set_env={"SLURM_CONF": slurm_cluster.conf}
+    )
+    try:
+        p = server.run("squeue -h", timeout=60)
+        assert p.returncode == 0, f"squeue over ssh failed ({p.returncode}): {p.stderr}"
+        yield server
+    finally:
+        server.stop()

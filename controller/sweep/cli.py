@@ -10,7 +10,7 @@ import json
 
 import click
 
-from controller.sweep.plan import load_plan
+from controller.sweep.plan import check_store_here, load_plan
 
 
 @click.command("sweep")
@@ -39,6 +39,7 @@ def reconcile_cmd(plan_file: str, as_json: bool) -> int:
     from onbox.common.errors import UsageError
 
     plan = load_plan(plan_file)
+    check_store_here(plan)
     record.begin(plan)  # the roster checked against the record (made when never swept)
     doc = record.load(plan.name)
     if doc is None:  # pragma: no cover - begin made it

@@ -304,15 +304,21 @@ def _check_store(doc: Dict[str, Any]) -> str:
         raise UsageError(
             "store", "is missing: every cell is sealed under it", 'store = "s3://bucket/sweeps"'
         )
-    url = parse_store_url(store, "store")
+    parse_store_url(store, "store")
+    return store
+
+
+def check_store_here(plan: Plan) -> None:
+    """Refuse a ``file://`` store that is no directory on this laptop: rgt sweep and reconcile
+    read every cell's documents from the store here (rgt emit need not)."""
+    url = parse_store_url(plan.store or "", "store")
     if url.scheme == "file" and not os.path.isdir(url.path):
         raise UsageError(
             "store",
-            f"{store}: {url.path} is not a directory on this laptop",
-            "rgt reconcile reads every cell from the store here: use a store this laptop "
-            "reads (s3://, hf://, or a file:// mount it shares)",
+            f"{plan.store}: {url.path} is not a directory on this laptop",
+            "rgt sweep and rgt reconcile read every cell from the store here: use a store "
+            "this laptop reads (s3://, hf://, or a file:// mount it shares)",
         )
-    return store
 
 
 def _check_job(doc: Dict[str, Any], base: str, project: str) -> Optional[str]:

@@ -34,7 +34,7 @@ from controller import boxrun
 from controller.registry import Registry
 from controller.remote import Remote, open_remote
 from controller.sweep import record
-from controller.sweep.plan import Cell, Plan
+from controller.sweep.plan import Cell, Plan, check_store_here
 from controller.target import parse_target
 from onbox.agent.states import LIVE_NAMES
 from onbox.common.errors import (
@@ -301,6 +301,7 @@ def sweep(
             ) from None
         result = submit(plan, say)
         return result if isinstance(result, int) else 0
+    check_store_here(plan)
     with record.driving(plan.name, home):
         record.begin(plan, home)
         driver = Driver(plan, say, interval, home)

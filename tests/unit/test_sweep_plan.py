@@ -16,9 +16,11 @@ from controller.sweep.plan import (
     canonical,
     cell_name,
     check_injective,
+    check_store_here,
     expand,
     load_plan,
 )
+from controller.sweep.run import sweep
 from onbox.common.errors import UsageError
 from onbox.common.rundir import is_name
 
@@ -168,12 +170,17 @@ def test_a_job_file_with_shared_outputs_or_checkpoint_dir_is_refused(tmp_path: P
     assert plan.job_file == os.path.join(str(tmp_path), "job.toml")
 
 
-def test_a_file_store_this_laptop_cannot_read_is_refused(tmp_path: Path) -> None:
+def test_a_file_store_this_laptop_cannot_read_is_refused_before_a_sweep(tmp_path: Path) -> None:
     path = tmp_path / "PLAN.toml"
     path.write_text('store = "file:///nonexistent/rgt-store"\n' + BASE)
+    plan = load_plan(str(path))  # fine for rgt emit, which reads no store
     with pytest.raises(UsageError) as e:
-        load_plan(str(path))
+        check_store_here(plan)
     assert e.value.field == "store"
+    with pytest.raises(UsageError) as e:
+        sweep(plan, home=str(tmp_path / "ctl"))
+    assert e.value.field == "store"
+    assert not (tmp_path / "ctl").exists()  # refused before any record was made
 
 
 def _cells(costs: List[float]) -> List[Cell]:

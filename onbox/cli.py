@@ -33,6 +33,7 @@ from onbox.agent.daemon import spawn_agent
 from onbox.agent.lock import RunLock
 from onbox.agent.loop import Agent
 from onbox.agent.mailbox import stop_run, sync_run
+from onbox.agent.podrunner import pod_option, run_pod
 from onbox.agent.runner import read_ready
 from onbox.agent.spec import JobSpec
 from onbox.agent.states import TERMINAL_NAMES
@@ -170,6 +171,7 @@ def start(
 
 @cli.command()
 @_job_options
+@pod_option
 def run(
     job_file: Optional[str],
     name: Optional[str],
@@ -177,9 +179,13 @@ def run(
     store: Optional[str],
     grace: Optional[str],
     outputs: Tuple[str, ...],
+    pod: bool = False,
     **platform: Optional[str],
 ) -> int:
     """Like start, but supervise in the foreground; exit code tells the final state."""
+    if pod:  # the agent sidecar of a Kubernetes pod; the job has its own container
+        again = (job_file, name, ckpt_dir, store, grace, outputs, platform)
+        return run_pod(name, lambda: _claim(*again), _emit)
     claimed = _claim(job_file, name, ckpt_dir, store, grace, outputs, platform)
     if claimed is None:
         return 0

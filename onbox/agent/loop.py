@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 class Agent:
     """Supervises one run until it reaches a terminal state."""
 
+    runner_class = ShimRunner  # rgt-agent run --pod: onbox/agent/podrunner.py PodRunner
+
     def __init__(
         self,
         rd: RunDir,
@@ -69,12 +71,9 @@ class Agent:
 
             self.notifier = Notifier(self.spec.health.notify, rd.name, self.journal.event)
             self.journal.listeners.append(self.notifier.listen)
-        self.runner = ShimRunner(
-            rd,
-            self.spec,
-            agent_cmd=agent_argv(rd.name),
-            base_environ=os.environ,
-            respawn_delay=float(os.environ.get("RGT_AGENT_RESPAWN_DELAY", "3")),
+        argv, delay = agent_argv(rd.name), float(os.environ.get("RGT_AGENT_RESPAWN_DELAY", "3"))
+        self.runner = self.runner_class(
+            rd, self.spec, agent_cmd=argv, base_environ=os.environ, respawn_delay=delay
         )
         state_doc = read_json(rd.state)
         self.fresh = state_doc is None

@@ -156,7 +156,9 @@ class ShimRunner:
                 )
         return got
 
-    def spawn(self, attempt: int) -> int:
+    def write_launch(self, attempt: int, **more: Any) -> str:
+        """Write attempt ``attempt``'s launch.json (``more``: extra fields for the shim, e.g.
+        the pod runner's); return the attempt's tag."""
         os.makedirs(self.rd.attempt_dir(attempt), exist_ok=True)
         os.makedirs(self.spec.ckpt_dir, exist_ok=True)
         tag = f"{self.spec.name}:{attempt}:{os.urandom(6).hex()}"
@@ -173,10 +175,15 @@ class ShimRunner:
             # Secrets never pass through this file: the shim reads them itself
             # (onbox/agent/shim.py).
             "secrets": self.rd.secrets_file,
+            **more,
         }
         # The launch file holds the job's environment (maybe secrets): 0600, and the shim
         # deletes it as soon as it has read it.
         write_json(os.path.join(self.rd.attempt_dir(attempt), "launch.json"), launch)
+        return tag
+
+    def spawn(self, attempt: int) -> int:
+        tag = self.write_launch(attempt)
         r, w = os.pipe()
         try:
             with open(self.rd.agent_log, "ab") as logf:

@@ -57,6 +57,10 @@ class Shim:
         0600 file on every start so that a restarted attempt gets them too and no file of the
         run ever holds them."""
         env = dict(self.launch["env"])
+        if self.launch.get("inherit_env"):
+            # In a pod (onbox/agent/podrunner.py) the job's base environment is its own
+            # container's (its image's PATH and settings), which the launcher passed to us.
+            env = {**os.environ, **env}
         path = self.launch.get("secrets")
         if not path:
             return env
@@ -180,6 +184,8 @@ class Shim:
 
     def watch_agent(self) -> None:
         """Start the agent again when nobody has held the run's lock for a while."""
+        if self.launch.get("respawn_agent") is False:
+            return  # in a pod the agent has its own container, which the kubelet restarts
         if is_held(self.rd.lock):
             self.lock_free_since = None
             return

@@ -1,0 +1,283 @@
+"""The agent in its own container (`rgt-agent run --pod`) with the job started by the job
+container's launcher (`python -m onbox.agent.podlaunch RUN_DIR`), as in rgt emit k8s's pod.
+
+No cluster runs here: a "pod" is two real process trees (the agent's, the launcher's) that share
+an RGT_HOME and the host's PID namespace, which is what ``shareProcessNamespace`` and the
+emptyDir give the two containers. The tests do the kubelet's parts by hand: start the launcher
+once the sidecar published the job lib (its startup probe), SIGTERM the launcher (the job
+container's PID 1) to stop the pod, SIGTERM the agent after the launcher exits, restart a
+SIGKILLed agent, and kill the whole job container at once (cgroup v2's group OOM kill).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict, Iterator, List, Optional
+
+import pytest
+
+from onbox.agent import procfs
+from onbox.common.rundir import RunDir
+from tests import mounts
+from tests.conftest import agent_exe, fixture, require
+from tests.polling import latest_step, wait
+
+JOB = fixture("pod_job.py")
+MEM_LIMIT = 96 << 20  # the job container's memory limit in the OOM test
+
+
+class Pod:
+    """One pod: an RGT_HOME (the emptyDir), the agent sidecar and the job container."""
+
+    def __init__(self, home: str, store: str, name: str, job: List[str], grace: int = 5) -> None:
+        self.home, self.store, self.name, self.job, self.grace = home, store, name, job, grace
+        os.makedirs(home, exist_ok=True)
+        self.run_dir = os.path.join(home, "runs", name)
+        self.procs: List[subprocess.Popen[bytes]] = []
+        self.agent: Optional[subprocess.Popen[bytes]] = None
+        self.launcher: Optional[subprocess.Popen[bytes]] = None
+
+    def env(self, **more: str) -> Dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RGT_")}
+        env.update(RGT_HOME=self.home, **more)
+        return env
+
+    def start_agent(self) -> subprocess.Popen[bytes]:
+        job = os.path.join(self.home, "job.toml")
+        with open(job, "w") as f:  # the agent asks the job for a checkpoint with SIGUSR2
+            f.write(f'command = {json.dumps(self.job)}\n[checkpoint]\ntrigger = "signal:USR2"\n')
+        argv = [*agent_exe(), "run", "--pod", job, "--name", self.name, "--store", self.store]
+        argv += ["--grace", str(self.grace)]
+        with open(os.path.join(self.home, "agent.out"), "ab") as out:
+            self.agent = subprocess.Popen(
+                argv, env=self.env(), stdout=out, stderr=out, start_new_session=True
+            )
+        self.procs.append(self.agent)
+        return self.agent
+
+    def start_launcher(self, cgroup: str = "") -> subprocess.Popen[bytes]:
+        lib = os.path.join(self.home, "lib", "pod")
+        # The kubelet starts the job container once the sidecar's startup probe sees the lib.
+        wait(lambda: os.path.exists(os.path.join(lib, "onbox", "agent", "podlaunch.py")), 60)
+
+        def enter() -> None:  # the job container's cgroup, for everything the launcher starts
+            if cgroup:
+                with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+                    f.write(str(os.getpid()))
+
+        with open(os.path.join(self.home, "launcher.out"), "ab") as out:
+            self.launcher = subprocess.Popen(
+                [sys.executable, "-S", "-m", "onbox.agent.podlaunch", self.run_dir],
+                env=self.env(PYTHONPATH=lib),
+                stdout=out,
+                stderr=out,
+                start_new_session=True,
+                preexec_fn=enter,
+                cwd=self.home,
+            )
+        self.procs.append(self.launcher)
+        return self.launcher
+
+    def state(self) -> Dict[str, Any]:
+        try:
+            with open(os.path.join(self.run_dir, "state.json")) as f:
+                out: Dict[str, Any] = json.load(f)
+            return out
+        except (OSError, ValueError):
+            return {}
+
+    def wait_state(self, *states: str, timeout: float = 60) -> Dict[str, Any]:
+        st: Dict[str, Any] = wait(
+            lambda: self.state() if self.state().get("state") in states else None,
+            timeout,
+            f"state {states} (now {self.state().get('state')})",
+        )
+        return st
+
+    def events(self, kind: str) -> List[Dict[str, Any]]:
+        with open(os.path.join(self.run_dir, "events.jsonl")) as f:
+            evs = [json.loads(line) for line in f if line.strip()]
+        return [e for e in evs if e["kind"] == kind]
+
+    def output(self, attempt: int = 1) -> str:
+        with open(RunDir(self.name, self.home).output_log(attempt)) as f:
+            return f.read()
+
+    def record(self, attempt: int) -> Dict[str, Any]:
+        with open(RunDir(self.name, self.home).job_record(attempt)) as f:
+            out: Dict[str, Any] = json.load(f)
+        return out
+
+    def exit_of(self, proc: subprocess.Popen[bytes], timeout: float = 60) -> int:
+        return proc.wait(timeout=timeout)
+
+    def end(self) -> int:
+        """The kubelet's end of a pod whose main container exited: SIGTERM to the sidecar."""
+        assert self.agent is not None
+        self.agent.send_signal(signal.SIGTERM)
+        return self.agent.wait(timeout=30)
+
+    def close(self) -> None:
+        pids = [p.pid for p in self.procs]
+        attempts = os.path.join(self.run_dir, "attempts")
+        for a in os.listdir(attempts) if os.path.isdir(attempts) else []:
+            try:
+                rec = self.record(int(a))
+                pids += [rec["pid"], rec["shim"]["pid"]]
+            except (OSError, ValueError, KeyError):
+                pass
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for p in self.procs:
+            p.wait(timeout=10)
+
+
+@pytest.fixture
+def pods(tmp_path: Any) -> Iterator[List[Pod]]:
+    made: List[Pod] = []
+    yield made
+    for pod in made:
+        pod.close()
+
+
+def _pod(pods: List[Pod], tmp_path: Any, which: str, name: str, steps: int, *extra: str) -> Pod:
+    store = tmp_path / "durable"
+    store.mkdir(exist_ok=True)
+    pod = Pod(str(tmp_path / which), f"file://{store}", name, [*JOB, str(steps), *extra])
+    pods.append(pod)
+    return pod
+
+
+def _remove(cgroup: str) -> None:
+    """Kill, by PID, whatever is left in the group, then remove it (bounded)."""
+    deadline = time.monotonic() + 15
+    while True:
+        with open(os.path.join(cgroup, "cgroup.procs")) as f:
+            left = f.read().split()
+        for pid in left:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.rmdir(cgroup)
+            return
+        except OSError:
+            assert time.monotonic() < deadline, left
+            time.sleep(0.1)
+
+
+def _store(tmp_path: Any) -> str:
+    return str(tmp_path / "durable")
+
+
+def test_pod_runs_a_job_to_succeeded_and_the_launcher_exits_0(
+    pods: List[Pod], tmp_path: Any
+) -> None:
+    pod = _pod(pods, tmp_path, "pod1", "ok", 12)
+    pod.start_agent()
+    launcher = pod.start_launcher()
+    assert pod.exit_of(launcher) == 0  # the main container's code is the run's
+    assert pod.state()["state"] == "SUCCEEDED"
+    assert "finished at step 12" in pod.output()
+    assert os.path.exists(os.path.join(_store(tmp_path), "ok", "DONE.json"))
+    # The job ran in the launcher's tree, under its shim: not the agent's child.
+    rec = pod.record(1)
+    assert pod.agent is not None and procfs.read_stat(rec["shim"]["pid"]) is None
+    assert pod.agent.poll() is None  # a native sidecar waits for its SIGTERM, not exits
+    assert pod.end() == 0
+
+
+def test_sigterm_to_the_launcher_preempts_seals_and_exits_13(
+    pods: List[Pod], tmp_path: Any
+) -> None:
+    pod = _pod(pods, tmp_path, "pod1", "pre", 100000)
+    pod.start_agent()
+    launcher = pod.start_launcher()
+    wait(lambda: (latest_step(_store(tmp_path), "pre") or 0) >= 5, 60, "step 5 sealed")
+    launcher.send_signal(signal.SIGTERM)  # the kubelet stops the main container first
+    assert pod.exit_of(launcher) == 13
+    assert pod.state()["state"] == "PREEMPTED"
+    [last] = [ln for ln in pod.output().splitlines() if ln.startswith("wrote ")][-1:]
+    assert last.endswith("(asked)")  # the checkpoint asked for at the stop was written...
+    step = int(last.split("step_")[1].split(".")[0])
+    assert latest_step(_store(tmp_path), "pre") == step  # ...and sealed before the end
+    assert pod.end() == 13
+
+
+def test_oom_kill_of_the_job_container_leaves_the_agent_to_seal_and_the_next_pod_resumes(
+    pods: List[Pod], tmp_path: Any
+) -> None:
+    cgroup = mounts.memory_cgroup(MEM_LIMIT, "rgt-pod")
+    require(bool(cgroup), "root and a writable cgroup v1 memory controller")
+    hog = str(tmp_path / "hog")
+    pod = _pod(pods, tmp_path, "pod1", "oom", 200, hog)
+    try:
+        pod.start_agent()
+        launcher = pod.start_launcher(cgroup)
+        wait(lambda: (latest_step(_store(tmp_path), "oom") or 0) >= 5, 60, "step 5 sealed")
+        rec = pod.record(1)
+        # cgroup v1 OOM-kills one process; v2 takes the whole container. Do v2's part: the
+        # launcher and the shim are frozen while the kernel OOM-kills the job, then killed.
+        for pid in (launcher.pid, rec["shim"]["pid"]):
+            os.kill(pid, signal.SIGSTOP)
+        open(hog, "w").close()
+        job = procfs.Identity(rec["pid"], rec["start_ticks"])
+        wait(lambda: not procfs.is_alive(job), 60, "the kernel to OOM-kill the job")
+        for pid in (launcher.pid, rec["shim"]["pid"]):
+            os.kill(pid, signal.SIGKILL)
+        launcher.wait(timeout=10)
+        st = pod.wait_state("PREEMPTED")
+        assert pod.agent is not None and pod.agent.poll() is None  # its own container lives
+        [died] = pod.events("job_container_died")
+        assert died["oom"] is True and "OOM-killed" in died["reason"], died
+        written = [w for w in pod.output().split() if w.startswith("step_")]
+        last = max(int(w.split("_")[1].split(".")[0]) for w in written)
+        assert latest_step(_store(tmp_path), "oom") == last  # the last complete one, sealed
+        assert st["attempt"] == 1
+        final = os.path.join(pod.run_dir, "pod", "final.json")
+        wait(lambda: os.path.exists(final), 30, "the agent to finish the run")
+        with open(final) as f:
+            assert json.load(f)["code"] == 13
+        assert pod.end() == 13
+    finally:
+        if os.path.exists(hog):
+            os.unlink(hog)
+        pod.close()
+        _remove(cgroup)
+    # The Job's next pod: fresh directories, the same store; it restores and finishes.
+    again = _pod(pods, tmp_path, "pod2", "oom", 200, hog)
+    again.start_agent()
+    assert again.exit_of(again.start_launcher()) == 0
+    out = again.output()
+    assert f"resumed from {last}" in out and "finished at step 200" in out
+    assert again.end() == 0
+
+
+def test_a_killed_agent_sidecar_restarted_adopts_the_running_attempt(
+    pods: List[Pod], tmp_path: Any
+) -> None:
+    pod = _pod(pods, tmp_path, "pod1", "adopt", 120)
+    first = pod.start_agent()
+    launcher = pod.start_launcher()
+    wait(lambda: (latest_step(_store(tmp_path), "adopt") or 0) >= 5, 60, "step 5 sealed")
+    job = pod.record(1)
+    first.kill()  # SIGKILL: the sidecar container dies
+    first.wait(timeout=10)
+    time.sleep(0.2)  # the kubelet's restart comes a moment later; the job runs on meanwhile
+    assert procfs.is_alive(procfs.Identity(job["pid"], job["start_ticks"]))
+    pod.start_agent()
+    assert pod.exit_of(launcher) == 0
+    assert pod.state()["state"] == "SUCCEEDED" and pod.state()["attempt"] == 1
+    assert len(pod.events("adopt")) == 1
+    assert "finished at step 120" in pod.output() and "resumed from 0" in pod.output()
+    assert os.path.exists(os.path.join(_store(tmp_path), "adopt", "DONE.json"))
+    assert pod.end() == 0

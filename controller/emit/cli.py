@@ -56,6 +56,7 @@ def _sweep_cells(plan_path: str) -> Tuple[List[Any], str, Optional[str]]:
     help="A store holding this run's events (when the pod's is a PVC).",
 )
 @click.option("--image-dir", default="/app", show_default=True, help="The project in the image.")
+@click.option("--job-image", metavar="IMG", help="The job container's image (default: --image).")
 @click.option("--out", metavar="FILE", help="Write here (replaced atomically); default stdout.")
 def emit_k8s(
     job_file: str,
@@ -68,13 +69,15 @@ def emit_k8s(
     seal_time: Optional[str],
     seal_from: Optional[str],
     image_dir: str,
+    job_image: Optional[str],
     out: Optional[str],
 ) -> int:
-    """A Kubernetes Job manifest: rgt-agent run in the foreground, the pod's grace from the
-    measured seal time, disruptions ignored, rgt's permanent exit codes fail the Job.
+    """A Kubernetes Job manifest: rgt-agent run --pod as a native sidecar, the job in its own
+    container, the pod's grace from the measured seal time, disruptions ignored, rgt's
+    permanent exit codes fail the Job.
 
-    The job runs in the agent's container (rgt-agent starts and restarts it itself), so an OOM
-    kill of that container ends the pod; the next pod restores the last sealed checkpoint."""
+    An OOM kill of the job's container takes the job, never the agent, which seals what is
+    complete; the next pod restores the last sealed checkpoint (Kubernetes >= 1.29)."""
     from controller import profiles as prof
     from controller.emit import k8s
 
@@ -86,7 +89,7 @@ def emit_k8s(
     spec = k8s.load(job_file, store, pvc, profile)
     measured_in = seal_from or (spec.store.url if spec.store else None)
     seal = _seal(seal_time, measured_in, spec.name)
-    opts = k8s.K8sOptions(image=image, pvc=pvc, gpus=gpus, secret=secret, image_dir=image_dir)
+    opts = k8s.K8sOptions(image, pvc, gpus, secret, image_dir, job_image=job_image)
     text = k8s.render(spec, opts, profile, seal, job_file, dict(os.environ), cells, sweep_name)
     write_out(text, out)
     return 0

@@ -1,21 +1,20 @@
 """`rgt emit k8s`: a job file as a Kubernetes Job manifest with rgt's agent in the foreground.
 
-**Where the agent runs, and why.** ``rgt-agent run`` is the pod's main container process: it
-restores the newest verified checkpoint, then starts the job itself (under its shim, with
-``RGT_RESUME_FROM``, ``RGT_ATTEMPT`` and the job's higher ``oom_score_adj``), restarts it, seals
-its checkpoints and exits with its final state's code (onbox/common/errors.py
-FINAL_EXIT_CODES), which is what ``podFailurePolicy`` reads. The agent must start the job: an
-attempt's environment, its process group, its exit record and every restart come from it, and
-today it has no way to supervise a process that another container's runtime started. So the
-job shares the agent's container, and the manifest says so in an annotation.
-
-The price is Appendix D's: on cgroup v2 with Kubernetes >= 1.28 one OOM kill takes every process
-of the container, the agent with the job, so that attempt's final seal is lost (the checkpoints
-sealed before it are not: they are in the store already), the container ends 137, which is not a
-permanent code, and the Job's next pod restores and resumes. The layout that removes this (the
-job in its own container, started through the shared run directory by a launcher the agent
-drives, across a shared process namespace) needs an agent mode that does not exist yet; emitting
-a manifest for it now would describe a pod that does not work.
+**Where the agent runs, and why.** Two containers: the agent as a native sidecar (an
+initContainer with ``restartPolicy: Always``, Kubernetes >= 1.29) running ``rgt-agent run --pod``,
+and the job as the pod's main container, in the job's image (``--job-image``, default the same),
+running ``python3 -m onbox.agent.podlaunch RUN_DIR`` (onbox/agent/podrunner.py has the design).
+On cgroup v2 with Kubernetes >= 1.28 one OOM kill takes every process of a container
+(Appendix D): with the job in a container of its own, that kill takes the job, its shim and the
+launcher, never the agent, which records why, seals what is complete and mirrors the run's state
+before the Job's next pod restores. The two share the run directory (an emptyDir at RGT_HOME:
+the run dir, the default checkpoint dir, the job lib the agent publishes at ``lib/pod``, which
+the job container's PYTHONPATH names) and one PID namespace (``shareProcessNamespace``), so the
+agent watches and signals the job's processes by pid as on a box. The sidecar's startup probe
+holds the job container back until the job lib is there. The kubelet restarts a dead agent,
+which adopts the running attempt. Both containers get the Secret (``envFrom``): the agent for
+the store, the job for its own credentials (its environment is its container's, under the
+run's variables). GPUs are the job container's.
 
 **Grace.** ``terminationGracePeriodSeconds`` is the measured seal time's lead
 (controller/sealbudget.py: ``--seal-time``, else the run's events in the store or
@@ -54,11 +53,13 @@ from onbox.common.sealtime import SealTime
 from onbox.profiles.schema import Profile
 
 PROFILE = "kubernetes"
-AGENT_CONTAINER = "agent"
+AGENT_CONTAINER = "agent"  # the native sidecar
+JOB_CONTAINER = "job"  # the main container: its exit code is the run's (podFailurePolicy)
 SLACK_S = 5  # the kubelet's and the agent's own lateness between SIGTERM and the seal's end
 FLOOR_S = 30  # never less than Kubernetes' own default grace
 BACKOFF_LIMIT = 6  # Kubernetes' default, said out loud
-RGT_HOME = "/rgt"  # the agent's run directories: an emptyDir, volatile like the pod
+RGT_HOME = "/rgt"  # the run directories: an emptyDir both containers mount, volatile like the pod
+POD_LIB = f"{RGT_HOME}/lib/pod"  # the job lib the agent publishes (onbox/agent/podrunner.py)
 IMAGE_DIR = "/app"  # where the image holds the project (the code is baked into the image)
 
 
@@ -69,6 +70,7 @@ class K8sOptions:
     gpus: int = 0
     secret: Optional[str] = None
     image_dir: str = IMAGE_DIR
+    job_image: Optional[str] = None  # the job container's image (default: ``image``)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +136,7 @@ def agent_argv(job_path: str, run: str, store: str, grace: int) -> List[str]:
     return [
         "rgt-agent",
         "run",
+        "--pod",
         job_path,
         "--name",
         run,
@@ -176,13 +179,13 @@ def _cell_command(cells: Sequence[Cell], base: List[str]) -> List[str]:
     return ["python3", "-c", _PICK_CELL, json.dumps(table, sort_keys=True)]
 
 
-def _container(
-    command: List[str], opts: K8sOptions, profile: Profile, store: str
-) -> Dict[str, Any]:
+# The sidecar's startup probe: the job container starts only once the job lib is published.
+_LIB_READY = f"import os, sys; sys.exit(not os.path.exists('{POD_LIB}/onbox/agent/podlaunch.py'))"
+
+
+def _common(opts: K8sOptions) -> Dict[str, Any]:
+    """What both containers have: the working dir, RGT_HOME, the shared emptyDir, the Secret."""
     c: Dict[str, Any] = {
-        "name": AGENT_CONTAINER,
-        "image": opts.image,
-        "command": command,
         "workingDir": opts.image_dir,
         "env": [
             {"name": "RGT_HOME", "value": RGT_HOME},
@@ -192,8 +195,32 @@ def _container(
     }
     if opts.secret:
         c["envFrom"] = [{"secretRef": {"name": opts.secret}}]
+    return c
+
+
+def _agent_container(command: List[str], opts: K8sOptions, profile: Profile) -> Dict[str, Any]:
+    c: Dict[str, Any] = {"name": AGENT_CONTAINER, "image": opts.image, "command": command}
+    c.update(_common(opts))
+    c["restartPolicy"] = "Always"  # a native sidecar: restarted when it dies, stopped last
+    c["startupProbe"] = {
+        "exec": {"command": ["python3", "-c", _LIB_READY]},
+        "periodSeconds": 1,
+        "failureThreshold": 300,
+    }
     if opts.pvc:
         c["volumeMounts"].append({"name": "checkpoints", "mountPath": profile.durable.path})
+    return c
+
+
+def _job_container(run_dirs: List[str], opts: K8sOptions, profile: Profile) -> Dict[str, Any]:
+    command = ["python3", "-m", "onbox.agent.podlaunch", *run_dirs]
+    c: Dict[str, Any] = {
+        "name": JOB_CONTAINER,
+        "image": opts.job_image or opts.image,
+        "command": command,
+        **_common(opts),
+    }
+    c["env"].append({"name": "PYTHONPATH", "value": POD_LIB})
     if opts.gpus:
         gpus = {"nvidia.com/gpu": str(opts.gpus)}
         c["resources"] = {"limits": dict(gpus), "requests": dict(gpus)}
@@ -213,7 +240,7 @@ def _failure_policy(indexed: bool) -> Dict[str, Any]:
             {
                 "action": "FailIndex" if indexed else "FailJob",
                 "onExitCodes": {
-                    "containerName": AGENT_CONTAINER,
+                    "containerName": JOB_CONTAINER,  # the launcher exits with the run's code
                     "operator": "In",
                     "values": sorted(PERMANENT_EXIT_CODES),
                 },
@@ -238,6 +265,9 @@ def manifest(
     job_path = f"{opts.image_dir.rstrip('/')}/{relative_job_path(job_file)}"
     base = agent_argv(job_path, spec.name, store, agent_grace)
     command = _cell_command(cells, base) if cells else base
+    run_dirs = (
+        [f"{RGT_HOME}/runs/{c.name}" for c in cells] if cells else [f"{RGT_HOME}/runs/{spec.name}"]
+    )
     volumes: List[Dict[str, Any]] = [{"name": "rgt-home", "emptyDir": {}}]
     if opts.pvc:
         volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": opts.pvc}})
@@ -250,7 +280,9 @@ def manifest(
             "spec": {
                 "restartPolicy": "Never",
                 "terminationGracePeriodSeconds": pod_grace,
-                "containers": [_container(command, opts, profile, store)],
+                "shareProcessNamespace": True,  # the agent watches and signals the job by pid
+                "initContainers": [_agent_container(command, opts, profile)],
+                "containers": [_job_container(run_dirs, opts, profile)],
                 "volumes": volumes,
             },
         },
@@ -273,8 +305,10 @@ def manifest(
             "annotations": {
                 "rgt.dev/grace": _grace_words(seal, profile, pod_grace),
                 "rgt.dev/agent-grace": f"{agent_grace} s (the pod's grace less {SLACK_S} s)",
-                "rgt.dev/oom-isolation": "none: the job runs in the agent's container (see rgt "
-                "emit k8s --help); an OOM kill there ends the pod and the next one resumes",
+                "rgt.dev/oom-isolation": f"the job has its own container ({JOB_CONTAINER}) "
+                f"beside the agent's native sidecar ({AGENT_CONTAINER}): an OOM kill there takes "
+                "the job's processes, never the agent, which seals what is complete; the next "
+                "pod resumes",
             },
         },
         "spec": job_spec,
@@ -317,5 +351,5 @@ def render(
 
 
 def doc_store(doc: Dict[str, Any]) -> str:
-    argv = doc["spec"]["template"]["spec"]["containers"][0]["command"]
+    argv = doc["spec"]["template"]["spec"]["initContainers"][0]["command"]
     return str(argv[argv.index("--store") + 1]) if "--store" in argv else "the sweep's store"

@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional
 import pytest
 
 from controller.emit import k8s
+from onbox.agent import podlaunch
 from onbox.common.errors import PERMANENT_EXIT_CODES
 from onbox.common.sealtime import SealTime, measure
 from tests.conftest import FIXTURES
@@ -87,6 +88,18 @@ def pod(doc: Dict[str, Any]) -> Dict[str, Any]:
     return dict(doc["spec"]["template"]["spec"])
 
 
+def agent(doc: Dict[str, Any]) -> Dict[str, Any]:
+    """The agent: the pod's one init container, a native sidecar."""
+    [c] = pod(doc)["initContainers"]
+    return dict(c)
+
+
+def job(doc: Dict[str, Any]) -> Dict[str, Any]:
+    """The job's own container: the pod's one main container."""
+    [c] = pod(doc)["containers"]
+    return dict(c)
+
+
 def agent_grace(container: Dict[str, Any]) -> int:
     argv = container["command"]
     return int(argv[argv.index("--grace") + 1])
@@ -128,18 +141,30 @@ def test_plain_job_with_a_pvc_measured_from_a_real_agents_seals(tmp_path: Any) -
     p = pod(doc)
     grace = expected.lead(assumed=30, slack=k8s.SLACK_S, floor=k8s.FLOOR_S)
     assert p["terminationGracePeriodSeconds"] == grace
-    assert agent_grace(p["containers"][0]) == grace - k8s.SLACK_S
+    assert agent_grace(agent(doc)) == grace - k8s.SLACK_S
     assert doc["metadata"]["annotations"]["rgt.dev/grace"].startswith("measured")
     assert "measured" in r.stdout.splitlines()[1]
     assert p["volumes"][1] == {
         "name": "checkpoints",
         "persistentVolumeClaim": {"claimName": "ckpt"},
     }
-    c = p["containers"][0]
+    c = agent(doc)
     assert {"name": "checkpoints", "mountPath": "/checkpoints"} in c["volumeMounts"]
     argv = c["command"]
-    assert argv[:3] == ["rgt-agent", "run", "/app/plain.toml"]
+    assert argv[:4] == ["rgt-agent", "run", "--pod", "/app/plain.toml"]
     assert argv[argv.index("--store") + 1] == "file:///checkpoints/rgt"
+    # The job has a container of its own, started by the launcher in the shared run dir.
+    j = job(doc)
+    assert j["command"] == ["python3", "-m", "onbox.agent.podlaunch", "/rgt/runs/plain"]
+    assert {"name": "PYTHONPATH", "value": k8s.POD_LIB} in j["env"]
+    shared = {"name": "rgt-home", "mountPath": k8s.RGT_HOME}
+    assert shared in j["volumeMounts"] and shared in c["volumeMounts"]
+    assert p["volumes"][0] == {"name": "rgt-home", "emptyDir": {}}
+    model = as_v1job(doc).spec.template.spec
+    assert model.share_process_namespace is True
+    assert model.init_containers[0].restart_policy == "Always"  # a native sidecar
+    assert model.init_containers[0].startup_probe._exec.command[:2] == ["python3", "-c"]
+    assert "own container" in doc["metadata"]["annotations"]["rgt.dev/oom-isolation"]
     rules = doc["spec"]["podFailurePolicy"]["rules"]
     assert rules[0] == {
         "action": "Ignore",
@@ -147,7 +172,7 @@ def test_plain_job_with_a_pvc_measured_from_a_real_agents_seals(tmp_path: Any) -
     }
     assert rules[1]["action"] == "FailJob"
     assert rules[1]["onExitCodes"] == {
-        "containerName": c["name"],
+        "containerName": j["name"],  # the main container: the launcher exits with rgt's code
         "operator": "In",
         "values": sorted(PERMANENT_EXIT_CODES),
     }
@@ -169,13 +194,14 @@ def test_s3_job_takes_secrets_only_from_a_secret(tmp_path: Any) -> None:
         assert planted not in r.stdout and planted not in r.stderr
     assert "HF_TOKEN" in r.stderr  # the user is told to move it into a Secret
     doc = validated(r.stdout)
-    c = pod(doc)["containers"][0]
-    assert c["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
-    assert all("valueFrom" in e or not k8s_secretish(e["name"]) for e in c["env"])
+    c = agent(doc)
+    for each in (c, job(doc)):  # the agent for the store, the job for its own credentials
+        assert each["envFrom"] == [{"secretRef": {"name": "s3-creds"}}]
+        assert all("valueFrom" in e or not k8s_secretish(e["name"]) for e in each["env"])
     grace = SealTime(20.0, 1, "given").lead(assumed=30, slack=k8s.SLACK_S, floor=k8s.FLOOR_S)
     assert pod(doc)["terminationGracePeriodSeconds"] == grace == math.ceil(2 * 20 + k8s.SLACK_S)
     assert agent_grace(c) == grace - k8s.SLACK_S
-    assert "resources" not in c  # no GPUs asked
+    assert "resources" not in c and "resources" not in job(doc)  # no GPUs asked
 
 
 def k8s_secretish(name: str) -> bool:
@@ -210,11 +236,14 @@ def test_gpu_sweep_is_an_indexed_job_whose_index_picks_the_cell(tmp_path: Any) -
     assert (s["completionMode"], s["completions"]) == ("Indexed", len(cells))
     assert s["backoffLimitPerIndex"] >= 1 and "backoffLimit" not in s
     assert s["podFailurePolicy"]["rules"][1]["action"] == "FailIndex"
-    c = pod(doc)["containers"][0]
-    assert c["resources"] == {
+    assert job(doc)["resources"] == {
         "limits": {"nvidia.com/gpu": "4"},
         "requests": {"nvidia.com/gpu": "4"},
     }
+    c = agent(doc)
+    assert "resources" not in c
+    launcher = job(doc)["command"]
+    assert launcher[:3] == ["python3", "-m", "onbox.agent.podlaunch"]
 
     # The container's own command, run for real with a stand-in rgt-agent that prints what it got.
     bindir = os.path.join(tmp, "bin")
@@ -233,6 +262,8 @@ def test_gpu_sweep_is_an_indexed_job_whose_index_picks_the_cell(tmp_path: Any) -
         assert lines[lines.index("--store") + 1] == "s3://bucket/sweeps"
         assert lines[lines.index("--output") + 1] == cell.outputs[0]
         assert lines[lines.index("--") + 1 :] == cell.command
+        # The job container's launcher picks the same index's run dir.
+        assert podlaunch.pick(launcher[3:], env) == f"{k8s.RGT_HOME}/runs/{cell.name}"
         seen.add(cell.name)
     assert len(seen) == len(cells) == 3
 

@@ -6,7 +6,8 @@ sidecar (an initContainer with ``restartPolicy: Always``: the kubelet restarts i
 and the new agent adopts the running attempt) and the job runs in the main container, in its own
 image, under ``onbox.agent.podlaunch``. Both share the run directory (an emptyDir at RGT_HOME)
 and one PID namespace (``shareProcessNamespace``), so pids, pidfds, /proc and signals work
-across the two containers as they do on one box.
+across the two containers as they do on one box (signals need both containers to run as the
+same user, or the agent's to hold CAP_KILL).
 
 ``PodRunner`` is the ``ShimRunner`` with one change: the agent does not fork the shim, it asks
 the launcher to (``pod/spawn-N.json``) and waits, bounded, for the shim's job.json (or its

@@ -3,7 +3,8 @@
     rgt-agent start [JOB.toml] [--name N] [--ckpt-dir D] [--store URL] [--grace S]
                     [--output PATH ...] [--profile NAME] [--on-done NAME]
                     [--deadline DURATION | --max-cost AMOUNT --price PER_HOUR] [-- CMD ...]
-    rgt-agent run   (the same; stays in the foreground: Slurm, Kubernetes, containers)
+    rgt-agent run   (the same; stays in the foreground: Slurm, Kubernetes, containers; inside a
+                    Slurm job it seals on the warning and requeues, onbox.agent.slurm)
     rgt-agent status [N] [--json]
     rgt-agent logs N [-f] [--agent]
     rgt-agent stop N [--grace S]
@@ -26,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import click
 
-from onbox.agent import observe
+from onbox.agent import observe, slurm
 from onbox.agent.claim import prepare_run, resolve_spec, take_run
 from onbox.agent.cliflags import platform_options, platform_overrides
 from onbox.agent.daemon import spawn_agent
@@ -101,12 +102,15 @@ def _claim(
     grace: Optional[str],
     outputs: Sequence[str],
     platform: Dict[str, Optional[str]],
+    in_slurm: bool = False,
 ) -> Optional[Tuple[JobSpec, RunDir, RunLock]]:
     """The spec, the run's directory and its lock, for start and run (onbox.agent.claim); None
     when the store says the run is finished."""
     command: Optional[List[str]] = click.get_current_context().obj.get("command")
     more = platform_overrides(platform)  # --profile, --on-done, the meter cap
     spec = resolve_spec(job_file, command, name, ckpt_dir, store, grace, outputs, more)
+    if in_slurm:  # before anything is created
+        slurm.check_trigger(spec.trigger)
     rd = prepare_run(spec, _emit, _warn)
     if rd is None:
         return None
@@ -186,13 +190,15 @@ def run(
     if pod:  # the agent sidecar of a Kubernetes pod; the job has its own container
         again = (job_file, name, ckpt_dir, store, grace, outputs, platform)
         return run_pod(name, lambda: _claim(*again), _emit)
-    claimed = _claim(job_file, name, ckpt_dir, store, grace, outputs, platform)
+    in_slurm = slurm.SlurmJob.from_env(os.environ) is not None
+    claimed = _claim(job_file, name, ckpt_dir, store, grace, outputs, platform, in_slurm)
     if claimed is None:
         return 0
     spec, rd, lock = claimed
     os.umask(0o077)
     set_title(f"rgt-agent run {rd.name}")
     agent = Agent(rd, lock)
+    agent.slurm = slurm.watch_for(os.environ, spec.grace, rd.events, agent.journal.event)
     agent.prepare(may_begin=True)
     final = agent.run()
     _emit(f"run {rd.name} ended {final.value}")
@@ -243,6 +249,8 @@ def status(name: Optional[str], as_json: bool) -> int:
     if prog:
         metrics = "".join(f", {k} {v}" for k, v in (prog.get("metrics") or {}).items())
         _emit(f"  progress   step {prog['step']} (attempt {prog.get('attempt')}){metrics}")
+    for line in slurm.status_lines(st):  # inside a Slurm job: its id and allocation attempt
+        _emit(f"  slurm      {line}")
     for line in observe.warning_lines(st):
         _emit(f"  warning    {line}")
     for line in observe.health_lines(st, time.time()):

@@ -5,7 +5,8 @@
 ``rgt-agent run`` and a ``rgt-agent stop`` that finds no agent use the same ``Agent`` in-process.
 
 Signals: SIGTERM is a preemption (ends PREEMPTED within the grace budget); SIGINT is a stop;
-SIGUSR2 means "read stop.request"; SIGHUP is ignored (sessions come and go).
+SIGUSR2 means "read stop.request"; SIGHUP is ignored (sessions come and go). Inside a Slurm job
+(``rgt-agent run``; onbox/agent/slurm.py) a SIGUSR2 with no request file is Slurm's warning.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from onbox.agent.resumecheck import ResumeCheck
 from onbox.agent.runner import ShimRunner
 from onbox.agent.sealservice import SealService
 from onbox.agent.seams import Clock, Hooks, RealClock
+from onbox.agent.slurm import SlurmWatch
 from onbox.agent.spec import JobSpec
 from onbox.agent.states import TERMINAL, State
 from onbox.agent.supervisor import LEFTOVER_GRACE, Supervisor
@@ -115,6 +117,7 @@ class Agent:
         self.health: Optional[healthuse.AgentHealth] = None  # the probes (onbox/health/)
         self._pending: List[int] = []
         self._wake_r = self._wake_w = -1
+        self.slurm: Optional[SlurmWatch] = None  # set by `rgt-agent run` inside a Slurm job
 
     # ---- deciding what to do with the run as found
     def prepare(self, may_begin: bool) -> bool:
@@ -248,12 +251,17 @@ class Agent:
                     f"preemption with a {self.spec.grace:.0f}s budget",
                 )
                 self.sup.request_stop("preempt")
+                if self.slurm is not None:
+                    self.slurm.on_term()
             elif signum == signal.SIGINT:
                 self.sup.request_stop("stop")
             elif signum == signal.SIGUSR2:
+                asked = any(map(os.path.exists, (self.rd.stop_request, self.rd.sync_request)))
                 self.check_stop_request()
                 if self.seal is not None and os.path.exists(self.rd.sync_request):
                     self.seal.sync_soon(self.rd.sync_request)
+                if not asked and self.slurm is not None:  # no mailbox request: Slurm's warning
+                    self.slurm.on_usr2(self.sup.request_stop)
 
     def check_stop_request(self) -> None:
         try:
@@ -311,6 +319,9 @@ class Agent:
         self.health = healthuse.start(
             self.spec, self.rd, self.journal, sup, self.runner, self.seal, self._wake_w
         )
+        if self.slurm is not None:
+            self.slurm.begin(sup.extra)
+            sup.save()
         while sup.state not in TERMINAL:
             waits = [
                 w
@@ -319,6 +330,7 @@ class Agent:
                     self.runner.poll_interval(),
                     self.check.next_wakeup() if self.check is not None else None,
                     self.meter.wait(sup, self.seal),
+                    self.slurm.wait() if self.slurm is not None else None,
                 )
                 if w is not None
             ]
@@ -326,6 +338,8 @@ class Agent:
                 [self._wake_r, *self.runner.watch_fds()], min(waits) if waits else None
             )
             self._handle_signals()
+            if self.slurm is not None:
+                self.slurm.tick(sup.request_stop, sup.active)
             if self.health is not None:
                 self.health.act()
             self.meter.check(sup, self.seal, self.journal.event)
@@ -435,6 +449,8 @@ class Agent:
         after_finish(self.spec, self.rd, self.sup.state, self.seal, self.journal.event)
         if self.notifier is not None:  # the last ping and a bounded drain (a few seconds)
             self.notifier.finish(self.sup.state.value)
+        if self.slurm is not None:  # last: a requeue ends this allocation's processes
+            self.slurm.after(self.sup.state.value, self.sup.extra, self.sup.save)
         log(self.rd.agent_log, f"agent pid {os.getpid()} exits: run is {self.sup.state}")
         self.runner.close()
         self.lock.release()

@@ -386,6 +386,22 @@ class SlurmWatch:
         )
 
 
+def status_lines(doc: Mapping[str, Any]) -> List[str]:
+    """What `rgt-agent status` says of the run's Slurm job (state.json's ``slurm``)."""
+    job = doc.get("slurm")
+    if not isinstance(job, dict):
+        return []
+    array = f" (array {job.get('array_job_id')}_{job.get('array_task_id')})"
+    requeued = job.get("requeued")
+    return [
+        f"job {job.get('job_id')}"
+        + (array if job.get("array_job_id") else "")
+        + f", allocation attempt {int(job.get('restart_count') or 0) + 1}"
+        + (", warned before its time limit" if job.get("warned") else "")
+        + ("" if requeued is None else ", requeued" if requeued else ", not requeued")
+    ]
+
+
 def watch_for(
     environ: Mapping[str, str], grace: float, events_path: str, event: Event
 ) -> Optional[SlurmWatch]:

@@ -33,16 +33,20 @@ def _load_extension() -> object:
 
 
 def set_title(text: str) -> None:
-    """Show ``text`` as this process's command line; never fails."""
+    """Show ``text`` as this process's command line; never fails.
+
+    The kernel's command name (15 characters) gets it with '-' for each blank: Slurm's
+    proctrack/linuxproc reads /proc/PID/stat with a scanf that a blank in the name throws off,
+    and then loses the process and every child of it (neither signalled when the job is
+    cancelled or requeued, nor waited for)."""
     try:
         mod = _load_extension()
         if mod is not None:
             mod.setproctitle(text)  # type: ignore[attr-defined]
-            return
     except (ImportError, OSError, ValueError):
         pass
     try:
         with open("/proc/self/comm", "w") as f:
-            f.write(text[:15])
+            f.write(text.replace(" ", "-")[:15])
     except OSError:
         pass

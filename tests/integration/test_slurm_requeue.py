@@ -1,0 +1,228 @@
+"""rgt-agent under a real Slurm (tests/slurm.py, once per session): the batch script of
+controller/slurm/batch.py submitted with sbatch, no ssh.
+
+1. A real CPU training (examples/train_plain.py) that cannot finish within its time limit is
+   warned before the limit (Slurm's B:USR2, or the agent's own timer), seals, requeues itself,
+   restores from the store in the requeued allocation (SLURM_RESTART_COUNT 1, Restarts=1) and
+   finishes SUCCEEDED with DONE.json, bitwise where an uninterrupted run (no Slurm) ends.
+2. `scancel` while a big checkpoint is being sealed: LATEST is left on a checkpoint whose
+   MANIFEST is there and whose every file matches its sha256 (restore's own verification), and
+   a cancelled job is not requeued.
+
+Time limits are Slurm's minutes, and slurmctld looks at them every 30 s or so (the warning comes
+up to ~30 s earlier than asked, the kill up to ~30 s after the limit): the training is sized so
+that the first allocation is always warned and the second always has time to finish.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List
+
+from controller.slurm.batch import batch_script
+from onbox.common.sealtime import SealTime
+from onbox.sealing import manifest as mf
+from onbox.sealing.restore import restore_latest
+from onbox.sealing.stores import open_store
+from tests.conftest import FIXTURES, ROOT, Cli, agent_exe, require
+from tests.integration.test_exact_plain import HASHES, _hashes
+from tests.slurm import SlurmCluster
+
+EXAMPLE = os.path.join(ROOT, "examples", "train_plain.py")
+# ~104 s of training, in steps of a second (the sleep, not the compute, so that a loaded machine
+# changes the pace little). With a 20 s lead, Slurm warns a 2-minute job 20 to ~50 s before its
+# end: the first allocation trains at most ~96 steps, the second at least ~65 s.
+STEPS = 104
+ARGS = ["--steps", str(STEPS), "--ckpt-every", "10", "--sleep", "1.0"]
+
+
+def _sbatch(cluster: SlurmCluster, script: str, path: str, env: Dict[str, str]) -> str:
+    with open(path, "w") as f:
+        f.write(script)
+    r = subprocess.run(
+        ["bash", "-n", path], capture_output=True, text=True, timeout=30
+    )  # the shell reads what it is given
+    assert r.returncode == 0, r.stderr
+    p = subprocess.run(
+        ["sbatch", "--parsable", path],
+        env=cluster.env(env),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=os.path.dirname(path),
+    )
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip().split(";")[0]
+
+
+def _events(cli: Cli, name: str) -> List[Dict[str, Any]]:
+    try:
+        return cli.events(name)
+    except (OSError, ValueError):
+        return []
+
+
+def _wait(pred: Any, timeout: float, what: str, info: Any = lambda: "") -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"{what} did not happen in {timeout:.0f} s: {info()}"
+        time.sleep(0.25)
+
+
+def _when(ev: Dict[str, Any]) -> float:
+    return datetime.datetime.fromisoformat(ev["time"].replace("Z", "+00:00")).timestamp()
+
+
+def _job_log(out_dir: str) -> str:
+    text = ""
+    for f in sorted(os.listdir(out_dir)):
+        with open(os.path.join(out_dir, f), errors="replace") as fh:
+            text += fh.read()
+    return text
+
+
+def test_warned_before_its_time_limit_it_seals_requeues_and_ends_exactly(
+    slurm_cluster: SlurmCluster, cli: Cli, tmp_path: Any
+) -> None:
+    require(importlib.util.find_spec("torch") is not None, "torch (pip install torch==2.13.0)")
+    require(importlib.util.find_spec("numpy") is not None, "numpy")
+    plain = subprocess.run(  # the uninterrupted run: the same steps, without the sleeps
+        [sys.executable, EXAMPLE, *ARGS[:-2]],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(tmp_path),
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        check=True,
+    )
+    expected = _hashes(plain.stdout)
+    root, out = str(tmp_path / "durable"), str(tmp_path / "out")
+    os.makedirs(root)
+    os.makedirs(out)
+    # A seal measured at 5 s elsewhere: 2 x 5 + 10 s of slack = a 20 s warning.
+    lead = SealTime(5.0, 1, "given: 5 s").lead(assumed=60, slack=10)
+    assert lead == 20
+    name = "slurm-requeue"
+    script = batch_script(
+        name=name,
+        agent_argv=agent_exe(),
+        release_dir=ROOT,
+        output_dir=out,
+        time_limit="2",
+        lead=lead,
+        command=[sys.executable, EXAMPLE, *ARGS],
+        store="file://" + root,
+        env={"RGT_HOME": cli.home},
+    )
+    job = _sbatch(slurm_cluster, script, str(tmp_path / "job.sh"), cli.env)
+    try:
+        store = open_store("file://" + root)
+        _wait(
+            lambda: slurm_cluster.job_field(job, "JobState") == "COMPLETED",
+            280,
+            "the job's completion",
+            lambda: (slurm_cluster.job_field(job, "JobState"), _job_log(out)[-3000:]),
+        )
+    finally:
+        slurm_cluster.run("scancel", job)
+    kinds = [e["kind"] for e in _events(cli, name)]
+    log = _job_log(out)
+    assert cli.status(name)["state"] == "SUCCEEDED", log[-3000:]
+    assert slurm_cluster.job_field(job, "Restarts") == "1", kinds
+    assert slurm_cluster.job_field(job, "ExitCode") == "0:0"
+    allocations = [e for e in _events(cli, name) if e["kind"] == "slurm_job"]
+    assert [e["restart_count"] for e in allocations] == [0, 1]  # SLURM_RESTART_COUNT seen
+    assert all(e["job_id"] == job for e in allocations)
+    # Warned before the limit; requeued once every process of the attempt was gone and the
+    # job's last checkpoint sealed; the new allocation restored exactly that one.
+    events = _events(cli, name)
+    warned, requeued = kinds.index("slurm_warning"), kinds.index("slurm_requeued")
+    assert _when(events[warned]) < allocations[0]["end_time"]
+    assert warned < kinds.index("state", warned) < requeued
+    assert events[kinds.index("state", warned)]["state"] == "STOPPING"
+    sealed = [e["step"] for e in events[:requeued] if e["kind"] == "sealed"]
+    restored = [e for e in events[requeued:] if e["kind"] == "restored"]
+    assert restored and restored[0]["step"] == max(sealed), (sealed, restored)
+    assert kinds.count("slurm_requeued") == 1 and "slurm_requeue_failed" not in kinds
+    assert store.get_bytes(mf.done_key(name)) is not None
+    train = cli("logs", name, check=True).stdout
+    assert re.search(r"^resumed at step \d+ ", train, re.M), train[-2000:]
+    assert _hashes(train) == expected, {k: expected[k][:12] for k in HASHES}
+    assert f"run {name} ended PREEMPTED" in log and f"run {name} ended SUCCEEDED" in log
+
+
+def _job_file(tmp: Any, mib: int) -> str:
+    path = str(tmp / "job.toml")
+    cmd = [sys.executable, os.path.join(FIXTURES, "ckpt_writer.py"), "on_signal", str(mib)]
+    with open(path, "w") as f:
+        f.write(f"name = 'slurm-cancel'\ncommand = {cmd!r}\n")
+        f.write("[checkpoint]\ntrigger = 'signal:USR2'\n")
+    return path
+
+
+def _sealed(cli: Cli, name: str) -> List[Any]:
+    return [e.get("step") for e in _events(cli, name) if e["kind"] == "sealed"]
+
+
+def test_scancel_during_a_seal_leaves_latest_on_a_verified_checkpoint(
+    slurm_cluster: SlurmCluster, cli: Cli, tmp_path: Any
+) -> None:
+    root, out = str(tmp_path / "durable"), str(tmp_path / "out")
+    os.makedirs(root)
+    os.makedirs(out)
+    name = "slurm-cancel"
+    script = batch_script(
+        name=name,
+        agent_argv=agent_exe(),
+        release_dir=str(tmp_path),
+        output_dir=out,
+        time_limit="5",
+        lead=SealTime(None, 0, "not measured").lead(assumed=30),
+        job_file=_job_file(tmp_path, 256),
+        store="file://" + root,
+        env={"RGT_HOME": cli.home},
+    )
+    job = _sbatch(slurm_cluster, script, str(tmp_path / "job.sh"), cli.env)
+    try:
+        _wait(
+            lambda: "ready" in (cli("logs", name).stdout if _events(cli, name) else ""),
+            60,
+            "the job's start",
+            lambda: _job_log(out)[-2000:],
+        )
+        # A first checkpoint (the job writes one on its own USR2), sealed; then `rgt-agent
+        # sync`, whose USR2 to the agent comes with a request: it is not Slurm's warning.
+        pid = cli.status(name)["pid"]
+        os.kill(pid, signal.SIGUSR2)
+        _wait(lambda: _sealed(cli, name) == [1], 60, "the first seal")
+        cli("sync", name, "--timeout", "60", check=True, timeout=90)
+        assert "slurm_warning" not in [e["kind"] for e in _events(cli, name)]
+        # The second: cancelled once the job wrote it (renamed into place), before its seal.
+        os.kill(pid, signal.SIGUSR2)
+        ckpt = os.path.join(cli.home, "runs", name, "ckpt", "step_2.pt")
+        _wait(lambda: os.path.exists(ckpt), 60, "the second checkpoint")
+        assert _sealed(cli, name) == [1]
+        assert slurm_cluster.run("scancel", job).returncode == 0
+        slurm_cluster.wait_job(job, "CANCELLED", timeout=60)
+    finally:
+        slurm_cluster.run("scancel", job)
+    store = open_store("file://" + root)
+    latest = mf.parse_latest(store.get_bytes(mf.latest_key(name)))
+    assert latest is not None and latest["step"] >= 1
+    assert store.get_bytes(mf.manifest_key(name, latest["step"])) is not None
+    seen: List[str] = []
+    doc = restore_latest(
+        store, name, str(tmp_path / "check"), lambda kind, reason, **kw: seen.append(kind)
+    )
+    assert doc is not None and doc["step"] == latest["step"], seen  # every sha256 matched
+    assert not any("quarantin" in k for k in seen), seen
+    kinds = [e["kind"] for e in _events(cli, name)]
+    assert "slurm_requeued" not in kinds
+    assert slurm_cluster.job_field(job, "Restarts") == "0"

@@ -218,8 +218,9 @@ def lead_line(st: SealTime, lead: int, assumed: float) -> str:
             "deploy again"
         )
     else:
+        how = "given" if st.source.startswith("given") else "measured"
         head = (
-            f"rgt: Slurm signals USR2 {lead} s before the limit: 2 x the measured "
+            f"rgt: Slurm signals USR2 {lead} s before the limit: 2 x the {how} "
             f"{st.seconds:.0f} s seal + {SLACK} s slack ({st.source})"
         )
     return head

@@ -1,0 +1,345 @@
+"""`rgt deploy --profile slurm` end to end: the real `rgt` CLI as a process, over a real sshd
+"login node" (the session fixture ``slurm_login``, whose sessions get SLURM_CONF), against the
+session's real single-node Slurm (``slurm_cluster``), deploying the real PyTorch CPU training
+examples/train_plain.py. The login node and the "compute node" are this machine, so they share
+the filesystem as a cluster's do: the agent installed at deploy is the one the batch job runs.
+
+Covered:
+
+- a job held in the queue (``--sbatch --begin=now+1hour``): status says Slurm's state and that no
+  agent started, logs says so too, stop cancels it (squeue has no job of it then);
+- a running job: status joins Slurm's side (state, restarts, time left) with the agent's; logs
+  show the training; a second deploy of the same run submits no second job; stop asks the agent
+  (STOPPED) and the job is gone from the queue;
+- a sweep of 4 cells as one job array (controller/slurm/array.py's submit_array, with a Plan
+  built here): each cell's DONE.json is in the store and verifies (the reconcile check);
+- the acceptance: a training that needs longer than the time its allocation leaves before the
+  warning (``--time 2``, a lead of 62 s from ``--seal-time 1``) is warned, seals, requeues
+  itself, restores in the requeued job and SUCCEEDS, and its final weights, optimizer and RNG
+  hashes equal an uninterrupted run's.
+
+Every job is cancelled by name at the end and every process of the runs killed by PID.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterator, List
+
+import pytest
+
+from controller.registry import Registry
+from controller.slurm.array import submit_array
+from controller.slurm.submit import SlurmAsk
+from controller.sweep.plan import Cell, Plan
+from controller.sweep.reconcile import check_run
+from onbox.sealing import manifest as mf
+from onbox.sealing.stores import open_store
+from tests.conftest import ROOT, _kill_run_processes
+from tests.slurm import SlurmCluster
+from tests.sshd import SshServer
+
+
+def _rgt_exe() -> List[str]:
+    script = os.path.join(os.path.dirname(sys.executable), "rgt")
+    return [script] if os.path.exists(script) else [sys.executable, "-m", "controller.cli"]
+
+
+def _hashes(out: str) -> Dict[str, str]:
+    return dict(re.findall(r"^(\w+) sha256 ([0-9a-f]{64})$", out, re.M))
+
+
+@dataclasses.dataclass
+class Login:
+    """The login node, the laptop state that reaches it, and the code pushed to it."""
+
+    sshd: SshServer
+    cluster: SlurmCluster
+    ctl_home: str
+    box_home: str
+    store: str  # a directory, used as file://store
+    project: str
+
+    @property
+    def target(self) -> str:
+        s = self.sshd
+        return f"ssh -p {s.port} -i {s.client_key} {s.user}@{s.host}"
+
+    def env(self) -> Dict[str, str]:
+        env = dict(os.environ)
+        env.pop("RGT_HOME", None)
+        env.update(
+            RGT_CONTROLLER_HOME=self.ctl_home,
+            RGT_BOX_HOME=self.box_home,
+            RGT_SSH_CONFIG="/dev/null",
+            RGT_SSH_KEEPALIVE="2",
+            RGT_SSH_CONNECT_TIMEOUT="5",
+        )
+        return env
+
+    def rgt(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*_rgt_exe(), *args],
+            env=self.env(),
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            cwd=self.ctl_home,
+        )
+
+    def deploy(self, name: str, *flags: str, job: List[str]) -> subprocess.CompletedProcess[str]:
+        return self.rgt(
+            "deploy", self.target, "--profile", "slurm", "--name", name,
+            "--python", sys.executable, "--project", self.project,
+            "--store", "file://" + self.store, *flags, "--", sys.executable, *job,
+        )  # fmt: skip
+
+    def status(self, name: str) -> Dict[str, Any]:
+        p = self.rgt("status", name, "--json", timeout=120)
+        assert p.returncode == 0, f"rgt status -> {p.returncode}: {p.stderr}"
+        doc: Dict[str, Any] = json.loads(p.stdout)
+        return doc
+
+    def wait_status(
+        self, name: str, pred: Callable[[Dict[str, Any]], bool], what: str, timeout: float
+    ) -> Dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        st: Dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            st = self.status(name)
+            if pred(st):
+                return st
+            time.sleep(1.0)
+        raise AssertionError(f"timed out waiting for {what}; last status {st}")
+
+    def job(self, name: str) -> str:
+        return str(Registry(self.ctl_home).get(name).scheduler["job"])
+
+    def queued(self, name: str) -> List[str]:
+        """The ids of the jobs named ``name`` that Slurm still has in its queue."""
+        r = self.cluster.run("squeue", "-h", "-n", name, "-o", "%i")
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split()
+
+    def cancel(self, *names: str) -> None:
+        for name in names:
+            self.cluster.run("scancel", "-n", name)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(self.queued(n) for n in names):
+            time.sleep(0.5)
+
+
+@pytest.fixture(scope="module")
+def login(slurm_login: SshServer, slurm_cluster: SlurmCluster) -> Iterator[Login]:
+    # Short paths without blanks: the batch script's #SBATCH --output must hold them.
+    root = tempfile.mkdtemp(prefix="rgt-slurm-", dir="/tmp")
+    project = Path(root, "project")
+    project.mkdir()
+    shutil.copy(os.path.join(ROOT, "examples", "train_plain.py"), project / "train_plain.py")
+    lg = Login(
+        slurm_login,
+        slurm_cluster,
+        ctl_home=os.path.join(root, "ctl"),
+        box_home=os.path.join(root, "box"),
+        store=os.path.join(root, "store"),
+        project=str(project),
+    )
+    os.makedirs(lg.ctl_home)
+    try:
+        yield lg
+    finally:
+        with contextlib.suppress(Exception):
+            names = [r.name for r in Registry(lg.ctl_home).all()] + ["sw4"]
+            lg.cancel(*names)
+        _kill_run_processes(lg.box_home)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_a_queued_job_status_logs_and_stop(login: Login) -> None:
+    name = "slurm-held"
+    p = login.deploy(
+        name, "--time", "10", "--seal-time", "2", "--sbatch", "--begin=now+3600",
+        job=["train_plain.py", "--steps", "10"],
+    )  # fmt: skip
+    try:
+        assert p.returncode == 0, p.stderr
+        # The lead and where it came from: the flag's 2 s seal, doubled, plus Slurm's slack.
+        assert "USR2 64 s before the limit: 2 x the given 2 s seal + 60 s slack" in p.stderr
+        assert "rgt requeues this job" in p.stderr
+        job = login.job(name)
+        assert login.queued(name) == [job]
+        st = login.status(name)
+        assert st["scheduler"]["job"]["state"] == "PENDING"
+        assert st.get("agent_started") is False
+        text = login.rgt("status", name)
+        assert text.returncode == 0, text.stderr
+        assert f"Slurm job {job} is PENDING" in text.stdout and "agent has not" in text.stdout
+        logs = login.rgt("logs", name)
+        assert logs.returncode == 0, logs.stderr
+        assert "no agent of slurm-held has started yet" in logs.stderr
+        stop = login.rgt("stop", name, timeout=120)
+        assert stop.returncode == 0, stop.stderr
+        assert "cancelled Slurm job" in stop.stdout
+        assert login.queued(name) == []
+    finally:
+        login.cancel(name)
+
+
+def test_a_running_job_status_logs_one_job_and_stop(login: Login) -> None:
+    name = "slurm-obs"
+    job_args = ["train_plain.py", "--steps", "100000", "--sleep", "0.2", "--ckpt-every", "20"]
+    p = login.deploy(name, "--time", "10", "--seal-time", "2", job=job_args)
+    try:
+        assert p.returncode == 0, p.stderr
+        job = login.job(name)
+        st = login.wait_status(
+            name,
+            lambda s: (
+                (s.get("scheduler") or {}).get("job", {}).get("state") == "RUNNING"
+                and s.get("state") == "RUNNING"
+                and (s.get("progress") or {}).get("step", 0) > 0
+            ),
+            "the job RUNNING in Slurm and the agent's run RUNNING with progress",
+            timeout=90,
+        )
+        side = st["scheduler"]["job"]
+        assert side["restarts"] == 0 and side["time_limit"] == 600
+        assert 0 < side["time_left"] <= 600 and side["node"] == login.cluster.node
+        text = login.rgt("status", name)
+        assert f"slurm: job {job} RUNNING on {login.cluster.node}, restarts 0" in text.stdout
+        assert "time left" in text.stdout and "RUNNING, attempt" in text.stdout
+        logs = login.rgt("logs", name)
+        assert logs.returncode == 0 and re.search(r"^step \d+ attempt", logs.stdout, re.M)
+        # Deploying the same run again while its job runs never makes a second job.
+        again = login.deploy(name, "--time", "10", "--seal-time", "2", job=job_args)
+        assert again.returncode in (0, 5), again.stderr
+        assert login.queued(name) == [job]
+        stop = login.rgt("stop", name, timeout=300)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+        assert login.queued(name) == []
+        assert login.status(name)["state"] == "STOPPED"
+    finally:
+        login.cancel(name)
+
+
+def test_a_sweep_of_four_cells_as_one_job_array(
+    login: Login, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for k, v in login.env().items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("RGT_HOME", raising=False)
+    cells = [
+        Cell(
+            index=i,
+            name=f"sw4-c{i}",
+            params={"steps": 12 + 4 * i},
+            command=[
+                sys.executable,
+                "train_plain.py",
+                "--steps",
+                str(12 + 4 * i),
+                "--ckpt-every",
+                "4",
+                "--sync",
+            ],  # fmt: skip
+            env={"RGT_CELL": f"sw4-c{i}"},
+        )
+        for i in range(4)
+    ]
+    plan = Plan(
+        path=os.path.join(login.project, "plan.toml"),
+        name="sw4",
+        cells=cells,
+        targets=[],
+        slurm=login.target,
+        store="file://" + login.store,
+        job_file=None,
+        project=login.project,
+        outputs=[],
+        profile="slurm",
+        python=sys.executable,
+    )
+    ask = SlurmAsk(time="5", walltime=300, seal_time="2")
+    said: List[str] = []
+    try:
+        result = submit_array(plan, said.append, ask=ask, registry=Registry(login.ctl_home))
+        job = result["job"]
+        assert result["cells"] == {c.name: {"job": job, "array_task": c.index} for c in cells}
+        for c in cells:
+            rec = Registry(login.ctl_home).get(c.name)
+            assert rec.scheduler["job"] == job and rec.scheduler["array_task"] == c.index
+        store = open_store("file://" + login.store)
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline:
+            if all(store.get_bytes(mf.done_key(c.name)) is not None for c in cells):
+                break
+            time.sleep(1.0)
+        verdicts = {}
+        for c in cells:
+            with tempfile.TemporaryDirectory() as tmp:  # the reconcile check fetches here
+                verdicts[c.name] = check_run(store, c.name, False, tmp)
+        assert all(v[0] == "ok" for v in verdicts.values()), (verdicts, said)
+        # Each cell trained its own steps, in its own run: the sealed state says so.
+        for c in cells:
+            latest = json.loads(store.get_bytes(mf.latest_key(c.name)) or b"{}")
+            assert latest.get("step") == c.params["steps"], latest
+        st = login.status("sw4-c2")
+        assert st["state"] == "SUCCEEDED" and st["scheduler"]["ref"] == f"{job}_2"
+    finally:
+        login.cancel("sw4")
+
+
+def test_warned_before_the_limit_sealed_requeued_restored_and_exact(login: Login) -> None:
+    name = "slurm-limit"
+    steps = "270"
+    train = ["--steps", steps, "--sleep", "0.2", "--ckpt-every", "10"]
+    # The uninterrupted run: --sleep changes nothing but the wall time.
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RGT_")}
+        plain = subprocess.run(
+            [sys.executable, os.path.join(login.project, "train_plain.py"), "--steps", steps],
+            cwd=tmp,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert plain.returncode == 0, plain.stderr
+    expected = _hashes(plain.stdout)
+    assert len(expected) == 3
+    # A 2-minute limit and a 62 s lead (2 x 1 s + 60 s): an allocation trains for at most
+    # 58 s before its warning (Slurm's own comes up to 30 s sooner), and this training needs
+    # about 55 s more than its start-up: it cannot finish in its first allocation.
+    p = login.deploy(
+        name, "--time", "2", "--seal-time", "1", job=["train_plain.py", *train]
+    )  # fmt: skip
+    try:
+        assert p.returncode == 0, p.stderr
+        assert "USR2 62 s before the limit" in p.stderr
+        job = login.job(name)
+        w = login.rgt("watch", name, "--until-done", "--interval", "3", timeout=300)
+        assert w.returncode == 0, w.stdout[-3000:] + w.stderr
+        st = login.status(name)
+        assert st["state"] == "SUCCEEDED" and st["scheduler"]["live"] is False
+        restarts = login.cluster.job_field(job, "Restarts")
+        assert restarts is not None and int(restarts) >= 1, restarts
+        with open(os.path.join(login.box_home, "runs", name, "events.jsonl")) as f:
+            kinds = [json.loads(line).get("kind") for line in f if line.strip()]
+        for kind in ("slurm_warning", "sealed", "slurm_requeued"):
+            assert kind in kinds, kinds
+        log = login.rgt("logs", name).stdout
+        assert re.search(r"^resumed at step \d+", log, re.M), log[-2000:]
+        assert _hashes(log) == expected
+    finally:
+        login.cancel(name)

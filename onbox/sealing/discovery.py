@@ -214,7 +214,10 @@ def dir_candidate(ckpt_dir: str, name: str, path: str) -> Optional[Candidate]:
                 continue
             full = os.path.join(dirpath, fn)
             rel_files.append(os.path.relpath(full, ckpt_dir).replace(os.sep, "/"))
-    st = os.stat(os.path.join(path, marker))
+    try:
+        st = os.stat(os.path.join(path, marker))
+    except FileNotFoundError:
+        return None  # the job rotated it away while it was listed: normal, not an error
     return Candidate(name, "dir", step, rel_files, signature(st))
 
 

@@ -209,4 +209,13 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
         job_file=job_rel,
         cells=req.cells,
     )
+    if slurm is not None and secrets:
+        # rgt keeps a run's secrets in a 0600 file on the box's local disk, never on a shared
+        # mount; a cluster's $HOME (where the agent's run lives) is shared by every node.
+        raise UsageError(
+            "--secret-env",
+            "a Slurm run lives on the cluster's shared filesystem, where rgt never keeps secrets",
+            "put credentials where their tools read them on the cluster (~/.aws/credentials, "
+            "~/.cache/huggingface/token, mode 0600), then deploy without --secret-env",
+        )
     return Plan(req, target, guess, project, job_rel, name, secrets, dirs, job_store, slurm)

@@ -115,3 +115,14 @@ def test_on_done_is_checked_against_the_profile(dirs: Path) -> None:
     with pytest.raises(UsageError) as e:
         check_request(_req("root@gpu1", profile="generic-ssh", on_done="poweroff"), env)
     assert "offers none" in (e.value.remedy or "")
+
+
+def test_secrets_are_refused_for_a_slurm_run_whose_home_is_shared(dirs: Path) -> None:
+    """A cluster's $HOME is on every node: rgt's 0600 secrets file would be on a shared mount,
+    which it never allows; refused before anything changes, saying where credentials go."""
+    env = {"HF_TOKEN": "hf_secretvalue"}
+    req = _req("login1", profile="slurm", slurm_time="10", secret_env=["HF_TOKEN"])
+    with pytest.raises(UsageError, match="--secret-env.*shared filesystem") as e:
+        check_request(req, env)
+    assert "hf_secretvalue" not in str(e.value) and "~/.aws/credentials" in str(e.value.remedy)
+    assert check_request(_req("login1", profile="slurm", slurm_time="10"), env).slurm is not None

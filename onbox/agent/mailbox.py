@@ -9,7 +9,7 @@ import signal
 import time
 from typing import Any, Dict, Optional
 
-from onbox.agent import observe, procfs
+from onbox.agent import observe, procfs, slurm
 from onbox.agent.lock import RunLock, is_held, read_holder
 from onbox.agent.loop import Agent
 from onbox.agent.spec import JobSpec
@@ -21,10 +21,15 @@ from onbox.sealing.stores.base import Store
 
 
 def signal_agent(rd: RunDir) -> bool:
-    """Wake the run's agent (SIGUSR2) to read its mailbox; False when none runs on this host."""
+    """Wake the run's agent (SIGUSR2) to read its mailbox; False when none runs on this host
+    (or, for a Slurm job's agent on another node, when Slurm could not signal it)."""
     holder = read_holder(rd.lock)
-    if not holder or holder.get("host") != os.uname().nodename:
+    if not holder:
         return False
+    if holder.get("host") != os.uname().nodename:
+        # Another node of a cluster holds it (a Slurm job's agent on a compute node, this
+        # command on the login node): slurmctld delivers the signal there.
+        return slurm.wake_agent(read_json(rd.state) or {})
     ident = procfs.Identity(holder["pid"], holder.get("start_ticks") or -1)
     if not procfs.is_alive(ident):
         return False

@@ -386,6 +386,20 @@ class SlurmWatch:
         )
 
 
+def wake_agent(doc: Mapping[str, Any]) -> bool:
+    """SIGUSR2 to the run's agent from any node of the cluster: the agent is its Slurm job's
+    batch shell, which slurmctld signals wherever it runs (``scancel --batch --signal=USR2``).
+    For ``rgt-agent stop``/``sync`` on the login node when the agent holds the run from a compute
+    node (the request file is on the shared filesystem already). False when the run's state
+    (``doc``, state.json) names no Slurm job, or scancel refused."""
+    job = doc.get("slurm")
+    job_id = str(job.get("job_id") or "") if isinstance(job, dict) else ""
+    if not job_id.isdigit():
+        return False
+    rc, _, _ = run_tool(["scancel", "--batch", "--signal=USR2", job_id])
+    return rc == 0
+
+
 def status_lines(doc: Mapping[str, Any]) -> List[str]:
     """What `rgt-agent status` says of the run's Slurm job (state.json's ``slurm``)."""
     job = doc.get("slurm")

@@ -8,6 +8,8 @@ controller/slurm/batch.py submitted with sbatch, no ssh.
 2. `scancel` while a big checkpoint is being sealed: LATEST is left on a checkpoint whose
    MANIFEST is there and whose every file matches its sha256 (restore's own verification), and
    a cancelled job is not requeued.
+3. A stop asked from another node (the login node): the wake-up goes through slurmctld to the
+   agent, and the run ends STOPPED.
 
 Time limits are Slurm's minutes, and slurmctld looks at them every 30 s or so (the warning comes
 up to ~30 s earlier than asked, the kill up to ~30 s after the limit): the training is sized so
@@ -27,6 +29,9 @@ import time
 from typing import Any, Dict, List
 
 from controller.slurm.batch import batch_script
+from onbox.agent import slurm
+from onbox.common.durable import read_json, write_json
+from onbox.common.rundir import RunDir
 from onbox.common.sealtime import SealTime
 from onbox.sealing import manifest as mf
 from onbox.sealing.restore import restore_latest
@@ -226,3 +231,47 @@ def test_scancel_during_a_seal_leaves_latest_on_a_verified_checkpoint(
     kinds = [e["kind"] for e in _events(cli, name)]
     assert "slurm_requeued" not in kinds
     assert slurm_cluster.job_field(job, "Restarts") == "0"
+
+
+def test_a_stop_asked_from_another_node_reaches_the_agent_through_slurm(
+    slurm_cluster: SlurmCluster, cli: Cli, tmp_path: Any, monkeypatch: Any
+) -> None:
+    """`rgt-agent stop` on the login node while the agent holds the run from a compute node:
+    the request file is on the shared filesystem, and the wake-up (SIGUSR2) goes through
+    slurmctld to the job's batch shell, the agent, wherever it runs (a plain kill could not
+    reach another node). The run ends STOPPED, not requeued, and its job leaves the queue."""
+    root, out = str(tmp_path / "durable"), str(tmp_path / "out")
+    os.makedirs(root)
+    os.makedirs(out)
+    name = "slurm-cancel"  # the job file's name
+    script = batch_script(
+        name=name,
+        agent_argv=agent_exe(),
+        release_dir=str(tmp_path),
+        output_dir=out,
+        time_limit="5",
+        lead=SealTime(None, 0, "not measured").lead(assumed=30),
+        job_file=_job_file(tmp_path, 1),
+        store="file://" + root,
+        env={"RGT_HOME": cli.home},
+    )
+    job = _sbatch(slurm_cluster, script, str(tmp_path / "job.sh"), cli.env)
+    try:
+        _wait(
+            lambda: "ready" in (cli("logs", name).stdout if _events(cli, name) else ""),
+            60,
+            "the job's start",
+            lambda: _job_log(out)[-2000:],
+        )
+        rd = RunDir(name, home=cli.home)
+        write_json(rd.stop_request, {"grace": None, "requested_at": time.time()})
+        monkeypatch.setenv("SLURM_CONF", slurm_cluster.conf)
+        assert slurm.wake_agent(read_json(rd.state) or {})
+        slurm_cluster.wait_job(job, "COMPLETED", "FAILED", timeout=90)
+    finally:
+        slurm_cluster.run("scancel", job)
+    kinds = [e["kind"] for e in _events(cli, name)]
+    assert cli.status(name)["state"] == "STOPPED", kinds
+    assert "stop" in kinds and "slurm_warning" not in kinds and "slurm_requeued" not in kinds
+    assert slurm_cluster.job_field(job, "Restarts") == "0"
+    assert not slurm.wake_agent({"slurm": {"job_id": "x; rm -rf /"}})  # never a shell word

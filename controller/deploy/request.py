@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from controller.deploy import guess as guessmod
 from controller.profiles import user_dirs as profile_dirs
@@ -55,8 +55,8 @@ class DeployRequest:
     sbatch: Sequence[str] = ()
     seal_time: Optional[str] = None
     # A sweep's cells as one Slurm job array (controller/slurm/array.py): (array index, run
-    # name, command, environment) each (controller/slurm/batch.py's Cell).
-    cells: Sequence[Tuple[int, str, Sequence[str], Dict[str, str]]] = ()
+    # name, command, environment, outputs) each (controller/slurm/batch.py's Cell).
+    cells: Sequence[Tuple[int, str, Sequence[str], Mapping[str, str], Sequence[str]]] = ()
 
 
 def _read_toml(path: str) -> Dict[str, Any]:

@@ -10,20 +10,21 @@ no two cells share a write path. Each cell is recorded as a run of its own (the 
 work on it as on any Slurm run. The array's job name is the sweep's: a second submission while
 any of its tasks is live is refused (one writer per cell).
 
-The walltime and resources come from ``ask`` (a SlurmAsk), else from the plan's ``slurm_*``
-attributes when its PLAN.toml gives them (``slurm_time``, ``slurm_partition``, ``slurm_gpus``,
-``slurm_cpus``, ``slurm_mem``, ``slurm_sbatch``, ``seal_time``); there is no default walltime:
-rgt plans the warning against it.
+The walltime and resources come from ``ask`` (a SlurmAsk), else from the plan's ``[sbatch]``
+table (controller/sweep/plan.py: ``time``, ``partition``, ``gpus``, ``cpus``, ``mem``,
+``extra``, ``seal_time``); there is no default walltime: rgt plans the warning against it.
+Each cell's outputs go to its own task (``--output``), as on an SSH box.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote
+from controller.slurm.batch import Cell
 from controller.slurm.submit import Say, SlurmAsk, check_ask, sbatch, scheduler_doc
 from onbox.common.errors import UsageError
 from onbox.common.rundir import RunDir
@@ -34,19 +35,28 @@ def _say(msg: str) -> None:
 
 
 def plan_ask(plan: Any) -> SlurmAsk:
-    """The Slurm ask of a sweep's plan (its ``slurm_*`` attributes), checked."""
+    """The Slurm ask of a sweep's plan (its ``[sbatch]`` table), checked as deploy's flags are."""
+    sb: Dict[str, Any] = dict(getattr(plan, "sbatch", None) or {})
     ask = check_ask(
         kind="slurm",
-        time=getattr(plan, "slurm_time", None),
-        partition=getattr(plan, "slurm_partition", None),
-        gpus=getattr(plan, "slurm_gpus", None),
-        cpus=getattr(plan, "slurm_cpus", None),
-        mem=getattr(plan, "slurm_mem", None),
-        sbatch=list(getattr(plan, "slurm_sbatch", None) or ()),
-        seal_time=getattr(plan, "seal_time", None),
+        time=sb.get("time"),
+        partition=sb.get("partition"),
+        gpus=sb.get("gpus"),
+        cpus=sb.get("cpus"),
+        mem=sb.get("mem"),
+        sbatch=list(sb.get("extra") or ()),
+        seal_time=sb.get("seal_time"),
+        run=plan.name,
+        store=plan.store,
+        cells=_cells(plan),
     )
     assert ask is not None
     return ask
+
+
+def _cells(plan: Any) -> List[Cell]:
+    """The plan's cells as the batch script's: each with its own argv, env and outputs."""
+    return [(c.index, c.name, list(c.command), dict(c.env), list(c.outputs)) for c in plan.cells]
 
 
 def submit_array(
@@ -66,12 +76,6 @@ def submit_array(
     cells = list(plan.cells)
     if not cells or [c.index for c in cells] != list(range(len(cells))):
         raise UsageError("cells", "a job array needs the cells 0..N-1 in order", "fix the plan")
-    if any(c.outputs for c in cells):
-        raise UsageError(
-            "outputs",
-            "per-cell outputs are not passed to the cells of a Slurm array yet",
-            "leave outputs out (each cell's checkpoints are still sealed under its run name)",
-        )
     if plan.secret_env:
         raise UsageError(
             "secret_env",
@@ -96,7 +100,7 @@ def submit_array(
         mem=ask.mem,
         sbatch=ask.sbatch,
         seal_time=ask.seal_time,
-        cells=[(c.index, c.name, list(c.command), dict(c.env)) for c in cells],
+        cells=_cells(plan),
     )
     rec = deploy(req, registry=registry, say=say)
     job = str(rec.scheduler.get("job"))
@@ -120,7 +124,7 @@ def submit_cells(
     from controller.deploy.release import switch_current
 
     job = sbatch(remote, rd, script, [], rec.name)
-    for index, name, _, _ in ask.cells:
+    for index, name, *_ in ask.cells:
         doc = scheduler_doc(ask, job, array_job=job, array_task=index, sweep=rec.name)
         registry.put(dataclasses.replace(rec, name=name, scheduler=doc))
         if rec.release:

@@ -22,7 +22,7 @@ output) and ``--output`` under ``output_dir``. The stable signature (keyword-onl
         profile="slurm",
         partition=None, gpus=None, cpus_per_task=None, mem=None,
         extra=(),             # more #SBATCH options, each one "--opt" or "--opt=value"
-        cells=None,           # an array: [(index, run name, argv, env), ...]
+        cells=None,           # an array: [(index, run name, argv, env, outputs), ...]
         array_limit=None,     # at most this many cells at once (--array=...%N)
     ) -> str
 
@@ -54,7 +54,9 @@ from onbox.common.rundir import check_name
 __all__ = ["Cell", "batch_script", "check_lead", "check_trigger", "requeue_side", "time_seconds"]
 
 # One array cell: (array index, run name, the job's argv, variables for that cell only).
-Cell = Tuple[int, str, Sequence[str], Mapping[str, str]]
+# (array index, run name, argv, environment, outputs): each cell's outputs are its own paths
+# (`rgt-agent run --output`), so no two cells share one.
+Cell = Tuple[int, str, Sequence[str], Mapping[str, str], Sequence[str]]
 
 MAX_LEAD = 65535  # sbatch: sig_time is 0..65535 seconds
 # What an #SBATCH value may hold: nothing sbatch's own line parser (blanks, '"', '\', '#')
@@ -307,13 +309,14 @@ def batch_script(
         return "\n".join([*lines, *body]) + "\n"
     lines.append(f"#SBATCH --array={_array_spec(cells, array_limit)}")
     body.append('case "$SLURM_ARRAY_TASK_ID" in')
-    for index, cell_name, argv, cell_env in cells:
+    for index, cell_name, argv, cell_env, outputs in cells:
         check_name(cell_name, "cell name")
         if not argv and not job_file:
             raise UsageError("cells", f"cell {cell_name} has no command", "give its argv")
         body.append(f"  {index})")
         body += _exports(cell_env, "    ")
-        exe = _exec(agent_argv, cell_name, profile, store, job_file, agent_args, argv)
+        args = [*agent_args, *(w for o in outputs for w in ("--output", o))]
+        exe = _exec(agent_argv, cell_name, profile, store, job_file, args, argv)
         body += [f"    {exe}", "    ;;"]
     body += [
         "  *)",

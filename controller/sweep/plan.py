@@ -10,6 +10,9 @@
     outputs = ["out"]                       # each cell's results: out/<cell name>
     profile = "generic-ssh"                 # optional; python = "...", offline = true,
                                             # secret_env = ["VAR"] as for rgt deploy
+    [sbatch]                                # with slurm: time = "2:00:00" (required),
+                                            # partition, gpus, cpus, mem, extra = ["--qos=x"],
+                                            # seal_time (as rgt deploy --profile slurm's flags)
     [grid]                                  # the cartesian product; str/int/float/bool values
     lr = [1e-3, 3e-4]
     seed = [0, 1, 2]
@@ -64,8 +67,12 @@ MAX_SLUG = 24
 RESERVED = ("cell", "out")
 _KEYS = {
     "name", "job", "project", "command", "targets", "slurm", "store", "outputs", "profile",
-    "python", "offline", "secret_env", "grid", "cost",
+    "python", "offline", "secret_env", "grid", "cost", "sbatch",
 }  # fmt: skip
+# PLAN.toml's [sbatch] (with slurm =): the job array's walltime and resources, as rgt deploy
+# --profile slurm's flags (controller/slurm/submit.py checks the values), and their types here.
+SBATCH_KEYS: Dict[str, type] = {"time": str, "partition": str, "gpus": str, "cpus": int,
+                                 "mem": str, "extra": list, "seal_time": str}  # fmt: skip
 _NON_SLUG = re.compile(r"[^a-z0-9]+")
 
 
@@ -101,6 +108,7 @@ class Plan:
     python: Optional[str] = None  # the boxes' Python, when python3 is not it
     offline: bool = False  # bring the agent's dependencies from here
     secret_env: List[str] = dataclasses.field(default_factory=list)
+    sbatch: Dict[str, Any] = dataclasses.field(default_factory=dict)  # [sbatch], with slurm
 
 
 def _read_toml(path: str) -> Dict[str, Any]:
@@ -354,7 +362,35 @@ def _options(doc: Dict[str, Any]) -> Dict[str, Any]:
     if not isinstance(secrets, list) or not all(isinstance(s, str) for s in secrets):
         raise UsageError("secret_env", "must be a list of variable names")
     out["secret_env"] = list(secrets)
+    out["sbatch"] = _sbatch(doc)
     return out
+
+
+def _sbatch(doc: Dict[str, Any]) -> Dict[str, Any]:
+    """[sbatch]: only with slurm, and then with a walltime (the warning is planned against
+    it); each value of its type (their content is checked as deploy's Slurm flags are)."""
+    table = doc.get("sbatch")
+    if doc.get("slurm") is None:
+        if table is not None:
+            raise UsageError("sbatch", "is for a Slurm job array", 'add slurm = "LOGIN_NODE"')
+        return {}
+    if not isinstance(table, dict) or "time" not in table:
+        raise UsageError(
+            "sbatch.time",
+            "a Slurm sweep needs its walltime: rgt plans the warning before it",
+            'add [sbatch] time = "2:00:00" (sbatch --time format)',
+        )
+    for key, value in table.items():
+        want = SBATCH_KEYS.get(key)
+        if want is None:
+            raise UsageError(f"sbatch.{key}", "is not a known key", ", ".join(SBATCH_KEYS))
+        if key == "seal_time" and isinstance(value, (int, float)) and not isinstance(value, bool):
+            continue  # seconds
+        if not isinstance(value, want) or isinstance(value, bool):
+            raise UsageError(f"sbatch.{key}", f"must be a {want.__name__}")
+        if isinstance(value, list) and not all(isinstance(v, str) for v in value):
+            raise UsageError("sbatch.extra", 'must be a list of "--option=value" strings')
+    return {k: (str(v) if k == "seal_time" else v) for k, v in table.items()}
 
 
 def expand(

@@ -124,7 +124,13 @@ def begin(plan: Plan, home: Optional[str] = None) -> Dict[str, Any]:
     with _flock(path + ".lock"):
         doc = _read(path)
         if doc is None:
-            queues = assign(plan.cells, plan.targets)
+            # A Slurm sweep's cells all go to its login node (one job array); SSH boxes get
+            # one queue each, by cost.
+            queues = (
+                assign(plan.cells, plan.targets)
+                if plan.targets
+                else {str(plan.slurm): list(plan.cells)}
+            )
             box_of = {c.name: box for box, q in queues.items() for c in q}
             doc = {
                 "schema": SCHEMA,
@@ -158,6 +164,8 @@ def _check_same(plan: Plan, doc: Dict[str, Any]) -> None:
 
 
 def _reassign(plan: Plan, doc: Dict[str, Any]) -> None:
+    if not plan.targets:  # a Slurm sweep: the array's login node has every cell
+        return
     gone = [
         c for c in plan.cells
         if doc["cells"][c.name]["box"] not in plan.targets
@@ -169,6 +177,18 @@ def _reassign(plan: Plan, doc: Dict[str, Any]) -> None:
             for c in q:
                 doc["cells"][c.name].update(box=box, target=parse_target(box).to_json())
     doc["targets"] = plan.targets
+
+
+def submitted(plan: Plan, cells: Dict[str, Any], home: Optional[str] = None) -> None:
+    """A Slurm sweep's cells, submitted as one job array (controller/slurm/array.py's
+    ``cells``: name -> {"job", "array_task"}): each is its own run now, running on the login
+    node's cluster, so reconcile and ``down``'s gate know where it ran."""
+    with update(plan.name, home) as doc:
+        for name, job in cells.items():
+            c = doc["cells"][name]
+            if name not in c["runs"]:
+                c["runs"].append(name)
+            c.update(run=name, state="running", slurm=job)
 
 
 def cell_target(cell: Dict[str, Any]) -> Target:

@@ -299,8 +299,11 @@ def sweep(
                 "this rgt cannot submit a sweep as a Slurm job array yet",
                 "list the boxes in targets = [...] instead",
             ) from None
+        record.begin(plan, home)
         result = submit(plan, say)
-        return result if isinstance(result, int) else 0
+        record.submitted(plan, result["cells"], home)
+        say(f"rgt: follow the cells with `rgt status CELL`; `rgt reconcile {plan.path}` when done")
+        return 0
     check_store_here(plan)
     with record.driving(plan.name, home):
         record.begin(plan, home)

@@ -11,8 +11,8 @@ Covered:
 - a running job: status joins Slurm's side (state, restarts, time left) with the agent's; logs
   show the training; a second deploy of the same run submits no second job; stop asks the agent
   (STOPPED) and the job is gone from the queue;
-- a sweep of 4 cells as one job array (controller/slurm/array.py's submit_array, with a Plan
-  built here): each cell's DONE.json is in the store and verifies (the reconcile check);
+- a sweep of 4 cells as one job array (`rgt sweep PLAN.toml` with ``slurm =``): each cell's
+  DONE.json and output are in the store, and `rgt reconcile PLAN.toml` verifies them (exit 0);
 - the acceptance: a training that needs longer than the time its allocation leaves before the
   warning (``--time 2``, a lead of 62 s from ``--seal-time 1``) is warned, seals, requeues
   itself, restores in the requeued job and SUCCEEDS, and its final weights, optimizer and RNG
@@ -39,10 +39,6 @@ from typing import Any, Callable, Dict, Iterator, List
 import pytest
 
 from controller.registry import Registry
-from controller.slurm.array import submit_array
-from controller.slurm.submit import SlurmAsk
-from controller.sweep.plan import Cell, Plan
-from controller.sweep.reconcile import check_run
 from onbox.sealing import manifest as mf
 from onbox.sealing.stores import open_store
 from tests.conftest import ROOT, _kill_run_processes
@@ -233,69 +229,60 @@ def test_a_running_job_status_logs_one_job_and_stop(login: Login) -> None:
         login.cancel(name)
 
 
-def test_a_sweep_of_four_cells_as_one_job_array(
-    login: Login, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    for k, v in login.env().items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.delenv("RGT_HOME", raising=False)
-    cells = [
-        Cell(
-            index=i,
-            name=f"sw4-c{i}",
-            params={"steps": 12 + 4 * i},
-            command=[
-                sys.executable,
-                "train_plain.py",
-                "--steps",
-                str(12 + 4 * i),
-                "--ckpt-every",
-                "4",
-                "--sync",
-            ],  # fmt: skip
-            env={"RGT_CELL": f"sw4-c{i}"},
-        )
-        for i in range(4)
-    ]
-    plan = Plan(
-        path=os.path.join(login.project, "plan.toml"),
-        name="sw4",
-        cells=cells,
-        targets=[],
-        slurm=login.target,
-        store="file://" + login.store,
-        job_file=None,
-        project=login.project,
-        outputs=[],
-        profile="slurm",
-        python=sys.executable,
+ARRAY_JOB = """\
+import json, os, runpy, sys
+steps, out = sys.argv[1], sys.argv[2]
+sys.argv = ["train_plain.py", "--steps", steps, "--ckpt-every", "4", "--sync"]
+runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_plain.py"),
+               run_name="__main__")
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, "result.json"), "w") as f:
+    json.dump({"steps": int(steps), "cell": os.environ.get("RGT_CELL")}, f)
+"""
+
+
+def test_a_sweep_of_four_cells_as_one_job_array(login: Login) -> None:
+    """`rgt sweep PLAN.toml` with ``slurm =``: one job array, task i runs cell i, each cell its
+    own run, store prefix and output path; `rgt reconcile PLAN.toml` then finds every cell's
+    DONE.json and files verified (exit 0)."""
+    Path(login.project, "cell.py").write_text(ARRAY_JOB)
+    plan = Path(login.project, "PLAN.toml")
+    plan.write_text(
+        f'name = "sw4"\nstore = "file://{login.store}"\nslurm = {json.dumps(login.target)}\n'
+        f'python = "{sys.executable}"\nprofile = "slurm"\n'
+        f'command = ["{sys.executable}", "cell.py", "{{steps}}", "{{out}}"]\n'
+        'outputs = ["out"]\n[sbatch]\ntime = "5"\nseal_time = "2"\n'
+        "[grid]\nsteps = [12, 16, 20, 24]\n"
     )
-    ask = SlurmAsk(time="5", walltime=300, seal_time="2")
-    said: List[str] = []
     try:
-        result = submit_array(plan, said.append, ask=ask, registry=Registry(login.ctl_home))
-        job = result["job"]
-        assert result["cells"] == {c.name: {"job": job, "array_task": c.index} for c in cells}
-        for c in cells:
-            rec = Registry(login.ctl_home).get(c.name)
-            assert rec.scheduler["job"] == job and rec.scheduler["array_task"] == c.index
+        p = login.rgt("sweep", str(plan), timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert "job array" in p.stderr, p.stderr
+        cells = [r for r in Registry(login.ctl_home).all() if r.name.startswith("sw4-")]
+        assert len(cells) == 4 and len({r.scheduler["job"] for r in cells}) == 1, cells
+        assert sorted(r.scheduler["array_task"] for r in cells) == [0, 1, 2, 3]
         store = open_store("file://" + login.store)
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline:
-            if all(store.get_bytes(mf.done_key(c.name)) is not None for c in cells):
+            if all(store.get_bytes(mf.done_key(r.name)) is not None for r in cells):
                 break
             time.sleep(1.0)
-        verdicts = {}
-        for c in cells:
-            with tempfile.TemporaryDirectory() as tmp:  # the reconcile check fetches here
-                verdicts[c.name] = check_run(store, c.name, False, tmp)
-        assert all(v[0] == "ok" for v in verdicts.values()), (verdicts, said)
-        # Each cell trained its own steps, in its own run: the sealed state says so.
-        for c in cells:
-            latest = json.loads(store.get_bytes(mf.latest_key(c.name)) or b"{}")
-            assert latest.get("step") == c.params["steps"], latest
-        st = login.status("sw4-c2")
-        assert st["state"] == "SUCCEEDED" and st["scheduler"]["ref"] == f"{job}_2"
+        rc = login.rgt("reconcile", str(plan), "--json", timeout=120)
+        rep = json.loads(rc.stdout)
+        assert rc.returncode == 0 and rep["reconciled"] and rep["ok"] == 4, (rep, rc.stderr)
+        # Each cell trained its own steps and wrote its own output, in its own run.
+        for r in cells:
+            task = r.scheduler["array_task"]
+            latest = json.loads(store.get_bytes(mf.latest_key(r.name)) or b"{}")
+            assert latest.get("step") == 12 + 4 * task, latest
+            got = store.get_bytes(f"{r.name}/outputs/out/{r.name}/result.json")
+            assert got is not None and json.loads(got)["cell"] == r.name
+        st = login.status(cells[2].name)
+        assert st["state"] == "SUCCEEDED"
+        assert (
+            st["scheduler"]["ref"]
+            == f"{cells[2].scheduler['job']}_{cells[2].scheduler['array_task']}"
+        )
     finally:
         login.cancel("sw4")
 

@@ -112,9 +112,9 @@ def test_one_run_execs_the_agent_as_the_batch_shell_with_every_word_intact(tmp_p
 @pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 def test_a_job_array_has_one_exec_per_cell_and_its_own_output_per_task(tmp_path: Any) -> None:
     cells = [
-        (0, "sw-a-1", ["python", "t.py", "--lr", "0.1"], {"RGT_CELL": "sw-a-1"}),
-        (1, "sw-b-2", ["python", "t.py", "--lr", "it's"], {"RGT_CELL": "sw-b-2"}),
-        (3, "sw-c-3", ["python", "t.py"], {}),
+        (0, "sw-a-1", ["python", "t.py", "--lr", "0.1"], {"RGT_CELL": "sw-a-1"}, []),
+        (1, "sw-b-2", ["python", "t.py", "--lr", "it's"], {"RGT_CELL": "sw-b-2"}, []),
+        (3, "sw-c-3", ["python", "t.py"], {}, ["out/sw-c-3", "logs/sw c 3"]),
     ]
     text = _script(name="sw", cells=cells, array_limit=2, job_file="job.toml")
     _bash_n(tmp_path, text)
@@ -124,10 +124,16 @@ def test_a_job_array_has_one_exec_per_cell_and_its_own_output_per_task(tmp_path:
     execs = [line for line in text.splitlines() if line.lstrip().startswith("exec ")]
     assert [_words(tmp_path, e)[3] for e in execs] == ["sw-a-1", "sw-b-2", "sw-c-3"]
     assert _words(tmp_path, execs[1])[-6:] == ["job.toml", "--", "python", "t.py", "--lr", "it's"]
+    # Each cell's outputs are its own, passed to its own agent (never another cell's).
+    words = _words(tmp_path, execs[2])
+    assert words[words.index("run") :][:2] == ["run", "--name"]
+    outs = [words[i + 1] for i, w in enumerate(words) if w == "--output"]
+    assert outs == ["out/sw-c-3", "logs/sw c 3"]
+    assert "--output" not in _words(tmp_path, execs[0])
     branch = re.findall(r"^  (\d+)\)$", text, re.M)
     assert branch == ["0", "1", "3"]
     with pytest.raises(UsageError, match="same array index"):
-        _script(name="sw", cells=[cells[0], (0, "sw-x", ["x"], {})])
+        _script(name="sw", cells=[cells[0], (0, "sw-x", ["x"], {}, [])])
     with pytest.raises(UsageError, match="own argv"):
         _script(name="sw", cells=cells, command=["python"])
 

@@ -212,3 +212,28 @@ def test_cost_factors_multiply_per_value(tmp_path: Path) -> None:
     queues = assign(plan.cells, plan.targets)
     loads = sorted(sum(c.cost for c in q) for q in queues.values())
     assert loads == [8.0, 8.0]  # 3+3+6+1+1+2 = 16: 6+1+1 and 3+3+2
+
+
+SLURM = BASE.replace('targets = ["gpu1", "root@10.0.0.2:22"]', 'slurm = "login1"')
+
+
+def test_a_slurm_sweep_needs_its_walltime_and_its_sbatch_table_is_checked(
+    tmp_path: Path,
+) -> None:
+    """With slurm =, [sbatch] time is required (rgt plans the warning against it); each key
+    is known and typed; [sbatch] without slurm is refused; the ask is what deploy checks."""
+    from controller.slurm.array import plan_ask
+
+    assert _refused(tmp_path, SLURM).field == "sbatch.time"
+    good = SLURM + '[sbatch]\ntime = "10"\npartition = "gpu"\ncpus = 2\nextra = ["--qos=low"]\n'
+    plan = load_plan(_plan(tmp_path, good))
+    assert plan.sbatch["time"] == "10" and plan.slurm == "login1"
+    ask = plan_ask(plan)
+    assert ask.walltime == 600 and ask.partition == "gpu" and ask.sbatch == ("--qos=low",)
+    assert all(c.outputs == [f"out/{c.name}"] for c in plan.cells)  # each task its own path
+    assert _refused(tmp_path, SLURM + '[sbatch]\ntime = "10"\nqos = "x"\n').field == "sbatch.qos"
+    assert _refused(tmp_path, SLURM + "[sbatch]\ntime = 10\n").field == "sbatch.time"
+    assert _refused(tmp_path, BASE + '[sbatch]\ntime = "10"\n').field == "sbatch"
+    bad = load_plan(_plan(tmp_path, SLURM + '[sbatch]\ntime = "10"\nextra = ["--output=/x"]\n'))
+    with pytest.raises(UsageError, match="--sbatch"):
+        plan_ask(bad)  # what rgt sets itself is refused, as deploy's --sbatch is

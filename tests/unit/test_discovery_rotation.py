@@ -36,7 +36,7 @@ def test_a_directory_rotated_away_mid_listing_is_skipped_and_the_rest_found(
         if top == old:  # the job removes it right after its files were listed
             shutil.rmtree(old)
 
-    monkeypatch.setattr(discovery.os, "walk", walk_then_rotate)
+    monkeypatch.setattr(os, "walk", walk_then_rotate)
     dirs, _ = discovery.listing(str(tmp_path))
     assert [c.step for c in dirs] == [200]
     assert os.path.isdir(new)

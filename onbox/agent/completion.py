@@ -3,7 +3,9 @@
 On success the sealer seals the last checkpoints; then every other file the job left under
 RGT_CKPT_DIR (``results/``, any format), the declared outputs and the logs, each verified by the
 store as it is uploaded; only then DONE.json, which lists them and names the declared outputs
-that were missing (each also an event and a status warning). A job's log that holds a secret
+that were missing (each also an event and a status warning). In a pod the outputs are read in
+the job container's filesystem, through its launcher's ``/proc/PID/root``, never following a
+link out of the job's workdir (onbox/agent/jobroot.py). A job's log that holds a secret
 value or a token shape is sealed as a redacted copy (the box's own log stays unaltered), with a
 ``secret_in_log`` event and a status warning naming the log, never the value.
 """
@@ -13,8 +15,9 @@ from __future__ import annotations
 import functools
 import os
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+from onbox.agent.jobroot import JobFiles
 from onbox.agent.spec import JobSpec
 from onbox.common import redact
 from onbox.common.durable import sha256_file
@@ -47,6 +50,7 @@ class Completion:
         event: Callable[..., None],
         warnings: List[Dict[str, Any]],
         mirror: Callable[[], None],
+        root: Optional[str] = "",
     ) -> None:
         self.spec = spec
         self.rd = rd
@@ -55,6 +59,9 @@ class Completion:
         self.event = event
         self.warnings = warnings  # the agent's own list, in state.json: appended to in place
         self.mirror = mirror
+        # Where the job's workdir is seen (runner.workdir_root): "" this filesystem, a pod's
+        # /proc/PID/root, None when the job container's files cannot be read.
+        self.root = root
 
     def run(self) -> None:
         """On success: the last checkpoints; then every other file the job left under
@@ -70,14 +77,7 @@ class Completion:
             return
         self.sealer.seal_pending()
         results = self._results()
-        outputs: List[Dict[str, Any]] = []
-        missing: List[str] = []
-        for rel in self.spec.outputs:
-            path = os.path.join(self.spec.workdir, rel)
-            if not os.path.exists(path):
-                missing.append(rel)
-                continue
-            outputs += self._put_tree(path, mf.outputs_prefix(run), rel)
+        outputs, missing = self._outputs()
         self._report_missing(missing)
         logs: List[Dict[str, Any]] = []
         for a in self.rd.attempt_numbers():
@@ -103,6 +103,50 @@ class Completion:
             + (f", declared outputs missing: {', '.join(missing)}" if missing else "")
             + f"; LATEST step {self.sealer.latest}",
             missing_outputs=missing,
+        )
+
+    def _outputs(self) -> Tuple[List[Dict[str, Any]], List[str]]:
+        """The declared outputs sealed, and those missing. Read where the job wrote them: here,
+        or (``root``, a pod) in the job container's filesystem through its launcher's root,
+        where every path is resolved inside that root and must stay in the workdir
+        (onbox/agent/jobroot.py)."""
+        prefix = mf.outputs_prefix(self.spec.name)
+        outputs: List[Dict[str, Any]] = []
+        missing: List[str] = []
+        if self.root is None and self.spec.outputs:
+            self.event(
+                "outputs_unreadable",
+                "the job container's filesystem cannot be read (its launcher is gone, or "
+                "/proc/PID/root is denied): no declared output can be sealed",
+                klass="usage",
+                remedy="run the agent's container as the job container's user (or give it "
+                "CAP_SYS_PTRACE), so that it may read /proc/PID/root",
+            )
+            return outputs, list(self.spec.outputs)
+        job = JobFiles(self.root, self.spec.workdir, self._refused) if self.root else None
+        for rel in self.spec.outputs:
+            if job is not None:
+                files = job.output(rel)
+                if files is None:
+                    missing.append(rel)
+                    continue
+                outputs += self._put_files(files, prefix)
+                continue
+            path = os.path.join(self.spec.workdir, rel)
+            if not os.path.exists(path):
+                missing.append(rel)
+                continue
+            outputs += self._put_tree(path, prefix, rel)
+        return outputs, missing
+
+    def _refused(self, rel: str, why: str) -> None:
+        self.event(
+            "output_refused",
+            f"output {rel} in the job container is not sealed: {why}",
+            klass="usage",
+            remedy="write outputs as plain files under the job's workdir; a symlink is never "
+            "followed out of it",
+            path=rel,
         )
 
     def _results(self) -> List[Dict[str, Any]]:
@@ -274,7 +318,6 @@ class Completion:
         return sealed
 
     def _put_tree(self, path: str, prefix: str, rel: str) -> List[Dict[str, Any]]:
-        out = []
         paths = []
         if os.path.isdir(path):
             for dirpath, _, files in os.walk(path):
@@ -290,6 +333,11 @@ class Completion:
                 klass="usage",
                 remedy="",
             )
+        return self._put_files(paths, prefix)
+
+    def _put_files(self, paths: Iterable[Tuple[str, str]], prefix: str) -> List[Dict[str, Any]]:
+        """Each (file to read, its name under ``prefix``) uploaded and verified."""
+        out = []
         for full, r in paths:
             r = r.replace(os.sep, "/").strip("/")
             try:

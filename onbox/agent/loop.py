@@ -82,6 +82,7 @@ class Agent:
         self.seal: Optional[SealService] = None
         if self.spec.store:
             self.seal = SealService(self.spec, rd, self.journal, self.runner.signal_job)
+            self.seal.workdir_root = self.runner.workdir_root  # a pod's outputs: another fs
             hooks = self.seal
         self.runner.resume_from = self._resume_from
         self.runner.event = self.journal.event  # the proxy hook's events

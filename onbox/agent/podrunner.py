@@ -129,6 +129,26 @@ class PodRunner(ShimRunner):
         self._note_launcher()
         return True
 
+    def workdir_root(self) -> Optional[str]:
+        """The job container's filesystem as this container sees it: ``/proc/PID/root`` of the
+        live launcher (the job container's PID 1, alive until final.json) when it is another
+        mount namespace or root than ours; "" when it is ours (one filesystem, as in the tests'
+        plain pods); None when it cannot be read (the launcher is gone, /proc denied)."""
+        ident = recorded(pod_file(self.rd.path, LAUNCHER))
+        if ident is None:
+            return None
+        root = f"/proc/{ident.pid}/root"
+        try:
+            theirs = [os.stat(f"/proc/{ident.pid}/{p}") for p in ("ns/mnt", "root")]
+            ours = [os.stat(f"/proc/self/{p}") for p in ("ns/mnt", "root")]
+        except OSError:
+            return None
+        if not procfs.is_alive(ident):  # its pid reused meanwhile: not the job's root
+            return None
+        if [(s.st_dev, s.st_ino) for s in theirs] == [(s.st_dev, s.st_ino) for s in ours]:
+            return ""
+        return root
+
     # ---- starting and re-attaching
     def spawn(self, attempt: int) -> int:
         tag = self.write_launch(attempt, respawn_agent=False, inherit_env=True)

@@ -350,6 +350,11 @@ class ShimRunner:
     def kernel_oom_killed(self, pid: int) -> bool:
         return cgroup.kernel_says_oom_killed([pid])
 
+    def workdir_root(self) -> Optional[str]:
+        """Where the job's workdir is seen from here, as a prefix: "" (on a box, this very
+        filesystem). PodRunner's is the job container's /proc/PID/root."""
+        return ""
+
     def inodes_exhausted(self) -> bool:
         for path in (self.spec.workdir, self.spec.ckpt_dir):
             try:

@@ -98,6 +98,9 @@ class SealService(Hooks):
         self.sealing = False
         self.capped = False
         self.final_verified = False
+        # Where the job's workdir is seen (the runner's workdir_root; a pod's is the job
+        # container's /proc/PID/root): the completion seal reads the outputs there.
+        self.workdir_root: Callable[[], Optional[str]] = lambda: ""
         # What the health probes read (onbox/health/verdict.py SealView), set by the thread.
         self.last_ok_wall: Optional[float] = None
         self.last_error: Optional[str] = None
@@ -395,6 +398,7 @@ class SealService(Hooks):
                 event=self.event,
                 warnings=self.warnings,
                 mirror=self.mirror,
+                root=self.workdir_root(),
             ).run()
             return
         if reason == "stop" and self.capped:  # the meter cap: no budget, the seal is checked

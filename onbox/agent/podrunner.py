@@ -15,6 +15,14 @@ exit.json), then watches and signals the attempt exactly as ``ShimRunner.adopt``
 launch file tells that shim not to respawn the agent (the kubelet does) and to give the job its
 own container's environment underneath the run's.
 
+Outputs: the job's workdir is in the job container's filesystem, not this one. With a shared
+process namespace the kernel shows it at ``/proc/<launcher pid>/root``, and the launcher lives
+until final.json, so at success ``workdir_root`` gives the completion seal that root (when the
+launcher's mount namespace or root differs from ours), and onbox/agent/jobroot.py reads the
+declared outputs there, resolving every link inside it and refusing what leaves the workdir.
+Reading it needs the two containers to run as one user (or the agent to hold CAP_SYS_PTRACE);
+when it cannot be read the outputs are reported missing with ``outputs_unreadable``.
+
 When the job container dies whole (an OOM kill, or the node's runtime killing it), the shim
 leaves no exit record and the launcher is gone with it: nothing in this pod can start the job
 again. The agent, alive in its own container, records ``job_container_died`` (OOM-killed when

@@ -7,17 +7,21 @@ emptyDir give the two containers. The tests do the kubelet's parts by hand: star
 once the sidecar published the job lib (its startup probe), SIGTERM the launcher (the job
 container's PID 1) to stop the pod, SIGTERM the agent after the launcher exits, restart a
 SIGKILLed agent, and kill the whole job container at once (cgroup v2's group OOM kill).
+For the job container's own filesystem, the launcher starts in a mount namespace of its own
+(``unshare --mount``) with a tmpfs on the job's workdir, which the agent's view never has: the
+outputs it seals can only come through the launcher's /proc/PID/root.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Sequence
 
 import pytest
 
@@ -36,6 +40,7 @@ class Pod:
 
     def __init__(self, home: str, store: str, name: str, job: List[str], grace: int = 5) -> None:
         self.home, self.store, self.name, self.job, self.grace = home, store, name, job, grace
+        self.toml = ""  # more top-level job file lines (workdir, outputs)
         os.makedirs(home, exist_ok=True)
         self.run_dir = os.path.join(home, "runs", name)
         self.procs: List[subprocess.Popen[bytes]] = []
@@ -50,7 +55,8 @@ class Pod:
     def start_agent(self) -> subprocess.Popen[bytes]:
         job = os.path.join(self.home, "job.toml")
         with open(job, "w") as f:  # the agent asks the job for a checkpoint with SIGUSR2
-            f.write(f'command = {json.dumps(self.job)}\n[checkpoint]\ntrigger = "signal:USR2"\n')
+            f.write(f"command = {json.dumps(self.job)}\n{self.toml}")
+            f.write('[checkpoint]\ntrigger = "signal:USR2"\n')
         argv = [*agent_exe(), "run", "--pod", job, "--name", self.name, "--store", self.store]
         argv += ["--grace", str(self.grace)]
         with open(os.path.join(self.home, "agent.out"), "ab") as out:
@@ -60,7 +66,7 @@ class Pod:
         self.procs.append(self.agent)
         return self.agent
 
-    def start_launcher(self, cgroup: str = "") -> subprocess.Popen[bytes]:
+    def start_launcher(self, cgroup: str = "", wrap: Sequence[str] = ()) -> subprocess.Popen[bytes]:
         lib = os.path.join(self.home, "lib", "pod")
         # The kubelet starts the job container once the sidecar's startup probe sees the lib.
         wait(lambda: os.path.exists(os.path.join(lib, "onbox", "agent", "podlaunch.py")), 60)
@@ -72,7 +78,7 @@ class Pod:
 
         with open(os.path.join(self.home, "launcher.out"), "ab") as out:
             self.launcher = subprocess.Popen(
-                [sys.executable, "-S", "-m", "onbox.agent.podlaunch", self.run_dir],
+                [*wrap, sys.executable, "-S", "-m", "onbox.agent.podlaunch", self.run_dir],
                 env=self.env(PYTHONPATH=lib),
                 stdout=out,
                 stderr=out,
@@ -281,3 +287,117 @@ def test_a_killed_agent_sidecar_restarted_adopts_the_running_attempt(
     assert "finished at step 120" in pod.output() and "resumed from 0" in pod.output()
     assert os.path.exists(os.path.join(_store(tmp_path), "adopt", "DONE.json"))
     assert pod.end() == 0
+
+
+# The job of the own-filesystem tests: writes its outputs in its cwd (the workdir, a tmpfs in
+# its own mount namespace), says so, then waits (bounded) for GO when given one. "leak" also
+# plants links out of the workdir where outputs are declared.
+OUT_JOB = """
+import os, sys, time
+seed, mode, go = sys.argv[1], sys.argv[2], sys.argv[3]
+with open("result.bin", "wb") as f:
+    f.write(bytes.fromhex(seed) * 4096)
+if mode == "leak":
+    os.symlink("/etc/hostname", "leak")
+    os.makedirs("d")
+    os.symlink("/etc", "d/etc")
+    with open("d/ok.txt", "w") as f:
+        f.write("ok")
+print("outputs written in", os.getcwd(), flush=True)
+deadline = time.monotonic() + 60
+while go and not os.path.exists(go) and time.monotonic() < deadline:
+    time.sleep(0.05)
+"""
+
+
+def _own_fs_pod(pods: List[Pod], tmp_path: Any, name: str, mode: str, go: str) -> Any:
+    """A pod whose job container has its own view of the workdir; returns (pod, workdir, seed,
+    the launcher's wrapper)."""
+    require(os.geteuid() == 0 and bool(shutil.which("unshare")), "root and util-linux unshare")
+    script, workdir = tmp_path / "out_job.py", tmp_path / "app"
+    script.write_text(OUT_JOB)
+    workdir.mkdir()
+    seed = os.urandom(16).hex()
+    pod = _pod(pods, tmp_path, "pod1", name, 0)
+    pod.job = [sys.executable, str(script), seed, mode, go]
+    outputs = ["result.bin", "leak", "d/"] if mode == "leak" else ["result.bin"]
+    pod.toml = f"workdir = {json.dumps(str(workdir))}\noutputs = {json.dumps(outputs)}\n"
+    # The job container's mounts: a copy of ours, private, plus a tmpfs on the workdir; the
+    # namespace ends with its last process (the launcher, once final.json is there).
+    mount = 'mount -t tmpfs -o size=4m rgt-job "$1" && shift && exec "$@"'
+    wrap = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, "sh"]
+    return pod, str(workdir), seed, [*wrap, str(workdir)]
+
+
+def _mounted(workdir: str, pid: Optional[int] = None) -> str:
+    task = ["--task", str(pid)] if pid else []
+    got = subprocess.run(
+        ["findmnt", "-n", "-o", "SOURCE,FSTYPE", *task, "--mountpoint", workdir],
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    return got.stdout.strip()
+
+
+def _done(tmp_path: Any, run: str) -> Dict[str, Any]:
+    with open(os.path.join(_store(tmp_path), run, "DONE.json")) as f:
+        out: Dict[str, Any] = json.load(f)
+    return out
+
+
+def test_a_pod_seals_outputs_from_the_job_containers_own_filesystem(
+    pods: List[Pod], tmp_path: Any
+) -> None:
+    go = str(tmp_path / "go")
+    pod, workdir, seed, wrap = _own_fs_pod(pods, tmp_path, "outs", "plain", go)
+    pod.start_agent()
+    launcher = pod.start_launcher(wrap=wrap)
+    log = RunDir(pod.name, pod.home).output_log(1)
+    wait(lambda: os.path.exists(log) and "outputs written" in pod.output(), 60, "the outputs")
+    # The job's view has the tmpfs with its output; the agent's has neither.
+    assert _mounted(workdir, launcher.pid) == "rgt-job tmpfs"
+    ns = os.stat(f"/proc/{launcher.pid}/ns/mnt").st_ino
+    assert _mounted(workdir) == "" and os.listdir(workdir) == []
+    open(go, "w").close()
+    assert pod.exit_of(launcher) == 0
+    assert pod.state()["state"] == "SUCCEEDED"
+    done = _done(tmp_path, "outs")
+    [entry] = [e for e in done["files"] if e["path"] == "result.bin"]
+    assert done["missing_outputs"] == []
+    with open(os.path.join(_store(tmp_path), entry["key"]), "rb") as f:
+        assert f.read() == bytes.fromhex(seed) * 4096
+    assert os.listdir(workdir) == []  # so the bytes came through the launcher's root
+    assert pod.end() == 0
+    # Nothing left mounted: the job container's namespace ended with its last process.
+    assert _mounted(workdir) == ""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.stat(f"/proc/{pid}/ns/mnt").st_ino == ns:
+                left.append(pid)
+        except OSError:
+            pass
+    assert left == []
+
+
+def test_a_pod_refuses_output_links_out_of_the_job_workdir(pods: List[Pod], tmp_path: Any) -> None:
+    pod, workdir, seed, wrap = _own_fs_pod(pods, tmp_path, "leaky", "leak", "")
+    pod.start_agent()
+    assert pod.exit_of(pod.start_launcher(wrap=wrap)) == 0
+    assert pod.state()["state"] == "SUCCEEDED"
+    refused = {e["path"]: e["reason"] for e in pod.events("output_refused")}
+    assert set(refused) == {"leak", "d/etc"}, refused
+    assert "/etc/hostname" in refused["leak"] and "outside its workdir" in refused["leak"]
+    assert "symlink" in refused["d/etc"]
+    done = _done(tmp_path, "leaky")
+    sealed = {e["path"] for e in done["files"] if e["key"].startswith("leaky/outputs/")}
+    assert sealed == {"result.bin", "d/ok.txt"}
+    with open("/etc/hostname", "rb") as f:
+        hostname = f.read()
+    for dirpath, _, files in os.walk(_store(tmp_path)):  # nothing of /etc in the store
+        for fn in files:
+            with open(os.path.join(dirpath, fn), "rb") as f:
+                assert f.read() != hostname, os.path.join(dirpath, fn)
+    assert pod.end() == 0
+    assert _mounted(workdir) == "" and os.listdir(workdir) == []

@@ -1,11 +1,14 @@
 """Real kernel objects for a test: a tmpfs mounted with the options given and unmounted at the
-end (root only; skipped, or failed under CI, elsewhere), and a cgroup v1 memory group."""
+end (root only; skipped, or failed under CI, elsewhere), and a cgroup v1 memory group, made and
+removed (with whatever is left in it killed by PID)."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import subprocess
+import time
 from typing import Iterator
 
 from tests.conftest import require
@@ -43,3 +46,22 @@ def memory_cgroup(limit: int, name: str) -> str:
     except OSError:
         return ""
     return path
+
+
+def remove_cgroup(path: str, timeout: float = 15.0) -> None:
+    """Kill, by PID, whatever is left in the group ``path``, then remove it (bounded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(os.path.join(path, "cgroup.procs")) as f:
+            left = f.read().split()
+        for pid in left:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        try:
+            os.rmdir(path)
+            return
+        except OSError:
+            assert time.monotonic() < deadline, left
+            time.sleep(0.1)

@@ -51,6 +51,7 @@ from controller.registry import Registry
 from onbox.agent import procfs
 from onbox.agent.observe import public_state
 from tests.conftest import ROOT, _kill_run_processes, require
+from tests.laptop import laptop_env, rgt_exe, ssh_target
 from tests.netns import Netns
 from tests.sshd import SshServer
 
@@ -91,11 +92,6 @@ sys.argv = ["train_plain.py", "--steps", "100000", "--sleep", "0.2", "--ckpt-eve
 runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_plain.py"),
                run_name="__main__")
 """
-
-
-def _rgt_exe() -> List[str]:
-    script = os.path.join(os.path.dirname(sys.executable), "rgt")
-    return [script] if os.path.exists(script) else [sys.executable, "-m", "controller.cli"]
 
 
 def _project(root: Path, blob_bytes: int = 0) -> str:
@@ -173,25 +169,14 @@ class Box:
 
     @property
     def target(self) -> str:
-        s = self.sshd
-        return f"ssh -p {s.port} -i {s.client_key} {s.user}@{s.host}"
+        return ssh_target(self.sshd)
 
     def env(self) -> Dict[str, str]:
-        env = dict(os.environ)
-        env.pop("RGT_HOME", None)
-        env.update(
-            RGT_CONTROLLER_HOME=self.ctl_home,
-            RGT_BOX_HOME=self.box_home,
-            RGT_SSH_CONFIG="/dev/null",
-            RGT_SSH_KEEPALIVE="2",
-            RGT_SSH_CONNECT_TIMEOUT="5",
-        )
-        env[SECRET_VAR] = CANARY
-        return env
+        return laptop_env(self.ctl_home, self.box_home, **{SECRET_VAR: CANARY})
 
     def rgt(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [*_rgt_exe(), *args],
+            [*rgt_exe(), *args],
             env=self.env(),
             stdin=subprocess.DEVNULL,
             capture_output=True,
@@ -202,7 +187,7 @@ class Box:
 
     def deploy_argv(self, *extra: str, job_args: Tuple[str, ...] = ()) -> List[str]:
         return [
-            *_rgt_exe(), "deploy", self.target, "--name", self.name, "--python", sys.executable,
+            *rgt_exe(), "deploy", self.target, "--name", self.name, "--python", sys.executable,
             "--project", self.project, "--store", "file://" + self.store, *extra,
             "--", sys.executable, "job.py", *job_args,
         ]  # fmt: skip
@@ -501,7 +486,7 @@ def test_the_job_outlives_the_ssh_client_and_the_controller(box: Box, tmp_path: 
     out = tmp_path / "follow.out"
     with open(out, "wb") as f:  # a controller that is connected right now: `rgt logs -f`
         follower = subprocess.Popen(
-            [*_rgt_exe(), "logs", box.name, "-f"],
+            [*rgt_exe(), "logs", box.name, "-f"],
             env=box.env(),
             stdin=subprocess.DEVNULL,
             stdout=f,
@@ -534,7 +519,7 @@ def test_the_job_outlives_the_ssh_client_and_the_controller(box: Box, tmp_path: 
     watch = tmp_path / "watch.txt"
     with open(watch, "w") as f:
         p = subprocess.run(
-            [*_rgt_exe(), "watch", box.name, "--once"],
+            [*rgt_exe(), "watch", box.name, "--once"],
             env=box.env(),
             stdin=subprocess.DEVNULL,
             stdout=f,
@@ -650,7 +635,7 @@ def test_a_found_agent_that_does_not_answer_is_installed_again_beside_the_live_r
 ) -> None:
     box = _new_box("again", sshd, tmp_path_factory.mktemp("again"))
     argv = [
-        *_rgt_exe(), "deploy", box.target, "--name", box.name, "--python", sys.executable,
+        *rgt_exe(), "deploy", box.target, "--name", box.name, "--python", sys.executable,
         "--project", box.project, "--", "sh", "-c", "echo started; exec sleep 600",
     ]  # fmt: skip
 

@@ -40,14 +40,10 @@ from controller.remote import SshRemote
 from controller.target import Target
 from onbox.profiles.load import SHIPPED_DIR
 from tests.conftest import _kill_run_processes, require
+from tests.laptop import laptop_env, run_rgt
 from tests.sshd import SshServer
 
 BUDGET = "1M"  # the tmpfs mounts are small; the inode budget (doctor.BUDGET_INODES) stays
-
-
-def _rgt_exe() -> List[str]:
-    script = os.path.join(os.path.dirname(sys.executable), "rgt")
-    return [script] if os.path.exists(script) else [sys.executable, "-m", "controller.cli"]
 
 
 class Box:
@@ -81,24 +77,8 @@ class Box:
         )
 
     def rgt(self, *args: str) -> subprocess.CompletedProcess[str]:
-        env = dict(os.environ)
-        env.pop("RGT_HOME", None)
-        env.update(
-            RGT_CONTROLLER_HOME=str(self.ctl),
-            RGT_BOX_HOME=str(self.box_home),
-            RGT_PROFILES_DIR=str(self.profiles),
-            RGT_SSH_CONFIG="/dev/null",
-            RGT_SSH_CONNECT_TIMEOUT="5",
-        )
-        return subprocess.run(
-            [*_rgt_exe(), *args],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=180,
-            cwd=str(self.ctl),
-        )
+        env = laptop_env(str(self.ctl), str(self.box_home), RGT_PROFILES_DIR=str(self.profiles))
+        return run_rgt(args, env, str(self.ctl), timeout=180)
 
     def doctor(self, *args: str) -> Dict[str, Any]:
         """`rgt doctor --json`: its document, with its exit status as ``rc``."""

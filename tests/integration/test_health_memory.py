@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-import time
 from typing import Any, Dict, Iterator
 
 import pytest
@@ -31,21 +29,7 @@ def cgroup() -> Iterator[str]:
     try:
         yield path
     finally:
-        deadline = time.monotonic() + 15
-        while True:
-            with open(os.path.join(path, "cgroup.procs")) as f:
-                left = f.read().split()
-            for pid in left:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            try:
-                os.rmdir(path)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, left
-                time.sleep(0.1)
+        mounts.remove_cgroup(path)
 
 
 def _read(path: str) -> str:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -26,6 +25,7 @@ import pytest
 
 from onbox.agent import procfs
 from tests.conftest import Cli
+from tests.laptop import rgt_exe
 
 # --- the trees a command could write to --------------------------------------------------------
 
@@ -409,11 +409,6 @@ RGT_ROWS: List[Any] = [
 ]
 
 
-def _rgt_exe() -> List[str]:
-    script = os.path.join(os.path.dirname(sys.executable), "rgt")
-    return [script] if os.path.exists(script) else [sys.executable, "-m", "controller.cli"]
-
-
 @pytest.mark.parametrize(
     "argv,code,needle,registry",
     [
@@ -445,7 +440,7 @@ def test_rgt_refuses_hostile_input_and_creates_nothing(
     tmp = str(work)
     before = _snapshot(str(ctl), str(box), tmp)
     p = subprocess.run(
-        [*_rgt_exe(), *[_fill(a, tmp) for a in argv]],
+        [*rgt_exe(), *[_fill(a, tmp) for a in argv]],
         env=env,
         cwd=tmp,
         stdin=subprocess.DEVNULL,

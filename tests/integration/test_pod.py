@@ -162,25 +162,6 @@ def _pod(pods: List[Pod], tmp_path: Any, which: str, name: str, steps: int, *ext
     return pod
 
 
-def _remove(cgroup: str) -> None:
-    """Kill, by PID, whatever is left in the group, then remove it (bounded)."""
-    deadline = time.monotonic() + 15
-    while True:
-        with open(os.path.join(cgroup, "cgroup.procs")) as f:
-            left = f.read().split()
-        for pid in left:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        try:
-            os.rmdir(cgroup)
-            return
-        except OSError:
-            assert time.monotonic() < deadline, left
-            time.sleep(0.1)
-
-
 def _store(tmp_path: Any) -> str:
     return str(tmp_path / "durable")
 
@@ -258,7 +239,7 @@ def test_oom_kill_of_the_job_container_leaves_the_agent_to_seal_and_the_next_pod
         if os.path.exists(hog):
             os.unlink(hog)
         pod.close()
-        _remove(cgroup)
+        mounts.remove_cgroup(cgroup)
     # The Job's next pod: fresh directories, the same store; it restores and finishes.
     again = _pod(pods, tmp_path, "pod2", "oom", 200, hog)
     again.start_agent()

@@ -42,13 +42,9 @@ from controller.registry import Registry
 from onbox.sealing import manifest as mf
 from onbox.sealing.stores import open_store
 from tests.conftest import ROOT, _kill_run_processes
+from tests.laptop import laptop_env, run_rgt, ssh_target
 from tests.slurm import SlurmCluster
 from tests.sshd import SshServer
-
-
-def _rgt_exe() -> List[str]:
-    script = os.path.join(os.path.dirname(sys.executable), "rgt")
-    return [script] if os.path.exists(script) else [sys.executable, "-m", "controller.cli"]
 
 
 def _hashes(out: str) -> Dict[str, str]:
@@ -68,31 +64,13 @@ class Login:
 
     @property
     def target(self) -> str:
-        s = self.sshd
-        return f"ssh -p {s.port} -i {s.client_key} {s.user}@{s.host}"
+        return ssh_target(self.sshd)
 
     def env(self) -> Dict[str, str]:
-        env = dict(os.environ)
-        env.pop("RGT_HOME", None)
-        env.update(
-            RGT_CONTROLLER_HOME=self.ctl_home,
-            RGT_BOX_HOME=self.box_home,
-            RGT_SSH_CONFIG="/dev/null",
-            RGT_SSH_KEEPALIVE="2",
-            RGT_SSH_CONNECT_TIMEOUT="5",
-        )
-        return env
+        return laptop_env(self.ctl_home, self.box_home)
 
     def rgt(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*_rgt_exe(), *args],
-            env=self.env(),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=self.ctl_home,
-        )
+        return run_rgt(args, self.env(), self.ctl_home, timeout)
 
     def deploy(self, name: str, *flags: str, job: List[str]) -> subprocess.CompletedProcess[str]:
         return self.rgt(

@@ -36,6 +36,7 @@ import pytest
 
 from onbox.agent import procfs
 from tests.conftest import ROOT, _kill_run_processes
+from tests.laptop import laptop_env, run_rgt, ssh_target
 from tests.netns import Netns
 from tests.polling import latest_step, wait
 from tests.sshd import SshServer
@@ -56,15 +57,6 @@ with open(os.path.join(a.out, "result.json"), "w") as f:
     json.dump({"tag": a.tag, "seed": a.seed, "cell": os.environ.get("RGT_CELL"),
                "sweep": os.environ.get("RGT_SWEEP")}, f)
 """.replace("@STEPS@", str(STEPS))
-
-
-def _rgt_exe() -> List[str]:
-    script = os.path.join(os.path.dirname(sys.executable), "rgt")
-    return [script] if os.path.exists(script) else [sys.executable, "-m", "controller.cli"]
-
-
-def _target(s: SshServer) -> str:
-    return f"ssh -p {s.port} -i {s.client_key} {s.user}@{s.host}"
 
 
 class Sweep:
@@ -92,27 +84,10 @@ class Sweep:
         )
 
     def env(self) -> Dict[str, str]:
-        env = dict(os.environ)
-        env.pop("RGT_HOME", None)
-        env.update(
-            RGT_CONTROLLER_HOME=str(self.ctl),
-            RGT_BOX_HOME=str(self.box_home),
-            RGT_SSH_CONFIG="/dev/null",
-            RGT_SSH_KEEPALIVE="2",
-            RGT_SSH_CONNECT_TIMEOUT="5",
-        )
-        return env
+        return laptop_env(str(self.ctl), str(self.box_home))
 
     def rgt(self, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*_rgt_exe(), *args],
-            env=self.env(),
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=timeout,
-            cwd=str(self.ctl),
-        )
+        return run_rgt(args, self.env(), str(self.ctl), timeout)
 
     def record(self) -> Dict[str, Any]:
         with open(self.ctl / "sweeps" / "sw.json") as f:
@@ -168,7 +143,7 @@ def _steps(log: str) -> List[int]:
 @pytest.fixture
 def sweep(sshd: SshServer, netns_sshd: Tuple[Netns, SshServer], tmp_path: Path) -> Iterator[Sweep]:
     ns, server = netns_sshd
-    s = Sweep(tmp_path, [_target(sshd), _target(server)])
+    s = Sweep(tmp_path, [ssh_target(sshd), ssh_target(server)])
     try:
         yield s
     finally:

@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from controller.slurm.batch import batch_script
 from onbox.agent import slurm
@@ -176,25 +176,25 @@ def _sealed(cli: Cli, name: str) -> List[Any]:
     return [e.get("step") for e in _events(cli, name) if e["kind"] == "sealed"]
 
 
-def test_scancel_during_a_seal_leaves_latest_on_a_verified_checkpoint(
-    slurm_cluster: SlurmCluster, cli: Cli, tmp_path: Any
-) -> None:
-    root, out = str(tmp_path / "durable"), str(tmp_path / "out")
+def _start_writer(cluster: SlurmCluster, cli: Cli, tmp: Any, mib: int) -> Tuple[str, str]:
+    """The checkpoint writer fixture (``mib`` MiB a checkpoint, written on USR2) submitted as
+    run slurm-cancel with a file:// store; (job id, store dir) once the job said it is ready."""
+    root, out = str(tmp / "durable"), str(tmp / "out")
     os.makedirs(root)
     os.makedirs(out)
     name = "slurm-cancel"
     script = batch_script(
         name=name,
         agent_argv=agent_exe(),
-        release_dir=str(tmp_path),
+        release_dir=str(tmp),
         output_dir=out,
         time_limit="5",
         lead=SealTime(None, 0, "not measured").lead(assumed=30),
-        job_file=_job_file(tmp_path, 256),
+        job_file=_job_file(tmp, mib),
         store="file://" + root,
         env={"RGT_HOME": cli.home},
     )
-    job = _sbatch(slurm_cluster, script, str(tmp_path / "job.sh"), cli.env)
+    job = _sbatch(cluster, script, str(tmp / "job.sh"), cli.env)
     try:
         _wait(
             lambda: "ready" in (cli("logs", name).stdout if _events(cli, name) else ""),
@@ -202,6 +202,18 @@ def test_scancel_during_a_seal_leaves_latest_on_a_verified_checkpoint(
             "the job's start",
             lambda: _job_log(out)[-2000:],
         )
+    except BaseException:
+        cluster.run("scancel", job)
+        raise
+    return job, root
+
+
+def test_scancel_during_a_seal_leaves_latest_on_a_verified_checkpoint(
+    slurm_cluster: SlurmCluster, cli: Cli, tmp_path: Any
+) -> None:
+    name = "slurm-cancel"
+    job, root = _start_writer(slurm_cluster, cli, tmp_path, 256)
+    try:
         # A first checkpoint (the job writes one on its own USR2), sealed; then `rgt-agent
         # sync`, whose USR2 to the agent comes with a request: it is not Slurm's warning.
         pid = cli.status(name)["pid"]
@@ -240,29 +252,9 @@ def test_a_stop_asked_from_another_node_reaches_the_agent_through_slurm(
     the request file is on the shared filesystem, and the wake-up (SIGUSR2) goes through
     slurmctld to the job's batch shell, the agent, wherever it runs (a plain kill could not
     reach another node). The run ends STOPPED, not requeued, and its job leaves the queue."""
-    root, out = str(tmp_path / "durable"), str(tmp_path / "out")
-    os.makedirs(root)
-    os.makedirs(out)
     name = "slurm-cancel"  # the job file's name
-    script = batch_script(
-        name=name,
-        agent_argv=agent_exe(),
-        release_dir=str(tmp_path),
-        output_dir=out,
-        time_limit="5",
-        lead=SealTime(None, 0, "not measured").lead(assumed=30),
-        job_file=_job_file(tmp_path, 1),
-        store="file://" + root,
-        env={"RGT_HOME": cli.home},
-    )
-    job = _sbatch(slurm_cluster, script, str(tmp_path / "job.sh"), cli.env)
+    job, _ = _start_writer(slurm_cluster, cli, tmp_path, 1)
     try:
-        _wait(
-            lambda: "ready" in (cli("logs", name).stdout if _events(cli, name) else ""),
-            60,
-            "the job's start",
-            lambda: _job_log(out)[-2000:],
-        )
         rd = RunDir(name, home=cli.home)
         write_json(rd.stop_request, {"grace": None, "requested_at": time.time()})
         monkeypatch.setenv("SLURM_CONF", slurm_cluster.conf)

@@ -6,7 +6,7 @@ whose state, spool and logs live in ``dir``, starts slurmctld and slurmd in the 
 children, and returns once ``sinfo`` shows the node idle (about a second). ``SlurmCluster.stop``
 cancels every job, then stops slurmd before slurmctld (the other order leaves slurmstepd retrying
 RPCs for 10 s and more), each by PID; munged is left running only when it was already running
-before, else it is stopped too.
+before, else the last cluster to stop stops it (several test sessions may share it).
 
 Everything runs as root with ``proctrack/linuxproc`` (no cgroup plugin, no systemd here).
 ``AuthInfo=cred_expire=10`` lets a requeued job start again after about 15 s rather than the
@@ -18,6 +18,7 @@ a test's sshd "login node" passes to its sessions, ``ssh_setenv()``).
 from __future__ import annotations
 
 import dataclasses
+import fcntl
 import os
 import shutil
 import signal
@@ -32,6 +33,8 @@ DAEMONS = ("slurmctld", "slurmd", "munged")
 CLIENTS = ("sbatch", "squeue", "scontrol", "scancel", "sinfo", "munge")
 MUNGE_RUN = "/run/munge"
 MUNGE_KEY = "/etc/munge/munge.key"
+MUNGE_USERS = os.path.join(MUNGE_RUN, ".rgt-tests.lock")  # shared-locked by each cluster
+MUNGE_OURS = os.path.join(MUNGE_RUN, ".rgt-tests-munged.pid")  # the munged a test started
 
 
 def _sbin(name: str) -> Optional[str]:
@@ -104,7 +107,7 @@ class SlurmCluster:
     node: str
     ctld: subprocess.Popen  # type: ignore[type-arg]
     slurmd: subprocess.Popen  # type: ignore[type-arg]
-    munged_pid: Optional[int]  # the munged we started (None: one was running already)
+    munge_use: int  # a shared flock on MUNGE_USERS while this cluster uses munged
     partition: str = "debug"
 
     def env(self, base: Optional[Dict[str, str]] = None) -> Dict[str, str]:
@@ -169,8 +172,7 @@ class SlurmCluster:
                     p.wait(timeout=5)
                 except subprocess.TimeoutExpired:
                     pass
-            if self.munged_pid is not None:
-                _stop_pid(self.munged_pid)
+            _leave_munge(self.munge_use)
 
 
 def _start_munge(env: Dict[str, str]) -> Optional[int]:
@@ -181,9 +183,6 @@ def _start_munge(env: Dict[str, str]) -> Optional[int]:
         subprocess.run([_sbin("mungekey") or "mungekey", "-c", "-f"], check=True, timeout=30)
     shutil.chown(MUNGE_KEY, "munge", "munge")
     os.chmod(MUNGE_KEY, 0o400)
-    os.makedirs(MUNGE_RUN, exist_ok=True)
-    shutil.chown(MUNGE_RUN, "munge", "munge")
-    os.chmod(MUNGE_RUN, 0o755)
     subprocess.run(
         ["runuser", "-u", "munge", "--", _sbin("munged") or "munged"], check=True, timeout=30
     )
@@ -195,6 +194,43 @@ def _start_munge(env: Dict[str, str]) -> Optional[int]:
             return int(f.read().strip())
     except (OSError, ValueError):
         return None
+
+
+def _join_munge(env: Dict[str, str]) -> int:
+    """Use munged, starting it when none answers; a shared flock held while in use. Several
+    test sessions (pytest-xdist workers) may run clusters at once: the munged one started is
+    recorded in MUNGE_OURS, and the last cluster to stop stops it (``_leave_munge``)."""
+    os.makedirs(MUNGE_RUN, exist_ok=True)
+    shutil.chown(MUNGE_RUN, "munge", "munge")
+    os.chmod(MUNGE_RUN, 0o755)
+    fd = os.open(MUNGE_USERS, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # one start at a time
+    try:
+        pid = _start_munge(env)
+        if pid is not None:
+            with open(MUNGE_OURS, "w") as f:
+                f.write(str(pid))
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def _leave_munge(fd: int) -> None:
+    """Stop using munged; the last user stops the munged a test started (by its PID)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)  # another cluster still uses it
+        return
+    try:
+        with open(MUNGE_OURS) as f:
+            pid = int(f.read().strip())
+        os.unlink(MUNGE_OURS)
+    except (OSError, ValueError):
+        pid = None  # munged was running before any test
+    if pid is not None:
+        _stop_pid(pid)
+    os.close(fd)
 
 
 _CONF = """\
@@ -258,7 +294,7 @@ def start_slurm(d: str, kill_wait: int = 5, timeout: float = 30.0) -> SlurmClust
             )
         )
     env = dict(os.environ, SLURM_CONF=conf)
-    munged = _start_munge(env)
+    munge_use = _join_munge(env)
     out = open(os.path.join(d, "log", "daemons.out"), "ab")  # noqa: SIM115 (the daemons' stdout)
     ctld = subprocess.Popen(
         [_sbin("slurmctld") or "slurmctld", "-D", "-f", conf], env=env, stdout=out, stderr=out
@@ -267,7 +303,7 @@ def start_slurm(d: str, kill_wait: int = 5, timeout: float = 30.0) -> SlurmClust
         [_sbin("slurmd") or "slurmd", "-D", "-f", conf], env=env, stdout=out, stderr=out
     )
     out.close()
-    cluster = SlurmCluster(d, conf, node, ctld, slurmd, munged)
+    cluster = SlurmCluster(d, conf, node, ctld, slurmd, munge_use)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         r = cluster.run("sinfo", "-h", "-o", "%T", timeout=10)

@@ -17,6 +17,7 @@ a test's sshd "login node" passes to its sessions, ``ssh_setenv()``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import fcntl
 import os
@@ -25,7 +26,7 @@ import signal
 import socket
 import subprocess
 import time
-from typing import Dict, List, Optional
+from typing import Dict, Iterator, List, Optional
 
 from onbox.agent import procfs
 
@@ -35,6 +36,7 @@ MUNGE_RUN = "/run/munge"
 MUNGE_KEY = "/etc/munge/munge.key"
 MUNGE_USERS = os.path.join(MUNGE_RUN, ".rgt-tests.lock")  # shared-locked by each cluster
 MUNGE_OURS = os.path.join(MUNGE_RUN, ".rgt-tests-munged.pid")  # the munged a test started
+MUNGE_START = os.path.join(MUNGE_RUN, ".rgt-tests-start.lock")  # joining and leaving, one at once
 
 
 def _sbin(name: str) -> Optional[str]:
@@ -197,40 +199,51 @@ def _start_munge(env: Dict[str, str]) -> Optional[int]:
 
 
 def _join_munge(env: Dict[str, str]) -> int:
-    """Use munged, starting it when none answers; a shared flock held while in use. Several
-    test sessions (pytest-xdist workers) may run clusters at once: the munged one started is
-    recorded in MUNGE_OURS, and the last cluster to stop stops it (``_leave_munge``)."""
+    """Use munged, starting it when none answers; a shared flock on MUNGE_USERS is held while
+    in use. Several test sessions (pytest-xdist workers) may run clusters at once: the munged
+    one started is recorded in MUNGE_OURS, and the last cluster to stop stops it
+    (``_leave_munge``). Joining and leaving are serialised by MUNGE_START, so that one session
+    never stops the munged another is about to use."""
     os.makedirs(MUNGE_RUN, exist_ok=True)
     shutil.chown(MUNGE_RUN, "munge", "munge")
     os.chmod(MUNGE_RUN, 0o755)
-    fd = os.open(MUNGE_USERS, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # one start at a time
-    try:
+    with _start_lock():
         pid = _start_munge(env)
         if pid is not None:
             with open(MUNGE_OURS, "w") as f:
                 f.write(str(pid))
-    finally:
+        fd = os.open(MUNGE_USERS, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         fcntl.flock(fd, fcntl.LOCK_SH)
     return fd
 
 
+@contextlib.contextmanager
+def _start_lock() -> Iterator[None]:
+    fd = os.open(MUNGE_START, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
 def _leave_munge(fd: int) -> None:
     """Stop using munged; the last user stops the munged a test started (by its PID)."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)  # another cluster still uses it
-        return
-    try:
-        with open(MUNGE_OURS) as f:
-            pid = int(f.read().strip())
-        os.unlink(MUNGE_OURS)
-    except (OSError, ValueError):
-        pid = None  # munged was running before any test
-    if pid is not None:
-        _stop_pid(pid)
-    os.close(fd)
+    with _start_lock():
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # another cluster still uses it
+            return
+        try:
+            with open(MUNGE_OURS) as f:
+                pid: Optional[int] = int(f.read().strip())
+            os.unlink(MUNGE_OURS)
+        except (OSError, ValueError):
+            pid = None  # munged was running before any test
+        if pid is not None:
+            _stop_pid(pid)
+        os.close(fd)
 
 
 _CONF = """\

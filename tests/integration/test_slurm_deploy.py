@@ -265,6 +265,9 @@ def test_a_sweep_of_four_cells_as_one_job_array(login: Login) -> None:
         login.cancel("sw4")
 
 
+# Two allocations of a 2-minute limit, a requeue's hold and the uninterrupted run: minutes, more
+# on a loaded machine (the suite's workers), so a longer bound than the suite's default.
+@pytest.mark.timeout(900)
 def test_warned_before_the_limit_sealed_requeued_restored_and_exact(login: Login) -> None:
     name = "slurm-limit"
     steps = "270"
@@ -293,7 +296,7 @@ def test_warned_before_the_limit_sealed_requeued_restored_and_exact(login: Login
         assert p.returncode == 0, p.stderr
         assert "USR2 62 s before the limit" in p.stderr
         job = login.job(name)
-        w = login.rgt("watch", name, "--until-done", "--interval", "3", timeout=300)
+        w = login.rgt("watch", name, "--until-done", "--interval", "3", timeout=720)
         assert w.returncode == 0, w.stdout[-3000:] + w.stderr
         st = login.status(name)
         assert st["state"] == "SUCCEEDED" and st["scheduler"]["live"] is False

@@ -28,6 +28,8 @@ import sys
 import time
 from typing import Any, Dict, List, Tuple
 
+import pytest
+
 from controller.slurm.batch import batch_script
 from onbox.agent import slurm
 from onbox.common.durable import read_json, write_json
@@ -93,6 +95,7 @@ def _job_log(out_dir: str) -> str:
     return text
 
 
+@pytest.mark.timeout(900)  # two allocations and a requeue's hold: minutes, more under load
 def test_warned_before_its_time_limit_it_seals_requeues_and_ends_exactly(
     slurm_cluster: SlurmCluster, cli: Cli, tmp_path: Any
 ) -> None:
@@ -131,7 +134,7 @@ def test_warned_before_its_time_limit_it_seals_requeues_and_ends_exactly(
         store = open_store("file://" + root)
         _wait(
             lambda: slurm_cluster.job_field(job, "JobState") == "COMPLETED",
-            280,
+            600,
             "the job's completion",
             lambda: (slurm_cluster.job_field(job, "JobState"), _job_log(out)[-3000:]),
         )

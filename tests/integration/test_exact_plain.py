@@ -21,6 +21,8 @@ import sys
 import time
 from typing import Callable, Dict, List, Tuple
 
+import pytest
+
 from tests.conftest import ROOT, Cli, require
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_plain.py")
@@ -69,6 +71,7 @@ def _check_steps(log: str) -> int:
     return len(segs)
 
 
+@pytest.mark.timeout(900)  # minutes of real training and deploys, more under load
 def test_exact_plain_api_survives_kills_preemptions_and_a_fresh_box(
     cli: Cli, tmp_path: object
 ) -> None:

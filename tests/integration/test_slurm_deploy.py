@@ -201,6 +201,9 @@ def test_a_running_job_status_logs_one_job_and_stop(login: Login) -> None:
         assert login.queued(name) == [job]
         stop = login.rgt("stop", name, timeout=300)
         assert stop.returncode == 0, stop.stdout + stop.stderr
+        deadline = time.monotonic() + 60  # the ended job leaves the queue (COMPLETING) soon after
+        while login.queued(name) and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert login.queued(name) == []
         assert login.status(name)["state"] == "STOPPED"
     finally:

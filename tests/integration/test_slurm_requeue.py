@@ -143,10 +143,12 @@ def test_warned_before_its_time_limit_it_seals_requeues_and_ends_exactly(
     kinds = [e["kind"] for e in _events(cli, name)]
     log = _job_log(out)
     assert cli.status(name)["state"] == "SUCCEEDED", log[-3000:]
-    assert slurm_cluster.job_field(job, "Restarts") == "1", kinds
+    # Requeued at least once (on a loaded machine the second allocation may be warned too).
+    restarts = int(slurm_cluster.job_field(job, "Restarts") or 0)
+    assert restarts >= 1, kinds
     assert slurm_cluster.job_field(job, "ExitCode") == "0:0"
     allocations = [e for e in _events(cli, name) if e["kind"] == "slurm_job"]
-    assert [e["restart_count"] for e in allocations] == [0, 1]  # SLURM_RESTART_COUNT seen
+    assert [e["restart_count"] for e in allocations] == list(range(restarts + 1))
     assert all(e["job_id"] == job for e in allocations)
     # Warned before the limit; requeued once every process of the attempt was gone and the
     # job's last checkpoint sealed; the new allocation restored exactly that one.
@@ -158,7 +160,7 @@ def test_warned_before_its_time_limit_it_seals_requeues_and_ends_exactly(
     sealed = [e["step"] for e in events[:requeued] if e["kind"] == "sealed"]
     restored = [e for e in events[requeued:] if e["kind"] == "restored"]
     assert restored and restored[0]["step"] == max(sealed), (sealed, restored)
-    assert kinds.count("slurm_requeued") == 1 and "slurm_requeue_failed" not in kinds
+    assert kinds.count("slurm_requeued") == restarts and "slurm_requeue_failed" not in kinds
     assert store.get_bytes(mf.done_key(name)) is not None
     train = cli("logs", name, check=True).stdout
     assert re.search(r"^resumed at step \d+ ", train, re.M), train[-2000:]

@@ -152,6 +152,7 @@ def sweep(sshd: SshServer, netns_sshd: Tuple[Netns, SshServer], tmp_path: Path) 
         s.cleanup()
 
 
+@pytest.mark.timeout(900)  # minutes of real training and deploys, more under load
 def test_a_sweep_over_two_boxes_resumes_reconciles_and_gates_down(sweep: Sweep) -> None:
     s = sweep
     loop, netns = s.targets

@@ -15,7 +15,7 @@ import json
 from typing import Any, Dict, List, Optional
 
 from onbox.common.duration import parse_duration
-from onbox.common.errors import StoreError
+from onbox.common.errors import StoreError, UsageError
 from onbox.common.sealtime import SealTime, measure
 from onbox.sealing import manifest as mf
 
@@ -51,6 +51,10 @@ def from_store(store_url: Optional[str], run: str) -> SealTime:
         raw = store.get_bytes(mf.state_key(run, "events.jsonl"))
     except StoreError as e:
         return SealTime(None, 0, f"not measured: the store {store_url} cannot be read ({e.what})")
+    except UsageError as e:  # e.g. s3:// on a laptop without boto3: the output needs no read
+        return SealTime(
+            None, 0, f"not measured: this laptop cannot open the store {store_url} ({e.what})"
+        )
     if raw is None:
         return SealTime(None, 0, f"not measured: the store {store_url} holds no run {run} yet")
     return measure(_lines(raw), f"run {run}")

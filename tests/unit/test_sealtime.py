@@ -91,3 +91,15 @@ def test_the_flag_wins_and_a_bad_one_is_a_usage_error() -> None:
         with pytest.raises(UsageError) as e:
             sealbudget.seal_time(bad, None, "r1")
         assert e.value.field == "--seal-time"
+
+
+def test_a_store_this_laptop_cannot_open_is_not_measured_not_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`rgt emit` on a laptop without boto3 for an s3:// store: the manifest needs no read of
+    the store, so the seal time is "not measured" (saying why), never a failed command."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "onbox.sealing.stores.s3", None)  # as if boto3 were absent
+    st = sealbudget.from_store("s3://bucket/prefix", "r1")
+    assert st.seconds is None and "cannot open the store s3://bucket/prefix" in st.source

@@ -35,7 +35,6 @@ refuses ``trigger = "signal:USR1"`` under Slurm (``check_trigger``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
@@ -43,6 +42,7 @@ import subprocess
 import time
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
+from onbox.agent.journal import read_events
 from onbox.common.errors import UsageError
 from onbox.common.sealtime import FACTOR, measure
 
@@ -203,22 +203,6 @@ def parse_end(value: Optional[str]) -> Optional[float]:
         return None
 
 
-def _events(path: str) -> List[Dict[str, Any]]:
-    out: List[Dict[str, Any]] = []
-    try:
-        with open(path, "rb") as f:
-            for line in f:
-                try:
-                    ev = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(ev, dict):
-                    out.append(ev)
-    except OSError:
-        pass
-    return out
-
-
 class SlurmWatch:
     """The Slurm side of one ``rgt-agent run`` (see the module's docstring)."""
 
@@ -283,7 +267,7 @@ class SlurmWatch:
         """What the seal needs before the end: twice its own longest recent seal, at least
         the lead; the grace when nothing was measured yet."""
         self.need_at = self.clock()
-        seal = measure(_events(self.events_path))
+        seal = measure(read_events(self.events_path))
         base = math.ceil(FACTOR * seal.seconds) if seal.seconds is not None else self.grace
         self.need = float(max(base, self.job.lead or 0))
 

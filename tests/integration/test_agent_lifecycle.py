@@ -450,18 +450,4 @@ def test_the_oom_killer_takes_the_job_not_the_agent_and_the_exit_says_so(cli: Cl
         assert st["last_exit"]["signal"] == signal.SIGKILL
         assert "OOM killer" in st["last_exit"]["reason"]
     finally:
-        with open(os.path.join(cg, "cgroup.procs")) as f:
-            left = f.read().split()
-        for pid in left:
-            try:
-                os.kill(int(pid), signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                os.rmdir(cg)
-                break
-            except OSError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        mounts.remove_cgroup(cg, timeout=10)

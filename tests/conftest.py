@@ -6,6 +6,7 @@ Under CI=true a test that would skip because a real service is missing fails ins
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import signal
@@ -16,7 +17,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import pytest
 
-from onbox.agent import procfs
+from onbox.agent import observe, procfs
+from onbox.common.rundir import RunDir
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
@@ -88,17 +90,41 @@ class Cli:
         timeout: float = 30,
         what: str = "condition",
     ) -> Dict[str, Any]:
+        """The first status of ``name`` for which ``pred`` holds.
+
+        Polled in this process with the code `rgt-agent status --json` runs (the same files,
+        the same document), not by starting the CLI each time: a CLI start costs half a
+        second of CPU, and polling it back to back took a core from the agent and job waited
+        on. Tests of the CLI's own output call ``status`` or the CLI itself."""
         deadline = time.monotonic() + timeout
         st: Dict[str, Any] = {}
         while time.monotonic() < deadline:
-            try:
-                st = self.status(name)
-            except AssertionError:
-                st = {}
+            st = self.peek(name)
             if st and pred(st):
                 return st
-            time.sleep(0.05)
+            time.sleep(0.1)
         raise AssertionError(f"timed out waiting for {what}; last status: {st}")
+
+    def peek(self, name: str) -> Dict[str, Any]:
+        """What `rgt-agent status NAME --json` prints, read in this process; {} before the run
+        directory exists."""
+        rd = RunDir(name, self.home)
+        if not os.path.isdir(rd.path):
+            return {}
+        try:
+            doc: Dict[str, Any] = json.loads(json.dumps(observe.run_status(rd), sort_keys=True))
+        except (OSError, ValueError):  # where the CLI would have failed: poll again
+            return {}
+        return doc
+
+    def log_text(self, name: str) -> str:
+        """What `rgt-agent logs NAME` prints (every attempt's output, oldest first), read in
+        this process for the same reason as ``peek``: for loops that poll the job's output."""
+        buf = io.BytesIO()
+        rd = RunDir(name, self.home)
+        if os.path.isdir(rd.path):
+            observe.copy_logs(rd, buf)
+        return buf.getvalue().decode("utf-8", "replace")
 
     def wait_state(self, name: str, *states: str, timeout: float = 30) -> Dict[str, Any]:
         return self.wait_for(name, lambda s: s["state"] in states, timeout, f"state {states}")

@@ -97,7 +97,7 @@ def _power_loss(cli: Cli, name: str) -> None:
         except ProcessLookupError:
             pass
     wait(lambda: not any(procfs.is_alive(i) for i in idents[::2]), what="the processes to die")
-    wait(lambda: not cli.status(name)["agent"]["alive"], what="the agent's lock to go")
+    wait(lambda: not cli.peek(name)["agent"]["alive"], what="the agent's lock to go")
 
 
 def _new_boot(cli: Cli) -> None:
@@ -167,7 +167,7 @@ def test_a_stopped_run_is_not_resumed_at_boot(cli: Cli, tmp_path: Any) -> None:
     wait(lambda: latest_step(root, "b2") == 1, what="step 1 sealed")
     cli("stop", "b2", "--grace", "5", check=True)
     cli.wait_state("b2", "STOPPED")
-    wait(lambda: not cli.status("b2")["agent"]["alive"], what="the agent to exit")
+    wait(lambda: not cli.peek("b2")["agent"]["alive"], what="the agent to exit")
     _new_boot(cli)
     p = cli("boot", check=True)
     assert "b2" not in p.stdout
@@ -215,7 +215,7 @@ def test_cron_hook_needs_the_opt_in(cli: Cli, tmp_path: Any) -> None:
     assert not [e for e in cli.events("c1") if e["kind"].startswith("boot_hook")]
     cli("stop", "c1", "--grace", "5", check=True)
     cli.wait_state("c1", "STOPPED")
-    wait(lambda: not cli.status("c1")["agent"]["alive"], what="the agent to exit")
+    wait(lambda: not cli.peek("c1")["agent"]["alive"], what="the agent to exit")
     cli("start", "--name", "c1", "--boot-hook", check=True)
     # The entry is written, then its event: wait for the event (the file alone raced it).
     wait(

@@ -94,6 +94,11 @@ runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_p
 """
 
 
+# Each poll is a real `rgt status`/`logs` over ssh: about a second of CPU on the laptop and
+# the box together. Back to back, they took a core from the job and agent being waited on.
+POLL = 1.0
+
+
 def _project(root: Path, blob_bytes: int = 0) -> str:
     root.mkdir(parents=True)
     shutil.copy(os.path.join(ROOT, "examples", "train_plain.py"), root / "train_plain.py")
@@ -227,7 +232,7 @@ class Box:
             st = self.status()
             if pred(st):
                 return st
-            time.sleep(0.3)
+            time.sleep(POLL)
         raise AssertionError(f"{self.label}: timed out waiting for {what}; last status {st}")
 
     def logs(self) -> str:
@@ -242,7 +247,7 @@ class Box:
             out = self.logs()
             if text in out:
                 return out
-            time.sleep(0.3)
+            time.sleep(POLL)
         raise AssertionError(f"{self.label}: {text!r} not in the log: {out[-2000:]!r}")
 
     def commands(self) -> int:

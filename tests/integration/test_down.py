@@ -88,7 +88,7 @@ class Box:
             cwd=self.release,
         )
         cli.wait_for(RUN, lambda s: s["state"] == "RUNNING" and bool(s.get("pid")), what="job")
-        _wait(lambda: "ready" in cli("logs", RUN).stdout, "the job to be ready")
+        _wait(lambda: "ready" in cli.log_text(RUN), "the job to be ready")
 
     @property
     def run_dir(self) -> str:

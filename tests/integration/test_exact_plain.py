@@ -100,7 +100,7 @@ def test_exact_plain_api_survives_kills_preemptions_and_a_fresh_box(
     earlier = ""  # logs of the box that is gone
 
     def step_now() -> int:
-        found = re.findall(r"^step (\d+) ", cli("logs", "ex", check=True).stdout, re.M)
+        found = re.findall(r"^step (\d+) ", cli.log_text("ex"), re.M)
         return int(found[-1]) if found else 0
 
     def when_past(step: int) -> None:

@@ -130,7 +130,7 @@ def _start(
     cli.env["RGT_NOTICE_POLL"] = "0.3"
     cli("start", job, "--name", name, check=True)
     st = cli.wait_state(name, "RUNNING", "STARTING")
-    wait(lambda: "ready" in cli("logs", name).stdout, what="the job to be ready")
+    wait(lambda: "ready" in cli.log_text(name), what="the job to be ready")
     os.kill(st["pid"], signal.SIGUSR2)
     wait(lambda: latest_step(root, name) == 1, what="step 1 sealed")
     return root, int(st["pid"])

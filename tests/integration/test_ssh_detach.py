@@ -110,7 +110,7 @@ def session_out(tmp_path: Path) -> str:
 
 
 def _last_step(cli: Cli, name: str) -> int:
-    out = cli("logs", name, check=True).stdout
+    out = cli.log_text(name)
     steps = re.findall(r"^step (\d+)$", out, re.M)
     return int(steps[-1]) if steps else 0
 

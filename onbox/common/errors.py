@@ -23,7 +23,8 @@ a bug and is shown with its traceback.
     ├── CheckpointWriteFailed     exit 15  (training API) a background checkpoint write failed
     ├── MeterRefused              exit 16  (controller) the provider's API refused the meter-stop
     ├── MeterUnresolved           exit 17  (controller) the meter-stop's outcome is not known
-    └── NotReconciled             exit 18  (controller) a sweep's cells are not all sealed+verified
+    ├── NotReconciled             exit 18  (controller) a sweep's cells are not all sealed+verified
+    └── SmokeFailed               exit 19  (controller) a check of `rgt smoke` failed
 
 ``StoreAuthError`` is both: ``except AuthError`` and ``except StoreError`` catch it, and it exits
 14 as every store error does, whatever refused (exit 4 is the box's login only).
@@ -169,6 +170,13 @@ class NotReconciled(RgtError):
     exit_code = 18
 
 
+class SmokeFailed(RgtError):
+    """``rgt smoke``: the first of its checks that failed (controller/smoke/); the message
+    names the check and why, the remedy what to change in the job."""
+
+    exit_code = 19
+
+
 # Exit codes of `rgt-agent run` by final state, so a Slurm or Kubernetes wrapper can act on them.
 FINAL_EXIT_CODES = {
     "SUCCEEDED": 0,
@@ -209,6 +217,7 @@ _BY_CODE = {
         MeterRefused,
         MeterUnresolved,
         NotReconciled,
+        SmokeFailed,
     )
 }
 

@@ -1,0 +1,232 @@
+"""The private box of ``rgt smoke``: a temporary directory holding a copy of the project (what a
+release holds), RGT_HOME, a ``file://`` store and the job's TMPDIR, and the real ``rgt-agent
+run`` started there as a child process, with the job on the CPU (``CUDA_VISIBLE_DEVICES=""``
+unless a GPU is asked for) and ``RGT_SMOKE=1`` in its environment.
+
+The run is read the way ``rgt-agent status`` reads it (onbox.agent.observe, in this process).
+``close`` stops every process this box started, by PID: the agents it spawned, then every shim
+and job the runs recorded (by pid and start time, so a reused pid is never hit) and any process
+whose environment names this box's RGT_HOME (a job's own children), until none is left. No
+agent is left to restart anything, since the shims go first with the agents.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+from onbox.agent import observe, procfs
+from onbox.agent.lock import read_holder
+from onbox.agent.spec import JobSpec
+from onbox.common.rundir import RunDir
+
+# The job's variables of an outer run (rgt smoke inside a job) never leak into the private one.
+_KEEP_RGT = ("RGT_PROFILES_DIR", "RGT_MTBF")
+
+
+def agent_command() -> List[str]:
+    """``rgt-agent`` of this very installation: the script next to this Python, else the module."""
+    script = os.path.join(os.path.dirname(sys.executable), "rgt-agent")
+    return [script] if os.path.exists(script) else [sys.executable, "-m", "onbox.cli"]
+
+
+class LocalBox:
+    """The temporary box under ``root`` (made empty by the caller)."""
+
+    def __init__(self, root: str, gpu: bool = False) -> None:
+        self.root = root
+        self.home = os.path.join(root, "home")
+        self.store_root = os.path.join(root, "store")
+        os.makedirs(self.home, mode=0o700)
+        os.makedirs(self.store_root, mode=0o700)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RGT_") or k in _KEEP_RGT}
+        # The job's own temporary files (torch's compile cache) go with the box too.
+        tmp = os.path.join(root, "tmp")
+        os.makedirs(tmp, mode=0o700)
+        env.update(RGT_HOME=self.home, RGT_SMOKE="1", TMPDIR=tmp)
+        if not gpu:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+        self.env = env
+        self.agents: Dict[str, subprocess.Popen[bytes]] = {}
+
+    @property
+    def store_url(self) -> str:
+        return "file://" + self.store_root
+
+    def copy_project(self, project: str, files: Sequence[str], dest: str) -> str:
+        """The project's release files copied under ``dest`` (links stay links)."""
+        for rel in files:
+            src, dst = os.path.join(project, rel), os.path.join(dest, rel)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            if os.path.islink(src):
+                os.symlink(os.readlink(src), dst)
+            else:
+                shutil.copy2(src, dst)
+        os.makedirs(dest, exist_ok=True)
+        return dest
+
+    # ---- the agent
+    def start(
+        self,
+        name: str,
+        cwd: str,
+        job_file: Optional[str],
+        command: Sequence[str],
+        ckpt_dir: str,
+        grace: str,
+        store: bool = True,
+    ) -> None:
+        """``rgt-agent run`` for ``name`` in ``cwd``, in the background; its own output goes to
+        ``agent-NAME.out`` beside the run (the run's agent.log has the details)."""
+        argv = [*agent_command(), "run"] + ([job_file] if job_file else [])
+        argv += ["--name", name, "--ckpt-dir", ckpt_dir, "--grace", grace]
+        if store:
+            argv += ["--store", self.store_url]
+        if command:
+            argv += ["--", *command]
+        with open(os.path.join(self.root, f"agent-{name}.out"), "ab") as out:
+            self.agents[name] = subprocess.Popen(
+                argv, cwd=cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=out
+            )
+
+    def agent_output(self, name: str) -> str:
+        try:
+            with open(os.path.join(self.root, f"agent-{name}.out"), "rb") as f:
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def agent_exit(self, name: str) -> Optional[int]:
+        """The exit code of ``name``'s agent, None while it runs."""
+        p = self.agents.get(name)
+        return None if p is None else p.poll()
+
+    def preempt(self, name: str, grace: float) -> Optional[int]:
+        """SIGTERM to the agent (a preemption: it asks the job, seals what fits, ends the run
+        PREEMPTED), SIGKILL when it is not gone ``grace`` seconds later; its exit code."""
+        p = self.agents[name]
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+            try:
+                p.wait(grace)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(10)
+        self._kill_recorded(name)
+        return p.returncode
+
+    def wipe(self, name: str, *dirs: str) -> None:
+        """The box is gone: the run's directory and ``dirs`` (its checkpoints) deleted."""
+        for d in (RunDir(name, self.home).path, *dirs):
+            shutil.rmtree(d, ignore_errors=True)
+
+    # ---- reading the run
+    def rd(self, name: str) -> RunDir:
+        return RunDir(name, self.home)
+
+    def status(self, name: str) -> Dict[str, Any]:
+        """What ``rgt-agent status NAME --json`` shows; {} before the run exists."""
+        rd = self.rd(name)
+        if not os.path.isfile(rd.state):
+            return {}
+        try:
+            return observe.run_status(rd)
+        except (OSError, ValueError):
+            return {}
+
+    def spec(self, name: str) -> Optional[JobSpec]:
+        try:
+            with open(self.rd(name).spec) as f:
+                return JobSpec.from_json(json.load(f))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def events(self, name: str) -> List[Dict[str, Any]]:
+        out = []
+        try:
+            with open(self.rd(name).events) as f:
+                for line in f:
+                    try:
+                        out.append(json.loads(line))
+                    except ValueError:
+                        continue  # a line being written
+        except OSError:
+            pass
+        return out
+
+    def log(self, name: str, attempt: Optional[int] = None) -> str:
+        """The job's output: of ``attempt``, else of every attempt, oldest first."""
+        rd = self.rd(name)
+        attempts = [attempt] if attempt else rd.attempt_numbers()
+        parts = []
+        for a in attempts:
+            try:
+                with open(rd.output_log(a), "rb") as f:
+                    parts.append(f.read().decode("utf-8", "replace"))
+            except OSError:
+                continue
+        return "".join(parts)
+
+    # ---- stopping everything
+    def _recorded(self, name: str) -> List[procfs.Identity]:
+        """The agent (lock holder), shims and jobs the run ``name`` recorded."""
+        rd = self.rd(name)
+        found = []
+        holder = read_holder(rd.lock) or {}
+        if holder.get("pid"):
+            found.append(procfs.Identity(int(holder["pid"]), holder.get("start_ticks") or -1))
+        for a in rd.attempt_numbers() if os.path.isdir(rd.path) else []:
+            try:
+                with open(rd.job_record(a)) as f:
+                    rec = json.load(f)
+                found.append(procfs.Identity(rec["shim"]["pid"], rec["shim"]["start_ticks"]))
+                found.append(procfs.Identity(rec["pid"], rec["start_ticks"]))
+            except (OSError, ValueError, KeyError, TypeError):
+                continue
+        return found
+
+    def _ours(self) -> List[int]:
+        """Processes whose environment names this box's RGT_HOME or a run under it."""
+        key = self.home.encode()
+        out = []
+        for pid in procfs.pids():
+            env = procfs.environ(pid) if pid != os.getpid() else None
+            if env and (
+                env.get(b"RGT_HOME") == key
+                or (env.get(b"RGT_RUN_DIR") or b"").startswith(key + b"/")
+            ):
+                out.append(pid)
+        return out
+
+    def _kill_recorded(self, name: Optional[str] = None) -> None:
+        names = [name] if name else list(self.agents)
+        for _ in range(50):
+            victims = [i.pid for n in names for i in self._recorded(n) if procfs.is_alive(i)]
+            if name is None:
+                victims += self._ours()
+            if not victims:
+                return
+            for pid in victims:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        """Stop every process this box started, by PID; wait for the agents it spawned."""
+        for p in self.agents.values():
+            if p.poll() is None:
+                p.kill()
+        for p in self.agents.values():
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        self._kill_recorded()

@@ -13,6 +13,7 @@ meter only after explicit confirmation; the box runs on without it.
     rgt runs
     rgt sweep PLAN.toml [--dry-run] [--no-wait]    rgt reconcile PLAN.toml [--json]
     rgt profiles [--json]    rgt profiles show PROFILE [--json]
+    rgt smoke [JOB.toml] [--steps N | --seconds S] [--exact] [--keep DIR] [-- CMD ...]
 
 Errors print one line (what, why, what to do) and exit with the code of their kind
 (onbox/common/errors.py).
@@ -30,6 +31,7 @@ import click
 from controller import observe
 from controller.emit.cli import emit
 from controller.registry import Registry, RunRecord
+from controller.smoke.cli import run_smoke, smoke_cmd
 from controller.sweep.cli import reconcile_cmd, sweep_cmd
 from onbox.agent.observe import warning_lines
 from onbox.common.climain import run_cli
@@ -115,6 +117,7 @@ def _instance(value: Optional[str]) -> Optional[str]:
     help="Slurm: the measured seal time the warning is planned from (default: the run's own "
     "seals in its store).",
 )  # fmt: skip
+@click.option("--smoke", is_flag=True, help="Run `rgt smoke` here first; deploy only if it passes.")
 @click.pass_context
 def deploy(ctx: click.Context, /, outputs: List[str], sbatch: List[str], **options: Any) -> int:
     """Put a run on TARGET (an ssh alias, user@host[:port], a pasted `ssh ...` line, or local)
@@ -125,6 +128,8 @@ def deploy(ctx: click.Context, /, outputs: List[str], sbatch: List[str], **optio
     # The options are DeployRequest's fields by name (target, job_file, profile, store, name,
     # python, secret_env, offline, project): click hands them over as they are.
     command = list((ctx.obj or {}).get("command") or [])
+    if options.pop("smoke"):  # before anything is created on the box (controller/smoke/)
+        run_smoke(options["job_file"], command, options["project"])
     req = DeployRequest(command=command, outputs=list(outputs), sbatch=list(sbatch), **options)
     rec = do_deploy(req)
     _emit(rec.name)
@@ -329,6 +334,7 @@ cli.add_command(emit)  # rgt emit k8s|skypilot (controller/emit/cli.py)
 
 cli.add_command(sweep_cmd)  # rgt sweep PLAN.toml (controller/sweep/cli.py)
 cli.add_command(reconcile_cmd)  # rgt reconcile PLAN.toml
+cli.add_command(smoke_cmd)  # rgt smoke [JOB.toml] -- CMD (controller/smoke/cli.py)
 
 
 def main(argv: Optional[List[str]] = None) -> int:

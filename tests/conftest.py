@@ -156,6 +156,18 @@ class Cli:
             observe.copy_logs(rd, buf)
         return buf.getvalue().decode("utf-8", "replace")
 
+    def wait_output(self, name: str, text: str, timeout: float = 60) -> str:
+        """The job's output once it holds ``text``: e.g. a fixture's "ready", printed once its
+        signal handlers are in place (a signal before that kills it, by default action)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            out = self.log_text(name)
+            if text in out:
+                return out
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} not in {name}'s output: {out[-2000:]!r}")
+            time.sleep(0.1)
+
     def wait_state(self, name: str, *states: str, timeout: float = 30) -> Dict[str, Any]:
         return self.wait_for(name, lambda s: s["state"] in states, timeout, f"state {states}")
 

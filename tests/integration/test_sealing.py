@@ -66,7 +66,8 @@ def _wrote(cli: Cli, name: str) -> Dict[str, List[str]]:
 
 def _check_invariants(root: str, run: str) -> None:
     """LATEST names a MANIFEST whose files are all there with their sha256; no temporary
-    file sits under a final name."""
+    file is left by a writer that is gone (``.NAME.rgt-tmp.PID.HEX``: one whose PID lives is a
+    write in flight, e.g. a live agent's mirror of its events)."""
     latest = _latest(root, run)
     with open(os.path.join(root, latest["manifest"])) as f:
         doc = json.load(f)
@@ -74,7 +75,13 @@ def _check_invariants(root: str, run: str) -> None:
         with open(os.path.join(root, entry["key"]), "rb") as f:
             assert hashlib.sha256(f.read()).hexdigest() == entry["sha256"], entry
     for dirpath, _, files in os.walk(os.path.join(root, run)):
-        assert not [n for n in files if ".rgt-tmp." in n], dirpath
+        litter = [n for n in files if ".rgt-tmp." in n and not _writer_alive(n)]
+        assert not litter, (dirpath, litter)
+
+
+def _writer_alive(tmp_name: str) -> bool:
+    m = re.search(r"\.rgt-tmp\.(\d+)\.", tmp_name)
+    return m is not None and os.path.exists(f"/proc/{m.group(1)}")
 
 
 def _text(path: str) -> str:
@@ -255,6 +262,7 @@ def test_sigterm_seals_the_final_checkpoint_only_when_it_fits(
         )
     cli("start", job, "--name", "s6", "--grace", grace, check=True)
     st = cli.wait_state("s6", "RUNNING", "STARTING")
+    cli.wait_output("s6", "ready")  # its USR2 handler is in place
     os.kill(st["pid"], signal.SIGUSR2)  # a first checkpoint, sealed in the normal way
     _wait(lambda: os.path.exists(os.path.join(root, "s6", "LATEST.json")), what="step 1 sealed")
     t0 = time.monotonic()
@@ -584,6 +592,7 @@ def test_sync_restore_and_checkpoints_commands(cli: Cli, tmp_path: Any) -> None:
         check=True,
     )
     st = cli.wait_state("cmd", "STARTING", "RUNNING")
+    cli.wait_output("cmd", "ready")  # its USR2 handler is in place
     os.kill(st["pid"], signal.SIGUSR2)
     _wait(lambda: "wrote step_1.pt" in _text(st["log"]), what="step 1 written")
     p = cli("sync", "cmd", check=True)  # a live agent seals on request, and says when done
@@ -762,6 +771,7 @@ def test_kill9_of_the_agent_mid_copy_to_a_durable_dir(cli: Cli, tmp_path: Any) -
         )
     cli("start", job, "--name", "kd", check=True)
     st = cli.wait_state("kd", "STARTING", "RUNNING")
+    cli.wait_output("kd", "ready")  # its USR2 handler is in place
     os.kill(st["pid"], signal.SIGUSR2)
 
     def copying() -> bool:

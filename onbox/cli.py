@@ -28,13 +28,9 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import click
 
 from onbox.agent import observe, slurm
-from onbox.agent.claim import prepare_run, resolve_spec, take_run
-from onbox.agent.cliflags import platform_options, platform_overrides
-from onbox.agent.daemon import spawn_agent
+from onbox.agent.cliflags import platform_options, platform_overrides, pod_option
 from onbox.agent.lock import RunLock
-from onbox.agent.loop import Agent
 from onbox.agent.mailbox import stop_run, sync_run
-from onbox.agent.podrunner import pod_option, run_pod
 from onbox.agent.runner import read_ready
 from onbox.agent.spec import JobSpec
 from onbox.agent.states import TERMINAL_NAMES
@@ -106,6 +102,9 @@ def _claim(
 ) -> Optional[Tuple[JobSpec, RunDir, RunLock]]:
     """The spec, the run's directory and its lock, for start and run (onbox.agent.claim); None
     when the store says the run is finished."""
+    # Lazily: the commands people poll (status, logs; `rgt watch` every 2 s) skip the supervisor.
+    from onbox.agent.claim import prepare_run, resolve_spec, take_run  # (and its modules)
+
     command: Optional[List[str]] = click.get_current_context().obj.get("command")
     more = platform_overrides(platform)  # --profile, --on-done, the meter cap
     spec = resolve_spec(job_file, command, name, ckpt_dir, store, grace, outputs, more)
@@ -144,6 +143,8 @@ def start(
         from onbox.agent.boot import record_opt_in
 
         record_opt_in(rd)
+    from onbox.agent.daemon import spawn_agent  # (lazily, as in _claim)
+
     r, w = os.pipe()
     try:
         spawn_agent(rd, lock.fd, ready_fd=w)
@@ -188,6 +189,8 @@ def run(
 ) -> int:
     """Like start, but supervise in the foreground; exit code tells the final state."""
     if pod:  # the agent sidecar of a Kubernetes pod; the job has its own container
+        from onbox.agent.podrunner import run_pod  # (lazily, as in _claim)
+
         again = (job_file, name, ckpt_dir, store, grace, outputs, platform)
         return run_pod(name, lambda: _claim(*again), _emit)
     in_slurm = slurm.SlurmJob.from_env(os.environ) is not None
@@ -195,6 +198,8 @@ def run(
     if claimed is None:
         return 0
     spec, rd, lock = claimed
+    from onbox.agent.loop import Agent  # (lazily, as in _claim)
+
     os.umask(0o077)
     set_title(f"rgt-agent run {rd.name}")
     agent = Agent(rd, lock)
@@ -374,13 +379,8 @@ def _store_options(f: Any) -> Any:
 
 @cli.command()
 @click.argument("name")
-@click.option(
-    "--timeout",
-    "timeout_s",
-    default="10m",
-    metavar="S",
-    help="How long to wait for the seal (default 10m).",
-)
+@click.option("--timeout", "timeout_s", default="10m", metavar="S",
+              help="How long to wait for the seal (default 10m).")  # fmt: skip
 def sync(name: str, timeout_s: str) -> int:
     """Seal the run's complete checkpoints now, and wait until they are sealed."""
     from onbox.sealing import manifest as mf
@@ -403,8 +403,7 @@ def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
     # Nothing is created before a checkpoint to download is found, and a restore that fails
     # removes the directories it made: a bad URL, name or --to leaves no empty --to behind.
     # An unusable checkpoint is quarantined and the previous one used (onbox/sealing/restore.py);
-    # when
-    # none is left, NoVerifiedCheckpoint (exit 6) lists each step tried and why.
+    # when none is left, NoVerifiedCheckpoint (exit 6) lists each step tried and why.
     from onbox.agent.catalog import store_and_run
     from onbox.sealing.restore import restore_latest
 

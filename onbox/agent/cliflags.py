@@ -43,3 +43,13 @@ def platform_overrides(given: Mapping[str, Optional[str]]) -> Overrides:
         max_cost=given.get("max_cost"),
         price=given.get("price"),
     )
+
+
+# `rgt-agent run --pod` (onbox/agent/podrunner.py); defined here with the other flags so that
+# the CLI's commands that people poll need not import the pod runner (and the supervisor).
+pod_option = click.option(
+    "--pod",
+    is_flag=True,
+    help="As a Kubernetes pod's agent sidecar: the job runs in its own container, started "
+    "there by `python3 -m onbox.agent.podlaunch RUN_DIR` (onbox/agent/podrunner.py). Needs --name.",
+)

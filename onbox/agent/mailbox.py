@@ -11,7 +11,6 @@ from typing import Any, Dict, Optional
 
 from onbox.agent import observe, procfs, slurm
 from onbox.agent.lock import RunLock, is_held, read_holder
-from onbox.agent.loop import Agent
 from onbox.agent.spec import JobSpec
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.durable import read_json, write_json
@@ -49,7 +48,10 @@ def _ask_to_stop(rd: RunDir, grace: Optional[float], deadline: float) -> None:
                 lock = RunLock.acquire(rd.lock, rd.name)
             except LockedError:
                 continue  # an agent just came up (a shim restarting it): ask that one
-            # No agent: this command does the stop itself, with the same machine.
+            # No agent: this command does the stop itself, with the same machine (imported
+            # only here, so that `rgt-agent status` and friends start without the supervisor).
+            from onbox.agent.loop import Agent
+
             agent = Agent(rd, lock)
             if agent.prepare(may_begin=False):
                 agent.run(stop=("stop", grace))

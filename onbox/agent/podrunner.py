@@ -40,8 +40,6 @@ import signal
 import time
 from typing import Any, Callable, List, Optional, Tuple, cast
 
-import click
-
 from onbox.agent import cgroup, procfs
 from onbox.agent.classify import ExitStatus
 from onbox.agent.journal import iso
@@ -70,14 +68,6 @@ from onbox.health.memory import Cgroup, cgroup_chain
 # pulling its image when the agent asks for the first attempt.
 SPAWN_WAIT = 300.0
 RECORD_POLL = 0.05
-
-
-pod_option = click.option(
-    "--pod",
-    is_flag=True,
-    help="As a Kubernetes pod's agent sidecar: the job runs in its own container, started "
-    "there by `python3 -m onbox.agent.podlaunch RUN_DIR` (onbox/agent/podrunner.py). Needs --name.",
-)
 
 
 def publish_lib(home: str) -> str:

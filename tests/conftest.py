@@ -149,6 +149,9 @@ class Cli:
             doc: Dict[str, Any] = json.loads(json.dumps(observe.run_status(rd), sort_keys=True))
         except (OSError, ValueError):  # where the CLI would have failed: poll again
             return {}
+        agent = doc.get("agent") or {}
+        if agent.get("alive") and agent.get("pid") is None:
+            return {}  # the lock is taken but its holder's record not yet written: read again
         return doc
 
     def log_text(self, name: str) -> str:

@@ -49,7 +49,10 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--tag"); ap.add_argument("--seed", type=int); ap.add_argument("--out")
 a = ap.parse_args()
 print("cell", os.environ.get("RGT_CELL"), "out", a.out, flush=True)
-sys.argv = ["train_plain.py", "--steps", "@STEPS@", "--sleep", "0.2", "--ckpt-every", "5"]
+# --sync: what is tested here does not depend on how the job saves, and the async writer
+# would be a second process importing torch for every deploy.
+sys.argv = ["train_plain.py", "--steps", "@STEPS@", "--sleep", "0.2", "--ckpt-every", "5",
+            "--sync"]
 runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_plain.py"),
                run_name="__main__")
 os.makedirs(a.out, exist_ok=True)

@@ -178,6 +178,16 @@ class Cli:
     def wait_state(self, name: str, *states: str, timeout: float = 30) -> Dict[str, Any]:
         return self.wait_for(name, lambda s: s["state"] in states, timeout, f"state {states}")
 
+    def wait_over(self, name: str, *states: str, timeout: float = 60) -> Dict[str, Any]:
+        """One of ``states`` and its agent gone: the agent writes the final state before it
+        has finished (its last seal and mirror), and a start meanwhile is refused (exit 5)."""
+        return self.wait_for(
+            name,
+            lambda s: s["state"] in states and not s["agent"]["alive"],
+            timeout,
+            f"state {states} with the agent gone",
+        )
+
 
 def _recorded_processes(home: str) -> List[procfs.Identity]:
     """Agents (lock holders) and shims (job.json) of every run under ``home``: found by their

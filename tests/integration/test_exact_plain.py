@@ -115,7 +115,7 @@ def test_exact_plain_api_survives_kills_preemptions_and_a_fresh_box(
 
     def preempt() -> None:
         os.kill(cli.status("ex")["agent"]["pid"], signal.SIGTERM)
-        cli.wait_state("ex", "PREEMPTED", timeout=60)
+        cli.wait_over("ex", "PREEMPTED", timeout=60)
         cli(*start, check=True)
 
     def box_gone() -> None:

@@ -176,7 +176,7 @@ def test_report_shows_the_plots_and_the_preemption_and_restart_at_their_times(
         what="attempt 2 past step 40",
     )
     os.kill(st["agent"]["pid"], signal.SIGTERM)
-    cli.wait_state(RUN, "PREEMPTED", timeout=60)
+    cli.wait_over(RUN, "PREEMPTED", timeout=60)
     cli("start", str(job), check=True)
     cli.wait_state(RUN, "SUCCEEDED", timeout=120)
 

@@ -27,6 +27,8 @@ IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 # for: RGT_HF_TESTS=1 (with HF_TOKEN) or RGT_SKYPILOT_TESTS=1 (SkyPilot's parser) runs tests/optin.
 _OPTIN = ("RGT_HF_TESTS", "RGT_SKYPILOT_TESTS")
 collect_ignore = [] if any(os.environ.get(v) for v in _OPTIN) else ["optin"]
+# RGT_TEST_CPU=FILE: each test's CPU, its daemons' included, to FILE (tests/cpuacct.py).
+pytest_plugins = ["tests.cpuacct"] if os.environ.get("RGT_TEST_CPU") else []
 # One intra-op thread for every training job the tests start (they inherit the environment):
 # the suite runs several jobs at once on two cores, where a second OpenMP thread per job only
 # spins. Results do not depend on it: each test compares runs made under the same setting.

@@ -39,9 +39,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # pytest-xdist's --dist loadfile each file runs whole on one worker, handed out in collection
 # order: started first, the long files run beside the many short ones instead of after them.
 LONGEST_FIRST = (
-    "integration/test_sweep.py",
-    "integration/test_slurm_deploy.py",
     "integration/test_slurm_requeue.py",
+    "integration/test_slurm_deploy.py",
+    "integration/test_sweep.py",
     "integration/test_deploy.py",
     "integration/test_exact_frameworks.py",
     "integration/test_smoke.py",
@@ -63,6 +63,32 @@ def pytest_collection_modifyitems(config: pytest.Config, items: List[pytest.Item
     rank = {os.path.join(ROOT, "tests", f): i for i, f in enumerate(LONGEST_FIRST)}
     # sorted() is stable: every other file keeps its place, after the long ones.
     items[:] = sorted(items, key=lambda it: rank.get(str(it.path), len(rank)))
+
+
+# Files that share a real service which must start once per test session, not once per worker
+# (xdist's session fixtures are per worker): one work unit, run by one worker.
+ONE_WORKER = {
+    "tests/integration/test_slurm_deploy.py": "tests/integration/test_slurm_*.py",
+    "tests/integration/test_slurm_requeue.py": "tests/integration/test_slurm_*.py",
+}
+
+try:
+    from xdist.scheduler import LoadFileScheduling  # type: ignore[import-untyped]
+except ImportError:  # the 3.9 stage has no xdist; it runs in one process anyway
+    pass
+else:
+
+    class _LoadFileSharing(LoadFileScheduling):  # type: ignore[misc]
+        """--dist loadfile, with the ONE_WORKER files in one unit."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return ONE_WORKER.get(path, path)
+
+    def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+        if config.getvalue("dist") == "loadfile":
+            return _LoadFileSharing(config, log)
+        return None
 
 
 def require(ok: bool, what: str) -> None:

@@ -16,6 +16,10 @@ Contract, for every implementation:
   computes none (a plain directory) is read back. A mismatch raises ``IntegrityError``.
 - ``put_bytes(..., if_absent=True)`` creates only when the key does not exist (S3
   ``If-None-Match: *`` where the store supports it), else raises ``PreconditionFailed``.
+- ``fetch_file(key, dest)`` is ``get_file`` returning the sha256 of the bytes it wrote,
+  computed while writing them (None where the store's client cannot: the caller then reads the
+  file back); the caller verifies it. Downloads of one restore share a ``Lanes``: the bound on
+  requests in flight, across files and the ranged parts of large ones.
 - ``get_versioned(key)`` returns an object's bytes with its version (``ObjectInfo.etag``: S3's
   ETag, the Hub's git blob id, a ``file://`` store's sha256), read together; and
   ``put_bytes(..., if_match=VERSION)`` replaces the object only while it still is that version,
@@ -33,12 +37,14 @@ Contract, for every implementation:
 from __future__ import annotations
 
 import abc
+import concurrent.futures
 import contextlib
 import dataclasses
 import errno
 import os
+import threading
 import time
-from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
 
 # The store errors are drawn in onbox.common.errors' tree (exit 14); imported here too because
 # every user of a Store catches them.
@@ -53,6 +59,7 @@ from onbox.common.safepath import safe_rel
 
 __all__ = [
     "Finding",
+    "Lanes",
     "ObjectInfo",
     "PermanentStoreError",
     "PreconditionFailed",
@@ -105,11 +112,10 @@ def new_download(
     """The file descriptor of ``dest``, a new file a ``get_file`` fills: created O_EXCL and
     O_NOFOLLOW (the caller's staging name is its own, so an existing name, a symlink too, is
     refused rather than written through), fsynced when the block ends, removed when it fails
-    (it is ours, so a retry creates it afresh). ``fail`` maps an OSError to the store's error."""
+    (it is ours, so a retry creates it afresh). ``fail`` maps an OSError to the store's error.
+    Opened read-write: a hasher may read back what ranged writers have put (base.Lanes)."""
     try:
-        fd = os.open(
-            dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
-        )
+        fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except FileExistsError:
         raise PermanentStoreError(
             f"{doing}: {dest} exists already", "a download writes a new file"
@@ -128,6 +134,49 @@ def new_download(
         if not done:
             with contextlib.suppress(OSError):
                 os.unlink(dest)
+
+
+class Lanes:
+    """The requests one restore may have in flight, shared by all its downloads: ``n`` threads,
+    each running one request (a GET, a ranged GET, a HEAD) at a time. A download waiting on its
+    requests holds no lane, so the downloads of many files and the ranged parts of large ones
+    share one bound without waiting on each other (no request waits on another: no deadlock).
+    After ``stop()`` a request not yet started fails with CancelledError and a running one is
+    told (``stopped``) to give up at its next chunk: one failed file ends the others early."""
+
+    def __init__(self, n: int) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="rgt-lane")
+        self._stop = threading.Event()
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
+        if self._stop.is_set():
+            raise concurrent.futures.CancelledError()
+        return self._pool.submit(self._guarded, fn, *args)
+
+    def _guarded(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._stop.is_set():  # queued before stop(), started after: not sent
+            raise concurrent.futures.CancelledError()
+        return fn(*args)
+
+    def run(self, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` in a lane, waited for."""
+        return self.submit(fn, *args).result()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stop.is_set()
+
+    def pause(self, seconds: float) -> None:
+        """A retry's backoff, cut short by ``stop()``."""
+        self._stop.wait(seconds)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        """Stop, and wait for the requests running (each gives up at its next chunk)."""
+        self.stop()
+        self._pool.shutdown(wait=True)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,6 +216,10 @@ class Store(abc.ABC):
     # whole), so the caller need not read the file once more beforehand. The sha256 comes back
     # in ObjectInfo.
     hashes_while_uploading = False
+    # How many put_file calls the sealer makes at once (onbox/sealing/upload.py). 1 where puts
+    # must not overlap (the Hub: each put is a commit on the branch's head); a store that takes
+    # more bounds what that means for it (S3: requests in flight, part buffers).
+    parallel_puts = 1
 
     @abc.abstractmethod
     def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
@@ -195,6 +248,20 @@ class Store(abc.ABC):
         """Download ``key`` to ``dest``, a new file: created with O_EXCL and O_NOFOLLOW (an
         existing name, a symlink too, is a PermanentStoreError). The caller downloads to a
         temporary name under a directory of its own and verifies before renaming."""
+
+    def fetch_file(
+        self, key: str, dest: str, *, size: Optional[int] = None, lanes: Optional[Lanes] = None
+    ) -> Optional[str]:
+        """``get_file`` for a restore, fsynced once at the end: returns the sha256 (hex) of the
+        bytes written, computed while writing them, or None where this store cannot (the
+        caller reads the file back). ``size``: what the caller expects (a MANIFEST's), a hint
+        that may save a request, never trusted; ``lanes``: the requests in flight, shared with
+        the caller's other downloads (else the store's own). CancelledError once ``lanes`` is
+        stopped. This default is ``get_file`` (files in parallel are the caller's pool)."""
+        if lanes is not None and lanes.stopped:
+            raise concurrent.futures.CancelledError()
+        self.get_file(key, dest)
+        return None
 
     @abc.abstractmethod
     def stat(self, key: str) -> Optional[ObjectInfo]:

@@ -34,6 +34,7 @@ import shutil
 import tempfile
 from typing import Iterator, List, Optional, Tuple, Union
 
+from onbox.common.durable import fsync_file
 from onbox.common.errors import IntegrityError, RgtError, StoreAuthError, UsageError
 
 try:
@@ -373,6 +374,8 @@ class HFStore(Store):
             shutil.rmtree(tmp, ignore_errors=True)
 
     def get_file(self, key: str, dest: str) -> None:
+        # fetch_file is base.Store's: this, then a read-back (huggingface_hub returns no hash);
+        # a restore's file pool runs files in parallel.
         path = self._path(key)
         try:
             # next to dest, so that the final move is a rename within one filesystem
@@ -388,6 +391,7 @@ class HFStore(Store):
                     f"downloading {key}: {dest} exists already", "a download writes a new file"
                 )
             os.replace(local, dest)
+            fsync_file(dest)  # huggingface_hub does not fsync what it writes
         except OSError as e:
             raise os_error(e, f"writing {dest}") from None
         finally:

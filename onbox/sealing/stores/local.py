@@ -40,6 +40,7 @@ from onbox.common.errors import IntegrityError
 from onbox.common.safepath import lstat_beneath, open_beneath, open_dir, symlink_error
 from onbox.sealing.stores.base import (
     Finding,
+    Lanes,
     ObjectInfo,
     PermanentStoreError,
     PreconditionFailed,
@@ -84,40 +85,39 @@ def _copy_from(f: BinaryIO, dst_fd: int, size: int) -> None:
                 view = view[os.write(dst_fd, view) :]
 
 
-def _copy_hashing(src: str, dst_fd: int) -> Tuple[str, int, os.stat_result]:
-    """Copy ``src`` into ``dst_fd`` while another thread hashes it: (sha256, bytes hashed, the
-    source's stat before). Both threads spend their time in the kernel or in OpenSSL with the
-    GIL released, so on two cores the hash costs almost no wall time."""
-    with open(src, "rb") as f:
-        fd = f.fileno()
-        before = os.fstat(fd)
-        with contextlib.suppress(OSError, AttributeError):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        out: List[Any] = []
+def _copy_hashing(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
+    """Copy the open file ``f`` into ``dst_fd`` while another thread hashes it: (sha256, bytes
+    hashed, the source's stat before). Both threads spend their time in the kernel or in
+    OpenSSL with the GIL released, so on two cores the hash costs almost no wall time."""
+    fd = f.fileno()
+    before = os.fstat(fd)
+    with contextlib.suppress(OSError, AttributeError):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    out: List[Any] = []
 
-        def hash_all() -> None:
-            try:
-                h, off = hashlib.sha256(), 0
-                while True:
-                    b = os.pread(fd, HASH_CHUNK, off)
-                    if not b:
-                        break
-                    h.update(b)
-                    off += len(b)
-                out.append((h.hexdigest(), off))
-            except BaseException as e:  # handed to the copying thread, raised there
-                out.append(e)
-
-        hasher = threading.Thread(target=hash_all, name="rgt-hash", daemon=True)
-        hasher.start()
+    def hash_all() -> None:
         try:
-            _copy_from(f, dst_fd, before.st_size)
-        finally:
-            hasher.join()
-        if isinstance(out[0], BaseException):
-            raise out[0]
-        sha, n = out[0]
-        return sha, n, before
+            h, off = hashlib.sha256(), 0
+            while True:
+                b = os.pread(fd, HASH_CHUNK, off)
+                if not b:
+                    break
+                h.update(b)
+                off += len(b)
+            out.append((h.hexdigest(), off))
+        except BaseException as e:  # handed to the copying thread, raised there
+            out.append(e)
+
+    hasher = threading.Thread(target=hash_all, name="rgt-hash", daemon=True)
+    hasher.start()
+    try:
+        _copy_from(f, dst_fd, before.st_size)
+    finally:
+        hasher.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    sha, n = out[0]
+    return sha, n, before
 
 
 def _sig(st: os.stat_result) -> Tuple[int, int, int, int]:
@@ -254,6 +254,9 @@ class LocalStore(Store):
         )
 
     hashes_while_uploading = True
+    # Puts at once: each is a kernel copy beside a hashing thread, then an fsync that waits on
+    # the disk; several fsyncs in flight share the filesystem's journal commits.
+    parallel_puts = 8
 
     def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
         dest = self._path(key)
@@ -265,7 +268,8 @@ class LocalStore(Store):
         try:
             fd = self._new(dfd, tmp)
             try:
-                got, hashed, before = _copy_hashing(path, fd)
+                with open(path, "rb") as f:
+                    got, hashed, before = _copy_hashing(f, fd)
                 os.fsync(fd)
                 copied = os.fstat(fd).st_size
             finally:
@@ -333,15 +337,22 @@ class LocalStore(Store):
                 raise os_error(e, f"reading {key}") from None
 
     def get_file(self, key: str, dest: str) -> None:
-        """``dest`` is created here (O_EXCL, never through a symlink): it must not exist."""
+        self.fetch_file(key, dest)
+
+    def fetch_file(
+        self, key: str, dest: str, *, size: Optional[int] = None, lanes: Optional[Lanes] = None
+    ) -> Optional[str]:
         try:
-            src, st = self._open_read(key)
+            src, _ = self._open_read(key)
         except FileNotFoundError:
             raise PermanentStoreError(f"{key} is not in {self.url}") from None
         except OSError as e:
             raise os_error(e, f"reading {key}") from None
         with open(src, "rb") as f, new_download(dest, f"downloading {key}", os_error) as fd:
-            _copy_from(f, fd, st.st_size)
+            got, hashed, before = _copy_hashing(f, fd)
+            if _sig(os.fstat(f.fileno())) != _sig(before) or os.fstat(fd).st_size != hashed:
+                raise TransientStoreError(f"downloading {key}: it changed while it was copied")
+        return got
 
     def stat(self, key: str) -> Optional[ObjectInfo]:
         try:

@@ -21,6 +21,7 @@ from botocore.config import Config
 from onbox.common.errors import IntegrityError, UsageError
 from onbox.sealing.stores.base import (
     Finding,
+    Lanes,
     ObjectInfo,
     PermanentStoreError,
     PreconditionFailed,
@@ -43,6 +44,7 @@ from onbox.sealing.stores.s3.multipart import (
     MIN_PART,
     MULTIPART_THRESHOLD,
     MiB,
+    PartBuffers,
     changed,
     pread_exact,
     put_multipart,
@@ -107,6 +109,15 @@ class S3Store(Store):
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.part_size = part_size
         self.concurrency = concurrency
+        # The sealer puts many files at once (onbox/sealing/upload.py): every request that
+        # carries a file's bytes (a whole small file, one part of a large one) holds one of
+        # ``concurrency`` slots while it is sent, so requests in flight stay bounded however
+        # the files are shaped, and the part buffers of all uploads share one memory bound.
+        # Twice as many files as slots are worked on, so that reading and hashing the next
+        # files overlaps the requests in flight.
+        self.slots = threading.BoundedSemaphore(concurrency)
+        self.part_buffers = PartBuffers()
+        self.parallel_puts = 2 * concurrency
         self.multipart_threshold = multipart_threshold
         self._endpoint_arg = endpoint_url
         self._session_args = {
@@ -366,7 +377,8 @@ class S3Store(Store):
                 got_sha = hashlib.sha256(data).hexdigest()
                 if sha256 is not None and got_sha != sha256:
                     raise changed(doing, sha256)
-                return self.put_object(key, data, got_sha, if_absent=False, doing=doing)
+                with self.slots:
+                    return self.put_object(key, data, got_sha, if_absent=False, doing=doing)
             return put_multipart(self, key, fd, path, sha256, size, doing)
         finally:
             os.close(fd)
@@ -398,7 +410,12 @@ class S3Store(Store):
         return data, etag(r.get("ETag"))
 
     def get_file(self, key: str, dest: str) -> None:
-        download(self, key, dest)
+        download(self, key, dest, None, None)
+
+    def fetch_file(
+        self, key: str, dest: str, *, size: Optional[int] = None, lanes: Optional[Lanes] = None
+    ) -> Optional[str]:
+        return download(self, key, dest, size, lanes)
 
     def stat(self, key: str) -> Optional[ObjectInfo]:
         return self.head(key, f"looking up {key} in {self.url}")

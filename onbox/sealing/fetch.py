@@ -1,0 +1,260 @@
+"""Putting one sealed checkpoint's files into a target directory (restore.py chooses which
+checkpoint; this module owns getting it there whole).
+
+Every file of the MANIFEST is downloaded into a staging directory rgt makes under the target
+(``.rgt-restore-*``, 0700, a hidden name the sealer skips; on the target's filesystem, so the
+final move is a rename), each created there with O_EXCL under a flat name of its own. Several
+files are in flight at once (FILES), and every request of them (a GET, the ranged GETs of a
+large object) runs in one shared ``Lanes`` (LANES requests in flight for the whole restore,
+whatever the checkpoint's shape). The store hashes each file while it writes it; each is
+fsynced once, at its end, and its size and sha256 compared with the MANIFEST. Only when every
+file matches are they renamed into place, at the same relative path under the target they were
+sealed from, and their directories fsynced: nothing torn or unverified is ever under a final
+name. The first file that fails stops the others (the lanes are stopped; each running request
+gives up at its next chunk), and every worker is over before the staging directory is removed:
+a failure leaves no litter.
+
+A file the store holds damaged (of the wrong size or sha256, missing while the store answers)
+is StoreCorrupt: the caller quarantines the checkpoint. A store that does not answer raises its
+StoreError after the retries; a target that is refused raises UnsafePath or HostError (the
+target is walked one directory at a time without following symlinks, onbox.common.safepath).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import hashlib
+import os
+import shutil
+import stat
+import tempfile
+from typing import Any, Callable, Dict, List, Optional, TypeVar
+
+from onbox.common.durable import fsync_dir
+from onbox.common.errors import HostError, IntegrityError, RgtError
+from onbox.common.faults import crash_point
+from onbox.common.safepath import lstat_beneath, replace_beneath, symlink_error
+from onbox.sealing.stores.base import (
+    Lanes,
+    Store,
+    StoreError,
+    TransientStoreError,
+    with_retries,
+)
+
+STAGE_PREFIX = ".rgt-restore-"
+# Requests in flight for one restore, across all its files and parts: what s5cmd's transfer
+# manager needs to fill a link too (per file 5 parts); more only adds contention on a small box.
+LANES = 8
+# Files in flight: more than LANES, so that while some files are being fsynced or hashed
+# the lanes still have requests of others to run.
+FILES = 16
+T = TypeVar("T")
+
+
+class StoreCorrupt(IntegrityError):
+    """A sealed checkpoint is unusable in the store (quarantined), not on this box."""
+
+
+def sha256_fd(fd: int) -> str:
+    h = hashlib.sha256()
+    while True:
+        b = os.read(fd, 8 << 20)
+        if not b:
+            return h.hexdigest()
+        h.update(b)
+
+
+def retried(fn: Callable[[], T]) -> T:
+    """``fn`` retried with backoff while the store does not answer (TransientStoreError)."""
+    return with_retries(fn)
+
+
+def unwritable(dest_dir: str, e: OSError) -> HostError:
+    return HostError(
+        f"cannot restore into {dest_dir}: {e.strerror or e}"
+        + (f" ({e.filename})" if e.filename and e.filename != dest_dir else ""),
+        "pass --to a directory this user can write (or fix the checkpoint dir's permissions)",
+    )
+
+
+def check_target(doc: Dict[str, Any], dest_dir: str) -> None:
+    """Refuse, before anything is downloaded, a target where a file of ``doc`` would land on or
+    through a symlink (UnsafePath), or where a directory or a file is in the way (HostError)."""
+    for f in doc["files"]:
+        try:
+            st = lstat_beneath(dest_dir, f["path"])
+        except NotADirectoryError as e:
+            raise HostError(
+                f"cannot restore {f['path']!r} into {dest_dir}: {e.filename} is not a directory",
+                "remove it, or restore into another directory (--to)",
+            ) from None
+        except OSError as e:
+            raise unwritable(dest_dir, e) from None
+        if st is None:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            raise symlink_error(os.path.join(dest_dir, *f["path"].split("/")))
+        if stat.S_ISDIR(st.st_mode):
+            raise HostError(
+                f"cannot restore {f['path']!r} into {dest_dir}: a directory is in its place",
+                "remove it, or restore into another directory (--to)",
+            )
+
+
+def _make_dir(path: str, made: Optional[List[str]]) -> None:
+    """``path`` and its missing parents, 0700 (rgt's directories are the user's alone), each
+    appended to ``made``."""
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):
+        missing.append(p)
+        if os.path.dirname(p) == p:
+            break
+        p = os.path.dirname(p)
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+            continue
+        if made is not None:
+            made.append(d)
+
+
+def failure(store: Store, key: str, size: Optional[int], e: StoreError, room: str) -> RgtError:
+    """What a failed read of ``key`` (``size`` bytes by its MANIFEST, None for the MANIFEST
+    itself) means, asked of the store itself: StoreCorrupt (the checkpoint is unusable) only
+    when the store answers and shows the object missing, of another size, or there yet
+    unreadable with room for it on this box; otherwise the error stands (the store does not
+    answer, after the retries: nothing is known about the checkpoint), or a HostError (this
+    box has no room: not the store's fault either)."""
+    if isinstance(e, TransientStoreError):
+        return e
+    try:
+        info = retried(lambda: store.stat(key))
+    except IntegrityError as ie:  # e.g. a symlink where the object should be
+        return StoreCorrupt(ie.what)
+    except StoreError:
+        return e
+    if info is None:
+        return StoreCorrupt(f"{key} is missing from the store")
+    if size is not None and info.size != size:
+        return StoreCorrupt(f"{key}: {info.size} bytes in the store, the MANIFEST says {size}")
+    try:
+        st = os.statvfs(room)
+        if size is not None and st.f_bavail * st.f_frsize < size:
+            return HostError(
+                f"no room on this box for {key} ({size} bytes) in {room}: {e.what}",
+                "free space on the checkpoint dir's disk, then start again",
+            )
+    except OSError:
+        pass
+    return StoreCorrupt(f"{key} cannot be read: {e.what}")
+
+
+def _clear_stale_stages(dest_dir: str) -> None:
+    """Remove the staging directories a killed restore left in ``dest_dir``. They hold only
+    copies of store objects under rgt's own hidden names (never the only copy of anything); a
+    symlink or a file under such a name is not rgt's and is left alone."""
+    try:
+        names = os.listdir(dest_dir)
+    except OSError:
+        return
+    for name in names:
+        if not name.startswith(STAGE_PREFIX):
+            continue
+        path = os.path.join(dest_dir, name)
+        try:
+            if stat.S_ISDIR(os.lstat(path).st_mode):
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue
+
+
+def _fetch_one(store: Store, f: Dict[str, Any], tmp: str, dest_dir: str, lanes: Lanes) -> None:
+    """One file of the MANIFEST into ``tmp`` (a new name in the stage), verified: size, then
+    the sha256 the store computed while writing it (or, where it computes none, read back)."""
+
+    def attempt() -> Optional[str]:
+        if lanes.stopped:  # another file failed: no retry, no new download
+            raise concurrent.futures.CancelledError()
+        return store.fetch_file(f["key"], tmp, size=f["size"], lanes=lanes)
+
+    try:
+        got = with_retries(attempt, sleep=lanes.pause)
+    except IntegrityError as e:  # e.g. a symlink in a file:// store
+        raise StoreCorrupt(e.what, e.remedy) from None
+    except StoreError as e:
+        raise failure(store, f["key"], f["size"], e, os.path.dirname(tmp)) from None
+    try:
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise unwritable(dest_dir, e) from None
+    try:
+        size = os.fstat(fd).st_size
+        if size == f["size"] and got is None:
+            got = sha256_fd(fd)
+    finally:
+        os.close(fd)
+    if size != f["size"] or got != f["sha256"]:
+        raise StoreCorrupt(
+            f"{f['key']}: {size} bytes sha256 {(got or 'not computed')[:12]} in the store, the "
+            f"MANIFEST says {f['size']} bytes {f['sha256'][:12]}"
+        )
+
+
+def _fetch_all(store: Store, files: List[Dict[str, Any]], stage: str, dest_dir: str) -> None:
+    """Every file into ``stage`` (as ``stage/<index>``), FILES at a time; the first failure
+    raised once every worker is over."""
+    lanes = Lanes(LANES)
+    pool = concurrent.futures.ThreadPoolExecutor(
+        max(1, min(FILES, len(files))), thread_name_prefix="rgt-restore"
+    )
+    futures: List[concurrent.futures.Future[None]] = []
+    try:
+        for i, f in enumerate(files):
+            tmp = os.path.join(stage, str(i))
+            futures.append(pool.submit(_fetch_one, store, f, tmp, dest_dir, lanes))
+        for fut in concurrent.futures.as_completed(futures):
+            fut.result()  # the first failure ends the restore (the finally stops the rest)
+            crash_point("restore.after_object")
+    finally:
+        lanes.stop()
+        for fut in futures:
+            fut.cancel()
+        pool.shutdown(wait=True)  # no worker writes into the stage after this
+        lanes.close()
+
+
+def fetch(
+    store: Store, doc: Dict[str, Any], dest_dir: str, made: Optional[List[str]] = None
+) -> None:
+    """Every file of ``doc`` into ``dest_dir``: staged, verified, then renamed into place. The
+    directories it makes are appended to ``made`` (for a caller that undoes a failed restore).
+    StoreCorrupt for a file the store holds damaged; UnsafePath or HostError for the target."""
+    for f in doc["files"]:
+        if f["path"].startswith(STAGE_PREFIX):  # would land in the staging dir, then vanish
+            raise StoreCorrupt(f"the MANIFEST lists {f['path']!r}, a name of rgt's own staging")
+    check_target(doc, dest_dir)
+    _clear_stale_stages(dest_dir)
+    try:
+        _make_dir(dest_dir, made)
+        stage = tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=dest_dir)
+    except OSError as e:
+        raise unwritable(dest_dir, e) from None
+    try:
+        # A flat name per file: nothing the store supplies names anything under the stage.
+        _fetch_all(store, doc["files"], stage, dest_dir)
+        dirs = set()
+        for i, f in enumerate(doc["files"]):
+            try:
+                replace_beneath(stage, str(i), dest_dir, f["path"], dir_mode=0o700, made=made)
+            except OSError as e:
+                raise unwritable(dest_dir, e) from None
+            dirs.add(os.path.dirname(os.path.join(dest_dir, *f["path"].split("/"))))
+        for d in sorted(dirs, key=len, reverse=True):
+            fsync_dir(d)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)

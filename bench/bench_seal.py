@@ -137,6 +137,7 @@ class Recorder(Store):
     def __init__(self, inner: Store) -> None:
         self.inner = inner
         self.hashes_while_uploading = inner.hashes_while_uploading
+        self.parallel_puts = inner.parallel_puts
         self.url = inner.url
         self.files: List[Put] = []
         self.small: List[Put] = []

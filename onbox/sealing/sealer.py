@@ -2,8 +2,9 @@
 
 For each new complete checkpoint (onbox/sealing/discovery.py says what one is), oldest first:
 stage what may change under us, hash while reading, upload every file (or point at an identical
-file an earlier checkpoint of this epoch already holds), let the store verify it, write its
-MANIFEST, then advance LATEST (by step, never backwards, only while this agent's epoch is the
+file an earlier checkpoint of this epoch already holds), let the store verify it (many files in
+flight at once: onbox/sealing/upload.py), write its MANIFEST once every one is verified, then
+advance LATEST (by step, never backwards, only while this agent's epoch is the
 newest) and prune: the ledger (onbox/sealing/ledger.py) writes those documents, fenced.
 
 A checkpoint with a name that restore and ``rgt pull`` refuse (onbox/common/safepath.py: a CR, a
@@ -19,17 +20,14 @@ upload never reads a half-rewritten file.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import os
-import shutil
 import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from onbox.common.durable import sha256_file, write_json
-from onbox.common.errors import IntegrityError, StoreError
+from onbox.common.durable import write_json
+from onbox.common.errors import StoreError
 from onbox.common.faults import crash_point
 from onbox.common.rundir import RunDir
 from onbox.common.safepath import UnsafePath, safe_rel
@@ -45,14 +43,10 @@ from onbox.sealing.discovery import (
 )
 from onbox.sealing.ledger import Ledger, take_epoch
 from onbox.sealing.room import Room
-from onbox.sealing.stores.base import Store, with_retries
+from onbox.sealing.stores.base import Store
+from onbox.sealing.upload import CheckpointUpload, Vanished
 
-CHUNK = 1 << 20
 MAX_BACKLOG = 8  # pending checkpoints sealed per pass at most (the newest ones)
-
-
-class Vanished(Exception):
-    """The job deleted or replaced a checkpoint while it was being sealed (rotation): normal."""
 
 
 class Sealer:
@@ -276,6 +270,8 @@ class Sealer:
             return doc
 
     def _upload(self, cand: Candidate) -> Tuple[List[Dict[str, Any]], int]:
+        """Every file of ``cand`` in the store and verified (onbox/sealing/upload.py: many in
+        flight): the MANIFEST's entries and the bytes put."""
         # Dedupe only against this epoch's own objects: an older agent that lost the run may
         # still prune its checkpoints (it was frozen past its last check), never ours.
         known: Dict[Tuple[str, int], str] = {}
@@ -283,115 +279,17 @@ class Sealer:
             if mf.manifest_epoch(doc) == self.epoch:
                 for f in doc["files"]:
                     known[(f["sha256"], f["size"])] = f["key"]
-        entries = []
-        uploaded = 0
-        prefix = mf.epoch_prefix(self.run, cand.step or 0, self.epoch)
-        stage_dir = os.path.join(self.staging, f"step-{cand.step}")
-        os.makedirs(stage_dir, exist_ok=True)
         # Only a file with no step in its name is rewritten in place: stage it. A step-named
         # file or a directory is new each time; hash it while reading, no copy.
-        rewritten = in_place(cand.root, cand.kind)
-        try:
-            for rel in cand.files:
-                src = os.path.join(self.ckpt_dir, *rel.split("/"))
-                if not rewritten and self.store.hashes_while_uploading:
-                    done = self._upload_hashing(src, rel, prefix + rel, known)
-                    if done is not None:  # no sealed file of that size: nothing to dedupe
-                        entries.append(done)
-                        uploaded += done["size"]
-                        crash_point("seal.after_object")
-                        continue
-                path, sha, size = self._stage(src, stage_dir, rel, in_place=rewritten)
-                key = known.get((sha, size))
-                if key is None:
-                    key = prefix + rel
-                    self._put_checked(key, path, sha, size, rel, staged=path != src)
-                    uploaded += size
-                    known[(sha, size)] = key
-                    crash_point("seal.after_object")
-                entries.append({"path": rel, "size": size, "sha256": sha, "key": key})
-        finally:
-            shutil.rmtree(stage_dir, ignore_errors=True)
-        return entries, uploaded
-
-    def _put_checked(
-        self, key: str, path: str, sha: str, size: int, rel: str, staged: bool
-    ) -> None:
-        """Upload a hashed file. One the job deleted or rewrote since it was hashed (rotation,
-        not a store fault) is Vanished; a staged copy is ours and cannot change."""
-        try:
-            with_retries(functools.partial(self.store.put_file, key, path, sha256=sha, size=size))
-        except (StoreError, IntegrityError):
-            if staged:
-                raise
-            try:
-                st = os.stat(path)
-                gone = st.st_size != size or sha256_file(path)[0] != sha
-            except FileNotFoundError:
-                gone = True
-            if gone:
-                raise Vanished(f"{rel} changed or was deleted while uploading") from None
-            raise
-
-    def _upload_hashing(
-        self, src: str, rel: str, key: str, known: Dict[Tuple[str, int], str]
-    ) -> Optional[Dict[str, Any]]:
-        """Upload without a sha256 pass of our own first, when no sealed file has this size (so
-        it cannot be a duplicate): the store hashes while it sends, and the server verifies.
-        None when a sealed file has the same size (hash first, maybe skip the upload)."""
-        try:
-            before = os.stat(src)
-        except FileNotFoundError:
-            raise Vanished(f"{rel} was deleted") from None
-        if any(size == before.st_size for _, size in known):
-            return None
-        put = functools.partial(self.store.put_file, key, src, sha256=None, size=before.st_size)
-        try:
-            info = with_retries(put)
-        except StoreError:
-            try:
-                changed = signature(os.stat(src)) != signature(before)
-            except FileNotFoundError:
-                changed = True
-            if changed:  # the job rotated it away or rewrote it: normal, not a store fault
-                raise Vanished(f"{rel} changed or was deleted while uploading") from None
-            raise
-        try:
-            unchanged = signature(os.stat(src)) == signature(before)
-        except FileNotFoundError:
-            unchanged = False
-        if not unchanged or info.sha256 is None:
-            self.store.delete(key)
-            raise Vanished(f"{rel} changed while uploading")
-        known[(info.sha256, before.st_size)] = key
-        return {"path": rel, "size": before.st_size, "sha256": info.sha256, "key": key}
-
-    def _stage(self, src: str, stage_dir: str, rel: str, in_place: bool) -> Tuple[str, str, int]:
-        """(path to upload from, sha256, size). A file the job may rewrite in place is copied
-        first while hashed, and must not have changed during the copy."""
-        try:
-            before = os.stat(src)
-            if not in_place:
-                sha, size = sha256_file(src)
-                if signature(os.stat(src)) != signature(before):
-                    raise Vanished(f"{rel} changed while hashed")
-                return src, sha, size
-            dest = os.path.join(stage_dir, rel.replace("/", "__"))
-            h = hashlib.sha256()
-            size = 0
-            with open(src, "rb") as fin, open(dest, "wb") as fout:
-                while True:
-                    b = fin.read(CHUNK)
-                    if not b:
-                        break
-                    h.update(b)
-                    fout.write(b)
-                    size += len(b)
-            if signature(os.stat(src)) != signature(before) or size != before.st_size:
-                raise Vanished(f"{rel} was rewritten during the copy")
-            return dest, h.hexdigest(), size
-        except FileNotFoundError:
-            raise Vanished(f"{rel} was deleted") from None
+        return CheckpointUpload(
+            self.store,
+            self.ckpt_dir,
+            list(cand.files),
+            mf.epoch_prefix(self.run, cand.step or 0, self.epoch),
+            known,
+            stage_dir=os.path.join(self.staging, f"step-{cand.step}"),
+            rewritten=in_place(cand.root, cand.kind),
+        ).run()
 
     def remember_restored(self, doc: Dict[str, Any]) -> None:
         """A checkpoint restore put back is sealed already, and it is where this agent goes on
@@ -450,4 +348,4 @@ class Sealer:
         return n
 
 
-__all__ = ["Sealer", "StoreError", "open_for_writing", "step_from_name"]
+__all__ = ["Sealer", "StoreError", "Vanished", "open_for_writing", "step_from_name"]

@@ -10,7 +10,6 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import os
-import queue
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
@@ -163,29 +162,27 @@ class _Upload:
 
     def send_parts(self, sha256: Optional[str]) -> str:
         """Read the parts in order (hashing the whole file as read) and upload them from a
-        thread pool; at most ``workers + 1`` parts are in memory at once. The sha256 read.
+        thread pool; at most ``workers + 1`` parts of this upload are in memory at once, and
+        the store's ``part_buffers`` bound those of every upload together. The sha256 read.
 
-        Each part is read into one of those ``workers + 1`` buffers, reused from part to part,
-        and that buffer itself is the request's body: a bytearray, which botocore sends with a
-        single ``sendall`` (a ``bytes`` body it wraps in a BytesIO and copies out again in
-        128 KiB pieces, after an ``Expect: 100-continue`` round trip). A buffer goes back to
-        the free list only when its request is over, retries included."""
+        Each part is read into a buffer reused from part to part, and that buffer itself is
+        the request's body: a bytearray, which botocore sends with a single ``sendall`` (a
+        ``bytes`` body it wraps in a BytesIO and copies out again in 128 KiB pieces, after an
+        ``Expect: 100-continue`` round trip). A buffer goes back to the free list only when its
+        request is over, retries included."""
         count, part = self.count, self.part
         workers = max(1, min(self.store.concurrency, count, MAX_INFLIGHT_BYTES // part))
         whole = hashlib.sha256()
         self.digests = [b""] * count
         self.etags = [""] * count
-        # Free buffers; None: one not allocated yet (a part may be read into it).
-        free: queue.SimpleQueue[Optional[bytearray]] = queue.SimpleQueue()
-        for _ in range(min(workers + 1, count)):
-            free.put(None)
+        bufs = self.store.part_buffers.for_upload(min(workers + 1, count))
         failed = threading.Event()
 
         def done(buf: bytearray) -> Callable[[concurrent.futures.Future[None]], None]:
             def release(fut: concurrent.futures.Future[None]) -> None:
                 if fut.cancelled() or fut.exception() is not None:
                     failed.set()
-                free.put(buf if len(buf) == part else None)
+                bufs.put(buf)
 
             return release
 
@@ -193,14 +190,11 @@ class _Upload:
         futures: List[concurrent.futures.Future[None]] = []
         try:
             for n in range(count):
-                buf = free.get()
-                if failed.is_set():
-                    break
                 offset = n * part
-                length = min(part, self.size - offset)
-                if buf is None or len(buf) != length:
-                    buf = None  # a full-size buffer is freed before a short last part is made
-                    buf = bytearray(length)
+                buf = bufs.get(min(part, self.size - offset))
+                if failed.is_set():
+                    bufs.put(buf)
+                    break
                 _pread_into(self.fd, buf, offset, self.path)
                 whole.update(buf)
                 fut = pool.submit(self._send, n, buf)
@@ -211,6 +205,7 @@ class _Upload:
                 fut.result()  # the first failure, mapped already by store.call
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            bufs.close()
         if sha256 is not None and whole.hexdigest() != sha256:
             raise changed(self.doing, sha256)
         return whole.hexdigest()
@@ -218,15 +213,16 @@ class _Upload:
     def _send(self, n: int, buf: bytearray) -> None:
         sent = digest(buf, self.crc)
         what = f"{self.doing} (part {n + 1} of {self.count})"
-        r = self.store.call(
-            what,
-            "upload_part",
-            Key=self.full,
-            UploadId=self.upload_id,
-            PartNumber=n + 1,
-            Body=buf,
-            **{header(self.crc): b64(sent)},
-        )
+        with self.store.slots:  # one of the store's requests in flight, whoever sends them
+            r = self.store.call(
+                what,
+                "upload_part",
+                Key=self.full,
+                UploadId=self.upload_id,
+                PartNumber=n + 1,
+                Body=buf,
+                **{header(self.crc): b64(sent)},
+            )
         if self.crc:
             checked_crc32(what, b64(sent), r.get("ChecksumCRC32"))
         self.digests[n] = sent
@@ -279,6 +275,70 @@ class _Upload:
             # Best effort: the upload is invisible under the key either way, and a dangling
             # one is swept by abort_stale_uploads (and by a bucket lifecycle rule, if any).
             pass
+
+
+class PartBuffers:
+    """The part buffers of every multipart upload of one store, at most ``limit`` bytes of
+    them in all: the sealer puts several files at once, and each large one reads its parts
+    ahead of the requests that send them. An upload takes a buffer (a free one of its own, or
+    a new one while the total allows) and gives it back when its request is over; when the
+    upload ends, its buffers are freed. Nothing waits forever: an upload that holds none may
+    always make one, and every buffer held is one that a request in flight gives back."""
+
+    def __init__(self, limit: int = MAX_INFLIGHT_BYTES) -> None:
+        self.limit = limit
+        self.used = 0
+        self.cond = threading.Condition()
+
+    def for_upload(self, most: int) -> _UploadBuffers:
+        """The buffers of one upload, at most ``most`` of them."""
+        return _UploadBuffers(self, most)
+
+
+class _UploadBuffers:
+    def __init__(self, pool: PartBuffers, most: int) -> None:
+        self.pool = pool
+        self.most = most
+        self.free: List[bytearray] = []
+        self.held = 0  # bytes of this upload's buffers, free or in flight
+        self.count = 0
+
+    def get(self, length: int) -> bytearray:
+        """A buffer of ``length`` bytes (its contents undefined)."""
+        pool = self.pool
+        with pool.cond:
+            while True:
+                if self.free:
+                    buf = self.free.pop()
+                    if len(buf) == length:
+                        return buf
+                    self._drop(buf)  # a full-size buffer goes before a short last part is made
+                if self.count < self.most and (pool.used + length <= pool.limit or self.count == 0):
+                    pool.used += length
+                    self.held += length
+                    self.count += 1
+                    break
+                pool.cond.wait()
+        return bytearray(length)
+
+    def put(self, buf: bytearray) -> None:
+        with self.pool.cond:
+            self.free.append(buf)
+            self.pool.cond.notify_all()
+
+    def _drop(self, buf: bytearray) -> None:
+        self.pool.used -= len(buf)
+        self.held -= len(buf)
+        self.count -= 1
+        self.pool.cond.notify_all()
+
+    def close(self) -> None:
+        """The upload is over (every request of it ended): all its buffers are freed."""
+        with self.pool.cond:
+            self.pool.used -= self.held
+            self.held = self.count = 0
+            self.free = []
+            self.pool.cond.notify_all()
 
 
 def _is_ours(head: Dict[str, Any], sha256: Optional[str], crc: bool, expected: str) -> bool:

@@ -1,0 +1,247 @@
+"""The upload of one checkpoint's files: many objects in flight, one result.
+
+The sealer (onbox/sealing/sealer.py) hands over a checkpoint's files; this module puts them
+from a bounded pool of threads (``Store.parallel_puts`` of them: a checkpoint of 10,000 small
+files is as many round trips, and one after another they wait on the network or on fsync, not
+on the CPU), hashing in the same threads, so one file's hash overlaps another's upload. It
+returns the MANIFEST's entries, in the checkpoint's order, only once every object is verified
+by the store; the MANIFEST itself is the sealer's, written after.
+
+Per file, as before the pool: a file that may be a duplicate (a file this epoch sealed, or
+another file of this checkpoint, has its size) is hashed first and points at the object that
+holds those bytes when there is one; two files of this checkpoint with the same bytes are put
+once (the second waits for the first's put); a file of a size seen nowhere else is put with no
+sha256 pass of our own first where the store hashes while it sends; a file the job rewrites in
+place is staged (copied while hashed) so the upload never reads a half-rewritten file. A file
+the job deleted or rewrote meanwhile is ``Vanished`` (rotation, normal).
+
+A failure of one object (a store error after its retries, Vanished) stops the rest: files not
+started are not started, puts in flight are awaited (never abandoned mid-request), and the error
+is raised, so no MANIFEST is written and the next pass retries the whole checkpoint (objects put
+already are put again, or found by the dedupe of a later epoch; a put is idempotent). The crash
+point ``seal.after_object`` is reached once per object put, in the calling thread.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import functools
+import hashlib
+import os
+import shutil
+import threading
+from typing import Any, Collection, Dict, List, Optional, Set, Tuple
+
+from onbox.common.durable import sha256_file
+from onbox.common.errors import IntegrityError, StoreError
+from onbox.common.faults import crash_point
+from onbox.sealing.discovery import signature
+from onbox.sealing.stores.base import Store, with_retries
+
+CHUNK = 1 << 20
+Entry = Dict[str, Any]
+Known = Dict[Tuple[str, int], str]  # (sha256, size) -> key of an object that holds those bytes
+
+
+class Vanished(Exception):
+    """The job deleted or replaced a checkpoint while it was being sealed (rotation): normal."""
+
+
+class _Stopped(Exception):
+    """A file not started because another one failed."""
+
+
+class _Claims:
+    """Which object holds which bytes: this epoch's sealed objects and, as the seal goes on,
+    the ones it puts. A file whose bytes another thread is putting waits for that put."""
+
+    def __init__(self, known: Known) -> None:
+        self.done = dict(known)
+        self.sizes = {size for _, size in known}
+        self.flight: Dict[Tuple[str, int], threading.Event] = {}
+        self.lock = threading.Lock()
+
+    def claim(self, sha: str, size: int, stop: threading.Event) -> Optional[str]:
+        """The key that holds these bytes already, or None: then they are the caller's to put
+        and ``finish`` must follow."""
+        while True:
+            with self.lock:
+                key = self.done.get((sha, size))
+                if key is not None:
+                    return key
+                ev = self.flight.get((sha, size))
+                if ev is None:
+                    self.flight[(sha, size)] = threading.Event()
+                    return None
+            ev.wait()  # another thread is putting the same bytes: it is running, not queued
+            if stop.is_set():
+                raise _Stopped()
+
+    def finish(self, sha: str, size: int, key: Optional[str]) -> None:
+        """The put of a claim is over: ``key`` holds the bytes now (None: it failed)."""
+        with self.lock:
+            if key is not None:
+                self.done[(sha, size)] = key
+            ev = self.flight.pop((sha, size), None)
+        if ev is not None:
+            ev.set()
+
+
+class CheckpointUpload:
+    """The upload of one checkpoint's files (``rels``, relative to ``ckpt_dir``) to keys under
+    ``prefix``; ``run()`` returns (entries, bytes put)."""
+
+    def __init__(
+        self,
+        store: Store,
+        ckpt_dir: str,
+        rels: List[str],
+        prefix: str,
+        known: Known,
+        *,
+        stage_dir: str,
+        rewritten: bool,
+    ) -> None:
+        self.store = store
+        self.ckpt_dir = ckpt_dir
+        self.rels = rels
+        self.prefix = prefix
+        self.claims = _Claims(known)
+        self.stage_dir = stage_dir
+        self.rewritten = rewritten
+        self.stop = threading.Event()
+        self.shared_sizes: Set[int] = set()  # sizes two files of this checkpoint have
+
+    def src(self, rel: str) -> str:
+        return os.path.join(self.ckpt_dir, *rel.split("/"))
+
+    def run(self) -> Tuple[List[Entry], int]:
+        self.shared_sizes = _shared_sizes([self.src(r) for r in self.rels])
+        os.makedirs(self.stage_dir, exist_ok=True)
+        workers = max(1, min(int(self.store.parallel_puts), len(self.rels)))
+        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rgt-seal-put")
+        futures = [pool.submit(self._one, rel) for rel in self.rels]
+        try:
+            # The first failure leaves this loop; _Stopped comes only after it (self.stop).
+            for fut in concurrent.futures.as_completed(futures):
+                if fut.result()[1]:
+                    crash_point("seal.after_object")
+        finally:
+            self.stop.set()
+            pool.shutdown(wait=True, cancel_futures=True)  # puts in flight end, none start
+            shutil.rmtree(self.stage_dir, ignore_errors=True)
+        done = [f.result() for f in futures]
+        return [e for e, _ in done], sum(e["size"] for e, put in done if put)
+
+    def _one(self, rel: str) -> Tuple[Entry, bool]:
+        """One file: (its MANIFEST entry, whether it was put)."""
+        if self.stop.is_set():
+            raise _Stopped()
+        src = self.src(rel)
+        if not self.rewritten and self.store.hashes_while_uploading:
+            done = self._put_hashing(src, rel)
+            if done is not None:
+                return done, True
+        path, sha, size = self._stage(src, rel)
+        key = self.claims.claim(sha, size, self.stop)
+        if key is not None:
+            return {"path": rel, "size": size, "sha256": sha, "key": key}, False
+        key = self.prefix + rel
+        try:
+            self._put_checked(key, path, sha, size, rel, staged=path != src)
+        except BaseException:
+            self.claims.finish(sha, size, None)
+            raise
+        self.claims.finish(sha, size, key)
+        return {"path": rel, "size": size, "sha256": sha, "key": key}, True
+
+    def _put_checked(
+        self, key: str, path: str, sha: str, size: int, rel: str, staged: bool
+    ) -> None:
+        """Upload a hashed file. One the job deleted or rewrote since it was hashed (rotation,
+        not a store fault) is Vanished; a staged copy is ours and cannot change."""
+        try:
+            with_retries(functools.partial(self.store.put_file, key, path, sha256=sha, size=size))
+        except (StoreError, IntegrityError):
+            if staged:
+                raise
+            try:
+                st = os.stat(path)
+                gone = st.st_size != size or sha256_file(path)[0] != sha
+            except FileNotFoundError:
+                gone = True
+            if gone:
+                raise Vanished(f"{rel} changed or was deleted while uploading") from None
+            raise
+
+    def _put_hashing(self, src: str, rel: str) -> Optional[Entry]:
+        """Upload without a sha256 pass of our own first, when no sealed file and no other
+        file of this checkpoint has this size (so it cannot be a duplicate): the store hashes
+        while it sends, and the server verifies. None when it may be a duplicate (hash first)."""
+        try:
+            before = os.stat(src)
+        except FileNotFoundError:
+            raise Vanished(f"{rel} was deleted") from None
+        if before.st_size in self.claims.sizes or before.st_size in self.shared_sizes:
+            return None
+        key = self.prefix + rel
+        put = functools.partial(self.store.put_file, key, src, sha256=None, size=before.st_size)
+        try:
+            info = with_retries(put)
+        except StoreError:
+            if _changed(src, before):  # rotated away or rewritten: normal, not a store fault
+                raise Vanished(f"{rel} changed or was deleted while uploading") from None
+            raise
+        if _changed(src, before) or info.sha256 is None:
+            self.store.delete(key)
+            raise Vanished(f"{rel} changed while uploading")
+        self.claims.finish(info.sha256, before.st_size, key)
+        return {"path": rel, "size": before.st_size, "sha256": info.sha256, "key": key}
+
+    def _stage(self, src: str, rel: str) -> Tuple[str, str, int]:
+        """(path to upload from, sha256, size). A file the job may rewrite in place is copied
+        first while hashed, and must not have changed during the copy."""
+        try:
+            before = os.stat(src)
+            if not self.rewritten:
+                sha, size = sha256_file(src)
+                if signature(os.stat(src)) != signature(before):
+                    raise Vanished(f"{rel} changed while hashed")
+                return src, sha, size
+            dest = os.path.join(self.stage_dir, rel.replace("/", "__"))
+            h = hashlib.sha256()
+            size = 0
+            with open(src, "rb") as fin, open(dest, "wb") as fout:
+                while True:
+                    b = fin.read(CHUNK)
+                    if not b:
+                        break
+                    h.update(b)
+                    fout.write(b)
+                    size += len(b)
+            if signature(os.stat(src)) != signature(before) or size != before.st_size:
+                raise Vanished(f"{rel} was rewritten during the copy")
+            return dest, h.hexdigest(), size
+        except FileNotFoundError:
+            raise Vanished(f"{rel} was deleted") from None
+
+
+def _changed(src: str, before: os.stat_result) -> bool:
+    try:
+        return signature(os.stat(src)) != signature(before)
+    except FileNotFoundError:
+        return True
+
+
+def _shared_sizes(paths: Collection[str]) -> Set[int]:
+    """The sizes more than one of ``paths`` has (a missing file counts for nothing: its own
+    put finds it gone)."""
+    seen: Set[int] = set()
+    shared: Set[int] = set()
+    for p in paths:
+        try:
+            size = os.stat(p).st_size
+        except OSError:
+            continue
+        (shared if size in seen else seen).add(size)
+    return shared

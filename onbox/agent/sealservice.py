@@ -4,7 +4,8 @@
 aborts uploads a dead agent left half-done, and (for a new incarnation) restores the newest
 verified checkpoint onto a box that lacks it. Then a background thread, at lower CPU and IO
 priority than the job, seals new complete checkpoints as they appear (a periodic scan), asks
-the job to checkpoint on its declared trigger every ``checkpoint.interval``, and mirrors the
+the job to checkpoint on its declared trigger every ``checkpoint.interval`` (``"auto"``: what
+onbox/agent/interval.py recomputes after each pass from the run's history), and mirrors the
 run's state and events to the store. On preemption it asks the job for a final checkpoint and
 seals it only if the measured throughput says it fits in the budget; on success it runs the
 completion seal (onbox/agent/completion.py: the last checkpoints, results, outputs, logs, then
@@ -26,7 +27,8 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from onbox.agent.completion import Completion
-from onbox.agent.journal import FileJournal
+from onbox.agent.interval import AutoInterval, load_history
+from onbox.agent.journal import FileJournal, read_events
 from onbox.agent.meter import final_seal
 from onbox.agent.seams import Hooks
 from onbox.agent.spec import JobSpec
@@ -87,6 +89,7 @@ class SealService(Hooks):
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._asked_at = time.monotonic()
+        self.auto: Optional[AutoInterval] = None  # checkpoint.interval = "auto"
         self._mirrored: Dict[str, float] = {}
         self._observer: Any = None
         self._sync_request: Optional[str] = None
@@ -141,12 +144,22 @@ class SealService(Hooks):
             event=self.event,
         )
         self.sealer.load()
+        key = mf.state_key(run, "events.jsonl")  # the history, read before our first mirror
+        hist = (
+            load_history(read_events(self.rd.events), lambda: self.store.get_bytes(key), begin)
+            if self.spec.ckpt_auto
+            else None
+        )
         self.event(
             "epoch",
             f"epoch {epoch} in {self.store.url}; LATEST is "
             f"{self.sealer.latest if self.sealer.latest is not None else 'empty'}",
             epoch=epoch,
         )
+        if hist is not None:
+            floor = self.spec.health.stall.floor  # never ask faster than a hang is told apart
+            self.auto = AutoInterval(hist, floor, time.time(), self.rd.events, self.event)
+            self.auto.start(time.time())
         if begin:
             self.restored = restore_latest(self.store, run, self.spec.ckpt_dir, self.event)
             if self.restored is not None:
@@ -234,6 +247,8 @@ class SealService(Hooks):
                 if self.frozen_above is None:
                     self.sealer.seal_pending()
                     self.backlog = self.sealer.backlog
+                if self.auto is not None:  # after each seal and each restart: a new interval
+                    self.auto.update(time.time())
                 if self.room_wanted:
                     self.room_wanted = False
                     self.sealer.free_room()
@@ -273,9 +288,10 @@ class SealService(Hooks):
                 self.sealing = False
 
     def _ask_on_timer(self) -> None:
-        if self.spec.ckpt_interval is None:
+        every = self.auto.seconds if self.auto is not None else self.spec.ckpt_interval
+        if every is None:
             return
-        if time.monotonic() - self._asked_at >= self.spec.ckpt_interval:
+        if time.monotonic() - self._asked_at >= every:
             self._asked_at = time.monotonic()
             self.ask_job("timer")
 

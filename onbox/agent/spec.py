@@ -86,6 +86,7 @@ class JobSpec:
     restart: RestartPolicy = dataclasses.field(default_factory=RestartPolicy)
     keep: int = 3  # sealed checkpoints kept in the store (the newest verified one always)
     ckpt_interval: Optional[float] = None  # ask the job to checkpoint this often (trigger)
+    ckpt_auto: bool = False  # interval "auto": chosen from the run's history (agent/interval.py)
     scan_interval: float = 5.0  # look for new complete checkpoints at least this often
     outputs: Tuple[str, ...] = ()  # paths (relative to workdir) sealed when the job succeeds
     # A regex whose group (one, or the one named ``step``) is the job's step in its output,
@@ -132,6 +133,7 @@ class JobSpec:
             restart=RestartPolicy(**r),
             keep=int(d.get("keep", 3)),
             ckpt_interval=d.get("ckpt_interval"),
+            ckpt_auto=bool(d.get("ckpt_auto", False)),
             scan_interval=float(d.get("scan_interval", 5.0)),
             outputs=tuple(d.get("outputs") or ()),
             # spec.json files written before this field existed lack it
@@ -314,8 +316,11 @@ def _checkpoint_settings(ckpt: Mapping[str, Any], ckpt_dir: str) -> Dict[str, An
     if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
         raise UsageError("checkpoint.keep", f"{keep!r} is not a count >= 1")
     interval = ckpt.get("interval")
-    ckpt_interval = None if interval is None else parse_duration(interval, "checkpoint.interval")
-    if ckpt_interval is not None and trigger == "none":
+    auto = interval == "auto"
+    ckpt_interval = (
+        None if interval is None or auto else parse_duration(interval, "checkpoint.interval")
+    )
+    if (ckpt_interval is not None or auto) and trigger == "none":
         raise UsageError(
             "checkpoint.interval",
             "needs a trigger to ask the job with",
@@ -326,6 +331,7 @@ def _checkpoint_settings(ckpt: Mapping[str, Any], ckpt_dir: str) -> Dict[str, An
         trigger=trigger,
         keep=keep,
         ckpt_interval=ckpt_interval,
+        ckpt_auto=auto,
         scan_interval=parse_duration(ckpt.get("scan", 5), "checkpoint.scan"),
     )
 

@@ -1,0 +1,239 @@
+"""``checkpoint.interval = "auto"``: how often the agent asks the job for a checkpoint, from the
+run's own history, recomputed as the run goes (the formula: onbox/common/daly.py).
+
+Two measurements, both from the run's events:
+
+- ``d``, what one checkpoint costs: from the agent's ask to the checkpoint sealed (the job's
+  write plus rgt's upload and verification; onbox/common/sealtime.py's measurement, the longest
+  of the recent ones);
+- ``M``, the mean time between UNPLANNED stops: the seconds the run was up under its agents,
+  across restarts and boxes, over the stops nobody planned: a job that died while RUNNING (a
+  crash, an OOM kill, a hang the stall probe ended), a preemption, a box that vanished without a
+  word. A stop that was asked for (``rgt-agent stop``, success, the meter cap, Slurm's warning
+  before its time limit and the requeue after it) is not a failure and is not counted.
+
+The history crosses boxes through the events themselves: each agent's first interval event
+(``checkpoint_interval`` with ``at_start``) carries the totals of every agent before it, and
+the store's mirror of the events (``state/events.jsonl``) is what a fresh box reads, before its
+own first mirror replaces it. An agent's own time counts from its ``epoch`` event to its last
+event. The interval never goes below the stall watcher's floor (``[health.stall] floor``).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import datetime
+import json
+import os
+from typing import Any, Callable, Deque, Dict, List, Optional
+
+from onbox.common import daly
+from onbox.common.errors import StoreError
+from onbox.common.sealtime import measure
+
+KIND = "checkpoint_interval"
+PLANNED = ("slurm_warning", "meter_cap")  # an end that follows these was planned
+CHANGE = 0.10  # a new interval this much off the last one is logged
+
+
+@dataclasses.dataclass
+class History:
+    """What the agents before this one saw: seconds up, unplanned stops, the last ``d``."""
+
+    up: float = 0.0
+    unplanned: int = 0
+    d: Optional[float] = None
+
+
+class Segment:
+    """One agent's life in the events, from its ``epoch`` event on."""
+
+    def __init__(self, start: float) -> None:
+        self.start = self.last = start
+        self.unplanned = 0
+        self.state = ""
+        self.stopping = ""
+        self.planned = False
+        self.seals: Deque[Dict[str, Any]] = collections.deque(maxlen=64)
+
+    def feed(self, ev: Dict[str, Any], t: float) -> None:
+        self.last = max(self.last, t)
+        kind = ev.get("kind")
+        if kind == "state":
+            self.state = str(ev.get("state") or "")
+            if self.state == "STOPPING":
+                self.stopping = str(ev.get("reason") or "")
+        elif kind == "exit" and self.state == "RUNNING" and ev.get("exit_kind") != "success":
+            # RUNNING: past the start grace (a crash loop's quick exits lose no work to guard)
+            self.unplanned += 1
+        elif kind in PLANNED:
+            self.planned = True
+        elif kind in ("checkpoint_asked", "sealed"):
+            self.seals.append(ev)
+
+    def d(self) -> Optional[float]:
+        return measure(list(self.seals)).seconds
+
+    def ended_unplanned(self, begin: bool) -> bool:
+        """Whether this agent's end was an unplanned stop; ``begin``: the next agent began a
+        new incarnation (a vanished agent whose job is still running is no stop)."""
+        if self.planned or self.state in ("SUCCEEDED", "STOPPED", "FAILED"):
+            return False
+        if self.state == "PREEMPTED":
+            return True
+        if self.state == "STOPPING":
+            return self.stopping.startswith("preempt")
+        return begin
+
+    def close(self, base: History, begin: bool) -> History:
+        return History(
+            base.up + (self.last - self.start),
+            base.unplanned + self.unplanned + int(self.ended_unplanned(begin)),
+            self.d() if self.d() is not None else base.d,
+        )
+
+
+def history(events: List[Any], begin: bool) -> History:
+    """The totals of every agent in ``events`` (oldest first), the last one's end judged by
+    ``begin`` (the agent now starting begins a new incarnation)."""
+    base, seg, fresh, ended = History(), None, True, False
+    for ev in events:
+        t = _when(ev) if isinstance(ev, dict) else None
+        if t is None:
+            continue
+        kind = ev.get("kind")
+        if kind in ("incarnation", "adopt", "boot"):  # the next agent, before its epoch
+            fresh, ended = kind != "adopt", True
+        if kind == "epoch":
+            if seg is not None:
+                base = seg.close(base, fresh)
+            seg, ended = Segment(t), False
+            continue
+        if ended:
+            continue
+        if kind == KIND and ev.get("at_start"):  # that agent's own reading of the history
+            base = History(
+                _num(ev.get("base_up_s")),
+                int(_num(ev.get("base_unplanned"))),
+                ev.get("base_d") if isinstance(ev.get("base_d"), (int, float)) else None,
+            )
+        if seg is not None:
+            seg.feed(ev, t)
+    return seg.close(base, begin) if seg is not None else base
+
+
+def _when(ev: Dict[str, Any]) -> Optional[float]:
+    t = ev.get("time")
+    if not isinstance(t, str):
+        return None
+    try:
+        return datetime.datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _num(v: Any) -> float:
+    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+
+
+def parse_lines(data: bytes) -> List[Any]:
+    out = []
+    for raw in data.splitlines():
+        try:
+            out.append(json.loads(raw))
+        except ValueError:
+            continue
+    return out
+
+
+def load_history(local: List[Any], remote: Callable[[], Optional[bytes]], begin: bool) -> History:
+    """The history from this box's events when an agent of the run ran here before, else from
+    the store's mirror of them (a fresh box), read before this agent mirrors its own."""
+    if not any(isinstance(e, dict) and e.get("kind") == "epoch" for e in local):
+        try:
+            data = remote()
+        except StoreError:
+            data = None  # no history: the interval starts from the overhead target
+        if data:
+            local = parse_lines(data)
+    return history(local, begin)
+
+
+class AutoInterval:
+    """The live interval of one agent: its history, its own segment, read from its events
+    file as it grows."""
+
+    def __init__(
+        self,
+        base: History,
+        floor: float,
+        started: float,
+        events_path: str,
+        event: Callable[..., None],
+    ) -> None:
+        self.base = base
+        self.floor = floor
+        self.seg = Segment(started)
+        self.path = events_path
+        self.event = event
+        self.seconds = floor
+        self._offset = 0
+        self._logged: Optional[float] = None
+
+    def start(self, now: float) -> None:
+        """Skip what is already in the events file (the history), then the first interval."""
+        try:
+            self._offset = os.path.getsize(self.path)
+        except OSError:
+            self._offset = 0
+        self.update(now, at_start=True)
+
+    def _read(self) -> None:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except OSError:
+            return
+        end = data.rfind(b"\n") + 1  # a line still being appended is read next time
+        self._offset += end
+        for ev in parse_lines(data[:end]):
+            t = _when(ev) if isinstance(ev, dict) else None
+            if t is not None and ev.get("kind") != KIND:
+                self.seg.feed(ev, t)
+
+    def update(self, now: float, at_start: bool = False) -> float:
+        """Read new events, recompute; an event when the interval moved by CHANGE or more."""
+        self._read()
+        self.seg.last = max(self.seg.last, now)
+        d = self.seg.d() if self.seg.d() is not None else self.base.d
+        up = self.base.up + (self.seg.last - self.seg.start)
+        stops = self.base.unplanned + self.seg.unplanned
+        m = up / stops if stops else None
+        self.seconds = daly.choose(d, m, self.floor)
+        old = self._logged
+        if at_start or old is None or abs(self.seconds - old) >= CHANGE * old:
+            self._logged = self.seconds
+            how = (
+                "nothing measured yet: the stall floor"
+                if d is None
+                else f"no unplanned stop in {up:.0f} s: {daly.OVERHEAD:.0%} overhead"
+                if m is None
+                else f"Daly, {stops} unplanned stop(s) in {up:.0f} s"
+            )
+            self.event(
+                KIND,
+                f"checkpoint interval {self.seconds:.1f} s ({how}; checkpoint + seal "
+                f"{'unknown' if d is None else f'{d:.2f} s'}, floor {self.floor:.0f} s)",
+                seconds=round(self.seconds, 3),
+                d=d,
+                mtbf=m,
+                up_s=round(up, 1),
+                unplanned=stops,
+                at_start=at_start,
+                base_up_s=round(self.base.up, 1),
+                base_unplanned=self.base.unplanned,
+                base_d=self.base.d,
+            )
+        return self.seconds

@@ -1,0 +1,51 @@
+"""The checkpoint interval that loses the least work: Daly's higher-order formula.
+
+For a checkpoint that costs ``d`` seconds (the job's write plus rgt's seal) and a mean time of
+``m`` seconds between unplanned stops (preemptions, crashes, OOM kills), Daly (2006, "A
+higher order estimate of the optimum checkpoint interval for restart dumps") gives
+
+    t = sqrt(2 d m) * (1 + sqrt(d / (2 m)) / 3 + d / (18 m)) - d     for d < 2 m
+    t = m                                                            otherwise
+
+which refines Young's sqrt(2 d m) where checkpoints are not cheap against failures. With no
+failure seen yet (``m`` unknown) the interval keeps the checkpoint overhead at a target
+fraction (``d / t = overhead``, 10 %), and it never goes below a floor (the agent's
+hang-detection budget: asking more often than a hang can be told from a slow checkpoint buys
+nothing). Pure arithmetic, standard library only: the agent (onbox/agent/interval.py) and its
+tests use it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+OVERHEAD = 0.10  # the share of time checkpoints may take while no failure was ever seen
+
+
+def daly(d: float, m: float) -> float:
+    """Daly's higher-order optimum interval (seconds of work between checkpoints) for a
+    checkpoint cost ``d`` and a mean time between failures ``m``, both in seconds, both > 0."""
+    if not (d > 0 and m > 0 and math.isfinite(d) and math.isfinite(m)):
+        raise ValueError(f"daly needs finite d > 0 and m > 0, got d={d!r} m={m!r}")
+    if d >= 2 * m:
+        return m
+    return math.sqrt(2 * d * m) * (1 + math.sqrt(d / (2 * m)) / 3 + d / (18 * m)) - d
+
+
+def overhead_target(d: float, overhead: float = OVERHEAD) -> float:
+    """The interval at which checkpoints of cost ``d`` take ``overhead`` of the time."""
+    if not (d > 0 and 0 < overhead < 1):
+        raise ValueError(
+            f"overhead_target needs d > 0 and 0 < overhead < 1, got {d!r}, {overhead!r}"
+        )
+    return d / overhead
+
+
+def choose(d: Optional[float], m: Optional[float], floor: float) -> float:
+    """The interval to use: Daly's with both measured, the overhead target with only ``d``
+    (no failure seen yet), ``floor`` with nothing measured; never below ``floor``."""
+    if d is None or d <= 0:
+        return floor
+    t = overhead_target(d) if m is None or m <= 0 else daly(d, m)
+    return max(floor, t)

@@ -1,0 +1,118 @@
+"""The goodput harness's short form (bench/goodput/goodput.py): one trace, rgt with
+``checkpoint.interval = "auto"``, real preemptions (SIGTERM, no grace, SIGKILL of every process
+of the box, a fresh box with empty directories and a new agent that restores from the store).
+
+What a user relies on: across boxes, no step that counted is ever trained twice (each process
+continues exactly from the step it was restored to, never past what was trained), and the run
+ends bitwise where the preemption-free run beside it ends (weights, optimizer, RNG states).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from typing import Dict, List
+
+import pytest
+
+from tests.conftest import ROOT, require
+
+HARNESS = os.path.join(ROOT, "bench", "goodput", "goodput.py")
+STEPS = 150
+HASHES = ("weights", "optimizer", "rng")
+
+
+def _hashes(out: str) -> Dict[str, str]:
+    found = dict(re.findall(r"^(\w+) sha256 ([0-9a-f]{64})$", out, re.M))
+    assert set(HASHES) <= set(found), out[-2000:]
+    return {k: found[k] for k in HASHES}
+
+
+def _kept(text: str) -> List[int]:
+    """Replay the job's output in order: each resume throws away the steps past its restore
+    point; a process that does not continue from it fails."""
+    kept: List[int] = []
+    resumed, fresh = 0, True
+    for line in text.splitlines():
+        m = re.match(r"resumed at step (\d+)$", line)
+        if m:
+            resumed, fresh = int(m.group(1)), True
+            continue
+        m = re.match(r"step (\d+) attempt \S+ at ", line)
+        if not m:
+            continue
+        step = int(m.group(1))
+        if fresh:
+            assert resumed <= len(kept), f"resumed at {resumed}, only {len(kept)} trained"
+            assert step == resumed + 1, f"restored to {resumed}, trained {step} first"
+            kept, fresh = kept[:resumed], False
+        assert step == len(kept) + 1, f"step {step} after {len(kept)}"
+        kept.append(step)
+    return kept
+
+
+def _box_outputs(setup_dir: str) -> str:
+    """Every attempt's output of every box, in order."""
+    text = ""
+    boxes = sorted(
+        glob.glob(os.path.join(setup_dir, "box*")), key=lambda p: int(p.rsplit("box", 1)[1])
+    )
+    for box in boxes:
+        logs = sorted(glob.glob(os.path.join(box, "home", "runs", "gp", "attempts", "*", "*.log")))
+        for log in (p for p in logs if p.endswith("/output.log")):
+            with open(log) as f:
+                text += f.read()
+    return text
+
+
+@pytest.mark.timeout(240)
+def test_preempted_rgt_auto_never_redoes_a_counted_step_and_ends_exact(tmp_path: object) -> None:
+    require(importlib.util.find_spec("torch") is not None, "torch (pip install torch==2.13.0)")
+    require(importlib.util.find_spec("numpy") is not None, "numpy")
+    tmp = str(tmp_path)
+    trace = os.path.join(tmp, "trace.json")
+    with open(trace, "w") as f:  # two boxes preempted 12 s after they are up, then one to the end
+        json.dump(
+            {
+                "mtbp_min": 0.2,
+                "seed": 0,
+                "budget_min": 3.0,
+                "delay_min": 0.01,
+                "uptimes_min": [0.2, 0.2, 60.0],
+            },
+            f,
+        )
+    keep = os.path.join(tmp, "boxes")
+    out = os.path.join(tmp, "result.json")
+    argv = [sys.executable, HARNESS, "--trace", trace, "--grace", "0", "--k", "1"]
+    argv += ["--setups", "auto", "--steps", str(STEPS), "--step-time", "0.03", "--floor", "1"]
+    argv += ["--until-done", "--no-readme", "--keep", keep, "--json", out]
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=220)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    with open(out) as f:
+        (point,) = json.load(f)
+    assert point["preemptions"] == 2
+    (row,) = point["rows"]
+    assert "error" not in row, row
+    point_dir = glob.glob(os.path.join(keep, "mtbp*"))[0]
+    text = _box_outputs(os.path.join(point_dir, "rgt-auto"))
+    assert _kept(text) == list(range(1, STEPS + 1))
+    assert row["counted"] == STEPS and row["boxes"] == 3
+    with open(os.path.join(point_dir, "preemption-free", "box0", "out.log")) as f:
+        reference = f.read()
+    assert _kept(reference) == list(range(1, STEPS + 1))
+    assert _hashes(text) == _hashes(reference)
+    # the agents chose the interval from the run's own history and said so
+    events = []
+    for path in sorted(
+        glob.glob(os.path.join(point_dir, "rgt-auto", "box*", "home", "runs", "gp", "events.jsonl"))
+    ):
+        with open(path) as f:
+            events += [json.loads(line) for line in f if line.strip()]
+    chosen = [e for e in events if e["kind"] == "checkpoint_interval"]
+    assert len([e for e in chosen if e["at_start"]]) == 3, chosen

@@ -1,0 +1,174 @@
+"""checkpoint.interval = "auto": Daly's formula (onbox/common/daly.py) against values computed by
+hand and its limits, and the history the agent reads it from (onbox/agent/interval.py): up time
+and unplanned stops across agents and boxes, planned stops left out, the interval's events."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Dict, List
+
+import pytest
+
+from onbox.agent.interval import AutoInterval, History, history, load_history
+from onbox.agent.journal import iso
+from onbox.agent.spec import JobSpec, Overrides, build_spec
+from onbox.common.daly import choose, daly, overhead_target
+from onbox.common.errors import TransientStoreError, UsageError
+
+
+def test_daly_matches_hand_computed_values() -> None:
+    # d=1, M=50: sqrt(100) = 10; sqrt(1/100)/3 = 0.03333; 1/900 = 0.001111 -> 10 x 1.034444 - 1
+    assert daly(1.0, 50.0) == pytest.approx(9.344444, abs=1e-5)
+    # d=0.5, M=60: sqrt(60) = 7.745967 x (1 + 0.021517 + 0.000463) - 0.5
+    assert daly(0.5, 60.0) == pytest.approx(7.416219, abs=1e-5)
+
+
+def test_daly_limits() -> None:
+    assert daly(2.0, 1.0) == 1.0  # d >= 2M: M
+    assert daly(50.0, 1.0) == 1.0
+    assert daly(1.999, 1.0) == pytest.approx(8 / 9, abs=1e-3)  # just under 2M: 2M x 13/9 - 2M
+    d, m = 1e-6, 100.0  # a cheap checkpoint: Young's sqrt(2 d M)
+    assert daly(d, m) / math.sqrt(2 * d * m) == pytest.approx(1.0, abs=1e-3)
+    for bad in ((0.0, 1.0), (1.0, 0.0), (-1.0, 5.0), (math.inf, 5.0), (1.0, math.nan)):
+        with pytest.raises(ValueError):
+            daly(*bad)
+
+
+def test_choose_starts_at_the_overhead_target_and_keeps_the_floor() -> None:
+    assert overhead_target(3.0) == pytest.approx(30.0)  # d / t = 10 %
+    assert choose(None, None, 120.0) == 120.0  # nothing measured: the floor
+    assert choose(3.0, None, 5.0) == pytest.approx(30.0)  # no failure seen: 10 % overhead
+    assert choose(1.0, 50.0, 5.0) == pytest.approx(9.344444, abs=1e-5)
+    assert choose(1.0, 50.0, 120.0) == 120.0  # never below the hang-detection budget
+
+
+T0 = 1_800_000_000.0
+
+
+def ev(t: float, kind: str, **data: Any) -> Dict[str, Any]:
+    return {"time": iso(T0 + t), "kind": kind, **data}
+
+
+def state(t: float, s: str, reason: str = "") -> Dict[str, Any]:
+    return ev(t, "state", state=s, reason=reason or s.lower())
+
+
+def agent_preempted_after_a_crash() -> List[Dict[str, Any]]:
+    """Up 300 s: one crash while RUNNING, one quick exit while STARTING, then a preemption."""
+    return [
+        ev(0, "incarnation"),
+        ev(0, "epoch", epoch=1),
+        state(1, "STARTING"),
+        ev(2, "exit", exit_kind="python_exception"),  # STARTING: a quick exit, not counted
+        state(3, "BACKOFF"),
+        state(4, "STARTING"),
+        state(10, "RUNNING"),
+        ev(50, "checkpoint_asked"),
+        ev(52.5, "sealed", seconds=0.4),
+        ev(100, "exit", exit_kind="oom_killed"),  # RUNNING: an unplanned stop
+        state(100, "BACKOFF"),
+        state(101, "STARTING"),
+        state(110, "RUNNING"),
+        state(290, "STOPPING", "preempt: signalling the job"),
+        ev(295, "exit", exit_kind="signal"),  # the agent's own stop: part of the preemption
+        state(300, "PREEMPTED"),
+    ]
+
+
+def test_history_counts_unplanned_stops_and_up_time_across_agents() -> None:
+    first = agent_preempted_after_a_crash()
+    h = history(first, begin=True)
+    assert (h.up, h.unplanned, h.d) == (pytest.approx(300), 2, pytest.approx(2.5))
+    # a second agent on the same box, gone without a word after 200 s
+    second = [ev(1000, "incarnation"), ev(1000, "epoch", epoch=2), state(1001, "RUNNING")]
+    second.append(ev(1200, "sealed", seconds=0.1))
+    h = history(first + second, begin=True)  # the next start begins anew: the box was lost
+    assert (h.up, h.unplanned) == (pytest.approx(500), 3)
+    h = history(first + second, begin=False)  # adopted: its job still ran, nothing stopped
+    assert (h.up, h.unplanned) == (pytest.approx(500), 2)
+
+
+@pytest.mark.parametrize(
+    "ending",
+    [
+        [state(100, "STOPPING", "stop: signalling the job"), state(101, "STOPPED")],
+        [state(100, "SUCCEEDED")],
+        [ev(90, "slurm_warning"), state(100, "STOPPING", "preempt: x"), state(101, "PREEMPTED")],
+        [ev(90, "meter_cap"), state(100, "STOPPED")],
+    ],
+)
+def test_planned_stops_are_not_failures(ending: List[Dict[str, Any]]) -> None:
+    events = [ev(0, "epoch", epoch=1), state(1, "RUNNING"), *ending]
+    assert history(events, begin=True).unplanned == 0
+
+
+def test_a_fresh_box_reads_the_store_and_carries_the_totals_forward() -> None:
+    # The previous box's events: its agent began with 1000 s and 4 stops behind it.
+    prior = [
+        ev(0, "epoch", epoch=5),
+        ev(0, "checkpoint_interval", at_start=True, base_up_s=1000.0, base_unplanned=4),
+        state(1, "RUNNING"),
+        ev(60, "checkpoint_asked"),
+        ev(61, "sealed", seconds=0.2),
+    ]
+    remote = "\n".join(json.dumps(e) for e in prior).encode() + b"\n{torn"
+    h = load_history([ev(100, "incarnation")], lambda: remote, begin=True)  # no epoch here
+    assert (h.up, h.unplanned, h.d) == (pytest.approx(1061), 5, pytest.approx(1.0))
+
+    def unreachable() -> bytes:
+        raise TransientStoreError("the store did not answer")
+
+    assert load_history([], unreachable, begin=True) == History()
+
+
+def test_auto_interval_follows_the_events_and_logs_its_changes(tmp_path: Any) -> None:
+    path = os.path.join(str(tmp_path), "events.jsonl")
+    with open(path, "w") as f:
+        f.write(json.dumps(ev(0, "epoch", epoch=3)) + "\n")
+    logged: List[Dict[str, Any]] = []
+    auto = AutoInterval(
+        History(up=0.0, unplanned=0, d=None),
+        5.0,
+        T0,
+        path,
+        lambda kind, reason, **data: logged.append({"kind": kind, "reason": reason, **data}),
+    )
+    auto.start(T0)
+    assert auto.seconds == 5.0 and logged[-1]["at_start"] is True  # nothing measured: floor
+
+    def append(*events: Dict[str, Any]) -> None:
+        with open(path, "a") as f:
+            f.writelines(json.dumps(e) + "\n" for e in events)
+
+    append(state(1, "RUNNING"), ev(10, "checkpoint_asked"), ev(11, "sealed", seconds=0.3))
+    assert auto.update(T0 + 15) == pytest.approx(10.0)  # d = 1 s, no failure: 10 % overhead
+    append(ev(20, "exit", exit_kind="oom_killed"), state(20, "BACKOFF"))
+    assert auto.update(T0 + 20) == pytest.approx(daly(1.0, 20.0))  # M = 20 s over 1 stop
+    assert [e["seconds"] for e in logged] == [5.0, 10.0, pytest.approx(daly(1.0, 20.0), abs=1e-3)]
+    assert logged[-1]["unplanned"] == 1 and logged[-1]["mtbf"] == pytest.approx(20.0)
+    assert auto.update(T0 + 21) > daly(1.0, 20.0)  # M grows with the time up...
+    assert len(logged) == 3  # ...but by under 10 %: no new event
+
+
+def test_job_file_interval_auto(tmp_path: Any) -> None:
+    def build(ckpt: str) -> JobSpec:
+        job = os.path.join(str(tmp_path), "job.toml")
+        with open(job, "w") as f:
+            f.write(f'command = ["true"]\n[checkpoint]\n{ckpt}\n')
+        return build_spec(
+            job,
+            Overrides(),
+            cwd=str(tmp_path),
+            environ=os.environ,
+            default_name="job",
+            run_dir_of=lambda n: os.path.join(str(tmp_path), n),
+        )
+
+    spec = build('interval = "auto"\ntrigger = "file"')
+    assert spec.ckpt_auto is True and spec.ckpt_interval is None
+    assert JobSpec.from_json(spec.to_json()).ckpt_auto is True
+    assert build('interval = "90s"\ntrigger = "file"').ckpt_auto is False
+    with pytest.raises(UsageError):
+        build('interval = "auto"')  # nothing to ask the job with

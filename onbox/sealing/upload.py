@@ -30,7 +30,7 @@ import hashlib
 import os
 import shutil
 import threading
-from typing import Any, Collection, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, Union
 
 from onbox.common.durable import sha256_file
 from onbox.common.errors import IntegrityError, StoreError
@@ -160,8 +160,9 @@ class CheckpointUpload:
     ) -> None:
         """Upload a hashed file. One the job deleted or rewrote since it was hashed (rotation,
         not a store fault) is Vanished; a staged copy is ours and cannot change."""
+        put = functools.partial(self.store.put_file, key, path, sha256=sha, size=size)
         try:
-            with_retries(functools.partial(self.store.put_file, key, path, sha256=sha, size=size))
+            with_retries(put, sleep=self._backoff(path, rel, None if staged else size))
         except (StoreError, IntegrityError):
             if staged:
                 raise
@@ -187,7 +188,7 @@ class CheckpointUpload:
         key = self.prefix + rel
         put = functools.partial(self.store.put_file, key, src, sha256=None, size=before.st_size)
         try:
-            info = with_retries(put)
+            info = with_retries(put, sleep=self._backoff(src, rel, before))
         except StoreError:
             if _changed(src, before):  # rotated away or rewritten: normal, not a store fault
                 raise Vanished(f"{rel} changed or was deleted while uploading") from None
@@ -197,6 +198,31 @@ class CheckpointUpload:
             raise Vanished(f"{rel} changed while uploading")
         self.claims.finish(info.sha256, before.st_size, key)
         return {"path": rel, "size": before.st_size, "sha256": info.sha256, "key": key}
+
+    def _backoff(
+        self, src: str, rel: str, before: Union[os.stat_result, int, None]
+    ) -> Callable[[float], None]:
+        """The wait before a put is retried: none once another file failed (the seal is over)
+        or once the job deleted or rewrote the source (``before``: its stat, or its size; None
+        for a staged copy, which is ours), so a rotated file is not retried for seconds."""
+
+        def sleep(seconds: float) -> None:
+            if before is not None:
+                try:
+                    st = os.stat(src)
+                    gone = (
+                        st.st_size != before
+                        if isinstance(before, int)
+                        else signature(st) != signature(before)
+                    )
+                except FileNotFoundError:
+                    gone = True
+                if gone:
+                    raise Vanished(f"{rel} changed or was deleted while uploading")
+            if self.stop.wait(seconds):
+                raise _Stopped()
+
+        return sleep
 
     def _stage(self, src: str, rel: str) -> Tuple[str, str, int]:
         """(path to upload from, sha256, size). A file the job may rewrite in place is copied

@@ -2,10 +2,11 @@
 
 Every object is written to a temporary name in its directory with a kernel-side copy while a
 second thread hashes the source (one read from the disk: whichever of the two gets there first
-pulls the pages in, the other finds them cached), fsynced, renamed into place, and the directory
-fsynced. The copy is verified by what can fail here: the source must not have changed while it
-was copied (same size, mtime and ctime before and after, and the hash of the caller, when given,
-must match), fsync must succeed, and the copy must have the source's size. A read-back after
+pulls the pages in, the other finds them cached; a file of up to 4 MiB is read once into memory
+and hashed there instead), fsynced, renamed into place, and the directory fsynced. The copy is
+verified by what can fail here: the source must not have changed while it was copied (same
+size, mtime and ctime before and after, and the hash of the caller, when given, must match),
+fsync must succeed, and the copy must have the source's size. A read-back after
 fsync would be served from the page cache, not the disk, so it would prove nothing more; a
 directory has no checksum of its own to compare with. The preflight proves the mount really
 renames and fsyncs: FUSE bucket mounts (s3fs, goofys, some vendors' volumes) do neither reliably.
@@ -55,6 +56,7 @@ CHUNK = 1 << 20
 LOCK_NAME = ".rgt-lock"  # RUN/.rgt-lock: held around a conditional replace, never listed
 LOCK_WAIT = 30.0  # seconds a conditional replace waits for another writer's lock
 HASH_CHUNK = 8 << 20  # large reads keep the hashing thread in OpenSSL, off the GIL
+SMALL_FILE = 4 << 20  # put_file reads a file up to this size into memory (_copy_small)
 
 
 def _copy_from(f: BinaryIO, dst_fd: int, size: int) -> None:
@@ -118,6 +120,30 @@ def _copy_hashing(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
         raise out[0]
     sha, n = out[0]
     return sha, n, before
+
+
+def _copy_small(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
+    """``_copy_hashing`` for a file of up to SMALL_FILE bytes: read once into memory, hashed
+    there and written out, in this thread. A checkpoint of thousands of small files is put
+    many at a time (onbox/sealing/upload.py); a hashing thread of its own per file would cost
+    more than its hash."""
+    fd = f.fileno()
+    before = os.fstat(fd)
+    chunks: List[bytes] = []
+    off = 0
+    while True:
+        b = os.pread(fd, SMALL_FILE + 1 - off, off)
+        if not b:
+            break
+        chunks.append(b)
+        off += len(b)
+        if off > SMALL_FILE:  # it grew since the fstat: hashed as far as read, then refused
+            break
+    data = b"".join(chunks)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(dst_fd, view) :]
+    return hashlib.sha256(data).hexdigest(), len(data), before
 
 
 def _sig(st: os.stat_result) -> Tuple[int, int, int, int]:
@@ -254,8 +280,11 @@ class LocalStore(Store):
         )
 
     hashes_while_uploading = True
-    # Puts at once: each is a kernel copy beside a hashing thread, then an fsync that waits on
-    # the disk; several fsyncs in flight share the filesystem's journal commits.
+    # Puts at once: each is a copy while hashed, then an fsync of the file and one of its
+    # directory, which wait on the disk; several fsyncs in flight share the filesystem's
+    # journal commits. Not one syncfs for the whole checkpoint instead: a FUSE mount (many
+    # vendors' volumes) forwards fsync to its daemon but not syncfs, so the objects would not
+    # be known durable before their MANIFEST.
     parallel_puts = 8
 
     def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
@@ -269,7 +298,8 @@ class LocalStore(Store):
             fd = self._new(dfd, tmp)
             try:
                 with open(path, "rb") as f:
-                    got, hashed, before = _copy_hashing(f, fd)
+                    small = os.fstat(f.fileno()).st_size <= SMALL_FILE
+                    got, hashed, before = (_copy_small if small else _copy_hashing)(f, fd)
                 os.fsync(fd)
                 copied = os.fstat(fd).st_size
             finally:

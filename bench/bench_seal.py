@@ -1,7 +1,7 @@
 """rgt's sealer next to what a user would run instead (cp + sync, s5cmd), in the same run.
 
     .venv/bin/python bench/bench_seal.py [--size-mib 1024] [--ckpt-mib 200] [--repeats 3]
-                                         [--sigterm-repeats 5]
+                                         [--sigterm-repeats 5] [--many full|quick|none]
                                          [--no-s3] [--no-readme]
 
 The real ``onbox.sealing.sealer.Sealer`` runs in-process on real stores: ``file://`` (a directory in
@@ -28,6 +28,10 @@ store is wrapped by a recorder that times and counts what the sealer puts, witho
    checkpoint at SIGTERM (``cp -r DIR DEST && sync`` / ``s5cmd cp 'DIR/*'``).
 4. Bytes the sealer uploads for a second checkpoint in which 2 of the 10 files changed, next to
    the bytes that changed.
+5. Many files (``--many``): checkpoints of 1,000 x 256 KiB and 10,000 x 16 KiB, and the growth
+   curve at one total (160 MiB in 10, 100, 1,000 and 10,000 files), sealed to file:// and
+   s3:// next to ``cp -r DIR DEST && sync`` and ``s5cmd cp 'DIR/*'``, arms rotating, page cache
+   dropped as in 1 and 2, medians of ``--repeats``.
 
 A markdown report goes to stdout and, between the ``bench_seal`` markers, into bench/README.md.
 Targets are marked pass/FAIL; the exit code does not depend on them (a benchmark on a shared
@@ -53,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
@@ -144,6 +149,8 @@ class Recorder(Store):
         self.manifest_at: Optional[float] = None
         self.latest_at: Optional[float] = None
         self.fail_at: Optional[int] = None
+        self.started = 0  # shard puts begun while fail_at is set
+        self.lock = threading.Lock()
 
     def reset(self) -> None:
         self.files, self.small = [], []
@@ -153,8 +160,11 @@ class Recorder(Store):
         return [p for p in self.files if "/shard-" in p.key]
 
     def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
-        if self.fail_at is not None and "/shard-" in key and len(self.shards_put()) >= self.fail_at:
-            raise PermanentStoreError("bench: this seal is interrupted here")
+        if self.fail_at is not None and "/shard-" in key:
+            with self.lock:  # the sealer puts several at once: count the puts begun
+                self.started += 1
+                if self.started > self.fail_at:
+                    raise PermanentStoreError("bench: this seal is interrupted here")
         t0 = time.monotonic()
         info = self.inner.put_file(key, path, sha256=sha256, size=size)
         self.files.append(Put(key, size, t0, time.monotonic()))
@@ -382,8 +392,16 @@ def reclaim(srv: SeaweedServer, store: Store) -> None:
     """Delete every object of the bucket and have weed compact its volumes (untimed), so the
     benchmark's disk use stays near one repeat's data: weed frees deleted data only when a
     vacuum compacts a volume, and deletes chunks in the background first."""
-    for info in list(store.list("")):
-        store.delete(info.key)
+    keys = [info.key for info in store.list("")]
+    client = getattr(store, "client", None)
+    if client is not None:  # S3: a thousand keys per request (a many-file row has 10,000)
+        full = getattr(store, "full_key")  # noqa: B009
+        for i in range(0, len(keys), 1000):
+            objs = [{"Key": full(k)} for k in keys[i : i + 1000]]
+            client.delete_objects(Bucket=getattr(store, "bucket"), Delete={"Objects": objs})  # noqa: B009
+    else:
+        for key in keys:
+            store.delete(key)
     time.sleep(5)
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     url = f"http://127.0.0.1:{srv.port + 1}/vol/vacuum?garbageThreshold=0.0001"
@@ -466,6 +484,169 @@ def s5cmd_env(srv: SeaweedServer) -> Dict[str, str]:
     return env
 
 
+# ---------------------------------------------------------------- measurement 5: many files
+
+KiB = 1 << 10
+# (files, bytes each): the issue's two many-file shapes, then the growth curve in file count at
+# the same total as the second (160 MiB: 10 x 16 MiB ... 10,000 x 16 KiB, which is that row).
+MANY_ROWS = ((1000, 256 * KiB), (10000, 16 * KiB))
+CURVE = ((10, 16 * MiB), (100, 1600 * KiB), (1000, 160 * KiB), (10000, 16 * KiB))
+MANY_QUICK = ((200, 256 * KiB), (2000, 16 * KiB))
+CURVE_QUICK = ((10, 3200 * KiB), (100, 320 * KiB), (2000, 16 * KiB))
+MANY_RATIO_MIN = 1.0  # rgt / s5cmd on the many-file rows (the issue); cp -r + sync: 0.8x
+
+
+def shape_label(count: int, size: int) -> str:
+    each = f"{size // MiB} MiB" if size % MiB == 0 else f"{size // KiB} KiB"
+    return f"{count:,} x {each}"
+
+
+@dataclasses.dataclass
+class Many:
+    count: int
+    size: int
+    arms: Dict[str, Dict[str, List[Sample]]]  # store ("file", "s3") -> arm -> samples
+
+
+def many_checkpoint(box: Box, count: int, size: int) -> str:
+    """``many/step_1``: ``count`` files of ``size`` random bytes and rgt's marker, synced once
+    (a file each fsynced would take minutes at 10,000 files)."""
+    d = box.path("many", "ckpt", "step_1", "x")[:-2]
+    shutil.rmtree(d, ignore_errors=True)
+    os.makedirs(d)
+    for i in range(count):
+        with open(os.path.join(d, f"shard-{i:05d}.bin"), "wb") as f:
+            f.write((HEADER + os.urandom(size))[:size])
+    with open(os.path.join(d, ".rgt-complete"), "w") as f:
+        json.dump({"step": 1}, f)
+    os.sync()
+    return d
+
+
+def many_files(
+    box: Box,
+    srv: Optional[SeaweedServer],
+    bucket: str,
+    shapes: Sequence[Tuple[int, int]],
+    repeats: int,
+) -> List[Many]:
+    """Each shape sealed by rgt and copied by the user's tool, file:// (cp -r + sync) and
+    s3:// (s5cmd cp 'DIR/*'), the arms of a store taking turns, page cache as in 1 and 2."""
+    return [many_shape(box, srv, bucket, count, size, repeats) for count, size in shapes]
+
+
+def many_shape(
+    box: Box, srv: Optional[SeaweedServer], bucket: str, count: int, size: int, repeats: int
+) -> Many:
+    d = many_checkpoint(box, count, size)
+    ckpt = os.path.dirname(d)
+    durable = box.dir("durable")
+    label, tag = shape_label(count, size), f"{count}x{size}"
+
+    def rgt_file(rep: int) -> Sample:
+        run = f"many-file-{tag}-{rep}"
+        rec = Recorder(LocalStore(durable))
+        sealer = make_sealer(box, rec, run, ckpt)
+        box.settle()
+        try:
+            return timed_seal(box, sealer, rec, None)
+        finally:
+            shutil.rmtree(os.path.join(durable, run), ignore_errors=True)
+
+    def cp(rep: int) -> Sample:
+        dest = box.path("durable", f"many-cp-{rep}", "step_1")
+        box.settle()
+        try:
+            return timed_command(["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", d, dest], None, None)
+        finally:
+            shutil.rmtree(os.path.dirname(dest), ignore_errors=True)
+
+    arms = {"file": alternate({"rgt": rgt_file, "reference": cp}, repeats, f"{label} file://")}
+    if srv is not None:
+        arms["s3"] = many_s3(box, srv, bucket, d, tag, label, repeats)
+    shutil.rmtree(ckpt)
+    return Many(count, size, arms)
+
+
+def many_s3(
+    box: Box, srv: SeaweedServer, bucket: str, d: str, tag: str, label: str, repeats: int
+) -> Dict[str, List[Sample]]:
+    store = srv.store(bucket)
+    store.client.head_bucket(Bucket=bucket)  # boto3's models and a connection: not timed
+    ckpt = os.path.dirname(d)
+
+    def rgt(rep: int) -> Sample:
+        rec = Recorder(store)
+        sealer = make_sealer(box, rec, f"many-s3-{tag}-{rep}", ckpt)
+        box.settle()
+        return timed_seal(box, sealer, rec, srv.pid)
+
+    s5, env = s5cmd_binary() or "s5cmd", s5cmd_env(srv)
+
+    def s5cmd(rep: int) -> Sample:
+        box.settle()
+        argv = [
+            s5,
+            "--endpoint-url",
+            srv.endpoint,
+            "cp",
+            d + "/*",
+            f"s3://{bucket}/s5-{tag}-{rep}/",
+        ]
+        return timed_command(argv, env, srv.pid)
+
+    arms: Dict[str, Arm] = {"rgt": rgt, "reference": s5cmd}
+    return alternate(arms, repeats, f"{label} s3://", lambda: reclaim(srv, store))
+
+
+def render_many(rows: List[Many], curve: List[Many]) -> Tuple[List[Tuple[str, ...]], str]:
+    """The many-file rows of the main table, and the growth curve's own table."""
+    main: List[Tuple[str, ...]] = []
+    refs = {"file": ("file://", "cp -r + sync", FILE_RATIO_MIN), "s3": ("s3://", "s5cmd cp", 1.0)}
+    for m in rows:
+        total = m.count * m.size
+        for store, arms in m.arms.items():
+            name, ref, target = refs[store]
+            a = med([s.seconds for s in arms["rgt"]])
+            r = med([s.seconds for s in arms["reference"]])
+            main.append(
+                (
+                    f"{name} seal, {shape_label(m.count, m.size)} files "
+                    f"({total / MiB:.0f} MiB), to MANIFEST (MB/s)",
+                    f"{mbps(total, a):.0f}",
+                    f"{mbps(total, r):.0f} ({ref})",
+                    f"{r / a:.2f}x",
+                    f"≥ {target:.1f}x",
+                    verdict(r / a >= target),
+                )
+            )
+    lines = [
+        "| files (same total) | file:// rgt s | cp -r + sync s | ratio | s3:// rgt s | "
+        "s5cmd cp s | ratio | CPU s: rgt / s5cmd / weed (under rgt, s5cmd) |\n",
+        "|---|---:|---:|---:|---:|---:|---:|---|\n",
+    ]
+    for m in curve:
+        cells = []
+        for store in ("file", "s3"):
+            if store not in m.arms:
+                cells += ["", "", ""]
+                continue
+            a = med([s.seconds for s in m.arms[store]["rgt"]])
+            r = med([s.seconds for s in m.arms[store]["reference"]])
+            cells += [f"{a:.2f}", f"{r:.2f}", f"{r / a:.2f}x"]
+        cpu = ""
+        if "s3" in m.arms:
+            arms = m.arms["s3"]
+            cpu = (
+                f"{med([s.cpu for s in arms['rgt']]):.2f} / "
+                f"{med([s.cpu for s in arms['reference']]):.2f} / "
+                f"{med([s.server_cpu for s in arms['rgt']]):.2f}, "
+                f"{med([s.server_cpu for s in arms['reference']]):.2f}"
+            )
+        lines.append(f"| {shape_label(m.count, m.size)} | " + " | ".join(cells) + f" | {cpu} |\n")
+    return main, "".join(lines)
+
+
 # ---------------------------------------------------------------- measurements 3 and 4
 
 
@@ -534,7 +715,7 @@ def sigterm_to_sealed(
                         sealer.seal_pending()
                     final = shards.checkpoint(ckpt, 2, shards.final())
                     if variant == "retry":  # an attempt that put k shards, then failed
-                        rec.fail_at = k
+                        rec.fail_at, rec.started = k, 0
                         with contextlib.suppress(PermanentStoreError):
                             sealer.seal_pending()
                         rec.fail_at = None
@@ -620,6 +801,9 @@ class Results:
     sigterm: Sigterm
     deltas: Dict[str, Delta]
     hash_rates: Dict[str, float]  # MB/s on one core, in memory
+    many: List[Many] = dataclasses.field(default_factory=list)  # MANY_ROWS, then CURVE
+    many_rows: Sequence[Tuple[int, int]] = MANY_ROWS
+    curve: Sequence[Tuple[int, int]] = CURVE
 
 
 def render(res: Results, meta: str) -> str:
@@ -647,6 +831,12 @@ def render(res: Results, meta: str) -> str:
     throughput_rows(res.file, "file://", "cp + sync", FILE_RATIO_MIN)
     if res.s3 is not None:
         throughput_rows(res.s3, "s3:// (SeaweedFS)", "s5cmd cp", S3_RATIO_MIN)
+    by_shape = {(m.count, m.size): m for m in res.many}
+    many_main, curve_table = render_many(
+        [by_shape[k] for k in res.many_rows if k in by_shape],
+        [by_shape[k] for k in res.curve if k in by_shape],
+    )
+    rows += many_main
     sig = res.sigterm
     ck_label = f"{sig.size / MiB:.0f} MiB"
     for store, ref in (("file", "cp -r + sync"), ("s3", "s5cmd cp")):
@@ -777,6 +967,12 @@ def render(res: Results, meta: str) -> str:
         meta
         + "\n"
         + table
+        + (
+            "\nGrowth in file count at the same total (medians, s; the last row is the "
+            "many-file row above):\n\n" + curve_table
+            if res.many
+            else ""
+        )
         + "\nWhere the seal time goes (medians; the recorder wrapping the store times each "
         "put):\n\n"
         + "".join(seg)
@@ -832,6 +1028,13 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument(
         "--sigterm-repeats", type=int, default=5, help="timed runs per case of 3 (default 5)"
     )
+    ap.add_argument(
+        "--many",
+        choices=("full", "quick", "none"),
+        default="full",
+        help="the many-file rows and growth curve (5): full (1,000 x 256 KiB, 10,000 x 16 KiB, "
+        "10..10,000 files of 160 MiB in all), quick (smaller shapes), none",
+    )
     ap.add_argument("--no-s3", action="store_true", help="file:// only (no SeaweedFS)")
     ap.add_argument("--no-drop-caches", action="store_true", help="keep the page cache warm")
     ap.add_argument("--workdir", default=None, help="where the temporary directory goes")
@@ -873,6 +1076,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             srv.bucket(bucket)
             s3_t = s3_throughput(box, srv, bucket, big, size, args.repeats)
         os.unlink(os.path.join(big, "step_1.pt"))
+        rows_, curve_ = (MANY_QUICK, CURVE_QUICK) if args.many == "quick" else (MANY_ROWS, CURVE)
+        shapes = [] if args.many == "none" else list(dict.fromkeys([*rows_, *curve_]))
+        many = many_files(box, srv, bucket, shapes, args.repeats)
 
         shards = Shards(box, args.ckpt_mib * MiB)
         durable = box.dir("durable")
@@ -932,7 +1138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"and {args.sigterm_repeats} (3); "
             f"onbox at {onbox}.\n"
         )
-        body = render(Results(file_t, s3_t, sig, deltas, rates), meta)
+        body = render(Results(file_t, s3_t, sig, deltas, rates, many, rows_, curve_), meta)
     print(body)
     if not args.no_readme:
         update_readme(args.readme, body)

@@ -1,0 +1,104 @@
+"""The copies of a ``file://`` store (onbox/sealing/stores/local.py), hashed as they go: a
+kernel copy while a second thread hashes the source, or, for a small file, one read into
+memory hashed there. Used by its puts and its downloads alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import threading
+from typing import Any, BinaryIO, List, Tuple
+
+CHUNK = 1 << 20
+HASH_CHUNK = 8 << 20  # large reads keep the hashing thread in OpenSSL, off the GIL
+SMALL_FILE = 4 << 20  # put_file reads a file up to this size into memory (copy_small)
+
+
+def copy_from(f: BinaryIO, dst_fd: int, size: int) -> None:
+    """Copy ``size`` bytes of the open file ``f`` into ``dst_fd``, in the kernel where it can."""
+    done = 0
+    cfr = getattr(os, "copy_file_range", None)
+    try:
+        while done < size:
+            if cfr is not None:
+                n = cfr(f.fileno(), dst_fd, size - done, done)
+            else:
+                n = os.sendfile(dst_fd, f.fileno(), done, size - done)
+            if n == 0:
+                break
+            done += n
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        # Positional reads: the hashing thread shares this descriptor's file offset.
+        os.lseek(dst_fd, done, os.SEEK_SET)
+        while True:
+            b = os.pread(f.fileno(), CHUNK, done)
+            if not b:
+                break
+            done += len(b)
+            view = memoryview(b)
+            while view:
+                view = view[os.write(dst_fd, view) :]
+
+
+def copy_hashing(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
+    """Copy the open file ``f`` into ``dst_fd`` while another thread hashes it: (sha256, bytes
+    hashed, the source's stat before). Both threads spend their time in the kernel or in
+    OpenSSL with the GIL released, so on two cores the hash costs almost no wall time."""
+    fd = f.fileno()
+    before = os.fstat(fd)
+    with contextlib.suppress(OSError, AttributeError):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+    out: List[Any] = []
+
+    def hash_all() -> None:
+        try:
+            h, off = hashlib.sha256(), 0
+            while True:
+                b = os.pread(fd, HASH_CHUNK, off)
+                if not b:
+                    break
+                h.update(b)
+                off += len(b)
+            out.append((h.hexdigest(), off))
+        except BaseException as e:  # handed to the copying thread, raised there
+            out.append(e)
+
+    hasher = threading.Thread(target=hash_all, name="rgt-hash", daemon=True)
+    hasher.start()
+    try:
+        copy_from(f, dst_fd, before.st_size)
+    finally:
+        hasher.join()
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    sha, n = out[0]
+    return sha, n, before
+
+
+def copy_small(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
+    """``copy_hashing`` for a file of up to SMALL_FILE bytes: read once into memory, hashed
+    there and written out, in this thread. A checkpoint of thousands of small files is put
+    many at a time (onbox/sealing/upload.py); a hashing thread of its own per file would cost
+    more than its hash."""
+    fd = f.fileno()
+    before = os.fstat(fd)
+    chunks: List[bytes] = []
+    off = 0
+    while True:
+        b = os.pread(fd, SMALL_FILE + 1 - off, off)
+        if not b:
+            break
+        chunks.append(b)
+        off += len(b)
+        if off > SMALL_FILE:  # it grew since the fstat: hashed as far as read, then refused
+            break
+    data = b"".join(chunks)
+    view = memoryview(data)
+    while view:
+        view = view[os.write(dst_fd, view) :]
+    return hashlib.sha256(data).hexdigest(), len(data), before

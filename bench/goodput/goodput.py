@@ -100,8 +100,9 @@ def _timeline(
             if last and until_done and "rng sha256" in _output(setup, box):
                 break
             time.sleep(min(0.2, max(0.0, t0 + end - time.monotonic())))
+        preempted = time.time()  # the box's work ends here; the grace counts as down time
         box.preempt(grace if not last else 0.0)
-        boxes.append((box.up_at, time.time(), box.restore_s, _output(setup, box)))
+        boxes.append((box.up_at, preempted, box.restore_s, _output(setup, box)))
 
 
 def run_point(
@@ -123,6 +124,7 @@ def run_point(
         threads.append(th)
     for th in threads:
         th.join()
+    load = os.getloadavg()[1]  # the machine's 5-minute load at the end: others' work included
     down = sum(b_up - a_end for (_, a_end), (b_up, _) in zip(sched, sched[1:]))
     ref = gp_account.account("ref", records[setups[0].name], 0.0, args.step_time)
     rows: List[Dict[str, Any]] = []
@@ -156,6 +158,7 @@ def run_point(
         "own_min": args.own_min,
         "cron_min": args.cron_min,
         "floor_s": args.floor,
+        "load5": round(load, 1),
         "measured": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "rows": rows,
     }

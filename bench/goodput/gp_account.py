@@ -119,8 +119,9 @@ class Result:
 def account(
     setup: str, boxes: Sequence[Tuple[float, float, float, str]], down_s: float, step_time: float
 ) -> Result:
-    """``boxes``: (wall time the box was up, and gone, seconds its hand-made restore took, its
-    output). A box gone before its job's first step spent all its time restarting."""
+    """``boxes``: (wall time the box was up, and preempted, seconds its hand-made restore
+    took, its output). A box preempted before its job's first step spent all its time
+    restarting."""
     procs: List[Process] = []
     restart = restore = 0.0
     for up_at, gone_at, restore_s, text in boxes:

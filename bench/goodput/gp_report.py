@@ -43,7 +43,7 @@ def table(points: List[Dict[str, Any]]) -> str:
         for r in p["rows"]:
             if r["setup"] not in names:
                 names.append(r["setup"])
-    head = ["MTBP (min)", "grace (s)", "seed", "preemptions", *names, "targets"]
+    head = ["MTBP (min)", "grace (s)", "seed", "preemptions", "load", *names, "targets"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * (len(head) - 1) + "---|"]
     detail = ["| MTBP, grace | setup | " + " | ".join(_CAUSES) + " |", "|---|---|" + "---:|" * 6]
     for p in points:
@@ -54,8 +54,7 @@ def table(points: List[Dict[str, Any]]) -> str:
             cells.append("-" if r is None else ("error" if "error" in r else f"{r['goodput']:.2f}"))
         lines.append(
             f"| {p['mtbp_min']:g} | {p['grace_s']:g} | {p['seed']} | {p['preemptions']} | "
-            + " | ".join(cells)
-            + f" | {_targets(p, rows)} |"
+            f"{p.get('load5', '?')} | " + " | ".join(cells) + f" | {_targets(p, rows)} |"
         )
         for n in names:
             r = rows.get(n)
@@ -77,7 +76,8 @@ def table(points: List[Dict[str, Any]]) -> str:
         f"hand-made checkpoint every {first.get('own_min', '?'):g} min, rsync loop every "
         f"{first.get('cron_min', '?'):g} min; provisioning delay {first.get('delay_min', '?'):g} "
         f"min; stall floor {first.get('floor_s', '?'):g} s (trace minutes unless marked s). "
-        f"Measured {', '.join(sorted({p['measured'] for p in points}))}."
+        f"Measured {', '.join(sorted({p['measured'] for p in points}))}; load: the machine's "
+        "5-minute load average at the end of the point (2 cores; other work included)."
     )
     out = [
         meta,

@@ -4,8 +4,9 @@ run's own history, recomputed as the run goes (the formula: onbox/common/daly.py
 Two measurements, both from the run's events:
 
 - ``d``, what one checkpoint costs: from the agent's ask to the checkpoint sealed (the job's
-  write plus rgt's upload and verification; onbox/common/sealtime.py's measurement, the longest
-  of the recent ones);
+  write plus rgt's upload and verification, paired as onbox/common/sealtime.py pairs them), the
+  median of the last SAMPLES (not their longest, as a warning lead wants: an ask that waited
+  for a job still importing its framework must not set the interval);
 - ``M``, the mean time between UNPLANNED stops: the seconds the run was up under its agents,
   across restarts and boxes, over the stops nobody planned: a job that died while RUNNING (a
   crash, an OOM kill, a hang the stall probe ended), a preemption, a box that vanished without a
@@ -21,29 +22,33 @@ event. The interval never goes below the stall watcher's floor (``[health.stall]
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import datetime
 import json
 import os
-from typing import Any, Callable, Deque, Dict, List, Optional
+import statistics
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from onbox.common import daly
 from onbox.common.errors import StoreError
-from onbox.common.sealtime import measure
 
 KIND = "checkpoint_interval"
 PLANNED = ("slurm_warning", "meter_cap")  # an end that follows these was planned
 CHANGE = 0.10  # a new interval this much off the last one is logged
+SAMPLES = 9  # the recent measurements of d whose median counts, carried across agents
 
 
 @dataclasses.dataclass
 class History:
-    """What the agents before this one saw: seconds up, unplanned stops, the last ``d``."""
+    """What the agents before this one saw: seconds up, unplanned stops, recent ``d``s."""
 
     up: float = 0.0
     unplanned: int = 0
-    d: Optional[float] = None
+    ds: Tuple[float, ...] = ()  # the recent measurements of d, oldest first
+
+    @property
+    def d(self) -> Optional[float]:
+        return statistics.median(self.ds) if self.ds else None
 
 
 class Segment:
@@ -55,7 +60,8 @@ class Segment:
         self.state = ""
         self.stopping = ""
         self.planned = False
-        self.seals: Deque[Dict[str, Any]] = collections.deque(maxlen=64)
+        self.samples: List[float] = []  # ask to sealed, seconds
+        self._asked: Optional[float] = None
 
     def feed(self, ev: Dict[str, Any], t: float) -> None:
         self.last = max(self.last, t)
@@ -69,11 +75,15 @@ class Segment:
             self.unplanned += 1
         elif kind in PLANNED:
             self.planned = True
-        elif kind in ("checkpoint_asked", "sealed"):
-            self.seals.append(ev)
+        elif kind == "checkpoint_asked" and self._asked is None:
+            self._asked = t
+        elif kind == "sealed" and self._asked is not None:
+            self.samples.append(max(t - self._asked, _num(ev.get("seconds"))))
+            del self.samples[:-SAMPLES]
+            self._asked = None
 
-    def d(self) -> Optional[float]:
-        return measure(list(self.seals)).seconds
+    def ds(self, base: History) -> Tuple[float, ...]:
+        return (base.ds + tuple(self.samples))[-SAMPLES:]
 
     def ended_unplanned(self, begin: bool) -> bool:
         """Whether this agent's end was an unplanned stop; ``begin``: the next agent began a
@@ -90,7 +100,7 @@ class Segment:
         return History(
             base.up + (self.last - self.start),
             base.unplanned + self.unplanned + int(self.ended_unplanned(begin)),
-            self.d() if self.d() is not None else base.d,
+            self.ds(base),
         )
 
 
@@ -113,10 +123,11 @@ def history(events: List[Any], begin: bool) -> History:
         if ended:
             continue
         if kind == KIND and ev.get("at_start"):  # that agent's own reading of the history
+            ds = ev.get("base_ds")
             base = History(
                 _num(ev.get("base_up_s")),
                 int(_num(ev.get("base_unplanned"))),
-                ev.get("base_d") if isinstance(ev.get("base_d"), (int, float)) else None,
+                tuple(_num(x) for x in ds[-SAMPLES:]) if isinstance(ds, list) else (),
             )
         if seg is not None:
             seg.feed(ev, t)
@@ -207,7 +218,8 @@ class AutoInterval:
         """Read new events, recompute; an event when the interval moved by CHANGE or more."""
         self._read()
         self.seg.last = max(self.seg.last, now)
-        d = self.seg.d() if self.seg.d() is not None else self.base.d
+        ds = self.seg.ds(self.base)
+        d = statistics.median(ds) if ds else None
         up = self.base.up + (self.seg.last - self.seg.start)
         stops = self.base.unplanned + self.seg.unplanned
         m = up / stops if stops else None
@@ -234,6 +246,6 @@ class AutoInterval:
                 at_start=at_start,
                 base_up_s=round(self.base.up, 1),
                 base_unplanned=self.base.unplanned,
-                base_d=self.base.d,
+                base_ds=[round(x, 3) for x in self.base.ds],
             )
         return self.seconds

@@ -104,6 +104,14 @@ def test_planned_stops_are_not_failures(ending: List[Dict[str, Any]]) -> None:
     assert history(events, begin=True).unplanned == 0
 
 
+def test_d_is_the_median_of_recent_seals_so_one_slow_start_does_not_set_it() -> None:
+    events = [ev(0, "epoch", epoch=1), ev(5, "checkpoint_asked"), ev(35, "sealed", seconds=0.2)]
+    for t in (40, 50, 60, 70):  # the job was still importing torch at the first ask
+        events += [ev(t, "checkpoint_asked"), ev(t + 1, "sealed", seconds=0.2)]
+    h = history(events, begin=True)
+    assert h.d == pytest.approx(1.0) and len(h.ds) == 5
+
+
 def test_a_fresh_box_reads_the_store_and_carries_the_totals_forward() -> None:
     # The previous box's events: its agent began with 1000 s and 4 stops behind it.
     prior = [
@@ -129,7 +137,7 @@ def test_auto_interval_follows_the_events_and_logs_its_changes(tmp_path: Any) ->
         f.write(json.dumps(ev(0, "epoch", epoch=3)) + "\n")
     logged: List[Dict[str, Any]] = []
     auto = AutoInterval(
-        History(up=0.0, unplanned=0, d=None),
+        History(),
         5.0,
         T0,
         path,

@@ -25,7 +25,7 @@ import pytest
 from controller.registry import RunRecord
 from controller.results.pull import covers_newest, newest_sealed, pull
 from controller.target import Target
-from onbox.common.errors import IntegrityError
+from onbox.common.errors import HostError, IntegrityError
 from onbox.sealing import manifest as mf
 from onbox.sealing.ledger import take_epoch
 from onbox.sealing.restore import NoVerifiedCheckpoint, restore_latest
@@ -33,6 +33,7 @@ from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store, StoreError
 from tests.conftest import Cli
+from tests.mounts import tmpfs
 from tests.seaweed import SeaweedServer, closed_port
 
 RUN = "fb"
@@ -331,3 +332,100 @@ def test_pull_and_down_never_take_a_quarantined_step(cli: Cli, tmp_path: Any) ->
     assert os.path.exists(os.path.join(tmp_path, "pulled10", "checkpoints", "step_10.pt"))
     assert not os.path.exists(os.path.join(tmp_path, "pulled10", "checkpoints", "step_20.pt"))
     assert covers_newest(rec, receipt10)
+
+
+# A many-file checkpoint: files in flight at once, one of them large enough for ranged GETs
+# on S3 (over the 8 MiB single-GET threshold: two 8 MiB parts), the rest small.
+BIG_AT = 17  # the large file's place among the others
+SIZES = [4096 * (i % 7 + 1) for i in range(40)]
+SIZES[BIG_AT] = 12 << 20
+
+
+def _seal_dirs(store: Store, tmp_path: Any, steps: List[int]) -> Dict[int, Dict[str, bytes]]:
+    """Each step a directory checkpoint ``step_N/`` of len(SIZES) random files and rgt's
+    marker, sealed by the real Sealer; every file's bytes by its path under the ckpt dir."""
+    ckpt = str(tmp_path / "old-box-ckpt")
+    s = Sealer(
+        RUN,
+        ckpt,
+        store,
+        str(tmp_path / "old-box-stage"),
+        epoch=take_epoch(store, RUN),
+        event=lambda *a, **k: None,
+        state_path=str(tmp_path / "old-box-seq.json"),
+    )
+    s.load()
+    out: Dict[int, Dict[str, bytes]] = {}
+    for step in steps:
+        d = os.path.join(ckpt, f"step_{step}")
+        os.makedirs(d)
+        out[step] = {}
+        for i, size in enumerate(SIZES):
+            data = os.urandom(size)
+            with open(os.path.join(d, f"shard-{i:02d}.bin"), "wb") as f:
+                f.write(data)
+            out[step][f"step_{step}/shard-{i:02d}.bin"] = data
+        with open(os.path.join(d, ".rgt-complete"), "w") as marker:
+            json.dump({"step": step}, marker)
+        assert s.seal_pending() == 1
+    return out
+
+
+def _tree(root: str) -> List[str]:
+    """Every file and directory under ``root``, relative, hidden ones (a stage) included."""
+    out = []
+    for dirpath, dirs, files in os.walk(root):
+        out += [os.path.relpath(os.path.join(dirpath, n), root) for n in dirs + files]
+    return sorted(out)
+
+
+def test_a_many_file_checkpoint_is_restored_equal_to_what_was_sealed(
+    cli: Cli, where: Raw, tmp_path: Any
+) -> None:
+    sealed = _seal_dirs(_open(where, cli), tmp_path, [10])[10]
+    dest = str(tmp_path / "box")
+    doc = restore_latest(_open(where, cli), RUN, dest, lambda *a, **k: None)
+    assert doc is not None and doc["step"] == 10
+    for rel, data in sealed.items():
+        with open(os.path.join(dest, rel), "rb") as f:
+            assert f.read() == data, rel
+    assert _tree(dest) == sorted(["step_10", "step_10/.rgt-complete", *sealed])  # no stage
+
+
+def test_a_corrupt_object_among_many_restores_the_previous_checkpoint_and_nothing_of_it(
+    cli: Cli, where: Raw, tmp_path: Any
+) -> None:
+    sealed = _seal_dirs(_open(where, cli), tmp_path, [10, 20])
+    key = next(f["key"] for f in where.manifest(20)["files"] if f["size"] == SIZES[BIG_AT])
+    data = where.get(key)
+    assert data is not None
+    mid = len(data) // 2  # a bit flipped in the middle of the object of ranged GETs
+    where.put(key, data[:mid] + bytes([data[mid] ^ 1]) + data[mid + 1 :])
+    dest = str(tmp_path / "box")
+    kinds: List[str] = []
+    doc = restore_latest(_open(where, cli), RUN, dest, lambda kind, *a, **k: kinds.append(kind))
+    assert doc is not None and doc["step"] == 10 and kinds == ["quarantined", "restored"]
+    record = _quarantine(where, 20)
+    assert record is not None and "sha256" in record["reason"] and key in record["reason"]
+    # Step 20's other 39 files downloaded and verified: none of them is under a final name.
+    assert _tree(dest) == sorted(["step_10", "step_10/.rgt-complete", *sealed[10]])
+    for rel, data in sealed[10].items():
+        with open(os.path.join(dest, rel), "rb") as f:
+            assert f.read() == data, rel
+
+
+def test_a_download_failing_midway_leaves_nothing_in_the_target(
+    cli: Cli, where: Raw, tmp_path: Any
+) -> None:
+    """The box's disk fills while the files are in flight (an 8 MiB tmpfs, the large file
+    12 MiB): the restore fails as this box's fault, after every download in flight is over,
+    with no staging directory left, nothing under a final name and nothing quarantined."""
+    _seal_dirs(_open(where, cli), tmp_path, [10])
+    with tmpfs(str(tmp_path / "small-disk"), "size=8m") as disk:
+        dest = os.path.join(disk, "ckpt")
+        with pytest.raises(HostError) as info:
+            restore_latest(_open(where, cli), RUN, dest, lambda *a, **k: None)
+        assert "no room on this box" in info.value.what, info.value.what
+        assert _tree(dest) == []  # no stage, nothing under a final name
+        assert os.statvfs(disk).f_bfree == os.statvfs(disk).f_blocks  # every byte given back
+    assert _quarantine(where, 10) is None

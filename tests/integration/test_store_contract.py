@@ -13,6 +13,7 @@ multipart upload with a short last part.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import random
@@ -23,7 +24,7 @@ from typing import Iterator, Tuple
 import pytest
 
 from onbox.common.errors import IntegrityError
-from onbox.sealing.stores.base import PreconditionFailed, Store
+from onbox.sealing.stores.base import Lanes, PermanentStoreError, PreconditionFailed, Store
 from onbox.sealing.stores.local import LocalStore
 from tests.seaweed import SeaweedServer
 
@@ -81,6 +82,31 @@ def test_put_file_round_trip(store: Store, tmp_path: os.PathLike[str], size: int
         assert st.sha256 in (None, sha)  # a directory keeps no checksum of its own
     else:
         assert st.sha256 == sha
+
+
+@pytest.mark.parametrize("size", [0, 1000, BIG], ids=["empty", "small", "multipart"])
+@pytest.mark.parametrize("hint", [True, False], ids=["size-known", "size-unknown"])
+def test_fetch_file_returns_the_sha256_of_what_it_wrote(
+    store: Store, tmp_path: os.PathLike[str], size: int, hint: bool
+) -> None:
+    """A restore verifies each file by the sha256 the store computed while writing it (S3:
+    ranged parts in shared lanes, hashed behind the writers): it must be the written bytes'.
+    A stopped restore starts no download and leaves no file."""
+    src, sha = _file(os.path.join(tmp_path, "src"), size)
+    store.put_file("run/f", src, sha256=sha, size=size)
+    lanes = Lanes(3)
+    try:
+        dest = os.path.join(tmp_path, "dest")
+        got = store.fetch_file("run/f", dest, size=size if hint else None, lanes=lanes)
+        assert got == sha and _sha256_of(dest) == sha
+        with pytest.raises(PermanentStoreError):  # a new file, never over an existing name
+            store.fetch_file("run/f", dest, lanes=lanes)
+        lanes.stop()
+        with pytest.raises(concurrent.futures.CancelledError):
+            store.fetch_file("run/f", os.path.join(tmp_path, "stopped"), lanes=lanes)
+        assert not os.path.exists(os.path.join(tmp_path, "stopped"))
+    finally:
+        lanes.close()
 
 
 @pytest.mark.parametrize("size", [0, BIG], ids=["empty", "multipart"])

@@ -107,13 +107,19 @@ def _os_failure(e: OSError, doing: str) -> StoreError:
 
 @contextlib.contextmanager
 def new_download(
-    dest: str, doing: str, fail: Callable[[OSError, str], Exception] = _os_failure
+    dest: str,
+    doing: str,
+    fail: Callable[[OSError, str], Exception] = _os_failure,
+    lanes: Optional[Lanes] = None,
 ) -> Iterator[int]:
     """The file descriptor of ``dest``, a new file a ``get_file`` fills: created O_EXCL and
     O_NOFOLLOW (the caller's staging name is its own, so an existing name, a symlink too, is
     refused rather than written through), fsynced when the block ends, removed when it fails
     (it is ours, so a retry creates it afresh). ``fail`` maps an OSError to the store's error.
-    Opened read-write: a hasher may read back what ranged writers have put (base.Lanes)."""
+    Opened read-write: a hasher may read back what ranged writers have put (base.Lanes).
+    Once ``lanes`` is stopped, CancelledError: a stopped restore starts no new file."""
+    if lanes is not None and lanes.stopped:
+        raise concurrent.futures.CancelledError()
     try:
         fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except FileExistsError:

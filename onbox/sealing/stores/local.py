@@ -288,7 +288,7 @@ class LocalStore(Store):
             raise PermanentStoreError(f"{key} is not in {self.url}") from None
         except OSError as e:
             raise os_error(e, f"reading {key}") from None
-        with open(src, "rb") as f, new_download(dest, f"downloading {key}", os_error) as fd:
+        with open(src, "rb") as f, new_download(dest, f"downloading {key}", os_error, lanes) as fd:
             got, hashed, before = copy_hashing(f, fd)
             if _sig(os.fstat(f.fileno())) != _sig(before) or os.fstat(fd).st_size != hashed:
                 raise TransientStoreError(f"downloading {key}: it changed while it was copied")

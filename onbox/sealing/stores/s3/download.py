@@ -50,7 +50,7 @@ def download(
 def _download(store: S3Store, key: str, dest: str, expect: Optional[int], lanes: Lanes) -> str:
     full = store.full_key(key)
     doing = f"downloading {store.url}/{key}"
-    with new_download(dest, doing) as fd:  # a new file, never through a symlink
+    with new_download(dest, doing, lanes=lanes) as fd:  # a new file, never through a symlink
         if expect is not None and expect <= store.multipart_threshold:
             # Small by the MANIFEST: one GET, whatever its real size (a wrong size is the
             # caller's to find); a HEAD first would double the requests of a many-file restore.

@@ -29,8 +29,9 @@ CheckpointWriteFailed from the next call into the API, never dropped.
 
 **When to checkpoint** (``should_checkpoint``): when the agent asks (``RGT_CKPT_TRIGGER``:
 SIGUSR2 or ``$RGT_RUN_DIR/checkpoint.request``), when ``interval`` seconds passed since the last
-save, or after SIGTERM (a preemption). ``interval="auto"`` picks the interval by Young/Daly,
-sqrt(2 * C * M), from the measured cost C of a checkpoint (the time the loop is blocked) and the
+save, or after SIGTERM (a preemption). ``interval="auto"`` picks the interval by Daly's
+higher-order formula (onbox/common/daly.py, the one the agent's ``checkpoint.interval = "auto"``
+uses), from the measured cost C of a checkpoint (the time the loop is blocked) and the
 mean time between failures M (``RGT_MTBF`` seconds from the platform profile, else observed from
 this run's restarts, else 4 hours), and prints what it chose. After SIGTERM, the save that
 follows ends the process once the checkpoint is written (exit status 143), unless
@@ -46,7 +47,6 @@ Outside rgt (no ``RGT_*`` variables) it works on ``./checkpoints`` and never sig
 
 from __future__ import annotations
 
-import math
 import os
 import signal
 import sys
@@ -54,7 +54,7 @@ import threading
 import time
 from typing import Any, Dict, Optional, Tuple, Union
 
-from onbox.common import jobenv, progress
+from onbox.common import daly, jobenv, progress
 from onbox.common.errors import CheckpointError, CheckpointWriteFailed
 from onbox.common.rundir import CHECKPOINT_HOLD, CHECKPOINT_REQUEST
 from onbox.train import ckptdir, snapshot
@@ -219,19 +219,19 @@ class Checkpointer:
         return self.chosen_interval
 
     def _choose_interval(self) -> None:
-        """Young/Daly from the measured cost; printed when it changes noticeably."""
+        """Daly from the measured cost; printed when it changes noticeably."""
         if self.interval != "auto" or self.cost is None:
             return
         mtbf, source = self._mtbf()
         c = max(self.cost, 1e-3)
-        every = math.sqrt(2 * c * mtbf) - c if c < mtbf / 2 else mtbf
+        every = daly.daly(c, mtbf)
         # Never faster than the writer can go (one write in flight) or than is sane.
         every = max(every, MIN_AUTO_INTERVAL, 1.5 * (self.write_seconds or 0.0))
         old = self.chosen_interval
         self.chosen_interval = every
         if old is None or not 0.5 < every / old < 2:
             print(
-                f"rgt: checkpoint interval {every:.0f} s (Young/Daly: checkpoint cost {c:.2f} s, "
+                f"rgt: checkpoint interval {every:.0f} s (Daly: checkpoint cost {c:.2f} s, "
                 f"mean time between failures {mtbf / 3600:.1f} h, {source})",
                 file=sys.stderr,
                 flush=True,

@@ -130,7 +130,7 @@ def resume_checkpoint(output_dir: Optional[str] = None) -> Optional[str]:
 class RgtCallback(TrainerCallback):
     """Save on the agent's request and on preemption; report progress. See the module docstring.
 
-    ``interval``: also save every that many seconds (or ``"auto"``: Young/Daly from the measured
+    ``interval``: also save every that many seconds (or ``"auto"``: Daly from the measured
     save time), on top of the Trainer's own ``save_steps``. ``checkpointer``: an existing
     ``Checkpointer`` to listen through instead of a new one (one process should hold one).
     """

@@ -149,6 +149,11 @@ class Sealer:
         dirs, files = listing(self.ckpt_dir)
         dirs = [c for c in dirs if self._safe_names(c.root, c.files, c.signature)]
         files = [(n, st) for n, st in files if self._safe_names(n, [n], signature(st))]
+        # Only what may still need sealing is checked for writers: the walk of /proc reads every
+        # open file of every process (a box's data loaders hold many), and most passes find
+        # nothing new. A sealed checkpoint is never sealed again, whoever has it open.
+        dirs = [c for c in dirs if self._unsealed(c.step)]
+        files = [(n, st) for n, st in files if self._may_be_new(n, st)]
         in_dirs = [os.path.join(self.ckpt_dir, f) for c in dirs for f in c.files]
         busy = open_for_writing([os.path.join(self.ckpt_dir, n) for n, _ in files] + in_dirs)
         # A directory whose marker appeared while a file of it (the marker itself: Transformers
@@ -179,15 +184,25 @@ class Sealer:
                     continue  # this rewrite is sealed already
                 step = self._next_seq_step(entry["step"] if entry else -1)
             out.append(Candidate(name, "file", step, [name], signature(st)))
-        todo = [
-            c
-            for c in out
-            if c.step is not None
-            and c.step not in self.manifests
-            and c.step not in self.ledger.pruned
-            and (self.latest is None or c.step > self.latest)
-        ]
-        return sorted(todo, key=lambda c: c.step or 0)
+        return sorted([c for c in out if self._unsealed(c.step)], key=lambda c: c.step or 0)
+
+    def _unsealed(self, step: Optional[int]) -> bool:
+        """Whether a checkpoint of ``step`` is still to be sealed (scan's final filter)."""
+        return (
+            step is not None
+            and step not in self.manifests
+            and step not in self.ledger.pruned
+            and (self.latest is None or step > self.latest)
+        )
+
+    def _may_be_new(self, name: str, st: os.stat_result) -> bool:
+        """A checkpoint file scan must look at: a step-named one not sealed yet, or a rewrite
+        of an in-place file other than the one sealed last."""
+        step = step_from_name(name)
+        if step is not None:
+            return self._unsealed(step)
+        entry = self.seq.get(name)
+        return entry is None or entry.get("sig") != list(signature(st))
 
     def _safe_names(self, root: str, files: List[str], sig: Tuple[int, int, int]) -> bool:
         """Whether every name of the checkpoint ``root`` is one restore and pull accept
@@ -289,6 +304,7 @@ class Sealer:
             known,
             stage_dir=os.path.join(self.staging, f"step-{cand.step}"),
             rewritten=in_place(cand.root, cand.kind),
+            found=cand.signature if in_place(cand.root, cand.kind) else None,
         ).run()
 
     def remember_restored(self, doc: Dict[str, Any]) -> None:

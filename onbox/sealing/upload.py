@@ -101,6 +101,7 @@ class CheckpointUpload:
         *,
         stage_dir: str,
         rewritten: bool,
+        found: Optional[Tuple[int, int, int]] = None,
     ) -> None:
         self.store = store
         self.ckpt_dir = ckpt_dir
@@ -109,6 +110,10 @@ class CheckpointUpload:
         self.claims = _Claims(known)
         self.stage_dir = stage_dir
         self.rewritten = rewritten
+        # The in-place file's signature when scan found it: the sealer records the seal under
+        # it, so a copy of a later rewrite must not be sealed in its name (that rewrite would
+        # then look sealed, and the one found would be sealed twice).
+        self.found = found
         self.stop = threading.Event()
         self.shared_sizes: Set[int] = set()  # sizes two files of this checkpoint have
 
@@ -234,6 +239,8 @@ class CheckpointUpload:
                 if signature(os.stat(src)) != signature(before):
                     raise Vanished(f"{rel} changed while hashed")
                 return src, sha, size
+            if self.found is not None and signature(before) != self.found:
+                raise Vanished(f"{rel} was rewritten since it was found")
             dest = os.path.join(self.stage_dir, rel.replace("/", "__"))
             h = hashlib.sha256()
             size = 0

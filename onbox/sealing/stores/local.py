@@ -310,7 +310,9 @@ class LocalStore(Store):
         not descended into, one to a file (or to nothing) is listed with its own lstat (reading
         it is refused). A name rgt could not have written is UnsafePath."""
         base = self.root
-        parts = [p for p in prefix.split("/") if p][:-1] if prefix else []
+        parts = [p for p in prefix.split("/") if p]
+        if not prefix.endswith("/"):  # a partial last name ("run/step_1"): walk its parent
+            parts = parts[:-1]
         try:
             os.close(open_dir(base, [check_key(p) for p in parts]))
         except (FileNotFoundError, NotADirectoryError):

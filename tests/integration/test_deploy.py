@@ -89,8 +89,9 @@ v = os.environ.get({SECRET_VAR!r})
 print("attempt", os.environ.get("RGT_ATTEMPT"), "secret",
       hashlib.sha256(v.encode()).hexdigest() if v else "missing", flush=True)
 # --sync: what is tested here does not depend on how the job saves, and the async writer
-# would be a second process importing torch for every deploy.
-sys.argv = ["train_plain.py", "--steps", "100000", "--sleep", "0.2", "--ckpt-every", "10",
+# would be a second process importing torch for every deploy. A checkpoint every 100 steps:
+# nothing here reads one, and each is a seal for the agent while the module's runs live.
+sys.argv = ["train_plain.py", "--steps", "100000", "--sleep", "0.2", "--ckpt-every", "100",
             "--sync"]
 runpy.run_path(os.path.join(os.path.dirname(os.path.abspath(__file__)), "train_plain.py"),
                run_name="__main__")

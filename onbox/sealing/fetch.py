@@ -123,13 +123,17 @@ def _make_dir(path: str, made: Optional[List[str]]) -> None:
             made.append(d)
 
 
-def failure(store: Store, key: str, size: Optional[int], e: StoreError, room: str) -> RgtError:
+def failure(
+    store: Store, key: str, size: Optional[int], e: StoreError, room: str, need: int = 0
+) -> RgtError:
     """What a failed read of ``key`` (``size`` bytes by its MANIFEST, None for the MANIFEST
     itself) means, asked of the store itself: StoreCorrupt (the checkpoint is unusable) only
     when the store answers and shows the object missing, of another size, or there yet
     unreadable with room for it on this box; otherwise the error stands (the store does not
     answer, after the retries: nothing is known about the checkpoint), or a HostError (this
-    box has no room: not the store's fault either)."""
+    box has no room: not the store's fault either). ``need``: the bytes the whole checkpoint
+    takes, when more than this object (its files are in flight together: another one may
+    have filled the disk, and its removal since freed the room this object lacked)."""
     if isinstance(e, TransientStoreError):
         return e
     try:
@@ -144,9 +148,10 @@ def failure(store: Store, key: str, size: Optional[int], e: StoreError, room: st
         return StoreCorrupt(f"{key}: {info.size} bytes in the store, the MANIFEST says {size}")
     try:
         st = os.statvfs(room)
-        if size is not None and st.f_bavail * st.f_frsize < size:
+        if size is not None and st.f_bavail * st.f_frsize < max(size, need):
             return HostError(
-                f"no room on this box for {key} ({size} bytes) in {room}: {e.what}",
+                f"no room on this box for {key} (its checkpoint: {max(size, need)} bytes) in "
+                f"{room}: {e.what}",
                 "free space on the checkpoint dir's disk, then start again",
             )
     except OSError:
@@ -173,9 +178,12 @@ def _clear_stale_stages(dest_dir: str) -> None:
             continue
 
 
-def _fetch_one(store: Store, f: Dict[str, Any], tmp: str, dest_dir: str, lanes: Lanes) -> None:
+def _fetch_one(
+    store: Store, f: Dict[str, Any], tmp: str, dest_dir: str, lanes: Lanes, need: int
+) -> None:
     """One file of the MANIFEST into ``tmp`` (a new name in the stage), verified: size, then
-    the sha256 the store computed while writing it (or, where it computes none, read back)."""
+    the sha256 the store computed while writing it (or, where it computes none, read back).
+    ``need``: the bytes of the whole checkpoint (failure())."""
 
     def attempt() -> Optional[str]:
         if lanes.stopped:  # another file failed: no retry, no new download
@@ -187,7 +195,7 @@ def _fetch_one(store: Store, f: Dict[str, Any], tmp: str, dest_dir: str, lanes: 
     except IntegrityError as e:  # e.g. a symlink in a file:// store
         raise StoreCorrupt(e.what, e.remedy) from None
     except StoreError as e:
-        raise failure(store, f["key"], f["size"], e, os.path.dirname(tmp)) from None
+        raise failure(store, f["key"], f["size"], e, os.path.dirname(tmp), need) from None
     try:
         fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:
@@ -213,10 +221,11 @@ def _fetch_all(store: Store, files: List[Dict[str, Any]], stage: str, dest_dir: 
         max(1, min(FILES, len(files))), thread_name_prefix="rgt-restore"
     )
     futures: List[concurrent.futures.Future[None]] = []
+    need = sum(int(f["size"]) for f in files)
     try:
         for i, f in enumerate(files):
             tmp = os.path.join(stage, str(i))
-            futures.append(pool.submit(_fetch_one, store, f, tmp, dest_dir, lanes))
+            futures.append(pool.submit(_fetch_one, store, f, tmp, dest_dir, lanes, need))
         for fut in concurrent.futures.as_completed(futures):
             fut.result()  # the first failure ends the restore (the finally stops the rest)
             crash_point("restore.after_object")

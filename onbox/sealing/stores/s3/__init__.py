@@ -32,9 +32,16 @@ atomic; the sealer's read-back after every document write covers that.
 boto3 is an optional extra (``pip install remote-gpu-trainer[s3]``): this module is imported
 only when an ``s3://`` URL is used. boto3 >= 1.35 is needed for ``If-None-Match`` puts.
 
-The package, by job: ``core`` (S3Store: the client, puts, reads, list, delete), ``errors`` (what
-botocore's exceptions and the store's codes mean), ``checksums`` (the protocol above),
-``multipart`` (part sizes, parallel parts, completion) and ``preflight``.
+Small objects go out on a lean path: a whole-object put without conditions, to any endpoint
+but AWS's own, is signed by botocore's SigV4 signer and sent on the client's own connection pool
+without boto3's per-call layers (serialisation, endpoint rules, events, model parsing), which
+cost three times s5cmd's client CPU per request and limited a seal of many small files. It
+sends the same headers, is verified the same way and fails with the same errors (``lean``).
+
+The package, by job: ``core`` (S3Store: the client, puts, reads, list, delete), ``client`` (how
+boto3's client is configured), ``lean`` (the lean PUT), ``errors`` (what botocore's exceptions
+and the store's codes mean), ``checksums`` (the protocol above), ``multipart`` (part sizes,
+parallel parts, completion) and ``preflight``.
 """
 
 from onbox.sealing.stores.s3.core import S3Store

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, List, Mapping, Optional, Union
 import botocore.exceptions as bex
 
 from onbox.common.errors import IntegrityError
+from onbox.sealing.stores.s3.client import takes
 from onbox.sealing.stores.s3.errors import (
     AUTH_CODES,
     boto_error,
@@ -84,8 +85,6 @@ def probe_crc32(store: S3Store, scope: str, doing: Optional[str]) -> bool:
     full = store.full_key(f"{scope}/.rgt-preflight/{uuid.uuid4().hex}")
     body = b"rgt: a deliberately wrong CRC32, to see that the store refuses it"
     wrong = bytes(b ^ 0xFF for b in crc32(body))
-    from onbox.sealing.stores.s3.core import takes  # core imports this module
-
     if not takes(store.client, "PutObject", "ChecksumCRC32"):
         return False  # a boto3 too old to send flexible checksums
     try:

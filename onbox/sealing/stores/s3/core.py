@@ -12,11 +12,9 @@ import os
 import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
-from urllib.parse import urlsplit
 
 import boto3
 import botocore.exceptions as bex
-from botocore.config import Config
 
 from onbox.common.errors import IntegrityError, UsageError
 from onbox.sealing.stores.base import (
@@ -38,8 +36,10 @@ from onbox.sealing.stores.s3.checksums import (
     header,
     probe_crc32,
 )
+from onbox.sealing.stores.s3.client import MAX_CONCURRENCY, config, is_aws, lean_client, takes
 from onbox.sealing.stores.s3.download import download
 from onbox.sealing.stores.s3.errors import boto_error, client_error, error_code, not_implemented
+from onbox.sealing.stores.s3.lean import LeanPut, lean_headers
 from onbox.sealing.stores.s3.multipart import (
     MIN_PART,
     MULTIPART_THRESHOLD,
@@ -50,74 +50,6 @@ from onbox.sealing.stores.s3.multipart import (
     put_multipart,
 )
 from onbox.sealing.stores.s3.preflight import preflight as run_preflight
-
-MAX_CONCURRENCY = 8
-
-
-def _is_aws(endpoint: str) -> bool:
-    host = (urlsplit(endpoint).hostname or "").lower()
-    return host.endswith((".amazonaws.com", ".amazonaws.com.cn"))
-
-
-# Below this a body goes out with its headers in one send and no ``Expect: 100-continue``
-# (see _no_expect): the multipart threshold's order, where waiting a round trip for the
-# server's go-ahead costs more than sending a body that may be refused.
-EXPECT_MIN = 8 * MiB
-
-
-def _config(**extra: Any) -> Any:
-    kwargs: Dict[str, Any] = dict(
-        # Modest: the caller's base.with_retries retries whole operations on top of this.
-        retries={"max_attempts": 3, "mode": "standard"},
-        connect_timeout=10,
-        read_timeout=60,
-        # Every request rgt sends is built here from values it checked itself (keys by
-        # check_key, checksums it computed); botocore's validation of them against the
-        # model costs a tenth of a small PUT's client CPU, for every request.
-        parameter_validation=False,
-        # The puts in flight (``concurrency`` slots) and the reads, HEADs and lists of the
-        # threads that wait for a slot each keep a connection: none is closed and reopened.
-        max_pool_connections=3 * MAX_CONCURRENCY,
-        **extra,
-    )
-    try:
-        # boto3 >= 1.36 adds CRC32 trailers (aws-chunked bodies) to every upload by default;
-        # several S3-compatible stores reject or mangle those, and every body we send already
-        # carries a Content-MD5 the server checks. Older boto3 has no such option (TypeError).
-        return Config(request_checksum_calculation="when_required", **kwargs)
-    except TypeError:
-        return Config(**kwargs)
-
-
-def _no_expect(params: Dict[str, Any], **_: Any) -> None:
-    """A small body is sent as bytes with its headers, without ``Expect: 100-continue``.
-
-    botocore makes every PutObject/UploadPart body a file and asks for a 100 Continue before
-    sending it: a second round trip per request and a second send, which for a 16 KiB object
-    doubles its latency (measured: two sends and a poll per put). A refused request (a wrong
-    key, a missing bucket) then costs the body's bytes once, which below EXPECT_MIN is less
-    than the round trip saved on every accepted one."""
-    body = params.get("body")
-    if not hasattr(body, "getvalue"):  # ours are BytesIO (botocore's wrapping of our bytes)
-        return
-    data = body.getvalue()
-    if len(data) < EXPECT_MIN:
-        params["headers"].pop("Expect", None)
-        params["body"] = data
-
-
-def _lean(client: Any) -> Any:
-    """``client`` with the per-request savings above registered (after botocore's own)."""
-    for op in ("PutObject", "UploadPart"):
-        client.meta.events.register_last(f"before-call.s3.{op}", _no_expect)
-    return client
-
-
-def takes(client: Any, operation: str, param: str) -> bool:
-    """Whether this botocore's model has ``param`` on ``operation``: with parameter
-    validation off (_config) an unknown parameter would be dropped silently, not refused."""
-    shape = client.meta.service_model.operation_model(operation).input_shape
-    return param in shape.members
 
 
 class S3Store(Store):
@@ -138,6 +70,7 @@ class S3Store(Store):
         region_name: Optional[str] = None,
         profile_name: Optional[str] = None,
         checksum: str = "auto",
+        lean: bool = True,
     ) -> None:
         if checksum not in CHECKSUMS:
             raise ValueError(f"checksum must be one of {', '.join(CHECKSUMS)}, not {checksum!r}")
@@ -176,6 +109,10 @@ class S3Store(Store):
         }
         self._client: Any = None
         self._session: Any = None
+        # Whole-object puts without conditions go out on the lean path where it applies
+        # (lean.py: botocore's per-call CPU is what limits a seal of many small files).
+        self.lean = lean
+        self._lean: Optional[LeanPut] = None
         self._client_lock = threading.Lock()
         # None: not known yet; False: the store answered NotImplemented to If-None-Match.
         self.conditional_writes: Optional[bool] = None
@@ -190,8 +127,15 @@ class S3Store(Store):
         """The boto3 S3 client, made on first use (making one loads boto3's models, ~0.2 s)."""
         with self._client_lock:
             if self._client is None:
-                self._client = self._make_client()
+                client = self._make_client()
+                if self.lean:
+                    self._lean = LeanPut.for_store(self, client, self._session)
+                self._client = client
             return self._client
+
+    def credentials(self) -> Any:
+        """The session's credentials (botocore's object, refreshed as it refreshes them)."""
+        return self._session.get_credentials() if self._session is not None else None
 
     @property
     def endpoint(self) -> str:
@@ -203,17 +147,17 @@ class S3Store(Store):
             if self._endpoint_arg is None:
                 # Where boto3's own configuration points (AWS_ENDPOINT_URL, the profile's
                 # endpoint_url, else AWS): only AWS itself is addressed virtual-hosted.
-                default = session.client("s3", config=_config())
-                if _is_aws(default.meta.endpoint_url):
-                    return _lean(default)
+                default = session.client("s3", config=config())
+                if is_aws(default.meta.endpoint_url):
+                    return lean_client(default)
                 endpoint = default.meta.endpoint_url
             else:
                 endpoint = self._endpoint_arg
-            return _lean(
+            return lean_client(
                 session.client(
                     "s3",
                     endpoint_url=endpoint,
-                    config=_config(
+                    config=config(
                         # Every body we send carries a Content-MD5, which is a signed header: it
                         # pins the body as well as a payload hash would, without hashing it twice
                         # (botocore otherwise sha256-signs every body on plain http).
@@ -324,7 +268,10 @@ class S3Store(Store):
             Metadata={SHA256_META: sha256},
         )
         kwargs[header(crc)] = b64(sent)
-        if if_match is not None:
+        lean = self._lean if self.client is not None else None  # the client makes _lean
+        if lean is not None and if_match is None and not if_absent:
+            r = lean.put(full, lean_headers(crc, sent, sha256), data, doing)
+        elif if_match is not None:
             r = self._put_if_match(full, kwargs, if_match, doing)
         elif if_absent:
             r = self._put_if_absent(full, kwargs, doing)

@@ -1,0 +1,149 @@
+"""The lean PUT of one whole object (see the package docstring): the request S3Store's boto3
+client would send for ``put_object`` without conditions, built and sent without boto3's
+per-call machinery.
+
+Why: a checkpoint of 10,000 small files is 10,000 PutObject calls, and botocore spends about
+3 ms of client CPU on each (parameter serialisation, endpoint rules, a dozen events, response
+parsing by the model), three times what ``s5cmd`` spends; with the sealer's requests in flight on
+a box whose cores the training job and the store share, that CPU is the limit, not the network.
+
+What stays botocore's, so that a lean PUT means on the wire what boto3's does: the SigV4
+signature (``botocore.auth.S3SigV4Auth``, the client's own config, so the same unsigned
+payload and signed headers), the credentials (the session's, refreshed as boto3 refreshes them),
+the region, the transport (the client's own ``URLLib3Session``: its connection pool, timeouts,
+proxies and CA bundle, its mapping of connection failures to botocore exceptions), and the
+parsing of an error answer (the client's rest-xml parser, raised as the ``ClientError`` boto3
+would raise, so errors.py maps it the same). The ``before-send`` and ``after-call`` events of
+PutObject are emitted as botocore emits them, so whatever hooks the client (a test's damaged
+body or lying answer) sees lean PUTs too.
+
+What is not taken here: conditional puts (``If-None-Match``/``If-Match``, a few per seal, with
+their NotImplemented fallback) and multipart uploads (whose parts are large: the per-request CPU
+does not matter) stay on boto3, and so does every request to AWS itself, whose virtual-hosted
+addressing, S3 Express and region redirects the lean PUT does not do; it is proven here against
+SeaweedFS only (path-style addressing, any S3-compatible endpoint).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
+from urllib.parse import urlsplit
+
+import botocore.exceptions as bex
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.parsers import RestXMLParser
+from botocore.utils import ensure_boolean, percent_encode
+
+from onbox.sealing.stores.base import with_retries
+from onbox.sealing.stores.s3.checksums import SHA256_META, b64
+from onbox.sealing.stores.s3.client import is_aws
+from onbox.sealing.stores.s3.errors import boto_error, client_error
+
+if TYPE_CHECKING:
+    from onbox.sealing.stores.s3.core import S3Store
+
+# botocore's client tries a request 3 times (client.config); with_retries does the same here,
+# briefly, under the caller's own with_retries.
+ATTEMPTS = 3
+
+
+class LeanPut:
+    """Unconditional PutObject of a whole body for one S3Store, or None from ``for_store``
+    where the lean path does not apply (see the module docstring)."""
+
+    def __init__(self, store: S3Store, client: Any, endpoint: str) -> None:
+        self.store = store
+        self.client = client
+        self.base = f"{endpoint.rstrip('/')}/{percent_encode(store.bucket, safe='~')}/"
+        self.region = client.meta.region_name or "us-east-1"
+        self.model = client.meta.service_model.operation_model("PutObject")
+        self.http = client._endpoint.http_session
+        self.events = client.meta.events
+        self.parser = RestXMLParser()
+
+    @classmethod
+    def for_store(cls, store: S3Store, client: Any, session: Any) -> Optional[LeanPut]:
+        endpoint = str(client.meta.endpoint_url)
+        parts = urlsplit(endpoint)
+        if (
+            parts.scheme not in ("http", "https")
+            or parts.path not in ("", "/")
+            or parts.query
+            or is_aws(endpoint)
+            or client.meta.config.s3.get("addressing_style") != "path"
+            # Client-side monitoring reads a context of botocore's own from after-call.
+            or _csm_enabled(session)
+            or getattr(getattr(client, "_endpoint", None), "http_session", None) is None
+        ):
+            return None
+        return cls(store, client, endpoint)
+
+    def put(self, full: str, headers: Mapping[str, str], data: bytes, doing: str) -> Any:
+        """PUT ``data`` under the full key ``full`` with ``headers``; the answer as boto3's
+        ``put_object`` gives it (``ETag``, ``ChecksumCRC32`` where the store echoed one)."""
+        once = functools.partial(self._once, full, headers, data, doing)
+        return with_retries(once, attempts=ATTEMPTS, base=0.2, cap=1.0)
+
+    def _once(self, full: str, headers: Mapping[str, str], data: bytes, doing: str) -> Any:
+        try:
+            return self._send(full, headers, data)
+        except bex.ClientError as e:
+            raise client_error(self.store, e, doing) from None
+        except bex.BotoCoreError as e:
+            raise boto_error(self.store, e, doing) from None
+
+    def _send(self, full: str, headers: Mapping[str, str], data: bytes) -> Dict[str, Any]:
+        url = self.base + percent_encode(full, safe="/~")
+        request = AWSRequest(method="PUT", url=url, data=data, headers=dict(headers))
+        request.context["client_config"] = self.client.meta.config  # payload signing as boto's
+        creds = self.store.credentials()
+        if creds is None:
+            raise bex.NoCredentialsError()
+        S3SigV4Auth(creds.get_frozen_credentials(), "s3", self.region).add_auth(request)
+        prepared = request.prepare()
+        hooked = [r for _, r in self.events.emit("before-send.s3.PutObject", request=prepared)]
+        answer = next((r for r in hooked if r is not None), None)
+        response = answer if answer is not None else self.http.send(prepared)
+        status = int(response.status_code)
+        got = response.headers
+        if status >= 300:
+            parsed = self.parser.parse(
+                {"status_code": status, "headers": got, "body": response.content},
+                self.model.output_shape,
+            )
+            raise bex.ClientError(parsed, "PutObject")
+        out: Dict[str, Any] = {
+            "ResponseMetadata": {"HTTPStatusCode": status, "HTTPHeaders": dict(got)}
+        }
+        if got.get("ETag") is not None:
+            out["ETag"] = got["ETag"]
+        if got.get("x-amz-checksum-crc32") is not None:
+            out["ChecksumCRC32"] = got["x-amz-checksum-crc32"]
+        self.events.emit(
+            "after-call.s3.PutObject",
+            http_response=response,
+            parsed=out,
+            model=self.model,
+            context={},
+        )
+        return out
+
+
+def lean_headers(crc: bool, sent: bytes, sha256: str) -> Dict[str, str]:
+    """The headers boto3 makes of put_object's ContentType, Metadata and checksum arguments."""
+    return {
+        "Content-Type": "application/octet-stream",
+        f"x-amz-meta-{SHA256_META}": sha256,
+        ("x-amz-checksum-crc32" if crc else "Content-MD5"): b64(sent),
+    }
+
+
+def _csm_enabled(session: Any) -> bool:
+    """Whether botocore's client-side monitoring is on (AWS_CSM_ENABLED or the profile's
+    csm_enabled): boto3's Session keeps botocore's as ``_session``."""
+    core = getattr(session, "_session", None)
+    if core is None:
+        return True  # not known: boto3 it is
+    return bool(ensure_boolean(core.get_config_variable("csm_enabled") or False))

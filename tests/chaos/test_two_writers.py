@@ -25,10 +25,15 @@ from tests.chaos.invariants import LatestWatch
 CLASSES = ("transient", "permanent", "integrity", "usage")
 
 
-def _job(box: Box, steps: str, tag: str, kind: str = "dir", then: str = "idle") -> List[str]:
+def _job(
+    box: Box, steps: str, tag: str, kind: str = "dir", then: str = "idle", frozen: int = 0
+) -> List[str]:
+    # The step whose seal freeze_mid_upload catches is 48 MiB, not 12: the sealer puts a
+    # checkpoint's files at once, and a small one can be sealed between two polls of the store.
+    big = ["--at", f"{frozen}:48:0"] if frozen else []
     return [
         "--steps", steps, "--gate", box.gate, "--tag", tag, "--kind", kind,
-        "--mib", "12", "--then", then, "--limit", "120",
+        "--mib", "12", "--then", then, "--limit", "120", *big,
     ]  # fmt: skip
 
 
@@ -54,7 +59,7 @@ def test_a_frozen_stale_agent_resumed_cannot_touch_the_new_writers_store(
     stale_step = 30 if order == "thawed_after_new_sealed" else 40
     try:
         with LatestWatch(backend.view, run) as watch:
-            a.start(run, backend.url, _job(a, f"10,{stale_step}", "A"))
+            a.start(run, backend.url, _job(a, f"10,{stale_step}", "A", frozen=stale_step))
             a.open_gate(10)
             wait(lambda: _latest_is(backend, run, 10, a.epoch(run)), 60, "A to seal step 10")
             survivor = chk.survivor()
@@ -108,7 +113,7 @@ def test_a_stale_agent_killed_right_after_an_object_upload_leaves_latest_intact(
             a.start(
                 run,
                 backend.url,
-                _job(a, "10,30", "A", kind="file"),
+                _job(a, "10,30", "A", kind="file", frozen=30),
                 env={"RGT_CRASH_AT": "seal.after_object:2"},
             )
             a.open_gate(10)
@@ -161,7 +166,7 @@ def test_long_the_only_agent_paused_for_a_minute_gets_no_twin_and_goes_on(
     try:
         with LatestWatch(backend.view, run) as watch:
             env = {"RGT_AGENT_RESPAWN_DELAY": "1"}  # the shim's watch is armed
-            box.start(run, backend.url, _job(box, "10,20", "A"), env=env)
+            box.start(run, backend.url, _job(box, "10,20", "A", frozen=20), env=env)
             box.open_gate(10)
             wait(lambda: _latest_is(backend, run, 10, box.epoch(run)), 60, "step 10 sealed")
             survivor = chk.survivor()

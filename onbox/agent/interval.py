@@ -23,7 +23,6 @@ event. The interval never goes below the stall watcher's floor (``[health.stall]
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import json
 import os
 import statistics
@@ -31,6 +30,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from onbox.common import daly
 from onbox.common.errors import StoreError
+from onbox.common.sealtime import event_time
 
 KIND = "checkpoint_interval"
 PLANNED = ("slurm_warning", "meter_cap")  # an end that follows these was planned
@@ -109,7 +109,7 @@ def history(events: List[Any], begin: bool) -> History:
     ``begin`` (the agent now starting begins a new incarnation)."""
     base, seg, fresh, ended = History(), None, True, False
     for ev in events:
-        t = _when(ev) if isinstance(ev, dict) else None
+        t = event_time(ev) if isinstance(ev, dict) else None
         if t is None:
             continue
         kind = ev.get("kind")
@@ -132,16 +132,6 @@ def history(events: List[Any], begin: bool) -> History:
         if seg is not None:
             seg.feed(ev, t)
     return seg.close(base, begin) if seg is not None else base
-
-
-def _when(ev: Dict[str, Any]) -> Optional[float]:
-    t = ev.get("time")
-    if not isinstance(t, str):
-        return None
-    try:
-        return datetime.datetime.fromisoformat(t.replace("Z", "+00:00")).timestamp()
-    except ValueError:
-        return None
 
 
 def _num(v: Any) -> float:
@@ -210,7 +200,7 @@ class AutoInterval:
         end = data.rfind(b"\n") + 1  # a line still being appended is read next time
         self._offset += end
         for ev in parse_lines(data[:end]):
-            t = _when(ev) if isinstance(ev, dict) else None
+            t = event_time(ev) if isinstance(ev, dict) else None
             if t is not None and ev.get("kind") != KIND:
                 self.seg.feed(ev, t)
 

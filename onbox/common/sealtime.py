@@ -45,7 +45,9 @@ class SealTime:
         return dataclasses.asdict(self)
 
 
-def _when(ev: Dict[str, Any]) -> Optional[float]:
+def event_time(ev: Dict[str, Any]) -> Optional[float]:
+    """An event's ``time`` (the journal's ISO 8601, UTC) in epoch seconds; None when it has
+    none or an unreadable one (events come from a file a crash may have cut)."""
     t = ev.get("time")
     if not isinstance(t, str):
         return None
@@ -72,14 +74,14 @@ def measure(events: Iterable[Dict[str, Any]], run: str = "the run") -> SealTime:
             continue
         kind = ev.get("kind")
         if kind == "checkpoint_asked":
-            t = _when(ev)
+            t = event_time(ev)
             if t is not None and asked_at is None:
                 asked_at = t
         elif kind == "sealed":
             up = _seconds(ev)
             if up is not None:
                 uploads.append(up)
-            t = _when(ev)
+            t = event_time(ev)
             if asked_at is not None and t is not None and t >= asked_at:
                 full.append(max(t - asked_at, up or 0.0))
                 asked_at = None

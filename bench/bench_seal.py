@@ -143,6 +143,7 @@ class Recorder(Store):
         self.inner = inner
         self.hashes_while_uploading = inner.hashes_while_uploading
         self.parallel_puts = inner.parallel_puts
+        self.puts_data = inner.puts_data
         self.url = inner.url
         self.files: List[Put] = []
         self.small: List[Put] = []
@@ -159,15 +160,25 @@ class Recorder(Store):
     def shards_put(self) -> List[Put]:
         return [p for p in self.files if "/shard-" in p.key]
 
-    def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
+    def _interrupt(self, key: str) -> None:
         if self.fail_at is not None and "/shard-" in key:
             with self.lock:  # the sealer puts several at once: count the puts begun
                 self.started += 1
                 if self.started > self.fail_at:
                     raise PermanentStoreError("bench: this seal is interrupted here")
+
+    def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
+        self._interrupt(key)
         t0 = time.monotonic()
         info = self.inner.put_file(key, path, sha256=sha256, size=size)
         self.files.append(Put(key, size, t0, time.monotonic()))
+        return info
+
+    def put_data(self, key: str, data: bytes, sha256: str) -> ObjectInfo:
+        self._interrupt(key)
+        t0 = time.monotonic()
+        info = self.inner.put_data(key, data, sha256)
+        self.files.append(Put(key, len(data), t0, time.monotonic()))
         return info
 
     def put_bytes(

@@ -39,6 +39,10 @@ from onbox.sealing.discovery import signature
 from onbox.sealing.stores.base import Store, with_retries
 
 CHUNK = 1 << 20
+# A file up to this size that may be a duplicate is read into memory once, hashed there, and
+# put from the same bytes (Store.put_data): a checkpoint of thousands of small equal-sized files
+# (shards, tokenizer files) is otherwise read and hashed twice per file.
+SMALL = 4 << 20
 Entry = Dict[str, Any]
 Known = Dict[Tuple[str, int], str]  # (sha256, size) -> key of an object that holds those bytes
 
@@ -147,13 +151,17 @@ class CheckpointUpload:
             done = self._put_hashing(src, rel)
             if done is not None:
                 return done, True
-        path, sha, size = self._stage(src, rel)
+        path, sha, size, data = self._stage(src, rel)
         key = self.claims.claim(sha, size, self.stop)
         if key is not None:
             return {"path": rel, "size": size, "sha256": sha, "key": key}, False
         key = self.prefix + rel
         try:
-            self._put_checked(key, path, sha, size, rel, staged=path != src)
+            if data is not None:  # the bytes hashed are the bytes put: nothing to re-check
+                put = functools.partial(self.store.put_data, key, data, sha)
+                with_retries(put, sleep=self._backoff(src, rel, None))
+            else:
+                self._put_checked(key, path, sha, size, rel, staged=path != src)
         except BaseException:
             self.claims.finish(sha, size, None)
             raise
@@ -229,16 +237,22 @@ class CheckpointUpload:
 
         return sleep
 
-    def _stage(self, src: str, rel: str) -> Tuple[str, str, int]:
-        """(path to upload from, sha256, size). A file the job may rewrite in place is copied
-        first while hashed, and must not have changed during the copy."""
+    def _stage(self, src: str, rel: str) -> Tuple[str, str, int, Optional[bytes]]:
+        """(path to upload from, sha256, size, the bytes where read into memory). A file up to
+        SMALL is read once and put from memory; a file the job may rewrite in place is copied
+        first while hashed; either must not have changed while it was read."""
         try:
             before = os.stat(src)
+            if not self.rewritten and before.st_size <= SMALL and self.store.puts_data:
+                data = _read_small(src, before.st_size)
+                if signature(os.stat(src)) != signature(before) or len(data) != before.st_size:
+                    raise Vanished(f"{rel} changed while it was read")
+                return src, hashlib.sha256(data).hexdigest(), len(data), data
             if not self.rewritten:
                 sha, size = sha256_file(src)
                 if signature(os.stat(src)) != signature(before):
                     raise Vanished(f"{rel} changed while hashed")
-                return src, sha, size
+                return src, sha, size, None
             if self.found is not None and signature(before) != self.found:
                 raise Vanished(f"{rel} was rewritten since it was found")
             dest = os.path.join(self.stage_dir, rel.replace("/", "__"))
@@ -254,9 +268,27 @@ class CheckpointUpload:
                     size += len(b)
             if signature(os.stat(src)) != signature(before) or size != before.st_size:
                 raise Vanished(f"{rel} was rewritten during the copy")
-            return dest, h.hexdigest(), size
+            return dest, h.hexdigest(), size, None
         except FileNotFoundError:
             raise Vanished(f"{rel} was deleted") from None
+
+
+def _read_small(path: str, size: int) -> bytes:
+    """The whole of a small file (``size`` by its stat; a file that grew is read one byte
+    further, so the caller sees the change)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        chunks: List[bytes] = []
+        got = 0
+        while got <= size:
+            b = os.read(fd, size + 1 - got)
+            if not b:
+                break
+            chunks.append(b)
+            got += len(b)
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _changed(src: str, before: os.stat_result) -> bool:

@@ -57,7 +57,7 @@ def event(kind, reason, **kw):
 
 armed = [False]
 pause = cfg["pause"]
-real_put_file, real_put_bytes = store.put_file, store.put_bytes
+real_put_file, real_put_bytes, real_put_data = store.put_file, store.put_bytes, store.put_data
 
 
 def stop():
@@ -72,6 +72,12 @@ def put_file(key, *a, **k):
     return real_put_file(key, *a, **k)
 
 
+def put_data(key, *a, **k):
+    if pause == "object":
+        stop()
+    return real_put_data(key, *a, **k)
+
+
 def put_bytes(key, data, **k):
     if (pause == "manifest" and key.endswith("/MANIFEST.json")) or (
         pause == "latest" and key.endswith("/LATEST.json")
@@ -80,7 +86,7 @@ def put_bytes(key, data, **k):
     return real_put_bytes(key, data, **k)
 
 
-store.put_file, store.put_bytes = put_file, put_bytes
+store.put_file, store.put_bytes, store.put_data = put_file, put_bytes, put_data
 s = Sealer(cfg["run"], cfg["ckpt"], store, cfg["staging"], epoch=take_epoch(store, cfg["run"]),
            event=event, state_path=cfg["state"])
 s.load()

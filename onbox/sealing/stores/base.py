@@ -240,6 +240,17 @@ class Store(abc.ABC):
         absent, ``if_match`` only while it is still the version ``get_versioned`` returned
         (PreconditionFailed else). The ObjectInfo's etag is the new version."""
 
+    # True where put_data is the store's own (the sealer then reads a small file once); else
+    # the sealer puts every file with put_file.
+    puts_data = False
+
+    def put_data(self, key: str, data: bytes, sha256: str) -> ObjectInfo:
+        """Put a checkpoint file already read into memory (``data``, whose sha256 the caller
+        took), as ``put_file`` would put it from disk: the sealer reads a small file once,
+        hashes it to find duplicates, and hands the same bytes here (no second read, no second
+        hash where the store can take the caller's). Only where ``puts_data``."""
+        return self.put_bytes(key, data)
+
     @abc.abstractmethod
     def get_versioned(self, key: str) -> Optional[Tuple[bytes, str]]:
         """A small object's bytes and its version (what ``put_bytes(if_match=...)`` takes),

@@ -197,6 +197,8 @@ class LocalStore(Store):
     # be known durable before their MANIFEST.
     parallel_puts = 8
 
+    puts_data = True  # put_data is put_bytes: written, fsynced, renamed into place
+
     def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
         dest = self._path(key)
         try:

@@ -39,7 +39,7 @@ from onbox.sealing.stores.s3.checksums import (
 from onbox.sealing.stores.s3.client import MAX_CONCURRENCY, config, is_aws, lean_client, takes
 from onbox.sealing.stores.s3.download import download
 from onbox.sealing.stores.s3.errors import boto_error, client_error, error_code, not_implemented
-from onbox.sealing.stores.s3.lean import LeanPut, lean_headers
+from onbox.sealing.stores.s3.lean import Lean, lean_headers
 from onbox.sealing.stores.s3.multipart import (
     MIN_PART,
     MULTIPART_THRESHOLD,
@@ -112,7 +112,7 @@ class S3Store(Store):
         # Whole-object puts without conditions go out on the lean path where it applies
         # (lean.py: botocore's per-call CPU is what limits a seal of many small files).
         self.lean = lean
-        self._lean: Optional[LeanPut] = None
+        self._lean: Optional[Lean] = None
         self._client_lock = threading.Lock()
         # None: not known yet; False: the store answered NotImplemented to If-None-Match.
         self.conditional_writes: Optional[bool] = None
@@ -129,9 +129,15 @@ class S3Store(Store):
             if self._client is None:
                 client = self._make_client()
                 if self.lean:
-                    self._lean = LeanPut.for_store(self, client, self._session)
+                    self._lean = Lean.for_store(self, client, self._session)
                 self._client = client
             return self._client
+
+    def lean_reader(self) -> Optional[Lean]:
+        """The lean path for a download's GETs (download.py), where it applies: lean.py on
+        wire.py's connections; None keeps them on boto3."""
+        lean = self._lean if self.client is not None else None  # the client makes _lean
+        return lean if lean is not None and lean.wire is not None else None
 
     def credentials(self) -> Any:
         """The session's credentials (botocore's object, refreshed as it refreshes them)."""
@@ -349,6 +355,14 @@ class S3Store(Store):
         )
 
     hashes_while_uploading = True
+    puts_data = True
+
+    def put_data(self, key: str, data: bytes, sha256: str) -> ObjectInfo:
+        if len(data) > self.multipart_threshold:
+            return super().put_data(key, data, sha256)
+        doing = f"uploading {key} to {self.url}"
+        with self.slots:
+            return self.put_object(key, data, sha256, if_absent=False, doing=doing)
 
     def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
         check_key(key)  # a bad key is refused before the file is opened

@@ -9,6 +9,13 @@ while the bytes arrive: a single GET hashes each chunk it writes; a ranged downl
 the downloading thread itself, which follows the parts' writers along the file's contiguous
 prefix and reads back what they wrote (just written: from the page cache), so when the last
 part lands only its tail is left to hash.
+
+Where the store has a lean reader (lean.py, on wire.py's connections) every GET is sent there
+and its body received straight into one reused buffer per request, from which it is hashed and
+written: one copy of every byte in this process, where boto3's streamed body makes three. Every
+stretch written is handed to the disk at once (onbox.common.writeback), so each file's fsync
+at its end finds little left to write. Objects up to WHOLE_MAX come in one GET; larger ones in
+ranges of at least RANGE_MIN (fewer, longer requests: each costs a request's CPU on both ends).
 """
 
 from __future__ import annotations
@@ -23,8 +30,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import botocore.exceptions as bex
 
 from onbox.common.errors import PermanentStoreError, PreconditionFailed, TransientStoreError
+from onbox.common.writeback import Writeback
 from onbox.sealing.stores.base import Lanes, new_download
-from onbox.sealing.stores.s3.errors import boto_error
+from onbox.sealing.stores.s3.errors import boto_error, client_error, error_code
 from onbox.sealing.stores.s3.multipart import MiB, part_size_for
 
 if TYPE_CHECKING:
@@ -32,6 +40,11 @@ if TYPE_CHECKING:
 
 STREAM_CHUNK = MiB
 HASH_CHUNK = 8 * MiB  # reads of the follower: large, so hashlib runs long with the GIL released
+# One GET for an object up to this size (its bytes hashed as they arrive, nothing read back);
+# a larger one in ranges of at least RANGE_MIN, the order of s5cmd's 50 MiB parts.
+WHOLE_MAX = 256 * MiB
+RANGE_MIN = 64 * MiB
+Reader = Callable[[memoryview], int]
 
 
 def download(
@@ -51,7 +64,7 @@ def _download(store: S3Store, key: str, dest: str, expect: Optional[int], lanes:
     full = store.full_key(key)
     doing = f"downloading {store.url}/{key}"
     with new_download(dest, doing, lanes=lanes) as fd:  # a new file, never through a symlink
-        if expect is not None and expect <= store.multipart_threshold:
+        if expect is not None and expect <= WHOLE_MAX:
             # Small by the MANIFEST: one GET, whatever its real size (a wrong size is the
             # caller's to find); a HEAD first would double the requests of a many-file restore.
             return lanes.run(_get_whole, store, doing, full, fd, lanes)
@@ -60,25 +73,61 @@ def _download(store: S3Store, key: str, dest: str, expect: Optional[int], lanes:
             raise PermanentStoreError(f"{key} is not in {store.url}")
         size = int(head["ContentLength"])
         version = str(head.get("ETag") or "")
-        if size <= store.multipart_threshold:
+        if size <= WHOLE_MAX:
             return lanes.run(_get_whole, store, doing, full, fd, lanes)
         return _get_ranged(store, doing, full, version, fd, size, lanes)
 
 
+def _open(
+    store: S3Store, doing: str, full: str, headers: Dict[str, str]
+) -> Optional[Tuple[Optional[int], Reader, Callable[[], None]]]:
+    """GET ``full`` (``headers``: Range, If-Match): (the body's length, a reader of it into a
+    buffer, its close), on the lean reader where the store has one, else boto3's; None where
+    the object is missing."""
+    lean = store.lean_reader()
+    if lean is None:
+        kwargs: Dict[str, Any] = {"Key": full}
+        if "Range" in headers:
+            kwargs["Range"] = headers["Range"]
+        if "If-Match" in headers:
+            kwargs["IfMatch"] = headers["If-Match"]
+        r = store.call_missing_ok(doing, "get_object", **kwargs)
+        if r is None:
+            return None
+        body = r["Body"]
+
+        def read(view: memoryview) -> int:
+            chunk = body.read(len(view))
+            view[: len(chunk)] = chunk
+            return len(chunk)
+
+        length = r.get("ContentLength")
+        return (None if length is None else int(length)), read, body.close
+    try:
+        answer = lean.open_get(full, headers)
+    except bex.ClientError as e:
+        if error_code(e) in ("NoSuchKey", "404", "NotFound"):
+            return None
+        raise client_error(store, e, doing) from None
+    except bex.BotoCoreError as e:
+        raise boto_error(store, e, doing) from None
+    return answer.length, answer.readinto, answer.close
+
+
 def _get_whole(store: S3Store, doing: str, full: str, fd: int, lanes: Lanes) -> str:
     """One GET of the whole object into ``fd``, hashed as it is written; its sha256."""
-    r = store.call_missing_ok(doing, "get_object", Key=full)
-    if r is None:
+    got = _open(store, doing, full, {})
+    if got is None:
         raise PermanentStoreError(f"{doing}: the object is not in the store")
+    length, read, close = got
     h = hashlib.sha256()
-    length = r.get("ContentLength")
-    done = _stream(store, doing, r["Body"], fd, 0, lambda: lanes.stopped, h.update)
-    if length is not None and done != int(length):
+    done = _stream(store, doing, read, close, fd, 0, lambda: lanes.stopped, h.update)
+    if length is not None and done != length:
         raise TransientStoreError(f"{doing}: got {done} bytes of {length}")
     return h.hexdigest()
 
 
-def _no_hash(chunk: bytes) -> None:
+def _no_hash(chunk: memoryview) -> None:
     """A ranged part is hashed by the follower, in file order, not as it arrives."""
 
 
@@ -120,7 +169,7 @@ def _get_ranged(
 ) -> str:
     """Ranged GETs in the lanes; this thread hashes behind them. Every part is over (done,
     failed, or never started) before this returns or raises: none writes to ``fd`` after."""
-    part = store.part_size or part_size_for(size)
+    part = max(store.part_size or part_size_for(size), RANGE_MIN)
     count = -(-size // part)
     prefix = _Prefix(part, count)
     halt = threading.Event()  # this file's parts give up: another part failed
@@ -179,14 +228,17 @@ def _get_range(
     n, offset, length = where
     if stop():
         raise concurrent.futures.CancelledError()
-    kwargs: Dict[str, Any] = {"Key": full, "Range": f"bytes={offset}-{offset + length - 1}"}
+    headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
     if version:
-        kwargs["IfMatch"] = version  # every range from the same object, even if it is replaced
+        headers["If-Match"] = version  # every range from the same object, even if it is replaced
     try:
-        r = store.call(doing, "get_object", **kwargs)
+        got = _open(store, doing, full, headers)
     except PreconditionFailed:
         raise TransientStoreError(f"{doing}: the object was replaced during the download") from None
-    done = _stream(store, doing, r["Body"], fd, offset, stop, _no_hash, prefix.wrote, n)
+    if got is None:
+        raise TransientStoreError(f"{doing}: the object was removed during the download")
+    _, read, close = got
+    done = _stream(store, doing, read, close, fd, offset, stop, _no_hash, prefix.wrote, n)
     if done != length:
         raise TransientStoreError(f"{doing}: got {done} bytes of {length}")
 
@@ -194,34 +246,39 @@ def _get_range(
 def _stream(
     store: S3Store,
     doing: str,
-    body: Any,
+    read: Reader,
+    close: Callable[[], None],
     fd: int,
     offset: int,
     stop: Callable[[], bool],
-    hash_chunk: Callable[[bytes], None],
+    hash_chunk: Callable[[memoryview], None],
     progress: Optional[Callable[[int, int], None]] = None,
     part: int = 0,
 ) -> int:
-    """``body`` into ``fd`` from ``offset`` on, chunk by chunk: each given to ``hash_chunk``
-    and its running total to ``progress(part, total)``; CancelledError once ``stop()``. The
-    bytes written."""
+    """A body (``read`` into a buffer, ``close``d at the end) into ``fd`` from ``offset`` on,
+    chunk by chunk: each given to ``hash_chunk``, written, handed to the disk by stretches
+    (writeback), and its running total to ``progress(part, total)``; CancelledError once
+    ``stop()``. The bytes written."""
     done = 0
+    buf = memoryview(bytearray(STREAM_CHUNK))
+    flush = Writeback(fd, offset)
     try:
         while True:
             if stop():
                 raise concurrent.futures.CancelledError()
-            chunk = body.read(STREAM_CHUNK)
-            if not chunk:
+            got = read(buf)
+            if not got:
                 return done
+            chunk = buf[:got]
             hash_chunk(chunk)
-            view = memoryview(chunk)
-            while view:
-                k = os.pwrite(fd, view, offset + done)
-                view = view[k:]
+            while chunk:
+                k = os.pwrite(fd, chunk, offset + done)
+                chunk = chunk[k:]
                 done += k
+                flush.wrote(k)
             if progress is not None:
                 progress(part, done)
     except bex.BotoCoreError as e:
         raise boto_error(store, e, doing) from None
     finally:
-        body.close()
+        close()

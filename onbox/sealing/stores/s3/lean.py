@@ -1,5 +1,6 @@
-"""The lean PUT of one whole object (see the package docstring): the request S3Store's boto3
-client would send for ``put_object`` without conditions, built and sent without boto3's
+"""The lean requests of an S3Store (see the package docstring): the PUT of one whole object
+without conditions and the GETs of a download (whole or ranged), each the request S3Store's
+boto3 client would send for ``put_object`` or ``get_object``, built and sent without boto3's
 per-call machinery.
 
 Why: a checkpoint of 10,000 small files is 10,000 PutObject calls, and botocore spends about
@@ -10,12 +11,13 @@ a box whose cores the training job and the store share, that CPU is the limit, n
 What stays botocore's, so that a lean PUT means on the wire what boto3's does: the SigV4
 signature (``botocore.auth.S3SigV4Auth``, the client's own config, so the same unsigned
 payload and signed headers), the credentials (the session's, refreshed as boto3 refreshes them),
-the region, the transport (the client's own ``URLLib3Session``: its connection pool, timeouts,
-proxies and CA bundle, its mapping of connection failures to botocore exceptions), and the
-parsing of an error answer (the client's rest-xml parser, raised as the ``ClientError`` boto3
-would raise, so errors.py maps it the same). The ``before-send`` and ``after-call`` events of
-PutObject are emitted as botocore emits them, so whatever hooks the client (a test's damaged
-body or lying answer) sees lean PUTs too.
+the region, and the parsing of an error answer (the client's rest-xml parser, raised as the
+``ClientError`` boto3 would raise, so errors.py maps it the same). The transport is wire.py's
+where it applies (the client's endpoint, CA bundle and timeouts; no proxy): one send per PUT
+and a GET's body received straight into the caller's buffer; else the client's own
+``URLLib3Session`` (PUTs only: without wire.py a download stays on boto3). The ``before-send``
+and ``after-call`` events of PutObject are emitted as botocore emits them, so whatever hooks
+the client (a test's damaged body or lying answer) sees lean PUTs too; lean GETs emit none.
 
 What is not taken here: conditional puts (``If-None-Match``/``If-Match``, a few per seal, with
 their NotImplemented fallback) and multipart uploads (whose parts are large: the per-request CPU
@@ -32,7 +34,7 @@ from urllib.parse import urlsplit
 
 import botocore.exceptions as bex
 from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest
+from botocore.awsrequest import AWSRequest, AWSResponse
 from botocore.parsers import RestXMLParser
 from botocore.utils import ensure_boolean, percent_encode
 
@@ -40,6 +42,7 @@ from onbox.sealing.stores.base import with_retries
 from onbox.sealing.stores.s3.checksums import SHA256_META, b64
 from onbox.sealing.stores.s3.client import is_aws
 from onbox.sealing.stores.s3.errors import boto_error, client_error
+from onbox.sealing.stores.s3.wire import Answer, Wire
 
 if TYPE_CHECKING:
     from onbox.sealing.stores.s3.core import S3Store
@@ -49,9 +52,9 @@ if TYPE_CHECKING:
 ATTEMPTS = 3
 
 
-class LeanPut:
-    """Unconditional PutObject of a whole body for one S3Store, or None from ``for_store``
-    where the lean path does not apply (see the module docstring)."""
+class Lean:
+    """Unconditional PutObject of a whole body, and GetObject streamed, for one S3Store; None
+    from ``for_store`` where the lean path does not apply (see the module docstring)."""
 
     def __init__(self, store: S3Store, client: Any, endpoint: str) -> None:
         self.store = store
@@ -59,12 +62,14 @@ class LeanPut:
         self.base = f"{endpoint.rstrip('/')}/{percent_encode(store.bucket, safe='~')}/"
         self.region = client.meta.region_name or "us-east-1"
         self.model = client.meta.service_model.operation_model("PutObject")
+        self.get_model = client.meta.service_model.operation_model("GetObject")
         self.http = client._endpoint.http_session
+        self.wire = Wire.for_client(client)
         self.events = client.meta.events
         self.parser = RestXMLParser()
 
     @classmethod
-    def for_store(cls, store: S3Store, client: Any, session: Any) -> Optional[LeanPut]:
+    def for_store(cls, store: S3Store, client: Any, session: Any) -> Optional[Lean]:
         endpoint = str(client.meta.endpoint_url)
         parts = urlsplit(endpoint)
         if (
@@ -94,18 +99,52 @@ class LeanPut:
         except bex.BotoCoreError as e:
             raise boto_error(self.store, e, doing) from None
 
-    def _send(self, full: str, headers: Mapping[str, str], data: bytes) -> Dict[str, Any]:
+    def _signed(self, method: str, full: str, headers: Mapping[str, str], data: bytes) -> Any:
+        """The request for ``full``, signed as the client signs it."""
         url = self.base + percent_encode(full, safe="/~")
-        request = AWSRequest(method="PUT", url=url, data=data, headers=dict(headers))
+        request = AWSRequest(method=method, url=url, data=data, headers=dict(headers))
         request.context["client_config"] = self.client.meta.config  # payload signing as boto's
         creds = self.store.credentials()
         if creds is None:
             raise bex.NoCredentialsError()
         S3SigV4Auth(creds.get_frozen_credentials(), "s3", self.region).add_auth(request)
-        prepared = request.prepare()
+        return request.prepare()
+
+    def _sent(self, prepared: Any) -> Any:
+        """``prepared`` sent on the wire where there is one (its answer read whole, as an
+        AWSResponse), else on the client's own transport."""
+        if self.wire is None:
+            return self.http.send(prepared)
+        with self.wire.request(
+            prepared.method, prepared.url, prepared.headers, prepared.body
+        ) as answer:
+            body = answer.read()
+        response = AWSResponse(prepared.url, answer.status, answer.headers, _Read(body))
+        response.content  # noqa: B018 (read now, from memory: the connection is handed back)
+        return response
+
+    def open_get(self, full: str, headers: Mapping[str, str]) -> Answer:
+        """GET ``full`` with ``headers`` (Range, If-Match) on the wire: the answer, whose body
+        the caller reads into its own buffer and then closes. A refusal (any status but 200 and
+        206) is raised as the ClientError boto3 would raise; only where ``wire`` is not None."""
+        assert self.wire is not None
+        prepared = self._signed("GET", full, headers, b"")
+        answer = self.wire.request("GET", prepared.url, prepared.headers)
+        if answer.status in (200, 206):
+            return answer
+        with answer:
+            body = answer.read() if answer.status != 304 else b""
+        parsed = self.parser.parse(
+            {"status_code": answer.status, "headers": answer.headers, "body": body},
+            self.get_model.output_shape,
+        )
+        raise bex.ClientError(parsed, "GetObject")
+
+    def _send(self, full: str, headers: Mapping[str, str], data: bytes) -> Dict[str, Any]:
+        prepared = self._signed("PUT", full, headers, data)
         hooked = [r for _, r in self.events.emit("before-send.s3.PutObject", request=prepared)]
         answer = next((r for r in hooked if r is not None), None)
-        response = answer if answer is not None else self.http.send(prepared)
+        response = answer if answer is not None else self._sent(prepared)
         status = int(response.status_code)
         got = response.headers
         if status >= 300:
@@ -129,6 +168,16 @@ class LeanPut:
             context={},
         )
         return out
+
+
+class _Read:
+    """A body already read, as AWSResponse reads its raw stream."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+    def stream(self, **_: Any) -> Any:
+        yield self.data
 
 
 def lean_headers(crc: bool, sent: bytes, sha256: str) -> Dict[str, str]:

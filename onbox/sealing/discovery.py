@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import List, Optional, Set, Tuple
+from typing import Dict, List, Optional, Set, Tuple
 
 from onbox.common import jobenv
 
@@ -116,9 +116,30 @@ def looks_whole(path: str) -> bool:
     return True
 
 
+def _real_paths(paths: List[str]) -> Dict[str, List[str]]:
+    """Each real path (symlinks resolved, as /proc names open files) -> the ``paths`` that are
+    it. A directory's real path is resolved once, not once per file in it (a checkpoint of
+    10,000 files would be 10,000 walks of the same directories); a file that is itself a
+    symlink is resolved whole."""
+    dirs: Dict[str, str] = {}
+    out: Dict[str, List[str]] = {}
+    for p in paths:
+        d, name = os.path.split(p)
+        real_dir = dirs.get(d)
+        if real_dir is None:
+            real_dir = dirs[d] = os.path.realpath(d)
+        real = os.path.join(real_dir, name)
+        if os.path.islink(real):
+            real = os.path.realpath(real)
+        out.setdefault(real, []).append(p)
+    return out
+
+
 def open_for_writing(paths: List[str]) -> Set[str]:
-    """Which of ``paths`` some process holds open for writing (from /proc/*/fd and fdinfo)."""
-    wanted = {os.path.realpath(p) for p in paths}
+    """Which of ``paths`` some process holds open for writing (from /proc/*/fd and fdinfo): the
+    busy ones both as given and as their real paths."""
+    real = _real_paths(paths)
+    wanted = set(real)
     busy: Set[str] = set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -144,7 +165,7 @@ def open_for_writing(paths: List[str]) -> Set[str]:
                             break
             except (OSError, ValueError):
                 busy.add(target)  # cannot tell: assume it is being written
-    return busy
+    return busy.union(*(real[t] for t in busy))
 
 
 class Candidate:

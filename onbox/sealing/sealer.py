@@ -158,14 +158,10 @@ class Sealer:
         busy = open_for_writing([os.path.join(self.ckpt_dir, n) for n, _ in files] + in_dirs)
         # A directory whose marker appeared while a file of it (the marker itself: Transformers
         # writes trainer_state.json in place) is still open for writing is not complete yet.
-        out = [
-            c
-            for c in dirs
-            if not any(os.path.realpath(os.path.join(self.ckpt_dir, f)) in busy for f in c.files)
-        ]
+        out = [c for c in dirs if not any(os.path.join(self.ckpt_dir, f) in busy for f in c.files)]
         for name, st in files:
             path = os.path.join(self.ckpt_dir, name)
-            if os.path.realpath(path) in busy:
+            if path in busy:
                 continue
             if not looks_whole(path):
                 if self.torn.get(name) != signature(st):

@@ -10,7 +10,8 @@ a box whose cores the training job and the store share, that CPU is the limit, n
 
 What stays botocore's, so that a lean PUT means on the wire what boto3's does: the SigV4
 signature (``botocore.auth.S3SigV4Auth``, the client's own config, so the same unsigned
-payload and signed headers), the credentials (the session's, refreshed as boto3 refreshes them),
+payload and signed headers; on wire.py's transport sigv4.py signs it, byte for byte as
+botocore would), the credentials (the session's, refreshed as boto3 refreshes them),
 the region, and the parsing of an error answer (the client's rest-xml parser, raised as the
 ``ClientError`` boto3 would raise, so errors.py maps it the same). The transport is wire.py's
 where it applies (the client's endpoint, CA bundle and timeouts; no proxy): one send per PUT
@@ -29,12 +30,12 @@ SeaweedFS only (path-style addressing, any S3-compatible endpoint).
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 from urllib.parse import urlsplit
 
 import botocore.exceptions as bex
 from botocore.auth import S3SigV4Auth
-from botocore.awsrequest import AWSRequest, AWSResponse
+from botocore.awsrequest import AWSPreparedRequest, AWSRequest, HeadersDict
 from botocore.parsers import RestXMLParser
 from botocore.utils import ensure_boolean, percent_encode
 
@@ -42,6 +43,7 @@ from onbox.sealing.stores.base import with_retries
 from onbox.sealing.stores.s3.checksums import SHA256_META, b64
 from onbox.sealing.stores.s3.client import is_aws
 from onbox.sealing.stores.s3.errors import boto_error, client_error
+from onbox.sealing.stores.s3.sigv4 import Signer
 from onbox.sealing.stores.s3.wire import Answer, Wire
 
 if TYPE_CHECKING:
@@ -59,8 +61,10 @@ class Lean:
     def __init__(self, store: S3Store, client: Any, endpoint: str) -> None:
         self.store = store
         self.client = client
-        self.base = f"{endpoint.rstrip('/')}/{percent_encode(store.bucket, safe='~')}/"
+        self.path = f"/{percent_encode(store.bucket, safe='~')}/"
+        self.base = endpoint.rstrip("/") + self.path
         self.region = client.meta.region_name or "us-east-1"
+        self.signer = Signer(self.region)
         self.model = client.meta.service_model.operation_model("PutObject")
         self.get_model = client.meta.service_model.operation_model("GetObject")
         self.http = client._endpoint.http_session
@@ -100,7 +104,12 @@ class Lean:
             raise boto_error(self.store, e, doing) from None
 
     def _signed(self, method: str, full: str, headers: Mapping[str, str], data: bytes) -> Any:
-        """The request for ``full``, signed as the client signs it."""
+        """The request for ``full``, signed as the client signs it (a prepared request)."""
+        if self.wire is not None:
+            url, signed = self._signed_here(method, full, headers)
+            # Plain headers: a before-send hook sees (and may change) the body and headers as
+            # sent; a case-insensitive dict of them would cost more than the rest of the PUT.
+            return AWSPreparedRequest(method, url, signed, data, False)
         url = self.base + percent_encode(full, safe="/~")
         request = AWSRequest(method=method, url=url, data=data, headers=dict(headers))
         request.context["client_config"] = self.client.meta.config  # payload signing as boto's
@@ -110,26 +119,39 @@ class Lean:
         S3SigV4Auth(creds.get_frozen_credentials(), "s3", self.region).add_auth(request)
         return request.prepare()
 
+    def _signed_here(
+        self, method: str, full: str, headers: Mapping[str, str]
+    ) -> Tuple[str, Dict[str, str]]:
+        """(URL, headers with Host and the signature) for ``full``, signed by sigv4.py."""
+        assert self.wire is not None
+        key = percent_encode(full, safe="/~")
+        creds = self.store.credentials()
+        if creds is None:
+            raise bex.NoCredentialsError()
+        host = self.wire.host_header
+        signed = self.signer.sign(
+            method, host, self.path + key, headers, creds.get_frozen_credentials()
+        )
+        signed["Host"] = host
+        return self.base + key, signed
+
     def _sent(self, prepared: Any) -> Any:
-        """``prepared`` sent on the wire where there is one (its answer read whole, as an
-        AWSResponse), else on the client's own transport."""
+        """``prepared`` sent on the wire where there is one (its answer read whole: status_code,
+        headers by lower-case name, content), else on the client's own transport."""
         if self.wire is None:
             return self.http.send(prepared)
         with self.wire.request(
             prepared.method, prepared.url, prepared.headers, prepared.body
         ) as answer:
-            body = answer.read()
-        response = AWSResponse(prepared.url, answer.status, answer.headers, _Read(body))
-        response.content  # noqa: B018 (read now, from memory: the connection is handed back)
-        return response
+            return _Answered(answer.status, answer.plain_headers(), answer.read())
 
     def open_get(self, full: str, headers: Mapping[str, str]) -> Answer:
         """GET ``full`` with ``headers`` (Range, If-Match) on the wire: the answer, whose body
         the caller reads into its own buffer and then closes. A refusal (any status but 200 and
         206) is raised as the ClientError boto3 would raise; only where ``wire`` is not None."""
         assert self.wire is not None
-        prepared = self._signed("GET", full, headers, b"")
-        answer = self.wire.request("GET", prepared.url, prepared.headers)
+        url, signed = self._signed_here("GET", full, headers)
+        answer = self.wire.request("GET", url, signed)
         if answer.status in (200, 206):
             return answer
         with answer:
@@ -146,18 +168,18 @@ class Lean:
         answer = next((r for r in hooked if r is not None), None)
         response = answer if answer is not None else self._sent(prepared)
         status = int(response.status_code)
-        got = response.headers
+        got = response.headers  # case-insensitive, or (the wire's) by lower-case name
         if status >= 300:
             parsed = self.parser.parse(
-                {"status_code": status, "headers": got, "body": response.content},
+                {"status_code": status, "headers": HeadersDict(got), "body": response.content},
                 self.model.output_shape,
             )
             raise bex.ClientError(parsed, "PutObject")
         out: Dict[str, Any] = {
             "ResponseMetadata": {"HTTPStatusCode": status, "HTTPHeaders": dict(got)}
         }
-        if got.get("ETag") is not None:
-            out["ETag"] = got["ETag"]
+        if got.get("etag") is not None:
+            out["ETag"] = got["etag"]
         if got.get("x-amz-checksum-crc32") is not None:
             out["ChecksumCRC32"] = got["x-amz-checksum-crc32"]
         self.events.emit(
@@ -170,14 +192,14 @@ class Lean:
         return out
 
 
-class _Read:
-    """A body already read, as AWSResponse reads its raw stream."""
+class _Answered:
+    """A wire answer read whole, with what AWSResponse offers a PUT's caller and its events:
+    ``status_code``, ``headers`` (by lower-case name), ``content``."""
 
-    def __init__(self, data: bytes) -> None:
-        self.data = data
-
-    def stream(self, **_: Any) -> Any:
-        yield self.data
+    def __init__(self, status: int, headers: Dict[str, str], content: bytes) -> None:
+        self.status_code = status
+        self.headers = headers
+        self.content = content
 
 
 def lean_headers(crc: bool, sent: bytes, sha256: str) -> Dict[str, str]:

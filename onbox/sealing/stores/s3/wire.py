@@ -1,6 +1,6 @@
-"""Plain HTTP/1.1 to one S3 endpoint, for the lean requests (lean.py): keep-alive connections
-from the standard library's ``http.client``, a request's headers and body in one send, and a
-response body read straight into the caller's buffer.
+"""Plain HTTP/1.1 to one S3 endpoint, for the lean requests (lean.py): keep-alive connections,
+a request's headers and body in one send, and a response body read straight into the caller's
+buffer (the messages themselves: http11.py).
 
 Why not botocore's transport (urllib3): per request it looks up proxies in the environment,
 builds its pool key, wraps the answer twice and, for a streamed body, copies every chunk two or
@@ -18,22 +18,23 @@ ReadTimeoutError, ConnectionClosedError, SSLError...), so errors.py maps them th
 
 from __future__ import annotations
 
-import http.client
 import socket
 import ssl
 import threading
 import weakref
-from typing import Any, List, Mapping, Optional, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Tuple, Union
 from urllib.parse import urlsplit
 
 import botocore.exceptions as bex
 from botocore.awsrequest import HeadersDict
 from botocore.httpsession import get_cert_path
 
+from onbox.sealing.stores.s3.http11 import BadAnswer, Body, Closed, Conn
+
 Buffer = Union[bytearray, memoryview]
 # Connections kept open between requests: the store's request slots and the threads waiting
-# for one (client.config's pool) each keep theirs.
-KEEP = 32
+# for one each keep theirs.
+KEEP = 48
 
 
 class Answer:
@@ -41,34 +42,36 @@ class Answer:
     ``close()`` hands the connection back for the next request when the body was read whole,
     else closes it (a body left unread would be the next request's answer)."""
 
-    def __init__(self, wire: Wire, conn: http.client.HTTPConnection, resp: Any, url: str):
+    def __init__(self, wire: Wire, conn: Conn, body: Body, url: str):
         self._wire = wire
-        self._conn: Optional[http.client.HTTPConnection] = conn
-        self._resp = resp
+        self._conn: Optional[Conn] = conn
+        self._body = body
         self.url = url
-        self.status = int(resp.status)
-        self.headers = HeadersDict(resp.getheaders())
+        self.status = body.status
+        self.length = body.length  # by Content-Length; None when the answer does not say
 
     @property
-    def length(self) -> Optional[int]:
-        """The body's length by Content-Length (None when the answer does not say)."""
-        value = self.headers.get("Content-Length")
-        return int(value) if value is not None and value.isdigit() else None
+    def headers(self) -> HeadersDict:
+        """The answer's headers, case-insensitive (botocore's parsers take these)."""
+        return HeadersDict(self._body.headers)
+
+    def plain_headers(self) -> Dict[str, str]:
+        """The answer's headers by lower-case name (cheaper, for a caller that looks up a few)."""
+        return {k.lower(): v for k, v in self._body.headers}
 
     def readinto(self, buf: Buffer) -> int:
         """Up to ``len(buf)`` bytes of the body into ``buf``; 0 at its end."""
         try:
-            return int(self._resp.readinto(buf))
-        except (OSError, http.client.HTTPException) as e:
+            return self._body.readinto(buf)
+        except (OSError, BadAnswer) as e:
             self.close()
             raise _failure(e, self.url, connecting=False) from None
 
     def read(self) -> bytes:
         """The rest of the body."""
         try:
-            data: bytes = self._resp.read()
-            return data
-        except (OSError, http.client.HTTPException) as e:
+            return self._body.read()
+        except (OSError, BadAnswer) as e:
             self.close()
             raise _failure(e, self.url, connecting=False) from None
 
@@ -76,7 +79,7 @@ class Answer:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if self._resp.isclosed() and not self._resp.will_close:
+        if self._body.reusable:
             self._wire.give_back(conn)
         else:
             conn.close()
@@ -98,10 +101,14 @@ class Wire:
         self.scheme = scheme
         self.host = host
         self.port = port
+        # The Host header as botocore signs it: the port only where it is not the scheme's.
+        name = f"[{host}]" if ":" in host else host
+        default = 443 if scheme == "https" else 80
+        self.host_header = name if port == default else f"{name}:{port}"
         self.context = context
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
-        self._idle: List[http.client.HTTPConnection] = []
+        self._idle: List[Conn] = []
         self._lock = threading.Lock()
         # The kept connections are closed when this Wire goes (with its store), not left to
         # the garbage collector's warnings.
@@ -148,51 +155,49 @@ class Wire:
     def request(
         self, method: str, url: str, headers: Mapping[str, str], body: Optional[bytes] = None
     ) -> Answer:
-        """Send one request (``url``: the full URL it was signed for) and return its answer,
-        whose body the caller reads and then closes. A kept connection the server had closed
-        meanwhile is replaced once (the requests sent here are idempotent)."""
+        """Send one request (``url``: the full URL it was signed for; ``headers`` with the Host
+        it was signed with) and return its answer, whose body the caller reads and then closes.
+        A kept connection the server had closed meanwhile is replaced once (the requests sent
+        here are idempotent)."""
         split = url.split("/", 3)
         target = "/" + (split[3] if len(split) > 3 else "")
+        items = list(headers.items())
         for fresh in (False, True):
             conn = None if fresh else self._take()
             reused = conn is not None
             if conn is None:
                 conn = self._connect(url)
             try:
-                conn.request(method, target, body=body, headers=dict(headers))
-                resp = conn.getresponse()
-            except (OSError, http.client.HTTPException) as e:
+                conn.send(method, target, items, body or b"")
+                return Answer(self, conn, Body(conn, method), url)
+            except (OSError, BadAnswer) as e:
                 conn.close()
                 if reused and _stale(e):
                     continue
                 raise _failure(e, url, connecting=False) from None
-            return Answer(self, conn, resp, url)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _connect(self, url: str) -> http.client.HTTPConnection:
-        conn: http.client.HTTPConnection
-        if self.context is not None:
-            conn = http.client.HTTPSConnection(
-                self.host, self.port, timeout=self.connect_timeout, context=self.context
-            )
-        else:
-            conn = http.client.HTTPConnection(self.host, self.port, timeout=self.connect_timeout)
+    def _connect(self, url: str) -> Conn:
         try:
-            conn.connect()
-            assert conn.sock is not None
-            conn.sock.settimeout(self.read_timeout)
-            # Small requests go out at once (urllib3 sets the same).
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = socket.create_connection((self.host, self.port), self.connect_timeout)
         except OSError as e:
-            conn.close()
             raise _failure(e, url, connecting=True) from None
-        return conn
+        try:
+            # Small requests go out at once (urllib3 sets the same).
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.context is not None:
+                sock = self.context.wrap_socket(sock, server_hostname=self.host)
+            sock.settimeout(self.read_timeout)
+        except OSError as e:
+            sock.close()
+            raise _failure(e, url, connecting=True) from None
+        return Conn(sock)
 
-    def _take(self) -> Optional[http.client.HTTPConnection]:
+    def _take(self) -> Optional[Conn]:
         with self._lock:
             return self._idle.pop() if self._idle else None
 
-    def give_back(self, conn: http.client.HTTPConnection) -> None:
+    def give_back(self, conn: Conn) -> None:
         with self._lock:
             if len(self._idle) < KEEP:
                 self._idle.append(conn)
@@ -206,7 +211,7 @@ class Wire:
         _close_all(idle)
 
 
-def _close_all(conns: List[http.client.HTTPConnection]) -> None:
+def _close_all(conns: List[Conn]) -> None:
     for conn in conns:
         conn.close()
 
@@ -224,15 +229,7 @@ def _split(endpoint: str) -> Optional[Tuple[str, str, int]]:
 def _stale(e: BaseException) -> bool:
     """A kept connection the server closed while it was idle: nothing of this request was
     answered."""
-    return isinstance(
-        e,
-        (
-            http.client.RemoteDisconnected,
-            http.client.BadStatusLine,
-            ConnectionResetError,
-            BrokenPipeError,
-        ),
-    )
+    return isinstance(e, (Closed, ConnectionResetError, BrokenPipeError))
 
 
 def _failure(e: BaseException, url: str, *, connecting: bool) -> Exception:

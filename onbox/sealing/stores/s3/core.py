@@ -45,6 +45,7 @@ from onbox.sealing.stores.s3.multipart import (
     MULTIPART_THRESHOLD,
     MiB,
     PartBuffers,
+    abort_stale,
     changed,
     pread_exact,
     put_multipart,
@@ -475,29 +476,7 @@ class S3Store(Store):
         self.call(f"deleting {key} from {self.url}", "delete_object", Key=self.full_key(key))
 
     def abort_stale_uploads(self, prefix: str) -> int:
-        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
-        doing = f"aborting unfinished uploads under {self.url}/{prefix}"
-        aborted = 0
-        try:
-            pages = self.client.get_paginator("list_multipart_uploads").paginate(
-                Bucket=self.bucket, Prefix=full
-            )
-            for page in pages:
-                for up in page.get("Uploads") or []:
-                    try:
-                        self.client.abort_multipart_upload(
-                            Bucket=self.bucket, Key=up["Key"], UploadId=up["UploadId"]
-                        )
-                    except bex.ClientError as e:
-                        if error_code(e) == "NoSuchUpload":
-                            continue  # finished or aborted meanwhile
-                        raise
-                    aborted += 1
-        except bex.ClientError as e:
-            raise client_error(self, e, doing) from None
-        except bex.BotoCoreError as e:
-            raise boto_error(self, e, doing) from None
-        return aborted
+        return abort_stale(self, prefix)
 
     def preflight(self, run: str) -> List[Finding]:
         return run_preflight(self, run)

@@ -45,11 +45,9 @@ class Conn:
         self.fp: io.BufferedReader = sock.makefile("rb")
 
     def send(self, method: str, target: str, headers: List[Tuple[str, str]], body: bytes) -> None:
+        """The request in one send (``headers`` checked by ``check_headers`` first)."""
         lines = [f"{method} {target} HTTP/1.1"]
-        for name, value in headers:
-            if "\r" in name or "\n" in name or "\r" in value or "\n" in value or ":" in name:
-                raise ValueError(f"refused header {name!r}: CR, LF or ':' in it")
-            lines.append(f"{name}: {value}")
+        lines += [f"{name}: {value}" for name, value in headers]
         if body or method in ("PUT", "POST"):
             lines.append(f"Content-Length: {len(body)}")
         head = ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1")
@@ -64,6 +62,14 @@ class Conn:
             self.fp.close()
         finally:
             self.sock.close()
+
+
+def check_headers(headers: List[Tuple[str, str]]) -> None:
+    """ValueError for a header that would break the request's framing (CR, LF; ':' in a
+    name): nothing rgt sends has one, so one is refused before anything is sent."""
+    for name, value in headers:
+        if "\r" in name or "\n" in name or "\r" in value or "\n" in value or ":" in name:
+            raise ValueError(f"refused header {name!r}: CR, LF or ':' in it")
 
 
 class Body:

@@ -347,3 +347,30 @@ def _is_ours(head: Dict[str, Any], sha256: Optional[str], crc: bool, expected: s
     if crc:
         return bool(head.get("ChecksumCRC32") == expected)
     return etag(head.get("ETag")) == expected
+
+
+def abort_stale(store: S3Store, prefix: str) -> int:
+    """``Store.abort_stale_uploads``: every unfinished multipart upload under ``prefix`` aborted."""
+    full = f"{store.prefix}/{prefix}" if store.prefix else prefix
+    doing = f"aborting unfinished uploads under {store.url}/{prefix}"
+    aborted = 0
+    try:
+        pages = store.client.get_paginator("list_multipart_uploads").paginate(
+            Bucket=store.bucket, Prefix=full
+        )
+        for page in pages:
+            for up in page.get("Uploads") or []:
+                try:
+                    store.client.abort_multipart_upload(
+                        Bucket=store.bucket, Key=up["Key"], UploadId=up["UploadId"]
+                    )
+                except bex.ClientError as e:
+                    if error_code(e) == "NoSuchUpload":
+                        continue  # finished or aborted meanwhile
+                    raise
+                aborted += 1
+    except bex.ClientError as e:
+        raise client_error(store, e, doing) from None
+    except bex.BotoCoreError as e:
+        raise boto_error(store, e, doing) from None
+    return aborted

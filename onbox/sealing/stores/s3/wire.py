@@ -29,7 +29,7 @@ import botocore.exceptions as bex
 from botocore.awsrequest import HeadersDict
 from botocore.httpsession import get_cert_path
 
-from onbox.sealing.stores.s3.http11 import BadAnswer, Body, Closed, Conn
+from onbox.sealing.stores.s3.http11 import BadAnswer, Body, Closed, Conn, check_headers
 
 Buffer = Union[bytearray, memoryview]
 # Connections kept open between requests: the store's request slots and the threads waiting
@@ -162,6 +162,7 @@ class Wire:
         split = url.split("/", 3)
         target = "/" + (split[3] if len(split) > 3 else "")
         items = list(headers.items())
+        check_headers(items)
         for fresh in (False, True):
             conn = None if fresh else self._take()
             reused = conn is not None

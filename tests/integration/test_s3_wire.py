@@ -1,0 +1,249 @@
+"""The lean path's HTTP/1.1 (onbox/sealing/stores/s3/wire.py, http11.py) against real peers on
+loopback: a scripted server that writes the answers byte for byte (what S3-compatible servers
+and the proxies in front of them send: chunked bodies with trailers, folded headers, closed
+keep-alive connections, bodies cut short, answers that are not HTTP), and a real SeaweedFS for
+what a download does when the object is replaced under it or is not there.
+
+The promises: an answer is read whole however it is framed, and its connection is used again
+only when the server keeps it; a kept connection the server closed while idle is replaced
+once, transparently; an answer cut short or not HTTP is the same transient connection error
+urllib3's transport gives (never a short body taken for a whole one); a ranged download of an
+object replaced meanwhile fails as transient (retry: the new object whole), leaving no file.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import uuid
+from typing import Any, Callable, Iterator, List
+
+import botocore.exceptions as bex
+import pytest
+
+from onbox.common.errors import PermanentStoreError, TransientStoreError
+from onbox.sealing.stores.s3 import download
+from onbox.sealing.stores.s3.wire import Wire
+from tests.seaweed import SeaweedServer
+
+Script = Callable[[socket.socket, int], None]  # (accepted connection, its number)
+
+
+class Peer:
+    """A loopback HTTP peer running ``script`` on each connection it accepts (in a thread the
+    test stops), and what it received."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.requests: List[bytes] = []
+        self.connections = 0
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.connections += 1
+            with conn:
+                conn.settimeout(5)
+                try:
+                    self.script(conn, self.connections)
+                except OSError:
+                    pass
+
+    def read_request(self, conn: socket.socket) -> bytes:
+        data = b""
+        while b"\r\n\r\n" not in data:
+            got = conn.recv(65536)
+            if not got:
+                raise ConnectionError("client went away")
+            data += got
+        head, _, rest = data.partition(b"\r\n\r\n")
+        length = 0
+        for line in head.split(b"\r\n")[1:]:
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        while len(rest) < length:
+            rest += conn.recv(65536)
+        self.requests.append(head)
+        return head
+
+    def wire(self) -> Wire:
+        return Wire("http", "127.0.0.1", self.port, None, 5.0, 5.0)
+
+    def url(self, path: str = "/b/k") -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def stop(self) -> None:
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() (close alone does not)
+        except OSError:
+            pass
+        self.sock.close()
+        self.thread.join(timeout=10)
+        assert not self.thread.is_alive()
+
+
+@pytest.fixture
+def peers() -> Iterator[Callable[[Script], Peer]]:
+    made: List[Peer] = []
+
+    def make(script: Script) -> Peer:
+        made.append(Peer(script))
+        return made[-1]
+
+    yield make
+    for p in made:
+        p.stop()
+
+
+def _get(wire: Wire, url: str) -> Any:
+    return wire.request("GET", url, {"Host": url.split("/")[2]})
+
+
+def test_a_chunked_answer_with_trailers_and_folded_headers_is_read_whole(
+    peers: Callable[[Script], Peer],
+) -> None:
+    body = os.urandom(70_000)
+
+    def script(conn: socket.socket, n: int) -> None:
+        for _ in range(2):  # two requests on one kept connection
+            peer.read_request(conn)
+            conn.sendall(
+                b"HTTP/1.1 100 Continue\r\n\r\n"
+                b"HTTP/1.1 200 OK\r\nX-Folded: one\r\n  two\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + b"%x;ext=1\r\n" % 65536 + body[:65536] + b"\r\n"
+                + b"%x\r\n" % (len(body) - 65536) + body[65536:] + b"\r\n"
+                + b"0\r\nX-Trailer: t\r\n\r\n"
+            )  # fmt: skip
+
+    peer = peers(script)
+    wire = peer.wire()
+    for _ in range(2):
+        with _get(wire, peer.url()) as answer:
+            assert answer.status == 200
+            assert answer.plain_headers()["x-folded"] == "one two"
+            assert answer.read() == body
+    assert peer.connections == 1  # the connection was kept and used again
+    wire.close()
+
+
+def test_a_kept_connection_the_server_closed_is_replaced_once(
+    peers: Callable[[Script], Peer],
+) -> None:
+    def script(conn: socket.socket, n: int) -> None:
+        peer.read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        # then the server closes the connection without saying so (an idle timeout)
+
+    peer = peers(script)
+    wire = peer.wire()
+    for _ in range(3):
+        with _get(wire, peer.url()) as answer:
+            assert answer.read() == b"ok"
+    assert peer.connections == 3 and len(peer.requests) == 3
+    wire.close()
+
+
+def test_connection_close_is_honoured(peers: Callable[[Script], Peer]) -> None:
+    def script(conn: socket.socket, n: int) -> None:
+        peer.read_request(conn)
+        conn.sendall(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
+        conn.shutdown(socket.SHUT_WR)
+
+    peer = peers(script)
+    wire = peer.wire()
+    for _ in range(2):
+        with _get(wire, peer.url()) as answer:
+            assert answer.read() == b"until the end"
+    assert peer.connections == 2
+    wire.close()
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly ten b",  # cut short
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nxx",  # bad chunk size
+        b"SSH-2.0-OpenSSH_9.2\r\n",  # not HTTP at all
+        b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",  # a broken header line
+    ],
+)
+def test_a_broken_answer_is_a_connection_error_never_a_short_body(
+    peers: Callable[[Script], Peer], answer: bytes
+) -> None:
+    def script(conn: socket.socket, n: int) -> None:
+        peer.read_request(conn)
+        conn.sendall(answer)
+
+    peer = peers(script)
+    wire = peer.wire()
+    with pytest.raises(bex.ConnectionClosedError), _get(wire, peer.url()) as got:
+        got.read()
+    wire.close()
+
+
+def test_a_header_with_a_line_break_is_refused_before_sending(
+    peers: Callable[[Script], Peer],
+) -> None:
+    def script(conn: socket.socket, n: int) -> None:
+        peer.read_request(conn)
+
+    peer = peers(script)
+    wire = peer.wire()
+    with pytest.raises(ValueError, match="CR, LF"):
+        wire.request("GET", peer.url(), {"Host": "h", "X-Evil": "a\r\nInjected: yes"})
+    assert peer.requests == []
+    wire.close()
+
+
+def test_a_ranged_download_of_an_object_replaced_meanwhile_fails_as_transient(
+    s3_server: SeaweedServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every range carries If-Match with the ETag its HEAD saw: a range of the new object is
+    refused (412), the download fails as transient (a retry fetches the new object whole),
+    and nothing of it is left on disk."""
+    monkeypatch.setattr(download, "WHOLE_MAX", 5 << 20)
+    monkeypatch.setattr(download, "RANGE_MIN", 5 << 20)
+    bucket = s3_server.bucket()
+    store = s3_server.store(bucket, f"wire/{uuid.uuid4().hex[:8]}", part_size=5 << 20)
+    old, new = os.urandom(12 << 20), os.urandom(12 << 20)
+    store.put_bytes("run/obj", old)
+    lean = store.lean_reader()
+    assert lean is not None  # the lean path is what is tested here
+    real = lean.open_get
+    calls: List[str] = []
+
+    def replaced_after_the_first(full: str, headers: Any) -> Any:
+        if calls == ["first"]:
+            store.put_bytes("run/obj", new)
+        calls.append("first" if not calls else "later")
+        return real(full, headers)
+
+    monkeypatch.setattr(lean, "open_get", replaced_after_the_first)
+    dest = str(tmp_path / "obj")
+    with pytest.raises(TransientStoreError, match="replaced during the download"):
+        store.fetch_file("run/obj", dest, size=len(old))
+    assert not os.path.exists(dest)
+    monkeypatch.setattr(lean, "open_get", real)
+    assert store.fetch_file("run/obj", dest, size=len(new)) is not None
+    with open(dest, "rb") as f:
+        assert f.read() == new
+
+
+def test_a_missing_object_on_the_lean_path_is_permanent(
+    s3_server: SeaweedServer, tmp_path: Any
+) -> None:
+    store = s3_server.store(s3_server.bucket(), "wire/missing")
+    assert store.lean_reader() is not None
+    dest = str(tmp_path / "x")
+    with pytest.raises(PermanentStoreError, match="not in the store"):
+        store.fetch_file("run/none", dest, size=10)
+    assert not os.path.exists(dest)

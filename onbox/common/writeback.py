@@ -16,13 +16,18 @@ a no-op: the fsync at the end does it all, as before.
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import mmap
+import os
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
 # A stretch of this many bytes is handed to the disk once written: large enough that the
 # requests are big and few, small enough to start early.
 STRETCH = 8 << 20
 _WRITE = 2  # SYNC_FILE_RANGE_WRITE
+ALIGN = 4096  # O_DIRECT: offsets, lengths and memory in whole blocks (4 KiB covers 512 and 4K)
 
 
 def _load() -> Optional[Callable[..., int]]:
@@ -65,3 +70,71 @@ def start(fd: int, offset: int, length: int) -> None:
     writes themselves are the fsync's to report."""
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, length, _WRITE)
+
+
+class Direct:
+    """Writes of one file past the page cache (``O_DIRECT``) in whole blocks: the bytes go from
+    the caller's buffer to the disk, with no page of cache to allocate, fill, write back and
+    reclaim. What it does not take (a file's short tail; everything once the filesystem
+    refused) the caller writes as usual. The file's fsync stays the caller's (it also flushes
+    the disk's cache, the metadata and any tail written through the cache)."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.ok = True
+        self._bufs: List[Any] = []
+
+    def buffer(self, size: int) -> memoryview:
+        """A page-aligned buffer of ``size`` bytes (O_DIRECT needs aligned memory), freed with
+        this writer."""
+        self._bufs.append(mmap.mmap(-1, size))
+        return memoryview(self._bufs[-1])
+
+    def write(self, chunk: memoryview, offset: int) -> int:
+        """How many bytes of ``chunk`` went to ``offset`` directly (in whole blocks; the caller
+        writes the rest as usual). 0 for a chunk it cannot take (short or unaligned), and for
+        every chunk once the filesystem refused one (EINVAL)."""
+        done = 0
+        while self.ok and not offset % ALIGN and len(chunk) - done >= ALIGN:
+            end = done + (len(chunk) - done) // ALIGN * ALIGN
+            try:
+                k = os.pwrite(self.fd, chunk[done:end], offset)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                self.ok = False
+                break
+            if not k:
+                break
+            done, offset = done + k, offset + k
+        return done
+
+    def close(self) -> None:
+        os.close(self.fd)
+        for b in self._bufs:
+            with contextlib.suppress(BufferError):  # a view still held: freed when it goes
+                b.close()
+
+
+def _open(path: str, fd: int, mode: int) -> Optional[int]:
+    """``path`` opened again with O_DIRECT, checked to be the file open as ``fd``; None where
+    O_DIRECT is not to be had (another system; a filesystem that refuses it: tmpfs, some FUSE
+    and network filesystems)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        dfd = os.open(path, mode | flag | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    a, b = os.fstat(dfd), os.fstat(fd)
+    if (a.st_dev, a.st_ino) != (b.st_dev, b.st_ino):
+        os.close(dfd)
+        return None
+    return dfd
+
+
+def open_direct(path: str, fd: int) -> Optional[Direct]:
+    """A Direct writer of ``path``, the file open as ``fd``; None where there is none."""
+    dfd = _open(path, fd, os.O_WRONLY)
+    return None if dfd is None else Direct(dfd)

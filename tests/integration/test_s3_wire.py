@@ -211,7 +211,7 @@ def test_a_ranged_download_of_an_object_replaced_meanwhile_fails_as_transient(
     refused (412), the download fails as transient (a retry fetches the new object whole),
     and nothing of it is left on disk."""
     monkeypatch.setattr(download, "WHOLE_MAX", 5 << 20)
-    monkeypatch.setattr(download, "RANGE_MIN", 5 << 20)
+    monkeypatch.setattr(download, "RANGE", 4 << 20)
     bucket = s3_server.bucket()
     store = s3_server.store(bucket, f"wire/{uuid.uuid4().hex[:8]}", part_size=5 << 20)
     old, new = os.urandom(12 << 20), os.urandom(12 << 20)

@@ -1,21 +1,23 @@
-"""Downloads of an S3 store: an object up to the multipart threshold in one GET (no HEAD first
-when the caller's expected size says it is small), a larger one in ranged GETs in parallel,
-every range pinned to the ETag the HEAD saw (``If-Match``), so an object replaced during the
+"""Downloads of an S3 store: an object up to WHOLE_MAX in one GET (no HEAD first when the
+caller's expected size says it is no larger), a larger one in ranged GETs in parallel, every
+range pinned to the ETag the HEAD saw (``If-Match``), so an object replaced during the
 download fails it (transient: a retry fetches the new one whole).
 
 Every request runs in a lane of the caller's ``Lanes`` (base.py), so one restore's files and
 the parts of its large files share one bound on requests in flight. The sha256 is computed
-while the bytes arrive: a single GET hashes each chunk it writes; a ranged download is hashed by
-the downloading thread itself, which follows the parts' writers along the file's contiguous
-prefix and reads back what they wrote (just written: from the page cache), so when the last
-part lands only its tail is left to hash.
+while the bytes arrive: a single GET hashes each chunk before it writes it; the parts of a
+ranged download hand their chunks to one in-order hasher (``_InOrder``), which hashes the chunk
+at the end of the hashed prefix at once and keeps (in memory, bounded) what arrives ahead of it:
+nothing is read back from the disk.
 
 Where the store has a lean reader (lean.py, on wire.py's connections) every GET is sent there
 and its body received straight into one reused buffer per request, from which it is hashed and
-written: one copy of every byte in this process, where boto3's streamed body makes three. Every
-stretch written is handed to the disk at once (onbox.common.writeback), so each file's fsync
-at its end finds little left to write. Objects up to WHOLE_MAX come in one GET; larger ones in
-ranges of at least RANGE_MIN (fewer, longer requests: each costs a request's CPU on both ends).
+written: one copy of every byte in this process, where boto3's streamed body makes three. An
+object of DIRECT_MIN or more is written past the page cache where the filesystem allows it
+(O_DIRECT, onbox.common.writeback): on a box the server or the training job shares, allocating,
+filling, writing back and reclaiming a GiB of page cache costs more CPU than the download
+itself, and the fsync at the end then has only the file's tail and metadata left. Otherwise
+every stretch written is handed to the disk at once (writeback), so the fsync finds little.
 """
 
 from __future__ import annotations
@@ -30,21 +32,27 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 import botocore.exceptions as bex
 
 from onbox.common.errors import PermanentStoreError, PreconditionFailed, TransientStoreError
-from onbox.common.writeback import Writeback
+from onbox.common.writeback import Direct, Writeback, open_direct
 from onbox.sealing.stores.base import Lanes, new_download
 from onbox.sealing.stores.s3.errors import boto_error, client_error, error_code
-from onbox.sealing.stores.s3.multipart import MiB, part_size_for
+from onbox.sealing.stores.s3.multipart import MiB
 
 if TYPE_CHECKING:
     from onbox.sealing.stores.s3.core import S3Store
 
-STREAM_CHUNK = MiB
-HASH_CHUNK = 8 * MiB  # reads of the follower: large, so hashlib runs long with the GIL released
-# One GET for an object up to this size (its bytes hashed as they arrive, nothing read back);
-# a larger one in ranges of at least RANGE_MIN, the order of s5cmd's 50 MiB parts.
+STREAM_CHUNK = 4 * MiB  # one request's buffer: large writes keep a direct write's waits few
+# One GET for an object up to this size; a larger one in ranges of RANGE (at most MAX_RANGES
+# of them), several in flight. Ranges are small so that the parts in flight are near the
+# hashed prefix: what arrives ahead of it is kept in memory (KEEP_MAX at most per file) rather
+# than read back from the disk.
 WHOLE_MAX = 256 * MiB
-RANGE_MIN = 64 * MiB
+RANGE = 8 * MiB
+MAX_RANGES = 10000
+KEEP_MAX = 96 * MiB
 Reader = Callable[[memoryview], int]
+# An object of at least this size, fetched whole, is written past the page cache (O_DIRECT,
+# onbox.common.writeback): see the module docstring.
+DIRECT_MIN = 8 * MiB
 
 
 def download(
@@ -67,15 +75,15 @@ def _download(store: S3Store, key: str, dest: str, expect: Optional[int], lanes:
         if expect is not None and expect <= WHOLE_MAX:
             # Small by the MANIFEST: one GET, whatever its real size (a wrong size is the
             # caller's to find); a HEAD first would double the requests of a many-file restore.
-            return lanes.run(_get_whole, store, doing, full, fd, lanes)
+            return lanes.run(_get_whole, store, doing, full, fd, lanes, dest, expect)
         head = lanes.run(functools.partial(store.call_missing_ok, doing, "head_object", Key=full))
         if head is None:
             raise PermanentStoreError(f"{key} is not in {store.url}")
         size = int(head["ContentLength"])
         version = str(head.get("ETag") or "")
         if size <= WHOLE_MAX:
-            return lanes.run(_get_whole, store, doing, full, fd, lanes)
-        return _get_ranged(store, doing, full, version, fd, size, lanes)
+            return lanes.run(_get_whole, store, doing, full, fd, lanes, dest, size)
+        return _get_ranged(store, doing, full, version, (fd, dest), size, lanes)
 
 
 def _open(
@@ -114,93 +122,131 @@ def _open(
     return answer.length, answer.readinto, answer.close
 
 
-def _get_whole(store: S3Store, doing: str, full: str, fd: int, lanes: Lanes) -> str:
-    """One GET of the whole object into ``fd``, hashed as it is written; its sha256."""
+def _get_whole(
+    store: S3Store, doing: str, full: str, fd: int, lanes: Lanes, dest: str, size: int
+) -> str:
+    """One GET of the whole object into ``fd`` (``dest``, of about ``size`` bytes), hashed as
+    it is written; its sha256."""
     got = _open(store, doing, full, {})
     if got is None:
         raise PermanentStoreError(f"{doing}: the object is not in the store")
     length, read, close = got
     h = hashlib.sha256()
-    done = _stream(store, doing, read, close, fd, 0, lambda: lanes.stopped, h.update)
+    direct = open_direct(dest, fd) if size >= DIRECT_MIN else None
+    try:
+        done = _stream(store, doing, read, close, fd, 0, lambda: lanes.stopped, h.update, direct)
+    finally:
+        if direct is not None:
+            direct.close()
     if length is not None and done != length:
         raise TransientStoreError(f"{doing}: got {done} bytes of {length}")
     return h.hexdigest()
 
 
-def _no_hash(chunk: memoryview) -> None:
-    """A ranged part is hashed by the follower, in file order, not as it arrives."""
+class _InOrder:
+    """The sha256 of a file whose ranged parts arrive at once, each in order: a chunk at the
+    end of the hashed prefix is hashed by the thread that brings it (with the kept chunks that
+    follow it); one further on is kept, a copy, until the prefix reaches it. Nothing is read
+    back from the disk. The lanes start parts in file order, so the prefix's end is always in
+    a running part, which never waits here; a part whose chunks would keep more than KEEP_MAX
+    waits for the prefix (its connection stalls meanwhile), so memory stays bounded."""
 
-
-class _Prefix:
-    """What the parts of a ranged download have written, part by part (each part's bytes
-    arrive in order), for the follower that hashes the file's contiguous prefix."""
-
-    def __init__(self, part: int, count: int) -> None:
-        self.part = part
-        self.done = [0] * count
-        self.failed = False
+    def __init__(self, stop: Callable[[], bool]) -> None:
+        self.h = hashlib.sha256()
+        self.offset = 0
+        self.kept: Dict[int, bytes] = {}
+        self.held = 0
+        self.stop = stop
         self.cond = threading.Condition()
 
-    def wrote(self, n: int, total: int) -> None:
-        with self.cond:
-            self.done[n] = total
-            self.cond.notify()
+    def feeder(self, start: int) -> Callable[[memoryview], None]:
+        """What a part starting at ``start`` hands each chunk to, in its order."""
+        at = [start]
 
-    def fail(self) -> None:
-        with self.cond:
-            self.failed = True
-            self.cond.notify()
+        def feed(chunk: memoryview) -> None:
+            self.feed(at[0], chunk)
+            at[0] += len(chunk)
 
-    def ready(self, offset: int) -> int:
-        """Bytes from ``offset`` on that are written (0 after a failure), waited for."""
+        return feed
+
+    def feed(self, offset: int, chunk: memoryview) -> None:
         with self.cond:
-            while True:
-                if self.failed:
-                    return 0
-                n = offset // self.part
-                have = n * self.part + self.done[n] - offset
-                if have > 0:
-                    return have
-                self.cond.wait()
+            while offset != self.offset and self.held + len(chunk) > KEEP_MAX:
+                if self.stop():
+                    raise concurrent.futures.CancelledError()
+                self.cond.wait(0.5)
+            if offset != self.offset:
+                self.kept[offset] = bytes(chunk)
+                self.held += len(chunk)
+                return
+            self.h.update(chunk)
+            self.offset += len(chunk)
+            while self.offset in self.kept:
+                data = self.kept.pop(self.offset)
+                self.held -= len(data)
+                self.h.update(data)
+                self.offset += len(data)
+            self.cond.notify_all()
 
 
 def _get_ranged(
-    store: S3Store, doing: str, full: str, version: str, fd: int, size: int, lanes: Lanes
+    store: S3Store,
+    doing: str,
+    full: str,
+    version: str,
+    file: Tuple[int, str],
+    size: int,
+    lanes: Lanes,
 ) -> str:
-    """Ranged GETs in the lanes; this thread hashes behind them. Every part is over (done,
-    failed, or never started) before this returns or raises: none writes to ``fd`` after."""
-    part = max(store.part_size or part_size_for(size), RANGE_MIN)
+    """Ranged GETs in the lanes, hashed in file order as they arrive (``file``: the
+    descriptor and path written). Every part is over (done, failed, or never started) before
+    this returns or raises: none writes to the file after."""
+    fd, dest = file
+    direct = open_direct(dest, fd)
+    try:
+        return _ranges(store, doing, full, version, fd, size, lanes, direct)
+    finally:
+        if direct is not None:
+            direct.close()
+
+
+def _ranges(
+    store: S3Store,
+    doing: str,
+    full: str,
+    version: str,
+    fd: int,
+    size: int,
+    lanes: Lanes,
+    direct: Optional[Direct],
+) -> str:
+    part = max(RANGE, -(-size // MAX_RANGES))
     count = -(-size // part)
-    prefix = _Prefix(part, count)
     halt = threading.Event()  # this file's parts give up: another part failed
 
     def stop() -> bool:
         return halt.is_set() or lanes.stopped
 
+    hasher = _InOrder(stop)
+
     def on_done(fut: concurrent.futures.Future[None]) -> None:
         if fut.cancelled() or fut.exception() is not None:
-            prefix.fail()
+            halt.set()
+            with hasher.cond:
+                hasher.cond.notify_all()
 
     futures: List[concurrent.futures.Future[None]] = []
     try:
         for n in range(count):
             length = min(part, size - n * part)
             fut = lanes.submit(
-                _get_range, store, doing, full, version, fd, (n, n * part, length), prefix, stop
-            )
+                _get_range, store, doing, full, version, (fd, direct), (n * part, length),
+                hasher.feeder(n * part), stop,
+            )  # fmt: skip
             fut.add_done_callback(on_done)
             futures.append(fut)
-        h, offset = hashlib.sha256(), 0
-        while offset < size:
-            have = prefix.ready(offset)
-            if not have:
-                break
-            data = os.pread(fd, min(have, HASH_CHUNK), offset)
-            if not data:
-                raise TransientStoreError(f"{doing}: the file shrank under its writers")
-            h.update(data)
-            offset += len(data)
-    finally:
+        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+    finally:  # all done; or one failed (or this thread was interrupted): the rest give up
         halt.set()
         for fut in futures:
             fut.cancel()
@@ -209,9 +255,9 @@ def _get_ranged(
     for e in errors:  # the first real failure, in file order
         if e is not None and not isinstance(e, concurrent.futures.CancelledError):
             raise e
-    if offset < size:  # a part was cancelled: the lanes were stopped
-        raise concurrent.futures.CancelledError()
-    return h.hexdigest()
+    if hasher.offset < size or any(f.cancelled() for f in futures):
+        raise concurrent.futures.CancelledError()  # the lanes were stopped
+    return hasher.h.hexdigest()
 
 
 def _get_range(
@@ -219,13 +265,15 @@ def _get_range(
     doing: str,
     full: str,
     version: str,
-    fd: int,
-    where: Tuple[int, int, int],
-    prefix: _Prefix,
+    file: Tuple[int, Optional[Direct]],
+    where: Tuple[int, int],
+    feed: Callable[[memoryview], None],
     stop: Callable[[], bool],
 ) -> None:
-    """Part ``n`` (``where``: n, offset, length) of the object into ``fd``."""
-    n, offset, length = where
+    """The range ``where`` (offset, length) of the object into ``file`` (its descriptor, and
+    its direct writer where it has one), each chunk handed to ``feed`` (the file's hash)."""
+    fd, direct = file
+    offset, length = where
     if stop():
         raise concurrent.futures.CancelledError()
     headers = {"Range": f"bytes={offset}-{offset + length - 1}"}
@@ -238,7 +286,7 @@ def _get_range(
     if got is None:
         raise TransientStoreError(f"{doing}: the object was removed during the download")
     _, read, close = got
-    done = _stream(store, doing, read, close, fd, offset, stop, _no_hash, prefix.wrote, n)
+    done = _stream(store, doing, read, close, fd, offset, stop, feed, direct)
     if done != length:
         raise TransientStoreError(f"{doing}: got {done} bytes of {length}")
 
@@ -252,15 +300,14 @@ def _stream(
     offset: int,
     stop: Callable[[], bool],
     hash_chunk: Callable[[memoryview], None],
-    progress: Optional[Callable[[int, int], None]] = None,
-    part: int = 0,
+    direct: Optional[Direct] = None,
 ) -> int:
     """A body (``read`` into a buffer, ``close``d at the end) into ``fd`` from ``offset`` on,
-    chunk by chunk: each given to ``hash_chunk``, written, handed to the disk by stretches
-    (writeback), and its running total to ``progress(part, total)``; CancelledError once
+    chunk by chunk: each given to ``hash_chunk``, then written (by ``direct`` where there is
+    one, else through the page cache, handed to the disk by stretches); CancelledError once
     ``stop()``. The bytes written."""
     done = 0
-    buf = memoryview(bytearray(STREAM_CHUNK))
+    buf = direct.buffer(STREAM_CHUNK) if direct is not None else memoryview(bytearray(STREAM_CHUNK))
     flush = Writeback(fd, offset)
     try:
         while True:
@@ -271,13 +318,14 @@ def _stream(
                 return done
             chunk = buf[:got]
             hash_chunk(chunk)
+            if direct is not None:
+                k = direct.write(chunk, offset + done)
+                chunk, done = chunk[k:], done + k
             while chunk:
                 k = os.pwrite(fd, chunk, offset + done)
                 chunk = chunk[k:]
                 done += k
                 flush.wrote(k)
-            if progress is not None:
-                progress(part, done)
     except bex.BotoCoreError as e:
         raise boto_error(store, e, doing) from None
     finally:

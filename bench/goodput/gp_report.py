@@ -37,24 +37,42 @@ def _targets(p: Dict[str, Any], rows: Dict[str, Dict[str, Any]]) -> str:
     return "; ".join(out) or "-"
 
 
+def _named(p: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """The point's rows by setup name, a fixed interval named in trace minutes (the setups
+    name it in real seconds, which differ with k: 1 min is "6s" at k = 10, "30s" at k = 2)."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for r in p["rows"]:
+        name = r["setup"]
+        m = re.fullmatch(r"rgt fixed ([0-9.]+)s", name)
+        if m:
+            name = f"rgt fixed {float(m.group(1)) * float(p.get('k', 10)) / 60:g} min"
+        out[name] = r
+    return out
+
+
 def table(points: List[Dict[str, Any]]) -> str:
     names: List[str] = []
     for p in points:
-        for r in p["rows"]:
-            if r["setup"] not in names:
-                names.append(r["setup"])
-    head = ["MTBP (min)", "grace (s)", "seed", "preemptions", "load", *names, "targets"]
+        for n in _named(p):
+            if n not in names:
+                names.append(n)
+    head = ["MTBP (min)", "grace (s)", "k", "seed", "preemptions", "load", *names, "targets"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * (len(head) - 1) + "---|"]
-    detail = ["| MTBP, grace | setup | " + " | ".join(_CAUSES) + " |", "|---|---|" + "---:|" * 6]
+    detail = [
+        "| MTBP, grace, k | setup | " + " | ".join(_CAUSES) + " |",
+        "|---|---|" + "---:|" * 6,
+    ]
     for p in points:
-        rows = {r["setup"]: r for r in p["rows"]}
+        rows = _named(p)
         cells = []
         for n in names:
             r = rows.get(n)
             cells.append("-" if r is None else ("error" if "error" in r else f"{r['goodput']:.2f}"))
         lines.append(
-            f"| {p['mtbp_min']:g} | {p['grace_s']:g} | {p['seed']} | {p['preemptions']} | "
-            f"{p.get('load5', '?')} | " + " | ".join(cells) + f" | {_targets(p, rows)} |"
+            f"| {p['mtbp_min']:g} | {p['grace_s']:g} | {p.get('k', 10):g} | {p['seed']} | "
+            f"{p['preemptions']} | {p.get('load5', '?')} | "
+            + " | ".join(cells)
+            + f" | {_targets(p, rows)} |"
         )
         for n in names:
             r = rows.get(n)
@@ -62,7 +80,9 @@ def table(points: List[Dict[str, Any]]) -> str:
                 continue
             pct = [f"{100 * r['badput_s'][c] / p['budget_s']:.1f}" for c in _CAUSES]
             detail.append(
-                f"| {p['mtbp_min']:g} min, {p['grace_s']:g} s | {n} | " + " | ".join(pct) + " |"
+                f"| {p['mtbp_min']:g} min, {p['grace_s']:g} s, k = {p.get('k', 10):g} | {n} | "
+                + " | ".join(pct)
+                + " |"
             )
     errors = [
         f"- {p['mtbp_min']:g} min, {p['grace_s']:g} s, {r['setup']}: {r['error']}"
@@ -72,7 +92,8 @@ def table(points: List[Dict[str, Any]]) -> str:
     ]
     first = points[0] if points else {}
     meta = (
-        f"Compression k = {first.get('k', '?'):g}; job step {first.get('step_time', '?')} s; "
+        "Compression k: per point (the k column); "
+        f"job step {first.get('step_time', '?')} s; "
         f"hand-made checkpoint every {first.get('own_min', '?'):g} min, rsync loop every "
         f"{first.get('cron_min', '?'):g} min; provisioning delay {first.get('delay_min', '?'):g} "
         f"min; stall floor {first.get('floor_s', '?'):g} s (trace minutes unless marked s). "

@@ -46,9 +46,9 @@ STREAM_CHUNK = 4 * MiB  # one request's buffer: large writes keep a direct write
 # hashed prefix: what arrives ahead of it is kept in memory (KEEP_MAX at most per file) rather
 # than read back from the disk.
 WHOLE_MAX = 256 * MiB
-RANGE = 8 * MiB
+RANGE = 16 * MiB
 MAX_RANGES = 10000
-KEEP_MAX = 96 * MiB
+KEEP_MAX = 160 * MiB
 Reader = Callable[[memoryview], int]
 # An object of at least this size, fetched whole, is written past the page cache (O_DIRECT,
 # onbox.common.writeback): see the module docstring.

@@ -32,6 +32,7 @@ from onbox.sealing.restore import NoVerifiedCheckpoint, restore_latest
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store, StoreError
+from onbox.sealing.stores.s3 import download
 from tests.conftest import Cli
 from tests.mounts import tmpfs
 from tests.seaweed import SeaweedServer, closed_port
@@ -335,10 +336,19 @@ def test_pull_and_down_never_take_a_quarantined_step(cli: Cli, tmp_path: Any) ->
 
 
 # A many-file checkpoint: files in flight at once, one of them large enough for ranged GETs
-# on S3 (over the 8 MiB single-GET threshold: two 8 MiB parts), the rest small.
+# on S3 (over the single-GET limit, lowered for these tests by ``ranged``: three 4 MiB
+# ranges), the rest small.
 BIG_AT = 17  # the large file's place among the others
 SIZES = [4096 * (i % 7 + 1) for i in range(40)]
 SIZES[BIG_AT] = 12 << 20
+
+
+@pytest.fixture
+def ranged(monkeypatch: pytest.MonkeyPatch) -> None:
+    """S3 downloads of more than 8 MiB in 4 MiB ranges (the real limits, 256 MiB and 16 MiB
+    ranges, would need a checkpoint of hundreds of MiB to reach the ranged path)."""
+    monkeypatch.setattr(download, "WHOLE_MAX", 8 << 20)
+    monkeypatch.setattr(download, "RANGE", 4 << 20)
 
 
 def _seal_dirs(store: Store, tmp_path: Any, steps: List[int]) -> Dict[int, Dict[str, bytes]]:
@@ -380,7 +390,7 @@ def _tree(root: str) -> List[str]:
 
 
 def test_a_many_file_checkpoint_is_restored_equal_to_what_was_sealed(
-    cli: Cli, where: Raw, tmp_path: Any
+    cli: Cli, where: Raw, tmp_path: Any, ranged: None
 ) -> None:
     sealed = _seal_dirs(_open(where, cli), tmp_path, [10])[10]
     dest = str(tmp_path / "box")
@@ -393,7 +403,7 @@ def test_a_many_file_checkpoint_is_restored_equal_to_what_was_sealed(
 
 
 def test_a_corrupt_object_among_many_restores_the_previous_checkpoint_and_nothing_of_it(
-    cli: Cli, where: Raw, tmp_path: Any
+    cli: Cli, where: Raw, tmp_path: Any, ranged: None
 ) -> None:
     sealed = _seal_dirs(_open(where, cli), tmp_path, [10, 20])
     key = next(f["key"] for f in where.manifest(20)["files"] if f["size"] == SIZES[BIG_AT])
@@ -415,7 +425,7 @@ def test_a_corrupt_object_among_many_restores_the_previous_checkpoint_and_nothin
 
 
 def test_a_download_failing_midway_leaves_nothing_in_the_target(
-    cli: Cli, where: Raw, tmp_path: Any
+    cli: Cli, where: Raw, tmp_path: Any, ranged: None
 ) -> None:
     """The box's disk fills while the files are in flight (an 8 MiB tmpfs, the large file
     12 MiB): the restore fails as this box's fault, after every download in flight is over,

@@ -1,8 +1,8 @@
 """The in-order hash of a ranged download (onbox/sealing/stores/s3/download.py ``_InOrder``):
-parts arrive at once, each in order, and the file's sha256 is still the sha256 of the file;
-what arrives ahead of the hashed prefix is kept only up to its bound (a part beyond it waits,
-never the part at the prefix, so no download deadlocks on it); a stopped download's waiting
-parts give up."""
+parts arrive at once, each in order, into the hasher's own buffers, and the file's sha256 is
+still the sha256 of the file; what arrives ahead of the hashed prefix is bounded by the number
+of buffers (a part ahead waits for one, never the part at the prefix, so the bound cannot stall
+a download); a stopped download releases its waiting parts and its hashing thread."""
 
 from __future__ import annotations
 
@@ -12,72 +12,86 @@ import os
 import random
 import threading
 import time
-
-import pytest
+from typing import List, Optional
 
 from onbox.sealing.stores.s3 import download
 
 PART, CHUNK = 64 << 10, 16 << 10
 
 
-def _parts(data: bytes):  # type: ignore[no-untyped-def]
-    return [(o, data[o : o + PART]) for o in range(0, len(data), PART)]
+def _hasher(size: int, limit: int, stop: threading.Event) -> download._InOrder:
+    return download._InOrder(size, lambda: memoryview(bytearray(CHUNK)), limit, stop.is_set)
+
+
+def _send(hasher: download._InOrder, data: bytes, at: int, pause: float = 0.0) -> None:
+    """What a part does with one chunk: a buffer, the bytes received into it, handed over."""
+    buf = hasher.take(at)
+    n = min(CHUNK, len(data) - at)
+    buf[:n] = data[at : at + n]
+    time.sleep(pause)
+    hasher.give(at, buf, n)
 
 
 def test_parts_arriving_at_once_hash_to_the_files_sha256() -> None:
     data = os.urandom(40 * PART + 123)
-    hasher = download._InOrder(lambda: False)
+    hasher = _hasher(len(data), 8, threading.Event())
     rnd = random.Random(7)
 
-    def part(offset: int, body: bytes) -> None:
-        feed = hasher.feeder(offset)
-        for i in range(0, len(body), CHUNK):
-            time.sleep(rnd.random() / 1000)
-            feed(memoryview(body[i : i + CHUNK]))
+    def part(start: int) -> None:
+        for at in range(start, min(start + PART, len(data)), CHUNK):
+            _send(hasher, data, at, rnd.random() / 1000)
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:  # in file order, as the lanes start them
-        list(pool.map(lambda p: part(*p), _parts(data)))
-    assert hasher.offset == len(data) and not hasher.kept and hasher.held == 0
-    assert hasher.h.hexdigest() == hashlib.sha256(data).hexdigest()
+        futures = [pool.submit(part, start) for start in range(0, len(data), PART)]
+        assert hasher.run() == hashlib.sha256(data).hexdigest()
+        for f in futures:
+            f.result()
+    assert hasher.made <= 8 and not hasher.ready  # a buffer made beyond the bound is dropped
 
 
-def test_what_is_kept_ahead_of_the_prefix_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(download, "KEEP_MAX", 2 * PART)
-    data = os.urandom(6 * PART)
-    hasher = download._InOrder(lambda: False)
-    late = [hasher.feeder(o) for o, _ in _parts(data)]
-    for n in (1, 2):  # parts 1 and 2 arrive whole while part 0 has not begun: kept
-        late[n](memoryview(data[n * PART : (n + 1) * PART]))
-    assert hasher.held == 2 * PART
-    blocked = threading.Thread(target=late[3], args=(memoryview(data[3 * PART : 4 * PART]),))
-    blocked.start()
-    blocked.join(0.5)
-    assert blocked.is_alive() and hasher.held == 2 * PART  # part 3 waits for the prefix
-    late[0](memoryview(data[:PART]))  # the prefix's part never waits; it hashes 0, 1, 2
-    blocked.join(5)
-    assert not blocked.is_alive()
-    for n in (4, 5):
-        late[n](memoryview(data[n * PART : (n + 1) * PART]))
-    assert hasher.h.hexdigest() == hashlib.sha256(data).hexdigest() and hasher.held == 0
+def test_what_waits_ahead_of_the_prefix_is_bounded_and_the_prefix_never_waits() -> None:
+    data = os.urandom(6 * CHUNK)
+    hasher = _hasher(len(data), 2, threading.Event())
+    digest: List[Optional[str]] = []
+    runner = threading.Thread(target=lambda: digest.append(hasher.run()))
+    runner.start()
+    for at in (CHUNK, 2 * CHUNK):  # two chunks ahead of the prefix: both buffers out
+        _send(hasher, data, at)
+    ahead = threading.Thread(target=_send, args=(hasher, data, 3 * CHUNK))
+    ahead.start()
+    ahead.join(0.5)
+    assert ahead.is_alive() and hasher.made == 2 and hasher.offset == 0  # waits for a buffer
+    _send(hasher, data, 0)  # the prefix's chunk gets one at once, and frees the others
+    ahead.join(5)
+    assert not ahead.is_alive()
+    for at in (4 * CHUNK, 5 * CHUNK):
+        _send(hasher, data, at)
+    runner.join(5)
+    assert digest == [hashlib.sha256(data).hexdigest()] and hasher.made == 2
 
 
-def test_a_stopped_download_releases_the_parts_waiting_on_the_bound(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    monkeypatch.setattr(download, "KEEP_MAX", PART)
+def test_a_stopped_download_releases_its_waiting_parts_and_its_hash() -> None:
     stopped = threading.Event()
-    hasher = download._InOrder(stopped.is_set)
-    hasher.feeder(PART)(memoryview(bytes(PART)))
-    errors = []
+    data = os.urandom(4 * CHUNK)
+    hasher = _hasher(len(data), 1, stopped)
+    _send(hasher, data, CHUNK)  # ahead: the only buffer is out
+    errors: List[BaseException] = []
+    digest: List[Optional[str]] = []
 
     def waits() -> None:
         try:
-            hasher.feeder(2 * PART)(memoryview(bytes(PART)))
+            _send(hasher, data, 2 * CHUNK)
         except concurrent.futures.CancelledError as e:
             errors.append(e)
 
-    t = threading.Thread(target=waits)
-    t.start()
+    parts = threading.Thread(target=waits)
+    runner = threading.Thread(target=lambda: digest.append(hasher.run()))
+    parts.start()
+    runner.start()
+    time.sleep(0.2)
     stopped.set()
-    t.join(5)
-    assert not t.is_alive() and len(errors) == 1
+    hasher.wake()
+    parts.join(5)
+    runner.join(5)
+    assert not parts.is_alive() and not runner.is_alive()
+    assert len(errors) == 1 and digest == [None]

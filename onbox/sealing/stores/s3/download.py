@@ -6,9 +6,9 @@ download fails it (transient: a retry fetches the new one whole).
 Every request runs in a lane of the caller's ``Lanes`` (base.py), so one restore's files and
 the parts of its large files share one bound on requests in flight. The sha256 is computed
 while the bytes arrive: a single GET hashes each chunk before it writes it; the parts of a
-ranged download hand their chunks to one in-order hasher (``_InOrder``), which hashes the chunk
-at the end of the hashed prefix at once and keeps (in memory, bounded) what arrives ahead of it:
-nothing is read back from the disk.
+ranged download receive into buffers of one in-order hasher (``_InOrder``), which the file's own
+thread hashes in file order as they are handed over (what arrives ahead of the hashed prefix
+waits in its buffer, bounded): nothing is copied, nothing is read back from the disk.
 
 Where the store has a lean reader (lean.py, on wire.py's connections) every GET is sent there
 and its body received straight into one reused buffer per request, from which it is hashed and
@@ -27,7 +27,7 @@ import functools
 import hashlib
 import os
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import botocore.exceptions as bex
 
@@ -42,9 +42,8 @@ if TYPE_CHECKING:
 
 STREAM_CHUNK = 4 * MiB  # one request's buffer: large writes keep a direct write's waits few
 # One GET for an object up to this size; a larger one in ranges of RANGE (at most MAX_RANGES
-# of them), several in flight. Ranges are small so that the parts in flight are near the
-# hashed prefix: what arrives ahead of it is kept in memory (KEEP_MAX at most per file) rather
-# than read back from the disk.
+# of them), several in flight. What arrives ahead of the hashed prefix stays in its buffers
+# (KEEP_MAX at most per file) rather than being read back from the disk.
 WHOLE_MAX = 256 * MiB
 RANGE = 16 * MiB
 MAX_RANGES = 10000
@@ -144,49 +143,79 @@ def _get_whole(
 
 
 class _InOrder:
-    """The sha256 of a file whose ranged parts arrive at once, each in order: a chunk at the
-    end of the hashed prefix is hashed by the thread that brings it (with the kept chunks that
-    follow it); one further on is kept, a copy, until the prefix reaches it. Nothing is read
-    back from the disk. The lanes start parts in file order, so the prefix's end is always in
-    a running part, which never waits here; a part whose chunks would keep more than KEEP_MAX
-    waits for the prefix (its connection stalls meanwhile), so memory stays bounded."""
+    """The sha256 of a file whose ranged parts arrive at once, each in order, computed in file
+    order by the file's own thread (``run``) from the very buffers the parts received into:
+    a part takes a buffer from here for each chunk (``take``), writes it to the file, and hands
+    it over (``give``); once hashed it is free for the next chunk. Nothing is copied and nothing
+    is read back from the disk, and no part waits while another hashes. At most ``limit``
+    buffers exist, so what arrives ahead of the hashed prefix is bounded; the chunk at the
+    prefix's end never waits for one (the lanes start parts in file order, so its part is
+    running), so the bound cannot stall the download."""
 
-    def __init__(self, stop: Callable[[], bool]) -> None:
-        self.h = hashlib.sha256()
-        self.offset = 0
-        self.kept: Dict[int, bytes] = {}
-        self.held = 0
+    def __init__(
+        self, size: int, make: Callable[[], memoryview], limit: int, stop: Callable[[], bool]
+    ) -> None:
+        self.size = size
+        self.make = make
+        self.limit = limit
         self.stop = stop
+        self.made = 0
+        self.free: List[memoryview] = []
+        self.ready: Dict[int, Tuple[memoryview, int]] = {}  # offset -> (buffer, bytes in it)
+        self.offset = 0  # hashed up to here
         self.cond = threading.Condition()
 
-    def feeder(self, start: int) -> Callable[[memoryview], None]:
-        """What a part starting at ``start`` hands each chunk to, in its order."""
-        at = [start]
-
-        def feed(chunk: memoryview) -> None:
-            self.feed(at[0], chunk)
-            at[0] += len(chunk)
-
-        return feed
-
-    def feed(self, offset: int, chunk: memoryview) -> None:
+    def take(self, at: int) -> memoryview:
+        """A buffer for the chunk at ``at``, waited for while ``limit`` are out."""
         with self.cond:
-            while offset != self.offset and self.held + len(chunk) > KEEP_MAX:
+            while not self.free:
+                if self.made < self.limit or at == self.offset:
+                    self.made += 1
+                    break
                 if self.stop():
                     raise concurrent.futures.CancelledError()
                 self.cond.wait(0.5)
-            if offset != self.offset:
-                self.kept[offset] = bytes(chunk)
-                self.held += len(chunk)
-                return
-            self.h.update(chunk)
-            self.offset += len(chunk)
-            while self.offset in self.kept:
-                data = self.kept.pop(self.offset)
-                self.held -= len(data)
-                self.h.update(data)
-                self.offset += len(data)
+            else:
+                return self.free.pop()
+        return self.make()
+
+    def give(self, at: int, buf: memoryview, n: int) -> None:
+        """The chunk at ``at``: ``n`` bytes of ``buf`` (0: the buffer was not used)."""
+        with self.cond:
+            if n:
+                self.ready[at] = (buf, n)
+            else:
+                self._release(buf)
             self.cond.notify_all()
+
+    def _release(self, buf: memoryview) -> None:
+        """A buffer back to the free ones, or dropped while more than ``limit`` exist (those
+        made for the prefix's chunk beyond the bound)."""
+        if self.made > self.limit:
+            self.made -= 1
+        else:
+            self.free.append(buf)
+
+    def wake(self) -> None:
+        with self.cond:
+            self.cond.notify_all()
+
+    def run(self) -> Optional[str]:
+        """Hash the chunks in file order as they are given; the sha256, or None once stopped."""
+        h = hashlib.sha256()
+        while self.offset < self.size:
+            with self.cond:
+                while self.offset not in self.ready:
+                    if self.stop():
+                        return None
+                    self.cond.wait(0.5)
+                buf, n = self.ready.pop(self.offset)
+            h.update(buf[:n])
+            with self.cond:
+                self.offset += n
+                self._release(buf)
+                self.cond.notify_all()
+        return h.hexdigest()
 
 
 def _get_ranged(
@@ -227,25 +256,25 @@ def _ranges(
     def stop() -> bool:
         return halt.is_set() or lanes.stopped
 
-    hasher = _InOrder(stop)
+    hasher = _InOrder(size, lambda: _buffer(direct), KEEP_MAX // STREAM_CHUNK, stop)
 
     def on_done(fut: concurrent.futures.Future[None]) -> None:
         if fut.cancelled() or fut.exception() is not None:
             halt.set()
-            with hasher.cond:
-                hasher.cond.notify_all()
+            hasher.wake()
 
     futures: List[concurrent.futures.Future[None]] = []
+    digest = None
     try:
         for n in range(count):
             length = min(part, size - n * part)
             fut = lanes.submit(
                 _get_range, store, doing, full, version, (fd, direct), (n * part, length),
-                hasher.feeder(n * part), stop,
+                hasher, stop,
             )  # fmt: skip
             fut.add_done_callback(on_done)
             futures.append(fut)
-        concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_EXCEPTION)
+        digest = hasher.run()
     finally:  # all done; or one failed (or this thread was interrupted): the rest give up
         halt.set()
         for fut in futures:
@@ -255,9 +284,9 @@ def _ranges(
     for e in errors:  # the first real failure, in file order
         if e is not None and not isinstance(e, concurrent.futures.CancelledError):
             raise e
-    if hasher.offset < size or any(f.cancelled() for f in futures):
+    if digest is None or any(f.cancelled() for f in futures):
         raise concurrent.futures.CancelledError()  # the lanes were stopped
-    return hasher.h.hexdigest()
+    return digest
 
 
 def _get_range(
@@ -267,11 +296,12 @@ def _get_range(
     version: str,
     file: Tuple[int, Optional[Direct]],
     where: Tuple[int, int],
-    feed: Callable[[memoryview], None],
+    hasher: _InOrder,
     stop: Callable[[], bool],
 ) -> None:
     """The range ``where`` (offset, length) of the object into ``file`` (its descriptor, and
-    its direct writer where it has one), each chunk handed to ``feed`` (the file's hash)."""
+    its direct writer where it has one), each chunk received into a buffer of ``hasher``'s and
+    handed to it."""
     fd, direct = file
     offset, length = where
     if stop():
@@ -286,9 +316,16 @@ def _get_range(
     if got is None:
         raise TransientStoreError(f"{doing}: the object was removed during the download")
     _, read, close = got
-    done = _stream(store, doing, read, close, fd, offset, stop, feed, direct)
+    done = _stream(store, doing, read, close, fd, offset, stop, hasher, direct, length)
     if done != length:
         raise TransientStoreError(f"{doing}: got {done} bytes of {length}")
+
+
+def _buffer(direct: Optional[Direct]) -> memoryview:
+    """A request's buffer: page-aligned where its chunks are written directly."""
+    if direct is not None:
+        return direct.buffer(STREAM_CHUNK)
+    return memoryview(bytearray(STREAM_CHUNK))
 
 
 def _stream(
@@ -299,25 +336,35 @@ def _stream(
     fd: int,
     offset: int,
     stop: Callable[[], bool],
-    hash_chunk: Callable[[memoryview], None],
+    hashing: Union[Callable[[memoryview], None], _InOrder],
     direct: Optional[Direct] = None,
+    length: Optional[int] = None,
 ) -> int:
     """A body (``read`` into a buffer, ``close``d at the end) into ``fd`` from ``offset`` on,
-    chunk by chunk: each given to ``hash_chunk``, then written (by ``direct`` where there is
-    one, else through the page cache, handed to the disk by stretches); CancelledError once
-    ``stop()``. The bytes written."""
+    chunk by chunk, each written by ``direct`` where there is one, else through the page cache
+    (handed to the disk by stretches), and hashed: given to ``hashing`` before it is written,
+    or, an _InOrder, received into one of its buffers and handed over once written. A body of
+    ``length`` (a range) is not read past it. CancelledError once ``stop()``. The bytes
+    written."""
+    pool = hashing if isinstance(hashing, _InOrder) else None
+    feed = None if isinstance(hashing, _InOrder) else hashing
+    own = _buffer(direct) if pool is None else None
     done = 0
-    buf = direct.buffer(STREAM_CHUNK) if direct is not None else memoryview(bytearray(STREAM_CHUNK))
     flush = Writeback(fd, offset)
     try:
-        while True:
+        while length is None or done < length:
             if stop():
                 raise concurrent.futures.CancelledError()
+            buf = pool.take(offset + done) if pool is not None else own
+            assert buf is not None
             got = read(buf)
             if not got:
-                return done
-            chunk = buf[:got]
-            hash_chunk(chunk)
+                if pool is not None:
+                    pool.give(offset + done, buf, 0)
+                break
+            chunk, at = buf[:got], done
+            if feed is not None:
+                feed(chunk)
             if direct is not None:
                 k = direct.write(chunk, offset + done)
                 chunk, done = chunk[k:], done + k
@@ -326,6 +373,9 @@ def _stream(
                 chunk = chunk[k:]
                 done += k
                 flush.wrote(k)
+            if pool is not None:
+                pool.give(offset + at, buf, got)
+        return done
     except bex.BotoCoreError as e:
         raise boto_error(store, e, doing) from None
     finally:

@@ -67,7 +67,7 @@ def table(points: List[Dict[str, Any]]) -> str:
         cells = []
         for n in names:
             r = rows.get(n)
-            cells.append("-" if r is None else ("error" if "error" in r else f"{r['goodput']:.2f}"))
+            cells.append("-" if r is None else ("error" if "error" in r else f"{r['goodput']:.3f}"))
         lines.append(
             f"| {p['mtbp_min']:g} | {p['grace_s']:g} | {p.get('k', 10):g} | {p['seed']} | "
             f"{p['preemptions']} | {p.get('load5', '?')} | "

@@ -41,8 +41,9 @@ from onbox.sealing.stores.base import Store, with_retries
 CHUNK = 1 << 20
 # A file up to this size that may be a duplicate is read into memory once, hashed there, and
 # put from the same bytes (Store.put_data): a checkpoint of thousands of small equal-sized files
-# (shards, tokenizer files) is otherwise read and hashed twice per file.
-SMALL = 4 << 20
+# (shards, tokenizer files) is otherwise read and hashed twice per file. Small, because as many
+# files as the store's parallel_puts (S3: 64) may be read ahead at once.
+SMALL = 1 << 20
 Entry = Dict[str, Any]
 Known = Dict[Tuple[str, int], str]  # (sha256, size) -> key of an object that holds those bytes
 

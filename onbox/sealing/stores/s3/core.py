@@ -52,7 +52,8 @@ from onbox.sealing.stores.s3.multipart import (
 )
 from onbox.sealing.stores.s3.preflight import preflight as run_preflight
 
-SMALL_SLOTS = 4  # whole small objects in flight per ``concurrency`` (see S3Store.__init__)
+SMALL_SLOTS = 8  # bodies of up to TINY in flight per ``concurrency`` (see S3Store.__init__)
+TINY = 1 << 20
 
 
 class S3Store(Store):
@@ -88,15 +89,17 @@ class S3Store(Store):
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.part_size = part_size
         self.concurrency = concurrency
-        # The sealer puts many files at once (onbox/sealing/upload.py). Every part of a large
-        # file holds one of ``concurrency`` slots while it is sent, and the part buffers of all
-        # uploads share one memory bound. A whole small file (up to the multipart threshold,
-        # read into memory) holds one of SMALL_SLOTS x ``concurrency`` slots instead: a
-        # checkpoint of thousands of small files is as many requests, each mostly a round
-        # trip and the server's per-object work, which an S3 server does cheaper per object
-        # the more it is given at once (SeaweedFS here: ~2.2 ms of its CPU per 16 KiB put one
-        # at a time, ~1.2 ms at 8 in flight, ~1.0 ms at 32). As many files as small slots are
-        # worked on at once; at most ``concurrency`` multipart uploads of them run together.
+        # The sealer puts many files at once (onbox/sealing/upload.py). Every body of more than
+        # TINY bytes (a whole file up to the multipart threshold, or one part of a larger one)
+        # holds one of ``concurrency`` slots while it is read and sent, and the part buffers of
+        # all uploads share one memory bound. A body of up to TINY bytes holds one of
+        # SMALL_SLOTS x ``concurrency`` slots instead: a checkpoint of thousands of small files
+        # is as many requests, each mostly a round trip and the server's per-object work, which
+        # an S3 server does cheaper per object the more it is given at once (SeaweedFS here:
+        # ~2.2 ms of its CPU per 16 KiB put one at a time, ~1.2 ms at 8 in flight, ~1.0 ms at
+        # 32 to 64; s5cmd keeps 256 in flight). As many files as small slots are worked on at
+        # once (at most that many x TINY bytes read ahead); at most ``concurrency`` multipart
+        # uploads of them run together.
         self.slots = threading.BoundedSemaphore(concurrency)
         self.small_slots = threading.BoundedSemaphore(SMALL_SLOTS * concurrency)
         self.large_files = threading.BoundedSemaphore(concurrency)
@@ -369,8 +372,12 @@ class S3Store(Store):
         if len(data) > self.multipart_threshold:
             return super().put_data(key, data, sha256)
         doing = f"uploading {key} to {self.url}"
-        with self.small_slots:
+        with self._slot(len(data)):
             return self.put_object(key, data, sha256, if_absent=False, doing=doing)
+
+    def _slot(self, size: int) -> Any:
+        """The slot a whole body of ``size`` bytes holds while it is read and sent."""
+        return self.small_slots if size <= TINY else self.slots
 
     def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
         check_key(key)  # a bad key is refused before the file is opened
@@ -387,11 +394,11 @@ class S3Store(Store):
                     "the file changed after its checksum was taken",
                 )
             if size <= self.multipart_threshold:
-                data = pread_exact(fd, size, 0, path)
-                got_sha = hashlib.sha256(data).hexdigest()
-                if sha256 is not None and got_sha != sha256:
-                    raise changed(doing, sha256)
-                with self.small_slots:
+                with self._slot(size):  # read in the slot: what is in memory stays bounded
+                    data = pread_exact(fd, size, 0, path)
+                    got_sha = hashlib.sha256(data).hexdigest()
+                    if sha256 is not None and got_sha != sha256:
+                        raise changed(doing, sha256)
                     return self.put_object(key, data, got_sha, if_absent=False, doing=doing)
             with self.large_files:
                 return put_multipart(self, key, fd, path, sha256, size, doing)

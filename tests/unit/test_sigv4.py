@@ -10,14 +10,18 @@ from __future__ import annotations
 import datetime
 from typing import Dict, Optional
 
-import botocore.auth
 import pytest
-from botocore.awsrequest import AWSRequest
-from botocore.config import Config
-from botocore.credentials import Credentials
-from botocore.utils import percent_encode
 
-from onbox.sealing.stores.s3.sigv4 import Signer
+# The S3 extra (boto3) is not in every environment the unit tests run in (the Python 3.9 stage).
+pytest.importorskip("botocore")
+
+import botocore.auth  # noqa: E402
+from botocore.awsrequest import AWSRequest  # noqa: E402
+from botocore.config import Config  # noqa: E402
+from botocore.credentials import Credentials  # noqa: E402
+from botocore.utils import percent_encode  # noqa: E402
+
+from onbox.sealing.stores.s3.sigv4 import Signer  # noqa: E402
 
 WHEN = datetime.datetime(2026, 12, 3, 23, 59, 58, tzinfo=datetime.timezone.utc)
 CASES = [

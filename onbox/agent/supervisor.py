@@ -104,7 +104,7 @@ class Supervisor:
     def _wall(self, mono: Optional[float]) -> Optional[float]:
         return None if mono is None else self.clock.time() + (mono - self.clock.monotonic())
 
-    # ---- the one place state changes
+    # ---- the one place state changes (the event first: whoever sees a state finds its event)
     def _change(
         self, new: State, reason: str, *, klass: Optional[str] = None, remedy: str = ""
     ) -> None:
@@ -113,7 +113,6 @@ class Supervisor:
             raise AssertionError(f"illegal transition {old} -> {new}: {reason}")
         self.state = new
         self.updated_at = self.clock.time()
-        self.save()
         self.journal.event(
             "state",
             reason,
@@ -123,6 +122,7 @@ class Supervisor:
             state=new.value,
             attempt=self.attempt,
         )
+        self.save()
 
     def save(self) -> None:
         self.journal.save(self.to_doc())

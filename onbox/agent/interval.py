@@ -7,11 +7,18 @@ Two measurements, both from the run's events:
   write plus rgt's upload and verification, paired as onbox/common/sealtime.py pairs them), the
   median of the last SAMPLES (not their longest, as a warning lead wants: an ask that waited
   for a job still importing its framework must not set the interval);
-- ``M``, the mean time between UNPLANNED stops: the seconds the run was up under its agents,
-  across restarts and boxes, over the stops nobody planned: a job that died while RUNNING (a
-  crash, an OOM kill, a hang the stall probe ended), a preemption, a box that vanished without a
+- ``M``, the mean time between UNPLANNED stops that LOST WORK: the seconds the run was up under
+  its agents, across restarts and boxes, over the stops nobody planned and no final checkpoint
+  covered: a job that died while RUNNING (a crash, an OOM kill, a hang the stall probe ended), a
+  preemption whose grace did not see a newer checkpoint sealed, a box that vanished without a
   word. A stop that was asked for (``rgt-agent stop``, success, the meter cap, Slurm's warning
-  before its time limit and the requeue after it) is not a failure and is not counted.
+  before its time limit and the requeue after it) is not a failure and is not counted; nor is a
+  preemption whose final checkpoint was sealed in its grace, since the periodic interval is what
+  guards against the stops that lose work, and counting those would make it shorter for nothing.
+
+With no such stop yet, M is the time the run has survived without one (a lower bound on its
+mean), so the interval starts at the overhead target (onbox/common/daly.py) and grows, as
+Daly's with M = up, while the run keeps not losing work.
 
 The history crosses boxes through the events themselves: each agent's first interval event
 (``checkpoint_interval`` with ``at_start``) carries the totals of every agent before it, and
@@ -60,6 +67,9 @@ class Segment:
         self.state = ""
         self.stopping = ""
         self.planned = False
+        self.final_sealed = False  # a checkpoint newer than the preemption's ask was sealed
+        self._sealed_step = -1
+        self._final_above: Optional[int] = None  # the newest sealed step at the preemption ask
         self.samples: List[float] = []  # ask to sealed, seconds
         self._asked: Optional[float] = None
 
@@ -75,12 +85,20 @@ class Segment:
             self.unplanned += 1
         elif kind in PLANNED:
             self.planned = True
-        elif kind == "checkpoint_asked" and self._asked is None:
-            self._asked = t
-        elif kind == "sealed" and self._asked is not None:
-            self.samples.append(max(t - self._asked, _num(ev.get("seconds"))))
-            del self.samples[:-SAMPLES]
-            self._asked = None
+        elif kind == "checkpoint_asked":
+            if self.stopping.startswith("preempt") and self._final_above is None:
+                self._final_above = self._sealed_step
+            if self._asked is None:
+                self._asked = t
+        elif kind == "sealed":
+            step = int(_num(ev.get("step")))
+            if self._final_above is not None and step > self._final_above:
+                self.final_sealed = True
+            self._sealed_step = max(self._sealed_step, step)
+            if self._asked is not None:
+                self.samples.append(max(t - self._asked, _num(ev.get("seconds"))))
+                del self.samples[:-SAMPLES]
+                self._asked = None
 
     def ds(self, base: History) -> Tuple[float, ...]:
         return (base.ds + tuple(self.samples))[-SAMPLES:]
@@ -90,10 +108,9 @@ class Segment:
         new incarnation (a vanished agent whose job is still running is no stop)."""
         if self.planned or self.state in ("SUCCEEDED", "STOPPED", "FAILED"):
             return False
-        if self.state == "PREEMPTED":
-            return True
-        if self.state == "STOPPING":
-            return self.stopping.startswith("preempt")
+        if self.state == "PREEMPTED" or self.state == "STOPPING":
+            # a preemption lost work only when its grace saw no newer checkpoint sealed
+            return self.stopping.startswith("preempt") and not self.final_sealed
         return begin
 
     def close(self, base: History, begin: bool) -> History:
@@ -212,17 +229,23 @@ class AutoInterval:
         d = statistics.median(ds) if ds else None
         up = self.base.up + (self.seg.last - self.seg.start)
         stops = self.base.unplanned + self.seg.unplanned
-        m = up / stops if stops else None
-        self.seconds = daly.choose(d, m, self.floor)
+        # With no stop that lost work, the time survived so far stands for M: the interval
+        # keeps the overhead target until Daly's with M = up is longer, then grows with it.
+        m = up / max(stops, 1) if up > 0 else None
+        seconds = daly.choose(d, m, self.floor)
+        if not stops and d is not None:
+            seconds = max(seconds, daly.choose(d, None, self.floor))
+        self.seconds = seconds
         old = self._logged
         if at_start or old is None or abs(self.seconds - old) >= CHANGE * old:
             self._logged = self.seconds
             how = (
                 "nothing measured yet: the stall floor"
                 if d is None
-                else f"no unplanned stop in {up:.0f} s: {daly.OVERHEAD:.0%} overhead"
-                if m is None
-                else f"Daly, {stops} unplanned stop(s) in {up:.0f} s"
+                else f"no stop lost work in {up:.0f} s: Daly with M = {up:.0f} s, at least "
+                f"{daly.OVERHEAD:.0%} overhead"
+                if not stops
+                else f"Daly, {stops} stop(s) that lost work in {up:.0f} s"
             )
             self.event(
                 KIND,

@@ -104,6 +104,51 @@ def test_planned_stops_are_not_failures(ending: List[Dict[str, Any]]) -> None:
     assert history(events, begin=True).unplanned == 0
 
 
+def preempted(sealed_in_grace: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """An agent that sealed step 100, then was preempted at 200 s with a 5 s grace."""
+    return [
+        ev(0, "epoch", epoch=1),
+        state(1, "RUNNING"),
+        ev(50, "checkpoint_asked"),
+        ev(51, "sealed", step=100, seconds=0.5),
+        state(200, "STOPPING", "preempt: signalling the job"),
+        ev(200, "checkpoint_asked"),
+        *sealed_in_grace,
+        state(205, "PREEMPTED"),
+    ]
+
+
+def test_a_preemption_whose_final_checkpoint_was_sealed_lost_no_work() -> None:
+    # The grace saw the job's answer sealed: nothing was lost, the interval guarded nothing.
+    assert history(preempted([ev(202, "sealed", step=180, seconds=0.5)]), True).unplanned == 0
+    # Only an older checkpoint finished sealing in the grace (or nothing did): work was lost.
+    assert history(preempted([ev(202, "sealed", step=100, seconds=0.5)]), True).unplanned == 1
+    assert history(preempted([]), True).unplanned == 1
+    # The agent vanished mid-grace, after the final seal: still no work lost.
+    cut = preempted([ev(202, "sealed", step=180, seconds=0.5)])[:-1]
+    assert history(cut, begin=True).unplanned == 0
+
+
+def test_with_no_stop_that_lost_work_the_interval_grows_with_the_time_survived(
+    tmp_path: Any,
+) -> None:
+    path = os.path.join(str(tmp_path), "events.jsonl")
+    with open(path, "w") as f:
+        f.write(json.dumps(ev(0, "epoch", epoch=1)) + "\n")
+    # 6 preemptions before this box, every one sealed in its grace: 1000 s up, none lost work
+    auto = AutoInterval(History(1000.0, 0, ()), 5.0, T0, path, lambda *a, **k: None)
+    auto.start(T0)
+    fresh = AutoInterval(History(), 5.0, T0, path, lambda *a, **k: None)
+    fresh.start(T0)
+    with open(path, "a") as f:
+        for e in (state(1, "RUNNING"), ev(10, "checkpoint_asked"), ev(11, "sealed", step=10)):
+            f.write(json.dumps(e) + "\n")
+    assert auto.update(T0 + 20) == pytest.approx(daly(1.0, 1020.0))  # M = the time survived
+    assert auto.seconds > overhead_target(1.0)  # longer than the 10 % start
+    assert auto.update(T0 + 3000) == pytest.approx(daly(1.0, 4000.0))
+    assert fresh.update(T0 + 20) == pytest.approx(10.0)  # a new run starts at 10 % overhead
+
+
 def test_d_is_the_median_of_recent_seals_so_one_slow_start_does_not_set_it() -> None:
     events = [ev(0, "epoch", epoch=1), ev(5, "checkpoint_asked"), ev(35, "sealed", seconds=0.2)]
     for t in (40, 50, 60, 70):  # the job was still importing torch at the first ask

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import fcntl
 import json
 import os
 import shutil
@@ -190,9 +191,11 @@ def _store(points: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     new = {tuple(p[k] for k in key) for p in points}
     merged = [p for p in old if tuple(p[k] for k in key) not in new] + points
     merged.sort(key=lambda p: tuple(p[k] for k in key))
-    with open(RESULTS, "w") as f:
+    tmp = RESULTS + ".tmp"
+    with open(tmp, "w") as f:
         json.dump(merged, f, indent=1)
         f.write("\n")
+    os.replace(tmp, RESULTS)
     return merged
 
 
@@ -239,7 +242,10 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump(points, f, indent=1)
     if not args.no_readme:
-        write_readme(_store(points), os.path.join(HERE, "README.md"))
+        # Locked: points run side by side (separate processes) finish in any order.
+        with open(RESULTS + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            write_readme(_store(points), os.path.join(HERE, "README.md"))
     print(f"took {time.monotonic() - started:.0f} s", file=sys.stderr)
 
 

@@ -287,8 +287,12 @@ class SealService(Hooks):
             finally:
                 self.sealing = False
 
+    def interval(self) -> Optional[float]:
+        """The checkpoint interval in force: auto's latest, the job file's, or None."""
+        return self.auto.seconds if self.auto is not None else self.spec.ckpt_interval
+
     def _ask_on_timer(self) -> None:
-        every = self.auto.seconds if self.auto is not None else self.spec.ckpt_interval
+        every = self.interval()
         if every is None:
             return
         if time.monotonic() - self._asked_at >= every:
@@ -314,6 +318,7 @@ class SealService(Hooks):
             last_error_wall=self.last_error_wall,
             skew=self.skew,
             ckpt_bytes=sum(int(f.get("size", 0)) for f in doc.get("files", [])) if doc else None,
+            interval=self.interval(),
         )
 
     def _measure_skew(self) -> None:

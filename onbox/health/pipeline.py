@@ -4,7 +4,8 @@ skew against the store, all read from the sealing service's ``SealView`` (plain 
 sealer's thread keeps; nothing here touches the store).
 
 - age: the newest sealed checkpoint older than ``max_age`` (default 3 x the checkpoint
-  interval when the job file sets one, else 6 h; before the first seal, the run's age) warns;
+  interval in force, ``interval = "auto"``'s as it moves, else 6 h; before the first seal, the
+  run's age) warns;
 - reachability: the store failing since its last good pass, for two failed passes or more,
   warns, and for ``UNREACHABLE_ALERT`` alerts (the checkpoints pile up on a box that may go);
 - backlog: ``BACKLOG_WARN`` complete checkpoints or more waiting to be sealed warns (the store
@@ -56,14 +57,16 @@ class SealingProbe:
     def __init__(self, cfg: SealingConfig, ckpt_interval: Optional[float], has_store: bool) -> None:
         self.cfg = cfg
         self.has_store = has_store
-        if cfg.max_age is not None:
-            self.max_age = cfg.max_age
-        elif ckpt_interval:
-            self.max_age = 3 * ckpt_interval
-        else:
-            self.max_age = DEFAULT_MAX_AGE
+        self.ckpt_interval = ckpt_interval
+        self.max_age = self._max_age(None)
         # The failed passes seen since the store last answered (each has its own error time).
         self._errors: List[float] = []
+
+    def _max_age(self, view: Optional[SealView]) -> float:
+        if self.cfg.max_age is not None:
+            return self.cfg.max_age
+        every = view.interval if view is not None and view.interval else self.ckpt_interval
+        return 3 * every if every else DEFAULT_MAX_AGE
 
     def check(self, ctx: Context) -> Reading:
         if not self.has_store:
@@ -72,6 +75,7 @@ class SealingProbe:
         if view is None:
             return Reading(unknown(self.name, "the sealing service has not started"))
         age = ctx.wall - view.latest_wall if view.latest_wall is not None else None
+        self.max_age = self._max_age(view)  # auto's interval moves as the run goes
         sample = {
             "latest_step": view.latest_step,
             "age_s": None if age is None else round(age, 1),

@@ -98,6 +98,7 @@ class SealView:
     last_error_wall: Optional[float] = None
     skew: Optional[float] = None  # the store's clock minus this box's, seconds (None: unknown)
     ckpt_bytes: Optional[int] = None  # bytes of the newest sealed checkpoint
+    interval: Optional[float] = None  # the checkpoint interval now in force (auto: its latest)
 
 
 @dataclasses.dataclass

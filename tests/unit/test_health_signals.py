@@ -294,6 +294,18 @@ def test_max_age_default_is_six_hours_and_the_job_file_sets_it() -> None:
     assert _seal(old, p).verdict.code == "seal_stale"
 
 
+def test_an_auto_interval_sets_the_age_limit_as_it_moves() -> None:
+    # interval = "auto": the job file has no number; the sealer's view carries the live one.
+    p = SealingProbe(SealingConfig(), None, has_store=True)
+    old = SealView(latest_step=5, latest_wall=WALL - 1900, interval=600.0)
+    v = _seal(old, p).verdict
+    assert v.code == "seal_stale" and "(max 30 min)" in v.reason
+    grown = SealView(latest_step=5, latest_wall=WALL - 1900, interval=1200.0)
+    assert _seal(grown, p).verdict.level == "ok"  # the interval grew: 1 h now
+    pinned = SealingProbe(SealingConfig(max_age=7200.0), None, has_store=True)
+    assert _seal(old, pinned).verdict.level == "ok"  # the job file's max_age wins
+
+
 def test_nothing_sealed_long_after_the_start_warns() -> None:
     p = SealingProbe(SealingConfig(max_age=60.0), None, has_store=True)
     assert _seal(SealView(), p).verdict.level == "warn"  # the run began 100 s ago

@@ -28,6 +28,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -40,6 +41,7 @@ import gp_trace
 from gp_report import write_readme
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+STOP = threading.Event()  # set when the harness is stopped: no thread starts another box
 RESULTS = os.path.join(HERE, "results.json")
 BUDGET_MIN = {2.0: 20.0, 10.0: 60.0, 60.0: 240.0}  # trace minutes of wall clock per mean
 
@@ -89,7 +91,8 @@ def _timeline(
     the last box ends early once its job printed its final hashes)."""
     slug = setup.name.replace(" ", "-").replace("+", "-")
     for i, (up, end) in enumerate(sched):
-        time.sleep(max(0.0, t0 + up - time.monotonic()))
+        if STOP.wait(max(0.0, t0 + up - time.monotonic())):
+            return  # the harness was stopped: no new box
         box = gp_setups.Box(os.path.join(root, slug, f"box{i}"), f"{os.getpid()}-{slug}-{i}")
         box.up_at = time.time()
         try:
@@ -97,7 +100,7 @@ def _timeline(
         except Exception as e:  # the box is lost like any other; the report says why
             print(f"{setup.name} box {i}: start failed: {e}", file=sys.stderr)
         last = i == len(sched) - 1
-        while time.monotonic() < t0 + end:
+        while time.monotonic() < t0 + end and not STOP.is_set():
             if last and until_done and "rng sha256" in _output(setup, box):
                 break
             time.sleep(min(0.2, max(0.0, t0 + end - time.monotonic())))
@@ -119,7 +122,9 @@ def run_point(
     for s in setups:
         sch = [(0.0, budget)] if isinstance(s, gp_setups.Reference) else sched
         th = threading.Thread(
-            target=_timeline, args=(s, sch, t0, grace, root, records[s.name], args.until_done)
+            target=_timeline,
+            args=(s, sch, t0, grace, root, records[s.name], args.until_done),
+            daemon=True,  # a stopped harness does not wait for them (main sweeps their boxes)
         )
         th.start()
         threads.append(th)
@@ -225,6 +230,9 @@ def main() -> None:
     ap.add_argument("--json", help="also write this point's results here")
     ap.add_argument("--no-readme", action="store_true", help="touch neither results nor README")
     args = ap.parse_args()
+    # SIGTERM ends the harness as Ctrl-C does: through the finally below, which kills by PID
+    # every process its boxes left, so a stopped benchmark leaves no job training.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     root = args.keep or tempfile.mkdtemp(prefix="rgt-goodput-")
     points = []
     started = time.monotonic()
@@ -236,6 +244,8 @@ def main() -> None:
                 print(json.dumps(point), flush=True)
                 points.append(point)
     finally:
+        STOP.set()
+        gp_setups.sweep(root, f"{os.getpid()}-")
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
     if args.json:

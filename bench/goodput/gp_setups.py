@@ -49,6 +49,40 @@ def tagged(tag: str) -> List[int]:
     return out
 
 
+def leftovers(root: str, prefix: str) -> List[int]:
+    """PIDs of what a harness run left: a tag starting with ``prefix`` in the environment, or
+    (an agent, whose title rewrites its environment) a working directory or open file under
+    ``root``."""
+    want, under, out = f"{TAG}={prefix}".encode(), root.rstrip("/") + "/", []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{name}/environ", "rb") as f:
+                if any(v.startswith(want) for v in f.read().split(b"\0")):
+                    out.append(int(name))
+                    continue
+            links = [os.readlink(f"/proc/{name}/cwd")]
+            for fd in os.listdir(f"/proc/{name}/fd"):
+                links.append(os.readlink(f"/proc/{name}/fd/{fd}"))
+        except OSError:
+            continue
+        if any(link.startswith(under) for link in links):
+            out.append(int(name))
+    return out
+
+
+def sweep(root: str, prefix: str) -> None:
+    """SIGKILL, by PID, everything ``leftovers`` finds, until nothing is left (at most 30 s)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        pids = leftovers(root, prefix)
+        if not pids:
+            return
+        signal_all(pids, signal.SIGKILL)
+        time.sleep(0.1)
+
+
 def signal_all(pids: List[int], sig: int) -> None:
     for pid in pids:
         try:

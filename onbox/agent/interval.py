@@ -86,8 +86,14 @@ class Segment:
         elif kind in PLANNED:
             self.planned = True
         elif kind == "checkpoint_asked":
-            if self.stopping.startswith("preempt") and self._final_above is None:
-                self._final_above = self._sealed_step
+            # The final ask of a preemption (or of its notice) comes before the STOPPING state;
+            # events written before ``why`` existed are judged by the state alone.
+            why = str(ev.get("why") or "")
+            if why.startswith("preemption") or self.stopping.startswith("preempt"):
+                if self._final_above is None:
+                    self._final_above = self._sealed_step
+            elif why:  # the timer again (a notice that came to nothing): its cover is spent
+                self._final_above, self.final_sealed = None, False
             if self._asked is None:
                 self._asked = t
         elif kind == "sealed":

@@ -348,7 +348,9 @@ class SealService(Hooks):
             self.signal_job(int(getattr(signal, "SIG" + trigger.split(":", 1)[1])))
         else:
             return
-        self.event("checkpoint_asked", f"asked the job for a checkpoint ({why}, {trigger})")
+        self.event(
+            "checkpoint_asked", f"asked the job for a checkpoint ({why}, {trigger})", why=why
+        )
 
     def mirror(self, health: bool = False) -> None:
         """The run's state and events in the store, so status is readable without the box;

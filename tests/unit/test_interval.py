@@ -104,29 +104,48 @@ def test_planned_stops_are_not_failures(ending: List[Dict[str, Any]]) -> None:
     assert history(events, begin=True).unplanned == 0
 
 
-def preempted(sealed_in_grace: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
-    """An agent that sealed step 100, then was preempted at 200 s with a 5 s grace."""
+def preempted(sealed_in_grace: List[Dict[str, Any]], why: bool = True) -> List[Dict[str, Any]]:
+    """An agent that sealed step 100, then was preempted at 200 s with a 5 s grace, its events
+    in the agent's order: the final ask, then STOPPING (``why``: events before that field
+    existed have an ask without it, after STOPPING)."""
+    ask = [ev(200, "checkpoint_asked", why="preemption")]
+    stopping = [state(200, "STOPPING", "preempt: signalling the job")]
     return [
         ev(0, "epoch", epoch=1),
         state(1, "RUNNING"),
-        ev(50, "checkpoint_asked"),
+        ev(50, "checkpoint_asked", why="timer"),
         ev(51, "sealed", step=100, seconds=0.5),
-        state(200, "STOPPING", "preempt: signalling the job"),
-        ev(200, "checkpoint_asked"),
+        *(ask + stopping if why else stopping + [ev(200, "checkpoint_asked")]),
         *sealed_in_grace,
         state(205, "PREEMPTED"),
     ]
 
 
-def test_a_preemption_whose_final_checkpoint_was_sealed_lost_no_work() -> None:
+@pytest.mark.parametrize("why", [True, False])
+def test_a_preemption_whose_final_checkpoint_was_sealed_lost_no_work(why: bool) -> None:
     # The grace saw the job's answer sealed: nothing was lost, the interval guarded nothing.
-    assert history(preempted([ev(202, "sealed", step=180, seconds=0.5)]), True).unplanned == 0
+    final = [ev(202, "sealed", step=180, seconds=0.5)]
+    assert history(preempted(final, why), True).unplanned == 0
     # Only an older checkpoint finished sealing in the grace (or nothing did): work was lost.
-    assert history(preempted([ev(202, "sealed", step=100, seconds=0.5)]), True).unplanned == 1
-    assert history(preempted([]), True).unplanned == 1
+    older = [ev(202, "sealed", step=100, seconds=0.5)]
+    assert history(preempted(older, why), True).unplanned == 1
+    assert history(preempted([], why), True).unplanned == 1
     # The agent vanished mid-grace, after the final seal: still no work lost.
-    cut = preempted([ev(202, "sealed", step=180, seconds=0.5)])[:-1]
-    assert history(cut, begin=True).unplanned == 0
+    assert history(preempted(final, why)[:-1], begin=True).unplanned == 0
+
+
+def test_a_notice_that_came_to_nothing_covers_no_later_preemption() -> None:
+    events = [
+        ev(0, "epoch", epoch=1),
+        state(1, "RUNNING"),
+        ev(100, "checkpoint_asked", why="preemption notice"),
+        ev(101, "sealed", step=100),
+        ev(400, "checkpoint_asked", why="timer"),  # no preemption came: training went on
+        ev(401, "sealed", step=400),
+        state(500, "STOPPING", "preempt: signalling the job"),  # no grace: nothing asked
+        state(500, "PREEMPTED"),
+    ]
+    assert history(events, begin=True).unplanned == 1
 
 
 def test_with_no_stop_that_lost_work_the_interval_grows_with_the_time_survived(

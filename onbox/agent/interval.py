@@ -248,7 +248,7 @@ class AutoInterval:
             how = (
                 "nothing measured yet: the stall floor"
                 if d is None
-                else f"no stop lost work in {up:.0f} s: Daly with M = {up:.0f} s, at least "
+                else f"no stop lost work in {up:.0f} s: Daly with M = {up:.0f} s, at most "
                 f"{daly.OVERHEAD:.0%} overhead"
                 if not stops
                 else f"Daly, {stops} stop(s) that lost work in {up:.0f} s"

@@ -235,13 +235,9 @@ class AutoInterval:
         d = statistics.median(ds) if ds else None
         up = self.base.up + (self.seg.last - self.seg.start)
         stops = self.base.unplanned + self.seg.unplanned
-        # With no stop that lost work, the time survived so far stands for M: the interval
-        # keeps the overhead target until Daly's with M = up is longer, then grows with it.
-        m = up / max(stops, 1) if up > 0 else None
-        seconds = daly.choose(d, m, self.floor)
-        if not stops and d is not None:
-            seconds = max(seconds, daly.choose(d, None, self.floor))
-        self.seconds = seconds
+        m = up / stops if stops else None
+        # With no stop that lost work, the time survived so far grows the interval (daly.py).
+        self.seconds = daly.choose(d, m, self.floor, survived=up)
         old = self._logged
         if at_start or old is None or abs(self.seconds - old) >= CHANGE * old:
             self._logged = self.seconds

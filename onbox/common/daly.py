@@ -9,7 +9,9 @@ higher order estimate of the optimum checkpoint interval for restart dumps") giv
 
 which refines Young's sqrt(2 d m) where checkpoints are not cheap against failures. With no
 failure seen yet (``m`` unknown) the interval keeps the checkpoint overhead at a target
-fraction (``d / t = overhead``, 10 %), and it never goes below a floor (the agent's
+fraction (``d / t = overhead``, 10 %), or, given the time survived so far, Daly's with that
+time as ``m`` where it is longer (the interval grows while nothing fails); it never goes below
+a floor (the agent's
 hang-detection budget: asking more often than a hang can be told from a slow checkpoint buys
 nothing). Pure arithmetic, standard library only: the agent (onbox/agent/interval.py) and its
 tests use it.
@@ -42,10 +44,16 @@ def overhead_target(d: float, overhead: float = OVERHEAD) -> float:
     return d / overhead
 
 
-def choose(d: Optional[float], m: Optional[float], floor: float) -> float:
-    """The interval to use: Daly's with both measured, the overhead target with only ``d``
-    (no failure seen yet), ``floor`` with nothing measured; never below ``floor``."""
+def choose(d: Optional[float], m: Optional[float], floor: float, survived: float = 0.0) -> float:
+    """The interval to use: Daly's with both measured; with only ``d`` (no failure seen yet)
+    the overhead target, or Daly's with M = ``survived`` (seconds up without a failure) where
+    that is longer; ``floor`` with nothing measured; never below ``floor``."""
     if d is None or d <= 0:
         return floor
-    t = overhead_target(d) if m is None or m <= 0 else daly(d, m)
+    if m is not None and m > 0:
+        t = daly(d, m)
+    else:
+        t = overhead_target(d)
+        if survived > 0:
+            t = max(t, daly(d, survived))
     return max(floor, t)

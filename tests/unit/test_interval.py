@@ -42,6 +42,8 @@ def test_choose_starts_at_the_overhead_target_and_keeps_the_floor() -> None:
     assert choose(3.0, None, 5.0) == pytest.approx(30.0)  # no failure seen: 10 % overhead
     assert choose(1.0, 50.0, 5.0) == pytest.approx(9.344444, abs=1e-5)
     assert choose(1.0, 50.0, 120.0) == 120.0  # never below the hang-detection budget
+    assert choose(1.0, None, 5.0, survived=20.0) == pytest.approx(10.0)  # the target is longer
+    assert choose(1.0, None, 5.0, survived=1000.0) == pytest.approx(daly(1.0, 1000.0))
 
 
 T0 = 1_800_000_000.0

@@ -236,8 +236,12 @@ class MemoryProbe:
         return vm.total - vm.available, vm.total, swap, kills, "the host (no cgroup memory limit)"
 
     def check(self, ctx: Context) -> Reading:
-        used, limit, swap, kills, where = self._usage(ctx.job_pid)
+        # The processes are read before the OOM counter: a kill the counter shows happened
+        # after the previous tick's counter read, so after the previous tick's process list,
+        # which therefore still holds the victim (read the other way round, a kill between
+        # the two reads leaves the victim out of both ticks' lists).
         procs = self.top(ctx.tag) if ctx.tag else []
+        used, limit, swap, kills, where = self._usage(ctx.job_pid)
         prev_kills, self._oom = self._oom, kills
         prev_biggest, self._biggest = self._biggest, (procs[0] if procs else None)
         sample = {

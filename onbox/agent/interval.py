@@ -1,24 +1,31 @@
 """``checkpoint.interval = "auto"``: how often the agent asks the job for a checkpoint, from the
 run's own history, recomputed as the run goes (the formula: onbox/common/daly.py).
 
-Two measurements, both from the run's events:
+Three measurements, all from the run's events:
 
-- ``d``, what one checkpoint costs: from the agent's ask to the checkpoint sealed (the job's
-  write plus rgt's upload and verification, paired as onbox/common/sealtime.py pairs them), the
-  median of the last SAMPLES (not their longest, as a warning lead wants: an ask that waited
-  for a job still importing its framework must not set the interval);
-- ``M``, the mean time between UNPLANNED stops that LOST WORK: the seconds the run was up under
-  its agents, across restarts and boxes, over the stops nobody planned and no final checkpoint
-  covered: a job that died while RUNNING (a crash, an OOM kill, a hang the stall probe ended), a
-  preemption whose grace did not see a newer checkpoint sealed, a box that vanished without a
-  word. A stop that was asked for (``rgt-agent stop``, success, the meter cap, Slurm's warning
-  before its time limit and the requeue after it) is not a failure and is not counted; nor is a
-  preemption whose final checkpoint was sealed in its grace, since the periodic interval is what
-  guards against the stops that lose work, and counting those would make it shorter for nothing.
+- ``d``, what one checkpoint costs the job: the seconds its save held the training loop, as
+  the job reports it (rgt's training API does, in progress.json; the sealer carries it on the
+  ``sealed`` event as ``blocked_s``). The upload and verification run beside training and cost
+  it nothing, so they are not in d: counting them made the interval several times the one
+  that loses least (a 20 ms save sealed in a second). A job that does not report its saves
+  is measured from the agent's ask to the checkpoint sealed (paired as
+  onbox/common/sealtime.py pairs them), which is its cost seen from outside. The median of
+  the last SAMPLES (not their longest: an ask that waited for a job still importing its
+  framework must not set the interval);
+- the seal time, ask to sealed: the interval never goes below it, so that seals do not queue
+  behind one another;
+- ``M``, the mean time between UNPLANNED stops that LOST WORK, from the seconds the run was up
+  under its agents, across restarts and boxes, and its stops (onbox/common/daly.py's ``mtbf``).
+  A stop that lost work: a job that died while RUNNING (a crash, an OOM kill, a hang the stall
+  probe ended), a preemption whose grace did not see a newer checkpoint sealed, a box that
+  vanished without a word. A preemption whose final checkpoint was sealed in its grace is a
+  covered stop: it lost nothing, and it is evidence that the next one may not either. A stop
+  that was asked for (``rgt-agent stop``, success, the meter cap, Slurm's warning before its
+  time limit and the requeue after it) is neither.
 
-With no such stop yet, M is the time the run has survived without one (a lower bound on its
-mean), so the interval starts at the overhead target (onbox/common/daly.py) and grows, as
-Daly's with M = up, while the run keeps not losing work.
+With no stop yet, M is the time the run has survived (a lower bound on its mean), so the
+interval starts at the overhead target (onbox/common/daly.py) and grows, as Daly's with M = up,
+while the run keeps running.
 
 The history crosses boxes through the events themselves: each agent's first interval event
 (``checkpoint_interval`` with ``at_start``) carries the totals of every agent before it, and
@@ -47,11 +54,13 @@ SAMPLES = 9  # the recent measurements of d whose median counts, carried across 
 
 @dataclasses.dataclass
 class History:
-    """What the agents before this one saw: seconds up, unplanned stops, recent ``d``s."""
+    """What the agents before this one saw: seconds up, stops that lost work, stops a final
+    checkpoint covered, recent ``d``s."""
 
     up: float = 0.0
     unplanned: int = 0
     ds: Tuple[float, ...] = ()  # the recent measurements of d, oldest first
+    covered: int = 0
 
     @property
     def d(self) -> Optional[float]:
@@ -70,7 +79,9 @@ class Segment:
         self.final_sealed = False  # a checkpoint newer than the preemption's ask was sealed
         self._sealed_step = -1
         self._final_above: Optional[int] = None  # the newest sealed step at the preemption ask
-        self.samples: List[float] = []  # ask to sealed, seconds
+        self.samples: List[float] = []  # d: the job's blocked save, else ask to sealed
+        self.seals: List[float] = []  # ask to sealed, seconds
+        self.reports = False  # the job reports its saves' blocked time
         self._asked: Optional[float] = None
 
     def feed(self, ev: Dict[str, Any], t: float) -> None:
@@ -101,13 +112,34 @@ class Segment:
             if self._final_above is not None and step > self._final_above:
                 self.final_sealed = True
             self._sealed_step = max(self._sealed_step, step)
+            blocked = ev.get("blocked_s")
+            if isinstance(blocked, (int, float)) and not isinstance(blocked, bool):
+                # the job's own cost; once a job reports it, the outside view is not mixed in
+                self.reports = True
+                self._sample(max(float(blocked), 1e-3))
             if self._asked is not None:
-                self.samples.append(max(t - self._asked, _num(ev.get("seconds"))))
-                del self.samples[:-SAMPLES]
+                seal = max(t - self._asked, _num(ev.get("seconds")))
+                self.seals.append(seal)
+                del self.seals[:-SAMPLES]
+                if not self.reports:
+                    self._sample(seal)
                 self._asked = None
+
+    def _sample(self, d: float) -> None:
+        self.samples.append(d)
+        del self.samples[:-SAMPLES]
 
     def ds(self, base: History) -> Tuple[float, ...]:
         return (base.ds + tuple(self.samples))[-SAMPLES:]
+
+    def seal_time(self) -> float:
+        return statistics.median(self.seals) if self.seals else 0.0
+
+    def ended_covered(self) -> bool:
+        """Whether this agent ended in a preemption its final checkpoint covered."""
+        if self.planned or self.state not in ("PREEMPTED", "STOPPING"):
+            return False
+        return self.stopping.startswith("preempt") and self.final_sealed
 
     def ended_unplanned(self, begin: bool) -> bool:
         """Whether this agent's end was an unplanned stop; ``begin``: the next agent began a
@@ -124,6 +156,7 @@ class Segment:
             base.up + (self.last - self.start),
             base.unplanned + self.unplanned + int(self.ended_unplanned(begin)),
             self.ds(base),
+            base.covered + int(self.ended_covered()),
         )
 
 
@@ -151,6 +184,7 @@ def history(events: List[Any], begin: bool) -> History:
                 _num(ev.get("base_up_s")),
                 int(_num(ev.get("base_unplanned"))),
                 tuple(_num(x) for x in ds[-SAMPLES:]) if isinstance(ds, list) else (),
+                int(_num(ev.get("base_covered"))),
             )
         if seg is not None:
             seg.feed(ev, t)
@@ -235,32 +269,45 @@ class AutoInterval:
         d = statistics.median(ds) if ds else None
         up = self.base.up + (self.seg.last - self.seg.start)
         stops = self.base.unplanned + self.seg.unplanned
-        m = up / stops if stops else None
-        # With no stop that lost work, the time survived so far grows the interval (daly.py).
-        self.seconds = daly.choose(d, m, self.floor, survived=up)
+        covered = self.base.covered
+        m = daly.mtbf(up, stops, covered)
+        seal = self.seg.seal_time()
+        # Before any stop, the time survived so far grows the interval (daly.py); a seal
+        # slower than that sets it, so that seals do not queue.
+        self.seconds = max(daly.choose(d, m, self.floor, survived=up), seal)
         old = self._logged
         if at_start or old is None or abs(self.seconds - old) >= CHANGE * old:
             self._logged = self.seconds
             how = (
                 "nothing measured yet: the stall floor"
                 if d is None
-                else f"no stop lost work in {up:.0f} s: Daly with M = {up:.0f} s, at most "
+                else f"no stop yet in {up:.0f} s: Daly with M = {up:.0f} s, at most "
                 f"{daly.OVERHEAD:.0%} overhead"
-                if not stops
-                else f"Daly, {stops} stop(s) that lost work in {up:.0f} s"
+                if m is None
+                else f"Daly, M = {m:.0f} s from {stops} stop(s) that lost work and {covered} "
+                f"a final checkpoint covered in {up:.0f} s"
+            )
+            cost = (
+                "unknown"
+                if d is None
+                else f"{d:.3f} s, "
+                + ("the job's blocked save" if self.seg.reports else "ask to sealed")
             )
             self.event(
                 KIND,
-                f"checkpoint interval {self.seconds:.1f} s ({how}; checkpoint + seal "
-                f"{'unknown' if d is None else f'{d:.2f} s'}, floor {self.floor:.0f} s)",
+                f"checkpoint interval {self.seconds:.1f} s ({how}; checkpoint cost {cost}, "
+                f"seal {seal:.2f} s, floor {self.floor:.0f} s)",
                 seconds=round(self.seconds, 3),
                 d=d,
+                seal_s=round(seal, 3),
                 mtbf=m,
                 up_s=round(up, 1),
                 unplanned=stops,
+                covered=covered,
                 at_start=at_start,
                 base_up_s=round(self.base.up, 1),
                 base_unplanned=self.base.unplanned,
+                base_covered=self.base.covered,
                 base_ds=[round(x, 3) for x in self.base.ds],
             )
         return self.seconds

@@ -6,7 +6,10 @@ rewritten often)::
 
     {"step": 1200, "attempt": 3, "pid": 4242, "time": 1764500000.0, "metrics": {"loss": 0.12}}
 
-and, while the job writes a checkpoint or evaluates, ``"phase": "checkpoint"`` (or ``"eval"``).
+and, while the job writes a checkpoint or evaluates, ``"phase": "checkpoint"`` (or ``"eval"``);
+once the job has saved, ``"save": {"step": 1000, "blocked_s": 0.042}``: the step of its last
+checkpoint and how long that save held the training loop, which is what a checkpoint costs the
+job (the agent's ``interval = "auto"`` takes it as Daly's d; the seal runs beside training).
 
 ``step`` is the number of optimizer steps the job has completed (the step a checkpoint taken now
 would carry); ``attempt`` is the job's ``RGT_ATTEMPT``, so the agent can tell a report of this
@@ -20,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 FILE = "progress.json"
 
@@ -36,6 +39,7 @@ def write(
     attempt: int,
     metrics: Optional[Dict[str, Any]] = None,
     phase: Optional[str] = None,
+    save: Optional[Tuple[int, float]] = None,
 ) -> None:
     """Replace the report atomically; a reader sees the old one or the new one, never a mix.
 
@@ -49,6 +53,8 @@ def write(
     }
     if phase:
         doc["phase"] = str(phase)
+    if save is not None:
+        doc["save"] = {"step": int(save[0]), "blocked_s": round(float(save[1]), 6)}
     if metrics:
         doc["metrics"] = {k: _plain(v) for k, v in metrics.items()}
     final = path_in(run_dir)
@@ -68,6 +74,19 @@ def read(run_dir: str) -> Optional[Dict[str, Any]]:
     if not isinstance(doc, dict) or not isinstance(doc.get("step"), int):
         return None
     return doc
+
+
+def last_save(doc: Optional[Dict[str, Any]]) -> Optional[Tuple[int, float]]:
+    """(step, seconds the loop was blocked) of the job's last save in a report, or None."""
+    save = doc.get("save") if isinstance(doc, dict) else None
+    if not isinstance(save, dict):
+        return None
+    step, blocked = save.get("step"), save.get("blocked_s")
+    if not isinstance(step, int) or isinstance(step, bool):
+        return None
+    if not isinstance(blocked, (int, float)) or isinstance(blocked, bool) or not blocked >= 0:
+        return None
+    return step, float(blocked)
 
 
 def _plain(v: Any) -> Any:

@@ -26,6 +26,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from onbox.common import progress
 from onbox.common.durable import write_json
 from onbox.common.errors import StoreError
 from onbox.common.faults import crash_point
@@ -77,6 +78,9 @@ class Sealer:
         self.bytes_per_s = 50e6  # until measured: a cautious guess for the preemption estimate
         self.backlog: Optional[int] = None  # complete checkpoints the last pass left unsealed
         self.seq: Dict[str, Dict[str, Any]] = self._load_seq()
+        # The seconds the job's save of a step held its loop, where the job reports it
+        # (onbox/common/progress.py): carried on the ``sealed`` event for the auto interval.
+        self.job_blocked: Callable[[int], Optional[float]] = lambda step: None
 
     @classmethod
     def for_run(
@@ -91,7 +95,7 @@ class Sealer:
     ) -> Sealer:
         """The sealer of the run ``rd`` (its staging and sequence memory in the run dir), as
         the writer of a new epoch unless ``epoch`` is given. Call ``load`` before sealing."""
-        return cls(
+        sealer = cls(
             rd.name,
             ckpt_dir,
             store,
@@ -101,6 +105,15 @@ class Sealer:
             event=event,
             state_path=rd.sealer_state,
         )
+
+        def blocked(step: int) -> Optional[float]:
+            # The report is read when the seal is done, by which time the job has long
+            # written it; a report of a newer save is the same job's cost all the same.
+            save = progress.last_save(progress.read(rd.path))
+            return save[1] if save is not None and save[0] >= step else None
+
+        sealer.job_blocked = blocked
+        return sealer
 
     # ---- the ledger's view, for the agent and the tests
     @property
@@ -266,6 +279,7 @@ class Sealer:
             if in_place(cand.root, cand.kind):
                 self.seq[cand.root] = {"step": cand.step, "sig": list(cand.signature)}
                 self._save_seq()
+            blocked = self.job_blocked(step)
             self.event(
                 "sealed",
                 f"checkpoint {cand.root} sealed as step {cand.step}: "
@@ -274,6 +288,7 @@ class Sealer:
                 files=len(entries),
                 uploaded=uploaded,
                 seconds=took,
+                **({} if blocked is None else {"blocked_s": blocked}),
             )
             if self.ledger.advance_latest(step):
                 crash_point("seal.after_latest")

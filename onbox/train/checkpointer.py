@@ -38,8 +38,8 @@ follows ends the process once the checkpoint is written (exit status 143), unles
 ``exit_on_preempt=False``; a second SIGTERM ends it at once.
 
 Progress: ``should_checkpoint(step)`` and ``save`` report the step to the agent
-(``$RGT_RUN_DIR/progress.json``, onbox/common/progress.py), which checks that a resumed job does not
-start below the step it was resumed from.
+and the last save's cost (``$RGT_RUN_DIR/progress.json``, onbox/common/progress.py): the agent
+checks that a resumed job does not start below its restore step; its auto interval uses the cost.
 
 Runs in the box's own Python: standard library and torch only (NumPy, safetensors when used).
 Outside rgt (no ``RGT_*`` variables) it works on ``./checkpoints`` and never signals anything.
@@ -123,6 +123,7 @@ class Checkpointer:
         self.step = 0  # the step of the last save or load
         self.last_save_at = time.monotonic()
         self.cost: Optional[float] = None  # seconds the loop was blocked by the last save
+        self._last_save: Optional[Tuple[int, float]] = None  # (step, cost), for the agent
         self.write_seconds: Optional[float] = None  # the last background write, end to end
         self.chosen_interval: Optional[float] = None
         self._asked = threading.Event()
@@ -269,7 +270,7 @@ class Checkpointer:
             return
         self._progress_at = now
         try:
-            progress.write(self.run_dir, step, self.attempt, metrics)
+            progress.write(self.run_dir, step, self.attempt, metrics, save=self._last_save)
         except OSError:
             pass  # advisory: never fail training over it
 
@@ -374,11 +375,12 @@ class Checkpointer:
     def _saved(self, step: int) -> None:
         self.step = int(step)
         self.last_save_at = time.monotonic()
+        self._last_save = (self.step, self.cost) if self.cost is not None else self._last_save
         self._answer_request()
         self._choose_interval()
         if self.run_dir is not None:
             try:
-                progress.write(self.run_dir, step, self.attempt)
+                progress.write(self.run_dir, step, self.attempt, save=self._last_save)
             except OSError:
                 pass
         if self.preempted and self.exit_on_preempt:
@@ -417,7 +419,7 @@ class Checkpointer:
             last = max(self._reported, self.step)
             if self.run_dir is not None and last:
                 try:  # the final step, which the once-a-second throttle may have held back
-                    progress.write(self.run_dir, last, self.attempt)
+                    progress.write(self.run_dir, last, self.attempt, save=self._last_save)
                 except OSError:
                     pass
         finally:

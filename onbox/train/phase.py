@@ -27,8 +27,9 @@ def _write(phase_name: str = "") -> None:
     mine = last is not None and last.get("attempt") == attempt
     step = int(last["step"]) if last is not None and mine else 0
     metrics = last.get("metrics") if last is not None and mine else None
+    save = progress.last_save(last) if mine else None
     try:
-        progress.write(run_dir, step, attempt, metrics, phase=phase_name or None)
+        progress.write(run_dir, step, attempt, metrics, phase=phase_name or None, save=save)
     except OSError:
         pass  # advisory: never fail training over it
 

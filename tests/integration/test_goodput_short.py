@@ -129,3 +129,10 @@ def test_preempted_rgt_auto_never_redoes_a_counted_step_and_ends_exact(
     # the interval is not shortened for it.
     lost = [0, 1, 2] if grace == 0 else [0, 0, 0]
     assert [e["base_unplanned"] for e in starts] == lost, starts
+    covered = [0, 0, 0] if grace == 0 else [0, 1, 2]
+    assert [e["base_covered"] for e in starts] == covered, starts
+    # d is what a checkpoint costs the job (the time its save held the loop, which the
+    # training API reports and the sealer carries), not the seal that runs beside training
+    assert any(isinstance(e.get("blocked_s"), float) for e in events if e["kind"] == "sealed")
+    measured = [e for e in chosen if e["d"] is not None and e["seal_s"] > 0]
+    assert measured and all(e["d"] < e["seal_s"] for e in measured), measured

@@ -353,6 +353,13 @@ def test_requests_signals_and_interval_make_a_checkpoint_due(
 
     doc = progress.read(run_dir)
     assert doc is not None and doc["step"] >= 1
+    # the save's cost, for the agent's auto interval: step 1's save held the loop this long
+    assert progress.last_save(doc) == (1, pytest.approx(ck.cost, abs=1e-6))
+    from onbox.train.phase import phase
+
+    with phase("eval"):  # a phase rewrites the report and keeps the save in it
+        doc = progress.read(run_dir)
+        assert doc is not None and doc["phase"] == "eval" and progress.last_save(doc) is not None
 
     os.unlink(request)
     timed = Checkpointer(str(tmp_path / "ck2"), interval=0.2, handle_signals=False, **_objects())

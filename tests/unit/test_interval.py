@@ -14,7 +14,7 @@ import pytest
 from onbox.agent.interval import AutoInterval, History, history, load_history
 from onbox.agent.journal import iso
 from onbox.agent.spec import JobSpec, Overrides, build_spec
-from onbox.common.daly import choose, daly, overhead_target
+from onbox.common.daly import choose, daly, mtbf, overhead_target
 from onbox.common.errors import TransientStoreError, UsageError
 
 
@@ -44,6 +44,19 @@ def test_choose_starts_at_the_overhead_target_and_keeps_the_floor() -> None:
     assert choose(1.0, 50.0, 120.0) == 120.0  # never below the hang-detection budget
     assert choose(1.0, None, 5.0, survived=20.0) == pytest.approx(10.0)  # the target is longer
     assert choose(1.0, None, 5.0, survived=1000.0) == pytest.approx(daly(1.0, 1000.0))
+
+
+def test_mtbf_counts_covered_stops_as_evidence_not_as_failures() -> None:
+    assert mtbf(3600.0, 0, 0) is None  # no stop yet: choose() grows with the time survived
+    assert mtbf(0.0, 1, 0) is None
+    # one stop in an hour, covered: the share that loses work is (0 + 1/2) / 2 -> 4 h
+    assert mtbf(3600.0, 0, 1) == pytest.approx(4 * 3600.0)
+    # four stops, all covered: 5 / (4 x 0.5) -> 2.5 h; more covered stops, longer still
+    assert mtbf(3600.0, 0, 4) == pytest.approx(2.5 * 3600.0)
+    # four stops that all lost work: 3600 x 5 / (4 x 4.5) = 1000 s, near plain counting's 900
+    assert mtbf(3600.0, 4, 0) == pytest.approx(1000.0)
+    # half of them covered: between the two
+    assert mtbf(3600.0, 4, 0) < mtbf(3600.0, 2, 2) < mtbf(3600.0, 0, 4)  # type: ignore[operator]
 
 
 T0 = 1_800_000_000.0
@@ -127,10 +140,12 @@ def preempted(sealed_in_grace: List[Dict[str, Any]], why: bool = True) -> List[D
 def test_a_preemption_whose_final_checkpoint_was_sealed_lost_no_work(why: bool) -> None:
     # The grace saw the job's answer sealed: nothing was lost, the interval guarded nothing.
     final = [ev(202, "sealed", step=180, seconds=0.5)]
-    assert history(preempted(final, why), True).unplanned == 0
+    h = history(preempted(final, why), True)
+    assert (h.unplanned, h.covered) == (0, 1)
     # Only an older checkpoint finished sealing in the grace (or nothing did): work was lost.
     older = [ev(202, "sealed", step=100, seconds=0.5)]
-    assert history(preempted(older, why), True).unplanned == 1
+    h = history(preempted(older, why), True)
+    assert (h.unplanned, h.covered) == (1, 0)
     assert history(preempted([], why), True).unplanned == 1
     # The agent vanished mid-grace, after the final seal: still no work lost.
     assert history(preempted(final, why)[:-1], begin=True).unplanned == 0
@@ -157,16 +172,21 @@ def test_with_no_stop_that_lost_work_the_interval_grows_with_the_time_survived(
     with open(path, "w") as f:
         f.write(json.dumps(ev(0, "epoch", epoch=1)) + "\n")
     # 6 preemptions before this box, every one sealed in its grace: 1000 s up, none lost work
-    auto = AutoInterval(History(1000.0, 0, ()), 5.0, T0, path, lambda *a, **k: None)
+    auto = AutoInterval(History(1000.0, 0, (), covered=6), 5.0, T0, path, lambda *a, **k: None)
     auto.start(T0)
+    never = AutoInterval(History(1000.0, 0, ()), 5.0, T0, path, lambda *a, **k: None)
+    never.start(T0)
     fresh = AutoInterval(History(), 5.0, T0, path, lambda *a, **k: None)
     fresh.start(T0)
     with open(path, "a") as f:
         for e in (state(1, "RUNNING"), ev(10, "checkpoint_asked"), ev(11, "sealed", step=10)):
             f.write(json.dumps(e) + "\n")
-    assert auto.update(T0 + 20) == pytest.approx(daly(1.0, 1020.0))  # M = the time survived
-    assert auto.seconds > overhead_target(1.0)  # longer than the 10 % start
-    assert auto.update(T0 + 3000) == pytest.approx(daly(1.0, 4000.0))
+    assert never.update(T0 + 20) == pytest.approx(daly(1.0, 1020.0))  # M = the time survived
+    assert never.seconds > overhead_target(1.0)  # longer than the 10 % start
+    assert never.update(T0 + 3000) == pytest.approx(daly(1.0, 4000.0))
+    # the covered stops say the stops come with a grace: longer still (M = 1020 x 7 / 3)
+    assert auto.update(T0 + 20) == pytest.approx(daly(1.0, 1020.0 * 7 / 3))
+    assert auto.seconds > daly(1.0, 1020.0)
     assert fresh.update(T0 + 20) == pytest.approx(10.0)  # a new run starts at 10 % overhead
 
 
@@ -178,18 +198,51 @@ def test_d_is_the_median_of_recent_seals_so_one_slow_start_does_not_set_it() -> 
     assert h.d == pytest.approx(1.0) and len(h.ds) == 5
 
 
+def test_d_is_the_jobs_blocked_save_where_it_reports_one_and_the_seal_bounds_the_interval(
+    tmp_path: Any,
+) -> None:
+    events = [ev(0, "epoch", epoch=1), state(1, "RUNNING")]
+    for t in (10, 20, 30):  # the job's saves held its loop 20 ms; the seals took 2 s
+        events += [ev(t, "checkpoint_asked"), ev(t + 2, "sealed", seconds=1.5, blocked_s=0.02)]
+    events += [ev(40, "checkpoint_asked"), ev(42, "sealed", seconds=1.5)]  # report not seen
+    h = history(events, begin=True)
+    assert h.d == pytest.approx(0.02) and len(h.ds) == 3  # the outside view is not mixed in
+    # A job that reports nothing is measured from the ask to the seal, as before.
+    plain = [e for e in events if e["kind"] != "sealed"] + [ev(12, "sealed", seconds=1.5)]
+    assert history(sorted(plain, key=lambda e: e["time"]), begin=True).d == pytest.approx(2.0)
+
+    # Live: d = 20 ms gives 0.2 s at 10 % overhead, under the 2 s seal: the seal sets it.
+    path = os.path.join(str(tmp_path), "events.jsonl")
+    with open(path, "w") as f:
+        f.write(json.dumps(events[0]) + "\n")
+    logged: List[Dict[str, Any]] = []
+    auto = AutoInterval(History(), 0.1, T0, path, lambda k, r, **data: logged.append(data))
+    auto.start(T0)
+    with open(path, "a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in events[1:4])
+    assert auto.update(T0 + 13) == pytest.approx(2.0)
+    assert logged[-1]["d"] == pytest.approx(0.02) and logged[-1]["seal_s"] == pytest.approx(2.0)
+
+
 def test_a_fresh_box_reads_the_store_and_carries_the_totals_forward() -> None:
     # The previous box's events: its agent began with 1000 s and 4 stops behind it.
     prior = [
         ev(0, "epoch", epoch=5),
-        ev(0, "checkpoint_interval", at_start=True, base_up_s=1000.0, base_unplanned=4),
+        ev(
+            0,
+            "checkpoint_interval",
+            at_start=True,
+            base_up_s=1000.0,
+            base_unplanned=4,
+            base_covered=2,
+        ),
         state(1, "RUNNING"),
         ev(60, "checkpoint_asked"),
         ev(61, "sealed", seconds=0.2),
     ]
     remote = "\n".join(json.dumps(e) for e in prior).encode() + b"\n{torn"
     h = load_history([ev(100, "incarnation")], lambda: remote, begin=True)  # no epoch here
-    assert (h.up, h.unplanned, h.d) == (pytest.approx(1061), 5, pytest.approx(1.0))
+    assert (h.up, h.unplanned, h.covered, h.d) == (pytest.approx(1061), 5, 2, pytest.approx(1.0))
 
     def unreachable() -> bytes:
         raise TransientStoreError("the store did not answer")
@@ -219,10 +272,11 @@ def test_auto_interval_follows_the_events_and_logs_its_changes(tmp_path: Any) ->
     append(state(1, "RUNNING"), ev(10, "checkpoint_asked"), ev(11, "sealed", seconds=0.3))
     assert auto.update(T0 + 15) == pytest.approx(10.0)  # d = 1 s, no failure: 10 % overhead
     append(ev(20, "exit", exit_kind="oom_killed"), state(20, "BACKOFF"))
-    assert auto.update(T0 + 20) == pytest.approx(daly(1.0, 20.0))  # M = 20 s over 1 stop
-    assert [e["seconds"] for e in logged] == [5.0, 10.0, pytest.approx(daly(1.0, 20.0), abs=1e-3)]
-    assert logged[-1]["unplanned"] == 1 and logged[-1]["mtbf"] == pytest.approx(20.0)
-    assert auto.update(T0 + 21) > daly(1.0, 20.0)  # M grows with the time up...
+    m = 20.0 * 2 / 1.5  # 20 s up, 1 stop that lost work (daly.mtbf)
+    assert auto.update(T0 + 20) == pytest.approx(daly(1.0, m))
+    assert [e["seconds"] for e in logged] == [5.0, 10.0, pytest.approx(daly(1.0, m), abs=1e-3)]
+    assert logged[-1]["unplanned"] == 1 and logged[-1]["mtbf"] == pytest.approx(m)
+    assert auto.update(T0 + 21) > daly(1.0, m)  # M grows with the time up...
     assert len(logged) == 3  # ...but by under 10 %: no new event
 
 
@@ -246,3 +300,15 @@ def test_job_file_interval_auto(tmp_path: Any) -> None:
     assert build('interval = "90s"\ntrigger = "file"').ckpt_auto is False
     with pytest.raises(UsageError):
         build('interval = "auto"')  # nothing to ask the job with
+
+
+def test_the_jobs_save_report_is_read_only_when_well_formed(tmp_path: Any) -> None:
+    from onbox.common import progress
+
+    progress.write(str(tmp_path), 12, 0, save=(10, 0.0421))
+    doc = progress.read(str(tmp_path))
+    assert doc is not None and progress.last_save(doc) == (10, pytest.approx(0.0421))
+    for bad in ({"step": "10", "blocked_s": 1}, {"step": 10, "blocked_s": -1.0}, [10, 1.0]):
+        assert progress.last_save({"step": 12, "save": bad}) is None
+    assert progress.last_save({"step": 12, "save": {"step": 10, "blocked_s": math.nan}}) is None
+    assert progress.last_save({"step": 12}) is None and progress.last_save(None) is None

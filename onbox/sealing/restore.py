@@ -27,10 +27,11 @@ downloaded. That is a fault of the box, not of the store, so it is raised, not q
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import stat
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import UnsafePath, lstat_beneath, open_beneath
@@ -168,6 +169,19 @@ def _manifest(store: Store, run: str, step: int) -> Dict[str, Any]:
     return doc
 
 
+def _candidates(store: Store, run: str, latest: Optional[int]) -> Iterator[int]:
+    """The steps to try, newest first: LATEST's own (tried even when its MANIFEST is not
+    listed), then the sealed steps below it. The store is listed only when LATEST's step is
+    unusable or there is no LATEST: a listing is every object of every kept checkpoint, pages
+    of them for a checkpoint of many files, and the common case never needs it."""
+    if latest is not None:
+        yield latest
+    steps = _retried(lambda: sealed_steps(store, run))
+    for step in sorted(steps, reverse=True):
+        if latest is None or step < latest:
+            yield step
+
+
 def restore_latest(
     store: Store,
     run: str,
@@ -184,13 +198,14 @@ def restore_latest(
     store that does not answer raises its StoreError (nothing quarantined); a target that is
     refused raises UnsafePath or HostError. Directories it makes are appended to ``made``;
     nothing is made before a checkpoint to download is found."""
-    latest = _read_latest(store, run, event)
-    bad = quarantine_reasons(store, run)
-    steps = set(_retried(lambda: sealed_steps(store, run)))
-    if latest is not None:  # LATEST's own step is tried even when its MANIFEST is not listed
-        steps = {s for s in steps if s <= latest} | {latest}
+    # LATEST and the quarantine records are read side by side: every round trip to a remote
+    # store is paid before the first byte of the checkpoint comes.
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rgt-restore-q") as pool:
+        bad_f = pool.submit(quarantine_reasons, store, run)
+        latest = _read_latest(store, run, event)
+        bad = bad_f.result()
     tried: List[Tuple[int, str]] = []
-    for step in sorted(steps, reverse=True):
+    for step in _candidates(store, run, latest):
         if step in bad:
             tried.append((step, f"quarantined before: {bad[step]}"))
             continue

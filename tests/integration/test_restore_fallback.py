@@ -439,3 +439,35 @@ def test_a_download_failing_midway_leaves_nothing_in_the_target(
         assert _tree(dest) == []  # no stage, nothing under a final name
         assert os.statvfs(disk).f_bfree == os.statvfs(disk).f_blocks  # every byte given back
     assert _quarantine(where, 10) is None
+
+
+class _Listings:
+    """The real store, with every listing it is asked for recorded (its prefix)."""
+
+    def __init__(self, store: Store) -> None:
+        self._store = store
+        self.listed: List[str] = []
+
+    def list(self, prefix: str) -> Any:
+        self.listed.append(prefix)
+        return self._store.list(prefix)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+
+def test_restoring_latest_lists_no_checkpoint_and_an_unusable_one_falls_back(
+    cli: Cli, where: Raw, tmp_path: Any
+) -> None:
+    # Listing checkpoints/ is every object of every kept checkpoint (pages of it for a
+    # checkpoint of many files): a restore of LATEST's step goes straight to its MANIFEST.
+    _seal(_open(where, cli), tmp_path, [10, 20])
+    store = _Listings(_open(where, cli))
+    doc = restore_latest(store, RUN, str(tmp_path / "a"), lambda *a, **k: None)  # type: ignore[arg-type]
+    assert doc is not None and doc["step"] == 20
+    assert not [p for p in store.listed if p.startswith(mf.checkpoints_prefix(RUN))]
+    _damage(where, 20, "delete")
+    store = _Listings(_open(where, cli))
+    doc = restore_latest(store, RUN, str(tmp_path / "b"), lambda *a, **k: None)  # type: ignore[arg-type]
+    assert doc is not None and doc["step"] == 10 and _quarantine(where, 20) is not None
+    assert mf.checkpoints_prefix(RUN) in store.listed

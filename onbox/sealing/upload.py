@@ -24,10 +24,10 @@ point ``seal.after_object`` is reached once per object put, in the calling threa
 
 from __future__ import annotations
 
-import concurrent.futures
 import functools
 import hashlib
 import os
+import queue
 import shutil
 import threading
 from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, Union
@@ -46,6 +46,8 @@ CHUNK = 1 << 20
 SMALL = 1 << 20
 Entry = Dict[str, Any]
 Known = Dict[Tuple[str, int], str]  # (sha256, size) -> key of an object that holds those bytes
+# What a put thread hands back: (the file's index, (entry, whether put) or None, the error).
+_Done = Tuple[int, Optional[Tuple[Entry, bool]], Optional[BaseException]]
 
 
 class Vanished(Exception):
@@ -63,7 +65,9 @@ class _Claims:
     def __init__(self, known: Known) -> None:
         self.done = dict(known)
         self.sizes = {size for _, size in known}
-        self.flight: Dict[Tuple[str, int], threading.Event] = {}
+        # Bytes being put, and the Event a thread waiting for that put waits on; made by the
+        # first waiter, not by every claim (nearly every put has no waiter).
+        self.flight: Dict[Tuple[str, int], Optional[threading.Event]] = {}
         self.lock = threading.Lock()
 
     def claim(self, sha: str, size: int, stop: threading.Event) -> Optional[str]:
@@ -74,10 +78,12 @@ class _Claims:
                 key = self.done.get((sha, size))
                 if key is not None:
                     return key
-                ev = self.flight.get((sha, size))
-                if ev is None:
-                    self.flight[(sha, size)] = threading.Event()
+                if (sha, size) not in self.flight:
+                    self.flight[(sha, size)] = None
                     return None
+                ev = self.flight[(sha, size)]
+                if ev is None:
+                    ev = self.flight[(sha, size)] = threading.Event()
             ev.wait()  # another thread is putting the same bytes: it is running, not queued
             if stop.is_set():
                 raise _Stopped()
@@ -128,20 +134,64 @@ class CheckpointUpload:
     def run(self) -> Tuple[List[Entry], int]:
         self.shared_sizes = _shared_sizes([self.src(r) for r in self.rels])
         os.makedirs(self.stage_dir, exist_ok=True)
-        workers = max(1, min(int(self.store.parallel_puts), len(self.rels)))
-        pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rgt-seal-put")
-        futures = [pool.submit(self._one, rel) for rel in self.rels]
+        n = len(self.rels)
+        workers = max(1, min(int(self.store.parallel_puts), n))
+        # Threads that take the next file from a queue and hand back (index, result, error),
+        # not an executor's futures: at 10,000 small files a Future, its Condition and
+        # as_completed's waiter (one lock every thread's completion takes) cost about as much
+        # client CPU as a fifth of the puts themselves (measured: 0.56 against 0.23 s per
+        # 10,000 tasks of 64 threads).
+        todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(n):
+            todo.put(i)
+        done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        threads = [
+            threading.Thread(
+                target=self._work, args=(todo, done), name=f"rgt-seal-put_{w}", daemon=True
+            )
+            for w in range(workers)
+        ]
+        results: List[Optional[Tuple[Entry, bool]]] = [None] * n
+        failed: Optional[BaseException] = None
         try:
-            # The first failure leaves this loop; _Stopped comes only after it (self.stop).
-            for fut in concurrent.futures.as_completed(futures):
-                if fut.result()[1]:
+            for t in threads:
+                t.start()
+            for _ in range(n):
+                i, out, err = done.get()
+                if err is not None:  # the first failure: the rest stop (see _work)
+                    failed = err
+                    break
+                results[i] = out
+                if out is not None and out[1]:
                     crash_point("seal.after_object")
         finally:
             self.stop.set()
-            pool.shutdown(wait=True, cancel_futures=True)  # puts in flight end, none start
+            for t in threads:  # puts in flight end, none start
+                if t.ident is not None:
+                    t.join()
             shutil.rmtree(self.stage_dir, ignore_errors=True)
-        done = [f.result() for f in futures]
-        return [e for e, _ in done], sum(e["size"] for e, put in done if put)
+        if failed is not None:
+            raise failed
+        done_all = [r for r in results if r is not None]
+        return [e for e, _ in done_all], sum(e["size"] for e, put in done_all if put)
+
+    def _work(self, todo: queue.SimpleQueue[int], done: queue.SimpleQueue[_Done]) -> None:
+        """Put files from ``todo`` until it is empty or the seal stopped; a failure is handed
+        back and stops every thread (files not started are not started)."""
+        while not self.stop.is_set():
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                out = self._one(self.rels[i])
+            except _Stopped:
+                return
+            except BaseException as e:  # handed to the caller, which raises it
+                self.stop.set()
+                done.put((i, None, e))
+                return
+            done.put((i, out, None))
 
     def _one(self, rel: str) -> Tuple[Entry, bool]:
         """One file: (its MANIFEST entry, whether it was put)."""

@@ -173,6 +173,8 @@ class CheckpointUpload:
         if failed is not None:
             raise failed
         done_all = [r for r in results if r is not None]
+        if len(done_all) != n:  # every file taken is handed back unless the seal failed
+            raise RuntimeError(f"{n - len(done_all)} files of {self.ckpt_dir} were not put")
         return [e for e, _ in done_all], sum(e["size"] for e, put in done_all if put)
 
     def _work(self, todo: queue.SimpleQueue[int], done: queue.SimpleQueue[_Done]) -> None:

@@ -15,17 +15,18 @@ from tests.conftest import require
 
 
 @contextlib.contextmanager
-def tmpfs(path: str, options: str, label: str = "rgt-test") -> Iterator[str]:
-    """``mount -t tmpfs -o OPTIONS LABEL PATH``; lazily unmounted when the block ends."""
-    require(os.geteuid() == 0, "root, to mount the test's tmpfs")
+def tmpfs(path: str, options: str, label: str = "rgt-test", kind: str = "tmpfs") -> Iterator[str]:
+    """``mount -t KIND -o OPTIONS LABEL PATH`` (a tmpfs, or another filesystem held in memory:
+    ``ramfs`` refuses O_DIRECT, where a tmpfs takes it); lazily unmounted when the block ends."""
+    require(os.geteuid() == 0, f"root, to mount the test's {kind}")
     os.makedirs(path, exist_ok=True)
     p = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, label, path],
+        ["mount", "-t", kind, "-o", options, label, path],
         capture_output=True,
         text=True,
         timeout=30,
     )
-    require(p.returncode == 0, f"mounting a tmpfs ({p.stderr.strip()})")
+    require(p.returncode == 0, f"mounting a {kind} ({p.stderr.strip()})")
     try:
         yield path
     finally:

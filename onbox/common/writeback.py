@@ -87,7 +87,8 @@ class Direct:
     def buffer(self, size: int) -> memoryview:
         """A page-aligned buffer of ``size`` bytes (O_DIRECT needs aligned memory), freed with
         this writer."""
-        self._bufs.append(mmap.mmap(-1, size))
+        # Private: an anonymous shared mapping is shmem, dearer to fault in and to free.
+        self._bufs.append(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))
         return memoryview(self._bufs[-1])
 
     def write(self, chunk: memoryview, offset: int) -> int:

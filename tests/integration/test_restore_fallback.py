@@ -14,6 +14,7 @@ damage with the store's own tools (the filesystem, an S3 client).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -351,8 +352,10 @@ def ranged(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(download, "RANGE", 4 << 20)
 
 
-def _seal_dirs(store: Store, tmp_path: Any, steps: List[int]) -> Dict[int, Dict[str, bytes]]:
-    """Each step a directory checkpoint ``step_N/`` of len(SIZES) random files and rgt's
+def _seal_dirs(
+    store: Store, tmp_path: Any, steps: List[int], sizes: List[int] = SIZES
+) -> Dict[int, Dict[str, bytes]]:
+    """Each step a directory checkpoint ``step_N/`` of len(sizes) random files and rgt's
     marker, sealed by the real Sealer; every file's bytes by its path under the ckpt dir."""
     ckpt = str(tmp_path / "old-box-ckpt")
     s = Sealer(
@@ -370,7 +373,7 @@ def _seal_dirs(store: Store, tmp_path: Any, steps: List[int]) -> Dict[int, Dict[
         d = os.path.join(ckpt, f"step_{step}")
         os.makedirs(d)
         out[step] = {}
-        for i, size in enumerate(SIZES):
+        for i, size in enumerate(sizes):
             data = os.urandom(size)
             with open(os.path.join(d, f"shard-{i:02d}.bin"), "wb") as f:
                 f.write(data)
@@ -400,6 +403,34 @@ def test_a_many_file_checkpoint_is_restored_equal_to_what_was_sealed(
         with open(os.path.join(dest, rel), "rb") as f:
             assert f.read() == data, rel
     assert _tree(dest) == sorted(["step_10", "step_10/.rgt-complete", *sealed])  # no stage
+
+
+# Files on both sides of the size from which a download is written past the page cache
+# (download.DIRECT_MIN), most with a tail that is not a whole block, more of them than there
+# are lanes (each lane reuses its buffer from file to file), and one of ranged GETs.
+EDGE = download.DIRECT_MIN
+EDGE_SIZES = [EDGE - 1, EDGE, EDGE + 1, EDGE + 4095, 3 * EDGE + 12345, 5, 4096 * 3, 70001] * 2
+EDGE_SIZES[BIG_AT % len(EDGE_SIZES)] = (12 << 20) + 777
+
+
+@pytest.mark.parametrize("disk", ["ext4", "ramfs"])
+def test_files_around_the_direct_write_size_are_restored_byte_for_byte_with_or_without_o_direct(
+    cli: Cli, where: Raw, tmp_path: Any, ranged: None, disk: str
+) -> None:
+    """On the test's own disk the larger files are written with O_DIRECT; a ramfs refuses
+    O_DIRECT, so every file goes through the page cache there: both give the sealed bytes."""
+    sealed = _seal_dirs(_open(where, cli), tmp_path, [10], EDGE_SIZES)[10]
+    with contextlib.ExitStack() as stack:
+        root = str(tmp_path)
+        if disk == "ramfs":
+            root = stack.enter_context(tmpfs(str(tmp_path / "ram"), "mode=0700", kind="ramfs"))
+        dest = os.path.join(root, "box")
+        doc = restore_latest(_open(where, cli), RUN, dest, lambda *a, **k: None)
+        assert doc is not None and doc["step"] == 10
+        for rel, data in sealed.items():
+            with open(os.path.join(dest, rel), "rb") as f:
+                assert f.read() == data, rel
+        assert _tree(dest) == sorted(["step_10", "step_10/.rgt-complete", *sealed])
 
 
 def test_a_corrupt_object_among_many_restores_the_previous_checkpoint_and_nothing_of_it(

@@ -12,6 +12,12 @@ restore's target, a ``file://`` store's root) one component at a time, each dire
 through that directory's descriptor with ``O_NOFOLLOW``. A symlink on the way, or under the
 final name, planted in the target or in the store, is refused (``UnsafePath``, exit 6) instead
 of followed; the base directory itself is the caller's and may be a symlink (a user's ``--to``).
+Where the kernel has ``openat2`` (Linux 5.6+), the directories under the base are opened in
+that one call, with every symlink on the way refused by the kernel (``RESOLVE_NO_SYMLINKS``)
+and nothing outside the base reachable (``RESOLVE_BENEATH``): the same walk, one system call
+instead of two per component (a seal of 10,000 small files to a ``file://`` store walks 10,000
+keys). Whatever it refuses or cannot do (a missing directory to make, a symlink to name, an
+older kernel, a sandbox that forbids the call) goes the component-by-component way.
 
 Standard library only and Python 3.9: the agent imports it on the box, the laptop through onbox.
 """
@@ -21,7 +27,8 @@ from __future__ import annotations
 import errno
 import os
 import stat
-from typing import List, Optional, Tuple
+import sys
+from typing import Any, Callable, List, Optional, Tuple
 
 from onbox.common.errors import IntegrityError
 
@@ -140,6 +147,61 @@ def symlink_error(shown: str) -> UnsafePath:
     )
 
 
+def _load_openat2() -> Optional[Callable[[int, str, int], int]]:
+    """``openat2(dir_fd, path, flags)`` resolving no symlink and nothing outside ``dir_fd``
+    (a descriptor; OSError as ``os.open`` raises), or None off Linux or without ctypes."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        syscall: Any = ctypes.CDLL(None, use_errno=True).syscall
+    except (ImportError, OSError, AttributeError):
+        return None
+
+    class OpenHow(ctypes.Structure):
+        _fields_ = [
+            ("flags", ctypes.c_uint64),
+            ("mode", ctypes.c_uint64),
+            ("resolve", ctypes.c_uint64),
+        ]
+
+    nr = ctypes.c_long(437)  # SYS_openat2: one number on every architecture (Linux 5.6)
+    resolve = 0x04 | 0x08  # RESOLVE_NO_SYMLINKS | RESOLVE_BENEATH
+    size = ctypes.c_size_t(ctypes.sizeof(OpenHow))
+    syscall.restype = ctypes.c_long
+
+    def openat2(dir_fd: int, path: str, flags: int) -> int:
+        how = OpenHow(flags, 0, resolve)
+        raw = os.fsencode(path)
+        fd = int(syscall(nr, ctypes.c_int(dir_fd), ctypes.c_char_p(raw), ctypes.byref(how), size))
+        if fd < 0:
+            e = ctypes.get_errno()
+            raise OSError(e, os.strerror(e), path)
+        return fd
+
+    return openat2
+
+
+_openat2 = _load_openat2()
+# The kernel or a sandbox does not have it: the component-by-component walk from then on.
+_NO_OPENAT2 = (errno.ENOSYS, errno.EPERM, errno.EINVAL, errno.E2BIG, errno.EOPNOTSUPP)
+
+
+def _open_at_once(fd: int, parts: List[str]) -> Optional[int]:
+    """A descriptor of ``parts`` under the directory ``fd`` opened by ``openat2`` in one call,
+    or None where it did not (then the walk does it, and says why)."""
+    global _openat2
+    if _openat2 is None or not parts:
+        return None
+    try:
+        return _openat2(fd, "/".join(parts), _DIR_FLAGS | os.O_NOFOLLOW)
+    except OSError as e:
+        if e.errno in _NO_OPENAT2:
+            _openat2 = None
+        return None  # ENOENT, ELOOP, ENOTDIR, EXDEV, EAGAIN...: the walk finds and names it
+
+
 def open_dir(
     base: str,
     parts: List[str],
@@ -154,6 +216,10 @@ def open_dir(
     FileNotFoundError unless ``create`` (then it is made with ``mode`` and its path appended to
     ``made``). ``parts`` must come from ``safe_rel``. The caller closes the descriptor."""
     fd = os.open(base, _DIR_FLAGS)
+    nfd = _open_at_once(fd, parts)
+    if nfd is not None:
+        os.close(fd)
+        return nfd
     try:
         for i, name in enumerate(parts):
             for _ in range(3):  # made or removed by someone else in between: look again

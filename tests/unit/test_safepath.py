@@ -3,7 +3,10 @@ helpers.
 
 Hostile names are refused with an IntegrityError (exit 6) that names the path and says why;
 names that look odd but are plain file names (spaces, quotes, shell syntax, unicode, a newline)
-are accepted unchanged. The helpers run against real directories with real symlinks.
+are accepted unchanged. The helpers run against real directories with real symlinks, each
+test twice: with the kernel's openat2 resolving the directories on the way in one call (Linux
+5.6+), and with the walk of one component at a time that older kernels, sandboxes that forbid
+openat2, and other systems get.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import List
 
 import pytest
 
+from onbox.common import safepath
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import (
     UnsafePath,
@@ -27,6 +31,18 @@ from onbox.common.safepath import (
     safe_rel,
     unlink_beneath,
 )
+from tests.conftest import require
+
+
+@pytest.fixture(autouse=True, params=["openat2", "walk"])
+def resolver(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """How the directories on the way are opened in this run of the test."""
+    if request.param == "walk":
+        monkeypatch.setattr(safepath, "_openat2", None)
+    else:
+        require(safepath._openat2 is not None, "a Linux kernel with openat2 (5.6 or later)")
+    return str(request.param)
+
 
 HOSTILE = [
     pytest.param("../x", "'..' component", id="dotdot"),
@@ -165,6 +181,27 @@ def test_no_helper_writes_through_a_symlink(tmp_path: Path, rel: str) -> None:
         replace_beneath(str(tmp_path), "src", base, rel)
     assert _victim(tmp_path) == b"laptop bytes"
     assert sorted(os.listdir(tmp_path / "outside")) == ["victim"]
+
+
+def test_a_symlink_between_two_directories_on_the_way_is_refused(tmp_path: Path) -> None:
+    """Not only the last directory: ``d/mid`` links out, and ``d/mid/sub`` exists out there."""
+    base = _tree(tmp_path)
+    (tmp_path / "outside" / "sub").mkdir()
+    (tmp_path / "outside" / "sub" / "secret").write_bytes(b"laptop bytes")
+    os.symlink(str(tmp_path / "outside"), os.path.join(base, "d", "mid"))
+    with pytest.raises(UnsafePath, match="mid is a symlink"):
+        os.close(open_dir(base, ["d", "mid", "sub"]))
+    with pytest.raises(UnsafePath, match="mid is a symlink"):
+        open_beneath(base, "d/mid/sub/secret", os.O_RDONLY)
+    with pytest.raises(UnsafePath, match="mid is a symlink"):
+        open_beneath(base, "d/mid/sub/new", os.O_WRONLY | os.O_CREAT, create_dirs=True)
+    with pytest.raises(UnsafePath, match="mid is a symlink"):
+        lstat_beneath(base, "d/mid/sub/secret")
+    (tmp_path / "src").write_bytes(b"box bytes")
+    with pytest.raises(UnsafePath, match="mid is a symlink"):
+        replace_beneath(str(tmp_path), "src", base, "d/mid/sub/secret")
+    assert sorted(os.listdir(tmp_path / "outside" / "sub")) == ["secret"]
+    assert (tmp_path / "outside" / "sub" / "secret").read_bytes() == b"laptop bytes"
 
 
 def test_reading_and_stat_do_not_follow_either(tmp_path: Path) -> None:

@@ -76,8 +76,12 @@ class LocalStore(Store):
         on the way is UnsafePath; missing directories are made when ``create``), and the key's
         last component. The caller closes the descriptor."""
         parts = check_key(key).split("/")
-        if create:
-            os.makedirs(self.root, exist_ok=True)
+        try:
+            return open_dir(self.root, parts[:-1], create=create), parts[-1]
+        except FileNotFoundError:
+            if not create or os.path.isdir(self.root):
+                raise
+        os.makedirs(self.root, exist_ok=True)  # the root itself, once: not tried at every put
         return open_dir(self.root, parts[:-1], create=create), parts[-1]
 
     @staticmethod
@@ -227,10 +231,12 @@ class LocalStore(Store):
                     "name and let the job finish them before they are sealed",
                 )
             self._commit(dfd, tmp, name, dest, if_absent=False)
+            tmp = ""  # renamed into place: nothing left to remove
         except OSError as e:
             raise os_error(e, f"writing {dest}") from None
         finally:
-            self._drop_tmp(dfd, tmp)
+            if tmp:
+                self._drop_tmp(dfd, tmp)
             os.close(dfd)
         return ObjectInfo(key, size, got)
 
@@ -253,10 +259,12 @@ class LocalStore(Store):
             finally:
                 os.close(fd)
             self._commit(dfd, tmp, name, dest, if_absent, if_match)
+            tmp = ""  # renamed into place (or linked, then removed): nothing left to remove
         except OSError as e:
             raise os_error(e, f"writing {dest}") from None
         finally:
-            self._drop_tmp(dfd, tmp)
+            if tmp:
+                self._drop_tmp(dfd, tmp)
             os.close(dfd)
         sha = hashlib.sha256(data).hexdigest()
         return ObjectInfo(key, len(data), sha, sha)

@@ -27,10 +27,10 @@ from __future__ import annotations
 import errno
 import os
 import stat
-import sys
-from typing import Any, Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from onbox.common.errors import IntegrityError
+from onbox.common.libc import linux_function
 
 MAX_COMPONENT = 255  # bytes: NAME_MAX of every filesystem a box or a laptop runs on
 MAX_TOTAL = 4096  # bytes: PATH_MAX
@@ -150,14 +150,10 @@ def symlink_error(shown: str) -> UnsafePath:
 def _load_openat2() -> Optional[Callable[[int, str, int], int]]:
     """``openat2(dir_fd, path, flags)`` resolving no symlink and nothing outside ``dir_fd``
     (a descriptor; OSError as ``os.open`` raises), or None off Linux or without ctypes."""
-    if not sys.platform.startswith("linux"):
+    syscall = linux_function("syscall")
+    if syscall is None:
         return None
-    try:
-        import ctypes
-
-        syscall: Any = ctypes.CDLL(None, use_errno=True).syscall
-    except (ImportError, OSError, AttributeError):
-        return None
+    import ctypes
 
     class OpenHow(ctypes.Structure):
         _fields_ = [

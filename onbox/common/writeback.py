@@ -20,8 +20,9 @@ import contextlib
 import errno
 import mmap
 import os
-import sys
 from typing import Any, Callable, List, Optional
+
+from onbox.common.libc import linux_function
 
 # A stretch of this many bytes is handed to the disk once written: large enough that the
 # requests are big and few, small enough to start early.
@@ -31,14 +32,11 @@ ALIGN = 4096  # O_DIRECT: offsets, lengths and memory in whole blocks (4 KiB cov
 
 
 def _load() -> Optional[Callable[..., int]]:
-    if not sys.platform.startswith("linux"):
+    fn = linux_function("sync_file_range")
+    if fn is None:
         return None
-    try:
-        import ctypes
+    import ctypes
 
-        fn: Any = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (ImportError, OSError, AttributeError):
-        return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
     return fn  # type: ignore[no-any-return]

@@ -13,8 +13,9 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import onbox
 from onbox.agent import cgroup, procfs, proxyhook
@@ -40,6 +41,10 @@ def ensure_job_lib(home: str) -> str:
 
     The job runs in the box's own Python; it must be able to ``import onbox`` (the training
     API) without seeing the agent's site-packages. Named by content hash, made atomically.
+    Every module's compiled bytecode for this Python goes with it (pip compiled it at
+    install): a job on a fresh box would otherwise compile the training API at every start,
+    a quarter of a second of its restart on a fast core (a box whose Python differs uses its
+    own cache tag and compiles, as it would anyway).
     """
     root = onbox.import_root()
     files = []  # every module of the package, its wings included, relative to root
@@ -54,18 +59,50 @@ def ensure_job_lib(home: str) -> str:
     dest = os.path.join(home, "lib", "onbox-" + h.hexdigest()[:16])
     if not os.path.isdir(dest):
         tmp = f"{dest}.tmp.{os.getpid()}"
-        for name in files:
-            os.makedirs(os.path.dirname(os.path.join(tmp, name)), exist_ok=True)
-            shutil.copy2(os.path.join(root, name), os.path.join(tmp, name))
         # The job's Python runs it at start (and then the next sitecustomize on its path): the
         # faulthandler hook that dumps every thread's stack at a stall (onbox/health/stacks.py).
-        hook = os.path.join(root, "onbox", "health", "stackhook.py")
-        shutil.copy2(hook, os.path.join(tmp, "sitecustomize.py"))
+        hook = os.path.join("onbox", "health", "stackhook.py")
+        for src, dst in [(n, n) for n in files] + [(hook, "sitecustomize.py")]:
+            os.makedirs(os.path.dirname(os.path.join(tmp, dst)) or tmp, exist_ok=True)
+            _place(os.path.join(root, src), os.path.join(tmp, dst))
+            for pyc_src, pyc_dst in _bytecode(root, src, tmp, dst):
+                os.makedirs(os.path.dirname(pyc_dst), exist_ok=True)
+                _place(pyc_src, pyc_dst)
         try:
             os.rename(tmp, dest)
         except OSError:  # another agent made it first
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _bytecode(root: str, src: str, tmp: str, dst: str) -> List[Tuple[str, str]]:
+    """(cached, its place in the lib) for each compiled form of module ``src`` this Python
+    wrote (plain, -O, -OO). Valid beside the copy because the copy keeps the source's size
+    and mtime, which is what the cache checks; the code's file name is set at load."""
+    tag = sys.implementation.cache_tag
+    if tag is None:  # this Python writes no bytecode cache
+        return []
+    out = []
+    stem = os.path.splitext(os.path.basename(dst))[0]
+    here = os.path.join(root, os.path.dirname(src), "__pycache__")
+    there = os.path.join(tmp, os.path.dirname(dst), "__pycache__")
+    base = os.path.splitext(os.path.basename(src))[0]
+    for opt in ("", ".opt-1", ".opt-2"):
+        cached = os.path.join(here, f"{base}.{tag}{opt}.pyc")
+        if os.path.isfile(cached):
+            out.append((cached, os.path.join(there, f"{stem}.{tag}{opt}.pyc")))
+    return out
+
+
+def _place(src: str, dst: str) -> None:
+    """``dst`` as a hard link to ``src`` (a system call, where a copy is several), a copy
+    keeping the mtime where the link is refused (another filesystem, a file of another
+    user under protected_hardlinks). Installers replace a module by a new file, so a link
+    keeps the content the lib was named for."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
 
 
 def _own_oom_adj() -> int:

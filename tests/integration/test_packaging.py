@@ -9,6 +9,7 @@ which imports from the checkout, never notices.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import io
@@ -27,6 +28,7 @@ import pytest
 
 from controller.deploy import wheel as wheelmod
 from tests.conftest import ROOT, _kill_run_processes, require
+from tests.mounts import tmpfs
 
 # Building in an isolated environment and installing the wheel's dependencies both go to the
 # package index: minutes at worst, not the default 300 s of a test (the fixtures count).
@@ -265,3 +267,43 @@ def test_the_installed_agent_starts_stops_and_mirrors_a_run_into_a_file_store(
         assert "ended by stop" in st["last_exit"]["reason"]
     finally:
         _kill_run_processes(home)
+
+
+# Run by the job's Python: which of the job lib's modules Python compiled from source while
+# importing the training API (none, when their bytecode came with them), and where it came from.
+_COMPILED = """
+import importlib._bootstrap_external as bx, json, sys
+compiled = []
+to_code = bx.SourceLoader.source_to_code
+def spy(self, data, path, *a, **k):
+    compiled.append(path)
+    return to_code(self, data, path, *a, **k)
+bx.SourceLoader.source_to_code = spy
+import onbox.train, onbox.train.checkpointer
+print(json.dumps([onbox.train.__file__, [p for p in compiled if p.startswith(sys.argv[1])]]))
+"""
+
+
+@pytest.mark.parametrize("where", ["same filesystem", "a tmpfs"])
+def test_a_job_on_a_fresh_box_imports_the_training_api_without_compiling_it(
+    venv: Venv, tmp_path: Path, where: str
+) -> None:
+    """The job lib the agent makes on a fresh box (its own copy of ``onbox`` for the job's
+    PYTHONPATH) carries the bytecode pip compiled at install, whether it is linked from the
+    install or copied (another filesystem refuses the link): the job's first import of the
+    training API loads it instead of compiling every module again at each restart."""
+    base = str(tmp_path / "fs")
+    ctx = tmpfs(base, "size=64m") if where == "a tmpfs" else contextlib.nullcontext(base)
+    with ctx:
+        home = os.path.join(base, "home")
+        env = venv.env(home)
+        make = f"from onbox.agent.runner import ensure_job_lib; print(ensure_job_lib({home!r}))"
+        lib = _run([os.path.join(venv.bin, "python"), "-c", make], env=env, cwd=venv.cwd).stdout
+        lib = lib.strip()
+        assert lib.startswith(home + os.sep), lib
+        # Nothing written back: what the box has at the job's first start is what counts.
+        env.update(PYTHONPATH=lib, PYTHONDONTWRITEBYTECODE="1")
+        argv = [os.path.join(venv.bin, "python"), "-c", _COMPILED, lib]
+        origin, compiled = json.loads(_run(argv, env=env, cwd=venv.cwd).stdout)
+        assert origin == os.path.join(lib, "onbox", "train", "__init__.py")
+        assert compiled == []

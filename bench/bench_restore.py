@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench_restore.py [--repeats 3] [--curve 256,512,1024,2048,4096]
                                             [--quick] [--no-s3] [--no-readme]
+                                            [--workdir DIR] [--store-dir DIR]
 
 Every case is one checkpoint directory ``step_5/`` of N files of random bytes (and rgt's
 ``.rgt-complete`` marker), sealed (untimed) by the real ``onbox.sealing.sealer.Sealer`` into two
@@ -25,7 +26,8 @@ place; the references: every file there with its size). Cases: 1 GiB in 1 file, 
 files, 2 GiB in 1000 files, and the growth curve of one file (``--curve``, MiB). The median of
 ``--repeats`` per arm is reported; a markdown report goes to stdout and, between the
 ``bench_restore`` markers, into bench/README.md. ``--quick`` is for development: 1/16 of the
-sizes, one repeat, no README.
+sizes, one repeat, no README. ``--workdir`` puts everything elsewhere; ``--store-dir`` only the
+two stores (weed's data, the file:// store), for storage the target's disk does not share.
 """
 
 from __future__ import annotations
@@ -323,6 +325,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--no-s3", action="store_true", help="file:// only (no SeaweedFS)")
     ap.add_argument("--no-drop-caches", action="store_true", help="keep the page cache warm")
     ap.add_argument("--workdir", default=None, help="where the temporary directory goes")
+    ap.add_argument(
+        "--store-dir",
+        default=None,
+        help="put the two stores (weed's data, the file:// store) here instead: storage that "
+        "is not the target's disk, as a remote S3 or a network mount is not",
+    )
     ap.add_argument("--readme", default=README, help="README to update (default bench/README.md)")
     ap.add_argument("--no-readme", action="store_true", help="only print the report")
     args = ap.parse_args(argv)
@@ -353,12 +361,17 @@ def main(argv: Optional[List[str]] = None) -> int:
             top = max(curve_mib, default=0) * MiB // scale
         srv: Optional[SeaweedServer] = None
         bucket = "bench-restore"
+        stores = tmp
+        if args.store_dir:
+            stores = tempfile.mkdtemp(prefix="bench-restore-stores-", dir=args.store_dir)
+            stack.callback(shutil.rmtree, stores, ignore_errors=True)
         if use_s3:
-            srv = start_seaweed(box.dir("weed"))
+            srv = start_seaweed(os.path.join(stores, "weed"))
             stack.callback(srv.stop)  # by pid: SIGTERM, then SIGKILL
             say(f"weed mini pid {srv.pid} at {srv.endpoint}")
             srv.bucket(bucket)
-        durable = box.dir("durable")
+        durable = os.path.join(stores, "durable")
+        os.makedirs(durable, exist_ok=True)
         results = [run_case(box, c, durable, srv, bucket, repeats) for c in cases]
         curve: List[Result] = []
         for mib in curve_mib:
@@ -376,7 +389,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             ]
         meta = (
             f"Measured {started.strftime('%Y-%m-%d %H:%M UTC')}; machine: {machine()}; "
-            f"{', '.join(versions)}; stores and targets on {fs_type(tmp)}, one disk; page cache "
+            f"{', '.join(versions)}; "
+            + (
+                f"stores and targets on {fs_type(tmp)}, one disk; "
+                if stores == tmp
+                else f"stores on {fs_type(stores)}, targets on {fs_type(tmp)}; "
+            )
+            + "page cache "
             f"{'dropped before every timed run' if box.drop else 'warm (not root)'}; "
             f"medians of {repeats} runs per arm, arms rotating; onbox at {onbox}."
             + (" Quick form: 1/16 of the sizes." if args.quick else "")

@@ -78,6 +78,15 @@ def identity(pid: int) -> Optional[Identity]:
     return Identity(pid, st.start_ticks)
 
 
+def child_identity(pid: int) -> Optional[Identity]:
+    """The identity of the caller's own child ``pid``, ended or not: an ended child stays a
+    zombie, its pid not reusable, until the caller reaps it, so its start time still names
+    it. (``identity`` answers None for a zombie: a child that ended at once would otherwise
+    be watched as nothing at all.)"""
+    st = read_stat(pid)
+    return None if st is None else Identity(pid, st.start_ticks)
+
+
 def is_alive(ident: Optional[Identity]) -> bool:
     """True when that very process (same start time) exists and is not a zombie."""
     if ident is None:

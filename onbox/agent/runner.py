@@ -243,7 +243,8 @@ class ShimRunner:
             os.close(r)
         self._shim_proc = proc
         self.attempt, self.tag = attempt, tag
-        self.shim = procfs.identity(proc.pid)
+        # The shim may have ended already (a job that fails at once): a zombie, still ours.
+        self.shim = procfs.child_identity(proc.pid)
         msg: Dict[str, Any] = (
             json.loads(line) if line else {"ok": False, "error": "the shim said nothing"}
         )

@@ -134,7 +134,7 @@ class Shim:
             self.record_exit(127, None, note)
             _say(ready_fd, {"ok": False, "error": note})
             return 0
-        ident = procfs.identity(job.pid)
+        ident = procfs.child_identity(job.pid)  # ended already or not: ours until reaped
         me = procfs.identity(os.getpid())
         write_json(
             self.rd.job_record(self.attempt),

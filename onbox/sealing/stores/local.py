@@ -36,6 +36,7 @@ import stat as statmod
 import time
 from typing import Iterator, List, Optional, Tuple
 
+from onbox.common.digest import BLAKE3, SHA256, Digests, hasher
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import lstat_beneath, open_beneath, open_dir, symlink_error
 from onbox.sealing.stores.base import (
@@ -215,7 +216,10 @@ class LocalStore(Store):
             try:
                 with open(path, "rb") as f:
                     small = os.fstat(f.fileno()).st_size <= SMALL_FILE
-                    got, hashed, before = (copy_small if small else copy_hashing)(f, fd)
+                    digests, hashed, before = (copy_small if small else copy_hashing)(
+                        f, fd, Digests()
+                    )
+                got = digests.hexdigest()
                 os.fsync(fd)
                 copied = os.fstat(fd).st_size
             finally:
@@ -238,7 +242,7 @@ class LocalStore(Store):
             if tmp:
                 self._drop_tmp(dfd, tmp)
             os.close(dfd)
-        return ObjectInfo(key, size, got)
+        return ObjectInfo(key, size, got, blake3=digests.fields().get(BLAKE3))
 
     def put_bytes(
         self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
@@ -290,7 +294,13 @@ class LocalStore(Store):
         self.fetch_file(key, dest)
 
     def fetch_file(
-        self, key: str, dest: str, *, size: Optional[int] = None, lanes: Optional[Lanes] = None
+        self,
+        key: str,
+        dest: str,
+        *,
+        size: Optional[int] = None,
+        lanes: Optional[Lanes] = None,
+        algo: str = SHA256,
     ) -> Optional[str]:
         try:
             src, _ = self._open_read(key)
@@ -299,10 +309,10 @@ class LocalStore(Store):
         except OSError as e:
             raise os_error(e, f"reading {key}") from None
         with open(src, "rb") as f, new_download(dest, f"downloading {key}", os_error, lanes) as fd:
-            got, hashed, before = copy_hashing(f, fd)
+            h, hashed, before = copy_hashing(f, fd, hasher(algo))
             if _sig(os.fstat(f.fileno())) != _sig(before) or os.fstat(fd).st_size != hashed:
                 raise TransientStoreError(f"downloading {key}: it changed while it was copied")
-        return got
+        return h.hexdigest()
 
     def stat(self, key: str) -> Optional[ObjectInfo]:
         try:

@@ -13,10 +13,9 @@ turns (the order rotates every repeat), the page cache dropped before each when 
 
 - rgt: ``onbox.sealing.restore.restore_latest`` in-process, as the agent runs it at start (read
   LATEST, list the sealed steps and the quarantine, read the MANIFEST, download every file in
-  parallel, each hashed while written and fsynced, size and digest (BLAKE3 where the MANIFEST
-  has it, else sha256) checked against the MANIFEST, renamed into place, directories
-  fsynced) into an empty directory; the store's client is made before the clock starts, as in
-  the agent;
+  parallel, each hashed while written and fsynced, size and sha256 checked against the
+  MANIFEST, renamed into place, directories fsynced) into an empty directory; the store's
+  client is made before the clock starts, as in the agent;
 - ``s5cmd cp 's3://BUCKET/rgt/RUN/checkpoints/5/*' DEST/`` (a new process, as a user runs it;
   it checks no checksum and fsyncs nothing);
 - for the 1 GiB cases also ``s5cmd cp ... && sync``, s5cmd made as durable as rgt's restore;

@@ -399,7 +399,7 @@ def sync(name: str, timeout_s: str) -> int:
 @_store_options
 @click.option("--to", "dest", metavar="DIR", help="Where to put it (default ./NAME-restored).")
 def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
-    """Download the newest verified checkpoint of a run and check every file's digest."""
+    """Download the newest verified checkpoint of a run and check every sha256."""
     # Nothing is created before a checkpoint to download is found, and a restore that fails
     # removes the directories it made: a bad URL, name or --to leaves no empty --to behind.
     # An unusable checkpoint is quarantined and the previous one used (onbox/sealing/restore.py);

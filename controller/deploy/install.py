@@ -148,11 +148,6 @@ def download_wheels(py: BoxPython, extras: Sequence[str], dest: str) -> List[str
             + p.stderr.decode("utf-8", "replace").strip()[-2000:],
             "check this machine's pip and its index, or deploy without --offline",
         )
-    # Beside them, where one exists for the box, the wheel the install script adds on its own
-    # terms (install.sh: best effort); none for the box's platform is no failure.
-    subprocess.run(
-        argv + [wheelmod.FAST_HASH], stdin=subprocess.DEVNULL, capture_output=True, timeout=600
-    )
     return sorted(os.path.join(dest, f) for f in os.listdir(dest) if f.endswith(".whl"))
 
 
@@ -380,7 +375,6 @@ def _run_install(
         marker("target"),
         _LAUNCHER.format(lib=ascii(posixpath.join(dir_, "lib"))),
         "1" if discard else "0",
-        wheelmod.FAST_HASH,
         timeout=timeout,
     )
 

@@ -63,11 +63,6 @@ REQUIRES: Tuple[Requirement, ...] = (
     Requirement("psutil>=5.8"),
     Requirement("tomli>=1.1", below=(3, 11)),
 )
-# Installed beside the agent where the box's platform has a wheel of it (controller/shell/
-# install.sh; no requirement of the wheel: there is no wheel of it for musl, and no marker tells
-# musl from glibc): BLAKE3, which makes a restore's verification ~2.5x cheaper than sha256
-# (onbox/common/digest.py). pyproject.toml's dev extra has it, for the tests.
-FAST_HASH = "blake3>=0.4"
 # pyproject.toml's dependencies that only the laptop's `rgt` uses: the box's agent goes without.
 LAPTOP_ONLY = ("rich",)
 EXTRAS: Dict[str, Tuple[Requirement, ...]] = {

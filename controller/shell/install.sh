@@ -1,16 +1,13 @@
 # shellcheck shell=sh
 # Installs the agent (controller/deploy/install.py install_agent). $1 python, $2 install dir,
 # $3 requirement, $4 find-links dir for --offline ("" otherwise), $5 marker for a venv install,
-# $6 marker for a --target install, $7 the launcher, $8 "1" to discard an existing install,
-# $9 the requirement installed beside it where a wheel of it exists (blake3: the cheaper restore
-# verification of onbox/common/digest.py; compiled, with no wheel for some platforms, musl).
+# $6 marker for a --target install, $7 the launcher, $8 "1" to discard an existing install.
 # Prints "reused", "venv" or "target"; exit 20 when pip failed, 21 when the box has neither a
 # working venv module nor pip, 23 ("busy") when the directory must be replaced but a process
 # still runs from it.
 set -u
 umask 077   # the agent's install, like every directory of rgt's on the box, is the user's alone
 py="$1"; dir="$2"; req="$3"; links="$4"; mark_venv="$5"; mark_target="$6"; launcher="$7"
-fast="$9"
 mkdir -p "${dir%/*}"
 exec 9>>"$dir.lock"
 if command -v flock >/dev/null 2>&1; then flock 9; fi   # one install at a time; none: go on
@@ -29,8 +26,6 @@ log="$dir/install.log"
 # elsewhere (user site) or refuse it does not.
 export PIP_USER=0 PIP_REQUIRE_VIRTUALENV=0 PIP_NO_INPUT=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 if [ -n "$links" ]; then set -- --no-index --find-links "$links"; else set --; fi
-# Best effort, wheels only: without it the agent verifies restores with sha256 alone.
-fast_note() { echo "--- $fast: no wheel here; restores are verified with sha256" >>"$log"; }
 mark() {
   printf '%s\n' "$1" > "$dir/.rgt-agent.json.part" &&
     mv -f "$dir/.rgt-agent.json.part" "$dir/.rgt-agent.json"
@@ -40,7 +35,6 @@ if "$py" -m venv "$dir/venv" >"$log" 2>&1 && "$vpy" -m pip --version >>"$log" 2>
   if ! "$vpy" -m pip install --no-warn-script-location "$@" "$req" >>"$log" 2>&1; then
     tail -n 40 "$log" >&2; exit 20
   fi
-  "$vpy" -m pip install --only-binary=:all: "$@" "$fast" >>"$log" 2>&1 || fast_note
   mark "$mark_venv" || exit 22
   echo venv; exit 0
 fi
@@ -51,8 +45,6 @@ if ! "$py" -m pip install --target "$dir/lib" --no-warn-script-location "$@" "$r
     >>"$log" 2>&1; then
   tail -n 40 "$log" >&2; exit 20
 fi
-"$py" -m pip install --target "$dir/lib" --only-binary=:all: --no-warn-script-location "$@" \
-  "$fast" >>"$log" 2>&1 || fast_note
 mkdir -p "$dir/bin" && printf '%s' "$launcher" > "$dir/bin/rgt-agent" || exit 22
 mark "$mark_target" || exit 22
 echo target

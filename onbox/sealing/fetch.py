@@ -2,17 +2,17 @@
 checkpoint; this module owns getting it there whole).
 
 Every file of the MANIFEST is downloaded into a staging directory rgt makes under the target
-(``.rgt-restore-*``, 0700, a hidden name the sealer skips; on the target's filesystem, so the final
-move is a rename), each created there with O_EXCL under a flat name of its own. Several files are in
-flight at once (FILES), and every request of them (a GET, the ranged GETs of a large object) runs in
-one shared ``Lanes`` (LANES requests in flight for the whole restore, whatever the checkpoint's
-shape). The store hashes each file while it writes it; each is fsynced once, at its end, and its
-size and digest compared with the MANIFEST (BLAKE3 where the MANIFEST carries it and this Python has
-the module, else sha256: onbox/common/digest.py). Only when every file matches are they renamed into
-place, at the same relative path under the target they were sealed from, and their directories
-fsynced: nothing torn or unverified is ever under a final name. The first file that fails stops the
-others (the lanes are stopped; each running request gives up at its next chunk), and every worker is
-over before the staging directory is removed: a failure leaves no litter.
+(``.rgt-restore-*``, 0700, a hidden name the sealer skips; on the target's filesystem, so the
+final move is a rename), each created there with O_EXCL under a flat name of its own. Several
+files are in flight at once (FILES), and every request of them (a GET, the ranged GETs of a
+large object) runs in one shared ``Lanes`` (LANES requests in flight for the whole restore,
+whatever the checkpoint's shape). The store hashes each file while it writes it; each is
+fsynced once, at its end, and its size and sha256 compared with the MANIFEST. Only when every
+file matches are they renamed into place, at the same relative path under the target they were
+sealed from, and their directories fsynced: nothing torn or unverified is ever under a final
+name. The first file that fails stops the others (the lanes are stopped; each running request
+gives up at its next chunk), and every worker is over before the staging directory is removed:
+a failure leaves no litter.
 
 A file the store holds damaged (of the wrong size or sha256, missing while the store answers)
 is StoreCorrupt: the caller quarantines the checkpoint. A store that does not answer raises its
@@ -23,13 +23,13 @@ target is walked one directory at a time without following symlinks, onbox.commo
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
 import os
 import shutil
 import stat
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
-from onbox.common.digest import SHA256, hasher, verify_algo
 from onbox.common.durable import fsync_dir
 from onbox.common.errors import HostError, IntegrityError, RgtError
 from onbox.common.faults import crash_point
@@ -56,9 +56,8 @@ class StoreCorrupt(IntegrityError):
     """A sealed checkpoint is unusable in the store (quarantined), not on this box."""
 
 
-def digest_fd(fd: int, algo: str = SHA256) -> str:
-    """The ``algo`` digest (hex) of the open file ``fd``, read from its current offset."""
-    h = hasher(algo)
+def sha256_fd(fd: int) -> str:
+    h = hashlib.sha256()
     while True:
         b = os.read(fd, 8 << 20)
         if not b:
@@ -183,16 +182,13 @@ def _fetch_one(
     store: Store, f: Dict[str, Any], tmp: str, dest_dir: str, lanes: Lanes, need: int
 ) -> None:
     """One file of the MANIFEST into ``tmp`` (a new name in the stage), verified: size, then
-    the digest the store computed while writing it (or, where it computes none, read back):
-    BLAKE3 where the entry carries one and this Python has it, else sha256 (digest.py).
+    the sha256 the store computed while writing it (or, where it computes none, read back).
     ``need``: the bytes of the whole checkpoint (failure())."""
 
     def attempt() -> Optional[str]:
         if lanes.stopped:  # another file failed: no retry, no new download
             raise concurrent.futures.CancelledError()
-        return store.fetch_file(f["key"], tmp, size=f["size"], lanes=lanes, algo=algo)
-
-    algo = verify_algo(f)
+        return store.fetch_file(f["key"], tmp, size=f["size"], lanes=lanes)
 
     try:
         got = with_retries(attempt, sleep=lanes.pause)
@@ -207,13 +203,13 @@ def _fetch_one(
     try:
         size = os.fstat(fd).st_size
         if size == f["size"] and got is None:
-            got = digest_fd(fd, algo)
+            got = sha256_fd(fd)
     finally:
         os.close(fd)
-    if size != f["size"] or got != f[algo]:
+    if size != f["size"] or got != f["sha256"]:
         raise StoreCorrupt(
-            f"{f['key']}: {size} bytes {algo} {(got or 'not computed')[:12]} in the store, the "
-            f"MANIFEST says {f['size']} bytes {f[algo][:12]}"
+            f"{f['key']}: {size} bytes sha256 {(got or 'not computed')[:12]} in the store, the "
+            f"MANIFEST says {f['size']} bytes {f['sha256'][:12]}"
         )
 
 

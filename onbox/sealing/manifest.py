@@ -181,8 +181,7 @@ def new_manifest(
     run: str, step: int, epoch: int, root: str, kind: str, files: List[Dict[str, Any]]
 ) -> Dict[str, Any]:
     """A MANIFEST: ``root`` is the checkpoint's path relative to RGT_CKPT_DIR (a file or a
-    directory), ``files`` are {path (relative to RGT_CKPT_DIR), size, sha256, key} and, where
-    the sealer computed it, blake3 (what a restore checks first: onbox/common/digest.py)."""
+    directory), ``files`` are {path (relative to RGT_CKPT_DIR), size, sha256, key}."""
     return {
         "schema": SCHEMA,
         "run": run,
@@ -217,8 +216,6 @@ def parse_manifest(data: bytes, what: str = "MANIFEST") -> Dict[str, Any]:
             raise IntegrityError(f"{what}: {path} has no size")
         if not isinstance(f.get("sha256"), str) or not _SHA.match(f["sha256"]):
             raise IntegrityError(f"{what}: {path} has a malformed sha256")
-        if "blake3" in f and not (isinstance(f["blake3"], str) and _SHA.match(f["blake3"])):
-            raise IntegrityError(f"{what}: {path} has a malformed blake3")
         safe_rel(f.get("key"), f"{what}: the key of {path!r}")
     if "epoch" in doc and (not isinstance(doc["epoch"], int) or doc["epoch"] < 0):
         raise IntegrityError(f"{what}: epoch {doc['epoch']!r} is not an epoch")

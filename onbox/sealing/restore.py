@@ -33,11 +33,10 @@ import stat
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
-from onbox.common.digest import verify_algo
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import UnsafePath, lstat_beneath, open_beneath
 from onbox.sealing import manifest as mf
-from onbox.sealing.fetch import StoreCorrupt, check_target, digest_fd, failure, fetch
+from onbox.sealing.fetch import StoreCorrupt, check_target, failure, fetch, sha256_fd
 from onbox.sealing.fetch import retried as _retried
 from onbox.sealing.ledger import flag_quarantined, quarantine_reasons
 from onbox.sealing.stores.base import Store, StoreError
@@ -59,8 +58,7 @@ class NoVerifiedCheckpoint(IntegrityError):
 
 def local_matches(doc: Dict[str, Any], ckpt_dir: str, verify: bool = False) -> bool:
     """Whether every file of the manifest is present locally as a regular file (with its size;
-    and its digest when ``verify``: BLAKE3 where the entry has one and this Python too). A
-    symlink there is no match: the download then refuses it."""
+    and sha256 when ``verify``). A symlink there is no match: the download then refuses it."""
     for f in doc["files"]:
         try:
             st = lstat_beneath(ckpt_dir, f["path"])
@@ -69,8 +67,7 @@ def local_matches(doc: Dict[str, Any], ckpt_dir: str, verify: bool = False) -> b
             if verify:
                 fd = open_beneath(ckpt_dir, f["path"], os.O_RDONLY | os.O_NONBLOCK)
                 try:
-                    algo = verify_algo(f)
-                    if digest_fd(fd, algo) != f[algo]:
+                    if sha256_fd(fd) != f["sha256"]:
                         return False
                 finally:
                     os.close(fd)

@@ -25,14 +25,13 @@ point ``seal.after_object`` is reached once per object put, in the calling threa
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import queue
 import shutil
 import threading
 from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, Union
 
-from onbox.common import digest
-from onbox.common.digest import BLAKE3, SHA256
 from onbox.common.durable import sha256_file
 from onbox.common.errors import IntegrityError, StoreError
 from onbox.common.faults import crash_point
@@ -205,11 +204,10 @@ class CheckpointUpload:
             done = self._put_hashing(src, rel)
             if done is not None:
                 return done, True
-        path, digests, size, data = self._stage(src, rel)
-        sha = digests[SHA256]
+        path, sha, size, data = self._stage(src, rel)
         key = self.claims.claim(sha, size, self.stop)
         if key is not None:
-            return _entry(rel, size, digests, key), False
+            return {"path": rel, "size": size, "sha256": sha, "key": key}, False
         key = self.prefix + rel
         try:
             if data is not None:  # the bytes hashed are the bytes put: nothing to re-check
@@ -221,7 +219,7 @@ class CheckpointUpload:
             self.claims.finish(sha, size, None)
             raise
         self.claims.finish(sha, size, key)
-        return _entry(rel, size, digests, key), True
+        return {"path": rel, "size": size, "sha256": sha, "key": key}, True
 
     def _put_checked(
         self, key: str, path: str, sha: str, size: int, rel: str, staged: bool
@@ -265,8 +263,7 @@ class CheckpointUpload:
             self.store.delete(key)
             raise Vanished(f"{rel} changed while uploading")
         self.claims.finish(info.sha256, before.st_size, key)
-        digests = {SHA256: info.sha256, **({BLAKE3: info.blake3} if info.blake3 else {})}
-        return _entry(rel, before.st_size, digests, key)
+        return {"path": rel, "size": before.st_size, "sha256": info.sha256, "key": key}
 
     def _backoff(
         self, src: str, rel: str, before: Union[os.stat_result, int, None]
@@ -293,9 +290,8 @@ class CheckpointUpload:
 
         return sleep
 
-    def _stage(self, src: str, rel: str) -> Tuple[str, Dict[str, str], int, Optional[bytes]]:
-        """(path to upload from, its digests (digest.py: sha256, and BLAKE3 where available),
-        size, the bytes where read into memory). A file up to
+    def _stage(self, src: str, rel: str) -> Tuple[str, str, int, Optional[bytes]]:
+        """(path to upload from, sha256, size, the bytes where read into memory). A file up to
         SMALL is read once and put from memory; a file the job may rewrite in place is copied
         first while hashed; either must not have changed while it was read."""
         try:
@@ -304,16 +300,16 @@ class CheckpointUpload:
                 data = _read_small(src, before.st_size)
                 if signature(os.stat(src)) != signature(before) or len(data) != before.st_size:
                     raise Vanished(f"{rel} changed while it was read")
-                return src, digest.of_data(data), len(data), data
+                return src, hashlib.sha256(data).hexdigest(), len(data), data
             if not self.rewritten:
-                digests, size = digest.of_file(src)
+                sha, size = sha256_file(src)
                 if signature(os.stat(src)) != signature(before):
                     raise Vanished(f"{rel} changed while hashed")
-                return src, digests, size, None
+                return src, sha, size, None
             if self.found is not None and signature(before) != self.found:
                 raise Vanished(f"{rel} was rewritten since it was found")
             dest = os.path.join(self.stage_dir, rel.replace("/", "__"))
-            h = digest.Digests()
+            h = hashlib.sha256()
             size = 0
             with open(src, "rb") as fin, open(dest, "wb") as fout:
                 while True:
@@ -325,14 +321,9 @@ class CheckpointUpload:
                     size += len(b)
             if signature(os.stat(src)) != signature(before) or size != before.st_size:
                 raise Vanished(f"{rel} was rewritten during the copy")
-            return dest, h.fields(), size, None
+            return dest, h.hexdigest(), size, None
         except FileNotFoundError:
             raise Vanished(f"{rel} was deleted") from None
-
-
-def _entry(rel: str, size: int, digests: Dict[str, str], key: str) -> Entry:
-    """A MANIFEST file entry: sha256 always, BLAKE3 beside it where computed."""
-    return {"path": rel, "size": size, **digests, "key": key}
 
 
 def _read_small(path: str, size: int) -> bytes:

@@ -211,11 +211,6 @@ def test_install_into_a_venv_and_run_it(remote: SshRemote, venv_install: Install
         [inst.argv[0], "-c", "import onbox.sealing.stores.local, click, watchdog; print(1)"]
     )
     assert site.rc == 0, site.err
-    # BLAKE3 beside it (a wheel exists for this glibc x86_64 box): restores verify by it.
-    fast = remote.run(
-        [inst.argv[0], "-c", "from onbox.common import digest as d; print(d.has_blake3())"]
-    )
-    assert fast.text.strip() == "True", fast.err + Path(inst.path, "install.log").read_text()
     wheels = os.listdir(os.path.join(venv_install.home, "wheels"))
     assert len(wheels) == 1 and wheels[0].startswith("rgt-")
     # nothing of the image changed; nothing ran a shell on the hostile home
@@ -339,7 +334,6 @@ def test_install_with_a_fake_python_without_the_venv_module(
     assert (inst.method, inst.installed, inst.env, inst.python) == ("target", True, {}, fake)
     assert inst.argv == [fake, "-I", os.path.join(inst.path, "bin", "rgt-agent")]
     assert os.path.isdir(os.path.join(inst.path, "lib", "click"))
-    assert os.path.isdir(os.path.join(inst.path, "lib", "blake3"))
     assert not os.path.exists(os.path.join(inst.path, "venv"))
     assert _agent(remote, inst, "--version") == f"rgt-agent, version {wheelmod.version()}\n"
     assert _agent(remote, inst, "list", home=home) is not None
@@ -353,43 +347,6 @@ def test_install_with_a_fake_python_without_the_venv_module(
     assert redone == dataclasses.replace(inst)
     assert not os.path.exists(os.path.join(inst.path, "junk-from-a-cut-off-install"))
     assert _agent(remote, redone, "--version").startswith("rgt-agent, version")
-
-
-def test_a_fake_python_with_no_blake3_wheel_still_installs_the_agent(
-    remote: SshRemote, tmp_path: Path
-) -> None:
-    """A box whose platform has no blake3 wheel (musl; here a fake Python whose pip finds none,
-    and no venv module, so that every pip of the install is the fake's): the agent installs and
-    runs, and verifies restores with sha256 (onbox/common/digest.py)."""
-    py = _box_python(remote)
-    require(remote.run([py, "-m", "pip", "--version"]).rc == 0, f"pip for the box's {py}")
-    fake = _fake_python(
-        tmp_path / "bin" / "python3",
-        'if [ "$1" = -m ] && [ "$2" = venv ]; then exit 1; fi\n'
-        'for a in "$@"; do case "$a" in blake3*)\n'
-        '  echo "ERROR: No matching distribution found for $a (fake: no wheel)" >&2; exit 1;;\n'
-        "esac; done\n"
-        f'exec {py} "$@"\n',
-    )
-    home = str(tmp_path / HOME_NAME)
-    inst = install_agent(remote, home, python=fake)
-    assert (inst.method, inst.installed) == ("target", True)
-    assert not os.path.exists(os.path.join(inst.path, "lib", "blake3"))
-    assert (
-        "no wheel here; restores are verified with sha256"
-        in Path(inst.path, "install.log").read_text()
-    )
-    assert _agent(remote, inst, "--version") == f"rgt-agent, version {wheelmod.version()}\n"
-    code = "from onbox.common import digest as d; print(d.has_blake3())"
-    r = remote.run(
-        [
-            fake,
-            "-I",
-            "-c",
-            f"import sys; sys.path.insert(0, {os.path.join(inst.path, 'lib')!r}); {code}",
-        ]
-    )
-    assert r.rc == 0 and r.text.strip() == "False", r.err
 
 
 def test_a_fake_python_with_no_venv_and_no_pip_is_refused_with_what_to_install(
@@ -458,12 +415,12 @@ def test_offline_install_from_pushed_wheels(remote: SshRemote, tmp_path: Path) -
     inst = install_agent(remote, home, offline=True, extras=["s3"])
     assert (inst.method, inst.installed) == ("venv", True)
     pushed = sorted(os.listdir(os.path.join(home, "wheels")))
-    for dep in ("click-", "setproctitle-", "watchdog-", "boto3-", "botocore-", "blake3-"):
+    for dep in ("click-", "setproctitle-", "watchdog-", "boto3-", "botocore-"):
         assert any(w.startswith(dep) for w in pushed), (dep, pushed)
     log = Path(inst.path, "install.log").read_text()
     assert os.path.join(home, "wheels") in log and "Looking in indexes" not in log
     assert _agent(remote, inst, "--version") == f"rgt-agent, version {wheelmod.version()}\n"
-    r = remote.run([inst.argv[0], "-c", "import blake3, boto3, onbox.sealing.stores.s3"])
+    r = remote.run([inst.argv[0], "-c", "import boto3, onbox.sealing.stores.s3"])
     assert r.rc == 0, r.err
 
 

@@ -26,7 +26,6 @@ import pytest
 from controller.registry import RunRecord
 from controller.results.pull import covers_newest, newest_sealed, pull
 from controller.target import Target
-from onbox.common import digest
 from onbox.common.errors import HostError, IntegrityError
 from onbox.sealing import manifest as mf
 from onbox.sealing.ledger import take_epoch
@@ -161,7 +160,7 @@ def _damage(raw: Raw, step: int, how: str) -> str:
     assert data is not None
     if how == "flip":
         raw.put(key, data[:-1] + bytes([data[-1] ^ 1]))
-        return digest.verify_algo(raw.manifest(step)["files"][0])  # the one the agent checks
+        return "sha256"
     raw.put(key, data[: len(data) // 2])  # truncate
     return "bytes"
 
@@ -448,9 +447,7 @@ def test_a_corrupt_object_among_many_restores_the_previous_checkpoint_and_nothin
     doc = restore_latest(_open(where, cli), RUN, dest, lambda kind, *a, **k: kinds.append(kind))
     assert doc is not None and doc["step"] == 10 and kinds == ["quarantined", "restored"]
     record = _quarantine(where, 20)
-    entry = next(f for f in where.manifest(20)["files"] if f["key"] == key)
-    word = digest.verify_algo(entry)
-    assert record is not None and word in record["reason"] and key in record["reason"], record
+    assert record is not None and "sha256" in record["reason"] and key in record["reason"]
     # Step 20's other 39 files downloaded and verified: none of them is under a final name.
     assert _tree(dest) == sorted(["step_10", "step_10/.rgt-complete", *sealed[10]])
     for rel, data in sealed[10].items():
@@ -505,153 +502,3 @@ def test_restoring_latest_lists_no_checkpoint_and_an_unusable_one_falls_back(
     doc = restore_latest(store, RUN, str(tmp_path / "b"), lambda *a, **k: None)  # type: ignore[arg-type]
     assert doc is not None and doc["step"] == 10 and _quarantine(where, 20) is not None
     assert mf.checkpoints_prefix(RUN) in store.listed
-
-
-# --- which digest a restore checks ---------------------------------------------------------------
-# The sealer records BLAKE3 beside sha256 (onbox/common/digest.py) where the blake3 module is
-# installed (the test environment has it: pyproject's dev extra); a restore checks BLAKE3 where
-# the MANIFEST has it and the agent can compute it, else sha256. "no module" below is the agent
-# of a box where the wheel does not exist (musl): the module switched off in this process.
-
-
-@pytest.fixture
-def no_blake3(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(digest, "_blake3", None)
-
-
-def _blake3_of(data: bytes) -> str:
-    from blake3 import blake3
-
-    return str(blake3(data).hexdigest())
-
-
-def test_every_way_a_file_is_put_records_blake3_beside_sha256(
-    cli: Cli, where: Raw, tmp_path: Any
-) -> None:
-    """Files of a size no other shares (the store hashes while it sends: one S3 PUT, a
-    multipart upload, a file:// copy of a small and of a large file), files of a shared size
-    (hashed first: in memory, from disk), a file rewritten in place (staged): each MANIFEST
-    entry's blake3 and sha256 are those of the bytes sealed."""
-    assert digest.has_blake3(), "the blake3 module is part of the dev extra"
-    store = _open(where, cli)
-    if where.url.startswith("s3://"):
-        store.multipart_threshold = store.part_size = 5 << 20  # type: ignore[attr-defined]
-    sizes = [5000, 12 << 20, 3 << 20, 7777, 7777, (2 << 20) + 1, (2 << 20) + 1]
-    sealed = _seal_dirs(store, tmp_path, [10], sizes)[10]
-    ckpt = str(tmp_path / "old-box-ckpt")
-    s = Sealer(
-        RUN, ckpt, store, str(tmp_path / "old-box-stage"), epoch=take_epoch(store, RUN),
-        event=lambda *a, **k: None, state_path=str(tmp_path / "old-box-seq.json"),
-    )  # fmt: skip
-    s.load()
-    for n in range(2):  # a file the job rewrites under one name: each rewrite a checkpoint
-        data = os.urandom(300_000 + n)
-        with open(os.path.join(ckpt, "last.pt"), "wb") as f:
-            f.write(data)
-        assert s.seal_pending() == 1
-    sealed["last.pt"] = data
-    latest = json.loads(where.get(mf.latest_key(RUN)) or b"{}")
-    docs = [where.manifest(10), where.manifest(latest["step"])]
-    entries = {f["path"]: f for doc in docs for f in doc["files"]}
-    for rel, data in sealed.items():
-        f = entries[rel]
-        assert f["sha256"] == hashlib.sha256(data).hexdigest(), rel
-        assert f["blake3"] == _blake3_of(data), rel
-
-
-def _forge(raw: Raw, step: int, key: str, data: bytes) -> None:
-    """Put ``data`` under ``key`` and rewrite the MANIFEST's size and sha256 for it to match:
-    only the entry's blake3 still tells the bytes are not the ones sealed."""
-    raw.put(key, data)
-    doc = raw.manifest(step)
-    for f in doc["files"]:
-        if f["key"] == key:
-            f["sha256"], f["size"] = hashlib.sha256(data).hexdigest(), len(data)
-    raw.put(mf.manifest_key(RUN, step), json.dumps(doc).encode())
-
-
-def test_a_restore_checks_blake3_where_the_manifest_carries_it(
-    cli: Cli, where: Raw, tmp_path: Any, ranged: None
-) -> None:
-    """A bit flipped in the large object (ranged GETs on S3) and in a small one, with the
-    MANIFEST's sha256 forged to match: the BLAKE3 check finds both, quarantines the step and
-    restores the one before, with nothing of the damaged step in place."""
-    sealed = _seal_dirs(_open(where, cli), tmp_path, [10, 20, 30])
-    for step, at in ((30, BIG_AT), (20, 3)):
-        key = where.manifest(step)["files"][at]["key"]
-        data = where.get(key)
-        assert data is not None
-        _forge(where, step, key, data[:-5] + bytes([data[-5] ^ 0x40]) + data[-4:])
-    dest = str(tmp_path / "box")
-    kinds: List[str] = []
-    doc = restore_latest(_open(where, cli), RUN, dest, lambda kind, *a, **k: kinds.append(kind))
-    assert doc is not None and doc["step"] == 10
-    assert kinds == ["quarantined", "quarantined", "restored"]
-    for step in (20, 30):
-        record = _quarantine(where, step)
-        assert record is not None and "blake3" in record["reason"], record
-    assert _tree(dest) == sorted(["step_10", "step_10/.rgt-complete", *sealed[10]])
-    for rel, data in sealed[10].items():
-        with open(os.path.join(dest, rel), "rb") as f:
-            assert f.read() == data, rel
-
-
-def test_an_agent_without_the_blake3_module_checks_sha256(
-    cli: Cli, where: Raw, tmp_path: Any, ranged: None, no_blake3: None
-) -> None:
-    """The MANIFEST has blake3 (sealed where the module is), the restoring agent has not: a
-    good checkpoint restores byte for byte, a flipped bit is found by sha256."""
-    digest._blake3 = _real_blake3()  # sealed with the module ...
-    sealed = _seal_dirs(_open(where, cli), tmp_path, [10, 20])
-    assert all("blake3" in f for f in where.manifest(20)["files"])
-    digest._blake3 = None  # ... restored without it
-    key = where.manifest(20)["files"][BIG_AT]["key"]
-    data = where.get(key)
-    assert data is not None
-    where.put(key, data[:-1] + bytes([data[-1] ^ 1]))
-    dest = str(tmp_path / "box")
-    doc = restore_latest(_open(where, cli), RUN, dest, lambda *a, **k: None)
-    assert doc is not None and doc["step"] == 10
-    record = _quarantine(where, 20)
-    assert record is not None and "sha256" in record["reason"], record
-    for rel, data in sealed[10].items():
-        with open(os.path.join(dest, rel), "rb") as f:
-            assert f.read() == data, rel
-
-
-def _real_blake3() -> Any:
-    from blake3 import blake3
-
-    return blake3
-
-
-def test_a_manifest_sealed_without_blake3_restores_by_sha256(
-    cli: Cli, where: Raw, tmp_path: Any, ranged: None, no_blake3: None
-) -> None:
-    """Sealed by an agent without the module (or before BLAKE3): no blake3 in the MANIFEST;
-    an agent with the module restores it, checking sha256, and finds a flipped bit by it."""
-    sealed = _seal_dirs(_open(where, cli), tmp_path, [10, 20])
-    assert not any("blake3" in f for f in where.manifest(20)["files"])
-    digest._blake3 = _real_blake3()
-    key = where.manifest(20)["files"][BIG_AT]["key"]
-    data = where.get(key)
-    assert data is not None
-    where.put(key, data[:-1] + bytes([data[-1] ^ 1]))
-    dest = str(tmp_path / "box")
-    doc = restore_latest(_open(where, cli), RUN, dest, lambda *a, **k: None)
-    assert doc is not None and doc["step"] == 10
-    record = _quarantine(where, 20)
-    assert record is not None and "sha256" in record["reason"], record
-    for rel, data in sealed[10].items():
-        with open(os.path.join(dest, rel), "rb") as f:
-            assert f.read() == data, rel
-
-
-def test_a_malformed_blake3_in_a_manifest_is_refused() -> None:
-    good = {"path": "a.pt", "size": 1, "sha256": "0" * 64, "key": "r/checkpoints/1/e1/a.pt"}
-    doc = {"schema": 1, "step": 1, "root": "a.pt", "files": [good]}
-    assert mf.parse_manifest(json.dumps(doc).encode())["files"][0] == good
-    for bad in ("A" * 64, "0" * 63, 7, None, "../" + "0" * 61):
-        doc["files"] = [{**good, "blake3": bad}]
-        with pytest.raises(IntegrityError, match="malformed blake3"):
-            mf.parse_manifest(json.dumps(doc).encode())

@@ -13,13 +13,10 @@ Contract, for every implementation:
 - ``put_file`` is given the sha256 the caller computed while reading the file, and verifies
   what the store holds against it without downloading it again where the store computes a
   checksum of its own (S3 additional checksums or ETags, the Hub's sha256); only a store that
-  computes none (a plain directory) is read back. A mismatch raises ``IntegrityError``. Where
-  the store hashes while it sends (``hashes_while_uploading``), its ObjectInfo carries the
-  sha256 and, where computed, the BLAKE3 of what it sent.
+  computes none (a plain directory) is read back. A mismatch raises ``IntegrityError``.
 - ``put_bytes(..., if_absent=True)`` creates only when the key does not exist (S3
   ``If-None-Match: *`` where the store supports it), else raises ``PreconditionFailed``.
-- ``fetch_file(key, dest, algo=...)`` is ``get_file`` returning the digest the caller names
-  (sha256, or BLAKE3 where the MANIFEST has it: onbox/common/digest.py) of the bytes it wrote,
+- ``fetch_file(key, dest)`` is ``get_file`` returning the sha256 of the bytes it wrote,
   computed while writing them (None where the store's client cannot: the caller then reads the
   file back); the caller verifies it. Downloads of one restore share a ``Lanes``: the bound on
   requests in flight, across files and the ranged parts of large ones.
@@ -48,8 +45,6 @@ import os
 import threading
 import time
 from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
-
-from onbox.common.digest import SHA256
 
 # The store errors are drawn in onbox.common.errors' tree (exit 14); imported here too because
 # every user of a Store catches them.
@@ -199,7 +194,6 @@ class ObjectInfo:
     sha256: Optional[str] = None  # hex, when the store knows it
     etag: Optional[str] = None
     mtime: Optional[float] = None
-    blake3: Optional[str] = None  # hex, where a put computed it (onbox/common/digest.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,21 +267,14 @@ class Store(abc.ABC):
         temporary name under a directory of its own and verifies before renaming."""
 
     def fetch_file(
-        self,
-        key: str,
-        dest: str,
-        *,
-        size: Optional[int] = None,
-        lanes: Optional[Lanes] = None,
-        algo: str = SHA256,
+        self, key: str, dest: str, *, size: Optional[int] = None, lanes: Optional[Lanes] = None
     ) -> Optional[str]:
-        """``get_file`` for a restore, fsynced once at the end: returns the ``algo`` digest
-        (onbox/common/digest.py; hex) of the bytes written, computed while writing them, or None
-        where this store cannot (the caller reads the file back). ``size``: what the caller
-        expects (a MANIFEST's), a hint that may save a request, never trusted; ``lanes``: the
-        requests in flight, shared with the caller's other downloads (else the store's own).
-        CancelledError once ``lanes`` is stopped. This default is ``get_file`` (files in parallel
-        are the caller's pool)."""
+        """``get_file`` for a restore, fsynced once at the end: returns the sha256 (hex) of the
+        bytes written, computed while writing them, or None where this store cannot (the
+        caller reads the file back). ``size``: what the caller expects (a MANIFEST's), a hint
+        that may save a request, never trusted; ``lanes``: the requests in flight, shared with
+        the caller's other downloads (else the store's own). CancelledError once ``lanes`` is
+        stopped. This default is ``get_file`` (files in parallel are the caller's pool)."""
         if lanes is not None and lanes.stopped:
             raise concurrent.futures.CancelledError()
         self.get_file(key, dest)

@@ -1,21 +1,18 @@
 """The copies of a ``file://`` store (onbox/sealing/stores/local.py), hashed as they go: a
 kernel copy while a second thread hashes the source, or, for a small file, one read into
-memory hashed there. Used by its puts (``Digests``: sha256 and BLAKE3, for the MANIFEST) and
-its downloads (the one digest a restore checks) alike: the caller hands in the hash object.
+memory hashed there. Used by its puts and its downloads alike.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import threading
-from typing import Any, BinaryIO, List, Tuple, TypeVar
-
-from onbox.common.digest import Hasher
+from typing import Any, BinaryIO, List, Tuple
 
 CHUNK = 1 << 20
-H = TypeVar("H", bound=Hasher)
 HASH_CHUNK = 8 << 20  # large reads keep the hashing thread in OpenSSL, off the GIL
 SMALL_FILE = 4 << 20  # put_file reads a file up to this size into memory (copy_small)
 
@@ -48,10 +45,10 @@ def copy_from(f: BinaryIO, dst_fd: int, size: int) -> None:
                 view = view[os.write(dst_fd, view) :]
 
 
-def copy_hashing(f: BinaryIO, dst_fd: int, h: H) -> Tuple[H, int, os.stat_result]:
-    """Copy the open file ``f`` into ``dst_fd`` while another thread feeds it to ``h``: (``h``,
-    bytes hashed, the source's stat before). Both threads spend their time in the kernel or in
-    the hash with the GIL released, so on two cores the hash costs almost no wall time."""
+def copy_hashing(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
+    """Copy the open file ``f`` into ``dst_fd`` while another thread hashes it: (sha256, bytes
+    hashed, the source's stat before). Both threads spend their time in the kernel or in
+    OpenSSL with the GIL released, so on two cores the hash costs almost no wall time."""
     fd = f.fileno()
     before = os.fstat(fd)
     with contextlib.suppress(OSError, AttributeError):
@@ -60,14 +57,14 @@ def copy_hashing(f: BinaryIO, dst_fd: int, h: H) -> Tuple[H, int, os.stat_result
 
     def hash_all() -> None:
         try:
-            off = 0
+            h, off = hashlib.sha256(), 0
             while True:
                 b = os.pread(fd, HASH_CHUNK, off)
                 if not b:
                     break
                 h.update(b)
                 off += len(b)
-            out.append(off)
+            out.append((h.hexdigest(), off))
         except BaseException as e:  # handed to the copying thread, raised there
             out.append(e)
 
@@ -79,10 +76,11 @@ def copy_hashing(f: BinaryIO, dst_fd: int, h: H) -> Tuple[H, int, os.stat_result
         hasher.join()
     if isinstance(out[0], BaseException):
         raise out[0]
-    return h, out[0], before
+    sha, n = out[0]
+    return sha, n, before
 
 
-def copy_small(f: BinaryIO, dst_fd: int, h: H) -> Tuple[H, int, os.stat_result]:
+def copy_small(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
     """``copy_hashing`` for a file of up to SMALL_FILE bytes: read once into memory, hashed
     there and written out, in this thread. A checkpoint of thousands of small files is put
     many at a time (onbox/sealing/upload.py); a hashing thread of its own per file would cost
@@ -103,5 +101,4 @@ def copy_small(f: BinaryIO, dst_fd: int, h: H) -> Tuple[H, int, os.stat_result]:
     view = memoryview(data)
     while view:
         view = view[os.write(dst_fd, view) :]
-    h.update(data)
-    return h, len(data), before
+    return hashlib.sha256(data).hexdigest(), len(data), before

@@ -36,7 +36,6 @@ import stat as statmod
 import time
 from typing import Iterator, List, Optional, Tuple
 
-from onbox.common.digest import BLAKE3, SHA256, Digests, hasher
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import lstat_beneath, open_beneath, open_dir, symlink_error
 from onbox.sealing.stores.base import (
@@ -216,10 +215,7 @@ class LocalStore(Store):
             try:
                 with open(path, "rb") as f:
                     small = os.fstat(f.fileno()).st_size <= SMALL_FILE
-                    digests, hashed, before = (copy_small if small else copy_hashing)(
-                        f, fd, Digests()
-                    )
-                got = digests.hexdigest()
+                    got, hashed, before = (copy_small if small else copy_hashing)(f, fd)
                 os.fsync(fd)
                 copied = os.fstat(fd).st_size
             finally:
@@ -242,7 +238,7 @@ class LocalStore(Store):
             if tmp:
                 self._drop_tmp(dfd, tmp)
             os.close(dfd)
-        return ObjectInfo(key, size, got, blake3=digests.fields().get(BLAKE3))
+        return ObjectInfo(key, size, got)
 
     def put_bytes(
         self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
@@ -294,13 +290,7 @@ class LocalStore(Store):
         self.fetch_file(key, dest)
 
     def fetch_file(
-        self,
-        key: str,
-        dest: str,
-        *,
-        size: Optional[int] = None,
-        lanes: Optional[Lanes] = None,
-        algo: str = SHA256,
+        self, key: str, dest: str, *, size: Optional[int] = None, lanes: Optional[Lanes] = None
     ) -> Optional[str]:
         try:
             src, _ = self._open_read(key)
@@ -309,10 +299,10 @@ class LocalStore(Store):
         except OSError as e:
             raise os_error(e, f"reading {key}") from None
         with open(src, "rb") as f, new_download(dest, f"downloading {key}", os_error, lanes) as fd:
-            h, hashed, before = copy_hashing(f, fd, hasher(algo))
+            got, hashed, before = copy_hashing(f, fd)
             if _sig(os.fstat(f.fileno())) != _sig(before) or os.fstat(fd).st_size != hashed:
                 raise TransientStoreError(f"downloading {key}: it changed while it was copied")
-        return h.hexdigest()
+        return got
 
     def stat(self, key: str) -> Optional[ObjectInfo]:
         try:

@@ -6,7 +6,6 @@ protocol, multipart uploads and the preflight are their own modules beside it.
 
 from __future__ import annotations
 
-import dataclasses
 import email.utils
 import hashlib
 import os
@@ -17,7 +16,6 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import boto3
 import botocore.exceptions as bex
 
-from onbox.common.digest import BLAKE3, SHA256, Digests
 from onbox.common.errors import IntegrityError, UsageError
 from onbox.sealing.stores.base import (
     Finding,
@@ -398,13 +396,10 @@ class S3Store(Store):
             if size <= self.multipart_threshold:
                 with self._slot(size):  # read in the slot: what is in memory stays bounded
                     data = pread_exact(fd, size, 0, path)
-                    if sha256 is not None:
-                        if hashlib.sha256(data).hexdigest() != sha256:
-                            raise changed(doing, sha256)
-                        return self.put_object(key, data, sha256, if_absent=False, doing=doing)
-                    got = Digests(data)  # the caller hashed nothing: both, for the MANIFEST
-                    info = self.put_object(key, data, got.hexdigest(), if_absent=False, doing=doing)
-                    return dataclasses.replace(info, blake3=got.fields().get(BLAKE3))
+                    got_sha = hashlib.sha256(data).hexdigest()
+                    if sha256 is not None and got_sha != sha256:
+                        raise changed(doing, sha256)
+                    return self.put_object(key, data, got_sha, if_absent=False, doing=doing)
             with self.large_files:
                 return put_multipart(self, key, fd, path, sha256, size, doing)
         finally:
@@ -440,15 +435,9 @@ class S3Store(Store):
         download(self, key, dest, None, None)
 
     def fetch_file(
-        self,
-        key: str,
-        dest: str,
-        *,
-        size: Optional[int] = None,
-        lanes: Optional[Lanes] = None,
-        algo: str = SHA256,
+        self, key: str, dest: str, *, size: Optional[int] = None, lanes: Optional[Lanes] = None
     ) -> Optional[str]:
-        return download(self, key, dest, size, lanes, algo)
+        return download(self, key, dest, size, lanes)
 
     def stat(self, key: str) -> Optional[ObjectInfo]:
         return self.head(key, f"looking up {key} in {self.url}")

@@ -4,8 +4,7 @@ range pinned to the ETag the HEAD saw (``If-Match``), so an object replaced duri
 download fails it (transient: a retry fetches the new one whole).
 
 Every request runs in a lane of the caller's ``Lanes`` (base.py), so one restore's files and
-the parts of its large files share one bound on requests in flight. The digest the caller
-asks for (sha256, or BLAKE3 where the MANIFEST carries it: onbox/common/digest.py) is computed
+the parts of its large files share one bound on requests in flight. The sha256 is computed
 while the bytes arrive: a single GET hashes each chunk before it writes it; the parts of a
 ranged download receive into buffers of one in-order hasher (``_InOrder``), which the file's own
 thread hashes in file order as they are handed over (what arrives ahead of the hashed prefix
@@ -26,6 +25,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import functools
+import hashlib
 import mmap
 import os
 import threading
@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 
 import botocore.exceptions as bex
 
-from onbox.common.digest import SHA256, hasher
 from onbox.common.errors import PermanentStoreError, PreconditionFailed, TransientStoreError
 from onbox.common.writeback import Direct, Writeback, open_direct
 from onbox.sealing.stores.base import Lanes, new_download
@@ -59,42 +58,34 @@ DIRECT_MIN = 1 * MiB
 
 
 def download(
-    store: S3Store,
-    key: str,
-    dest: str,
-    size: Optional[int],
-    lanes: Optional[Lanes],
-    algo: str = SHA256,
+    store: S3Store, key: str, dest: str, size: Optional[int], lanes: Optional[Lanes]
 ) -> str:
-    """``store.fetch_file``: ``key`` into ``dest``, a new file (base.new_download); its
-    ``algo`` digest (onbox/common/digest.py), hex."""
+    """``store.fetch_file``: ``key`` into ``dest``, a new file (base.new_download); its sha256."""
     if lanes is not None:
-        return _download(store, key, dest, size, lanes, algo)
+        return _download(store, key, dest, size, lanes)
     own = Lanes(store.concurrency)
     try:
-        return _download(store, key, dest, size, own, algo)
+        return _download(store, key, dest, size, own)
     finally:
         own.close()
 
 
-def _download(
-    store: S3Store, key: str, dest: str, expect: Optional[int], lanes: Lanes, algo: str
-) -> str:
+def _download(store: S3Store, key: str, dest: str, expect: Optional[int], lanes: Lanes) -> str:
     full = store.full_key(key)
     doing = f"downloading {store.url}/{key}"
     with new_download(dest, doing, lanes=lanes) as fd:  # a new file, never through a symlink
         if expect is not None and expect <= WHOLE_MAX:
             # Small by the MANIFEST: one GET, whatever its real size (a wrong size is the
             # caller's to find); a HEAD first would double the requests of a many-file restore.
-            return lanes.run(_get_whole, store, doing, full, fd, lanes, (dest, algo), expect)
+            return lanes.run(_get_whole, store, doing, full, fd, lanes, dest, expect)
         head = lanes.run(functools.partial(store.call_missing_ok, doing, "head_object", Key=full))
         if head is None:
             raise PermanentStoreError(f"{key} is not in {store.url}")
         size = int(head["ContentLength"])
         version = str(head.get("ETag") or "")
         if size <= WHOLE_MAX:
-            return lanes.run(_get_whole, store, doing, full, fd, lanes, (dest, algo), size)
-        return _get_ranged(store, doing, full, version, (fd, dest), size, lanes, algo)
+            return lanes.run(_get_whole, store, doing, full, fd, lanes, dest, size)
+        return _get_ranged(store, doing, full, version, (fd, dest), size, lanes)
 
 
 def _open(
@@ -134,22 +125,15 @@ def _open(
 
 
 def _get_whole(
-    store: S3Store,
-    doing: str,
-    full: str,
-    fd: int,
-    lanes: Lanes,
-    target: Tuple[str, str],
-    size: int,
+    store: S3Store, doing: str, full: str, fd: int, lanes: Lanes, dest: str, size: int
 ) -> str:
-    """One GET of the whole object into ``fd`` (``target``: its path and the digest to take;
-    of about ``size`` bytes), hashed as it is written; its digest."""
-    dest, algo = target
+    """One GET of the whole object into ``fd`` (``dest``, of about ``size`` bytes), hashed as
+    it is written; its sha256."""
     got = _open(store, doing, full, {})
     if got is None:
         raise PermanentStoreError(f"{doing}: the object is not in the store")
     length, read, close = got
-    h = hasher(algo)
+    h = hashlib.sha256()
     direct = open_direct(dest, fd) if size >= DIRECT_MIN else None
     try:
         done = _stream(store, doing, read, close, fd, 0, lambda: lanes.stopped, h.update, direct)
@@ -162,25 +146,19 @@ def _get_whole(
 
 
 class _InOrder:
-    """The digest (``algo``) of a file whose ranged parts arrive at once, each in order, computed in
-    file order by the file's own thread (``run``) from the very buffers the parts received into: a
-    part takes a buffer from here for each chunk (``take``), writes it to the file, and hands it
-    over (``give``); once hashed it is free for the next chunk. Nothing is copied and nothing is
-    read back from the disk, and no part waits while another hashes. At most ``limit`` buffers
-    exist, so what arrives ahead of the hashed prefix is bounded; the chunk at the prefix's end
-    never waits for one (the lanes start parts in file order, so its part is running), so the bound
-    cannot stall the download."""
+    """The sha256 of a file whose ranged parts arrive at once, each in order, computed in file
+    order by the file's own thread (``run``) from the very buffers the parts received into:
+    a part takes a buffer from here for each chunk (``take``), writes it to the file, and hands
+    it over (``give``); once hashed it is free for the next chunk. Nothing is copied and nothing
+    is read back from the disk, and no part waits while another hashes. At most ``limit``
+    buffers exist, so what arrives ahead of the hashed prefix is bounded; the chunk at the
+    prefix's end never waits for one (the lanes start parts in file order, so its part is
+    running), so the bound cannot stall the download."""
 
     def __init__(
-        self,
-        size: int,
-        make: Callable[[], memoryview],
-        limit: int,
-        stop: Callable[[], bool],
-        algo: str = SHA256,
+        self, size: int, make: Callable[[], memoryview], limit: int, stop: Callable[[], bool]
     ) -> None:
         self.size = size
-        self.algo = algo
         self.make = make
         self.limit = limit
         self.stop = stop
@@ -226,8 +204,8 @@ class _InOrder:
             self.cond.notify_all()
 
     def run(self) -> Optional[str]:
-        """Hash the chunks in file order as they are given; the digest, or None once stopped."""
-        h = hasher(self.algo)
+        """Hash the chunks in file order as they are given; the sha256, or None once stopped."""
+        h = hashlib.sha256()
         while self.offset < self.size:
             with self.cond:
                 while self.offset not in self.ready:
@@ -251,7 +229,6 @@ def _get_ranged(
     file: Tuple[int, str],
     size: int,
     lanes: Lanes,
-    algo: str,
 ) -> str:
     """Ranged GETs in the lanes, hashed in file order as they arrive (``file``: the
     descriptor and path written). Every part is over (done, failed, or never started) before
@@ -259,7 +236,7 @@ def _get_ranged(
     fd, dest = file
     direct = open_direct(dest, fd)
     try:
-        return _ranges(store, doing, full, version, fd, size, lanes, direct, algo)
+        return _ranges(store, doing, full, version, fd, size, lanes, direct)
     finally:
         if direct is not None:
             direct.close()
@@ -274,7 +251,6 @@ def _ranges(
     size: int,
     lanes: Lanes,
     direct: Optional[Direct],
-    algo: str,
 ) -> str:
     part = max(RANGE, -(-size // MAX_RANGES))
     count = -(-size // part)
@@ -283,12 +259,12 @@ def _ranges(
     def stop() -> bool:
         return halt.is_set() or lanes.stopped
 
-    ordered = _InOrder(size, lambda: _buffer(direct), KEEP_MAX // STREAM_CHUNK, stop, algo)
+    hasher = _InOrder(size, lambda: _buffer(direct), KEEP_MAX // STREAM_CHUNK, stop)
 
     def on_done(fut: concurrent.futures.Future[None]) -> None:
         if fut.cancelled() or fut.exception() is not None:
             halt.set()
-            ordered.wake()
+            hasher.wake()
 
     futures: List[concurrent.futures.Future[None]] = []
     digest = None
@@ -297,11 +273,11 @@ def _ranges(
             length = min(part, size - n * part)
             fut = lanes.submit(
                 _get_range, store, doing, full, version, (fd, direct), (n * part, length),
-                ordered, stop,
+                hasher, stop,
             )  # fmt: skip
             fut.add_done_callback(on_done)
             futures.append(fut)
-        digest = ordered.run()
+        digest = hasher.run()
     finally:  # all done; or one failed (or this thread was interrupted): the rest give up
         halt.set()
         for fut in futures:
@@ -323,11 +299,11 @@ def _get_range(
     version: str,
     file: Tuple[int, Optional[Direct]],
     where: Tuple[int, int],
-    ordered: _InOrder,
+    hasher: _InOrder,
     stop: Callable[[], bool],
 ) -> None:
     """The range ``where`` (offset, length) of the object into ``file`` (its descriptor, and
-    its direct writer where it has one), each chunk received into a buffer of ``ordered``'s and
+    its direct writer where it has one), each chunk received into a buffer of ``hasher``'s and
     handed to it."""
     fd, direct = file
     offset, length = where
@@ -343,7 +319,7 @@ def _get_range(
     if got is None:
         raise TransientStoreError(f"{doing}: the object was removed during the download")
     _, read, close = got
-    done = _stream(store, doing, read, close, fd, offset, stop, ordered, direct, length)
+    done = _stream(store, doing, read, close, fd, offset, stop, hasher, direct, length)
     if done != length:
         raise TransientStoreError(f"{doing}: got {done} bytes of {length}")
 

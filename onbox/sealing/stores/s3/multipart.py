@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import botocore.exceptions as bex
 
-from onbox.common.digest import BLAKE3, SHA256, Digests, Hasher
 from onbox.common.errors import IntegrityError, PermanentStoreError
 from onbox.sealing.stores.base import ObjectInfo
 from onbox.sealing.stores.s3.checksums import (
@@ -119,16 +118,16 @@ def put_multipart(
     )
     up = _Upload(store, full, str(r["UploadId"]), fd, path, size, part, crc, doing)
     try:
-        got = up.send_parts(sha256)
+        got_sha = up.send_parts(sha256)
         expected = composite(up.digests, crc)
         r = up.complete(sha256, expected)
     except BaseException:
         up.abort()
         raise
-    tag = etag(r.get("ETag"))
+    got = etag(r.get("ETag"))
     # Every part was checked on arrival and again, by its CRC32, at completion; the
     # composite, where the store states one, must be the one the parts make.
-    answered = r.get("ChecksumCRC32") if crc else tag
+    answered = r.get("ChecksumCRC32") if crc else got
     if answered != expected and (answered is not None or not crc):
         store.delete_quietly(full)
         what = "CRC32" if crc else "ETag"
@@ -138,7 +137,7 @@ def put_multipart(
             "the object was removed",
             "the data was altered on the way" + ("" if crc else f", or {SSE_ETAGS}"),
         )
-    return ObjectInfo(key, size, got[SHA256], tag, blake3=got.get(BLAKE3))
+    return ObjectInfo(key, size, got_sha, got)
 
 
 @dataclasses.dataclass
@@ -161,12 +160,10 @@ class _Upload:
     def count(self) -> int:
         return -(-self.size // self.part)
 
-    def send_parts(self, sha256: Optional[str]) -> Dict[str, str]:
+    def send_parts(self, sha256: Optional[str]) -> str:
         """Read the parts in order (hashing the whole file as read) and upload them from a
         thread pool; at most ``workers + 1`` parts of this upload are in memory at once, and
-        the store's ``part_buffers`` bound those of every upload together. The digests of
-        what was read: its sha256, checked against the caller's where given, else (the
-        caller hashed nothing) also its BLAKE3 where computed (onbox/common/digest.py).
+        the store's ``part_buffers`` bound those of every upload together. The sha256 read.
 
         Each part is read into a buffer reused from part to part, and that buffer itself is
         the request's body: a bytearray, which botocore sends with a single ``sendall`` (a
@@ -175,7 +172,7 @@ class _Upload:
         request is over, retries included."""
         count, part = self.count, self.part
         workers = max(1, min(self.store.concurrency, count, MAX_INFLIGHT_BYTES // part))
-        whole: Hasher = hashlib.sha256() if sha256 is not None else Digests()
+        whole = hashlib.sha256()
         self.digests = [b""] * count
         self.etags = [""] * count
         bufs = self.store.part_buffers.for_upload(min(workers + 1, count))
@@ -211,7 +208,7 @@ class _Upload:
             bufs.close()
         if sha256 is not None and whole.hexdigest() != sha256:
             raise changed(self.doing, sha256)
-        return whole.fields() if isinstance(whole, Digests) else {SHA256: whole.hexdigest()}
+        return whole.hexdigest()
 
     def _send(self, n: int, buf: bytearray) -> None:
         sent = digest(buf, self.crc)

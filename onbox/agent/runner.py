@@ -63,7 +63,7 @@ def ensure_job_lib(home: str) -> str:
         # faulthandler hook that dumps every thread's stack at a stall (onbox/health/stacks.py).
         hook = os.path.join("onbox", "health", "stackhook.py")
         for src, dst in [(n, n) for n in files] + [(hook, "sitecustomize.py")]:
-            os.makedirs(os.path.dirname(os.path.join(tmp, dst)) or tmp, exist_ok=True)
+            os.makedirs(os.path.dirname(os.path.join(tmp, dst)), exist_ok=True)
             _place(os.path.join(root, src), os.path.join(tmp, dst))
             for pyc_src, pyc_dst in _bytecode(root, src, tmp, dst):
                 os.makedirs(os.path.dirname(pyc_dst), exist_ok=True)

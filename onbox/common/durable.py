@@ -6,6 +6,7 @@ the caller rewrites the data (the kernel may have dropped the dirty pages alread
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -40,7 +41,9 @@ def make_dirs(path: str, mode: int = 0o700) -> List[str]:
     ``os.makedirs(path, mode)`` gives the mode to the leaf only and 0777 minus the umask (0755
     under the usual 022) to every parent it makes, so each component is made here itself. The
     umask still applies on top (it can only take bits away). A directory that exists already is
-    left as it is (a user's own --ckpt-dir keeps its mode).
+    left as it is (a user's own --ckpt-dir keeps its mode). Each one made has its parent
+    fsynced before the next is made, so a file later made durable inside it is not lost with
+    a directory entry that never reached the disk.
     """
     path = os.path.abspath(path)
     missing = []
@@ -61,10 +64,23 @@ def make_dirs(path: str, mode: int = 0o700) -> List[str]:
                     raise
                 continue  # a concurrent start made it: it is not ours to remove
             created.append(d)
+            _sync_parent(d)
     except BaseException:
         remove_dirs(created)
         raise
     return created
+
+
+def _sync_parent(path: str) -> None:
+    """fsync the directory that holds ``path``: the new entry survives a crash only from here.
+    A parent this user may not read (mode -wx) cannot be opened to sync, and some filesystems
+    refuse to sync a directory at all: there the directory stays as made, as it always was
+    (what is written inside it is still fsynced itself), rather than failing the caller."""
+    try:
+        fsync_dir(os.path.dirname(path))
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EINVAL, errno.EOPNOTSUPP):
+            raise
 
 
 def remove_dirs(created: List[str]) -> None:

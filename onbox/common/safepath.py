@@ -209,8 +209,9 @@ def open_dir(
     """A descriptor of the directory ``base/parts...``, each component under ``base`` opened
     ``O_NOFOLLOW | O_DIRECTORY`` from the one before: a symlink on the way is refused
     (UnsafePath), a file where a directory should be is NotADirectoryError, a missing one is
-    FileNotFoundError unless ``create`` (then it is made with ``mode`` and its path appended to
-    ``made``). ``parts`` must come from ``safe_rel``. The caller closes the descriptor."""
+    FileNotFoundError unless ``create`` (then it is made with ``mode``, its parent fsynced, and
+    its path appended to ``made``). ``parts`` must come from ``safe_rel``. The caller closes the
+    descriptor."""
     fd = os.open(base, _DIR_FLAGS)
     nfd = _open_at_once(fd, parts)
     if nfd is not None:
@@ -227,10 +228,14 @@ def open_dir(
                         raise
                     try:
                         os.mkdir(name, mode, dir_fd=fd)
-                        if made is not None:
-                            made.append(os.path.join(base, *parts[: i + 1]))
                     except FileExistsError:
-                        pass
+                        continue
+                    # The new entry is durable only once its parent is fsynced: a file
+                    # fsynced inside it, and a MANIFEST or LATEST naming that file, could
+                    # otherwise outlive a crash that takes the directory itself away.
+                    os.fsync(fd)
+                    if made is not None:
+                        made.append(os.path.join(base, *parts[: i + 1]))
                 except OSError as e:
                     if e.errno in (errno.ELOOP, errno.ENOTDIR) and _is_link(fd, name):
                         raise _symlink(base, parts[: i + 1]) from None

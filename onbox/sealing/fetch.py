@@ -30,7 +30,7 @@ import stat
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
-from onbox.common.durable import fsync_dir
+from onbox.common.durable import fsync_dir, make_dirs
 from onbox.common.errors import HostError, IntegrityError, RgtError
 from onbox.common.faults import crash_point
 from onbox.common.safepath import lstat_beneath, replace_beneath, symlink_error
@@ -100,27 +100,6 @@ def check_target(doc: Dict[str, Any], dest_dir: str) -> None:
                 f"cannot restore {f['path']!r} into {dest_dir}: a directory is in its place",
                 "remove it, or restore into another directory (--to)",
             )
-
-
-def _make_dir(path: str, made: Optional[List[str]]) -> None:
-    """``path`` and its missing parents, 0700 (rgt's directories are the user's alone), each
-    appended to ``made``."""
-    missing = []
-    p = os.path.abspath(path)
-    while not os.path.isdir(p):
-        missing.append(p)
-        if os.path.dirname(p) == p:
-            break
-        p = os.path.dirname(p)
-    for d in reversed(missing):
-        try:
-            os.mkdir(d, 0o700)
-        except FileExistsError:
-            if not os.path.isdir(d):
-                raise
-            continue
-        if made is not None:
-            made.append(d)
 
 
 def failure(
@@ -249,7 +228,9 @@ def fetch(
     check_target(doc, dest_dir)
     _clear_stale_stages(dest_dir)
     try:
-        _make_dir(dest_dir, made)
+        new = make_dirs(dest_dir)  # 0700: rgt's directories are the user's alone
+        if made is not None:
+            made.extend(new)
         stage = tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=dest_dir)
     except OSError as e:
         raise unwritable(dest_dir, e) from None

@@ -23,11 +23,13 @@ from controller.registry import RunRecord
 from controller.results.pull import pull
 from controller.target import Target
 from onbox.common.sealtime import event_time
+from onbox.sealing.fetch import STAGE_PREFIX
 from onbox.sealing.ledger import take_epoch
 from onbox.sealing.restore import restore_latest
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from tests.conftest import ROOT, Cli, fixture, require
+from tests.dirsync import DirSyncSpy
 
 WRITER = fixture("ckpt_writer.py")
 
@@ -352,6 +354,49 @@ def test_a_directory_whose_marker_is_still_being_written_is_not_sealed(tmp_path:
     with open(os.path.join(d, "trainer_state.json"), "w") as f:
         f.write('{"global_step": 5, "log_history": []}')
     assert s.seal_pending() == 1 and _latest(root, "hf")["step"] == 5
+
+
+def test_every_directory_a_seal_or_restore_makes_is_durable_before_it_is_relied_on(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A seal into a durable directory that does not exist yet (its root, the run, the step,
+    a shard directory inside the checkpoint) fsyncs each new directory into its parent before
+    LATEST names the checkpoint; a restore into a new nested target does the same before it
+    returns. Otherwise power lost on the box could keep LATEST and lose the step it names."""
+    root = str(tmp_path / "mnt" / "durable")  # made by the first put
+    store = open_store("file://" + root)
+    ckpt = str(tmp_path / "ckpt")
+    d = os.path.join(ckpt, "checkpoint-5")
+    os.makedirs(os.path.join(d, "shards", "rank0"))
+    with open(os.path.join(d, "shards", "rank0", "model.bin"), "wb") as f:
+        f.write(os.urandom(3 << 20))
+    with open(os.path.join(d, "trainer_state.json"), "w") as f:
+        f.write('{"global_step": 5, "log_history": []}')
+    spy = DirSyncSpy(monkeypatch)
+    s = Sealer(
+        "r",
+        ckpt,
+        store,
+        str(tmp_path / "stage"),
+        epoch=take_epoch(store, "r"),
+        event=lambda kind, reason, **kw: None,
+        state_path=str(tmp_path / "seq.json"),
+    )
+    s.load()
+    assert s.seal_pending() == 1 and _latest(root, "r")["step"] == 5
+    made = spy.made(str(tmp_path / "mnt"))
+    assert made[:3] == [os.path.realpath(p) for p in (tmp_path / "mnt", root, root + "/r")]
+    assert made[-1].endswith("/r/checkpoints/5/e1/checkpoint-5/shards/rank0"), made
+    latest = os.path.join(root, "r", "LATEST.json")
+    assert spy.not_durable(str(tmp_path / "mnt"), before=latest) == []
+
+    fresh = str(tmp_path / "box2" / "work" / "ckpt")
+    doc = restore_latest(store, "r", fresh, lambda kind, reason, **kw: None)
+    assert doc is not None and doc["step"] == 5
+    assert os.path.isfile(os.path.join(fresh, "checkpoint-5", "shards", "rank0", "model.bin"))
+    made = spy.made(str(tmp_path / "box2"))
+    assert len(made) >= 6  # box2, work, ckpt, checkpoint-5, shards, rank0 (and the stage)
+    assert spy.not_durable(str(tmp_path / "box2"), skip=STAGE_PREFIX) == []
 
 
 def test_a_checkpoint_whose_name_restore_would_refuse_is_reported_once_and_never_sealed(

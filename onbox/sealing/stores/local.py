@@ -36,6 +36,7 @@ import stat as statmod
 import time
 from typing import Iterator, List, Optional, Tuple
 
+from onbox.common.durable import make_dirs
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import lstat_beneath, open_beneath, open_dir, symlink_error
 from onbox.sealing.stores.base import (
@@ -81,7 +82,7 @@ class LocalStore(Store):
         except FileNotFoundError:
             if not create or os.path.isdir(self.root):
                 raise
-        os.makedirs(self.root, exist_ok=True)  # the root itself, once: not tried at every put
+        make_dirs(self.root, 0o777)  # the root itself, once (not tried at every put), as durable
         return open_dir(self.root, parts[:-1], create=create), parts[-1]
 
     @staticmethod

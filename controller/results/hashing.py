@@ -59,13 +59,26 @@ class Checker:
         self._jobs: Dict[str, Future[Optional[Tuple[int, str, _Sig]]]] = {}
         self._pool = ThreadPoolExecutor(HASHERS, thread_name_prefix="rgt-pull-hash")
 
-    def finished(self, e: Entry) -> None:
-        """The transport has written ``e``'s copy completely (not verified yet)."""
+    def finished(self, e: Entry, sha256: Optional[str] = None) -> None:
+        """The transport has written ``e``'s copy completely (not verified yet); ``sha256``:
+        the hash of what it wrote, when it hashed while writing and fsynced the copy (a store's
+        download), which then is not read back: a read-back would come from the page cache and
+        prove no more."""
+        job: Future[Optional[Tuple[int, str, _Sig]]]
+        if sha256 is None:
+            job = self._pool.submit(self._hash, stage_path(self.stage_dir, e))
+        else:
+            job = Future()
+            try:
+                sig = _sig(stage_path(self.stage_dir, e))
+                job.set_result((sig[0], sha256, sig))
+            except OSError:
+                job.set_result(None)  # gone already: the verification finds it so
         with self._lock:
             old = self._jobs.get(e.stage)
             if old is not None:
                 old.cancel()
-            self._jobs[e.stage] = self._pool.submit(self._hash, stage_path(self.stage_dir, e))
+            self._jobs[e.stage] = job
 
     @staticmethod
     def _hash(path: str) -> Optional[Tuple[int, str, _Sig]]:

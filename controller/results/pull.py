@@ -53,12 +53,15 @@ map_location="cpu", mmap=True)``, torch imported only then; without torch on the
 are "checked by sha256 only", said so in the receipt). Then the old receipt is removed, every
 file is renamed into place (fsynced, directories fsynced), and the receipt is written last.
 
-The hashing and the fsync of each file overlap the transfer of the next ones: a file is hashed
-and fsynced as soon as its transport is done with it (rsync: once it has logged a later file,
-or exited), and that hash is used only if the file cannot have changed since (the transport did
-not write it again, and its size, mtime, ctime and inode are unchanged); otherwise it is hashed
-again after the transfer. A pull thus ends shortly after its last byte arrives (the hashes of
-the last files), instead of after a hash and an fsync of everything.
+The hashing and the fsync of each file overlap the transfer of the next ones. From the store,
+several files are downloaded at once, each hashed while it is written and fsynced once (the
+agent's restore does the same, onbox/sealing/fetch.py), and that hash is the one checked. From
+the box, a file is hashed and fsynced as soon as its transport is done with it (rsync: once it
+has logged a later file, or exited). Either hash is used only if the file cannot have changed
+since (the transport did not write it again, and its size, mtime, ctime and inode are
+unchanged); otherwise it is hashed again after the transfer. A pull thus ends shortly after its
+last byte arrives (the hashes of the last files), instead of after a hash and an fsync of
+everything.
 
 This module is the orchestration: staging, verification, placing, the receipt. What is sealed
 is read by controller/results/sealed.py (documents.py, boxdocs.py, boxfiles.py; entries.py
@@ -242,9 +245,9 @@ def _pull(
         monitor = Monitor(stage_dir, items, progress)
         checker = Checker(stage_dir)
 
-        def finished(e: Entry) -> None:
+        def finished(e: Entry, sha256: Optional[str] = None) -> None:
             monitor.finished(e)
-            checker.finished(e)
+            checker.finished(e, sha256)
 
         try:
             fetch = fetcher(sealed, stage_dir, bwlimit, transport, remote, finished)

@@ -4,36 +4,57 @@ without rsync on one end, a stream of ``tail -c +N`` over ssh (resumable too).""
 
 from __future__ import annotations
 
-import functools
+import concurrent.futures
 import os
 import re
 import shutil
 import subprocess
 import threading
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Protocol
 
 from controller.remote import Remote, rsync_e
 from controller.results.entries import FILES_FROM, Entry, Sealed, box_join, stage_dirs, stage_path
 from onbox.common.errors import HostError, RemoteUnreachable, StoreError, UsageError
 from onbox.common.safepath import open_beneath
-from onbox.sealing.stores.base import Store, with_retries
+from onbox.sealing.fetch import in_parallel
+from onbox.sealing.stores.base import Lanes, Store, with_retries
 
 CHUNK = 8 << 20
 
 
-def fetch_store(
-    store: Store, items: List[Entry], stage_dir: str, finished: Callable[[Entry], None]
-) -> int:
-    """Each entry from the store by its key, downloaded whole (the store has no byte ranges)."""
-    fetched = 0
-    for e in items:
+class Finished(Protocol):
+    """What a transport calls once it has written an entry's copy completely (not verified
+    yet): with the sha256 of the bytes it wrote, when it hashed them as it wrote them and
+    fsynced the copy (a store's download), else None (the checker hashes and fsyncs it)."""
+
+    def __call__(self, e: Entry, sha256: Optional[str] = None) -> None: ...
+
+
+def fetch_store(store: Store, items: List[Entry], stage_dir: str, finished: Finished) -> int:
+    """Each entry from the store by its key, as the agent's restore downloads a checkpoint
+    (onbox/sealing/fetch.py ``in_parallel``): several files at once and their requests in
+    shared lanes, one GET for a file the MANIFEST says is small (a HEAD first would double the
+    requests of a checkpoint of many small objects), ranged GETs for a large one, each file
+    hashed while it is written and fsynced once; handed to ``finished`` with that hash. The
+    first failure stops the others and is raised once none is running."""
+
+    def job(e: Entry) -> Callable[[Lanes], None]:
         assert e.key is not None
-        tmp = stage_path(stage_dir, e)
-        stage_dirs(stage_dir, e)
-        with_retries(functools.partial(store.get_file, e.key, tmp))  # creates it, O_EXCL
-        fetched += e.size
-        finished(e)
-    return fetched
+        key, tmp = e.key, stage_path(stage_dir, e)
+
+        def run(lanes: Lanes) -> None:
+            def attempt() -> Optional[str]:
+                if lanes.stopped:  # another file failed: no retry, no new download
+                    raise concurrent.futures.CancelledError()
+                return store.fetch_file(key, tmp, size=e.size, lanes=lanes)  # creates it, O_EXCL
+
+            stage_dirs(stage_dir, e)
+            finished(e, with_retries(attempt, sleep=lanes.pause))
+
+        return run
+
+    in_parallel([job(e) for e in items])
+    return sum(e.size for e in items)
 
 
 class _NoRemoteRsync(Exception):
@@ -57,7 +78,7 @@ def fetch_rsync(
     items: List[Entry],
     stage_dir: str,
     bwlimit: Optional[int],
-    finished: Callable[[Entry], None],
+    finished: Finished,
 ) -> int:
     """One rsync for every file: --inplace into its temporary name, so a killed transfer
     leaves its bytes there and the next one sends only the rest (delta against them).
@@ -135,7 +156,7 @@ def fetch_stream(
     root: str,
     items: List[Entry],
     stage_dir: str,
-    finished: Callable[[Entry], None],
+    finished: Finished,
 ) -> int:
     """Without rsync on one end: ``tail -c +N`` over ssh appends what the partial copy lacks."""
     fetched = 0
@@ -182,7 +203,7 @@ def fetcher(
     bwlimit: Optional[int],
     transport: Optional[str],
     remote: Optional[Remote],
-    finished: Callable[[Entry], None],
+    finished: Finished,
 ) -> Callable[[List[Entry]], int]:
     """The fetch of a list of entries into their staged copies (the bytes fetched), from where
     ``sealed`` says they are; each file handed to ``finished`` once its transport is done."""
@@ -224,7 +245,7 @@ def _box_fetcher(
     stage_dir: str,
     bwlimit: Optional[int],
     transport: Optional[str],
-    finished: Callable[[Entry], None],
+    finished: Finished,
 ) -> Callable[[List[Entry]], int]:
     """From the box (``root``: the directory the entries' ``src`` is relative to), by rsync or
     by stream (``transport``, see ``rgt pull``)."""

@@ -192,28 +192,44 @@ def _fetch_one(
         )
 
 
-def _fetch_all(store: Store, files: List[Dict[str, Any]], stage: str, dest_dir: str) -> None:
-    """Every file into ``stage`` (as ``stage/<index>``), FILES at a time; the first failure
-    raised once every worker is over."""
+def in_parallel(
+    jobs: List[Callable[[Lanes], None]], after_each: Callable[[], None] = lambda: None
+) -> None:
+    """Each job (the download of one file, given the shared lanes) run FILES at a time, every
+    request of them in one ``Lanes`` of LANES; ``after_each`` in this thread as each job ends.
+    The first failure stops the others (no new request; a running one gives up at its next
+    chunk) and is raised once every job is over: nothing writes after this returns. The laptop's
+    pull from a store runs its downloads here too (controller/results/transport.py)."""
     lanes = Lanes(LANES)
     pool = concurrent.futures.ThreadPoolExecutor(
-        max(1, min(FILES, len(files))), thread_name_prefix="rgt-restore"
+        max(1, min(FILES, len(jobs))), thread_name_prefix="rgt-fetch"
     )
     futures: List[concurrent.futures.Future[None]] = []
-    need = sum(int(f["size"]) for f in files)
     try:
-        for i, f in enumerate(files):
-            tmp = os.path.join(stage, str(i))
-            futures.append(pool.submit(_fetch_one, store, f, tmp, dest_dir, lanes, need))
+        futures = [pool.submit(job, lanes) for job in jobs]
         for fut in concurrent.futures.as_completed(futures):
-            fut.result()  # the first failure ends the restore (the finally stops the rest)
-            crash_point("restore.after_object")
+            fut.result()  # the first failure ends them all (the finally stops the rest)
+            after_each()
     finally:
         lanes.stop()
         for fut in futures:
             fut.cancel()
-        pool.shutdown(wait=True)  # no worker writes into the stage after this
+        pool.shutdown(wait=True)  # no worker writes after this
         lanes.close()
+
+
+def _fetch_all(store: Store, files: List[Dict[str, Any]], stage: str, dest_dir: str) -> None:
+    """Every file into ``stage`` (as ``stage/<index>``), FILES at a time; the first failure
+    raised once every worker is over."""
+    need = sum(int(f["size"]) for f in files)
+
+    def job(i: int, f: Dict[str, Any]) -> Callable[[Lanes], None]:
+        tmp = os.path.join(stage, str(i))
+        return lambda lanes: _fetch_one(store, f, tmp, dest_dir, lanes, need)
+
+    in_parallel(
+        [job(i, f) for i, f in enumerate(files)], lambda: crash_point("restore.after_object")
+    )
 
 
 def fetch(

@@ -33,7 +33,7 @@ from controller.remote import SshRemote
 from controller.results.pull import covers_newest, pull, terminal_progress
 from controller.results.receipt import load_receipt, load_state_receipt, receipt_path
 from controller.target import Target, ssh_destination_args
-from onbox.common.errors import IntegrityError, UsageError
+from onbox.common.errors import IntegrityError, StoreError, UsageError
 from onbox.sealing import manifest as mf
 from onbox.sealing.ledger import take_epoch
 from onbox.sealing.sealer import Sealer
@@ -490,7 +490,10 @@ def test_a_pull_from_the_store_killed_halfway_does_not_download_finished_files_a
     _seal(str(tmp_path), store, 2, files)
     rec = _rec(store.url, str(tmp_path / "box"))
     dest = str(tmp_path / "dest")
-    child = _pull_in_child(rec, dest, "store", KILL_AFTER_FIRST)
+    # One file at a time in the killed pull (a pull fetches several at once), so that which
+    # files it finished before it died is known: part-0 whole, part-2 not begun.
+    one_at_a_time = "import onbox.sealing.fetch as f\nf.FILES = 1\n"
+    child = _pull_in_child(rec, dest, "store", one_at_a_time + KILL_AFTER_FIRST)
     assert child.wait(60) == -signal.SIGKILL
     if child.stderr:
         child.stderr.close()
@@ -507,6 +510,28 @@ def test_a_pull_from_the_store_killed_halfway_does_not_download_finished_files_a
         after = os.stat(os.path.join(dest, "checkpoints", "step_2", n))
         assert (after.st_ino, after.st_mtime_ns) == (st.st_ino, st.st_mtime_ns)  # not rewritten
     assert receipt.fetched_bytes == receipt.total_bytes() - sum(sizes[n] for n in done)
+    for n, data in files.items():
+        assert _read(os.path.join(dest, "checkpoints", "step_2", n)) == data
+
+
+def test_a_pull_from_the_store_killed_with_downloads_in_flight_resumes_whole(
+    tmp_path: Any, laptop: str
+) -> None:
+    """Killed with several files half-downloaded at once: the next pull keeps what verifies
+    (at least the file whose completion killed it), fetches the rest, and every file is whole."""
+    store = _store(tmp_path)
+    files = {f"part-{i}.bin": os.urandom((i + 1) << 22) for i in range(6)}
+    _seal(str(tmp_path), store, 2, files)
+    rec = _rec(store.url, str(tmp_path / "box"))
+    dest = str(tmp_path / "dest")
+    child = _pull_in_child(rec, dest, "store", KILL_AFTER_FIRST)
+    assert child.wait(60) == -signal.SIGKILL
+    if child.stderr:
+        child.stderr.close()
+    assert _finals(dest) == []
+
+    receipt = pull(rec, dest, "store")
+    assert receipt.fetched_bytes < receipt.total_bytes()  # what had verified was kept
     for n, data in files.items():
         assert _read(os.path.join(dest, "checkpoints", "step_2", n)) == data
 
@@ -533,6 +558,35 @@ def test_a_pull_from_s3_verifies_and_catches_a_damaged_object(
     with pytest.raises(IntegrityError, match="x.bin"):
         pull(rec, str(tmp_path / "bad"), "store")
     assert _finals(str(tmp_path / "bad")) == []
+
+
+def test_a_pull_of_many_objects_from_s3_fetches_them_all_and_fails_whole_on_a_missing_one(
+    tmp_path: Any, laptop: str, s3_server: SeaweedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sharded checkpoint of 120 objects in nested directories, downloaded several at once:
+    every file lands verified under its own name. With one object gone from the bucket, the
+    pull fails naming it, and nothing is put in place and no receipt is written, whichever
+    downloads were in flight when it failed."""
+    for k, v in s3_server.env({}).items():
+        monkeypatch.setenv(k, v)
+    bucket = s3_server.bucket()
+    store = s3_server.store(bucket, "rgt")
+    files = {f"shard-{i // 40}/part-{i:03d}.bin": os.urandom(4096 + i) for i in range(120)}
+    _seal(str(tmp_path), store, 3, files)
+    rec = _rec(f"s3://{bucket}/rgt", str(tmp_path / "box"))
+
+    receipt = pull(rec, str(tmp_path / "good"), "store")
+    assert receipt.fetched_bytes == receipt.total_bytes() and receipt.sealed.step == 3
+    for rel, data in files.items():
+        assert _read(str(tmp_path / "good" / "checkpoints" / "step_3" / rel)) == data
+
+    doc = json.loads(store.get_bytes(mf.manifest_key(RUN, 3)) or b"")
+    (key,) = [f["key"] for f in doc["files"] if f["path"] == "step_3/shard-2/part-117.bin"]
+    store.delete(key)
+    with pytest.raises(StoreError, match="part-117"):
+        pull(rec, str(tmp_path / "bad"), "store")
+    assert _finals(str(tmp_path / "bad")) == []
+    assert not os.path.exists(receipt_path(str(tmp_path / "bad")))
 
 
 def test_progress_is_plain_lines_off_a_terminal(tmp_path: Any, laptop: str) -> None:

@@ -14,7 +14,13 @@ from typing import Callable, List, Optional, Protocol
 
 from controller.remote import Remote, rsync_e
 from controller.results.entries import FILES_FROM, Entry, Sealed, box_join, stage_dirs, stage_path
-from onbox.common.errors import HostError, RemoteUnreachable, StoreError, UsageError
+from onbox.common.errors import (
+    HostError,
+    IntegrityError,
+    RemoteUnreachable,
+    StoreError,
+    UsageError,
+)
 from onbox.common.safepath import open_beneath
 from onbox.sealing.fetch import in_parallel
 from onbox.sealing.stores.base import Lanes, Store, with_retries
@@ -49,7 +55,18 @@ def fetch_store(store: Store, items: List[Entry], stage_dir: str, finished: Fini
                 return store.fetch_file(key, tmp, size=e.size, lanes=lanes)  # creates it, O_EXCL
 
             stage_dirs(stage_dir, e)
-            finished(e, with_retries(attempt, sleep=lanes.pause))
+            try:
+                sha256 = with_retries(attempt, sleep=lanes.pause)
+            except IntegrityError as err:
+                if type(err) is not IntegrityError:  # UnsafePath and the like say it themselves
+                    raise
+                raise IntegrityError(  # another size than sealed: refused before it was fetched
+                    f"{e.path} ({e.origin}): {err.what}. Nothing was put in place and no "
+                    "receipt was written",
+                    "the copy at the source is damaged: try the other source (--from box or "
+                    "--from store)",
+                ) from None
+            finished(e, sha256)
 
         return run
 

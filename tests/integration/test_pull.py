@@ -40,6 +40,7 @@ from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from tests.conftest import ROOT, Cli, agent_exe, require
+from tests.mounts import tmpfs
 from tests.seaweed import SeaweedServer
 from tests.sshd import SshServer
 
@@ -587,6 +588,35 @@ def test_a_pull_of_many_objects_from_s3_fetches_them_all_and_fails_whole_on_a_mi
         pull(rec, str(tmp_path / "bad"), "store")
     assert _finals(str(tmp_path / "bad")) == []
     assert not os.path.exists(receipt_path(str(tmp_path / "bad")))
+
+
+def test_an_object_larger_than_sealed_is_refused_before_it_fills_the_laptop(
+    tmp_path: Any, laptop: str, s3_server: SeaweedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object replaced in the store by 64 MiB where 5,000 bytes were sealed, pulled into a
+    16 MiB filesystem: refused by the length the store answers, before its bytes, naming the
+    file; nothing placed, no receipt, the filesystem not filled."""
+    for k, v in s3_server.env({}).items():
+        monkeypatch.setenv(k, v)
+    bucket = s3_server.bucket()
+    store = s3_server.store(bucket, "rgt")
+    _seal(str(tmp_path), store, 6, {"model.safetensors": _safetensors(1024), "x.bin": b"x" * 5000})
+    rec = _rec(f"s3://{bucket}/rgt", str(tmp_path / "box"))
+    s3_server.client().put_object(
+        Bucket=bucket, Key="rgt/" + _object_key(store, 6, "step_6/x.bin"), Body=os.urandom(64 << 20)
+    )
+    with tmpfs(str(tmp_path / "small"), "size=16m") as disk:
+        dest = os.path.join(disk, "dest")
+        with pytest.raises(IntegrityError) as info:
+            pull(rec, dest, "store")
+        assert (
+            "step_6/x.bin" in info.value.what and "the MANIFEST says 5000 bytes" in info.value.what
+        )
+        assert info.value.exit_code == 6
+        assert _finals(dest) == []
+        assert load_state_receipt(RUN, laptop) is None
+        st = os.statvfs(disk)
+        assert (st.f_blocks - st.f_bfree) * st.f_frsize < 1 << 20, "the 64 MiB were received"
 
 
 def test_progress_is_plain_lines_off_a_terminal(tmp_path: Any, laptop: str) -> None:

@@ -455,6 +455,30 @@ def test_a_corrupt_object_among_many_restores_the_previous_checkpoint_and_nothin
             assert f.read() == data, rel
 
 
+@pytest.mark.parametrize("grown", [0, BIG_AT], ids=["small-object", "large-object"])
+def test_an_object_larger_than_sealed_is_refused_unread_and_the_previous_restored(
+    cli: Cli, where: Raw, tmp_path: Any, ranged: None, grown: int
+) -> None:
+    """An object of the newest checkpoint replaced in the store by 32 MiB (a bug, a person,
+    another tool writing under the same key), on a box with 20 MiB free: the restore refuses
+    it by the size the store gives before its bytes (an S3 answer's length or HEAD, a file's
+    size), so the disk is not filled; the checkpoint is quarantined and the previous one
+    restored. Without that bound the download fills the disk and the run cannot start."""
+    sealed = _seal_dirs(_open(where, cli), tmp_path, [10, 20])
+    path = f"step_20/shard-{grown:02d}.bin"
+    (key,) = [f["key"] for f in where.manifest(20)["files"] if f["path"] == path]
+    where.put(key, os.urandom(32 << 20))
+    with tmpfs(str(tmp_path / "small-disk"), "size=20m") as disk:
+        dest = os.path.join(disk, "ckpt")
+        kinds: List[str] = []
+        doc = restore_latest(_open(where, cli), RUN, dest, lambda kind, *a, **k: kinds.append(kind))
+        assert doc is not None and doc["step"] == 10 and kinds == ["quarantined", "restored"]
+        assert _tree(dest) == sorted(["step_10", "step_10/.rgt-complete", *sealed[10]])
+    record = _quarantine(where, 20)
+    assert record is not None and key in record["reason"], record
+    assert f"{32 << 20} bytes in the store, the MANIFEST says {SIZES[grown]}" in record["reason"]
+
+
 def test_a_download_failing_midway_leaves_nothing_in_the_target(
     cli: Cli, where: Raw, tmp_path: Any, ranged: None
 ) -> None:

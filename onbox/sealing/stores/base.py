@@ -271,10 +271,13 @@ class Store(abc.ABC):
     ) -> Optional[str]:
         """``get_file`` for a restore, fsynced once at the end: returns the sha256 (hex) of the
         bytes written, computed while writing them, or None where this store cannot (the
-        caller reads the file back). ``size``: what the caller expects (a MANIFEST's), a hint
-        that may save a request, never trusted; ``lanes``: the requests in flight, shared with
-        the caller's other downloads (else the store's own). CancelledError once ``lanes`` is
-        stopped. This default is ``get_file`` (files in parallel are the caller's pool)."""
+        caller reads the file back). ``size``: what the caller expects (a MANIFEST's): it may
+        save a request, and a store that learns the object's size before its bytes (S3, a
+        directory) refuses another one with IntegrityError, so that an object larger than
+        sealed cannot fill the target; the caller still checks what was written. ``lanes``:
+        the requests in flight, shared with the caller's other downloads (else the store's
+        own). CancelledError once ``lanes`` is stopped. This default is ``get_file`` (files in
+        parallel are the caller's pool)."""
         if lanes is not None and lanes.stopped:
             raise concurrent.futures.CancelledError()
         self.get_file(key, dest)

@@ -294,11 +294,19 @@ class LocalStore(Store):
         self, key: str, dest: str, *, size: Optional[int] = None, lanes: Optional[Lanes] = None
     ) -> Optional[str]:
         try:
-            src, _ = self._open_read(key)
+            src, st = self._open_read(key)
         except FileNotFoundError:
             raise PermanentStoreError(f"{key} is not in {self.url}") from None
         except OSError as e:
             raise os_error(e, f"reading {key}") from None
+        if size is not None and st.st_size != size:  # not copied: it could fill the target
+            os.close(src)
+            raise IntegrityError(
+                f"{self._path(key)}: {st.st_size} bytes in the store, the MANIFEST says "
+                f"{size} bytes",
+                "the object in the store is not the one sealed (damaged or replaced): "
+                "nothing of it was copied",
+            )
         with open(src, "rb") as f, new_download(dest, f"downloading {key}", os_error, lanes) as fd:
             got, hashed, before = copy_hashing(f, fd)
             if _sig(os.fstat(f.fileno())) != _sig(before) or os.fstat(fd).st_size != hashed:

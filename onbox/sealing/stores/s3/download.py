@@ -33,7 +33,12 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 
 import botocore.exceptions as bex
 
-from onbox.common.errors import PermanentStoreError, PreconditionFailed, TransientStoreError
+from onbox.common.errors import (
+    IntegrityError,
+    PermanentStoreError,
+    PreconditionFailed,
+    TransientStoreError,
+)
 from onbox.common.writeback import Direct, Writeback, open_direct
 from onbox.sealing.stores.base import Lanes, new_download
 from onbox.sealing.stores.s3.errors import boto_error, client_error, error_code
@@ -75,13 +80,19 @@ def _download(store: S3Store, key: str, dest: str, expect: Optional[int], lanes:
     doing = f"downloading {store.url}/{key}"
     with new_download(dest, doing, lanes=lanes) as fd:  # a new file, never through a symlink
         if expect is not None and expect <= WHOLE_MAX:
-            # Small by the MANIFEST: one GET, whatever its real size (a wrong size is the
-            # caller's to find); a HEAD first would double the requests of a many-file restore.
-            return lanes.run(_get_whole, store, doing, full, fd, lanes, dest, expect)
+            # Small by the MANIFEST: one GET (a HEAD first would double the requests of a
+            # many-file restore), refused unread when the store answers another size.
+            return lanes.run(_get_whole, store, doing, full, fd, lanes, dest, expect, True)
         head = lanes.run(functools.partial(store.call_missing_ok, doing, "head_object", Key=full))
         if head is None:
             raise PermanentStoreError(f"{key} is not in {store.url}")
         size = int(head["ContentLength"])
+        if expect is not None and size != expect:  # not fetched: it could fill the target
+            raise IntegrityError(
+                f"{doing}: {size} bytes in the store, the MANIFEST says {expect} bytes",
+                "the object in the store is not the one sealed (damaged or replaced): "
+                "nothing of it was kept",
+            )
         version = str(head.get("ETag") or "")
         if size <= WHOLE_MAX:
             return lanes.run(_get_whole, store, doing, full, fd, lanes, dest, size)
@@ -125,18 +136,37 @@ def _open(
 
 
 def _get_whole(
-    store: S3Store, doing: str, full: str, fd: int, lanes: Lanes, dest: str, size: int
+    store: S3Store,
+    doing: str,
+    full: str,
+    fd: int,
+    lanes: Lanes,
+    dest: str,
+    size: int,
+    sealed: bool = False,
 ) -> str:
-    """One GET of the whole object into ``fd`` (``dest``, of about ``size`` bytes), hashed as
-    it is written; its sha256."""
+    """One GET of the whole object into ``fd`` (``dest``, of ``size`` bytes by a HEAD, or by
+    the MANIFEST where ``sealed``), hashed as it is written; its sha256. Never more than one
+    byte past ``size`` is received: a store's object larger than what it was sealed as (or
+    than its HEAD said a moment before) cannot fill the disk it is downloaded to. Where
+    ``sealed`` and the store answers with another length, IntegrityError before any byte."""
     got = _open(store, doing, full, {})
     if got is None:
         raise PermanentStoreError(f"{doing}: the object is not in the store")
     length, read, close = got
+    if sealed and length is not None and length != size:
+        close()
+        raise IntegrityError(
+            f"{doing}: {length} bytes in the store, the MANIFEST says {size} bytes",
+            "the object in the store is not the one sealed (damaged or replaced): "
+            "nothing of it was kept",
+        )
     h = hashlib.sha256()
     direct = open_direct(dest, fd) if size >= DIRECT_MIN else None
     try:
-        done = _stream(store, doing, read, close, fd, 0, lambda: lanes.stopped, h.update, direct)
+        done = _stream(
+            store, doing, read, close, fd, 0, lambda: lanes.stopped, h.update, direct, size + 1
+        )
     finally:
         if direct is not None:
             direct.close()

@@ -7,12 +7,13 @@ starts on loopback and stops by pid; then the arms take turns (the order rotates
 repeat), each into a fresh directory, with `sync` and a page-cache drop before each timed run
 (as root), and the median of `--repeats` (3) is reported:
 
-- **rgt pull**: ``controller.results.pull.pull(record, DEST, "store")`` in this process, as
-  `rgt pull RUN --from store` runs it: the newest MANIFEST read and every name checked, the
-  files downloaded into a staging directory as the agent's restore downloads them (several
-  files at once, their requests in shared lanes, each file hashed while it is written and
-  fsynced once), every size and sha256 checked against the MANIFEST, then renamed into place,
-  directories fsynced, the receipt written. Full verification and durability.
+- **rgt pull**: ``controller.results.pull.pull(record, DEST, "store", progress)`` in this
+  process, as `rgt pull RUN --from store` runs it (its progress reported as off a terminal,
+  to /dev/null): the newest MANIFEST read and every name checked, the files downloaded into a
+  staging directory as the agent's restore downloads them (several files at once, their
+  requests in shared lanes, each file hashed while it is written and fsynced once), every
+  size and sha256 checked against the MANIFEST, then renamed into place, directories
+  fsynced, the receipt written. Full verification and durability.
 - **`s5cmd cp 's3://…/checkpoints/STEP/*' DEST/`** (a new process, as a user runs it; it
   checks no checksum and fsyncs nothing) and **`s5cmd cp … && sync`**, its durable
   counterpart.
@@ -63,7 +64,7 @@ from bench_seal import (  # noqa: E402
 from benchlib import commit_of, fs_type, machine, replace_section, tool_version  # noqa: E402
 
 from controller.registry import RunRecord  # noqa: E402
-from controller.results.pull import pull  # noqa: E402
+from controller.results.pull import pull, terminal_progress  # noqa: E402
 from controller.target import Target  # noqa: E402
 from tests.seaweed import SeaweedServer, start_seaweed, weed_binary  # noqa: E402
 
@@ -93,7 +94,8 @@ def rgt_arm(
         dest = box.path("dest", f"rgt-{rep}")
         box.settle()
         w0, c0, t0 = proc_cpu(pid), time.process_time(), time.monotonic()
-        receipt = pull(rec, dest, "store", home=home)
+        with open(os.devnull, "w") as sink, terminal_progress(sink) as progress:
+            receipt = pull(rec, dest, "store", progress, home=home)
         took = time.monotonic() - t0
         s = Sample(took, time.process_time() - c0, proc_cpu(pid) - w0)
         try:

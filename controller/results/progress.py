@@ -9,7 +9,7 @@ import os
 import sys
 import threading
 import time
-from typing import IO, Any, Callable, Dict, Iterator, List, Optional
+from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Set
 
 from controller.results.entries import Entry, stage_path
 
@@ -33,7 +33,15 @@ ProgressFn = Callable[[Progress], None]
 
 class Monitor:
     """Reports fetch progress by watching the temporary files grow (every transport), and
-    each file the moment a transport says it is finished."""
+    each file the moment a transport says it is finished.
+
+    Its cost does not grow with the square of the files: the total is kept as it changes
+    (not summed over every file at each report), and a poll looks at no more than POLL_AHEAD
+    unfinished files, from the first one on. Every transport takes the files in this order
+    (rsync and the stream one at a time, the store several at once from the front), so those
+    in flight are among them; one that is skipped is reported when it is finished."""
+
+    POLL_AHEAD = 64
 
     def __init__(self, stage_dir: str, items: List[Entry], fn: Optional[ProgressFn]) -> None:
         self.stage_dir = stage_dir
@@ -41,6 +49,9 @@ class Monitor:
         self.fn = fn
         self.total = sum(e.size for e in items)
         self.seen: Dict[str, int] = {}
+        self.done = 0  # the sum of ``seen``
+        self._complete: Set[str] = set()
+        self._first = 0  # every file before this one is complete
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -74,25 +85,37 @@ class Monitor:
         if self.fn is None:
             return
         with self._lock:
-            sizes = {e.stage: self._size(e) for e in self.items}
-            for e in self.items:
-                self._report(e, sizes[e.stage], sizes)
+            n = len(self.items)
+            while self._first < n and self.items[self._first].stage in self._complete:
+                self._first += 1
+            looked = 0
+            for i in range(self._first, n):
+                e = self.items[i]
+                if e.stage in self._complete:
+                    continue
+                size = self._size(e)
+                if size == e.size:  # whole (an earlier pull's copy, or one not announced yet)
+                    self._complete.add(e.stage)
+                self._report(e, size)
+                looked += 1
+                if looked == self.POLL_AHEAD:
+                    break
 
     def finished(self, e: Entry) -> None:
         """A transport finished ``e`` (its copy is complete, not yet verified)."""
         if self.fn is None:
             return
         with self._lock:
-            sizes = {x.stage: self.seen.get(x.stage, 0) for x in self.items}
-            sizes[e.stage] = e.size
-            self._report(e, e.size, sizes)
+            self._complete.add(e.stage)
+            self._report(e, e.size)
 
-    def _report(self, e: Entry, size: int, sizes: Dict[str, int]) -> None:
+    def _report(self, e: Entry, size: int) -> None:
         assert self.fn is not None
-        if self.seen.get(e.stage) != size:
+        old = self.seen.get(e.stage)
+        if old != size:
             self.seen[e.stage] = size
-            done = sum(sizes.values())
-            self.fn(Progress("fetch", e.path, size, e.size, done, self.total))
+            self.done += size - (old or 0)
+            self.fn(Progress("fetch", e.path, size, e.size, self.done, self.total))
 
 
 # ---- progress on a terminal
@@ -108,7 +131,10 @@ def terminal_progress(stream: Optional[IO[str]] = None) -> Iterator[ProgressFn]:
 
         def plain(p: Progress) -> None:
             now = time.monotonic()
-            if p.phase == "done" or now - last[0] >= 5 or (p.phase == "fetch" and p.done == p.size):
+            # a line every few seconds, at the end, and when a file of some size is complete
+            # (not for each of a checkpoint's 10,000 small files)
+            whole = p.phase == "fetch" and p.done == p.size and p.size * 100 >= p.total
+            if p.phase == "done" or now - last[0] >= 5 or whole:
                 last[0] = now
                 pct = 100 * p.total_done // max(p.total, 1)
                 print(
@@ -151,9 +177,12 @@ def terminal_progress(stream: Optional[IO[str]] = None) -> Iterator[ProgressFn]:
                 tasks[key] = bars.add_task(p.phase, total=p.total)
             bars.update(tasks[key], completed=p.total_done, total=p.total)
             if p.phase == "fetch" and p.path:
-                if p.path not in tasks:
-                    tasks[p.path] = bars.add_task(f"  {p.path}", total=p.size)
-                bars.update(tasks[p.path], completed=p.done, visible=p.done < p.size)
+                if p.done < p.size:
+                    if p.path not in tasks:
+                        tasks[p.path] = bars.add_task(f"  {p.path}", total=p.size)
+                    bars.update(tasks[p.path], completed=p.done)
+                elif p.path in tasks:  # done: its bar goes (rich redraws every bar it keeps)
+                    bars.remove_task(tasks.pop(p.path))
 
     with bars:
         yield show

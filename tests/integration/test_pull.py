@@ -619,6 +619,33 @@ def test_an_object_larger_than_sealed_is_refused_before_it_fills_the_laptop(
         assert (st.f_blocks - st.f_bfree) * st.f_frsize < 1 << 20, "the 64 MiB were received"
 
 
+def test_progress_of_a_many_file_pull_adds_up_and_ends_at_the_total(
+    tmp_path: Any, laptop: str
+) -> None:
+    """300 files fetched several at once: the fetch reports never go back, every file is
+    reported whole, and the last report's total is every byte; off a terminal, a few lines,
+    not one per small file."""
+    store = _store(tmp_path)
+    files = {f"d{i % 3}/f{i:03d}.bin": os.urandom(1000 + i) for i in range(300)}
+    _seal(str(tmp_path), store, 4, files)
+    reports: List[Any] = []
+    receipt = pull(
+        _rec(store.url, str(tmp_path / "box")), str(tmp_path / "d"), "store", reports.append
+    )
+    fetch = [p for p in reports if p.phase == "fetch"]
+    totals = [p.total_done for p in fetch]
+    assert totals == sorted(totals) and totals[-1] == fetch[-1].total == receipt.total_bytes()
+    whole = {p.path for p in fetch if p.done == p.size}
+    assert whole == {f"checkpoints/step_4/{rel}" for rel in files} | {
+        "checkpoints/step_4/.rgt-complete"
+    }
+    out = io.StringIO()
+    with terminal_progress(out) as show:
+        pull(_rec(store.url, str(tmp_path / "box")), str(tmp_path / "d2"), "store", show)
+    lines = out.getvalue().splitlines()
+    assert lines[-1].startswith("rgt pull: done 100%") and len(lines) < 30, lines
+
+
 def test_progress_is_plain_lines_off_a_terminal(tmp_path: Any, laptop: str) -> None:
     store = _sealed_store(tmp_path)
     out = io.StringIO()

@@ -37,9 +37,10 @@ class Monitor:
 
     Its cost does not grow with the square of the files: the total is kept as it changes
     (not summed over every file at each report), and a poll looks at no more than POLL_AHEAD
-    unfinished files, from the first one on. Every transport takes the files in this order
-    (rsync and the stream one at a time, the store several at once from the front), so those
-    in flight are among them; one that is skipped is reported when it is finished."""
+    unfinished files from the first one on, where the store's downloads and the stream are
+    (they take the files in this order), and as many again from a cursor that goes round the
+    rest, where rsync may be (it takes them in its own sorted order): each file in flight is
+    seen within a few polls, and every file is reported whole when it is finished."""
 
     POLL_AHEAD = 64
 
@@ -52,6 +53,7 @@ class Monitor:
         self.done = 0  # the sum of ``seen``
         self._complete: Set[str] = set()
         self._first = 0  # every file before this one is complete
+        self._cursor = 0  # where the window round the rest looks next
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -88,18 +90,29 @@ class Monitor:
             n = len(self.items)
             while self._first < n and self.items[self._first].stage in self._complete:
                 self._first += 1
-            looked = 0
-            for i in range(self._first, n):
-                e = self.items[i]
-                if e.stage in self._complete:
-                    continue
-                size = self._size(e)
-                if size == e.size:  # whole (an earlier pull's copy, or one not announced yet)
-                    self._complete.add(e.stage)
-                self._report(e, size)
-                looked += 1
-                if looked == self.POLL_AHEAD:
-                    break
+            head = self._look(range(self._first, n))
+            if head < n:  # more unfinished files than the head holds: a window round the rest
+                start = max(self._cursor, head)
+                end = min(n, start + self.POLL_AHEAD)
+                self._look(range(start, end))
+                self._cursor = end if end < n else head
+
+    def _look(self, indexes: range) -> int:
+        """Stat and report up to POLL_AHEAD unfinished files of ``indexes``; the index after
+        the last one looked at."""
+        looked = 0
+        for i in indexes:
+            e = self.items[i]
+            if e.stage in self._complete:
+                continue
+            size = self._size(e)
+            if size == e.size:  # whole (an earlier pull's copy, or one not announced yet)
+                self._complete.add(e.stage)
+            self._report(e, size)
+            looked += 1
+            if looked == self.POLL_AHEAD:
+                return i + 1
+        return indexes.stop
 
     def finished(self, e: Entry) -> None:
         """A transport finished ``e`` (its copy is complete, not yet verified)."""

@@ -1,0 +1,66 @@
+"""The pull's progress watch (controller/results/progress.py Monitor) on a real staging
+directory: a file growing anywhere in the list is seen while it grows, not only once finished,
+and the reports add up, however many files the pull has."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import List
+
+from controller.results.entries import Entry
+from controller.results.progress import Monitor, Progress
+
+
+def _entries(n: int, size: int) -> List[Entry]:
+    return [
+        Entry(f"f/{i:04d}.bin", "checkpoint", size, "0" * 64, None, f"f/{i:04d}.bin")
+        for i in range(n)
+    ]
+
+
+def _write(stage: Path, e: Entry, n: int) -> None:
+    p = stage / e.stage
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_bytes(b"x" * n)
+
+
+def test_a_file_in_flight_far_down_the_list_is_seen_growing(tmp_path: Path) -> None:
+    """rsync takes the files in its own sorted order: the one it is writing may be the 900th
+    of the list while the first ones are not begun. A poll looks at a bounded number of files,
+    and still reports that file's partial size within a few polls."""
+    items = _entries(1000, 4096)
+    reports: List[Progress] = []
+    m = Monitor(str(tmp_path), items, reports.append)
+    _write(tmp_path, items[900], 1000)  # in flight, far from the head
+    polls = 0
+    while not [p for p in reports if p.path == items[900].path] and polls < 100:
+        m.poll()
+        polls += 1
+    seen = [p for p in reports if p.path == items[900].path]
+    assert seen and seen[-1].done == 1000 and seen[-1].total_done == 1000, (polls, seen)
+    assert polls <= 1000 // Monitor.POLL_AHEAD + 2
+
+    m.finished(items[900])  # the transport says it is whole
+    _write(tmp_path, items[0], 4096)  # the head, whole before it is announced
+    m.poll()
+    assert reports[-1].total_done == 2 * 4096 and m.done == 2 * 4096
+
+
+def test_reports_add_up_to_the_total_once_every_file_is_finished(tmp_path: Path) -> None:
+    items = _entries(500, 100)
+    reports: List[Progress] = []
+    m = Monitor(str(tmp_path), items, reports.append)
+    for i, e in enumerate(items):
+        _write(tmp_path, e, 50 if i % 2 else 100)
+        if i % 7 == 0:
+            m.poll()
+        if not i % 2:
+            m.finished(e)
+    for e in items[1::2]:
+        _write(tmp_path, e, 100)
+        m.finished(e)
+    m.poll()
+    totals = [p.total_done for p in reports]
+    assert totals == sorted(totals) and totals[-1] == m.total == 500 * 100
+    assert os.path.isdir(tmp_path / "f")

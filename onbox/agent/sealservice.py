@@ -34,6 +34,7 @@ from onbox.agent.seams import Hooks
 from onbox.agent.spec import JobSpec
 from onbox.common import redact
 from onbox.common.errors import StoreError, TransientStoreError
+from onbox.common.libc import lower_thread_priority
 from onbox.common.rundir import RunDir
 from onbox.health.verdict import SealView
 from onbox.sealing import manifest as mf
@@ -46,25 +47,6 @@ from onbox.sealing.stores.base import Store
 
 # Seconds kept in hand at the end of a preemption budget for the final records and the exit.
 MARGIN = 1.0
-_IOPRIO_SET = {"x86_64": 251, "aarch64": 30}
-
-
-def _lower_priority() -> None:
-    """This thread yields CPU and disk to the job (nice 10, IO best-effort level 7)."""
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, 10)
-    except OSError:
-        pass
-    nr = _IOPRIO_SET.get(os.uname().machine)
-    if nr is None:
-        return
-    try:
-        import ctypes
-
-        ctypes.CDLL(None, use_errno=True).syscall(nr, 1, tid, (2 << 13) | 7)
-    except (OSError, AttributeError):
-        pass
 
 
 HEALTH_MIRROR_EVERY = 60.0  # seconds between mirrors of the health samples
@@ -89,6 +71,8 @@ class SealService(Hooks):
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._asked_at = time.monotonic()
+        self._ask_lock = threading.Lock()
+        self._stopping = False  # a stop or preemption has begun (on_stop_requested)
         self.auto: Optional[AutoInterval] = None  # checkpoint.interval = "auto"
         self._mirrored: Dict[str, float] = {}
         self._observer: Any = None
@@ -231,7 +215,7 @@ class SealService(Hooks):
         self._wake.set()
 
     def _loop(self) -> None:
-        _lower_priority()
+        lower_thread_priority()
         backoff = 0.0
         while not self._stop.is_set():
             self._wake.wait(max(self.spec.scan_interval, backoff))
@@ -295,7 +279,11 @@ class SealService(Hooks):
         every = self.interval()
         if every is None:
             return
-        if time.monotonic() - self._asked_at >= every:
+        # Under the stop hook's lock: all before a stop's ask, or not made (one after a
+        # preemption's replaced the job's request and made its covered stop count as lost).
+        with self._ask_lock:
+            if self._stopping or time.monotonic() - self._asked_at < every:
+                return
             self._asked_at = time.monotonic()
             self.ask_job("timer")
 
@@ -392,6 +380,8 @@ class SealService(Hooks):
 
     # ---- hooks
     def on_stop_requested(self, reason: str, deadline: float) -> None:
+        with self._ask_lock:
+            self._stopping = True  # no timer ask from here on: the job is being stopped
         if reason != "preempt":
             return
         if deadline - MARGIN <= time.monotonic():

@@ -24,7 +24,7 @@ import struct
 import subprocess
 import sys
 import time
-from typing import Any, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
@@ -540,13 +540,19 @@ def test_a_pull_from_the_store_killed_with_downloads_in_flight_resumes_whole(
 # ---- S3
 
 
-def test_a_pull_from_s3_verifies_and_catches_a_damaged_object(
-    tmp_path: Any, laptop: str, s3_server: SeaweedServer, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _s3(s3_server: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> Tuple[str, Store]:
+    """A fresh bucket of the test S3 server, this process's AWS_* set to reach it (as the
+    laptop's pull reads them), and its store under the prefix rgt/."""
     for k, v in s3_server.env({}).items():
         monkeypatch.setenv(k, v)
     bucket = s3_server.bucket()
-    store = s3_server.store(bucket, "rgt")
+    return bucket, s3_server.store(bucket, "rgt")
+
+
+def test_a_pull_from_s3_verifies_and_catches_a_damaged_object(
+    tmp_path: Any, laptop: str, s3_server: SeaweedServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    bucket, store = _s3(s3_server, monkeypatch)
     _seal(str(tmp_path), store, 6, {"model.safetensors": _safetensors(1024), "x.bin": b"x" * 5000})
     rec = _rec(f"s3://{bucket}/rgt", str(tmp_path / "box"))
     receipt = pull(rec, str(tmp_path / "good"), "auto")
@@ -568,10 +574,7 @@ def test_a_pull_of_many_objects_from_s3_fetches_them_all_and_fails_whole_on_a_mi
     every file lands verified under its own name. With one object gone from the bucket, the
     pull fails naming it, and nothing is put in place and no receipt is written, whichever
     downloads were in flight when it failed."""
-    for k, v in s3_server.env({}).items():
-        monkeypatch.setenv(k, v)
-    bucket = s3_server.bucket()
-    store = s3_server.store(bucket, "rgt")
+    bucket, store = _s3(s3_server, monkeypatch)
     files = {f"shard-{i // 40}/part-{i:03d}.bin": os.urandom(4096 + i) for i in range(120)}
     _seal(str(tmp_path), store, 3, files)
     rec = _rec(f"s3://{bucket}/rgt", str(tmp_path / "box"))
@@ -596,10 +599,7 @@ def test_an_object_larger_than_sealed_is_refused_before_it_fills_the_laptop(
     """An object replaced in the store by 64 MiB where 5,000 bytes were sealed, pulled into a
     16 MiB filesystem: refused by the length the store answers, before its bytes, naming the
     file; nothing placed, no receipt, the filesystem not filled."""
-    for k, v in s3_server.env({}).items():
-        monkeypatch.setenv(k, v)
-    bucket = s3_server.bucket()
-    store = s3_server.store(bucket, "rgt")
+    bucket, store = _s3(s3_server, monkeypatch)
     _seal(str(tmp_path), store, 6, {"model.safetensors": _safetensors(1024), "x.bin": b"x" * 5000})
     rec = _rec(f"s3://{bucket}/rgt", str(tmp_path / "box"))
     s3_server.client().put_object(

@@ -57,6 +57,21 @@ def _manifests(root: str, run: str) -> Dict[int, Dict[str, Any]]:
     return out
 
 
+def _sealer(store: Any, run: str, ckpt: str, tmp_path: Any) -> Sealer:
+    """The real Sealer of ``run`` for ``ckpt`` into ``store``, in this process, loaded."""
+    s = Sealer(
+        run,
+        ckpt,
+        store,
+        str(tmp_path / "stage"),
+        epoch=take_epoch(store, run),
+        event=lambda kind, reason, **kw: None,
+        state_path=str(tmp_path / "seq.json"),
+    )
+    s.load()
+    return s
+
+
 def _wrote(cli: Cli, name: str) -> Dict[str, List[str]]:
     """sha256 of every version the job reported complete, by file name."""
     out: Dict[str, List[str]] = {}
@@ -335,16 +350,7 @@ def test_a_directory_whose_marker_is_still_being_written_is_not_sealed(tmp_path:
     os.makedirs(d)
     with open(os.path.join(d, "model.safetensors"), "wb") as f:
         f.write(os.urandom(4096))
-    s = Sealer(
-        "hf",
-        ckpt,
-        store,
-        str(tmp_path / "stage"),
-        epoch=take_epoch(store, "hf"),
-        event=lambda kind, reason, **kw: None,
-        state_path=str(tmp_path / "seq.json"),
-    )
-    s.load()
+    s = _sealer(store, "hf", ckpt, tmp_path)
     marker = open(os.path.join(d, "trainer_state.json"), "w")  # noqa: SIM115 (held open)
     marker.write('{"global_step": 5, "log_hist')
     marker.flush()
@@ -373,16 +379,7 @@ def test_every_directory_a_seal_or_restore_makes_is_durable_before_it_is_relied_
     with open(os.path.join(d, "trainer_state.json"), "w") as f:
         f.write('{"global_step": 5, "log_history": []}')
     spy = DirSyncSpy(monkeypatch)
-    s = Sealer(
-        "r",
-        ckpt,
-        store,
-        str(tmp_path / "stage"),
-        epoch=take_epoch(store, "r"),
-        event=lambda kind, reason, **kw: None,
-        state_path=str(tmp_path / "seq.json"),
-    )
-    s.load()
+    s = _sealer(store, "r", ckpt, tmp_path)
     assert s.seal_pending() == 1 and _latest(root, "r")["step"] == 5
     made = spy.made(str(tmp_path / "mnt"))
     assert made[:3] == [os.path.realpath(p) for p in (tmp_path / "mnt", root, root + "/r")]

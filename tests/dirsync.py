@@ -100,3 +100,22 @@ class DirSyncSpy:
             if ("fsync", parent) not in self.events[i + 1 : end]:
                 out.append(path)
         return out
+
+    def unsynced_names(self, under: str, before: str) -> List[str]:
+        """Names renamed or linked into place beneath ``under`` (temporary names aside) whose
+        directory was not fsynced after the rename and ahead of the first rename or link onto
+        ``before`` (the MANIFEST that names them)."""
+        under_r, target = os.path.realpath(under), os.path.realpath(before)
+        end = next(
+            (i for i, (k, p) in enumerate(self.events) if k in ("rename", "link") and p == target),
+            len(self.events),
+        )
+        out = []
+        for i, (kind, path) in enumerate(self.events[:end]):
+            if kind not in ("rename", "link") or ".rgt-tmp." in path:
+                continue
+            if not path.startswith(under_r + os.sep):
+                continue
+            if ("fsync", os.path.dirname(path)) not in self.events[i + 1 : end]:
+                out.append(path)
+        return out

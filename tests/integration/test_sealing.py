@@ -396,6 +396,44 @@ def test_every_directory_a_seal_or_restore_makes_is_durable_before_it_is_relied_
     assert spy.not_durable(str(tmp_path / "box2"), skip=STAGE_PREFIX) == []
 
 
+def test_a_many_file_seal_makes_every_name_durable_before_its_manifest(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint of many small files in two directories, some of one size (hashed first,
+    put from memory) and some of sizes of their own (hashed while copied), sealed into a
+    file:// store by the pool of puts: each file is renamed into place and its directory
+    fsynced after that rename and before the MANIFEST that names them (power lost before
+    then loses nothing the MANIFEST names). The checkpoint restores whole."""
+    root = _store_root(tmp_path)
+    store = open_store("file://" + root)
+    ckpt = str(tmp_path / "ckpt")
+    d = os.path.join(ckpt, "checkpoint-7")
+    os.makedirs(os.path.join(d, "shards"))
+    files = {f"shards/s{i:03d}.bin": os.urandom(4096) for i in range(120)}  # sizes shared
+    files.update({f"t{i:02d}.json": os.urandom(1000 + i) for i in range(30)})  # sizes unique
+    for rel, data in files.items():
+        with open(os.path.join(d, *rel.split("/")), "wb") as f:
+            f.write(data)
+    with open(os.path.join(d, "trainer_state.json"), "w") as f:
+        f.write('{"global_step": 7, "log_history": []}')
+    spy = DirSyncSpy(monkeypatch)
+    s = _sealer(store, "r", ckpt, tmp_path)
+    assert s.seal_pending() == 1
+    step_dir = os.path.join(root, "r", "checkpoints", "7", "e1", "checkpoint-7")
+    manifest = os.path.join(root, "r", "checkpoints", "7", "MANIFEST.json")
+    assert os.path.isfile(manifest), os.listdir(os.path.dirname(manifest))
+    renamed = [p for k, p in spy.events if k == "rename" and p.startswith(step_dir + os.sep)]
+    assert len(renamed) == len(files) + 1  # every file (and trainer_state.json) put
+    assert spy.unsynced_names(step_dir, before=manifest) == []
+
+    fresh = str(tmp_path / "box2")
+    doc = restore_latest(store, "r", fresh, lambda kind, reason, **kw: None)
+    assert doc is not None and doc["step"] == 7
+    for rel, data in files.items():
+        with open(os.path.join(fresh, "checkpoint-7", *rel.split("/")), "rb") as f:
+            assert f.read() == data
+
+
 def test_a_checkpoint_whose_name_restore_would_refuse_is_reported_once_and_never_sealed(
     tmp_path: Any,
 ) -> None:

@@ -9,19 +9,24 @@ opt-in test against the real Hub (tests/optin/test_store_hf_real.py).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
-from typing import Callable, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 from huggingface_hub import close_session
 from huggingface_hub import constants as hf_constants
 
 from onbox.common.errors import AuthError, IntegrityError
-from onbox.sealing.stores import open_store
+from onbox.sealing import manifest as mf
+from onbox.sealing.ledger import take_epoch
+from onbox.sealing.restore import restore_latest
+from onbox.sealing.sealer import Sealer
+from onbox.sealing.stores import hfdownload, open_store
 from onbox.sealing.stores.base import (
     ObjectInfo,
     PermanentStoreError,
@@ -35,6 +40,7 @@ from onbox.sealing.stores.hf import HFStore
 from onbox.sealing.stores.hfhub import AUTH_MESSAGE, git_blob_id
 from tests.conftest import ROOT
 from tests.fakehub import FakeHub, Request
+from tests.mounts import tmpfs
 
 # huggingface_hub 2.4 hands httpx2 a file object for the LFS upload, which httpx2 deprecates.
 pytestmark = pytest.mark.filterwarnings(
@@ -445,3 +451,100 @@ def test_offline_mode_is_permanent_fake_hub(
     with pytest.raises(PermanentStoreError, match="HF_HUB_OFFLINE is set"):
         hf_store().get_bytes("run1/x")
     assert fake_hub.requests == []
+
+
+@pytest.mark.parametrize("size", [1000, BIG], ids=["regular", "lfs"])
+def test_a_file_replaced_on_the_hub_by_another_size_is_refused_before_its_bytes_fake_hub(
+    fake_hub: FakeHub, tmp_path: Path, size: int
+) -> None:
+    """A restore or a pull fetches with the MANIFEST's size. When the file under that path on
+    the Hub was replaced by one four times as large, fetch_file refuses it with IntegrityError
+    naming both sizes after the HEAD alone: no GET of its bytes (from the Hub or its storage),
+    nothing at the destination, no temporary directory left; a box's disk cannot be filled by
+    it. The file at its sealed size comes back whole."""
+    store = hf_store()
+    data = os.urandom(size)
+    src, sha = local_file(tmp_path, "model.pt", data)
+    store.put_file("run1/model.pt", src, sha256=sha, size=size)
+    back = tmp_path / "back"
+    back.mkdir()
+    assert store.fetch_file("run1/model.pt", str(back / "a"), size=size) is None
+    assert (back / "a").read_bytes() == data
+
+    fake_hub.write(REPO, "rgt/run1/model.pt", os.urandom(4 * size))
+    seen = len(fake_hub.requests)
+    with pytest.raises(IntegrityError) as e:
+        store.fetch_file("run1/model.pt", str(back / "b"), size=size)
+    assert f"{4 * size} bytes in the store, the MANIFEST says {size} bytes" in str(e.value)
+    asked = [(r.server, r.method) for r in fake_hub.requests[seen:] if "model.pt" in r.path]
+    assert asked and all(a == ("hub", "HEAD") for a in asked), asked
+    assert sorted(os.listdir(back)) == ["a"]
+
+
+def test_a_fetch_downloads_the_commit_whose_size_it_checked_fake_hub(
+    fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A new commit lands on the Hub between fetch_file's HEAD (size checked) and its download
+    (another writer replacing the file by a larger one): the download is of the commit the
+    HEAD answered for, so the bytes received are the ones whose size was checked."""
+    store = hf_store()
+    data = os.urandom(BIG)
+    src, sha = local_file(tmp_path, "model.pt", data)
+    store.put_file("run1/model.pt", src, sha256=sha, size=BIG)
+    real = hfdownload.download
+
+    def replaced_meanwhile(*a: Any, **k: Any) -> Optional[str]:
+        fake_hub.write(REPO, "rgt/run1/model.pt", os.urandom(2 * BIG))
+        return real(*a, **k)
+
+    monkeypatch.setattr(hfdownload, "download", replaced_meanwhile)
+    dest = tmp_path / "back"
+    store.fetch_file("run1/model.pt", str(dest), size=BIG)
+    assert dest.read_bytes() == data
+    now = fake_hub.file(REPO, "rgt/run1/model.pt")
+    assert now is not None and len(now.content) == 2 * BIG  # the Hub has the new one
+
+
+def test_a_restore_from_the_hub_refuses_a_replaced_larger_file_unread_and_falls_back_fake_hub(
+    fake_hub: FakeHub, tmp_path: Path
+) -> None:
+    """Two checkpoints sealed by the real Sealer into the (FAKE) Hub; a file of the newest is
+    replaced there by one of 32 MiB. A fresh box with 20 MiB free restores: the Hub's HEAD
+    gives the size before any byte, the newest checkpoint is quarantined with both sizes in
+    its reason, and the previous one comes back whole; without the bound the download fills
+    the disk and the run cannot start."""
+    store = hf_store()
+    store.preflight("r1")  # as the agent does first: the repo is made
+    ckpt = str(tmp_path / "old-box")
+    s = Sealer(
+        "r1",
+        ckpt,
+        store,
+        str(tmp_path / "stage"),
+        epoch=take_epoch(store, "r1"),
+        event=lambda *a, **k: None,
+        state_path=str(tmp_path / "seq.json"),
+    )
+    s.load()
+    sealed: Dict[int, bytes] = {}
+    for step in (10, 20):
+        d = os.path.join(ckpt, f"step_{step}")
+        os.makedirs(d)
+        sealed[step] = os.urandom(1 << 20)
+        with open(os.path.join(d, "model.bin"), "wb") as f:
+            f.write(sealed[step])
+        with open(os.path.join(d, ".rgt-complete"), "w") as marker:
+            json.dump({"step": step}, marker)
+        assert s.seal_pending() == 1
+    doc = json.loads(store.get_bytes(mf.manifest_key("r1", 20)) or b"{}")
+    (key,) = [f["key"] for f in doc["files"] if f["path"] == "step_20/model.bin"]
+    fake_hub.write(REPO, "rgt/" + key, os.urandom(32 << 20))
+    with tmpfs(str(tmp_path / "small-disk"), "size=20m") as disk:
+        kinds: List[str] = []
+        dest = os.path.join(disk, "ckpt")
+        got = restore_latest(store, "r1", dest, lambda k, *a, **kw: kinds.append(k))
+        assert got is not None and got["step"] == 10 and kinds == ["quarantined", "restored"]
+        with open(os.path.join(dest, "step_10", "model.bin"), "rb") as back:
+            assert back.read() == sealed[10]
+    record = json.loads(store.get_bytes(mf.quarantine_key("r1", 20)) or b"{}")
+    assert f"{32 << 20} bytes in the store, the MANIFEST says {1 << 20} bytes" in record["reason"]

@@ -273,7 +273,7 @@ class Store(abc.ABC):
         bytes written, computed while writing them, or None where this store cannot (the
         caller reads the file back). ``size``: what the caller expects (a MANIFEST's): it may
         save a request, and a store that learns the object's size before its bytes (S3, a
-        directory) refuses another one with IntegrityError, so that an object larger than
+        directory, the Hub) refuses another one with IntegrityError, so that an object larger than
         sealed cannot fill the target; the caller still checks what was written. ``lanes``:
         the requests in flight, shared with the caller's other downloads (else the store's
         own). CancelledError once ``lanes`` is stopped. This default is ``get_file`` (files in

@@ -23,18 +23,19 @@ writer committed in between is overwritten.
 Uploads use whatever transfer huggingface_hub picks (Xet when ``hf_xet`` is installed, else the
 LFS batch API; ``HF_HUB_DISABLE_XET=1`` forces the latter). Downloads go to a temporary
 ``local_dir`` next to the destination, with a ``cache_dir`` inside it: nothing lands in
-``~/.cache/huggingface/hub``.
+``~/.cache/huggingface/hub``; a restore's or a pull's is refused before its bytes when the
+Hub's size is not the MANIFEST's (onbox/sealing/stores/hfdownload.py).
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import os
 import shutil
 import tempfile
 from typing import Iterator, List, Optional, Tuple, Union
 
-from onbox.common.durable import fsync_file
 from onbox.common.errors import IntegrityError, RgtError, StoreAuthError, UsageError
 
 try:
@@ -43,7 +44,6 @@ try:
         CommitOperationDelete,
         HfApi,
         get_token,
-        hf_hub_download,
     )
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -61,6 +61,7 @@ except ImportError as e:  # not installed, or older than huggingface_hub.errors 
 
 from onbox.sealing.stores.base import (
     Finding,
+    Lanes,
     ObjectInfo,
     PermanentStoreError,
     PreconditionFailed,
@@ -69,6 +70,7 @@ from onbox.sealing.stores.base import (
     check_key,
     os_error,
 )
+from onbox.sealing.stores.hfdownload import download, download_to, size_at_head
 from onbox.sealing.stores.hfhub import (
     AUTH_MESSAGE,
     git_blob_id,
@@ -258,24 +260,7 @@ class HFStore(Store):
 
     def _download(self, path: str, into: str, revision: str = REVISION) -> Optional[str]:
         """Download ``path`` under the directory ``into``; its local path, or None if absent."""
-        try:
-            got = hf_hub_download(
-                self.repo_id,
-                path,
-                revision=revision,
-                endpoint=self.endpoint,
-                local_dir=os.path.join(into, "d"),
-                cache_dir=os.path.join(into, "c"),
-                library_name="rgt",
-            )
-        except EntryNotFoundError as e:
-            if isinstance(e, LocalEntryNotFoundError):
-                raise self._error(e, f"reading {path}") from None
-            return None
-        except Exception as e:
-            raise self._error(e, f"reading {path}") from None
-        # Old huggingface_hub versions may leave a symlink into cache_dir: move the real file.
-        return os.path.realpath(str(got))
+        return download(self.repo_id, self.endpoint, path, into, revision, self._error)
 
     # -- the Store interface -----------------------------------------------------------------
 
@@ -373,29 +358,33 @@ class HFStore(Store):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def get_file(self, key: str, dest: str) -> None:
-        # fetch_file is base.Store's: this, then a read-back (huggingface_hub returns no hash);
-        # a restore's file pool runs files in parallel.
-        path = self._path(key)
-        try:
-            # next to dest, so that the final move is a rename within one filesystem
-            tmp = tempfile.mkdtemp(prefix=".rgt-hf-", dir=os.path.dirname(os.path.abspath(dest)))
-        except OSError as e:
-            raise os_error(e, f"writing {dest}") from None
-        try:
-            local = self._download(path, tmp)
-            if local is None:
+    def fetch_file(
+        self, key: str, dest: str, *, size: Optional[int] = None, lanes: Optional[Lanes] = None
+    ) -> Optional[str]:
+        """``get_file``; with ``size``, a HEAD first refuses a file of another size before its
+        bytes, and the download is of the commit that HEAD answered for (hfdownload.py). None:
+        huggingface_hub returns no hash; the caller reads the file back."""
+        if lanes is not None and lanes.stopped:
+            raise concurrent.futures.CancelledError()
+        path, revision = self._path(key), REVISION
+        if size is not None:
+            found = size_at_head(self.repo_id, self.endpoint, path, REVISION, self._error)
+            if found is None:
                 raise PermanentStoreError(f"{key} is not in {self.url}")
-            if os.path.lexists(dest):  # as the other stores: a new file, never over a symlink
-                raise PermanentStoreError(
-                    f"downloading {key}: {dest} exists already", "a download writes a new file"
+            if found[0] is not None and found[0] != size:
+                raise IntegrityError(
+                    f"{self.url}/{key}: {found[0]} bytes in the store, the MANIFEST says "
+                    f"{size} bytes",
+                    "the object in the store is not the one sealed (damaged or replaced): "
+                    "nothing of it was downloaded",
                 )
-            os.replace(local, dest)
-            fsync_file(dest)  # huggingface_hub does not fsync what it writes
-        except OSError as e:
-            raise os_error(e, f"writing {dest}") from None
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+            revision = found[1] or REVISION
+        download_to(self.repo_id, self.endpoint, path, dest, revision, self._error, key, self.url)
+        return None
+
+    def get_file(self, key: str, dest: str) -> None:
+        path = self._path(key)
+        download_to(self.repo_id, self.endpoint, path, dest, REVISION, self._error, key, self.url)
 
     def stat(self, key: str) -> Optional[ObjectInfo]:
         f = self._file(self._path(key))

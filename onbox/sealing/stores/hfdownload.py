@@ -1,0 +1,104 @@
+"""How an ``hf://`` store (onbox/sealing/stores/hf.py) brings a file back from the Hub.
+
+huggingface_hub downloads it into a temporary directory (its ``local_dir``, with a
+``cache_dir`` inside it: nothing lands in ``~/.cache/huggingface/hub``), of one commit; a file
+for a restore or a pull is then renamed to its destination, next to which that directory was
+made (one filesystem), and fsynced, which huggingface_hub does not do. Where the caller knows
+the size to expect (a MANIFEST's), a HEAD first gives the Hub's size and the commit it is of:
+another size is refused before any byte comes (a file replaced on the Hub by a larger one
+cannot fill the box's disk or the laptop's), and the download is of that very commit, so the
+size checked is the size received. Imported only by hf.py, after its guarded import of
+huggingface_hub.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Callable, Optional, Tuple
+
+from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+from onbox.common.durable import fsync_file
+from onbox.sealing.stores.base import PermanentStoreError, os_error
+
+# The StoreError for an exception of huggingface_hub, given what was being done (hf.py's).
+Error = Callable[[BaseException, str], Exception]
+
+
+def download(
+    repo_id: str, endpoint: str, path: str, into: str, revision: str, error: Error
+) -> Optional[str]:
+    """Download ``path`` at ``revision`` under the directory ``into``; its local path, or None
+    when the Hub has no such file."""
+    try:
+        got = hf_hub_download(
+            repo_id,
+            path,
+            revision=revision,
+            endpoint=endpoint,
+            local_dir=os.path.join(into, "d"),
+            cache_dir=os.path.join(into, "c"),
+            library_name="rgt",
+        )
+    except EntryNotFoundError as e:
+        if isinstance(e, LocalEntryNotFoundError):
+            raise error(e, f"reading {path}") from None
+        return None
+    except Exception as e:
+        raise error(e, f"reading {path}") from None
+    # Old huggingface_hub versions may leave a symlink into cache_dir: move the real file.
+    return os.path.realpath(str(got))
+
+
+def size_at_head(
+    repo_id: str, endpoint: str, path: str, revision: str, error: Error
+) -> Optional[Tuple[Optional[int], Optional[str]]]:
+    """(the size the Hub gives ``path`` at ``revision``, the commit that answer is of), from
+    a HEAD, before any byte of it; None when the Hub has no such file."""
+    try:
+        meta = get_hf_file_metadata(
+            hf_hub_url(repo_id, path, revision=revision, endpoint=endpoint),
+            endpoint=endpoint,
+            library_name="rgt",
+        )
+    except EntryNotFoundError:
+        return None
+    except Exception as e:
+        raise error(e, f"reading {path}") from None
+    return meta.size, meta.commit_hash
+
+
+def download_to(
+    repo_id: str,
+    endpoint: str,
+    path: str,
+    dest: str,
+    revision: str,
+    error: Error,
+    key: str,
+    url: str,
+) -> None:
+    """``path`` (the store's ``key``; ``url``, the store's, for messages) at ``revision``
+    downloaded to ``dest``, a new file (never over anything there, a symlink included),
+    fsynced."""
+    try:
+        tmp = tempfile.mkdtemp(prefix=".rgt-hf-", dir=os.path.dirname(os.path.abspath(dest)))
+    except OSError as e:
+        raise os_error(e, f"writing {dest}") from None
+    try:
+        local = download(repo_id, endpoint, path, tmp, revision, error)
+        if local is None:
+            raise PermanentStoreError(f"{key} is not in {url}")
+        if os.path.lexists(dest):  # as the other stores: a new file, never over a symlink
+            raise PermanentStoreError(
+                f"downloading {key}: {dest} exists already", "a download writes a new file"
+            )
+        os.replace(local, dest)
+        fsync_file(dest)
+    except OSError as e:
+        raise os_error(e, f"writing {dest}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)

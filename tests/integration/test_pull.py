@@ -41,6 +41,8 @@ from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from tests.conftest import ROOT, Cli, agent_exe, require
 from tests.mounts import tmpfs
+from tests.netns import Netns
+from tests.relay import Relay
 from tests.seaweed import SeaweedServer
 from tests.sshd import SshServer
 
@@ -547,6 +549,94 @@ def _s3(s3_server: SeaweedServer, monkeypatch: pytest.MonkeyPatch) -> Tuple[str,
         monkeypatch.setenv(k, v)
     bucket = s3_server.bucket()
     return bucket, s3_server.store(bucket, "rgt")
+
+
+# The pull in a child process with the S3 client's read timeout at an hour, so that only
+# rgt's own handling can end a receive that stalls (botocore's is 60 s).
+PATIENT_PULL = (
+    "import json, sys\n"
+    "from botocore.config import Config\n"
+    "import onbox.sealing.stores.s3.core as core\n"
+    "_config = core.config\n"
+    "core.config = lambda **kw: _config(**kw).merge(Config(read_timeout=3600))\n"
+    "from controller.registry import RunRecord\n"
+    "from controller.results.pull import pull\n"
+    "pull(RunRecord.from_json(json.loads(sys.argv[1])), sys.argv[2], 'store')\n"
+)
+
+
+def _staged_bytes(dest: str) -> int:
+    part = os.path.join(dest, ".rgt-part")
+    return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(part) for n in names)
+
+
+def test_ctrl_c_ends_a_pull_from_s3_stalled_on_a_cut_network_at_once_and_it_resumes_whole(
+    tmp_path: Any,
+    laptop: str,
+    s3_server: SeaweedServer,
+    monkeypatch: pytest.MonkeyPatch,
+    netns_sshd: Tuple[Netns, SshServer],
+) -> None:
+    """The laptop's network goes away in the middle of a pull from S3 (for real: the pull runs
+    in a network namespace whose link is cut, so its connections stall mid-body) and the
+    user presses Ctrl-C. The pull ends then, interrupted, rather than when the S3 client's
+    read timeout (an hour here) runs out; nothing is final. With the network back, the next
+    pull brings every file whole."""
+    ns, _ = netns_sshd
+    bucket, store = _s3(s3_server, monkeypatch)
+    files = {f"part-{i}.bin": os.urandom(24 << 20) for i in range(4)}
+    _seal(str(tmp_path), store, 3, files)
+    rec = _rec(f"s3://{bucket}/rgt", str(tmp_path / "box"))
+    dest = str(tmp_path / "dest")
+    relay = Relay(ns.host_addr, ("127.0.0.1", s3_server.port))
+    ns.limit_rate("40mbit")  # 96 MiB in ~20 s: the cut comes with every download in flight
+    env = dict(os.environ, AWS_ENDPOINT_URL=f"http://{ns.host_addr}:{relay.port}")
+    argv = [sys.executable, "-c", PATIENT_PULL, json.dumps(rec.to_json()), dest]
+    child = subprocess.Popen(
+        ns.exec_argv(argv),
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
+    try:
+        _wait(
+            lambda: _staged_bytes(dest) > (8 << 20) or child.poll() is not None,
+            "8 MiB of the pull to arrive",
+        )
+        assert child.poll() is None, child.stderr.read() if child.stderr else ""
+        ns.link_down()
+        try:
+
+            def stalled() -> bool:  # nothing more arrives
+                before = _staged_bytes(dest)
+                time.sleep(1)
+                return _staged_bytes(dest) == before
+
+            _wait(stalled, "the pull to stall")
+            child.send_signal(signal.SIGINT)
+            try:
+                rc = child.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                raise AssertionError("Ctrl-C did not end a pull stalled on the network") from None
+        finally:
+            ns.link_up()
+        assert rc == -signal.SIGINT, (rc, child.stderr.read() if child.stderr else "")
+        assert _finals(dest) == []
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+        if child.stderr:
+            child.stderr.close()
+        ns.unlimit_rate()
+        relay.close()
+
+    pull(rec, dest, "store")
+    for n, data in files.items():
+        assert _read(os.path.join(dest, "checkpoints", "step_3", n)) == data
 
 
 def test_a_pull_from_s3_verifies_and_catches_a_damaged_object(

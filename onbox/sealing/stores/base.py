@@ -148,11 +148,16 @@ class Lanes:
     requests holds no lane, so the downloads of many files and the ranged parts of large ones
     share one bound without waiting on each other (no request waits on another: no deadlock).
     After ``stop()`` a request not yet started fails with CancelledError and a running one is
-    told (``stopped``) to give up at its next chunk: one failed file ends the others early."""
+    told (``stopped``) to give up at its next chunk: one failed file ends the others early. A
+    body being received under ``abortable`` is also cut off by ``stop()``: a receive blocked on
+    a stalled connection then ends at once, not at the store's read timeout (Ctrl-C during a
+    pull whose network went away)."""
 
     def __init__(self, n: int) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="rgt-lane")
         self._stop = threading.Event()
+        self._aborts: List[Callable[[], None]] = []
+        self._lock = threading.Lock()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         if self._stop.is_set():
@@ -176,8 +181,29 @@ class Lanes:
         """A retry's backoff, cut short by ``stop()``."""
         self._stop.wait(seconds)
 
+    @contextlib.contextmanager
+    def abortable(self, abort: Callable[[], None]) -> Iterator[None]:
+        """While the block runs, ``stop()`` calls ``abort`` (from the stopping thread), which
+        must make the block's blocked receive fail. Once stopped already, the block is left to
+        see ``stopped`` itself (and close what it opened)."""
+        with self._lock:
+            armed = not self._stop.is_set()
+            if armed:
+                self._aborts.append(abort)
+        try:
+            yield
+        finally:
+            if armed:
+                with self._lock:
+                    self._aborts.remove(abort)
+
     def stop(self) -> None:
-        self._stop.set()
+        with self._lock:
+            self._stop.set()
+            aborts = list(self._aborts)
+        for abort in aborts:
+            with contextlib.suppress(Exception):  # best effort: the read timeout still bounds it
+                abort()
 
     def close(self) -> None:
         """Stop, and wait for the requests running (each gives up at its next chunk)."""

@@ -101,10 +101,10 @@ def _download(store: S3Store, key: str, dest: str, expect: Optional[int], lanes:
 
 def _open(
     store: S3Store, doing: str, full: str, headers: Dict[str, str]
-) -> Optional[Tuple[Optional[int], Reader, Callable[[], None]]]:
+) -> Optional[Tuple[Optional[int], Reader, Callable[[], None], Callable[[], None]]]:
     """GET ``full`` (``headers``: Range, If-Match): (the body's length, a reader of it into a
-    buffer, its close), on the lean reader where the store has one, else boto3's; None where
-    the object is missing."""
+    buffer, its close, its abort from another thread: a no-op on boto3's), on the lean reader
+    where the store has one, else boto3's; None where the object is missing."""
     lean = store.lean_reader()
     if lean is None:
         kwargs: Dict[str, Any] = {"Key": full}
@@ -123,7 +123,7 @@ def _open(
             return len(chunk)
 
         length = r.get("ContentLength")
-        return (None if length is None else int(length)), read, body.close
+        return (None if length is None else int(length)), read, body.close, _nothing
     try:
         answer = lean.open_get(full, headers)
     except bex.ClientError as e:
@@ -132,7 +132,11 @@ def _open(
         raise client_error(store, e, doing) from None
     except bex.BotoCoreError as e:
         raise boto_error(store, e, doing) from None
-    return answer.length, answer.readinto, answer.close
+    return answer.length, answer.readinto, answer.close, answer.abort
+
+
+def _nothing() -> None:
+    pass
 
 
 def _get_whole(
@@ -153,7 +157,7 @@ def _get_whole(
     got = _open(store, doing, full, {})
     if got is None:
         raise PermanentStoreError(f"{doing}: the object is not in the store")
-    length, read, close = got
+    length, read, close, abort = got
     if sealed and length is not None and length != size:
         close()
         raise IntegrityError(
@@ -164,9 +168,10 @@ def _get_whole(
     h = hashlib.sha256()
     direct = open_direct(dest, fd) if size >= DIRECT_MIN else None
     try:
-        done = _stream(
-            store, doing, read, close, fd, 0, lambda: lanes.stopped, h.update, direct, size + 1
-        )
+        with lanes.abortable(abort):  # a stop cuts a stalled receive short
+            done = _stream(
+                store, doing, read, close, fd, 0, lambda: lanes.stopped, h.update, direct, size + 1
+            )
     finally:
         if direct is not None:
             direct.close()
@@ -303,7 +308,7 @@ def _ranges(
             length = min(part, size - n * part)
             fut = lanes.submit(
                 _get_range, store, doing, full, version, (fd, direct), (n * part, length),
-                hasher, stop,
+                hasher, stop, lanes,
             )  # fmt: skip
             fut.add_done_callback(on_done)
             futures.append(fut)
@@ -331,10 +336,11 @@ def _get_range(
     where: Tuple[int, int],
     hasher: _InOrder,
     stop: Callable[[], bool],
+    lanes: Lanes,
 ) -> None:
     """The range ``where`` (offset, length) of the object into ``file`` (its descriptor, and
     its direct writer where it has one), each chunk received into a buffer of ``hasher``'s and
-    handed to it."""
+    handed to it; a stalled receive cut short when ``lanes`` stop."""
     fd, direct = file
     offset, length = where
     if stop():
@@ -348,8 +354,9 @@ def _get_range(
         raise TransientStoreError(f"{doing}: the object was replaced during the download") from None
     if got is None:
         raise TransientStoreError(f"{doing}: the object was removed during the download")
-    _, read, close = got
-    done = _stream(store, doing, read, close, fd, offset, stop, hasher, direct, length)
+    _, read, close, abort = got
+    with lanes.abortable(abort):
+        done = _stream(store, doing, read, close, fd, offset, stop, hasher, direct, length)
     if done != length:
         raise TransientStoreError(f"{doing}: got {done} bytes of {length}")
 

@@ -75,6 +75,17 @@ class Answer:
             self.close()
             raise _failure(e, self.url, connecting=False) from None
 
+    def abort(self) -> None:
+        """End the receive of this body from another thread: the socket is shut down (not
+        closed: the receiving thread's ``close()`` closes it), so a ``readinto`` blocked on a
+        stalled connection fails now, not at the read timeout."""
+        conn = self._conn
+        if conn is not None:
+            try:
+                conn.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed meanwhile: nothing left to end
+
     def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is None:

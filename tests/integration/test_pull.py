@@ -570,21 +570,30 @@ def _staged_bytes(dest: str) -> int:
     return sum(os.path.getsize(os.path.join(d, n)) for d, _, names in os.walk(part) for n in names)
 
 
+# What the cut lands in: large files (4 x 24 MiB, ranged GETs), whose connections stall
+# mid-body; many small ones (1,500 x 16 KiB), most of whose requests are then waiting for an
+# answer whose headers never come.
+CUT_SHAPES = {"mid-body": (4, 24 << 20), "awaiting-answers": (1500, 16 << 10)}
+
+
+@pytest.mark.parametrize("shape", sorted(CUT_SHAPES))
 def test_ctrl_c_ends_a_pull_from_s3_stalled_on_a_cut_network_at_once_and_it_resumes_whole(
     tmp_path: Any,
     laptop: str,
     s3_server: SeaweedServer,
     monkeypatch: pytest.MonkeyPatch,
     netns_sshd: Tuple[Netns, SshServer],
+    shape: str,
 ) -> None:
     """The laptop's network goes away in the middle of a pull from S3 (for real: the pull runs
-    in a network namespace whose link is cut, so its connections stall mid-body) and the
-    user presses Ctrl-C. The pull ends then, interrupted, rather than when the S3 client's
-    read timeout (an hour here) runs out; nothing is final. With the network back, the next
-    pull brings every file whole."""
+    in a network namespace whose link is cut, so its connections stall, mid-body or before the
+    answer) and the user presses Ctrl-C. The pull ends then, interrupted, rather than when the
+    S3 client's read timeout (an hour here) runs out; nothing is final. With the network back,
+    the next pull brings every file whole."""
     ns, _ = netns_sshd
     bucket, store = _s3(s3_server, monkeypatch)
-    files = {f"part-{i}.bin": os.urandom(24 << 20) for i in range(4)}
+    count, size = CUT_SHAPES[shape]
+    files = {f"part-{i}.bin": os.urandom(size) for i in range(count)}
     _seal(str(tmp_path), store, 3, files)
     rec = _rec(f"s3://{bucket}/rgt", str(tmp_path / "box"))
     dest = str(tmp_path / "dest")

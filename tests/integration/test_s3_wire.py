@@ -221,11 +221,11 @@ def test_a_ranged_download_of_an_object_replaced_meanwhile_fails_as_transient(
     real = lean.open_get
     calls: List[str] = []
 
-    def replaced_after_the_first(full: str, headers: Any) -> Any:
+    def replaced_after_the_first(full: str, headers: Any, cut: Any = None) -> Any:
         if calls == ["first"]:
             store.put_bytes("run/obj", new)
         calls.append("first" if not calls else "later")
-        return real(full, headers)
+        return real(full, headers, cut)
 
     monkeypatch.setattr(lean, "open_get", replaced_after_the_first)
     dest = str(tmp_path / "obj")

@@ -149,9 +149,9 @@ class Lanes:
     share one bound without waiting on each other (no request waits on another: no deadlock).
     After ``stop()`` a request not yet started fails with CancelledError and a running one is
     told (``stopped``) to give up at its next chunk: one failed file ends the others early. A
-    body being received under ``abortable`` is also cut off by ``stop()``: a receive blocked on
-    a stalled connection then ends at once, not at the store's read timeout (Ctrl-C during a
-    pull whose network went away)."""
+    request under ``abortable`` (waiting for its answer, or receiving its body) is also cut off
+    by ``stop()``: a receive blocked on a stalled connection then ends at once, not at the
+    store's read timeout (Ctrl-C during a pull whose network went away)."""
 
     def __init__(self, n: int) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="rgt-lane")

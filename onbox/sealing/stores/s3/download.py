@@ -43,6 +43,7 @@ from onbox.common.writeback import Direct, Writeback, open_direct
 from onbox.sealing.stores.base import Lanes, new_download
 from onbox.sealing.stores.s3.errors import boto_error, client_error, error_code
 from onbox.sealing.stores.s3.multipart import MiB
+from onbox.sealing.stores.s3.wire import Cut
 
 if TYPE_CHECKING:
     from onbox.sealing.stores.s3.core import S3Store
@@ -100,11 +101,13 @@ def _download(store: S3Store, key: str, dest: str, expect: Optional[int], lanes:
 
 
 def _open(
-    store: S3Store, doing: str, full: str, headers: Dict[str, str]
+    store: S3Store, doing: str, full: str, headers: Dict[str, str], lanes: Lanes
 ) -> Optional[Tuple[Optional[int], Reader, Callable[[], None], Callable[[], None]]]:
     """GET ``full`` (``headers``: Range, If-Match): (the body's length, a reader of it into a
-    buffer, its close, its abort from another thread: a no-op on boto3's), on the lean reader
-    where the store has one, else boto3's; None where the object is missing."""
+    buffer, its close, its cut from another thread: a no-op on boto3's), on the lean reader
+    where the store has one, else boto3's; None where the object is missing. On the lean
+    reader a stop of ``lanes`` while the answer is awaited ends the wait at once (the body's
+    receive is the caller's to put under ``lanes.abortable`` with the cut)."""
     lean = store.lean_reader()
     if lean is None:
         kwargs: Dict[str, Any] = {"Key": full}
@@ -124,15 +127,19 @@ def _open(
 
         length = r.get("ContentLength")
         return (None if length is None else int(length)), read, body.close, _nothing
+    cut = Cut()
     try:
-        answer = lean.open_get(full, headers)
+        with lanes.abortable(cut.cut):  # a store that stalls before it answers, too
+            if lanes.stopped:  # stopped before the cut was armed: nothing is sent
+                raise concurrent.futures.CancelledError()
+            answer = lean.open_get(full, headers, cut)
     except bex.ClientError as e:
         if error_code(e) in ("NoSuchKey", "404", "NotFound"):
             return None
         raise client_error(store, e, doing) from None
     except bex.BotoCoreError as e:
         raise boto_error(store, e, doing) from None
-    return answer.length, answer.readinto, answer.close, answer.abort
+    return answer.length, answer.readinto, answer.close, cut.cut
 
 
 def _nothing() -> None:
@@ -154,7 +161,7 @@ def _get_whole(
     byte past ``size`` is received: a store's object larger than what it was sealed as (or
     than its HEAD said a moment before) cannot fill the disk it is downloaded to. Where
     ``sealed`` and the store answers with another length, IntegrityError before any byte."""
-    got = _open(store, doing, full, {})
+    got = _open(store, doing, full, {}, lanes)
     if got is None:
         raise PermanentStoreError(f"{doing}: the object is not in the store")
     length, read, close, abort = got
@@ -349,7 +356,7 @@ def _get_range(
     if version:
         headers["If-Match"] = version  # every range from the same object, even if it is replaced
     try:
-        got = _open(store, doing, full, headers)
+        got = _open(store, doing, full, headers, lanes)
     except PreconditionFailed:
         raise TransientStoreError(f"{doing}: the object was replaced during the download") from None
     if got is None:

@@ -44,7 +44,7 @@ from onbox.sealing.stores.s3.checksums import SHA256_META, b64
 from onbox.sealing.stores.s3.client import is_aws
 from onbox.sealing.stores.s3.errors import boto_error, client_error
 from onbox.sealing.stores.s3.sigv4 import Signer
-from onbox.sealing.stores.s3.wire import Answer, Wire
+from onbox.sealing.stores.s3.wire import Answer, Cut, Wire
 
 if TYPE_CHECKING:
     from onbox.sealing.stores.s3.core import S3Store
@@ -145,13 +145,14 @@ class Lean:
         ) as answer:
             return _Answered(answer.status, answer.plain_headers(), answer.read())
 
-    def open_get(self, full: str, headers: Mapping[str, str]) -> Answer:
+    def open_get(self, full: str, headers: Mapping[str, str], cut: Optional[Cut] = None) -> Answer:
         """GET ``full`` with ``headers`` (Range, If-Match) on the wire: the answer, whose body
-        the caller reads into its own buffer and then closes. A refusal (any status but 200 and
-        206) is raised as the ClientError boto3 would raise; only where ``wire`` is not None."""
+        the caller reads into its own buffer and then closes; ``cut`` ends it from another
+        thread (wire.Cut). A refusal (any status but 200 and 206) is raised as the ClientError
+        boto3 would raise; only where ``wire`` is not None."""
         assert self.wire is not None
         url, signed = self._signed_here("GET", full, headers)
-        answer = self.wire.request("GET", url, signed)
+        answer = self.wire.request("GET", url, signed, cut=cut)
         if answer.status in (200, 206):
             return answer
         with answer:

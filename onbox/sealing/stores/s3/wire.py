@@ -37,15 +37,55 @@ Buffer = Union[bytearray, memoryview]
 KEEP = 48
 
 
+class Cut:
+    """Ends one request's wait from another thread (a restore or pull being stopped): ``cut()``
+    shuts down the socket the request is on, whether it is still waiting for the answer's
+    headers or receiving its body, so the blocked receive fails now, not at the read timeout;
+    a request cut before it was sent is not sent, and one cut while it waits is not sent again
+    on a fresh connection. The socket is only shut down: the request's own thread closes it.
+    The connection is held only while its request is under way (``hold`` to ``let_go``, under
+    one lock), so a cut never reaches a connection handed back for another request."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._conn: Optional[Conn] = None
+        self.done = False
+
+    def cut(self) -> None:
+        with self._lock:
+            self.done = True
+            if self._conn is not None:
+                try:
+                    self._conn.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass  # the peer closed it already: nothing is waiting on it
+
+    def hold(self, conn: Conn) -> bool:
+        """``conn`` is this request's until ``let_go``; False where the request was cut."""
+        with self._lock:
+            if self.done:
+                return False
+            self._conn = conn
+            return True
+
+    def let_go(self, conn: Conn) -> bool:
+        """``conn``'s request is over; False where it was cut (its socket may be shut down)."""
+        with self._lock:
+            if self._conn is conn:
+                self._conn = None
+            return not self.done
+
+
 class Answer:
     """One response: its status and headers; its body read with ``readinto`` or ``read``.
     ``close()`` hands the connection back for the next request when the body was read whole,
     else closes it (a body left unread would be the next request's answer)."""
 
-    def __init__(self, wire: Wire, conn: Conn, body: Body, url: str):
+    def __init__(self, wire: Wire, conn: Conn, body: Body, url: str, cut: Optional[Cut]):
         self._wire = wire
         self._conn: Optional[Conn] = conn
         self._body = body
+        self._cut = cut
         self.url = url
         self.status = body.status
         self.length = body.length  # by Content-Length; None when the answer does not say
@@ -75,22 +115,13 @@ class Answer:
             self.close()
             raise _failure(e, self.url, connecting=False) from None
 
-    def abort(self) -> None:
-        """End the receive of this body from another thread: the socket is shut down (not
-        closed: the receiving thread's ``close()`` closes it), so a ``readinto`` blocked on a
-        stalled connection fails now, not at the read timeout."""
-        conn = self._conn
-        if conn is not None:
-            try:
-                conn.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass  # closed meanwhile: nothing left to end
-
     def close(self) -> None:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if self._body.reusable:
+        if self._cut is not None and not self._cut.let_go(conn):
+            conn.close()  # cut meanwhile: its socket is shut down, of no use to the next request
+        elif self._body.reusable:
             self._wire.give_back(conn)
         else:
             conn.close()
@@ -164,12 +195,18 @@ class Wire:
         )
 
     def request(
-        self, method: str, url: str, headers: Mapping[str, str], body: Optional[bytes] = None
+        self,
+        method: str,
+        url: str,
+        headers: Mapping[str, str],
+        body: Optional[bytes] = None,
+        cut: Optional[Cut] = None,
     ) -> Answer:
         """Send one request (``url``: the full URL it was signed for; ``headers`` with the Host
         it was signed with) and return its answer, whose body the caller reads and then closes.
         A kept connection the server had closed meanwhile is replaced once (the requests sent
-        here are idempotent)."""
+        here are idempotent). ``cut``, where given, can end the request from another thread
+        (Cut) until the answer is closed."""
         split = url.split("/", 3)
         target = "/" + (split[3] if len(split) > 3 else "")
         items = list(headers.items())
@@ -179,12 +216,16 @@ class Wire:
             reused = conn is not None
             if conn is None:
                 conn = self._connect(url)
+            if cut is not None and not cut.hold(conn):
+                self.give_back(conn)  # nothing was sent on it
+                raise _failure(Closed("the request was cut"), url, connecting=False)
             try:
                 conn.send(method, target, items, body or b"")
-                return Answer(self, conn, Body(conn, method), url)
+                return Answer(self, conn, Body(conn, method), url, cut)
             except (OSError, BadAnswer) as e:
+                live = cut is None or cut.let_go(conn)
                 conn.close()
-                if reused and _stale(e):
+                if reused and live and _stale(e):
                     continue
                 raise _failure(e, url, connecting=False) from None
         raise AssertionError("unreachable")  # pragma: no cover

@@ -61,6 +61,7 @@ class History:
     unplanned: int = 0
     ds: Tuple[float, ...] = ()  # the recent measurements of d, oldest first
     covered: int = 0
+    reports: bool = False  # the ds are the job's own reports of its blocked saves
 
     @property
     def d(self) -> Optional[float]:
@@ -157,7 +158,12 @@ class Segment:
             base.unplanned + self.unplanned + int(self.ended_unplanned(begin)),
             self.ds(base),
             base.covered + int(self.ended_covered()),
+            self.measured_by_reports(base),
         )
+
+    def measured_by_reports(self, base: History) -> bool:
+        """Whether the newest ds are the job's reports (this agent's, else those before it)."""
+        return self.reports if self.samples else base.reports
 
 
 def history(events: List[Any], begin: bool) -> History:
@@ -185,6 +191,7 @@ def history(events: List[Any], begin: bool) -> History:
                 int(_num(ev.get("base_unplanned"))),
                 tuple(_num(x) for x in ds[-SAMPLES:]) if isinstance(ds, list) else (),
                 int(_num(ev.get("base_covered"))),
+                ev.get("base_reports") is True,
             )
         if seg is not None:
             seg.feed(ev, t)
@@ -291,7 +298,11 @@ class AutoInterval:
                 "unknown"
                 if d is None
                 else f"{d:.3f} s, "
-                + ("the job's blocked save" if self.seg.reports else "ask to sealed")
+                + (
+                    "the job's blocked save"
+                    if self.seg.measured_by_reports(self.base)
+                    else "ask to sealed"
+                )
             )
             self.event(
                 KIND,
@@ -309,5 +320,6 @@ class AutoInterval:
                 base_unplanned=self.base.unplanned,
                 base_covered=self.base.covered,
                 base_ds=[round(x, 3) for x in self.base.ds],
+                base_reports=self.base.reports,
             )
         return self.seconds

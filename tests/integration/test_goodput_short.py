@@ -1,5 +1,5 @@
 """The goodput harness's short form (bench/goodput/goodput.py): one trace, rgt with
-``checkpoint.interval = "auto"``, real preemptions (SIGTERM, no grace or a 3 s one, SIGKILL of
+``checkpoint.interval = "auto"``, real preemptions (SIGTERM, no grace or a 10 s one, SIGKILL of
 every process of the box, a fresh box with empty directories and a new agent that restores from
 the store).
 
@@ -74,8 +74,11 @@ def _box_outputs(setup_dir: str) -> str:
     return text
 
 
+# The grace: none, or one the final checkpoint and its seal fit in on a loaded machine (the
+# job's save, the agent's seal of it, on two cores the rest of the suite shares: 3 s was once
+# too short there). The preemption ends when the agent does, so a long grace costs nothing.
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("grace", [0, 3])
+@pytest.mark.parametrize("grace", [0, 10])
 def test_preempted_rgt_auto_never_redoes_a_counted_step_and_ends_exact(
     tmp_path: object, grace: int
 ) -> None:
@@ -132,7 +135,18 @@ def test_preempted_rgt_auto_never_redoes_a_counted_step_and_ends_exact(
     covered = [0, 0, 0] if grace == 0 else [0, 1, 2]
     assert [e["base_covered"] for e in starts] == covered, starts
     # d is what a checkpoint costs the job (the time its save held the loop, which the
-    # training API reports and the sealer carries), not the seal that runs beside training
-    assert any(isinstance(e.get("blocked_s"), float) for e in events if e["kind"] == "sealed")
-    measured = [e for e in chosen if e["d"] is not None and e["seal_s"] > 0]
-    assert measured and all(e["d"] < e["seal_s"] for e in measured), measured
+    # training API reports and the sealer carries), not the seal that runs beside training:
+    # every interval chosen from a measured d, the later boxes' first ones included, says so
+    # and lies among the saves reported (which of the two is longer depends on the machine:
+    # this job's checkpoint is small enough to seal in a few milliseconds)
+    blocked = [
+        max(float(e["blocked_s"]), 1e-3)
+        for e in events
+        if e["kind"] == "sealed" and isinstance(e.get("blocked_s"), float)
+    ]
+    assert blocked, events
+    measured = [e for e in chosen if e["d"] is not None]
+    assert len(measured) >= 2, chosen  # at least the second and third boxes' first choice
+    for e in measured:
+        assert "the job's blocked save" in e["reason"], e
+        assert min(blocked) - 5e-4 <= e["d"] <= max(blocked) + 5e-4, (e, blocked)

@@ -312,3 +312,35 @@ def test_the_jobs_save_report_is_read_only_when_well_formed(tmp_path: Any) -> No
         assert progress.last_save({"step": 12, "save": bad}) is None
     assert progress.last_save({"step": 12, "save": {"step": 10, "blocked_s": math.nan}}) is None
     assert progress.last_save({"step": 12}) is None and progress.last_save(None) is None
+
+
+def test_a_new_agents_first_choice_says_where_the_d_it_inherits_came_from(tmp_path: Any) -> None:
+    """The d a new agent starts from was measured by the agents before it: the job's reported
+    saves stay named so in its first interval event and in the history the next box reads from
+    that event; a job that reports nothing is measured from the ask to the seal, named so."""
+    reported = [
+        ev(0, "epoch", epoch=5),
+        state(1, "RUNNING"),
+        ev(10, "checkpoint_asked"),
+        ev(11, "sealed", step=1, seconds=0.5, blocked_s=0.02),
+    ]
+    h = history(reported, begin=True)
+    assert h.reports and h.d == pytest.approx(0.02)
+    path = os.path.join(str(tmp_path), "events.jsonl")
+    with open(path, "w") as f:
+        f.write(json.dumps(ev(100, "epoch", epoch=6)) + "\n")
+    logged: List[Any] = []
+    auto = AutoInterval(h, 0.1, T0 + 100, path, lambda k, r, **data: logged.append((r, data)))
+    auto.start(T0 + 100)
+    reason, data = logged[-1]
+    assert "0.020 s, the job's blocked save" in reason and data["base_reports"] is True
+    first = ev(100, "checkpoint_interval", **data)
+    after = history(reported + [ev(100, "incarnation"), ev(100, "epoch", epoch=6), first], True)
+    assert after.reports and after.d == pytest.approx(0.02)
+
+    plain = [e for e in reported if e["kind"] != "sealed"] + [ev(11, "sealed", step=1, seconds=1)]
+    h = history(plain, begin=True)
+    assert not h.reports and h.d == pytest.approx(1.0)
+    logged.clear()
+    AutoInterval(h, 0.1, T0 + 100, path, lambda k, r, **data: logged.append(r)).start(T0 + 100)
+    assert "1.000 s, ask to sealed" in logged[-1]

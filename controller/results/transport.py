@@ -70,6 +70,7 @@ def fetch_store(store: Store, items: List[Entry], stage_dir: str, finished: Fini
 
         return run
 
+    store.plan_fetch({e.key: e.size for e in items if e.key is not None})
     in_parallel([job(e) for e in items])
     return sum(e.size for e in items)
 

@@ -222,6 +222,7 @@ def _fetch_all(store: Store, files: List[Dict[str, Any]], stage: str, dest_dir: 
     """Every file into ``stage`` (as ``stage/<index>``), FILES at a time; the first failure
     raised once every worker is over."""
     need = sum(int(f["size"]) for f in files)
+    store.plan_fetch({f["key"]: int(f["size"]) for f in files})
 
     def job(i: int, f: Dict[str, Any]) -> Callable[[Lanes], None]:
         tmp = os.path.join(stage, str(i))

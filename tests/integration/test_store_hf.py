@@ -505,15 +505,10 @@ def test_a_fetch_downloads_the_commit_whose_size_it_checked_fake_hub(
     assert now is not None and len(now.content) == 2 * BIG  # the Hub has the new one
 
 
-def test_a_restore_from_the_hub_refuses_a_replaced_larger_file_unread_and_falls_back_fake_hub(
-    fake_hub: FakeHub, tmp_path: Path
+def _seal_steps_fake_hub(
+    store: HFStore, tmp_path: Path, files: Dict[int, Dict[str, bytes]]
 ) -> None:
-    """Two checkpoints sealed by the real Sealer into the (FAKE) Hub; a file of the newest is
-    replaced there by one of 32 MiB. A fresh box with 20 MiB free restores: the Hub's HEAD
-    gives the size before any byte, the newest checkpoint is quarantined with both sizes in
-    its reason, and the previous one comes back whole; without the bound the download fills
-    the disk and the run cannot start."""
-    store = hf_store()
+    """Each step's files sealed into the (FAKE) Hub by the real Sealer, run r1."""
     store.preflight("r1")  # as the agent does first: the repo is made
     ckpt = str(tmp_path / "old-box")
     s = Sealer(
@@ -526,16 +521,28 @@ def test_a_restore_from_the_hub_refuses_a_replaced_larger_file_unread_and_falls_
         state_path=str(tmp_path / "seq.json"),
     )
     s.load()
-    sealed: Dict[int, bytes] = {}
-    for step in (10, 20):
+    for step, named in files.items():
         d = os.path.join(ckpt, f"step_{step}")
         os.makedirs(d)
-        sealed[step] = os.urandom(1 << 20)
-        with open(os.path.join(d, "model.bin"), "wb") as f:
-            f.write(sealed[step])
+        for name, data in named.items():
+            with open(os.path.join(d, name), "wb") as f:
+                f.write(data)
         with open(os.path.join(d, ".rgt-complete"), "w") as marker:
             json.dump({"step": step}, marker)
         assert s.seal_pending() == 1
+
+
+def test_a_restore_from_the_hub_refuses_a_replaced_larger_file_unread_and_falls_back_fake_hub(
+    fake_hub: FakeHub, tmp_path: Path
+) -> None:
+    """Two checkpoints sealed by the real Sealer into the (FAKE) Hub; a file of the newest is
+    replaced there by one of 32 MiB. A fresh box with 20 MiB free restores: the Hub's HEAD
+    gives the size before any byte, the newest checkpoint is quarantined with both sizes in
+    its reason, and the previous one comes back whole; without the bound the download fills
+    the disk and the run cannot start."""
+    store = hf_store()
+    sealed = {step: os.urandom(1 << 20) for step in (10, 20)}
+    _seal_steps_fake_hub(store, tmp_path, {step: {"model.bin": sealed[step]} for step in sealed})
     doc = json.loads(store.get_bytes(mf.manifest_key("r1", 20)) or b"{}")
     (key,) = [f["key"] for f in doc["files"] if f["path"] == "step_20/model.bin"]
     fake_hub.write(REPO, "rgt/" + key, os.urandom(32 << 20))
@@ -548,3 +555,44 @@ def test_a_restore_from_the_hub_refuses_a_replaced_larger_file_unread_and_falls_
             assert back.read() == sealed[10]
     record = json.loads(store.get_bytes(mf.quarantine_key("r1", 20)) or b"{}")
     assert f"{32 << 20} bytes in the store, the MANIFEST says {1 << 20} bytes" in record["reason"]
+
+
+def test_a_restore_from_the_hub_asks_all_sizes_at_once_and_downloads_that_commit_fake_hub(
+    fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checkpoint of 30 files sealed into the (FAKE) Hub is restored with its sizes asked in
+    one paths-info, not with a HEAD of rgt's own per file (huggingface_hub's download makes
+    one of its own: a file costs one round trip fewer). A commit landing on the Hub during the
+    restore (a file replaced by a larger one) changes nothing restored: every file comes from
+    the commit whose sizes were checked."""
+    store = hf_store()
+    files = {f"shard-{i:02d}.bin": os.urandom(4096 + i) for i in range(30)}
+    _seal_steps_fake_hub(store, tmp_path, {10: files})
+    doc = json.loads(store.get_bytes(mf.manifest_key("r1", 10)) or b"{}")
+    paths = {"rgt/" + f["key"]: f["path"] for f in doc["files"]}
+    first = sorted(paths)[0]
+    real = hfdownload.download
+    replaced: List[str] = []
+
+    def another_commit_meanwhile(*a: Any, **k: Any) -> Optional[str]:
+        if a[2] in paths and not replaced:
+            replaced.append(a[2])
+            fake_hub.write(REPO, first, os.urandom(1 << 20))
+        return real(*a, **k)
+
+    monkeypatch.setattr(hfdownload, "download", another_commit_meanwhile)
+    seen = len(fake_hub.requests)
+    dest = str(tmp_path / "ckpt")
+    got = restore_latest(store, "r1", dest, lambda *a, **k: None)
+    assert got is not None and got["step"] == 10 and replaced
+    for name, data in files.items():
+        with open(os.path.join(dest, "step_10", name), "rb") as back:
+            assert back.read() == data, name
+    asked = fake_hub.requests[seen:]
+    heads: Dict[str, int] = {}
+    for r in asked:
+        hit = [p for p in paths if r.method == "HEAD" and r.path.endswith("/" + p)]
+        for p in hit:
+            heads[p] = heads.get(p, 0) + 1
+    assert sorted(heads) == sorted(paths) and max(heads.values()) == 1, heads
+    assert [r.method for r in asked if "paths-info" in r.path] == ["POST"]

@@ -44,7 +44,7 @@ import errno
 import os
 import threading
 import time
-from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Tuple, TypeVar
 
 # The store errors are drawn in onbox.common.errors' tree (exit 14); imported here too because
 # every user of a Store catches them.
@@ -307,6 +307,15 @@ class Store(abc.ABC):
         if lanes is not None and lanes.stopped:
             raise concurrent.futures.CancelledError()
         self.get_file(key, dest)
+        return None
+
+    def plan_fetch(self, sizes: Mapping[str, int]) -> None:
+        """Said before a restore's or a pull's ``fetch_file`` of every key in ``sizes`` (key ->
+        the size the MANIFEST gives it): a store that learns every size at once where it would
+        otherwise ask once per file (the Hub: one ``paths-info`` for all, against a HEAD per
+        file) does so here, so that each fetch finds its answer ready. Best effort: it raises
+        nothing, and what it could not learn each fetch asks for itself. This default: nothing
+        (S3 needs no request of its own for the size, a directory no round trip)."""
         return None
 
     @abc.abstractmethod

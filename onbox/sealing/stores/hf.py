@@ -34,7 +34,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from typing import Iterator, List, Optional, Tuple, Union
+from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from onbox.common.errors import IntegrityError, RgtError, StoreAuthError, UsageError
 
@@ -80,6 +80,9 @@ from onbox.sealing.stores.hfhub import (
 )
 
 REVISION = "main"
+# Paths in one paths-info request of plan_fetch (the Hub takes a list; a few hundred keep the
+# request small).
+PLAN_BATCH = 500
 # Up to this size put_file reads the file into memory once: the bytes it hashes are the bytes it
 # sends, and a regular (non-LFS) file's git blob id can be checked against them. The Hub stores
 # larger files in LFS, whose sha256 it reports itself.
@@ -111,6 +114,8 @@ class HFStore(Store):
         self.endpoint: str = self.api.endpoint
         self._repo_ready = False
         self._private: Optional[bool] = None
+        # plan_fetch's answers, taken by fetch_file: key -> (the Hub's size, the commit)
+        self._planned: Dict[str, Tuple[int, str]] = {}
         self._tokens = f"write tokens are made at {self.endpoint}/settings/tokens"
 
     # -- helpers ---------------------------------------------------------------------------
@@ -358,17 +363,41 @@ class HFStore(Store):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    def plan_fetch(self, sizes: Mapping[str, int]) -> None:
+        """The Hub's size of every key in ``sizes``, at the head commit, from ``paths-info``
+        (PLAN_BATCH paths a request) instead of a HEAD per file: a checkpoint of 1,000 files
+        is then a few requests for the sizes, not 1,000 round trips. Each fetch_file takes its
+        key's answer and downloads that commit (so the size checked is still the size
+        received). Best effort: where the Hub does not answer, or does not list a path, the
+        fetch asks with its own HEAD and reports what it finds as before."""
+        planned: Dict[str, Tuple[int, str]] = {}
+        try:
+            commit = self._head()
+            paths = {self._path(k): k for k in sizes}
+            names = sorted(paths)
+            for i in range(0, len(names), PLAN_BATCH):
+                batch = names[i : i + PLAN_BATCH]
+                for info in self.api.get_paths_info(self.repo_id, batch, revision=commit):
+                    if isinstance(info, RepoFile) and info.path in paths:
+                        planned[paths[info.path]] = (int(info.size), commit)
+        except Exception:  # any failure: each fetch asks for itself, as it did before
+            planned = {}
+        self._planned = planned
+
     def fetch_file(
         self, key: str, dest: str, *, size: Optional[int] = None, lanes: Optional[Lanes] = None
     ) -> Optional[str]:
-        """``get_file``; with ``size``, a HEAD first refuses a file of another size before its
-        bytes, and the download is of the commit that HEAD answered for (hfdownload.py). None:
-        huggingface_hub returns no hash; the caller reads the file back."""
+        """``get_file``; with ``size``, the Hub's size (plan_fetch's, else a HEAD's) refuses a
+        file of another size before its bytes, and the download is of the commit that answer
+        is of (hfdownload.py). None: huggingface_hub returns no hash; the caller reads the file
+        back."""
         if lanes is not None and lanes.stopped:
             raise concurrent.futures.CancelledError()
         path, revision = self._path(key), REVISION
         if size is not None:
-            found = size_at_head(self.repo_id, self.endpoint, path, REVISION, self._error)
+            found: Optional[Tuple[Optional[int], Optional[str]]] = self._planned.pop(key, None)
+            if found is None:  # not planned, or taken by an earlier try: ask now
+                found = size_at_head(self.repo_id, self.endpoint, path, REVISION, self._error)
             if found is None:
                 raise PermanentStoreError(f"{key} is not in {self.url}")
             if found[0] is not None and found[0] != size:

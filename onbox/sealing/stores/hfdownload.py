@@ -4,11 +4,12 @@ huggingface_hub downloads it into a temporary directory (its ``local_dir``, with
 ``cache_dir`` inside it: nothing lands in ``~/.cache/huggingface/hub``), of one commit; a file
 for a restore or a pull is then renamed to its destination, next to which that directory was
 made (one filesystem), and fsynced, which huggingface_hub does not do. Where the caller knows
-the size to expect (a MANIFEST's), a HEAD first gives the Hub's size and the commit it is of:
-another size is refused before any byte comes (a file replaced on the Hub by a larger one
-cannot fill the box's disk or the laptop's), and the download is of that very commit, so the
-size checked is the size received. Imported only by hf.py, after its guarded import of
-huggingface_hub.
+the size to expect (a MANIFEST's), the Hub's size and the commit it is of come first (for a
+restore or a pull, from one ``paths-info`` for all its files: HFStore.plan_fetch; else from a
+HEAD of the file): another size is refused before any byte comes (a file replaced on the
+Hub by a larger one cannot fill the box's disk or the laptop's), and the download is of that
+very commit, so the size checked is the size received. Imported only by hf.py, after its
+guarded import of huggingface_hub.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ from onbox.sealing.stores.base import (
     check_key,
     os_error,
 )
-from onbox.sealing.stores.hfdownload import download, download_to, size_at_head
+from onbox.sealing.stores.hfdownload import download, download_to, size_at_head, sizes_at
 from onbox.sealing.stores.hfhub import (
     AUTH_MESSAGE,
     git_blob_id,
@@ -80,9 +80,6 @@ from onbox.sealing.stores.hfhub import (
 )
 
 REVISION = "main"
-# Paths in one paths-info request of plan_fetch (the Hub takes a list; a few hundred keep the
-# request small).
-PLAN_BATCH = 500
 # Up to this size put_file reads the file into memory once: the bytes it hashes are the bytes it
 # sends, and a regular (non-LFS) file's git blob id can be checked against them. The Hub stores
 # larger files in LFS, whose sha256 it reports itself.
@@ -364,25 +361,17 @@ class HFStore(Store):
             shutil.rmtree(tmp, ignore_errors=True)
 
     def plan_fetch(self, sizes: Mapping[str, int]) -> None:
-        """The Hub's size of every key in ``sizes``, at the head commit, from ``paths-info``
-        (PLAN_BATCH paths a request) instead of a HEAD per file: a checkpoint of 1,000 files
-        is then a few requests for the sizes, not 1,000 round trips. Each fetch_file takes its
-        key's answer and downloads that commit (so the size checked is still the size
-        received). Best effort: where the Hub does not answer, or does not list a path, the
-        fetch asks with its own HEAD and reports what it finds as before."""
-        planned: Dict[str, Tuple[int, str]] = {}
+        """The Hub's size of every key in ``sizes`` at the head commit, from paths-info
+        (hfdownload.sizes_at): a few requests for a checkpoint of 1,000 files, not a HEAD per
+        file. Each fetch_file takes its key's answer and downloads that commit. Best effort:
+        a file the Hub did not answer for is asked for by its fetch's own HEAD, as before."""
         try:
             commit = self._head()
-            paths = {self._path(k): k for k in sizes}
-            names = sorted(paths)
-            for i in range(0, len(names), PLAN_BATCH):
-                batch = names[i : i + PLAN_BATCH]
-                for info in self.api.get_paths_info(self.repo_id, batch, revision=commit):
-                    if isinstance(info, RepoFile) and info.path in paths:
-                        planned[paths[info.path]] = (int(info.size), commit)
+            keys = {self._path(k): k for k in sizes}
+            found = sizes_at(self.api, self.repo_id, sorted(keys), commit)
+            self._planned = {keys[p]: (n, commit) for p, n in found.items() if p in keys}
         except Exception:  # any failure: each fetch asks for itself, as it did before
-            planned = {}
-        self._planned = planned
+            self._planned = {}
 
     def fetch_file(
         self, key: str, dest: str, *, size: Optional[int] = None, lanes: Optional[Lanes] = None

@@ -17,16 +17,20 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import Callable, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
-from huggingface_hub import get_hf_file_metadata, hf_hub_download, hf_hub_url
+from huggingface_hub import HfApi, get_hf_file_metadata, hf_hub_download, hf_hub_url
 from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+from huggingface_hub.hf_api import RepoFile
 
 from onbox.common.durable import fsync_file
 from onbox.sealing.stores.base import PermanentStoreError, os_error
 
 # The StoreError for an exception of huggingface_hub, given what was being done (hf.py's).
 Error = Callable[[BaseException, str], Exception]
+# Paths in one paths-info request of sizes_at: the Hub takes a list; a few hundred keep each
+# request small.
+BATCH = 500
 
 
 def download(
@@ -52,6 +56,17 @@ def download(
         raise error(e, f"reading {path}") from None
     # Old huggingface_hub versions may leave a symlink into cache_dir: move the real file.
     return os.path.realpath(str(got))
+
+
+def sizes_at(api: HfApi, repo_id: str, paths: List[str], commit: str) -> Dict[str, int]:
+    """The size of each of ``paths`` at ``commit``, from ``paths-info`` (BATCH paths a
+    request); a path the Hub does not list there is left out. Errors are the caller's."""
+    sizes: Dict[str, int] = {}
+    for i in range(0, len(paths), BATCH):
+        for info in api.get_paths_info(repo_id, paths[i : i + BATCH], revision=commit):
+            if isinstance(info, RepoFile):
+                sizes[info.path] = int(info.size)
+    return sizes
 
 
 def size_at_head(

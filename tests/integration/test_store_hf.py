@@ -21,6 +21,9 @@ import pytest
 from huggingface_hub import close_session
 from huggingface_hub import constants as hf_constants
 
+from controller.registry import RunRecord
+from controller.results.pull import pull
+from controller.target import Target
 from onbox.common.errors import AuthError, IntegrityError
 from onbox.sealing import manifest as mf
 from onbox.sealing.ledger import take_epoch
@@ -595,4 +598,32 @@ def test_a_restore_from_the_hub_asks_all_sizes_at_once_and_downloads_that_commit
         for p in hit:
             heads[p] = heads.get(p, 0) + 1
     assert sorted(heads) == sorted(paths) and max(heads.values()) == 1, heads
+    assert [r.method for r in asked if "paths-info" in r.path] == ["POST"]
+
+
+def test_a_pull_from_the_hub_asks_all_sizes_at_once_and_verifies_every_file_fake_hub(
+    fake_hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rgt pull --from store` of a checkpoint sealed into the (FAKE) Hub: every file comes back
+    verified and in place, its size asked in one paths-info with the others (one HEAD per file,
+    huggingface_hub's own)."""
+    monkeypatch.setenv("RGT_CONTROLLER_HOME", str(tmp_path / "laptop"))
+    store = hf_store()
+    files = {f"part-{i}.bin": os.urandom(3000 + i) for i in range(12)}
+    _seal_steps_fake_hub(store, tmp_path, {7: files})
+    doc = json.loads(store.get_bytes(mf.manifest_key("r1", 7)) or b"{}")
+    paths = ["rgt/" + f["key"] for f in doc["files"]]
+    rec = RunRecord(
+        "r1", Target("local"), profile="local", store=URL, box_home=str(tmp_path / "box")
+    )
+    seen = len(fake_hub.requests)
+    dest = str(tmp_path / "pulled")
+    receipt = pull(rec, dest, "store")
+    assert receipt.source == "store" and receipt.sealed.step == 7
+    for name, data in files.items():
+        with open(os.path.join(dest, "checkpoints", "step_7", name), "rb") as back:
+            assert back.read() == data, name
+    asked = fake_hub.requests[seen:]
+    heads = [p for r in asked for p in paths if r.method == "HEAD" and r.path.endswith("/" + p)]
+    assert sorted(heads) == sorted(paths), heads
     assert [r.method for r in asked if "paths-info" in r.path] == ["POST"]

@@ -61,6 +61,16 @@ class Writeback:
             start(self.fd, self.start, self.end - self.start)
             self.start = self.end
 
+    def passed(self, n: int) -> None:
+        """The next ``n`` bytes were written past the page cache (a Direct writer's): nothing
+        of them to hand over. What was written through the cache before them is handed over
+        now, and the stretch goes on after them (else the stretches handed to the disk would
+        lag behind the bytes written by the ones written directly)."""
+        if self.end > self.start:
+            start(self.fd, self.start, self.end - self.start)
+        self.end += n
+        self.start = self.end
+
 
 def start(fd: int, offset: int, length: int) -> None:
     """Start writing ``length`` bytes of ``fd`` from ``offset`` to the disk, without waiting.

@@ -8,11 +8,15 @@ The promises: an answer is read whole however it is framed, and its connection i
 only when the server keeps it; a kept connection the server closed while idle is replaced
 once, transparently; an answer cut short or not HTTP is the same transient connection error
 urllib3's transport gives (never a short body taken for a whole one); a ranged download of an
-object replaced meanwhile fails as transient (retry: the new object whole), leaving no file.
+object replaced meanwhile fails as transient (retry: the new object whole), leaving no file;
+a download whose O_DIRECT writes the filesystem refuses partway is written whole through the
+page cache.
 """
 
 from __future__ import annotations
 
+import hashlib
+import mmap
 import os
 import socket
 import threading
@@ -23,6 +27,7 @@ import botocore.exceptions as bex
 import pytest
 
 from onbox.common.errors import PermanentStoreError, TransientStoreError
+from onbox.common.writeback import Direct, open_direct
 from onbox.sealing.stores.s3 import download
 from onbox.sealing.stores.s3.wire import Wire
 from tests.seaweed import SeaweedServer
@@ -247,3 +252,58 @@ def test_a_missing_object_on_the_lean_path_is_permanent(
     with pytest.raises(PermanentStoreError, match="not in the store"):
         store.fetch_file("run/none", dest, size=10)
     assert not os.path.exists(dest)
+
+
+def _misaligned(chunk: memoryview) -> memoryview:
+    """``chunk``'s bytes in memory that starts one byte past a page: ext4 refuses an O_DIRECT
+    write from it (EINVAL), at the write, as a filesystem with stricter alignment than rgt's
+    would."""
+    out = memoryview(mmap.mmap(-1, len(chunk) + 4096))[1 : 1 + len(chunk)]
+    out[:] = chunk
+    return out
+
+
+@pytest.mark.parametrize("shape", ["whole", "ranged"])
+def test_a_download_whose_direct_writes_the_filesystem_refuses_is_written_whole_through_the_cache(
+    s3_server: SeaweedServer, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, shape: str
+) -> None:
+    """O_DIRECT taken at open and refused at a write (EINVAL, for real, by this ext4: the
+    write comes from unaligned memory): the download goes on through the page cache from that
+    byte on, and the file and its sha256 are the object's. Whole: refused at the first write;
+    ranged (four parts at once): at the second, so the file is part direct, part cached."""
+    monkeypatch.setattr(download, "WHOLE_MAX", 5 << 20)
+    monkeypatch.setattr(download, "RANGE", 4 << 20)
+    store = s3_server.store(s3_server.bucket(), f"wire/{uuid.uuid4().hex[:8]}", part_size=5 << 20)
+    data = os.urandom((3 << 20) + 5000 if shape == "whole" else (24 << 20) + 5000)
+    store.put_bytes("run/obj", data)
+    assert store.lean_reader() is not None
+    writers: List[Direct] = []
+    real_open, real_write = open_direct, Direct.write
+
+    def spied(path: str, fd: int) -> Any:
+        d = real_open(path, fd)
+        assert d is not None, "this test needs a filesystem that takes O_DIRECT at open"
+        writers.append(d)
+        return d
+
+    direct_bytes: List[int] = []
+    refuse_from = 1 if shape == "whole" else 2
+    lock = threading.Lock()
+
+    def refused_later(self: Direct, chunk: memoryview, offset: int) -> int:
+        with lock:  # the parts of a ranged download write at once
+            n = len(direct_bytes) + 1
+            k = real_write(self, chunk if n < refuse_from else _misaligned(chunk), offset)
+            direct_bytes.append(k)
+        return k
+
+    monkeypatch.setattr(download, "open_direct", spied)
+    monkeypatch.setattr(Direct, "write", refused_later)
+    dest = str(tmp_path / "obj")
+    digest = store.fetch_file("run/obj", dest, size=len(data))
+    assert digest == hashlib.sha256(data).hexdigest()
+    with open(dest, "rb") as f:
+        assert f.read() == data
+    assert [w.ok for w in writers] == [False]  # the filesystem did refuse, and it was taken
+    if shape == "ranged":
+        assert 0 < sum(direct_bytes) < len(data)  # part of the file went directly, the rest not

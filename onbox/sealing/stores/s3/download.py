@@ -431,6 +431,8 @@ def _stream(
             if direct is not None:
                 k = direct.write(chunk, offset + done)
                 chunk, done = chunk[k:], done + k
+                if k:
+                    flush.passed(k)
             while chunk:
                 k = os.pwrite(fd, chunk, offset + done)
                 chunk = chunk[k:]

@@ -572,8 +572,15 @@ def _staged_bytes(dest: str) -> int:
 
 # What the cut lands in: large files (4 x 24 MiB, ranged GETs), whose connections stall
 # mid-body; many small ones (1,500 x 16 KiB), most of whose requests are then waiting for an
-# answer whose headers never come.
-CUT_SHAPES = {"mid-body": (4, 24 << 20), "awaiting-answers": (1500, 16 << 10)}
+# answer whose headers never come; many "large" ones (400 x 64 KiB, with the size above which
+# a file is fetched in ranges lowered to 32 KiB in the pull), each of which asks its size and
+# ETag with a HEAD first, so that HEADs are among the requests the cut leaves waiting.
+RANGED_FROM_32K = "import onbox.sealing.stores.s3.download as d\nd.WHOLE_MAX = 32 << 10\n"
+CUT_SHAPES = {
+    "mid-body": (4, 24 << 20, ""),
+    "awaiting-answers": (1500, 16 << 10, ""),
+    "awaiting-heads": (400, 64 << 10, RANGED_FROM_32K),
+}
 
 
 @pytest.mark.parametrize("shape", sorted(CUT_SHAPES))
@@ -592,7 +599,7 @@ def test_ctrl_c_ends_a_pull_from_s3_stalled_on_a_cut_network_at_once_and_it_resu
     the next pull brings every file whole."""
     ns, _ = netns_sshd
     bucket, store = _s3(s3_server, monkeypatch)
-    count, size = CUT_SHAPES[shape]
+    count, size, prelude = CUT_SHAPES[shape]
     files = {f"part-{i}.bin": os.urandom(size) for i in range(count)}
     _seal(str(tmp_path), store, 3, files)
     rec = _rec(f"s3://{bucket}/rgt", str(tmp_path / "box"))
@@ -600,7 +607,7 @@ def test_ctrl_c_ends_a_pull_from_s3_stalled_on_a_cut_network_at_once_and_it_resu
     relay = Relay(ns.host_addr, ("127.0.0.1", s3_server.port))
     ns.limit_rate("40mbit")  # 96 MiB in ~20 s: the cut comes with every download in flight
     env = dict(os.environ, AWS_ENDPOINT_URL=f"http://{ns.host_addr}:{relay.port}")
-    argv = [sys.executable, "-c", PATIENT_PULL, json.dumps(rec.to_json()), dest]
+    argv = [sys.executable, "-c", prelude + PATIENT_PULL, json.dumps(rec.to_json()), dest]
     child = subprocess.Popen(
         ns.exec_argv(argv),
         cwd=ROOT,

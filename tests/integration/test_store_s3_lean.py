@@ -21,7 +21,7 @@ import pytest
 
 from onbox.common.errors import RgtError, StoreAuthError
 from onbox.sealing.stores.base import PermanentStoreError, TransientStoreError
-from onbox.sealing.stores.s3 import S3Store
+from onbox.sealing.stores.s3 import S3Store, download
 from tests.seaweed import SeaweedServer, closed_port
 
 SIZE = 20_000
@@ -135,6 +135,40 @@ def test_refused_credentials_are_the_same_error_on_the_lean_path(
         text = f"{e} {e!r}"
         assert keys[1] not in text and s3_server.secret_key not in text
         assert "Signature=" not in text and "Credential=" not in text
+
+
+@pytest.mark.parametrize("who", ["wrong-secret", "unknown-key"])
+def test_refused_credentials_at_a_ranged_downloads_head_are_the_same_error_on_the_lean_path(
+    s3_server: SeaweedServer,
+    bucket: str,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    who: str,
+) -> None:
+    """A download of a file fetched in ranges asks its size and ETag with a HEAD first (on
+    the lean path since the HEAD, too, must be cut off by a stop); refused there, it is the
+    same error as boto3's (access denied: a HEAD's bare 403 has no body to tell a wrong key
+    from a denied one; a restore's or pull's GETs of LATEST and the MANIFEST before it tell
+    them apart), and nothing is left."""
+    monkeypatch.setattr(download, "WHOLE_MAX", 64 << 10)
+    prefix = f"lean/{uuid.uuid4().hex[:8]}"
+    s3_server.store(bucket, prefix).put_bytes("run/big.bin", os.urandom(100 << 10))
+    keys = {
+        "wrong-secret": (s3_server.access_key, "not-the-secret-key"),
+        "unknown-key": ("AKIDNOTKNOWNHERE", s3_server.secret_key),
+    }[who]
+
+    def make(lean: bool) -> S3Store:
+        store = s3_server.store(
+            bucket, prefix, lean=lean, aws_access_key_id=keys[0], aws_secret_access_key=keys[1]
+        )
+        assert (store.lean_reader() is not None) is lean
+        return store
+
+    dest = str(tmp_path / "big.bin")
+    errors = _both(make, lambda s: s.fetch_file("run/big.bin", dest, size=100 << 10))
+    _same(errors, PermanentStoreError, "access denied")
+    assert not os.path.exists(dest)
 
 
 @pytest.mark.parametrize("checksum", ["crc32", "md5"])

@@ -24,7 +24,6 @@ every stretch written is handed to the disk at once (writeback), so the fsync fi
 from __future__ import annotations
 
 import concurrent.futures
-import functools
 import hashlib
 import mmap
 import os
@@ -84,7 +83,7 @@ def _download(store: S3Store, key: str, dest: str, expect: Optional[int], lanes:
             # Small by the MANIFEST: one GET (a HEAD first would double the requests of a
             # many-file restore), refused unread when the store answers another size.
             return lanes.run(_get_whole, store, doing, full, fd, lanes, dest, expect, True)
-        head = lanes.run(functools.partial(store.call_missing_ok, doing, "head_object", Key=full))
+        head = lanes.run(_head, store, doing, full, lanes)
         if head is None:
             raise PermanentStoreError(f"{key} is not in {store.url}")
         size = int(head["ContentLength"])
@@ -128,18 +127,40 @@ def _open(
         length = r.get("ContentLength")
         return (None if length is None else int(length)), read, body.close, _nothing
     cut = Cut()
+    answer = _lean(store, doing, lanes, cut, lambda: lean.open_get(full, headers, cut))
+    if answer is None:
+        return None
+    return answer.length, answer.readinto, answer.close, cut.cut
+
+
+def _head(store: S3Store, doing: str, full: str, lanes: Lanes) -> Optional[Dict[str, Any]]:
+    """HEAD ``full`` (``ContentLength``, ``ETag``), on the lean reader where the store has one
+    (so that a stop of ``lanes`` ends a HEAD the store never answers, as it ends a GET's wait),
+    else boto3's; None where the object is missing."""
+    lean = store.lean_reader()
+    if lean is None:
+        head: Optional[Dict[str, Any]] = store.call_missing_ok(doing, "head_object", Key=full)
+        return head
+    cut = Cut()
+    got: Optional[Dict[str, Any]] = _lean(store, doing, lanes, cut, lambda: lean.head(full, cut))
+    return got
+
+
+def _lean(store: S3Store, doing: str, lanes: Lanes, cut: Cut, send: Callable[[], Any]) -> Any:
+    """``send()``, one lean request made with ``cut``, which a stop of ``lanes`` pulls while
+    it waits (a store that never answers ends the wait at once); its errors mapped as boto3's
+    would be, None where the object is missing."""
     try:
-        with lanes.abortable(cut.cut):  # a store that stalls before it answers, too
+        with lanes.abortable(cut.cut):
             if lanes.stopped:  # stopped before the cut was armed: nothing is sent
                 raise concurrent.futures.CancelledError()
-            answer = lean.open_get(full, headers, cut)
+            return send()
     except bex.ClientError as e:
         if error_code(e) in ("NoSuchKey", "404", "NotFound"):
             return None
         raise client_error(store, e, doing) from None
     except bex.BotoCoreError as e:
         raise boto_error(store, e, doing) from None
-    return answer.length, answer.readinto, answer.close, cut.cut
 
 
 def _nothing() -> None:

@@ -1,7 +1,7 @@
 """The lean requests of an S3Store (see the package docstring): the PUT of one whole object
-without conditions and the GETs of a download (whole or ranged), each the request S3Store's
-boto3 client would send for ``put_object`` or ``get_object``, built and sent without boto3's
-per-call machinery.
+without conditions and the HEAD and GETs of a download (whole or ranged), each the request
+S3Store's boto3 client would send for ``put_object``, ``head_object`` or ``get_object``,
+built and sent without boto3's per-call machinery.
 
 Why: a checkpoint of 10,000 small files is 10,000 PutObject calls, and botocore spends about
 3 ms of client CPU on each (parameter serialisation, endpoint rules, a dozen events, response
@@ -18,7 +18,8 @@ where it applies (the client's endpoint, CA bundle and timeouts; no proxy): one 
 and a GET's body received straight into the caller's buffer; else the client's own
 ``URLLib3Session`` (PUTs only: without wire.py a download stays on boto3). The ``before-send``
 and ``after-call`` events of PutObject are emitted as botocore emits them, so whatever hooks
-the client (a test's damaged body or lying answer) sees lean PUTs too; lean GETs emit none.
+the client (a test's damaged body or lying answer) sees lean PUTs too; lean HEADs and GETs
+emit none.
 
 What is not taken here: conditional puts (``If-None-Match``/``If-Match``, a few per seal, with
 their NotImplemented fallback) and multipart uploads (whose parts are large: the per-request CPU
@@ -67,6 +68,7 @@ class Lean:
         self.signer = Signer(self.region)
         self.model = client.meta.service_model.operation_model("PutObject")
         self.get_model = client.meta.service_model.operation_model("GetObject")
+        self.head_model = client.meta.service_model.operation_model("HeadObject")
         self.http = client._endpoint.http_session
         self.wire = Wire.for_client(client)
         self.events = client.meta.events
@@ -162,6 +164,26 @@ class Lean:
             self.get_model.output_shape,
         )
         raise bex.ClientError(parsed, "GetObject")
+
+    def head(self, full: str, cut: Optional[Cut] = None) -> Optional[Dict[str, Any]]:
+        """HEAD ``full`` on the wire: what a download needs of boto3's ``head_object`` answer
+        (``ContentLength``, ``ETag``), None for a missing key (a bare 404, as boto3 tells it);
+        ``cut`` ends it from another thread. Any other refusal is raised as the ClientError
+        boto3 would raise; only where ``wire`` is not None."""
+        assert self.wire is not None
+        url, signed = self._signed_here("HEAD", full, {})
+        with self.wire.request("HEAD", url, signed, cut=cut) as answer:
+            status, got = answer.status, answer.plain_headers()
+        if status == 404:
+            return None
+        length = got.get("content-length", "").strip()
+        if status == 200 and length.isdigit():
+            return {"ContentLength": int(length), "ETag": got.get("etag")}
+        parsed = self.parser.parse(
+            {"status_code": status, "headers": HeadersDict(got), "body": b""},
+            self.head_model.output_shape,
+        )
+        raise bex.ClientError(parsed, "HeadObject")
 
     def _send(self, full: str, headers: Mapping[str, str], data: bytes) -> Dict[str, Any]:
         prepared = self._signed("PUT", full, headers, data)

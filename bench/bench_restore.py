@@ -3,6 +3,7 @@
     .venv/bin/python bench/bench_restore.py [--repeats 3] [--curve 256,512,1024,2048,4096]
                                             [--quick] [--no-s3] [--no-readme]
                                             [--workdir DIR] [--store-dir DIR]
+                                            [--link 2500mbit,8gbit]
 
 Every case is one checkpoint directory ``step_5/`` of N files of random bytes (and rgt's
 ``.rgt-complete`` marker), sealed (untimed) by the real ``onbox.sealing.sealer.Sealer`` into two
@@ -28,6 +29,8 @@ files, 2 GiB in 1000 files, and the growth curve of one file (``--curve``, MiB).
 ``bench_restore`` markers, into bench/README.md. ``--quick`` is for development: 1/16 of the
 sizes, one repeat, no README. ``--workdir`` puts everything elsewhere; ``--store-dir`` only the
 two stores (weed's data, the file:// store), for storage the target's disk does not share.
+``--link RATES`` runs only the S3 arms, with the store behind a loopback shaped to each rate
+(bench/restore_link.py), and writes the ``bench_restore_link`` section instead.
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ import signal
 import sys
 import tempfile
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 from onbox.sealing.ledger import take_epoch
 from onbox.sealing.restore import restore_latest
@@ -58,6 +61,7 @@ ROOT = os.path.dirname(HERE)
 if ROOT not in sys.path:  # tests/ is not installed: the SeaweedFS helper is imported from here
     sys.path.insert(0, ROOT)
 
+import restore_link  # noqa: E402
 from bench_seal import (  # noqa: E402
     Box,
     Sample,
@@ -182,20 +186,26 @@ def ref_arm(
 
 
 def run_case(
-    box: Box, case: Case, durable: str, srv: Optional[SeaweedServer], bucket: str, repeats: int
+    box: Box,
+    case: Case,
+    durable: str,
+    srv: Optional[SeaweedServer],
+    bucket: str,
+    repeats: int,
+    with_file: bool = True,
 ) -> Result:
     say(f"{case.name}: writing and sealing")
     ckpt = make_checkpoint(box, case)
     run = f"r{case.files}-{case.total // MiB}"
-    local = LocalStore(durable)
-    seal(box, local, run, ckpt)
-    src = os.path.join(durable, run, "checkpoints", str(STEP))
-    arms: Dict[str, Callable[..., Sample]] = {
-        "rgt file": rgt_arm(box, local, run, case, None),
-        "cp -r + sync": ref_arm(
+    arms: Dict[str, Callable[..., Sample]] = {}
+    if with_file:
+        local = LocalStore(durable)
+        seal(box, local, run, ckpt)
+        src = os.path.join(durable, run, "checkpoints", str(STEP))
+        arms["rgt file"] = rgt_arm(box, local, run, case, None)
+        arms["cp -r + sync"] = ref_arm(
             box, lambda d: ["sh", "-c", 'cp -r "$1" "$2" && sync', "sh", src, d], None, case, None
-        ),
-    }
+        )
     s3: Optional[Store] = None
     if srv is not None:
         s3 = srv.store(bucket, "rgt")
@@ -313,6 +323,52 @@ def update_readme(path: str, body: str) -> None:
         f.write(new)
 
 
+def _linked(
+    args: argparse.Namespace,
+    box: Box,
+    cases: List[Case],
+    stores: str,
+    repeats: int,
+    started: datetime.datetime,
+) -> int:
+    """``--link``: every case's S3 arms behind a shaped loopback, rate by rate."""
+    runs: List[Tuple[str, List[Result]]] = []
+    for rate in [r for r in args.link.split(",") if r]:
+        with restore_link.shaped_loopback(rate), contextlib.ExitStack() as stack:
+            srv = start_seaweed(os.path.join(stores, f"weed-{rate}"))
+            stack.callback(srv.stop)  # by pid: SIGTERM, then SIGKILL
+            say(f"{rate}: weed mini pid {srv.pid} at {srv.endpoint}, behind the shaped loopback")
+            srv.bucket("bench-restore")
+            durable = os.path.join(stores, "durable")
+            results = [
+                run_case(box, c, durable, srv, "bench-restore", repeats, with_file=False)
+                for c in cases
+            ]
+            runs.append((rate, results))
+    weed_v = tool_version([weed_binary() or "weed", "version"]).split()
+    meta = (
+        f"Measured {started.strftime('%Y-%m-%d %H:%M UTC')}; machine: {machine()}; "
+        f"Python {platform.python_version()}, "
+        f"SeaweedFS {weed_v[2] if len(weed_v) > 2 else '?'} (`weed mini`, on this machine, in "
+        f"the namespace), s5cmd {tool_version([s5cmd_binary() or 's5cmd', 'version'])}; "
+        f"weed's data and targets on {fs_type(box.dir('x'))}, one disk; page cache "
+        f"{'dropped before every timed run' if box.drop else 'warm (not root)'}; "
+        f"medians of {repeats} runs per arm, arms rotating; onbox at {commit_of('onbox')}."
+    )
+    body = restore_link.render(runs, meta)
+    print(body)
+    if not (args.no_readme or args.quick):
+        with open(args.readme) as f:
+            text = f.read()
+        new = replace_section(text, restore_link.BEGIN, restore_link.END, body.rstrip("\n"))
+        if new is None:
+            raise SystemExit(f"{args.readme} has no {restore_link.BEGIN} ... section")
+        with open(args.readme, "w") as f:
+            f.write(new)
+        say(f"wrote {args.readme}")
+    return 0
+
+
 def _terminate(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)  # unwinds the ExitStack: weed stopped, tmp removed
 
@@ -330,6 +386,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         default=None,
         help="put the two stores (weed's data, the file:// store) here instead: storage that "
         "is not the target's disk, as a remote S3 or a network mount is not",
+    )
+    ap.add_argument(
+        "--link",
+        default="",
+        help="tc rates (2500mbit,8gbit): the S3 arms only, the store behind a loopback shaped "
+        "to each (bench/restore_link.py); writes the bench_restore_link section",
     )
     ap.add_argument("--readme", default=README, help="README to update (default bench/README.md)")
     ap.add_argument("--no-readme", action="store_true", help="only print the report")
@@ -354,7 +416,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         stack.callback(shutil.rmtree, tmp, ignore_errors=True)
         box = Box(tmp, not args.no_drop_caches)
         free = shutil.disk_usage(tmp).free
-        top = max(curve_mib) * MiB // scale
+        top = max(curve_mib, default=0) * MiB // scale
         while curve_mib and 4 * top > free:  # source, file store, weed's copy, the target
             say(f"{max(curve_mib)} MiB does not fit in {free // MiB} MiB free: left out")
             curve_mib.remove(max(curve_mib))
@@ -365,6 +427,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.store_dir:
             stores = tempfile.mkdtemp(prefix="bench-restore-stores-", dir=args.store_dir)
             stack.callback(shutil.rmtree, stores, ignore_errors=True)
+        if args.link:
+            return _linked(args, box, cases, stores, repeats, started)
         if use_s3:
             srv = start_seaweed(os.path.join(stores, "weed"))
             stack.callback(srv.stop)  # by pid: SIGTERM, then SIGKILL

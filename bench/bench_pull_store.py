@@ -61,7 +61,7 @@ from bench_seal import (  # noqa: E402
     s5cmd_env,
     say,
 )
-from benchlib import commit_of, fs_type, machine, replace_section, tool_version  # noqa: E402
+from benchlib import commit_of, fs_type, machine, tool_version, write_section  # noqa: E402
 
 from controller.registry import RunRecord  # noqa: E402
 from controller.results.pull import pull, terminal_progress  # noqa: E402
@@ -222,13 +222,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         body = render(results, meta)
     print(body)
     if not (args.no_readme or args.quick):
-        with open(args.readme) as f:
-            text = f.read()
-        new = replace_section(text, BEGIN, END, body)
-        if new is None:
-            raise SystemExit(f"{args.readme} has no {BEGIN} ... {END} section")
-        with open(args.readme, "w") as f:
-            f.write(new)
+        write_section(args.readme, BEGIN, END, body)
         say(f"wrote {args.readme}")
     return 0
 

@@ -76,7 +76,15 @@ from bench_seal import (  # noqa: E402
     timed_command,
     write_random,
 )
-from benchlib import commit_of, fs_type, machine, replace_section, tool_version, verdict  # noqa: E402
+from benchlib import (  # noqa: E402
+    commit_of,
+    fs_type,
+    machine,
+    replace_section,
+    tool_version,
+    verdict,
+    write_section,
+)
 
 from tests.seaweed import SeaweedServer, start_seaweed, weed_binary  # noqa: E402
 
@@ -358,13 +366,7 @@ def _linked(
     body = restore_link.render(runs, meta)
     print(body)
     if not (args.no_readme or args.quick):
-        with open(args.readme) as f:
-            text = f.read()
-        new = replace_section(text, restore_link.BEGIN, restore_link.END, body.rstrip("\n"))
-        if new is None:
-            raise SystemExit(f"{args.readme} has no {restore_link.BEGIN} ... section")
-        with open(args.readme, "w") as f:
-            f.write(new)
+        write_section(args.readme, restore_link.BEGIN, restore_link.END, body.rstrip("\n"))
         say(f"wrote {args.readme}")
     return 0
 

@@ -88,3 +88,15 @@ def replace_section(text: str, begin: str, end: str, block: str) -> Optional[str
         return None
     head, rest = text.split(begin, 1)
     return head + block + rest.split(end, 1)[1]
+
+
+def write_section(path: str, begin: str, end: str, block: str) -> None:
+    """The section of ``path`` from ``begin`` to ``end`` replaced by ``block`` (which carries
+    the markers); SystemExit, the file unchanged, where it has no such section."""
+    with open(path) as f:
+        text = f.read()
+    new = replace_section(text, begin, end, block)
+    if new is None:
+        raise SystemExit(f"{path} has no {begin} ... {end} section")
+    with open(path, "w") as f:
+        f.write(new)

@@ -311,3 +311,28 @@ def test_a_download_whose_direct_writes_the_filesystem_refuses_is_written_whole_
     assert [w.ok for w in writers] == [False]  # the filesystem did refuse, and it was taken
     if shape == "ranged":
         assert 0 < sum(direct_bytes) < len(data)  # part of the file went directly, the rest not
+
+
+def test_a_head_answered_without_a_size_is_refused_naming_it_and_nothing_is_written(
+    s3_server: SeaweedServer,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    peers: Callable[[Script], Peer],
+) -> None:
+    """A ranged download's HEAD answered 200 with no Content-Length (a broken store or a
+    proxy in front of it): refused as permanent, naming what is wrong; no range is asked,
+    no file is left (boto3's head_object would have handed the answer on without a size)."""
+    monkeypatch.setattr(download, "WHOLE_MAX", 64 << 10)
+
+    def sizeless(conn: socket.socket, _: int) -> None:
+        peer.read_request(conn)
+        conn.sendall(b'HTTP/1.1 200 OK\r\nETag: "e"\r\nConnection: close\r\n\r\n')
+
+    peer = peers(sizeless)
+    store = s3_server.store("b", "wire", endpoint_url=f"http://127.0.0.1:{peer.port}")
+    assert store.lean_reader() is not None
+    dest = str(tmp_path / "x")
+    with pytest.raises(PermanentStoreError, match="HEAD without a size"):
+        store.fetch_file("run/x", dest, size=100 << 10)
+    assert not os.path.exists(dest)
+    assert [r.split(b" ")[0] for r in peer.requests] == [b"HEAD"]

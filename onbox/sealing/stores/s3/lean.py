@@ -179,6 +179,9 @@ class Lean:
         length = got.get("content-length", "").strip()
         if status == 200 and length.isdigit():
             return {"ContentLength": int(length), "ETag": got.get("etag")}
+        if status == 200:  # boto3 would hand on a HEAD without a size: refused here instead
+            error = {"Code": "BadAnswer", "Message": f"HEAD without a size ({length!r})"}
+            raise bex.ClientError({"Error": error, "ResponseMetadata": {}}, "HeadObject")
         parsed = self.parser.parse(
             {"status_code": status, "headers": HeadersDict(got), "body": b""},
             self.head_model.output_shape,

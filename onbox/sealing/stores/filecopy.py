@@ -12,9 +12,11 @@ import os
 import threading
 from typing import Any, BinaryIO, List, Tuple
 
+from onbox.common import writeback
+
 CHUNK = 1 << 20
 HASH_CHUNK = 8 << 20  # large reads keep the hashing thread in OpenSSL, off the GIL
-SMALL_FILE = 4 << 20  # put_file reads a file up to this size into memory (copy_small)
+SMALL_FILE = 4 << 20  # a file up to this size is read into memory and hashed there (copy_small)
 
 
 def copy_from(f: BinaryIO, dst_fd: int, size: int) -> None:
@@ -72,12 +74,23 @@ def copy_hashing(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
     hasher.start()
     try:
         copy_from(f, dst_fd, before.st_size)
+        # The copy is done before the hash (the kernel copies faster than sha256 runs): the
+        # disk writes the copy while the hash catches up, so the caller's fsync after it
+        # waits for little (not during the copy: writes then slow the reads of the source,
+        # often on the same disk).
+        writeback.start(dst_fd, 0, before.st_size)
     finally:
         hasher.join()
     if isinstance(out[0], BaseException):
         raise out[0]
     sha, n = out[0]
     return sha, n, before
+
+
+def copy_file(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
+    """``copy_small`` for a file of up to SMALL_FILE bytes, else ``copy_hashing``."""
+    small = os.fstat(f.fileno()).st_size <= SMALL_FILE
+    return (copy_small if small else copy_hashing)(f, dst_fd)
 
 
 def copy_small(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:

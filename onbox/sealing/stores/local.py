@@ -51,7 +51,7 @@ from onbox.sealing.stores.base import (
     new_download,
     os_error,
 )
-from onbox.sealing.stores.filecopy import SMALL_FILE, copy_hashing, copy_small
+from onbox.sealing.stores.filecopy import copy_file
 
 LOCK_NAME = ".rgt-lock"  # RUN/.rgt-lock: held around a conditional replace, never listed
 LOCK_WAIT = 30.0  # seconds a conditional replace waits for another writer's lock
@@ -215,8 +215,7 @@ class LocalStore(Store):
             fd = self._new(dfd, tmp)
             try:
                 with open(path, "rb") as f:
-                    small = os.fstat(f.fileno()).st_size <= SMALL_FILE
-                    got, hashed, before = (copy_small if small else copy_hashing)(f, fd)
+                    got, hashed, before = copy_file(f, fd)
                 os.fsync(fd)
                 copied = os.fstat(fd).st_size
             finally:
@@ -308,7 +307,7 @@ class LocalStore(Store):
                 "nothing of it was copied",
             )
         with open(src, "rb") as f, new_download(dest, f"downloading {key}", os_error, lanes) as fd:
-            got, hashed, before = copy_hashing(f, fd)
+            got, hashed, before = copy_file(f, fd)
             if _sig(os.fstat(f.fileno())) != _sig(before) or os.fstat(fd).st_size != hashed:
                 raise TransientStoreError(f"downloading {key}: it changed while it was copied")
         return got

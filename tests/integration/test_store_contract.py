@@ -24,7 +24,13 @@ from typing import Iterator, Tuple
 import pytest
 
 from onbox.common.errors import IntegrityError
-from onbox.sealing.stores.base import Lanes, PermanentStoreError, PreconditionFailed, Store
+from onbox.sealing.stores.base import (
+    Lanes,
+    PermanentStoreError,
+    PreconditionFailed,
+    Store,
+    TransientStoreError,
+)
 from onbox.sealing.stores.local import LocalStore
 from tests.seaweed import SeaweedServer
 
@@ -163,6 +169,52 @@ def test_a_source_rewritten_during_the_upload_is_refused_or_hashed_as_stored(
         # It compares the source's mtime before and after; the writer never pauses. (S3 hashes
         # the very buffers it sends, so what it stores always matches what it returns; the
         # sealer then refuses the mix by the same mtime check.)
+        assert "refused" in outcomes
+
+
+@pytest.mark.parametrize("size", [MiB, BIG], ids=["read-whole", "kernel-copy"])
+def test_a_file_store_object_rewritten_during_a_download_is_refused_or_hashed_as_written(
+    tmp_path: os.PathLike[str], size: int
+) -> None:
+    """file:// only (an S3 object is never rewritten in place): something rewriting an object
+    of a durable mount while a restore copies it. Each download either fails as transient and
+    leaves nothing at its destination, or returns the sha256 of exactly the bytes it wrote
+    (which the restore then compares with the MANIFEST's). Both copies: an object of up to
+    4 MiB read whole and hashed in memory, a larger one copied by the kernel while a second
+    thread hashes the source."""
+    store = LocalStore(os.path.join(tmp_path, "store"))
+    src, _ = _file(os.path.join(tmp_path, "src"), size)
+    store.put_file("run/x", src, sha256=None, size=size)
+    obj = os.path.join(store.root, "run", "x")
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        with open(obj, "r+b") as f:
+            while not stop.is_set():
+                f.seek(random.randrange(size - 4096))
+                f.write(os.urandom(4096))
+                f.flush()
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    outcomes = []
+    try:
+        for i in range(20):
+            dest = os.path.join(tmp_path, f"dest{i}")
+            try:
+                got = store.fetch_file("run/x", dest, size=size)
+            except TransientStoreError:
+                assert not os.path.exists(dest)
+                outcomes.append("refused")
+                continue
+            assert got == _sha256_of(dest)
+            outcomes.append("copied")
+    finally:
+        stop.set()
+        writer.join()
+    if size > 4 * MiB:
+        # The copy takes long enough that the writer, which never pauses, moves the object's
+        # mtime within it every time (a 1 MiB read may fall between two clock ticks).
         assert "refused" in outcomes
 
 

@@ -14,6 +14,7 @@ multipart upload with a short last part.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import hashlib
 import os
 import random
@@ -52,6 +53,28 @@ def _sha256_of(path: str) -> str:
         for block in iter(lambda: f.read(MiB), b""):
             h.update(block)
     return h.hexdigest()
+
+
+@contextlib.contextmanager
+def _rewritten(path: str, size: int) -> Iterator[None]:
+    """Inside the block, a thread rewrites 4 KiB at a random place of ``path`` (``size``
+    bytes) again and again, without pausing: a writer changing a file in place."""
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        with open(path, "r+b") as f:
+            while not stop.is_set():
+                f.seek(random.randrange(size - 4096))
+                f.write(os.urandom(4096))
+                f.flush()
+
+    writer = threading.Thread(target=rewrite)
+    writer.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        writer.join()
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -137,19 +160,8 @@ def test_a_source_rewritten_during_the_upload_is_refused_or_hashed_as_stored(
     IntegrityError and leaves nothing under the key, or stores bytes whose sha256 it returns.
     Never a mix under a final name with a checksum that does not describe it."""
     src, _ = _file(os.path.join(tmp_path, "src"), BIG)
-    stop = threading.Event()
-
-    def rewrite() -> None:
-        with open(src, "r+b") as f:
-            while not stop.is_set():
-                f.seek(random.randrange(BIG - 4096))
-                f.write(os.urandom(4096))
-                f.flush()
-
-    writer = threading.Thread(target=rewrite)
-    writer.start()
     outcomes = []
-    try:
+    with _rewritten(src, BIG):
         for i in range(4):
             key = f"run/rewritten/{i}"
             try:
@@ -162,9 +174,6 @@ def test_a_source_rewritten_during_the_upload_is_refused_or_hashed_as_stored(
             store.get_file(key, dest)
             assert _sha256_of(dest) == info.sha256
             outcomes.append("stored")
-    finally:
-        stop.set()
-        writer.join()
     if isinstance(store, LocalStore):
         # It compares the source's mtime before and after; the writer never pauses. (S3 hashes
         # the very buffers it sends, so what it stores always matches what it returns; the
@@ -185,20 +194,8 @@ def test_a_file_store_object_rewritten_during_a_download_is_refused_or_hashed_as
     store = LocalStore(os.path.join(tmp_path, "store"))
     src, _ = _file(os.path.join(tmp_path, "src"), size)
     store.put_file("run/x", src, sha256=None, size=size)
-    obj = os.path.join(store.root, "run", "x")
-    stop = threading.Event()
-
-    def rewrite() -> None:
-        with open(obj, "r+b") as f:
-            while not stop.is_set():
-                f.seek(random.randrange(size - 4096))
-                f.write(os.urandom(4096))
-                f.flush()
-
-    writer = threading.Thread(target=rewrite)
-    writer.start()
     outcomes = []
-    try:
+    with _rewritten(os.path.join(store.root, "run", "x"), size):
         for i in range(20):
             dest = os.path.join(tmp_path, f"dest{i}")
             try:
@@ -209,9 +206,6 @@ def test_a_file_store_object_rewritten_during_a_download_is_refused_or_hashed_as
                 continue
             assert got == _sha256_of(dest)
             outcomes.append("copied")
-    finally:
-        stop.set()
-        writer.join()
     if size > 4 * MiB:
         # The copy takes long enough that the writer, which never pauses, moves the object's
         # mtime within it every time (a 1 MiB read may fall between two clock ticks).

@@ -125,17 +125,23 @@ def failure(
         return StoreCorrupt(f"{key} is missing from the store")
     if size is not None and info.size != size:
         return StoreCorrupt(f"{key}: {info.size} bytes in the store, the MANIFEST says {size}")
+    return no_room(key, size, need, room, e.what) or StoreCorrupt(f"{key} cannot be read: {e.what}")
+
+
+def no_room(key: str, size: Optional[int], need: int, room: str, what: str) -> Optional[HostError]:
+    """The HostError saying how many bytes ``key``'s checkpoint needs where ``room``'s disk
+    has fewer free (``what``: how its download failed); None where it has enough."""
     try:
         st = os.statvfs(room)
-        if size is not None and st.f_bavail * st.f_frsize < max(size, need):
-            return HostError(
-                f"no room on this box for {key} (its checkpoint: {max(size, need)} bytes) in "
-                f"{room}: {e.what}",
-                "free space on the checkpoint dir's disk, then start again",
-            )
     except OSError:
-        pass
-    return StoreCorrupt(f"{key} cannot be read: {e.what}")
+        return None
+    if size is None or st.f_bavail * st.f_frsize >= max(size, need):
+        return None
+    return HostError(
+        f"no room on this box for {key} (its checkpoint: {max(size, need)} bytes) in {room}: "
+        f"{what}",
+        "free space on the checkpoint dir's disk, then start again",
+    )
 
 
 def _clear_stale_stages(dest_dir: str) -> None:
@@ -175,6 +181,9 @@ def _fetch_one(
         raise StoreCorrupt(e.what, e.remedy) from None
     except StoreError as e:
         raise failure(store, f["key"], f["size"], e, os.path.dirname(tmp), need) from None
+    except HostError as e:  # this box's disk refused the download: never the store's fault
+        room = no_room(f["key"], f["size"], need, os.path.dirname(tmp), e.what)
+        raise room or e from None
     try:
         fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except OSError as e:

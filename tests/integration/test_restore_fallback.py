@@ -496,6 +496,26 @@ def test_a_download_failing_midway_leaves_nothing_in_the_target(
     assert _quarantine(where, 10) is None
 
 
+def test_a_box_out_of_inodes_fails_the_restore_as_its_own_and_quarantines_nothing(
+    cli: Cli, where: Raw, tmp_path: Any
+) -> None:
+    """The box's disk has bytes free but no inodes left (a tmpfs of 20 inodes, checkpoints of
+    41 files): creating a file fails with ENOSPC, which says nothing about the store. The
+    restore fails as this box's fault, naming df -i, with nothing left in the target; neither
+    checkpoint is quarantined, so both are still offered once the disk is fixed. (Taken for
+    the store's fault, every checkpoint was quarantined in turn and none offered again.)"""
+    _seal_dirs(_open(where, cli), tmp_path, [10, 20], sizes=[4096] * 40)
+    with tmpfs(str(tmp_path / "few-inodes"), "size=64m,nr_inodes=20") as disk:
+        dest = os.path.join(disk, "ckpt")
+        kinds: List[str] = []
+        with pytest.raises(HostError) as info:
+            restore_latest(_open(where, cli), RUN, dest, lambda kind, *a, **k: kinds.append(kind))
+        assert "No space left on device" in info.value.what, info.value.what
+        assert "df -i" in info.value.remedy
+        assert kinds == [] and _tree(dest) == []
+    assert _quarantine(where, 20) is None and _quarantine(where, 10) is None
+
+
 class _Listings:
     """The real store, with every listing it is asked for recorded (its prefix)."""
 

@@ -49,6 +49,7 @@ from typing import Any, Callable, Iterator, List, Mapping, Optional, Tuple, Type
 # The store errors are drawn in onbox.common.errors' tree (exit 14); imported here too because
 # every user of a Store catches them.
 from onbox.common.errors import (
+    HostError,
     PermanentStoreError,
     PreconditionFailed,
     StoreAuthError,
@@ -70,6 +71,8 @@ __all__ = [
     "check_key",
     "new_download",
     "os_error",
+    "target_error",
+    "WRITE_ERRNOS",
     "with_retries",
 ]
 
@@ -101,25 +104,44 @@ def os_error(e: OSError, doing: str) -> StoreError:
     return TransientStoreError(what)
 
 
-def _os_failure(e: OSError, doing: str) -> StoreError:
-    return PermanentStoreError(f"{doing}: {e.strerror or e}")
+# What only a write can be refused with: raised while copying into a download's file, these
+# are its disk's (the box's, or the laptop's for a pull), never the store's object's.
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+
+
+def target_error(e: OSError, doing: str) -> HostError:
+    """The error for an OSError on a download's own file: this machine's disk refused it (full,
+    out of inodes, read-only, failing). A HostError, not a StoreError: nothing it says about
+    the object in the store, so a restore never quarantines a checkpoint for it."""
+    remedy = {
+        errno.ENOSPC: "free space and inodes (df -h, df -i) on that disk, then start again",
+        errno.EDQUOT: "the disk quota of this user is used up: free some, then start again",
+        errno.EROFS: "the filesystem is read-only (remounted after errors?): check dmesg",
+    }.get(e.errno or 0, "check that disk (dmesg), then start again")
+    return HostError(f"{doing}: {e.strerror or e}", remedy)
 
 
 @contextlib.contextmanager
 def new_download(
     dest: str,
     doing: str,
-    fail: Callable[[OSError, str], Exception] = _os_failure,
+    fail: Callable[[OSError, str], Exception] = target_error,
     lanes: Optional[Lanes] = None,
 ) -> Iterator[int]:
     """The file descriptor of ``dest``, a new file a ``get_file`` fills: created O_EXCL and
     O_NOFOLLOW (the caller's staging name is its own, so an existing name, a symlink too, is
     refused rather than written through), fsynced when the block ends, removed when it fails
-    (it is ours, so a retry creates it afresh). ``fail`` maps an OSError to the store's error.
-    Opened read-write: a hasher may read back what ranged writers have put (base.Lanes).
-    Once ``lanes`` is stopped, CancelledError: a stopped restore starts no new file."""
+    (it is ours, so a retry creates it afresh). Opened read-write: a hasher may read back what
+    ranged writers have put (base.Lanes). Once ``lanes`` is stopped, CancelledError: a stopped
+    restore starts no new file.
+
+    Errors of creating and fsyncing ``dest``, and those only a write can raise (a full disk),
+    are this machine's (target_error); any other OSError of the block is mapped by ``fail``:
+    the store's error where the block also reads the store's own files (a ``file://`` copy),
+    this machine's by default (a network store's errors are mapped before they get here)."""
     if lanes is not None and lanes.stopped:
         raise concurrent.futures.CancelledError()
+    where = f"{doing} to {dest}"
     try:
         fd = os.open(dest, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except FileExistsError:
@@ -127,14 +149,18 @@ def new_download(
             f"{doing}: {dest} exists already", "a download writes a new file"
         ) from None
     except OSError as e:
-        raise fail(e, f"{doing} to {dest}") from None
+        raise target_error(e, where) from None
     done = False
     try:
-        yield fd
-        os.fsync(fd)
+        try:
+            yield fd
+        except OSError as e:
+            raise (target_error if e.errno in WRITE_ERRNOS else fail)(e, where) from None
+        try:
+            os.fsync(fd)
+        except OSError as e:
+            raise target_error(e, where) from None
         done = True
-    except OSError as e:  # writing or fsyncing dest (the store's own errors are mapped already)
-        raise fail(e, f"{doing} to {dest}") from None
     finally:
         os.close(fd)
         if not done:

@@ -24,7 +24,7 @@ from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 from huggingface_hub.hf_api import RepoFile
 
 from onbox.common.durable import fsync_file
-from onbox.sealing.stores.base import PermanentStoreError, os_error
+from onbox.sealing.stores.base import WRITE_ERRNOS, PermanentStoreError, target_error
 
 # The StoreError for an exception of huggingface_hub, given what was being done (hf.py's).
 Error = Callable[[BaseException, str], Exception]
@@ -52,6 +52,10 @@ def download(
         if isinstance(e, LocalEntryNotFoundError):
             raise error(e, f"reading {path}") from None
         return None
+    except OSError as e:
+        if e.errno in WRITE_ERRNOS:  # writing into ``into``: this machine's disk, not the Hub
+            raise target_error(e, f"downloading {path} into {into}") from None
+        raise error(e, f"reading {path}") from None
     except Exception as e:
         raise error(e, f"reading {path}") from None
     # Old huggingface_hub versions may leave a symlink into cache_dir: move the real file.
@@ -103,7 +107,7 @@ def download_to(
     try:
         tmp = tempfile.mkdtemp(prefix=".rgt-hf-", dir=os.path.dirname(os.path.abspath(dest)))
     except OSError as e:
-        raise os_error(e, f"writing {dest}") from None
+        raise target_error(e, f"writing {dest}") from None
     try:
         local = download(repo_id, endpoint, path, tmp, revision, error)
         if local is None:
@@ -115,6 +119,6 @@ def download_to(
         os.replace(local, dest)
         fsync_file(dest)
     except OSError as e:
-        raise os_error(e, f"writing {dest}") from None
+        raise target_error(e, f"writing {dest}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

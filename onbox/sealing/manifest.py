@@ -36,7 +36,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from onbox.common.errors import IntegrityError
-from onbox.common.safepath import safe_rel
+from onbox.common.safepath import UnsafePath, conflicts, safe_rel
 
 SCHEMA = 1
 _SHA = re.compile(r"[0-9a-f]{64}\Z")
@@ -65,7 +65,11 @@ def manifest_step(run: str, key: str) -> Optional[int]:
     if not key.startswith(head) or not key.endswith("/MANIFEST.json"):
         return None
     middle = key[len(head) : -len("/MANIFEST.json")]
-    return int(middle) if middle.isdigit() else None
+    # As manifest_key writes a step: ASCII digits, no leading zero ("²" is a digit to
+    # str.isdigit, and int() takes "007"; neither is a key rgt wrote).
+    if not (middle.isascii() and middle.isdigit()) or str(int(middle)) != middle:
+        return None
+    return int(middle)
 
 
 def epoch_prefix(run: str, step: int, epoch: int) -> str:
@@ -169,7 +173,7 @@ def _check_schema(doc: Any, what: str) -> Dict[str, Any]:
 def _load(data: bytes, what: str) -> Dict[str, Any]:
     try:
         return _check_schema(json.loads(data), what)
-    except ValueError:
+    except (ValueError, RecursionError):  # nested too deep for the parser: damage, not a bug
         raise IntegrityError(f"{what} is not valid JSON") from None
 
 
@@ -217,6 +221,11 @@ def parse_manifest(data: bytes, what: str = "MANIFEST") -> Dict[str, Any]:
         if not isinstance(f.get("sha256"), str) or not _SHA.match(f["sha256"]):
             raise IntegrityError(f"{what}: {path} has a malformed sha256")
         safe_rel(f.get("key"), f"{what}: the key of {path!r}")
+    both = conflicts(sorted(seen))
+    if both is not None:  # restored, one would be renamed over the other's directory
+        raise UnsafePath(
+            f"{what}: the file {both[0]!r} is listed, and so is {both[1]!r} under it", both[1]
+        )
     if "epoch" in doc and (not isinstance(doc["epoch"], int) or doc["epoch"] < 0):
         raise IntegrityError(f"{what}: epoch {doc['epoch']!r} is not an epoch")
     return doc

@@ -77,14 +77,10 @@ def local_matches(doc: Dict[str, Any], ckpt_dir: str, verify: bool = False) -> b
 
 
 def sealed_steps(store: Store, run: str) -> List[int]:
-    steps = []
-    for info in store.list(mf.checkpoints_prefix(run)):
-        if info.key.endswith("/MANIFEST.json"):
-            try:
-                steps.append(int(info.key.split("/")[-2]))
-            except ValueError:
-                continue
-    return sorted(steps)
+    """The steps whose MANIFEST is in the store (``RUN/checkpoints/<step>/MANIFEST.json``
+    exactly: a checkpoint's own file of that name lies deeper and names no step)."""
+    found = (mf.manifest_step(run, info.key) for info in store.list(mf.checkpoints_prefix(run)))
+    return sorted(step for step in found if step is not None)
 
 
 def in_effect(

@@ -353,10 +353,15 @@ def ranged(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _seal_dirs(
-    store: Store, tmp_path: Any, steps: List[int], sizes: List[int] = SIZES
+    store: Store,
+    tmp_path: Any,
+    steps: List[int],
+    sizes: List[int] = SIZES,
+    extra: Optional[Dict[str, bytes]] = None,
 ) -> Dict[int, Dict[str, bytes]]:
-    """Each step a directory checkpoint ``step_N/`` of len(sizes) random files and rgt's
-    marker, sealed by the real Sealer; every file's bytes by its path under the ckpt dir."""
+    """Each step a directory checkpoint ``step_N/`` of len(sizes) random files (and ``extra``'s,
+    by their paths under it) and rgt's marker, sealed by the real Sealer; every file's bytes by
+    its path under the ckpt dir."""
     ckpt = str(tmp_path / "old-box-ckpt")
     s = Sealer(
         RUN,
@@ -378,6 +383,11 @@ def _seal_dirs(
             with open(os.path.join(d, f"shard-{i:02d}.bin"), "wb") as f:
                 f.write(data)
             out[step][f"step_{step}/shard-{i:02d}.bin"] = data
+        for rel, data in (extra or {}).items():
+            os.makedirs(os.path.dirname(os.path.join(d, rel)), exist_ok=True)
+            with open(os.path.join(d, rel), "wb") as f:
+                f.write(data)
+            out[step][f"step_{step}/{rel}"] = data
         with open(os.path.join(d, ".rgt-complete"), "w") as marker:
             json.dump({"step": step}, marker)
         assert s.seal_pending() == 1
@@ -514,6 +524,27 @@ def test_a_box_out_of_inodes_fails_the_restore_as_its_own_and_quarantines_nothin
         assert "df -i" in info.value.remedy
         assert kinds == [] and _tree(dest) == []
     assert _quarantine(where, 20) is None and _quarantine(where, 10) is None
+
+
+def test_a_checkpoint_file_named_manifest_is_no_step_and_a_stray_object_stops_no_fallback(
+    cli: Cli, where: Raw, tmp_path: Any
+) -> None:
+    """Step 20 holds a file of its own at ``15/MANIFEST.json`` (a framework's), and the store a
+    stray object under step 10 with a name rgt never writes (a backslash); step 20 is
+    damaged. The fallback goes straight to step 10: no phantom step 15 tried and quarantined
+    (the listing took any key ending in /MANIFEST.json for a step's), and the stray name does
+    not stop the listing (it raised UnsafePath, and no step below LATEST was tried)."""
+    store = _open(where, cli)
+    _seal_dirs(store, tmp_path, [10], sizes=[4096])
+    sealed = _seal_dirs(store, tmp_path, [20], sizes=[4096], extra={"15/MANIFEST.json": b"{}"})
+    assert "step_20/15/MANIFEST.json" in sealed[20]
+    where.put(f"{RUN}/checkpoints/10/e1/stray\\name", b"not rgt's")
+    _damage(where, 20, "flip")
+    kinds: List[str] = []
+    dest = str(tmp_path / "new-box-ckpt")
+    doc = restore_latest(_open(where, cli), RUN, dest, lambda kind, *a, **k: kinds.append(kind))
+    assert doc is not None and doc["step"] == 10 and kinds == ["quarantined", "restored"], kinds
+    assert _quarantine(where, 15) is None and _quarantine(where, 20) is not None
 
 
 class _Listings:

@@ -258,10 +258,9 @@ class Finding:
 
 def check_key(key: str) -> str:
     """``key`` when it cannot escape the root or collide (onbox.common.safepath.safe_rel: the rule
-    of
-    every path rgt takes from outside); else UnsafePath, an IntegrityError (exit 6). Keys a
-    store lists are checked too: one rgt could never have written means the store was
-    tampered with."""
+    of every path rgt takes from outside); else UnsafePath, an IntegrityError (exit 6). A
+    ``file://`` listing leaves out the names it refuses (no object rgt wrote); what a network
+    store lists is checked by whoever uses the key."""
     return safe_rel(key, "store key")
 
 

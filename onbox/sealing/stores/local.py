@@ -38,7 +38,13 @@ from typing import Iterator, List, Optional, Tuple
 
 from onbox.common.durable import make_dirs
 from onbox.common.errors import IntegrityError
-from onbox.common.safepath import lstat_beneath, open_beneath, open_dir, symlink_error
+from onbox.common.safepath import (
+    UnsafePath,
+    lstat_beneath,
+    open_beneath,
+    open_dir,
+    symlink_error,
+)
 from onbox.sealing.stores.base import (
     Finding,
     Lanes,
@@ -326,7 +332,8 @@ class LocalStore(Store):
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         """Every object under ``prefix``, symlinks never followed: a symlink to a directory is
         not descended into, one to a file (or to nothing) is listed with its own lstat (reading
-        it is refused). A name rgt could not have written is UnsafePath."""
+        it is refused). A name rgt could not have written (a key check_key refuses) is no
+        object of rgt's and is left out: one stray file must not stop a restore's listing."""
         base = self.root
         parts = [p for p in prefix.split("/") if p]
         if not prefix.endswith("/"):  # a partial last name ("run/step_1"): walk its parent
@@ -342,7 +349,11 @@ class LocalStore(Store):
                 if ".rgt-tmp." in name or name == LOCK_NAME:
                     continue
                 full = os.path.join(dirpath, name)
-                key = check_key(os.path.relpath(full, base).replace(os.sep, "/"))
+                key = os.path.relpath(full, base).replace(os.sep, "/")
+                try:
+                    check_key(key)
+                except UnsafePath:
+                    continue
                 if key.startswith(prefix):
                     try:
                         st = os.lstat(full)

@@ -336,3 +336,34 @@ def test_a_head_answered_without_a_size_is_refused_naming_it_and_nothing_is_writ
         store.fetch_file("run/x", dest, size=100 << 10)
     assert not os.path.exists(dest)
     assert [r.split(b" ")[0] for r in peer.requests] == [b"HEAD"]
+
+
+def test_a_store_that_ignores_range_fails_the_download_as_transient_never_as_corrupt_bytes(
+    s3_server: SeaweedServer,
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    peers: Callable[[Script], Peer],
+) -> None:
+    """A proxy in front of the store drops the Range header: every ranged GET is answered 200
+    with the whole object. The download fails as transient (the store's answer is wrong, the
+    object may be fine: a restore must not quarantine it), before any byte of the body is
+    taken, naming the lengths, and leaves no file. Before, each part received and wrote the
+    whole body over its neighbours' bytes, then failed on the count."""
+    monkeypatch.setattr(download, "WHOLE_MAX", 64 << 10)
+    monkeypatch.setattr(download, "RANGE", 32 << 10)
+    data = os.urandom(100 << 10)
+
+    def rangeless(conn: socket.socket, _: int) -> None:
+        while True:
+            head = peer.read_request(conn)
+            answer = b'HTTP/1.1 200 OK\r\nETag: "e"\r\nContent-Length: %d\r\n\r\n' % len(data)
+            conn.sendall(answer if head.startswith(b"HEAD") else answer + data)
+
+    peer = peers(rangeless)
+    store = s3_server.store("b", "wire", endpoint_url=f"http://127.0.0.1:{peer.port}")
+    assert store.lean_reader() is not None
+    dest = str(tmp_path / "x")
+    with pytest.raises(TransientStoreError, match=r"asked for 32768 bytes at \d+, the store"):
+        store.fetch_file("run/x", dest, size=len(data))
+    assert not os.path.exists(dest)
+    assert any(b"range: bytes=" in r.lower() for r in peer.requests)

@@ -382,7 +382,12 @@ def _get_range(
         raise TransientStoreError(f"{doing}: the object was replaced during the download") from None
     if got is None:
         raise TransientStoreError(f"{doing}: the object was removed during the download")
-    _, read, close, abort = got
+    answered, read, close, abort = got
+    if answered is not None and answered != length:  # e.g. a proxy that drops Range: 200, all
+        close()
+        raise TransientStoreError(
+            f"{doing}: asked for {length} bytes at {offset}, the store answered {answered}"
+        )
     with lanes.abortable(abort):
         done = _stream(store, doing, read, close, fd, offset, stop, hasher, direct, length)
     if done != length:

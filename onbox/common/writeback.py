@@ -99,6 +99,18 @@ class Direct:
         self._bufs.append(mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE))
         return memoryview(self._bufs[-1])
 
+    def free(self, buf: memoryview) -> None:
+        """Unmap ``buf`` (of ``buffer``) now rather than with this writer: a download that
+        drops buffers as it goes would otherwise keep every one it ever made."""
+        m: Any = buf.obj
+        buf.release()
+        for i, b in enumerate(self._bufs):
+            if b is m:
+                del self._bufs[i]
+                with contextlib.suppress(BufferError):  # a view still held: freed when it goes
+                    b.close()
+                return
+
     def write(self, chunk: memoryview, offset: int) -> int:
         """How many bytes of ``chunk`` went to ``offset`` directly (in whole blocks; the caller
         writes the rest as usual). 0 for a chunk it cannot take (short or unaligned), and for

@@ -12,13 +12,14 @@ import os
 import random
 import threading
 import time
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import pytest
 
 # The S3 extra (boto3) is not in every environment the unit tests run in (the Python 3.9 stage).
 pytest.importorskip("botocore")
 
+from onbox.common.writeback import Direct  # noqa: E402
 from onbox.sealing.stores.s3 import download  # noqa: E402
 
 PART, CHUNK = 64 << 10, 16 << 10
@@ -100,3 +101,35 @@ def test_a_stopped_download_releases_its_waiting_parts_and_its_hash() -> None:
     runner.join(5)
     assert not parts.is_alive() and not runner.is_alive()
     assert len(errors) == 1 and digest == [None]
+
+
+def test_buffers_made_for_the_prefix_beyond_the_bound_are_unmapped_as_they_are_dropped(
+    tmp_path: Any,
+) -> None:
+    # A ranged download written with O_DIRECT maps its buffers (writeback.Direct); while the
+    # part at the prefix is the slow one, the parts ahead hold every buffer of the bound and
+    # each of the prefix's chunks gets one made beyond it. Dropped once hashed, it must be
+    # unmapped then: kept until the file ends, the mapped memory grew with the file.
+    fd = os.open(str(tmp_path / "f"), os.O_RDWR | os.O_CREAT, 0o600)
+    direct = Direct(fd)
+    data = os.urandom(8 * CHUNK)
+    stop = threading.Event()
+    hasher = download._InOrder(len(data), lambda: direct.buffer(CHUNK), 2, stop.is_set, direct.free)
+    _send(hasher, data, 6 * CHUNK)  # the two chunks ahead take the bound's two buffers
+    _send(hasher, data, 7 * CHUNK)
+    made: List[Any] = []
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        digest = pool.submit(hasher.run)
+        for at in range(0, 6 * CHUNK, CHUNK):  # the prefix's chunks, each beyond the bound
+            buf = hasher.take(at)
+            made.append(buf.obj)
+            n = min(CHUNK, len(data) - at)
+            buf[:n] = data[at : at + n]
+            hasher.give(at, buf, n)
+            del buf
+            while hasher.offset <= at:  # hashed (and dropped) before the next is taken
+                time.sleep(0.001)
+        assert digest.result() == hashlib.sha256(data).hexdigest()
+    assert len(made) == 6 and all(m.closed for m in made)
+    assert len(direct._bufs) == 2  # the bound's two, freed with the writer
+    direct.close()

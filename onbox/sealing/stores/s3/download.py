@@ -219,10 +219,16 @@ class _InOrder:
     running), so the bound cannot stall the download."""
 
     def __init__(
-        self, size: int, make: Callable[[], memoryview], limit: int, stop: Callable[[], bool]
+        self,
+        size: int,
+        make: Callable[[], memoryview],
+        limit: int,
+        stop: Callable[[], bool],
+        drop: Callable[[memoryview], None] = lambda buf: None,
     ) -> None:
         self.size = size
         self.make = make
+        self.drop = drop  # frees a buffer of ``make`` at once (one a Direct writer mapped)
         self.limit = limit
         self.stop = stop
         self.made = 0
@@ -259,6 +265,7 @@ class _InOrder:
         made for the prefix's chunk beyond the bound)."""
         if self.made > self.limit:
             self.made -= 1
+            self.drop(buf)
         else:
             self.free.append(buf)
 
@@ -322,7 +329,11 @@ def _ranges(
     def stop() -> bool:
         return halt.is_set() or lanes.stopped
 
-    hasher = _InOrder(size, lambda: _buffer(direct), KEEP_MAX // STREAM_CHUNK, stop)
+    limit = KEEP_MAX // STREAM_CHUNK
+    if direct is not None:
+        hasher = _InOrder(size, lambda: direct.buffer(STREAM_CHUNK), limit, stop, direct.free)
+    else:
+        hasher = _InOrder(size, lambda: memoryview(bytearray(STREAM_CHUNK)), limit, stop)
 
     def on_done(fut: concurrent.futures.Future[None]) -> None:
         if fut.cancelled() or fut.exception() is not None:
@@ -395,13 +406,6 @@ def _get_range(
 
 
 _scratch = threading.local()
-
-
-def _buffer(direct: Optional[Direct]) -> memoryview:
-    """A new buffer of STREAM_CHUNK: page-aligned where its chunks are written directly."""
-    if direct is not None:
-        return direct.buffer(STREAM_CHUNK)
-    return memoryview(bytearray(STREAM_CHUNK))
 
 
 def _own_buffer() -> memoryview:

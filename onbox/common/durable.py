@@ -148,14 +148,22 @@ def sha256_file(path: str) -> tuple[str, int]:
     """(sha256 hex, size) of a file, read in chunks of up to 1 MiB into one buffer (sized to
     the file: a checkpoint of 10,000 small files is hashed 10,000 times, and a fresh 1 MiB
     buffer per read is an allocation the kernel maps and unmaps each time)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return sha256_fd(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_fd(fd: int) -> tuple[str, int]:
+    """(sha256 hex, size) of what the open file ``fd`` holds from its offset on (sha256_file)."""
     h = hashlib.sha256()
     n = 0
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        view = memoryview(bytearray(max(4096, min(1 << 20, size + 1))))
-        while True:
-            k = f.readinto(view)
-            if not k:
-                return h.hexdigest(), n
-            h.update(view[:k])
-            n += k
+    size = os.fstat(fd).st_size
+    view = memoryview(bytearray(max(4096, min(1 << 20, size + 1))))
+    while True:
+        k = os.readv(fd, [view])
+        if not k:
+            return h.hexdigest(), n
+        h.update(view[:k])
+        n += k

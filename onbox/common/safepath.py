@@ -48,6 +48,50 @@ class UnsafePath(IntegrityError):
         self.path = path
 
 
+class NotRegularFile(IntegrityError):
+    """A file to be read is no regular file (a symlink, a FIFO, a socket, a device)."""
+
+
+def file_kind(mode: int) -> Optional[str]:
+    """What a non-regular file of ``mode`` (an lstat's) is, in words; None for a regular file."""
+    if stat.S_ISREG(mode):
+        return None
+    kinds = (
+        (stat.S_ISLNK, "a symlink"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    )
+    return next((word for test, word in kinds if test(mode)), f"of mode {mode:o}")
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file ``path``, for reading a file found by a
+    listing: never through a symlink under its name (O_NOFOLLOW), never blocking on the open
+    (O_NONBLOCK: a FIFO would wait for a writer forever), and only a regular file (fstat), so
+    a name swapped for something else since it was listed is NotRegularFile, not read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            kind: Optional[str] = "a symlink"
+        elif e.errno == errno.ENXIO:  # what opening a Unix socket gives
+            kind = "a socket"
+        else:
+            raise
+    else:
+        kind = file_kind(os.fstat(fd).st_mode)
+        if kind is None:
+            return fd
+        os.close(fd)
+    raise NotRegularFile(
+        f"{_show(path)} is {kind}, not a regular file",
+        "only regular files are read: it was one when it was listed, so it was replaced since",
+    )
+
+
 def _why_not(path: str) -> Optional[str]:
     """Why ``path`` is not a plain relative path; None when it is."""
     if not path:

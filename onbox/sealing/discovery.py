@@ -11,6 +11,13 @@ A checkpoint in the job's checkpoint dir is complete when:
 
 Its step comes from rgt's marker or the name (``step_120``, ``checkpoint-120``, ``ckpt_120.pt``).
 Hidden and temporary names (``skip``) are never checkpoints: torn writes live there.
+
+Only regular files are sealed. A symlink is never followed, in the checkpoint dir or inside a
+checkpoint (its target may lie outside the checkpoint, e.g. a credentials file, and sealing it
+would put that in the store as part of the checkpoint; a ``latest`` link names a checkpoint
+that is sealed under its own name anyway); a FIFO, a socket or a device has no bytes to keep
+(and reading a FIFO would wait forever). Each is left out, and listed in ``left_out`` so the
+sealer reports it once.
 """
 
 from __future__ import annotations
@@ -18,9 +25,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from typing import Dict, List, Optional, Set, Tuple
 
 from onbox.common import jobenv
+from onbox.common.safepath import NotRegularFile, file_kind, open_regular
 
 MARKERS = (jobenv.COMPLETE_MARKER, "trainer_state.json", ".metadata")
 _STEP = re.compile(r"(?i)(?:global_step|checkpoint|ckpt|step|iter(?:ation)?)[_\-=]?(\d+)")
@@ -89,14 +98,15 @@ def signature(st: os.stat_result) -> Sig:
 def looks_whole(path: str) -> bool:
     """Cheap checks that a file of a known format is not torn (its writer died mid-write and the
     kernel closed it): a zip (torch.save's format) must end with its central directory; a
-    safetensors file must hold as many bytes as its header says. Other formats pass."""
+    safetensors file must hold as many bytes as its header says. Other formats pass. Anything
+    but a regular file (a FIFO named ``step_5.pt`` would hang a plain open) is not whole."""
     try:
-        with open(path, "rb") as f:
+        with open(open_regular(path), "rb") as f:
             head = f.read(8)
             if head[:4] == b"PK\x03\x04":
                 import zipfile
 
-                return zipfile.is_zipfile(path)
+                return zipfile.is_zipfile(f)
             if path.endswith(".safetensors") and len(head) == 8:
                 n = int.from_bytes(head, "little")
                 header = json.loads(f.read(n))
@@ -111,7 +121,7 @@ def looks_whole(path: str) -> bool:
                     ]
                 )
                 return bool(os.fstat(f.fileno()).st_size == 8 + n + end)
-    except (OSError, ValueError, KeyError, TypeError, IndexError):
+    except (OSError, ValueError, KeyError, TypeError, IndexError, NotRegularFile):
         return False
     return True
 
@@ -178,12 +188,16 @@ class Candidate:
         step: Optional[int],
         files: List[str],
         signature: Sig,
+        left_out: Optional[List[Tuple[str, str]]] = None,
     ) -> None:
         self.root = root  # relative to the checkpoint dir
         self.kind = kind  # "file" | "dir"
         self.step = step
         self.files = files  # relative to the checkpoint dir
         self.signature = signature  # (size, mtime_ns, inode) of a file; of the marker for a dir
+        # (name relative to the checkpoint dir, what it is) of each entry that is not sealed:
+        # not a regular file (a symlink, a FIFO, a socket, a device)
+        self.left_out = left_out or []
 
 
 def dir_marker(path: str) -> Optional[Tuple[str, Optional[int]]]:
@@ -227,46 +241,78 @@ def dir_candidate(ckpt_dir: str, name: str, path: str) -> Optional[Candidate]:
         step = step_from_name(name)
     if step is None:
         return None
-    rel_files = []
-    for dirpath, dirnames, filenames in os.walk(path):
-        dirnames.sort()
-        for fn in sorted(filenames):
-            if skip(fn) and fn != jobenv.COMPLETE_MARKER and fn != ".metadata":
-                continue
-            full = os.path.join(dirpath, fn)
-            rel_files.append(os.path.relpath(full, ckpt_dir).replace(os.sep, "/"))
+    rel_files, left_out = _regular_files(ckpt_dir, path)
     try:
         st = os.stat(os.path.join(path, marker))
     except FileNotFoundError:
         return None  # the job rotated it away while it was listed: normal, not an error
-    return Candidate(name, "dir", step, rel_files, signature(st))
+    return Candidate(name, "dir", step, rel_files, signature(st), left_out)
 
 
-def listing(ckpt_dir: str) -> Tuple[List[Candidate], List[Tuple[str, os.stat_result]]]:
+def _regular_files(ckpt_dir: str, path: str) -> Tuple[List[str], List[Tuple[str, str]]]:
+    """The regular files under ``path`` (relative to ``ckpt_dir``, sorted; hidden and temporary
+    names but the markers skipped), and (name, what it is) of every other entry: each lstat'ed,
+    so a symlink (to a file or a directory: os.walk does not descend into the latter, which
+    was a silent omission) is left out, never followed."""
+    files: List[str] = []
+    left_out: List[Tuple[str, str]] = []
+
+    def rel(dirpath: str, name: str) -> str:
+        return os.path.relpath(os.path.join(dirpath, name), ckpt_dir).replace(os.sep, "/")
+
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for dn in dirnames:
+            if os.path.islink(os.path.join(dirpath, dn)):
+                left_out.append((rel(dirpath, dn), "a symlink to a directory"))
+        for fn in sorted(filenames):
+            if skip(fn) and fn != jobenv.COMPLETE_MARKER and fn != ".metadata":
+                continue
+            try:
+                kind = file_kind(os.lstat(os.path.join(dirpath, fn)).st_mode)
+            except FileNotFoundError:
+                continue  # deleted since the directory was read: the seal finds it vanished
+            if kind is None:
+                files.append(rel(dirpath, fn))
+            else:
+                left_out.append((rel(dirpath, fn), kind))
+    return files, sorted(left_out)
+
+
+Stats = List[Tuple[str, os.stat_result]]
+
+
+def listing(ckpt_dir: str) -> Tuple[List[Candidate], Stats, Stats]:
     """What ``ckpt_dir`` holds that may be a checkpoint, by name: the complete directory
-    checkpoints, and the loose files in a checkpoint format (with their stat), whose
-    completeness (closed, whole) the caller checks."""
+    checkpoints, the loose files in a checkpoint format (with their stat), whose completeness
+    (closed, whole) the caller checks, and the symlinks that would otherwise be one of those
+    (with their lstat): never followed, so never sealed (Lightning's ``last.ckpt`` link, a
+    ``latest`` link name a checkpoint sealed under its own name)."""
     try:
         names = sorted(os.listdir(ckpt_dir))
     except FileNotFoundError:
-        return [], []
+        return [], [], []
     dirs: List[Candidate] = []
-    files: List[Tuple[str, os.stat_result]] = []
+    files: Stats = []
+    links: Stats = []
     for name in names:
         if skip(name):
             continue
         path = os.path.join(ckpt_dir, name)
         try:
-            st = os.stat(path)
+            st = os.lstat(path)
         except FileNotFoundError:
             continue
-        if os.path.isdir(path):
+        if stat.S_ISLNK(st.st_mode):
+            if os.path.isdir(path) or is_ckpt_file(name):
+                links.append((name, st))
+        elif stat.S_ISDIR(st.st_mode):
             cand = dir_candidate(ckpt_dir, name, path)
             if cand is not None:
                 dirs.append(cand)
-        elif os.path.isfile(path) and is_ckpt_file(name):
+        elif stat.S_ISREG(st.st_mode) and is_ckpt_file(name):
             files.append((name, st))
-    return dirs, files
+    return dirs, files, links
 
 
 def newest_local_step(ckpt_dir: str) -> Optional[int]:
@@ -283,6 +329,8 @@ def newest_local_step(ckpt_dir: str) -> Optional[int]:
         if skip(name):
             continue
         path = os.path.join(ckpt_dir, name)
+        if os.path.islink(path):
+            continue  # never sealed (listing): not one the sealer would see
         if os.path.isdir(path):
             step = dir_step(name, path)
             if step is not None and (best is None or step > best):

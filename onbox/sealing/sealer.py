@@ -12,6 +12,12 @@ backslash, another control character, an over-long component) is never sealed: i
 back. One ``unsafe_name`` event (class usage) names it, and it is skipped at each scan after that
 until it changes, while the other checkpoints are sealed as usual.
 
+Only regular files are sealed (onbox/sealing/discovery.py says why): a symlink, a FIFO, a socket or
+a device in a checkpoint is left out, and the rest of the checkpoint sealed; one ``left_out``
+event (class usage) names what was left out, again only when the checkpoint changes. A symlink
+in the checkpoint dir itself (``latest``, Lightning's ``last.ckpt``) is never sealed either: one
+event the first time it is seen.
+
 A file with no step in its name that the job rewrites in place (``ckpt.pt``) is a sequence: each
 completed rewrite is the next step (remembered on the box in RunDir.sealer_state). Such a file
 is staged (copied while hashed, and checked not to have changed meanwhile) before upload, so the
@@ -24,7 +30,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from onbox.common import progress
 from onbox.common.durable import write_json
@@ -75,6 +81,8 @@ class Sealer:
         self.lock = threading.Lock()
         self.torn: Dict[str, Tuple[int, int, int]] = {}
         self.refused: Dict[str, Tuple[int, int, int]] = {}  # unsafe names, reported once each
+        self.left_out: Dict[str, Tuple[int, int, int]] = {}  # non-regular files, reported once
+        self.links: Set[str] = set()  # symlinks in the checkpoint dir, reported once each
         self.bytes_per_s = 50e6  # until measured: a cautious guess for the preemption estimate
         self.backlog: Optional[int] = None  # complete checkpoints the last pass left unsealed
         self.seq: Dict[str, Dict[str, Any]] = self._load_seq()
@@ -159,13 +167,16 @@ class Sealer:
     # ---- finding checkpoints
     def scan(self) -> List[Candidate]:
         """Complete checkpoints not sealed yet, oldest step first."""
-        dirs, files = listing(self.ckpt_dir)
+        dirs, files, links = listing(self.ckpt_dir)
+        self._report_links([n for n, _ in links])
         dirs = [c for c in dirs if self._safe_names(c.root, c.files, c.signature)]
         files = [(n, st) for n, st in files if self._safe_names(n, [n], signature(st))]
         # Only what may still need sealing is checked for writers: the walk of /proc reads every
         # open file of every process (a box's data loaders hold many), and most passes find
         # nothing new. A sealed checkpoint is never sealed again, whoever has it open.
         dirs = [c for c in dirs if self._unsealed(c.step)]
+        for c in dirs:
+            self._report_left_out(c)
         files = [(n, st) for n, st in files if self._may_be_new(n, st)]
         in_dirs = [os.path.join(self.ckpt_dir, f) for c in dirs for f in c.files]
         busy = open_for_writing([os.path.join(self.ckpt_dir, n) for n, _ in files] + in_dirs)
@@ -236,6 +247,42 @@ class Sealer:
                 return False
         self.refused.pop(root, None)
         return True
+
+    def _report_left_out(self, cand: Candidate) -> None:
+        """One ``left_out`` event for the entries of ``cand`` that are not regular files
+        (discovery: never followed, never read), again only when the checkpoint changes."""
+        if not cand.left_out or self.left_out.get(cand.root) == cand.signature:
+            return
+        self.left_out[cand.root] = cand.signature
+        shown = ", ".join(f"{rel!r} ({what})" for rel, what in cand.left_out[:5])
+        more = len(cand.left_out) - 5
+        self.event(
+            "left_out",
+            f"checkpoint {cand.root!r}: {shown}{f' and {more} more' if more > 0 else ''} "
+            "not sealed: only regular files are; a symlink is never followed (its target may "
+            "lie outside the checkpoint), a FIFO, socket or device holds no bytes to keep",
+            klass="usage",
+            remedy="put what a resume needs in the checkpoint as a regular file (a copy, not "
+            "a link); the rest of the checkpoint is sealed",
+            paths=[rel for rel, _ in cand.left_out],
+        )
+
+    def _report_links(self, names: List[str]) -> None:
+        """One ``left_out`` event for each symlink in the checkpoint dir that would be a
+        checkpoint if it were not a link (discovery.listing), the first time it is seen."""
+        for name in names:
+            if name in self.links:
+                continue
+            self.links.add(name)
+            self.event(
+                "left_out",
+                f"{name!r} in the checkpoint dir is a symlink: not sealed (a link is never "
+                "followed; a checkpoint it points to in the checkpoint dir is sealed under its "
+                "own name)",
+                klass="usage",
+                remedy="save checkpoints as real files or directories in the checkpoint dir",
+                paths=[name],
+            )
 
     def _next_seq_step(self, last: int) -> int:
         """The next step of an in-place sequence: after everything sealed, so LATEST moves."""

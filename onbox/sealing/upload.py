@@ -32,9 +32,10 @@ import shutil
 import threading
 from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, Union
 
-from onbox.common.durable import sha256_file
+from onbox.common.durable import sha256_fd
 from onbox.common.errors import IntegrityError, StoreError
 from onbox.common.faults import crash_point
+from onbox.common.safepath import NotRegularFile, open_regular
 from onbox.sealing.discovery import signature
 from onbox.sealing.stores.base import Store, with_retries
 
@@ -234,8 +235,8 @@ class CheckpointUpload:
                 raise
             try:
                 st = os.stat(path)
-                gone = st.st_size != size or sha256_file(path)[0] != sha
-            except FileNotFoundError:
+                gone = st.st_size != size or _sha256_of(path)[0] != sha
+            except (FileNotFoundError, NotRegularFile):
                 gone = True
             if gone:
                 raise Vanished(f"{rel} changed or was deleted while uploading") from None
@@ -255,6 +256,8 @@ class CheckpointUpload:
         put = functools.partial(self.store.put_file, key, src, sha256=None, size=before.st_size)
         try:
             info = with_retries(put, sleep=self._backoff(src, rel, before))
+        except NotRegularFile:  # a regular file when it was listed: replaced since
+            raise Vanished(f"{rel} was replaced by something not a regular file") from None
         except StoreError:
             if _changed(src, before):  # rotated away or rewritten: normal, not a store fault
                 raise Vanished(f"{rel} changed or was deleted while uploading") from None
@@ -302,7 +305,7 @@ class CheckpointUpload:
                     raise Vanished(f"{rel} changed while it was read")
                 return src, hashlib.sha256(data).hexdigest(), len(data), data
             if not self.rewritten:
-                sha, size = sha256_file(src)
+                sha, size = _sha256_of(src)
                 if signature(os.stat(src)) != signature(before):
                     raise Vanished(f"{rel} changed while hashed")
                 return src, sha, size, None
@@ -311,7 +314,7 @@ class CheckpointUpload:
             dest = os.path.join(self.stage_dir, rel.replace("/", "__"))
             h = hashlib.sha256()
             size = 0
-            with open(src, "rb") as fin, open(dest, "wb") as fout:
+            with open(open_regular(src), "rb") as fin, open(dest, "wb") as fout:
                 while True:
                     b = fin.read(CHUNK)
                     if not b:
@@ -324,12 +327,23 @@ class CheckpointUpload:
             return dest, h.hexdigest(), size, None
         except FileNotFoundError:
             raise Vanished(f"{rel} was deleted") from None
+        except NotRegularFile:  # a regular file when it was listed: replaced since
+            raise Vanished(f"{rel} was replaced by something not a regular file") from None
+
+
+def _sha256_of(path: str) -> Tuple[str, int]:
+    """(sha256, size) of the regular file ``path`` (``open_regular``: never a FIFO, a link)."""
+    fd = open_regular(path)
+    try:
+        return sha256_fd(fd)
+    finally:
+        os.close(fd)
 
 
 def _read_small(path: str, size: int) -> bytes:
     """The whole of a small file (``size`` by its stat; a file that grew is read one byte
     further, so the caller sees the change)."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = open_regular(path)
     try:
         chunks: List[bytes] = []
         got = 0

@@ -12,10 +12,12 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import pytest
 
@@ -57,15 +59,19 @@ def _manifests(root: str, run: str) -> Dict[int, Dict[str, Any]]:
     return out
 
 
-def _sealer(store: Any, run: str, ckpt: str, tmp_path: Any) -> Sealer:
-    """The real Sealer of ``run`` for ``ckpt`` into ``store``, in this process, loaded."""
+def _sealer(
+    store: Any, run: str, ckpt: str, tmp_path: Any, events: Optional[List[Dict[str, Any]]] = None
+) -> Sealer:
+    """The real Sealer of ``run`` for ``ckpt`` into ``store``, in this process, loaded; its
+    events appended to ``events`` when given."""
+    got = [] if events is None else events
     s = Sealer(
         run,
         ckpt,
         store,
         str(tmp_path / "stage"),
         epoch=take_epoch(store, run),
-        event=lambda kind, reason, **kw: None,
+        event=lambda kind, reason, **kw: got.append(dict(kw, kind=kind, reason=reason)),
         state_path=str(tmp_path / "seq.json"),
     )
     s.load()
@@ -482,6 +488,105 @@ def test_a_checkpoint_whose_name_restore_would_refuse_is_reported_once_and_never
     os.rename(os.path.join(ckpt, "step_2\r.pt"), os.path.join(ckpt, "step_6.pt"))
     assert s.seal_pending() == 1 and _latest(root, "names")["step"] == 6
     assert len([e for e in events if e["kind"] == "unsafe_name"]) == 3
+
+
+def _dir_ckpt(ckpt: str, name: str, step: int, files: Dict[str, bytes]) -> str:
+    """A complete directory checkpoint ``ckpt/name`` of ``files`` (rgt's marker, ``step``)."""
+    path = os.path.join(ckpt, name)
+    os.makedirs(path, exist_ok=True)
+    for rel, data in files.items():
+        with open(os.path.join(path, rel), "wb") as fb:
+            fb.write(data)
+    with open(os.path.join(path, ".rgt-complete"), "w") as f:
+        json.dump({"step": step}, f)
+    return path
+
+
+def _bounded(fn: Callable[[], Any], seconds: float = 20) -> Any:
+    """``fn()`` in a thread, failing the test (not hanging it) when it is still running after
+    ``seconds``: a seal that reads a FIFO would wait forever."""
+    out: List[Any] = []
+
+    def call() -> None:
+        try:
+            out.append(("ok", fn()))
+        except BaseException as e:  # raised again in the test's thread
+            out.append(("raised", e))
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds}s (hung)"
+    how, value = out[0]
+    if how == "raised":
+        raise value
+    return value
+
+
+def test_links_fifos_and_sockets_in_a_checkpoint_are_left_out_reported_once_and_never_read(
+    tmp_path: Any,
+) -> None:
+    """A checkpoint dir may hold a symlink (a ``latest`` link, a tokenizer file linked from a
+    cache), a FIFO or a socket. The seal never reads one: a FIFO would hang it forever (holding
+    the lock the SIGTERM seal needs), a link to a file outside the checkpoint would put that
+    file in the store as part of the checkpoint. The regular files are sealed, one usage event
+    names what was left out, and a checkpoint after it is sealed too."""
+    root = _store_root(tmp_path)
+    store = open_store("file://" + root)
+    ckpt = str(tmp_path / "ckpt")
+    secret = str(tmp_path / "outside.txt")
+    with open(secret, "w") as f:
+        f.write("not part of any checkpoint")
+    d = _dir_ckpt(ckpt, "step_1", 1, {"model.bin": b"w" * 100})
+    os.symlink(secret, os.path.join(d, "tokenizer.json"))
+    os.symlink("/dev/zero", os.path.join(d, "zero"))
+    os.symlink(str(tmp_path), os.path.join(d, "dirlink"))
+    os.mkfifo(os.path.join(d, "pipe"))
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(os.path.join(d, "sock"))
+    _dir_ckpt(ckpt, "step_2", 2, {"model.bin": b"v" * 100})
+    os.symlink("step_2", os.path.join(ckpt, "latest"))  # a link in the checkpoint dir itself
+    events: List[Dict[str, Any]] = []
+    s = _sealer(store, "links", ckpt, tmp_path, events)
+    try:
+        assert _bounded(s.seal_pending) == 2
+        assert _bounded(s.seal_pending) == 0
+    finally:
+        sock.close()
+    doc = _manifests(root, "links")[1]
+    assert sorted(f["path"] for f in doc["files"]) == ["step_1/.rgt-complete", "step_1/model.bin"]
+    stored = [f for _, _, files in os.walk(os.path.join(root, "links")) for f in files]
+    assert not {"tokenizer.json", "zero", "pipe", "sock"} & set(stored)
+    top, ev = [e for e in events if e["kind"] == "left_out"]
+    assert top["paths"] == ["latest"] and "is a symlink: not sealed" in top["reason"]
+    assert ev["klass"] == "usage" and ev["paths"] == [
+        "step_1/dirlink",
+        "step_1/pipe",
+        "step_1/sock",
+        "step_1/tokenizer.json",
+        "step_1/zero",
+    ]
+    assert "'step_1/pipe' (a FIFO)" in ev["reason"] and "(a symlink)" in ev["reason"]
+    assert _latest(root, "links")["step"] == 2
+    assert _manifests(root, "links")[2]["root"] == "step_2"
+
+
+def test_a_file_swapped_for_a_fifo_after_the_scan_is_not_read(tmp_path: Any) -> None:
+    """Between the scan and the read the job may replace a file: the read opens it without
+    following a link and without blocking, and finds it is no regular file any more, so the
+    seal ends as 'changed while sealed' (retried on the next pass), instead of hanging."""
+    root = _store_root(tmp_path)
+    store = open_store("file://" + root)
+    ckpt = str(tmp_path / "ckpt")
+    d = _dir_ckpt(ckpt, "step_1", 1, {"model.bin": b"w" * 100})
+    events: List[Dict[str, Any]] = []
+    s = _sealer(store, "swap", ckpt, tmp_path, events)
+    [cand] = s.scan()
+    os.unlink(os.path.join(d, "model.bin"))
+    os.mkfifo(os.path.join(d, "model.bin"))
+    assert _bounded(lambda: s.seal(cand)) is None
+    assert [e["kind"] for e in events] == ["seal_skipped"]
+    assert not _manifests(root, "swap")
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])

@@ -37,6 +37,6 @@ def test_a_directory_rotated_away_mid_listing_is_skipped_and_the_rest_found(
             shutil.rmtree(old)
 
     monkeypatch.setattr(os, "walk", walk_then_rotate)
-    dirs, _ = discovery.listing(str(tmp_path))
+    dirs, _, _ = discovery.listing(str(tmp_path))
     assert [c.step for c in dirs] == [200]
     assert os.path.isdir(new)

@@ -243,3 +243,27 @@ def test_directories_made_on_the_way_are_reported(tmp_path: Path) -> None:
     os.close(fd)
     assert made == [str(tmp_path / "a"), str(tmp_path / "a" / "b")]
     assert (os.stat(made[0]).st_mode & 0o777) == 0o700
+
+
+def test_open_regular_refuses_links_fifos_and_sockets_without_blocking(tmp_path: Path) -> None:
+    """A file listed as regular may be replaced before it is read: the read must not follow a
+    link out of the checkpoint, nor wait forever on a FIFO with no writer."""
+    import socket
+
+    real = tmp_path / "real"
+    real.write_bytes(b"bytes")
+    os.symlink(str(real), str(tmp_path / "link"))
+    os.mkfifo(str(tmp_path / "fifo"))
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "sock"))
+    try:
+        for name, kind in (("link", "a symlink"), ("fifo", "a FIFO"), ("sock", "a socket")):
+            with pytest.raises(safepath.NotRegularFile, match=f"is {kind}, not a regular file"):
+                safepath.open_regular(str(tmp_path / name))
+    finally:
+        sock.close()
+    fd = safepath.open_regular(str(real))
+    try:
+        assert os.read(fd, 10) == b"bytes"
+    finally:
+        os.close(fd)

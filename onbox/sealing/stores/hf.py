@@ -37,6 +37,7 @@ import tempfile
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
 from onbox.common.errors import IntegrityError, RgtError, StoreAuthError, UsageError
+from onbox.common.safepath import open_regular
 
 try:
     from huggingface_hub import (
@@ -274,7 +275,7 @@ class HFStore(Store):
         blob_id = None
         if size <= INLINE_MAX:
             try:
-                with open(path, "rb") as f:
+                with open(open_regular(path), "rb") as f:  # a FIFO, a link: refused
                     data = f.read()
             except OSError as e:
                 raise os_error(e, f"reading {path}") from None

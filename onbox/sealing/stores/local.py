@@ -43,6 +43,7 @@ from onbox.common.safepath import (
     lstat_beneath,
     open_beneath,
     open_dir,
+    open_regular,
     symlink_error,
 )
 from onbox.sealing.stores.base import (
@@ -220,7 +221,7 @@ class LocalStore(Store):
         try:
             fd = self._new(dfd, tmp)
             try:
-                with open(path, "rb") as f:
+                with open(open_regular(path), "rb") as f:  # a FIFO, a link: refused
                     got, hashed, before = copy_file(f, fd)
                 os.fsync(fd)
                 copied = os.fstat(fd).st_size

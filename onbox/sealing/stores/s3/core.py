@@ -17,6 +17,7 @@ import boto3
 import botocore.exceptions as bex
 
 from onbox.common.errors import IntegrityError, UsageError
+from onbox.common.safepath import open_regular
 from onbox.sealing.stores.base import (
     Finding,
     Lanes,
@@ -383,7 +384,7 @@ class S3Store(Store):
         check_key(key)  # a bad key is refused before the file is opened
         doing = f"uploading {path} to {self.url}/{key}"
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd = open_regular(path)  # a FIFO, a link, a device: NotRegularFile, never read
         except OSError as e:
             raise PermanentStoreError(f"{doing}: cannot read it: {e.strerror or e}") from None
         try:

@@ -18,6 +18,12 @@ event (class usage) names what was left out, again only when the checkpoint chan
 in the checkpoint dir itself (``latest``, Lightning's ``last.ckpt``) is never sealed either: one
 event the first time it is seen.
 
+A checkpoint that fails for a reason retrying cannot fix (an IntegrityError, a
+PermanentStoreError: the store refuses that object) gets one ``seal_failed`` event and is not
+tried again until it changes, and the pass goes on to the newer ones: oldest first, it would
+otherwise block every newer checkpoint for the rest of the run. A store that refuses the
+credentials refuses every checkpoint alike: that is raised as before (retried with backoff).
+
 A file with no step in its name that the job rewrites in place (``ckpt.pt``) is a sequence: each
 completed rewrite is the next step (remembered on the box in RunDir.sealer_state). Such a file
 is staged (copied while hashed, and checked not to have changed meanwhile) before upload, so the
@@ -34,7 +40,13 @@ from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 from onbox.common import progress
 from onbox.common.durable import write_json
-from onbox.common.errors import StoreError
+from onbox.common.errors import (
+    IntegrityError,
+    PermanentStoreError,
+    RgtError,
+    StoreAuthError,
+    StoreError,
+)
 from onbox.common.faults import crash_point
 from onbox.common.rundir import RunDir
 from onbox.common.safepath import UnsafePath, safe_rel
@@ -83,6 +95,7 @@ class Sealer:
         self.refused: Dict[str, Tuple[int, int, int]] = {}  # unsafe names, reported once each
         self.left_out: Dict[str, Tuple[int, int, int]] = {}  # non-regular files, reported once
         self.links: Set[str] = set()  # symlinks in the checkpoint dir, reported once each
+        self.failed: Dict[str, Tuple[int, int, int]] = {}  # failed for good, until they change
         self.bytes_per_s = 50e6  # until measured: a cautious guess for the preemption estimate
         self.backlog: Optional[int] = None  # complete checkpoints the last pass left unsealed
         self.seq: Dict[str, Dict[str, Any]] = self._load_seq()
@@ -204,7 +217,8 @@ class Sealer:
                     continue  # this rewrite is sealed already
                 step = self._next_seq_step(entry["step"] if entry else -1)
             out.append(Candidate(name, "file", step, [name], signature(st)))
-        return sorted([c for c in out if self._unsealed(c.step)], key=lambda c: c.step or 0)
+        out = [c for c in out if self._unsealed(c.step) and self.failed.get(c.root) != c.signature]
+        return sorted(out, key=lambda c: c.step or 0)
 
     def _unsealed(self, step: Optional[int]) -> bool:
         """Whether a checkpoint of ``step`` is still to be sealed (scan's final filter)."""
@@ -395,10 +409,24 @@ class Sealer:
             )
         return self._room.free(self.manifests, self.latest)
 
+    def _failed_for_good(self, cand: Candidate, e: RgtError) -> None:
+        """Remember ``cand`` (by its signature, as ``refused``) as failing for a reason retrying
+        cannot fix, with one event: scan leaves it out until it changes."""
+        self.failed[cand.root] = cand.signature
+        self.event(
+            "seal_failed",
+            f"checkpoint {cand.root} (step {cand.step}) cannot be sealed: {e.what}; it is not "
+            "tried again until it changes, and the newer checkpoints are sealed",
+            klass="permanent",
+            remedy=e.remedy or "the checkpoint stays on the box's disk",
+            step=cand.step,
+        )
+
     def seal_pending(self, deadline: Optional[float] = None) -> int:
         """Seal every pending checkpoint, oldest first; stop at ``deadline`` (monotonic).
-        Returns how many were sealed. The backlog is bounded: when the store was away long
-        enough for more than MAX_BACKLOG to pile up, the oldest of them are left out."""
+        Returns how many were sealed. One that fails for good (``_failed_for_good``) does not
+        end the pass: the newer ones are sealed after it. The backlog is bounded: when the store
+        was away long enough for more than MAX_BACKLOG to pile up, the oldest are left out."""
         n = 0
         pending = self.scan()
         if len(pending) > MAX_BACKLOG:
@@ -414,7 +442,14 @@ class Sealer:
         for cand in pending:
             if deadline is not None and time.monotonic() >= deadline:
                 break
-            if self.seal(cand, deadline) is not None:
+            try:
+                done = self.seal(cand, deadline)
+            except (IntegrityError, PermanentStoreError) as e:
+                if isinstance(e, StoreAuthError):
+                    raise  # the store refuses everything alike: not this checkpoint's fault
+                self._failed_for_good(cand, e)
+                continue
+            if done is not None:
                 n += 1
         self.backlog = len(pending) - n
         if n:

@@ -24,12 +24,14 @@ import pytest
 from controller.registry import RunRecord
 from controller.results.pull import pull
 from controller.target import Target
+from onbox.common.errors import PermanentStoreError
 from onbox.common.sealtime import event_time
 from onbox.sealing.fetch import STAGE_PREFIX
 from onbox.sealing.ledger import take_epoch
 from onbox.sealing.restore import restore_latest
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
+from onbox.sealing.stores.local import LocalStore
 from tests.conftest import ROOT, Cli, fixture, require
 from tests.dirsync import DirSyncSpy
 
@@ -587,6 +589,42 @@ def test_a_file_swapped_for_a_fifo_after_the_scan_is_not_read(tmp_path: Any) -> 
     assert _bounded(lambda: s.seal(cand)) is None
     assert [e["kind"] for e in events] == ["seal_skipped"]
     assert not _manifests(root, "swap")
+
+
+def test_a_checkpoint_that_fails_for_good_is_reported_once_and_does_not_block_newer_ones(
+    tmp_path: Any,
+) -> None:
+    """Oldest first, a checkpoint the store refuses for good (an object it will never take)
+    must not block every newer checkpoint for the rest of the run, nor be retried at every
+    pass: one permanent event names it, and the newer ones are sealed as usual."""
+    root = _store_root(tmp_path)
+    tried: List[str] = []
+
+    class Refusing(LocalStore):
+        """A file:// store that refuses, for good, any object of step_1 (the seam: the store)."""
+
+        def put_file(self, key: str, path: str, *, sha256: Any, size: int) -> Any:
+            tried.append(key)
+            if "/step_1/" in key:
+                raise PermanentStoreError(f"{key}: refused", "it never takes this object")
+            return super().put_file(key, path, sha256=sha256, size=size)
+
+    store = Refusing(root)
+    ckpt = str(tmp_path / "ckpt")
+    _dir_ckpt(ckpt, "step_1", 1, {"model.bin": b"w" * (2 << 20)})
+    events: List[Dict[str, Any]] = []
+    s = _sealer(store, "stuck", ckpt, tmp_path, events)
+    assert s.seal_pending() == 0  # step 1 alone: refused, nothing sealed, no raise
+    attempts = len(tried)
+    assert s.seal_pending() == 0 and len(tried) == attempts  # not retried while unchanged
+    _dir_ckpt(ckpt, "step_2", 2, {"model.bin": b"v" * (2 << 20)})
+    _dir_ckpt(ckpt, "step_3", 3, {"model.bin": b"u" * (2 << 20)})
+    assert s.seal_pending() == 2
+    assert sorted(_manifests(root, "stuck")) == [2, 3] and _latest(root, "stuck")["step"] == 3
+    [ev] = [e for e in events if e["kind"] == "seal_failed"]
+    assert ev["klass"] == "permanent" and ev["step"] == 1
+    assert "checkpoint step_1 (step 1) cannot be sealed" in ev["reason"]
+    assert ev["remedy"] == "it never takes this object"
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])

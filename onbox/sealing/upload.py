@@ -258,7 +258,7 @@ class CheckpointUpload:
             info = with_retries(put, sleep=self._backoff(src, rel, before))
         except NotRegularFile:  # a regular file when it was listed: replaced since
             raise Vanished(f"{rel} was replaced by something not a regular file") from None
-        except StoreError:
+        except (StoreError, IntegrityError):  # a store reports a changed source as either
             if _changed(src, before):  # rotated away or rewritten: normal, not a store fault
                 raise Vanished(f"{rel} changed or was deleted while uploading") from None
             raise

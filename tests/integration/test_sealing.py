@@ -627,6 +627,41 @@ def test_a_checkpoint_that_fails_for_good_is_reported_once_and_does_not_block_ne
     assert ev["remedy"] == "it never takes this object"
 
 
+def test_a_file_rewritten_while_it_is_uploaded_is_a_skipped_seal_not_a_bug(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The job rewrites a file (same size) while the file:// store copies it with no hash of
+    ours first: the store refuses the copy (IntegrityError), and the seal must read that as
+    'changed while sealing' (seal_skipped, the next pass seals the new bytes), not as a bug
+    that escapes the pass (it was a seal_bug event and no seal at all)."""
+    import onbox.sealing.stores.local as local
+
+    root = _store_root(tmp_path)
+    store = open_store("file://" + root)
+    ckpt = str(tmp_path / "ckpt")
+    d = _dir_ckpt(ckpt, "step_1", 1, {"big.bin": os.urandom(5 << 20)})
+    big = os.path.join(d, "big.bin")
+    real_copy = local.copy_file  # type: ignore[attr-defined]
+
+    def copy_then_rewrite(f: Any, fd: int) -> Any:
+        out = real_copy(f, fd)
+        if os.fstat(f.fileno()).st_ino == os.stat(big).st_ino:  # the job writes meanwhile
+            with open(big, "r+b") as w:
+                w.write(b"Z" * 100)
+        return out
+
+    monkeypatch.setattr(local, "copy_file", copy_then_rewrite)
+    events: List[Dict[str, Any]] = []
+    s = _sealer(store, "torn", ckpt, tmp_path, events)
+    assert s.seal_pending() == 0
+    assert [e["kind"] for e in events] == ["seal_skipped"] and not _manifests(root, "torn")
+    monkeypatch.setattr(local, "copy_file", real_copy)
+    assert s.seal_pending() == 1
+    [f] = [f for f in _manifests(root, "torn")[1]["files"] if f["path"] == "step_1/big.bin"]
+    with open(big, "rb") as fb:
+        assert f["sha256"] == hashlib.sha256(fb.read()).hexdigest()
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_corrupt_checkpoint_in_the_store_is_quarantined_and_the_previous_used(
     tmp_path: Any, damage: str

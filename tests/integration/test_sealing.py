@@ -92,7 +92,7 @@ def _wrote(cli: Cli, name: str) -> Dict[str, List[str]]:
 
 def _check_invariants(root: str, run: str) -> None:
     """LATEST names a MANIFEST whose files are all there with their sha256; no temporary
-    file is left by a writer that is gone (``.NAME.rgt-tmp.PID.HEX``: one whose PID lives is a
+    file is left by a writer that is gone (``.rgt-tmp.PID.HEX``: one whose PID lives is a
     write in flight, e.g. a live agent's mirror of its events)."""
     latest = _latest(root, run)
     with open(os.path.join(root, latest["manifest"])) as f:

@@ -113,6 +113,22 @@ def test_put_file_round_trip(store: Store, tmp_path: os.PathLike[str], size: int
         assert st.sha256 == sha
 
 
+@pytest.mark.parametrize("length", [240, 255])
+def test_a_name_of_up_to_255_bytes_round_trips(
+    store: Store, tmp_path: os.PathLike[str], length: int
+) -> None:
+    """Any file name the box's filesystem allows (NAME_MAX, 255 bytes) is sealed and comes
+    back: a store's temporary name must not be longer than the name itself (file:// made
+    ``.NAME.rgt-tmp.PID.HEX``, too long past ~230 bytes, and then a raw OSError hid it)."""
+    name = "w" * (length - 4) + ".bin"
+    src, sha = _file(os.path.join(tmp_path, name), 1000)
+    key = f"run/ckpt/1/{name}"
+    assert store.put_file(key, src, sha256=sha, size=1000).sha256 == sha
+    assert store.put_bytes(key, b"again").size == 5  # a replace of the same name
+    assert store.get_bytes(key) == b"again"
+    assert [o.key for o in store.list("run/ckpt/1/")] == [key]
+
+
 @pytest.mark.parametrize("size", [0, 1000, BIG], ids=["empty", "small", "multipart"])
 @pytest.mark.parametrize("hint", [True, False], ids=["size-known", "size-unknown"])
 def test_fetch_file_returns_the_sha256_of_what_it_wrote(

@@ -93,8 +93,11 @@ class LocalStore(Store):
         return open_dir(self.root, parts[:-1], create=create), parts[-1]
 
     @staticmethod
-    def _tmp(name: str) -> str:
-        return f".{name}.rgt-tmp.{os.getpid()}.{os.urandom(3).hex()}"
+    def _tmp() -> str:
+        # Not derived from the object's name: a name of up to NAME_MAX bytes must fit, and
+        # ".NAME.rgt-tmp.PID.HEX" did not past ~230. The PID tells a live writer's file from
+        # a killed one's; the random part, one thread's from another's (O_EXCL refuses a clash).
+        return f".rgt-tmp.{os.getpid()}.{os.urandom(6).hex()}"
 
     @staticmethod
     def _new(dir_fd: int, name: str) -> int:
@@ -104,10 +107,10 @@ class LocalStore(Store):
 
     @staticmethod
     def _drop_tmp(dir_fd: int, tmp: str) -> None:
-        try:
+        # Best effort, in a finally: an OSError here must not replace the error being raised
+        # (a stale temporary file is removed by abort_stale_uploads).
+        with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dir_fd)
-        except FileNotFoundError:
-            pass
 
     @contextlib.contextmanager
     def _run_lock(self, key: str) -> Iterator[None]:
@@ -217,7 +220,7 @@ class LocalStore(Store):
             dfd, name = self._parent(key, create=True)
         except OSError as e:
             raise os_error(e, f"writing {dest}") from None
-        tmp = self._tmp(name)
+        tmp = self._tmp()
         try:
             fd = self._new(dfd, tmp)
             try:
@@ -255,7 +258,7 @@ class LocalStore(Store):
             dfd, name = self._parent(key, create=True)
         except OSError as e:
             raise os_error(e, f"writing {dest}") from None
-        tmp = self._tmp(name)
+        tmp = self._tmp()
         try:
             fd = self._new(dfd, tmp)
             try:

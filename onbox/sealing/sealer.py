@@ -63,7 +63,7 @@ from onbox.sealing.discovery import (
 from onbox.sealing.ledger import Ledger, take_epoch
 from onbox.sealing.room import Room
 from onbox.sealing.stores.base import Store
-from onbox.sealing.upload import CheckpointUpload, Vanished
+from onbox.sealing.upload import CheckpointUpload, OutOfTime, Vanished
 
 MAX_BACKLOG = 8  # pending checkpoints sealed per pass at most (the newest ones)
 
@@ -307,8 +307,9 @@ class Sealer:
 
     # ---- sealing
     def seal(self, cand: Candidate, deadline: Optional[float] = None) -> Optional[Dict[str, Any]]:
-        """Upload, verify, MANIFEST, LATEST. None when the job took the checkpoint away, or
-        when a newer agent owns the run (this one then writes nothing more)."""
+        """Upload, verify, MANIFEST, LATEST. None when the job took the checkpoint away, when
+        a newer agent owns the run (this one then writes nothing more), or when ``deadline``
+        (time.monotonic) came before every file was put (no MANIFEST: seal_cut)."""
         assert cand.step is not None
         step = cand.step
         with self.lock:
@@ -318,7 +319,17 @@ class Sealer:
                 return None  # one writer per run: a newer agent owns it now
             t0 = time.monotonic()
             try:
-                entries, uploaded = self._upload(cand)
+                entries, uploaded = self._upload(cand, deadline)
+            except OutOfTime:
+                self.event(
+                    "seal_cut",
+                    f"checkpoint {cand.root} (step {step}) was not sealed in the time left "
+                    f"(no MANIFEST written); LATEST stays at step {self.latest}",
+                    klass="transient",
+                    remedy="a longer grace, or smaller/more frequent checkpoints; it stays on "
+                    "the box's disk",
+                )
+                return None
             except Vanished as e:
                 self.event(
                     "seal_skipped",
@@ -356,9 +367,12 @@ class Sealer:
             self.ledger.prune()
             return doc
 
-    def _upload(self, cand: Candidate) -> Tuple[List[Dict[str, Any]], int]:
+    def _upload(
+        self, cand: Candidate, deadline: Optional[float]
+    ) -> Tuple[List[Dict[str, Any]], int]:
         """Every file of ``cand`` in the store and verified (onbox/sealing/upload.py: many in
-        flight): the MANIFEST's entries and the bytes put."""
+        flight), or OutOfTime once ``deadline`` would pass: the MANIFEST's entries and the
+        bytes put."""
         # Dedupe only against this epoch's own objects: an older agent that lost the run may
         # still prune its checkpoints (it was frozen past its last check), never ours.
         known: Dict[Tuple[str, int], str] = {}
@@ -377,6 +391,7 @@ class Sealer:
             stage_dir=os.path.join(self.staging, f"step-{cand.step}"),
             rewritten=in_place(cand.root, cand.kind),
             found=cand.signature if in_place(cand.root, cand.kind) else None,
+            deadline=deadline,
         ).run()
 
     def remember_restored(self, doc: Dict[str, Any]) -> None:

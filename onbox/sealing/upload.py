@@ -20,6 +20,10 @@ started are not started, puts in flight are awaited (never abandoned mid-request
 is raised, so no MANIFEST is written and the next pass retries the whole checkpoint (objects put
 already are put again, or found by the dedupe of a later epoch; a put is idempotent). The crash
 point ``seal.after_object`` is reached once per object put, in the calling thread.
+
+A seal with a deadline (the final seal at SIGTERM has a grace to fit in) starts no file and no
+retry once it would end past it: ``OutOfTime``, so the checkpoint gets no MANIFEST (a put in
+flight is awaited, as above, not abandoned mid-request).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import os
 import queue
 import shutil
 import threading
+import time
 from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, Union
 
 from onbox.common.durable import sha256_fd
@@ -53,6 +58,10 @@ _Done = Tuple[int, Optional[Tuple[Entry, bool]], Optional[BaseException]]
 
 class Vanished(Exception):
     """The job deleted or replaced a checkpoint while it was being sealed (rotation): normal."""
+
+
+class OutOfTime(Exception):
+    """The seal's deadline came before every file of the checkpoint was put."""
 
 
 class _Stopped(Exception):
@@ -114,6 +123,7 @@ class CheckpointUpload:
         stage_dir: str,
         rewritten: bool,
         found: Optional[Tuple[int, int, int]] = None,
+        deadline: Optional[float] = None,
     ) -> None:
         self.store = store
         self.ckpt_dir = ckpt_dir
@@ -126,6 +136,7 @@ class CheckpointUpload:
         # it, so a copy of a later rewrite must not be sealed in its name (that rewrite would
         # then look sealed, and the one found would be sealed twice).
         self.found = found
+        self.deadline = deadline  # time.monotonic(): no file, no retry starts after it
         self.stop = threading.Event()
         self.shared_sizes: Set[int] = set()  # sizes two files of this checkpoint have
 
@@ -187,6 +198,7 @@ class CheckpointUpload:
             except queue.Empty:
                 return
             try:
+                self._in_time(0.0)
                 out = self._one(self.rels[i])
             except _Stopped:
                 return
@@ -288,10 +300,17 @@ class CheckpointUpload:
                     gone = True
                 if gone:
                     raise Vanished(f"{rel} changed or was deleted while uploading")
+            self._in_time(seconds)
             if self.stop.wait(seconds):
                 raise _Stopped()
 
         return sleep
+
+    def _in_time(self, wait: float) -> None:
+        """OutOfTime when what would start after ``wait`` seconds would start past the
+        deadline: no new file, no retry (one would only be cut off, or run past the grace)."""
+        if self.deadline is not None and time.monotonic() + wait >= self.deadline:
+            raise OutOfTime(f"the deadline came before every file of {self.prefix} was put")
 
     def _stage(self, src: str, rel: str) -> Tuple[str, str, int, Optional[bytes]]:
         """(path to upload from, sha256, size, the bytes where read into memory). A file up to

@@ -24,7 +24,7 @@ import pytest
 from controller.registry import RunRecord
 from controller.results.pull import pull
 from controller.target import Target
-from onbox.common.errors import PermanentStoreError
+from onbox.common.errors import PermanentStoreError, TransientStoreError
 from onbox.common.sealtime import event_time
 from onbox.sealing.fetch import STAGE_PREFIX
 from onbox.sealing.ledger import take_epoch
@@ -660,6 +660,42 @@ def test_a_file_rewritten_while_it_is_uploaded_is_a_skipped_seal_not_a_bug(
     [f] = [f for f in _manifests(root, "torn")[1]["files"] if f["path"] == "step_1/big.bin"]
     with open(big, "rb") as fb:
         assert f["sha256"] == hashlib.sha256(fb.read()).hexdigest()
+
+
+@pytest.mark.parametrize("store_is", ["slow", "failing"])
+def test_a_seal_with_a_deadline_stops_within_one_checkpoint_and_writes_no_manifest(
+    tmp_path: Any, store_is: str
+) -> None:
+    """The final seal at SIGTERM has a grace to fit in. Inside one checkpoint, no new file and
+    no retry starts once it would end past the deadline (a slow store: 1.5 s a put; a failing
+    one: retries for 7.5 s), so the seal returns in time; the checkpoint gets no MANIFEST (a
+    partial one would be restored as whole), and a later seal with time seals it whole."""
+    root = _store_root(tmp_path)
+    state = {"store_is": store_is}
+
+    class Hindered(LocalStore):
+        parallel_puts = 1
+
+        def put_file(self, key: str, path: str, *, sha256: Any, size: int) -> Any:
+            if state["store_is"] == "slow":
+                time.sleep(1.5)
+            elif state["store_is"] == "failing":
+                raise TransientStoreError(f"{key}: the network is away")
+            return super().put_file(key, path, sha256=sha256, size=size)
+
+    store = Hindered(root)
+    ckpt = str(tmp_path / "ckpt")
+    _dir_ckpt(ckpt, "step_1", 1, {f"{n}.bin": b"x" * n for n in (10, 20, 30)})
+    events: List[Dict[str, Any]] = []
+    s = _sealer(store, "cut", ckpt, tmp_path, events)
+    t0 = time.monotonic()
+    assert s.seal_pending(t0 + 1.0) == 0
+    assert time.monotonic() - t0 < 2.5  # one put in flight ends; none starts after
+    assert not _manifests(root, "cut") and s.latest is None
+    [ev] = [e for e in events if e["kind"] == "seal_cut"]
+    assert "checkpoint step_1 (step 1) was not sealed in the time left" in ev["reason"]
+    state["store_is"] = "fine"
+    assert s.seal_pending() == 1 and _latest(root, "cut")["step"] == 1
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])

@@ -91,8 +91,19 @@ def in_place(root: str, kind: str) -> bool:
 
 
 def signature(st: os.stat_result) -> Sig:
-    """(size, mtime_ns, inode): what changes when a file is rewritten or replaced."""
+    """(size, mtime_ns, inode): what changes when a file is rewritten or replaced. A
+    checkpoint's identity, remembered across passes (sealed in-place rewrites, refused and
+    failed checkpoints, in RunDir.sealer_state too): no ctime, which a chmod, a hard link or a
+    restore's own bookkeeping moves without changing a byte (that would seal it again)."""
     return (st.st_size, st.st_mtime_ns, st.st_ino)
+
+
+def read_signature(st: os.stat_result) -> Tuple[int, int, int, int]:
+    """``signature`` and ctime_ns: what must be the same before and after a file is read for
+    the bytes read to be one version. A rewrite in place that restores mtime (``cp -p``,
+    ``rsync -t``, ``os.utime``) keeps the signature, but the kernel moves ctime at every write
+    and no caller can set it back; a chmod meanwhile only costs a retry."""
+    return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
 
 
 def looks_whole(path: str) -> bool:

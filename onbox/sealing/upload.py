@@ -41,7 +41,7 @@ from onbox.common.durable import sha256_fd
 from onbox.common.errors import IntegrityError, StoreError
 from onbox.common.faults import crash_point
 from onbox.common.safepath import NotRegularFile, open_regular
-from onbox.sealing.discovery import signature
+from onbox.sealing.discovery import read_signature, signature
 from onbox.sealing.stores.base import Store, with_retries
 
 CHUNK = 1 << 20
@@ -294,7 +294,7 @@ class CheckpointUpload:
                     gone = (
                         st.st_size != before
                         if isinstance(before, int)
-                        else signature(st) != signature(before)
+                        else read_signature(st) != read_signature(before)
                     )
                 except FileNotFoundError:
                     gone = True
@@ -320,12 +320,15 @@ class CheckpointUpload:
             before = os.stat(src)
             if not self.rewritten and before.st_size <= SMALL and self.store.puts_data:
                 data = _read_small(src, before.st_size)
-                if signature(os.stat(src)) != signature(before) or len(data) != before.st_size:
+                if (
+                    read_signature(os.stat(src)) != read_signature(before)
+                    or len(data) != before.st_size
+                ):
                     raise Vanished(f"{rel} changed while it was read")
                 return src, hashlib.sha256(data).hexdigest(), len(data), data
             if not self.rewritten:
                 sha, size = _sha256_of(src)
-                if signature(os.stat(src)) != signature(before):
+                if read_signature(os.stat(src)) != read_signature(before):
                     raise Vanished(f"{rel} changed while hashed")
                 return src, sha, size, None
             if self.found is not None and signature(before) != self.found:
@@ -341,7 +344,7 @@ class CheckpointUpload:
                     h.update(b)
                     fout.write(b)
                     size += len(b)
-            if signature(os.stat(src)) != signature(before) or size != before.st_size:
+            if read_signature(os.stat(src)) != read_signature(before) or size != before.st_size:
                 raise Vanished(f"{rel} was rewritten during the copy")
             return dest, h.hexdigest(), size, None
         except FileNotFoundError:
@@ -379,7 +382,7 @@ def _read_small(path: str, size: int) -> bytes:
 
 def _changed(src: str, before: os.stat_result) -> bool:
     try:
-        return signature(os.stat(src)) != signature(before)
+        return read_signature(os.stat(src)) != read_signature(before)
     except FileNotFoundError:
         return True
 

@@ -31,6 +31,7 @@ from onbox.sealing.ledger import take_epoch
 from onbox.sealing.restore import restore_latest
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
+from onbox.sealing.stores.base import ObjectInfo
 from onbox.sealing.stores.local import LocalStore
 from tests.conftest import ROOT, Cli, fixture, require
 from tests.dirsync import DirSyncSpy
@@ -696,6 +697,53 @@ def test_a_seal_with_a_deadline_stops_within_one_checkpoint_and_writes_no_manife
     assert "checkpoint step_1 (step 1) was not sealed in the time left" in ev["reason"]
     state["store_is"] = "fine"
     assert s.seal_pending() == 1 and _latest(root, "cut")["step"] == 1
+
+
+def test_a_rewrite_in_place_that_restores_mtime_during_the_upload_is_not_sealed(
+    tmp_path: Any,
+) -> None:
+    """A store that hashes while it sends (S3) gets no sha256 of ours to check against: the
+    seal tells a file rewritten under the upload by its stat before and after. ``cp -p``,
+    ``rsync -t`` or ``os.utime`` put the mtime back, same size, same inode; only ctime tells.
+    The torn object (half old bytes, half new) must not be sealed: seal_skipped, and the next
+    pass seals the new bytes whole."""
+    root = _store_root(tmp_path)
+    state = {"rewrite": True}
+
+    class HashingWhileSending(LocalStore):
+        """Reads the source in two halves, the way a hash-while-sending upload streams it; the
+        job rewrites the second half in between (the seam: the moment of the job's write)."""
+
+        def put_file(self, key: str, path: str, *, sha256: Any, size: int) -> Any:
+            with open(path, "rb", buffering=0) as f:
+                data = f.read(size // 2)
+                if state["rewrite"] and path.endswith("w.bin"):
+                    st = os.stat(path)
+                    with open(path, "r+b") as w:
+                        w.seek(size // 2)
+                        w.write(b"N" * (size - size // 2))
+                    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+                data += f.read()
+            info = super().put_bytes(key, data)
+            return ObjectInfo(key, len(data), info.sha256)
+
+    store = HashingWhileSending(root)
+    ckpt = str(tmp_path / "ckpt")
+    d = _dir_ckpt(ckpt, "step_1", 1, {"w.bin": b"O" * 1000})
+    time.sleep(0.05)  # the kernel's timestamps tick coarsely (a jiffy): the rewrite is later
+    events: List[Dict[str, Any]] = []
+    s = _sealer(store, "utime", ckpt, tmp_path, events)
+    assert s.seal_pending() == 0
+    assert [e["kind"] for e in events] == ["seal_skipped"] and not _manifests(root, "utime")
+    state["rewrite"] = False
+    assert s.seal_pending() == 1
+    [f] = [f for f in _manifests(root, "utime")[1]["files"] if f["path"] == "step_1/w.bin"]
+    with open(os.path.join(d, "w.bin"), "rb") as fb:
+        assert (
+            f["sha256"]
+            == hashlib.sha256(fb.read()).hexdigest()
+            == hashlib.sha256(b"O" * 500 + b"N" * 500).hexdigest()
+        )
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip"])

@@ -9,8 +9,10 @@ newest) and prune: the ledger (onbox/sealing/ledger.py) writes those documents, 
 
 A checkpoint with a name that restore and ``rgt pull`` refuse (onbox/common/safepath.py: a CR, a
 backslash, another control character, an over-long component) is never sealed: it could not come
-back. One ``unsafe_name`` event (class usage) names it, and it is skipped at each scan after that
-until it changes, while the other checkpoints are sealed as usual.
+back. Nor is one with a name that is not UTF-8 (undecodable bytes): a store's keys are UTF-8
+text, so it could not be stored by its name. One ``unsafe_name`` event (class usage) names it,
+and it is skipped at each scan after that until it changes, while the other checkpoints are
+sealed as usual.
 
 Only regular files are sealed (onbox/sealing/discovery.py says why): a symlink, a FIFO, a socket or
 a device in a checkpoint is left out, and the rest of the checkpoint sealed; one ``left_out``
@@ -66,6 +68,17 @@ from onbox.sealing.stores.base import Store
 from onbox.sealing.upload import CheckpointUpload, OutOfTime, Vanished
 
 MAX_BACKLOG = 8  # pending checkpoints sealed per pass at most (the newest ones)
+
+
+def _utf8(rel: str) -> None:
+    """UnsafePath when the name ``rel`` is no UTF-8 text (os.listdir gives undecodable bytes
+    as lone surrogates, and safe_rel lets them round-trip): a store key must be UTF-8 (S3
+    raised UnicodeEncodeError, an error of no store's), so it is refused alike for all."""
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = repr(rel) if len(rel) <= 160 else f"{rel[:120]!r}..."
+        raise UnsafePath(f"the name {shown} is refused: it is not UTF-8", rel) from None
 
 
 class Sealer:
@@ -245,14 +258,16 @@ class Sealer:
         and retrying could not help."""
         for rel in [root, *files]:
             try:
+                why = "restore and `rgt pull` would refuse it, so it could never come back"
                 safe_rel(rel, "the name")
+                why = "every store's keys are UTF-8 text, so it could not be stored by its name"
+                _utf8(rel)
             except UnsafePath as e:
                 if self.refused.get(root) != sig:
                     self.refused[root] = sig
                     self.event(
                         "unsafe_name",
-                        f"checkpoint {root!r} is not sealed: {e.what}; restore and `rgt pull` "
-                        "would refuse it, so it could never come back",
+                        f"checkpoint {root!r} is not sealed: {e.what}; {why}",
                         klass="usage",
                         remedy="rename it (letters, digits, '.', '_', '-'); the other "
                         "checkpoints are sealed as usual",

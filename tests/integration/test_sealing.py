@@ -746,6 +746,34 @@ def test_a_rewrite_in_place_that_restores_mtime_during_the_upload_is_not_sealed(
         )
 
 
+def test_a_checkpoint_with_a_name_that_is_not_utf8_is_reported_once_and_never_sealed(
+    tmp_path: Any,
+) -> None:
+    """POSIX names are bytes; a store's keys are UTF-8 text (S3 raised UnicodeEncodeError on
+    such a name, an error of no store's, every pass). A checkpoint holding such a name, or
+    named so, gets one unsafe_name event and is never uploaded, on every store alike; the
+    others are sealed."""
+    root = _store_root(tmp_path)
+    store = open_store("file://" + root)
+    ckpt = str(tmp_path / "ckpt")
+    d = _dir_ckpt(ckpt, "step_1", 1, {"model.bin": b"w" * 10})
+    with open(os.fsencode(d) + b"/vocab\xff.txt", "wb") as fb:
+        fb.write(b"bytes")
+    with open(os.fsencode(ckpt) + b"/step_2\xfe.pt", "wb") as fb:
+        fb.write(b"weights")
+    _dir_ckpt(ckpt, "step_3", 3, {"model.bin": b"v" * 10})
+    events: List[Dict[str, Any]] = []
+    s = _sealer(store, "bytes", ckpt, tmp_path, events)
+    assert s.seal_pending() == 1
+    assert s.seal_pending() == 0
+    assert sorted(_manifests(root, "bytes")) == [3]
+    refused = [e for e in events if e["kind"] == "unsafe_name"]
+    assert sorted(e["path"] for e in refused) == ["step_1/vocab\udcff.txt", "step_2\udcfe.pt"]
+    for e in refused:
+        assert e["klass"] == "usage" and "is refused: it is not UTF-8" in e["reason"]
+        assert "every store's keys are UTF-8 text" in e["reason"]
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_corrupt_checkpoint_in_the_store_is_quarantined_and_the_previous_used(
     tmp_path: Any, damage: str

@@ -328,8 +328,9 @@ class Sealer:
         assert cand.step is not None
         step = cand.step
         with self.lock:
-            if step in self.manifests:
-                return self.manifests[step]
+            if step in self.manifests:  # sealed already, or another checkpoint of its step is
+                same = self.manifests[step].get("root") == cand.root
+                return self.manifests[step] if same else None
             if self.ledger.is_stale(f"checkpoint {cand.root} (step {step})"):
                 return None  # one writer per run: a newer agent owns it now
             t0 = time.monotonic()

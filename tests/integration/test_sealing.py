@@ -774,6 +774,20 @@ def test_a_checkpoint_with_a_name_that_is_not_utf8_is_reported_once_and_never_se
         assert "every store's keys are UTF-8 text" in e["reason"]
 
 
+def test_of_two_checkpoints_with_one_step_only_the_sealed_one_counts(tmp_path: Any) -> None:
+    """``checkpoint-100/`` and ``x_step100.pt`` name the same step: one is sealed, and the
+    other must not be counted as sealed too (it is in no MANIFEST)."""
+    root = _store_root(tmp_path)
+    store = open_store("file://" + root)
+    ckpt = str(tmp_path / "ckpt")
+    _dir_ckpt(ckpt, "checkpoint-100", 100, {"model.bin": b"w" * 10})
+    with open(os.path.join(ckpt, "x_step100.pt"), "wb") as fb:
+        fb.write(b"weights")
+    s = _sealer(store, "twice", ckpt, tmp_path)
+    assert s.seal_pending() == 1
+    assert _manifests(root, "twice")[100]["root"] == "checkpoint-100"
+
+
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_corrupt_checkpoint_in_the_store_is_quarantined_and_the_previous_used(
     tmp_path: Any, damage: str

@@ -280,8 +280,8 @@ class AutoInterval:
         m = daly.mtbf(up, stops, covered)
         seal = self.seg.seal_time()
         # Before any stop, the time survived so far grows the interval (daly.py); a seal
-        # slower than that sets it, so that seals do not queue.
-        self.seconds = max(daly.choose(d, m, self.floor, survived=up), seal)
+        # slower than that sets it, so that seals do not queue (up to daly's longest).
+        self.seconds = max(daly.choose(d, m, self.floor, survived=up), min(seal, daly.MAX_INTERVAL))
         old = self._logged
         if at_start or old is None or abs(self.seconds - old) >= CHANGE * old:
             self._logged = self.seconds

@@ -14,7 +14,7 @@ fraction (``d / t = overhead``, 10 %), or, given the time survived so far, Daly'
 time as ``m`` where it is longer (the interval grows while nothing fails); it never goes below
 a floor (the agent's
 hang-detection budget: asking more often than a hang can be told from a slow checkpoint buys
-nothing).
+nothing), nor above a day (MAX_INTERVAL), whatever the records it was computed from say.
 
 ``m`` comes from ``mtbf``: the stops seen, of which some lost work and the rest were covered
 (a preemption whose grace sealed a final checkpoint). A run that has seen only covered stops
@@ -31,6 +31,12 @@ import math
 from typing import Optional
 
 OVERHEAD = 0.10  # the share of time checkpoints may take while no failure was ever seen
+# The longest checkpoint cost believed (a save that holds the loop an hour): a longer d is a
+# damaged record or measurement, and would stretch the interval past any use.
+MAX_D = 3600.0
+# The longest interval chosen, whatever was measured: the timer still asks for a checkpoint
+# every day (an interval of years is one that never fires).
+MAX_INTERVAL = 24 * 3600.0
 
 
 def daly(d: float, m: float) -> float:
@@ -38,9 +44,13 @@ def daly(d: float, m: float) -> float:
     checkpoint cost ``d`` and a mean time between failures ``m``, both in seconds, both > 0."""
     if not (d > 0 and m > 0 and math.isfinite(d) and math.isfinite(m)):
         raise ValueError(f"daly needs finite d > 0 and m > 0, got d={d!r} m={m!r}")
-    if d >= 2 * m:
+    x = d / m / 2
+    if x >= 1:
         return m
-    return math.sqrt(2 * d * m) * (1 + math.sqrt(d / (2 * m)) / 3 + d / (18 * m)) - d
+    # The formula over 2m, in x = d / 2m (< 1): under 4/9, so t stays below m, finite
+    # wherever m is, with no intermediate (2 d m) that overflows for a huge m.
+    r = math.sqrt(x)
+    return 2 * (r * (1 + r / 3 + x / 9) - x) * m
 
 
 def mtbf(up: float, lost: int, covered: int) -> Optional[float]:
@@ -68,13 +78,18 @@ def overhead_target(d: float, overhead: float = OVERHEAD) -> float:
 def choose(d: Optional[float], m: Optional[float], floor: float, survived: float = 0.0) -> float:
     """The interval to use: Daly's with both measured; with only ``d`` (no failure seen yet)
     the overhead target, or Daly's with M = ``survived`` (seconds up without a failure) where
-    that is longer; ``floor`` with nothing measured; never below ``floor``."""
-    if d is None or d <= 0:
+    that is longer; ``floor`` with nothing measured; never below ``floor``, never above
+    MAX_INTERVAL (unless the floor is). A ``d`` over MAX_D counts as MAX_D, a NaN one as
+    nothing measured, an ``m`` or ``survived`` that is no finite time > 0 as none: the inputs
+    come from records a crash or a damaged store may have left, and a bad one must give an
+    interval, not an exception."""
+    if d is None or not d > 0:
         return floor
-    if m is not None and m > 0:
+    d = min(d, MAX_D)
+    if m is not None and m > 0 and math.isfinite(m):
         t = daly(d, m)
     else:
         t = overhead_target(d)
-        if survived > 0:
+        if survived > 0 and math.isfinite(survived):
             t = max(t, daly(d, survived))
-    return max(floor, t)
+    return max(floor, min(t, MAX_INTERVAL))

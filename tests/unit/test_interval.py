@@ -14,7 +14,7 @@ import pytest
 from onbox.agent.interval import AutoInterval, History, history, load_history
 from onbox.agent.journal import iso
 from onbox.agent.spec import JobSpec, Overrides, build_spec
-from onbox.common.daly import choose, daly, mtbf, overhead_target
+from onbox.common.daly import MAX_INTERVAL, choose, daly, mtbf, overhead_target
 from onbox.common.errors import TransientStoreError, UsageError
 
 
@@ -344,3 +344,30 @@ def test_a_new_agents_first_choice_says_where_the_d_it_inherits_came_from(tmp_pa
     logged.clear()
     AutoInterval(h, 0.1, T0 + 100, path, lambda k, r, **data: logged.append(r)).start(T0 + 100)
     assert "1.000 s, ask to sealed" in logged[-1]
+
+
+def test_a_huge_d_or_m_still_gives_an_interval_the_timer_reaches(tmp_path: Any) -> None:
+    """A d or M no run could have measured (a damaged record, a clock's jump) gives an interval
+    between the floor and a day: never infinite, never one the timer would not reach."""
+    assert math.isfinite(daly(5.0, 1e308)) and daly(5.0, 1e308) < 1e308
+    cases = [(1e9, None, 100.0), (math.inf, None, 0.0), (5.0, 1e308, 0.0), (5.0, None, 1e308)]
+    cases += [(5.0, math.inf, math.inf), (math.nan, None, 0.0), (1e300, 1e-300, 0.0)]
+    for d, m, survived in cases:
+        assert 120.0 <= choose(d, m, 120.0, survived) <= MAX_INTERVAL, (d, m, survived)
+    # The agent: the stored record says one checkpoint cost 1e9 s.
+    prior = [
+        ev(0, "epoch", epoch=1),
+        ev(1, "checkpoint_interval", at_start=True, base_up_s=100.0, base_ds=[1e9]),
+        state(2, "RUNNING"),
+        ev(10, "checkpoint_asked"),
+        ev(11, "sealed", step=1, seconds=1e300),  # nor does a seal time no seal took
+    ]
+    path = os.path.join(str(tmp_path), "events.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in prior[:2])
+    auto = AutoInterval(history(prior, True), 120.0, T0, path, lambda *a, **k: None)
+    auto.start(T0)
+    assert 120.0 <= auto.seconds <= MAX_INTERVAL
+    with open(path, "a") as f:
+        f.writelines(json.dumps(e) + "\n" for e in prior[2:])
+    assert 120.0 <= auto.update(T0 + 20) <= MAX_INTERVAL

@@ -32,12 +32,18 @@ The history crosses boxes through the events themselves: each agent's first inte
 the store's mirror of the events (``state/events.jsonl``) is what a fresh box reads, before its
 own first mirror replaces it. An agent's own time counts from its ``epoch`` event to its last
 event. The interval never goes below the stall watcher's floor (``[health.stall] floor``).
+
+The events are untrusted input (the store's copy, a file a crash cut, an older agent's): a
+carried total that is no finite amount >= 0 sets that record's totals aside, said once
+(``interval_history_unusable``), and absurd ones are bounded (MAX_UP, MAX_STOPS, daly.MAX_D),
+so that no record can stop an agent from starting.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -50,6 +56,10 @@ KIND = "checkpoint_interval"
 PLANNED = ("slurm_warning", "meter_cap")  # an end that follows these was planned
 CHANGE = 0.10  # a new interval this much off the last one is logged
 SAMPLES = 9  # the recent measurements of d whose median counts, carried across agents
+# The largest totals a history carries (ten years up, a million stops): beyond them a record is
+# damaged, and is read as these rather than given to the formula.
+MAX_UP = 10 * 365 * 86400.0
+MAX_STOPS = 1_000_000
 
 
 @dataclasses.dataclass
@@ -62,6 +72,8 @@ class History:
     ds: Tuple[float, ...] = ()  # the recent measurements of d, oldest first
     covered: int = 0
     reports: bool = False  # the ds are the job's own reports of its blocked saves
+    # Why the totals a record carried were set aside (a damaged record): said once, at start.
+    unusable: str = dataclasses.field(default="", compare=False)
 
     @property
     def d(self) -> Optional[float]:
@@ -159,6 +171,7 @@ class Segment:
             self.ds(base),
             base.covered + int(self.ended_covered()),
             self.measured_by_reports(base),
+            base.unusable,
         )
 
     def measured_by_reports(self, base: History) -> bool:
@@ -185,21 +198,50 @@ def history(events: List[Any], begin: bool) -> History:
         if ended:
             continue
         if kind == KIND and ev.get("at_start"):  # that agent's own reading of the history
-            ds = ev.get("base_ds")
-            base = History(
-                _num(ev.get("base_up_s")),
-                int(_num(ev.get("base_unplanned"))),
-                tuple(_num(x) for x in ds[-SAMPLES:]) if isinstance(ds, list) else (),
-                int(_num(ev.get("base_covered"))),
-                ev.get("base_reports") is True,
-            )
+            base = _carried(ev)
         if seg is not None:
             seg.feed(ev, t)
     return seg.close(base, begin) if seg is not None else base
 
 
+def _carried(ev: Dict[str, Any]) -> History:
+    """The totals an agent's first interval event carries, bounded (absent ones are 0, as
+    older agents left them out). The events come from the store's copy or a file a crash cut:
+    where one of them is no amount at all (NaN, infinite, negative, not a number), the record
+    is damaged and none of it is trusted: an empty history, saying why."""
+    ds = ev.get("base_ds")
+    ds = ds[-SAMPLES:] if isinstance(ds, list) else []
+    keys = ("base_up_s", "base_unplanned", "base_covered")
+    bad = [f"{k}={ev.get(k)!r:.40}" for k in keys if k in ev and _amount(ev[k]) is None]
+    bad += [f"base_ds={ds!r:.80}"] if any(_amount(x) is None for x in ds) else []
+    if bad:
+        why = "the record of the run's history is damaged (" + ", ".join(bad) + ")"
+        return History(unusable=why)
+    return History(
+        min(_num(ev.get("base_up_s")), MAX_UP),
+        int(min(_num(ev.get("base_unplanned")), MAX_STOPS)),
+        tuple(min(_num(x), daly.MAX_D) for x in ds),
+        int(min(_num(ev.get("base_covered")), MAX_STOPS)),
+        ev.get("base_reports") is True,
+    )
+
+
+def _amount(v: Any) -> Optional[float]:
+    """``v`` as a count or seconds: a finite number >= 0, else None."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool):
+        try:
+            f = float(v)
+        except OverflowError:  # an int of hundreds of digits: JSON has no bound on them
+            return None
+        if math.isfinite(f) and f >= 0:
+            return f
+    return None
+
+
 def _num(v: Any) -> float:
-    return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else 0.0
+    """An amount from an event, 0 where there is none (never NaN, infinite or negative)."""
+    f = _amount(v)
+    return 0.0 if f is None else f
 
 
 def parse_lines(data: bytes) -> List[Any]:
@@ -247,12 +289,29 @@ class AutoInterval:
         self._logged: Optional[float] = None
 
     def start(self, now: float) -> None:
-        """Skip what is already in the events file (the history), then the first interval."""
+        """Skip what is already in the events file (the history), then the first interval.
+        A history that cannot be used gives way to an empty one, said once: the agent must
+        start (and seal) whatever the record it inherited holds."""
         try:
             self._offset = os.path.getsize(self.path)
         except OSError:
             self._offset = 0
-        self.update(now, at_start=True)
+        if self.base.unusable:  # the damaged record's totals are already set aside
+            self._unusable(self.base.unusable)
+        try:
+            self.update(now, at_start=True)
+        except Exception as e:  # carried() and daly's bounds are meant to make this unreachable
+            self.base = History()
+            self._unusable(f"the run's history gives no interval ({type(e).__name__}: {e})")
+            self.update(now, at_start=True)
+
+    def _unusable(self, why: str) -> None:
+        self.event(
+            "interval_history_unusable",
+            f"{why}: the totals it carried are set aside, the interval is chosen without them",
+            klass="integrity",
+            remedy="nothing to do: the run's checkpoints are not affected",
+        )
 
     def _read(self) -> None:
         try:

@@ -11,11 +11,15 @@ from typing import Any, Dict, List
 
 import pytest
 
-from onbox.agent.interval import AutoInterval, History, history, load_history
-from onbox.agent.journal import iso
+from onbox.agent.interval import MAX_STOPS, MAX_UP, AutoInterval, History, history, load_history
+from onbox.agent.journal import FileJournal, iso
+from onbox.agent.sealservice import SealService
 from onbox.agent.spec import JobSpec, Overrides, build_spec
 from onbox.common.daly import MAX_INTERVAL, choose, daly, mtbf, overhead_target
 from onbox.common.errors import TransientStoreError, UsageError
+from onbox.common.rundir import RunDir
+from onbox.common.storeurl import parse_store_url
+from onbox.sealing import manifest as mf
 
 
 def test_daly_matches_hand_computed_values() -> None:
@@ -371,3 +375,105 @@ def test_a_huge_d_or_m_still_gives_an_interval_the_timer_reaches(tmp_path: Any) 
     with open(path, "a") as f:
         f.writelines(json.dumps(e) + "\n" for e in prior[2:])
     assert 120.0 <= auto.update(T0 + 20) <= MAX_INTERVAL
+
+
+def _agent(tmp_path: Any, stored: bytes) -> SealService:
+    """An agent with interval "auto" on a fresh box, whose store holds ``stored`` as the run's
+    events (the history it reads at start)."""
+    rd = RunDir("r", str(tmp_path / "home"))
+    rd.create()
+    os.makedirs(str(tmp_path / "ckpt"))
+    spec = JobSpec(
+        "r",
+        ("true",),
+        str(tmp_path),
+        str(tmp_path / "ckpt"),
+        store=parse_store_url("file://" + str(tmp_path / "store")),
+        trigger="file",
+        ckpt_auto=True,
+    )
+    svc = SealService(spec, rd, FileJournal(rd.state, rd.events), lambda sig: None)
+    svc.store.put_bytes(mf.state_key("r", "events.jsonl"), stored)
+    return svc
+
+
+def _kinds(svc: SealService) -> List[str]:
+    with open(svc.rd.events) as f:
+        return [json.loads(line)["kind"] for line in f if line.strip()]
+
+
+@pytest.mark.parametrize(
+    "carried",
+    [
+        '"base_up_s": NaN',
+        '"base_up_s": Infinity',
+        '"base_up_s": 1e999',
+        '"base_up_s": -1e9',
+        '"base_unplanned": Infinity',
+        '"base_unplanned": NaN',
+        '"base_covered": 1' + "0" * 400,
+        '"base_unplanned": -1, "base_covered": 2',
+        '"base_ds": [NaN]',
+        '"base_ds": [Infinity]',
+        '"base_ds": [-5.0]',
+        '"base_ds": ["x", null]',
+    ],
+)
+def test_a_damaged_history_in_the_store_does_not_stop_the_agent(
+    tmp_path: Any, carried: str
+) -> None:
+    """The history comes from the store's copy of the events: a value no run could have
+    written (Python's json reads NaN, Infinity and 1e999) makes the agent start afresh,
+    saying so once, and go on sealing; it never gets as far as the formula."""
+    first = json.dumps(ev(1, "checkpoint_interval", at_start=True, base_up_s=100.0))
+    stored = "\n".join(
+        [json.dumps(ev(0, "epoch", epoch=1)), first.replace('"base_up_s": 100.0', carried)]
+        + [json.dumps(state(2, "RUNNING")), json.dumps(ev(3600, "sealed", step=1))]
+    )
+    svc = _agent(tmp_path, stored.encode())
+    try:
+        svc.start(begin=True)
+        assert svc.auto is not None and 120.0 <= svc.auto.seconds <= MAX_INTERVAL
+        assert svc.auto.base == History(3600.0, 1, ())  # the last box's own hour is kept
+        assert _kinds(svc).count("interval_history_unusable") == 1
+        assert svc.auto.update(T0 + 10**6) >= 120.0  # and the next passes go on
+    finally:
+        svc.close()
+
+
+def test_absurd_but_finite_totals_are_bounded_not_trusted(tmp_path: Any) -> None:
+    big = ev(1, "checkpoint_interval", at_start=True, base_up_s=1e308, base_unplanned=10**30)
+    h = history([ev(0, "epoch", epoch=1), big, ev(2, "sealed", step=1, blocked_s=1e9)], True)
+    assert h.up <= MAX_UP + 2 and h.unplanned <= MAX_STOPS + 1 and not h.unusable
+    svc = _agent(tmp_path, b"\n".join(json.dumps(e).encode() for e in (ev(0, "epoch"), big)))
+    try:
+        svc.start(begin=True)
+        assert svc.auto is not None and 120.0 <= svc.auto.seconds <= MAX_INTERVAL
+        assert "interval_history_unusable" not in _kinds(svc)
+    finally:
+        svc.close()
+
+
+def test_a_history_the_formula_refuses_gives_way_to_an_empty_one(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whatever slips past the bounds: the first interval is computed afresh, not raised."""
+    from onbox.common import daly as formula
+
+    calls: List[float] = []
+
+    def refuses_once(*args: Any, **kw: Any) -> float:
+        calls.append(1.0)
+        if len(calls) == 1:
+            raise ValueError("no")
+        return 120.0
+
+    monkeypatch.setattr(formula, "choose", refuses_once)
+    path = os.path.join(str(tmp_path), "events.jsonl")
+    logged: List[str] = []
+    auto = AutoInterval(
+        History(50.0, 1, (2.0,)), 120.0, T0, path, lambda k, r, **d: logged.append(k)
+    )
+    auto.start(T0)
+    assert auto.base == History() and auto.seconds == 120.0
+    assert logged == ["interval_history_unusable", "checkpoint_interval"]

@@ -125,11 +125,11 @@ class Segment:
             if self._final_above is not None and step > self._final_above:
                 self.final_sealed = True
             self._sealed_step = max(self._sealed_step, step)
-            blocked = ev.get("blocked_s")
-            if isinstance(blocked, (int, float)) and not isinstance(blocked, bool):
+            blocked = _amount(ev.get("blocked_s"))  # a NaN or infinite report is none
+            if blocked is not None:
                 # the job's own cost; once a job reports it, the outside view is not mixed in
                 self.reports = True
-                self._sample(max(float(blocked), 1e-3))
+                self._sample(min(max(blocked, 1e-3), daly.MAX_D))
             if self._asked is not None:
                 seal = max(t - self._asked, _num(ev.get("seconds")))
                 self.seals.append(seal)
@@ -287,6 +287,7 @@ class AutoInterval:
         self.seconds = floor
         self._offset = 0
         self._logged: Optional[float] = None
+        self._failed = ""  # the last failure of tick(), said once
 
     def start(self, now: float) -> None:
         """Skip what is already in the events file (the history), then the first interval.
@@ -326,6 +327,25 @@ class AutoInterval:
             t = event_time(ev) if isinstance(ev, dict) else None
             if t is not None and ev.get("kind") != KIND:
                 self.seg.feed(ev, t)
+
+    def tick(self, now: float) -> float:
+        """``update`` for the sealing thread's pass: a failure keeps the interval in force,
+        said once, and the pass goes on (raised, it skipped the mirror and backed the
+        sealing off, every pass for the rest of the run)."""
+        try:
+            return self.update(now)
+        except Exception as e:
+            why = f"{type(e).__name__}: {e}"
+            if why != self._failed:
+                self._failed = why
+                self.event(
+                    "interval_bug",
+                    f"the checkpoint interval was not recomputed ({why}); "
+                    f"{self.seconds:.0f} s stays in force",
+                    klass="permanent",
+                    remedy="report this; sealing and mirroring go on",
+                )
+            return self.seconds
 
     def update(self, now: float, at_start: bool = False) -> float:
         """Read new events, recompute; an event when the interval moved by CHANGE or more."""

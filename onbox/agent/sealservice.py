@@ -232,7 +232,7 @@ class SealService(Hooks):
                     self.sealer.seal_pending()
                     self.backlog = self.sealer.backlog
                 if self.auto is not None:  # after each seal and each restart: a new interval
-                    self.auto.update(time.time())
+                    self.auto.tick(time.time())
                 if self.room_wanted:
                     self.room_wanted = False
                     self.sealer.free_room()

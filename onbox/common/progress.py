@@ -21,6 +21,7 @@ module runs in the box's own Python.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any, Dict, Optional, Tuple
@@ -77,16 +78,22 @@ def read(run_dir: str) -> Optional[Dict[str, Any]]:
 
 
 def last_save(doc: Optional[Dict[str, Any]]) -> Optional[Tuple[int, float]]:
-    """(step, seconds the loop was blocked) of the job's last save in a report, or None."""
+    """(step, seconds the loop was blocked) of the job's last save in a report, or None
+    (also for a cost that is no finite number of seconds >= 0)."""
     save = doc.get("save") if isinstance(doc, dict) else None
     if not isinstance(save, dict):
         return None
     step, blocked = save.get("step"), save.get("blocked_s")
     if not isinstance(step, int) or isinstance(step, bool):
         return None
-    if not isinstance(blocked, (int, float)) or isinstance(blocked, bool) or not blocked >= 0:
+    if not isinstance(blocked, (int, float)) or isinstance(blocked, bool):
         return None
-    return step, float(blocked)
+    try:
+        cost = float(blocked)
+    except OverflowError:  # an int of hundreds of digits
+        return None
+    # A NaN, infinite or negative cost is no measurement (the agent's interval would be one).
+    return (step, cost) if math.isfinite(cost) and cost >= 0 else None
 
 
 def _plain(v: Any) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from typing import Any, Dict, List
 
 import pytest
@@ -314,7 +315,8 @@ def test_the_jobs_save_report_is_read_only_when_well_formed(tmp_path: Any) -> No
     assert doc is not None and progress.last_save(doc) == (10, pytest.approx(0.0421))
     for bad in ({"step": "10", "blocked_s": 1}, {"step": 10, "blocked_s": -1.0}, [10, 1.0]):
         assert progress.last_save({"step": 12, "save": bad}) is None
-    assert progress.last_save({"step": 12, "save": {"step": 10, "blocked_s": math.nan}}) is None
+    for cost in (math.nan, math.inf, -math.inf, 10**400):  # no measurement: none, not a d
+        assert progress.last_save({"step": 12, "save": {"step": 10, "blocked_s": cost}}) is None
     assert progress.last_save({"step": 12}) is None and progress.last_save(None) is None
 
 
@@ -477,3 +479,68 @@ def test_a_history_the_formula_refuses_gives_way_to_an_empty_one(
     auto.start(T0)
     assert auto.base == History() and auto.seconds == 120.0
     assert logged == ["interval_history_unusable", "checkpoint_interval"]
+
+
+def _mirrored(svc: SealService, what: bytes) -> bool:
+    """Whether a pass of the sealing thread mirrored events that hold ``what`` to the store."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        if what in (svc.store.get_bytes(mf.state_key("r", "events.jsonl")) or b""):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_an_infinite_save_cost_from_the_job_does_not_stop_sealing(tmp_path: Any) -> None:
+    """The job reports a save that held its loop forever (progress.json's blocked_s:
+    Infinity), or an older agent carried one on a sealed event: no d is taken from it, the
+    interval stays finite, and the sealing thread's passes go on mirroring the run."""
+    svc = _agent(tmp_path, b"")
+    with open(os.path.join(svc.rd.path, "progress.json"), "w") as f:
+        f.write('{"step": 10, "attempt": 1, "save": {"step": 10, "blocked_s": Infinity}}')
+    ckpt = tmp_path / "ckpt" / "step_10"
+    ckpt.mkdir()
+    (ckpt / "model.bin").write_bytes(b"weights")
+    try:
+        svc.start(begin=True)
+        assert svc.auto is not None
+        svc.event("checkpoint_asked", "asked", why="timer")
+        (ckpt / ".rgt-complete").write_text("{}")
+        svc.wake()
+        assert _mirrored(svc, b'"sealed"')  # step 10, sealed with no cost from the job
+        svc.event("checkpoint_asked", "asked", why="timer")  # an older agent's record
+        svc.event("sealed", "sealed", step=11, seconds=1.0, blocked_s=math.inf)
+        svc.wake()
+        assert _mirrored(svc, b'"step": 11')
+        assert 120.0 <= svc.auto.seconds <= MAX_INTERVAL
+        assert len(svc.auto.seg.samples) == 2 and all(0 < d < 60 for d in svc.auto.seg.samples)
+        assert "seal_bug" not in _kinds(svc) and "interval_bug" not in _kinds(svc)
+    finally:
+        svc.close()
+
+
+def test_an_interval_that_cannot_be_recomputed_keeps_the_last_and_sealing_goes_on(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from onbox.common import daly as formula
+
+    svc = _agent(tmp_path, b"")
+    try:
+        svc.start(begin=True)
+        assert svc.auto is not None and svc.auto.seconds == 120.0
+
+        def broken(*args: Any, **kw: Any) -> float:
+            raise ZeroDivisionError("a bug")
+
+        monkeypatch.setattr(formula, "choose", broken)
+        svc.event("checkpoint_asked", "asked", why="timer")
+        svc.wake()
+        assert _mirrored(svc, b'"checkpoint_asked"')  # the pass went on to the mirror
+        svc.event("sealed", "sealed", step=10, seconds=1.0)
+        svc.wake()
+        assert _mirrored(svc, b'"sealed"')
+        assert svc.auto.seconds == 120.0 and svc.interval() == 120.0
+        kinds = _kinds(svc)
+        assert kinds.count("interval_bug") == 1 and "seal_bug" not in kinds  # said once
+    finally:
+        svc.close()

@@ -32,10 +32,12 @@ SIGUSR2 or ``$RGT_RUN_DIR/checkpoint.request``), when ``interval`` seconds passe
 save, or after SIGTERM (a preemption). ``interval="auto"`` picks the interval by Daly's
 higher-order formula (onbox/common/daly.py, the one the agent's ``checkpoint.interval = "auto"``
 uses), from the measured cost C of a checkpoint (the time the loop is blocked) and the
-mean time between failures M (``RGT_MTBF`` seconds from the platform profile, else observed from
-this run's restarts, else 4 hours), and prints what it chose. After SIGTERM, the save that
-follows ends the process once the checkpoint is written (exit status 143), unless
-``exit_on_preempt=False``; a second SIGTERM ends it at once.
+mean time between failures M (onbox/train/mtbf.py: ``RGT_MTBF`` seconds from the job's
+environment, else observed from this run's restarts, else 4 hours), and prints what it
+chose; a value no run could have (an unusable ``RGT_MTBF``, a damaged state.json) is passed
+over, never raised out of ``save``. After SIGTERM, the save that follows ends the process
+once the checkpoint is written (exit status 143), unless ``exit_on_preempt=False``; a second
+SIGTERM ends it at once.
 
 Progress: ``should_checkpoint(step)`` and ``save`` report the step to the agent
 and the last save's cost (``$RGT_RUN_DIR/progress.json``, onbox/common/progress.py): the agent
@@ -57,12 +59,11 @@ from typing import Any, Dict, Optional, Tuple, Union
 from onbox.common import daly, jobenv, progress
 from onbox.common.errors import CheckpointError, CheckpointWriteFailed
 from onbox.common.rundir import CHECKPOINT_HOLD, CHECKPOINT_REQUEST
-from onbox.train import ckptdir, snapshot
+from onbox.train import ckptdir, mtbf, snapshot
 from onbox.train.writer import Writer
 
 __all__ = ["Checkpointer", "CheckpointError", "CheckpointWriteFailed", "SaveToken"]
 
-DEFAULT_MTBF = 4 * 3600.0  # spot boxes are commonly reclaimed within hours
 FIRST_AUTO_INTERVAL = 120.0  # before a checkpoint's cost has been measured
 MIN_AUTO_INTERVAL = 10.0
 PROGRESS_EVERY = 1.0  # seconds between progress reports (a rename each)
@@ -223,42 +224,23 @@ class Checkpointer:
         """Daly from the measured cost; printed when it changes noticeably."""
         if self.interval != "auto" or self.cost is None:
             return
-        mtbf, source = self._mtbf()
+        m, source = self._mtbf()
         c = max(self.cost, 1e-3)
-        every = daly.daly(c, mtbf)
+        every = daly.choose(c, m, MIN_AUTO_INTERVAL)  # never raises, at most a day
         # Never faster than the writer can go (one write in flight) or than is sane.
-        every = max(every, MIN_AUTO_INTERVAL, 1.5 * (self.write_seconds or 0.0))
+        every = min(max(every, 1.5 * (self.write_seconds or 0.0)), daly.MAX_INTERVAL)
         old = self.chosen_interval
         self.chosen_interval = every
         if old is None or not 0.5 < every / old < 2:
             print(
                 f"rgt: checkpoint interval {every:.0f} s (Daly: checkpoint cost {c:.2f} s, "
-                f"mean time between failures {mtbf / 3600:.1f} h, {source})",
+                f"mean time between failures {m / 3600:.1f} h, {source})",
                 file=sys.stderr,
                 flush=True,
             )
 
     def _mtbf(self) -> Tuple[float, str]:
-        env = os.environ.get(jobenv.MTBF)
-        if env:
-            try:
-                return float(env), jobenv.MTBF
-            except ValueError:
-                pass
-        if self.run_dir and self.attempt > 1:
-            try:
-                import json
-
-                with open(os.path.join(self.run_dir, "state.json")) as f:
-                    started = float(json.load(f)["started_ts"])
-                lived = time.time() - started
-                if lived > 0:
-                    return max(lived / (self.attempt - 1), 60.0), (
-                        f"observed: {self.attempt - 1} restarts in {lived / 3600:.1f} h"
-                    )
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
-        return DEFAULT_MTBF, "default; set RGT_MTBF"
+        return mtbf.mtbf(self.run_dir, self.attempt)
 
     def report(self, step: int, **metrics: Any) -> None:
         """Tell the agent the job's step and metrics (at most once a second)."""

@@ -418,6 +418,39 @@ def test_auto_interval_follows_daly(
     assert "Daly:" in err and "168 s" in err and "RGT_MTBF" in err
 
 
+@pytest.mark.parametrize(
+    "mtbf, started",
+    [("0", None), ("-5", None), ("nan", None), ("inf", None), ("1e999", None), ("soon", None)]
+    + [("", "-Infinity"), ("", "-1e308"), ("", "NaN"), ("", '"x"'), ("", "1e300")],
+)
+def test_an_unusable_mtbf_never_ends_the_training(
+    tmp_path: Any,
+    monkeypatch: pytest.MonkeyPatch,
+    capfd: pytest.CaptureFixture[str],
+    mtbf: str,
+    started: Any,
+) -> None:
+    """RGT_MTBF comes from the user's environment and state.json from the agent: a value no
+    run could have (0, negative, nan, inf; a start at -inf or in the future) is passed over for
+    the next source, said once on stderr where it is RGT_MTBF, and every save returns with the
+    checkpoint written and an interval between 10 s and a day (the formula raised out of
+    save() before, after the checkpoint was written: the training died of a setting)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "state.json").write_text('{"started_ts": %s}' % (started or "1"))
+    monkeypatch.setenv("RGT_MTBF", mtbf)
+    monkeypatch.setenv("RGT_RUN_DIR", str(run_dir))
+    monkeypatch.setenv("RGT_ATTEMPT", "3")
+    ck = Checkpointer(str(tmp_path / "ck"), interval="auto", handle_signals=False, **_objects())
+    for step in (1, 2, 3):
+        ck.save(step)
+        assert 10.0 <= (ck.current_interval() or 0) <= 86400.0
+    assert sorted(os.listdir(tmp_path / "ck")) == ["step_1", "step_2", "step_3"]
+    err = capfd.readouterr().err
+    assert err.count("RGT_MTBF=") == (1 if mtbf else 0), err
+    assert "default; set RGT_MTBF" in err  # the next source: state.json's start is unusable
+
+
 # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates: theirs, not ours.
 @pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 def test_a_registered_stateful_loader_resumes_mid_epoch_exactly(tmp_path: Any) -> None:

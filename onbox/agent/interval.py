@@ -30,8 +30,11 @@ while the run keeps running.
 The history crosses boxes through the events themselves: each agent's first interval event
 (``checkpoint_interval`` with ``at_start``) carries the totals of every agent before it, and
 the store's mirror of the events (``state/events.jsonl``) is what a fresh box reads, before its
-own first mirror replaces it. An agent's own time counts from its ``epoch`` event to its last
-event. The interval never goes below the stall watcher's floor (``[health.stall] floor``).
+own first mirror replaces it. That copy is then the run's only record of its history: a store
+that does not answer the read (after the retries every store read gets) leaves it in place,
+unreplaced, until a later pass has read it (``AutoInterval.settle``). An agent's own time
+counts from its ``epoch`` event to its last event. The interval never goes below the stall
+watcher's floor (``[health.stall] floor``).
 
 The events are untrusted input (the store's copy, a file a crash cut, an older agent's): a
 carried total that is no finite amount >= 0 sets that record's totals aside, said once
@@ -51,6 +54,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from onbox.common import daly
 from onbox.common.errors import StoreError
 from onbox.common.sealtime import event_time
+from onbox.sealing.stores.base import with_retries
 
 KIND = "checkpoint_interval"
 PLANNED = ("slurm_warning", "meter_cap")  # an end that follows these was planned
@@ -254,14 +258,18 @@ def parse_lines(data: bytes) -> List[Any]:
     return out
 
 
-def load_history(local: List[Any], remote: Callable[[], Optional[bytes]], begin: bool) -> History:
+def load_history(
+    local: List[Any], remote: Callable[[], Optional[bytes]], begin: bool
+) -> Optional[History]:
     """The history from this box's events when an agent of the run ran here before, else from
-    the store's mirror of them (a fresh box), read before this agent mirrors its own."""
+    the store's mirror of them (a fresh box), read before this agent mirrors its own; None
+    when the store did not give its copy (retried as every store read is): an empty history
+    in its place, mirrored over it, would lose the run's for good."""
     if not any(isinstance(e, dict) and e.get("kind") == "epoch" for e in local):
         try:
-            data = remote()
+            data = with_retries(remote)
         except StoreError:
-            data = None  # no history: the interval starts from the overhead target
+            return None
         if data:
             local = parse_lines(data)
     return history(local, begin)
@@ -269,17 +277,20 @@ def load_history(local: List[Any], remote: Callable[[], Optional[bytes]], begin:
 
 class AutoInterval:
     """The live interval of one agent: its history, its own segment, read from its events
-    file as it grows."""
+    file as it grows. A ``base`` of None: the store did not give the history at start; it
+    counts as empty, and ``reread`` is tried again at each tick until it gives it."""
 
     def __init__(
         self,
-        base: History,
+        base: Optional[History],
         floor: float,
         started: float,
         events_path: str,
         event: Callable[..., None],
+        reread: Optional[Callable[[], Optional[History]]] = None,
     ) -> None:
-        self.base = base
+        self.base = base if base is not None else History()
+        self.reread = reread if base is None else None
         self.floor = floor
         self.seg = Segment(started)
         self.path = events_path
@@ -299,6 +310,14 @@ class AutoInterval:
             self._offset = 0
         if self.base.unusable:  # the damaged record's totals are already set aside
             self._unusable(self.base.unusable)
+        if self.reread is not None:
+            self.event(
+                "interval_history_unread",
+                "the store did not give the run's history (state/events.jsonl): the interval "
+                "starts without it, and the store's copy is not replaced until it is read",
+                klass="transient",
+                remedy="nothing to do: each sealing pass reads it again",
+            )
         try:
             self.update(now, at_start=True)
         except Exception as e:  # carried() and daly's bounds are meant to make this unreachable
@@ -333,6 +352,7 @@ class AutoInterval:
         said once, and the pass goes on (raised, it skipped the mirror and backed the
         sealing off, every pass for the rest of the run)."""
         try:
+            self.settle(now)
             return self.update(now)
         except Exception as e:
             why = f"{type(e).__name__}: {e}"
@@ -346,6 +366,23 @@ class AutoInterval:
                     remedy="report this; sealing and mirroring go on",
                 )
             return self.seconds
+
+    @property
+    def settled(self) -> bool:
+        """Whether the history was read: until it is, the store's copy of the events holds
+        it alone, and the agent's mirror must not replace that copy."""
+        return self.reread is None
+
+    def settle(self, now: float) -> None:
+        """Read the history the store did not give at start; once read, it is this agent's
+        base, carried by a new at_start event (the one the next box's history() takes)."""
+        base = self.reread() if self.reread is not None else None
+        if base is None:
+            return
+        self.base, self.reread, self._logged = base, None, None
+        if base.unusable:
+            self._unusable(base.unusable)
+        self.update(now, at_start=True)
 
     def update(self, now: float, at_start: bool = False) -> float:
         """Read new events, recompute; an event when the interval moved by CHANGE or more."""

@@ -19,6 +19,7 @@ box`` when its agent lets go of it (``redact_box_logs``, onbox/agent/logredact.p
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -129,20 +130,18 @@ class SealService(Hooks):
         )
         self.sealer.load()
         key = mf.state_key(run, "events.jsonl")  # the history, read before our first mirror
-        hist = (
-            load_history(read_events(self.rd.events), lambda: self.store.get_bytes(key), begin)
-            if self.spec.ckpt_auto
-            else None
-        )
+        get = functools.partial(self.store.get_bytes, key)
+        read = functools.partial(load_history, read_events(self.rd.events), get, begin)
+        hist = read() if self.spec.ckpt_auto else None
         self.event(
             "epoch",
             f"epoch {epoch} in {self.store.url}; LATEST is "
             f"{self.sealer.latest if self.sealer.latest is not None else 'empty'}",
             epoch=epoch,
         )
-        if hist is not None:
+        if self.spec.ckpt_auto:
             floor = self.spec.health.stall.floor  # never ask faster than a hang is told apart
-            self.auto = AutoInterval(hist, floor, time.time(), self.rd.events, self.event)
+            self.auto = AutoInterval(hist, floor, time.time(), self.rd.events, self.event, read)
             self.auto.start(time.time())
         if begin:
             self.restored = restore_latest(self.store, run, self.spec.ckpt_dir, self.event)
@@ -346,7 +345,9 @@ class SealService(Hooks):
         leaves, never inside a preemption's budget)."""
         if self.sealer is not None and self.sealer.stale:
             return  # a newer epoch's agent mirrors the run now; ours would overwrite its state
-        files = [("state.json", self.rd.state), ("events.jsonl", self.rd.events)]
+        files = [("state.json", self.rd.state)]
+        if self.auto is None or self.auto.settled:  # else the store's copy holds the history
+            files.append(("events.jsonl", self.rd.events))
         if health:  # for `rgt report` when the box is gone (onbox/health/series.py)
             files += [
                 (n, os.path.join(self.rd.health, n)) for n in ("samples.jsonl", "coarse.jsonl")

@@ -4,6 +4,7 @@ and unplanned stops across agents and boxes, planned stops left out, the interva
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -12,6 +13,7 @@ from typing import Any, Dict, List
 
 import pytest
 
+from onbox.agent import interval
 from onbox.agent.interval import MAX_STOPS, MAX_UP, AutoInterval, History, history, load_history
 from onbox.agent.journal import FileJournal, iso
 from onbox.agent.sealservice import SealService
@@ -21,6 +23,7 @@ from onbox.common.errors import TransientStoreError, UsageError
 from onbox.common.rundir import RunDir
 from onbox.common.storeurl import parse_store_url
 from onbox.sealing import manifest as mf
+from onbox.sealing.stores.base import with_retries
 
 
 def test_daly_matches_hand_computed_values() -> None:
@@ -229,7 +232,7 @@ def test_d_is_the_jobs_blocked_save_where_it_reports_one_and_the_seal_bounds_the
     assert logged[-1]["d"] == pytest.approx(0.02) and logged[-1]["seal_s"] == pytest.approx(2.0)
 
 
-def test_a_fresh_box_reads_the_store_and_carries_the_totals_forward() -> None:
+def test_a_fresh_box_reads_the_store_and_carries_the_totals_forward(_no_waits: None) -> None:
     # The previous box's events: its agent began with 1000 s and 4 stops behind it.
     prior = [
         ev(0, "epoch", epoch=5),
@@ -247,12 +250,25 @@ def test_a_fresh_box_reads_the_store_and_carries_the_totals_forward() -> None:
     ]
     remote = "\n".join(json.dumps(e) for e in prior).encode() + b"\n{torn"
     h = load_history([ev(100, "incarnation")], lambda: remote, begin=True)  # no epoch here
+    assert h is not None
     assert (h.up, h.unplanned, h.covered, h.d) == (pytest.approx(1061), 5, 2, pytest.approx(1.0))
 
     def unreachable() -> bytes:
         raise TransientStoreError("the store did not answer")
 
-    assert load_history([], unreachable, begin=True) == History()
+    # A store that answers at the third try: read, as every store read is retried.
+    answers: List[Any] = [unreachable, unreachable, lambda: remote]
+    assert load_history([], lambda: answers.pop(0)(), begin=True) == h
+    # One that never answers gives no history rather than an empty one, which the agent's
+    # first mirror would have put over the run's.
+    assert load_history([], unreachable, begin=True) is None
+
+
+@pytest.fixture
+def _no_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The store reads' retries, without their backoff."""
+    fast = functools.partial(with_retries, sleep=lambda s: None)
+    monkeypatch.setattr(interval, "with_retries", fast, raising=False)
 
 
 def test_auto_interval_follows_the_events_and_logs_its_changes(tmp_path: Any) -> None:
@@ -544,3 +560,48 @@ def test_an_interval_that_cannot_be_recomputed_keeps_the_last_and_sealing_goes_o
         assert kinds.count("interval_bug") == 1 and "seal_bug" not in kinds  # said once
     finally:
         svc.close()
+
+
+def test_a_store_that_does_not_answer_at_start_loses_no_history(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, _no_waits: None
+) -> None:
+    """The store's copy of the events is the run's history on a fresh box: while the store
+    does not give it, the agent's passes mirror its state but leave that copy in place; once a
+    pass reads it, the agent carries its totals on, and only then replaces it."""
+    prior = [
+        ev(0, "epoch", epoch=1),
+        ev(1, "checkpoint_interval", at_start=True, base_up_s=5000.0, base_unplanned=2),
+        state(2, "RUNNING"),
+        ev(1000, "sealed", step=1),
+    ]
+    stored = "\n".join(json.dumps(e) for e in prior).encode()
+    svc = _agent(tmp_path, stored)
+    get, down = svc.store.get_bytes, [True]
+
+    def flaky(key: str) -> Any:
+        if down[0] and key.endswith("events.jsonl"):
+            raise TransientStoreError("503 slow down")
+        return get(key)
+
+    monkeypatch.setattr(svc.store, "get_bytes", flaky)
+    with open(svc.rd.state, "w") as f:
+        f.write('{"state": "RUNNING"}')  # the supervisor's
+    try:
+        svc.start(begin=True)
+        assert svc.auto is not None
+        svc.wake()
+        deadline = time.monotonic() + 20
+        while svc.last_ok_wall is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert get(mf.state_key("r", "state.json")) is not None  # a pass mirrored the state
+        assert get(mf.state_key("r", "events.jsonl")) == stored  # and left the history be
+        down[0] = False
+        svc.wake()
+        assert _mirrored(svc, b'"base_up_s": 6000.0')  # this agent's events, carrying it on
+        assert svc.auto.settled and svc.auto.base == History(6000.0, 3, ())
+        assert _kinds(svc).count("interval_history_unread") == 1
+    finally:
+        svc.close()
+    mirrored = interval.parse_lines(get(mf.state_key("r", "events.jsonl")) or b"")
+    later = history(mirrored, begin=True)  # what the next fresh box reads
+    assert later.up >= 6000.0 and later.unplanned >= 3

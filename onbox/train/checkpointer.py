@@ -33,7 +33,7 @@ save, or after SIGTERM (a preemption). ``interval="auto"`` picks the interval by
 higher-order formula (onbox/common/daly.py, the one the agent's ``checkpoint.interval = "auto"``
 uses), from the measured cost C of a checkpoint (the time the loop is blocked) and the
 mean time between failures M (onbox/train/mtbf.py: ``RGT_MTBF`` seconds from the job's
-environment, else observed from this run's restarts, else 4 hours), and prints what it
+environment, else observed from this incarnation's restarts, else 4 h), and prints what it
 chose; a value no run could have (an unusable ``RGT_MTBF``, a damaged state.json) is passed
 over, never raised out of ``save``. After SIGTERM, the save that follows ends the process
 once the checkpoint is written (exit status 143), unless ``exit_on_preempt=False``; a second
@@ -240,7 +240,7 @@ class Checkpointer:
             )
 
     def _mtbf(self) -> Tuple[float, str]:
-        return mtbf.mtbf(self.run_dir, self.attempt)
+        return mtbf.mtbf(self.run_dir)
 
     def report(self, step: int, **metrics: Any) -> None:
         """Tell the agent the job's step and metrics (at most once a second)."""

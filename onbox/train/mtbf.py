@@ -1,6 +1,8 @@
 """The mean time between failures M that the training API's ``interval="auto"`` assumes
 (onbox/train/checkpointer.py): ``RGT_MTBF`` seconds from the job's environment, else observed
-from this run's restarts (the agent's state.json), else DEFAULT.
+from the restarts of this incarnation (the agent's state.json: its ``restarts`` since
+``started_ts``, both begun again by each `rgt-agent start`; RGT_ATTEMPT is not, and counted
+a stopped and started run's attempts against its new start's time), else DEFAULT.
 
 Both sources are outside the API's hands: a value that is no finite number of seconds > 0 (an
 ``RGT_MTBF`` of 0, -5, nan or inf; a state.json whose start is -inf or in the future) is passed
@@ -26,17 +28,15 @@ MAX_LIVED = 10 * 365 * 86400.0  # a run older than ten years is a clock or a rec
 _warned: Set[str] = set()  # the RGT_MTBF values already said to be unusable
 
 
-def mtbf(run_dir: Optional[str], attempt: int) -> Tuple[float, str]:
+def mtbf(run_dir: Optional[str]) -> Tuple[float, str]:
     """M in seconds, and where it came from (for the line the API prints)."""
     env = _from_env()
     if env is not None:
         return env, jobenv.MTBF
-    if run_dir and attempt > 1:
-        lived = _lived(run_dir)
-        if lived is not None:
-            return max(lived / (attempt - 1), MIN_OBSERVED), (
-                f"observed: {attempt - 1} restarts in {lived / 3600:.1f} h"
-            )
+    seen = _restarts(run_dir) if run_dir else None
+    if seen is not None:
+        n, lived = seen
+        return max(lived / n, MIN_OBSERVED), f"observed: {n} restarts in {lived / 3600:.1f} h"
     return DEFAULT, "default; set RGT_MTBF"
 
 
@@ -61,12 +61,16 @@ def _from_env() -> Optional[float]:
     return None
 
 
-def _lived(run_dir: str) -> Optional[float]:
-    """Seconds since the run began (state.json's ``started_ts``), None where unusable."""
+def _restarts(run_dir: str) -> Optional[Tuple[int, float]]:
+    """(restarts, seconds) of this incarnation so far, from state.json; None before the first
+    restart or where the document is unusable."""
     try:
         with open(os.path.join(run_dir, "state.json")) as f:
-            started = float(json.load(f)["started_ts"])
+            doc = json.load(f)
+        started, n = float(doc["started_ts"]), doc["restarts"]
     except (OSError, ValueError, KeyError, TypeError, OverflowError):
         return None
     lived = time.time() - started
-    return lived if 0 < lived <= MAX_LIVED else None  # NaN fails both
+    if isinstance(n, bool) or not (isinstance(n, int) and n > 0 and 0 < lived <= MAX_LIVED):
+        return None
+    return n, lived

@@ -437,7 +437,7 @@ def test_an_unusable_mtbf_never_ends_the_training(
     save() before, after the checkpoint was written: the training died of a setting)."""
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "state.json").write_text('{"started_ts": %s}' % (started or "1"))
+    (run_dir / "state.json").write_text('{"started_ts": %s, "restarts": 2}' % (started or "1"))
     monkeypatch.setenv("RGT_MTBF", mtbf)
     monkeypatch.setenv("RGT_RUN_DIR", str(run_dir))
     monkeypatch.setenv("RGT_ATTEMPT", "3")
@@ -449,6 +449,27 @@ def test_an_unusable_mtbf_never_ends_the_training(
     err = capfd.readouterr().err
     assert err.count("RGT_MTBF=") == (1 if mtbf else 0), err
     assert "default; set RGT_MTBF" in err  # the next source: state.json's start is unusable
+
+
+def test_auto_observes_the_restarts_of_this_incarnation_only(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """M observed is the time since the incarnation began (state.json's started_ts) over its
+    restarts, not over every attempt of the run: a run stopped and started again 30 s ago at
+    its third attempt has seen no failure since (it was given M = 60 s, a 10 s interval)."""
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    monkeypatch.delenv("RGT_MTBF", raising=False)
+    monkeypatch.setenv("RGT_RUN_DIR", str(run_dir))
+    monkeypatch.setenv("RGT_ATTEMPT", "3")
+    state = {"started_ts": time.time() - 30, "restarts": 0, "attempt": 3, "incarnation": 2}
+    (run_dir / "state.json").write_text(json.dumps(state))
+    ck = Checkpointer(str(tmp_path / "ck"), interval="auto", handle_signals=False)
+    assert ck._mtbf() == (4 * 3600.0, "default; set RGT_MTBF")
+    state.update(started_ts=time.time() - 3600, restarts=2)  # two failures in its hour
+    (run_dir / "state.json").write_text(json.dumps(state))
+    m, source = ck._mtbf()
+    assert m == pytest.approx(1800.0, rel=1e-3) and source.startswith("observed: 2 restarts")
 
 
 # torchdata 0.11 calls torch.set_vital, which torch 2.13 deprecates: theirs, not ours.

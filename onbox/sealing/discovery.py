@@ -213,16 +213,18 @@ class Candidate:
 
 def dir_marker(path: str) -> Optional[Tuple[str, Optional[int]]]:
     """The completeness marker of the directory ``path`` and the step it carries, or None when
-    it has none, or its JSON marker does not parse (cut off mid-write: no marker at all)."""
-    marker = next((m for m in MARKERS if os.path.isfile(os.path.join(path, m))), None)
+    it has none, or its JSON marker does not parse (cut off mid-write: no marker at all). Only
+    a regular file is a marker: a symlink is not sealed (so it would not come back with the
+    checkpoint), and a FIFO would hang the read."""
+    marker = next((m for m in MARKERS if _regular(os.path.join(path, m))), None)
     if marker is None:
         return None
     step = None
     if marker != ".metadata":
         try:
-            with open(os.path.join(path, marker)) as f:
+            with open(open_regular(os.path.join(path, marker))) as f:
                 doc = json.load(f)
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError, NotRegularFile):
             return None
         if marker == jobenv.COMPLETE_MARKER:
             try:
@@ -230,6 +232,13 @@ def dir_marker(path: str) -> Optional[Tuple[str, Optional[int]]]:
             except (KeyError, TypeError, ValueError):
                 step = None
     return marker, step
+
+
+def _regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def dir_step(name: str, path: str) -> Optional[int]:

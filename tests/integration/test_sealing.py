@@ -788,6 +788,27 @@ def test_of_two_checkpoints_with_one_step_only_the_sealed_one_counts(tmp_path: A
     assert _manifests(root, "twice")[100]["root"] == "checkpoint-100"
 
 
+def test_a_marker_that_is_a_symlink_or_nested_past_the_parser_makes_no_checkpoint(
+    tmp_path: Any,
+) -> None:
+    """A directory whose .rgt-complete is a symlink (to a marker outside it) is not complete:
+    the link is never sealed, so the checkpoint would come back without its marker; one whose
+    marker is JSON nested past the parser's depth is not either, and does not stop the scan
+    (RecursionError ended every pass). The complete one beside them is sealed."""
+    root = _store_root(tmp_path)
+    ckpt = str(tmp_path / "ckpt")
+    linked = _dir_ckpt(ckpt, "step_1", 1, {"model.bin": b"a" * 4096})
+    os.replace(os.path.join(linked, ".rgt-complete"), str(tmp_path / "elsewhere.json"))
+    os.symlink(str(tmp_path / "elsewhere.json"), os.path.join(linked, ".rgt-complete"))
+    nested = _dir_ckpt(ckpt, "step_2", 2, {"model.bin": b"b" * 4096})
+    with open(os.path.join(nested, ".rgt-complete"), "w") as f:
+        f.write("[" * 200_000)
+    _dir_ckpt(ckpt, "step_3", 3, {"model.bin": b"c" * 4096})
+    s = _sealer(open_store("file://" + root), "marks", ckpt, tmp_path)
+    assert s.seal_pending() == 1
+    assert sorted(_manifests(root, "marks")) == [3]
+
+
 def test_a_checkpoint_that_failed_for_good_is_tried_again_by_the_final_seal(
     tmp_path: Any,
 ) -> None:

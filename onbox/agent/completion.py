@@ -75,7 +75,7 @@ class Completion:
         # DONE.json would end a run another box is still training.
         if not self.sealer.is_writer():
             return
-        self.sealer.seal_pending(final=True)
+        self.sealer.seal_pending()
         results = self._results()
         outputs, missing = self._outputs()
         self._report_missing(missing)

@@ -95,7 +95,7 @@ def final_seal(
     """Seal every complete checkpoint, with no budget (the cap is not a preemption); True when
     the store's LATEST then holds the newest complete checkpoint on the box."""
     try:
-        sealer.seal_pending(final=True)
+        sealer.seal_pending()
         latest = mf.parse_latest(store.get_bytes(mf.latest_key(name)))
     except (StoreError, IntegrityError) as e:
         event(

@@ -432,7 +432,6 @@ class SealService(Hooks):
                 remedy="a longer grace, or smaller/more frequent checkpoints",
             )
             return
-        sealer.retry_failed()  # the last chance: what refused them may be fixed by now
         pending = sealer.scan()
         if not pending:
             self.mirror_quietly()
@@ -450,7 +449,7 @@ class SealService(Hooks):
                 remedy="the checkpoint stays on this box's disk",
             )
             return
-        sealer.seal_pending(budget_end, final=True)
+        sealer.seal_pending(budget_end)
         self.mirror_quietly()
 
     def close(self) -> None:
@@ -463,7 +462,7 @@ class SealService(Hooks):
         # A frozen run (a NaN loss) leaves its newer checkpoints unsealed: LATEST stays good.
         if not stopped and self.sealer is not None and self.frozen_above is None:
             try:
-                self.sealer.seal_pending(final=True)
+                self.sealer.seal_pending()
             except StoreError as e:
                 self.event(
                     "seal_error",

@@ -453,19 +453,11 @@ class Sealer:
             step=cand.step,
         )
 
-    def retry_failed(self) -> None:
-        """Let scan offer the checkpoints that failed for good again (the last seal's chance)."""
-        self.failed.clear()
-
-    def seal_pending(self, deadline: Optional[float] = None, final: bool = False) -> int:
+    def seal_pending(self, deadline: Optional[float] = None) -> int:
         """Seal every pending checkpoint, oldest first; stop at ``deadline`` (monotonic).
         Returns how many were sealed. One that fails for good (``_failed_for_good``) does not
-        end the pass: the newer ones are sealed after it. ``final`` (the last seal before the
-        job ends or the box goes): those are tried once more, as what refused them (a full or
-        read-only mount) may have been fixed since. The backlog is bounded: when the store
+        end the pass: the newer ones are sealed after it. The backlog is bounded: when the store
         was away long enough for more than MAX_BACKLOG to pile up, the oldest are left out."""
-        if final:
-            self.retry_failed()
         n = 0
         pending = self.scan()
         if len(pending) > MAX_BACKLOG:

@@ -809,35 +809,6 @@ def test_a_marker_that_is_a_symlink_or_nested_past_the_parser_makes_no_checkpoin
     assert sorted(_manifests(root, "marks")) == [3]
 
 
-def test_a_checkpoint_that_failed_for_good_is_tried_again_by_the_final_seal(
-    tmp_path: Any,
-) -> None:
-    """The newest checkpoint was refused for good (the durable mount full) and so left out of
-    the passes; the mount is then freed, and no newer checkpoint comes (the job is ending, or
-    the box is being preempted). The final seal tries it again and LATEST reaches it: the
-    job's last state is not left on a box about to go."""
-    root = _store_root(tmp_path)
-    full = [True]
-
-    class Full(LocalStore):
-        """A file:// store whose mount is full while ``full[0]`` (the seam: the store)."""
-
-        def put_file(self, key: str, path: str, *, sha256: Any, size: int) -> Any:
-            if full[0]:
-                raise PermanentStoreError(f"{key}: No space left on device", "free space")
-            return super().put_file(key, path, sha256=sha256, size=size)
-
-    ckpt = str(tmp_path / "ckpt")
-    _dir_ckpt(ckpt, "step_1", 1, {"model.bin": b"w" * 4096})
-    events: List[Dict[str, Any]] = []
-    s = _sealer(Full(root), "last", ckpt, tmp_path, events)
-    assert s.seal_pending() == 0 and [e["kind"] for e in events].count("seal_failed") == 1
-    full[0] = False
-    assert s.seal_pending() == 0  # a pass does not retry it while it is unchanged
-    assert s.seal_pending(final=True) == 1
-    assert _latest(root, "last")["step"] == 1
-
-
 @pytest.mark.parametrize("damage", ["truncate", "flip"])
 def test_a_corrupt_checkpoint_in_the_store_is_quarantined_and_the_previous_used(
     tmp_path: Any, damage: str

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import stat
 from typing import Callable, List, Optional, Tuple
 
@@ -67,13 +68,20 @@ def file_kind(mode: int) -> Optional[str]:
     return next((word for test, word in kinds if test(mode)), f"of mode {mode:o}")
 
 
+_OWN_FD = re.compile(r"/proc/self/fd/[0-9]+\Z")
+
+
 def open_regular(path: str) -> int:
     """A read-only descriptor of the regular file ``path``, for reading a file found by a
     listing: never through a symlink under its name (O_NOFOLLOW), never blocking on the open
     (O_NONBLOCK: a FIFO would wait for a writer forever), and only a regular file (fstat), so
-    a name swapped for something else since it was listed is NotRegularFile, not read."""
+    a name swapped for something else since it was listed is NotRegularFile, not read. A
+    ``/proc/self/fd/N`` is this process's own descriptor, opened with those checks already
+    (onbox/agent/jobroot.py: a pod's outputs): reopened through its link, as it must be."""
+    own = _OWN_FD.match(path) is not None
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | (0 if own else os.O_NOFOLLOW)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, flags)
     except OSError as e:
         if e.errno == errno.ELOOP:
             kind: Optional[str] = "a symlink"

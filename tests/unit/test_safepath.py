@@ -267,3 +267,28 @@ def test_open_regular_refuses_links_fifos_and_sockets_without_blocking(tmp_path:
         assert os.read(fd, 10) == b"bytes"
     finally:
         os.close(fd)
+
+
+def test_open_regular_reopens_this_process_own_descriptor_through_proc(tmp_path: Path) -> None:
+    # A pod's outputs reach the uploader as /proc/self/fd/N (onbox/agent/jobroot.py: opened
+    # with the checks already); that path is a link by nature, and refusing it as one left
+    # every pod output unsealed and the agent dead at completion.
+    real = tmp_path / "out.bin"
+    real.write_bytes(b"out")
+    own = os.open(str(real), os.O_RDONLY)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(str(fifo))
+    pipe = os.open(str(fifo), os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        fd = safepath.open_regular(f"/proc/self/fd/{own}")
+        with os.fdopen(fd, "rb") as f:
+            assert f.read() == b"out"
+        with pytest.raises(safepath.NotRegularFile, match="a FIFO"):
+            safepath.open_regular(f"/proc/self/fd/{pipe}")  # still only a regular file
+        link = tmp_path / "link"
+        link.symlink_to(f"/proc/self/fd/{own}")
+        with pytest.raises(safepath.NotRegularFile, match="a symlink"):
+            safepath.open_regular(str(link))  # only the path itself, not a link to it
+    finally:
+        os.close(own)
+        os.close(pipe)

@@ -580,10 +580,16 @@ def test_a_restore_that_fails_midway_removes_the_directories_it_made(
     assert not (tmp_path / "new").exists()
 
 
-def test_the_store_refuses_a_listed_key_rgt_could_not_have_written(tmp_path: Path) -> None:
+def test_a_name_in_the_store_rgt_could_not_have_written_is_never_listed_as_a_key(
+    tmp_path: Path,
+) -> None:
+    """A file put in a file:// store by hand (a backslash in its name) is no object of rgt's:
+    it is never handed out as a key (to be read, pulled or deleted), and the listing of the
+    run's own objects goes on past it (a restore's fallback lists them: eb87b45)."""
     store = _sealed(tmp_path)
     odd = os.path.join(os.path.dirname(_store_path(store, mf.manifest_key(RUN, 5))), "a\\b")
     with open(odd, "w") as f:
         f.write("x")
-    with pytest.raises(IntegrityError, match="backslash"):
-        list(store.list(f"{RUN}/checkpoints/"))
+    keys = [info.key for info in store.list(f"{RUN}/checkpoints/")]
+    assert mf.manifest_key(RUN, 5) in keys
+    assert not [k for k in keys if "\\" in k or k.endswith("/a")], keys

@@ -21,10 +21,13 @@ in the checkpoint dir itself (``latest``, Lightning's ``last.ckpt``) is never se
 event the first time it is seen.
 
 A checkpoint that fails for a reason retrying cannot fix (an IntegrityError, a
-PermanentStoreError: the store refuses that object) gets one ``seal_failed`` event and is not
-tried again until it changes, and the pass goes on to the newer ones: oldest first, it would
-otherwise block every newer checkpoint for the rest of the run. A store that refuses the
-credentials refuses every checkpoint alike: that is raised as before (retried with backoff).
+PermanentStoreError: the store refuses that object) does not end the pass: oldest first, it
+would otherwise block every newer checkpoint for the rest of the run. Once a newer one is
+sealed after it, the failure is known to be that checkpoint's own: one ``seal_failed`` event,
+and it is not tried again until it changes. While none is, the failure is raised as before and
+the pass retried with backoff: a full or read-only mount refuses every checkpoint alike, and
+the newest must be sealed once it is fixed. A store that refuses the credentials refuses every
+checkpoint alike: that is raised at once, as before.
 
 A file with no step in its name that the job rewrites in place (``ckpt.pt``) is a sequence: each
 completed rewrite is the next step (remembered on the box in RunDir.sealer_state). Such a file
@@ -441,8 +444,7 @@ class Sealer:
         return self._room.free(self.manifests, self.latest)
 
     def _failed_for_good(self, cand: Candidate, e: RgtError) -> None:
-        """Remember ``cand`` (by its signature, as ``refused``) as failing for a reason retrying
-        cannot fix, with one event: scan leaves it out until it changes."""
+        """Remember ``cand`` (by signature) as failing for good, said once: scan skips it."""
         self.failed[cand.root] = cand.signature
         self.event(
             "seal_failed",
@@ -455,9 +457,10 @@ class Sealer:
 
     def seal_pending(self, deadline: Optional[float] = None) -> int:
         """Seal every pending checkpoint, oldest first; stop at ``deadline`` (monotonic).
-        Returns how many were sealed. One that fails for good (``_failed_for_good``) does not
-        end the pass: the newer ones are sealed after it. The backlog is bounded: when the store
-        was away long enough for more than MAX_BACKLOG to pile up, the oldest are left out."""
+        Returns how many were sealed. A failure for good does not end the pass (the module
+        docstring says how it is told from the store's state, which is raised). The backlog is
+        bounded: when the store was away long enough for more than MAX_BACKLOG to pile up, the
+        oldest are left out."""
         n = 0
         pending = self.scan()
         if len(pending) > MAX_BACKLOG:
@@ -470,6 +473,7 @@ class Sealer:
                 klass="transient",
                 remedy="the store was slow or away",
             )
+        failures: List[Tuple[Candidate, RgtError]] = []
         for cand in pending:
             if deadline is not None and time.monotonic() >= deadline:
                 break
@@ -478,13 +482,18 @@ class Sealer:
             except (IntegrityError, PermanentStoreError) as e:
                 if isinstance(e, StoreAuthError):
                     raise  # the store refuses everything alike: not this checkpoint's fault
-                self._failed_for_good(cand, e)
+                failures.append((cand, e))
                 continue
             if done is not None:
                 n += 1
+                for old, why in failures:  # a newer one sealed: theirs is their own failure
+                    self._failed_for_good(old, why)
+                failures = []
         self.backlog = len(pending) - n
         if n:
             self.free_room()
+        if failures:  # nothing newer sealed: the store's state (full, read-only) as likely
+            raise failures[0][1]  # the pass is retried with backoff until it passes
         return n
 
 

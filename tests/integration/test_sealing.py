@@ -596,8 +596,10 @@ def test_a_checkpoint_that_fails_for_good_is_reported_once_and_does_not_block_ne
     tmp_path: Any,
 ) -> None:
     """Oldest first, a checkpoint the store refuses for good (an object it will never take)
-    must not block every newer checkpoint for the rest of the run, nor be retried at every
-    pass: one permanent event names it, and the newer ones are sealed as usual."""
+    must not block every newer checkpoint for the rest of the run. Alone, its failure is
+    raised (it could as well be the store's state: a full mount); once a newer one is sealed
+    after it, it is known to be its own: one permanent event names it, and it is not retried
+    while it is unchanged."""
     root = _store_root(tmp_path)
     tried: List[str] = []
 
@@ -615,13 +617,15 @@ def test_a_checkpoint_that_fails_for_good_is_reported_once_and_does_not_block_ne
     _dir_ckpt(ckpt, "step_1", 1, {"model.bin": b"w" * (2 << 20)})
     events: List[Dict[str, Any]] = []
     s = _sealer(store, "stuck", ckpt, tmp_path, events)
-    assert s.seal_pending() == 0  # step 1 alone: refused, nothing sealed, no raise
-    attempts = len(tried)
-    assert s.seal_pending() == 0 and len(tried) == attempts  # not retried while unchanged
+    with pytest.raises(PermanentStoreError, match="refused"):
+        s.seal_pending()  # step 1 alone: nothing tells its failure from the store's
+    assert not [e for e in events if e["kind"] == "seal_failed"]
     _dir_ckpt(ckpt, "step_2", 2, {"model.bin": b"v" * (2 << 20)})
     _dir_ckpt(ckpt, "step_3", 3, {"model.bin": b"u" * (2 << 20)})
     assert s.seal_pending() == 2
     assert sorted(_manifests(root, "stuck")) == [2, 3] and _latest(root, "stuck")["step"] == 3
+    attempts = len(tried)
+    assert s.seal_pending() == 0 and len(tried) == attempts  # not retried while unchanged
     [ev] = [e for e in events if e["kind"] == "seal_failed"]
     assert ev["klass"] == "permanent" and ev["step"] == 1
     assert "checkpoint step_1 (step 1) cannot be sealed" in ev["reason"]

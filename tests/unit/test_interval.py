@@ -15,15 +15,14 @@ import pytest
 
 from onbox.agent import interval
 from onbox.agent.interval import MAX_STOPS, MAX_UP, AutoInterval, History, history, load_history
-from onbox.agent.journal import FileJournal, iso
+from onbox.agent.journal import iso
 from onbox.agent.sealservice import SealService
 from onbox.agent.spec import JobSpec, Overrides, build_spec
 from onbox.common.daly import MAX_INTERVAL, choose, daly, mtbf, overhead_target
 from onbox.common.errors import TransientStoreError, UsageError
-from onbox.common.rundir import RunDir
-from onbox.common.storeurl import parse_store_url
 from onbox.sealing import manifest as mf
 from onbox.sealing.stores.base import with_retries
+from tests.sealsvc import seal_service
 
 
 def test_daly_matches_hand_computed_values() -> None:
@@ -398,19 +397,7 @@ def test_a_huge_d_or_m_still_gives_an_interval_the_timer_reaches(tmp_path: Any) 
 def _agent(tmp_path: Any, stored: bytes) -> SealService:
     """An agent with interval "auto" on a fresh box, whose store holds ``stored`` as the run's
     events (the history it reads at start)."""
-    rd = RunDir("r", str(tmp_path / "home"))
-    rd.create()
-    os.makedirs(str(tmp_path / "ckpt"))
-    spec = JobSpec(
-        "r",
-        ("true",),
-        str(tmp_path),
-        str(tmp_path / "ckpt"),
-        store=parse_store_url("file://" + str(tmp_path / "store")),
-        trigger="file",
-        ckpt_auto=True,
-    )
-    svc = SealService(spec, rd, FileJournal(rd.state, rd.events), lambda sig: None)
+    svc = seal_service(tmp_path, ckpt_auto=True)
     svc.store.put_bytes(mf.state_key("r", "events.jsonl"), stored)
     return svc
 

@@ -13,26 +13,12 @@ import time
 from pathlib import Path
 from typing import Any, Dict, List
 
-from onbox.agent.journal import FileJournal
 from onbox.agent.sealservice import SealService
-from onbox.agent.spec import JobSpec
-from onbox.common.rundir import RunDir
-from onbox.common.storeurl import parse_store_url
+from tests.sealsvc import seal_service
 
 
 def _service(tmp_path: Path) -> SealService:
-    rd = RunDir("r", str(tmp_path / "home"))
-    rd.create()
-    spec = JobSpec(
-        "r",
-        ("true",),
-        str(tmp_path),
-        str(tmp_path / "ckpt"),
-        store=parse_store_url("file://" + str(tmp_path / "store")),
-        trigger="file",
-        ckpt_interval=0.0,  # due at every tick
-    )
-    return SealService(spec, rd, FileJournal(rd.state, rd.events), lambda sig: None)
+    return seal_service(tmp_path, ckpt_interval=0.0)  # due at every tick
 
 
 def _asks(svc: SealService) -> List[str]:

@@ -23,14 +23,13 @@ target is walked one directory at a time without following symlinks, onbox.commo
 from __future__ import annotations
 
 import concurrent.futures
-import hashlib
 import os
 import shutil
 import stat
 import tempfile
 from typing import Any, Callable, Dict, List, Optional, TypeVar
 
-from onbox.common.durable import fsync_dir, make_dirs
+from onbox.common.durable import fsync_dir, make_dirs, sha256_fd
 from onbox.common.errors import HostError, IntegrityError, RgtError
 from onbox.common.faults import crash_point
 from onbox.common.safepath import lstat_beneath, replace_beneath, symlink_error
@@ -54,15 +53,6 @@ T = TypeVar("T")
 
 class StoreCorrupt(IntegrityError):
     """A sealed checkpoint is unusable in the store (quarantined), not on this box."""
-
-
-def sha256_fd(fd: int) -> str:
-    h = hashlib.sha256()
-    while True:
-        b = os.read(fd, 8 << 20)
-        if not b:
-            return h.hexdigest()
-        h.update(b)
 
 
 def retried(fn: Callable[[], T]) -> T:
@@ -191,7 +181,7 @@ def _fetch_one(
     try:
         size = os.fstat(fd).st_size
         if size == f["size"] and got is None:
-            got = sha256_fd(fd)
+            got = sha256_fd(fd)[0]
     finally:
         os.close(fd)
     if size != f["size"] or got != f["sha256"]:

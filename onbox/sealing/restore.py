@@ -33,10 +33,11 @@ import stat
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
+from onbox.common.durable import sha256_fd
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import UnsafePath, lstat_beneath, open_beneath
 from onbox.sealing import manifest as mf
-from onbox.sealing.fetch import StoreCorrupt, check_target, failure, fetch, sha256_fd
+from onbox.sealing.fetch import StoreCorrupt, check_target, failure, fetch
 from onbox.sealing.fetch import retried as _retried
 from onbox.sealing.ledger import flag_quarantined, quarantine_reasons
 from onbox.sealing.stores.base import Store, StoreError
@@ -67,7 +68,7 @@ def local_matches(doc: Dict[str, Any], ckpt_dir: str, verify: bool = False) -> b
             if verify:
                 fd = open_beneath(ckpt_dir, f["path"], os.O_RDONLY | os.O_NONBLOCK)
                 try:
-                    if sha256_fd(fd) != f["sha256"]:
+                    if sha256_fd(fd)[0] != f["sha256"]:
                         return False
                 finally:
                     os.close(fd)

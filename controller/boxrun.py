@@ -11,12 +11,12 @@ laptop, ``spec_dirs`` the spec's directories.
 from __future__ import annotations
 
 import dataclasses
-import json
 from typing import Any, Dict, List, Optional, Tuple
 
 from controller.registry import RunRecord
 from controller.remote import Remote
 from controller.shell import script
+from onbox.common import jsondoc
 from onbox.common.errors import HostError, IntegrityError, NotFound, UsageError
 from onbox.common.rundir import RunDir
 from onbox.common.safepath import safe_abs, safe_rel
@@ -57,7 +57,7 @@ def poll_status(rec: RunRecord, remote: Remote) -> Dict[str, Any]:
     """``rgt-agent status N --json`` as a poll reads it: {} when it printed no JSON object."""
     r = remote.run(status_argv(rec), timeout=60)
     try:
-        doc = json.loads(r.stdout)
+        doc = jsondoc.loads(r.stdout)
     except ValueError:
         return {}
     return doc if isinstance(doc, dict) else {}
@@ -70,7 +70,7 @@ def _status_doc(rec: RunRecord, remote: Remote, rc: int, out: bytes, err: str) -
             f"{err.strip()[-300:]}"
         )
     try:
-        doc: Dict[str, Any] = json.loads(out)
+        doc: Dict[str, Any] = jsondoc.loads(out)
     except ValueError:
         raise HostError(f"rgt-agent status {rec.name} printed no JSON") from None
     return doc
@@ -94,7 +94,7 @@ def _spec_doc(rec: RunRecord, remote: Remote, path: str, data: Optional[bytes]) 
             "was it taken down? pull --from store",
         )
     try:
-        doc = json.loads(data)
+        doc = jsondoc.loads(data)
     except ValueError:
         raise IntegrityError(f"{path} on {remote.target.label} is not valid JSON") from None
     if not isinstance(doc, dict):

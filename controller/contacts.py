@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import time
 from typing import Any, Dict, Iterator, List
 
 from controller.remote import controller_home
+from onbox.common import jsondoc
 from onbox.common.durable import make_dirs, write_json
 from onbox.profiles.schema import Profile
 
@@ -42,7 +42,7 @@ def _locked() -> Iterator[Dict[str, Any]]:
 def _read() -> Dict[str, Any]:
     try:
         with open(_path(), "rb") as f:
-            doc = json.loads(f.read())
+            doc = jsondoc.loads(f.read())
     except (OSError, ValueError):
         return {"seen": {}}
     if not isinstance(doc, dict) or not isinstance(doc.get("seen"), dict):

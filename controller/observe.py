@@ -10,7 +10,6 @@ stalled network).
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import sys
 import time
@@ -22,7 +21,8 @@ from controller.remote import Remote, open_remote
 from controller.shell import script
 from onbox.agent.observe import health_lines, public_state, warning_lines
 from onbox.agent.states import TERMINAL_NAMES
-from onbox.common.errors import NotFound, RemoteUnreachable, RgtError
+from onbox.common import jsondoc
+from onbox.common.errors import IntegrityError, NotFound, RemoteUnreachable, RgtError
 from onbox.sealing import manifest as mf
 from onbox.sealing.ledger import quarantine_reasons
 from onbox.sealing.restore import in_effect, sealed_steps
@@ -59,7 +59,9 @@ def snapshot(rec: RunRecord, remote: Optional[Remote] = None) -> Dict[str, Any]:
     )
     parts = _sections(res.text)
     try:
-        status: Dict[str, Any] = json.loads("\n".join(parts.get("status", [])))
+        status = jsondoc.loads("\n".join(parts.get("status", [])))
+        if not isinstance(status, dict):
+            raise ValueError("not a JSON object")
     except ValueError:
         raise NotFound(
             f"the agent on {rec.target.label} knows no run {rec.name!r}",
@@ -71,20 +73,22 @@ def snapshot(rec: RunRecord, remote: Optional[Remote] = None) -> Dict[str, Any]:
     return status
 
 
+def _object(line: str) -> Optional[Dict[str, Any]]:
+    """One line the box printed as a JSON object, or None: a line being written, or damaged."""
+    try:
+        doc = jsondoc.loads(line)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
 def _box_facts(parts: Dict[str, List[str]]) -> Dict[str, Any]:
     facts: Dict[str, Any] = {}
-    events = []
-    for line in parts.get("events", []):
-        try:
-            events.append(json.loads(line))
-        except ValueError:
-            pass
-    facts["events"] = events
+    facts["events"] = [e for e in map(_object, parts.get("events", [])) if e is not None]
     for line in parts.get("sealed", []):
-        try:
-            facts["sealed"] = json.loads(line)
-        except ValueError:
-            pass
+        sealed = _object(line)
+        if sealed is not None:
+            facts["sealed"] = sealed
     disk = parts.get("disk", [])
     if len(disk) >= 1 and len(disk[0].split()) >= 4:
         f = disk[0].split()
@@ -124,11 +128,26 @@ def from_store(rec: RunRecord) -> Dict[str, Any]:
     raw = store.get_bytes(mf.state_key(rec.name, "state.json"))
     if raw is None:
         raise NotFound(f"the store {rec.store} holds no state of run {rec.name!r} yet")
-    mirrored: Dict[str, Any] = json.loads(raw)
+    try:
+        mirrored = jsondoc.loads(raw)
+    except ValueError:
+        mirrored = None
+    if not isinstance(mirrored, dict):
+        raise IntegrityError(
+            f"the store's copy of run {rec.name!r}'s state "
+            f"({mf.state_key(rec.name, 'state.json')} in {rec.store}) is not a JSON object",
+            "try again when the box answers: its agent holds the live state and rewrites this "
+            "copy; `rgt pull --from store` checks each checkpoint on its own",
+        )
     doc = public_state(mirrored)
     latest = store.get_bytes(mf.latest_key(rec.name))
     if latest is not None:
-        doc["latest"] = json.loads(latest)
+        try:
+            pointer = jsondoc.loads(latest)
+        except ValueError:
+            pointer = None
+        # A damaged LATEST is shown as none: `rgt pull` falls back to the newest sealed step.
+        doc["latest"] = pointer if isinstance(pointer, dict) else None
         step = doc["latest"].get("step") if isinstance(doc["latest"], dict) else None
         bad = quarantine_reasons(store, rec.name)
         if isinstance(step, int) and step in bad:

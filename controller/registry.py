@@ -12,14 +12,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
-import json
 import os
 import time
 from typing import Any, Dict, Iterator, List, Optional
 
 from controller.remote import controller_home
 from controller.target import Target
-from onbox.common import jobenv
+from onbox.common import jobenv, jsondoc
 from onbox.common.durable import make_dirs, write_json
 from onbox.common.errors import IntegrityError, NotFound
 from onbox.common.rundir import check_name
@@ -100,7 +99,7 @@ class Registry:
         except OSError as e:
             raise self._corrupt(f"it cannot be read ({e.strerror})") from None
         try:
-            doc = json.loads(raw)
+            doc = jsondoc.loads(raw)
         except ValueError as e:  # UnicodeDecodeError is one too
             raise self._corrupt(f"not JSON ({e})") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("runs"), dict):

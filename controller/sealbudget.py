@@ -11,9 +11,9 @@ value counts as no measurement.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Dict, List, Optional
 
+from onbox.common import jsondoc
 from onbox.common.duration import parse_duration
 from onbox.common.errors import StoreError, UsageError
 from onbox.common.sealtime import SealTime, measure
@@ -31,7 +31,7 @@ def _lines(raw: Optional[bytes]) -> List[Dict[str, Any]]:
     out = []
     for line in raw.splitlines():
         try:
-            ev = json.loads(line)
+            ev = jsondoc.loads(line)
         except ValueError:
             continue
         if isinstance(ev, dict):

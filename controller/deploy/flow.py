@@ -54,7 +54,7 @@ from controller.registry import Registry, RunRecord
 from controller.remote import Remote, open_remote
 from controller.target import Target
 from onbox.agent.states import LIVE_NAMES, TERMINAL_NAMES
-from onbox.common import jobenv
+from onbox.common import jobenv, jsondoc
 from onbox.common.errors import (
     HostError,
     LockedError,
@@ -450,7 +450,7 @@ def _look(
 def _live(status: List[str], spec: List[str]) -> Optional[Live]:
     """(state, release) from ``rgt-agent status --json`` and spec.json when the run is live."""
     try:
-        doc = json.loads("\n".join(status))
+        doc = jsondoc.loads("\n".join(status))
     except ValueError:
         return None
     if not isinstance(doc, dict) or doc.get("state") not in LIVE_NAMES:
@@ -460,7 +460,7 @@ def _live(status: List[str], spec: List[str]) -> Optional[Live]:
     rel = posixpath.basename(str(doc.get("workdir") or "")) or None
     if rel is None:
         try:
-            rel = posixpath.basename(str(json.loads("\n".join(spec)).get("workdir", ""))) or None
+            rel = posixpath.basename(str(jsondoc.loads("\n".join(spec)).get("workdir", ""))) or None
         except (ValueError, AttributeError):
             rel = None
     return str(doc["state"]), rel

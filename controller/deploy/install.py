@@ -55,7 +55,7 @@ from controller.deploy import wheel as wheelmod
 from controller.deploy.probe import BoxPython, Probed, extras_key, probe
 from controller.deploy.wheel import AgentWheel, agent_wheel
 from controller.remote import Remote, Result
-from onbox.common import jobenv
+from onbox.common import jobenv, jsondoc
 from onbox.common.errors import HostError, UsageError
 
 MARKER = ".rgt-agent.json"
@@ -186,7 +186,7 @@ def _install(method: str, dir_: str, py: BoxPython, installed: bool) -> AgentIns
 def _method(marker: Optional[str]) -> Optional[str]:
     """The method a marker's text names, or None when it names none."""
     try:
-        method = json.loads(marker or "").get("method")
+        method = jsondoc.loads(marker or "").get("method")
     except (ValueError, AttributeError):
         return None
     return method if method in ("venv", "target") else None

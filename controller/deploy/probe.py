@@ -12,13 +12,13 @@ found: controller/deploy/install.py decides whether it runs and installs otherwi
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from controller import shell
 from controller.deploy import wheel as wheelmod
 from controller.remote import Remote
+from onbox.common import jsondoc
 from onbox.common.errors import HostError, UsageError
 
 PROBE_SH = shell.script("python_probe.sh")
@@ -101,7 +101,7 @@ def parse_probe(python: Optional[str], lines: Sequence[str]) -> Probed:
     for line in reversed(lines):
         if line.startswith("{"):
             try:
-                info = json.loads(line)
+                info = jsondoc.loads(line)
             except ValueError:
                 pass
             break

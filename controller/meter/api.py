@@ -39,6 +39,7 @@ import urllib.request
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from controller import envnames
+from onbox.common import jsondoc
 from onbox.common.errors import UsageError
 
 _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
@@ -92,7 +93,7 @@ _OPENER = urllib.request.build_opener(_NoRedirect())
 def _text(raw: bytes, key: str) -> str:
     """A provider's message, as one short printable line with the key masked."""
     try:
-        doc = json.loads(raw)
+        doc = jsondoc.loads(raw)
         if isinstance(doc, dict):
             for k in ("error", "message", "msg", "detail"):
                 v = doc.get(k)
@@ -136,7 +137,7 @@ def call(
     except (OSError, http.client.HTTPException) as e:
         raise NoAnswer(f"{method} {url}: the answer was cut ({type(e).__name__})") from None
     try:
-        return resp.status, json.loads(raw) if raw.strip() else None
+        return resp.status, jsondoc.loads(raw) if raw.strip() else None
     except ValueError:
         return resp.status, None
 

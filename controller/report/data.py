@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 from controller import observe
 from controller.registry import RunRecord
 from controller.remote import open_remote
+from onbox.common import jsondoc
 from onbox.common.errors import HostError, NotFound, RemoteUnreachable
 from onbox.health import series
 from onbox.sealing import manifest as mf
@@ -136,7 +137,7 @@ def from_box(rec: RunRecord) -> ReportData:
             "deploy again to update the box's agent" if r.rc == 2 else None,
         )
     try:
-        doc = json.loads(r.stdout)
+        doc = jsondoc.loads(r.stdout)
     except ValueError:
         doc = None
     if not isinstance(doc, dict):
@@ -171,7 +172,7 @@ def from_store(rec: RunRecord, why_not_box: Optional[str]) -> ReportData:
     events = []
     for raw in get("events.jsonl"):
         try:
-            events.append(json.loads(raw))
+            events.append(jsondoc.loads(raw))
         except ValueError:
             continue
     data = checked(rec.name, "store", status, coarse + fine, events)

@@ -3,11 +3,11 @@ read (a store, or a file:// store on the box): every file entry checked as untru
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from controller.results.entries import SHA256_HEX, Entry, sha_hex
 from controller.results.receipt import SealedId
+from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError, NotFound
 from onbox.common.safepath import safe_rel
 from onbox.sealing import manifest as mf
@@ -129,7 +129,7 @@ def _checkpoint(
 def _done(run: str, done_raw: bytes, entries: List[Entry]) -> Tuple[str, ...]:
     """DONE.json's outputs and logs added to ``entries``; the outputs it says are missing."""
     try:
-        done = json.loads(done_raw)
+        done = jsondoc.loads(done_raw)
     except ValueError:
         raise IntegrityError(f"{mf.done_key(run)} is not valid JSON") from None
     files = done.get("files") if isinstance(done, dict) else None

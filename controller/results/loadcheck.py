@@ -4,12 +4,12 @@ True)``, torch imported only then)."""
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import warnings
 import zipfile
 
+from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
@@ -46,7 +46,7 @@ def check_safetensors(path: str, name: str) -> None:
             raise bad(f"header length {n} does not fit in {size} bytes")
         raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = jsondoc.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         raise bad("the header is not JSON") from None
     if not isinstance(header, dict):

@@ -45,13 +45,13 @@ receipt written before this field existed reads as false.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from controller.remote import controller_home
 from onbox.agent.journal import iso
+from onbox.common import jsondoc
 from onbox.common.durable import write_json
 from onbox.common.errors import IntegrityError
 from onbox.common.rundir import check_name
@@ -243,7 +243,7 @@ def load_receipt(path: str) -> Optional[Receipt]:
     except FileNotFoundError:
         return None
     try:
-        doc = json.loads(data)
+        doc = jsondoc.loads(data)
     except ValueError:
         raise IntegrityError(f"{path} is not valid JSON", "pull again") from None
     return Receipt.from_json(doc, path)

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import functools
-import json
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from controller.smoke.checks import (
@@ -26,6 +25,7 @@ from controller.smoke.checks import (
     state_hashes,
     tree,
 )
+from onbox.common import jsondoc
 from onbox.sealing import manifest as mf
 from onbox.sealing.discovery import is_ckpt_file
 from onbox.sealing.stores import open_store
@@ -102,7 +102,7 @@ def _pulled(walk: Walk, done: Optional[Dict[str, Any]]) -> str:
     parts = [f"the checkpoint of step {latest['step']}" if latest else "no checkpoint"]
     raw = store.get_bytes(mf.done_key(RUN)) if done else None
     if raw:
-        files = json.loads(raw).get("files") or []
+        files = jsondoc.loads(raw).get("files") or []
         names = [str(f.get("path") or f.get("key") or "?") for f in files if isinstance(f, dict)]
         parts.append(f"{len(names)} file(s): {short_list(names)}" if names else "no other file")
     else:

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence
 from onbox.agent import observe, procfs
 from onbox.agent.lock import read_holder
 from onbox.agent.spec import JobSpec
+from onbox.common import jsondoc
 from onbox.common.rundir import RunDir
 
 # The job's variables of an outer run (rgt smoke inside a job) never leak into the private one.
@@ -153,7 +154,7 @@ class LocalBox:
             with open(self.rd(name).events) as f:
                 for line in f:
                     try:
-                        out.append(json.loads(line))
+                        out.append(jsondoc.loads(line))
                     except ValueError:
                         continue  # a line being written
         except OSError:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import re
 import shutil
@@ -40,6 +39,7 @@ from controller.results.documents import from_documents, store_get, store_listin
 from controller.results.hashing import file_sha
 from controller.results.loadcheck import check_format
 from controller.sweep import record
+from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError, NotReconciled, StoreError, UnsafeRefused
 from onbox.sealing import manifest as mf
 from onbox.sealing.stores import open_store
@@ -112,7 +112,7 @@ class Report:
 def _failed_in_store(store: Store, run: str) -> bool:
     raw = store_get(store, mf.state_key(run, "state.json"))
     try:
-        doc = json.loads(raw) if raw is not None else None
+        doc = jsondoc.loads(raw) if raw is not None else None
     except ValueError:
         return False
     return isinstance(doc, dict) and doc.get("state") == "FAILED"

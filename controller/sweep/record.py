@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 from typing import Any, Dict, Iterator, List, Optional
 
 from controller.remote import controller_home
 from controller.sweep.plan import Plan, assign
 from controller.target import Target, parse_target
+from onbox.common import jsondoc
 from onbox.common.durable import make_dirs, write_json
 from onbox.common.errors import IntegrityError, LockedError, UsageError
 
@@ -39,7 +39,7 @@ def _path(name: str, home: Optional[str]) -> str:
 def _read(path: str) -> Optional[Dict[str, Any]]:
     try:
         with open(path, "rb") as f:
-            doc = json.loads(f.read())
+            doc = jsondoc.loads(f.read())
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as e:

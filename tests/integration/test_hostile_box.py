@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -383,6 +384,60 @@ def test_rgt_pull_from_a_hostile_box_is_one_line_and_exit_6(
     assert "ckpt_dir" in line and "'..' component" in line and ckpt[1:] in line
     canary.assert_intact()
     assert not (tmp_path / "dest").exists()
+
+
+# JSON nested past the parser's depth: Python's json raises RecursionError, not ValueError, so
+# each reader's "malformed" branch missed it and `rgt` ended in a traceback.
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+def test_rgt_pull_of_a_spec_nested_too_deep_is_one_line_and_exit_6(
+    cli: Cli, tmp_path: Path, box: Target, laptop: str
+) -> None:
+    _box_run(cli)
+    with open(os.path.join(cli.home, "runs", RUN, "spec.json"), "w") as f:
+        f.write(DEEP)
+    Registry().put(_rec(box, cli.home))
+    p = _rgt("pull", RUN, "--to", str(tmp_path / "dest"), "--from", "box", cwd=str(tmp_path))
+    assert p.returncode == 6, p.stderr
+    assert "spec.json" in _one_line(p) and "not valid JSON" in p.stderr
+    assert not (tmp_path / "dest").exists()
+
+
+def test_rgt_status_skips_box_lines_nested_too_deep_or_not_objects(
+    cli: Cli, tmp_path: Path, box: Target, laptop: str
+) -> None:
+    """events.jsonl is the box's: a line nested too deep, or JSON that is no object, is left
+    out of what `rgt status` shows, as a line being written is; the rest is shown."""
+    _box_run(cli)
+    with open(os.path.join(cli.home, "runs", RUN, "events.jsonl"), "a") as f:
+        f.write(DEEP + "\n" + "[1, 2]\n" + '"a string"\n')
+    Registry().put(_rec(box, cli.home))
+    for args in (["status", RUN], ["status", RUN, "--json"]):
+        p = _rgt(*args, cwd=str(tmp_path))
+        assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+        assert "SUCCEEDED" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize(
+    "state", [DEEP, "[1, 2]", "not json"], ids=["nested-too-deep", "not-an-object", "garbage"]
+)
+def test_rgt_status_from_a_store_whose_state_copy_is_damaged_is_one_line_and_exit_6(
+    tmp_path: Path, laptop: str, state: str
+) -> None:
+    """The box does not answer (nothing listens on its port), so `rgt status` reads the
+    store's copy of the state: a damaged one is an integrity error naming it."""
+    store = _file_store(tmp_path)
+    store.put_bytes(mf.state_key(RUN, "state.json"), state.encode())
+    with socket.socket() as s:  # a port nothing listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    silent = Target("ssh", host="127.0.0.1", user="nobody", port=port)
+    Registry().put(_rec(silent, "/nonexistent/boxhome", store.url))
+    p = _rgt("status", RUN, cwd=str(tmp_path))
+    assert p.returncode == 6, p.stderr
+    line = _one_line(p)
+    assert "state.json" in line and "not a JSON object" in line, line
 
 
 @pytest.mark.parametrize("sub", ["", "new/dir"], ids=["existing", "missing-under-it"])

@@ -183,3 +183,28 @@ def test_no_module_imports_a_private_name_of_another() -> None:
             ):
                 bad.append(f"{module}: {aliases[node.value.id]}.{node.attr}")
     assert sorted(set(bad)) == []
+
+
+# The laptop's own files it may parse with json directly: the smoke's local box is this
+# machine's, written by the same rgt a moment before.
+LAPTOP_OWN_JSON = {"controller.smoke.localbox"}
+
+
+def test_the_laptop_parses_json_only_through_the_loader_that_refuses_deep_nesting() -> None:
+    """``json.loads``/``json.load`` raise RecursionError on a document nested past the
+    parser's depth, which no reader's ``except ValueError`` catches: what the box, the store
+    or a provider sends the laptop goes through onbox.common.jsondoc.loads."""
+    bad = []
+    for module, path in _modules("controller"):
+        if module in LAPTOP_OWN_JSON:
+            continue
+        for node in ast.walk(_parse(path)):
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Name)
+                and node.func.value.id == "json"
+                and node.func.attr in ("loads", "load")
+            ):
+                bad.append(f"{module}:{node.lineno}: json.{node.func.attr}")
+    assert bad == []

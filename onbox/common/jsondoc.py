@@ -1,0 +1,27 @@
+"""JSON from another machine: what the box sends the laptop (status, events, spec, receipts,
+listings), what the store holds (state, LATEST, MANIFEST), what a provider's API answers.
+
+Python's ``json`` raises ``RecursionError``, not ``ValueError``, on a document nested deeper
+than its parser's recursion limit (``[`` a hundred thousand times is 100 kB). Every reader of
+such a document already treats ``ValueError`` as "malformed"; ``loads`` makes too-deep nesting
+one more malformed document, so a hostile or damaged one is refused with the reader's own error
+and exit code, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Union
+
+
+class TooDeep(ValueError):
+    """A JSON document nested past the parser's depth: malformed, like any other."""
+
+
+def loads(data: Union[str, bytes, bytearray]) -> Any:
+    """``json.loads(data)``, raising ``ValueError`` (``TooDeep``) where nesting is too deep for
+    the parser; a ``UnicodeDecodeError`` of bytes is a ``ValueError`` already."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise TooDeep("JSON nested too deep to parse") from None

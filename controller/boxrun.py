@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Tuple
 from controller.registry import RunRecord
 from controller.remote import Remote
 from controller.shell import script
+from onbox.agent.observe import shaped
 from onbox.common import jsondoc
 from onbox.common.errors import HostError, IntegrityError, NotFound, UsageError
 from onbox.common.rundir import RunDir
@@ -60,7 +61,7 @@ def poll_status(rec: RunRecord, remote: Remote) -> Dict[str, Any]:
         doc = jsondoc.loads(r.stdout)
     except ValueError:
         return {}
-    return doc if isinstance(doc, dict) else {}
+    return shaped(doc) if isinstance(doc, dict) else {}
 
 
 def _status_doc(rec: RunRecord, remote: Remote, rc: int, out: bytes, err: str) -> Dict[str, Any]:
@@ -70,10 +71,12 @@ def _status_doc(rec: RunRecord, remote: Remote, rc: int, out: bytes, err: str) -
             f"{err.strip()[-300:]}"
         )
     try:
-        doc: Dict[str, Any] = jsondoc.loads(out)
+        doc = jsondoc.loads(out)
     except ValueError:
-        raise HostError(f"rgt-agent status {rec.name} printed no JSON") from None
-    return doc
+        doc = None
+    if not isinstance(doc, dict):
+        raise HostError(f"rgt-agent status {rec.name} printed no JSON object")
+    return shaped(doc)
 
 
 def spec(rec: RunRecord, remote: Remote) -> Dict[str, Any]:

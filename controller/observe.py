@@ -19,7 +19,7 @@ from controller import boxrun
 from controller.registry import RunRecord
 from controller.remote import Remote, open_remote
 from controller.shell import script
-from onbox.agent.observe import health_lines, public_state, warning_lines
+from onbox.agent.observe import health_lines, public_state, shaped, warning_lines
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError, NotFound, RemoteUnreachable, RgtError
@@ -67,6 +67,7 @@ def snapshot(rec: RunRecord, remote: Optional[Remote] = None) -> Dict[str, Any]:
             f"the agent on {rec.target.label} knows no run {rec.name!r}",
             "was the box reset? `rgt status --json` shows the store's copy",
         ) from None
+    status = shaped(status)
     status["source"] = "box"
     status["read_at"] = _now_iso()
     status["box"] = _box_facts(parts)

@@ -33,10 +33,29 @@ _PRIVATE = (
 )
 
 
+# Fields of a status document that are objects, and lists, where present.
+_OBJECTS = ("agent", "last_exit", "progress", "health", "scheduler", "stop", "kill", "budgets")
+_LISTS = ("warnings", "command")
+
+
 def public_state(doc: Dict[str, Any]) -> Dict[str, Any]:
     """state.json without the agent's own bookkeeping: what status shows, from the box or from
-    the store's mirror alike."""
-    return {k: v for k, v in doc.items() if k not in _PRIVATE}
+    the store's mirror alike (``shaped``)."""
+    return shaped({k: v for k, v in doc.items() if k not in _PRIVATE})
+
+
+def shaped(doc: Dict[str, Any]) -> Dict[str, Any]:
+    """A status document whose object fields are objects (or None) and list fields lists, so
+    that every reader may ``.get`` them: on the laptop the document is the box's or the store's
+    (untrusted), and on the box a damaged state.json must not end ``status`` in a traceback."""
+    out = dict(doc)
+    for k in _OBJECTS:
+        if k in out and not isinstance(out[k], dict):
+            out[k] = None
+    for k in _LISTS:
+        if k in out and not isinstance(out[k], list):
+            out[k] = []
+    return out
 
 
 def run_status(rd: RunDir) -> Dict[str, Any]:

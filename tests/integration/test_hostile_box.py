@@ -420,6 +420,44 @@ def test_rgt_status_skips_box_lines_nested_too_deep_or_not_objects(
 
 
 @pytest.mark.parametrize(
+    "field,value",
+    [
+        ("last_exit", "boom"),
+        ("scheduler", "slurm"),
+        ("progress", [1]),
+        ("progress", {"step": 3, "metrics": [1]}),
+        ("health", [1]),
+        ("warnings", "x"),
+        ("agent", "up"),
+        ("state", "RUN\x1b[2JNING"),
+    ],
+    ids=lambda v: v if isinstance(v, str) and v.isidentifier() else None,
+)
+def test_rgt_status_of_a_box_whose_state_fields_have_the_wrong_types_is_no_traceback(
+    cli: Cli, tmp_path: Path, box: Target, laptop: str, field: str, value: Any
+) -> None:
+    """What `rgt-agent status --json` prints is the box's: a field that should be an object
+    and is a string (last_exit, scheduler) ended `rgt status` in an AttributeError. Every
+    object field is shaped on arrival (onbox.agent.observe.shaped), and no escape sequence
+    reaches the terminal."""
+    _box_run(cli)
+    path = os.path.join(cli.home, "runs", RUN, "state.json")
+    with open(path) as f:
+        doc = json.load(f)
+    doc[field] = value
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    Registry().put(_rec(box, cli.home))
+    for args in (["status", RUN], ["status", RUN, "--json"], ["status"]):
+        p = _rgt(*args, cwd=str(tmp_path))
+        assert p.returncode == 0 and "Traceback" not in p.stderr, (args, p.stderr)
+        assert "\x1b" not in p.stdout, (args, p.stdout)
+        assert RUN in p.stdout, (args, p.stdout)
+    p = _rgt("report", RUN, "--out", str(tmp_path / "r.html"), cwd=str(tmp_path))
+    assert p.returncode == 0 and "Traceback" not in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize(
     "state", [DEEP, "[1, 2]", "not json"], ids=["nested-too-deep", "not-an-object", "garbage"]
 )
 def test_rgt_status_from_a_store_whose_state_copy_is_damaged_is_one_line_and_exit_6(

@@ -12,7 +12,9 @@ file matches are they renamed into place, at the same relative path under the ta
 sealed from, and their directories fsynced: nothing torn or unverified is ever under a final
 name. The first file that fails stops the others (the lanes are stopped; each running request
 gives up at its next chunk), and every worker is over before the staging directory is removed:
-a failure leaves no litter.
+a failure leaves no litter. A restore holds a shared flock on the target while it runs; the
+stages a killed restore left are cleared only by one that could take it alone, so two restores
+into one directory never remove each other's live stage.
 
 A file the store holds damaged (of the wrong size or sha256, missing while the store answers)
 is StoreCorrupt: the caller quarantines the checkpoint. A store that does not answer raises its
@@ -23,6 +25,7 @@ target is walked one directory at a time without following symlinks, onbox.commo
 from __future__ import annotations
 
 import concurrent.futures
+import fcntl
 import os
 import shutil
 import stat
@@ -134,10 +137,37 @@ def no_room(key: str, size: Optional[int], need: int, room: str, what: str) -> O
     )
 
 
+def _hold_target(dest_dir: str) -> Optional[int]:
+    """A shared lock on ``dest_dir`` for the life of this restore (the fd, closed by the
+    caller), taken after clearing the stages a killed restore left, only when no other live
+    restore holds it: two restores into one directory (the agent's at start and a hand-run
+    ``rgt-agent restore --to``) must not delete each other's live stage. None where the
+    filesystem has no flock: the stages are cleared then, as before there was a lock."""
+    try:
+        fd = os.open(dest_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise unwritable(dest_dir, e) from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:  # another restore is live here: its stage is not stale
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        return fd
+    except OSError:  # no flock on this filesystem (some FUSE mounts)
+        os.close(fd)
+        _clear_stale_stages(dest_dir)
+        return None
+    _clear_stale_stages(dest_dir)
+    # Not atomic (flock(2)): in the gap another restore may take it exclusively and clear,
+    # which is harmless, as this one makes its stage only once it holds the shared lock.
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
 def _clear_stale_stages(dest_dir: str) -> None:
-    """Remove the staging directories a killed restore left in ``dest_dir``. They hold only
-    copies of store objects under rgt's own hidden names (never the only copy of anything); a
-    symlink or a file under such a name is not rgt's and is left alone."""
+    """Remove the staging directories a killed restore left in ``dest_dir`` (the caller holds
+    it exclusively: no live restore's stage is among them). They hold only copies of store
+    objects under rgt's own hidden names (never the only copy of anything); a symlink or a
+    file under such a name is not rgt's and is left alone."""
     try:
         names = os.listdir(dest_dir)
     except OSError:
@@ -242,14 +272,29 @@ def fetch(
         if f["path"].startswith(STAGE_PREFIX):  # would land in the staging dir, then vanish
             raise StoreCorrupt(f"the MANIFEST lists {f['path']!r}, a name of rgt's own staging")
     check_target(doc, dest_dir)
-    _clear_stale_stages(dest_dir)
     try:
         new = make_dirs(dest_dir)  # 0700: rgt's directories are the user's alone
         if made is not None:
             made.extend(new)
-        stage = tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=dest_dir)
     except OSError as e:
         raise unwritable(dest_dir, e) from None
+    held = _hold_target(dest_dir)
+    try:
+        try:
+            stage = tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=dest_dir)
+        except OSError as e:
+            raise unwritable(dest_dir, e) from None
+        _fetch_into(store, doc, stage, dest_dir, made)
+    finally:
+        if held is not None:
+            os.close(held)
+
+
+def _fetch_into(
+    store: Store, doc: Dict[str, Any], stage: str, dest_dir: str, made: Optional[List[str]]
+) -> None:
+    """fetch() once its stage is made: the files verified into ``stage``, then renamed into
+    place; the stage removed whatever happens."""
     try:
         # A flat name per file: nothing the store supplies names anything under the stage.
         _fetch_all(store, doc["files"], stage, dest_dir)

@@ -19,9 +19,11 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -33,6 +35,7 @@ from controller.results.pull import pull
 from controller.target import Target
 from onbox.common.errors import IntegrityError
 from onbox.sealing import manifest as mf
+from onbox.sealing.fetch import STAGE_PREFIX
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from tests.conftest import Cli, agent_exe, require
@@ -671,6 +674,51 @@ def test_a_restore_that_fails_midway_removes_the_directories_it_made(
     assert p.returncode == 6, p.stdout + p.stderr
     assert "MANIFEST says" in _one_line(p)
     assert not (tmp_path / "new").exists()
+
+
+def test_two_restores_into_one_directory_both_end_whole(cli: Cli, tmp_path: Path) -> None:
+    """The agent's restore at start and a hand-run `rgt-agent restore --to` into the same
+    directory: the second cleared every staging directory it found as a killed restore's, the
+    first's live one included, and the first then failed with its files gone. Restore A is
+    frozen (SIGSTOP) once its stage exists, B runs whole, A is let go and ends whole too; a
+    stage a killed restore left is still cleared."""
+    store = _file_store(tmp_path)
+    files = {f"shard{i:04d}.bin": os.urandom(2048) for i in range(1500)}
+    _seal(str(tmp_path), store, 5, files)
+    dest = tmp_path / "target"
+    dest.mkdir()
+    left = dest / f"{STAGE_PREFIX}killed"  # what a SIGKILLed restore leaves
+    left.mkdir()
+    (left / "0").write_bytes(b"a copy of an object")
+    a = subprocess.Popen(
+        [*agent_exe(), "restore", "--store", store.url, "--name", RUN, "--to", str(dest)],
+        env=cli.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and a.poll() is None:
+            if [n for n in os.listdir(dest) if n.startswith(STAGE_PREFIX) and n != left.name]:
+                a.send_signal(signal.SIGSTOP)
+                break
+            time.sleep(0.001)
+        stages = [n for n in os.listdir(dest) if n.startswith(STAGE_PREFIX)]
+        assert a.poll() is None and len(stages) == 1 and not left.exists(), stages
+        assert not (dest / "step_5").exists()  # A is midway: nothing renamed into place yet
+        b = _restore(cli, store, str(dest))
+        assert b.returncode == 0, b.stdout + b.stderr
+        # B left A's live stage alone
+        assert sorted(os.listdir(dest)) == sorted(["step_5", *stages])
+        a.send_signal(signal.SIGCONT)
+        out, err = a.communicate(timeout=120)
+        assert a.returncode == 0, out + err
+    finally:
+        if a.poll() is None:
+            a.send_signal(signal.SIGCONT)
+            a.kill()
+            a.wait()
+    assert sorted(os.listdir(dest)) == ["step_5"]
+    for name, data in files.items():
+        assert (dest / "step_5" / name).read_bytes() == data, name
 
 
 def test_a_name_in_the_store_rgt_could_not_have_written_is_never_listed_as_a_key(

@@ -18,10 +18,11 @@ Three measurements, all from the run's events:
   under its agents, across restarts and boxes, and its stops (onbox/common/daly.py's ``mtbf``).
   A stop that lost work: a job that died while RUNNING (a crash, an OOM kill, a hang the stall
   probe ended), a preemption whose grace did not see a newer checkpoint sealed, a box that
-  vanished without a word. A preemption whose final checkpoint was sealed in its grace is a
-  covered stop: it lost nothing, and it is evidence that the next one may not either. A stop
-  that was asked for (``rgt-agent stop``, success, the meter cap, Slurm's warning before its
-  time limit and the requeue after it) is neither.
+  vanished without a word (a job that took the box's SIGTERM before its agent did is part of
+  that one stop, not a crash before it). A preemption whose final checkpoint was sealed in
+  its grace is a covered stop: it lost nothing, and it is evidence that the next one may not
+  either. A stop that was asked for (``rgt-agent stop``, success, the meter cap, Slurm's
+  warning before its time limit and the requeue after it) is neither.
 
 With no stop yet, M is the time the run has survived (a lower bound on its mean), so the
 interval starts at the overhead target (onbox/common/daly.py) and grows, as Daly's with M = up,
@@ -48,6 +49,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import statistics
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -96,6 +98,12 @@ class Segment:
         self.final_sealed = False  # a checkpoint newer than the preemption's ask was sealed
         self._sealed_step = -1
         self._final_above: Optional[int] = None  # the newest sealed step at the preemption ask
+        # The job ended by SIGTERM while RUNNING, and has not run since: the box's own SIGTERM
+        # reaches the job and the agent together, and when the job's exit is written first it
+        # is the same stop as the preemption that follows (counted once, by how that ended),
+        # else someone else's SIGTERM (counted once the job runs again, or at the end).
+        self._term_exit = False
+        self._sealed_at_term = -1  # the newest sealed step when the job took that SIGTERM
         self.samples: List[float] = []  # d: the job's blocked save, else ask to sealed
         self.seals: List[float] = []  # ask to sealed, seconds
         self.reports = False  # the job reports its saves' blocked time
@@ -108,9 +116,16 @@ class Segment:
             self.state = str(ev.get("state") or "")
             if self.state == "STOPPING":
                 self.stopping = str(ev.get("reason") or "")
+                if self.stopping.startswith("preempt"):
+                    self._preempted()
+            elif self.state == "RUNNING" and self._term_exit:  # it ran again: not the box's end
+                self.unplanned, self._term_exit = self.unplanned + 1, False
         elif kind == "exit" and self.state == "RUNNING" and ev.get("exit_kind") != "success":
             # RUNNING: past the start grace (a crash loop's quick exits lose no work to guard)
-            self.unplanned += 1
+            if _by_sigterm(ev):
+                self._term_exit, self._sealed_at_term = True, self._sealed_step
+            else:
+                self.unplanned += 1
         elif kind in PLANNED:
             self.planned = True
         elif kind == "checkpoint_asked":
@@ -118,8 +133,7 @@ class Segment:
             # events written before ``why`` existed are judged by the state alone.
             why = str(ev.get("why") or "")
             if why.startswith("preemption") or self.stopping.startswith("preempt"):
-                if self._final_above is None:
-                    self._final_above = self._sealed_step
+                self._preempted()
             elif why:  # the timer again (a notice that came to nothing): its cover is spent
                 self._final_above, self.final_sealed = None, False
             if self._asked is None:
@@ -141,6 +155,15 @@ class Segment:
                 if not self.reports:
                     self._sample(seal)
                 self._asked = None
+
+    def _preempted(self) -> None:
+        """The preemption's first sign (its final ask, or STOPPING): what it must see sealed
+        to have lost nothing is a step newer than the newest sealed when the job was stopped,
+        by the box's SIGTERM where the job took it first (its own save on SIGTERM, sealed
+        since, covers it)."""
+        if self._final_above is None:
+            self._final_above = self._sealed_at_term if self._term_exit else self._sealed_step
+            self.final_sealed = self._sealed_step > self._final_above
 
     def _sample(self, d: float) -> None:
         self.samples.append(d)
@@ -168,10 +191,18 @@ class Segment:
             return self.stopping.startswith("preempt") and not self.final_sealed
         return begin
 
+    def term_exit_alone(self, begin: bool) -> bool:
+        """Whether a job's SIGTERM exit that nothing followed is a stop of its own: not when
+        this agent's end was a preemption, or a box gone without a word (the same stop)."""
+        if not self._term_exit or self.ended_unplanned(begin):
+            return False
+        return not (self.state in ("PREEMPTED", "STOPPING") and self.stopping.startswith("preempt"))
+
     def close(self, base: History, begin: bool) -> History:
+        ended = int(self.ended_unplanned(begin)) + int(self.term_exit_alone(begin))
         return History(
             base.up + (self.last - self.start),
-            base.unplanned + self.unplanned + int(self.ended_unplanned(begin)),
+            base.unplanned + self.unplanned + ended,
             self.ds(base),
             base.covered + int(self.ended_covered()),
             self.measured_by_reports(base),
@@ -228,6 +259,11 @@ def _carried(ev: Dict[str, Any]) -> History:
         int(min(_num(ev.get("base_covered")), MAX_STOPS)),
         ev.get("base_reports") is True,
     )
+
+
+def _by_sigterm(ev: Dict[str, Any]) -> bool:
+    """Whether an ``exit`` event is the job's end by SIGTERM (its signal, or a shell's 143)."""
+    return ev.get("signal") == signal.SIGTERM or ev.get("code") == 128 + signal.SIGTERM
 
 
 def _amount(v: Any) -> Optional[float]:

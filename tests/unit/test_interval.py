@@ -172,6 +172,45 @@ def test_a_notice_that_came_to_nothing_covers_no_later_preemption() -> None:
     assert history(events, begin=True).unplanned == 1
 
 
+def sigterm_exit(t: float, shell: bool = False) -> Dict[str, Any]:
+    """The job's exit by SIGTERM, as the supervisor writes it (a shell wrapper exits 143)."""
+    how = {"code": 143, "signal": None} if shell else {"code": None, "signal": 15}
+    return ev(t, "exit", exit_kind="signal", **how)
+
+
+@pytest.mark.parametrize("shell", [False, True])
+def test_a_preemption_whose_sigterm_reached_the_job_first_is_one_stop(shell: bool) -> None:
+    """The box's SIGTERM reaches the job and the agent together. When the job's exit is
+    written before the agent handles its own, the exit came while RUNNING: it was counted as
+    an unplanned stop, and the preemption that followed as a second one."""
+    start = [ev(0, "epoch", epoch=1), state(1, "RUNNING"), ev(51, "sealed", step=100)]
+    term = [sigterm_exit(200, shell), state(200, "BACKOFF")]
+    end = [state(200.2, "STOPPING", "preempt: signalling the job"), state(201, "PREEMPTED")]
+    h = history(start + term + end, begin=True)
+    assert (h.unplanned, h.covered) == (1, 0)
+    # The job saved on SIGTERM and the final seal sealed it: nothing was lost, before or
+    # after the agent's own STOPPING.
+    saved = [ev(200.1, "sealed", step=180)]
+    h = history(start + term + saved + end, begin=True)
+    assert (h.unplanned, h.covered) == (0, 1)
+    h = history(start + term + end[:1] + saved + end[1:], begin=True)
+    assert (h.unplanned, h.covered) == (0, 1)
+    # The agent was SIGKILLed before it handled its SIGTERM: one box lost, one stop.
+    assert history(start + term, begin=True).unplanned == 1
+
+
+def test_a_sigterm_from_someone_else_is_still_an_unplanned_stop() -> None:
+    """The job took a SIGTERM, was restarted and ran again: that stop was not the box's end;
+    nor was one that a user's stop or the run's failure ended."""
+    start = [ev(0, "epoch", epoch=1), state(1, "RUNNING"), sigterm_exit(100)]
+    again = [state(100, "BACKOFF"), state(101, "STARTING"), state(110, "RUNNING")]
+    preempt = [state(300, "STOPPING", "preempt: signalling the job"), state(301, "PREEMPTED")]
+    assert history(start + again + preempt, begin=True).unplanned == 2
+    stop = [state(100, "STOPPING", "stop: signalling the job"), state(101, "STOPPED")]
+    assert history(start + stop, begin=True).unplanned == 1
+    assert history(start + [state(100, "FAILED")], begin=True).unplanned == 1
+
+
 def test_with_no_stop_that_lost_work_the_interval_grows_with_the_time_survived(
     tmp_path: Any,
 ) -> None:

@@ -38,9 +38,8 @@ from onbox.agent.supervisor import LEFTOVER_GRACE, Supervisor
 from onbox.agent.title import set_title
 from onbox.common import redact
 from onbox.common.durable import read_json
-from onbox.common.errors import IntegrityError, RgtError, UsageError
+from onbox.common.errors import RgtError, UsageError, event_class
 from onbox.common.rundir import RunDir
-from onbox.sealing.stores.base import TransientStoreError
 
 if TYPE_CHECKING:
     from onbox.health.notify import Notifier
@@ -152,10 +151,11 @@ class Agent:
             # nothing has run, so this one restores as a beginning does; adopting would start
             # the job from step 0 beside a sealed checkpoint.
             self._begin_sealing()
-        elif self.seal is not None:
-            self.seal.start(begin=from_boot)
-            if from_boot:  # an adopting agent keeps the warnings of the incarnation's beginning
-                self._note_fallback(self.seal.restored)
+        else:
+            # After a power-on the checkpoint dir may be gone with the disk it was on: restore
+            # as a beginning does (not for a stop the power cut: it only has to finish). Else
+            # an adopting agent keeps the warnings of the incarnation's beginning.
+            self._begin_sealing(from_boot and sup.state != State.STOPPING, power_on=True)
         if self.check is not None:
             self.check.skip(sup.attempt)  # no-op when the last agent recorded this attempt's S
         if sup.attempt > 0:
@@ -165,16 +165,19 @@ class Agent:
         sup.save()
         return True
 
-    def _begin_sealing(self) -> None:
-        """Take an epoch, restore, then seal in the background (when the run has a store)."""
+    def _begin_sealing(self, begin: bool = True, power_on: bool = False) -> None:
+        """Take an epoch, restore (``begin``), then seal in the background (when the run has a
+        store). A beginning that cannot resume fails the run: no agent is left behind it."""
         if self.seal is None:
             return
         try:
-            self.seal.start(begin=True)
+            self.seal.start(begin=begin)
         except RgtError as e:
-            self._fail_to_begin(e)
+            if begin:
+                self._fail_to_begin(e, power_on)
             raise
-        self._note_fallback(self.seal.restored)
+        if begin:
+            self._note_fallback(self.seal.restored)
 
     def _note_fallback(self, restored: Optional[Dict[str, Any]]) -> None:
         """Status says which step this incarnation resumed from when newer ones were unusable
@@ -196,18 +199,12 @@ class Agent:
         )
         self.sup.save()
 
-    def _fail_to_begin(self, e: RgtError) -> None:
+    def _fail_to_begin(self, e: RgtError, power_on: bool = False) -> None:
         """The store cannot give this incarnation what it resumes from (no verified checkpoint
         left, or the store does not answer): one ``restore_failed`` event with what was tried,
         the run FAILED with the reason (never left PENDING with no agent), the lock let go.
         The caller raises ``e``: its exit code is the command's."""
-        klass = (
-            "integrity"
-            if isinstance(e, IntegrityError)
-            else "transient"
-            if isinstance(e, TransientStoreError)
-            else "permanent"
-        )
+        klass = event_class(e)
         remedy = e.remedy or "start the run again once the store answers"
         tried = getattr(e, "tried", None)
         self.journal.event(
@@ -217,7 +214,7 @@ class Agent:
             remedy=remedy,
             **({"tried": [{"step": s, "reason": r} for s, r in tried]} if tried else {}),
         )
-        self.sup.fail_to_begin(f"nothing to resume from: {e.what}", klass, remedy)
+        self.sup.fail_to_begin(f"nothing to resume from: {e.what}", klass, remedy, power_on)
         if self.notifier is not None:
             self.notifier.finish(self.sup.state.value)
         self.runner.close()

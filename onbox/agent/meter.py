@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Optional
 
 from onbox.agent.journal import iso
 from onbox.agent.states import TERMINAL, State
-from onbox.common.errors import IntegrityError, StoreError
+from onbox.common.errors import IntegrityError, StoreError, event_class
 from onbox.sealing import manifest as mf
 from onbox.sealing.discovery import newest_local_step
 
@@ -101,7 +101,7 @@ def final_seal(
         event(
             "seal_error",
             f"the meter cap's final seal failed: {e.what}",
-            klass="transient",
+            klass=event_class(e),
             remedy="the checkpoints stay on the box; `rgt-agent sync` or the next start seals them",
         )
         return False

@@ -34,7 +34,7 @@ from onbox.agent.meter import final_seal
 from onbox.agent.seams import Hooks
 from onbox.agent.spec import JobSpec
 from onbox.common import redact
-from onbox.common.errors import StoreError, TransientStoreError
+from onbox.common.errors import StoreError, event_class
 from onbox.common.libc import lower_thread_priority
 from onbox.common.rundir import RunDir
 from onbox.health.verdict import SealView
@@ -252,11 +252,10 @@ class SealService(Hooks):
             except StoreError as e:
                 backoff = min(300.0, max(2.0, backoff * 2))
                 self.last_error, self.last_error_wall = e.what, time.time()
-                klass = "transient" if isinstance(e, TransientStoreError) else "permanent"
                 self.event(
                     "seal_error",
                     f"{e.what}; retrying in {backoff:.0f}s",
-                    klass=klass,
+                    klass=event_class(e),
                     remedy=e.remedy or "the checkpoints stay on the box meanwhile",
                 )
             except Exception as e:  # a bug must not kill sealing for the rest of the run
@@ -467,7 +466,7 @@ class SealService(Hooks):
                 self.event(
                     "seal_error",
                     e.what,
-                    klass="transient",
+                    klass=event_class(e),
                     remedy="the checkpoints stay on the box; the next start seals them",
                 )
         self.mirror_quietly(health=True)

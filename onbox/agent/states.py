@@ -10,6 +10,7 @@ Lifecycle of one incarnation (each ``rgt-agent start`` of a run begins a new one
     exit 0 ─────────────────────────────────> SUCCEEDED
     budget spent / deterministic failure ───> FAILED
     PENDING ──(no usable checkpoint to resume, store down)──> FAILED, before any attempt
+    STARTING | RUNNING | BACKOFF ──(the same, at a power-on: the power cut the attempt)──> FAILED
     stop or SIGTERM ──> STOPPING ──> STOPPED (asked by `stop`) | PREEMPTED (SIGTERM to the agent)
 
 Terminal states have no exits within an incarnation.
@@ -44,7 +45,7 @@ TRANSITIONS: Dict[State, FrozenSet[State]] = {
     S.PENDING: frozenset({S.STARTING, S.FAILED, S.STOPPED, S.PREEMPTED}),
     S.STARTING: frozenset({S.RUNNING, S.BACKOFF, S.SUCCEEDED, S.FAILED, S.STOPPING}),
     S.RUNNING: frozenset({S.BACKOFF, S.SUCCEEDED, S.FAILED, S.STOPPING}),
-    S.BACKOFF: frozenset({S.STARTING, S.STOPPING}),
+    S.BACKOFF: frozenset({S.STARTING, S.STOPPING, S.FAILED}),
     S.STOPPING: frozenset({S.STOPPED, S.PREEMPTED}),
     S.SUCCEEDED: frozenset(),
     S.FAILED: frozenset(),

@@ -185,24 +185,28 @@ class Supervisor:
         self.save()
         self.journal.event("incarnation", reason, incarnation=self.incarnation)
 
-    def fail_to_begin(self, reason: str, klass: str, remedy: str) -> None:
+    def fail_to_begin(self, reason: str, klass: str, remedy: str, power_on: bool = False) -> None:
         """PENDING -> FAILED with no attempt: what the first attempt needs before it can run
         (the checkpoint to resume from) cannot be had. ``last_exit`` says why, as status shows
-        an attempt's failure, so nothing is left PENDING with no agent behind it."""
-        if self.state != State.PENDING:
+        an attempt's failure, so nothing is left PENDING with no agent behind it. With
+        ``power_on`` (``rgt-agent boot``: the power cut the last attempt, and the next one
+        must restore first) from STARTING, RUNNING or BACKOFF too."""
+        live = (State.STARTING, State.RUNNING, State.BACKOFF) if power_on else ()
+        if self.state != State.PENDING and self.state not in live:
             raise AssertionError(f"fail_to_begin() in {self.state}")
-        self.last_exit = {
-            "code": None,
-            "signal": None,
-            "reason": reason,
-            "kind": "begin",
-            "class": klass,
-            "remedy": remedy,
-            "attempt": self.attempt,
-            "step": None,
-            "at": iso(self.clock.time()),
-        }
+        self._record_exit(ExitStatus(code=None, signal=None), reason, "begin", klass, remedy, None)
         self._change(State.FAILED, reason, klass=klass, remedy=remedy)
+
+    def _record_exit(
+        self, st: ExitStatus, reason: str, kind: str, klass: Optional[str], remedy: str,
+        step: Optional[int],
+    ) -> None:  # fmt: skip
+        """``last_exit``: how the current attempt ended (or why none could begin)."""
+        self.last_exit = {
+            "code": st.code, "signal": st.signal, "reason": reason, "kind": kind,
+            "class": klass, "remedy": remedy, "attempt": self.attempt, "step": step,
+            "at": iso(self.clock.time()),
+        }  # fmt: skip
 
     def begin(self) -> None:
         """PENDING -> STARTING: the first attempt of this incarnation."""
@@ -252,17 +256,10 @@ class Supervisor:
             verdict = ended_by_agent(verdict, self.kill)  # on a probe's word
         if self.state == State.STOPPING and self.stop is not None:
             verdict = ended_by_stop(verdict, status, self.stop["reason"])
-        self.last_exit = {
-            "code": status.code,
-            "signal": status.signal,
-            "reason": verdict.reason,
-            "kind": verdict.kind.value,
-            "class": verdict.klass or None,
-            "remedy": verdict.remedy,
-            "attempt": self.attempt,
-            "step": verdict.step,
-            "at": iso(self.clock.time()),
-        }
+        self._record_exit(
+            status, verdict.reason, verdict.kind.value, verdict.klass or None, verdict.remedy,
+            verdict.step,
+        )  # fmt: skip
         self.journal.event(
             "exit",
             f"attempt {self.attempt}: {verdict.reason}",

@@ -222,6 +222,14 @@ _BY_CODE = {
 }
 
 
+def event_class(e: RgtError) -> str:
+    """The ``class`` an event about ``e`` carries: integrity for a damaged record, transient
+    for a store that may answer again, permanent for the rest (retrying cannot help)."""
+    if isinstance(e, IntegrityError):
+        return "integrity"
+    return "transient" if isinstance(e, TransientStoreError) else "permanent"
+
+
 def error_from_code(code: int, what: str, remedy: Optional[str] = None) -> RgtError:
     """An error another process reported by its exit code (the agent to ``rgt-agent start``),
     rebuilt as the tree's class for that code, so that it is caught and exits as what it is."""

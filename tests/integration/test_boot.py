@@ -8,6 +8,7 @@ boot as new by changing the recorded one.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -174,6 +175,33 @@ def test_a_stopped_run_is_not_resumed_at_boot(cli: Cli, tmp_path: Any) -> None:
     st = cli.status("b2")
     assert st["state"] == "STOPPED" and not st["agent"]["alive"]
     assert len(_seen(cli, "b2")) == 1
+
+
+def test_a_power_on_that_cannot_resume_fails_the_run_and_says_why(cli: Cli, tmp_path: Any) -> None:
+    """The power took the box's disk with the checkpoint dir, and the only sealed checkpoint
+    is damaged in the store: the agent `rgt-agent boot` started quarantined it and left, and
+    the run stayed STARTING on disk with no agent, no event and nothing sent. Now it is
+    FAILED from where it was, with one restore_failed event saying what was tried."""
+    hook = str(tmp_path / "rgt-agent.sh")
+    _override(tmp_path, cli, "autodl", hook)
+    root = _start(cli, tmp_path, "b1", "autodl")
+    wait(lambda: latest_step(root, "b1") == 1, what="step 1 sealed")
+    _power_loss(cli, "b1")
+    shutil.rmtree(os.path.join(cli.home, "runs", "b1", "ckpt"))  # gone with the disk
+    (obj,) = glob.glob(os.path.join(root, "b1", "checkpoints", "1", "e*", "step_1.pt"))
+    with open(obj, "r+b") as f:
+        f.seek(10)
+        f.write(b"XXXX")
+    _new_boot(cli)
+    p = cli("boot")
+    assert "no verified checkpoint left" in p.stdout + p.stderr, p.stdout + p.stderr
+    st = wait(lambda: (s := cli.peek("b1"))["state"] == "FAILED" and s, what="FAILED")
+    assert not st["agent"]["alive"] and st["last_exit"]["kind"] == "begin", st
+    assert "nothing to resume from" in st["last_exit"]["reason"], st["last_exit"]
+    (failed,) = _kinds(cli, "b1", "restore_failed")
+    assert failed["class"] == "integrity" and [t["step"] for t in failed["tried"]] == [1]
+    assert not os.listdir(os.path.join(cli.home, "runs", "b1", "ckpt"))  # nothing trained
+    assert len(_seen(cli, "b1")) == 1  # no attempt started after the power-on
 
 
 def test_onstart_hook_is_one_guarded_line(cli: Cli, tmp_path: Any) -> None:

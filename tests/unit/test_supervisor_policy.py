@@ -359,6 +359,28 @@ def test_fake_clock_a_run_that_cannot_begin_fails_from_pending_with_no_attempt()
     assert last["class"] == "integrity" and last["attempt"] == 0
 
 
+@pytest.mark.parametrize("where", ["STARTING", "RUNNING", "BACKOFF"])
+def test_fake_clock_a_power_on_that_cannot_resume_the_cut_attempt_fails_from_where_it_was(
+    where: str,
+) -> None:
+    """`rgt-agent boot` found the run live on disk (the power cut its attempt) and what the
+    next attempt resumes from cannot be had: FAILED from that state, why in last_exit. Only
+    after a power-on: anywhere but PENDING it is a bug otherwise."""
+    rig = Rig(start_grace=2.0)
+    rig.sup.begin()
+    if where != "STARTING":
+        rig.run_for(3.0)
+    if where == "BACKOFF":
+        rig.exit(code=1, output="RuntimeError: boom\n")
+    assert rig.sup.state == State(where)
+    with pytest.raises(AssertionError):
+        rig.sup.fail_to_begin("no verified checkpoint left", "integrity", "repair the store")
+    rig.sup.fail_to_begin("no verified checkpoint left", "integrity", "repair it", power_on=True)
+    assert rig.states()[-1] == "FAILED" and rig.sup.state == State.FAILED
+    last = rig.sup.last_exit
+    assert last is not None and last["kind"] == "begin" and last["class"] == "integrity"
+
+
 class SealedHooks(Hooks):
     """The sealed step (LATEST) the test says, for the crash-loop rule."""
 

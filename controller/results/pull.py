@@ -63,7 +63,8 @@ unchanged); otherwise it is hashed again after the transfer. A pull thus ends sh
 last byte arrives (the hashes of the last files), instead of after a hash and an fsync of
 everything.
 
-This module is the orchestration: staging, verification, placing, the receipt. What is sealed
+This module is the orchestration: staging, verification, the receipt; destination.py owns DEST
+(its checks, the lock, the staging directory, placing). What is sealed
 is read by controller/results/sealed.py (documents.py, boxdocs.py, boxfiles.py; entries.py
 checks every name), the bytes come by transport.py, hashing.py hashes them while they come,
 loadcheck.py opens them as their frameworks would, progress.py reports.
@@ -71,34 +72,27 @@ loadcheck.py opens them as their frameworks would, progress.py reports.
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import os
 import shutil
-import stat
 from concurrent.futures import ThreadPoolExecutor
-from typing import AbstractSet, Callable, Dict, Iterator, List, Optional, Set, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 from controller.registry import RunRecord
 from controller.remote import Remote, open_remote
-from controller.results.entries import COPY, LOCK, STAGE, Entry, Sealed, stage_path
+from controller.results import destination
+from controller.results.entries import STAGE, Entry, Sealed, stage_path
 from controller.results.hashing import HASHERS, Checker, file_sha
 from controller.results.loadcheck import check_format
 from controller.results.progress import Monitor, Progress, ProgressFn, terminal_progress
-from controller.results.receipt import FileRecord, Receipt, remove_receipts, write_receipt
-from controller.results.sealed import covers_newest, newest_sealed, read_sealed, resolve_source
-from controller.results.transport import CHUNK, fetcher
-from onbox.common.durable import fsync_dir, fsync_file
-from onbox.common.errors import HostError, IntegrityError, UsageError
-from onbox.common.safepath import (
-    UnsafePath,
-    lstat_beneath,
-    open_beneath,
-    replace_beneath,
-    safe_join,
-    symlink_error,
-    unlink_beneath,
+from controller.results.receipt import (
+    FileRecord,
+    Receipt,
+    write_receipt,
 )
+from controller.results.sealed import covers_newest, newest_sealed, read_sealed, resolve_source
+from controller.results.transport import fetcher
+from onbox.common.errors import IntegrityError
+from onbox.common.safepath import unlink_beneath
 
 # What callers of ``rgt pull`` import from here (the CLI, the tests), owned by the modules above.
 __all__ = [
@@ -120,40 +114,6 @@ def _version() -> str:
         return version("remote-gpu-trainer")
     except Exception:
         return ""
-
-
-def _make_stage(stage_dir: str) -> None:
-    """The staging directory: made here 0700, or left by an earlier pull of this user (then a
-    real directory of this user's, not a symlink); nothing else is staged into."""
-    try:
-        os.mkdir(stage_dir, 0o700)
-        return
-    except FileExistsError:
-        pass
-    st = os.lstat(stage_dir)
-    if stat.S_ISLNK(st.st_mode):
-        raise symlink_error(stage_dir)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
-        raise UnsafePath(
-            f"{stage_dir} is not a staging directory this user made",
-            stage_dir,
-            "remove it, or pull into another --to",
-        )
-
-
-@contextlib.contextmanager
-def _stage_lock(stage_dir: str) -> Iterator[None]:
-    fd = open_beneath(stage_dir, LOCK, os.O_RDWR | os.O_CREAT)
-    try:
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise UsageError(
-                "--to", f"another pull into {os.path.dirname(stage_dir)} is running"
-            ) from None
-        yield
-    finally:
-        os.close(fd)
 
 
 def _mismatch(stage_dir: str, e: Entry) -> Optional[str]:
@@ -215,24 +175,8 @@ def _pull(
     home: Optional[str],
 ) -> Receipt:
     stage_dir = os.path.join(dest, STAGE)
-    _check_dest(dest, sealed.entries)
-    missing = []  # DEST and the parents it lacks, removed again if the pull cannot start
-    d = dest
-    while not os.path.lexists(d) and os.path.dirname(d) != d:
-        missing.append(d)
-        d = os.path.dirname(d)
-    try:
-        os.makedirs(dest, exist_ok=True)
-        _make_stage(stage_dir)
-    except OSError as err:
-        for d in missing:
-            with contextlib.suppress(OSError):
-                os.rmdir(d)
-        raise HostError(
-            f"cannot pull into {dest}: {err.strerror or err}"
-            + (f" ({err.filename})" if err.filename else ""),
-            "pull into a directory this user can write (--to DIR)",
-        ) from None
+    destination.check_dest(dest, sealed.entries)
+    destination.refuse_other_runs_pull(rec.name, dest)
     # One temporary file per source file: entries that share one (a deduplicated key) agree.
     unique: Dict[str, Entry] = {}
     for e in sealed.entries:
@@ -240,25 +184,54 @@ def _pull(
         if (other.size, other.sha256) != (e.size, e.sha256):
             raise IntegrityError(f"{e.stage} is listed twice with different contents")
     items = list(unique.values())
-    with _stage_lock(stage_dir):
-        good = _reusable(sealed, items, stage_dir)
-        monitor = Monitor(stage_dir, items, progress)
-        checker = Checker(stage_dir)
-
-        def finished(e: Entry, sha256: Optional[str] = None) -> None:
-            monitor.finished(e)
-            checker.finished(e, sha256)
-
+    destination.make_dest(dest)
+    with destination.dest_lock(dest):
         try:
-            fetch = fetcher(sealed, stage_dir, bwlimit, transport, remote, finished)
-            with monitor:
-                fetched = fetch([e for e in items if e.stage not in good])
-            more, durable = _verify(rec.name, items, good, stage_dir, fetch, progress, checker)
-        finally:
-            checker.close()
-        fetched += more
-        how = _open_all(rec.name, items, stage_dir)
-        _place(rec.name, dest, stage_dir, sealed.entries, home, durable)
+            destination.make_stage(stage_dir)
+            destination.clear_in_the_way(stage_dir, items)
+        except OSError as err:
+            raise destination.cannot(dest, err) from None
+        receipt = _staged_and_placed(
+            rec, sealed, dest, stage_dir, items, progress, bwlimit, transport, remote, home
+        )
+        shutil.rmtree(stage_dir, ignore_errors=True)
+    if progress is not None:
+        total = receipt.total_bytes()
+        progress(Progress("done", "", total, total, total, total))
+    return receipt
+
+
+def _staged_and_placed(
+    rec: RunRecord,
+    sealed: Sealed,
+    dest: str,
+    stage_dir: str,
+    items: List[Entry],
+    progress: Optional[ProgressFn],
+    bwlimit: Optional[int],
+    transport: Optional[str],
+    remote: Optional[Remote],
+    home: Optional[str],
+) -> Receipt:
+    """Every file fetched into the stage, verified, opened, placed; the receipt written."""
+    good = _reusable(sealed, items, stage_dir)
+    monitor = Monitor(stage_dir, items, progress)
+    checker = Checker(stage_dir)
+
+    def finished(e: Entry, sha256: Optional[str] = None) -> None:
+        monitor.finished(e)
+        checker.finished(e, sha256)
+
+    try:
+        fetch = fetcher(sealed, stage_dir, bwlimit, transport, remote, finished)
+        with monitor:
+            fetched = fetch([e for e in items if e.stage not in good])
+        more, durable = _verify(rec.name, items, good, stage_dir, fetch, progress, checker)
+    finally:
+        checker.close()
+    fetched += more
+    how = _open_all(rec.name, items, stage_dir)
+    destination.place(rec.name, dest, stage_dir, sealed.entries, home, durable)
     receipt = Receipt(
         run=rec.name,
         source=sealed.source,
@@ -274,30 +247,7 @@ def _pull(
         rgt_version=_version(),
     )
     write_receipt(receipt, home)
-    shutil.rmtree(stage_dir, ignore_errors=True)
-    if progress is not None:
-        total = receipt.total_bytes()
-        progress(Progress("done", "", total, total, total, total))
     return receipt
-
-
-def _check_dest(dest: str, entries: List[Entry]) -> None:
-    """Before anything is fetched: no final name, nor a directory on the way to it, is a
-    symlink (UnsafePath, exit 6), a directory or a file in the way (UsageError)."""
-    for e in entries:
-        try:
-            st = lstat_beneath(dest, e.path, "file")
-        except NotADirectoryError as err:
-            raise UsageError(
-                "--to", f"{err.filename} is a file; the pull would put a directory there"
-            ) from None
-        if st is None:
-            continue
-        final = os.path.join(dest, *e.path.split("/"))
-        if stat.S_ISLNK(st.st_mode):
-            raise symlink_error(final)
-        if stat.S_ISDIR(st.st_mode):
-            raise UsageError("--to", f"{final} is a directory; the pull would put a file there")
 
 
 def _reusable(sealed: Sealed, items: List[Entry], stage_dir: str) -> Set[str]:
@@ -385,47 +335,3 @@ def _open_all(run: str, items: List[Entry], stage_dir: str) -> Dict[str, str]:
                 err.remedy,
             ) from None
     return how
-
-
-def _place(
-    run: str,
-    dest: str,
-    stage_dir: str,
-    entries: List[Entry],
-    home: Optional[str],
-    durable: AbstractSet[str] = frozenset(),
-) -> None:
-    """Every verified temporary copy to its final name: fsynced (unless ``durable`` says it was
-    already, after its last write), renamed, directories fsynced. The old receipt goes first,
-    so no receipt ever describes a mix of two pulls."""
-    remove_receipts(run, dest, home)
-    last: Dict[str, Entry] = {}
-    for e in entries:
-        last[e.stage] = e
-    todo = [safe_join(stage_dir, s) for s in last if s not in durable]
-    with ThreadPoolExecutor(HASHERS) as pool:
-        list(pool.map(fsync_file, todo))
-    dirs = set()
-    for i, e in enumerate(entries):
-        final = os.path.join(dest, *e.path.split("/"))
-        # Renamed through directory descriptors walked from DEST without following symlinks:
-        # a symlink planted since _check_dest is refused, never written through.
-        if last[e.stage] is e:
-            replace_beneath(stage_dir, e.stage, dest, e.path)
-        else:  # the same bytes under a second name: a copy, staged and put in place the same way
-            tmp = f"{COPY}{i}"
-            unlink_beneath(stage_dir, tmp)  # a killed pull's
-            src = open_beneath(stage_dir, e.stage, os.O_RDONLY)
-            with open(src, "rb") as fin:
-                out = open_beneath(stage_dir, tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-                with open(out, "wb") as fout:
-                    shutil.copyfileobj(fin, fout, CHUNK)
-                    fout.flush()
-                    os.fsync(out)
-            replace_beneath(stage_dir, tmp, dest, e.path)
-        d = os.path.dirname(final)
-        while d.startswith(dest) and d not in dirs:
-            dirs.add(d)
-            d = os.path.dirname(d)
-    for d in sorted(dirs, key=len, reverse=True):
-        fsync_dir(d)

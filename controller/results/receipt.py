@@ -272,6 +272,16 @@ def compare(receipt: Receipt, newest: SealedId, *, check_dest: bool = True) -> C
     if why is not None:
         return Coverage(False, why)
     if check_dest:
+        try:
+            here = load_receipt(receipt_path(receipt.dest))
+        except IntegrityError:
+            here = None
+        if here is None or here.run != receipt.run or here.sealed != receipt.sealed:
+            # Another pull into DEST since (of another run, or one cut midway) replaced files
+            # this receipt vouches for: sizes alone would not show it.
+            return Coverage(
+                False, f"{receipt.dest} no longer holds this pull's receipt: pulled into again?"
+            )
         gone = receipt.missing_in_dest()
         if gone:
             more = f" and {len(gone) - 3} more" if len(gone) > 3 else ""

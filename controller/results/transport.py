@@ -10,7 +10,7 @@ import re
 import shutil
 import subprocess
 import threading
-from typing import Callable, List, Optional, Protocol
+from typing import Callable, List, Optional, Protocol, Tuple
 
 from controller.remote import Remote, rsync_e
 from controller.results.entries import FILES_FROM, Entry, Sealed, box_join, stage_dirs, stage_path
@@ -23,7 +23,7 @@ from onbox.common.errors import (
 )
 from onbox.common.safepath import open_beneath
 from onbox.sealing.fetch import in_parallel
-from onbox.sealing.stores.base import Lanes, Store, with_retries
+from onbox.sealing.stores.base import Lanes, Store, target_error, with_retries
 
 CHUNK = 8 << 20
 
@@ -111,9 +111,12 @@ def fetch_rsync(
     with open(fd, "wb") as f:
         f.write(b"\0".join(e.src.encode("utf-8", "surrogateescape") for e in items if e.src))
     by_name = {e.src.encode("utf-8", "surrogateescape"): e for e in items if e.src}
+    # No file larger than the largest sealed one is taken: a box cannot fill this disk.
+    largest = max([e.size for e in items if e.src] or [0])
     argv = [
         "rsync", "-s", "-t", "--inplace", "--partial", "--no-whole-file",
         "--from0", f"--files-from={listing}", "--out-format=rgt-xfer %b %n",
+        f"--max-size={max(largest, 1)}",
     ]  # fmt: skip
     if bwlimit:
         argv.append(f"--bwlimit={int(bwlimit)}")
@@ -156,17 +159,25 @@ def fetch_rsync(
         if pending is not None:
             finished(pending)
         return fetched
+    raise _rsync_failed(remote, rc, err, bool(shell))
+
+
+def _rsync_failed(remote: Remote, rc: int, err: bytes, shell: bool) -> Exception:
+    """The error for rsync's exit ``rc`` with its stderr ``err``."""
     if rc == 12 and re.search(rb"rsync: (command )?not found", err):
-        raise _NoRemoteRsync()
+        return _NoRemoteRsync()
     if shell:
         remote.check_transport(rc, err)
-    last = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
+    lines = err.decode("utf-8", "replace").strip().splitlines()
+    # rsync's sender often has the last word ("Broken pipe") where the receiver's is the cause.
+    cause = [ln for ln in lines if "[receiver]" in ln or "No space left" in ln]
+    last = cause[:1] or lines[-1:] or [""]
     if rc in (10, 12, 30, 35):
-        raise RemoteUnreachable(
+        return RemoteUnreachable(
             f"rsync from {remote.target.label} broke off (exit {rc}): {last[0]}",
             "run the pull again: it continues where it stopped",
         )
-    raise HostError(f"rsync from {remote.target.label} failed (exit {rc}): {last[0]}")
+    return HostError(f"rsync from {remote.target.label} failed (exit {rc}): {last[0]}")
 
 
 def fetch_stream(
@@ -180,39 +191,58 @@ def fetch_stream(
     fetched = 0
     for e in items:
         assert e.src is not None
-        stage_dirs(stage_dir, e)
-        # The partial copy a killed pull left is appended to; a new one is created O_EXCL. Both
-        # O_NOFOLLOW, through directories walked without following symlinks.
         try:
-            fd = open_beneath(stage_dir, e.stage, os.O_WRONLY | os.O_APPEND)
-        except FileNotFoundError:
-            fd = open_beneath(
-                stage_dir, e.stage, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL
-            )
-        with open(fd, "ab") as out:
-            have = os.fstat(fd).st_size
-            if have > e.size:
-                os.ftruncate(fd, 0)
-                have = 0
-            if have == e.size:
-                continue
-            p = remote.popen(["tail", "-c", f"+{have + 1}", "--", box_join(root, e.src)])
-            assert p.stdout is not None
-            try:
-                while True:
-                    b = p.stdout.read(CHUNK)
-                    if not b:
-                        break
-                    out.write(b)
-                    fetched += len(b)
-            finally:
-                p.stdout.close()
-                rc = p.wait()
+            got, rc = _stream_one(remote, root, e, stage_dir)
+        except OSError as err:  # this machine's disk refused it (full, read-only)
+            raise target_error(err, f"writing {e.origin} into {stage_dir}") from None
+        fetched += got
+        if rc is None:  # the copy already had every sealed byte
+            continue
         if rc != 0:
             remote.check_transport(rc, b"")
             raise HostError(f"reading {e.origin} on {remote.target.label} failed (exit {rc})")
         finished(e)
     return fetched
+
+
+def _stream_one(remote: Remote, root: str, e: Entry, stage_dir: str) -> Tuple[int, Optional[int]]:
+    """(bytes fetched, the remote reader's exit code; None when nothing was missing) of one
+    file into its staged copy. No more than its sealed size is written: a box that sends more
+    (a file grown since, or a hostile one) cannot fill this disk; verification judges the
+    bytes, and the reader cut off once they are all here counts as done."""
+    assert e.src is not None
+    stage_dirs(stage_dir, e)
+    # The partial copy a killed pull left is appended to; a new one is created O_EXCL. Both
+    # O_NOFOLLOW, through directories walked without following symlinks.
+    try:
+        fd = open_beneath(stage_dir, e.stage, os.O_WRONLY | os.O_APPEND)
+    except FileNotFoundError:
+        fd = open_beneath(stage_dir, e.stage, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_EXCL)
+    fetched = 0
+    with open(fd, "ab") as out:
+        have = os.fstat(fd).st_size
+        if have > e.size:
+            os.ftruncate(fd, 0)
+            have = 0
+        if have == e.size:
+            return 0, None
+        p = remote.popen(["tail", "-c", f"+{have + 1}", "--", box_join(root, e.src)])
+        assert p.stdout is not None
+        left = e.size - have
+        try:
+            while left > 0:
+                b = p.stdout.read(min(CHUNK, left))
+                if not b:
+                    break
+                out.write(b)
+                fetched += len(b)
+                left -= len(b)
+        finally:
+            if left == 0:
+                p.kill()  # the rest, if any, is not the sealed file's
+            p.stdout.close()
+            rc = p.wait()
+    return fetched, 0 if left == 0 else rc
 
 
 def fetcher(

@@ -1,0 +1,218 @@
+"""Where ``rgt pull`` puts things (controller/results/pull.py runs it): DEST checked before
+anything is fetched (no symlink, directory or file in the way; no other run's verified pull),
+one pull at a time into it (a flock on DEST itself), the staging directory ``DEST/.rgt-part``
+made and cleared of what is in the way, and the verified copies placed under their final
+names: every rename through directory descriptors walked without following symlinks, the old
+receipt removed before the first, completeness markers last.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import posixpath
+import shutil
+import stat
+from concurrent.futures import ThreadPoolExecutor
+from typing import AbstractSet, Dict, Iterator, List, Optional
+
+from controller.results.entries import COPY, Entry
+from controller.results.hashing import HASHERS
+from controller.results.receipt import load_receipt, receipt_path, remove_receipts
+from controller.results.transport import CHUNK
+from onbox.common.durable import fsync_dir, fsync_file
+from onbox.common.errors import HostError, IntegrityError, UsageError
+from onbox.common.safepath import (
+    UnsafePath,
+    lstat_beneath,
+    open_beneath,
+    replace_beneath,
+    safe_join,
+    symlink_error,
+    unlink_beneath,
+)
+from onbox.sealing.discovery import MARKERS
+from onbox.sealing.stores.base import target_error
+
+
+def make_stage(stage_dir: str) -> None:
+    """The staging directory: made here 0700, or left by an earlier pull of this user (then a
+    real directory of this user's, not a symlink); nothing else is staged into."""
+    try:
+        os.mkdir(stage_dir, 0o700)
+        return
+    except FileExistsError:
+        pass
+    st = os.lstat(stage_dir)
+    if stat.S_ISLNK(st.st_mode):
+        raise symlink_error(stage_dir)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+        raise UnsafePath(
+            f"{stage_dir} is not a staging directory this user made",
+            stage_dir,
+            "remove it, or pull into another --to",
+        )
+
+
+@contextlib.contextmanager
+def dest_lock(dest: str) -> Iterator[None]:
+    """One pull at a time into ``dest``: a flock on the directory itself, held from before the
+    staging directory is made until it is removed after the receipt. (A lock file inside the
+    staging directory was removed with it while the pull that held it still ran, so a second
+    and a third pull could then stage into one directory at once.)"""
+    try:
+        fd = os.open(dest, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)  # --to's own choice
+    except OSError as err:
+        raise cannot(dest, err) from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError("--to", f"another pull into {dest} is running") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def refuse_other_runs_pull(run: str, dest: str) -> None:
+    """A DEST that holds another run's verified pull is not pulled into: its files would be
+    replaced and its receipt removed, while the laptop's receipt of that run still says they
+    are there (and `rgt down` of it would believe it)."""
+    try:
+        here = load_receipt(receipt_path(dest))
+    except IntegrityError:  # damaged: it vouches for nothing, and the pull replaces it
+        return
+    if here is not None and here.run != run:
+        raise UsageError(
+            "--to",
+            f"{dest} holds the verified pull of run {here.run!r}; pulling {run!r} there would "
+            "overwrite it: pull into another directory",
+        )
+
+
+def clear_in_the_way(stage_dir: str, items: List[Entry]) -> None:
+    """What an earlier pull left under a staging name that is not a file now (a directory,
+    when the store listed ``key/x`` then and ``key`` now), or in place of a directory on the
+    way to one: removed. Everything under the staging directory is this user's own copies."""
+    for e in items:
+        parts = e.stage.split("/")
+        for i in range(1, len(parts) + 1):
+            path = os.path.join(stage_dir, *parts[:i])
+            try:
+                st = os.lstat(path)
+            except FileNotFoundError:
+                break
+            last = i == len(parts)
+            if last and stat.S_ISREG(st.st_mode) or not last and stat.S_ISDIR(st.st_mode):
+                continue
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
+            break
+
+
+def cannot(dest: str, err: OSError) -> HostError:
+    return HostError(
+        f"cannot pull into {dest}: {err.strerror or err}"
+        + (f" ({err.filename})" if err.filename else ""),
+        "pull into a directory this user can write (--to DIR)",
+    )
+
+
+def make_dest(dest: str) -> None:
+    """DEST and the parents it lacks; those made are removed again when it cannot be."""
+    missing = []
+    d = dest
+    while not os.path.lexists(d) and os.path.dirname(d) != d:
+        missing.append(d)
+        d = os.path.dirname(d)
+    try:
+        os.makedirs(dest, exist_ok=True)
+    except OSError as err:
+        for d in missing:
+            with contextlib.suppress(OSError):
+                os.rmdir(d)
+        raise cannot(dest, err) from None
+
+
+def check_dest(dest: str, entries: List[Entry]) -> None:
+    """Before anything is fetched: no final name, nor a directory on the way to it, is a
+    symlink (UnsafePath, exit 6), a directory or a file in the way (UsageError)."""
+    for e in entries:
+        try:
+            st = lstat_beneath(dest, e.path, "file")
+        except NotADirectoryError as err:
+            raise UsageError(
+                "--to", f"{err.filename} is a file; the pull would put a directory there"
+            ) from None
+        except OSError as err:  # e.g. a parent of --to this user cannot search
+            raise cannot(dest, err) from None
+        if st is None:
+            continue
+        final = os.path.join(dest, *e.path.split("/"))
+        if stat.S_ISLNK(st.st_mode):
+            raise symlink_error(final)
+        if stat.S_ISDIR(st.st_mode):
+            raise UsageError("--to", f"{final} is a directory; the pull would put a file there")
+
+
+def place(
+    run: str,
+    dest: str,
+    stage_dir: str,
+    entries: List[Entry],
+    home: Optional[str],
+    durable: AbstractSet[str] = frozenset(),
+) -> None:
+    """Every verified temporary copy to its final name: fsynced (unless ``durable`` says it was
+    already, after its last write), renamed, directories fsynced. The copies of bytes listed
+    under a second name are made in the stage first, so that nothing after the old receipt is
+    removed can run out of room but a rename; the old receipt goes before any rename, so no
+    receipt ever describes a mix of two pulls; completeness markers are renamed last, so a
+    pull cut midway never shows a checkpoint as complete whose files are not all there."""
+    last: Dict[str, Entry] = {}
+    for e in entries:
+        last[e.stage] = e
+    staged = {id(e): e.stage if last[e.stage] is e else f"{COPY}{i}" for i, e in enumerate(entries)}
+    try:
+        for e in entries:
+            if last[e.stage] is not e:
+                _copy_in_stage(stage_dir, e.stage, staged[id(e)])
+        todo = [safe_join(stage_dir, s) for s in last if s not in durable]
+        with ThreadPoolExecutor(HASHERS) as pool:
+            list(pool.map(fsync_file, todo))
+        remove_receipts(run, dest, home)
+        dirs = set()
+        # Renamed through directory descriptors walked from DEST without following symlinks:
+        # a symlink planted since check_dest is refused, never written through.
+        for e in sorted(entries, key=lambda e: _is_marker(e.path)):
+            replace_beneath(stage_dir, staged[id(e)], dest, e.path)
+            d = os.path.dirname(os.path.join(dest, *e.path.split("/")))
+            while d.startswith(dest) and d not in dirs:
+                dirs.add(d)
+                d = os.path.dirname(d)
+        for d in sorted(dirs, key=len, reverse=True):
+            fsync_dir(d)
+    except UnsafePath:
+        raise
+    except OSError as err:
+        raise target_error(err, f"placing the pulled files in {dest}") from None
+
+
+def _is_marker(path: str) -> bool:
+    """A file whose presence says its checkpoint directory is complete."""
+    return posixpath.basename(path) in MARKERS
+
+
+def _copy_in_stage(stage_dir: str, src_name: str, name: str) -> None:
+    """The bytes of ``src_name`` again as ``name`` in the stage, fsynced."""
+    unlink_beneath(stage_dir, name)  # a killed pull's
+    src = open_beneath(stage_dir, src_name, os.O_RDONLY)
+    with open(src, "rb") as fin:
+        out = open_beneath(stage_dir, name, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        with open(out, "wb") as fout:
+            shutil.copyfileobj(fin, fout, CHUNK)
+            fout.flush()
+            os.fsync(out)

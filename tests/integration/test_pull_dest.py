@@ -1,0 +1,178 @@
+"""`rgt pull`'s destination (controller/results/destination.py), against real file:// stores and
+a real tmpfs: one pull at a time into DEST for the whole pull, a DEST that holds another run's
+verified pull refused, a full disk while placing the files one clear error that keeps the last
+verified pull and its receipt, what a killed pull left in the way of a staging name cleared, and
+no more bytes taken from the box than a file was sealed with."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+from typing import Any, List
+
+import pytest
+
+import controller.results.pull as pull_module
+from controller.registry import RunRecord
+from controller.results.entries import stage_path
+from controller.results.pull import pull
+from controller.results.receipt import load_state_receipt, receipt_path, write_receipt
+from controller.results.sealed import covers_newest
+from onbox.common.errors import HostError, IntegrityError, RgtError, UsageError
+from tests.conftest import require
+from tests.integration.test_pull import (
+    RUN,
+    _finals,
+    _object_key,
+    _rec,
+    _seal,
+    _store,
+    _store_file,
+    laptop,
+)
+
+__all__ = ["laptop"]  # the fixture, used by name
+
+
+def test_a_second_pull_into_dest_is_refused_until_the_first_has_cleaned_up(
+    tmp_path: Any, laptop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The lock was a file inside the staging directory, let go before the receipt was written
+    and the directory removed: a pull started in that gap ran, and the first one's clean-up
+    then removed its lock and staged files (and a third pull ran beside it)."""
+    store = _store(tmp_path)
+    _seal(str(tmp_path), store, 5, {"model.bin": os.urandom(5000)})
+    rec = _rec(store.url, str(tmp_path / "boxhome"))
+    dest = str(tmp_path / "dest")
+    seen: List[BaseException] = []
+    real = write_receipt
+
+    def receipt_then_another_pull(*args: Any, **kwargs: Any) -> None:
+        real(*args, **kwargs)
+        try:  # a second pull, as another terminal would start it right now
+            pull(rec, dest, "store")
+        except RgtError as e:
+            seen.append(e)
+
+    monkeypatch.setattr(pull_module, "write_receipt", receipt_then_another_pull)
+    pull(rec, dest, "store")
+    assert len(seen) == 1 and isinstance(seen[0], UsageError), seen
+    assert "another pull into" in seen[0].what
+    monkeypatch.setattr(pull_module, "write_receipt", real)
+    pull(rec, dest, "store")  # once it is over, the next pull runs
+    assert not os.path.exists(os.path.join(dest, ".rgt-part"))
+
+
+def test_a_dest_holding_another_runs_pull_is_refused_and_down_sees_a_replaced_receipt(
+    tmp_path: Any, laptop: str
+) -> None:
+    """`rgt pull r2 --to D` over r1's verified pull replaced r1's files and removed D's receipt,
+    and `rgt down r1` (sizes only) still believed r1's receipt. Now the pull is refused, and a
+    receipt whose DEST no longer holds it covers nothing."""
+    store = _store(tmp_path)
+    _seal(str(tmp_path / "a"), store, 5, {"model.bin": b"1" * 1000})
+    _seal(str(tmp_path / "b"), store, 5, {"model.bin": b"2" * 1000}, run="r2")
+    rec1 = _rec(store.url, str(tmp_path / "boxhome"))
+    rec2 = RunRecord("r2", rec1.target, profile="local", store=store.url)
+    dest = str(tmp_path / "dest")
+    pull(rec1, dest, "store")
+    with pytest.raises(UsageError) as info:
+        pull(rec2, dest, "store")
+    assert f"holds the verified pull of run {RUN!r}" in info.value.what
+    with open(os.path.join(dest, "checkpoints", "step_5", "model.bin"), "rb") as f:
+        assert f.read() == b"1" * 1000
+    receipt = load_state_receipt(RUN)
+    assert receipt is not None and covers_newest(rec1, receipt)
+    os.unlink(receipt_path(dest))  # as a pull cut midway, or any other, leaves it
+    why = covers_newest(rec1, receipt)
+    assert not why and "no longer holds this pull's receipt" in why.reason
+
+
+def test_a_full_disk_while_placing_keeps_the_last_verified_pull_and_its_receipt(
+    tmp_path: Any, laptop: str
+) -> None:
+    """Two equal files of one checkpoint are one object in the store: staged once, copied for
+    the second name while placing. On a full disk that copy raised a traceback after the old
+    receipts were removed, with the new checkpoint's completeness marker already in place."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=600k", "rgt-test-pull", str(mnt)], capture_output=True
+    )
+    require(mounted.returncode == 0, "root, to mount a small tmpfs")
+    try:
+        store = _store(tmp_path)
+        _seal(str(tmp_path), store, 5, {"small.txt": b"s" * 100})
+        rec = _rec(store.url, str(tmp_path / "boxhome"))
+        dest = str(mnt / "dest")
+        pull(rec, dest, "store")
+        before = sorted(_finals(dest))
+        blob = os.urandom(400 * 1024)
+        _seal(str(tmp_path), store, 6, {"w1.bin": blob, "w2.bin": blob})
+        with pytest.raises(HostError) as info:
+            pull(rec, dest, "store")
+        assert "No space left" in info.value.what and "df -h" in (info.value.remedy or "")
+        assert sorted(_finals(dest)) == before  # nothing of step 6 under a final name
+        assert os.path.exists(receipt_path(dest)) and load_state_receipt(RUN) is not None
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=True)
+
+
+def test_a_killed_pulls_directory_in_the_way_of_a_staging_name_is_cleared(
+    tmp_path: Any, laptop: str
+) -> None:
+    """A pull that failed left ``.rgt-part/<key>/x``; the store lists ``<key>`` itself as a
+    file now: every later pull ended in IsADirectoryError."""
+    store = _store(tmp_path)
+    _seal(str(tmp_path), store, 5, {"model.bin": b"m" * 100})
+    rec = _rec(store.url, str(tmp_path / "boxhome"))
+    dest = str(tmp_path / "dest")
+    key = _object_key(store, 5, "step_5/model.bin")
+    os.makedirs(os.path.join(dest, ".rgt-part", *key.split("/"), "x"))
+    pull(rec, dest, "store")
+    with open(os.path.join(dest, "checkpoints", "step_5", "model.bin"), "rb") as f:
+        assert f.read() == b"m" * 100
+
+
+@pytest.mark.parametrize("transport", ["stream", "rsync"])
+def test_a_box_file_larger_than_sealed_is_not_taken_whole(
+    tmp_path: Any, laptop: str, transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The box's copy is 64 MiB where 100 bytes were sealed: both transports took all of it
+    (twice, with the retry) before verification refused it."""
+    require(transport != "rsync" or subprocess.run(["which", "rsync"]).returncode == 0, "rsync")
+    store = _store(tmp_path)
+    _seal(str(tmp_path), store, 5, {"a.bin": b"a" * 100})
+    key = _object_key(store, 5, "step_5/a.bin")
+    with open(_store_file(store, key), "wb") as f:  # other bytes, and far more of them
+        f.truncate(64 << 20)
+    staged: List[int] = []
+    real = pull_module._mismatch
+
+    def spy(stage_dir: str, e: Any) -> Any:
+        if os.path.exists(stage_path(stage_dir, e)):  # rsync skips it whole
+            staged.append(os.path.getsize(stage_path(stage_dir, e)))
+        return real(stage_dir, e)
+
+    monkeypatch.setattr(pull_module, "_mismatch", spy)
+    rec = _rec(store.url, str(tmp_path / "boxhome"))
+    with pytest.raises(IntegrityError):
+        pull(rec, str(tmp_path / "dest"), "box", transport=transport)
+    assert max(staged, default=0) <= 100, staged
+
+
+def test_the_stream_takes_exactly_the_sealed_prefix_of_a_file_grown_since(
+    tmp_path: Any, laptop: str
+) -> None:
+    """A log that grew after it was sealed: the sealed bytes are what is verified and kept."""
+    store = _store(tmp_path)
+    data = b"line\n" * 50
+    _seal(str(tmp_path), store, 5, {"log.txt": data})
+    key = _object_key(store, 5, "step_5/log.txt")
+    with open(_store_file(store, key), "ab") as f:
+        f.write(b"written after the seal\n" * 1000)
+    rec = _rec(store.url, str(tmp_path / "boxhome"))
+    receipt = pull(rec, str(tmp_path / "dest"), "box", transport="stream")
+    (rec_file,) = [f for f in receipt.files if f.path.endswith("log.txt")]
+    assert rec_file.sha256 == hashlib.sha256(data).hexdigest()

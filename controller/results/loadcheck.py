@@ -8,6 +8,7 @@ import os
 import pickle
 import warnings
 import zipfile
+from typing import List, Optional
 
 from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError
@@ -60,21 +61,25 @@ def check_safetensors(path: str, name: str) -> None:
             continue
         try:
             dtype, shape, (b, e) = t["dtype"], t["shape"], t["data_offsets"]
-            if not all(isinstance(x, int) and x >= 0 for x in [*shape, b, e]):
+            # bool is an int to Python, not to the library; a dtype that is no string (a
+            # list) would not even be hashable below.
+            if not isinstance(dtype, str) or not isinstance(shape, list):
+                raise ValueError
+            if not all(type(x) is int and x >= 0 for x in [*shape, b, e]):
                 raise ValueError
         except (KeyError, TypeError, ValueError):
             raise bad(f"tensor {key!r} has no valid dtype, shape and data_offsets") from None
         if not b <= e <= data_len:
             raise bad(f"tensor {key!r} spans bytes {b}..{e} of {data_len}")
         width = _ST_DTYPES.get(dtype)
-        if width is not None:
-            count = 1
-            for d in shape:
-                count *= d
-            if count * width != e - b:
-                raise bad(
-                    f"tensor {key!r}: {dtype}{shape} needs {count * width} bytes, has {e - b}"
-                )
+        need = None if width is None else _bytes_needed(shape, width, e - b)
+        if width is not None and need != e - b:
+            # A header of thousands of dims, or of dims of thousands of digits, stays one
+            # readable line.
+            short = len(shape) <= 8 and all(d < 2**64 for d in shape)
+            dims = str(shape) if short else f"[{len(shape)} dims]"
+            needs = "more than 2**64" if need is None else str(need)
+            raise bad(f"tensor {key!r}: {dtype}{dims} needs {needs} bytes, has {e - b}")
         spans.append((b, e, key))
     pos = 0
     for b, e, key in sorted(spans):
@@ -83,6 +88,22 @@ def check_safetensors(path: str, name: str) -> None:
         pos = e
     if pos != data_len:
         raise bad(f"the tensors end at byte {pos} of {data_len}")
+
+
+def _bytes_needed(shape: List[int], width: int, span: int) -> Optional[int]:
+    """The bytes ``shape`` elements of ``width`` bytes need; None when that is more than
+    ``span`` and 2**64 both. The product stops there: tens of thousands of huge dims would
+    otherwise grow a bigint whose every multiplication costs more (minutes for one header),
+    and its digits would pass the limit of int-to-str in the error message."""
+    if 0 in shape:
+        return 0
+    limit = max(span, 2**64)
+    need = width
+    for d in shape:
+        need *= d
+        if need > limit:
+            return None
+    return need
 
 
 def check_torch(path: str, name: str) -> str:

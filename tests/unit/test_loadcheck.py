@@ -5,14 +5,16 @@ never another exception (a traceback from `rgt pull`), and never in minutes of a
 
 from __future__ import annotations
 
+import io
 import json
 import struct
+import zipfile
 from pathlib import Path
 from typing import Any, Dict, List
 
 import pytest
 
-from controller.results.loadcheck import check_format, check_safetensors
+from controller.results.loadcheck import check_format, check_safetensors, check_torch
 from onbox.common.errors import IntegrityError
 
 
@@ -73,3 +75,40 @@ def test_a_shape_of_huge_dims_is_refused_in_one_short_line(tmp_path: Path, dims:
         check_safetensors(path, "m.safetensors")
     assert f"F32[{dims} dims] needs more than 2**64 bytes, has 16" in info.value.what
     assert len(info.value.line()) < 300
+
+
+def _zip(names: List[str], version_needed: int = 20) -> bytes:
+    """A zip file holding ``names``, its central directory claiming ``version_needed``."""
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name in names:
+            z.writestr(name, b"x" * 50)
+    data = bytearray(buf.getvalue())
+    cd = data.find(b"PK\x01\x02")
+    data[cd + 6] = version_needed  # "version needed to extract", as major * 10 + minor
+    return bytes(data)
+
+
+def test_a_plain_zip_is_not_opened_as_a_torch_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "data.bin"
+    path.write_bytes(_zip(["a.txt"]))
+    assert (
+        check_torch(str(path), "data.bin")
+        == "sha256 (a zip file, not a torch checkpoint: not opened)"
+    )
+
+
+def test_a_zip_that_pythons_zipfile_will_not_read_goes_to_torchs_own_reader(
+    tmp_path: Path,
+) -> None:
+    """Version 9.9 needed to extract: Python's zipfile raised NotImplementedError (a traceback
+    from `rgt pull`); torch.load now decides, and this one is no checkpoint it can open."""
+    path = tmp_path / "model.pt"
+    path.write_bytes(_zip(["archive/data.pkl"], version_needed=99))
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        assert "torch is not installed" in check_torch(str(path), "model.pt")
+        return
+    with pytest.raises(IntegrityError, match=r"^model\.pt: torch\.load cannot open it"):
+        check_torch(str(path), "model.pt")

@@ -7,7 +7,7 @@ import re
 from typing import Dict, List, Optional, Tuple
 
 from controller.remote import Remote
-from controller.results.entries import box_join
+from controller.results.entries import MAX_SIZE_DIGITS, box_join
 from controller.shell import script
 from onbox.common.errors import HostError
 from onbox.sealing import manifest as mf
@@ -75,6 +75,11 @@ def _is_step(raw: bytes) -> bool:
     return 0 < len(raw) <= 18 and raw.isdigit() and raw == str(int(raw)).encode()
 
 
+def _is_size(raw: bytes) -> bool:
+    """Whether ``raw`` is a size as the box prints one: digits, few enough for int()."""
+    return raw.isdigit() and len(raw) <= MAX_SIZE_DIGITS
+
+
 def _split_listing(out: bytes) -> Tuple[List[int], Dict[int, str]]:
     """What BoxDocs._LISTING printed: (sealed steps, {quarantined step: reason})."""
     sealed: List[int] = []
@@ -97,7 +102,7 @@ def _split_listing(out: bytes) -> Tuple[List[int], Dict[int, str]]:
         if doc == [b"N"]:
             pos = end + 1
             continue
-        if len(doc) != 2 or doc[0] != b"F" or not doc[1].isdigit():
+        if len(doc) != 2 or doc[0] != b"F" or not _is_size(doc[1]):
             raise HostError("the store's listing on the box was cut short")
         size = int(doc[1])
         data = out[end + 1 : end + 1 + size]
@@ -123,7 +128,7 @@ def _split_docs(
         head = out[pos:end].split()
         if head == [b"N"]:
             return None, end + 1
-        if len(head) != 2 or head[0] != b"F" or not head[1].isdigit():
+        if len(head) != 2 or head[0] != b"F" or not _is_size(head[1]):
             return None
         size = int(head[1])
         if end + 1 + size > len(out):

@@ -11,7 +11,15 @@ from typing import Any, Dict, List, Tuple
 from controller import boxrun
 from controller.registry import RunRecord
 from controller.remote import Remote
-from controller.results.entries import SHA256_HEX, Entry, Sealed, box_join, checked, sha_hex
+from controller.results.entries import (
+    MAX_SIZE_DIGITS,
+    SHA256_HEX,
+    Entry,
+    Sealed,
+    box_join,
+    checked,
+    sha_hex,
+)
 from controller.results.receipt import SealedId
 from controller.shell import script
 from onbox.agent.states import TERMINAL_NAMES
@@ -90,7 +98,8 @@ def _listed(
     logs: Dict[Tuple[str, bool], Entry] = {}  # (attempt, redacted copy?) -> its entry
     for i in range(0, len(fields) - 1, 4):
         kind, sha, size, raw = (x.decode("utf-8", "surrogateescape") for x in fields[i : i + 4])
-        if not SHA256_HEX.match(sha) or not size.isdigit() or not size.isascii():
+        size_ok = size.isascii() and size.isdigit() and len(size) <= MAX_SIZE_DIGITS
+        if not SHA256_HEX.match(sha) or not size_ok:
             raise IntegrityError(f"the box listed {raw!r} with a malformed hash or size")
         root = next(
             (x for x in roots if x[0] == kind and (raw == x[1] or raw.startswith(x[1] + "/"))),

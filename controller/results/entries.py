@@ -19,6 +19,10 @@ STAGE = ".rgt-part"
 LOCK, FILES_FROM, COPY = ".lock", ".rgt-files-from", ".rgt-copy-"
 KINDS = {"checkpoints": "checkpoint", "outputs": "output", "logs": "log"}
 SHA256_HEX = re.compile(r"[0-9a-f]{64}\Z")
+# The most digits a file size the box prints may have (2**64 has 20): past 4300, int() raises
+# ValueError (Python's limit on int-from-str), which a reader of the box's output must never
+# meet; a size this long is a malformed line of its own.
+MAX_SIZE_DIGITS = 20
 
 
 @dataclasses.dataclass(frozen=True)

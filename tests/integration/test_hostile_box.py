@@ -245,6 +245,19 @@ def test_a_hostile_find_on_the_box_touches_nothing_outside_dest(
     canary.assert_intact()
 
 
+def test_a_hostile_find_printing_a_size_of_thousands_of_digits_is_refused(
+    cli: Cli, tmp_path: Path, evil_box: Target, evil_sshd: SshServer
+) -> None:
+    """5000 digits pass isdigit(); int() of them raised ValueError (Python's 4300-digit limit):
+    `rgt pull` ended in a traceback. The listing is refused before any transport runs."""
+    ckpt = _box_run(cli)
+    record = [b"checkpoint", hashlib.sha256(BOX_BYTES).hexdigest().encode(), b"9" * 5000]
+    with open(os.path.join(evil_sshd.dir, "..", "bin", "records"), "wb") as f:
+        f.write(b"\0".join(record + [f"{ckpt}/victim.bin".encode()]) + b"\0")
+    err = _assert_refused(_rec(evil_box, cli.home), tmp_path / "dest", "stream", "malformed")
+    assert "victim.bin" in err.what and len(err.line()) < 500, err.what
+
+
 def _file_store(tmp_path: Path) -> Store:
     root = tmp_path / "store"
     root.mkdir(exist_ok=True)

@@ -161,6 +161,10 @@ class Receipt:
                 raise ValueError("not an rgt pull receipt")
             if not isinstance(d.get("schema"), int) or d["schema"] > SCHEMA:
                 raise ValueError(f"schema {d.get('schema')!r} is not one this rgt reads")
+            # A damaged "sealed" that is a list or a string has no .items(): the
+            # AttributeError would pass the except below and end `rgt down` in a traceback.
+            if not isinstance(d["sealed"], dict):
+                raise ValueError("its sealed state is not an object")
             sealed_fields = {f.name for f in dataclasses.fields(SealedId)}
             sealed = SealedId(**{k: v for k, v in d["sealed"].items() if k in sealed_fields})
             files = [

@@ -36,6 +36,7 @@ from controller.sweep.cli import reconcile_cmd, sweep_cmd
 from onbox.agent.observe import warning_lines
 from onbox.common.climain import run_cli
 from onbox.common.errors import FINAL_EXIT_CODES, NotFound, UsageError
+from onbox.common.terminal import printable
 
 
 def _emit(text: str = "") -> None:
@@ -236,7 +237,8 @@ def pull(name: str, dest: Optional[str], source: str) -> int:
         f"{len(receipt.files)} files; receipt {os.path.join(receipt.dest, '.rgt-receipt.json')}"
     )
     if receipt.sealed.note:  # LATEST names a quarantined step: which one was pulled, and why
-        _emit(f"  {receipt.sealed.note}")
+        # Its reason is the store's quarantine record: control characters shown as '?'.
+        _emit(f"  {printable(receipt.sealed.note)}")
     # The names come from DONE.json (the box's): shown as status shows warnings, control
     # characters as '?'.
     missing = [

@@ -10,6 +10,7 @@ from controller.results.receipt import SealedId
 from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError, NotFound
 from onbox.common.safepath import safe_rel
+from onbox.common.terminal import printable
 from onbox.sealing import manifest as mf
 from onbox.sealing.ledger import quarantine_reasons
 from onbox.sealing.restore import in_effect, sealed_steps
@@ -102,6 +103,9 @@ def _checkpoint(
     sealed, bad = listing() if listing is not None else ([], {})
     if step in bad:
         effective, note = in_effect(step, sealed, bad)
+        # The reason is the store's (its quarantine record): printed in the error below and
+        # by `rgt pull`, it must not drive the terminal or forge a line of its own.
+        note = printable(note) if note is not None else None
         if effective is None:
             raise IntegrityError(
                 f"run {run!r} has no verified checkpoint to pull: {note}",

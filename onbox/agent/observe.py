@@ -18,6 +18,7 @@ from onbox.agent.states import TERMINAL_NAMES, State
 from onbox.common import progress, redact
 from onbox.common.durable import read_json
 from onbox.common.rundir import RunDir
+from onbox.common.terminal import printable
 
 # Fields of state.json that are bookkeeping for the agent, not for people.
 _PRIVATE = (
@@ -106,12 +107,8 @@ def warning_lines(doc: Dict[str, Any]) -> List[str]:
     warnings = doc.get("warnings")
     for w in warnings if isinstance(warnings, list) else []:
         text = str((w.get("reason") or w.get("kind")) if isinstance(w, dict) else w)
-        out.append(_printable(text))
+        out.append(printable(text))
     return out
-
-
-def _printable(text: str) -> str:
-    return "".join("?" if ord(c) < 0x20 or 0x7F <= ord(c) <= 0x9F else c for c in text)
 
 
 # Levels of concern first: what a line is shown for (ok and unavailable go in the summary).
@@ -137,7 +134,7 @@ def health_lines(doc: Dict[str, Any], now: Optional[float] = None) -> List[str]:
             line = f"{name}: {level}: {v.get('reason') or v.get('code') or ''}"
             if v.get("remedy"):
                 line += f" ({v['remedy']})"
-            out.append(_printable(line))
+            out.append(printable(line))
     worst = next((lv for lv in _CONCERN if lv in levels), "ok" if "ok" in levels else "")
     worst = worst or "unavailable"  # no probe could run here: not "ok"
     parts = [f"{len(probes)} probes"]
@@ -146,7 +143,7 @@ def health_lines(doc: Dict[str, Any], now: Optional[float] = None) -> List[str]:
     at = health.get("at") if isinstance(health, dict) else None
     if isinstance(at, (int, float)) and now is not None:
         parts.append(f"{max(0, int(now - at))} s ago")
-    out.append(_printable(f"health: {worst} ({'; '.join(parts)})"))
+    out.append(printable(f"health: {worst} ({'; '.join(parts)})"))
     return out
 
 

@@ -36,6 +36,7 @@ from controller.target import Target
 from onbox.common.errors import IntegrityError
 from onbox.sealing import manifest as mf
 from onbox.sealing.fetch import STAGE_PREFIX
+from onbox.sealing.ledger import flag_quarantined
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from tests.conftest import Cli, agent_exe, require
@@ -400,6 +401,34 @@ def test_rgt_pull_from_a_hostile_box_is_one_line_and_exit_6(
     assert "ckpt_dir" in line and "'..' component" in line and ckpt[1:] in line
     canary.assert_intact()
     assert not (tmp_path / "dest").exists()
+
+
+# A quarantine reason as a hostile store may hold it: a terminal escape (set the window title)
+# and a newline that forges a line of rgt's own.
+EVIL_REASON = "\x1b]0;owned\x07cleared\nr1: all 17 files verified, safe to `rgt down`"
+
+
+def test_rgt_pull_shows_the_stores_quarantine_reason_without_its_control_characters(
+    tmp_path: Path, laptop: str
+) -> None:
+    """`rgt pull` printed the reason raw: in the note on the step it took instead, and inside
+    the one-line error when no step is left."""
+    store = _file_store(tmp_path)
+    _seal(str(tmp_path), store, 5, {"a.bin": b"a"})
+    _seal(str(tmp_path), store, 6, {"a.bin": b"b"})
+    flag_quarantined(store, RUN, 6, EVIL_REASON)
+    Registry().put(_rec(Target("local"), str(tmp_path / "box"), store.url))
+    dest = str(tmp_path / "dest")
+    p = _rgt("pull", RUN, "--to", dest, "--from", "store", cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert len(lines) == 2 and "quarantined (?]0;owned?cleared?r1: all 17" in lines[1], p.stdout
+    flag_quarantined(store, RUN, 5, "x")
+    shutil.rmtree(dest)
+    p = _rgt("pull", RUN, "--to", dest, "--from", "store", cwd=str(tmp_path))
+    assert p.returncode == 6, p.stderr
+    assert "quarantined (?]0;owned?cleared?r1: all 17" in _one_line(p)
+    assert "\x1b" not in p.stderr + p.stdout and "\x07" not in p.stderr + p.stdout
 
 
 # JSON nested past the parser's depth: Python's json raises RecursionError, not ValueError, so

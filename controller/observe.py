@@ -23,6 +23,7 @@ from onbox.agent.observe import health_lines, public_state, shaped, warning_line
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError, NotFound, RemoteUnreachable, RgtError
+from onbox.common.terminal import printable
 from onbox.sealing import manifest as mf
 from onbox.sealing.ledger import quarantine_reasons
 from onbox.sealing.restore import in_effect, sealed_steps
@@ -154,7 +155,10 @@ def from_store(rec: RunRecord) -> Dict[str, Any]:
         if isinstance(step, int) and step in bad:
             # The step a fresh box resumes from and `rgt pull` takes, and why it is not LATEST's.
             effective, note = in_effect(step, sealed_steps(store, rec.name), bad)
-            doc["in_effect"] = {"step": effective, "note": note}
+            doc["in_effect"] = {
+                "step": effective,
+                "note": printable(note or ""),
+            }  # the store's words
     doc["done"] = store.get_bytes(mf.done_key(rec.name)) is not None
     # The state mirror changes only with the state, so a run RUNNING for days was last written
     # when it started; a later seal is later proof that it was still alive.

@@ -431,6 +431,28 @@ def test_rgt_pull_shows_the_stores_quarantine_reason_without_its_control_charact
     assert "\x1b" not in p.stderr + p.stdout and "\x07" not in p.stderr + p.stdout
 
 
+def test_rgt_status_from_the_store_shows_its_quarantine_reason_without_control_characters(
+    tmp_path: Path, laptop: str
+) -> None:
+    """The box does not answer: `rgt status` reads the store, and the note on the step in
+    effect (LATEST's is quarantined) is the store's words."""
+    store = _file_store(tmp_path)
+    _seal(str(tmp_path), store, 5, {"a.bin": b"a"})
+    _seal(str(tmp_path), store, 6, {"a.bin": b"b"})
+    flag_quarantined(store, RUN, 6, EVIL_REASON)
+    store.put_bytes(mf.state_key(RUN, "state.json"), b'{"name": "r1", "state": "RUNNING"}')
+    with socket.socket() as s:  # a port nothing listens on once this closes
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    silent = Target("ssh", host="127.0.0.1", user="nobody", port=port)
+    Registry().put(_rec(silent, "/nonexistent/boxhome", store.url))
+    for args in (["status", RUN], ["status", RUN, "--json"]):
+        p = _rgt(*args, cwd=str(tmp_path))
+        assert p.returncode == 0, p.stderr
+        out = p.stdout + p.stderr
+        assert "\x1b" not in out and "\x07" not in out and "?]0;owned?cleared" in out, out
+
+
 # JSON nested past the parser's depth: Python's json raises RecursionError, not ValueError, so
 # each reader's "malformed" branch missed it and `rgt` ended in a traceback.
 DEEP = "[" * 100_000 + "]" * 100_000

@@ -21,13 +21,20 @@ if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
     from typing import Any, Dict, Optional
 
 
-def _record() -> Dict[str, Any]:
+# What a holder is doing, in its record: only an "agent" whose signal handlers are in place
+# reads the mailbox on SIGUSR2; it would kill a `sync` sealing with no agent, or a process
+# still "starting" (a `start` about to hand the lock over, an agent restoring): a stop waits.
+ROLES = ("agent", "starting", "sync")
+
+
+def _record(role: str) -> Dict[str, Any]:
     ident = procfs.identity(os.getpid())
     return {
         "host": os.uname().nodename,
         "pid": os.getpid(),
         "start_ticks": ident.start_ticks if ident else None,
         "since": time.time(),
+        "role": role,
     }
 
 
@@ -57,8 +64,9 @@ class RunLock:
         self.path = path
 
     @classmethod
-    def acquire(cls, path: str, run: str) -> RunLock:
-        """Take the lock now or raise LockedError naming the holder."""
+    def acquire(cls, path: str, run: str, role: str = "starting") -> RunLock:
+        """Take the lock now (as ``role``, one of ROLES) or raise LockedError naming the
+        holder."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         # A few tries: `is_held` probes take the lock shared for a few microseconds.
         for _ in range(5):
@@ -81,7 +89,7 @@ class RunLock:
                 "that agent is supervising it; use `rgt-agent status` or `rgt-agent stop`",
             ) from None
         lock = cls(fd, path)
-        lock.write_record()
+        lock.write_record(role)
         return lock
 
     @classmethod
@@ -89,11 +97,12 @@ class RunLock:
         """Keep a lock fd handed over by the parent; make it close-on-exec again."""
         os.set_inheritable(fd, False)
         lock = cls(fd, path)
-        lock.write_record()
+        lock.write_record("starting")
         return lock
 
-    def write_record(self) -> None:
-        data = json.dumps(_record()).encode()
+    def write_record(self, role: str) -> None:
+        assert role in ROLES, role
+        data = json.dumps(_record(role)).encode()
         os.ftruncate(self.fd, 0)
         os.pwrite(self.fd, data, 0)
         os.fsync(self.fd)

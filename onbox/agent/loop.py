@@ -231,6 +231,7 @@ class Agent:
         signal.set_wakeup_fd(self._wake_w)
         for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):
             signal.signal(sig, self._on_signal)
+        self.lock.write_record("agent")  # from now on a stop may wake this process
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 

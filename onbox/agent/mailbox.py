@@ -29,6 +29,8 @@ def signal_agent(rd: RunDir) -> bool:
         # Another node of a cluster holds it (a Slurm job's agent on a compute node, this
         # command on the login node): slurmctld delivers the signal there.
         return slurm.wake_agent(read_json(rd.state) or {})
+    if holder.get("role", "agent") != "agent":  # SIGUSR2 would kill a `sync` or a `start`
+        return False
     ident = procfs.Identity(holder["pid"], holder.get("start_ticks") or -1)
     if not procfs.is_alive(ident):
         return False
@@ -91,7 +93,7 @@ def _seal_here(rd: RunDir, spec: JobSpec) -> Store:
     from onbox.sealing.stores import open_store
 
     assert spec.store is not None
-    lock = RunLock.acquire(rd.lock, rd.name)
+    lock = RunLock.acquire(rd.lock, rd.name, role="sync")
     try:
         journal = FileJournal(rd.state, rd.events, rd.agent_log)
         store = open_store(spec.store)
@@ -112,9 +114,11 @@ def sync_run(rd: RunDir, spec: JobSpec, wait: float) -> Store:
     if not is_held(rd.lock):
         return _seal_here(rd, spec)
     write_json(rd.sync_request, {"at": time.time()})
-    if not signal_agent(rd):
-        raise StopFailed(f"the agent of {rd.name!r} does not answer", f"see {rd.agent_log}")
     deadline = time.monotonic() + wait
+    while not signal_agent(rd):  # an agent still starting is woken once it can read it
+        if time.monotonic() > deadline or not is_held(rd.lock):
+            raise StopFailed(f"the agent of {rd.name!r} does not answer", f"see {rd.agent_log}")
+        time.sleep(0.1)
     while os.path.exists(rd.sync_request):
         if time.monotonic() > deadline:
             raise StopFailed(

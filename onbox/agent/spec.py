@@ -70,6 +70,15 @@ class RestartPolicy:
         )
 
 
+def preempt_kill_delay(grace: float) -> float:
+    """How long the job gets after SIGTERM when the agent has ``grace`` seconds in all.
+
+    The agent must be gone before the budget ends: keep a margin for SIGKILL, the wait for
+    the processes to vanish, and the final records.
+    """
+    return max(0.0, grace - min(2.0, 0.2 * grace))
+
+
 @dataclasses.dataclass(frozen=True)
 class JobSpec:
     """Everything the agent needs to run a job; stored as spec.json in the run directory."""

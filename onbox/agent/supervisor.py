@@ -23,7 +23,7 @@ from onbox.agent.classify import (
 )
 from onbox.agent.journal import iso
 from onbox.agent.seams import Clock, Hooks, Journal, Runner
-from onbox.agent.spec import JobSpec
+from onbox.agent.spec import JobSpec, preempt_kill_delay
 from onbox.agent.states import ACTIVE, TERMINAL, State, can_transition
 
 # Orphans of an attempt that ended on its own get this long after SIGTERM before SIGKILL.
@@ -32,15 +32,6 @@ LEFTOVER_GRACE = 5.0
 REAP_POLL = 0.05
 GATE_POLL = 0.5  # how often a start held by the start gate asks it again
 TAIL_LINES = 8
-
-
-def preempt_kill_delay(grace: float) -> float:
-    """How long the job gets after SIGTERM when the agent has ``grace`` seconds in all.
-
-    The agent must be gone before the budget ends: keep a margin for SIGKILL, the wait for
-    the processes to vanish, and the final records.
-    """
-    return max(0.0, grace - min(2.0, 0.2 * grace))
 
 
 class Supervisor:
@@ -395,15 +386,23 @@ class Supervisor:
         grace = self.spec.grace if grace is None else grace
         now = self.clock.monotonic()
         kill_delay = preempt_kill_delay(grace) if reason == "preempt" else grace
-        self._kill_at = now + kill_delay
-        self._deadline = now + grace
+        again = self.state == State.STOPPING and self.stop is not None
+        # A second stop while one runs (`stop` again, the SIGTERM of a preemption, a second
+        # Ctrl-C): the sooner SIGKILL and deadline win, and the first reason stays (a stop the
+        # user asked for ends STOPPED, never resumed at the next power-on).
+        was = (self._kill_at, self._deadline) if again else (None, None)
+        self._kill_at = min(x for x in (was[0], now + kill_delay) if x is not None)
+        self._deadline = min(x for x in (was[1], now + grace) if x is not None)
         self.stop = {
             "reason": reason,
             "grace": grace,
             "requested_at": iso(self.clock.time()),
+            **(self.stop if again and self.stop else {}),
             "kill_at_ts": self._wall(self._kill_at),
             "deadline_ts": self._wall(self._deadline),
         }
+        if again:
+            return self.save()
         final = State.PREEMPTED if reason == "preempt" else State.STOPPED
         if self.state == State.PENDING:
             self._change(final, f"{reason} before the first attempt")

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from typing import Any, Callable, Dict, List
@@ -20,7 +21,7 @@ import pytest
 from onbox.agent import procfs
 from onbox.agent.daemon import TAG_VAR
 from tests import mounts
-from tests.conftest import Cli, agent_exe, fixture, require
+from tests.conftest import ROOT, Cli, agent_exe, fixture, require
 
 
 def _toml(path: str, command: List[str], **restart: Any) -> str:
@@ -252,6 +253,81 @@ def test_stop_gives_the_job_its_grace_before_sigkill(cli: Cli) -> None:
     cli("stop", "r8", "--grace", "2", check=True)
     assert time.monotonic() - t0 >= 2.0  # SIGTERM was ignored; SIGKILL came after the grace
     assert cli.status("r8")["last_exit"]["signal"] == signal.SIGKILL
+
+
+@pytest.mark.parametrize("then", ["stop", "sigterm"])
+def test_a_second_stop_while_one_runs_hastens_it_and_the_job_is_killed(cli: Cli, then: str) -> None:
+    """A job that ignores SIGTERM, being stopped with a 6 s grace; meanwhile a second
+    `rgt-agent stop --grace 1`, or a preemption's SIGTERM to the agent: the agent raised
+    STOPPING -> STOPPING and died, every respawned agent with it, and the job was never
+    killed. Now the sooner SIGKILL wins (the second stop's; the preemption's 6 s is no
+    sooner) and the run ends STOPPED, as asked."""
+    cli("start", "--name", "rd", "--grace", "6", "--", *fixture("ignore_term.py"), check=True)
+    st = cli.wait_state("rd", "STARTING", "RUNNING")
+    agent, job = st["agent"]["pid"], st["pid"]
+    first = subprocess.Popen(
+        [*agent_exe(), "stop", "rd"], env=cli.env, cwd=cli.home,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        cli.wait_state("rd", "STOPPING")
+        if then == "stop":
+            second = cli("stop", "rd", "--grace", "1", timeout=30)
+            assert second.returncode == 0, second.stdout + second.stderr
+        else:
+            os.kill(agent, signal.SIGTERM)
+        _wait_gone([job, agent], timeout=20)
+        out, err = first.communicate(timeout=30)
+        assert first.returncode == 0, out + err
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    st = cli.status("rd")
+    assert st["state"] == "STOPPED" and not st["job_alive"], st
+    assert not [e for e in cli.events("rd") if e["kind"] == "agent_respawn"]
+
+
+HOLD_AS_SYNC = """
+import sys, time
+from onbox.agent.lock import RunLock
+lock = RunLock.acquire(sys.argv[1], "rs", role="sync")
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))  # bounded: a sync sealing with no agent alive
+lock.release()
+"""
+
+
+def test_a_stop_waits_for_a_sync_holding_the_lock_instead_of_killing_it(cli: Cli) -> None:
+    """With no agent alive, `rgt-agent sync` holds the run's lock while it seals. A stop took
+    any holder for an agent and sent it SIGUSR2, whose default action killed the sync; the
+    stop then waited for an agent that did not exist and failed (exit 10)."""
+    cli.env["RGT_AGENT_RESPAWN_DELAY"] = "1000"  # no shim rescue of the agent killed below
+    cli("start", "--name", "rs", "--", *fixture("hang.py"), check=True)
+    st = cli.wait_state("rs", "STARTING", "RUNNING")
+    with open(os.path.join(cli.home, "runs", "rs", "attempts", "0001", "job.json")) as f:
+        shim = json.load(f)["shim"]["pid"]
+    for pid in (shim, st["agent"]["pid"]):
+        os.kill(pid, signal.SIGKILL)
+    _wait_gone([shim, st["agent"]["pid"]])
+    env = dict(cli.env, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, cli.env.get("PYTHONPATH")])))
+    sync = subprocess.Popen(
+        [sys.executable, "-c", HOLD_AS_SYNC, os.path.join(cli.home, "runs", "rs", "lock"), "3"],
+        env=env, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert sync.stdout is not None and sync.stdout.readline().strip() == "held"
+        stop = cli("stop", "rs", "--grace", "1", timeout=60)
+        assert sync.wait(timeout=30) == 0  # not killed by SIGUSR2 (-12)
+        assert stop.returncode == 0, stop.stdout + stop.stderr
+    finally:
+        if sync.poll() is None:
+            sync.kill()
+            sync.wait()
+        if sync.stdout is not None:
+            sync.stdout.close()
+    st = cli.status("rs")
+    assert st["state"] == "STOPPED" and not st["job_alive"], st
 
 
 def test_sigterm_to_the_agent_is_a_preemption_that_ends_within_the_budget(cli: Cli) -> None:

@@ -16,9 +16,9 @@ import pytest
 from onbox.agent.classify import ExitStatus
 from onbox.agent.journal import MemoryJournal
 from onbox.agent.seams import Hooks
-from onbox.agent.spec import JobSpec, RestartPolicy
+from onbox.agent.spec import JobSpec, RestartPolicy, preempt_kill_delay
 from onbox.agent.states import TERMINAL, TRANSITIONS, State
-from onbox.agent.supervisor import LEFTOVER_GRACE, Supervisor, preempt_kill_delay
+from onbox.agent.supervisor import LEFTOVER_GRACE, Supervisor
 from onbox.common.storeurl import parse_store_url
 
 
@@ -255,6 +255,35 @@ def test_fake_clock_stop_escalates_to_sigkill_after_grace_and_waits_for_every_pr
     rig.sup.tick()
     assert rig.sup.state == State.STOPPED
     assert rig.sup.last_exit is not None and "ended by stop" in rig.sup.last_exit["reason"]
+
+
+@pytest.mark.parametrize("then", ["stop", "preempt"])
+def test_fake_clock_a_second_stop_while_stopping_hastens_it_and_keeps_its_reason(
+    then: str,
+) -> None:
+    """A second `rgt-agent stop`, or a preemption's SIGTERM, while a stop ran: STOPPING ->
+    STOPPING raised in the agent, which died (and every respawned one with it), and a job
+    that ignores SIGTERM was never killed. The sooner SIGKILL wins; the run ends STOPPED."""
+    rig = Rig(start_grace=1.0)
+    rig.sup.begin()
+    rig.run_for(2.0)
+    rig.sup.request_stop("stop", grace=20.0)
+    rig.run_for(1.0)
+    rig.sup.request_stop(then, grace=1.0)
+    assert rig.sup.state == State.STOPPING and rig.states().count("STOPPING") == 1
+    rig.run_for(1.5, step=0.25)
+    assert signal.SIGKILL in rig.runner.signals  # not after the first stop's 20 s
+    rig.runner.processes_alive = False
+    rig.sup.on_exit(ExitStatus(signal=signal.SIGKILL))
+    rig.sup.tick()
+    assert rig.sup.state == State.STOPPED
+    rig = Rig(start_grace=1.0)  # a later stop with a longer grace does not postpone it
+    rig.sup.begin()
+    rig.run_for(2.0)
+    rig.sup.request_stop("stop", grace=2.0)
+    rig.sup.request_stop(then, grace=60.0)
+    rig.run_for(2.5, step=0.25)
+    assert signal.SIGKILL in rig.runner.signals
 
 
 def test_fake_clock_preemption_ends_preempted_and_kills_before_the_budget_ends() -> None:

@@ -9,7 +9,11 @@ do next depends on it:
 - ``NotSent``: the request never reached the provider (no connection): nothing changed, and it
   may be sent again;
 - ``NoAnswer``: the request was sent and no answer came (a timeout, a connection cut): the
-  outcome is unknown, and the call must never be sent again; only ``show`` may tell.
+  outcome is unknown, and the call must never be sent again; only ``show`` may tell. Its
+  ``Unreadable``: a show answered 2xx with no JSON object (a proxy's HTML maintenance page, an
+  empty body): it tells nothing, least of all "gone".
+
+Only a 404, or the provider's documented not-found document, means gone.
 
 Everything the provider returns is untrusted: only the few fields read here are used, each type
 checked, and a message from it is shortened to printable text with the key masked. The keys come
@@ -74,6 +78,10 @@ class NoAnswer(Exception):
     """The request was sent and no answer came: its outcome is unknown."""
 
 
+class Unreadable(NoAnswer):
+    """A show was answered 2xx, but not with a JSON object: what the provider has is unknown."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Seen:
     """What ``show`` found: ``gone`` when the provider no longer has the resource."""
@@ -112,8 +120,8 @@ def _text(raw: bytes, key: str) -> str:
 
 def call(
     method: str, url: str, key: str, timeout: float, body: Optional[Dict[str, Any]] = None
-) -> Tuple[int, Any]:
-    """(status, parsed JSON or None) of one request; Answered, NotSent or NoAnswer."""
+) -> Tuple[int, bytes]:
+    """(status, body) of one request answered 2xx; Answered, NotSent or NoAnswer."""
     data = None if body is None else json.dumps(body).encode()
     headers = {"Authorization": f"Bearer {key}", "Accept": "application/json"}
     if data is not None:
@@ -136,10 +144,7 @@ def call(
             raw = resp.read(_READ_MAX)
     except (OSError, http.client.HTTPException) as e:
         raise NoAnswer(f"{method} {url}: the answer was cut ({type(e).__name__})") from None
-    try:
-        return resp.status, jsondoc.loads(raw) if raw.strip() else None
-    except ValueError:
-        return resp.status, None
+    return resp.status, raw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -157,14 +162,24 @@ class Client:
     def _url(self, path: str) -> str:
         return self.base.rstrip("/") + path
 
-    def _get(self, path: str) -> Optional[Any]:
-        """The resource's document, or None when the provider says 404."""
+    def _get(self, path: str) -> Optional[Dict[str, Any]]:
+        """The resource's document (a JSON object), or None when the provider says 404; any
+        other answer that is no JSON object raises Unreadable, never None."""
+        url = self._url(path)
         try:
-            return call("GET", self._url(path), self.key, self.timeout)[1]
+            status, raw = call("GET", url, self.key, self.timeout)
         except Answered as e:
             if e.status == 404:
                 return None
             raise
+        try:
+            doc = jsondoc.loads(raw)
+        except ValueError:
+            doc = None
+        if not isinstance(doc, dict):
+            what = _text(raw, self.key)[:80] or "an empty body"
+            raise Unreadable(f"GET {url}: HTTP {status}, but not a JSON object ({what})")
+        return doc
 
     def show(self, ident: str) -> Seen:
         raise NotImplementedError
@@ -207,10 +222,9 @@ class Vast(Client):
         doc = self._get(f"/instances/{ident}/")
         if doc is None:
             return Seen(True, "not found (404)")
-        inst = _field(doc, "instances")
-        if inst is None:
+        if "instances" in doc and doc["instances"] is None:  # documented; a missing key is not
             return Seen(True, '"instances": null')
-        status = _status(_field(inst, "actual_status"))
+        status = _status(_field(doc, "instances", "actual_status"))
         return Seen(status == "destroyed", status)
 
     def settled(self, seen: Seen, sent: bool) -> bool:

@@ -11,6 +11,7 @@ The outcomes (``Outcome.kind``), and where down fails the error it raises:
     confirmed    the call was sent and polling saw the resource gone (or off)
     refused      the provider said no (a 4xx): nothing changed      MeterRefused, exit 16
     unresolved   no answer, or still listed when the poll gave up   MeterUnresolved, exit 17
+                 (also a first show answered with no JSON object: nothing was sent)
     console      no API: the console steps were shown
     no-instance  an API, but no id: nothing was stopped
 
@@ -33,6 +34,7 @@ from controller.meter.api import (
     Client,
     NoAnswer,
     NotSent,
+    Unreadable,
     check_instance,
     client,
     key_name,
@@ -150,6 +152,13 @@ def _first(step: Step, c: Client, j: journal.Journal) -> Outcome:
         raise RemoteUnreachable(
             f"{where}: {c.title}'s API answered {e}; nothing was sent",
             f"run rgt down {step.run} again later",
+        ) from None
+    except Unreadable as e:  # not a 404: whether it is still there is not known
+        raise MeterUnresolved(
+            f"{where}: {c.title}'s API gave no answer rgt can read ({e}), so whether the "
+            f"{step.noun} is gone is not known; nothing was sent: it may still be billing",
+            f"check {c.console}; while the {step.noun} is listed there, run rgt down "
+            f"{step.run} again",
         ) from None
     except (NotSent, NoAnswer) as e:
         raise RemoteUnreachable(

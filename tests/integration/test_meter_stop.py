@@ -72,7 +72,9 @@ SHOW = {
 class FakeApi:
     """One provider's API: ``present`` (does it have the resource), ``linger`` (how many shows
     after the stop still list it as running), ``stop_mode`` ("ok", "drop": read the request and
-    close the connection without an answer, or an HTTP status to answer with)."""
+    close the connection without an answer, or an HTTP status to answer with), ``page`` (raw
+    bytes the show answers with HTTP 200 instead of the API's document, as a proxy's maintenance
+    page does; from the start, or only once stopped when ``page_after_stop``)."""
 
     def __init__(self, api: str) -> None:
         self.api = api
@@ -80,6 +82,8 @@ class FakeApi:
         self.linger = 0
         self.stop_mode: Any = "ok"
         self.stopped = False
+        self.page: Optional[bytes] = None
+        self.page_after_stop = False
         self.requests: List[Tuple[str, str, str, Any]] = []
         fake = self
 
@@ -100,9 +104,10 @@ class FakeApi:
                 if status == -1:  # hang: answer only after the client's timeout
                     time.sleep(3)
                     status, doc = 200, {"data": {"terminated_instances": []}}
-                out = json.dumps(doc).encode()
+                page = isinstance(doc, bytes)  # a page, not the API's JSON
+                out = doc if page else json.dumps(doc).encode()
                 self.send_response(status)
-                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Type", "text/html" if page else "application/json")
                 self.send_header("Content-Length", str(len(out)))
                 self.end_headers()
                 self.wfile.write(out)
@@ -137,6 +142,8 @@ class FakeApi:
         return 404, {"error": f"no such endpoint {method} {path}"}
 
     def _show(self) -> Tuple[int, Any]:
+        if self.page is not None and (self.stopped or not self.page_after_stop):
+            return 200, self.page
         running = self.present and (not self.stopped or self.linger > 0)
         if self.stopped and self.linger > 0:
             self.linger -= 1
@@ -445,3 +452,85 @@ def test_fake_runpod_bad_instance_id_is_refused_before_anything(
     with pytest.raises(Exception, match="is not a provider's id"):
         stop_meter(step)
     assert all(not f.requests for f in fakes.values())
+
+
+# ---- what is not gone: an answer rgt cannot read
+
+PAGE = b"<html><body>503 upstream maintenance, try again later</body></html>"
+
+
+@pytest.mark.parametrize("api", list(APIS))
+@pytest.mark.parametrize("page", [PAGE, b"", b"null"], ids=["html", "empty", "null"])
+def test_fake_provider_show_200_that_is_no_json_object_is_unresolved_never_gone(
+    fakes: Dict[str, FakeApi], tmp_path: Any, api: str, page: bytes
+) -> None:
+    """A show answered 200 with a maintenance page (or nothing, or JSON null) is not the 404
+    that says gone: down must not report the box gone while it keeps billing. Unresolved (exit
+    17), nothing sent; a later down, once the API reads again, sends the stop and confirms."""
+    fake = fakes[api]
+    fake.page = page
+    shown: List[str] = []
+    with pytest.raises(MeterUnresolved) as info:
+        stop_meter(_step(api, str(tmp_path), shown))
+    assert info.value.exit_code == 17
+    line = info.value.line()
+    assert "nothing was sent" in line and "may still be billing" in line
+    assert "not a JSON object" in line and "gone" not in "\n".join(shown)
+    assert fake.calls() == [("GET", SHOW[api])] and fake.stops() == 0
+    j = journal.load("r9", str(tmp_path))
+    assert j is None or j.state not in ("gone", "confirmed")
+
+    fake.page = None
+    out = stop_meter(_step(api, str(tmp_path), shown))
+    assert out.kind == "confirmed" and fake.stops() == 1
+
+
+@pytest.mark.parametrize("api", list(APIS))
+def test_fake_provider_polled_show_200_that_is_no_json_is_unresolved_not_confirmed(
+    fakes: Dict[str, FakeApi], tmp_path: Any, api: str
+) -> None:
+    """The stop was accepted, then every show answers a maintenance page: rgt cannot tell
+    whether the box is gone, so the end is unresolved (exit 17), never confirmed."""
+    fake = fakes[api]
+    fake.page, fake.page_after_stop = PAGE, True
+    with pytest.raises(MeterUnresolved) as info:
+        stop_meter(_step(api, str(tmp_path), [], wait="0.5"))
+    assert info.value.exit_code == 17
+    assert "may still be billing" in info.value.what and "not a JSON object" in info.value.what
+    j = journal.load("r9", str(tmp_path))
+    assert j is not None and j.state == "unresolved"
+    fake.page = None  # the API reads again: a second down polls only and confirms
+    assert stop_meter(_step(api, str(tmp_path), [])).kind == "confirmed"
+    assert fake.stops() == 1
+
+
+@pytest.mark.parametrize("doc", [b"{}", b'{"success": false, "error": "busy"}'])
+def test_fake_vast_show_without_instances_is_not_gone(
+    fakes: Dict[str, FakeApi], tmp_path: Any, doc: bytes
+) -> None:
+    """vast.ai's not-found is "instances": null; a document with no "instances" at all is not
+    it: the instance is still listed, and the destroy is not confirmed by it."""
+    fake = fakes["vastai"]
+    fake.page = doc
+    with pytest.raises(MeterUnresolved) as info:
+        stop_meter(_step("vastai", str(tmp_path), [], wait="0.5"))
+    assert info.value.exit_code == 17 and "may still be billing" in info.value.what
+    j = journal.load("r9", str(tmp_path))
+    assert j is not None and j.state == "unresolved"
+
+
+def test_fake_runpod_down_with_a_maintenance_page_keeps_the_record(
+    box: Box, tmp_path: Any, fakes: Dict[str, FakeApi]
+) -> None:
+    """Through down: RunPod's show answers an HTML page with 200. down fails unresolved (exit
+    17) and keeps the run's record, so that a later down can still terminate the pod."""
+    fake = fakes["runpod"]
+    fake.page = PAGE
+    rec = _record(box, "runpod", IDS["runpod"])
+    pull(rec, str(tmp_path / "dest"), "store")
+    shown: List[str] = []
+    with pytest.raises(MeterUnresolved) as info:
+        down(rec, yes=True, interactive=False, ask=lambda p: "", show=shown.append)
+    assert info.value.exit_code == 17 and "nothing was sent" in info.value.what
+    assert not any("gone already" in line or " is down" in line for line in shown)
+    assert Registry().get(RUN).instance == IDS["runpod"] and fake.stops() == 0

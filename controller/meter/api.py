@@ -187,8 +187,9 @@ class Client:
     def stop(self, ident: str) -> None:
         raise NotImplementedError
 
-    def settled(self, seen: Seen, sent: bool) -> bool:
-        """Whether the meter is stopped; ``sent``: rgt's stop call has been sent."""
+    def settled(self, seen: Seen, accepted: bool) -> bool:
+        """Whether the meter is stopped; ``accepted``: the provider answered rgt's stop call
+        2xx (not merely sent: one answered 5xx or 404, or never answered, is not accepted)."""
         return seen.gone
 
 
@@ -227,9 +228,10 @@ class Vast(Client):
         status = _status(_field(doc, "instances", "actual_status"))
         return Seen(status == "destroyed", status)
 
-    def settled(self, seen: Seen, sent: bool) -> bool:
-        # "exited" before any destroy is a stopped container whose disk still bills.
-        return seen.gone or (sent and seen.status == "exited")
+    def settled(self, seen: Seen, accepted: bool) -> bool:
+        # "exited" is a stopped container whose disk still bills; only after the DELETE's 200
+        # is it the destroy on its way (VAST15), never after one answered 5xx or not at all.
+        return seen.gone or (accepted and seen.status == "exited")
 
     def stop(self, ident: str) -> None:
         call("DELETE", self._url(f"/instances/{ident}/"), self.key, self.timeout)
@@ -259,7 +261,7 @@ class Paperspace(Client):
             return Seen(True, "not found (404)")
         return Seen(False, _status(_field(doc, "state")))
 
-    def settled(self, seen: Seen, sent: bool) -> bool:
+    def settled(self, seen: Seen, accepted: bool) -> bool:
         return seen.gone or seen.status == "off"
 
     def stop(self, ident: str) -> None:

@@ -7,7 +7,8 @@ States, in order:
     intent     about to send the call (written before it is sent; if rgt dies here the call
                may have gone out: a later down treats it as sent)
     not-sent   the request never reached the provider: nothing changed, it may be sent again
-    sent       the provider accepted it (2xx), or its outcome is unknown (``unknown`` true)
+    sent       the provider accepted it (2xx: ``accepted`` true), or its outcome is unknown
+               (``unknown`` true), or it answered 404
     refused    the provider said no (4xx): nothing changed
     gone       the resource was gone before any call (already gone)
     confirmed  polled until the provider no longer has it (or, for a reversible verb, it is off)
@@ -53,6 +54,7 @@ class Journal:
     state: str = "intent"
     unknown: bool = False  # the call was sent and no answer came
     events: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
+    accepted: bool = False  # the provider answered the call 2xx (vast.ai's "exited": VAST15)
 
     def note(self, state: str, what: str) -> None:
         assert state in STATES, state
@@ -91,6 +93,7 @@ def load(name: str, home: Optional[str] = None) -> Optional[Journal]:
             str(doc["state"]),
             bool(doc.get("unknown")),
             list(doc.get("events") or []),
+            bool(doc.get("accepted")),  # absent from an older journal: not accepted
         )
     except (KeyError, TypeError) as e:
         raise IntegrityError(f"the meter journal {path} is malformed ({e!r})") from None

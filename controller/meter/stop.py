@@ -165,7 +165,7 @@ def _first(step: Step, c: Client, j: journal.Journal) -> Outcome:
             f"{where}: {c.title}'s API did not answer ({e}); nothing was sent",
             f"run rgt down {step.run} again",
         ) from None
-    if c.settled(seen, sent=False):
+    if c.settled(seen, accepted=False):
         was = "gone" if seen.gone else seen.status
         what = f"the {step.noun} {ident} was {was} already ({seen.status}): nothing sent"
         j.note("gone", what)
@@ -193,6 +193,7 @@ def _first(step: Step, c: Client, j: journal.Journal) -> Outcome:
         j.unknown = True
         j.note("sent", f"no answer ({e}): the outcome is unknown; polling, never re-sending")
     else:
+        j.accepted = True
         j.note("sent", "accepted")
     return _poll(step, c, j)
 
@@ -217,7 +218,7 @@ def _poll(step: Step, c: Client, j: journal.Journal) -> Outcome:
         except (Answered, NotSent, NoAnswer) as e:
             last = str(e)
         else:
-            if c.settled(seen, sent=True):
+            if c.settled(seen, accepted=j.accepted):
                 what = f"the {step.noun} {j.instance}: {j.verb} confirmed, {seen.status}"
                 what += f" ({polls} poll{'' if polls == 1 else 's'})"
                 j.note("confirmed", what)

@@ -72,9 +72,10 @@ SHOW = {
 class FakeApi:
     """One provider's API: ``present`` (does it have the resource), ``linger`` (how many shows
     after the stop still list it as running), ``stop_mode`` ("ok", "drop": read the request and
-    close the connection without an answer, or an HTTP status to answer with), ``page`` (raw
-    bytes the show answers with HTTP 200 instead of the API's document, as a proxy's maintenance
-    page does; from the start, or only once stopped when ``page_after_stop``)."""
+    close the connection without an answer, or an HTTP status to answer with), ``exited`` (a
+    vast.ai instance that was stopped, not destroyed: its disk still bills), ``page`` (raw bytes
+    the show answers with HTTP 200 instead of the API's document, as a proxy's maintenance page
+    does; from the start, or only once stopped when ``page_after_stop``)."""
 
     def __init__(self, api: str) -> None:
         self.api = api
@@ -82,6 +83,7 @@ class FakeApi:
         self.linger = 0
         self.stop_mode: Any = "ok"
         self.stopped = False
+        self.exited = False
         self.page: Optional[bytes] = None
         self.page_after_stop = False
         self.requests: List[Tuple[str, str, str, Any]] = []
@@ -154,7 +156,8 @@ class FakeApi:
             if not self.present:
                 return 200, {"instances": None}
             if running:
-                return 200, {"instances": {"id": 4242, "actual_status": "running"}}
+                status = "exited" if self.exited else "running"
+                return 200, {"instances": {"id": 4242, "actual_status": status}}
             # VAST15: after the destroy's 200 it still shows, exited, then null.
             return 200, {"instances": {"id": 4242, "actual_status": "exited"}}
         if self.api == "lambda":
@@ -372,6 +375,10 @@ def test_fake_provider_dropped_stop_is_unresolved_and_never_resent(
     with pytest.raises(MeterUnresolved):
         stop_meter(_step(api, str(tmp_path), shown, wait="0.5"))
     fake.linger = 0
+    if api == "vastai":  # VAST15: after a DELETE with no answer, "exited" is not gone yet
+        with pytest.raises(MeterUnresolved, match="still listed: exited"):
+            stop_meter(_step(api, str(tmp_path), shown, wait="0.5"))
+        fake.present = False  # "instances": null
     assert stop_meter(_step(api, str(tmp_path), shown)).kind == "confirmed"
     assert fake.stops() == 1
 
@@ -454,7 +461,7 @@ def test_fake_runpod_bad_instance_id_is_refused_before_anything(
     assert all(not f.requests for f in fakes.values())
 
 
-# ---- what is not gone: an answer rgt cannot read
+# ---- what is not gone: an answer rgt cannot read, and a vast.ai instance only exited
 
 PAGE = b"<html><body>503 upstream maintenance, try again later</body></html>"
 
@@ -534,3 +541,38 @@ def test_fake_runpod_down_with_a_maintenance_page_keeps_the_record(
     assert info.value.exit_code == 17 and "nothing was sent" in info.value.what
     assert not any("gone already" in line or " is down" in line for line in shown)
     assert Registry().get(RUN).instance == IDS["runpod"] and fake.stops() == 0
+
+
+@pytest.mark.parametrize("stop_mode", [500, 404, "drop"])
+def test_fake_vast_exited_instance_is_not_destroyed_unless_the_delete_was_accepted(
+    fakes: Dict[str, FakeApi], tmp_path: Any, stop_mode: Any
+) -> None:
+    """VAST15: "exited" counts as destroyed only after the DELETE's 200. An exited instance
+    (its disk still bills) whose DELETE was answered 500 or 404, or never answered, is
+    unresolved (exit 17), on this down and on the next one, until vast.ai says it is gone."""
+    fake = fakes["vastai"]
+    fake.exited, fake.stop_mode, fake.linger = True, stop_mode, 10**6
+    with pytest.raises(MeterUnresolved) as info:
+        stop_meter(_step("vastai", str(tmp_path), [], wait="0.5"))
+    assert info.value.exit_code == 17
+    assert "still listed: exited" in info.value.what and "may still be billing" in info.value.what
+    j = journal.load("r9", str(tmp_path))
+    assert j is not None and j.state == "unresolved"
+    with pytest.raises(MeterUnresolved):  # a second down polls, and exited is still not gone
+        stop_meter(_step("vastai", str(tmp_path), [], wait="0.5"))
+    fake.present = False  # "instances": null
+    assert stop_meter(_step("vastai", str(tmp_path), [])).kind == "confirmed"
+    assert fake.stops() == 1
+
+
+def test_fake_vast_exited_after_an_accepted_delete_is_confirmed_by_a_later_down(
+    fakes: Dict[str, FakeApi], tmp_path: Any
+) -> None:
+    """The DELETE's 200 is journaled: a second down that finds the instance exited confirms."""
+    fake = fakes["vastai"]
+    fake.linger = 10**6  # still listed running after the accepted DELETE
+    with pytest.raises(MeterUnresolved, match="it was accepted"):
+        stop_meter(_step("vastai", str(tmp_path), [], wait="0.5"))
+    fake.linger = 0  # VAST15: now it shows exited
+    out = stop_meter(_step("vastai", str(tmp_path), []))
+    assert out.kind == "confirmed" and "exited" in out.what and fake.stops() == 1

@@ -135,6 +135,9 @@ def find_attempt(
     ``leader`` or from one of ``roots`` (the shim, a child subreaper that adopts orphans;
     descent also finds a process that called setproctitle, which blanks /proc/PID/environ).
     The roots themselves are not included.
+
+    The session and group are matched by the leader's pid, which is reused once the leader
+    and every member are gone: see ``_own_group``.
     """
     want_key, want_value = var.encode(), value.encode()
     me = os.getpid()
@@ -144,7 +147,7 @@ def find_attempt(
         if st is not None and st.state not in ("Z", "X"):
             stats[pid] = st
     anchors = {r.pid for r in (leader, *roots) if r is not None and is_alive(r)}
-    group = leader.pid if leader is not None else None
+    group = _own_group(leader)
     excluded = {me} | {r.pid for r in roots if r is not None}
     found = []
     for pid, st in stats.items():
@@ -163,6 +166,23 @@ def find_attempt(
         if hit:
             found.append(Identity(pid, st.start_ticks))
     return found
+
+
+def _own_group(leader: Optional[Identity]) -> Optional[int]:
+    """The session and group id of ``leader``'s attempt, or None when that id may be another's.
+
+    Called after every stat of the scan is read. While the group or session has a member, its
+    id cannot be given to a new process, so a process whose sid/pgid is the leader's pid is
+    ours while that pid is free or still the leader's (a zombie too). A live process holding
+    the pid with another start time means the id was freed and reused: a session or group of
+    that id is then the new process's, however alike it looks, and is never matched.
+    """
+    if leader is None:
+        return None
+    st = read_stat(leader.pid)
+    if st is not None and st.start_ticks != leader.start_ticks:
+        return None
+    return leader.pid
 
 
 def boot_id() -> str:

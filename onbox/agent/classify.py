@@ -39,6 +39,7 @@ class Kind(str, enum.Enum):
     PYTHON_EXCEPTION = "python_exception"
     COMMAND_NOT_FOUND = "command_not_found"
     SIGNAL = "signal"
+    CRASHED = "crashed"  # ended by a signal of its own fault: SIGSEGV, SIGABRT, ...
     EXIT_CODE = "exit_code"
     UNKNOWN = "unknown"
     # Ended by the agent on a probe's word (onbox/health/): a hang, or a training signal whose
@@ -79,6 +80,22 @@ _IMPORT = {"ImportError", "ModuleNotFoundError"}
 _SHELL_SIGNALS = {
     128 + int(s) for s in (signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 }
+# Signals a process gets for its own fault: a bad memory access (a C extension's segfault), an
+# abort() (a failed assertion in native code), a bad instruction, a trap or a forbidden system
+# call. The job crashed: a restart runs the same code, so it spends the error budget. Any other
+# signal came from outside (a stop, a preemption, a person, SIGKILL not by the OOM killer).
+_CRASH_SIGNALS = frozenset(
+    int(s)
+    for s in (
+        signal.SIGSEGV,
+        signal.SIGABRT,
+        signal.SIGBUS,
+        signal.SIGFPE,
+        signal.SIGILL,
+        signal.SIGSYS,
+        signal.SIGTRAP,
+    )
+)
 
 
 def _signame(sig: int) -> str:
@@ -212,6 +229,37 @@ def _exception_verdict(tail: str, sig: Optional[int], step: Optional[int]) -> Op
     return None
 
 
+def _signal_verdict(status: ExitStatus, step: Optional[int]) -> Optional[Verdict]:
+    """The end's verdict when a signal ended the job (or the shell that ran it said so with
+    128 + N); None otherwise. A signal of the job's own fault is a crash, any other an end from
+    outside."""
+    code, sig = status.code, status.signal
+    if sig is not None:
+        n, said = sig, ""
+    elif code is not None and (code in _SHELL_SIGNALS or code - 128 in _CRASH_SIGNALS):
+        n, said = code - 128, f" (a shell's exit code {code})"
+    else:
+        return None
+    if n in _CRASH_SIGNALS:
+        return Verdict(
+            Kind.CRASHED,
+            f"crashed with signal {n} ({_signame(n)}){said}",
+            "the job's own code failed (native code: a C extension, a library, an abort()): look "
+            "at the end of the job's log for the fatal error and stack trace, or at a core dump",
+            "permanent",
+            Budget.ERROR,
+            step=step,
+        )
+    return Verdict(
+        Kind.SIGNAL,
+        f"killed by signal {n} ({_signame(n)})",
+        "something outside the job ended it; rgt restarts it with resume",
+        "transient",
+        Budget.PREEMPT,
+        step=step,
+    )
+
+
 def classify(
     status: ExitStatus,
     tail: str,
@@ -249,16 +297,9 @@ def classify(
         verdict = _exception_verdict(tail, sig, step)
     if verdict is not None:
         return verdict
-    if sig is not None or (code is not None and code in _SHELL_SIGNALS):
-        n = sig if sig is not None else (code or 0) - 128
-        return Verdict(
-            Kind.SIGNAL,
-            f"killed by signal {n} ({_signame(n)})",
-            "something outside the job ended it; rgt restarts it with resume",
-            "transient",
-            Budget.PREEMPT,
-            step=step,
-        )
+    verdict = _signal_verdict(status, step)
+    if verdict is not None:
+        return verdict
     return Verdict(
         Kind.EXIT_CODE,
         f"exited with code {code}",

@@ -68,6 +68,57 @@ def test_kinds(status: ExitStatus, tail: str, kind: Kind, budget: Budget) -> Non
         assert v.remedy
 
 
+@pytest.mark.parametrize(
+    "sig",
+    [
+        signal.SIGSEGV,
+        signal.SIGABRT,
+        signal.SIGBUS,
+        signal.SIGFPE,
+        signal.SIGILL,
+        signal.SIGSYS,
+        signal.SIGTRAP,
+    ],
+    ids=lambda s: signal.Signals(s).name,
+)
+def test_a_signal_of_the_jobs_own_fault_is_a_crash_on_the_error_budget(sig: int) -> None:
+    name = signal.Signals(sig).name
+    for status, said in (
+        (ExitStatus(signal=sig), f"crashed with signal {sig} ({name})"),
+        (ExitStatus(code=128 + sig), f"crashed with signal {sig} ({name}) (a shell's exit code"),
+    ):
+        v = classify(status, "step 40\nFatal Python error: Segmentation fault\n")
+        assert (v.kind, v.budget, v.klass) == (Kind.CRASHED, Budget.ERROR, "permanent"), status
+        assert v.reason.startswith(said), v.reason
+        assert "log" in v.remedy and "core dump" in v.remedy
+        assert v.step == 40 and not v.deterministic
+
+
+def test_abort_after_a_printed_traceback_is_still_a_crash() -> None:
+    v = classify(ExitStatus(signal=signal.SIGABRT), TB + "RuntimeError: caught, then abort\n")
+    assert (v.kind, v.budget) == (Kind.CRASHED, Budget.ERROR)
+
+
+@pytest.mark.parametrize(
+    "status",
+    [
+        ExitStatus(signal=signal.SIGTERM),
+        ExitStatus(signal=signal.SIGINT),
+        ExitStatus(signal=signal.SIGHUP),
+        ExitStatus(signal=signal.SIGQUIT),
+        ExitStatus(signal=signal.SIGKILL),
+        ExitStatus(code=128 + signal.SIGTERM),
+        ExitStatus(code=128 + signal.SIGKILL),
+        ExitStatus(code=128 + signal.SIGINT),
+        ExitStatus(code=128 + signal.SIGHUP),
+    ],
+)
+def test_a_signal_from_outside_is_a_preemption(status: ExitStatus) -> None:
+    v = classify(status, "")
+    assert (v.kind, v.budget, v.klass) == (Kind.SIGNAL, Budget.PREEMPT, "transient")
+    assert v.reason.startswith("killed by signal ")
+
+
 def test_oom_killer_needs_the_cgroup_count_to_rise() -> None:
     killed = ExitStatus(signal=signal.SIGKILL)
     assert classify(killed, "", oom_kills_rose=True).kind == Kind.OOM_KILLED

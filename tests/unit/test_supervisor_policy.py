@@ -206,6 +206,32 @@ def test_fake_clock_oom_kill_spends_the_error_budget() -> None:
 
 
 @pytest.mark.parametrize(
+    "how",
+    [{"sig": signal.SIGABRT}, {"sig": signal.SIGSEGV}, {"code": 128 + signal.SIGSEGV}],
+)
+def test_fake_clock_a_crash_by_a_signal_of_its_own_spends_the_error_budget(
+    how: Dict[str, int],
+) -> None:
+    """os.abort(), a C extension's segfault (or a shell's 139 for one): the job's own failure,
+    so max_error_restarts ends the crash loop, not the preemption budget of 100."""
+    rig = Rig(start_grace=1.0, max_error_restarts=1)
+    rig.sup.begin()
+    rig.run_for(2.0)
+    rig.exit(output="step 1\nFatal Python error: Aborted\n", **how)
+    assert rig.sup.state == State.BACKOFF
+    assert (rig.sup.error_restarts, rig.sup.preempt_restarts) == (1, 0)
+    assert rig.sup.last_exit is not None and rig.sup.last_exit["kind"] == "crashed"
+    rig.sup.tick()
+    rig.run_for(2.0)
+    rig.exit(output="step 1\nFatal Python error: Aborted\n", **how)
+    assert rig.sup.state == State.FAILED and rig.runner.spawned == [1, 2]
+    last = rig.journal.events[-1]
+    assert "crashed with signal" in last["reason"], last
+    assert "error restart budget spent (1/1)" in last["reason"], last
+    assert last["class"] == "permanent" and "core dump" in last["remedy"], last
+
+
+@pytest.mark.parametrize(
     "output",
     [
         '  File "train.py", line 3\n    def f(:\n          ^\nSyntaxError: invalid syntax\n',

@@ -18,8 +18,8 @@ from tests.conftest import require
 NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
 
 # Forks until a child gets the pid asked for (other processes fork too), makes that child a
-# session and group leader running sleep, prints its pid and reaps it: the squatter never
-# outlives its parent by more than SECS, and never becomes anybody else's zombie.
+# session and group leader running sleep, prints its pid once it leads them, and reaps it: the
+# squatter never outlives its parent by more than SECS, and never becomes anybody's zombie.
 _TAKER = r"""
 import os, sys
 target, secs = int(sys.argv[1]), sys.argv[2]
@@ -30,16 +30,21 @@ for _ in range(2000):
     except OSError as e:
         print("ns_last_pid:", e, flush=True)
         sys.exit(2)
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         if os.getpid() != target:
             os._exit(0)
         os.setsid()
+        os.write(w, b"x")  # a session leader now: only then is it handed to the test
         os.execve("/bin/sleep", ["sleep", secs], {"PATH": "/usr/bin:/bin"})
+    os.close(w)
     if pid == target:
+        os.read(r, 1)
         print(pid, flush=True)
         os.waitpid(pid, 0)
         sys.exit(0)
+    os.close(r)
     os.waitpid(pid, 0)
 print("pid", target, "was never handed out", flush=True)
 sys.exit(1)

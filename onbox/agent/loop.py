@@ -171,7 +171,7 @@ class Agent:
         if self.seal is None:
             return
         try:
-            self.seal.start(begin=begin)
+            self.seal.start(begin=begin, adopting=self.adopted)
         except RgtError as e:
             if begin:
                 self._fail_to_begin(e, power_on)

@@ -87,8 +87,11 @@ def stop_run(rd: RunDir, grace: Optional[float]) -> Dict[str, Any]:
 
 
 def _seal_here(rd: RunDir, spec: JobSpec) -> Store:
-    """With no agent: take the run's lock and seal its pending checkpoints as its writer."""
+    """With no agent: take the run's lock and seal its pending checkpoints as its writer, in
+    a new epoch; or, when another box has taken the run over since this box's last writer,
+    write nothing to the store and raise Superseded (onbox/agent/ownership.py)."""
     from onbox.agent.journal import FileJournal
+    from onbox.agent.ownership import Superseded, take_epoch_here
     from onbox.sealing.sealer import Sealer
     from onbox.sealing.stores import open_store
 
@@ -97,7 +100,14 @@ def _seal_here(rd: RunDir, spec: JobSpec) -> Store:
     try:
         journal = FileJournal(rd.state, rd.events, rd.agent_log)
         store = open_store(spec.store)
-        sealer = Sealer.for_run(rd, store, spec.ckpt_dir, keep=spec.keep, event=journal.event)
+        try:
+            epoch = take_epoch_here(store, rd, going_on=True)
+        except Superseded as e:
+            e.tell(journal.event)
+            raise
+        sealer = Sealer.for_run(
+            rd, store, spec.ckpt_dir, keep=spec.keep, event=journal.event, epoch=epoch
+        )
         sealer.load()
         sealer.seal_pending()
     finally:

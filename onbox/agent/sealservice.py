@@ -1,15 +1,16 @@
 """Sealing inside the agent: when it runs, at what priority, and what happens at the edges.
 
-``SealService`` is the agent's ``Hooks``. At agent start it takes a new epoch in the store,
-aborts uploads a dead agent left half-done, and (for a new incarnation) restores the newest
-verified checkpoint onto a box that lacks it. Then a background thread, at lower CPU and IO
-priority than the job, seals new complete checkpoints as they appear (a periodic scan), asks
-the job to checkpoint on its declared trigger every ``checkpoint.interval`` (``"auto"``: what
-onbox/agent/interval.py recomputes after each pass from the run's history), and mirrors the
-run's state and events to the store. On preemption it asks the job for a final checkpoint and
-seals it only if the measured throughput says it fits in the budget; on success it runs the
-completion seal (onbox/agent/completion.py: the last checkpoints, results, outputs, logs, then
-DONE.json).
+``SealService`` is the agent's ``Hooks``. At agent start it takes a new epoch in the store (an
+agent that adopts a run takes none when another box took the run over: onbox/agent/ownership.py;
+it then writes nothing to the store), aborts uploads a dead agent left half-done, and (for a new
+incarnation) restores the newest verified checkpoint onto a box that lacks it. Then a
+background thread, at lower CPU and IO priority than the job, seals new complete checkpoints as
+they appear (a periodic scan), asks the job to checkpoint on its declared trigger every
+``checkpoint.interval`` (``"auto"``: what onbox/agent/interval.py recomputes after each pass
+from the run's history), and mirrors the run's state and events to the store. On preemption it
+asks the job for a final checkpoint and seals it only if the measured throughput says it fits in
+the budget; on success it runs the completion seal (onbox/agent/completion.py: the last
+checkpoints, results, outputs, logs, then DONE.json).
 
 Nothing leaves the box with a secret in it unnoticed: the mirror of state and events goes
 through the redactor (onbox/common/redact.py), and the completion seal seals a job's log that
@@ -31,6 +32,7 @@ from onbox.agent.completion import Completion
 from onbox.agent.interval import AutoInterval, load_history
 from onbox.agent.journal import FileJournal, read_events
 from onbox.agent.meter import final_seal
+from onbox.agent.ownership import Superseded, take_epoch_here
 from onbox.agent.seams import Hooks
 from onbox.agent.spec import JobSpec
 from onbox.common import redact
@@ -40,7 +42,6 @@ from onbox.common.rundir import RunDir
 from onbox.health.verdict import SealView
 from onbox.sealing import manifest as mf
 from onbox.sealing.discovery import newest_local_step
-from onbox.sealing.ledger import take_epoch
 from onbox.sealing.restore import restore_latest
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
@@ -109,10 +110,15 @@ class SealService(Hooks):
         self.journal.event(kind, reason, klass=klass, remedy=remedy, **data)
 
     # ---- start
-    def start(self, begin: bool) -> None:
-        """Epoch, stale uploads, restore (``begin``: a new incarnation), then the thread."""
+    def start(self, begin: bool, adopting: bool = False) -> None:
+        """Epoch, stale uploads, restore (``begin``: a new incarnation), then the thread. An
+        ``adopting`` agent whose run another box took over starts none of it (``superseded``)."""
         run = self.spec.name
-        epoch = take_epoch(self.store, run)
+        try:
+            epoch = take_epoch_here(self.store, self.rd, going_on=adopting)
+        except Superseded as e:
+            e.tell(self.event)
+            return  # no sealer, no thread: nothing of this agent reaches the store
         aborted = self.store.abort_stale_uploads(f"{run}/")
         if aborted:
             self.event(
@@ -342,8 +348,8 @@ class SealService(Hooks):
         """The run's state and events in the store, so status is readable without the box;
         with ``health``, the health samples too (megabytes: once a minute, and when the agent
         leaves, never inside a preemption's budget)."""
-        if self.sealer is not None and self.sealer.stale:
-            return  # a newer epoch's agent mirrors the run now; ours would overwrite its state
+        if self.sealer is None or self.sealer.stale:
+            return  # no writer (superseded), or a newer epoch's agent mirrors the run now
         files = [("state.json", self.rd.state)]
         if self.auto is None or self.auto.settled:  # else the store's copy holds the history
             files.append(("events.jsonl", self.rd.events))

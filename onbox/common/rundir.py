@@ -12,6 +12,7 @@ $RGT_HOME/                      RGT_HOME defaults to ~/.rgt
     checkpoint.request          written by the agent to ask the job for a checkpoint (trigger
                                 "file"; the training API watches it)
     sealer.json                 the sealer's memory of in-place checkpoint sequences
+    epoch.json                  the epoch this box's newest writer of the run took in the store
     staging/                    the sealer's copies of files it uploads (step-N/, logs/)
     attempts/NNNN/output.log    the job's stdout+stderr, unaltered
     attempts/NNNN/output.redacted.log   a copy with each secret masked, for `rgt pull`, when
@@ -128,6 +129,11 @@ class RunDir:
     def sealer_state(self) -> str:
         """The sealer's memory of in-place checkpoint sequences (``ckpt.pt`` rewritten)."""
         return os.path.join(self.path, "sealer.json")
+
+    @property
+    def epoch_record(self) -> str:
+        """The epoch this box's newest writer of the run took (onbox/agent/ownership.py)."""
+        return os.path.join(self.path, "epoch.json")
 
     @property
     def staging(self) -> str:

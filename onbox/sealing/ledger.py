@@ -2,9 +2,10 @@
 stands (LATEST), and what goes (pins, pruning, quarantine).
 
 One writer per run, fenced at every write. Each agent start takes a new epoch (``epochs/<n>``,
-created if absent: ``take_epoch``); the newest epoch owns the run. An agent that lost it (a
-preempted box come back, an agent frozen mid-upload while a new box took over) is kept from
-doing harm this way:
+created if absent: ``take_epoch``; one that goes on from an epoch it took before takes the next
+only while none newer exists: ``take_epoch_after``); the newest epoch owns the run. An agent
+that lost it (a preempted box come back, an agent frozen mid-upload while a new box took over)
+is kept from doing harm this way:
 
 - objects: the files of checkpoint S sealed by epoch E go under ``checkpoints/S/eE/``, a prefix
   no other epoch writes, and dedupe only against objects of E (onbox/sealing/sealer.py); so no
@@ -111,21 +112,33 @@ def flag_quarantined(store: Store, run: str, step: int, reason: str) -> None:
     with_retries(lambda: store.put_bytes(mf.quarantine_key(run, step), record.encode()))
 
 
+def _create_epoch(store: Store, run: str, n: int) -> bool:
+    """Create ``epochs/<n>`` for this process; False when another writer has it already."""
+    doc = {"epoch": n, "pid": os.getpid(), "host": os.uname().nodename, "at": time.time()}
+    try:
+        store.put_bytes(mf.epoch_key(run, n), json.dumps(doc).encode(), if_absent=True)
+        return True
+    except PreconditionFailed:
+        return False
+
+
 def take_epoch(store: Store, run: str) -> int:
     """A new epoch for this agent start: the first to create ``epochs/<n>`` owns ``n``."""
     n = newest_epoch(store, run) + 1
-    while True:
-        try:
-            store.put_bytes(
-                mf.epoch_key(run, n),
-                json.dumps(
-                    {"epoch": n, "pid": os.getpid(), "host": os.uname().nodename, "at": time.time()}
-                ).encode(),
-                if_absent=True,
-            )
-            return n
-        except PreconditionFailed:
-            n += 1
+    while not _create_epoch(store, run, n):
+        n += 1
+    return n
+
+
+def take_epoch_after(store: Store, run: str, own: int) -> Optional[int]:
+    """A new epoch that goes on from ``own`` (the one this box's last writer of the run took),
+    or None, taking none, when a newer epoch than ``own`` exists: another writer has taken the
+    run over. Created only if absent: one that took the next number first is the newer one."""
+    newest = newest_epoch(store, run)
+    if newest > own:
+        return None
+    n = max(newest, own) + 1
+    return n if _create_epoch(store, run, n) else None
 
 
 class Ledger:

@@ -14,8 +14,9 @@ I3), by B's epoch (I5, I6); B's sealed checkpoints are unchanged and step 10 sti
 
 from __future__ import annotations
 
+import json
 import time
-from typing import Any, List
+from typing import Any, Dict, List, Optional
 
 import pytest
 
@@ -215,6 +216,88 @@ def test_a_stale_agent_whose_job_succeeds_writes_no_done_json(
         b.kill_all()
         chk.assert_writer(b.epochs(run))
         chk.assert_visible_verify()
+        chk.assert_restorable(backend.env, str(tmp_path / "fresh"))
+    finally:
+        a.kill_all()
+        b.kill_all()
+
+
+# ---- the old box going on with a run a newer box took over
+
+
+def _store_epochs(backend: Backend, run: str) -> List[int]:
+    keys = backend.view.objects(f"{run}/epochs/")
+    return sorted(int(k.rsplit("/", 1)[1]) for k in keys if k.rsplit("/", 1)[1].isdigit())
+
+
+def _mirrored_state(backend: Backend, run: str) -> Dict[str, Any]:
+    """The run's state as mirrored to the store (what `rgt status` reads, the box silent)."""
+    data = backend.view.read(f"{run}/state/state.json")
+    return dict(json.loads(data)) if data else {}
+
+
+def _mirrored_by(backend: Backend, run: str, pid: Optional[int]) -> bool:
+    return pid is not None and (_mirrored_state(backend, run).get("agent") or {}).get("pid") == pid
+
+
+@pytest.mark.parametrize("command", ["stop", "sync", "start"])
+def test_the_old_box_going_on_with_a_run_taken_over_leaves_the_store_to_the_new_box(
+    tmp_path: Any, backend: Backend, run_name: str, command: str
+) -> None:
+    """Box A dies whole (its state.json still says RUNNING); box B takes the run over. Then on
+    box A, with no agent alive: `rgt-agent stop` (it finishes the stop in-process, through the
+    adopt path), `rgt-agent sync` (it seals from the command) or `rgt-agent start` (its agent
+    adopts the run). None may take an epoch over B's: each says `superseded` and writes nothing
+    to the store, and B goes on sealing. (They took a new epoch: B went stale for good and
+    never sealed again.)"""
+    run, chk = run_name, backend.checker(run_name)
+    a, b = Box(str(tmp_path), "box-a", backend.env), Box(str(tmp_path), "box-b", backend.env)
+    try:
+        a.start(run, backend.url, _job(a, "10,30", "A"))
+        a.open_gate(10)
+        wait(lambda: _latest_is(backend, run, 10, a.epoch(run)), 60, "A to seal step 10")
+        epoch_a = a.epoch(run)
+        a.kill_all()  # box A is gone with its agent, shim and job
+        b.start(run, backend.url, _job(b, "10,30", "B"))
+        epoch_b = b.wait_epoch(run)
+        wait(lambda: "restored" in b.kinds(run), 60, "B to restore step 10")
+        b_pid = b.wait_agent(run)
+        wait(lambda: _mirrored_by(backend, run, b_pid), 30, "B to mirror its state")
+        seen_a = len(a.events(run))
+        if command == "start":
+            a.restart(run, check=False)
+            wait(
+                lambda: {"superseded", "epoch"} & set(a.kinds(run)[seen_a:]),
+                30,
+                "A's new agent to adopt the run",
+            )
+        else:
+            args = ["--grace", "0"] if command == "stop" else []
+            p = a.cli(command, run, *args, timeout=90)
+        assert _store_epochs(backend, run) == [epoch_a, epoch_b], "box A took an epoch"
+        if command == "stop":  # the stop itself is done all the same
+            assert p.returncode == 0 and a.state(run) == "STOPPED", (p.stdout, p.stderr)
+        elif command == "sync":  # one line, and an exit code that says nothing was sealed
+            assert p.returncode == 7, (p.returncode, p.stdout, p.stderr)
+            line = p.stderr.strip()
+            assert "\n" not in line and "taken over" in line and f"epoch {epoch_b}" in line, line
+        assert _mirrored_by(backend, run, b_pid), _mirrored_state(backend, run)
+        b.open_gate(30)
+        wait(
+            lambda: _latest_is(backend, run, 30, epoch_b),
+            60,
+            f"B to go on sealing (step 30)\n{b.diagnose(run)}",
+        )
+        said = [e for e in a.events(run)[seen_a:] if e["kind"] == "superseded"]
+        assert len(said) == 1, a.events(run)[seen_a:]
+        assert (said[0]["epoch"], said[0]["newer_epoch"], said[0]["class"]) == (
+            epoch_a,
+            epoch_b,
+            "permanent",
+        ), said
+        assert "stale_epoch" not in b.kinds(run)
+        b.kill_all()
+        chk.assert_writer([epoch_b])
         chk.assert_restorable(backend.env, str(tmp_path / "fresh"))
     finally:
         a.kill_all()

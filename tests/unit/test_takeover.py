@@ -1,0 +1,88 @@
+"""A box's writer after another box took its run over, on a real ``file://`` store: the epoch
+a writer that goes on with the run here takes (onbox/agent/ownership.py, the ledger's
+``take_epoch_after``). The agents' side, with real processes on two boxes, is in
+tests/chaos/test_two_writers.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, List
+
+import pytest
+
+from onbox.agent.ownership import Superseded, recorded_epoch, take_epoch_here
+from onbox.common.errors import UnsafeRefused
+from onbox.common.rundir import RunDir
+from onbox.sealing import ledger
+from onbox.sealing.ledger import newest_epoch, take_epoch, take_epoch_after
+from onbox.sealing.stores import open_store
+from onbox.sealing.stores.base import Store
+
+RUN = "r"
+
+
+@pytest.fixture
+def store(tmp_path: Any) -> Store:
+    return open_store(f"file://{tmp_path}/store")
+
+
+@pytest.fixture
+def rd(tmp_path: Any) -> RunDir:
+    rd = RunDir(RUN, str(tmp_path / "home"))
+    rd.create()
+    return rd
+
+
+def test_a_writer_going_on_here_takes_the_next_epoch_while_its_own_is_the_newest(
+    store: Store, rd: RunDir
+) -> None:
+    assert recorded_epoch(rd) is None
+    first = take_epoch_here(store, rd, going_on=True)  # nothing recorded: taken as before
+    assert first == 1 and recorded_epoch(rd) == 1
+    assert take_epoch_here(store, rd, going_on=True) == 2  # the respawned agent, this box
+    assert recorded_epoch(rd) == 2 and newest_epoch(store, RUN) == 2
+
+
+def test_a_writer_going_on_here_takes_none_over_another_boxs_newer_epoch(
+    store: Store, rd: RunDir
+) -> None:
+    assert take_epoch_here(store, rd, going_on=False) == 1
+    assert take_epoch(store, RUN) == 2  # box B took the run over
+    with pytest.raises(Superseded) as got:
+        take_epoch_here(store, rd, going_on=True)
+    e = got.value
+    assert isinstance(e, UnsafeRefused) and e.exit_code == 7
+    assert (e.own, e.newer) == (1, 2)
+    assert "epoch 2, host " in e.what and "epoch 1" in e.what and "\n" not in e.line()
+    assert newest_epoch(store, RUN) == 2 and recorded_epoch(rd) == 1  # nothing taken
+    said: List[Dict[str, Any]] = []
+    e.tell(lambda kind, reason, **kw: said.append({"kind": kind, "reason": reason, **kw}))
+    assert [(s["kind"], s["klass"], s["epoch"], s["newer_epoch"]) for s in said] == [
+        ("superseded", "permanent", 1, 2)
+    ]
+    # A new incarnation (`rgt-agent start` of an ended run) takes the run back, as before.
+    assert take_epoch_here(store, rd, going_on=False) == 3 and recorded_epoch(rd) == 3
+
+
+def test_the_next_epoch_taken_first_by_another_writer_is_a_newer_writer(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between the listing and the create, another box took the next number: it is the newer
+    writer, and this one takes none (not the number after it)."""
+    assert take_epoch(store, RUN) == 1
+    assert take_epoch(store, RUN) == 2
+    monkeypatch.setattr(ledger, "newest_epoch", lambda store, run: 1)  # listed before B's
+    assert take_epoch_after(store, RUN, 1) is None
+    monkeypatch.undo()
+    assert newest_epoch(store, RUN) == 2
+
+
+def test_the_epoch_of_a_run_begun_before_epoch_json_is_its_last_epoch_event(rd: RunDir) -> None:
+    with open(rd.events, "w") as f:
+        for ev in ({"kind": "epoch", "epoch": 3}, {"kind": "epoch", "epoch": 4}, {"kind": "x"}):
+            f.write(json.dumps(ev) + "\n")
+        f.write('{"kind": "epo')  # a torn last line
+    assert recorded_epoch(rd) == 4
+    with open(rd.epoch_record, "w") as f:
+        f.write('{"epoch": 5}')
+    assert recorded_epoch(rd) == 5

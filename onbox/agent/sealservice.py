@@ -7,10 +7,11 @@ incarnation) restores the newest verified checkpoint onto a box that lacks it. T
 background thread, at lower CPU and IO priority than the job, seals new complete checkpoints as
 they appear (a periodic scan), asks the job to checkpoint on its declared trigger every
 ``checkpoint.interval`` (``"auto"``: what onbox/agent/interval.py recomputes after each pass
-from the run's history), and mirrors the run's state and events to the store. On preemption it
-asks the job for a final checkpoint and seals it only if the measured throughput says it fits in
-the budget; on success it runs the completion seal (onbox/agent/completion.py: the last
-checkpoints, results, outputs, logs, then DONE.json).
+from the run's history), and mirrors the run's state and events to the store while this agent
+owns the run (onbox/agent/mirror.py). On preemption it asks the job for a final checkpoint and
+seals it only if the measured throughput says it fits in the budget; on success it runs the
+completion seal (onbox/agent/completion.py: the last checkpoints, results, outputs, logs, then
+DONE.json).
 
 Nothing leaves the box with a secret in it unnoticed: the mirror of state and events goes
 through the redactor (onbox/common/redact.py), and the completion seal seals a job's log that
@@ -32,10 +33,10 @@ from onbox.agent.completion import Completion
 from onbox.agent.interval import AutoInterval, load_history
 from onbox.agent.journal import FileJournal, read_events
 from onbox.agent.meter import final_seal
+from onbox.agent.mirror import StateMirror
 from onbox.agent.ownership import Superseded, take_epoch_here
 from onbox.agent.seams import Hooks
 from onbox.agent.spec import JobSpec
-from onbox.common import redact
 from onbox.common.errors import StoreError, event_class
 from onbox.common.libc import lower_thread_priority
 from onbox.common.rundir import RunDir
@@ -76,7 +77,7 @@ class SealService(Hooks):
         self._ask_lock = threading.Lock()
         self._stopping = False  # a stop or preemption has begun (on_stop_requested)
         self.auto: Optional[AutoInterval] = None  # checkpoint.interval = "auto"
-        self._mirrored: Dict[str, float] = {}
+        self._mirror = StateMirror(spec.name, rd, self.store)
         self._observer: Any = None
         self._sync_request: Optional[str] = None
         # Warnings for status (state.json's ``warnings``): the agent puts this very list into
@@ -347,30 +348,10 @@ class SealService(Hooks):
     def mirror(self, health: bool = False) -> None:
         """The run's state and events in the store, so status is readable without the box;
         with ``health``, the health samples too (megabytes: once a minute, and when the agent
-        leaves, never inside a preemption's budget)."""
-        if self.sealer is None or self.sealer.stale:
-            return  # no writer (superseded), or a newer epoch's agent mirrors the run now
-        files = [("state.json", self.rd.state)]
-        if self.auto is None or self.auto.settled:  # else the store's copy holds the history
-            files.append(("events.jsonl", self.rd.events))
-        if health:  # for `rgt report` when the box is gone (onbox/health/series.py)
-            files += [
-                (n, os.path.join(self.rd.health, n)) for n in ("samples.jsonl", "coarse.jsonl")
-            ]
-        for name, path in files:
-            try:
-                mtime = os.stat(path).st_mtime
-                if self._mirrored.get(name) == mtime:
-                    continue
-                with open(path, "rb") as f:
-                    data = f.read()
-            except OSError:
-                continue
-            # Written redacted by the journal; again here for lines written before a secret
-            # was added (`rgt-agent secrets` on a live run) or by an older agent.
-            data = redact.for_home(self.rd.home).redact_bytes(data)
-            self.store.put_bytes(mf.state_key(self.spec.name, name), data)
-            self._mirrored[name] = mtime
+        leaves, never inside a preemption's budget). Only while this agent owns the run: the
+        store's epochs are listed afresh before anything is put."""
+        events = self.auto is None or self.auto.settled  # else the store's copy is the history
+        self._mirror.write(self.sealer, events=events, health=health)
 
     def _stop_thread(self, deadline: Optional[float]) -> bool:
         """Stop the thread; True when it finished its current seal before ``deadline``."""

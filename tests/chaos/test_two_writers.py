@@ -302,3 +302,42 @@ def test_the_old_box_going_on_with_a_run_taken_over_leaves_the_store_to_the_new_
     finally:
         a.kill_all()
         b.kill_all()
+
+
+def test_a_superseded_agent_with_nothing_to_seal_never_mirrors_over_the_new_one(
+    tmp_path: Any, backend: Backend, run_name: str
+) -> None:
+    """Agent A lives on after box B took the run over, with no checkpoint to seal (the sealer
+    lists epochs/ only before a seal). Its mirror must find out by itself: with B's box gone
+    silent, stopping A leaves the store's state B's (RUNNING, B's agent) and its events B's,
+    not A's STOPPED, which `rgt status` would print for a run that goes on elsewhere."""
+    run = run_name
+    a, b = Box(str(tmp_path), "box-a", backend.env), Box(str(tmp_path), "box-b", backend.env)
+    try:
+        a.start(run, backend.url, _job(a, "10", "A"))  # its gate stays shut: nothing to seal
+        a.wait_epoch(run)
+        wait(lambda: _mirrored_by(backend, run, a.agent_pid(run)), 30, "A to mirror its state")
+        b.start(run, backend.url, _job(b, "10", "B"))
+        epoch_b = b.wait_epoch(run)
+        b_pid = b.wait_agent(run)
+        wait(
+            lambda: (
+                _mirrored_by(backend, run, b_pid)
+                and _mirrored_state(backend, run).get("state") == "RUNNING"
+            ),
+            30,
+            "B to mirror its state",
+        )
+        b.kill_all()  # box B goes silent: its last mirror stands for the run
+        time.sleep(2.0)  # A's passes go on meanwhile (scan 1s)
+        a.stop(run)
+        assert a.state(run) == "STOPPED"
+        doc = _mirrored_state(backend, run)
+        assert doc.get("state") == "RUNNING" and doc["agent"]["pid"] == b_pid, doc
+        events = backend.view.read(f"{run}/state/events.jsonl") or b""
+        assert f'"epoch": {epoch_b}'.encode() in events, "the store's events are not B's"
+        stale = [e for e in a.events(run) if e["kind"] == "stale_epoch"]
+        assert len(stale) == 1 and stale[0]["newer_epoch"] == epoch_b, stale
+    finally:
+        a.kill_all()
+        b.kill_all()

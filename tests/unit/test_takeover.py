@@ -1,20 +1,24 @@
 """A box's writer after another box took its run over, on a real ``file://`` store: the epoch
 a writer that goes on with the run here takes (onbox/agent/ownership.py, the ledger's
-``take_epoch_after``). The agents' side, with real processes on two boxes, is in
-tests/chaos/test_two_writers.py."""
+``take_epoch_after``), and the state mirror's own fence (onbox/agent/mirror.py). The agents'
+side of both, with real processes on two boxes, is in tests/chaos/test_two_writers.py."""
 
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Dict, List
 
 import pytest
 
+from onbox.agent.mirror import StateMirror
 from onbox.agent.ownership import Superseded, recorded_epoch, take_epoch_here
 from onbox.common.errors import UnsafeRefused
 from onbox.common.rundir import RunDir
 from onbox.sealing import ledger
+from onbox.sealing import manifest as mf
 from onbox.sealing.ledger import newest_epoch, take_epoch, take_epoch_after
+from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 
@@ -86,3 +90,39 @@ def test_the_epoch_of_a_run_begun_before_epoch_json_is_its_last_epoch_event(rd: 
     with open(rd.epoch_record, "w") as f:
         f.write('{"epoch": 5}')
     assert recorded_epoch(rd) == 5
+
+
+def _sealer(store: Store, rd: RunDir, events: List[str]) -> Sealer:
+    ckpt = os.path.join(rd.path, "ckpt")
+    os.makedirs(ckpt, exist_ok=True)
+    s = Sealer.for_run(rd, store, ckpt, keep=3, event=lambda k, r, **kw: events.append(k))
+    s.load()
+    return s
+
+
+def test_the_mirror_lists_epochs_before_it_writes_and_never_writes_once_stale(
+    store: Store, rd: RunDir
+) -> None:
+    """The sealer of agent A has had nothing to seal (so it never listed epochs/) when box B
+    takes the run over: A's next mirror finds out, puts nothing, and never puts again."""
+    events: List[str] = []
+    sealer = _sealer(store, rd, events)
+    mirror = StateMirror(RUN, rd, store)
+    with open(rd.state, "w") as f:
+        f.write('{"state": "RUNNING", "who": "A"}')
+    mirror.write(sealer, events=True, health=False)
+    assert json.loads(store.get_bytes(mf.state_key(RUN, "state.json")) or b"")["who"] == "A"
+    take_epoch(store, RUN)  # box B
+    store.put_bytes(mf.state_key(RUN, "state.json"), b'{"state": "RUNNING", "who": "B"}')
+    assert not sealer.stale
+    with open(rd.state, "w") as f:
+        f.write('{"state": "STOPPED", "who": "A"}')
+    os.utime(rd.state, (1, 1))  # another mtime than the one put, whatever the clock's grain
+    mirror.write(sealer, events=True, health=True)
+    assert sealer.stale and events.count("stale_epoch") == 1
+    assert json.loads(store.get_bytes(mf.state_key(RUN, "state.json")) or b"")["who"] == "B"
+    os.utime(rd.state, (2, 2))
+    mirror.write(sealer, events=True, health=True)
+    assert json.loads(store.get_bytes(mf.state_key(RUN, "state.json")) or b"")["who"] == "B"
+    mirror.write(None, events=True, health=True)  # an agent with no sealer: nothing either
+    assert json.loads(store.get_bytes(mf.state_key(RUN, "state.json")) or b"")["who"] == "B"

@@ -172,13 +172,18 @@ class Client:
             if e.status == 404:
                 return None
             raise
+        return self._object("GET", url, status, raw)
+
+    def _object(self, method: str, url: str, status: int, raw: bytes) -> Dict[str, Any]:
+        """The JSON object a 2xx answer holds; Unreadable when it holds none (a proxy's or a
+        maintenance page, an empty body): what the provider did is then unknown."""
         try:
             doc = jsondoc.loads(raw)
         except ValueError:
             doc = None
         if not isinstance(doc, dict):
             what = _text(raw, self.key)[:80] or "an empty body"
-            raise Unreadable(f"GET {url}: HTTP {status}, but not a JSON object ({what})")
+            raise Unreadable(f"{method} {url}: HTTP {status}, but not a JSON object ({what})")
         return doc
 
     def show(self, ident: str) -> Seen:
@@ -234,7 +239,12 @@ class Vast(Client):
         return seen.gone or (accepted and seen.status == "exited")
 
     def stop(self, ident: str) -> None:
-        call("DELETE", self._url(f"/instances/{ident}/"), self.key, self.timeout)
+        # Only vast.ai's own answer makes an "exited" instance count as destroyed (settled): a
+        # proxy's 200 page, or {"success": false}, leaves what it did unknown.
+        url = self._url(f"/instances/{ident}/")
+        status, raw = call("DELETE", url, self.key, self.timeout)
+        if self._object("DELETE", url, status, raw).get("success") is False:
+            raise Unreadable(f"DELETE {url}: HTTP {status}, but success false")
 
 
 class Lambda(Client):

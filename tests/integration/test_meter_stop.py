@@ -133,6 +133,11 @@ class FakeApi:
             if self.stop_mode in ("drop", "hang"):
                 self.stopped = True  # the provider acted; its answer never came in time
                 return (0 if self.stop_mode == "drop" else -1), None
+            if self.stop_mode == "page":  # a proxy's 200 page: whether it reached vast, unknown
+                self.stopped = True
+                return 200, b"<html><body>502 upstream, retried</body></html>"
+            if self.stop_mode == "nosuccess":
+                return 200, {"success": False, "error": "busy"}
             if self.stop_mode != "ok":
                 return int(self.stop_mode), {"error": "not allowed"}
             if not self.present:
@@ -543,13 +548,15 @@ def test_fake_runpod_down_with_a_maintenance_page_keeps_the_record(
     assert Registry().get(RUN).instance == IDS["runpod"] and fake.stops() == 0
 
 
-@pytest.mark.parametrize("stop_mode", [500, 404, "drop"])
+@pytest.mark.parametrize("stop_mode", [500, 404, "drop", "page", "nosuccess"])
 def test_fake_vast_exited_instance_is_not_destroyed_unless_the_delete_was_accepted(
     fakes: Dict[str, FakeApi], tmp_path: Any, stop_mode: Any
 ) -> None:
     """VAST15: "exited" counts as destroyed only after the DELETE's 200. An exited instance
-    (its disk still bills) whose DELETE was answered 500 or 404, or never answered, is
-    unresolved (exit 17), on this down and on the next one, until vast.ai says it is gone."""
+    (its disk still bills) whose DELETE was answered 500 or 404, or never answered, or
+    answered 200 by something that is not vast.ai's API (a proxy's page) or with success
+    false, is unresolved (exit 17), on this down and on the next one, until vast.ai says it is
+    gone."""
     fake = fakes["vastai"]
     fake.exited, fake.stop_mode, fake.linger = True, stop_mode, 10**6
     with pytest.raises(MeterUnresolved) as info:

@@ -46,14 +46,13 @@ so that no record can stop an agent from starting.
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import signal
 import statistics
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-from onbox.common import daly
+from onbox.common import daly, jsondoc
 from onbox.common.errors import StoreError
 from onbox.common.sealtime import event_time
 from onbox.sealing.stores.base import with_retries
@@ -288,7 +287,7 @@ def parse_lines(data: bytes) -> List[Any]:
     out = []
     for raw in data.splitlines():
         try:
-            out.append(json.loads(raw))
+            out.append(jsondoc.loads(raw))
         except ValueError:
             continue
     return out

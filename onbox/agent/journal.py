@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import time
 
-from onbox.common import redact
+from onbox.common import jsondoc, redact
 from onbox.common.durable import append_line, write_json
 
 TYPE_CHECKING = False
@@ -107,7 +107,7 @@ def read_events(path: str) -> List[Dict[str, Any]]:
         with open(path, "rb") as f:
             for raw in f:
                 try:
-                    out.append(json.loads(raw))
+                    out.append(jsondoc.loads(raw))
                 except ValueError:
                     continue
     except FileNotFoundError:

@@ -12,7 +12,6 @@ AutoDL images ship /usr/bin/shutdown) is run with /bin/sh.
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import subprocess
@@ -20,6 +19,7 @@ import time
 from typing import Any, Callable, List, Optional, Tuple
 
 from onbox.agent.states import State
+from onbox.common import jsondoc
 from onbox.common.durable import read_json, write_json
 from onbox.common.errors import IntegrityError, StoreError
 from onbox.common.rundir import RunDir
@@ -38,7 +38,7 @@ def done_verified(store: Any, name: str) -> bool:
     """Whether the store holds a DONE.json of run ``name`` that parses."""
     try:
         data = store.get_bytes(mf.done_key(name))
-        doc = json.loads(data) if data is not None else None
+        doc = jsondoc.loads(data) if data is not None else None
     except (StoreError, IntegrityError, ValueError):
         return False
     return isinstance(doc, dict) and doc.get("run") == name

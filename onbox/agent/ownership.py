@@ -18,10 +18,10 @@ recorded) takes one as before.
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable, Optional
 
 from onbox.agent.journal import read_events
+from onbox.common import jsondoc
 from onbox.common.durable import read_json, write_json
 from onbox.common.errors import StoreError, UnsafeRefused
 from onbox.common.rundir import RunDir
@@ -95,7 +95,7 @@ def take_epoch_here(store: Store, rd: RunDir, *, going_on: bool) -> int:
 def _holder(store: Store, run: str, epoch: int) -> str:
     """Who took ``epoch``, as ", host H, pid P" (its document in the store); "" if unknown."""
     try:
-        doc = json.loads(store.get_bytes(mf.epoch_key(run, epoch)) or b"")
+        doc = jsondoc.loads(store.get_bytes(mf.epoch_key(run, epoch)) or b"")
         return f", host {doc['host']}, pid {doc['pid']}"
     except (StoreError, ValueError, KeyError, TypeError):  # only words for the message
         return ""

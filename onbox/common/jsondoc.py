@@ -1,5 +1,7 @@
-"""JSON from another machine: what the box sends the laptop (status, events, spec, receipts,
-listings), what the store holds (state, LATEST, MANIFEST), what a provider's API answers.
+"""JSON from another machine or a file it may have written: what the box sends the laptop
+(status, events, spec, receipts, listings), what the store holds (state, LATEST, MANIFEST, the
+events copy a fresh box reads its history from, epochs, quarantine records), what a provider's
+API answers.
 
 Python's ``json`` raises ``RecursionError``, not ``ValueError``, on a document nested deeper
 than its parser's recursion limit (``[`` a hundred thousand times is 100 kB). Every reader of
@@ -11,7 +13,10 @@ and exit code, never a traceback.
 from __future__ import annotations
 
 import json
-from typing import Any, Union
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # the shim imports this (through journal.py): typing would cost it ~2 MiB
+    from typing import Any, Union
 
 
 class TooDeep(ValueError):

@@ -47,6 +47,7 @@ import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, Union
 
+from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError, PreconditionFailed, TransientStoreError
 from onbox.common.faults import crash_point
 from onbox.sealing import manifest as mf
@@ -89,7 +90,7 @@ def quarantine_reason(data: Optional[bytes]) -> str:
     """The reason a quarantine record gives, for people; a record that is not rgt's JSON
     still quarantines its step (it is there), with a reason that says so."""
     try:
-        doc = json.loads(data or b"")
+        doc = jsondoc.loads(data or b"")
         if isinstance(doc, dict) and isinstance(doc.get("reason"), str):
             return str(doc["reason"])
     except ValueError:

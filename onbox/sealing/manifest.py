@@ -35,6 +35,7 @@ import re
 import time
 from typing import Any, Dict, List, Optional
 
+from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import UnsafePath, conflicts, safe_rel
 
@@ -172,8 +173,8 @@ def _check_schema(doc: Any, what: str) -> Dict[str, Any]:
 
 def _load(data: bytes, what: str) -> Dict[str, Any]:
     try:
-        return _check_schema(json.loads(data), what)
-    except (ValueError, RecursionError):  # nested too deep for the parser: damage, not a bug
+        return _check_schema(jsondoc.loads(data), what)
+    except ValueError:  # nested too deep for the parser too (jsondoc): damage, not a bug
         raise IntegrityError(f"{what} is not valid JSON") from None
 
 

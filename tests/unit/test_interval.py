@@ -485,6 +485,22 @@ def test_a_damaged_history_in_the_store_does_not_stop_the_agent(
         svc.close()
 
 
+def test_a_history_line_nested_too_deep_is_skipped_and_the_agent_starts(tmp_path: Any) -> None:
+    """A line of the store's events copy nested past the parser's depth raised RecursionError
+    (not the ValueError a torn line raises) out of the history read, and the agent never
+    started; it is skipped like a torn line."""
+    stored = "\n".join(
+        [json.dumps(ev(0, "epoch", epoch=1)), "[" * 100_000 + "]" * 100_000]
+        + [json.dumps(state(2, "RUNNING")), json.dumps(ev(3600, "sealed", step=1))]
+    )
+    svc = _agent(tmp_path, stored.encode())
+    try:
+        svc.start(begin=True)
+        assert svc.auto is not None and svc.auto.base == History(3600.0, 1, ())
+    finally:
+        svc.close()
+
+
 def test_absurd_but_finite_totals_are_bounded_not_trusted(tmp_path: Any) -> None:
     big = ev(1, "checkpoint_interval", at_start=True, base_up_s=1e308, base_unplanned=10**30)
     h = history([ev(0, "epoch", epoch=1), big, ev(2, "sealed", step=1, blocked_s=1e9)], True)

@@ -36,12 +36,12 @@ from onbox.sealing.discovery import MARKERS
 from onbox.sealing.stores.base import target_error
 
 
-def make_stage(stage_dir: str) -> None:
-    """The staging directory: made here 0700, or left by an earlier pull of this user (then a
-    real directory of this user's, not a symlink); nothing else is staged into."""
+def make_stage(stage_dir: str) -> bool:
+    """The staging directory: made here 0700 (True), or left by an earlier pull of this user
+    (False; then a real directory of this user's, not a symlink); nothing else is staged into."""
     try:
         os.mkdir(stage_dir, 0o700)
-        return
+        return True
     except FileExistsError:
         pass
     st = os.lstat(stage_dir)
@@ -53,6 +53,7 @@ def make_stage(stage_dir: str) -> None:
             stage_dir,
             "remove it, or pull into another --to",
         )
+    return False
 
 
 @contextlib.contextmanager

@@ -187,8 +187,8 @@ def _pull(
     destination.make_dest(dest)
     with destination.dest_lock(dest):
         try:
-            destination.make_stage(stage_dir)
-            destination.clear_in_the_way(stage_dir, items)
+            if not destination.make_stage(stage_dir):  # a killed pull's: what it left
+                destination.clear_in_the_way(stage_dir, items)
         except OSError as err:
             raise destination.cannot(dest, err) from None
         receipt = _staged_and_placed(

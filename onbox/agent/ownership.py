@@ -18,15 +18,16 @@ recorded) takes one as before.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import os
+import secrets
+from typing import Any, Callable, Dict, Optional
 
 from onbox.agent.journal import read_events
-from onbox.common import jsondoc
 from onbox.common.durable import read_json, write_json
 from onbox.common.errors import StoreError, UnsafeRefused
 from onbox.common.rundir import RunDir
-from onbox.sealing import manifest as mf
-from onbox.sealing.ledger import newest_epoch, take_epoch, take_epoch_after
+from onbox.common.terminal import printable
+from onbox.sealing.ledger import epoch_doc, newest_epoch, take_epoch, take_epoch_after
 from onbox.sealing.stores.base import Store
 
 
@@ -79,23 +80,61 @@ def take_epoch_here(store: Store, rd: RunDir, *, going_on: bool) -> int:
     """A new epoch in ``store`` for a writer of run ``rd`` on this box, recorded in the run
     directory at once. ``going_on``: the writer goes on with the run here (an adopting agent,
     a sync with no agent): Superseded, with no epoch taken, when another box took it over."""
+    mark = writer_mark(rd)  # recorded before any epoch is taken: see _go_on
     own = recorded_epoch(rd) if going_on else None
-    if own is None:
-        epoch = take_epoch(store, rd.name)
-    else:
-        got = take_epoch_after(store, rd.name, own)
-        if got is None:
-            newer = newest_epoch(store, rd.name)
-            raise Superseded(rd.name, store.url, own, newer, _holder(store, rd.name, newer))
-        epoch = got
-    write_json(rd.epoch_record, {"epoch": epoch, "store": store.url})
+    epoch = take_epoch(store, rd.name, mark) if own is None else _go_on(store, rd, own, mark)
+    write_json(rd.epoch_record, {"epoch": epoch, "store": store.url, "writer": mark})
     return epoch
 
 
-def _holder(store: Store, run: str, epoch: int) -> str:
-    """Who took ``epoch``, as ", host H, pid P" (its document in the store); "" if unknown."""
+def _go_on(store: Store, rd: RunDir, own: int, mark: str) -> int:
+    """The epoch after ``own``, or Superseded. A newer epoch that this run directory's own mark
+    took (a writer here killed between taking it and recording it in epoch.json) is this box's,
+    not another's: without that, a kill -9 or a power cut at that moment would stop the box
+    sealing its run for good."""
+    while True:
+        got = take_epoch_after(store, rd.name, own, mark)
+        if got is not None:
+            return got
+        newest = newest_epoch(store, rd.name)
+        doc = _epoch_doc(store, rd.name, newest)
+        if newest > own and doc.get("writer") == mark and doc.get("host") == _host():
+            own = newest  # and go on after it: ``own`` only grows, so this ends
+            continue
+        raise Superseded(rd.name, store.url, own, newest, _holder(doc))
+
+
+def writer_mark(rd: RunDir) -> str:
+    """This run directory's mark, put into every epoch document its writers take; made once and
+    kept in epoch.json, written before the first epoch is taken. Together with the host name
+    it tells this box's epochs from another box's (a disk cloned into a new box carries the
+    mark, not the host name)."""
     try:
-        doc = jsondoc.loads(store.get_bytes(mf.epoch_key(run, epoch)) or b"")
-        return f", host {doc['host']}, pid {doc['pid']}"
-    except (StoreError, ValueError, KeyError, TypeError):  # only words for the message
+        doc = read_json(rd.epoch_record)
+    except (OSError, ValueError):
+        doc = None
+    doc = doc if isinstance(doc, dict) else {}
+    mark = doc.get("writer")
+    if isinstance(mark, str) and len(mark) == 32 and mark.isalnum():
+        return mark
+    doc["writer"] = secrets.token_hex(16)
+    write_json(rd.epoch_record, doc)
+    return str(doc["writer"])
+
+
+def _host() -> str:
+    return os.uname().nodename
+
+
+def _epoch_doc(store: Store, run: str, epoch: int) -> Dict[str, Any]:
+    try:
+        return epoch_doc(store, run, epoch)
+    except StoreError:  # read for the mark and the message only: as if it said nothing
+        return {}
+
+
+def _holder(doc: Dict[str, Any]) -> str:
+    """Who took an epoch, as ", host H, pid P" (its document in the store); "" if unknown."""
+    if "host" not in doc or "pid" not in doc:
         return ""
+    return f", host {printable(str(doc['host']))}, pid {printable(str(doc['pid']))}"

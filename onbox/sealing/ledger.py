@@ -113,9 +113,13 @@ def flag_quarantined(store: Store, run: str, step: int, reason: str) -> None:
     with_retries(lambda: store.put_bytes(mf.quarantine_key(run, step), record.encode()))
 
 
-def _create_epoch(store: Store, run: str, n: int) -> bool:
-    """Create ``epochs/<n>`` for this process; False when another writer has it already."""
-    doc = {"epoch": n, "pid": os.getpid(), "host": os.uname().nodename, "at": time.time()}
+def _create_epoch(store: Store, run: str, n: int, writer: Optional[str]) -> bool:
+    """Create ``epochs/<n>`` for this process; False when another writer has it already.
+    ``writer``: the mark of the box's run directory that takes it (onbox/agent/ownership.py)."""
+    doc: Dict[str, Any] = {"epoch": n, "pid": os.getpid(), "host": os.uname().nodename}
+    doc["at"] = time.time()
+    if writer is not None:
+        doc["writer"] = writer
     try:
         store.put_bytes(mf.epoch_key(run, n), json.dumps(doc).encode(), if_absent=True)
         return True
@@ -123,15 +127,26 @@ def _create_epoch(store: Store, run: str, n: int) -> bool:
         return False
 
 
-def take_epoch(store: Store, run: str) -> int:
+def take_epoch(store: Store, run: str, writer: Optional[str] = None) -> int:
     """A new epoch for this agent start: the first to create ``epochs/<n>`` owns ``n``."""
     n = newest_epoch(store, run) + 1
-    while not _create_epoch(store, run, n):
+    while not _create_epoch(store, run, n, writer):
         n += 1
     return n
 
 
-def take_epoch_after(store: Store, run: str, own: int) -> Optional[int]:
+def epoch_doc(store: Store, run: str, epoch: int) -> Dict[str, Any]:
+    """What ``epochs/<epoch>`` says of its taker ({} when absent or not rgt's JSON object)."""
+    try:
+        doc = jsondoc.loads(store.get_bytes(mf.epoch_key(run, epoch)) or b"")
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def take_epoch_after(
+    store: Store, run: str, own: int, writer: Optional[str] = None
+) -> Optional[int]:
     """A new epoch that goes on from ``own`` (the one this box's last writer of the run took),
     or None, taking none, when a newer epoch than ``own`` exists: another writer has taken the
     run over. Created only if absent: one that took the next number first is the newer one."""
@@ -139,7 +154,7 @@ def take_epoch_after(store: Store, run: str, own: int) -> Optional[int]:
     if newest > own:
         return None
     n = max(newest, own) + 1
-    return n if _create_epoch(store, run, n) else None
+    return n if _create_epoch(store, run, n, writer) else None
 
 
 class Ledger:

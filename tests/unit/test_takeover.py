@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
 from typing import Any, Dict, List
 
 import pytest
 
 from onbox.agent.mirror import StateMirror
-from onbox.agent.ownership import Superseded, recorded_epoch, take_epoch_here
+from onbox.agent.ownership import Superseded, recorded_epoch, take_epoch_here, writer_mark
 from onbox.common.errors import UnsafeRefused
 from onbox.common.rundir import RunDir
 from onbox.sealing import ledger
@@ -126,3 +129,66 @@ def test_the_mirror_lists_epochs_before_it_writes_and_never_writes_once_stale(
     assert json.loads(store.get_bytes(mf.state_key(RUN, "state.json")) or b"")["who"] == "B"
     mirror.write(None, events=True, health=True)  # an agent with no sealer: nothing either
     assert json.loads(store.get_bytes(mf.state_key(RUN, "state.json")) or b"")["who"] == "B"
+
+
+# A writer of this box killed -9 after it created epochs/<n> and before it recorded it.
+_KILLED_WRITER = """
+import sys, time
+from onbox.agent import ownership
+from onbox.common.rundir import RunDir
+from onbox.sealing.stores import open_store
+
+real = ownership.write_json
+
+def write_json(path, doc):
+    if path.endswith("epoch.json") and "epoch" in doc:
+        print("taken", doc["epoch"], flush=True)
+        time.sleep(120)  # killed here by the test, before the record is written
+    real(path, doc)
+
+ownership.write_json = write_json
+rd = RunDir(sys.argv[2], sys.argv[3])
+ownership.take_epoch_here(open_store(sys.argv[1]), rd, going_on=True)
+"""
+
+
+def test_an_epoch_this_box_took_but_never_recorded_is_its_own_not_a_takeover(
+    store: Store, rd: RunDir
+) -> None:
+    """Without the run directory's mark in the epoch document, the next agent here read the
+    epoch its killed predecessor took as another box's, took none, and sealed nothing more."""
+    assert take_epoch_here(store, rd, going_on=False) == 1
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _KILLED_WRITER, store.url, RUN, rd.home],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().split() == ["taken", "2"]
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        if proc.stdout is not None:
+            proc.stdout.close()
+    assert newest_epoch(store, RUN) == 2 and recorded_epoch(rd) == 1  # the window
+    assert take_epoch_here(store, rd, going_on=True) == 3  # not Superseded
+    assert recorded_epoch(rd) == 3
+    assert ledger.epoch_doc(store, RUN, 3)["writer"] == writer_mark(rd)
+
+
+def test_an_epoch_with_this_marks_copy_on_another_host_is_a_takeover(
+    store: Store, rd: RunDir, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A box made from a copy of this disk carries the mark, not the host name: its epoch is
+    another box's, and this one takes none after it."""
+    assert take_epoch_here(store, rd, going_on=False) == 1
+    real = os.uname()
+    clone = type("U", (), {"nodename": real.nodename + "-clone"})()
+    monkeypatch.setattr(ledger.os, "uname", lambda: clone)
+    assert take_epoch(store, RUN, writer_mark(rd)) == 2  # the clone's start
+    monkeypatch.undo()
+    with pytest.raises(Superseded) as got:
+        take_epoch_here(store, rd, going_on=True)
+    assert (got.value.own, got.value.newer) == (1, 2)
+    assert f"host {real.nodename}-clone" in got.value.what

@@ -185,7 +185,7 @@ def test_an_epoch_with_this_marks_copy_on_another_host_is_a_takeover(
     assert take_epoch_here(store, rd, going_on=False) == 1
     real = os.uname()
     clone = type("U", (), {"nodename": real.nodename + "-clone"})()
-    monkeypatch.setattr(ledger.os, "uname", lambda: clone)
+    monkeypatch.setattr(os, "uname", lambda: clone)  # for the clone's epoch document
     assert take_epoch(store, RUN, writer_mark(rd)) == 2  # the clone's start
     monkeypatch.undo()
     with pytest.raises(Superseded) as got:

@@ -130,6 +130,33 @@ def _checkpoint(
     return step, epoch, mkey, msha, note
 
 
+# What DONE.json lists, by the prefix of its key (onbox/sealing/manifest.py), and the "root"
+# that goes with it: results sealed from the checkpoint dir, declared outputs, job logs.
+_DONE_KINDS = (
+    (mf.results_prefix, "ckpt"),
+    (mf.outputs_prefix, None),
+    (mf.logs_prefix, None),
+)
+
+
+def _done_kind(run: str, f: Dict[str, Any]) -> str:
+    """What the DONE.json entry ``f`` (checked) is: "results", "outputs" or "logs". The agent
+    writes each key as that prefix and the file's ``path`` (onbox/agent/completion.py
+    ``_put_files``); any other key (``RUN/logs`` itself, a key that is not the file's path)
+    is no file rgt sealed, and taking its tail as a name would put a file where the pull's
+    ``logs/`` or ``outputs/`` directory goes: an IntegrityError naming it."""
+    for prefix, root in _DONE_KINDS:
+        if f["key"] == prefix(run) + f["path"] and f.get("root") == root:
+            return prefix(run)[len(run) + 1 : -1]
+    raise IntegrityError(
+        f"{mf.done_key(run)} lists the key {f['key']!r} for the path {f['path']!r}: not a "
+        f"result, an output or a log as rgt seals them ({run}/results/PATH with root ckpt, "
+        f"{run}/outputs/PATH or {run}/logs/PATH). Nothing was fetched",
+        f"the store's {mf.done_key(run)} is damaged or not rgt's: look at it (the sealed "
+        f"files themselves are in the store under {run}/)",
+    )
+
+
 def _done(run: str, done_raw: bytes, entries: List[Entry]) -> Tuple[str, ...]:
     """DONE.json's outputs and logs added to ``entries``; the outputs it says are missing."""
     try:
@@ -141,20 +168,17 @@ def _done(run: str, done_raw: bytes, entries: List[Entry]) -> Tuple[str, ...]:
         raise IntegrityError(f"{mf.done_key(run)} lists no files")
     for f in files:
         _check_doc_file(f, mf.done_key(run), run)
-        tail = f["key"][len(run) + 1 :]
-        kind = tail.split("/", 1)[0]
-        if kind == "results" and f.get("root") == "ckpt":
+        kind = _done_kind(run, f)
+        if kind == "results":
             # A file the job left in RGT_CKPT_DIR that no checkpoint holds (result.txt):
             # beside LATEST's files, at its path under the checkpoint dir, as a pull
-            # without a store puts it (onbox/agent/sealservice.py _put_results).
+            # without a store puts it (onbox/agent/completion.py _results).
             entries.append(
                 Entry("checkpoints/" + f["path"], "checkpoint", f["size"], f["sha256"], f["key"])
             )
             continue
-        if kind not in ("outputs", "logs"):
-            raise IntegrityError(f"{mf.done_key(run)} lists {f['key']}, not an output or log")
-        redacted = f.get("redacted") is True
-        entries.append(Entry(tail, kind[:-1], f["size"], f["sha256"], f["key"], redacted=redacted))
+        path, redacted = f"{kind}/{f['path']}", f.get("redacted") is True
+        entries.append(Entry(path, kind[:-1], f["size"], f["sha256"], f["key"], redacted=redacted))
     missing = done.get("missing_outputs")
     if isinstance(missing, list):
         return tuple(str(m) for m in missing)

@@ -58,14 +58,16 @@ class Sealed:
 def checked(sealed: Sealed, what: str) -> Sealed:
     """``sealed`` when every final name (``Entry.path``) and staging name (``Entry.stage``)
     is a plain relative path (onbox.common.safepath.safe_rel) that cannot collide with rgt's own
-    files, a final one lies under checkpoints/, outputs/ or logs/, and no name is a directory
+    files, a final one is a file under checkpoints/, outputs/ or logs/, and no name is a directory
     on the way to another; else UnsafePath (exit 6) naming the path."""
     for e in sealed.entries:
         safe_rel(e.path, f"{what}: the file")
         safe_rel(e.stage, f"{what}: the staging name of {e.path!r}")
-        if e.path.split("/", 1)[0] not in KINDS:
+        # A file under its kind's directory, never one in place of that directory (a file
+        # named DEST/logs would stand where every later pull's logs go).
+        if e.path.split("/", 1)[0] not in KINDS or "/" not in e.path:
             raise UnsafePath(
-                f"{what}: {e.path!r} is not under checkpoints/, outputs/, logs/", e.path
+                f"{what}: {e.path!r} is not a file under checkpoints/, outputs/, logs/", e.path
             )
         first = e.stage.split("/", 1)[0]
         if first in (LOCK, FILES_FROM) or first.startswith(COPY):

@@ -1,0 +1,114 @@
+"""`rgt pull` and the names a store supplies in DONE.json, and the laptop's receipt of an earlier
+pull, against a real file:// store and real directories (controller/results/documents.py,
+destination.py, receipt.py).
+
+DONE.json is the box's: each file it lists has ``path`` and ``key``, and the agent writes the key
+as ``RUN/outputs/PATH``, ``RUN/logs/PATH`` or ``RUN/results/PATH`` (onbox/agent/completion.py
+``_put_files``). A key that is not that (``r1/logs``: no file under logs/) put a file named
+``DEST/logs`` where the pull's logs directory goes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any, Dict, List, Tuple
+
+import pytest
+
+from controller.registry import RunRecord
+from controller.results.entries import Entry, Sealed, checked
+from controller.results.pull import pull
+from controller.results.receipt import SealedId, load_state_receipt
+from controller.target import Target
+from onbox.common.errors import IntegrityError
+from onbox.common.safepath import UnsafePath
+from onbox.sealing.stores import open_store
+from onbox.sealing.stores.base import Store
+
+RUN = "r1"
+
+
+@pytest.fixture
+def laptop(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The laptop's state dir, where the receipts `rgt down` reads are."""
+    home = str(tmp_path / "laptop")
+    monkeypatch.setenv("RGT_CONTROLLER_HOME", home)
+    return home
+
+
+def _done(store: Store, files: Dict[str, Dict[str, Any]]) -> None:
+    """A DONE.json listing ``files`` (key: its entry, without size and sha256), each object
+    written to the store under its key."""
+    entries: List[Dict[str, Any]] = []
+    for key, entry in files.items():
+        data = f"bytes of {key}".encode()
+        store.put_bytes(key, data)
+        sha = hashlib.sha256(data).hexdigest()
+        entries.append(dict(entry, key=key, size=len(data), sha256=sha))
+    doc = {"schema": 1, "run": RUN, "files": entries, "missing_outputs": []}
+    store.put_bytes(f"{RUN}/DONE.json", json.dumps(doc).encode())
+
+
+def _setup(tmp_path: Any) -> Tuple[Store, RunRecord]:
+    root = tmp_path / "store"
+    root.mkdir()
+    store = open_store(f"file://{root}")
+    rec = RunRecord(
+        RUN, Target("local"), profile="local", store=store.url, box_home=str(tmp_path / "box")
+    )
+    return store, rec
+
+
+@pytest.mark.parametrize(
+    "key, entry",
+    [
+        (f"{RUN}/logs", {"path": "attempt-0001.log"}),  # the key names the logs directory
+        (f"{RUN}/outputs", {"path": "outputs"}),
+        (f"{RUN}/outputs/a.txt", {"path": "b.txt"}),  # not the file's path under outputs/
+        (f"{RUN}/results", {"path": "result.txt", "root": "ckpt"}),
+    ],
+)
+def test_a_done_key_that_is_not_a_file_under_its_kind_is_refused_and_nothing_is_created(
+    tmp_path: Any, laptop: str, key: str, entry: Dict[str, Any]
+) -> None:
+    store, rec = _setup(tmp_path)
+    _done(store, {key: entry})
+    dest = str(tmp_path / "dest")
+    with pytest.raises(IntegrityError) as info:
+        pull(rec, dest, "store")
+    assert info.value.exit_code == 6
+    assert repr(key) in info.value.what, info.value.what
+    assert not os.path.lexists(dest)  # nothing created on the laptop
+    assert load_state_receipt(RUN, laptop) is None
+
+
+def test_done_files_land_under_their_kind_as_the_agent_names_them(
+    tmp_path: Any, laptop: str
+) -> None:
+    store, rec = _setup(tmp_path)
+    _done(
+        store,
+        {
+            f"{RUN}/outputs/model/w.bin": {"path": "model/w.bin"},
+            f"{RUN}/logs/attempt-0001.log": {"path": "attempt-0001.log"},
+            f"{RUN}/results/result.txt": {"path": "result.txt", "root": "ckpt"},
+        },
+    )
+    dest = str(tmp_path / "dest")
+    receipt = pull(rec, dest, "store")
+    assert sorted(f.path for f in receipt.files) == [
+        "checkpoints/result.txt",
+        "logs/attempt-0001.log",
+        "outputs/model/w.bin",
+    ]
+    with open(os.path.join(dest, "outputs", "model", "w.bin"), "rb") as f:
+        assert f.read() == f"bytes of {RUN}/outputs/model/w.bin".encode()
+
+
+@pytest.mark.parametrize("path", ["logs", "outputs", "checkpoints"])
+def test_no_source_may_name_a_file_in_place_of_a_kinds_directory(path: str) -> None:
+    """The one gate every source's names pass (a store's documents, the box's listing)."""
+    entry = Entry(path, "log", 1, "0" * 64, f"{RUN}/{path}")
+    with pytest.raises(UnsafePath, match="is not a file under checkpoints/, outputs/, logs/"):
+        checked(Sealed(SealedId(), [entry], "store"), "pull of r1")

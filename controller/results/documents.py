@@ -88,6 +88,12 @@ def from_documents(
     return ident, entries
 
 
+def _integer(value: Any) -> Optional[int]:
+    """``value`` when it is an integer (not a bool: the receipt's reader refuses one), else
+    None."""
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
 def _checkpoint(
     run: str,
     latest: Dict[str, Any],
@@ -98,7 +104,9 @@ def _checkpoint(
     """The checkpoint LATEST names (or the one in effect), its files added to ``entries``:
     (step, epoch, MANIFEST key, its sha256, note)."""
     step = latest["step"]
-    epoch = latest.get("epoch") if isinstance(latest.get("epoch"), int) else None
+    if isinstance(step, bool):  # an int to isinstance: "step": true would name step True
+        raise IntegrityError(f"{mf.latest_key(run)} names no step")
+    epoch = _integer(latest.get("epoch"))
     note = None
     sealed, bad = listing() if listing is not None else ([], {})
     if step in bad:
@@ -120,7 +128,7 @@ def _checkpoint(
     if doc["step"] != step:
         raise IntegrityError(f"{mkey} is for step {doc['step']}, LATEST says {step}")
     msha = sha_hex(data)
-    if note is not None and isinstance(doc.get("epoch"), int):
+    if note is not None and _integer(doc.get("epoch")) is not None:
         epoch = doc["epoch"]
     for f in doc["files"]:
         _check_doc_file(f, mkey, run)

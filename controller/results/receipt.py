@@ -40,6 +40,10 @@ framework would, or a note why it was not opened (no torch on this laptop). ``re
 for a job's log whose box copy holds a secret: what was pulled is a copy with each secret masked
 (the store's, or the one the agent wrote next to the log, which ``source`` then names); a
 receipt written before this field existed reads as false.
+
+Read back, every field of ``sealed`` and of each file must have the type above (an integer is
+not a bool, a size not negative): ``rgt down`` decides from them whether the box may go, so a
+receipt that does not is damaged (IntegrityError, exit 6), never read as a verified pull.
 """
 
 from __future__ import annotations
@@ -161,24 +165,8 @@ class Receipt:
                 raise ValueError("not an rgt pull receipt")
             if not isinstance(d.get("schema"), int) or d["schema"] > SCHEMA:
                 raise ValueError(f"schema {d.get('schema')!r} is not one this rgt reads")
-            # A damaged "sealed" that is a list or a string has no .items(): the
-            # AttributeError would pass the except below and end `rgt down` in a traceback.
-            if not isinstance(d["sealed"], dict):
-                raise ValueError("its sealed state is not an object")
-            sealed_fields = {f.name for f in dataclasses.fields(SealedId)}
-            sealed = SealedId(**{k: v for k, v in d["sealed"].items() if k in sealed_fields})
-            files = [
-                FileRecord(
-                    path=str(f["path"]),
-                    kind=str(f["kind"]),
-                    size=int(f["size"]),
-                    sha256=str(f["sha256"]),
-                    source=str(f["source"]),
-                    verified=str(f["verified"]),
-                    redacted=f.get("redacted") is True,
-                )
-                for f in d["files"]
-            ]
+            sealed = _sealed_from_json(d["sealed"])
+            files = [_file_from_json(f) for f in d["files"]]
             return cls(
                 run=check_name(str(d["run"]), "run"),
                 source=str(d["source"]),
@@ -209,6 +197,68 @@ class Receipt:
             except OSError:
                 out.append(f.path)
         return out
+
+
+# The type of each field of SealedId as a receipt holds it, and whether null is allowed: `rgt
+# down` decides from these whether the box may go, so a field of another type (5.0 or true for
+# step 5, "false" for done) is a damaged receipt, never one that compares equal to the newest
+# state. bool is no int here (True == 1).
+_SEALED_TYPES: Dict[str, Tuple[type, bool, str]] = {
+    "step": (int, True, "an integer"),
+    "epoch": (int, True, "an integer"),
+    "manifest": (str, True, "a string"),
+    "manifest_sha256": (str, True, "a string"),
+    "done": (bool, False, "true or false"),
+    "done_sha256": (str, True, "a string"),
+    "listing_sha256": (str, True, "a string"),
+    "note": (str, True, "a string"),
+    "missing_outputs": (list, False, "a list of strings"),
+}
+
+
+def _typed(value: Any, kind: type, nullable: bool) -> bool:
+    if value is None:
+        return nullable
+    if kind is not bool and isinstance(value, bool):
+        return False
+    if kind is list:  # a list once read back from JSON; to_json's own dict holds a tuple
+        return isinstance(value, (list, tuple)) and all(isinstance(v, str) for v in value)
+    return isinstance(value, kind)
+
+
+def _sealed_from_json(d: Any) -> SealedId:
+    """The sealed state of a receipt; ValueError naming the first field of another type.
+    Fields this rgt does not know are left out (a newer rgt's)."""
+    # A damaged "sealed" that is a list or a string has no .items(): the AttributeError
+    # would pass from_json's except and end `rgt down` in a traceback.
+    if not isinstance(d, dict):
+        raise ValueError("its sealed state is not an object")
+    for name, (kind, nullable, what) in _SEALED_TYPES.items():
+        if name in d and not _typed(d[name], kind, nullable):
+            raise ValueError(f"its sealed {name} is {d[name]!r}, not {what}")
+    return SealedId(**{k: v for k, v in d.items() if k in _SEALED_TYPES})
+
+
+def _file_from_json(f: Any) -> FileRecord:
+    """One file of a receipt; ValueError naming the first field of another type (its size
+    decides whether the file is still in DEST as pulled)."""
+    if not isinstance(f, dict):
+        raise ValueError("a file of it is not an object")
+    for name in ("path", "kind", "sha256", "source", "verified"):
+        if not isinstance(f[name], str):
+            raise ValueError(f"a file's {name} is {f[name]!r}, not a string")
+    size = f["size"]
+    if not _typed(size, int, False) or size < 0:
+        raise ValueError(f"a file's size is {size!r}, not a size in bytes")
+    return FileRecord(
+        path=f["path"],
+        kind=f["kind"],
+        size=size,
+        sha256=f["sha256"],
+        source=f["source"],
+        verified=f["verified"],
+        redacted=f.get("redacted") is True,
+    )
 
 
 def receipt_path(dest: str) -> str:

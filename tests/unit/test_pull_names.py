@@ -112,3 +112,48 @@ def test_no_source_may_name_a_file_in_place_of_a_kinds_directory(path: str) -> N
     entry = Entry(path, "log", 1, "0" * 64, f"{RUN}/{path}")
     with pytest.raises(UnsafePath, match="is not a file under checkpoints/, outputs/, logs/"):
         checked(Sealed(SealedId(), [entry], "store"), "pull of r1")
+
+
+def _checkpoint(store: Store, latest: Dict[str, Any]) -> None:
+    """A sealed checkpoint of one file at LATEST's step, as the sealer writes it, and
+    ``latest`` as LATEST.json (its fields as given: a store's, untrusted)."""
+    data = b"weights"
+    key = f"{RUN}/checkpoints/{latest['step']}/e1/w.bin"
+    store.put_bytes(key, data)
+    sha = hashlib.sha256(data).hexdigest()
+    manifest = {
+        "schema": 1,
+        "run": RUN,
+        "step": latest["step"],
+        "epoch": 1,
+        "root": "w.bin",
+        "kind": "file",
+        "files": [{"path": "w.bin", "size": len(data), "sha256": sha, "key": key}],
+    }
+    store.put_bytes(
+        f"{RUN}/checkpoints/{latest['step']}/MANIFEST.json", json.dumps(manifest).encode()
+    )
+    store.put_bytes(f"{RUN}/LATEST.json", json.dumps(dict(latest, schema=1, run=RUN)).encode())
+
+
+def test_a_latest_whose_epoch_is_no_integer_pulls_with_a_receipt_that_reads_back(
+    tmp_path: Any, laptop: str
+) -> None:
+    """The receipt takes LATEST's epoch, and a receipt with "epoch": true is damaged (exit 6
+    at `rgt down`): a pull that succeeded must not write one it cannot read back."""
+    store, rec = _setup(tmp_path)
+    _checkpoint(store, {"step": 5, "epoch": True})
+    receipt = pull(rec, str(tmp_path / "dest"), "store")
+    assert receipt.sealed.epoch is None
+    assert load_state_receipt(RUN, laptop) == receipt
+
+
+def test_a_latest_whose_step_is_true_is_refused_and_nothing_is_created(
+    tmp_path: Any, laptop: str
+) -> None:
+    store, rec = _setup(tmp_path)
+    _checkpoint(store, {"step": True, "epoch": 1})
+    dest = str(tmp_path / "dest")
+    with pytest.raises(IntegrityError, match="LATEST.json names no step"):
+        pull(rec, dest, "store")
+    assert not os.path.lexists(dest)

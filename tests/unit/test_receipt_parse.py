@@ -32,3 +32,49 @@ def test_a_receipt_whose_sealed_state_is_no_object_is_damaged(sealed: Any) -> No
     doc["sealed"] = sealed
     with pytest.raises(IntegrityError, match="r.json is not a valid verification receipt"):
         Receipt.from_json(doc, "r.json")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("step", "5"),  # compared with the newest step 5 as "differs", yet printed alike
+        ("step", 5.0),  # equal to 5: a damaged receipt read as the verified pull of step 5
+        ("step", True),  # equal to 1
+        ("epoch", "3"),
+        ("manifest", 7),
+        ("manifest_sha256", ["0" * 64]),
+        ("done", "false"),  # truthy: a string is no answer to "did the run finish?"
+        ("done", 1),
+        ("done_sha256", 5),
+        ("listing_sha256", {"x": 1}),
+        ("note", 5),
+        ("missing_outputs", "out.txt"),  # read as ("o", "u", "t", ...)
+        ("missing_outputs", [5]),
+    ],
+)
+def test_a_receipt_whose_sealed_fields_have_other_types_is_damaged(field: str, value: Any) -> None:
+    """`rgt down` decides from the sealed state whether the box may go: a field of another type
+    is a damaged receipt (exit 6), never one that compares equal to the newest state."""
+    doc = _doc()
+    doc["sealed"][field] = value
+    with pytest.raises(IntegrityError, match=f"not a valid verification receipt.*{field}"):
+        Receipt.from_json(doc, "r.json")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("path", ["a"]), ("size", "1"), ("size", 1.5), ("size", True), ("size", -1), ("sha256", 0)],
+)
+def test_a_receipt_whose_files_have_other_types_is_damaged(field: str, value: Any) -> None:
+    doc = _doc()
+    doc["files"][0][field] = value
+    with pytest.raises(IntegrityError, match=f"not a valid verification receipt.*{field}"):
+        Receipt.from_json(doc, "r.json")
+
+
+def test_a_receipt_of_a_run_without_a_store_reads_back_with_nulls_and_no_outputs() -> None:
+    doc = _doc()
+    doc["sealed"] = {"listing_sha256": "a" * 64, "done": False, "missing_outputs": []}
+    assert Receipt.from_json(doc).sealed == SealedId(listing_sha256="a" * 64)
+    doc["sealed"] = {"step": 3, "epoch": None, "note": None, "done": True, "done_sha256": "b" * 64}
+    assert Receipt.from_json(doc).sealed == SealedId(step=3, done=True, done_sha256="b" * 64)

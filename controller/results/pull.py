@@ -50,7 +50,8 @@ then each file of a known format is opened as its framework would: ``.safetensor
 header parsed, every tensor's offsets inside the file, contiguous, sized by dtype and shape),
 torch files ``.pt``/``.pth``/``.bin``/``.ckpt`` (``torch.load(weights_only=True,
 map_location="cpu", mmap=True)``, torch imported only then; without torch on the laptop they
-are "checked by sha256 only", said so in the receipt). Then the old receipt is removed, every
+are "checked by sha256 only", said so in the receipt). Then the old receipt is removed (DEST's,
+and the laptop's copy when it is of this DEST: that of a pull into another --to stays), every
 file is renamed into place (fsynced, directories fsynced), and the receipt is written last.
 
 The hashing and the fsync of each file overlap the transfer of the next ones. From the store,

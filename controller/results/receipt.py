@@ -3,8 +3,9 @@
 ``rgt pull`` writes it last, only after every file matched its manifest and was put in place:
 ``DEST/.rgt-receipt.json``, and a copy in the laptop's state,
 ``$RGT_CONTROLLER_HOME/receipts/<run>.json``, which ``rgt down`` reads. No receipt means no
-verified pull: a pull that fails or is cut off writes none (and removes the old one before it
-puts the first new file in place), so a receipt always describes files that are all there.
+verified pull: a pull that fails or is cut off writes none (and removes DEST's old one, and the
+laptop's copy when it is of that DEST, before it puts the first new file in place), so a receipt
+always describes files that are all there.
 
 Format (JSON, ``schema`` 1)::
 
@@ -281,12 +282,35 @@ def write_receipt(receipt: Receipt, home: Optional[str] = None) -> None:
 
 
 def remove_receipts(run: str, dest: str, home: Optional[str] = None) -> None:
-    """Before a pull changes anything under a final name: no receipt may describe a mix."""
-    for path in (receipt_path(dest), state_receipt_path(run, home)):
+    """Before a pull changes anything under a final name in ``dest``: no receipt may describe
+    a mix. DEST's own goes, and the laptop's copy when it is DEST's pull (or is damaged). The
+    laptop's copy of a pull into another directory stays: that directory still holds what it
+    vouches for (``compare`` checks that it does), so a pull into a new --to that fails does
+    not leave `rgt down` without the older verified pull; one that succeeds replaces it."""
+    paths = [receipt_path(dest)]
+    state = state_receipt_path(run, home)
+    try:
+        older = load_receipt(state)
+    except IntegrityError:
+        older = None
+    if older is None or _same_dir(older.dest, dest):
+        paths.append(state)
+    for path in paths:
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def _same_dir(a: str, b: str) -> bool:
+    """Whether the paths ``a`` and ``b`` name one directory (by name, or by device and inode:
+    a symlink or a bind mount of it)."""
+    if os.path.abspath(a) == os.path.abspath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one is gone: no directory both name
+        return False
 
 
 def load_receipt(path: str) -> Optional[Receipt]:

@@ -18,8 +18,8 @@ import pytest
 
 from controller.registry import RunRecord
 from controller.results.entries import Entry, Sealed, checked
-from controller.results.pull import pull
-from controller.results.receipt import SealedId, load_state_receipt
+from controller.results.pull import Progress, covers_newest, pull
+from controller.results.receipt import SealedId, load_state_receipt, receipt_path
 from controller.target import Target
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import UnsafePath
@@ -157,3 +157,41 @@ def test_a_latest_whose_step_is_true_is_refused_and_nothing_is_created(
     with pytest.raises(IntegrityError, match="LATEST.json names no step"):
         pull(rec, dest, "store")
     assert not os.path.lexists(dest)
+
+
+def _pull_cut_while_placing(rec: RunRecord, dest: str, elsewhere: str) -> None:
+    """A pull into ``dest`` that fails once the old receipts are gone, while placing: a symlink
+    put at DEST/outputs after DEST was checked is refused there (exit 6)."""
+    link = os.path.join(dest, "outputs")
+
+    def plant(p: Progress) -> None:
+        if p.phase == "verify" and not os.path.islink(link):
+            if os.path.isdir(link):
+                os.rename(link, link + ".moved")
+            os.symlink(elsewhere, link)
+
+    with pytest.raises(IntegrityError, match="symlink"):
+        pull(rec, dest, "store", plant)
+
+
+def test_a_pull_into_another_dest_cut_while_placing_keeps_the_older_verified_pulls_receipt(
+    tmp_path: Any, laptop: str
+) -> None:
+    """The laptop's receipt of the run was removed by any pull that began to place files, into
+    whichever DEST: `rgt down` then refused, though the older DEST still held its verified
+    copy untouched. It stays now, and still covers the newest state; a pull cut while placing
+    into the receipt's own DEST removes it, as before."""
+    store, rec = _setup(tmp_path)
+    _done(store, {f"{RUN}/outputs/a.txt": {"path": "a.txt"}})
+    old, new = str(tmp_path / "old"), str(tmp_path / "new")
+    (tmp_path / "elsewhere").mkdir()
+    first = pull(rec, old, "store")
+    os.makedirs(new)
+    _pull_cut_while_placing(rec, new, str(tmp_path / "elsewhere"))
+    assert os.listdir(tmp_path / "elsewhere") == []  # nothing written through the symlink
+    kept = load_state_receipt(RUN, laptop)
+    assert kept == first and covers_newest(rec, kept)
+
+    _pull_cut_while_placing(rec, old, str(tmp_path / "elsewhere"))
+    assert load_state_receipt(RUN, laptop) is None
+    assert not os.path.exists(receipt_path(old))

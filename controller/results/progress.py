@@ -12,6 +12,7 @@ import time
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Set
 
 from controller.results.entries import Entry, stage_path
+from onbox.common.terminal import printable
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +153,7 @@ def terminal_progress(stream: Optional[IO[str]] = None) -> Iterator[ProgressFn]:
                 pct = 100 * p.total_done // max(p.total, 1)
                 print(
                     f"rgt pull: {p.phase} {pct}% ({p.total_done >> 20}/{p.total >> 20} MiB)"
-                    + (f" {p.path}" if p.path else ""),
+                    + (f" {printable(p.path)}" if p.path else ""),
                     file=out,
                     flush=True,
                 )
@@ -160,6 +161,7 @@ def terminal_progress(stream: Optional[IO[str]] = None) -> Iterator[ProgressFn]:
         yield plain
         return
     from rich.console import Console
+    from rich.markup import escape
     from rich.progress import (
         BarColumn,
         DownloadColumn,
@@ -192,7 +194,10 @@ def terminal_progress(stream: Optional[IO[str]] = None) -> Iterator[ProgressFn]:
             if p.phase == "fetch" and p.path:
                 if p.done < p.size:
                     if p.path not in tasks:
-                        tasks[p.path] = bars.add_task(f"  {p.path}", total=p.size)
+                        # The name is the box's or the store's: shown as it is, never read
+                        # as rich markup ("[/]" in it raised MarkupError) nor as a new line.
+                        shown = escape(printable(p.path))
+                        tasks[p.path] = bars.add_task(f"  {shown}", total=p.size)
                     bars.update(tasks[p.path], completed=p.done)
                 elif p.path in tasks:  # done: its bar goes (rich redraws every bar it keeps)
                     bars.remove_task(tasks.pop(p.path))

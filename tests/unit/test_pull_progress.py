@@ -4,12 +4,15 @@ and the reports add up, however many files the pull has."""
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 from typing import List
 
+import pytest
+
 from controller.results.entries import Entry
-from controller.results.progress import Monitor, Progress
+from controller.results.progress import Monitor, Progress, terminal_progress
 
 
 def _entries(n: int, size: int) -> List[Entry]:
@@ -64,3 +67,21 @@ def test_reports_add_up_to_the_total_once_every_file_is_finished(tmp_path: Path)
     totals = [p.total_done for p in reports]
     assert totals == sorted(totals) and totals[-1] == m.total == 500 * 100
     assert os.path.isdir(tmp_path / "f")
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_a_file_name_is_shown_as_it_is_never_as_markup_or_a_line_of_its_own(tty: bool) -> None:
+    """The names come from the box or the store: on a terminal, rich read "[/]" in one as
+    markup and the pull ended in a MarkupError; a newline (a name may hold one) forged a line."""
+    out = _Terminal() if tty else io.StringIO()
+    name = "checkpoints/a[/]b [bold]c\nFORGED LINE"
+    with terminal_progress(out) as show:
+        show(Progress("fetch", name, 5, 10, 5, 10))  # in flight: its bar is drawn at the end
+    text = out.getvalue()
+    assert "a[/]b [bold]c?FORGED LINE" in text, text
+    assert "\nFORGED" not in text

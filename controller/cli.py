@@ -251,10 +251,11 @@ def pull(name: str, dest: Optional[str], source: str) -> int:
     for line in warning_lines({"warnings": missing}):
         _emit(f"  warning: {line}")
     for f in receipt.files:
-        if f.redacted:
+        if f.redacted:  # its name is DONE.json's: control characters (a newline) as '?'
             _emit(
-                f"  {f.path}: pulled redacted (the job's log on the box holds a secret; "
-                f"each match is masked here, the box's log is unaltered; from {f.source})"
+                f"  {printable(f.path)}: pulled redacted (the job's log on the box holds a "
+                "secret; each match is masked here, the box's log is unaltered; from "
+                f"{printable(f.source)})"
             )
     return 0
 

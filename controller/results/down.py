@@ -47,6 +47,7 @@ from controller.results.sealed import covers_newest
 from controller.shell import script
 from onbox.common.errors import HostError, StopFailed, UnsafeRefused, UsageError
 from onbox.common.rundir import RunDir, check_name
+from onbox.common.terminal import printable
 from onbox.profiles.load import load as load_profile
 from onbox.profiles.schema import Profile
 
@@ -99,7 +100,10 @@ class DownPlan:
             out += [f"  {x}" for x in self.after]
         out.append("down will:")
         out += [f"  {x}" for x in self.actions]
-        return out
+        # Names and the state come from the box (its files, spec.json, status): an escape
+        # sequence or a newline in one must not redraw or forge what the user is asked to
+        # confirm. Each line stays one line, control characters shown as '?'.
+        return [printable(line) for line in out]
 
 
 def _human(n: float) -> str:

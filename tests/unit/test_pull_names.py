@@ -16,10 +16,12 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from controller.registry import RunRecord
+from controller.cli import main
+from controller.registry import Registry, RunRecord
+from controller.results.down import DownPlan
 from controller.results.entries import Entry, Sealed, checked
 from controller.results.pull import Progress, covers_newest, pull
-from controller.results.receipt import SealedId, load_state_receipt, receipt_path
+from controller.results.receipt import Coverage, Receipt, SealedId, load_state_receipt, receipt_path
 from controller.target import Target
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import UnsafePath
@@ -195,3 +197,41 @@ def test_a_pull_into_another_dest_cut_while_placing_keeps_the_older_verified_pul
     _pull_cut_while_placing(rec, old, str(tmp_path / "elsewhere"))
     assert load_state_receipt(RUN, laptop) is None
     assert not os.path.exists(receipt_path(old))
+
+
+def test_rgt_pull_prints_a_redacted_logs_name_on_one_line(
+    tmp_path: Any, laptop: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A name may hold a newline (safe_rel lets LF through: POSIX names may): printed as is,
+    a log's name from DONE.json forged a line of rgt's own output."""
+    store, rec = _setup(tmp_path)
+    key = f"{RUN}/logs/attempt-0001.log\nrgt: FORGED"
+    _done(store, {key: {"path": key[len(f"{RUN}/logs/") :], "redacted": True}})
+    Registry().put(rec)
+    assert main(["pull", RUN, "--to", str(tmp_path / "dest"), "--from", "store"]) == 0
+    out = capsys.readouterr().out
+    assert "attempt-0001.log?rgt: FORGED" in out, out
+    assert "\nrgt: FORGED" not in out
+
+
+def test_rgt_down_shows_what_the_box_names_on_one_line_each() -> None:
+    """What down shows before the run's name is typed: a checkpoint's name on the box, the
+    state the box reports, are the box's; an escape sequence or a newline in one could redraw
+    or forge the list of what will be lost."""
+    receipt = Receipt("r1", "store", "local", None, "/d", SealedId(step=5), [])
+    lost = ["checkpoint a\x1b[2J\nwill be lost (on the box only, not in the receipt):\n  nothing"]
+    plan = DownPlan(
+        RunRecord(RUN, Target("local"), profile="local"),
+        receipt,
+        Coverage(True),
+        "RUNNING\x1b[8m",
+        lost,
+        ["the checkpoint dir /ck\rpt on the box"],
+        [],
+        [],
+    )
+    lines = plan.lines()
+    assert not [ln for ln in lines if "\x1b" in ln or "\n" in ln or "\r" in ln], lines
+    assert (
+        "  checkpoint a?[2J?will be lost (on the box only, not in the receipt):?  nothing" in lines
+    )

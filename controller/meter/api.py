@@ -6,12 +6,14 @@ host). What can happen to a call is one of three, each its own exception, becaus
 do next depends on it:
 
 - ``Answered``: the provider answered with an HTTP error (its status and a short message);
-- ``NotSent``: the request never reached the provider (no connection): nothing changed, and it
-  may be sent again;
-- ``NoAnswer``: the request was sent and no answer came (a timeout, a connection cut): the
-  outcome is unknown, and the call must never be sent again; only ``show`` may tell. Its
-  ``Unreadable``: a show answered 2xx with no JSON object (a proxy's HTML maintenance page, an
-  empty body): it tells nothing, least of all "gone".
+- ``NotSent``: the request never reached the provider (no connection was made: a name that
+  does not resolve, a connection refused or timed out, a TLS handshake that failed): nothing
+  changed, and it may be sent again;
+- ``NoAnswer``: the request was sent, or was being sent, and no answer came (a timeout, a
+  connection cut while it was written or after): the outcome is unknown, and the call must
+  never be sent again; only ``show`` may tell. Its ``Unreadable``: a show answered 2xx with
+  no JSON object (a proxy's HTML maintenance page, an empty body): it tells nothing, least of
+  all "gone".
 
 Only a 404, or the provider's documented not-found document, means gone.
 
@@ -95,7 +97,47 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
         return None  # the 3xx is raised as an HTTPError: an answer rgt does not expect
 
 
-_OPENER = urllib.request.build_opener(_NoRedirect())
+class _Request(urllib.request.Request):
+    """A request that knows whether its connection was made. urllib raises the same URLError
+    for a connection refused and for one cut while the request was being written: only the
+    first proves that none of it left."""
+
+    connected = False
+
+
+class _Conn(http.client.HTTPConnection):
+    def __init__(self, host: str, *, request: Optional[_Request] = None, **kwargs: Any) -> None:
+        super().__init__(host, **kwargs)
+        self.request_ = request
+
+    def connect(self) -> None:
+        super().connect()
+        if self.request_ is not None:
+            self.request_.connected = True
+
+
+class _TlsConn(http.client.HTTPSConnection):
+    def __init__(self, host: str, *, request: Optional[_Request] = None, **kwargs: Any) -> None:
+        super().__init__(host, **kwargs)
+        self.request_ = request
+
+    def connect(self) -> None:
+        super().connect()  # the TLS handshake too: no byte of the request went before it
+        if self.request_ is not None:
+            self.request_.connected = True
+
+
+class _Http(urllib.request.HTTPHandler):
+    def do_open(self, http_class: Any, req: Any, **kwargs: Any) -> http.client.HTTPResponse:
+        return super().do_open(_Conn, req, request=req, **kwargs)
+
+
+class _Https(urllib.request.HTTPSHandler):
+    def do_open(self, http_class: Any, req: Any, **kwargs: Any) -> http.client.HTTPResponse:
+        return super().do_open(_TlsConn, req, request=req, **kwargs)
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect(), _Http(), _Https())
 
 
 def _text(raw: bytes, key: str) -> str:
@@ -126,7 +168,7 @@ def call(
     headers = {"Authorization": f"Bearer {key}", "Accept": "application/json"}
     if data is not None:
         headers["Content-Type"] = "application/json"
-    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    req = _Request(url, data=data, method=method, headers=headers)
     try:
         resp = _OPENER.open(req, timeout=timeout)
     except urllib.error.HTTPError as e:
@@ -135,7 +177,9 @@ def call(
         except (OSError, http.client.HTTPException):
             raw = b""
         raise Answered(e.code, _text(raw, key)) from None
-    except urllib.error.URLError as e:  # raised before the request was sent: no connection
+    except urllib.error.URLError as e:
+        if req.connected:  # cut while the request was being written: some of it may have gone
+            raise NoAnswer(f"{method} {url}: cut while it was sent ({e.reason})") from None
         raise NotSent(f"{url.split('/')[2]}: {e.reason}") from None
     except (OSError, http.client.HTTPException) as e:  # sent; the answer never came
         raise NoAnswer(f"{method} {url}: {type(e).__name__}: {e}") from None

@@ -11,13 +11,14 @@ The outcomes (``Outcome.kind``), and where down fails the error it raises:
     confirmed    the call was sent and polling saw the resource gone (or off)
     refused      the provider said no (a 4xx): nothing changed      MeterRefused, exit 16
     unresolved   no answer, or still listed when the poll gave up   MeterUnresolved, exit 17
-                 (also a first show answered with no JSON object: nothing was sent)
+    not sent     the first show told nothing (no connection, a 5xx, MeterNotSent, exit 20
+                 a page that is no JSON object), or the call never
+                 reached the provider: nothing was sent
     console      no API: the console steps were shown
     no-instance  an API, but no id: nothing was stopped
 
-A request that never reached the provider raises RemoteUnreachable (exit 3): nothing changed.
 A second down reads the journal: a call that was sent (or whose outcome is unknown) is never
-sent again; down only polls.
+sent again; down only polls. One that was not sent is sent by the next down.
 """
 
 from __future__ import annotations
@@ -41,9 +42,9 @@ from controller.meter.api import (
     noun,
 )
 from onbox.common.errors import (
+    MeterNotSent,
     MeterRefused,
     MeterUnresolved,
-    RemoteUnreachable,
     UsageError,
 )
 from onbox.profiles.schema import Profile
@@ -149,22 +150,12 @@ def _first(step: Step, c: Client, j: journal.Journal) -> Outcome:
             raise _refused(
                 step, c, f"{c.title} refused to show the {step.noun} {ident}: {e}"
             ) from None
-        raise RemoteUnreachable(
-            f"{where}: {c.title}'s API answered {e}; nothing was sent",
-            f"run rgt down {step.run} again later",
-        ) from None
+        # A 5xx (or a 3xx) is an answer, but none about the box: it tells nothing, as below.
+        raise _not_sent(step, c, f"{c.title}'s API answered {e}") from None
     except Unreadable as e:  # not a 404: whether it is still there is not known
-        raise MeterUnresolved(
-            f"{where}: {c.title}'s API gave no answer rgt can read ({e}), so whether the "
-            f"{step.noun} is gone is not known; nothing was sent: it may still be billing",
-            f"check {c.console}; while the {step.noun} is listed there, run rgt down "
-            f"{step.run} again",
-        ) from None
+        raise _not_sent(step, c, f"{c.title}'s API gave no answer rgt can read ({e})") from None
     except (NotSent, NoAnswer) as e:
-        raise RemoteUnreachable(
-            f"{where}: {c.title}'s API did not answer ({e}); nothing was sent",
-            f"run rgt down {step.run} again",
-        ) from None
+        raise _not_sent(step, c, f"{c.title}'s API did not answer ({e})") from None
     if c.settled(seen, accepted=False):
         was = "gone" if seen.gone else seen.status
         what = f"the {step.noun} {ident} was {was} already ({seen.status}): nothing sent"
@@ -185,9 +176,10 @@ def _first(step: Step, c: Client, j: journal.Journal) -> Outcome:
         j.note("sent", f"answered {e}: polling")
     except NotSent as e:
         j.note("not-sent", str(e))
-        raise RemoteUnreachable(
-            f"{where}: the {verb} call never reached {c.title} ({e}); nothing changed",
-            f"run rgt down {step.run} again",
+        raise MeterNotSent(
+            f"{where}: the {verb} call never reached {c.title} ({e}); nothing changed: the "
+            f"{step.noun} keeps billing",
+            f"run rgt down {step.run} again (it sends the {verb}); or {verb} it at {c.console}",
         ) from None
     except NoAnswer as e:
         j.unknown = True
@@ -196,6 +188,17 @@ def _first(step: Step, c: Client, j: journal.Journal) -> Outcome:
         j.accepted = True
         j.note("sent", "accepted")
     return _poll(step, c, j)
+
+
+def _not_sent(step: Step, c: Client, why: str) -> MeterNotSent:
+    """The first show told nothing: whether the box is gone is not known, and nothing was sent."""
+    m = step.profile.meter
+    return MeterNotSent(
+        f"{c.title} {step.noun} {step.instance}: {why}, so whether the {step.noun} is gone is "
+        f"not known; nothing was sent: it may still be billing",
+        f"run rgt down {step.run} again later (it sends the {m.verb}); or {m.verb} it at "
+        f"{c.console}",
+    )
 
 
 def _refused(step: Step, c: Client, what: str) -> MeterRefused:

@@ -23,9 +23,10 @@ and rgt was given the box's id (``--instance``), the profile's meter-stop verb i
 journaled, and polled until the provider no longer has the box; where it has none, its console
 steps are shown. The plan shows, before anything is done, what survives that verb (each storage
 tier), what keeps billing after it, what it makes irreversible, and the profile's danger clocks.
-A meter-stop that was refused or whose end is unknown fails down and keeps the run's record: a
-second ``rgt down N`` finds the journal, never re-sends the call, and only polls. Last, the run
-is removed from the laptop's registry; its receipt stays in ``$RGT_CONTROLLER_HOME/receipts/``.
+A meter-stop that was refused, not sent, or whose end is unknown fails down and keeps the run's
+record; for the last, a second ``rgt down N`` finds the journal, never re-sends the call, and
+only polls. Last, the run is removed from the laptop's registry; its receipt stays in
+``$RGT_CONTROLLER_HOME/receipts/``.
 """
 
 from __future__ import annotations
@@ -316,8 +317,9 @@ def down(
     """Take ``rec`` down (module docstring). ``interactive``: stdin is a terminal; ``ask``
     prompts and returns what was typed; ``show`` prints one line; ``instance``: the provider's
     id of the box (``--instance``; else the record's). Returns the plan, with ``done`` listing
-    what was done. Raises UnsafeRefused (exit 7) when refused; MeterRefused (16) or
-    MeterUnresolved (17) when the meter-stop fails, keeping the run's record."""
+    what was done. Raises UnsafeRefused (exit 7) when refused; MeterRefused (16),
+    MeterUnresolved (17) or MeterNotSent (20) when the meter-stop fails, keeping the run's
+    record."""
     name = check_name(rec.name)
     if yes and interactive:
         raise UnsafeRefused(

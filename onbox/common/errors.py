@@ -24,7 +24,8 @@ a bug and is shown with its traceback.
     ├── MeterRefused              exit 16  (controller) the provider's API refused the meter-stop
     ├── MeterUnresolved           exit 17  (controller) the meter-stop's outcome is not known
     ├── NotReconciled             exit 18  (controller) a sweep's cells are not all sealed+verified
-    └── SmokeFailed               exit 19  (controller) a check of `rgt smoke` failed
+    ├── SmokeFailed               exit 19  (controller) a check of `rgt smoke` failed
+    └── MeterNotSent              exit 20  (controller) the meter-stop was not sent: nothing changed
 
 ``StoreAuthError`` is both: ``except AuthError`` and ``except StoreError`` catch it, and it exits
 14 as every store error does, whatever refused (exit 4 is the box's login only).
@@ -163,6 +164,15 @@ class MeterUnresolved(RgtError):
     exit_code = 17
 
 
+class MeterNotSent(RgtError):
+    """The meter-stop call was not sent: the provider's API could not be reached, or answered
+    its show with an error or a page that tells nothing (a 5xx, a proxy's page), or the call
+    never reached it. Nothing changed there; a later down sends it. Not MeterUnresolved (exit
+    17): no call of rgt's is out whose outcome is unknown."""
+
+    exit_code = 20
+
+
 class NotReconciled(RgtError):
     """``rgt reconcile``: some cell of the sweep's roster is missing, failed, unverified, or
     claimed twice (controller/sweep/reconcile.py); the report lists each."""
@@ -218,6 +228,7 @@ _BY_CODE = {
         MeterUnresolved,
         NotReconciled,
         SmokeFailed,
+        MeterNotSent,
     )
 }
 

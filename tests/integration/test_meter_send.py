@@ -12,11 +12,15 @@ from __future__ import annotations
 import socket
 import struct
 import threading
-from typing import Any, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
+from controller.meter import journal
 from controller.meter.api import NoAnswer, NotSent, call
+from controller.meter.stop import Step, stop_meter
+from onbox.common import errors
+from onbox.profiles.load import load as load_profile
 from tests.httpsink import closed_port
 
 # A request larger than loopback's socket buffers: the client is still writing it when the
@@ -148,3 +152,49 @@ def test_fake_socket_api_timeout_while_waiting_for_the_answer_is_no_answer(
     with pytest.raises(NoAnswer):
         call("DELETE", fake.url + "/pods/p1", "k", 1)
     assert fake.received[0].startswith(b"DELETE /pods/p1 ")
+
+
+def _http(status: str, body: bytes) -> bytes:
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+
+
+def test_fake_socket_runpod_stop_refused_after_the_show_is_not_sent_and_exits_20(
+    servers: List[Any], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """RunPod's API answers the show (the pod is running), then stops listening: the DELETE's
+    connection is refused, so it never left. down says nothing was sent (exit 20), journals it
+    not-sent, and a later down may send it."""
+    for v in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy"):
+        monkeypatch.delenv(v, raising=False)
+    fake = FakeSocketApi([_http("200 OK", b'{"id": "pod1", "desiredStatus": "RUNNING"}')])
+    servers.append(fake)
+    env: Dict[str, str] = {"RUNPOD_API_KEY": "k3y", "RGT_RUNPOD_API": fake.url}
+    shown: List[str] = []
+    step = Step("r9", load_profile("runpod", []), "pod1", shown.append, str(tmp_path), env)
+    with pytest.raises(errors.MeterNotSent) as info:
+        stop_meter(step)
+    assert info.value.exit_code == 20
+    assert "never reached RunPod" in info.value.what and "nothing changed" in info.value.what
+    assert len(fake.received) == 1 and fake.received[0].startswith(b"GET /pods/pod1 ")
+    j = journal.load("r9", str(tmp_path))
+    assert j is not None and j.state == "not-sent" and not j.call_sent
+
+
+def test_fake_socket_runpod_api_that_refuses_the_show_sends_nothing_and_exits_20(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing listens at RunPod's API: the show never got through, so nothing was sent: exit
+    20 (the box was never asked, so not 3), and no journal says a call is out."""
+    for v in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy"):
+        monkeypatch.delenv(v, raising=False)
+    env = {"RUNPOD_API_KEY": "k3y", "RGT_RUNPOD_API": f"http://127.0.0.1:{closed_port()}"}
+    step = Step("r9", load_profile("runpod", []), "pod1", lambda line: None, str(tmp_path), env)
+    with pytest.raises(errors.MeterNotSent) as info:
+        stop_meter(step)
+    assert info.value.exit_code == 20 and "did not answer" in info.value.what
+    assert "nothing was sent" in info.value.what
+    j = journal.load("r9", str(tmp_path))
+    assert j is None or not j.call_sent

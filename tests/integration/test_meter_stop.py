@@ -32,7 +32,7 @@ from controller.meter.stop import Step, stop_meter
 from controller.registry import Registry, RunRecord
 from controller.results.down import down
 from controller.results.pull import pull
-from onbox.common.errors import MeterRefused, MeterUnresolved, NotFound
+from onbox.common.errors import MeterNotSent, MeterRefused, MeterUnresolved, NotFound
 from onbox.profiles.load import load as load_profile
 from tests.integration import test_down
 from tests.integration.test_down import RUN, Box
@@ -75,7 +75,8 @@ class FakeApi:
     close the connection without an answer, or an HTTP status to answer with), ``exited`` (a
     vast.ai instance that was stopped, not destroyed: its disk still bills), ``page`` (raw bytes
     the show answers with HTTP 200 instead of the API's document, as a proxy's maintenance page
-    does; from the start, or only once stopped when ``page_after_stop``)."""
+    does; from the start, or only once stopped when ``page_after_stop``), ``show_status`` (an
+    HTTP status every show answers with, as an API that is down answers 503)."""
 
     def __init__(self, api: str) -> None:
         self.api = api
@@ -86,6 +87,7 @@ class FakeApi:
         self.exited = False
         self.page: Optional[bytes] = None
         self.page_after_stop = False
+        self.show_status: Optional[int] = None
         self.requests: List[Tuple[str, str, str, Any]] = []
         fake = self
 
@@ -149,6 +151,8 @@ class FakeApi:
         return 404, {"error": f"no such endpoint {method} {path}"}
 
     def _show(self) -> Tuple[int, Any]:
+        if self.show_status is not None:
+            return self.show_status, {"error": "upstream unavailable"}
         if self.page is not None and (self.stopped or not self.page_after_stop):
             return 200, self.page
         running = self.present and (not self.stopped or self.linger > 0)
@@ -471,20 +475,46 @@ def test_fake_runpod_bad_instance_id_is_refused_before_anything(
 PAGE = b"<html><body>503 upstream maintenance, try again later</body></html>"
 
 
+@pytest.mark.parametrize("api,status", [(a, 503) for a in APIS] + [("runpod", 302)])
+def test_fake_provider_show_answered_5xx_sends_nothing_and_says_not_sent(
+    fakes: Dict[str, FakeApi], tmp_path: Any, api: str, status: int
+) -> None:
+    """The provider's API answers the first show 503 (or a redirect rgt does not follow): it
+    answered, but not about the box. Nothing was sent and the box may still bill: not sent,
+    exit 20 (not 3: the box was never asked; not 17: no call is out whose outcome is unknown).
+    A later down, once the API answers, sends the stop and confirms."""
+    fake = fakes[api]
+    fake.show_status = status
+    shown: List[str] = []
+    with pytest.raises(MeterNotSent) as info:
+        stop_meter(_step(api, str(tmp_path), shown))
+    assert info.value.exit_code == 20
+    line = info.value.line()
+    assert f"answered HTTP {status}" in line and "nothing was sent" in line
+    assert "may still be billing" in line and "rgt down r9 again later" in line
+    assert fake.calls() == [("GET", SHOW[api])] and fake.stops() == 0
+    j = journal.load("r9", str(tmp_path))
+    assert j is None or not j.call_sent
+
+    fake.show_status = None
+    assert stop_meter(_step(api, str(tmp_path), shown)).kind == "confirmed"
+    assert fake.stops() == 1
+
+
 @pytest.mark.parametrize("api", list(APIS))
 @pytest.mark.parametrize("page", [PAGE, b"", b"null"], ids=["html", "empty", "null"])
 def test_fake_provider_show_200_that_is_no_json_object_is_unresolved_never_gone(
     fakes: Dict[str, FakeApi], tmp_path: Any, api: str, page: bytes
 ) -> None:
     """A show answered 200 with a maintenance page (or nothing, or JSON null) is not the 404
-    that says gone: down must not report the box gone while it keeps billing. Unresolved (exit
-    17), nothing sent; a later down, once the API reads again, sends the stop and confirms."""
+    that says gone: down must not report the box gone while it keeps billing. Not sent (exit
+    20); a later down, once the API reads again, sends the stop and confirms."""
     fake = fakes[api]
     fake.page = page
     shown: List[str] = []
-    with pytest.raises(MeterUnresolved) as info:
+    with pytest.raises(MeterNotSent) as info:
         stop_meter(_step(api, str(tmp_path), shown))
-    assert info.value.exit_code == 17
+    assert info.value.exit_code == 20
     line = info.value.line()
     assert "nothing was sent" in line and "may still be billing" in line
     assert "not a JSON object" in line and "gone" not in "\n".join(shown)
@@ -534,16 +564,16 @@ def test_fake_vast_show_without_instances_is_not_gone(
 def test_fake_runpod_down_with_a_maintenance_page_keeps_the_record(
     box: Box, tmp_path: Any, fakes: Dict[str, FakeApi]
 ) -> None:
-    """Through down: RunPod's show answers an HTML page with 200. down fails unresolved (exit
-    17) and keeps the run's record, so that a later down can still terminate the pod."""
+    """Through down: RunPod's show answers an HTML page with 200. down fails, nothing sent (exit
+    20), and keeps the run's record, so that a later down can still terminate the pod."""
     fake = fakes["runpod"]
     fake.page = PAGE
     rec = _record(box, "runpod", IDS["runpod"])
     pull(rec, str(tmp_path / "dest"), "store")
     shown: List[str] = []
-    with pytest.raises(MeterUnresolved) as info:
+    with pytest.raises(MeterNotSent) as info:
         down(rec, yes=True, interactive=False, ask=lambda p: "", show=shown.append)
-    assert info.value.exit_code == 17 and "nothing was sent" in info.value.what
+    assert info.value.exit_code == 20 and "nothing was sent" in info.value.what
     assert not any("gone already" in line or " is down" in line for line in shown)
     assert Registry().get(RUN).instance == IDS["runpod"] and fake.stops() == 0
 

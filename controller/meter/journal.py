@@ -55,6 +55,10 @@ class Journal:
     unknown: bool = False  # the call was sent and no answer came
     events: List[Dict[str, Any]] = dataclasses.field(default_factory=list)
     accepted: bool = False  # the provider answered the call 2xx (vast.ai's "exited": VAST15)
+    # What the provider answered the call when it did not accept it (an HTTP error's status and
+    # message, a page rgt cannot read); "" when it accepted, gave no answer, or rgt stopped
+    # before it saw the answer (an older journal: not recorded).
+    answer: str = ""
 
     def note(self, state: str, what: str) -> None:
         assert state in STATES, state
@@ -94,6 +98,7 @@ def load(name: str, home: Optional[str] = None) -> Optional[Journal]:
             bool(doc.get("unknown")),
             list(doc.get("events") or []),
             bool(doc.get("accepted")),  # absent from an older journal: not accepted
+            str(doc.get("answer") or ""),
         )
     except (KeyError, TypeError) as e:
         raise IntegrityError(f"the meter journal {path} is malformed ({e!r})") from None

@@ -131,9 +131,8 @@ def stop_meter(step: Step) -> Outcome:
     c = client(step.api, step.environ)
     if j is not None and j.instance == step.instance and j.call_sent:
         step.show(
-            f"an earlier down sent the {m.verb} of {c.title} {step.noun} {step.instance}"
-            + (" and got no answer" if j.unknown else "")
-            + ": rgt never sends it again; polling until the provider no longer lists it"
+            f"an earlier down: the {m.verb} of {c.title} {step.noun} {step.instance} was "
+            f"{_sent(j)}: rgt never sends it again; polling until the provider no longer lists it"
         )
         return _poll(step, c, j)
     return _first(step, c, journal.start(step.run, step.api, step.instance, m.verb, step.home))
@@ -173,6 +172,7 @@ def _first(step: Step, c: Client, j: journal.Journal) -> Outcome:
             raise _refused(step, c, what) from None
         # A 404 (gone under us) or a 5xx or 3xx: the provider may have acted. Poll, never resend.
         j.unknown = e.status >= 300 and e.status != 404
+        j.answer = str(e)
         j.note("sent", f"answered {e}: polling")
     except NotSent as e:
         j.note("not-sent", str(e))
@@ -183,7 +183,10 @@ def _first(step: Step, c: Client, j: journal.Journal) -> Outcome:
         ) from None
     except NoAnswer as e:
         j.unknown = True
-        j.note("sent", f"no answer ({e}): the outcome is unknown; polling, never re-sending")
+        if isinstance(e, Unreadable):  # answered, but with nothing rgt can read
+            j.answer = str(e)
+        said = "answered" if j.answer else "no answer"
+        j.note("sent", f"{said} ({e}): the outcome is unknown; polling, never re-sending")
     else:
         j.accepted = True
         j.note("sent", "accepted")
@@ -207,6 +210,19 @@ def _refused(step: Step, c: Client, what: str) -> MeterRefused:
         f"check {key_name(c.api)} (a key of the account that owns it) and the id, then rgt down "
         f"{step.run} again; or {step.profile.meter.verb} it at {c.console}",
     )
+
+
+def _sent(j: journal.Journal) -> str:
+    """What came of the journaled call, as told in messages ("the terminate was ...")."""
+    if j.accepted:
+        return "sent and it was accepted"
+    if j.answer:  # a 5xx or 3xx, a 404, a page: answered, though not accepted
+        return f"sent and answered ({j.answer})" + (
+            ", so its outcome is unknown" if j.unknown else ""
+        )
+    if j.unknown:
+        return "sent and got no answer"
+    return "perhaps sent (an earlier rgt stopped before it saw what came of it)"
 
 
 def _poll(step: Step, c: Client, j: journal.Journal) -> Outcome:
@@ -233,9 +249,8 @@ def _poll(step: Step, c: Client, j: journal.Journal) -> Outcome:
         step.sleep(delay)
         delay = min(delay * 2, 15.0)
     j.note("unresolved", f"after {wait:.0f} s of polling: {last}")
-    sent = "sent and got no answer" if j.unknown else "sent and it was accepted"
     raise MeterUnresolved(
-        f"{c.title} {step.noun} {j.instance}: the {j.verb} was {sent}, but after {wait:.0f} s "
+        f"{c.title} {step.noun} {j.instance}: the {j.verb} was {_sent(j)}, but after {wait:.0f} s "
         f"the provider still does not say it is gone ({last}); it may still be billing",
         f"check {c.console}: the {step.noun} {j.instance} must be gone"
         + (" or off" if step.profile.meter.reversible else "")

@@ -613,3 +613,48 @@ def test_fake_vast_exited_after_an_accepted_delete_is_confirmed_by_a_later_down(
     fake.linger = 0  # VAST15: now it shows exited
     out = stop_meter(_step("vastai", str(tmp_path), []))
     assert out.kind == "confirmed" and "exited" in out.what and fake.stops() == 1
+
+
+# ---- what down says of a call it sent: what really came of it, as journaled
+
+
+@pytest.mark.parametrize("stop_mode", [503, 302, 404])
+def test_fake_runpod_answered_stop_says_how_it_was_answered_not_no_answer(
+    fakes: Dict[str, FakeApi], tmp_path: Any, stop_mode: int
+) -> None:
+    """The DELETE was answered 503 (or 302, or 404) and the pod stays listed: down says the
+    call was answered so (for a 5xx or 3xx: its outcome is unknown), never that it got no
+    answer nor that it was accepted; the journal keeps the answer, and a second down says the
+    same while it only polls."""
+    fake = fakes["runpod"]
+    fake.stop_mode, fake.linger = stop_mode, 10**6
+    with pytest.raises(MeterUnresolved) as info:
+        stop_meter(_step("runpod", str(tmp_path), [], wait="0.5"))
+    what = info.value.what
+    assert f"the terminate was sent and answered (HTTP {stop_mode}: not allowed)" in what
+    assert ("its outcome is unknown" in what) == (stop_mode != 404)
+    assert "no answer" not in what and "accepted" not in what
+    j = journal.load("r9", str(tmp_path))
+    assert j is not None and j.answer == f"HTTP {stop_mode}: not allowed"
+    assert j.unknown == (stop_mode != 404) and not j.accepted
+
+    shown: List[str] = []
+    with pytest.raises(MeterUnresolved):
+        stop_meter(_step("runpod", str(tmp_path), shown, wait="0.5"))
+    assert any(f"answered (HTTP {stop_mode}" in line for line in shown), shown
+    assert not any("no answer" in line for line in shown) and fake.stops() == 1
+
+
+def test_fake_runpod_call_journaled_as_intent_only_is_not_said_accepted(
+    fakes: Dict[str, FakeApi], tmp_path: Any
+) -> None:
+    """rgt died between journaling the intent and the call's answer: down polls only (the call
+    may have gone out) and, when the pod stays listed, says the call may have been sent, never
+    that it was accepted."""
+    fake = fakes["runpod"]
+    journal.start("r9", "runpod", IDS["runpod"], "terminate", str(tmp_path)).note("intent", "x")
+    with pytest.raises(MeterUnresolved) as info:
+        stop_meter(_step("runpod", str(tmp_path), [], wait="0.5"))
+    assert "accepted" not in info.value.what and "no answer" not in info.value.what
+    assert "the terminate was perhaps sent" in info.value.what
+    assert fake.stops() == 0

@@ -14,7 +14,9 @@ States, in order:
     confirmed  polled until the provider no longer has it (or, for a reversible verb, it is off)
     unresolved still listed when the poll gave up, or no answer to tell
 
-Atomic writes (onbox/common/durable.py). No API key is ever written here.
+Atomic writes (onbox/common/durable.py). No API key is ever written here. rgt writes it, but it
+lives on a disk the user may edit: a field of another type (never coerced), another run's
+journal, or an id that is no provider's id, is malformed (IntegrityError, exit 6).
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
+from controller.meter.api import check_instance
 from controller.remote import controller_home
 from onbox.common.durable import make_dirs, read_json, write_json
-from onbox.common.errors import IntegrityError
+from onbox.common.errors import IntegrityError, UsageError
 from onbox.common.rundir import check_name
 
 STATES = ("intent", "not-sent", "sent", "refused", "gone", "confirmed", "unresolved")
@@ -74,37 +77,63 @@ class Journal:
         return self.state in SENT
 
 
+# Each field's type, and its value when an older journal lacks it (None: every journal has it).
+_FIELDS: Dict[str, Tuple[type, Any]] = {
+    "run": (str, None),
+    "api": (str, None),
+    "instance": (str, None),
+    "verb": (str, None),
+    "state": (str, None),
+    "unknown": (bool, False),
+    "events": (list, ()),
+    "accepted": (bool, False),
+    "answer": (str, ""),
+}
+_REMEDY = "look at it; if the provider's console shows the box gone, move it aside"
+
+
 def load(name: str, home: Optional[str] = None) -> Optional[Journal]:
-    """The run's journal, or None when there is none. A file that does not parse is corrupt
-    (exit 6): read as "none", it would let down send a call again."""
+    """The run's journal, or None when there is none. A file that does not parse, or whose
+    document is not one rgt writes (_problem), is corrupt (exit 6): read as "none", it would let
+    down send a call again; read loosely, it could say what it does not."""
     path = journal_path(name, home)
     try:
         doc = read_json(path)
     except (OSError, ValueError) as e:
-        raise IntegrityError(
-            f"the meter journal {path} cannot be read ({e})",
-            "look at it; if the provider's console shows the box gone, move it aside",
-        ) from None
+        raise IntegrityError(f"the meter journal {path} cannot be read ({e})", _REMEDY) from None
     if doc is None:
         return None
+    problem = _problem(doc, name)
+    if problem:
+        raise IntegrityError(f"the meter journal {path} is malformed: {problem}", _REMEDY)
+    fields = {k: doc.get(k, default) for k, (_, default) in _FIELDS.items()}
+    fields["events"] = list(fields["events"])
+    return Journal(path, **fields)
+
+
+def _problem(doc: Any, name: str) -> str:
+    """What makes ``doc`` no journal of the run ``name``, or "". rgt writes it, but it lives on
+    a disk the user may edit: a value of another type is never coerced (bool("false") is
+    true), and another run's journal, or an id that is none, is not taken for this one's."""
+    if not isinstance(doc, dict):
+        return f"a JSON {type(doc).__name__}, not an object"
+    for key, (kind, default) in _FIELDS.items():
+        if key not in doc:
+            if default is None:
+                return f"it has no {key!r}"
+        elif not isinstance(doc[key], kind):
+            return f"{key!r} is {repr(doc[key])[:40]}, not a {kind.__name__}"
+    if not all(isinstance(e, dict) for e in doc.get("events", ())):
+        return "an event is not an object"
+    if doc["run"] != name:
+        return f"it is the journal of the run {doc['run'][:40]!r}, not of {name}"
+    if doc["state"] not in STATES:
+        return f"unknown state {doc['state'][:40]!r}"
     try:
-        j = Journal(
-            path,
-            str(doc["run"]),
-            str(doc["api"]),
-            str(doc["instance"]),
-            str(doc["verb"]),
-            str(doc["state"]),
-            bool(doc.get("unknown")),
-            list(doc.get("events") or []),
-            bool(doc.get("accepted")),  # absent from an older journal: not accepted
-            str(doc.get("answer") or ""),
-        )
-    except (KeyError, TypeError) as e:
-        raise IntegrityError(f"the meter journal {path} is malformed ({e!r})") from None
-    if j.state not in STATES:
-        raise IntegrityError(f"the meter journal {path} has an unknown state {j.state!r}")
-    return j
+        check_instance(doc["instance"])
+    except UsageError:
+        return f"{doc['instance'][:40]!r} is not a provider's id"
+    return ""
 
 
 def start(name: str, api: str, instance: str, verb: str, home: Optional[str] = None) -> Journal:

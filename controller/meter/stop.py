@@ -40,8 +40,10 @@ from controller.meter.api import (
     client,
     key_name,
     noun,
+    title,
 )
 from onbox.common.errors import (
+    IntegrityError,
     MeterNotSent,
     MeterRefused,
     MeterUnresolved,
@@ -117,19 +119,28 @@ def stop_meter(step: Step) -> Outcome:
         return Outcome("no-instance", what)
     check_instance(step.instance)  # it goes into a URL's path: the record's too
     j = journal.load(step.run, step.home)
-    if j is not None and j.instance != step.instance and j.call_sent:
+    if j is not None and j.api != step.api and j.call_sent:
+        # Polling this profile's provider could not tell how a call to another one ended.
+        raise IntegrityError(
+            f"the meter journal {j.path} says an earlier down sent the {j.verb} of {j.api} "
+            f"{j.instance}, but the run's profile stops its meter through {step.api}",
+            f"check {title(j.api)}'s console for {j.instance}; once it is gone there, move the "
+            "journal aside",
+        )
+    same = j is not None and j.api == step.api and j.instance == step.instance
+    if j is not None and not same and j.call_sent:
         raise UsageError(
             "--instance",
             f"an earlier down of {step.run} sent the {j.verb} of {j.api} {j.instance}, and its "
             f"end is not known; rgt will not act on {step.instance} before it is",
             f"rgt down {step.run} --instance {j.instance}",
         )
-    if j is not None and j.instance == step.instance and j.state in ("gone", "confirmed"):
+    if j is not None and same and j.state in ("gone", "confirmed"):
         what = f"the {step.noun} {step.instance}: {j.verb} done already ({j.state}, journaled)"
         step.show(what)
         return Outcome(j.state, what)
     c = client(step.api, step.environ)
-    if j is not None and j.instance == step.instance and j.call_sent:
+    if j is not None and same and j.call_sent:
         step.show(
             f"an earlier down: the {m.verb} of {c.title} {step.noun} {step.instance} was "
             f"{_sent(j)}: rgt never sends it again; polling until the provider no longer lists it"

@@ -32,7 +32,13 @@ from controller.meter.stop import Step, stop_meter
 from controller.registry import Registry, RunRecord
 from controller.results.down import down
 from controller.results.pull import pull
-from onbox.common.errors import MeterNotSent, MeterRefused, MeterUnresolved, NotFound
+from onbox.common.errors import (
+    IntegrityError,
+    MeterNotSent,
+    MeterRefused,
+    MeterUnresolved,
+    NotFound,
+)
 from onbox.profiles.load import load as load_profile
 from tests.integration import test_down
 from tests.integration.test_down import RUN, Box
@@ -658,3 +664,76 @@ def test_fake_runpod_call_journaled_as_intent_only_is_not_said_accepted(
     assert "accepted" not in info.value.what and "no answer" not in info.value.what
     assert "the terminate was perhaps sent" in info.value.what
     assert fake.stops() == 0
+
+
+# ---- a journal edited on disk: malformed (exit 6), never read as something it does not say
+
+
+def _sent_vast_journal(home: str) -> str:
+    """The journal rgt writes when vast.ai's DELETE got no answer; its path."""
+    j = journal.start("r9", "vastai", IDS["vastai"], "destroy", home)
+    j.unknown = True
+    j.note("sent", "no answer (test): the outcome is unknown; polling, never re-sending")
+    return j.path
+
+
+@pytest.mark.parametrize(
+    "key,value",
+    [
+        ("accepted", "false"),  # a string is not a bool: bool("false") is True
+        ("unknown", "no"),
+        ("unknown", 0),
+        ("events", "abc"),
+        ("events", [1, 2]),
+        ("answer", 503),
+        ("verb", ["destroy"]),
+        ("instance", 4242),  # an id is a string: str() made it "4242", the one asked for
+        ("instance", "../x"),  # not a provider's id: it would go into a URL's path
+        ("run", "other"),  # another run's journal under this run's name
+        ("api", "runpod"),  # a call out at another provider: polling vast.ai tells nothing
+        ("state", None),
+        ("instance", None),  # no key at all
+        (None, None),  # not a JSON object
+    ],
+)
+def test_fake_vast_edited_journal_is_malformed_and_nothing_is_called(
+    fakes: Dict[str, FakeApi], tmp_path: Any, key: Optional[str], value: Any
+) -> None:
+    """The journal is rgt's, but lives on a disk the user may edit. A field of the wrong type,
+    another run's or another provider's journal, or an id that is no id, is malformed (exit 6):
+    it is never coerced nor trusted (an "accepted": "false" read as true would take the exited,
+    still billing instance for destroyed), and nothing is sent or polled."""
+    fake = fakes["vastai"]
+    fake.exited, fake.linger = True, 10**6
+    path = _sent_vast_journal(str(tmp_path))
+    with open(path) as f:
+        doc = json.load(f)
+    if key is None:
+        doc = [doc]
+    elif value is None:
+        del doc[key]
+    else:
+        doc[key] = value
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    with pytest.raises(IntegrityError) as info:
+        stop_meter(_step("vastai", str(tmp_path), [], wait="0.5"))
+    assert info.value.exit_code == 6 and f"the meter journal {path}" in info.value.what
+    assert fake.requests == []
+
+
+def test_fake_vast_older_journal_without_the_newer_fields_still_reads(
+    fakes: Dict[str, FakeApi], tmp_path: Any
+) -> None:
+    """A journal of an older rgt has no "accepted", "unknown", "answer" nor "events": read as
+    not accepted, and polled (never re-sent)."""
+    path = _sent_vast_journal(str(tmp_path))
+    with open(path) as f:
+        doc = json.load(f)
+    for k in ("accepted", "unknown", "answer", "events"):
+        del doc[k]
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    fakes["vastai"].present = False
+    assert stop_meter(_step("vastai", str(tmp_path), [])).kind == "confirmed"
+    assert fakes["vastai"].stops() == 0

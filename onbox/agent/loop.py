@@ -7,6 +7,9 @@
 Signals: SIGTERM is a preemption (ends PREEMPTED within the grace budget); SIGINT is a stop;
 SIGUSR2 means "read stop.request"; SIGHUP is ignored (sessions come and go). Inside a Slurm job
 (``rgt-agent run``; onbox/agent/slurm.py) a SIGUSR2 with no request file is Slurm's warning.
+They are taken from the start of ``prepare``: a SIGTERM or SIGINT during the epoch and restore
+cuts them short (onbox/agent/beginning.py ``Interrupted``), and the run ends PREEMPTED (or
+STOPPED) before its first attempt.
 """
 
 from __future__ import annotations
@@ -15,13 +18,14 @@ import json
 import os
 import signal
 import sys
-import time
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, TextIO, Tuple, cast
 
 from onbox.agent import healthuse, procfs
+from onbox.agent.beginning import Interrupted, fallback_warning, tell_interrupted
 from onbox.agent.boot import install_hook, take_from_boot
 from onbox.agent.daemon import TAG_VAR, agent_argv, parse_agent_args
 from onbox.agent.journal import FileJournal, log
+from onbox.agent.leftovers import end_leftovers
 from onbox.agent.lock import RunLock
 from onbox.agent.logredact import redact_box_logs
 from onbox.agent.meter import MeterCap
@@ -34,7 +38,7 @@ from onbox.agent.seams import Clock, Hooks, RealClock
 from onbox.agent.slurm import SlurmWatch
 from onbox.agent.spec import JobSpec
 from onbox.agent.states import TERMINAL, State
-from onbox.agent.supervisor import LEFTOVER_GRACE, Supervisor
+from onbox.agent.supervisor import Supervisor
 from onbox.agent.title import set_title
 from onbox.common import redact
 from onbox.common.durable import read_json
@@ -116,6 +120,7 @@ class Agent:
         self.notice: Optional[NoticeWatcher] = None  # the platform's preemption notice
         self.health: Optional[healthuse.AgentHealth] = None  # the probes (onbox/health/)
         self._pending: List[int] = []
+        self._interruptible = False  # a SIGTERM or SIGINT now raises Interrupted (_on_signal)
         self._wake_r = self._wake_w = -1
         self.slurm: Optional[SlurmWatch] = None  # set by `rgt-agent run` inside a Slurm job
 
@@ -126,6 +131,8 @@ class Agent:
         Returns False when there is nothing to supervise.
         """
         sup = self.sup
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR2):  # kept for run()
+            signal.signal(sig, self._on_signal)
         # `rgt-agent boot` started this agent after a power-on: restore as a beginning does.
         from_boot = take_from_boot(self.rd)
         if from_boot:
@@ -170,34 +177,22 @@ class Agent:
         store). A beginning that cannot resume fails the run: no agent is left behind it."""
         if self.seal is None:
             return
+        self._interruptible = True
         try:
             self.seal.start(begin=begin, adopting=self.adopted)
+            self._interruptible = False
+        except Interrupted as cut:  # run() ends the run as the signal asks, before any attempt
+            tell_interrupted(self.journal.event, cut.signum)
+            return
         except RgtError as e:
+            self._interruptible = False
             if begin:
                 self._fail_to_begin(e, power_on)
             raise
-        if begin:
-            self._note_fallback(self.seal.restored)
-
-    def _note_fallback(self, restored: Optional[Dict[str, Any]]) -> None:
-        """Status says which step this incarnation resumed from when newer ones were unusable
-        (quarantined): one ``quarantined`` warning, replacing the one an earlier incarnation
-        left, so `rgt-agent status` and `rgt status` print it."""
-        self.warnings[:] = [w for w in self.warnings if w.get("kind") != "quarantined"]
-        skipped = (restored or {}).get("skipped")
-        if not restored or not skipped:
-            return
-        newer = "; ".join(f"step {s['step']}: {s['reason']}" for s in skipped)
-        self.warnings.append(
-            {
-                "kind": "quarantined",
-                "step": restored["step"],
-                "skipped": [s["step"] for s in skipped],
-                "reason": f"resumed from step {restored['step']}, the newest verified "
-                f"checkpoint; newer ones are quarantined ({newer})",
-            }
-        )
-        self.sup.save()
+        finally:
+            self._interruptible = False
+        if begin and fallback_warning(self.warnings, self.seal.restored):
+            self.sup.save()
 
     def _fail_to_begin(self, e: RgtError, power_on: bool = False) -> None:
         """The store cannot give this incarnation what it resumes from (no verified checkpoint
@@ -222,7 +217,10 @@ class Agent:
 
     # ---- signals
     def _on_signal(self, signum: int, frame: object) -> None:
-        self._pending.append(signum)
+        self._pending.append(signum)  # handled in run(), this one too
+        if self._interruptible and signum in (signal.SIGTERM, signal.SIGINT):
+            self._interruptible = False  # once: a second signal must not cut the clean-up
+            raise Interrupted(signum)
 
     def _install_signals(self) -> None:
         self._wake_r, self._wake_w = os.pipe()
@@ -298,6 +296,7 @@ class Agent:
         if stop is not None:
             sup.request_stop(*stop)
         self.check_stop_request()
+        self._handle_signals()  # those that came while prepare() ran: before any attempt
         if sup.state == State.PENDING:
             sup.begin()
         if ready_fd is not None:
@@ -407,28 +406,8 @@ class Agent:
             self.notice.stop()
         if self.health is not None:
             self.health.stop()
-        if self.runner.alive():
-            self.journal.event(
-                "leftovers",
-                "processes of the last attempt outlived it; stopping them",
-                klass="transient",
-                remedy="make the job's children exit with it",
-            )
-            self.runner.signal(signal.SIGTERM)
-            deadline = time.monotonic() + LEFTOVER_GRACE
-            while self.runner.alive() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            deadline = time.monotonic() + 10.0
-            while self.runner.alive() and time.monotonic() < deadline:
-                self.runner.signal(signal.SIGKILL)
-                time.sleep(0.05)
-            if self.runner.alive():
-                self.journal.event(
-                    "leftovers_survived",
-                    "processes of the last attempt survived SIGKILL (stuck in the kernel?)",
-                    klass="permanent",
-                    remedy="look for D-state processes; GPU memory may be held",
-                )
+        why = "processes of the last attempt outlived it; stopping them"
+        end_leftovers(self.runner, self.journal.event, why)
         if self.seal is not None:
             self.seal.close()
         else:

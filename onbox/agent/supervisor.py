@@ -22,12 +22,11 @@ from onbox.agent.classify import (
     ended_by_stop,
 )
 from onbox.agent.journal import iso
+from onbox.agent.leftovers import LEFTOVER_GRACE
 from onbox.agent.seams import Clock, Hooks, Journal, Runner
 from onbox.agent.spec import JobSpec, preempt_kill_delay
 from onbox.agent.states import ACTIVE, TERMINAL, State, can_transition
 
-# Orphans of an attempt that ended on its own get this long after SIGTERM before SIGKILL.
-LEFTOVER_GRACE = 5.0
 # How often to look for processes while waiting for an attempt's processes to vanish.
 REAP_POLL = 0.05
 GATE_POLL = 0.5  # how often a start held by the start gate asks it again

@@ -1,0 +1,56 @@
+"""The beginning of an incarnation, as the agent tells it: the epoch and the restore that come
+before its first attempt (``SealService.start``, onbox/agent/sealservice.py).
+
+A SIGTERM or SIGINT while it runs cuts it short (``Interrupted``, ``tell_interrupted``); which
+step it resumed from when newer ones were unusable becomes a warning for status
+(``fallback_warning``).
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Any, Callable, Dict, List, Optional
+
+
+class Interrupted(BaseException):
+    """SIGTERM or SIGINT while the agent takes the epoch and restores: raised in the main thread
+    to end the restore where it is (a BaseException: no ``except Exception`` on the way keeps
+    it; the restore's own ``finally`` blocks stop its workers and let its stage go)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+def tell_interrupted(event: Callable[..., None], signum: int) -> None:
+    """The ``restore_interrupted`` event: the beginning stopped; the agent ends the run as the
+    signal asks, before any attempt."""
+    event(
+        "restore_interrupted",
+        f"{signal.Signals(signum).name} while the agent took its epoch and restored from the "
+        "store: the restore stopped, nothing of it is in place unverified",
+        klass="transient",
+        remedy="start the run again (a power-on does: `rgt-agent boot`); it restores afresh",
+    )
+
+
+def fallback_warning(warnings: List[Dict[str, Any]], restored: Optional[Dict[str, Any]]) -> bool:
+    """Status says which step this incarnation resumed from when newer ones were unusable
+    (quarantined): one ``quarantined`` warning in ``warnings``, replacing the one an earlier
+    incarnation left, so `rgt-agent status` and `rgt status` print it. True when one was added
+    (the caller saves the state)."""
+    warnings[:] = [w for w in warnings if w.get("kind") != "quarantined"]
+    skipped = (restored or {}).get("skipped")
+    if not restored or not skipped:
+        return False
+    newer = "; ".join(f"step {s['step']}: {s['reason']}" for s in skipped)
+    warnings.append(
+        {
+            "kind": "quarantined",
+            "step": restored["step"],
+            "skipped": [s["step"] for s in skipped],
+            "reason": f"resumed from step {restored['step']}, the newest verified "
+            f"checkpoint; newer ones are quarantined ({newer})",
+        }
+    )
+    return True

@@ -1,0 +1,160 @@
+"""A preemption that arrives while the agent restores the checkpoint, before the job starts.
+
+A spot box boots, `rgt-agent start` begins restoring a large checkpoint from the store, and the
+box is reclaimed: SIGTERM reaches the agent mid-restore (or a person's Ctrl-C, SIGINT). The agent
+must end cleanly (not by Python's default handler): the restore stops, nothing torn is left
+under a final name, the run is PREEMPTED (STOPPED) with an event saying the restore was cut, and
+the next start restores and resumes.
+
+Real processes, a real ``file://`` store, real signals. The agent is frozen (SIGSTOP) at the
+moment its staging directory is seen and before any file is in place, so the SIGTERM lands
+mid-restore whatever the machine's speed; SIGCONT then delivers it.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict
+
+import pytest
+
+from onbox.agent import procfs
+from onbox.sealing.fetch import STAGE_PREFIX
+from onbox.sealing.ledger import take_epoch
+from onbox.sealing.sealer import Sealer
+from onbox.sealing.stores import open_store
+from tests.conftest import Cli, agent_exe
+
+RUN = "cut"
+STEP = 10
+# Enough files that the restore is still copying when the test looks (each is fsynced).
+FILES = 48
+FILE_SIZE = 1 << 20
+JOB = [sys.executable, "-c", "import os; print('resume=' + os.environ['RGT_RESUME_FROM'])"]
+
+
+def _seal_big(root: str, tmp_path: Any) -> Dict[str, bytes]:
+    """One directory checkpoint of FILES files at step STEP, sealed by the real Sealer."""
+    store = open_store("file://" + root)
+    ckpt = str(tmp_path / "old-box-ckpt")
+    path = os.path.join(ckpt, f"ckpt_{STEP}")
+    os.makedirs(path)
+    files = {f"shard_{i:03d}.bin": os.urandom(FILE_SIZE) for i in range(FILES)}
+    for rel, data in files.items():
+        with open(os.path.join(path, rel), "wb") as f:
+            f.write(data)
+    with open(os.path.join(path, ".rgt-complete"), "w") as f:
+        json.dump({"step": STEP}, f)
+    sealer = Sealer(
+        RUN,
+        ckpt,
+        store,
+        str(tmp_path / "old-box-stage"),
+        epoch=take_epoch(store, RUN),
+        event=lambda *a, **k: None,
+        state_path=str(tmp_path / "old-box-seq.json"),
+    )
+    sealer.load()
+    assert sealer.seal_pending() == 1
+    return files
+
+
+def _child_of(parent: int, deadline: float) -> int:
+    """The pid of ``parent``'s child (the agent `start` spawned)."""
+    while time.monotonic() < deadline:
+        for pid in procfs.pids():
+            st = procfs.read_stat(pid)
+            if st is not None and st.ppid == parent and st.state not in ("Z", "X"):
+                return pid
+        time.sleep(0.01)
+    raise AssertionError("`rgt-agent start` spawned no agent")
+
+
+def _stopped(pid: int) -> None:
+    while True:
+        st = procfs.read_stat(pid)
+        if st is None or st.state in ("T", "t", "Z", "X"):
+            return
+        time.sleep(0.001)
+
+
+def _signal_mid_restore(agent: int, sig: int, ckpt: str, deadline: float) -> None:
+    """``sig`` to the agent while its restore has a staging directory and no file in place."""
+    final = os.path.join(ckpt, f"ckpt_{STEP}")
+    while time.monotonic() < deadline:
+        os.kill(agent, signal.SIGSTOP)
+        _stopped(agent)
+        staged = glob.glob(os.path.join(ckpt, STAGE_PREFIX + "*"))
+        if os.path.exists(final):
+            os.kill(agent, signal.SIGCONT)
+            raise AssertionError("the restore finished before the test could catch it")
+        if staged:
+            os.kill(agent, sig)  # delivered at SIGCONT: mid-restore
+            os.kill(agent, signal.SIGCONT)
+            return
+        os.kill(agent, signal.SIGCONT)
+        time.sleep(0.005)
+    raise AssertionError("the agent never began its restore")
+
+
+@pytest.mark.parametrize("sig, final_state", [("SIGTERM", "PREEMPTED"), ("SIGINT", "STOPPED")])
+def test_a_signal_during_the_restore_ends_the_run_cleanly_and_the_next_start_resumes(
+    cli: Cli, tmp_path: Any, sig: str, final_state: str
+) -> None:
+    """SIGTERM (a preemption) ends the run PREEMPTED, which `rgt-agent boot` starts again at
+    the next power-on; SIGINT (a stop) ends it STOPPED. Before the fix the agent died of
+    Python's default handler: the run stayed PENDING with no agent and no event."""
+    root = str(tmp_path / "durable")
+    os.makedirs(root)
+    files = _seal_big(root, tmp_path)
+    url = "file://" + root
+    ckpt = os.path.join(cli.home, "runs", RUN, "ckpt")
+    start = subprocess.Popen(
+        [*agent_exe(), "start", "--name", RUN, "--store", url, "--", *JOB],
+        env=cli.env,
+        cwd=cli.home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        agent = _child_of(start.pid, deadline)
+        _signal_mid_restore(agent, signal.Signals[sig], ckpt, deadline)
+        start.communicate(timeout=60)
+    finally:
+        if start.poll() is None:
+            start.kill()
+            start.wait()
+    # The agent ended by itself, the run PREEMPTED before any attempt, and said why.
+    st = cli.wait_over(RUN, final_state, timeout=60)
+    assert st["attempt"] == 0, st
+    events = cli.events(RUN)
+    kinds = [e["kind"] for e in events]
+    (cut,) = [e for e in events if e["kind"] == "restore_interrupted"]
+    assert sig in cut["reason"] and cut["class"] == "transient", cut
+    assert (sig == "SIGTERM") == ("preempt" in kinds), kinds
+    assert [e["state"] for e in events if e["kind"] == "state"] == [final_state], events
+    assert "restored" not in kinds
+    attempts = os.path.join(cli.home, "runs", RUN, "attempts")
+    assert not os.path.isdir(attempts) or not os.listdir(attempts)  # the job never ran
+    # Nothing torn under a final name: whatever is in place is whole (a stage may be left).
+    final = os.path.join(ckpt, f"ckpt_{STEP}")
+    for rel in os.listdir(final) if os.path.isdir(final) else []:
+        with open(os.path.join(final, rel), "rb") as f:
+            assert f.read() == files[rel], rel
+    # The next start restores (clearing what the cut one left) and the job resumes from it.
+    cli("start", "--name", RUN, "--store", url, "--", *JOB, check=True, timeout=120)
+    cli.wait_over(RUN, "SUCCEEDED", timeout=120)
+    assert f"resume={final}" in cli("logs", RUN, check=True).stdout
+    assert glob.glob(os.path.join(ckpt, STAGE_PREFIX + "*")) == []
+    for rel, data in files.items():
+        with open(os.path.join(final, rel), "rb") as f:
+            assert f.read() == data, rel
+    assert "restored" in [e["kind"] for e in cli.events(RUN)]

@@ -1,15 +1,20 @@
 """The beginning of an incarnation, as the agent tells it: the epoch and the restore that come
 before its first attempt (``SealService.start``, onbox/agent/sealservice.py).
 
-A SIGTERM or SIGINT while it runs cuts it short (``Interrupted``, ``tell_interrupted``); which
-step it resumed from when newer ones were unusable becomes a warning for status
-(``fallback_warning``).
+What failed there is said as it is (``begin_failure``): "nothing to resume from" only when
+checkpoints were sealed and none of them is usable; a store that refuses the credentials when
+the epoch is taken is a failed epoch, not a missing checkpoint. A SIGTERM or SIGINT while it runs
+cuts it short (``Interrupted``, ``tell_interrupted``); which step it resumed from when newer ones
+were unusable becomes a warning for status (``fallback_warning``).
 """
 
 from __future__ import annotations
 
 import signal
 from typing import Any, Callable, Dict, List, Optional
+
+from onbox.common.errors import RgtError
+from onbox.sealing.restore import NoVerifiedCheckpoint
 
 
 class Interrupted(BaseException):
@@ -32,6 +37,14 @@ def tell_interrupted(event: Callable[..., None], signum: int) -> None:
         klass="transient",
         remedy="start the run again (a power-on does: `rgt-agent boot`); it restores afresh",
     )
+
+
+def begin_failure(e: RgtError, doing: str) -> str:
+    """Why the beginning failed, for the ``restore_failed`` event and ``last_exit``: ``doing``
+    is the step it was at (``SealService.doing``)."""
+    if isinstance(e, NoVerifiedCheckpoint):
+        return f"nothing to resume from: {e.what}"
+    return f"{doing or 'beginning the run'} failed: {e.what}"
 
 
 def fallback_warning(warnings: List[Dict[str, Any]], restored: Optional[Dict[str, Any]]) -> bool:

@@ -21,7 +21,12 @@ import sys
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, TextIO, Tuple, cast
 
 from onbox.agent import healthuse, procfs
-from onbox.agent.beginning import Interrupted, fallback_warning, tell_interrupted
+from onbox.agent.beginning import (
+    Interrupted,
+    begin_failure,
+    fallback_warning,
+    tell_interrupted,
+)
 from onbox.agent.boot import install_hook, take_from_boot
 from onbox.agent.daemon import TAG_VAR, agent_argv, parse_agent_args
 from onbox.agent.journal import FileJournal, log
@@ -195,21 +200,23 @@ class Agent:
             self.sup.save()
 
     def _fail_to_begin(self, e: RgtError, power_on: bool = False) -> None:
-        """The store cannot give this incarnation what it resumes from (no verified checkpoint
-        left, or the store does not answer): one ``restore_failed`` event with what was tried,
-        the run FAILED with the reason (never left PENDING with no agent), the lock let go.
-        The caller raises ``e``: its exit code is the command's."""
+        """The incarnation cannot begin (its epoch, its ledger or what it resumes from cannot be
+        had: onbox/agent/beginning.py ``begin_failure`` says which): one ``restore_failed``
+        event with what failed and what was tried, the run FAILED with the reason (never left
+        PENDING with no agent), the lock let go. The caller raises ``e``: its exit code is the
+        command's."""
         klass = event_class(e)
         remedy = e.remedy or "start the run again once the store answers"
         tried = getattr(e, "tried", None)
+        why = begin_failure(e, self.seal.doing if self.seal is not None else "")
         self.journal.event(
             "restore_failed",
-            f"nothing to resume from: {e.what}",
+            why,
             klass=klass,
             remedy=remedy,
             **({"tried": [{"step": s, "reason": r} for s, r in tried]} if tried else {}),
         )
-        self.sup.fail_to_begin(f"nothing to resume from: {e.what}", klass, remedy, power_on)
+        self.sup.fail_to_begin(why, klass, remedy, power_on)
         if self.notifier is not None:
             self.notifier.finish(self.sup.state.value)
         self.runner.close()

@@ -104,6 +104,8 @@ class SealService(Hooks):
         self._health_mirrored = 0.0
         self.skew: Optional[float] = None  # the store's clock minus ours (SealView.skew)
         self._skew_at: Optional[float] = None
+        # The step start() is at, for the reason of a beginning that fails (restore_failed).
+        self.doing = ""
 
     def event(
         self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
@@ -114,12 +116,14 @@ class SealService(Hooks):
     def start(self, begin: bool, adopting: bool = False) -> None:
         """Epoch, stale uploads, restore (``begin``: a new incarnation), then the thread. An
         ``adopting`` agent whose run another box took over starts none of it (``superseded``)."""
-        run = self.spec.name
+        run, url = self.spec.name, self.store.url
+        self.doing = f"taking the run's epoch in {url}"
         try:
             epoch = take_epoch_here(self.store, self.rd, going_on=adopting)
         except Superseded as e:
             e.tell(self.event)
             return  # no sealer, no thread: nothing of this agent reaches the store
+        self.doing = f"aborting the uploads a dead agent left in {url}"
         aborted = self.store.abort_stale_uploads(f"{run}/")
         if aborted:
             self.event(
@@ -127,6 +131,7 @@ class SealService(Hooks):
                 f"aborted {aborted} upload(s) a dead agent left half-done",
                 klass="transient",
             )
+        self.doing = f"reading the run's checkpoints in {url}"
         self.sealer = Sealer.for_run(
             self.rd,
             self.store,
@@ -139,6 +144,7 @@ class SealService(Hooks):
         key = mf.state_key(run, "events.jsonl")  # the history, read before our first mirror
         get = functools.partial(self.store.get_bytes, key)
         read = functools.partial(load_history, read_events(self.rd.events), get, begin)
+        self.doing = f"reading the run's history in {url}"
         hist = read() if self.spec.ckpt_auto else None
         self.event(
             "epoch",
@@ -151,6 +157,7 @@ class SealService(Hooks):
             self.auto = AutoInterval(hist, floor, time.time(), self.rd.events, self.event, read)
             self.auto.start(time.time())
         if begin:
+            self.doing = f"restoring the newest checkpoint from {url}"
             self.restored = restore_latest(self.store, run, self.spec.ckpt_dir, self.event)
             if self.restored is not None:
                 self.sealer.remember_restored(self.restored)

@@ -109,7 +109,7 @@ class Chooser:
         what = {
             "stall": ("stalled", "failure"),
             "gpu_reaped": ("GPU memory of an earlier attempt freed", "warning"),
-            "restore_failed": ("nothing to resume from", "failure"),
+            "restore_failed": ("could not begin", "failure"),  # the body says what failed
             "seal_error": ("checkpoint sealing failed", "warning"),
             "preemption_notice": ("preemption notice", "warning"),
         }.get(kind)

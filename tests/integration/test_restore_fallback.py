@@ -577,3 +577,25 @@ def test_restoring_latest_lists_no_checkpoint_and_an_unusable_one_falls_back(
     doc = restore_latest(store, RUN, str(tmp_path / "b"), lambda *a, **k: None)  # type: ignore[arg-type]
     assert doc is not None and doc["step"] == 10 and _quarantine(where, 20) is not None
     assert mf.checkpoints_prefix(RUN) in store.listed
+
+
+def test_a_beginning_that_fails_before_the_restore_says_what_failed(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """A store whose epoch cannot be taken (here ``RUN/epochs`` is a file, not a directory: the
+    preflight passes, the epoch's write fails) fails the run before any attempt, saying that
+    the epoch failed. It said "nothing to resume from", whatever had failed: a person read it
+    as a missing checkpoint and looked in the wrong place."""
+    root = str(tmp_path / "durable")
+    os.makedirs(os.path.join(root, RUN))
+    with open(os.path.join(root, RUN, "epochs"), "w") as f:
+        f.write("in the way\n")
+    p = _fresh_run(cli, _file_raw(root))
+    assert p.returncode == 14, (p.stdout, p.stderr)
+    (failed,) = [e for e in cli.events(RUN) if e["kind"] == "restore_failed"]
+    want = f"taking the run's epoch in file://{root} failed: "
+    assert failed["reason"].startswith(want), failed
+    assert "nothing to resume from" not in failed["reason"] and "tried" not in failed
+    st = cli.status(RUN)
+    assert st["state"] == "FAILED" and st["attempt"] == 0
+    assert st["last_exit"]["reason"] == failed["reason"], st["last_exit"]

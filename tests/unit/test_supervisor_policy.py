@@ -15,10 +15,10 @@ import pytest
 
 from onbox.agent.classify import ExitStatus
 from onbox.agent.journal import MemoryJournal
+from onbox.agent.leftovers import LEFTOVER_GRACE
 from onbox.agent.seams import Hooks
 from onbox.agent.spec import JobSpec, RestartPolicy, preempt_kill_delay
 from onbox.agent.states import TERMINAL, TRANSITIONS, State
-from onbox.agent.leftovers import LEFTOVER_GRACE
 from onbox.agent.supervisor import Supervisor
 from onbox.common.storeurl import parse_store_url
 

@@ -98,6 +98,15 @@ _CRASH_SIGNALS = frozenset(
 )
 
 
+# Signals the kernel sends a job that passed a resource limit it runs under (its own setrlimit,
+# `ulimit` in its wrapper, the box's limits.conf): the next attempt meets the same limit, so
+# like a crash it spends the error budget, never the preemption one.
+_LIMIT_SIGNALS = {
+    int(signal.SIGXCPU): ("CPU time", "RLIMIT_CPU, ulimit -t"),
+    int(signal.SIGXFSZ): ("file size", "RLIMIT_FSIZE, ulimit -f"),
+}
+
+
 def _signame(sig: int) -> str:
     try:
         return signal.Signals(sig).name
@@ -231,15 +240,28 @@ def _exception_verdict(tail: str, sig: Optional[int], step: Optional[int]) -> Op
 
 def _signal_verdict(status: ExitStatus, step: Optional[int]) -> Optional[Verdict]:
     """The end's verdict when a signal ended the job (or the shell that ran it said so with
-    128 + N); None otherwise. A signal of the job's own fault is a crash, any other an end from
-    outside."""
+    128 + N); None otherwise. A signal of the job's own fault or of a resource limit it passed
+    is a crash, any other an end from outside."""
     code, sig = status.code, status.signal
     if sig is not None:
         n, said = sig, ""
-    elif code is not None and (code in _SHELL_SIGNALS or code - 128 in _CRASH_SIGNALS):
+    elif code is not None and (
+        code in _SHELL_SIGNALS or code - 128 in _CRASH_SIGNALS or code - 128 in _LIMIT_SIGNALS
+    ):
         n, said = code - 128, f" (a shell's exit code {code})"
     else:
         return None
+    if n in _LIMIT_SIGNALS:
+        what, limit = _LIMIT_SIGNALS[n]
+        return Verdict(
+            Kind.CRASHED,
+            f"passed its own {what} limit: signal {n} ({_signame(n)}, {limit}){said}",
+            f"raise the {what} limit the job runs under ({limit}) or make it stay within it; "
+            "a restart meets the same limit",
+            "permanent",
+            Budget.ERROR,
+            step=step,
+        )
     if n in _CRASH_SIGNALS:
         return Verdict(
             Kind.CRASHED,

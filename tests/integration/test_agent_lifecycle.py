@@ -185,6 +185,30 @@ def test_crash_loop_ends_failed_with_the_reason_and_the_log_tail(cli: Cli) -> No
     assert any("crash loop" in e["reason"] for e in cli.events("r5"))
 
 
+def test_a_job_past_its_own_file_size_limit_spends_the_error_budget(cli: Cli) -> None:
+    """The job sets RLIMIT_FSIZE (ulimit -f) and writes past it: the kernel's SIGXFSZ ends it,
+    and it would again at every restart. It was taken for an outside kill and restarted on the
+    preemption budget (100 tries); it is a crash of the job's own, on the error budget."""
+    big = os.path.join(cli.home, "big.bin")
+    job = _job_file(
+        cli,
+        "rx",
+        ["sh", "-c", f"ulimit -f 64; exec head -c 1048576 /dev/zero > {big}"],
+        start_grace="2s",
+        max_error_restarts=1,
+        backoff_initial="0.1s",
+        backoff_max="0.2s",
+    )
+    cli("start", job, "--name", "rx", check=True)
+    st = cli.wait_state("rx", "FAILED", timeout=30)
+    assert st["attempt"] == 2 and st["budgets"]["preempt_used"] == 0, st
+    assert "error restart budget spent (1/1)" in st["last_exit"]["reason"], st["last_exit"]
+    exits = [e for e in cli.events("rx") if e["kind"] == "exit"]
+    assert [e["exit_kind"] for e in exits] == ["crashed", "crashed"], exits
+    assert all(e["signal"] == signal.SIGXFSZ and "RLIMIT_FSIZE" in e["reason"] for e in exits)
+    assert os.path.getsize(big) < 1048576  # cut at the limit the job set (not one of rgt's)
+
+
 def _running(attempt: int) -> Callable[[Dict[str, Any]], bool]:
     return lambda s: bool(s["attempt"] == attempt and s["state"] == "RUNNING")
 

@@ -94,6 +94,25 @@ def test_a_signal_of_the_jobs_own_fault_is_a_crash_on_the_error_budget(sig: int)
         assert v.step == 40 and not v.deterministic
 
 
+@pytest.mark.parametrize(
+    "sig, limit",
+    [(signal.SIGXFSZ, "RLIMIT_FSIZE"), (signal.SIGXCPU, "RLIMIT_CPU")],
+    ids=["SIGXFSZ", "SIGXCPU"],
+)
+def test_a_resource_limit_of_the_jobs_own_is_a_crash_on_the_error_budget(
+    sig: int, limit: str
+) -> None:
+    """The kernel sends SIGXFSZ / SIGXCPU when the job passes a limit it runs under: the next
+    attempt meets the same limit, so it is no outside kill (the preemption budget's 100
+    tries), but a crash that spends the error budget, with the limit named."""
+    name = signal.Signals(sig).name
+    for status in (ExitStatus(signal=sig), ExitStatus(code=128 + sig)):
+        v = classify(status, "step 7\n")
+        assert (v.kind, v.budget, v.klass) == (Kind.CRASHED, Budget.ERROR, "permanent"), status
+        assert name in v.reason and limit in v.reason, v.reason
+        assert limit in v.remedy and v.step == 7 and not v.deterministic
+
+
 def test_abort_after_a_printed_traceback_is_still_a_crash() -> None:
     v = classify(ExitStatus(signal=signal.SIGABRT), TB + "RuntimeError: caught, then abort\n")
     assert (v.kind, v.budget) == (Kind.CRASHED, Budget.ERROR)

@@ -30,7 +30,7 @@ import click
 from onbox.agent import observe, slurm
 from onbox.agent.cliflags import platform_options, platform_overrides, pod_option
 from onbox.agent.lock import RunLock
-from onbox.agent.mailbox import stop_run, sync_run
+from onbox.agent.mailbox import over, stop_run, sync_run
 from onbox.agent.runner import read_ready
 from onbox.agent.spec import JobSpec
 from onbox.agent.states import TERMINAL_NAMES
@@ -356,9 +356,9 @@ def stop(name: str, grace: Optional[str]) -> int:
     """Stop the job (stop signal, grace, SIGKILL of the whole group); ends STOPPED."""
     rd = RunDir(name).require()
     g = parse_duration(grace, "--grace", allow_zero=True) if grace is not None else None
-    doc = read_json(rd.state) or {}
-    if doc.get("state") in TERMINAL_NAMES:
-        _emit(f"run {name} is already {doc['state']}")
+    done = over(rd)  # over, and nothing of its last attempt left alive
+    if done is not None:
+        _emit(f"run {name} is already {done['state']}")
         return 0
     doc = stop_run(rd, g)
     _emit(f"run {name} is {doc['state']}: no process of attempt {doc.get('attempt')} remains")

@@ -3,19 +3,17 @@
 An agent that lets go of a run makes sure no process of its last attempt outlives it
 (``end_leftovers``). A run can still be found over with processes left: an agent killed between
 writing the terminal state and ending them, or whose SIGKILL did not take (a process stuck in
-the kernel). ``rgt-agent stop`` of such a run ends them too (``stop_leftovers``) rather than
-saying "already STOPPED" over a job that still holds the GPU.
+the kernel). ``rgt-agent stop`` of such a run ends them too (onbox/agent/mailbox.py) rather
+than saying "already STOPPED" over a job that still holds the GPU.
 """
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from typing import Callable
 
 from onbox.agent.seams import Runner
-from onbox.common.rundir import RunDir
 
 # Orphans of an attempt that ended on its own get this long after SIGTERM before SIGKILL.
 LEFTOVER_GRACE = 5.0
@@ -52,22 +50,3 @@ def end_leftovers(runner: Runner, event: Event, why: str) -> bool:
         )
         return False
     return True
-
-
-def stop_leftovers(rd: RunDir, attempt: int) -> None:
-    """For ``rgt-agent stop`` of a run already over: end the processes of its last attempt
-    still alive, as the run's writer (the caller holds its lock), with the same events."""
-    from onbox.agent.journal import FileJournal  # (lazily: `stop` of a live run needs none)
-    from onbox.agent.runner import ShimRunner
-    from onbox.agent.spec import JobSpec
-    from onbox.common.durable import read_json
-
-    spec = JobSpec.from_json(read_json(rd.spec) or {})
-    runner = ShimRunner(rd, spec, agent_cmd=[], base_environ=os.environ, respawn_delay=0.0)
-    try:
-        runner.adopt(attempt)
-        journal = FileJournal(rd.state, rd.events, rd.agent_log)
-        why = f"processes of attempt {attempt} outlived the run; stopping them"
-        end_leftovers(runner, journal.event, why)
-    finally:
-        runner.close()

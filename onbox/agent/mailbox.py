@@ -52,17 +52,34 @@ def _ask_to_stop(rd: RunDir, grace: Optional[float], deadline: float) -> None:
                 continue  # an agent just came up (a shim restarting it): ask that one
             # No agent: this command does the stop itself, with the same machine (imported
             # only here, so that `rgt-agent status` and friends start without the supervisor).
+            from onbox.agent.leftovers import end_leftovers
             from onbox.agent.loop import Agent
 
             agent = Agent(rd, lock)
             if agent.prepare(may_begin=False):
                 agent.run(stop=("stop", grace))
-            else:
-                lock.release()
+                return
+            # Over already, with processes of its last attempt left (its agent was killed as
+            # it ended them): they end as that agent would have ended them.
+            n = agent.sup.attempt
+            agent.runner.adopt(n)
+            why = f"processes of attempt {n} outlived the run; stopping them"
+            end_leftovers(agent.runner, agent.journal.event, why)
+            agent.runner.close()
+            lock.release()
             return
         if time.monotonic() > deadline:
             raise StopFailed(f"the agent of {rd.name!r} does not answer", f"see {rd.agent_log}")
         time.sleep(0.1)
+
+
+def over(rd: RunDir) -> Optional[Dict[str, Any]]:
+    """The run's state document when it is over and no process of its last attempt is alive
+    (a stop has nothing to do); else None."""
+    doc = read_json(rd.state) or {}
+    if doc.get("state") in TERMINAL_NAMES and not observe.tagged_alive(rd, doc.get("attempt") or 0):
+        return doc
+    return None
 
 
 def stop_run(rd: RunDir, grace: Optional[float]) -> Dict[str, Any]:

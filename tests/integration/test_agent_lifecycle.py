@@ -270,6 +270,56 @@ def test_stop_finds_an_orphaned_setsid_grandchild_that_blanked_its_environment(c
     assert not _alive(hidden)
 
 
+# Exits 0 once told to (RGT_RUN_DIR/go), leaving a child out of its session that ignores SIGTERM.
+LEAVES_CHILD = """
+import os, signal, time
+run = os.environ["RGT_RUN_DIR"]
+child = os.fork()
+if child == 0:
+    os.setsid()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    time.sleep(120)
+    os._exit(0)
+with open(os.path.join(run, "child.pid.tmp"), "w") as f:
+    f.write(str(child))
+os.rename(os.path.join(run, "child.pid.tmp"), os.path.join(run, "child.pid"))
+while not os.path.exists(os.path.join(run, "go")):
+    time.sleep(0.05)
+"""
+
+
+def test_stop_of_a_run_already_over_ends_what_its_last_attempt_left(cli: Cli) -> None:
+    """The run SUCCEEDED and its agent was killed while it ended the attempt's leftovers (an OOM
+    kill, a person's kill -9): a child of the job lives on, holding what it holds. `rgt-agent
+    stop` said "already SUCCEEDED" and left it; it now ends it, as the agent would have."""
+    run_dir = os.path.join(cli.home, "runs", "lo")
+    cli("start", "--name", "lo", "--", sys.executable, "-c", LEAVES_CHILD, check=True)
+    st = cli.wait_state("lo", "STARTING", "RUNNING")
+    agent = st["agent"]["pid"]
+    path = os.path.join(run_dir, "child.pid")
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path):
+        assert time.monotonic() < deadline, "the job's child is up"
+        time.sleep(0.05)
+    with open(path) as f:
+        child = procfs.identity(int(f.read()))
+    assert child is not None
+    open(os.path.join(run_dir, "go"), "w").close()
+    # The agent ends the child (SIGTERM, ignored; SIGKILL after LEFTOVER_GRACE): killed before.
+    cli.wait_for("lo", lambda s: any(e["kind"] == "leftovers" for e in cli.events("lo")))
+    os.kill(agent, signal.SIGKILL)
+    _wait_gone([agent])
+    st = cli.status("lo")
+    assert st["state"] == "SUCCEEDED" and not st["agent"]["alive"] and procfs.is_alive(child)
+    p = cli("stop", "lo", check=True)
+    assert not procfs.is_alive(child), p.stdout
+    assert "SUCCEEDED" in p.stdout and "no process of attempt 1 remains" in p.stdout, p.stdout
+    assert cli.status("lo")["state"] == "SUCCEEDED"  # the run's end is not rewritten
+    assert [e["kind"] for e in cli.events("lo")].count("leftovers") == 2
+    # With nothing left, a stop says so and does nothing.
+    assert "already SUCCEEDED" in cli("stop", "lo", check=True).stdout
+
+
 def test_stop_gives_the_job_its_grace_before_sigkill(cli: Cli) -> None:
     cli("start", "--name", "r8", "--", *fixture("ignore_term.py"), check=True)
     cli.wait_state("r8", "STARTING", "RUNNING")

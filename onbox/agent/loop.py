@@ -14,6 +14,7 @@ STOPPED) before its first attempt.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -122,6 +123,7 @@ class Agent:
         except UsageError as e:  # a spec.json edited by hand: supervise without the check
             log(rd.agent_log, f"resume check off: {e}")
         self.adopted = False
+        self.journal.listeners.append(self._wake_on_takeover)
         self.notice: Optional[NoticeWatcher] = None  # the platform's preemption notice
         self.health: Optional[healthuse.AgentHealth] = None  # the probes (onbox/health/)
         self._pending: List[int] = []
@@ -267,6 +269,19 @@ class Agent:
                 if not asked and self.slurm is not None:  # no mailbox request: Slurm's warning
                     self.slurm.on_usr2(self.sup.request_stop)
 
+    def _wake_on_takeover(self, ev: Dict[str, Any]) -> None:
+        """The journal's listener: the sealer's thread found the run taken over; the loop acts."""
+        if ev.get("kind") in ("stale_epoch", "superseded") and self._wake_w >= 0:
+            with contextlib.suppress(OSError):  # full: the loop is awake already
+                os.write(self._wake_w, b"\0")
+
+    def _leave_if_taken_over(self) -> None:
+        """E4: once another box's agent owns the run in the store, this box's job trains for
+        nothing (none of it can be sealed): stop it with its grace, as a stop would. Its
+        checkpoints stay on this disk; the run goes on where the newer agent runs."""
+        if self.seal is not None and self.seal.elsewhere and self.sup.stop is None:
+            self.sup.request_stop("superseded")
+
     def check_stop_request(self) -> None:
         try:
             req = read_json(self.rd.stop_request)
@@ -327,6 +342,7 @@ class Agent:
         if self.slurm is not None:
             self.slurm.begin(sup.extra)
             sup.save()
+        self._leave_if_taken_over()
         while sup.state not in TERMINAL:
             waits = [
                 w
@@ -343,6 +359,7 @@ class Agent:
                 [self._wake_r, *self.runner.watch_fds()], min(waits) if waits else None
             )
             self._handle_signals()
+            self._leave_if_taken_over()
             if self.slurm is not None:
                 self.slurm.tick(sup.request_stop, sup.active)
             if self.health is not None:

@@ -40,7 +40,7 @@ class Superseded(UnsafeRefused):
             f"this box's (epoch {own}): nothing is written to the store from this box, no "
             "checkpoint, LATEST, state or DONE.json",
             "the run goes on where that agent runs (`rgt-agent sync` there); this box's "
-            "checkpoints stay on its disk, and `rgt-agent stop` here stops only this box's copy",
+            "checkpoints stay on its disk, and its agent stops this box's copy of the job",
         )
         self.own = own
         self.newer = newer

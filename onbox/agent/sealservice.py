@@ -87,6 +87,7 @@ class SealService(Hooks):
         # ``capped`` the run, the stop's final seal takes what it needs and is checked.
         self.sealing = False
         self.capped = False
+        self.superseded = False  # found at start: another box took the run over (ownership.py)
         self.final_verified = False
         # Where the job's workdir is seen (the runner's workdir_root; a pod's is the job
         # container's /proc/PID/root): the completion seal reads the outputs there.
@@ -121,6 +122,7 @@ class SealService(Hooks):
         try:
             epoch = take_epoch_here(self.store, self.rd, going_on=adopting)
         except Superseded as e:
+            self.superseded = True
             e.tell(self.event)
             return  # no sealer, no thread: nothing of this agent reaches the store
         self.doing = f"aborting the uploads a dead agent left in {url}"
@@ -372,6 +374,11 @@ class SealService(Hooks):
         self._thread.join(left)
         return not self._thread.is_alive()
 
+    @property
+    def elsewhere(self) -> bool:
+        """Another box's agent owns the run in the store: nothing of this one is sealed again."""
+        return self.superseded or (self.sealer is not None and self.sealer.stale)
+
     # ---- hooks
     def on_stop_requested(self, reason: str, deadline: float) -> None:
         with self._ask_lock:
@@ -407,6 +414,9 @@ class SealService(Hooks):
                 mirror=self.mirror,
                 root=self.workdir_root(),
             ).run()
+            return
+        if reason == "superseded":  # nothing of this agent may be sealed now (loop.py)
+            self._stop_thread(deadline - MARGIN)
             return
         if reason == "stop" and self.capped:  # the meter cap: no budget, the seal is checked
             self._stop_thread(None)

@@ -15,6 +15,7 @@ I3), by B's epoch (I5, I6); B's sealed checkpoints are unchanged and step 10 sti
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any, Dict, List, Optional
 
@@ -205,7 +206,10 @@ def test_a_stale_agent_whose_job_succeeds_writes_no_done_json(
         wait(lambda: "restored" in b.kinds(run), 60, "B to restore step 10")
         seen_a = len(a.events(run))
         a.open_gate(20)  # A's job writes step 20 and exits 0: A's agent would complete the run
-        wait(lambda: a.state(run) == "SUCCEEDED", 60, f"A's job to succeed\n{a.diagnose(run)}")
+        # Its seal of step 20 finds B's epoch: A stops the job (STOPPED), unless the exit came
+        # first (SUCCEEDED, its completion finding B's epoch); either way, no DONE.json.
+        ended = ("SUCCEEDED", "STOPPED")
+        wait(lambda: a.state(run) in ended, 60, "A's run to end")
         wait(lambda: a.agent_pid(run) is None, 30, "A's agent to exit")
         assert chk.view.read(f"{run}/DONE.json") is None, (
             "I5: a stale agent wrote DONE.json for a run a newer epoch is training"
@@ -338,6 +342,56 @@ def test_a_superseded_agent_with_nothing_to_seal_never_mirrors_over_the_new_one(
         assert f'"epoch": {epoch_b}'.encode() in events, "the store's events are not B's"
         stale = [e for e in a.events(run) if e["kind"] == "stale_epoch"]
         assert len(stale) == 1 and stale[0]["newer_epoch"] == epoch_b, stale
+    finally:
+        a.kill_all()
+        b.kill_all()
+
+
+def _job_pid(box: Box, run: str) -> int:
+    with open(os.path.join(box.home, "runs", run, "state.json")) as f:
+        pid = json.load(f).get("pid")
+    assert isinstance(pid, int) and alive(pid), f"{box.label}'s job of {run} is not alive"
+    return pid
+
+
+@pytest.mark.parametrize("found", ["sealing", "adopting"])
+def test_the_old_box_stops_its_job_once_another_box_took_the_run_over(
+    tmp_path: Any, backend: Backend, run_name: str, found: str
+) -> None:
+    """E4: box A's job goes on training after box B took the run over, none of it sealable (A's
+    agent finds out when it seals step 20, or a new agent of A's adopting the live job finds
+    it at once). A's agent stops the job itself (it trained on, with no end, on a meter): A's
+    run ends STOPPED, its job gone, its checkpoints left on its disk, and B goes on."""
+    run, chk = run_name, backend.checker(run_name)
+    a, b = Box(str(tmp_path), "box-a", backend.env), Box(str(tmp_path), "box-b", backend.env)
+    try:
+        a.start(run, backend.url, _job(a, "10,20", "A"))
+        a.open_gate(10)
+        wait(lambda: _latest_is(backend, run, 10, a.epoch(run)), 60, "A to seal step 10")
+        job_a = _job_pid(a, run)
+        if found == "adopting":
+            a.kill_agent(run)  # A's agent dies; its job lives on
+        b.start(run, backend.url, _job(b, "10,30", "B"))
+        epoch_b = b.wait_epoch(run)
+        wait(lambda: "restored" in b.kinds(run), 60, "B to restore step 10")
+        seen_a = len(a.events(run))
+        if found == "sealing":
+            a.open_gate(20)  # A's job writes step 20; A's seal of it finds B's epoch
+        else:
+            a.restart(run)  # a new agent of A's adopts the live job
+        wait(lambda: a.state(run) == "STOPPED", 60, f"A to stop its job\n{a.diagnose(run)}")
+        wait(lambda: not alive(job_a), 30, "A's job to be gone")
+        kinds = a.kinds(run)[seen_a:]
+        assert ("stale_epoch" if found == "sealing" else "superseded") in kinds, kinds
+        stopping = [e for e in a.events(run)[seen_a:] if e.get("state") == "STOPPING"]
+        assert len(stopping) == 1 and "superseded" in stopping[0]["reason"], stopping
+        assert os.listdir(a.ckpt), "A's checkpoints stay on its disk"
+        b.open_gate(30)
+        wait(lambda: _latest_is(backend, run, 30, epoch_b), 60, f"B to seal 30\n{b.diagnose(run)}")
+        assert b.state(run) in ("STARTING", "RUNNING") and "stale_epoch" not in b.kinds(run)
+        b.kill_all()
+        chk.assert_visible_verify()
+        chk.assert_restorable(backend.env, str(tmp_path / "fresh"))
     finally:
         a.kill_all()
         b.kill_all()

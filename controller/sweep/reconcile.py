@@ -41,6 +41,7 @@ from controller.results.loadcheck import check_format
 from controller.sweep import record
 from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError, NotReconciled, StoreError, UnsafeRefused
+from onbox.common.terminal import printable
 from onbox.sealing import manifest as mf
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
@@ -91,15 +92,18 @@ class Report:
         }
 
     def lines(self, plan_path: str) -> List[str]:
+        """The report as the terminal shows it: a reason names what the store holds (a path
+        its DONE.json lists, an output it says is missing), so each line is ``printable``."""
         out = [
             f"sweep {self.sweep}: {len(self.of('ok'))}/{len(self.findings)} cells reconciled"
             + ("" if self.duplicates else "")
         ]
         for f in self.findings:
             if not f.ok:
-                out.append(f"  {f.verdict.upper()}: {f.cell} (run {f.run} on {f.box}): {f.reason}")
+                line = f"  {f.verdict.upper()}: {f.cell} (run {f.run} on {f.box}): {f.reason}"
+                out.append(printable(line))
         for d in self.duplicates:
-            out.append(f"  DUPLICATE: {d['run']}: {d['why']}")
+            out.append(printable(f"  DUPLICATE: {d['run']}: {d['why']}"))
         if not self.ok:
             out.append(
                 f"  remedy: rgt sweep {plan_path} launches a fresh run of the identical config "
@@ -239,7 +243,8 @@ def gate(rec: RunRecord, home: Optional[str] = None) -> None:
         report = reconcile(doc, cells=ran, home=home, duplicates=False)
         bad = [f for f in report.findings if not f.ok]
         if bad:
-            shown = "; ".join(f"{f.cell}: {f.verdict} ({f.reason})" for f in bad[:3])
+            # a reason holds the store's words: shown as one line, driving nothing
+            shown = printable("; ".join(f"{f.cell}: {f.verdict} ({f.reason})" for f in bad[:3]))
             more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
             raise UnsafeRefused(
                 f"run {rec.name}: {rec.target.label} ran cells of sweep {doc['sweep']} that are "

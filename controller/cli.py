@@ -233,7 +233,7 @@ def pull(name: str, dest: Optional[str], source: str) -> int:
     with terminal_progress() as progress:
         receipt = do_pull(rec, dest, source, progress)
     _emit(
-        f"{name}: step {receipt.sealed.step} pulled to {receipt.dest} and verified: "
+        f"{name}: {receipt.sealed.pulled()} pulled to {receipt.dest} and verified: "
         f"{len(receipt.files)} files; receipt {os.path.join(receipt.dest, '.rgt-receipt.json')}"
     )
     if receipt.sealed.note:  # LATEST names a quarantined step: which one was pulled, and why

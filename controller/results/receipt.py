@@ -96,6 +96,14 @@ class SealedId:
         what = f"sealed step {self.step}" if self.step is not None else "no sealed checkpoint"
         return what + (", run done (outputs and logs)" if self.done else "")
 
+    def pulled(self) -> str:
+        """What a pull of this state brought, as ``rgt pull``'s line names it."""
+        if self.listing_sha256 is not None:
+            return "the box's files (no store)"
+        if self.step is None:  # DONE.json, no LATEST: the job never sealed a checkpoint
+            return "results only (DONE.json; no checkpoint was sealed)"
+        return f"step {self.step}"
+
     def differs_from(self, newer: SealedId) -> Optional[str]:
         """Why ``newer`` is not the state this one names, or None when it is."""
         if self.listing_sha256 is not None or newer.listing_sha256 is not None:

@@ -28,7 +28,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 import pytest
 
-from controller.registry import RunRecord
+from controller.cli import main as rgt_main
+from controller.registry import Registry, RunRecord
 from controller.remote import SshRemote
 from controller.results.pull import covers_newest, pull, terminal_progress
 from controller.results.receipt import load_receipt, load_state_receipt, receipt_path
@@ -295,7 +296,7 @@ def _sha(data: bytes) -> str:
 
 
 def test_a_run_without_a_store_pulls_its_box_files_once_it_has_ended(
-    cli: Cli, tmp_path: Any, laptop: str
+    cli: Cli, tmp_path: Any, laptop: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     rec = _rec(None, cli.home)
     dest = str(tmp_path / "dest")
@@ -319,6 +320,12 @@ def test_a_run_without_a_store_pulls_its_box_files_once_it_has_ended(
     how = {f.path: f.verified for f in receipt.files}
     assert how["checkpoints/step_7/model.pt"] == "sha256 + torch.load(weights_only=True)"
     assert covers_newest(rec, receipt)
+    # `rgt pull` says what it pulled: the box's files, no step (it said "step None")
+    Registry().put(rec)
+    capsys.readouterr()
+    assert rgt_main(["pull", RUN, "--to", str(tmp_path / "dest-cli")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith(f"{RUN}: the box's files (no store) pulled to "), first
     # A new file on the box: the receipt no longer covers the box's files.
     with open(os.path.join(cli.home, "runs", RUN, "ckpt", "step_9.pt"), "wb") as f:
         f.write(b"later")

@@ -1,6 +1,6 @@
 """`rgt pull` and the names a store supplies in DONE.json, and the laptop's receipt of an earlier
 pull, against a real file:// store and real directories (controller/results/documents.py,
-destination.py, receipt.py).
+destination.py, receipt.py); and what `rgt pull`'s line says it pulled.
 
 DONE.json is the box's: each file it lists has ``path`` and ``key``, and the agent writes the key
 as ``RUN/outputs/PATH``, ``RUN/logs/PATH`` or ``RUN/results/PATH`` (onbox/agent/completion.py
@@ -235,3 +235,25 @@ def test_rgt_down_shows_what_the_box_names_on_one_line_each() -> None:
     assert (
         "  checkpoint a?[2J?will be lost (on the box only, not in the receipt):?  nothing" in lines
     )
+
+
+def test_rgt_pull_of_a_finished_run_with_no_checkpoint_says_it_pulled_its_results_only(
+    tmp_path: Any, laptop: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """DONE.json and no LATEST (the job never sealed a checkpoint): the line said "step None
+    pulled"."""
+    store, rec = _setup(tmp_path)
+    _done(
+        store,
+        {
+            f"{RUN}/outputs/w.bin": {"path": "w.bin"},
+            f"{RUN}/logs/attempt-0001.log": {"path": "attempt-0001.log"},
+        },
+    )
+    Registry().put(rec)
+    dest = str(tmp_path / "dest")
+    assert main(["pull", RUN, "--to", dest, "--from", "store"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "None" not in first, first
+    want = f"{RUN}: results only (DONE.json; no checkpoint was sealed) pulled to {dest} and "
+    assert first.startswith(want + "verified: 2 files"), first

@@ -398,6 +398,7 @@ class Notifier:
                     "notify_unavailable",
                     f"apprise cannot be used in the agent's Python ({type(e).__name__}): no "
                     "notifications are sent (the dead-man's switch still pings)",
+                    klass="usage",  # the agent's install must change, as a URL of notify_bad_url
                     remedy="pip install 'remote-gpu-trainer[notify]' into the agent's venv",
                 )
                 return self._sinks

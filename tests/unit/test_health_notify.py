@@ -224,4 +224,6 @@ def test_apprise_missing_is_one_event_and_no_crash(
     n.listen(_health("gpu", "alert"))
     n.finish("SUCCEEDED")
     assert ev.kinds() == ["notify_unavailable"]
+    # a failure the install must fix (as inotify_unavailable without watchdog), not news
+    assert ev.got[0].get("klass") == "usage", ev.got
     assert [r.path for r in sink.seen()] == ["/hc/start", "/hc"]  # the switch still pings

@@ -273,6 +273,17 @@ class Completion:
         a warning says which one was changed."""
         path = self.rd.output_log(attempt)
         prefix, rel = mf.logs_prefix(self.spec.name), f"attempt-{attempt:04d}.log"
+        if not os.path.isfile(path):
+            # The shim opens the log before it starts the job: an attempt without one never
+            # started its job (its start failure has its own events), or a person removed
+            # the log. No mistake of the user's, nothing to fix: not a failure (class null).
+            self.event(
+                "seal_missing",
+                f"the job's log of attempt {attempt} does not exist ({path}): the attempt "
+                "never started its job, or the log was removed; nothing sealed for it",
+                remedy="",
+            )
+            return []
         red = redact.for_home(self.rd.home)
         try:
             found = red.scan_file(path)
@@ -329,7 +340,8 @@ class Completion:
         else:
             self.event(
                 "seal_missing",
-                f"{rel} does not exist ({path}): nothing sealed for it",
+                f"{rel} does not exist or is no regular file nor directory ({path}): "
+                "nothing sealed for it",
                 klass="usage",
                 remedy="",
             )

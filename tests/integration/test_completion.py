@@ -28,6 +28,10 @@ from controller.cli import main as rgt_main
 from controller.registry import Registry, RunRecord
 from controller.results.pull import pull
 from controller.target import Target
+from onbox.agent.completion import Completion
+from onbox.agent.journal import MemoryJournal
+from onbox.agent.spec import JobSpec
+from onbox.common.rundir import RunDir
 from onbox.sealing.ledger import take_epoch
 from onbox.sealing.room import is_low
 from onbox.sealing.sealer import Sealer
@@ -367,3 +371,34 @@ def test_deploy_passes_each_output_to_the_agent(
     assert "warning: declared output gone.txt was missing" in capsys.readouterr().out
     with open(tmp_path / "dest" / "outputs" / "res.txt") as f:
         assert f.read() == "hi\n"
+
+
+def test_a_missing_attempt_log_is_no_failure_and_an_output_that_is_no_file_is_the_jobs(
+    tmp_path: Any,
+) -> None:
+    """seal_missing had class usage for every cause. An attempt whose job never started (its
+    shim or launcher never opened the log: the attempt dir holds only launch.json) has no log
+    to seal: nothing the user did, nothing lost (class null). A declared output that exists but
+    is no regular file nor directory (a FIFO) is the job's to change (usage)."""
+    rd = RunDir("r", home=str(tmp_path / "home"))
+    os.makedirs(rd.attempt_dir(1))  # the job never started: no output.log
+    os.makedirs(rd.attempt_dir(2))
+    with open(rd.output_log(2), "w") as f:
+        f.write("trained\n")
+    work, ckpt = tmp_path / "work", tmp_path / "ckpt"
+    work.mkdir()
+    ckpt.mkdir()
+    os.mkfifo(work / "pipe")
+    spec = JobSpec("r", ("true",), str(work), str(ckpt), outputs=("pipe",))
+    journal = MemoryJournal()
+    sealer = _sealer(tmp_path, str(ckpt), journal.events)
+    Completion(
+        spec, rd, sealer.store, sealer, event=journal.event, warnings=[], mirror=lambda: None
+    ).run()
+    missing = [e for e in journal.events if e["kind"] == "seal_missing"]
+    assert len(missing) == 2, journal.events
+    by = {"/0001/output.log" in e["reason"]: e for e in missing}
+    assert by[True]["class"] is None, missing  # the attempt's log
+    assert by[False]["reason"].startswith("pipe ") and by[False]["class"] == "usage", missing
+    done = _done(str(tmp_path / "durable"), "r")
+    assert [e["path"] for e in done["files"]] == ["attempt-0002.log"]

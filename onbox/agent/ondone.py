@@ -73,7 +73,12 @@ def run_once(
     """Run ``argv`` unless the run dir says it was started before; its exit status."""
     path = journal_path(rd)
     if read_json(path) is not None:
-        event("on_done_skipped", f"on-done {action!r} was started before; not again")
+        # Its own kind: not on_done_skipped (the result is not safe, the meter runs on).
+        event(
+            "on_done_started_before",
+            f"on-done {action!r} was started before; not again",
+            action=action,
+        )
         return None
     write_json(path, {"action": action, "command": argv, "started_at": time.time()})
     event("on_done_started", f"{why}: running on-done {action!r}: {' '.join(argv)}", action=action)

@@ -251,15 +251,19 @@ def test_on_done_runs_once_and_a_shebangless_script_runs_with_sh(
     script = tmp_path / "fake-poweroff"
     script.write_text('echo off >> "$1"\n')  # no #! line: exec fails with ENOEXEC
     script.chmod(0o755)
-    events: List[str] = []
+    events: List[Dict[str, Any]] = []
 
     def event(kind: str, reason: str, **kw: Any) -> None:
-        events.append(kind)
+        events.append(dict(kw, kind=kind))
 
     assert run_once("poweroff", [str(script), str(marker)], rd, "test", event) == 0
     assert run_once("poweroff", [str(script), str(marker)], rd, "test", event) is None
     assert marker.read_text() == "off\n"
-    assert events == ["on_done_started", "on_done_finished", "on_done_skipped"]
+    kinds = [e["kind"] for e in events]
+    # Not run again is no failure and no meter left running: a kind of its own, not the
+    # on_done_skipped (class usage) of a run whose result is not verified.
+    assert kinds == ["on_done_started", "on_done_finished", "on_done_started_before"]
+    assert events[-1].get("klass") is None and events[-1]["action"] == "poweroff", events
 
 
 def test_on_done_that_fails_says_so(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:

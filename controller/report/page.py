@@ -125,7 +125,10 @@ def category(ev: Dict[str, Any]) -> str:
     kind, state = ev.get("kind", ""), ev.get("state", "")
     if kind.startswith("preempt"):
         return "preemption"
-    if kind == "restart" or (kind == "state" and state == "BACKOFF"):
+    # A restart of the job: the agent writes no "restart" kind; every restart within an
+    # incarnation is the state event into BACKOFF (onbox/agent/supervisor.py _decide), whose
+    # reason says why and when. A `start` after PREEMPTED or STOPPED is an `incarnation`.
+    if kind == "state" and state == "BACKOFF":
         return "restart"
     stalled = ev.get("exit_kind") == "stalled" or ev.get("code") == "stalled"
     if stalled or (kind == "health" and ev.get("probe") == "stall" and _concern(ev)):

@@ -235,6 +235,9 @@ def test_report_shows_the_plots_and_the_preemption_and_restart_at_their_times(
     preempt = [event_time(e) for e in events if e["kind"] == "preempt"]
     restart = [event_time(e) for e in events if e["kind"] == "state" and e["state"] == "BACKOFF"]
     assert len(preempt) == 1 and len(restart) == 1
+    # The events table puts that one event, and no other, in the restart lane.
+    lanes = re.findall(r'<td style="color:[^"]*">([a-z]+)</td><td>([a-z_]+)</td>', page)
+    assert [k for lane, k in lanes if lane == "restart"] == ["state"], lanes
     for kind, times in (("preemption", preempt), ("restart", restart)):
         cols = _columns(img, timeline, MARKERS[kind])
         expect = [x_of(t) for t in times if t is not None]

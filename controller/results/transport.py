@@ -75,10 +75,6 @@ def fetch_store(store: Store, items: List[Entry], stage_dir: str, finished: Fini
     return sum(e.size for e in items)
 
 
-class _NoRemoteRsync(Exception):
-    """The box has no rsync: the caller falls back to streaming."""
-
-
 _XFER = re.compile(rb"rgt-xfer (\d+) (.*)\Z")
 _ESCAPE = re.compile(rb"\\#([0-7]{3})")
 
@@ -162,10 +158,16 @@ def fetch_rsync(
     raise _rsync_failed(remote, rc, err, bool(shell))
 
 
+def box_has_rsync(remote: Remote) -> bool:
+    """Whether the box has an rsync for a pull to run. Asked of the box's /bin/sh: the rsync a
+    pull starts is found on the same PATH, but its absence is said by the login shell, each
+    its own way (zsh "command not found: rsync", fish "Unknown command: rsync", tcsh "rsync:
+    Command not found."), so rsync's failure cannot tell a missing rsync from a broken pull."""
+    return remote.sh("command -v rsync >/dev/null 2>&1", timeout=60).rc == 0
+
+
 def _rsync_failed(remote: Remote, rc: int, err: bytes, shell: bool) -> Exception:
     """The error for rsync's exit ``rc`` with its stderr ``err``."""
-    if rc == 12 and re.search(rb"rsync: (command )?not found", err):
-        return _NoRemoteRsync()
     if shell:
         remote.check_transport(rc, err)
     lines = err.decode("utf-8", "replace").strip().splitlines()
@@ -301,21 +303,20 @@ def _box_fetcher(
         transport = "auto" if shutil.which("rsync") else "stream"
     if transport in ("rsync", "auto"):
         forced = transport == "rsync"
-        mode = ["rsync"]
+        mode = ["rsync?"]
 
         def fetch(items: List[Entry]) -> int:
             if not items:
                 return 0
+            if mode[0] == "rsync?":  # asked once, before the first rsync
+                mode[0] = "rsync" if box_has_rsync(remote) else "stream"
+                if mode[0] == "stream" and forced:
+                    raise HostError(
+                        f"{remote.target.label} has no rsync", "install it, or pull without it"
+                    )
             if mode[0] == "rsync":
-                try:
-                    return fetch_rsync(remote, root, items, stage_dir, bwlimit, finished)
-                except _NoRemoteRsync:
-                    if forced:
-                        raise HostError(
-                            f"{remote.target.label} has no rsync", "install it, or pull without it"
-                        ) from None
-                    mode[0] = "stream"  # the box has no rsync: stream with tail over ssh
-            return fetch_stream(remote, root, items, stage_dir, finished)
+                return fetch_rsync(remote, root, items, stage_dir, bwlimit, finished)
+            return fetch_stream(remote, root, items, stage_dir, finished)  # tail over ssh
 
         return fetch
     if transport == "stream":

@@ -14,7 +14,9 @@ through ``SshRemote`` as rgt reaches a box. Covered, for every shell:
   argv as a Python on the box sees it;
 - a release pushed with rsync (whose remote command rsync builds: ``-s`` keeps it to option
   letters) and with tar, files with hostile names arriving byte for byte;
-- a box without /bin/sh: HostError (exit 9) naming it, whatever shell says so.
+- a box without /bin/sh: HostError (exit 9) naming it, whatever shell says so;
+- a pull from a box without rsync (its PATH has none: the sshd's SetEnv) streams the files
+  instead, whatever shell says rsync is missing.
 
 Under CI=true a missing shell fails (tests/conftest.py ``require``); scripts/check installs them.
 """
@@ -35,6 +37,9 @@ import pytest
 from controller import remote as remotemod
 from controller.deploy.release import push_release
 from controller.remote import SshRemote
+from controller.results.entries import Entry, Sealed
+from controller.results.receipt import SealedId
+from controller.results.transport import fetcher
 from controller.target import Target
 from onbox.common.errors import HostError
 from tests.conftest import require
@@ -279,3 +284,76 @@ def test_line_has_nothing_a_shell_reads_in_single_quotes() -> None:
     assert all(inner[i + 1].isdigit() for i, c in enumerate(inner) if c == "\\")
     r = subprocess.run(["sh", "-c", inner.replace("eval", "printf %s", 1)], capture_output=True)
     assert r.stdout == os.fsencode(script)
+
+
+@pytest.fixture(scope="module")
+def no_rsync_sshd(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Tuple[SshServer, Dict[str, str]]]:
+    """An sshd whose sessions have a PATH of sh and tail alone: a box without rsync."""
+    why = missing()
+    require(why is None, why or "")
+    d = tmp_path_factory.mktemp("no-rsync")
+    bin_dir = tempfile.mkdtemp(prefix="rgt-no-rsync-", dir="/tmp")  # the shell users can read it
+    os.chmod(bin_dir, 0o755)
+    for tool in ("sh", "tail"):
+        os.symlink(shutil.which(tool) or tool, os.path.join(bin_dir, tool))
+    users = {name: shell_user(name) for name in SHELLS if shell_missing(name) is None}
+    server = start_sshd(str(d), users=list(users.values()), set_env={"PATH": bin_dir})
+    try:
+        yield server, users
+    finally:
+        server.stop()
+        shutil.rmtree(bin_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("shell", SHELLS)
+def test_pull_from_a_box_without_rsync_streams_the_files(
+    shell: str,
+    no_rsync_sshd: Tuple[SshServer, Dict[str, str]],
+    controller_env: Dict[str, str],
+    tmp_path: Path,
+) -> None:
+    """rsync's remote command goes through the login shell, which says a missing rsync in
+    words of its own, and over ssh rsync exits 127 (not the 12 rgt read a missing rsync
+    from): the pull ended "rsync failed (exit 127)", every time, instead of streaming the
+    files with tail."""
+    require(shutil.which("rsync") is not None, "rsync on this machine")
+    require(shell_missing(shell) is None, shell_missing(shell) or "")
+    server, users = no_rsync_sshd
+    pw = pwd.getpwnam(users[shell])
+    root = tempfile.mkdtemp(prefix=f"rgt-pull-{shell}-", dir="/tmp")
+    files = {"step_1/model.bin": b"weights " * 1000, "step_1/it's $(x)": b"x\n"}
+    for rel, data in files.items():
+        os.makedirs(os.path.join(root, os.path.dirname(rel)), exist_ok=True)
+        with open(os.path.join(root, rel), "wb") as f:
+            f.write(data)
+    subprocess.run(["chown", "-R", f"{pw.pw_uid}:{pw.pw_gid}", root], check=True)
+    entries = [
+        Entry(f"checkpoints/{rel}", "checkpoint", len(data), "", None, rel, rel)
+        for rel, data in files.items()
+    ]
+    remote = SshRemote(
+        Target(
+            "ssh", host=server.host, port=server.port, user=users[shell], identity=server.client_key
+        )
+    )
+    stage = tmp_path / "stage"
+    stage.mkdir()
+    done: List[str] = []
+    try:
+        fetch = fetcher(
+            Sealed(SealedId(), entries, "box", box_root=root),
+            str(stage),
+            None,
+            None,
+            remote,
+            lambda e, sha256=None: done.append(e.path),
+        )
+        assert fetch(entries) == sum(map(len, files.values()))
+    finally:
+        remote.close()
+        shutil.rmtree(root, ignore_errors=True)
+    assert sorted(done) == sorted(e.path for e in entries)
+    for rel, data in files.items():
+        assert (stage / rel).read_bytes() == data

@@ -34,11 +34,12 @@ from controller.deploy.audit import Finding, df_free, sections
 from controller.deploy.flow import box_home_for
 from controller.deploy.request import named_profile
 from controller.profiles import user_dirs as profile_dirs
-from controller.remote import Remote, open_remote
+from controller.remote import Remote, box_int, open_remote
 from controller.target import Target, parse_target
 from onbox.common import size
 from onbox.common.errors import HostError
 from onbox.common.storeurl import StoreURL, parse_store_url
+from onbox.common.terminal import printable
 from onbox.profiles.schema import Profile
 
 SCRIPT = shell.script("doctor.sh")
@@ -353,8 +354,7 @@ def _proxy(prof: Profile, lines: List[str], found: List[Finding]) -> None:
             )
         )
         return
-    n = got.get("set", "0").strip()
-    if not n.isdigit() or int(n) == 0:
+    if not box_int(got.get("set", "0")):
         found.append(
             Finding(
                 "warn",
@@ -387,7 +387,7 @@ def _python(prof: Profile, lines: List[str], found: List[Finding]) -> None:
         )
         return
     ver = (lines[1] if len(lines) > 1 else "").strip()
-    parts = tuple(int(p) for p in ver.split(".")[:2] if p.isdigit())
+    parts = tuple(n for n in (box_int(p) for p in ver.split(".")[:2]) if n is not None)
     if len(parts) < 2 or parts < MIN_PYTHON:
         found.append(
             Finding(
@@ -452,10 +452,10 @@ def show(report: Report, emit: Callable[[str], None]) -> None:
     emit(report.guess.line)
     for line in report.first_contact:
         emit(line)
-    for f in report.findings:
-        emit(f"  {'ok  ' if f.level == 'ok' else f.level.upper() + ':'} {f.what}")
+    for f in report.findings:  # the box's words in them (a GPU's name, paths, versions)
+        emit(printable(f"  {'ok  ' if f.level == 'ok' else f.level.upper() + ':'} {f.what}"))
         if f.remedy and f.level != "ok":
-            emit(f"        fix: {f.remedy}")
+            emit(printable(f"        fix: {f.remedy}"))
 
 
 def run(

@@ -17,13 +17,13 @@ from typing import IO, Any, Dict, List, Optional, Tuple
 
 from controller import boxrun
 from controller.registry import RunRecord
-from controller.remote import Remote, open_remote
+from controller.remote import Remote, box_float, box_int, open_remote
 from controller.shell import script
 from onbox.agent.observe import health_lines, public_state, shaped, warning_lines
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError, NotFound, RemoteUnreachable, RgtError
-from onbox.common.terminal import printable
+from onbox.common.terminal import printable, printable_lines
 from onbox.sealing import manifest as mf
 from onbox.sealing.ledger import quarantine_reasons
 from onbox.sealing.restore import in_effect, sealed_steps
@@ -91,29 +91,31 @@ def _box_facts(parts: Dict[str, List[str]]) -> Dict[str, Any]:
         sealed = _object(line)
         if sealed is not None:
             facts["sealed"] = sealed
-    disk = parts.get("disk", [])
-    if len(disk) >= 1 and len(disk[0].split()) >= 4:
-        f = disk[0].split()
-        facts["disk"] = {"used_kb": int(f[2]), "avail_kb": int(f[3])}
-    if len(disk) >= 2 and len(disk[1].split()) >= 4 and disk[1].split()[1].isdigit():
-        f = disk[1].split()
-        facts["inodes"] = {"used": int(f[2]), "free": int(f[3])}
+    # Each number as the box printed it, or the fact is left out (box_int: never a traceback).
+    disk = [line.split() + ["-"] * 4 for line in parts.get("disk", [])]
+    space = [box_int(x) for x in disk[0][2:4]] if disk else []
+    if len(space) == 2 and None not in space:
+        facts["disk"] = {"used_kb": space[0], "avail_kb": space[1]}
+    inodes = [box_int(x) for x in disk[1][1:4]] if len(disk) >= 2 else []
+    if len(inodes) == 3 and None not in inodes:
+        facts["inodes"] = {"used": inodes[1], "free": inodes[2]}
     mem = {}
     for line in parts.get("mem", []):
         k, _, v = line.partition(":")
-        if v.strip().split() and v.strip().split()[0].isdigit():
-            mem[k.strip()] = int(v.split()[0])
+        kb = box_int((v.split() or [""])[0])
+        if kb is not None:
+            mem[k.strip()] = kb
     if mem:
         facts["memory_kb"] = mem
     gpus = []
     for line in parts.get("gpu", []):
-        f = [x.strip() for x in line.split(",")]
-        if len(f) == 3 and all(x.replace(".", "").isdigit() for x in f):
-            gpus.append({"util": float(f[0]), "mem_used_mib": float(f[1]), "mem_mib": float(f[2])})
+        f = [box_float(x) for x in line.split(",")]
+        if len(f) == 3 and None not in f:
+            gpus.append({"util": f[0], "mem_used_mib": f[1], "mem_mib": f[2]})
     facts["gpus"] = gpus
-    now = parts.get("now", [])
-    if now and now[0].strip().isdigit():
-        facts["box_time"] = int(now[0])
+    now = box_int((parts.get("now") or [""])[0])
+    if now is not None:
+        facts["box_time"] = now
     return facts
 
 
@@ -228,7 +230,9 @@ def describe(doc: Dict[str, Any], why_not_box: Optional[str] = None) -> str:
         lines.append(f"  last exit: {le.get('kind')}: {le.get('reason', '')}".rstrip(": "))
     lines += [f"  warning: {line}" for line in warning_lines(doc)]
     lines += [f"  {line}" for line in health_lines(doc, _box_now(doc))]
-    return "\n".join(lines)
+    # Names, states, steps, metrics and reasons are the box's words (its agent's status, its
+    # events.jsonl): no escape sequence of theirs reaches the terminal.
+    return "\n".join(printable(line) for line in lines)
 
 
 def _box_now(doc: Dict[str, Any]) -> float:
@@ -282,8 +286,8 @@ def stop(rec: RunRecord, grace: Optional[str]) -> int:
     res = remote.run(
         rec.agent_argv("stop", rec.name, *(["--grace", grace] if grace else [])), timeout=900
     )
-    sys.stdout.write(res.text)
-    sys.stderr.write(res.err)
+    sys.stdout.write(printable_lines(res.text))  # the box's agent's words
+    sys.stderr.write(printable_lines(res.err))
     return res.rc
 
 
@@ -315,9 +319,9 @@ def render(doc: Dict[str, Any], rate: Optional[float], why_not_box: Optional[str
     from rich.text import Text
 
     head = Text(describe(doc, why_not_box).splitlines()[0], style="bold")
-    t = Table.grid(padding=(0, 2))
-    t.add_column(style="dim")
-    t.add_column()
+    t = _Rows(Table.grid(padding=(0, 2)))
+    t.table.add_column(style="dim")
+    t.table.add_column()
     prog = doc.get("progress") or {}
     t.add_row("state", f"{doc.get('state')} (attempt {doc.get('attempt')})")
     if (doc.get("scheduler") or {}).get("line"):
@@ -360,12 +364,26 @@ def render(doc: Dict[str, Any], rate: Optional[float], why_not_box: Optional[str
     else:
         t.add_row("sealed", "nothing sealed yet")
     health = health_lines(doc, _box_now(doc))
-    if health:
-        t.add_row("health", Text("\n".join([health[-1], *health[:-1]])))
-    ev = Table.grid()
+    if health:  # each line printable already (health_lines)
+        t.table.add_row("health", Text("\n".join([health[-1], *health[:-1]])))
+    ev = _Rows(Table.grid())
     for e in (box.get("events") or [])[-6:]:
-        ev.add_row(Text(f"{str(e.get('time', ''))[11:19]} {e.get('kind')}: {e.get('reason', '')}"))
-    return Group(head, t, Text("recent events", style="dim"), ev)
+        ev.add_row(f"{str(e.get('time', ''))[11:19]} {e.get('kind')}: {e.get('reason', '')}")
+    return Group(head, t.table, Text("recent events", style="dim"), ev.table)
+
+
+class _Rows:
+    """A rich table whose cells are the box's text as it is: never read as rich markup (a
+    state of "[/bold]" ended `rgt watch` in a MarkupError), its control characters shown as
+    '?' (rich passes ESC through to the terminal)."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def add_row(self, *cells: str) -> None:
+        from rich.text import Text
+
+        self.table.add_row(*(Text(printable(c)) for c in cells))
 
 
 def _age(when: Any, now: int) -> str:

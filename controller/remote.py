@@ -74,6 +74,26 @@ class Result:
         return self.stderr.decode("utf-8", "replace")
 
 
+# The most digits a number the box prints may have to be read as one: Python's int() refuses a
+# string of more than 4300 (ValueError), and str.isdigit() accepts digits int() does not take
+# ("²"); either ended a reader of the box's output in a traceback.
+MAX_DIGITS = 20
+_NUMBER = re.compile(rf"[0-9]{{1,{MAX_DIGITS}}}(\.[0-9]{{1,{MAX_DIGITS}}})?")
+
+
+def box_int(text: str) -> Optional[int]:
+    """The non-negative integer a line of the box's output says (surrounding whitespace left
+    out), or None when it is not ASCII digits, at most MAX_DIGITS of them."""
+    m = _NUMBER.fullmatch(text.strip())
+    return int(m.group(0)) if m and m.group(1) is None else None
+
+
+def box_float(text: str) -> Optional[float]:
+    """As ``box_int``, for a number that may have a fraction (``12.5``)."""
+    m = _NUMBER.fullmatch(text.strip())
+    return float(m.group(0)) if m else None
+
+
 def quote_argv(argv: Sequence[str]) -> str:
     """One POSIX sh line that runs ``argv`` exactly (run by the box's /bin/sh, see box_line)."""
     if not argv:

@@ -30,7 +30,7 @@ from controller.deploy import guess as guessmod
 from controller.deploy import probe as probemod
 from controller.deploy import release as releasemod
 from controller.deploy.wheel import AgentWheel
-from controller.remote import Remote
+from controller.remote import Remote, box_int
 from onbox.common.errors import HostError
 
 # The look at a run (controller/shell/look.sh defines rgt_look; controller/deploy/flow.py reads
@@ -138,16 +138,16 @@ def audit(
     probed = _python(python, s.get("python") or [], found)
     _gpus(s.get("gpu") or [], found)
     _disks(s.get("df") or [], found)
-    cg = (s.get("cgroup") or [""])[0].strip()
-    if cg.isdigit() and int(cg) < (1 << 60):
-        found.append(Finding("ok", f"cgroup memory limit {int(cg) / (1 << 30):.1f} GiB"))
+    cg = box_int((s.get("cgroup") or [""])[0])
+    if cg is not None and cg < (1 << 60):
+        found.append(Finding("ok", f"cgroup memory limit {cg / (1 << 30):.1f} GiB"))
     tools = [t.strip() for t in s.get("tools") or [] if t.strip()]
     if "tar" not in tools and "rsync" not in tools:
         found.append(Finding("problem", "neither rsync nor tar on the box: cannot push code"))
     skew = 0.0
-    clock = (s.get("clock") or [""])[0].strip()
-    if clock.isdigit():
-        skew = int(clock) - (t0 + t1) / 2
+    clock = box_int((s.get("clock") or [""])[0])
+    if clock is not None:
+        skew = clock - (t0 + t1) / 2
         level = "warn" if abs(skew) > MAX_SKEW_S else "ok"
         found.append(Finding(level, f"clock {skew:+.0f} s from this laptop's"))
     seen = releasemod.parse_seen(release_id, s.get("release") or []) if release_id else None
@@ -192,9 +192,10 @@ def df_free(space_line: str, inodes_line: str) -> Tuple[Optional[int], Optional[
     """Free bytes and free inodes from ``df -Pk`` and ``df -Pi`` lines (None where not read:
     some filesystems, btrfs and many FUSE ones, report no inode counts at all)."""
     space, inodes = space_line.split(), inodes_line.split()
-    free = int(space[-3]) * 1024 if len(space) >= 4 and space[-3].isdigit() else None
-    ok_inodes = len(inodes) >= 5 and inodes[-3].isdigit() and inodes[-5] not in ("0", "-")
-    return free, int(inodes[-3]) if ok_inodes else None
+    kb = box_int(space[-3]) if len(space) >= 4 else None
+    free_inodes = box_int(inodes[-3]) if len(inodes) >= 5 else None
+    ok_inodes = free_inodes is not None and inodes[-5] not in ("0", "-")
+    return None if kb is None else kb * 1024, free_inodes if ok_inodes else None
 
 
 def _disks(df: List[str], found: List[Finding]) -> None:

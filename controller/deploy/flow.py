@@ -51,7 +51,7 @@ from controller.deploy.release import PushResult, push_release, switch_current
 from controller.deploy.request import DeployRequest, Plan, check_on_done, check_request
 from controller.deploy.wheel import AgentWheel, agent_wheel
 from controller.registry import Registry, RunRecord
-from controller.remote import Remote, open_remote
+from controller.remote import Remote, box_int, open_remote
 from controller.target import Target
 from onbox.agent.states import LIVE_NAMES, TERMINAL_NAMES
 from onbox.common import jobenv, jsondoc
@@ -438,9 +438,9 @@ def _look(
         r = remote.sh(auditmod.LOOK_SH + 'rgt_look "$@"', *_look_args(rec, version), timeout=180)
         seen = auditmod.sections(r.text)
     if version is not None:
-        rc = "".join(seen.get("version-rc") or []).strip()
+        rc = box_int("".join(seen.get("version-rc") or []))
         said = "\n".join(seen.get("version") or [])
-        if not answers_version(int(rc) if rc.isdigit() else -1, said, version):
+        if not answers_version(-1 if rc is None else rc, said, version):
             return False, None  # its status is not to be trusted either
     if "".join(seen.get("status-rc") or []).strip() != "0":
         return True, None

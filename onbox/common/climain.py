@@ -1,7 +1,7 @@
 """The one entry point both CLIs (``rgt-agent`` and ``rgt``) run their click group through:
-the job's command split off after ``--``, an ``RgtError`` printed as one line and exited with
-its code (onbox.common.errors), click's own usage errors exit 2; anything else is a bug and
-shows its traceback."""
+the job's command split off after ``--``, an ``RgtError`` printed as one line (control
+characters as '?', line breaks kept) and exited with its code (onbox.common.errors), click's
+own usage errors exit 2; anything else is a bug and shows its traceback."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, Callable, List, Optional
 import click
 
 from onbox.common.errors import RgtError
+from onbox.common.terminal import printable_lines
 
 
 def run_cli(
@@ -32,7 +33,9 @@ def run_cli(
             args=args, prog_name=prog_name, standalone_mode=False, obj={"command": command}
         )
     except RgtError as e:
-        click.echo(e.line() if line is None else line(e), err=True)
+        # Many an error carries what another machine said (a box's stderr, a store's reason):
+        # none of its escape sequences reaches the terminal.
+        click.echo(printable_lines(e.line() if line is None else line(e)), err=True)
         return e.exit_code
     except click.exceptions.UsageError as e:
         click.echo(f"rgt: {e.format_message()}", err=True)

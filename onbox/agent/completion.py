@@ -20,10 +20,9 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 from onbox.agent.jobroot import JobFiles
 from onbox.agent.spec import JobSpec
 from onbox.common import redact
-from onbox.common.durable import sha256_file
 from onbox.common.faults import crash_point
 from onbox.common.rundir import RunDir
-from onbox.common.safepath import UnsafePath, safe_rel
+from onbox.common.safepath import NotRegularFile, UnsafePath, file_kind, safe_rel, sha256_regular
 from onbox.sealing import manifest as mf
 from onbox.sealing.discovery import (
     dir_candidate,
@@ -136,13 +135,16 @@ class Completion:
             if not os.path.exists(path):
                 missing.append(rel)
                 continue
-            outputs += self._put_tree(path, prefix, rel)
+            # The declared path itself is followed (a results/ linked to a scratch disk is a
+            # user's choice); what is under it is listed without following anything.
+            outputs += self._put_tree(os.path.realpath(path), prefix, rel)
         return outputs, missing
 
     def _refused(self, rel: str, why: str) -> None:
+        where = " in the job container" if self.root else ""
         self.event(
             "output_refused",
-            f"output {rel} in the job container is not sealed: {why}",
+            f"output {rel}{where} is not sealed: {why}",
             klass="usage",
             remedy="write outputs as plain files under the job's workdir; a symlink is never "
             "followed out of it",
@@ -181,8 +183,11 @@ class Completion:
             elif os.path.isdir(path):
                 if dir_candidate(base, name, path) is None:
                     todo += self._walk_results(path, name)
-            elif os.path.isfile(path) and not step_named(name):
-                todo.append(name)
+            elif os.path.isfile(path):
+                if not step_named(name):
+                    todo.append(name)
+            elif os.path.lexists(path):  # a FIFO would block the read forever: never opened
+                self._left_out(name, f"it is {_kind(path)}, not a regular file")
         busy = open_for_writing([os.path.join(base, *r.split("/")) for r in todo])
         out: List[Dict[str, Any]] = []
         for rel in todo:
@@ -195,7 +200,11 @@ class Completion:
                 continue
             sealed = in_latest.get(rel)
             if sealed is not None:
-                if sha256_file(full) == (sealed["sha256"], sealed["size"]):
+                try:
+                    same = sha256_regular(full) == (sealed["sha256"], sealed["size"])
+                except (FileNotFoundError, NotRegularFile):
+                    same = False  # replaced since it was listed: _put_files says what it is
+                if same:
                     continue  # pulled as LATEST's own file
                 self._left_out(
                     rel,
@@ -329,12 +338,9 @@ class Completion:
         return sealed
 
     def _put_tree(self, path: str, prefix: str, rel: str) -> List[Dict[str, Any]]:
-        paths = []
+        paths: List[Tuple[str, str]] = []
         if os.path.isdir(path):
-            for dirpath, _, files in os.walk(path):
-                for fn in sorted(files):
-                    full = os.path.join(dirpath, fn)
-                    paths.append((full, os.path.join(rel, os.path.relpath(full, path))))
+            paths = self._walk_output(path, rel)
         elif os.path.isfile(path):
             paths.append((path, rel))
         else:
@@ -346,6 +352,33 @@ class Completion:
                 remedy="",
             )
         return self._put_files(paths, prefix)
+
+    def _walk_output(self, path: str, rel: str) -> List[Tuple[str, str]]:
+        """(file, its name under the output ``rel``) of each regular file under the directory
+        ``path``. Nothing is followed or opened here: a symlink (to a file or a directory), a
+        FIFO, a socket or a device is left out with ``output_refused``, as in a pod. Opening a
+        FIFO with no writer waits forever, and the run would never end."""
+        out: List[Tuple[str, str]] = []
+
+        def name(dirpath: str, entry: str) -> str:
+            return os.path.join(rel, os.path.relpath(os.path.join(dirpath, entry), path))
+
+        for dirpath, dirnames, files in os.walk(path):
+            dirnames.sort()
+            for d in [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]:
+                dirnames.remove(d)
+                self._refused(name(dirpath, d), "it is a symlink to a directory (never followed)")
+            for fn in sorted(files):
+                full = os.path.join(dirpath, fn)
+                try:
+                    kind = _kind(full)
+                except FileNotFoundError:
+                    continue  # deleted since the directory was read: not there to seal
+                if kind is None:
+                    out.append((full, name(dirpath, fn)))
+                else:
+                    self._refused(name(dirpath, fn), f"it is {kind}, not a regular file")
+        return out
 
     def _put_files(self, paths: Iterable[Tuple[str, str]], prefix: str) -> List[Dict[str, Any]]:
         """Each (file to read, its name under ``prefix``) uploaded and verified."""
@@ -367,11 +400,28 @@ class Completion:
                     path=r,
                 )
                 continue
-            sha, size = sha256_file(full)
             key = prefix + r
-            with_retries(functools.partial(self.store.put_file, key, full, sha256=sha, size=size))
+            try:
+                sha, size = sha256_regular(full)  # never blocks on a FIFO swapped in since
+                put = functools.partial(self.store.put_file, key, full, sha256=sha, size=size)
+                with_retries(put)
+            except (FileNotFoundError, NotRegularFile) as e:
+                why = e.what if isinstance(e, NotRegularFile) else "it was removed"
+                self.event(
+                    "seal_missing",
+                    f"{r} is not sealed: it changed since it was listed ({why})",
+                    klass="usage",
+                    remedy="",
+                )
+                continue
             out.append({"path": r, "key": key, "size": size, "sha256": sha})
         return out
+
+
+def _kind(path: str) -> Optional[str]:
+    """What ``path`` is, by its lstat, when not a regular file ("a FIFO", "a symlink"); None for
+    a regular file."""
+    return file_kind(os.lstat(path).st_mode)
 
 
 def _rel_under(top: str, rel: str, full: str) -> str:

@@ -30,6 +30,7 @@ import re
 import stat
 from typing import Callable, List, Optional, Tuple
 
+from onbox.common.durable import sha256_fd
 from onbox.common.errors import IntegrityError
 from onbox.common.libc import linux_function
 
@@ -98,6 +99,17 @@ def open_regular(path: str) -> int:
         f"{_show(path)} is {kind}, not a regular file",
         "only regular files are read: it was one when it was listed, so it was replaced since",
     )
+
+
+def sha256_regular(path: str) -> Tuple[str, int]:
+    """(sha256 hex, size) of the regular file ``path``, opened by ``open_regular``: a FIFO, a
+    socket, a device or a symlink under the name is NotRegularFile, never opened to be read
+    (a FIFO without a writer would block the reader forever)."""
+    fd = open_regular(path)
+    try:
+        return sha256_fd(fd)
+    finally:
+        os.close(fd)
 
 
 def _why_not(path: str) -> Optional[str]:

@@ -28,8 +28,8 @@ import os
 import shutil
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
-from onbox.common.durable import sha256_file
 from onbox.common.errors import IntegrityError
+from onbox.common.safepath import NotRegularFile, sha256_regular
 from onbox.sealing import manifest as mf
 from onbox.sealing.ledger import pinned_steps, quarantined
 from onbox.sealing.stores.base import Store
@@ -260,8 +260,8 @@ class Room:
             for rel in files:
                 if rel not in hashed:
                     try:
-                        sha, _ = sha256_file(self._path(rel))
-                    except OSError:
+                        sha, _ = sha256_regular(self._path(rel))
+                    except (OSError, NotRegularFile):  # replaced since it was listed
                         return None
                     if _stat_sig(self._path(rel)) != files[rel]:
                         return None  # changed while hashed: the job is writing it

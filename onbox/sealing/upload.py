@@ -37,10 +37,9 @@ import threading
 import time
 from typing import Any, Callable, Collection, Dict, List, Optional, Set, Tuple, Union
 
-from onbox.common.durable import sha256_fd
 from onbox.common.errors import IntegrityError, StoreError
 from onbox.common.faults import crash_point
-from onbox.common.safepath import NotRegularFile, open_regular
+from onbox.common.safepath import NotRegularFile, open_regular, sha256_regular
 from onbox.sealing.discovery import read_signature, signature
 from onbox.sealing.stores.base import Store, with_retries
 
@@ -247,7 +246,7 @@ class CheckpointUpload:
                 raise
             try:
                 st = os.stat(path)
-                gone = st.st_size != size or _sha256_of(path)[0] != sha
+                gone = st.st_size != size or sha256_regular(path)[0] != sha
             except (FileNotFoundError, NotRegularFile):
                 gone = True
             if gone:
@@ -327,7 +326,7 @@ class CheckpointUpload:
                     raise Vanished(f"{rel} changed while it was read")
                 return src, hashlib.sha256(data).hexdigest(), len(data), data
             if not self.rewritten:
-                sha, size = _sha256_of(src)
+                sha, size = sha256_regular(src)
                 if read_signature(os.stat(src)) != read_signature(before):
                     raise Vanished(f"{rel} changed while hashed")
                 return src, sha, size, None
@@ -351,15 +350,6 @@ class CheckpointUpload:
             raise Vanished(f"{rel} was deleted") from None
         except NotRegularFile:  # a regular file when it was listed: replaced since
             raise Vanished(f"{rel} was replaced by something not a regular file") from None
-
-
-def _sha256_of(path: str) -> Tuple[str, int]:
-    """(sha256, size) of the regular file ``path`` (``open_regular``: never a FIFO, a link)."""
-    fd = open_regular(path)
-    try:
-        return sha256_fd(fd)
-    finally:
-        os.close(fd)
 
 
 def _read_small(path: str, size: int) -> bytes:

@@ -1,0 +1,82 @@
+"""A FIFO, a socket or a symlink where the job leaves its results never stops the run's end.
+
+The completion seal reads every file of a declared output directory and of the checkpoint
+dir. Opening a FIFO that has no writer waits forever: a job that left one in ``out/`` (a
+named pipe of a data loader, say) kept its run from ever reaching SUCCEEDED, and DONE.json
+was never written. Each such entry is left out with an event naming it and what it is; the
+plain files beside it are sealed as usual; a symlink inside a directory output is not
+followed (as in a pod and in the checkpoint dir).
+
+A real agent, a real job that leaves a real FIFO and a real Unix socket, a real file://
+store; the wait for SUCCEEDED is the bound (a hang fails it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any, Dict
+
+from tests.conftest import Cli
+
+JOB = r"""
+import os, socket
+ck = os.environ["RGT_CKPT_DIR"]
+os.makedirs("out", exist_ok=True)
+with open("out/table.csv", "w") as f:
+    f.write("a,b\n")
+os.mkfifo("out/pipe")
+s = socket.socket(socket.AF_UNIX)
+s.bind("out/sock")  # the socket file stays once the job is gone
+s.close()
+os.symlink("table.csv", "out/link")
+os.makedirs(os.path.join(ck, "eval"), exist_ok=True)
+with open(os.path.join(ck, "result.txt"), "w") as f:
+    f.write("accuracy 0.93\n")
+os.mkfifo(os.path.join(ck, "toppipe"))
+os.mkfifo(os.path.join(ck, "eval", "pipe"))
+print("finished", flush=True)
+"""
+
+
+def _done(root: str, run: str) -> Dict[str, Any]:
+    with open(os.path.join(root, run, "DONE.json")) as f:
+        doc: Dict[str, Any] = json.load(f)
+    return doc
+
+
+def test_a_fifo_a_socket_and_a_symlink_in_the_outputs_are_left_out_and_the_run_ends(
+    cli: Cli, tmp_path: Any
+) -> None:
+    root = str(tmp_path / "durable")
+    os.makedirs(root)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "job.py").write_text(JOB)
+    (work / "job.toml").write_text(
+        f'name = "odd"\ncommand = {json.dumps([sys.executable, "job.py"])}\n'
+        f'outputs = ["out/"]\nstore = "file://{root}"\n'
+    )
+    ckpt = str(tmp_path / "ckpt")
+    cli("start", "job.toml", "--ckpt-dir", ckpt, check=True, cwd=str(work))
+    cli.wait_state("odd", "SUCCEEDED", timeout=60)
+
+    done = _done(root, "odd")
+    sealed = {(e.get("root"), e["path"]) for e in done["files"]}
+    assert (None, "out/table.csv") in sealed and ("ckpt", "result.txt") in sealed, sealed
+    for odd in ("out/pipe", "out/sock", "out/link"):
+        assert (None, odd) not in sealed, sealed
+    assert not [p for r, p in sealed if r == "ckpt" and "pipe" in p], sealed
+    with open(os.path.join(root, "odd", "outputs", "out", "table.csv")) as f:
+        assert f.read() == "a,b\n"
+
+    events = cli.events("odd")
+    refused = {e["path"]: e for e in events if e["kind"] == "output_refused"}
+    assert set(refused) == {"out/pipe", "out/sock", "out/link"}, events
+    assert "a FIFO" in refused["out/pipe"]["reason"], refused
+    assert "a socket" in refused["out/sock"]["reason"], refused
+    assert "symlink" in refused["out/link"]["reason"], refused
+    assert all(e["class"] == "usage" for e in refused.values())
+    left = {e["path"]: e for e in events if e["kind"] == "result_left_out"}
+    assert set(left) == {"toppipe", "eval/pipe"}, events

@@ -16,11 +16,12 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 import pytest
 
@@ -158,3 +159,79 @@ def test_a_signal_during_the_restore_ends_the_run_cleanly_and_the_next_start_res
         with open(os.path.join(final, rel), "rb") as f:
             assert f.read() == data, rel
     assert "restored" in [e["kind"] for e in cli.events(RUN)]
+
+
+BIG = 1 << 30  # one file: a kernel copy of it all takes long enough for a signal to land in it
+
+
+def _seal_one_big(root: str, tmp_path: Any) -> None:
+    """One file checkpoint ``step_<STEP>.pt`` of BIG real bytes, sealed by the real Sealer."""
+    store = open_store("file://" + root)
+    ckpt = str(tmp_path / "old-box-ckpt")
+    os.makedirs(ckpt)
+    block = os.urandom(1 << 20)
+    with open(os.path.join(ckpt, f"step_{STEP}.pt"), "wb") as f:
+        for _ in range(BIG >> 20):
+            f.write(block)
+    sealer = Sealer(
+        RUN,
+        ckpt,
+        store,
+        str(tmp_path / "old-box-stage"),
+        epoch=take_epoch(store, RUN),
+        event=lambda *a, **k: None,
+        state_path=str(tmp_path / "old-box-seq.json"),
+    )
+    sealer.load()
+    assert sealer.seal_pending() == 1
+    os.unlink(os.path.join(ckpt, f"step_{STEP}.pt"))  # the disk is the test's only budget
+
+
+def test_a_sigterm_stops_the_restore_of_one_large_file_part_way(cli: Cli, tmp_path: Any) -> None:
+    """The restore of one large file from a file:// store was one kernel copy of it all, which
+    no signal cuts short: after a SIGTERM (a preemption with a short grace) the agent went on
+    copying and hashing to the last byte before it ended. The copy is made in bounded pieces,
+    and a stopped restore copies no further piece: its staging file never grows to the whole."""
+    root = str(tmp_path / "durable")
+    os.makedirs(root)
+    _seal_one_big(root, tmp_path)
+    ckpt = os.path.join(cli.home, "runs", RUN, "ckpt")
+    start = subprocess.Popen(
+        [*agent_exe(), "start", "--name", RUN, "--store", "file://" + root, "--", *JOB],
+        env=cli.env,
+        cwd=cli.home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        agent = _child_of(start.pid, deadline)
+        staged: List[str] = []
+        while not staged:  # the staging file of the one file: its copy has begun
+            assert time.monotonic() < deadline, "the agent never began its restore"
+            staged = glob.glob(os.path.join(ckpt, STAGE_PREFIX + "*", "0"))
+        before = os.stat(staged[0]).st_size if os.path.exists(staged[0]) else 0
+        os.kill(agent, signal.SIGTERM)
+        assert before < BIG, "the copy was over before the test could signal"
+        most = before
+        while True:  # the file's size until the stopped restore removes its stage
+            assert time.monotonic() < deadline, "the agent did not end its restore"
+            try:
+                most = max(most, os.stat(staged[0]).st_size)
+            except FileNotFoundError:
+                break
+        start.communicate(timeout=60)
+    finally:
+        if start.poll() is None:
+            start.kill()
+            start.wait()
+        shutil.rmtree(root, ignore_errors=True)  # a GiB: not left for pytest's basetemp
+    cli.wait_over(RUN, "PREEMPTED", timeout=60)
+    assert [e["kind"] for e in cli.events(RUN) if e["kind"] == "restore_interrupted"] == [
+        "restore_interrupted"
+    ]
+    # Stopped part way: the stage never held the whole file, and nothing is in place.
+    assert most < BIG, f"the restore copied all {BIG} bytes after the SIGTERM"
+    assert not os.path.exists(os.path.join(ckpt, f"step_{STEP}.pt"))
+    assert glob.glob(os.path.join(ckpt, STAGE_PREFIX + "*", "0")) == []

@@ -1,34 +1,53 @@
 """The copies of a ``file://`` store (onbox/sealing/stores/local.py), hashed as they go: a
 kernel copy while a second thread hashes the source, or, for a small file, one read into
 memory hashed there. Used by its puts and its downloads alike.
+
+The kernel copy is made COPY_CHUNK bytes per call: one call for a whole multi-GiB file cannot
+be cut short, so a restore stopped by a SIGTERM (a preemption's short grace) would go on to the
+last byte. Between two calls a stopped download (``stopped``) gives up, CancelledError, and its
+hashing thread stops too. The same calls copy the same bytes, only in bounded lengths.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import errno
 import hashlib
 import os
 import threading
-from typing import Any, BinaryIO, List, Tuple
+from typing import Any, BinaryIO, Callable, List, Tuple
 
 from onbox.common import writeback
 
 CHUNK = 1 << 20
 HASH_CHUNK = 8 << 20  # large reads keep the hashing thread in OpenSSL, off the GIL
 SMALL_FILE = 4 << 20  # a file up to this size is read into memory and hashed there (copy_small)
+# Bytes per kernel copy call: a stop waits for at most one (tens of ms on a local disk); the
+# calls stay large enough that their count costs nothing next to the bytes they move.
+COPY_CHUNK = 64 << 20
+
+Stopped = Callable[[], bool]  # True once the download is to give up (base.Lanes.stopped)
 
 
-def copy_from(f: BinaryIO, dst_fd: int, size: int) -> None:
-    """Copy ``size`` bytes of the open file ``f`` into ``dst_fd``, in the kernel where it can."""
+def never() -> bool:
+    return False
+
+
+def copy_from(f: BinaryIO, dst_fd: int, size: int, stopped: Stopped = never) -> None:
+    """Copy ``size`` bytes of the open file ``f`` into ``dst_fd``, in the kernel where it can,
+    COPY_CHUNK bytes at a time; CancelledError once ``stopped()`` between two."""
     done = 0
     cfr = getattr(os, "copy_file_range", None)
     try:
         while done < size:
+            if stopped():
+                raise concurrent.futures.CancelledError()
+            want = min(COPY_CHUNK, size - done)
             if cfr is not None:
-                n = cfr(f.fileno(), dst_fd, size - done, done)
+                n = cfr(f.fileno(), dst_fd, want, done)
             else:
-                n = os.sendfile(dst_fd, f.fileno(), done, size - done)
+                n = os.sendfile(dst_fd, f.fileno(), done, want)
             if n == 0:
                 break
             done += n
@@ -38,6 +57,8 @@ def copy_from(f: BinaryIO, dst_fd: int, size: int) -> None:
         # Positional reads: the hashing thread shares this descriptor's file offset.
         os.lseek(dst_fd, done, os.SEEK_SET)
         while True:
+            if stopped():
+                raise concurrent.futures.CancelledError() from None
             b = os.pread(f.fileno(), CHUNK, done)
             if not b:
                 break
@@ -47,20 +68,24 @@ def copy_from(f: BinaryIO, dst_fd: int, size: int) -> None:
                 view = view[os.write(dst_fd, view) :]
 
 
-def copy_hashing(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
+def copy_hashing(
+    f: BinaryIO, dst_fd: int, stopped: Stopped = never
+) -> Tuple[str, int, os.stat_result]:
     """Copy the open file ``f`` into ``dst_fd`` while another thread hashes it: (sha256, bytes
     hashed, the source's stat before). Both threads spend their time in the kernel or in
-    OpenSSL with the GIL released, so on two cores the hash costs almost no wall time."""
+    OpenSSL with the GIL released, so on two cores the hash costs almost no wall time. A copy
+    that stops (``stopped``, or an error) ends the hash too: nothing waits on it."""
     fd = f.fileno()
     before = os.fstat(fd)
     with contextlib.suppress(OSError, AttributeError):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     out: List[Any] = []
+    halt = threading.Event()
 
     def hash_all() -> None:
         try:
             h, off = hashlib.sha256(), 0
-            while True:
+            while not halt.is_set():
                 b = os.pread(fd, HASH_CHUNK, off)
                 if not b:
                     break
@@ -73,12 +98,15 @@ def copy_hashing(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
     hasher = threading.Thread(target=hash_all, name="rgt-hash", daemon=True)
     hasher.start()
     try:
-        copy_from(f, dst_fd, before.st_size)
+        copy_from(f, dst_fd, before.st_size, stopped)
         # The copy is done before the hash (the kernel copies faster than sha256 runs): the
         # disk writes the copy while the hash catches up, so the caller's fsync after it
         # waits for little (not during the copy: writes then slow the reads of the source,
         # often on the same disk).
         writeback.start(dst_fd, 0, before.st_size)
+    except BaseException:
+        halt.set()  # the copy failed or was stopped: its hash is not wanted
+        raise
     finally:
         hasher.join()
     if isinstance(out[0], BaseException):
@@ -87,10 +115,13 @@ def copy_hashing(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
     return sha, n, before
 
 
-def copy_file(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
+def copy_file(
+    f: BinaryIO, dst_fd: int, stopped: Stopped = never
+) -> Tuple[str, int, os.stat_result]:
     """``copy_small`` for a file of up to SMALL_FILE bytes, else ``copy_hashing``."""
-    small = os.fstat(f.fileno()).st_size <= SMALL_FILE
-    return (copy_small if small else copy_hashing)(f, dst_fd)
+    if os.fstat(f.fileno()).st_size <= SMALL_FILE:
+        return copy_small(f, dst_fd)
+    return copy_hashing(f, dst_fd, stopped)
 
 
 def copy_small(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:

@@ -58,7 +58,7 @@ from onbox.sealing.stores.base import (
     new_download,
     os_error,
 )
-from onbox.sealing.stores.filecopy import copy_file
+from onbox.sealing.stores.filecopy import copy_file, never
 
 LOCK_NAME = ".rgt-lock"  # RUN/.rgt-lock: held around a conditional replace, never listed
 LOCK_WAIT = 30.0  # seconds a conditional replace waits for another writer's lock
@@ -317,7 +317,9 @@ class LocalStore(Store):
                 "nothing of it was copied",
             )
         with open(src, "rb") as f, new_download(dest, f"downloading {key}", os_error, lanes) as fd:
-            got, hashed, before = copy_file(f, fd)
+            # A stopped restore (a SIGTERM, another file failed) copies no further piece.
+            stopped = (lambda: lanes.stopped) if lanes is not None else never
+            got, hashed, before = copy_file(f, fd, stopped)
             if _sig(os.fstat(f.fileno())) != _sig(before) or os.fstat(fd).st_size != hashed:
                 raise TransientStoreError(f"downloading {key}: it changed while it was copied")
         return got

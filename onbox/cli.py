@@ -31,7 +31,6 @@ from onbox.agent import observe, slurm
 from onbox.agent.cliflags import platform_options, platform_overrides, pod_option
 from onbox.agent.lock import RunLock
 from onbox.agent.mailbox import over, stop_run, sync_run
-from onbox.agent.runner import read_ready
 from onbox.agent.spec import JobSpec
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.agent.title import set_title
@@ -44,11 +43,8 @@ from onbox.common.errors import (
     NotFound,
     RgtError,
     UsageError,
-    error_from_code,
 )
 from onbox.common.rundir import RunDir, all_runs
-
-READY_TIMEOUT = 10.0
 
 
 def _emit(text: str = "") -> None:
@@ -143,25 +139,11 @@ def start(
         from onbox.agent.boot import record_opt_in
 
         record_opt_in(rd)
-    from onbox.agent.daemon import spawn_agent  # (lazily, as in _claim)
+    from onbox.agent.detach import detach  # (lazily, as in _claim)
 
-    r, w = os.pipe()
-    try:
-        spawn_agent(rd, lock.fd, ready_fd=w)
-    finally:
-        os.close(w)
-        lock.release()  # the agent holds the lock through its own copy of the fd
-    try:
-        msg = read_ready(r, READY_TIMEOUT)
-    except HostError:
-        raise HostError(
-            f"the agent for {rd.name!r} did not come up", f"see {rd.agent_log}"
-        ) from None
-    finally:
-        os.close(r)
-    if msg.get("ok") is False:  # it could not begin (onbox/agent/loop.py): the run is FAILED, why
-        code = int(msg.get("exit_code") or 1)
-        raise error_from_code(code, str(msg.get("what")), msg.get("remedy"))
+    # Raises what the agent said when the run did not start (FAILED, or ended before its
+    # first attempt: onbox/agent/detach.py).
+    msg = detach(rd, lock)
     verb = "re-attached to" if msg.get("adopted") else "started"
     _emit(
         f"{verb} run {rd.name}: agent pid {msg['pid']}, job pid {msg.get('job_pid')}, "

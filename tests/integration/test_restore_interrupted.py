@@ -26,6 +26,7 @@ from typing import Any, Dict, List
 import pytest
 
 from onbox.agent import procfs
+from onbox.common.errors import FINAL_EXIT_CODES
 from onbox.sealing.fetch import STAGE_PREFIX
 from onbox.sealing.ledger import take_epoch
 from onbox.sealing.sealer import Sealer
@@ -128,11 +129,17 @@ def test_a_signal_during_the_restore_ends_the_run_cleanly_and_the_next_start_res
         deadline = time.monotonic() + 60
         agent = _child_of(start.pid, deadline)
         _signal_mid_restore(agent, signal.Signals[sig], ckpt, deadline)
-        start.communicate(timeout=60)
+        out, err = start.communicate(timeout=60)
     finally:
         if start.poll() is None:
             start.kill()
             start.wait()
+    # `start` says the run did not start, and exits as `run` does for that state (it printed
+    # "started run cut: ..., PREEMPTED" and exited 0, as if the job were on its way).
+    assert start.returncode == FINAL_EXIT_CODES[final_state], (out, err)
+    assert "started" not in out, out
+    assert f"run {RUN} did not start" in err and final_state in err, err
+    assert f"rgt-agent start --name {RUN}" in err, err
     # The agent ended by itself, the run PREEMPTED before any attempt, and said why.
     st = cli.wait_over(RUN, final_state, timeout=60)
     assert st["attempt"] == 0, st

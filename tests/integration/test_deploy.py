@@ -292,7 +292,7 @@ class Box:
         control socket directory in their command line."""
         dirs = [os.path.join(self.ctl_home, "cm").encode()]
         # Where HOME/cm is too long for a socket, rgt uses a private /tmp directory whose name
-        # it records in HOME/cm-dir (controller/remote.py _control_dir).
+        # it records in HOME/cm-dir (controller/controldir.py control_dir).
         with contextlib.suppress(OSError), open(os.path.join(self.ctl_home, "cm-dir"), "rb") as f:
             dirs.append(f.read().strip())
         out = []

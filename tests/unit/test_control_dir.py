@@ -1,4 +1,4 @@
-"""The ssh control directory (controller/remote.py ``_control_dir``): rgt's own, 0700, checked
+"""The ssh control directory (controller/controldir.py ``control_dir``): rgt's own, 0700, checked
 before each use, on the real file system.
 
 - a short controller home: ``HOME/cm``, made 0700; one that is open to others, a symlink, not a
@@ -18,7 +18,7 @@ from typing import Callable, Iterator, List
 
 import pytest
 
-from controller import remote as remotemod
+from controller import controldir
 from controller.remote import SshRemote
 from controller.target import Target
 from onbox.common.errors import UsageError
@@ -57,7 +57,7 @@ def short_home() -> Iterator[str]:
     """A controller home short enough for its own ``cm`` (tmp_path is too long on most
     machines), under /tmp; removed at the end."""
     home = f"/tmp/rgt-t-{os.getpid()}-{os.urandom(3).hex()}"
-    assert len(os.path.join(home, "cm")) <= remotemod.CONTROL_DIR_MAX
+    assert len(os.path.join(home, "cm")) <= controldir.CONTROL_DIR_MAX
     try:
         yield home
     finally:
@@ -115,7 +115,7 @@ def test_long_home_gets_a_private_tmp_dir_used_again(
     home = str(tmp_path / ("h" * 50))
     d = made(home)
     assert d.startswith(f"/tmp/rgt-cm-{os.getuid()}-") and d != f"/tmp/rgt-cm-{os.getuid()}"
-    assert len(d) <= remotemod.CONTROL_DIR_MAX
+    assert len(d) <= controldir.CONTROL_DIR_MAX
     _private(d)
     assert Path(home, "cm-dir").read_text().strip() == d
     assert made(home) == d
@@ -161,4 +161,4 @@ def test_long_home_never_uses_a_recorded_dir_that_fails(
 def test_socket_paths_fit() -> None:
     """The longest directory used, with ssh's %C and the suffix of its temporary socket name,
     fits a unix socket path on macOS (104 bytes with the NUL) and Linux (108)."""
-    assert remotemod.CONTROL_DIR_MAX + 41 + 17 + 1 <= 104
+    assert controldir.CONTROL_DIR_MAX + 41 + 17 + 1 <= 104

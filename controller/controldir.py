@@ -1,0 +1,81 @@
+"""The directory of the laptop's ssh control sockets (controller/remote.py's multiplexing):
+rgt's own, mode 0700, checked before each use (``control_dir``). Whoever can write there could put
+a socket of their own in ssh's way and see every command and byte of the connection."""
+
+from __future__ import annotations
+
+import os
+import stat
+import tempfile
+from typing import Optional
+
+from controller import envnames
+from onbox.common.errors import UsageError
+
+# A unix socket path must fit in 104 bytes with its NUL (macOS; Linux: 108). ssh's %C adds 41
+# ("/" and 40 hex digits), and a master first binds PATH plus a random 17-byte suffix, then
+# renames it: 104 - 1 - 41 - 17.
+CONTROL_DIR_MAX = 45
+
+
+def control_dir(home: str) -> str:
+    """The directory of this laptop's ssh control sockets: ``HOME/cm``, or, where that path is
+    too long for a socket, a private directory under /tmp whose name is recorded in
+    ``HOME/cm-dir``. Either is created 0700 by rgt and checked before each use.
+
+    Under /tmp a fixed name (``/tmp/rgt-cm-UID``) would let any user of the machine create it
+    first, readable or writable by them, or as a symlink to a directory of theirs: they could
+    then hijack the connections, or block rgt. So the directory there is mkdtemp's (a random
+    name nobody else can have made), and a recorded one that no longer checks (gone at a reboot,
+    or replaced) is not used: a fresh one is made and recorded. ``HOME/cm`` is the user's own
+    directory, inside rgt's 0700 home: one that fails the check was changed by hand, and is
+    refused with a message rather than repaired, since a socket someone else placed in it
+    could already be there."""
+    d = os.path.join(home, "cm")
+    if len(d) <= CONTROL_DIR_MAX:
+        try:
+            os.mkdir(d, 0o700)
+        except FileExistsError:
+            pass
+        why = _unsafe_dir(d)
+        if why:
+            raise UsageError(
+                envnames.CONTROLLER_HOME,
+                f"the ssh control directory {d} {why}, so another user could take over rgt's "
+                "ssh connections",
+                f"remove {d} (rgt makes it again, private), or set RGT_CONTROLLER_HOME",
+            )
+        return d
+    record = os.path.join(home, "cm-dir")
+    try:
+        with open(record) as f:
+            d = f.read().strip()
+        if d.startswith("/tmp/rgt-cm-") and len(d) <= CONTROL_DIR_MAX and not _unsafe_dir(d):
+            return d
+    except (FileNotFoundError, UnicodeDecodeError):
+        pass
+    # 0700 and ours alone; /tmp's sticky bit keeps anyone else from renaming or removing it.
+    d = tempfile.mkdtemp(prefix=f"rgt-cm-{os.getuid()}-", dir="/tmp")
+    tmp = f"{record}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        f.write(d + "\n")
+    os.replace(tmp, record)  # two rgt at once: each uses its own; the last one is kept
+    return d
+
+
+def _unsafe_dir(d: str) -> Optional[str]:
+    """Why ``d`` is not a directory only this user can use (lstat: a symlink is not followed),
+    or None."""
+    try:
+        st = os.lstat(d)
+    except FileNotFoundError:
+        return "does not exist"
+    if stat.S_ISLNK(st.st_mode):
+        return f"is a symlink (to {os.readlink(d)})"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.getuid():
+        return f"belongs to uid {st.st_uid}, not to this user (uid {os.getuid()})"
+    if st.st_mode & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}, open to other users (rgt needs 0700)"
+    return None

@@ -82,7 +82,7 @@ def _status_doc(rec: RunRecord, remote: Remote, rc: int, out: bytes, err: str) -
 def spec(rec: RunRecord, remote: Remote) -> Dict[str, Any]:
     """The run's spec.json on the box (NotFound when its directory is gone)."""
     path = run_dir(rec).spec
-    r = remote.sh('[ -f "$1" ] || exit 44; exec cat -- "$1"', path)
+    r = remote.sh('[ -f "$1" ] || exit 44; exec cat -- "$1"', path, what=f"cat {path}")
     if r.rc == 44:
         return _spec_doc(rec, remote, path, None)
     if r.rc != 0:
@@ -117,7 +117,8 @@ def read(rec: RunRecord, remote: Remote) -> BoxRun:
     """The run's spec.json and ``rgt-agent status N --json``, in one round trip, checked as
     ``spec`` and ``status`` check them, the spec first."""
     path = run_dir(rec).spec
-    r = remote.sh(script("boxrun.sh"), path, *status_argv(rec), timeout=120)
+    what = f"rgt-agent status {rec.name} --json with {path}"
+    r = remote.sh(script("boxrun.sh"), path, *status_argv(rec), timeout=120, what=what)
     if r.rc != 0:
         raise HostError(f"cannot read {path} on {remote.target.label}: {r.err.strip()}")
     at = r.stdout.find(_STATUS_RC)

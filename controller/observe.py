@@ -57,6 +57,7 @@ def snapshot(rec: RunRecord, remote: Optional[Remote] = None) -> Dict[str, Any]:
         rec.workdir or rec.box_home,
         *boxrun.status_argv(rec),
         timeout=60,
+        what=f"the look at {rec.name} (rgt-agent status, events.jsonl, df, nvidia-smi)",
     )
     parts = _sections(res.text)
     try:
@@ -256,11 +257,11 @@ def logs(rec: RunRecord, follow: bool, out: IO[bytes], slurm: bool = True) -> in
     remote = open_remote(rec.target)
     args = ["logs", rec.name] + (["-f"] if follow else [])
     if not follow:
-        res = remote.run(rec.agent_argv(*args), timeout=300)
-        out.write(res.stdout)
-        out.flush()
+        # Straight through as it comes, never held: a job's log may be larger than this
+        # laptop's memory.
+        res = remote.stream(rec.agent_argv(*args), out)
         if res.rc:
-            raise RgtError(f"rgt-agent logs failed on the box: {res.err.strip()}")
+            raise RgtError(f"rgt-agent logs failed on the box: {res.err.strip()[-300:]}")
         return 0
     proc = remote.popen(rec.agent_argv(*args))
     stream = proc.stdout
@@ -284,11 +285,19 @@ def stop(rec: RunRecord, grace: Optional[str]) -> int:
         return runs.stop(rec, grace)
     remote = open_remote(rec.target)
     res = remote.run(
-        rec.agent_argv("stop", rec.name, *(["--grace", grace] if grace else [])), timeout=900
+        rec.agent_argv("stop", rec.name, *(["--grace", grace] if grace else [])),
+        timeout=900,
+        limit=STOP_OUTPUT,
+        over="tail",  # the stop goes on to its end whatever it prints
     )
     sys.stdout.write(printable_lines(res.text))  # the box's agent's words
     sys.stderr.write(printable_lines(res.err))
     return res.rc
+
+
+# The last bytes of what `rgt-agent stop` prints that are shown (its last lines say how the
+# stop ended); a stop is never cut off for printing more.
+STOP_OUTPUT = 256 << 10
 
 
 # ---------------------------------------------------------------- watch

@@ -24,6 +24,10 @@ own status is returned to the caller.
 Control sockets (multiplexing) live in a directory rgt made itself, mode 0700, checked before
 each use (controller/controldir.py): whoever can write there could put a socket of their own in
 ssh's way and see every command and byte of the connection.
+
+Output: what the box prints is untrusted, and is kept bounded (controller/capture.py): a
+command's stdout to ``limit`` bytes (MAX_OUTPUT unless the caller needs more), its stderr to a
+head and a tail; a command printing more is stopped, not waited for.
 """
 
 from __future__ import annotations
@@ -34,13 +38,16 @@ import re
 import shlex
 import subprocess
 import time
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import IO, Dict, List, Mapping, Optional, Sequence
 
 from controller import envnames
+from controller.capture import TooMuch, capture, command_name
 from controller.controldir import control_dir
 from controller.sshcipher import cipher_preference
 from controller.target import Target, ssh_destination_args
 from onbox.common.errors import AuthError, HostError, RemoteUnreachable, UsageError
+from onbox.common.size import human
+from onbox.common.terminal import printable
 
 
 class HostKeyChanged(AuthError):
@@ -137,6 +144,12 @@ def box_line(script: str) -> str:
     return f'exec {BOX_SH} -c \'eval "$(printf "{body}")"\''
 
 
+# The most bytes of a remote command's stdout kept by default: a state document, a status, a
+# short listing. Callers that legitimately read more (an events file or a health series for
+# `rgt report`, a store's MANIFEST, the listing of a run's files) pass their own ``limit``.
+MAX_OUTPUT = 4 << 20
+
+
 class Remote:
     """A box to run commands on. Subclasses: SshRemote, LocalRemote."""
 
@@ -153,15 +166,17 @@ class Remote:
         input: Optional[bytes] = None,
         env: Optional[Mapping[str, str]] = None,
         timeout: float = 120,
+        limit: int = MAX_OUTPUT,
+        over: str = "fail",
+        what: Optional[str] = None,
     ) -> Result:
-        """Run to the end; ssh failures raise, the command's own status is returned."""
+        """Run to the end; ssh failures raise, the command's own status is returned. Of its
+        stdout at most ``limit`` bytes are kept (``over``: controller/capture.py); past them,
+        with "fail", HostError (exit 9) naming the command (``what``, else its argv) and the
+        limit."""
         try:
-            p = subprocess.run(
-                self.argv(argv, env),
-                input=input,
-                stdin=None if input is not None else subprocess.DEVNULL,
-                capture_output=True,
-                timeout=timeout,
+            got = capture(
+                self.argv(argv, env), timeout=timeout, limit=limit, over=over, input=input
             )
         except subprocess.TimeoutExpired:
             raise RemoteUnreachable(
@@ -170,8 +185,17 @@ class Remote:
             ) from None
         except FileNotFoundError as e:
             raise RemoteUnreachable(f"cannot run {e.filename}: {e.strerror}") from None
-        self.check_transport(p.returncode, p.stderr)
-        return Result(p.returncode, p.stdout, p.stderr)
+        except TooMuch as e:
+            raise HostError(
+                f"{self.target.label}: {printable(what or f'`{command_name(list(argv))}`')} "
+                f"printed more than {human(e.limit)} on its standard output, more than rgt "
+                "reads of it: "
+                "it was stopped, and nothing of what it printed was used",
+                "look at what that command prints on the box: rgt's own never print that "
+                "much, so a file there is damaged or altered, or a command runs away",
+            ) from None
+        self.check_transport(got.rc, got.stderr)
+        return Result(got.rc, got.stdout, got.stderr)
 
     def sh(
         self,
@@ -180,10 +204,32 @@ class Remote:
         input: Optional[bytes] = None,
         env: Optional[Mapping[str, str]] = None,
         timeout: float = 120,
+        limit: int = MAX_OUTPUT,
+        over: str = "fail",
+        what: Optional[str] = None,
     ) -> Result:
         """Run a POSIX sh script on the box with ``args`` as $1, $2, ... (quoted, never
         interpolated into the script)."""
-        return self.run(["sh", "-c", script, "rgt", *args], input=input, env=env, timeout=timeout)
+        argv = ["sh", "-c", script, "rgt", *args]
+        return self.run(
+            argv, input=input, env=env, timeout=timeout, limit=limit, over=over, what=what
+        )
+
+    def stream(self, argv: Sequence[str], out: IO[bytes], *, idle: float = 300) -> Result:
+        """Run ``argv``, writing its stdout to ``out`` as it comes (none of it kept: the
+        Result's stdout is empty), its stderr kept as ``run`` keeps it; RemoteUnreachable when
+        it sends nothing for ``idle`` seconds."""
+        try:
+            got = capture(self.argv(argv), timeout=idle, limit=0, over="tail", sink=out)
+        except subprocess.TimeoutExpired:
+            raise RemoteUnreachable(
+                f"{self.target.label}: `{argv[0]}` sent nothing for {idle:.0f} s",
+                "the box or the network is stalled; try again, or check the box",
+            ) from None
+        except FileNotFoundError as e:
+            raise RemoteUnreachable(f"cannot run {e.filename}: {e.strerror}") from None
+        self.check_transport(got.rc, got.stderr)
+        return Result(got.rc, b"", got.stderr)
 
     def popen(
         self, argv: Sequence[str], env: Optional[Mapping[str, str]] = None
@@ -311,13 +357,11 @@ class SshRemote(Remote):
         for f in (self.known_hosts, os.path.join(os.path.expanduser("~"), ".ssh", "known_hosts")):
             if not os.path.exists(f):
                 continue
-            p = subprocess.run(
-                ["ssh-keygen", "-l", "-F", key, "-f", f],
-                capture_output=True,
-                text=True,
-                timeout=30,
+            # Bounded as the box's output is: the file holds the keys boxes presented.
+            p = capture(
+                ["ssh-keygen", "-l", "-F", key, "-f", f], timeout=30, limit=64 << 10, over="cut"
             )
-            out += re.findall(r"(SHA256:[A-Za-z0-9+/=]+)", p.stdout)
+            out += re.findall(r"(SHA256:[A-Za-z0-9+/=]+)", p.stdout.decode("ascii", "replace"))
         return out
 
     def rsync_shell(self) -> Optional[List[str]]:
@@ -335,12 +379,10 @@ class SshRemote(Remote):
         return f"{self.target.host}:{path}"
 
     def close(self) -> None:
-        subprocess.run(
-            [*self.ssh_argv("-O", "exit")],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            timeout=30,
-        )
+        try:  # the master's answer is one line: a bounded tail is all there is to keep
+            capture(self.ssh_argv("-O", "exit"), timeout=30, limit=4096, over="tail")
+        except (subprocess.TimeoutExpired, FileNotFoundError):
+            pass
         if not self.control_dir.startswith(self.home + os.sep):
             # A directory of ours under /tmp (control_dir): leave none behind. It goes only
             # once empty (the master removes its socket as it exits); one still in use by

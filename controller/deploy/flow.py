@@ -66,6 +66,7 @@ from onbox.common.rundir import profiles_dir
 from onbox.profiles.load import SHIPPED_DIR
 
 FIRST_LINE_TIMEOUT = 60.0
+FIRST_BYTES = 64 << 10  # of the job's log read for its first line
 
 
 def _say(msg: str) -> None:
@@ -471,7 +472,10 @@ def _wait_first_line(remote: Remote, rec: RunRecord, say: Callable[[str], None])
     state = "?"
     while time.monotonic() < deadline:
         state = str(boxrun.poll_status(rec, remote).get("state"))
-        log = remote.run(rec.agent_argv("logs", rec.name), timeout=60).text
+        # Its first line only: the log's beginning is read, then the reader stopped.
+        log = remote.run(
+            rec.agent_argv("logs", rec.name), timeout=60, limit=FIRST_BYTES, over="cut"
+        ).text
         if log.strip():
             say(f"rgt: {rec.name} is {state}; its first line: {log.strip().splitlines()[0][:200]}")
             break

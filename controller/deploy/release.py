@@ -40,11 +40,13 @@ import re
 import shutil
 import subprocess
 import tarfile
+import threading
 import time
 import weakref
 from typing import Optional, Sequence, Tuple
 
 from controller import shell
+from controller.capture import ERR_HEAD, ERR_TAIL, Kept, capture, drain
 from controller.deploy.project import project_files, release_id
 from controller.remote import Remote, rsync_e
 from onbox.common import jobenv
@@ -231,26 +233,27 @@ def _rsync(
     argv += ["./", remote.path_arg(tmp) + "/"]
     listing = b"".join(os.fsencode(f) + b"\0" for f in files)
     env = dict(os.environ, LC_ALL="C")
-    try:
-        p = subprocess.run(argv, cwd=root, input=listing, capture_output=True, env=env)
+    try:  # its --stats (and the box's rsync's messages): a bounded tail of them is all kept
+        p = capture(
+            argv, timeout=None, limit=1 << 20, over="tail", input=listing, cwd=root, env=env
+        )
     except FileNotFoundError:
         raise HostError("rsync is not installed on this machine", "install rsync") from None
-    if p.returncode < 0:
+    if p.rc < 0:
         raise RemoteUnreachable(
-            f"the push to {remote.target.label} was cut off (rsync killed by signal "
-            f"{-p.returncode})",
+            f"the push to {remote.target.label} was cut off (rsync killed by signal {-p.rc})",
             "deploy again: the box keeps its previous release",
         )
-    remote.check_transport(p.returncode, p.stderr)
-    if p.returncode in (10, 12, 30, 35):  # socket I/O, protocol stream, timeouts: the link
+    remote.check_transport(p.rc, p.stderr)
+    if p.rc in (10, 12, 30, 35):  # socket I/O, protocol stream, timeouts: the link
         lines = p.stderr.decode("utf-8", "replace").strip().splitlines() or [""]
         raise RemoteUnreachable(
-            f"the push to {remote.target.label} was cut off (rsync exit {p.returncode}: "
+            f"the push to {remote.target.label} was cut off (rsync exit {p.rc}: "
             f"{lines[-1][-200:]})",
             "deploy again: the box keeps its previous release",
         )
-    if p.returncode != 0:
-        raise _fail(remote, "rsync", p.returncode, p.stderr)
+    if p.rc != 0:
+        raise _fail(remote, "rsync", p.rc, p.stderr)
     out = p.stdout.decode("utf-8", "replace")
     return _stat(out, "Number of regular files transferred"), _stat(
         out, "Total transferred file size"
@@ -273,6 +276,11 @@ def _tar(remote: Remote, root: str, files: Sequence[str], tmp: str) -> Tuple[int
         stderr=subprocess.PIPE,
     )
     assert proc.stdin is not None and proc.stderr is not None
+    # Drained as the stream goes (a box talking on stderr must not block the stream), and
+    # bounded: the box's words, a head and a tail of them.
+    errors = Kept(ERR_HEAD, ERR_TAIL)
+    drainer = threading.Thread(target=drain, args=(proc.stderr, errors), daemon=True)
+    drainer.start()
     n = size = 0
     broken = False
     try:
@@ -300,9 +308,10 @@ def _tar(remote: Remote, root: str, files: Sequence[str], tmp: str) -> Tuple[int
             proc.stdin.close()
         except BrokenPipeError:
             broken = True
-        err = proc.stderr.read()
-        proc.stderr.close()
         rc = proc.wait()
+        drainer.join()
+        proc.stderr.close()
+        err = errors.value()
     if rc < 0:
         raise RemoteUnreachable(
             f"the push to {remote.target.label} was cut off (killed by signal {-rc})",

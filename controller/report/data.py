@@ -30,6 +30,7 @@ MAX_EVENTS = 2000
 MAX_TEXT = 400
 MAX_KEYS = 200  # sample names per row
 MAX_MIRROR_BYTES = 64 << 20  # of one mirrored file: its tail beyond this is what is read
+MAX_BOX_BYTES = 64 << 20  # of `rgt-agent report-data`'s answer: a box sending more is refused
 
 
 @dataclasses.dataclass
@@ -124,7 +125,8 @@ def checked(name: str, source: str, doc: Dict[str, Any], rows: Any, events: Any)
 def from_box(rec: RunRecord) -> ReportData:
     """``rgt-agent report-data NAME`` on the box (RemoteUnreachable when it does not answer)."""
     remote = open_remote(rec.target)
-    r = remote.run(rec.agent_argv("report-data", rec.name), timeout=120)
+    # The agent sends at most MAX_ROWS samples and MAX_EVENTS events: well under this.
+    r = remote.run(rec.agent_argv("report-data", rec.name), timeout=120, limit=MAX_BOX_BYTES)
     if r.rc == NotFound.exit_code:
         raise NotFound(
             f"the agent on {rec.target.label} knows no run {rec.name!r}",

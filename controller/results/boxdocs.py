@@ -13,6 +13,10 @@ from onbox.common.errors import HostError
 from onbox.sealing import manifest as mf
 from onbox.sealing.ledger import quarantine_reason
 
+# The most bytes one round trip of documents may bring: a MANIFEST lists every file of a
+# checkpoint (~150 bytes each), so this is some 800,000 files; a box sending more is refused.
+MAX_DOCS = 128 << 20
+
 
 class BoxDocs:
     """Documents of a file:// store on the box, read over ssh, several per round trip.
@@ -39,7 +43,9 @@ class BoxDocs:
                 box_join(self.root, run, "checkpoints"),
             )
         for _ in range(3):  # a document replaced between its size and its bytes: read again
-            r = self.remote.sh(self._SCRIPT, *along, *[box_join(self.root, k) for k in keys])
+            r = self.remote.sh(
+                self._SCRIPT, *along, *[box_join(self.root, k) for k in keys], limit=MAX_DOCS
+            )
             if r.rc != 0:
                 raise HostError(
                     f"cannot read the store's documents under {self.root} on "
@@ -62,7 +68,7 @@ class BoxDocs:
     def listing(self, run: str) -> Tuple[List[int], Dict[int, str]]:
         """The run's sealed steps and quarantined steps (with reasons), as the box sees the
         store. Names that are not steps rgt writes are left out."""
-        r = self.remote.sh(self._LISTING, box_join(self.root, run))
+        r = self.remote.sh(self._LISTING, box_join(self.root, run), limit=MAX_DOCS)
         if r.rc != 0:
             raise HostError(
                 f"cannot list the store under {self.root} on {self.remote.target.label}: "

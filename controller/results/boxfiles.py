@@ -27,6 +27,9 @@ from onbox.common.errors import HostError, IntegrityError, NotFound, UsageError
 from onbox.common.safepath import UnsafePath, safe_rel
 
 _LIST_SCRIPT = script("boxfiles.sh")  # each file listed: kind, sha256, size, path
+# The most bytes of that listing read (some 2,000,000 files of 100-byte paths); a box listing
+# more is refused rather than held.
+MAX_LISTING = 256 << 20
 
 
 def box_files(rec: RunRecord, remote: Remote) -> Sealed:
@@ -82,7 +85,8 @@ def _listed(
     args: List[str] = []
     for kind, listed, _, _ in roots:
         args += [kind, listed]
-    r = remote.sh(_LIST_SCRIPT, *args, timeout=3600)
+    what = f"the listing of {rec.name}'s files (find and sha256sum)"
+    r = remote.sh(_LIST_SCRIPT, *args, timeout=3600, limit=MAX_LISTING, what=what)
     if r.rc != 0:
         raise HostError(
             f"listing and hashing the files of {rec.name!r} on {remote.target.label} failed: "

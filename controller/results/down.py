@@ -408,7 +408,9 @@ def _execute(plan: DownPlan, remote: Remote) -> None:
     if release and not _RELEASE.match(release):
         raise HostError(f"the record of {name!r} names a release {release!r} rgt never makes")
     if plan.state is not None:
-        r = remote.run(rec.agent_argv("stop", name), timeout=plan.grace + 120)
+        r = remote.run(  # its last line is the error shown: a tail of what it prints is kept
+            rec.agent_argv("stop", name), timeout=plan.grace + 120, limit=64 << 10, over="tail"
+        )
         # 8: the agent knows no such run (a down that removed it already): nothing to stop.
         if r.rc not in (0, 8):
             err = (r.err.strip().splitlines() or [f"exit {r.rc}"])[-1]

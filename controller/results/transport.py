@@ -12,6 +12,7 @@ import subprocess
 import threading
 from typing import Callable, List, Optional, Protocol, Tuple
 
+from controller.capture import ERR_HEAD, ERR_TAIL, Kept, drain
 from controller.remote import Remote, rsync_e
 from controller.results.entries import FILES_FROM, Entry, Sealed, box_join, stage_dirs, stage_path
 from onbox.common.errors import (
@@ -75,6 +76,7 @@ def fetch_store(store: Store, items: List[Entry], stage_dir: str, finished: Fini
     return sum(e.size for e in items)
 
 
+_LINE_MAX = 64 << 10
 _XFER = re.compile(rb"rgt-xfer (\d+) (.*)\Z")
 _ESCAPE = re.compile(rb"\\#([0-7]{3})")
 
@@ -124,14 +126,18 @@ def fetch_rsync(
         argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
     assert p.stdout is not None and p.stderr is not None
-    errors: List[bytes] = []
-    stderr = p.stderr
-    drain = threading.Thread(target=lambda: errors.append(stderr.read()), daemon=True)
-    drain.start()
+    # The box's words (its rsync's messages, its login shell's) come on stderr: a bounded
+    # head and tail of them is kept, never all.
+    errors = Kept(ERR_HEAD, ERR_TAIL)
+    stderr, stdout = p.stderr, p.stdout
+    drainer = threading.Thread(target=drain, args=(stderr, errors), daemon=True)
+    drainer.start()
     fetched = 0
     pending: Optional[Entry] = None
     try:
-        for line in p.stdout:  # rsync flushes each line as it logs it
+        # rsync flushes each line as it logs it; a line longer than any it logs (a name is
+        # at most PATH_MAX) is read in pieces, none of which matches.
+        for line in iter(lambda: stdout.readline(_LINE_MAX), b""):
             m = _XFER.match(line.rstrip(b"\n"))
             if m is None:
                 continue
@@ -148,9 +154,9 @@ def fetch_rsync(
     finally:
         p.stdout.close()
         rc = p.wait()
-        drain.join()
+        drainer.join()
         stderr.close()
-    err = b"".join(errors)
+    err = errors.value()
     if rc in (0, 23, 24):  # 23/24: some files missing; verification names them
         if pending is not None:
             finished(pending)

@@ -122,13 +122,8 @@ def done(doc: Dict[str, Any]) -> bool:
     return str(doc.get("state")) in TERMINAL_NAMES and side.get("live") is False
 
 
-# $1: the run's spec.json; $2: the batch output file ("" when Slurm no longer knows it); the
-# rest: ``rgt-agent logs``'s argv. Exit 44: no agent made the run, the batch output follows.
-_LOGS = (
-    'if [ -f "$1" ]; then shift 2; exec "$@"; fi\n'
-    '[ -n "$2" ] && [ -f "$2" ] && tail -c ' + str(MAX_SLURM_LOG) + ' -- "$2"\n'
-    "exit 44\n"
-)
+# $1: the batch output file ("" when Slurm no longer knows it): its last MAX_SLURM_LOG bytes.
+_BATCH_LOG = '[ -n "$1" ] && [ -f "$1" ] && exec tail -c ' + str(MAX_SLURM_LOG) + ' -- "$1"\n'
 
 
 def logs(rec: RunRecord, follow: bool, out: IO[bytes]) -> int:
@@ -138,26 +133,18 @@ def logs(rec: RunRecord, follow: bool, out: IO[bytes]) -> int:
     job = _job(queue.show(remote, ref), ref)
     spec = RunDir(rec.name, rec.box_home or "/").spec
     stdout = job.stdout if job is not None and job.stdout else ""
-    args = ["logs", rec.name]
-    if follow:
-        r = remote.sh('[ -f "$1" ]', spec, timeout=60)
-        if r.rc == 0:
-            return observe.logs(rec, True, out, slurm=False)
-    r = remote.sh(_LOGS, spec, stdout, *rec.agent_argv(*args), timeout=300)
-    if r.rc == 44:
-        where = f"its output file {stdout}" if stdout else "Slurm no longer knows its output file"
-        sys.stderr.write(
-            f"rgt: no agent of {rec.name} has started yet (Slurm job {ref} "
-            f"{job.state if job else 'unknown'}); the batch job's own output, {where}:\n"
-        )
-        sys.stderr.flush()
-        out.write(r.stdout)
-        out.flush()
-        return 0
-    out.write(r.stdout)
+    if remote.sh('[ -f "$1" ]', spec, timeout=60).rc == 0:  # the agent's, streamed
+        return observe.logs(rec, follow, out, slurm=False)
+    # Its last bytes as the login node cuts them; kept as a tail here too, whatever it sends.
+    r = remote.sh(_BATCH_LOG, stdout, timeout=300, limit=MAX_SLURM_LOG, over="tail")
+    where = f"its output file {stdout}" if stdout else "Slurm no longer knows its output file"
+    sys.stderr.write(
+        f"rgt: no agent of {rec.name} has started yet (Slurm job {ref} "
+        f"{job.state if job else 'unknown'}); the batch job's own output, {where}:\n"
+    )
+    sys.stderr.flush()
+    out.write(r.stdout)  # the job's bytes, raw as `rgt logs` writes them
     out.flush()
-    if r.rc:
-        raise NotFound(f"rgt-agent logs failed on the login node: {r.err.strip()[-300:]}")
     return 0
 
 
@@ -180,7 +167,10 @@ def stop(rec: RunRecord, grace: Optional[str]) -> int:
     rc = 0
     if job is not None and job.state == "RUNNING":
         res = remote.run(
-            rec.agent_argv("stop", rec.name, *(["--grace", grace] if grace else [])), timeout=900
+            rec.agent_argv("stop", rec.name, *(["--grace", grace] if grace else [])),
+            timeout=900,
+            limit=observe.STOP_OUTPUT,
+            over="tail",
         )
         sys.stdout.write(res.text)
         sys.stderr.write(res.err)

@@ -1,0 +1,223 @@
+"""What the laptop keeps of a command the box runs: a bounded amount, read as it comes.
+
+Everything the box sends is untrusted: a runaway agent, a job printing into something rgt reads,
+an events.jsonl or a state document grown huge, or a hostile box, must not make the laptop hold
+gigabytes until the command's timeout. ``capture`` runs the local argv (ssh, or the command
+itself for ``local``) and reads its stdout and stderr incrementally, writing its input as the
+child takes it. Of stdout it keeps at most ``limit`` bytes, and past them (``over``):
+
+- ``"fail"``: the child is killed by its PID at once and ``TooMuch`` is raised: the caller
+  needs all of it (a document, a listing) and more than a box of rgt's prints is not one;
+- ``"cut"``: the first ``limit`` bytes are kept and the child is killed (the caller needs the
+  beginning only: a job's first line); ``Captured.cut`` says so;
+- ``"tail"``: the last ``limit`` bytes are kept and the command runs to its end (a message for
+  the user, whose last lines say what happened).
+
+With ``sink`` the stdout is written there as it comes (``rgt logs``: the job's bytes, raw) and
+none of it is kept; ``timeout`` is then the most seconds without a byte. stderr is never a
+failure: its first ERR_HEAD and last ERR_TAIL bytes are kept (ssh and a login shell say why a
+connection failed first; a command's error is in its last lines), the middle dropped with a
+marker. Killing ssh ends the session on the box: its sshd closes the command's pipes, and the
+command's next write fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import selectors
+import subprocess
+import time
+from typing import IO, List, Mapping, Optional, Sequence, Tuple
+
+ERR_HEAD = 16 << 10
+ERR_TAIL = 48 << 10
+_CHUNK = 64 << 10
+_DROPPED = b"\n[... rgt dropped %d bytes here ...]\n"
+
+
+class TooMuch(Exception):
+    """The command printed more than ``limit`` bytes on stdout (over "fail"); it was killed."""
+
+    def __init__(self, limit: int, stderr: bytes) -> None:
+        super().__init__(limit)
+        self.limit = limit
+        self.stderr = stderr
+
+
+@dataclasses.dataclass
+class Captured:
+    """A finished command: its exit status (negative: the signal that ended it), what was kept of
+    its stdout and stderr, and whether stdout was cut (over "cut": the child was killed)."""
+
+    rc: int
+    stdout: bytes
+    stderr: bytes
+    cut: bool = False
+
+
+class Kept:
+    """At most ``head`` bytes from the start of a stream and ``tail`` from its end; ``seen``
+    counts every byte, kept or not."""
+
+    def __init__(self, head: int, tail: int) -> None:
+        self.head_max, self.tail_max = head, tail
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.seen = 0
+
+    def add(self, data: bytes) -> None:
+        self.seen += len(data)
+        room = self.head_max - len(self.head)
+        if room > 0:
+            self.head += data[:room]
+            data = data[room:]
+        if self.tail_max:
+            self.tail += data[-self.tail_max :]
+            if len(self.tail) > self.tail_max:
+                del self.tail[: len(self.tail) - self.tail_max]
+
+    @property
+    def kept(self) -> int:
+        return len(self.head) + len(self.tail)
+
+    def value(self) -> bytes:
+        dropped = self.seen - self.kept
+        if dropped and self.head and self.tail:
+            return bytes(self.head) + _DROPPED % dropped + bytes(self.tail)
+        return bytes(self.head) + bytes(self.tail)
+
+
+def capture(
+    argv: Sequence[str],
+    *,
+    timeout: Optional[float],
+    limit: int,
+    over: str = "fail",
+    input: Optional[bytes] = None,
+    sink: Optional[IO[bytes]] = None,
+    cwd: Optional[str] = None,
+    env: Optional[Mapping[str, str]] = None,
+) -> Captured:
+    """Run ``argv`` to its end (module docstring; ``timeout`` None: no limit, as for an rsync
+    with its own). Raises TooMuch, subprocess.TimeoutExpired (the child killed) and
+    FileNotFoundError (no such program); on any exception (a ^C included) the child is killed
+    and reaped."""
+    assert over in ("fail", "cut", "tail"), over
+    out = Kept(0, limit) if over == "tail" else Kept(limit, 0)
+    err = Kept(ERR_HEAD, ERR_TAIL)
+    p = subprocess.Popen(
+        list(argv),
+        stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=cwd,
+        env=env,
+    )
+    assert p.stdout is not None and p.stderr is not None
+    try:
+        cut, deadline = _pump(p, input, timeout, out, err, over, sink)
+        if not cut:  # both pipes closed: the child is ending (or closed them and hangs on)
+            p.wait(timeout=None if timeout is None else max(0.0, deadline - time.monotonic()))
+    finally:
+        if p.returncode is None:
+            p.kill()  # by its PID; its own children lose the pipes' read ends we close below
+        for f in (p.stdin, p.stdout, p.stderr):
+            if f is not None:
+                f.close()
+        rc = p.wait()
+    if out.seen > limit and over == "fail":
+        raise TooMuch(limit, err.value())
+    return Captured(rc, out.value(), err.value(), cut)
+
+
+def _pump(
+    p: subprocess.Popen[bytes],
+    input: Optional[bytes],
+    timeout: Optional[float],
+    out: Kept,
+    err: Kept,
+    over: str,
+    sink: Optional[IO[bytes]],
+) -> Tuple[bool, float]:
+    """Feed ``input`` and read both pipes until they close (False), or until stdout went past
+    its limit with over "fail" or "cut" (True: the caller kills the child); and the deadline
+    then. TimeoutExpired past ``timeout`` (with a ``sink``: that long without a byte of
+    stdout)."""
+    assert p.stdout is not None and p.stderr is not None
+    never = timeout is None
+    timeout = float("inf") if timeout is None else timeout
+    deadline = time.monotonic() + timeout
+    sel = selectors.DefaultSelector()
+    sel.register(p.stdout, selectors.EVENT_READ, out)
+    sel.register(p.stderr, selectors.EVENT_READ, err)
+    view = memoryview(input or b"")
+    if p.stdin is not None:
+        os.set_blocking(p.stdin.fileno(), False)
+        if view:
+            sel.register(p.stdin, selectors.EVENT_WRITE, None)
+        else:
+            p.stdin.close()
+    with sel:
+        while sel.get_map():
+            left = None if never else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise subprocess.TimeoutExpired(p.args, timeout)
+            for key, _ in sel.select(left):
+                if key.data is None:  # stdin: as much as the pipe takes now
+                    view = _feed(sel, key.fileobj, view)  # type: ignore[arg-type]
+                    continue
+                data = os.read(key.fd, _CHUNK)
+                if not data:
+                    sel.unregister(key.fileobj)
+                elif key.data is err:
+                    err.add(data)
+                elif sink is not None:
+                    sink.write(data)
+                    sink.flush()
+                    deadline = time.monotonic() + timeout
+                else:
+                    out.add(data)
+                    if over != "tail" and out.seen > out.head_max:
+                        return True, deadline
+    return False, deadline
+
+
+def _feed(sel: selectors.BaseSelector, stdin: IO[bytes], view: memoryview) -> memoryview:
+    """Write what the child's stdin takes of ``view``; the rest. Closed once all is written, or
+    when the child closed its end (its output then says what it made of that)."""
+    try:
+        view = view[os.write(stdin.fileno(), view[:_CHUNK]) :]
+    except BlockingIOError:
+        return view
+    except BrokenPipeError:
+        view = view[:0]
+    if not view:
+        sel.unregister(stdin)
+        stdin.close()
+    return view
+
+
+def drain(f: IO[bytes], kept: Kept) -> None:
+    """Read ``f`` to its end into ``kept`` (a thread's work: the stderr of a child whose stdin
+    or stdout the caller handles itself)."""
+    for data in iter(lambda: os.read(f.fileno(), _CHUNK), b""):
+        kept.add(data)
+
+
+def command_name(argv: List[str], width: int = 100) -> str:
+    """How an error names a remote command: its argv without an ``env K=V`` prefix, a program
+    by its base name, a ``sh -c`` script by its first line (rgt's scripts start with a comment
+    that names them); cut to ``width``."""
+    words = list(argv)
+    if words[:1] == ["env"]:
+        words = words[1:]
+        while words and "=" in words[0] and not words[0].startswith("-"):
+            words = words[1:]
+    if words[:2] == ["sh", "-c"] and len(words) >= 3:
+        first = next((ln.strip() for ln in words[2].splitlines() if ln.strip()), "")
+        words = ["sh", "-c", f"'{first}'", *words[4:]]
+    elif words:
+        words[0] = os.path.basename(words[0]) or words[0]
+    text = " ".join(words)
+    return text if len(text) <= width else text[: width - 3] + "..."

@@ -26,6 +26,7 @@ from controller.slurm import queue
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.errors import NotFound, RemoteUnreachable, StopFailed, UsageError
 from onbox.common.rundir import RunDir
+from onbox.common.terminal import printable, printable_lines
 
 MAX_SLURM_LOG = 1 << 20  # bytes of the batch output shown when no agent ever started
 # After the agent stopped (or could not be asked), how long the job may take to leave the
@@ -138,9 +139,12 @@ def logs(rec: RunRecord, follow: bool, out: IO[bytes]) -> int:
     # Its last bytes as the login node cuts them; kept as a tail here too, whatever it sends.
     r = remote.sh(_BATCH_LOG, stdout, timeout=300, limit=MAX_SLURM_LOG, over="tail")
     where = f"its output file {stdout}" if stdout else "Slurm no longer knows its output file"
-    sys.stderr.write(
-        f"rgt: no agent of {rec.name} has started yet (Slurm job {ref} "
-        f"{job.state if job else 'unknown'}); the batch job's own output, {where}:\n"
+    sys.stderr.write(  # Slurm's words (the state, the file's name) made printable
+        printable(
+            f"rgt: no agent of {rec.name} has started yet (Slurm job {ref} "
+            f"{job.state if job else 'unknown'}); the batch job's own output, {where}:"
+        )
+        + "\n"
     )
     sys.stderr.flush()
     out.write(r.stdout)  # the job's bytes, raw as `rgt logs` writes them
@@ -172,8 +176,8 @@ def stop(rec: RunRecord, grace: Optional[str]) -> int:
             limit=observe.STOP_OUTPUT,
             over="tail",
         )
-        sys.stdout.write(res.text)
-        sys.stderr.write(res.err)
+        sys.stdout.write(printable_lines(res.text))  # the login node's words
+        sys.stderr.write(printable_lines(res.err))
         rc = res.rc
         job = _wait_gone(remote, ref, CANCEL_AFTER)
     if job is not None and job.live:

@@ -186,3 +186,32 @@ def test_a_spec_forging_the_version_section_is_no_traceback(box: Path) -> None:
     rec = Registry().get(RUN)
     Path(rec.box_home, "runs", RUN, "spec.json").write_text(f"@@version-rc\n{DIGITS}\n")
     assert flow._look(LocalRemote(), rec, version="1.0") == (False, None)
+
+
+def test_slurm_stop_and_logs_carry_no_escape_sequence(box: Path, tmp_path: Path) -> None:
+    """`rgt stop` of a Slurm run wrote the login node's agent's stdout and stderr through as
+    they came. The login node is ``local`` with an ``scontrol`` of the test's: the job runs at
+    the first look, and Slurm no longer knows it after (the stop then cancels nothing)."""
+    reg = Registry()
+    rec = reg.get(RUN)
+    rec.scheduler = {"kind": "slurm", "job": "123"}
+    reg.put(rec)
+    batch = tmp_path / "slurm-123.out"
+    batch.write_bytes(b"batch says \x1b]0;owned\x07hi\n")
+    count = tmp_path / "scontrol.count"
+    _tool(
+        box,
+        "scontrol",
+        f'[ -f {count} ] && {{ echo "slurm_load_jobs error: Invalid job id specified"; exit 1; }}\n'
+        f"touch {count}\n"
+        f"echo 'JobId=123 JobName=rgt-{RUN} JobState=RUNNING Reason=None StdOut={batch}'\n",
+    )
+    p = _rgt(box, "stop", RUN)
+    out = _clean(p)
+    assert p.returncode == 0, out
+    assert "stopped ?]0;owned?" in p.stdout and "note ?]0;owned?" in p.stderr, out
+    count.unlink()
+    p = _rgt(box, "logs", RUN)  # no agent made the run yet: the batch job's own output, raw
+    assert p.returncode == 0, p.stderr
+    assert "no agent of r1 has started yet (Slurm job 123 RUNNING)" in p.stderr, p.stderr
+    assert p.stdout == "batch says \x1b]0;owned\x07hi\n"

@@ -359,8 +359,8 @@ def test_the_old_box_stops_its_job_once_another_box_took_the_run_over(
     tmp_path: Any, backend: Backend, run_name: str, found: str
 ) -> None:
     """E4: box A's job goes on training after box B took the run over, none of it sealable (A's
-    agent finds out when it seals step 20, or a new agent of A's adopting the live job finds
-    it at once). A's agent stops the job itself (it trained on, with no end, on a meter): A's
+    agent finds out at its next seal or mirror, or a new agent of A's adopting the live job
+    finds it at once). A's agent stops the job itself (it trained on, with no end, on a meter): A's
     run ends STOPPED, its job gone, its checkpoints left on its disk, and B goes on."""
     run, chk = run_name, backend.checker(run_name)
     a, b = Box(str(tmp_path), "box-a", backend.env), Box(str(tmp_path), "box-b", backend.env)
@@ -371,12 +371,14 @@ def test_the_old_box_stops_its_job_once_another_box_took_the_run_over(
         job_a = _job_pid(a, run)
         if found == "adopting":
             a.kill_agent(run)  # A's agent dies; its job lives on
+        seen_a = len(a.events(run))
         b.start(run, backend.url, _job(b, "10,30", "B"))
         epoch_b = b.wait_epoch(run)
         wait(lambda: "restored" in b.kinds(run), 60, "B to restore step 10")
-        seen_a = len(a.events(run))
         if found == "sealing":
-            a.open_gate(20)  # A's job writes step 20; A's seal of it finds B's epoch
+            # A's job writes step 20, and A's seal of it finds B's epoch, if A's mirror of
+            # its state (its health samples) has not found it first
+            a.open_gate(20)
         else:
             a.restart(run)  # a new agent of A's adopts the live job
         wait(lambda: a.state(run) == "STOPPED", 60, f"A to stop its job\n{a.diagnose(run)}")

@@ -23,12 +23,17 @@ command's next write fails.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import selectors
 import subprocess
+import sys
+import threading
 import time
 from typing import IO, List, Mapping, Optional, Sequence, Tuple
+
+from onbox.common.terminal import printable
 
 ERR_HEAD = 16 << 10
 ERR_TAIL = 48 << 10
@@ -221,3 +226,40 @@ def command_name(argv: List[str], width: int = 100) -> str:
         words[0] = os.path.basename(words[0]) or words[0]
     text = " ".join(words)
     return text if len(text) <= width else text[: width - 3] + "..."
+
+
+class Relayed(subprocess.Popen):  # type: ignore[type-arg]
+    """A box's command whose stdout the caller reads (a log followed, a file streamed) and
+    whose stderr goes on to the user's terminal as it comes, a line at a time through
+    ``printable``: what the box prints there is untrusted, and an escape sequence must not reach
+    the terminal. ``wait`` lets the relay finish its last lines; ``err_tail`` keeps the last of
+    them for an error message."""
+
+    relay: Optional[threading.Thread] = None
+    err_tail = b""
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        rc = super().wait(timeout)
+        if self.relay is not None:
+            self.relay.join(5)  # its pipe ends with the process (a child holding it: let go)
+        return rc
+
+
+def relayed(argv: Sequence[str]) -> Relayed:
+    """Start ``argv`` with its stdout piped back and its stderr relayed (``Relayed``)."""
+    p = Relayed(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    p.relay = threading.Thread(target=_relay, args=(p,), name="rgt-stderr", daemon=True)
+    p.relay.start()
+    return p
+
+
+def _relay(p: Relayed) -> None:
+    err = p.stderr
+    assert err is not None
+    with err:
+        for line in iter(lambda: err.readline(_CHUNK), b""):
+            p.err_tail = (p.err_tail + line)[-ERR_HEAD:]
+            text = printable(line.decode(errors="replace").rstrip("\n"))
+            with contextlib.suppress(OSError, ValueError):  # a closed terminal: nothing to tell
+                sys.stderr.write(text + "\n")
+                sys.stderr.flush()

@@ -275,6 +275,9 @@ def logs(rec: RunRecord, follow: bool, out: IO[bytes], slurm: bool = True) -> in
     rc = proc.wait()
     if rc == 255:
         raise RemoteUnreachable(f"lost {rec.target.label} while following the log")
+    if rc > 0:  # the agent's own error (no such run, say), shown above as it came
+        err = printable(proc.err_tail.decode(errors="replace").strip()[-300:])
+        raise RgtError(f"rgt-agent logs -f failed on the box (exit {rc}): {err}")
     return 0
 
 

@@ -41,7 +41,7 @@ import time
 from typing import IO, Dict, List, Mapping, Optional, Sequence
 
 from controller import envnames
-from controller.capture import TooMuch, capture, command_name
+from controller.capture import Relayed, TooMuch, capture, command_name, relayed
 from controller.controldir import control_dir
 from controller.sshcipher import cipher_preference
 from controller.target import Target, ssh_destination_args
@@ -231,13 +231,10 @@ class Remote:
         self.check_transport(got.rc, got.stderr)
         return Result(got.rc, b"", got.stderr)
 
-    def popen(
-        self, argv: Sequence[str], env: Optional[Mapping[str, str]] = None
-    ) -> subprocess.Popen[bytes]:
-        """Start ``argv`` on the box with its stdout piped back (for following a log)."""
-        return subprocess.Popen(
-            self.argv(argv, env), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE
-        )
+    def popen(self, argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> Relayed:
+        """Start ``argv`` on the box with its stdout piped back (for following a log), its
+        stderr shown as it comes, each line through ``printable`` (controller/capture.py)."""
+        return relayed(self.argv(argv, env))
 
     def check_transport(self, rc: int, stderr: bytes) -> None:
         """Raise when ``rc`` is the transport's failure rather than the command's."""

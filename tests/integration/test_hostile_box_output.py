@@ -146,6 +146,17 @@ def test_logs_error_and_stop_carry_no_escape_sequence(box: Path) -> None:
     assert "stopped ?]0;owned?" in p.stdout and "note ?]0;owned?" in p.stderr, out
 
 
+def test_logs_follow_relays_the_box_stderr_without_escapes_and_fails_with_it(box: Path) -> None:
+    """`rgt logs -f` let the box's stderr through to the terminal raw, and ended 0 when the
+    agent's command failed (exit 3 here): now each line goes through printable, and the agent's
+    failure is rgt's error (exit 1) naming what it said."""
+    p = _rgt(box, "logs", RUN, "-f")
+    out = _clean(p)
+    assert "the job said this" in p.stdout, out
+    assert "?]0;owned?boom" in p.stderr, out
+    assert p.returncode == 1 and "rgt-agent logs -f failed on the box (exit 3)" in p.stderr, out
+
+
 @pytest.mark.parametrize(
     "tool,body,shown",
     [

@@ -32,13 +32,14 @@ head and a tail; a command printing more is stopped, not waited for.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
 import shlex
 import subprocess
 import time
-from typing import IO, Dict, List, Mapping, Optional, Sequence
+from typing import IO, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from controller import envnames
 from controller.capture import Relayed, TooMuch, capture, command_name, relayed
@@ -175,16 +176,10 @@ class Remote:
         with "fail", HostError (exit 9) naming the command (``what``, else its argv) and the
         limit."""
         try:
-            got = capture(
-                self.argv(argv, env), timeout=timeout, limit=limit, over=over, input=input
-            )
-        except subprocess.TimeoutExpired:
-            raise RemoteUnreachable(
-                f"{self.target.label}: `{argv[0]}` did not finish within {timeout:.0f} s",
-                "the box or the network is stalled; try again, or check the box",
-            ) from None
-        except FileNotFoundError as e:
-            raise RemoteUnreachable(f"cannot run {e.filename}: {e.strerror}") from None
+            with self._unreachable(argv, f"did not finish within {timeout:.0f} s"):
+                got = capture(
+                    self.argv(argv, env), timeout=timeout, limit=limit, over=over, input=input
+                )
         except TooMuch as e:
             raise HostError(
                 f"{self.target.label}: {printable(what or f'`{command_name(list(argv))}`')} "
@@ -219,17 +214,23 @@ class Remote:
         """Run ``argv``, writing its stdout to ``out`` as it comes (none of it kept: the
         Result's stdout is empty), its stderr kept as ``run`` keeps it; RemoteUnreachable when
         it sends nothing for ``idle`` seconds."""
-        try:
+        with self._unreachable(argv, f"sent nothing for {idle:.0f} s"):
             got = capture(self.argv(argv), timeout=idle, limit=0, over="tail", sink=out)
+        self.check_transport(got.rc, got.stderr)
+        return Result(got.rc, b"", got.stderr)
+
+    @contextlib.contextmanager
+    def _unreachable(self, argv: Sequence[str], stalled: str) -> Iterator[None]:
+        """A command's timeout (``stalled`` says how) or a missing ssh: RemoteUnreachable."""
+        try:
+            yield
         except subprocess.TimeoutExpired:
             raise RemoteUnreachable(
-                f"{self.target.label}: `{argv[0]}` sent nothing for {idle:.0f} s",
+                f"{self.target.label}: `{argv[0]}` {stalled}",
                 "the box or the network is stalled; try again, or check the box",
             ) from None
         except FileNotFoundError as e:
             raise RemoteUnreachable(f"cannot run {e.filename}: {e.strerror}") from None
-        self.check_transport(got.rc, got.stderr)
-        return Result(got.rc, b"", got.stderr)
 
     def popen(self, argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> Relayed:
         """Start ``argv`` on the box with its stdout piped back (for following a log), its

@@ -31,6 +31,7 @@ from onbox.sealing.fetch import STAGE_PREFIX
 from onbox.sealing.ledger import take_epoch
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
+from onbox.sealing.stores.base import Store
 from tests.conftest import Cli, agent_exe
 
 RUN = "cut"
@@ -39,6 +40,21 @@ STEP = 10
 FILES = 48
 FILE_SIZE = 1 << 20
 JOB = [sys.executable, "-c", "import os; print('resume=' + os.environ['RGT_RESUME_FROM'])"]
+
+
+def _seal_old_box(store: Store, ckpt: str, tmp_path: Any) -> None:
+    """Seal the one checkpoint in ``ckpt`` with the real Sealer, as the run's old box did."""
+    sealer = Sealer(
+        RUN,
+        ckpt,
+        store,
+        str(tmp_path / "old-box-stage"),
+        epoch=take_epoch(store, RUN),
+        event=lambda *a, **k: None,
+        state_path=str(tmp_path / "old-box-seq.json"),
+    )
+    sealer.load()
+    assert sealer.seal_pending() == 1
 
 
 def _seal_big(root: str, tmp_path: Any) -> Dict[str, bytes]:
@@ -53,17 +69,7 @@ def _seal_big(root: str, tmp_path: Any) -> Dict[str, bytes]:
             f.write(data)
     with open(os.path.join(path, ".rgt-complete"), "w") as f:
         json.dump({"step": STEP}, f)
-    sealer = Sealer(
-        RUN,
-        ckpt,
-        store,
-        str(tmp_path / "old-box-stage"),
-        epoch=take_epoch(store, RUN),
-        event=lambda *a, **k: None,
-        state_path=str(tmp_path / "old-box-seq.json"),
-    )
-    sealer.load()
-    assert sealer.seal_pending() == 1
+    _seal_old_box(store, ckpt, tmp_path)
     return files
 
 
@@ -180,17 +186,7 @@ def _seal_one_big(root: str, tmp_path: Any) -> None:
     with open(os.path.join(ckpt, f"step_{STEP}.pt"), "wb") as f:
         for _ in range(BIG >> 20):
             f.write(block)
-    sealer = Sealer(
-        RUN,
-        ckpt,
-        store,
-        str(tmp_path / "old-box-stage"),
-        epoch=take_epoch(store, RUN),
-        event=lambda *a, **k: None,
-        state_path=str(tmp_path / "old-box-seq.json"),
-    )
-    sealer.load()
-    assert sealer.seal_pending() == 1
+    _seal_old_box(store, ckpt, tmp_path)
     os.unlink(os.path.join(ckpt, f"step_{STEP}.pt"))  # the disk is the test's only budget
 
 

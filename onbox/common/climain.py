@@ -1,7 +1,8 @@
 """The one entry point both CLIs (``rgt-agent`` and ``rgt``) run their click group through:
 the job's command split off after ``--``, an ``RgtError`` printed as one line (control
-characters as '?', line breaks kept) and exited with its code (onbox.common.errors), click's
-own usage errors exit 2; anything else is a bug and shows its traceback."""
+characters as '?'; each line of another machine's text it carries under ``  | ``) and exited
+with its code (onbox.common.errors), click's own usage errors exit 2; anything else is a bug
+and shows its traceback."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from typing import Any, Callable, List, Optional
 import click
 
 from onbox.common.errors import RgtError
-from onbox.common.terminal import printable_lines
+from onbox.common.terminal import printable_error
 
 
 def run_cli(
@@ -34,8 +35,9 @@ def run_cli(
         )
     except RgtError as e:
         # Many an error carries what another machine said (a box's stderr, a store's reason):
-        # none of its escape sequences reaches the terminal.
-        click.echo(printable_lines(e.line() if line is None else line(e)), err=True)
+        # none of its escape sequences reaches the terminal, and none of its lines passes for
+        # a further line of rgt's own.
+        click.echo(printable_error(e.line() if line is None else line(e)), err=True)
         return e.exit_code
     except click.exceptions.UsageError as e:
         click.echo(f"rgt: {e.format_message()}", err=True)

@@ -13,6 +13,18 @@ def printable(text: str) -> str:
 
 def printable_lines(text: str) -> str:
     """``text`` with each line ``printable``: its line breaks kept, every other control
-    character '?' (for text of several lines by design: a command's output, the tail of a
-    tool's error output inside an error)."""
+    character '?' (for text of several lines by design: a command's output)."""
     return "\n".join(printable(line) for line in text.split("\n"))
+
+
+# What starts each line of an error after its first: another machine's text that the error
+# carries (a box's stderr, pip's lines) stays readable, and none of its lines can pass for a
+# line of rgt's own, which starts at the margin ("rgt: ...").
+QUOTED = "  | "
+
+
+def printable_error(text: str) -> str:
+    """An error's ``text`` for the terminal: each line ``printable``, every line after the
+    first under ``QUOTED``, empty lines at its end dropped."""
+    first, *rest = text.rstrip("\n").split("\n")
+    return "\n".join([printable(first), *(QUOTED + printable(line) for line in rest)])

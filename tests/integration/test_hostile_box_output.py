@@ -226,3 +226,23 @@ def test_slurm_stop_and_logs_carry_no_escape_sequence(box: Path, tmp_path: Path)
     assert p.returncode == 0, p.stderr
     assert "no agent of r1 has started yet (Slurm job 123 RUNNING)" in p.stderr, p.stderr
     assert p.stdout == "batch says \x1b]0;owned\x07hi\n"
+
+
+def test_an_error_carrying_the_box_stderr_forges_no_line_of_rgt(box: Path) -> None:
+    """`rgt logs` put the agent's stderr, line breaks and all, inside its error: a box printing
+    "\\nrgt: all checkpoints verified" made a line the user takes for rgt's own. Now each line of
+    the box's text after the first is under "  | ", and the box's words are all still there."""
+    agent = Path(Registry().get(RUN).agent[0])
+    agent.write_text(
+        "#!/bin/sh\n"
+        "printf 'ERROR: Could not install\\nrgt: all checkpoints verified\\nsee above\\n' >&2\n"
+        "exit 3\n"
+    )
+    p = _rgt(box, "logs", RUN)
+    _clean(p)
+    assert p.returncode == 1, p.stderr
+    lines = p.stderr.splitlines()
+    assert [ln for ln in lines if ln.startswith("rgt:")] == [
+        "rgt: rgt-agent logs failed on the box: ERROR: Could not install"
+    ], p.stderr
+    assert lines[1:] == ["  | rgt: all checkpoints verified", "  | see above"], p.stderr

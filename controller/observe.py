@@ -247,23 +247,58 @@ def _metrics(prog: Dict[str, Any]) -> str:
     return "".join(f", {k} {v:.4g}" if isinstance(v, float) else f", {k} {v}" for k, v in m.items())
 
 
-def logs(rec: RunRecord, follow: bool, out: IO[bytes], slurm: bool = True) -> int:
+# A Slurm run's logs in one round trip: the agent's once it made the run ($1, its spec.json,
+# exists), else NOT_MADE and nothing else. 97 is no exit code of rgt-agent's (1 to 20,
+# onbox/common/errors.py), nor a shell's (126, 127, 128+N) nor ssh's (255).
+NOT_MADE = 97
+_IF_MADE = (
+    "# rgt logs: the agent's, once it made the run\n"
+    f'[ -f "$1" ] || exit {NOT_MADE}\nshift\nexec "$@"\n'
+)
+
+
+def logs(rec: RunRecord, follow: bool, out: IO[bytes]) -> int:
     """Copy the job's output from the box (following it with ``follow``); for a Slurm run,
     controller/slurm/runs.py's (the batch output while no agent started)."""
-    if slurm and rec.scheduler.get("kind") == "slurm":
+    if rec.scheduler.get("kind") == "slurm":
         from controller.slurm import runs
 
         return runs.logs(rec, follow, out)
+    agent_logs(rec, follow, out)
+    return 0
+
+
+def agent_logs(rec: RunRecord, follow: bool, out: IO[bytes], made: Optional[str] = None) -> bool:
+    """``rgt-agent logs`` of the run on the box, to ``out``; with ``made`` only once that file
+    exists there (in the same round trip): False when it does not, and nothing was run. The
+    agent's error is rgt's: NotFound (exit 8) when it knows no such run, as ``rgt status``."""
     remote = open_remote(rec.target)
-    args = ["logs", rec.name] + (["-f"] if follow else [])
+    argv = rec.agent_argv("logs", rec.name, *(["-f"] if follow else []))
+    if made is not None:
+        argv = ["sh", "-c", _IF_MADE, "rgt", made, *argv]
     if not follow:
         # Straight through as it comes, never held: a job's log may be larger than this
         # laptop's memory.
-        res = remote.stream(rec.agent_argv(*args), out)
-        if res.rc:
-            raise RgtError(f"rgt-agent logs failed on the box: {res.err.strip()[-300:]}")
-        return 0
-    proc = remote.popen(rec.agent_argv(*args))
+        res = remote.stream(argv, out)
+        rc, err, what = res.rc, res.err.strip()[-300:], "rgt-agent logs failed on the box"
+    else:
+        rc, err = _follow(remote, argv, out, rec.target.label)
+        what = f"rgt-agent logs -f failed on the box (exit {rc})"
+    if made is not None and rc == NOT_MADE:
+        return False
+    if rc == NotFound.exit_code:
+        raise NotFound(
+            f"{what}: {err}", "was the box reset? `rgt status --json` shows the store's copy"
+        )
+    if rc > 0:  # the agent's own error; with -f shown above as it came
+        raise RgtError(f"{what}: {err}")
+    return True
+
+
+def _follow(remote: Remote, argv: List[str], out: IO[bytes], label: str) -> Tuple[int, str]:
+    """Follow the agent's log to ``out`` until it ends or ^C: its exit status (negative: the
+    signal that ended it), and the last of its stderr as one printable line."""
+    proc = remote.popen(argv)
     stream = proc.stdout
     assert stream is not None
     try:
@@ -274,11 +309,8 @@ def logs(rec: RunRecord, follow: bool, out: IO[bytes], slurm: bool = True) -> in
         proc.terminate()
     rc = proc.wait()
     if rc == 255:
-        raise RemoteUnreachable(f"lost {rec.target.label} while following the log")
-    if rc > 0:  # the agent's own error (no such run, say), shown above as it came
-        err = printable(proc.err_tail.decode(errors="replace").strip()[-300:])
-        raise RgtError(f"rgt-agent logs -f failed on the box (exit {rc}): {err}")
-    return 0
+        raise RemoteUnreachable(f"lost {label} while following the log")
+    return rc, printable(proc.err_tail.decode(errors="replace").strip()[-300:])
 
 
 def stop(rec: RunRecord, grace: Optional[str]) -> int:

@@ -128,14 +128,15 @@ _BATCH_LOG = '[ -n "$1" ] && [ -f "$1" ] && exec tail -c ' + str(MAX_SLURM_LOG) 
 
 
 def logs(rec: RunRecord, follow: bool, out: IO[bytes]) -> int:
-    """The agent's logs of the run, or the batch job's output while no agent started."""
+    """The agent's logs of the run, or the batch job's output while no agent started: one round
+    trip once the agent made the run (its spec.json on the shared filesystem), as on any box."""
+    spec = RunDir(rec.name, rec.box_home or "/").spec
+    if observe.agent_logs(rec, follow, out, made=spec):
+        return 0
     remote = open_remote(rec.target)
     ref = _ref(rec)
     job = _job(queue.show(remote, ref), ref)
-    spec = RunDir(rec.name, rec.box_home or "/").spec
     stdout = job.stdout if job is not None and job.stdout else ""
-    if remote.sh('[ -f "$1" ]', spec, timeout=60).rc == 0:  # the agent's, streamed
-        return observe.logs(rec, follow, out, slurm=False)
     # Its last bytes as the login node cuts them; kept as a tail here too, whatever it sends.
     r = remote.sh(_BATCH_LOG, stdout, timeout=300, limit=MAX_SLURM_LOG, over="tail")
     where = f"its output file {stdout}" if stdout else "Slurm no longer knows its output file"

@@ -246,3 +246,31 @@ def test_an_error_carrying_the_box_stderr_forges_no_line_of_rgt(box: Path) -> No
         "rgt: rgt-agent logs failed on the box: ERROR: Could not install"
     ], p.stderr
     assert lines[1:] == ["  | rgt: all checkpoints verified", "  | see above"], p.stderr
+
+
+NO_RUN = "#!/bin/sh\necho \"rgt: no run named 'r1' on this box\" >&2\nexit 8\n"
+
+
+@pytest.mark.parametrize("follow", [[], ["-f"]], ids=["logs", "logs-f"])
+@pytest.mark.parametrize("slurm", [False, True], ids=["ssh", "slurm"])
+def test_logs_of_a_run_the_agent_does_not_know_exit_8_on_every_platform(
+    box: Path, tmp_path: Path, slurm: bool, follow: List[str]
+) -> None:
+    """The agent's `logs` failing with NotFound (exit 8: its run directory gone) made `rgt logs`
+    exit 1; for a Slurm run after a look at scontrol and one at the spec. Now it exits 8 with
+    the agent's words, and a Slurm run whose agent made the run asks the login node once: the
+    agent's logs (scontrol is not asked)."""
+    reg = Registry()
+    rec = reg.get(RUN)
+    Path(rec.agent[0]).write_text(NO_RUN)
+    Path(rec.box_home, "runs", RUN, "spec.json").write_text("{}\n")
+    asked = tmp_path / "scontrol.asked"
+    if slurm:
+        rec.scheduler = {"kind": "slurm", "job": "123"}
+        reg.put(rec)
+        _tool(box, "scontrol", f"echo asked >> {asked}\necho 'JobId=123 JobState=RUNNING'\n")
+    p = _rgt(box, "logs", RUN, *follow)
+    _clean(p)
+    assert p.returncode == 8, p.stderr
+    assert "no run named 'r1' on this box" in p.stderr, p.stderr
+    assert not asked.exists()

@@ -1,5 +1,6 @@
 """Where ``rgt pull`` puts things (controller/results/pull.py runs it): DEST checked before
-anything is fetched (no symlink, directory or file in the way; no other run's verified pull),
+anything is fetched (no symlink, directory or file in the way; no other run's verified pull; no
+two names of the state that DEST's filesystem takes for one file: ``refuse_folded_twins``),
 one pull at a time into it (a flock on DEST itself), the staging directory ``DEST/.rgt-part``
 made and cleared of what is in the way, and the verified copies placed under their final
 names: every rename through directory descriptors walked without following symlinks, the old
@@ -12,17 +13,28 @@ import contextlib
 import fcntl
 import os
 import posixpath
+import secrets
 import shutil
 import stat
+import unicodedata
 from concurrent.futures import ThreadPoolExecutor
-from typing import AbstractSet, Dict, Iterator, List, Optional
+from typing import (
+    AbstractSet,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    NamedTuple,
+    Optional,
+    Tuple,
+)
 
 from controller.results.entries import COPY, Entry
 from controller.results.hashing import HASHERS
 from controller.results.receipt import load_receipt, receipt_path, remove_receipts
 from controller.results.transport import CHUNK
 from onbox.common.durable import fsync_dir, fsync_file
-from onbox.common.errors import HostError, IntegrityError, UsageError
+from onbox.common.errors import HostError, IntegrityError, UnsafeRefused, UsageError
 from onbox.common.safepath import (
     UnsafePath,
     lstat_beneath,
@@ -90,6 +102,97 @@ def refuse_other_runs_pull(run: str, dest: str) -> None:
             f"{dest} holds the verified pull of run {here.run!r}; pulling {run!r} there would "
             "overwrite it: pull into another directory",
         )
+
+
+class Folding(NamedTuple):
+    """What a directory's filesystem takes for one name: names differing in case only
+    ("Model.pt", "model.pt": macOS's APFS by default, Windows, ext4 with casefold), or in
+    Unicode normal form only (NFC and NFD "é": APFS whatever its case)."""
+
+    case: bool
+    normal: bool
+
+    def key(self, name: str) -> str:
+        """``name`` as the filesystem compares it (conservatively: Python's full case folding,
+        canonical decomposition)."""
+        if self.normal:
+            name = unicodedata.normalize("NFD", name)
+        if self.case:
+            name = name.casefold()
+            name = unicodedata.normalize("NFD", name) if self.normal else name
+        return name
+
+    def says(self) -> str:
+        """What it folds, in words."""
+        return " and ".join(
+            w for w, on in (("case", self.case), ("Unicode normal form", self.normal)) if on
+        )
+
+
+# Every folding a filesystem may do: a listing with no twins under any needs no probe.
+FOLDINGS = (Folding(True, True), Folding(True, False), Folding(False, True))
+
+
+def probe_folding(d: str) -> Folding:
+    """Whether the filesystem of directory ``d`` folds case, or normal forms: a name made there
+    (then removed), and whether its twin (the other case; the other normal form) is that file."""
+    base = os.path.join(d, f".rgt-fold-{os.getpid()}-{secrets.token_hex(4)}-")
+    made = base + "A\u00e9"  # "Aé", é composed (NFC)
+    os.close(os.open(made, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
+    try:
+        st = os.lstat(made)
+        return Folding(_same(base + "a\u00e9", st), _same(base + "Ae\u0301", st))
+    finally:
+        os.unlink(made)
+
+
+def _same(twin: str, st: os.stat_result) -> bool:
+    try:
+        return os.path.samestat(os.lstat(twin), st)
+    except FileNotFoundError:
+        return False
+
+
+def folded_twins(names: Iterable[str], folding: Folding) -> Optional[Tuple[str, str]]:
+    """Two of ``names`` that are one name under ``folding``, or of which one is, so folded, a
+    directory on the way to the other; None when there are none."""
+    by_key: Dict[str, str] = {}
+    for name in sorted(set(names)):
+        other = by_key.setdefault(folding.key(name), name)
+        if other != name:
+            return other, name
+    for key, name in by_key.items():
+        parts = key.split("/")
+        for i in range(1, len(parts)):
+            head = by_key.get("/".join(parts[:i]))
+            if head is not None:
+                return head, name
+    return None
+
+
+def refuse_folded_twins(dest: str, entries: List[Entry]) -> None:
+    """UnsafeRefused (exit 7) when two final names (or two staging names) of ``entries`` would
+    be one file in ``dest``: its filesystem folds what tells them apart, and one would silently
+    overwrite the other while the receipt lists both. Only a listing with such twins under some
+    folding probes ``dest`` (a name made and removed there): none, nothing is written."""
+    groups = [[e.path for e in entries], [e.stage for e in entries]]
+    if all(folded_twins(names, f) is None for names in groups for f in FOLDINGS):
+        return
+    try:
+        folding = probe_folding(dest)
+    except OSError as err:
+        raise cannot(dest, err) from None
+    for names in groups:
+        twins = folded_twins(names, folding) if folding.case or folding.normal else None
+        if twins is not None:
+            raise UnsafeRefused(
+                f"cannot pull into {dest}: its filesystem does not tell names apart by "
+                f"{folding.says()}, and the sealed state holds both {ascii(twins[0])} and "
+                f"{ascii(twins[1])}: one would overwrite the other there (non-ASCII shown escaped, "
+                "to tell them apart). Nothing was fetched",
+                "pull into a directory on a filesystem that tells them apart (macOS: a "
+                "case-sensitive APFS volume, made in Disk Utility; Linux: one without casefold)",
+            )
 
 
 def clear_in_the_way(stage_dir: str, items: List[Entry]) -> None:

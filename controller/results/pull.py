@@ -187,6 +187,7 @@ def _pull(
     items = list(unique.values())
     destination.make_dest(dest)
     with destination.dest_lock(dest):
+        destination.refuse_folded_twins(dest, sealed.entries)
         try:
             if not destination.make_stage(stage_dir):  # a killed pull's: what it left
                 destination.clear_in_the_way(stage_dir, items)

@@ -15,11 +15,12 @@ import pytest
 
 import controller.results.pull as pull_module
 from controller.registry import RunRecord
+from controller.results import destination
 from controller.results.entries import stage_path
 from controller.results.pull import pull
 from controller.results.receipt import load_state_receipt, receipt_path, write_receipt
 from controller.results.sealed import covers_newest
-from onbox.common.errors import HostError, IntegrityError, RgtError, UsageError
+from onbox.common.errors import HostError, IntegrityError, RgtError, UnsafeRefused, UsageError
 from tests.conftest import require
 from tests.integration.test_pull import (
     RUN,
@@ -176,3 +177,67 @@ def test_the_stream_takes_exactly_the_sealed_prefix_of_a_file_grown_since(
     receipt = pull(rec, str(tmp_path / "dest"), "box", transport="stream")
     (rec_file,) = [f for f in receipt.files if f.path.endswith("log.txt")]
     assert rec_file.sha256 == hashlib.sha256(data).hexdigest()
+
+
+# Two pairs of names a folding filesystem takes for one: by case, and by Unicode normal form.
+BY_CASE = ("Model.txt", "model.txt")
+BY_FORM = ("caf\u00e9.txt", "cafe\u0301.txt")  # "café": NFC, NFD
+
+
+@pytest.mark.parametrize(
+    "twins,folds",
+    [(BY_CASE, (True, False)), (BY_FORM, (False, True))],
+    ids=["case", "normal-form"],
+)
+def test_twins_on_a_folding_dest_are_refused_before_anything_is_fetched_fake_probe(
+    tmp_path: Any, laptop: str, monkeypatch: pytest.MonkeyPatch, twins: Any, folds: Any
+) -> None:
+    """On a DEST whose filesystem folds case (APFS's default, Windows) or normal forms (APFS),
+    "Model.txt" and "model.txt" (or NFC and NFD "café") of one sealed state landed on one file,
+    the second rename replacing the first, and the pull said verified with both in its receipt.
+    This kernel has no case-folding filesystem to mount (no CONFIG_UNICODE: neither ext4's
+    casefold nor tmpfs's; XFS's ascii-ci is gone), so the probe of DEST is the one fake: the
+    store, the sealer and the pull are real."""
+    store = _store(tmp_path)
+    _seal(str(tmp_path), store, 5, {twins[0]: b"first" * 100, twins[1]: b"second" * 100})
+    rec = _rec(store.url, str(tmp_path / "boxhome"))
+    dest = str(tmp_path / "dest")
+    probed: List[str] = []
+
+    def fake_probe(d: str) -> Any:
+        probed.append(d)
+        return destination.Folding(*folds)  # what folds: case, normal forms
+
+    monkeypatch.setattr(destination, "probe_folding", fake_probe, raising=False)
+    with pytest.raises(UnsafeRefused) as info:
+        pull(rec, dest, "store")
+    assert info.value.exit_code == 7 and probed == [dest]
+    what = info.value.what
+    # ascii(): NFC and NFD "café" look the same; their escapes do not.
+    assert all(ascii(f"checkpoints/step_5/{n}") in what for n in twins), what
+    assert "one would overwrite the other" in what and "case-sensitive" in (info.value.remedy or "")
+    assert _finals(dest) == [] and load_state_receipt(RUN) is None
+    # Folding the other way only, the same DEST takes both names: each lands, verified.
+    other = destination.Folding(not folds[0], not folds[1])
+    monkeypatch.setattr(destination, "probe_folding", lambda d: other)
+    pull(rec, dest, "store")
+    step = ["checkpoints/step_5/.rgt-complete", *(f"checkpoints/step_5/{n}" for n in twins)]
+    assert _finals(dest) == sorted([".rgt-receipt.json", *step])
+
+
+def test_twins_on_a_case_sensitive_dest_both_land_and_the_probe_leaves_nothing(
+    tmp_path: Any, laptop: str
+) -> None:
+    """The real probe, on this machine's case-sensitive filesystem: it finds no folding, both
+    names of each pair land with their own bytes, and nothing of the probe is left in DEST."""
+    assert destination.probe_folding(str(tmp_path)) == destination.Folding(False, False)
+    files = {n: n.encode() * 50 for n in (*BY_CASE, *BY_FORM)}
+    store = _store(tmp_path)
+    _seal(str(tmp_path), store, 5, files)
+    dest = str(tmp_path / "dest")
+    receipt = pull(_rec(store.url, str(tmp_path / "boxhome")), dest, "store")
+    assert len(receipt.files) == 5
+    for name, data in files.items():
+        with open(os.path.join(dest, "checkpoints", "step_5", name), "rb") as f:
+            assert f.read() == data
+    assert sorted(os.listdir(dest)) == [".rgt-receipt.json", "checkpoints"]

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import IO, List, Mapping, Optional, Sequence, Tuple
 
-from onbox.common.terminal import printable
+from onbox.common.terminal import QUOTED, printable
 
 ERR_HEAD = 16 << 10
 ERR_TAIL = 48 << 10
@@ -231,9 +231,10 @@ def command_name(argv: List[str], width: int = 100) -> str:
 class Relayed(subprocess.Popen):  # type: ignore[type-arg]
     """A box's command whose stdout the caller reads (a log followed, a file streamed) and
     whose stderr goes on to the user's terminal as it comes, a line at a time through
-    ``printable``: what the box prints there is untrusted, and an escape sequence must not reach
-    the terminal. ``wait`` lets the relay finish its last lines; ``err_tail`` keeps the last of
-    them for an error message."""
+    ``printable`` and under ``QUOTED``: what the box prints there is untrusted, and neither an
+    escape sequence nor a line passing for rgt's own ("rgt: ...") must reach the terminal.
+    ``wait`` lets the relay finish its last lines; ``err_tail`` keeps the last of them for an
+    error message."""
 
     relay: Optional[threading.Thread] = None
     err_tail = b""
@@ -259,7 +260,7 @@ def _relay(p: Relayed) -> None:
     with err:
         for line in iter(lambda: err.readline(_CHUNK), b""):
             p.err_tail = (p.err_tail + line)[-ERR_HEAD:]
-            text = printable(line.decode(errors="replace").rstrip("\n"))
+            text = QUOTED + printable(line.decode(errors="replace").rstrip("\n"))
             with contextlib.suppress(OSError, ValueError):  # a closed terminal: nothing to tell
                 sys.stderr.write(text + "\n")
                 sys.stderr.flush()

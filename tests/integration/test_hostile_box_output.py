@@ -248,6 +248,26 @@ def test_an_error_carrying_the_box_stderr_forges_no_line_of_rgt(box: Path) -> No
     assert lines[1:] == ["  | rgt: all checkpoints verified", "  | see above"], p.stderr
 
 
+def test_logs_follow_quotes_the_box_stderr_so_it_forges_no_line_of_rgt(box: Path) -> None:
+    """`rgt logs -f` relayed the box's stderr at the margin: a box printing "rgt: all
+    checkpoints verified" there made a line the user takes for rgt's own. Each relayed line is
+    now under "  | ", as the box's text in an error is."""
+    agent = Path(Registry().get(RUN).agent[0])
+    agent.write_text(
+        "#!/bin/sh\n"
+        "printf 'the job said this\\n'\n"
+        "printf 'rgt: all checkpoints verified\\nConnection closed\\n' >&2\n"
+    )
+    p = _rgt(box, "logs", RUN, "-f")
+    _clean(p)
+    assert p.returncode == 0, p.stderr
+    assert "the job said this" in p.stdout
+    assert p.stderr.splitlines() == [
+        "  | rgt: all checkpoints verified",
+        "  | Connection closed",
+    ], p.stderr
+
+
 NO_RUN = "#!/bin/sh\necho \"rgt: no run named 'r1' on this box\" >&2\nexit 8\n"
 
 

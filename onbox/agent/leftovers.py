@@ -14,6 +14,7 @@ import time
 from typing import Callable
 
 from onbox.agent.seams import Runner
+from onbox.common.faults import hold_point
 
 # Orphans of an attempt that ended on its own get this long after SIGTERM before SIGKILL.
 LEFTOVER_GRACE = 5.0
@@ -34,6 +35,7 @@ def end_leftovers(runner: Runner, event: Event, why: str) -> bool:
         remedy="make the job's children exit with it",
     )
     runner.signal(signal.SIGTERM)
+    hold_point("leftovers.after_term")  # a test kills the agent here, before any SIGKILL
     deadline = time.monotonic() + LEFTOVER_GRACE
     while runner.alive() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -7,14 +7,23 @@ when the agent runs with ``RGT_CRASH_AT=NAME`` (optionally ``NAME:N``, the Nth t
 is reached), the process ends there with ``os._exit(137)``, as a SIGKILL would: no ``finally``,
 no flush, no clean-up. Unset, the call is one dictionary lookup.
 
+Hold points (``hold_point(NAME, until)``) are where an integration test needs the agent to wait
+for it rather than race it: with ``RGT_HOLD_AT=NAME`` the calling thread waits there until
+``until()`` is true (at most HOLD_FOR seconds, then goes on), so that what the test does next (a
+signal, a SIGKILL) lands at that point on any machine, under any load. Unset, the call is one
+dictionary lookup and does nothing.
+
 Standard library only: the agent and the shim may both import it.
 """
 
 from __future__ import annotations
 
 import os
+import time
+from typing import Callable
 
 ENV = "RGT_CRASH_AT"
+HOLD_ENV = "RGT_HOLD_AT"
 
 # The named points, so that a test can loop over every step of a protocol and a typo in a
 # test is an error rather than a scenario that silently never crashes.
@@ -44,3 +53,26 @@ def crash_point(name: str) -> None:
     _seen[name] = _seen.get(name, 0) + 1
     if _seen[name] >= (int(nth) if nth else 1):
         os._exit(137)
+
+
+# The named hold points (a typo in a test is an error, not a hold that never happens).
+HOLDS = (
+    "leftovers.after_term",  # the leftovers got SIGTERM, their grace not yet waited; until: never
+)
+HOLD_FOR = 120.0  # a hold is let go after this long: a test that never acts fails, not hangs
+
+
+def hold_point(name: str, until: Callable[[], bool] = lambda: False) -> None:
+    """Wait here until ``until()``, at most HOLD_FOR seconds, when ``RGT_HOLD_AT`` names this
+    point; otherwise return at once."""
+    want = os.environ.get(HOLD_ENV)
+    if not want:
+        return
+    for point in (name, want):
+        if point not in HOLDS:
+            raise ValueError(f"unknown hold point {point!r}; known: {', '.join(HOLDS)}")
+    if want != name:
+        return
+    deadline = time.monotonic() + HOLD_FOR
+    while not until() and time.monotonic() < deadline:
+        time.sleep(0.01)

@@ -57,6 +57,7 @@ def crash_point(name: str) -> None:
 
 # The named hold points (a typo in a test is an error, not a hold that never happens).
 HOLDS = (
+    "copy.after_piece",  # a file:// copy wrote one piece (filecopy.copy_from); until: stopped
     "leftovers.after_term",  # the leftovers got SIGTERM, their grace not yet waited; until: never
 )
 HOLD_FOR = 120.0  # a hold is let go after this long: a test that never acts fails, not hangs

@@ -19,6 +19,7 @@ import threading
 from typing import Any, BinaryIO, Callable, List, Tuple
 
 from onbox.common import writeback
+from onbox.common.faults import hold_point
 
 CHUNK = 1 << 20
 HASH_CHUNK = 8 << 20  # large reads keep the hashing thread in OpenSSL, off the GIL
@@ -51,6 +52,7 @@ def copy_from(f: BinaryIO, dst_fd: int, size: int, stopped: Stopped = never) -> 
             if n == 0:
                 break
             done += n
+            hold_point("copy.after_piece", stopped)  # a test's signal lands mid-copy
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
             raise
@@ -66,6 +68,7 @@ def copy_from(f: BinaryIO, dst_fd: int, size: int, stopped: Stopped = never) -> 
             view = memoryview(b)
             while view:
                 view = view[os.write(dst_fd, view) :]
+            hold_point("copy.after_piece", stopped)
 
 
 def copy_hashing(

@@ -6,11 +6,9 @@ must end cleanly (not by Python's default handler): the restore stops, nothing t
 under a final name, the run is PREEMPTED (STOPPED) with an event saying the restore was cut, and
 the next start restores and resumes.
 
-Real processes, a real ``file://`` store, real signals. The agent is frozen (SIGSTOP) at the
-moment its staging directory is seen and before any file is in place, so the SIGTERM lands
-mid-restore whatever the machine's speed; SIGCONT then delivers it. The copy of one large file
-holds after each piece until the restore is stopped (``RGT_HOLD_AT``, onbox/common/faults.py),
-so the SIGTERM lands in it however slow the test or the machine is.
+Real processes, a real ``file://`` store, real signals. Each file's copy holds after each piece
+until the restore is stopped (``RGT_HOLD_AT``, onbox/common/faults.py): the restore cannot end
+before the signal, so the signal lands mid-restore however slow the test or the machine is.
 """
 
 from __future__ import annotations
@@ -35,14 +33,16 @@ from onbox.sealing.ledger import take_epoch
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
-from onbox.sealing.stores.filecopy import COPY_CHUNK
+from onbox.sealing.stores.filecopy import COPY_CHUNK, SMALL_FILE
 from tests.conftest import Cli, agent_exe
 
 RUN = "cut"
 STEP = 10
-# Enough files that the restore is still copying when the test looks (each is fsynced).
-FILES = 48
-FILE_SIZE = 1 << 20
+# Files copied in pieces (larger than SMALL_FILE), so that the hold point after each piece
+# keeps the restore from ending before the test's signal (HOLD).
+FILES = 8
+FILE_SIZE = SMALL_FILE + (1 << 20)
+HOLD = "copy.after_piece"  # RGT_HOLD_AT: each copy waits after its piece until it is stopped
 JOB = [sys.executable, "-c", "import os; print('resume=' + os.environ['RGT_RESUME_FROM'])"]
 
 
@@ -88,31 +88,17 @@ def _child_of(parent: int, deadline: float) -> int:
     raise AssertionError("`rgt-agent start` spawned no agent")
 
 
-def _stopped(pid: int) -> None:
-    while True:
-        st = procfs.read_stat(pid)
-        if st is None or st.state in ("T", "t", "Z", "X"):
-            return
-        time.sleep(0.001)
-
-
 def _signal_mid_restore(agent: int, sig: int, ckpt: str, deadline: float) -> None:
-    """``sig`` to the agent while its restore has a staging directory and no file in place."""
+    """``sig`` to the agent once its restore has a staging directory. The restore holds (HOLD)
+    until a signal stops it: no file is in place before, whatever the machine's speed. The
+    signal goes to the running agent, whose main thread takes it at once (a signal queued
+    while the agent was SIGSTOPped may go to a copying thread and wait for a file to end)."""
     final = os.path.join(ckpt, f"ckpt_{STEP}")
-    while time.monotonic() < deadline:
-        os.kill(agent, signal.SIGSTOP)
-        _stopped(agent)
-        staged = glob.glob(os.path.join(ckpt, STAGE_PREFIX + "*"))
-        if os.path.exists(final):
-            os.kill(agent, signal.SIGCONT)
-            raise AssertionError("the restore finished before the test could catch it")
-        if staged:
-            os.kill(agent, sig)  # delivered at SIGCONT: mid-restore
-            os.kill(agent, signal.SIGCONT)
-            return
-        os.kill(agent, signal.SIGCONT)
-        time.sleep(0.005)
-    raise AssertionError("the agent never began its restore")
+    while not glob.glob(os.path.join(ckpt, STAGE_PREFIX + "*")):
+        assert time.monotonic() < deadline, "the agent never began its restore"
+        time.sleep(0.01)
+    assert not os.path.exists(final), "the restore put a file in place before it was stopped"
+    os.kill(agent, sig)
 
 
 @pytest.mark.parametrize("sig, final_state", [("SIGTERM", "PREEMPTED"), ("SIGINT", "STOPPED")])
@@ -129,7 +115,7 @@ def test_a_signal_during_the_restore_ends_the_run_cleanly_and_the_next_start_res
     ckpt = os.path.join(cli.home, "runs", RUN, "ckpt")
     start = subprocess.Popen(
         [*agent_exe(), "start", "--name", RUN, "--store", url, "--", *JOB],
-        env=cli.env,
+        env=dict(cli.env, RGT_HOLD_AT=HOLD),
         cwd=cli.home,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -207,7 +193,7 @@ def test_a_sigterm_stops_the_restore_of_one_large_file_part_way(cli: Cli, tmp_pa
         [*agent_exe(), "start", "--name", RUN, "--store", "file://" + root, "--", *JOB],
         # The copy waits after each piece until the restore is stopped (onbox/common/faults.py):
         # the SIGTERM lands mid-copy however slow the test is to send it.
-        env=dict(cli.env, RGT_HOLD_AT="copy.after_piece"),
+        env=dict(cli.env, RGT_HOLD_AT=HOLD),
         cwd=cli.home,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

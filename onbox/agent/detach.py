@@ -7,11 +7,13 @@ it could not begin (the run is FAILED: that error, with its exit code), or the r
 its first attempt, because a SIGTERM (a preemption), a Ctrl-C or `rgt-agent stop` came while
 the agent prepared it, during a long restore most likely. The latter is ``NotStarted``: one
 line saying so, and the exit code `rgt-agent run` gives that final state (FINAL_EXIT_CODES:
-13 PREEMPTED, 12 STOPPED), never "started run ..." with exit 0.
+13 PREEMPTED, 12 STOPPED), never "started run ..." with exit 0. Both ends of that message are
+here: the agent writes it (``say_ready``), ``detach`` reads it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, Dict
 
@@ -41,6 +43,16 @@ class NotStarted(RgtError):
             + ("; a power-on does it too, rgt-agent boot" if state == "PREEMPTED" else ""),
         )
         self.exit_code = FINAL_EXIT_CODES.get(state) or 1
+
+
+def say_ready(fd: int, msg: Dict[str, Any]) -> None:
+    """The agent's side: write its ready message on ``fd`` and close it (a gone reader is no
+    error: `start` may have given up waiting)."""
+    try:
+        os.write(fd, (json.dumps(msg) + "\n").encode())
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def detach(rd: RunDir, lock: RunLock) -> Dict[str, Any]:

@@ -15,7 +15,6 @@ STOPPED) before its first attempt.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
@@ -30,14 +29,13 @@ from onbox.agent.beginning import (
 )
 from onbox.agent.boot import install_hook, take_from_boot
 from onbox.agent.daemon import TAG_VAR, agent_argv, parse_agent_args
+from onbox.agent.detach import say_ready
 from onbox.agent.journal import FileJournal, log
-from onbox.agent.leftovers import end_leftovers
+from onbox.agent.letgo import let_go
 from onbox.agent.lock import RunLock
-from onbox.agent.logredact import redact_box_logs
 from onbox.agent.meter import MeterCap
 from onbox.agent.notice import NoticeWatcher, watcher_for
-from onbox.agent.ondone import after_finish
-from onbox.agent.resumecheck import ResumeCheck
+from onbox.agent.resumecheck import ResumeCheck, advance
 from onbox.agent.runner import ShimRunner
 from onbox.agent.sealservice import SealService
 from onbox.agent.seams import Clock, Hooks, RealClock
@@ -322,7 +320,7 @@ class Agent:
         if sup.state == State.PENDING:
             sup.begin()
         if ready_fd is not None:
-            _say(
+            say_ready(
                 ready_fd,
                 {
                     "ok": True,
@@ -374,7 +372,7 @@ class Agent:
             sup.tick()
             self._check_resume()
         self._check_resume(final=True)
-        self._finish()
+        let_go(self)  # nothing of the last attempt outlives the run; then the lock goes
         return sup.state
 
     def _resume_from(self) -> str:
@@ -385,85 +383,13 @@ class Agent:
         return path
 
     def _check_resume(self, final: bool = False, resume_from: Optional[str] = None) -> None:
-        """The resume contract check (onbox/agent/resumecheck.py): begin it for an attempt being
-        spawned (``resume_from``, its RGT_RESUME_FROM), else look a little further for the
-        attempt's first reported step (``final``: the attempt is over)."""
-        check, sup = self.check, self.sup
-        if check is None:
-            return
-        before = check.to_doc()
-        at_spawn = resume_from is not None
-        try:
-            if at_spawn or sup.attempt > check.attempt:
-                seal = self.seal
-                if resume_from is None:  # not begun at the spawn (cannot happen; be safe)
-                    resume_from = seal.resume_from() if seal is not None else ""
-                restored = seal.restored if seal is not None else None
-                check.begin(
-                    sup.attempt,
-                    resume_from=resume_from,
-                    restored_step=restored["step"] if restored else None,
-                    latest_step=seal.sealer.latest if seal and seal.sealer else None,
-                )
-            elif final:
-                check.finish()
-            else:
-                check.poll()
-        except Exception as e:  # advisory: a bug here must never stop the supervision
+        """The resume contract check (onbox/agent/resumecheck.py ``advance``); a bug in it
+        turns it off for this agent, never the supervision."""
+        check = self.check
+        if check is not None and not advance(
+            check, self.sup, self.seal, self.journal.event, final, resume_from
+        ):
             self.check = None
-            self.journal.event(
-                "resume_check_bug",
-                f"{type(e).__name__}: {e}; the resume check is off for this agent",
-                klass="permanent",
-                remedy="report this; supervision goes on",
-            )
-            return
-        doc = check.to_doc()
-        if doc != before:  # begun or concluded: an agent that takes over goes on from here
-            sup.extra["resume_check"] = doc
-            if not at_spawn:  # at a spawn, the supervisor saves right after it
-                sup.save()
-
-    def _finish(self) -> None:
-        """Make sure nothing of the last attempt outlives the run, then let go of it."""
-        if self.notice is not None:
-            self.notice.stop()
-        if self.health is not None:
-            self.health.stop()
-        why = "processes of the last attempt outlived it; stopping them"
-        end_leftovers(self.runner, self.journal.event, why)
-        if self.seal is not None:
-            self.seal.close()
-        else:
-            # No store: the box's logs are what `rgt pull` brings home. Done before the lock
-            # goes, and the pull waits for the lock, so it never finds a log not yet scanned.
-            try:
-                if redact_box_logs(self.rd, self.journal.event, self.warnings):
-                    self.sup.save()
-            except Exception as e:  # must not keep the agent from letting go of the run
-                self.journal.event(
-                    "redact_bug",
-                    f"{type(e).__name__}: {e}; the job's logs were not scanned for secrets",
-                    klass="permanent",
-                    remedy="report this; `rgt pull` may bring a log that holds a secret",
-                )
-        # The profile's on-done action, only after a verified DONE (onbox/agent/ondone.py).
-        after_finish(self.spec, self.rd, self.sup.state, self.seal, self.journal.event)
-        if self.notifier is not None:  # the last ping and a bounded drain (a few seconds)
-            self.notifier.finish(self.sup.state.value)
-        if self.slurm is not None:  # last: a requeue ends this allocation's processes
-            self.slurm.after(self.sup.state.value, self.sup.extra, self.sup.save)
-        log(self.rd.agent_log, f"agent pid {os.getpid()} exits: run is {self.sup.state}")
-        self.runner.close()
-        self.lock.release()
-
-
-def _say(fd: int, msg: Dict[str, Any]) -> None:
-    try:
-        os.write(fd, (json.dumps(msg) + "\n").encode())
-        os.close(fd)
-    except OSError:
-        pass
 
 
 def main(argv: List[str]) -> int:
@@ -483,7 +409,7 @@ def main(argv: List[str]) -> int:
     except RgtError as e:  # the run is FAILED already; `start` prints this and exits with it
         log(rd.agent_log, f"agent pid {os.getpid()}: {e.line()}")
         if args["ready_fd"] is not None:
-            _say(
+            say_ready(
                 args["ready_fd"],
                 {"ok": False, "what": e.what, "remedy": e.remedy, "exit_code": e.exit_code},
             )

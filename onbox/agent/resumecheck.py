@@ -16,18 +16,24 @@ a run is checked only when a checkpoint was restored for it; S unknown or 0 mean
 
 The agent calls ``poll`` from its loop: each call reads the progress file and at most
 ``READ_BYTES`` more of the attempt's output, so the check never holds supervision up.
+``advance`` is that wiring: it takes S's inputs from the agent's sealing and keeps the check's
+document in the supervisor's state, so an agent that takes over goes on from there.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 from onbox.agent.spec import compile_progress_pattern
 from onbox.common import progress
 from onbox.common.logscan import LogScanner
 from onbox.common.rundir import RunDir
 from onbox.sealing.discovery import newest_local_step
+
+if TYPE_CHECKING:
+    from onbox.agent.sealservice import SealService
+    from onbox.agent.supervisor import Supervisor
 
 READ_BYTES = 256 << 10  # of the job's output per poll
 FINAL_BYTES = 4 << 20  # read at once when the attempt is over
@@ -182,3 +188,48 @@ class ResumeCheck:
                 "(onbox.train), which does; otherwise the steps already trained are trained again"
             )
         self.event("resume_mismatch", reason, klass="usage", remedy=remedy, **data)
+
+
+def advance(
+    check: ResumeCheck,
+    sup: Supervisor,
+    seal: Optional[SealService],
+    event: Callable[..., None],
+    final: bool = False,
+    resume_from: Optional[str] = None,
+) -> bool:
+    """Move the agent's check on: begin it for an attempt being spawned (``resume_from``, its
+    RGT_RESUME_FROM), else look a little further for the attempt's first reported step
+    (``final``: the attempt is over). False when a bug in the check turned it off (one
+    ``resume_check_bug`` event): the agent drops it and supervises on without it."""
+    before = check.to_doc()
+    at_spawn = resume_from is not None
+    try:
+        if at_spawn or sup.attempt > check.attempt:
+            if resume_from is None:  # not begun at the spawn (cannot happen; be safe)
+                resume_from = seal.resume_from() if seal is not None else ""
+            restored = seal.restored if seal is not None else None
+            check.begin(
+                sup.attempt,
+                resume_from=resume_from,
+                restored_step=restored["step"] if restored else None,
+                latest_step=seal.sealer.latest if seal and seal.sealer else None,
+            )
+        elif final:
+            check.finish()
+        else:
+            check.poll()
+    except Exception as e:  # advisory: a bug here must never stop the supervision
+        event(
+            "resume_check_bug",
+            f"{type(e).__name__}: {e}; the resume check is off for this agent",
+            klass="permanent",
+            remedy="report this; supervision goes on",
+        )
+        return False
+    doc = check.to_doc()
+    if doc != before:  # begun or concluded: an agent that takes over goes on from here
+        sup.extra["resume_check"] = doc
+        if not at_spawn:  # at a spawn, the supervisor saves right after it
+            sup.save()
+    return True

@@ -1,0 +1,56 @@
+"""Letting go of a run: what the agent does once its run is terminal, before it exits.
+
+The loop (onbox/agent/loop.py) decides and supervises; this is its one way out, kept apart
+because its order is the point: the watchers stop, no process of the last attempt outlives the
+run (onbox/agent/leftovers.py), the sealing closes (or, with no store, the box's logs are
+redacted), the profile's on-done action runs (onbox/agent/ondone.py), the notifier sends its
+last ping, a Slurm requeue comes last of the work, and only then does the lock go.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from onbox.agent.journal import log
+from onbox.agent.leftovers import end_leftovers
+from onbox.agent.logredact import redact_box_logs
+from onbox.agent.ondone import after_finish
+
+if TYPE_CHECKING:
+    from onbox.agent.loop import Agent
+
+
+def let_go(agent: Agent) -> None:
+    """Make sure nothing of the last attempt outlives the run, then let go of it."""
+    event = agent.journal.event
+    if agent.notice is not None:
+        agent.notice.stop()
+    if agent.health is not None:
+        agent.health.stop()
+    why = "processes of the last attempt outlived it; stopping them"
+    end_leftovers(agent.runner, event, why)
+    if agent.seal is not None:
+        agent.seal.close()
+    else:
+        # No store: the box's logs are what `rgt pull` brings home. Done before the lock
+        # goes, and the pull waits for the lock, so it never finds a log not yet scanned.
+        try:
+            if redact_box_logs(agent.rd, event, agent.warnings):
+                agent.sup.save()
+        except Exception as e:  # must not keep the agent from letting go of the run
+            event(
+                "redact_bug",
+                f"{type(e).__name__}: {e}; the job's logs were not scanned for secrets",
+                klass="permanent",
+                remedy="report this; `rgt pull` may bring a log that holds a secret",
+            )
+    # The profile's on-done action, only after a verified DONE (onbox/agent/ondone.py).
+    after_finish(agent.spec, agent.rd, agent.sup.state, agent.seal, event)
+    if agent.notifier is not None:  # the last ping and a bounded drain (a few seconds)
+        agent.notifier.finish(agent.sup.state.value)
+    if agent.slurm is not None:  # last: a requeue ends this allocation's processes
+        agent.slurm.after(agent.sup.state.value, agent.sup.extra, agent.sup.save)
+    log(agent.rd.agent_log, f"agent pid {os.getpid()} exits: run is {agent.sup.state}")
+    agent.runner.close()
+    agent.lock.release()

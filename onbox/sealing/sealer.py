@@ -7,18 +7,8 @@ flight at once: onbox/sealing/upload.py), write its MANIFEST once every one is v
 advance LATEST (by step, never backwards, only while this agent's epoch is the
 newest) and prune: the ledger (onbox/sealing/ledger.py) writes those documents, fenced.
 
-A checkpoint with a name that restore and ``rgt pull`` refuse (onbox/common/safepath.py: a CR, a
-backslash, another control character, an over-long component) is never sealed: it could not come
-back. Nor is one with a name that is not UTF-8 (undecodable bytes): a store's keys are UTF-8
-text, so it could not be stored by its name. One ``unsafe_name`` event (class usage) names it,
-and it is skipped at each scan after that until it changes, while the other checkpoints are
-sealed as usual.
-
-Only regular files are sealed (onbox/sealing/discovery.py says why): a symlink, a FIFO, a socket or
-a device in a checkpoint is left out, and the rest of the checkpoint sealed; one ``left_out``
-event (class usage) names what was left out, again only when the checkpoint changes. A symlink
-in the checkpoint dir itself (``latest``, Lightning's ``last.ckpt``) is never sealed either: one
-event the first time it is seen.
+A checkpoint with a name that could not come back, an entry that is no regular file and a
+symlink in the checkpoint dir are never sealed, each said once (onbox/sealing/refusals.py).
 
 A checkpoint that fails for a reason retrying cannot fix (an IntegrityError, a
 PermanentStoreError: the store refuses that object) does not end the pass: oldest first, it
@@ -41,7 +31,7 @@ import json
 import os
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from onbox.common import progress
 from onbox.common.durable import write_json
@@ -54,7 +44,6 @@ from onbox.common.errors import (
 )
 from onbox.common.faults import crash_point
 from onbox.common.rundir import RunDir
-from onbox.common.safepath import UnsafePath, safe_rel
 from onbox.sealing import manifest as mf
 from onbox.sealing.discovery import (
     Candidate,
@@ -66,22 +55,12 @@ from onbox.sealing.discovery import (
     step_from_name,
 )
 from onbox.sealing.ledger import Ledger, take_epoch
+from onbox.sealing.refusals import Refusals
 from onbox.sealing.room import Room
 from onbox.sealing.stores.base import Store
 from onbox.sealing.upload import CheckpointUpload, OutOfTime, Vanished
 
 MAX_BACKLOG = 8  # pending checkpoints sealed per pass at most (the newest ones)
-
-
-def _utf8(rel: str) -> None:
-    """UnsafePath when the name ``rel`` is no UTF-8 text (os.listdir gives undecodable bytes
-    as lone surrogates, and safe_rel lets them round-trip): a store key must be UTF-8 (S3
-    raised UnicodeEncodeError, an error of no store's), so it is refused alike for all."""
-    try:
-        rel.encode("utf-8")
-    except UnicodeEncodeError:
-        shown = repr(rel) if len(rel) <= 160 else f"{rel[:120]!r}..."
-        raise UnsafePath(f"the name {shown} is refused: it is not UTF-8", rel) from None
 
 
 class Sealer:
@@ -108,9 +87,7 @@ class Sealer:
         self.state_path = state_path  # local memory of in-place sequences
         self.lock = threading.Lock()
         self.torn: Dict[str, Tuple[int, int, int]] = {}
-        self.refused: Dict[str, Tuple[int, int, int]] = {}  # unsafe names, reported once each
-        self.left_out: Dict[str, Tuple[int, int, int]] = {}  # non-regular files, reported once
-        self.links: Set[str] = set()  # symlinks in the checkpoint dir, reported once each
+        self.refusals = Refusals(event)  # what is never sealed, each said once
         self.failed: Dict[str, Tuple[int, int, int]] = {}  # failed for good, until they change
         self.bytes_per_s = 50e6  # until measured: a cautious guess for the preemption estimate
         self.backlog: Optional[int] = None  # complete checkpoints the last pass left unsealed
@@ -197,15 +174,15 @@ class Sealer:
     def scan(self) -> List[Candidate]:
         """Complete checkpoints not sealed yet, oldest step first."""
         dirs, files, links = listing(self.ckpt_dir)
-        self._report_links([n for n, _ in links])
-        dirs = [c for c in dirs if self._safe_names(c.root, c.files, c.signature)]
-        files = [(n, st) for n, st in files if self._safe_names(n, [n], signature(st))]
+        self.refusals.report_links([n for n, _ in links])
+        dirs = [c for c in dirs if self.refusals.safe_names(c.root, c.files, c.signature)]
+        files = [(n, st) for n, st in files if self.refusals.safe_names(n, [n], signature(st))]
         # Only what may still need sealing is checked for writers: the walk of /proc reads every
         # open file of every process (a box's data loaders hold many), and most passes find
         # nothing new. A sealed checkpoint is never sealed again, whoever has it open.
         dirs = [c for c in dirs if self._unsealed(c.step)]
         for c in dirs:
-            self._report_left_out(c)
+            self.refusals.report_left_out(c)
         files = [(n, st) for n, st in files if self._may_be_new(n, st)]
         in_dirs = [os.path.join(self.ckpt_dir, f) for c in dirs for f in c.files]
         busy = open_for_writing([os.path.join(self.ckpt_dir, n) for n, _ in files] + in_dirs)
@@ -253,68 +230,6 @@ class Sealer:
             return self._unsealed(step)
         entry = self.seq.get(name)
         return entry is None or entry.get("sig") != list(signature(st))
-
-    def _safe_names(self, root: str, files: List[str], sig: Tuple[int, int, int]) -> bool:
-        """Whether every name of the checkpoint ``root`` is one restore and pull accept
-        (safepath.safe_rel). A refused one is reported once (again only when the checkpoint
-        changes) and never uploaded: a MANIFEST naming it could never be restored or pulled,
-        and retrying could not help."""
-        for rel in [root, *files]:
-            try:
-                why = "restore and `rgt pull` would refuse it, so it could never come back"
-                safe_rel(rel, "the name")
-                why = "every store's keys are UTF-8 text, so it could not be stored by its name"
-                _utf8(rel)
-            except UnsafePath as e:
-                if self.refused.get(root) != sig:
-                    self.refused[root] = sig
-                    self.event(
-                        "unsafe_name",
-                        f"checkpoint {root!r} is not sealed: {e.what}; {why}",
-                        klass="usage",
-                        remedy="rename it (letters, digits, '.', '_', '-'); the other "
-                        "checkpoints are sealed as usual",
-                        path=rel,
-                    )
-                return False
-        self.refused.pop(root, None)
-        return True
-
-    def _report_left_out(self, cand: Candidate) -> None:
-        """One ``left_out`` event for the entries of ``cand`` that are not regular files
-        (discovery: never followed, never read), again only when the checkpoint changes."""
-        if not cand.left_out or self.left_out.get(cand.root) == cand.signature:
-            return
-        self.left_out[cand.root] = cand.signature
-        shown = ", ".join(f"{rel!r} ({what})" for rel, what in cand.left_out[:5])
-        more = len(cand.left_out) - 5
-        self.event(
-            "left_out",
-            f"checkpoint {cand.root!r}: {shown}{f' and {more} more' if more > 0 else ''} "
-            "not sealed: only regular files are; a symlink is never followed (its target may "
-            "lie outside the checkpoint), a FIFO, socket or device holds no bytes to keep",
-            klass="usage",
-            remedy="put what a resume needs in the checkpoint as a regular file (a copy, not "
-            "a link); the rest of the checkpoint is sealed",
-            paths=[rel for rel, _ in cand.left_out],
-        )
-
-    def _report_links(self, names: List[str]) -> None:
-        """One ``left_out`` event for each symlink in the checkpoint dir that would be a
-        checkpoint if it were not a link (discovery.listing), the first time it is seen."""
-        for name in names:
-            if name in self.links:
-                continue
-            self.links.add(name)
-            self.event(
-                "left_out",
-                f"{name!r} in the checkpoint dir is a symlink: not sealed (a link is never "
-                "followed; a checkpoint it points to in the checkpoint dir is sealed under its "
-                "own name)",
-                klass="usage",
-                remedy="save checkpoints as real files or directories in the checkpoint dir",
-                paths=[name],
-            )
 
     def _next_seq_step(self, last: int) -> int:
         """The next step of an in-place sequence: after everything sealed, so LATEST moves."""

@@ -1,0 +1,109 @@
+"""What the sealer never seals, said once: the checkpoints and entries it refuses or leaves out.
+
+Kept apart from the sealer (onbox/sealing/sealer.py), which makes what it may seal durable: this
+is the screening ``Sealer.scan`` puts each checkpoint through first, and the memory of what was
+said already, so a refusal is one event, not one each scan.
+
+A checkpoint with a name that restore and ``rgt pull`` refuse (onbox/common/safepath.py: a CR, a
+backslash, another control character, an over-long component) is never sealed: it could not come
+back. Nor is one with a name that is not UTF-8 (undecodable bytes): a store's keys are UTF-8
+text, so it could not be stored by its name. One ``unsafe_name`` event (class usage) names it,
+and it is skipped at each scan after that until it changes, while the other checkpoints are
+sealed as usual.
+
+Only regular files are sealed (onbox/sealing/discovery.py says why): a symlink, a FIFO, a socket or
+a device in a checkpoint is left out, and the rest of the checkpoint sealed; one ``left_out``
+event (class usage) names what was left out, again only when the checkpoint changes. A symlink
+in the checkpoint dir itself (``latest``, Lightning's ``last.ckpt``) is never sealed either: one
+event the first time it is seen.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Set, Tuple
+
+from onbox.common.safepath import UnsafePath, safe_rel
+from onbox.sealing.discovery import Candidate
+
+
+def _utf8(rel: str) -> None:
+    """UnsafePath when the name ``rel`` is no UTF-8 text (os.listdir gives undecodable bytes
+    as lone surrogates, and safe_rel lets them round-trip): a store key must be UTF-8 (S3
+    raised UnicodeEncodeError, an error of no store's), so it is refused alike for all."""
+    try:
+        rel.encode("utf-8")
+    except UnicodeEncodeError:
+        shown = repr(rel) if len(rel) <= 160 else f"{rel[:120]!r}..."
+        raise UnsafePath(f"the name {shown} is refused: it is not UTF-8", rel) from None
+
+
+class Refusals:
+    """The sealer's screen of one run's checkpoints, and what it has said of them already."""
+
+    def __init__(self, event: Callable[..., None]) -> None:
+        self.event = event
+        self.refused: Dict[str, Tuple[int, int, int]] = {}  # unsafe names, reported once each
+        self.left_out: Dict[str, Tuple[int, int, int]] = {}  # non-regular files, reported once
+        self.links: Set[str] = set()  # symlinks in the checkpoint dir, reported once each
+
+    def safe_names(self, root: str, files: List[str], sig: Tuple[int, int, int]) -> bool:
+        """Whether every name of the checkpoint ``root`` is one restore and pull accept
+        (safepath.safe_rel). A refused one is reported once (again only when the checkpoint
+        changes) and never uploaded: a MANIFEST naming it could never be restored or pulled,
+        and retrying could not help."""
+        for rel in [root, *files]:
+            try:
+                why = "restore and `rgt pull` would refuse it, so it could never come back"
+                safe_rel(rel, "the name")
+                why = "every store's keys are UTF-8 text, so it could not be stored by its name"
+                _utf8(rel)
+            except UnsafePath as e:
+                if self.refused.get(root) != sig:
+                    self.refused[root] = sig
+                    self.event(
+                        "unsafe_name",
+                        f"checkpoint {root!r} is not sealed: {e.what}; {why}",
+                        klass="usage",
+                        remedy="rename it (letters, digits, '.', '_', '-'); the other "
+                        "checkpoints are sealed as usual",
+                        path=rel,
+                    )
+                return False
+        self.refused.pop(root, None)
+        return True
+
+    def report_left_out(self, cand: Candidate) -> None:
+        """One ``left_out`` event for the entries of ``cand`` that are not regular files
+        (discovery: never followed, never read), again only when the checkpoint changes."""
+        if not cand.left_out or self.left_out.get(cand.root) == cand.signature:
+            return
+        self.left_out[cand.root] = cand.signature
+        shown = ", ".join(f"{rel!r} ({what})" for rel, what in cand.left_out[:5])
+        more = len(cand.left_out) - 5
+        self.event(
+            "left_out",
+            f"checkpoint {cand.root!r}: {shown}{f' and {more} more' if more > 0 else ''} "
+            "not sealed: only regular files are; a symlink is never followed (its target may "
+            "lie outside the checkpoint), a FIFO, socket or device holds no bytes to keep",
+            klass="usage",
+            remedy="put what a resume needs in the checkpoint as a regular file (a copy, not "
+            "a link); the rest of the checkpoint is sealed",
+            paths=[rel for rel, _ in cand.left_out],
+        )
+
+    def report_links(self, names: List[str]) -> None:
+        """One ``left_out`` event for each symlink in the checkpoint dir that would be a
+        checkpoint if it were not a link (discovery.listing), the first time it is seen."""
+        for name in names:
+            if name in self.links:
+                continue
+            self.links.add(name)
+            self.event(
+                "left_out",
+                f"{name!r} in the checkpoint dir is a symlink: not sealed (a link is never "
+                "followed; a checkpoint it points to in the checkpoint dir is sealed under its "
+                "own name)",
+                klass="usage",
+                remedy="save checkpoints as real files or directories in the checkpoint dir",
+                paths=[name],
+            )

@@ -113,7 +113,7 @@ from controller.results import pull as pullmod  # noqa: E402
 from controller.results import transport as transportmod  # noqa: E402
 from controller.target import Target, ssh_destination_args  # noqa: E402
 from onbox.agent import procfs  # noqa: E402
-from onbox.sealing.ledger import take_epoch  # noqa: E402
+from onbox.sealing.epochs import take_epoch  # noqa: E402
 from onbox.sealing.sealer import Sealer  # noqa: E402
 from onbox.sealing.stores import open_store  # noqa: E402
 from tests.sshd import SshServer, start_sshd  # noqa: E402

@@ -50,7 +50,7 @@ import tempfile
 import time
 from typing import Callable, Dict, List, Optional, Tuple
 
-from onbox.sealing.ledger import take_epoch
+from onbox.sealing.epochs import take_epoch
 from onbox.sealing.restore import restore_latest
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores.base import Store

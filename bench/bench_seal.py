@@ -63,7 +63,7 @@ import urllib.request
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from onbox.common.durable import sha256_file
-from onbox.sealing.ledger import take_epoch
+from onbox.sealing.epochs import take_epoch
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores.base import Finding, ObjectInfo, PermanentStoreError, Store
 from onbox.sealing.stores.local import LocalStore

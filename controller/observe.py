@@ -25,7 +25,7 @@ from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError, NotFound, RemoteUnreachable, RgtError
 from onbox.common.terminal import printable, printable_lines
 from onbox.sealing import manifest as mf
-from onbox.sealing.ledger import quarantine_reasons
+from onbox.sealing.quarantine import quarantine_reasons
 from onbox.sealing.restore import in_effect, sealed_steps
 
 # One round trip: the agent's status, then the box's view of what limits the run.

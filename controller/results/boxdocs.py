@@ -11,7 +11,7 @@ from controller.results.entries import MAX_SIZE_DIGITS, box_join
 from controller.shell import script
 from onbox.common.errors import HostError
 from onbox.sealing import manifest as mf
-from onbox.sealing.ledger import quarantine_reason
+from onbox.sealing.quarantine import quarantine_reason
 
 # The most bytes one round trip of documents may bring: a MANIFEST lists every file of a
 # checkpoint (~150 bytes each), so this is some 800,000 files; a box sending more is refused.

@@ -12,7 +12,7 @@ from onbox.common.errors import IntegrityError, NotFound
 from onbox.common.safepath import safe_rel
 from onbox.common.terminal import printable
 from onbox.sealing import manifest as mf
-from onbox.sealing.ledger import quarantine_reasons
+from onbox.sealing.quarantine import quarantine_reasons
 from onbox.sealing.restore import in_effect, sealed_steps
 from onbox.sealing.stores.base import Store, with_retries
 

@@ -68,7 +68,7 @@ def set_pins(store: Store, run: str, pin: Optional[int], unpin: Optional[int]) -
 def checkpoint_rows(store: Store, run: str) -> Tuple[List[Dict[str, Any]], Optional[str]]:
     """One row per sealed or quarantined step, oldest first, and the line that says why LATEST
     marks another step than LATEST's own (None when it does not)."""
-    from onbox.sealing.ledger import quarantine_reasons
+    from onbox.sealing.quarantine import quarantine_reasons
     from onbox.sealing.restore import in_effect, sealed_steps
 
     pins = {

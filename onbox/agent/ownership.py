@@ -27,7 +27,8 @@ from onbox.common.durable import read_json, write_json
 from onbox.common.errors import StoreError, UnsafeRefused
 from onbox.common.rundir import RunDir
 from onbox.common.terminal import printable
-from onbox.sealing.ledger import epoch_doc, newest_epoch, take_epoch, take_epoch_after
+from onbox.sealing.epochs import epoch_doc, take_epoch, take_epoch_after
+from onbox.sealing.ledger import newest_epoch
 from onbox.sealing.stores.base import Store
 
 

@@ -3,7 +3,8 @@ stands (LATEST), and what goes (pins, pruning, quarantine).
 
 One writer per run, fenced at every write. Each agent start takes a new epoch (``epochs/<n>``,
 created if absent: ``take_epoch``; one that goes on from an epoch it took before takes the next
-only while none newer exists: ``take_epoch_after``); the newest epoch owns the run. An agent
+only while none newer exists: ``take_epoch_after``; both in onbox/sealing/epochs.py); the newest
+epoch owns the run. An agent
 that lost it (a preempted box come back, an agent frozen mid-upload while a new box took over)
 is kept from doing harm this way:
 
@@ -34,23 +35,21 @@ in the way), then the new MANIFEST replaces the old. Pruning keeps what LATEST n
 checkpoint before it, the newest ``keep``, every pinned one, and every object a kept (or
 quarantined, or not promoted) MANIFEST references.
 
-The quarantine records themselves (``quarantine/<step>.json``: written by restore through
-``flag_quarantined``, listed and read by everyone through ``quarantined`` and
-``quarantine_reasons``) are documents of this ledger too.
+The quarantine records themselves (``quarantine/<step>.json``, written by restore) are
+onbox/sealing/quarantine.py's.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-import os
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, Union
 
-from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError, PreconditionFailed, TransientStoreError
 from onbox.common.faults import crash_point
 from onbox.sealing import manifest as mf
+from onbox.sealing.quarantine import quarantined
 from onbox.sealing.stores.base import Store, with_retries
 
 CAS_ATTEMPTS = 8  # conditional writes of one document before giving up (another writer races)
@@ -74,87 +73,6 @@ def newest_epoch(store: Store, run: str) -> int:
 def pinned_steps(store: Store, run: str) -> Set[int]:
     """The steps ``pinned/`` keeps from pruning."""
     return _numbered(store, mf.pins_prefix(run))
-
-
-def quarantined(store: Store, run: str) -> List[int]:
-    """The steps flagged in ``quarantine/`` (whether or not their MANIFEST is still there)."""
-    out = []
-    for info in store.list(mf.quarantine_prefix(run)):
-        name = info.key.rsplit("/", 1)[-1]
-        if name.endswith(".json") and name[:-5].isdigit():
-            out.append(int(name[:-5]))
-    return sorted(out)
-
-
-def quarantine_reason(data: Optional[bytes]) -> str:
-    """The reason a quarantine record gives, for people; a record that is not rgt's JSON
-    still quarantines its step (it is there), with a reason that says so."""
-    try:
-        doc = jsondoc.loads(data or b"")
-        if isinstance(doc, dict) and isinstance(doc.get("reason"), str):
-            return str(doc["reason"])
-    except ValueError:
-        pass
-    return "flagged in quarantine/ (the record gives no reason)"
-
-
-def quarantine_reasons(store: Store, run: str) -> Dict[int, str]:
-    """Every quarantined step and the reason its record gives."""
-    out = {}
-    for step in with_retries(lambda: quarantined(store, run)):
-        key = mf.quarantine_key(run, step)
-        out[step] = quarantine_reason(with_retries(functools.partial(store.get_bytes, key)))
-    return out
-
-
-def flag_quarantined(store: Store, run: str, step: int, reason: str) -> None:
-    """Write the quarantine record of ``step`` (found unusable in the store by a restore)."""
-    record = json.dumps({"step": step, "reason": reason, "at": time.time(), "by": "restore"})
-    with_retries(lambda: store.put_bytes(mf.quarantine_key(run, step), record.encode()))
-
-
-def _create_epoch(store: Store, run: str, n: int, writer: Optional[str]) -> bool:
-    """Create ``epochs/<n>`` for this process; False when another writer has it already.
-    ``writer``: the mark of the box's run directory that takes it (onbox/agent/ownership.py)."""
-    doc: Dict[str, Any] = {"epoch": n, "pid": os.getpid(), "host": os.uname().nodename}
-    doc["at"] = time.time()
-    if writer is not None:
-        doc["writer"] = writer
-    try:
-        store.put_bytes(mf.epoch_key(run, n), json.dumps(doc).encode(), if_absent=True)
-        return True
-    except PreconditionFailed:
-        return False
-
-
-def take_epoch(store: Store, run: str, writer: Optional[str] = None) -> int:
-    """A new epoch for this agent start: the first to create ``epochs/<n>`` owns ``n``."""
-    n = newest_epoch(store, run) + 1
-    while not _create_epoch(store, run, n, writer):
-        n += 1
-    return n
-
-
-def epoch_doc(store: Store, run: str, epoch: int) -> Dict[str, Any]:
-    """What ``epochs/<epoch>`` says of its taker ({} when absent or not rgt's JSON object)."""
-    try:
-        doc = jsondoc.loads(store.get_bytes(mf.epoch_key(run, epoch)) or b"")
-    except ValueError:
-        return {}
-    return doc if isinstance(doc, dict) else {}
-
-
-def take_epoch_after(
-    store: Store, run: str, own: int, writer: Optional[str] = None
-) -> Optional[int]:
-    """A new epoch that goes on from ``own`` (the one this box's last writer of the run took),
-    or None, taking none, when a newer epoch than ``own`` exists: another writer has taken the
-    run over. Created only if absent: one that took the next number first is the newer one."""
-    newest = newest_epoch(store, run)
-    if newest > own:
-        return None
-    n = max(newest, own) + 1
-    return n if _create_epoch(store, run, n, writer) else None
 
 
 class Ledger:

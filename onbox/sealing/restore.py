@@ -39,7 +39,7 @@ from onbox.common.safepath import UnsafePath, lstat_beneath, open_beneath
 from onbox.sealing import manifest as mf
 from onbox.sealing.fetch import StoreCorrupt, check_target, failure, fetch
 from onbox.sealing.fetch import retried as _retried
-from onbox.sealing.ledger import flag_quarantined, quarantine_reasons
+from onbox.sealing.quarantine import flag_quarantined, quarantine_reasons
 from onbox.sealing.stores.base import Store, StoreError
 
 

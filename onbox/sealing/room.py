@@ -31,7 +31,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import NotRegularFile, sha256_regular
 from onbox.sealing import manifest as mf
-from onbox.sealing.ledger import pinned_steps, quarantined
+from onbox.sealing.ledger import pinned_steps
+from onbox.sealing.quarantine import quarantined
 from onbox.sealing.stores.base import Store
 
 LOW_WATER = 0.05  # free fraction (bytes or inodes) under which sealed local copies go

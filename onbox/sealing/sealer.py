@@ -54,7 +54,8 @@ from onbox.sealing.discovery import (
     signature,
     step_from_name,
 )
-from onbox.sealing.ledger import Ledger, take_epoch
+from onbox.sealing.epochs import take_epoch
+from onbox.sealing.ledger import Ledger
 from onbox.sealing.refusals import Refusals
 from onbox.sealing.room import Room
 from onbox.sealing.stores.base import Store

@@ -32,7 +32,7 @@ from onbox.agent.completion import Completion
 from onbox.agent.journal import MemoryJournal
 from onbox.agent.spec import JobSpec
 from onbox.common.rundir import RunDir
-from onbox.sealing.ledger import take_epoch
+from onbox.sealing.epochs import take_epoch
 from onbox.sealing.room import is_low
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store

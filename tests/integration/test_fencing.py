@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional
 import pytest
 
 from onbox.sealing import manifest as mf
-from onbox.sealing.ledger import take_epoch
+from onbox.sealing.epochs import take_epoch
 from onbox.sealing.restore import restore_latest
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
@@ -41,7 +41,7 @@ RUN = "fence"
 # Agent A: the real Sealer in a process of its own, frozen (SIGSTOP to itself) at one step.
 CHILD = r"""
 import json, os, signal, sys
-from onbox.sealing.ledger import take_epoch
+from onbox.sealing.epochs import take_epoch
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 

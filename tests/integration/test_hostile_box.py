@@ -36,7 +36,7 @@ from controller.target import Target
 from onbox.common.errors import IntegrityError
 from onbox.sealing import manifest as mf
 from onbox.sealing.fetch import STAGE_PREFIX
-from onbox.sealing.ledger import flag_quarantined
+from onbox.sealing.quarantine import flag_quarantined
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from tests.conftest import Cli, agent_exe, require

@@ -36,7 +36,7 @@ from controller.results.receipt import load_receipt, load_state_receipt, receipt
 from controller.target import Target, ssh_destination_args
 from onbox.common.errors import IntegrityError, StoreError, UsageError
 from onbox.sealing import manifest as mf
-from onbox.sealing.ledger import take_epoch
+from onbox.sealing.epochs import take_epoch
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store

@@ -28,7 +28,7 @@ from controller.results.pull import covers_newest, newest_sealed, pull
 from controller.target import Target
 from onbox.common.errors import HostError, IntegrityError
 from onbox.sealing import manifest as mf
-from onbox.sealing.ledger import take_epoch
+from onbox.sealing.epochs import take_epoch
 from onbox.sealing.restore import NoVerifiedCheckpoint, restore_latest
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store

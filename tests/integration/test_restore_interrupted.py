@@ -28,8 +28,8 @@ import pytest
 
 from onbox.agent import procfs
 from onbox.common.errors import FINAL_EXIT_CODES
+from onbox.sealing.epochs import take_epoch
 from onbox.sealing.fetch import STAGE_PREFIX
-from onbox.sealing.ledger import take_epoch
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store

@@ -26,8 +26,8 @@ from controller.results.pull import pull
 from controller.target import Target
 from onbox.common.errors import PermanentStoreError, TransientStoreError
 from onbox.common.sealtime import event_time
+from onbox.sealing.epochs import take_epoch
 from onbox.sealing.fetch import STAGE_PREFIX
-from onbox.sealing.ledger import take_epoch
 from onbox.sealing.restore import restore_latest
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store

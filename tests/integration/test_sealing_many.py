@@ -20,7 +20,7 @@ import pytest
 
 from onbox.common.errors import StoreError
 from onbox.sealing import manifest as mf
-from onbox.sealing.ledger import take_epoch
+from onbox.sealing.epochs import take_epoch
 from onbox.sealing.restore import restore_latest
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store

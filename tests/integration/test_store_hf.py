@@ -26,7 +26,7 @@ from controller.results.pull import pull
 from controller.target import Target
 from onbox.common.errors import AuthError, IntegrityError
 from onbox.sealing import manifest as mf
-from onbox.sealing.ledger import take_epoch
+from onbox.sealing.epochs import take_epoch
 from onbox.sealing.restore import restore_latest
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import hfdownload, open_store

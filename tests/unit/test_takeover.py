@@ -18,9 +18,10 @@ from onbox.agent.mirror import StateMirror
 from onbox.agent.ownership import Superseded, recorded_epoch, take_epoch_here, writer_mark
 from onbox.common.errors import UnsafeRefused
 from onbox.common.rundir import RunDir
-from onbox.sealing import ledger
+from onbox.sealing import epochs
 from onbox.sealing import manifest as mf
-from onbox.sealing.ledger import newest_epoch, take_epoch, take_epoch_after
+from onbox.sealing.epochs import take_epoch, take_epoch_after
+from onbox.sealing.ledger import newest_epoch
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
@@ -78,7 +79,7 @@ def test_the_next_epoch_taken_first_by_another_writer_is_a_newer_writer(
     writer, and this one takes none (not the number after it)."""
     assert take_epoch(store, RUN) == 1
     assert take_epoch(store, RUN) == 2
-    monkeypatch.setattr(ledger, "newest_epoch", lambda store, run: 1)  # listed before B's
+    monkeypatch.setattr(epochs, "newest_epoch", lambda store, run: 1)  # listed before B's
     assert take_epoch_after(store, RUN, 1) is None
     monkeypatch.undo()
     assert newest_epoch(store, RUN) == 2
@@ -174,7 +175,7 @@ def test_an_epoch_this_box_took_but_never_recorded_is_its_own_not_a_takeover(
     assert newest_epoch(store, RUN) == 2 and recorded_epoch(rd) == 1  # the window
     assert take_epoch_here(store, rd, going_on=True) == 3  # not Superseded
     assert recorded_epoch(rd) == 3
-    assert ledger.epoch_doc(store, RUN, 3)["writer"] == writer_mark(rd)
+    assert epochs.epoch_doc(store, RUN, 3)["writer"] == writer_mark(rd)
 
 
 def test_an_epoch_with_this_marks_copy_on_another_host_is_a_takeover(

@@ -36,7 +36,7 @@ import shutil
 import tempfile
 from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
 
-from onbox.common.errors import IntegrityError, RgtError, StoreAuthError, UsageError
+from onbox.common.errors import IntegrityError, UsageError
 from onbox.common.safepath import open_regular
 
 try:
@@ -44,7 +44,6 @@ try:
         CommitOperationAdd,
         CommitOperationDelete,
         HfApi,
-        get_token,
     )
     from huggingface_hub.errors import (
         EntryNotFoundError,
@@ -72,13 +71,8 @@ from onbox.sealing.stores.base import (
     os_error,
 )
 from onbox.sealing.stores.hfdownload import download, download_to, size_at_head, sizes_at
-from onbox.sealing.stores.hfhub import (
-    AUTH_MESSAGE,
-    git_blob_id,
-    hashes_of_file,
-    http_status,
-    store_error,
-)
+from onbox.sealing.stores.hfhub import git_blob_id, http_status, mismatch, store_error
+from onbox.sealing.stores.hfpreflight import preflight as run_preflight
 
 REVISION = "main"
 # Up to this size put_file reads the file into memory once: the bytes it hashes are the bytes it
@@ -114,7 +108,7 @@ class HFStore(Store):
         self._private: Optional[bool] = None
         # plan_fetch's answers, taken by fetch_file: key -> (the Hub's size, the commit)
         self._planned: Dict[str, Tuple[int, str]] = {}
-        self._tokens = f"write tokens are made at {self.endpoint}/settings/tokens"
+        self.tokens = f"write tokens are made at {self.endpoint}/settings/tokens"
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -130,9 +124,9 @@ class HFStore(Store):
     def _error(self, e: BaseException, doing: str) -> Exception:
         """The StoreError for an exception raised by huggingface_hub (hferrors.store_error)."""
         where = f"{doing} ({self.url} on {self.endpoint})"
-        return store_error(e, where, repo_id=self.repo_id, branch=REVISION, tokens=self._tokens)
+        return store_error(e, where, repo_id=self.repo_id, branch=REVISION, tokens=self.tokens)
 
-    def _ensure_repo(self) -> Optional[bool]:
+    def ensure_repo(self) -> Optional[bool]:
         """Create the repo, private, unless it exists (checked first: a token that may write to
         the repo need not be allowed to create repos); once per store. Whether it is private."""
         if self._repo_ready:
@@ -227,31 +221,9 @@ class HFStore(Store):
     ) -> ObjectInfo:
         """Compare what the Hub holds at ``revision`` with what was sent; IntegrityError else."""
         f = self._file(path, revision, doing="verifying")
-        problem = None
-        hub_sha256: Optional[str] = None
-        hub_blob: Optional[str] = None
-        if f is None:
-            problem = f"the Hub has no {path} at commit {revision[:12]}"
-        else:
-            hub_size, hub_blob = f.size, f.blob_id
-            if f.lfs is not None:
-                hub_sha256 = f.lfs.sha256
-                if hub_sha256 != sha256 or hub_size != size:
-                    problem = (
-                        f"the Hub holds {hub_size} bytes sha256 {hub_sha256[:12]}, "
-                        f"expected {size} bytes sha256 {sha256[:12]}"
-                    )
-            else:
-                if blob_id is None:  # a large file the Hub kept out of LFS: hash it here
-                    assert local is not None
-                    got_size, got_sha256, blob_id = hashes_of_file(local)
-                    if got_size != size or got_sha256 != sha256:
-                        problem = f"{local} changed since its sha256 was computed"
-                if problem is None and (hub_blob != blob_id or hub_size != size):
-                    problem = (
-                        f"the Hub holds {hub_size} bytes git blob {hub_blob[:12]}, "
-                        f"expected {size} bytes git blob {blob_id[:12]}"
-                    )
+        problem = mismatch(
+            f, path, revision, size=size, sha256=sha256, blob_id=blob_id, local=local
+        )
         if problem is not None:
             removed = f is not None and self._discard(path, revision)
             raise IntegrityError(
@@ -259,7 +231,7 @@ class HFStore(Store):
                 + ("; removed it again" if removed else ""),
                 "the source changed during the upload, or the Hub stored other bytes; put again",
             )
-        return ObjectInfo(key, size, sha256, hub_blob)
+        return ObjectInfo(key, size, sha256, None if f is None else f.blob_id)
 
     def _download(self, path: str, into: str, revision: str = REVISION) -> Optional[str]:
         """Download ``path`` under the directory ``into``; its local path, or None if absent."""
@@ -287,7 +259,7 @@ class HFStore(Store):
                     "the source changed after it was hashed",
                 )
             src, blob_id = data, git_blob_id(data)
-        self._ensure_repo()
+        self.ensure_repo()
         try:
             revision = self._commit_add(key, repo_path, src, f"rgt: put {key}", sha256=sha256)
         except Exception as e:
@@ -300,7 +272,7 @@ class HFStore(Store):
         self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
     ) -> ObjectInfo:
         repo_path = self._path(key)
-        self._ensure_repo()
+        self.ensure_repo()
         sha256, blob_id = hashlib.sha256(data).hexdigest(), git_blob_id(data)
         if not if_absent and if_match is None:
             try:
@@ -446,54 +418,4 @@ class HFStore(Store):
             raise self._error(e, f"deleting {key}") from None
 
     def preflight(self, run: str) -> List[Finding]:
-        found: List[Finding] = []
-        step = "find a Hub token"
-        try:
-            if get_token() is None:
-                raise StoreAuthError(
-                    f"{self.url}: no Hugging Face token: {AUTH_MESSAGE}", self._tokens
-                )
-            step = "create or resolve the private repo"
-            private = self._ensure_repo()
-            step = "write a probe (upload, then compare with the Hub's sha256)"
-            key = f"{run}/.rgt-preflight/probe-{os.urandom(4).hex()}"
-            payload = os.urandom(64 * 1024)
-            fd, probe = tempfile.mkstemp(prefix="rgt-hf-probe-")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(payload)
-                self.put_file(
-                    key, probe, sha256=hashlib.sha256(payload).hexdigest(), size=len(payload)
-                )
-            finally:
-                os.unlink(probe)
-            step = "read the probe back"
-            got = self.get_bytes(key)
-            step = "compare"
-            if got != payload:
-                raise IntegrityError(
-                    f"{key}: read back "
-                    + ("nothing" if got is None else f"{len(got)} different bytes"),
-                    "the Hub or a mirror in between serves other bytes than it stored",
-                )
-            step = "delete the probe"
-            self.delete(key)
-        except RgtError as e:
-            err = type(e)(f"store preflight failed at '{step}': {e.what}", e.remedy)
-            raise err from None
-        found.append(
-            Finding(
-                True,
-                f"{self.url} on {self.endpoint}: wrote a probe, the Hub's sha256 matched, "
-                "read it back, deleted it",
-            )
-        )
-        if private is False:
-            found.append(
-                Finding(
-                    False,
-                    f"{self.repo_id} is a public repo: anyone can download its checkpoints; "
-                    "make it private in its settings on the Hub",
-                )
-            )
-        return found
+        return run_preflight(self, run)

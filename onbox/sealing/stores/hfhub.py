@@ -1,8 +1,9 @@
 """What an ``hf://`` store (onbox/sealing/stores/hf.py) reads from the Hub's answers besides
 its files: the StoreError each exception of huggingface_hub means (transient or permanent, a
 StoreAuthError where the Hub refused the token or found none), and the git blob id the Hub
-gives a regular file, computed here from the bytes sent to compare with it. Imported only by
-hf.py, after its guarded import of huggingface_hub.
+gives a regular file, computed here from the bytes sent to compare with it, and what differs
+between what the Hub holds after a commit and what was sent (``mismatch``). Imported only by
+hf.py (and hfpreflight.py), after its guarded import of huggingface_hub.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from huggingface_hub.errors import (
     RepositoryNotFoundError,
     RevisionNotFoundError,
 )
+from huggingface_hub.hf_api import RepoFile
 
 from onbox.common.errors import (
     IntegrityError,
@@ -63,6 +65,45 @@ def hashes_of_file(path: str) -> Tuple[int, str, str]:
             f"{path} changed size while it was read", "do not write it during a put"
         )
     return size, s256.hexdigest(), s1.hexdigest()
+
+
+def mismatch(
+    f: Optional[RepoFile],
+    path: str,
+    revision: str,
+    *,
+    size: int,
+    sha256: str,
+    blob_id: Optional[str] = None,
+    local: Optional[str] = None,
+) -> Optional[str]:
+    """How the Hub's entry ``f`` for ``path`` at commit ``revision`` differs from what was sent
+    (``size`` bytes of ``sha256``; a regular file's git ``blob_id``, else computed here from
+    ``local``), or None when it is what was sent."""
+    problem = None
+    if f is None:
+        problem = f"the Hub has no {path} at commit {revision[:12]}"
+    else:
+        hub_size, hub_blob = f.size, f.blob_id
+        if f.lfs is not None:
+            hub_sha256 = f.lfs.sha256
+            if hub_sha256 != sha256 or hub_size != size:
+                problem = (
+                    f"the Hub holds {hub_size} bytes sha256 {hub_sha256[:12]}, "
+                    f"expected {size} bytes sha256 {sha256[:12]}"
+                )
+        else:
+            if blob_id is None:  # a large file the Hub kept out of LFS: hash it here
+                assert local is not None
+                got_size, got_sha256, blob_id = hashes_of_file(local)
+                if got_size != size or got_sha256 != sha256:
+                    problem = f"{local} changed since its sha256 was computed"
+            if problem is None and (hub_blob != blob_id or hub_size != size):
+                problem = (
+                    f"the Hub holds {hub_size} bytes git blob {hub_blob[:12]}, "
+                    f"expected {size} bytes git blob {blob_id[:12]}"
+                )
+    return problem
 
 
 def _chain(e: BaseException) -> List[BaseException]:

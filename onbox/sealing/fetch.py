@@ -27,6 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import fcntl
 import os
+import queue
 import shutil
 import stat
 import tempfile
@@ -51,6 +52,9 @@ LANES = 8
 # Files in flight: more than LANES, so that while some files are being fsynced or hashed
 # the lanes still have requests of others to run.
 FILES = 16
+# How long the restoring thread waits for a file before it runs the signal handlers a worker
+# took for it (in_parallel).
+SIGNAL_POLL = 0.2
 T = TypeVar("T")
 
 
@@ -235,8 +239,12 @@ def in_parallel(
     )
     futures: List[concurrent.futures.Future[None]] = []
     try:
+        ended: queue.SimpleQueue[concurrent.futures.Future[None]] = queue.SimpleQueue()
         futures = [pool.submit(job, lanes) for job in jobs]
-        for fut in concurrent.futures.as_completed(futures):
+        for fut in futures:
+            fut.add_done_callback(ended.put)
+        for _ in futures:
+            fut = _next_ended(ended)
             fut.result()  # the first failure ends them all (the finally stops the rest)
             after_each()
     finally:
@@ -245,6 +253,20 @@ def in_parallel(
             fut.cancel()
         pool.shutdown(wait=True)  # no worker writes after this
         lanes.close()
+
+
+def _next_ended(
+    ended: queue.SimpleQueue[concurrent.futures.Future[None]],
+) -> concurrent.futures.Future[None]:
+    """The next job to end. The wait is cut every SIGNAL_POLL: Python runs a signal's handler
+    in this thread only, once it runs, and the kernel may hand the process's SIGTERM to a
+    worker, which does not cut a wait short (the agent's stop of its restore would wait for a
+    whole file to end)."""
+    while True:
+        try:
+            return ended.get(timeout=SIGNAL_POLL)
+        except queue.Empty:
+            continue
 
 
 def _fetch_all(store: Store, files: List[Dict[str, Any]], stage: str, dest_dir: str) -> None:

@@ -14,9 +14,11 @@ before the signal, so the signal lands mid-restore however slow the test or the 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import glob
 import json
 import os
+import platform
 import shutil
 import signal
 import subprocess
@@ -28,6 +30,7 @@ import pytest
 
 from onbox.agent import procfs
 from onbox.common.errors import FINAL_EXIT_CODES
+from onbox.sealing import fetch
 from onbox.sealing.epochs import take_epoch
 from onbox.sealing.fetch import STAGE_PREFIX
 from onbox.sealing.sealer import Sealer
@@ -88,16 +91,20 @@ def _child_of(parent: int, deadline: float) -> int:
     raise AssertionError("`rgt-agent start` spawned no agent")
 
 
-def _signal_mid_restore(agent: int, sig: int, ckpt: str, deadline: float) -> None:
-    """``sig`` to the agent once its restore has a staging directory. The restore holds (HOLD)
-    until a signal stops it: no file is in place before, whatever the machine's speed. The
-    signal goes to the running agent, whose main thread takes it at once (a signal queued
-    while the agent was SIGSTOPped may go to a copying thread and wait for a file to end)."""
+def _wait_mid_restore(ckpt: str, deadline: float) -> None:
+    """Until the agent's restore has a staging directory. The restore holds (HOLD) until a
+    signal stops it: no file is in place before, whatever the machine's speed."""
     final = os.path.join(ckpt, f"ckpt_{STEP}")
     while not glob.glob(os.path.join(ckpt, STAGE_PREFIX + "*")):
         assert time.monotonic() < deadline, "the agent never began its restore"
         time.sleep(0.01)
     assert not os.path.exists(final), "the restore put a file in place before it was stopped"
+
+
+def _signal_mid_restore(agent: int, sig: int, ckpt: str, deadline: float) -> None:
+    """``sig`` to the agent once its restore has a staging directory. The signal goes to the
+    running agent, whose main thread takes it at once."""
+    _wait_mid_restore(ckpt, deadline)
     os.kill(agent, sig)
 
 
@@ -162,6 +169,72 @@ def test_a_signal_during_the_restore_ends_the_run_cleanly_and_the_next_start_res
         with open(os.path.join(final, rel), "rb") as f:
             assert f.read() == data, rel
     assert "restored" in [e["kind"] for e in cli.events(RUN)]
+
+
+def _staged_whole(ckpt: str) -> List[str]:
+    """The staging files of the restore that hold their whole file."""
+    whole = []
+    for p in glob.glob(os.path.join(ckpt, STAGE_PREFIX + "*", "*")):
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(p).st_size == FILE_SIZE:
+                whole.append(p)
+    return whole
+
+
+# tgkill(2)'s number, for a signal to one thread of another process (os has no call for it).
+SYS_TGKILL = {"x86_64": 234, "aarch64": 131}.get(platform.machine())
+
+
+@pytest.mark.skipif(SYS_TGKILL is None, reason="tgkill's syscall number unknown on this CPU")
+def test_a_sigterm_a_worker_thread_takes_stops_the_restore_all_the_same(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """The kernel hands a process's SIGTERM to any thread not blocking it (another than the
+    main one when that is stopped or already has a signal pending), and Python runs the
+    handler in the main thread only, once it runs again. The restore's main thread waited
+    for the next file to end with no timeout, so a SIGTERM that a copying thread took was not
+    acted on before that file was whole (never, here: each file is held until the restore
+    stops). Sent to one worker thread (tgkill), it now stops the restore as one to the process
+    does: PREEMPTED, `restore_interrupted`, nothing in place."""
+    root = str(tmp_path / "durable")
+    os.makedirs(root)
+    _seal_big(root, tmp_path)
+    ckpt = os.path.join(cli.home, "runs", RUN, "ckpt")
+    start = subprocess.Popen(
+        [*agent_exe(), "start", "--name", RUN, "--store", "file://" + root, "--", *JOB],
+        env=dict(cli.env, RGT_HOLD_AT=HOLD),
+        cwd=cli.home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        agent = _child_of(start.pid, deadline)
+        _wait_mid_restore(ckpt, deadline)
+        # Every copying thread holds its file whole, so the main thread has handed out the
+        # files and waits for one to end (in the kernel, not running: state S).
+        while not (
+            len(_staged_whole(ckpt)) == min(fetch.FILES, FILES)
+            and procfs.read_stat(agent) is not None
+            and procfs.read_stat(agent).state == "S"  # type: ignore[union-attr]
+        ):
+            assert time.monotonic() < deadline, "the restore's copies never all held"
+            time.sleep(0.01)
+        workers = sorted(int(t) for t in os.listdir(f"/proc/{agent}/task") if int(t) != agent)
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.syscall(SYS_TGKILL, agent, workers[0], signal.SIGTERM) != 0:
+            raise OSError(ctypes.get_errno(), "tgkill")
+        out, err = start.communicate(timeout=60)
+    finally:
+        if start.poll() is None:
+            start.kill()
+            start.wait()
+    assert start.returncode == FINAL_EXIT_CODES["PREEMPTED"], (out, err)
+    cli.wait_over(RUN, "PREEMPTED", timeout=60)
+    kinds = [e["kind"] for e in cli.events(RUN)]
+    assert "restore_interrupted" in kinds and "restored" not in kinds, kinds
+    assert not os.path.exists(os.path.join(ckpt, f"ckpt_{STEP}"))
 
 
 BIG = 1 << 30  # one file: a kernel copy of it all takes long enough for a signal to land in it

@@ -17,22 +17,66 @@ before it, ``scratch`` alone).
 The hold file must be creatable when the disk is out of inodes (the run dir often shares the
 checkpoint filesystem): a spare file is made next to it while there is room, and holding renames
 it into place (a rename needs no new inode).
+
+Both names are in the run dir, which the job knows and can write: each is opened ``O_NOFOLLOW |
+O_NONBLOCK`` and used only when it is a regular file of one link (``_open_own``). A FIFO put there
+never blocks the watcher's thread on the open, and a symlink or a hard link never makes the probe
+write or truncate a file elsewhere (the agent's own state included): such a name is removed (the
+name only, never what it points to) and a fresh file made in its place; the disk verdict's reason
+says so, and the ``health`` event of the hold carries it.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import errno
 import json
 import os
+import stat
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import psutil
 
+from onbox.common.safepath import file_kind
 from onbox.common.size import human
 from onbox.health.config import DiskConfig
 from onbox.health.verdict import Action, Context, Reading, Verdict, ok, unknown
 
 PRUNE_EVERY = 60.0  # seconds between free_room requests while above prune_at
 GROWS_INTO = ("run", "ckpt")  # labels whose directory may not exist yet: read where it will be
+# A name opened this way is never followed (a symlink: ELOOP) and never waited on (a FIFO with no
+# reader: ENXIO, as a socket gives; with one, fstat tells). O_TRUNC is not used: a file is cut
+# only once fstat has shown it is the probe's own.
+_OWN = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+_NOT_OWN_ERRNOS = (errno.ELOOP, errno.ENXIO, errno.EISDIR)
+
+
+def _regular(path: str) -> bool:
+    """Whether ``path`` itself (never what a symlink there names) is a regular file."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
+
+
+def _open_own(path: str) -> Tuple[int, Optional[str]]:
+    """A write descriptor of the probe's own file ``path`` (made when missing), and what was found
+    under the name instead and replaced (None when nothing was). Raises OSError when the name
+    cannot be made a regular file of the probe's (a directory there, a name planted again)."""
+    try:
+        fd = os.open(path, _OWN, 0o600)
+    except OSError as e:
+        if e.errno not in _NOT_OWN_ERRNOS:
+            raise
+    else:
+        st = os.fstat(fd)
+        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1:
+            return fd, None
+        os.close(fd)
+    st = os.lstat(path)
+    kind = file_kind(st.st_mode) or f"a hard link ({st.st_nlink} names of one file)"
+    os.unlink(path)  # the name only: a symlink's target and a hard link's other names stay
+    return os.open(path, _OWN | os.O_EXCL, 0o600), f"{path} was {kind}: replaced by a fresh file"
 
 
 class Fs:
@@ -107,16 +151,31 @@ class DiskProbe:
         self.has_store = has_store
         self._pruned_at: Optional[float] = None  # when free_room was last asked, while above
         self._hold_error: Optional[str] = None
+        self._replaced: Optional[str] = None  # a name found not to be the probe's own file
         self._make_spare()
 
     # ---- the hold file
     def _make_spare(self) -> None:
         try:
-            if not os.path.exists(self.hold_file):
-                with open(self.spare, "a"):
-                    pass
+            if not os.path.lexists(self.hold_file):
+                os.close(self._own(self.spare))
         except OSError:  # no room even now: holding tries a fresh file instead
             pass
+
+    def _own(self, path: str) -> int:
+        """``_open_own``, with what it replaced kept for the next verdict's reason."""
+        fd, replaced = _open_own(path)
+        if replaced is not None:
+            self._replaced = replaced
+        return fd
+
+    def _write_own(self, path: str, doc: str) -> None:
+        fd = self._own(path)
+        try:
+            os.ftruncate(fd, 0)
+            os.write(fd, doc.encode())
+        finally:
+            os.close(fd)
 
     def held(self) -> bool:
         return os.path.exists(self.hold_file)
@@ -127,16 +186,15 @@ class DiskProbe:
         doc = json.dumps({"reason": why, "since": wall}) + "\n"
         self._hold_error = None
         try:
-            if os.path.exists(self.spare):
+            if os.path.lexists(self.spare):
                 try:
-                    with open(self.spare, "w") as f:
-                        f.write(doc)
+                    self._write_own(self.spare, doc)
                 except OSError:  # no byte left: an empty hold file still holds
                     pass
+            if _regular(self.spare):  # (not one replaced and then lost for want of an inode)
                 os.replace(self.spare, self.hold_file)
             else:
-                with open(self.hold_file, "w") as f:
-                    f.write(doc)
+                self._write_own(self.hold_file, doc)
         except OSError as e:
             self._hold_error = f"the hold file {self.hold_file} could not be made: {e}"
 
@@ -209,6 +267,13 @@ class DiskProbe:
             self._release()
 
     def _verdict(self, worst: Fs, filesystems: List[Fs], ctx: Context) -> Verdict:
+        v = self._verdict_of(worst, filesystems, ctx)
+        if self._replaced is not None:  # said in this tick's verdict (the hold's event), once
+            v = dataclasses.replace(v, reason=f"{v.reason}; {self._replaced}")
+            self._replaced = None
+        return v
+
+    def _verdict_of(self, worst: Fs, filesystems: List[Fs], ctx: Context) -> Verdict:
         data = {"filesystems": [fs.doc() for fs in filesystems], "hold": self.held()}
         if worst.worst >= self.cfg.warn_at:
             full = worst.worst >= self.cfg.hold_at

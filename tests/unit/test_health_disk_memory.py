@@ -11,16 +11,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from typing import Any, Iterator, List, Optional
+from typing import Any, Iterator, List, Optional, Tuple
 
 import psutil
 import pytest
 
-from onbox.health.config import DiskConfig, MemoryConfig
+from onbox.health.config import DiskConfig, HealthConfig, MemoryConfig
 from onbox.health.disk import DiskProbe
 from onbox.health.memory import MemoryProbe
 from onbox.health.verdict import Context, SealView
+from onbox.health.watcher import HealthWatcher
 from tests import mounts
 from tests.conftest import require
 from tests.polling import wait
@@ -158,6 +160,82 @@ def test_paths_missing_are_skipped_and_none_readable_is_unknown(tmp_path: Any) -
     r = probe.check(_ctx())
     assert r.verdict.level == "ok" and "cache.bytes_used" not in r.sample
     assert "run.bytes_used" in r.sample
+
+
+def _hold_now(tmp_path: Any) -> Tuple[DiskProbe, HealthWatcher, List[Tuple[str, str]], str]:
+    """A probe that holds at once (watermarks at 0) on tmp_path's filesystem, in a watcher whose
+    events are kept; and the hold file's path."""
+    hold = str(tmp_path / "checkpoint.hold")
+    cfg = DiskConfig(prune_at=0.0, warn_at=0.0, hold_at=0.0, scratch=1)
+    probe = DiskProbe(cfg, {"run": str(tmp_path)}, hold, False)
+    events: List[Tuple[str, str]] = []
+    watcher = HealthWatcher(
+        HealthConfig(), [probe], _ctx, lambda kind, reason, **kw: events.append((kind, reason))
+    )
+    return probe, watcher, events, hold
+
+
+def test_a_fifo_planted_as_the_spare_neither_blocks_the_watcher_nor_is_written(
+    tmp_path: Any,
+) -> None:
+    _, watcher, events, hold = _hold_now(tmp_path)
+    spare = hold + ".spare"
+    os.unlink(spare)
+    os.mkfifo(spare)  # what a job can do: the run dir is its to write
+    ticked = threading.Thread(target=watcher.tick, daemon=True)
+    ticked.start()
+    ticked.join(30)  # a bound on a hang, not a timing: the tick itself waits for nothing
+    if ticked.is_alive():  # blocked opening the FIFO for writing: a reader lets it go
+        os.close(os.open(spare, os.O_RDONLY | os.O_NONBLOCK))
+        ticked.join(60)
+        raise AssertionError("the disk probe blocked on a FIFO planted as its spare file")
+    assert os.path.isfile(hold) and not os.path.islink(hold)
+    with open(hold) as f:
+        assert json.load(f)["since"] > 0
+    [(kind, reason)] = events
+    assert kind == "health" and "held back" in reason
+    assert f"{spare} was a FIFO: replaced" in reason
+
+
+def test_a_symlink_or_hard_link_planted_as_a_probe_file_never_writes_elsewhere(
+    tmp_path: Any,
+) -> None:
+    probe, watcher, events, hold = _hold_now(tmp_path)
+    spare = hold + ".spare"
+    victim, other = tmp_path / "victim.txt", tmp_path / "state.json"
+    victim.write_text("precious\n")
+    other.write_text('{"state": "RUNNING"}\n')
+    os.unlink(spare)
+    os.symlink(victim, spare)
+    watcher.tick()
+    assert victim.read_text() == "precious\n"
+    assert os.path.isfile(hold) and not os.path.islink(hold)
+    assert f"{spare} was a symlink: replaced" in events[0][1]
+    # Released (the disk has room again), then held again through a hard link to another file
+    # (the agent's own state): that file keeps its bytes.
+    holding = probe.cfg
+    probe.cfg = DiskConfig(prune_at=1.0, warn_at=1.0, hold_at=1.0, scratch=1)
+    watcher.tick()
+    assert not os.path.lexists(hold) and os.path.isfile(spare)
+    os.unlink(spare)
+    os.link(other, spare)
+    probe.cfg = holding
+    watcher.tick()
+    assert other.read_text() == '{"state": "RUNNING"}\n'
+    assert os.stat(hold).st_nlink == 1 and not os.path.samefile(hold, other)
+    assert f"{spare} was a hard link (2 names of one file): replaced" in events[-1][1]
+    # And with no spare, the hold file itself planted as a symlink to where a file would be made.
+    probe.cfg = DiskConfig(prune_at=1.0, warn_at=1.0, hold_at=1.0, scratch=1)
+    watcher.tick()
+    os.unlink(spare)
+    elsewhere = tmp_path / "elsewhere"
+    os.symlink(elsewhere, hold)
+    probe.cfg = holding
+    watcher.tick()
+    assert not os.path.lexists(elsewhere) and not os.path.islink(hold)
+    with open(hold) as f:
+        assert json.load(f)["since"] > 0  # the probe's own JSON: why, since when
+    assert f"{hold} was a symlink: replaced" in events[-1][1]
 
 
 # ---- memory

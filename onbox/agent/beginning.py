@@ -29,11 +29,13 @@ class Interrupted(BaseException):
 
 def tell_interrupted(event: Callable[..., None], signum: int) -> None:
     """The ``restore_interrupted`` event: the beginning stopped; the agent ends the run as the
-    signal asks, before any attempt."""
+    signal asks, before any attempt. The signal may come mid-restore or just as the restore
+    completed (a ``restored`` event before this one): the words hold for both."""
     event(
         "restore_interrupted",
         f"{signal.Signals(signum).name} while the agent took its epoch and restored from the "
-        "store: the restore stopped, nothing of it is in place unverified",
+        "store, before its first attempt: it went no further and the job did not start; a "
+        "checkpoint is in place only once restored whole and verified",
         klass="transient",
         remedy="start the run again (a power-on does: `rgt-agent boot`); it restores afresh",
     )

@@ -7,11 +7,17 @@ This is the chokepoint for what rgt writes into the run directory: every state d
 and agent.log line passes through the box's redactor (onbox/common/redact.py) on its way to the
 file,
 so a secret in an exit reason (the job's exception message, its last output lines) is masked.
+
+Test seam: with ``$RGT_TEST_STOP_AFTER_EVENT`` set to an event kind, the process that writes that
+event stops itself (SIGSTOP) right after it, so a test can signal it at that exact point (the
+restore just complete, before the first attempt) and then SIGCONT it; never set in use.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 
 from onbox.common import jsondoc, redact
@@ -22,6 +28,7 @@ if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
     from typing import Any, Dict, List, Optional
 
 CLASSES = ("transient", "permanent", "integrity", "usage")
+STOP_AFTER_EVENT = "RGT_TEST_STOP_AFTER_EVENT"
 
 
 def iso(t: float) -> str:
@@ -73,6 +80,8 @@ class FileJournal:
         if self.log_path:
             reason, remedy = ev["reason"], ev["remedy"]
             log(self.log_path, f"{kind}: {reason}" + (f" [{remedy}]" if remedy else ""))
+        if os.environ.get(STOP_AFTER_EVENT) == kind:  # the test seam (module docstring)
+            os.kill(os.getpid(), signal.SIGSTOP)
 
 
 class MemoryJournal:

@@ -29,6 +29,7 @@ from typing import Any, Dict, List
 import pytest
 
 from onbox.agent import procfs
+from onbox.agent.journal import STOP_AFTER_EVENT
 from onbox.common.errors import FINAL_EXIT_CODES
 from onbox.sealing import fetch
 from onbox.sealing.epochs import take_epoch
@@ -309,3 +310,67 @@ def test_a_sigterm_stops_the_restore_of_one_large_file_part_way(cli: Cli, tmp_pa
     assert most <= COPY_CHUNK, f"{most} bytes: the stopped restore copied a further piece"
     assert not os.path.exists(os.path.join(ckpt, f"step_{STEP}.pt"))
     assert glob.glob(os.path.join(ckpt, STAGE_PREFIX + "*", "0")) == []
+
+
+def _seal_small(root: str, tmp_path: Any) -> None:
+    """One small directory checkpoint at step STEP, sealed by the real Sealer."""
+    ckpt = str(tmp_path / "old-box-ckpt")
+    os.makedirs(os.path.join(ckpt, f"ckpt_{STEP}"))
+    with open(os.path.join(ckpt, f"ckpt_{STEP}", "weights.bin"), "wb") as f:
+        f.write(os.urandom(4096))
+    with open(os.path.join(ckpt, f"ckpt_{STEP}", ".rgt-complete"), "w") as f:
+        json.dump({"step": STEP}, f)
+    _seal_old_box(open_store("file://" + root), ckpt, tmp_path)
+
+
+@pytest.mark.parametrize("sig, final_state", [("SIGTERM", "PREEMPTED"), ("SIGINT", "STOPPED")])
+def test_a_signal_just_as_the_restore_completes_ends_the_run_as_one_mid_restore_does(
+    cli: Cli, tmp_path: Any, sig: str, final_state: str
+) -> None:
+    """The signal lands at the exact moment the restore is complete (the checkpoint verified
+    and in place, its `restored` event written) and the job not started: the agent stops
+    itself there (the journal's test seam) and the signal is sent while it is stopped. A
+    SIGTERM is a preemption (PREEMPTED: the run resumes on the next box or power-on), a
+    SIGINT a stop (STOPPED), as mid-restore; the events do not say the restore was cut."""
+    root = str(tmp_path / "durable")
+    os.makedirs(root)
+    _seal_small(root, tmp_path)
+    url = "file://" + root
+    start = subprocess.Popen(
+        [*agent_exe(), "start", "--name", RUN, "--store", url, "--", *JOB],
+        env=dict(cli.env, **{STOP_AFTER_EVENT: "restored"}),
+        cwd=cli.home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        agent = _child_of(start.pid, time.monotonic() + 60)
+        _stopped(agent)  # after its `restored` event, by itself
+        assert [e["kind"] for e in cli.events(RUN)][-1] == "restored"
+        os.kill(agent, signal.Signals[sig])  # delivered at SIGCONT: no later, no sooner
+        os.kill(agent, signal.SIGCONT)
+        out, err = start.communicate(timeout=60)
+    finally:
+        if start.poll() is None:
+            start.kill()
+            start.wait()
+    assert start.returncode == FINAL_EXIT_CODES[final_state], (out, err)
+    assert f"run {RUN} did not start" in err and final_state in err, err
+    st = cli.wait_over(RUN, final_state, timeout=60)
+    assert st["attempt"] == 0, st
+    events = cli.events(RUN)
+    kinds = [e["kind"] for e in events]
+    assert kinds.index("restored") < kinds.index("restore_interrupted"), kinds
+    (cut,) = [e for e in events if e["kind"] == "restore_interrupted"]
+    assert sig in cut["reason"] and "the job did not start" in cut["reason"], cut
+    assert "the restore stopped" not in cut["reason"], cut  # it had completed
+    assert (sig == "SIGTERM") == ("preempt" in kinds), kinds
+    assert [e["state"] for e in events if e["kind"] == "state"] == [final_state], events
+    attempts = os.path.join(cli.home, "runs", RUN, "attempts")
+    assert not os.path.isdir(attempts) or not os.listdir(attempts)  # the job never ran
+    # The next start resumes from the checkpoint that restore put in place.
+    cli("start", "--name", RUN, "--store", url, "--", *JOB, check=True, timeout=120)
+    cli.wait_over(RUN, "SUCCEEDED", timeout=120)
+    final = os.path.join(cli.home, "runs", RUN, "ckpt", f"ckpt_{STEP}")
+    assert f"resume={final}" in cli("logs", RUN, check=True).stdout

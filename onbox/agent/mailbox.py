@@ -4,6 +4,7 @@ wait for the answer; with no agent, the same work done from here, as the run's w
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import time
@@ -52,7 +53,7 @@ def _ask_to_stop(rd: RunDir, grace: Optional[float], deadline: float) -> None:
                 continue  # an agent just came up (a shim restarting it): ask that one
             # No agent: this command does the stop itself, with the same machine (imported
             # only here, so that `rgt-agent status` and friends start without the supervisor).
-            from onbox.agent.leftovers import end_leftovers
+            from onbox.agent.leftovers import end_found_leftovers
             from onbox.agent.loop import Agent
 
             agent = Agent(rd, lock)
@@ -63,10 +64,12 @@ def _ask_to_stop(rd: RunDir, grace: Optional[float], deadline: float) -> None:
             # it ended them): they end as that agent would have ended them.
             n = agent.sup.attempt
             agent.runner.adopt(n)
-            why = f"processes of attempt {n} outlived the run; stopping them"
-            end_leftovers(agent.runner, agent.journal.event, why)
-            agent.runner.close()
-            lock.release()
+            try:  # a Ctrl-C here raises StopFailed with what is left (onbox/agent/leftovers.py)
+                left = functools.partial(observe.tagged_alive, rd, n)
+                end_found_leftovers(rd.name, n, agent.runner, agent.journal.event, left)
+            finally:
+                agent.runner.close()
+                lock.release()
             return
         if time.monotonic() > deadline:
             raise StopFailed(f"the agent of {rd.name!r} does not answer", f"see {rd.agent_log}")

@@ -20,6 +20,8 @@ import pytest
 
 from onbox.agent import procfs
 from onbox.agent.daemon import TAG_VAR
+from onbox.agent.journal import STOP_AFTER_EVENT
+from onbox.common.errors import StopFailed
 from tests import mounts
 from tests.conftest import ROOT, Cli, agent_exe, fixture, require
 
@@ -288,10 +290,9 @@ while not os.path.exists(os.path.join(run, "go")):
 """
 
 
-def test_stop_of_a_run_already_over_ends_what_its_last_attempt_left(cli: Cli) -> None:
-    """The run SUCCEEDED and its agent was killed while it ended the attempt's leftovers (an OOM
-    kill, a person's kill -9): a child of the job lives on, holding what it holds. `rgt-agent
-    stop` said "already SUCCEEDED" and left it; it now ends it, as the agent would have."""
+def _over_with_a_child_left(cli: Cli) -> procfs.Identity:
+    """Run "lo" SUCCEEDED, its agent killed while it ended the attempt's leftovers (an OOM kill,
+    a person's kill -9): the job's child that ignores SIGTERM lives on. Its identity."""
     run_dir = os.path.join(cli.home, "runs", "lo")
     # The agent holds after its SIGTERM to the leftovers (onbox/common/faults.py) instead of
     # waiting LEFTOVER_GRACE: the SIGKILL below lands before its own, on any machine.
@@ -315,6 +316,13 @@ def test_stop_of_a_run_already_over_ends_what_its_last_attempt_left(cli: Cli) ->
     _wait_gone([agent])
     st = cli.status("lo")
     assert st["state"] == "SUCCEEDED" and not st["agent"]["alive"] and procfs.is_alive(child)
+    return child
+
+
+def test_stop_of_a_run_already_over_ends_what_its_last_attempt_left(cli: Cli) -> None:
+    """`rgt-agent stop` of a run over with a child of its job alive said "already SUCCEEDED"
+    and left it, holding what it holds; it now ends it, as the agent would have."""
+    child = _over_with_a_child_left(cli)
     p = cli("stop", "lo", check=True)
     assert not procfs.is_alive(child), p.stdout
     assert "SUCCEEDED" in p.stdout and "no process of attempt 1 remains" in p.stdout, p.stdout
@@ -322,6 +330,43 @@ def test_stop_of_a_run_already_over_ends_what_its_last_attempt_left(cli: Cli) ->
     assert [e["kind"] for e in cli.events("lo")].count("leftovers") == 2
     # With nothing left, a stop says so and does nothing.
     assert "already SUCCEEDED" in cli("stop", "lo", check=True).stdout
+
+
+def test_ctrl_c_ends_the_wait_of_a_stop_ending_leftovers_and_says_what_is_left(cli: Cli) -> None:
+    """A Ctrl-C to `rgt-agent stop` while it ends what an ended run left was swallowed: the
+    command went on to SIGKILL and returned ~15 s later. It now stops at once with what was
+    sent, what is alive and how to finish; the run stays SUCCEEDED and a second stop ends
+    the child. The SIGINT lands at an exact point: the command stops itself right after its
+    `leftovers` event (the journal's test seam) and is signalled while stopped."""
+    child = _over_with_a_child_left(cli)
+    stop = subprocess.Popen(
+        [*agent_exe(), "stop", "lo"],
+        env=dict(cli.env, **{STOP_AFTER_EVENT: "leftovers"}),
+        cwd=cli.home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while (st := procfs.read_stat(stop.pid)) is not None and st.state not in "TtZX":
+            assert time.monotonic() < deadline, "the stop never reached its leftovers event"
+            time.sleep(0.01)
+        os.kill(stop.pid, signal.SIGINT)  # delivered at SIGCONT, before any SIGTERM is sent
+        os.kill(stop.pid, signal.SIGCONT)
+        out, err = stop.communicate(timeout=60)
+    finally:
+        if stop.poll() is None:
+            stop.kill()
+            stop.wait()
+    assert procfs.is_alive(child), "the stop went on to SIGKILL the child after the Ctrl-C"
+    assert stop.returncode == StopFailed.exit_code, (out, err)
+    assert "interrupted (SIGINT)" in err and "no signal sent to them yet" in err, err
+    assert f"still alive: pid {child.pid}" in err and "rgt-agent stop lo" in err, err
+    assert cli.status("lo")["state"] == "SUCCEEDED" and not cli.peek("lo")["agent"]["alive"]
+    p = cli("stop", "lo", check=True)
+    assert not procfs.is_alive(child), p.stdout
+    assert "no process of attempt 1 remains" in p.stdout, p.stdout
 
 
 def test_stop_gives_the_job_its_grace_before_sigkill(cli: Cli) -> None:

@@ -49,6 +49,7 @@ from controller.deploy.probe import Probed
 from controller.deploy.project import project_files, release_id
 from controller.deploy.release import PushResult, push_release, switch_current
 from controller.deploy.request import DeployRequest, Plan, check_on_done, check_request
+from controller.deploy.startfail import start_failed
 from controller.deploy.wheel import AgentWheel, agent_wheel
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, box_int, open_remote
@@ -60,7 +61,6 @@ from onbox.common.errors import (
     LockedError,
     NotFound,
     RemoteUnreachable,
-    RgtError,
 )
 from onbox.common.rundir import profiles_dir
 from onbox.profiles.load import SHIPPED_DIR
@@ -337,11 +337,8 @@ def _start(
         # the run, so that `rgt status` finds it and the next deploy sees it live.
         registry.put(rec)
         raise
-    if r.rc != 0:
-        raise RgtError(
-            f"rgt-agent start failed on {plan.target.label} (exit {r.rc}): "
-            f"{(r.err or r.text).strip()}"
-        )
+    if r.rc != 0:  # a preemption during the restore is said as such (startfail.py)
+        raise start_failed(plan.target.label, plan.name, r.rc, r.err or r.text)
 
 
 def _agent_args(verb: str, plan: Plan, store: Optional[str], tail: bool = True) -> List[str]:

@@ -259,12 +259,24 @@ def _start(rd: RunDir, say: Callable[[str], None]) -> int:
     finally:
         if not _agent_took(rd):
             _unmark(mark)
-    lines = p.stdout.strip().splitlines()
-    said = [ln for ln in lines if ln.startswith(("started", "re-attached", "run "))]
-    say(f"rgt-agent boot: {rd.name}: " + ((said or lines or ["(no output)"])[0]))
-    if p.returncode != 0:
-        say(p.stderr.strip())
+    say(f"rgt-agent boot: {rd.name}: {_outcome(p.returncode, p.stdout, p.stderr)}")
     return 1 if p.returncode == 0 else 0
+
+
+def _outcome(code: int, out: str, err: str) -> str:
+    """What `rgt-agent start` did, in one line (its first line saying so): started or
+    re-attached; else its error (the ``rgt:`` line: for a run preempted or stopped during its
+    restore, onbox/agent/detach.py ``NotStarted`` says so and what to do), then whatever else
+    it printed on stderr (its warnings), on lines of their own."""
+    if code == 0:
+        lines = out.strip().splitlines()
+        said = [ln for ln in lines if ln.startswith(("started", "re-attached", "run "))]
+        return (said or lines or ["started (`rgt-agent start` printed nothing)"])[0]
+    lines = err.strip().splitlines()
+    errors = [ln for ln in lines if ln.startswith("rgt: ")]
+    why = errors[-1][len("rgt: ") :] if errors else f"`rgt-agent start` failed (exit {code})"
+    rest = [ln for ln in lines if not errors or ln != errors[-1]]
+    return "\n".join([f"not started: {why}", *rest])
 
 
 def _agent_took(rd: RunDir) -> bool:

@@ -28,6 +28,7 @@ from typing import Any, Dict, List
 
 import pytest
 
+from controller.deploy.startfail import start_failed
 from onbox.agent import procfs
 from onbox.agent.journal import STOP_AFTER_EVENT
 from onbox.common.errors import FINAL_EXIT_CODES
@@ -374,3 +375,76 @@ def test_a_signal_just_as_the_restore_completes_ends_the_run_as_one_mid_restore_
     cli.wait_over(RUN, "SUCCEEDED", timeout=120)
     final = os.path.join(cli.home, "runs", RUN, "ckpt", f"ckpt_{STEP}")
     assert f"resume={final}" in cli("logs", RUN, check=True).stdout
+
+
+def _agent_of(home: str, deadline: float) -> int:
+    """The pid of the agent of a run under ``home`` (``python -m onbox.agent.loop``)."""
+    while time.monotonic() < deadline:
+        for pid in procfs.pids():
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().split(b"\0")
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    env = f.read().split(b"\0")
+            except OSError:
+                continue
+            if b"onbox.agent.loop" in cmd and f"RGT_HOME={home}".encode() in env:
+                return pid
+        time.sleep(0.01)
+    raise AssertionError("no agent came up")
+
+
+def _preempt_at_epoch(argv: List[str], cli: Cli) -> subprocess.CompletedProcess[str]:
+    """Run ``argv`` (a `start` or a `boot`), SIGTERM its agent right after it took its epoch
+    (the journal's seam: it stops itself there), before its restore; what ``argv`` printed."""
+    p = subprocess.Popen(
+        argv,
+        env=dict(cli.env, **{STOP_AFTER_EVENT: "epoch"}),
+        cwd=cli.home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        agent = _agent_of(cli.home, time.monotonic() + 60)
+        _stopped(agent)
+        os.kill(agent, signal.SIGTERM)
+        os.kill(agent, signal.SIGCONT)
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    return subprocess.CompletedProcess(argv, p.returncode, out, err)
+
+
+def test_a_run_preempted_in_its_restore_is_said_so_by_boot_and_by_the_laptop(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """`rgt-agent boot` of such a run said "(no output)" (or the store's first line) for it, and
+    the laptop's deploy "rgt-agent start failed (exit 13)": both now say the run did not start
+    because of a preemption during its restore, and what to do."""
+    root = str(tmp_path / "durable")
+    os.makedirs(root)
+    _seal_small(root, tmp_path)
+    start = [*agent_exe(), "start", "--name", RUN, "--store", "file://" + root, "--", *JOB]
+    first = _preempt_at_epoch(start, cli)
+    assert first.returncode == FINAL_EXIT_CODES["PREEMPTED"], first
+    cli.wait_over(RUN, "PREEMPTED", timeout=60)
+    # The laptop's deploy, given what that real `rgt-agent start` printed and exited with.
+    e = start_failed("box1", RUN, first.returncode, first.stderr)
+    assert e.exit_code == FINAL_EXIT_CODES["PREEMPTED"] and "failed" not in e.what, e.line()
+    assert f"run {RUN} did not start on box1: the box was preempted" in e.what, e.line()
+    assert "restored" in e.what and "PREEMPTED" in e.what and "`rgt run` again" in (e.remedy or "")
+    # A power-on: `boot` starts it again, and it is preempted in its restore once more.
+    with open(os.path.join(cli.home, "boot_id"), "w") as f:
+        f.write("a-boot-before\n")
+    boot = _preempt_at_epoch([*agent_exe(), "boot"], cli)
+    first_line = boot.stdout.splitlines()[0]
+    assert first_line.startswith(
+        f"rgt-agent boot: {RUN}: not started: run {RUN} did not start: "
+        "a SIGTERM (a preemption) came"
+    ), boot.stdout
+    assert "PREEMPTED" in first_line and "rgt-agent boot" in first_line, boot.stdout
+    assert "(no output)" not in boot.stdout + boot.stderr, boot
+    assert cli.wait_over(RUN, "PREEMPTED", timeout=60)["attempt"] == 0

@@ -8,27 +8,23 @@ and agent.log line passes through the box's redactor (onbox/common/redact.py) on
 file,
 so a secret in an exit reason (the job's exception message, its last output lines) is masked.
 
-Test seam: with ``$RGT_TEST_STOP_AFTER_EVENT`` set to an event kind, the process that writes that
-event stops itself (SIGSTOP) right after it, so a test can signal it at that exact point (the
-restore just complete, before the first attempt) and then SIGCONT it; never set in use.
+Each event written is a stop point for tests (onbox/common/faults.py ``stop_after_event``).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 
 from onbox.common import jsondoc, redact
 from onbox.common.durable import append_line, write_json
+from onbox.common.faults import stop_after_event
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
     from typing import Any, Dict, List, Optional
 
 CLASSES = ("transient", "permanent", "integrity", "usage")
-STOP_AFTER_EVENT = "RGT_TEST_STOP_AFTER_EVENT"
 
 
 def iso(t: float) -> str:
@@ -80,8 +76,7 @@ class FileJournal:
         if self.log_path:
             reason, remedy = ev["reason"], ev["remedy"]
             log(self.log_path, f"{kind}: {reason}" + (f" [{remedy}]" if remedy else ""))
-        if os.environ.get(STOP_AFTER_EVENT) == kind:  # the test seam (module docstring)
-            os.kill(os.getpid(), signal.SIGSTOP)
+        stop_after_event(kind)
 
 
 class MemoryJournal:

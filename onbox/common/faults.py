@@ -13,17 +13,23 @@ for it rather than race it: with ``RGT_HOLD_AT=NAME`` the calling thread waits t
 signal, a SIGKILL) lands at that point on any machine, under any load. Unset, the call is one
 dictionary lookup and does nothing.
 
+Stop points: with ``RGT_TEST_STOP_AFTER_EVENT=KIND`` the process that writes an event of that
+kind (onbox/agent/journal.py) stops itself (SIGSTOP) right after it, so that a test can queue a
+signal at that exact point (the restore just complete, before the first attempt) and SIGCONT it.
+
 Standard library only: the agent and the shim may both import it.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Callable
 
 ENV = "RGT_CRASH_AT"
 HOLD_ENV = "RGT_HOLD_AT"
+STOP_AFTER_EVENT = "RGT_TEST_STOP_AFTER_EVENT"
 
 # The named points, so that a test can loop over every step of a protocol and a typo in a
 # test is an error rather than a scenario that silently never crashes.
@@ -77,3 +83,10 @@ def hold_point(name: str, until: Callable[[], bool] = lambda: False) -> None:
     deadline = time.monotonic() + HOLD_FOR
     while not until() and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+def stop_after_event(kind: str) -> None:
+    """SIGSTOP this process when ``RGT_TEST_STOP_AFTER_EVENT`` names ``kind`` (an event just
+    written); otherwise return at once."""
+    if os.environ.get(STOP_AFTER_EVENT) == kind:
+        os.kill(os.getpid(), signal.SIGSTOP)

@@ -20,8 +20,8 @@ import pytest
 
 from onbox.agent import procfs
 from onbox.agent.daemon import TAG_VAR
-from onbox.agent.journal import STOP_AFTER_EVENT
 from onbox.common.errors import StopFailed
+from onbox.common.faults import STOP_AFTER_EVENT
 from tests import mounts
 from tests.conftest import ROOT, Cli, agent_exe, fixture, require
 

@@ -30,8 +30,8 @@ import pytest
 
 from controller.deploy.startfail import start_failed
 from onbox.agent import procfs
-from onbox.agent.journal import STOP_AFTER_EVENT
 from onbox.common.errors import FINAL_EXIT_CODES
+from onbox.common.faults import STOP_AFTER_EVENT
 from onbox.sealing import fetch
 from onbox.sealing.epochs import take_epoch
 from onbox.sealing.fetch import STAGE_PREFIX
@@ -91,6 +91,15 @@ def _child_of(parent: int, deadline: float) -> int:
                 return pid
         time.sleep(0.01)
     raise AssertionError("`rgt-agent start` spawned no agent")
+
+
+def _stopped(pid: int) -> None:
+    """Until ``pid`` is stopped (or gone)."""
+    while True:
+        st = procfs.read_stat(pid)
+        if st is None or st.state in ("T", "t", "Z", "X"):
+            return
+        time.sleep(0.001)
 
 
 def _wait_mid_restore(ckpt: str, deadline: float) -> None:

@@ -23,6 +23,7 @@ from onbox.agent.classify import (
 )
 from onbox.agent.journal import iso
 from onbox.agent.leftovers import LEFTOVER_GRACE
+from onbox.agent.restarts import crash_loop, not_restarted, with_tail
 from onbox.agent.seams import Clock, Hooks, Journal, Runner
 from onbox.agent.spec import JobSpec, preempt_kill_delay
 from onbox.agent.states import ACTIVE, TERMINAL, State, can_transition
@@ -30,7 +31,6 @@ from onbox.agent.states import ACTIVE, TERMINAL, State, can_transition
 # How often to look for processes while waiting for an attempt's processes to vanish.
 REAP_POLL = 0.05
 GATE_POLL = 0.5  # how often a start held by the start gate asks it again
-TAIL_LINES = 8
 
 
 class Supervisor:
@@ -274,36 +274,25 @@ class Supervisor:
         quick = self._attempt_started is not None and (
             now - self._attempt_started < self.policy.start_grace
         )
-        failure = None
-        if verdict.kind == Kind.HEALTH:
-            failure = verdict.reason
-        elif verdict.deterministic:
-            failure = f"{verdict.reason} (deterministic: not retried)"
-        elif verdict.kind == Kind.CUDA_OOM and verdict.step == self.last_cuda_oom_step:
-            at = f" at step {verdict.step}" if verdict.step is not None else ""
-            failure = f"CUDA out of memory again{at} (deterministic: not retried)"
-        elif verdict.budget == Budget.ERROR and (
-            self.error_restarts >= self.policy.max_error_restarts
-        ):
-            failure = (
-                f"{verdict.reason}; error restart budget spent "
-                f"({self.error_restarts}/{self.policy.max_error_restarts})"
-            )
-        elif verdict.budget == Budget.PREEMPT and (
-            self.preempt_restarts >= self.policy.max_preempt_restarts
-        ):
-            failure = (
-                f"{verdict.reason}; preemption restart budget spent "
-                f"({self.preempt_restarts}/{self.policy.max_preempt_restarts})"
-            )
+        failure = not_restarted(
+            verdict,
+            self.policy,
+            last_cuda_oom_step=self.last_cuda_oom_step,
+            error_used=self.error_restarts,
+            preempt_used=self.preempt_restarts,
+        )
         if verdict.kind == Kind.CUDA_OOM:
             self.last_cuda_oom_step = verdict.step
-        if failure is None and verdict.budget == Budget.ERROR:
-            failure = self._stuck(verdict)
+        if failure is None and verdict.budget == Budget.ERROR and self.spec.store is not None:
+            self.stuck_restarts, failure = crash_loop(
+                verdict,
+                self.policy.max_stuck_restarts,
+                self.hooks.sealed_step,
+                self.sealed_at_start,
+                self.stuck_restarts,
+            )
         if failure is not None:
-            lines = [ln for ln in tail.splitlines() if ln.strip()][-TAIL_LINES:]
-            if lines:
-                failure += " | last output: " + " / ".join(ln.strip() for ln in lines)
+            failure = with_tail(failure, tail)
             if self.last_exit is not None:
                 self.last_exit["reason"] = failure
             self._change(
@@ -326,25 +315,6 @@ class Supervisor:
             f"{used}): {verdict.reason}",
             klass=verdict.klass or None,
             remedy=verdict.remedy,
-        )
-
-    def _stuck(self, verdict: Verdict) -> Optional[str]:
-        """The crash-loop rule for an error end: None to restart, else why the run stops."""
-        limit = self.policy.max_stuck_restarts
-        if not limit or self.spec.store is None:
-            return None
-        now = self.hooks.sealed_step()
-        was = self.sealed_at_start
-        if now is not None and (was is None or now > was):
-            self.stuck_restarts = 0
-            return None
-        self.stuck_restarts += 1
-        if self.stuck_restarts <= limit:
-            return None
-        at = f"step {now}" if now is not None else "nothing sealed"
-        return (
-            f"crash loop: {self.stuck_restarts - 1} restarts in a row and the sealed checkpoint "
-            f"did not advance ({at}); last end: {verdict.reason}"
         )
 
     def kill_attempt(

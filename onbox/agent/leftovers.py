@@ -7,6 +7,10 @@ the kernel). ``rgt-agent stop`` of such a run ends them too (onbox/agent/mailbox
 ``end_found_leftovers``) rather than saying "already STOPPED" over a job that still holds the GPU;
 a person's Ctrl-C (or a SIGTERM) to that command ends its waiting at once, saying what was sent,
 what is still alive and how to finish, and leaves the run as it ended.
+
+While the run goes on, what an ended attempt left alive is ended before the next one starts
+(``Reaper``, which the state machine asks on each tick in BACKOFF): the same SIGTERM, then
+SIGKILL after LEFTOVER_GRACE, without blocking the machine.
 """
 
 from __future__ import annotations
@@ -116,3 +120,31 @@ def end_found_leftovers(
             if left
             else "nothing to do: the run stays as it ended",
         ) from None
+
+
+class Reaper:
+    """Ends what is left of an ended attempt before the next one starts (the supervisor's
+    BACKOFF): SIGTERM once, SIGKILL from ``kill_at`` on, one step per ``reaping`` call."""
+
+    def __init__(self, runner: Runner, event: Event) -> None:
+        self.runner = runner
+        self.event = event
+        self.kill_at: Optional[float] = None  # when SIGKILL follows; None until SIGTERM is sent
+
+    def reaping(self, now: float, attempt: int) -> bool:
+        """Kill what is left of ``attempt``; True while something is."""
+        if not self.runner.alive():
+            self.kill_at = None
+            return False
+        if self.kill_at is None:
+            self.event(
+                "leftovers",
+                f"processes of attempt {attempt} outlived it; stopping them before the next start",
+                klass="transient",
+                remedy="make the job's children exit with it",
+            )
+            self.runner.signal(signal.SIGTERM)
+            self.kill_at = now + LEFTOVER_GRACE
+        elif now >= self.kill_at:
+            self.runner.signal(signal.SIGKILL)
+        return True

@@ -22,7 +22,7 @@ from onbox.agent.classify import (
     ended_by_stop,
 )
 from onbox.agent.journal import iso
-from onbox.agent.leftovers import LEFTOVER_GRACE
+from onbox.agent.leftovers import Reaper
 from onbox.agent.restarts import crash_loop, not_restarted, with_tail
 from onbox.agent.seams import Clock, Hooks, Journal, Runner
 from onbox.agent.spec import JobSpec, preempt_kill_delay
@@ -74,7 +74,7 @@ class Supervisor:
         self._backoff_until = self._mono(d.get("backoff_until_ts"))
         self._kill_at = self._mono(self.stop.get("kill_at_ts") if self.stop else None)
         self._deadline = self._mono(self.stop.get("deadline_ts") if self.stop else None)
-        self._leftover_kill_at: Optional[float] = None
+        self.leftovers = Reaper(runner, journal.event)  # what an ended attempt left alive
         # An end the agent asked for on a probe's word (kill_attempt): what it was for.
         self.kill: Optional[Dict[str, Any]] = d.get("kill")
         self._kill_attempt_at = self._mono(self.kill.get("kill_at_ts") if self.kill else None)
@@ -210,7 +210,7 @@ class Supervisor:
         self.oom_before = self.runner.oom_kills()
         self.exit_seen = False
         self.pid = None
-        self._leftover_kill_at = None
+        self.leftovers.kill_at = None
         self.kill = None
         self._kill_attempt_at = None
         self.sealed_at_start = self.hooks.sealed_step()
@@ -401,7 +401,7 @@ class Supervisor:
                 self.quick_failures = 0
                 self._change(State.RUNNING, f"attempt {self.attempt} running")
         elif self.state == State.BACKOFF:
-            if self._reaping(now):
+            if self.leftovers.reaping(now, self.attempt):
                 return
             if self._backoff_until is None or now >= self._backoff_until:
                 self._gate_held = not self.start_gate()
@@ -419,25 +419,6 @@ class Supervisor:
                 final = State.PREEMPTED if reason == "preempt" else State.STOPPED
                 self._change(final, f"{reason}: every process of attempt {self.attempt} is gone")
 
-    def _reaping(self, now: float) -> bool:
-        """Kill what is left of an ended attempt; True while something is."""
-        if not self.runner.alive():
-            self._leftover_kill_at = None
-            return False
-        if self._leftover_kill_at is None:
-            self.journal.event(
-                "leftovers",
-                f"processes of attempt {self.attempt} outlived it; "
-                "stopping them before the next start",
-                klass="transient",
-                remedy="make the job's children exit with it",
-            )
-            self.runner.signal(signal.SIGTERM)
-            self._leftover_kill_at = now + LEFTOVER_GRACE
-        elif now >= self._leftover_kill_at:
-            self.runner.signal(signal.SIGKILL)
-        return True
-
     def next_wakeup(self) -> Optional[float]:
         """Seconds until the machine needs a ``tick``; None when only an exit can move it."""
         now = self.clock.monotonic()
@@ -446,7 +427,7 @@ class Supervisor:
         if self.state == State.STARTING and self._attempt_started is not None:
             return max(0.0, self._attempt_started + self.policy.start_grace - now)
         if self.state == State.BACKOFF:
-            if self._leftover_kill_at is not None:
+            if self.leftovers.kill_at is not None:
                 return REAP_POLL
             if self._gate_held:
                 return GATE_POLL

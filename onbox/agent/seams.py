@@ -34,6 +34,17 @@ class RealClock:
         return time.time()
 
 
+# Deadlines are monotonic in memory and wall-clock on disk (an agent started again converts).
+def to_mono(clock: Clock, wall: Optional[float]) -> Optional[float]:
+    """A wall-clock time (as state.json keeps it) on ``clock``'s monotonic scale."""
+    return None if wall is None else clock.monotonic() + (wall - clock.time())
+
+
+def to_wall(clock: Clock, mono: Optional[float]) -> Optional[float]:
+    """A monotonic deadline of ``clock`` as a wall-clock time, for state.json."""
+    return None if mono is None else clock.time() + (mono - clock.monotonic())
+
+
 class Runner(Protocol):
     """The supervisor's hands: processes of the current attempt."""
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 from typing import Any, Callable, Dict, Optional
 
+from onbox.agent.attemptkill import AttemptKill
 from onbox.agent.classify import (
     Budget,
     ExitStatus,
@@ -24,7 +25,7 @@ from onbox.agent.classify import (
 from onbox.agent.journal import iso
 from onbox.agent.leftovers import Reaper
 from onbox.agent.restarts import crash_loop, not_restarted, with_tail
-from onbox.agent.seams import Clock, Hooks, Journal, Runner
+from onbox.agent.seams import Clock, Hooks, Journal, Runner, to_mono, to_wall
 from onbox.agent.spec import JobSpec, preempt_kill_delay
 from onbox.agent.states import ACTIVE, TERMINAL, State, can_transition
 
@@ -70,14 +71,13 @@ class Supervisor:
         self.exit_seen: bool = d.get("exit_seen", True)
         self.stop: Optional[Dict[str, Any]] = d.get("stop")
         # Deadlines are monotonic in memory and wall-clock on disk (a restarted agent converts).
-        self._attempt_started = self._mono(d.get("attempt_started_ts"))
-        self._backoff_until = self._mono(d.get("backoff_until_ts"))
-        self._kill_at = self._mono(self.stop.get("kill_at_ts") if self.stop else None)
-        self._deadline = self._mono(self.stop.get("deadline_ts") if self.stop else None)
+        self._attempt_started = to_mono(self.clock, d.get("attempt_started_ts"))
+        self._backoff_until = to_mono(self.clock, d.get("backoff_until_ts"))
+        self._kill_at = to_mono(self.clock, self.stop.get("kill_at_ts") if self.stop else None)
+        self._deadline = to_mono(self.clock, self.stop.get("deadline_ts") if self.stop else None)
         self.leftovers = Reaper(runner, journal.event)  # what an ended attempt left alive
         # An end the agent asked for on a probe's word (kill_attempt): what it was for.
-        self.kill: Optional[Dict[str, Any]] = d.get("kill")
-        self._kill_attempt_at = self._mono(self.kill.get("kill_at_ts") if self.kill else None)
+        self.kill = AttemptKill(spec, runner, clock, journal, d.get("kill"))
         # The crash-loop rule: LATEST when the attempt started, and how many error ends in a
         # row did not move it.
         self.sealed_at_start: Optional[int] = d.get("sealed_at_start")
@@ -86,13 +86,6 @@ class Supervisor:
         # attempt's GPU memory to be released); asked in BACKOFF once nothing is left alive.
         self.start_gate: Callable[[], bool] = lambda: True
         self._gate_held = False
-
-    # ---- time helpers (deadlines are monotonic in memory, wall-clock on disk)
-    def _mono(self, wall: Optional[float]) -> Optional[float]:
-        return None if wall is None else self.clock.monotonic() + (wall - self.clock.time())
-
-    def _wall(self, mono: Optional[float]) -> Optional[float]:
-        return None if mono is None else self.clock.time() + (mono - self.clock.monotonic())
 
     # ---- the one place state changes (the event first: whoever sees a state finds its event)
     def _change(
@@ -139,14 +132,14 @@ class Supervisor:
             },
             "quick_failures": self.quick_failures,
             "last_cuda_oom_step": self.last_cuda_oom_step,
-            "attempt_started_ts": self._wall(self._attempt_started),
-            "backoff_until_ts": self._wall(self._backoff_until)
+            "attempt_started_ts": to_wall(self.clock, self._attempt_started),
+            "backoff_until_ts": to_wall(self.clock, self._backoff_until)
             if self.state == State.BACKOFF
             else None,
             "oom_before": self.oom_before,
             "exit_seen": self.exit_seen,
             "stop": self.stop,
-            "kill": self.kill,
+            "kill": self.kill.doc,
             "sealed_at_start": self.sealed_at_start,
             "stuck_restarts": self.stuck_restarts,
             "command": list(self.spec.command),
@@ -164,8 +157,7 @@ class Supervisor:
         self.state = State.PENDING
         self.restarts = self.error_restarts = self.preempt_restarts = self.quick_failures = 0
         self.stuck_restarts = 0
-        self.kill = None
-        self._kill_attempt_at = None
+        self.kill.clear()
         self.last_cuda_oom_step = -1
         self.stop = None
         self._kill_at = self._deadline = self._backoff_until = None
@@ -211,8 +203,7 @@ class Supervisor:
         self.exit_seen = False
         self.pid = None
         self.leftovers.kill_at = None
-        self.kill = None
-        self._kill_attempt_at = None
+        self.kill.clear()
         self.sealed_at_start = self.hooks.sealed_step()
         self._change(State.STARTING, f"attempt {self.attempt} starting")
         try:
@@ -242,8 +233,8 @@ class Supervisor:
             oom_kills_rose=oom,
             inodes_exhausted=self.runner.inodes_exhausted,
         )
-        if self.kill is not None and self.state in (State.STARTING, State.RUNNING):
-            verdict = ended_by_agent(verdict, self.kill)  # on a probe's word
+        if self.kill.doc is not None and self.state in (State.STARTING, State.RUNNING):
+            verdict = ended_by_agent(verdict, self.kill.doc)  # on a probe's word
         if self.state == State.STOPPING and self.stop is not None:
             verdict = ended_by_stop(verdict, status, self.stop["reason"])
         self._record_exit(
@@ -325,24 +316,11 @@ class Supervisor:
         resumes from the newest sealed checkpoint) or "fail" (the run ends FAILED with
         ``reason``). False when there is no attempt to end, or one is being ended already."""
         assert then in ("restart", "fail"), then
-        if self.state not in (State.STARTING, State.RUNNING) or self.exit_seen or self.kill:
+        if self.state not in (State.STARTING, State.RUNNING) or self.exit_seen or self.kill.doc:
             return False
-        self._kill_attempt_at = self.clock.monotonic() + self.spec.grace
-        at, kill_at = iso(self.clock.time()), self._wall(self._kill_attempt_at)
-        kind = Kind(kind).value
-        self.kill = dict(reason=reason, then=then, kind=kind, klass=klass, remedy=remedy, at=at)
-        self.kill["kill_at_ts"] = kill_at
-        self.save()
-        self.journal.event(
-            "kill_attempt",
-            f"ending attempt {self.attempt} "
-            f"({'then restarting' if then == 'restart' else 'and the run'}): {reason}",
-            klass=klass,
-            remedy=remedy,
-            attempt=self.attempt,
-        )
-        if self.runner.alive():
-            self.runner.signal(self.spec.stop_signal)
+        self.kill.ask(reason, then=then, kind=kind, klass=klass, remedy=remedy)
+        self.save()  # what the end is for is on disk before the job is signalled
+        self.kill.signal_job(self.attempt)
         return True
 
     def request_stop(self, reason: str, grace: Optional[float] = None) -> None:
@@ -367,8 +345,8 @@ class Supervisor:
             "grace": grace,
             "requested_at": iso(self.clock.time()),
             **(self.stop if again and self.stop else {}),
-            "kill_at_ts": self._wall(self._kill_at),
-            "deadline_ts": self._wall(self._deadline),
+            "kill_at_ts": to_wall(self.clock, self._kill_at),
+            "deadline_ts": to_wall(self.clock, self._deadline),
         }
         if again:
             return self.save()
@@ -386,14 +364,8 @@ class Supervisor:
     def tick(self) -> None:
         """Advance the time-based edges."""
         now = self.clock.monotonic()
-        if (
-            self.kill is not None
-            and self.state in (State.STARTING, State.RUNNING)
-            and self._kill_attempt_at is not None
-            and now >= self._kill_attempt_at
-            and self.runner.alive()
-        ):
-            self.runner.signal(signal.SIGKILL)
+        if self.state in (State.STARTING, State.RUNNING):
+            self.kill.sigkill_if_due(now)
         if self.state == State.STARTING:
             if self._attempt_started is not None and (
                 now - self._attempt_started >= self.policy.start_grace
@@ -422,8 +394,8 @@ class Supervisor:
     def next_wakeup(self) -> Optional[float]:
         """Seconds until the machine needs a ``tick``; None when only an exit can move it."""
         now = self.clock.monotonic()
-        if self.kill is not None and self.state in (State.STARTING, State.RUNNING):
-            return max(0.05, min(0.5, (self._kill_attempt_at or now) - now))
+        if self.kill.doc is not None and self.state in (State.STARTING, State.RUNNING):
+            return self.kill.wakeup(now)
         if self.state == State.STARTING and self._attempt_started is not None:
             return max(0.0, self._attempt_started + self.policy.start_grace - now)
         if self.state == State.BACKOFF:

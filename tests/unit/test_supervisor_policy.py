@@ -503,7 +503,7 @@ def test_fake_clock_kill_attempt_restart_ends_it_as_stalled_on_the_error_budget(
     assert last["remedy"] == "see stacks.txt"
     assert rig.sup.state == State.BACKOFF and rig.sup.error_restarts == 1
     rig.sup.tick()
-    assert rig.runner.spawned == [1, 2] and rig.sup.kill is None
+    assert rig.runner.spawned == [1, 2] and rig.sup.kill.doc is None
 
 
 def test_fake_clock_kill_attempt_fail_ends_the_run_and_needs_a_running_attempt() -> None:

@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+from onbox.agent.ckptwatch import watch
 from onbox.agent.completion import Completion
 from onbox.agent.interval import AutoInterval, load_history
 from onbox.agent.journal import FileJournal, read_events
@@ -165,43 +166,7 @@ class SealService(Hooks):
                 self.sealer.remember_restored(self.restored)
         self._thread = threading.Thread(target=self._loop, name="rgt-sealer", daemon=True)
         self._thread.start()
-        self._watch()
-
-    def _watch(self) -> None:
-        """inotify (through watchdog) wakes the sealer when a file in the checkpoint dir is
-        closed after writing or renamed into place; the periodic scan stays the fallback."""
-        try:
-            from watchdog.events import FileSystemEvent, FileSystemEventHandler
-            from watchdog.observers import Observer
-        except ImportError:
-            self.event(
-                "inotify_unavailable",
-                "watchdog is not installed: checkpoints are found "
-                f"by a scan every {self.spec.scan_interval:.0f}s",
-                klass="usage",
-                remedy="pip install watchdog into the agent's venv",
-            )
-            return
-        wake = self._wake
-
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event: FileSystemEvent) -> None:
-                if event.event_type in ("closed", "moved", "created"):
-                    wake.set()
-
-        try:
-            observer = Observer()
-            observer.daemon = True
-            observer.schedule(Handler(), self.spec.ckpt_dir, recursive=True)
-            observer.start()
-            self._observer = observer
-        except OSError as e:  # inotify limits reached: the scan still finds everything
-            self.event(
-                "inotify_unavailable",
-                f"cannot watch {self.spec.ckpt_dir}: {e}",
-                klass="transient",
-                remedy="raise fs.inotify.max_user_watches",
-            )
+        self._observer = watch(self.spec.ckpt_dir, self._wake, self.spec.scan_interval, self.event)
 
     def resume_from(self) -> str:
         """RGT_RESUME_FROM for the next attempt: the restored checkpoint, or ''.

@@ -29,6 +29,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+from onbox.agent.budgetseal import seal_in_budget
 from onbox.agent.ckptwatch import watch
 from onbox.agent.completion import Completion
 from onbox.agent.interval import AutoInterval, load_history
@@ -400,25 +401,8 @@ class SealService(Hooks):
                 remedy="a longer grace, or smaller/more frequent checkpoints",
             )
             return
-        pending = sealer.scan()
-        if not pending:
+        if seal_in_budget(sealer, self.spec.ckpt_dir, reason, budget_end, self.event):
             self.mirror_quietly()
-            return
-        need = sum(_size(self.spec.ckpt_dir, c.files) for c in pending)
-        estimate = need / max(sealer.bytes_per_s, 1.0) + 0.5
-        left = budget_end - time.monotonic()
-        if estimate > left:
-            self.event(
-                "final_not_sealed",
-                f"{reason}: sealing {need} bytes needs ~{estimate:.1f}s"
-                f" at {sealer.bytes_per_s / 1e6:.0f} MB/s, {max(left, 0):.1f}s are left; "
-                f"LATEST stays at step {sealer.latest}",
-                klass="transient",
-                remedy="the checkpoint stays on this box's disk",
-            )
-            return
-        sealer.seal_pending(budget_end)
-        self.mirror_quietly()
 
     def close(self) -> None:
         """The agent is leaving: the thread stops between two seals, never in the middle of
@@ -445,13 +429,3 @@ class SealService(Hooks):
             self.mirror(health=health)
         except StoreError:
             pass
-
-
-def _size(base: str, files: List[str]) -> int:
-    n = 0
-    for rel in files:
-        try:
-            n += os.path.getsize(os.path.join(base, *rel.split("/")))
-        except OSError:
-            pass
-    return n

@@ -35,7 +35,8 @@ GATE_POLL = 0.5  # how often a start held by the start gate asks it again
 
 
 class Supervisor:
-    """One run's state machine. Build it with ``fresh`` or ``restore``."""
+    """One run's state machine: a new run's with no ``doc``, a run found on disk's with its
+    state.json as ``doc`` (what ``to_doc`` wrote)."""
 
     def __init__(
         self,

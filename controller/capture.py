@@ -14,7 +14,11 @@ child takes it. Of stdout it keeps at most ``limit`` bytes, and past them (``ove
   the user, whose last lines say what happened).
 
 With ``sink`` the stdout is written there as it comes (``rgt logs``: the job's bytes, raw) and
-none of it is kept; ``timeout`` is then the most seconds without a byte. stderr is never a
+none of it is kept; ``timeout`` is then the most seconds without a byte. With ``relay`` the
+stderr goes on to the user's terminal a line at a time as it comes (``LineRelay``), besides
+being kept, and ``timeout`` is the most seconds without a byte on either pipe: a command that
+says how it is getting on there (`rgt-agent start` in a long restore) is waited for as long as
+it does. stderr is never a
 failure: its first ERR_HEAD and last ERR_TAIL bytes are kept (ssh and a login shell say why a
 connection failed first; a command's error is in its last lines), the middle dropped with a
 marker. Killing ssh ends the session on the box: its sshd closes the command's pipes, and the
@@ -103,6 +107,7 @@ def capture(
     sink: Optional[IO[bytes]] = None,
     cwd: Optional[str] = None,
     env: Optional[Mapping[str, str]] = None,
+    relay: bool = False,
 ) -> Captured:
     """Run ``argv`` to its end (module docstring; ``timeout`` None: no limit, as for an rsync
     with its own). Raises TooMuch, subprocess.TimeoutExpired (the child killed) and
@@ -111,6 +116,7 @@ def capture(
     assert over in ("fail", "cut", "tail"), over
     out = Kept(0, limit) if over == "tail" else Kept(limit, 0)
     err = Kept(ERR_HEAD, ERR_TAIL)
+    shown = LineRelay() if relay else None
     p = subprocess.Popen(
         list(argv),
         stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
@@ -121,10 +127,12 @@ def capture(
     )
     assert p.stdout is not None and p.stderr is not None
     try:
-        cut, deadline = _pump(p, input, timeout, out, err, over, sink)
+        cut, deadline = _pump(p, input, timeout, out, err, over, sink, shown)
         if not cut:  # both pipes closed: the child is ending (or closed them and hangs on)
             p.wait(timeout=None if timeout is None else max(0.0, deadline - time.monotonic()))
     finally:
+        if shown is not None:
+            shown.flush()
         if p.returncode is None:
             p.kill()  # by its PID; its own children lose the pipes' read ends we close below
         for f in (p.stdin, p.stdout, p.stderr):
@@ -144,11 +152,12 @@ def _pump(
     err: Kept,
     over: str,
     sink: Optional[IO[bytes]],
+    shown: Optional[LineRelay] = None,
 ) -> Tuple[bool, float]:
     """Feed ``input`` and read both pipes until they close (False), or until stdout went past
     its limit with over "fail" or "cut" (True: the caller kills the child); and the deadline
     then. TimeoutExpired past ``timeout`` (with a ``sink``: that long without a byte of
-    stdout)."""
+    stdout; with ``shown``, the stderr's relay: that long without a byte of either)."""
     assert p.stdout is not None and p.stderr is not None
     never = timeout is None
     timeout = float("inf") if timeout is None else timeout
@@ -177,6 +186,9 @@ def _pump(
                     sel.unregister(key.fileobj)
                 elif key.data is err:
                     err.add(data)
+                    if shown is not None:
+                        shown.add(data)
+                        deadline = time.monotonic() + timeout
                 elif sink is not None:
                     sink.write(data)
                     sink.flush()
@@ -260,7 +272,34 @@ def _relay(p: Relayed) -> None:
     with err:
         for line in iter(lambda: err.readline(_CHUNK), b""):
             p.err_tail = (p.err_tail + line)[-ERR_HEAD:]
-            text = QUOTED + printable(line.decode(errors="replace").rstrip("\n"))
-            with contextlib.suppress(OSError, ValueError):  # a closed terminal: nothing to tell
-                sys.stderr.write(text + "\n")
-                sys.stderr.flush()
+            _show(line.rstrip(b"\n"))
+
+
+class LineRelay:
+    """A box's stderr for the user's terminal, given as it comes in chunks: each whole line
+    shown through ``printable`` under ``QUOTED`` (as ``Relayed`` does), a line longer than
+    _CHUNK in pieces of that, the last unended one at ``flush``."""
+
+    def __init__(self) -> None:
+        self._buf = b""
+
+    def add(self, data: bytes) -> None:
+        *lines, self._buf = (self._buf + data).split(b"\n")
+        for line in lines:
+            _show(line)
+        while len(self._buf) > _CHUNK:
+            _show(self._buf[:_CHUNK])
+            self._buf = self._buf[_CHUNK:]
+
+    def flush(self) -> None:
+        if self._buf:
+            _show(self._buf)
+            self._buf = b""
+
+
+def _show(line: bytes) -> None:
+    """One line of a box's stderr on the user's terminal, made safe (module docstring)."""
+    text = QUOTED + printable(line.decode(errors="replace"))
+    with contextlib.suppress(OSError, ValueError):  # a closed terminal: nothing to tell
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()

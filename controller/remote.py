@@ -170,15 +170,23 @@ class Remote:
         limit: int = MAX_OUTPUT,
         over: str = "fail",
         what: Optional[str] = None,
+        relay: bool = False,
     ) -> Result:
         """Run to the end; ssh failures raise, the command's own status is returned. Of its
         stdout at most ``limit`` bytes are kept (``over``: controller/capture.py); past them,
         with "fail", HostError (exit 9) naming the command (``what``, else its argv) and the
-        limit."""
+        limit. With ``relay`` its stderr is shown as it comes and ``timeout`` bounds its
+        silence, not its run (controller/capture.py)."""
+        stalled = f"sent nothing for {timeout:.0f} s" if relay else None
         try:
-            with self._unreachable(argv, f"did not finish within {timeout:.0f} s"):
+            with self._unreachable(argv, stalled or f"did not finish within {timeout:.0f} s"):
                 got = capture(
-                    self.argv(argv, env), timeout=timeout, limit=limit, over=over, input=input
+                    self.argv(argv, env),
+                    timeout=timeout,
+                    limit=limit,
+                    over=over,
+                    input=input,
+                    relay=relay,
                 )
         except TooMuch as e:
             raise HostError(
@@ -202,12 +210,20 @@ class Remote:
         limit: int = MAX_OUTPUT,
         over: str = "fail",
         what: Optional[str] = None,
+        relay: bool = False,
     ) -> Result:
         """Run a POSIX sh script on the box with ``args`` as $1, $2, ... (quoted, never
         interpolated into the script)."""
         argv = ["sh", "-c", script, "rgt", *args]
         return self.run(
-            argv, input=input, env=env, timeout=timeout, limit=limit, over=over, what=what
+            argv,
+            input=input,
+            env=env,
+            timeout=timeout,
+            limit=limit,
+            over=over,
+            what=what,
+            relay=relay,
         )
 
     def stream(self, argv: Sequence[str], out: IO[bytes], *, idle: float = 300) -> Result:

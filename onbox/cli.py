@@ -142,8 +142,8 @@ def start(
     from onbox.agent.detach import detach  # (lazily, as in _claim)
 
     # Raises what the agent said when the run did not start (FAILED, or ended before its
-    # first attempt: onbox/agent/detach.py).
-    msg = detach(rd, lock)
+    # first attempt: onbox/agent/detach.py). Meanwhile what it does (a restore) goes on stderr.
+    msg = detach(rd, lock, _warn)
     verb = "re-attached to" if msg.get("adopted") else "started"
     _emit(
         f"{verb} run {rd.name}: agent pid {msg['pid']}, job pid {msg.get('job_pid')}, "

@@ -66,6 +66,9 @@ from onbox.common.rundir import profiles_dir
 from onbox.profiles.load import SHIPPED_DIR
 
 FIRST_LINE_TIMEOUT = 60.0
+# The longest silence of `rgt-agent start` (it says how its agent's restore goes every few
+# seconds: onbox/agent/detach.py PROGRESS_EVERY).
+START_SILENCE = 120.0
 FIRST_BYTES = 64 << 10  # of the job's log read for its first line
 
 
@@ -323,14 +326,19 @@ def _start(
     store: Optional[str],
     pushed: PushResult,
 ) -> None:
-    """``rgt-agent start`` in the release's directory (it returns once the agent is detached)."""
+    """``rgt-agent start`` in the release's directory (it returns once the job runs).
+
+    The start waits for the agent's restore, minutes for a large checkpoint; meanwhile it says
+    what the agent is doing on its stderr (onbox/agent/detach.py), which is shown as it comes.
+    So START_SILENCE bounds its silence, not its run; ssh's keepalive finds a dead link."""
     args = _agent_args("start", plan, store)
     try:
         r = remote.sh(
             'cd "$1" || exit 9; shift; exec "$@"',
             pushed.path,
             *rec.agent_argv(*args),
-            timeout=120,
+            timeout=START_SILENCE,
+            relay=True,
         )
     except RemoteUnreachable:
         # The link went while the agent was starting, so it may well be running: remember

@@ -29,7 +29,7 @@ from onbox.agent.beginning import (
 )
 from onbox.agent.boot import install_hook, take_from_boot
 from onbox.agent.daemon import TAG_VAR, agent_argv, parse_agent_args
-from onbox.agent.detach import say_ready
+from onbox.agent.detach import ReadyPipe
 from onbox.agent.journal import FileJournal, log
 from onbox.agent.letgo import let_go
 from onbox.agent.lock import RunLock
@@ -301,9 +301,9 @@ class Agent:
 
     # ---- the loop
     def run(
-        self, ready_fd: Optional[int] = None, stop: Optional[Tuple[str, Optional[float]]] = None
+        self, ready: Optional[ReadyPipe] = None, stop: Optional[Tuple[str, Optional[float]]] = None
     ) -> State:
-        """Supervise until terminal; return the final state."""
+        """Supervise until terminal; return the final state (said on ``ready`` once begun)."""
         self._install_signals()
         sup = self.sup
         log(
@@ -319,9 +319,8 @@ class Agent:
         self._handle_signals()  # those that came while prepare() ran: before any attempt
         if sup.state == State.PENDING:
             sup.begin()
-        if ready_fd is not None:
-            say_ready(
-                ready_fd,
+        if ready is not None:
+            ready.say(
                 {
                     "ok": True,
                     "pid": os.getpid(),
@@ -375,6 +374,19 @@ class Agent:
         let_go(self)  # nothing of the last attempt outlives the run; then the lock goes
         return sup.state
 
+    def working(self) -> Dict[str, Any]:
+        """What the agent is doing while it prepares the run, for `start` (onbox/agent/detach.py
+        ReadyPipe): the sealing service's step and, in a restore's download, its bytes."""
+        if self.seal is None or not self.seal.doing:
+            return {"working": "preparing the run"}
+        from onbox.sealing.fetch import progress  # loaded already: the service imports it
+
+        out: Dict[str, Any] = {"working": self.seal.doing}
+        got = progress()
+        if got is not None:
+            out["done"], out["total"] = got
+        return out
+
     def _resume_from(self) -> str:
         """RGT_RESUME_FROM for the attempt being spawned. Its resume check begins here, where
         S is taken: before the job can write a checkpoint of its own."""
@@ -397,6 +409,9 @@ def main(argv: List[str]) -> int:
     os.umask(0o077)
     os.environ.pop(TAG_VAR, None)
     rd = RunDir(args["name"])
+    # `start` waits on this pipe for the run to begin: a sign of life from now on, before the
+    # epoch and the restore, which may take minutes.
+    ready = ReadyPipe(args["ready_fd"]) if args["ready_fd"] is not None else None
     # The agent's stdout and stderr are agent.log (onbox/agent/daemon.py): a traceback or a warning
     # printed there is redacted like every line the journal writes.
     sys.stdout = cast(TextIO, redact.RedactingStream(sys.stdout, lambda: redact.for_home(rd.home)))
@@ -404,13 +419,14 @@ def main(argv: List[str]) -> int:
     set_title(f"rgt-agent agent {rd.name}")
     lock = RunLock.adopt(args["lock_fd"], rd.lock)
     agent = Agent(rd, lock)
+    if ready is not None:
+        ready.working = agent.working
     try:
         prepared = agent.prepare(may_begin=not args["adopt_only"])
     except RgtError as e:  # the run is FAILED already; `start` prints this and exits with it
         log(rd.agent_log, f"agent pid {os.getpid()}: {e.line()}")
-        if args["ready_fd"] is not None:
-            say_ready(
-                args["ready_fd"],
+        if ready is not None:
+            ready.say(
                 {"ok": False, "what": e.what, "remedy": e.remedy, "exit_code": e.exit_code},
             )
         return e.exit_code
@@ -418,7 +434,7 @@ def main(argv: List[str]) -> int:
         log(rd.agent_log, f"agent pid {os.getpid()}: run is {agent.sup.state}; nothing to do")
         lock.release()
         return 0
-    agent.run(ready_fd=args["ready_fd"])
+    agent.run(ready=ready)
     return 0
 
 

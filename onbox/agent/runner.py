@@ -427,10 +427,22 @@ def _read_line(fd: int, timeout: float) -> str:
     return buf.split(b"\n", 1)[0].decode(errors="replace")
 
 
-def read_ready(fd: int, timeout: float) -> Dict[str, Any]:
-    """The JSON readiness message a child writes on ``fd``; raises HostError on silence."""
-    line = _read_line(fd, timeout)
-    if not line:
-        raise HostError("the process did not report ready in time", "see the agent log")
-    out: Dict[str, Any] = json.loads(line)
-    return out
+def read_ready(
+    fd: int, silence: float, working: Callable[[Dict[str, Any]], None] = lambda msg: None
+) -> Dict[str, Any]:
+    """The JSON readiness message a child writes on ``fd``. Before it the child may write
+    ``{"working": ...}`` lines, signs of life each handed to ``working``: ``silence`` bounds
+    the wait for each line, not the whole wait. HostError when the child is silent that long
+    or closes the pipe without a message."""
+    buf = b""
+    while True:
+        while b"\n" not in buf:
+            chunk = os.read(fd, 4096) if procfs.wait_readable([fd], silence) else b""
+            if not chunk:
+                raise HostError("the process did not report ready in time", "see the agent log")
+            buf += chunk
+        line, buf = buf.split(b"\n", 1)
+        msg: Dict[str, Any] = json.loads(line.decode(errors="replace"))
+        if "working" not in msg:
+            return msg
+        working(msg)

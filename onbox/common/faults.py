@@ -10,8 +10,10 @@ no flush, no clean-up. Unset, the call is one dictionary lookup.
 Hold points (``hold_point(NAME, until)``) are where an integration test needs the agent to wait
 for it rather than race it: with ``RGT_HOLD_AT=NAME`` the calling thread waits there until
 ``until()`` is true (at most HOLD_FOR seconds, then goes on), so that what the test does next (a
-signal, a SIGKILL) lands at that point on any machine, under any load. Unset, the call is one
-dictionary lookup and does nothing.
+signal, a SIGKILL) lands at that point on any machine, under any load. With ``RGT_HOLD_UNTIL=PATH``
+the hold also ends once the file PATH exists: a test that needs a step to last (a restore longer
+than a bound) creates it when it has seen what it waits for. Unset, the call is one dictionary
+lookup and does nothing.
 
 Stop points: with ``RGT_TEST_STOP_AFTER_EVENT=KIND`` the process that writes an event of that
 kind (onbox/agent/journal.py) stops itself (SIGSTOP) right after it, so that a test can queue a
@@ -29,6 +31,7 @@ from typing import Callable
 
 ENV = "RGT_CRASH_AT"
 HOLD_ENV = "RGT_HOLD_AT"
+RELEASE_ENV = "RGT_HOLD_UNTIL"
 STOP_AFTER_EVENT = "RGT_TEST_STOP_AFTER_EVENT"
 
 # The named points, so that a test can loop over every step of a protocol and a typo in a
@@ -70,8 +73,8 @@ HOLD_FOR = 120.0  # a hold is let go after this long: a test that never acts fai
 
 
 def hold_point(name: str, until: Callable[[], bool] = lambda: False) -> None:
-    """Wait here until ``until()``, at most HOLD_FOR seconds, when ``RGT_HOLD_AT`` names this
-    point; otherwise return at once."""
+    """Wait here until ``until()`` (or the file ``RGT_HOLD_UNTIL`` names exists), at most
+    HOLD_FOR seconds, when ``RGT_HOLD_AT`` names this point; otherwise return at once."""
     want = os.environ.get(HOLD_ENV)
     if not want:
         return
@@ -80,8 +83,11 @@ def hold_point(name: str, until: Callable[[], bool] = lambda: False) -> None:
             raise ValueError(f"unknown hold point {point!r}; known: {', '.join(HOLDS)}")
     if want != name:
         return
+    release = os.environ.get(RELEASE_ENV)
     deadline = time.monotonic() + HOLD_FOR
     while not until() and time.monotonic() < deadline:
+        if release and os.path.exists(release):
+            return
         time.sleep(0.01)
 
 

@@ -20,6 +20,9 @@ A file the store holds damaged (of the wrong size or sha256, missing while the s
 is StoreCorrupt: the caller quarantines the checkpoint. A store that does not answer raises its
 StoreError after the retries; a target that is refused raises UnsafePath or HostError (the
 target is walked one directory at a time without following symlinks, onbox.common.safepath).
+
+While the files download, ``progress()`` says how far (`rgt-agent start` shows it): read from
+the staging files' allocated blocks, so it needs nothing of each store's download.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import queue
 import shutil
 import stat
 import tempfile
-from typing import Any, Callable, Dict, List, Optional, TypeVar
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar
 
 from onbox.common.durable import fsync_dir, make_dirs, sha256_fd
 from onbox.common.errors import HostError, IntegrityError, RgtError
@@ -56,6 +59,29 @@ FILES = 16
 # took for it (in_parallel).
 SIGNAL_POLL = 0.2
 T = TypeVar("T")
+
+
+# The download under way in this process (one restore at a time in an agent): its stage and
+# its files' sizes, for progress().
+_downloading: Optional[Tuple[str, List[int]]] = None
+
+
+def progress() -> Optional[Tuple[int, int]]:
+    """(bytes downloaded, bytes in all) of the restore downloading now, None when none is.
+    Each staging file counts its allocated blocks, up to its size: a download writes its
+    ranged parts where they go (a sparse file's size says nothing), and a filesystem that
+    compresses shows less than is done; it is for a person to see it move."""
+    now = _downloading
+    if now is None:
+        return None
+    stage, sizes = now
+    done = 0
+    for i, size in enumerate(sizes):
+        try:
+            done += min(size, os.stat(os.path.join(stage, str(i))).st_blocks * 512)
+        except OSError:  # not begun, or the stage is gone (the restore ended)
+            pass
+    return done, sum(sizes)
 
 
 class StoreCorrupt(IntegrityError):
@@ -272,6 +298,7 @@ def _next_ended(
 def _fetch_all(store: Store, files: List[Dict[str, Any]], stage: str, dest_dir: str) -> None:
     """Every file into ``stage`` (as ``stage/<index>``), FILES at a time; the first failure
     raised once every worker is over."""
+    global _downloading
     need = sum(int(f["size"]) for f in files)
     store.plan_fetch({f["key"]: int(f["size"]) for f in files})
 
@@ -279,9 +306,13 @@ def _fetch_all(store: Store, files: List[Dict[str, Any]], stage: str, dest_dir: 
         tmp = os.path.join(stage, str(i))
         return lambda lanes: _fetch_one(store, f, tmp, dest_dir, lanes, need)
 
-    in_parallel(
-        [job(i, f) for i, f in enumerate(files)], lambda: crash_point("restore.after_object")
-    )
+    _downloading = (stage, [int(f["size"]) for f in files])
+    try:
+        in_parallel(
+            [job(i, f) for i, f in enumerate(files)], lambda: crash_point("restore.after_object")
+        )
+    finally:
+        _downloading = None
 
 
 def fetch(

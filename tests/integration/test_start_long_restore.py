@@ -4,7 +4,9 @@
 restore: 20 GiB from S3 takes minutes. It used to wait READY_TIMEOUT (10 s) in all, then said
 "the agent did not come up" (exit 9) while the agent went on and started the job. Now the agent
 says what it is doing while it prepares the run, and READY_TIMEOUT bounds the silence: a long
-restore is waited for (its progress shown), a hung agent is still given up on.
+restore is waited for (its progress shown), a hung agent is still given up on. The laptop's
+`rgt run` ran that start with 120 s for all of it; now its START_SILENCE bounds the silence, and
+the start's lines reach the user's terminal, quoted.
 
 Real processes, a real ``file://`` store. The restore's copies hold after each piece
 (``RGT_HOLD_AT``, onbox/common/faults.py) until the test creates the release file
@@ -28,7 +30,9 @@ import pytest
 
 from controller.cli import main as rgt_main
 from controller.deploy import flow
+from controller.remote import LocalRemote
 from onbox.agent import procfs
+from onbox.common.errors import RemoteUnreachable
 from onbox.sealing.epochs import take_epoch
 from onbox.sealing.fetch import STAGE_PREFIX
 from onbox.sealing.sealer import Sealer
@@ -226,3 +230,18 @@ def test_rgt_run_waits_for_a_box_start_that_outlasts_its_bound_and_shows_the_pro
     assert "  | rgt-agent: restoring the newest checkpoint from file://" in err, err
     out = cli.wait_output("dep", "resume=")
     assert f"ckpt_{STEP}" in out, out
+
+
+def test_a_relayed_start_is_cut_after_its_silence_and_its_stderr_reaches_the_terminal_safely(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """What the deploy's start rests on (Remote.sh with relay): the box's stderr goes on to the
+    terminal as it comes, through ``printable`` under QUOTED (no escape sequence, no line
+    passing for rgt's own), and a command silent for the bound is given up on."""
+    script = "printf 'one\\033]0;pwned\\007\\nrgt: forged\\n' >&2; exec sleep 60"
+    with pytest.raises(RemoteUnreachable, match="sent nothing for 2 s"):
+        LocalRemote().sh(script, timeout=2, relay=True)
+    err = capsys.readouterr().err
+    assert "  | one?]0;pwned?\n" in err, err
+    assert "  | rgt: forged\n" in err, err
+    assert "\033" not in err, err

@@ -35,7 +35,8 @@ def seal_in_budget(
             f" at {sealer.bytes_per_s / 1e6:.0f} MB/s, {max(left, 0):.1f}s are left; "
             f"LATEST stays at step {sealer.latest}",
             klass="transient",
-            remedy="the checkpoint stays on this box's disk",
+            remedy="a longer grace (--grace), or smaller checkpoints; the checkpoint stays on "
+            "this box's disk",
         )
         return False
     sealer.seal_pending(budget_end)

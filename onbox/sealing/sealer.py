@@ -62,6 +62,11 @@ from onbox.sealing.stores.base import Store
 from onbox.sealing.upload import CheckpointUpload, OutOfTime, Vanished
 
 MAX_BACKLOG = 8  # pending checkpoints sealed per pass at most (the newest ones)
+# A seal that puts fewer bytes than this measures its fixed costs (the epoch's listing, the
+# MANIFEST's put, the fsyncs), not how fast bytes go: it leaves ``bytes_per_s`` alone, which a
+# preemption's final seal is judged by (onbox/agent/budgetseal.py). Moved by small seals, the
+# rate fell under 1 MB/s after a few, and a final seal that fitted was refused.
+RATE_MIN_BYTES = 8 << 20
 
 
 class Sealer:
@@ -281,7 +286,7 @@ class Sealer:
             crash_point("seal.after_manifest")
             self.manifests[step] = doc
             took = time.monotonic() - t0
-            if uploaded and took > 0:
+            if uploaded >= RATE_MIN_BYTES and took > 0:
                 self.bytes_per_s = 0.5 * self.bytes_per_s + 0.5 * (uploaded / took)
             if in_place(cand.root, cand.kind):
                 self.seq[cand.root] = {"step": cand.step, "sig": list(cand.signature)}

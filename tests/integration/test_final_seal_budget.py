@@ -24,10 +24,10 @@ from tests.conftest import Cli, _kill_run_processes
 RUN = "fb1"
 GRACE = "5"  # the agent's budget; MARGIN (1 s) of it is kept for its exit
 FIRST = b"the first checkpoint, sealed in the normal way\n"
-# The final seal's estimate uses the sealer's rate: 50 MB/s until measured, then halfway to each
-# seal's measured rate. The first seal's 47 bytes (over at least an fsync) measure a tiny rate,
-# so it is then ~25 MB/s: 256 MiB needs ~11 s, twice the whole grace, on any machine however
-# fast its disk (a seal that ran would take ~1 s here). 64 KiB needs ~0.5 s of the ~4 s left.
+# The final seal's estimate uses the sealer's rate: 50 MB/s until a seal of at least 8 MiB
+# measures it (RATE_MIN_BYTES; the first seal's 47 bytes do not), plus 0.5 s: 256 MiB needs ~5.9
+# s, more than the whole grace, on any machine however fast its disk (a seal that ran would take
+# ~1 s here). 64 KiB needs ~0.5 s of the ~4 s left.
 BIG = 256 << 20
 SMALL = 64 << 10
 
@@ -152,3 +152,36 @@ def test_a_preemption_seals_the_pending_checkpoint_only_if_it_fits_in_the_grace(
         for path in (model, os.path.join(str(tmp_path), "box2", "ckpt", "model.bin")):
             if os.path.exists(path):
                 os.unlink(path)
+
+
+def test_small_seals_before_do_not_make_a_fitting_final_seal_look_too_slow(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """The final seal's estimate used a rate every seal moved halfway to its bytes over its
+    time, and a small seal's time is its fixed costs (the epoch's listing, the MANIFEST's put,
+    the fsyncs): after six checkpoints of a few bytes the rate was under 1 MB/s, and a 16 MiB
+    checkpoint at a preemption with a 5 s grace was refused as needing ~20 s (it takes well
+    under one). Only seals large enough to measure the link now move the rate."""
+    root = str(tmp_path / "durable")
+    os.makedirs(root)
+    box = str(tmp_path / "box")
+    model = os.path.join(box, "ckpt", "model.bin")
+    _start(cli, box, root)
+    st = cli.wait_state(RUN, "RUNNING", "STARTING")
+    cli.wait_output(RUN, "ready")
+    _wait(lambda: _latest_step(root) == 0, what="the first checkpoint sealed as step 0")
+    for step in range(1, 7):  # small checkpoints, each new bytes, each sealed on its rename
+        with open(model + ".tmp", "wb") as f:
+            f.write(b"small checkpoint %d\n" % step)
+        os.replace(model + ".tmp", model)
+        _wait(lambda s=step: _latest_step(root) == s, what=f"small checkpoint {step} sealed")
+    size = 16 << 20
+    os.truncate(model, size)  # pending, unsealed (see the test above)
+    os.kill(st["agent"]["pid"], signal.SIGTERM)
+    over = cli.wait_over(RUN, "PREEMPTED", "STOPPED", "FAILED", timeout=30)
+    assert over["state"] == "PREEMPTED", over
+    events = cli.events(RUN)
+    assert not [e for e in events if e["kind"] == "final_not_sealed"], [
+        e["reason"] for e in events if e["kind"] == "final_not_sealed"
+    ]
+    assert _latest_step(root) == 7

@@ -18,9 +18,14 @@ import sys
 import time
 from typing import Any, Dict, List
 
+import pytest
+
 from onbox.agent import procfs
+from onbox.agent.boot import boot_command
+from onbox.common.errors import FINAL_EXIT_CODES
 from onbox.common.rundir import RunDir
-from tests.conftest import Cli
+from tests.conftest import Cli, agent_exe
+from tests.integration.test_restore_interrupted import _preempt_at_epoch
 from tests.polling import latest_step, wait
 
 JOB = r"""
@@ -255,3 +260,35 @@ def test_cron_hook_needs_the_opt_in(cli: Cli, tmp_path: Any) -> None:
     ev = [e for e in cli.events("c1") if e["kind"] == "boot_hook"]
     assert ev and "OS persistence" in ev[-1]["reason"]
     cli("stop", "c1", "--grace", "5", check=True)
+
+
+@pytest.mark.parametrize("how", ["boot", "start"])
+def test_a_run_preempted_in_its_restore_after_a_power_loss_is_said_not_to_have_started(
+    cli: Cli, tmp_path: Any, how: str
+) -> None:
+    """The run was RUNNING when the power went, so the agent that `rgt-agent boot` (or a
+    person's `rgt-agent start --name`) starts after the power-on takes it over (``adopt``) and
+    restores; a SIGTERM in that restore ends it PREEMPTED before the job runs again. `start`
+    printed "re-attached to run ...: STOPPING" and exited 0, and `boot` passed that on: now
+    both say the run did not start and why, and `start` exits 13 as for a run that had not
+    run before (onbox/agent/detach.py ``NotStarted``)."""
+    hook = str(tmp_path / "rgt-agent.sh")
+    _override(tmp_path, cli, "autodl", hook)
+    root = _start(cli, tmp_path, "b4", "autodl")
+    wait(lambda: latest_step(root, "b4") == 1, what="step 1 sealed")
+    _power_loss(cli, "b4")
+    _new_boot(cli)
+    argv = [*boot_command()] if how == "boot" else [*agent_exe(), "start", "--name", "b4"]
+    p = _preempt_at_epoch(argv, cli)  # the agent's SIGTERM right after its epoch
+    said = p.stdout if how == "boot" else p.stderr
+    assert "re-attached" not in p.stdout + p.stderr, p
+    want = "run b4 did not start: a SIGTERM (a preemption) came"
+    if how == "boot":
+        assert p.stdout.startswith(f"rgt-agent boot: b4: not started: {want}"), p
+    else:
+        assert p.returncode == FINAL_EXIT_CODES["PREEMPTED"], p
+        assert f"\nrgt: {want}" in "\n" + said, p
+    assert "the run is PREEMPTED" in said and "rgt-agent boot" in said, p
+    st = cli.wait_over("b4", "PREEMPTED", timeout=60)
+    assert st["attempt"] == 1 and len(_seen(cli, "b4")) == 1, st  # the job did not run again
+    assert _kinds(cli, "b4", "adopt") and _kinds(cli, "b4", "restore_interrupted")

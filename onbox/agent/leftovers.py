@@ -67,9 +67,9 @@ def end_leftovers(runner: Runner, event: Event, why: str, sent: Optional[List[st
     return True
 
 
-class _Cut(BaseException):
-    """SIGINT or SIGTERM to `rgt-agent stop` while it ends a run's leftovers (a BaseException:
-    nothing on the way keeps it)."""
+class Cut(BaseException):
+    """SIGINT or SIGTERM to `rgt-agent stop` while it ends a run's leftovers or waits for a
+    live run's stop (onbox/agent/mailbox.py) (a BaseException: nothing on the way keeps it)."""
 
     def __init__(self, signum: int) -> None:
         super().__init__(signum)
@@ -77,15 +77,15 @@ class _Cut(BaseException):
 
 
 @contextlib.contextmanager
-def _cut_by_signals() -> Iterator[None]:
-    """SIGINT and SIGTERM raise _Cut, once (a second one must not cut the clean-up); the
+def cut_by_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM raise Cut, once (a second one must not cut the clean-up); the
     handlers before are put back after."""
     cut: List[int] = []
 
     def on_signal(signum: int, frame: object) -> None:
         if not cut:
             cut.append(signum)
-            raise _Cut(signum)
+            raise Cut(signum)
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
@@ -106,9 +106,9 @@ def end_found_leftovers(
     sent: List[str] = []
     why = f"processes of attempt {attempt} outlived the run; stopping them"
     try:
-        with _cut_by_signals():
+        with cut_by_signals():
             end_leftovers(runner, event, why, sent)
-    except _Cut as cut:
+    except Cut as cut:
         left = alive()
         did = " then ".join(sent) + " sent to them" if sent else "no signal sent to them yet"
         still = f"still alive: pid {', '.join(map(str, left))}" if left else "none is alive now"

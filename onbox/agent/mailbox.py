@@ -1,6 +1,13 @@
 """The agent's mailbox, for ``rgt-agent stop`` and ``sync``: a request file in the run directory
 (``stop.request``, ``sync.request``) and SIGUSR2 to the agent that holds the run's lock, then a
-wait for the answer; with no agent, the same work done from here, as the run's writer."""
+wait for the answer; with no agent, a sync is done from here, as the run's writer.
+
+A stop of a live run with no agent (killed with its shim) starts one, adopting the run as the
+shim starts a dead agent, which reads the same request: the stop always goes on in an agent, so
+a person's Ctrl-C (or a SIGTERM) to `rgt-agent stop` ends only the command's wait for it, at once,
+and says so (``WaitInterrupted``); it never cuts the job's grace short nor leaves the run
+STOPPING with nobody to end it. A run found over with processes of its last attempt alive has
+them ended from here (onbox/agent/leftovers.py ``end_found_leftovers``)."""
 
 from __future__ import annotations
 
@@ -11,11 +18,18 @@ import time
 from typing import Any, Dict, Optional
 
 from onbox.agent import observe, procfs, slurm
+from onbox.agent.leftovers import Cut, cut_by_signals
 from onbox.agent.lock import RunLock, is_held, read_holder
 from onbox.agent.spec import JobSpec
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.durable import read_json, write_json
-from onbox.common.errors import LockedError, StopFailed
+from onbox.common.errors import (
+    HostError,
+    LockedError,
+    StopFailed,
+    WaitInterrupted,
+    error_from_code,
+)
 from onbox.common.rundir import RunDir
 from onbox.sealing.stores.base import Store
 
@@ -39,41 +53,86 @@ def signal_agent(rd: RunDir) -> bool:
     return True
 
 
-def _ask_to_stop(rd: RunDir, grace: Optional[float], deadline: float) -> None:
-    """Ask the run's agent to stop the job; with no agent, stop it from here."""
+def _ask_to_stop(rd: RunDir, grace: Optional[float], deadline: float) -> Optional[int]:
+    """Ask the run's agent to stop the job; with no agent, start one that reads the request (the
+    read end of its ready pipe is returned), or end the leftovers of a run found over here."""
     while True:
         if is_held(rd.lock):
             write_json(rd.stop_request, {"grace": grace, "requested_at": time.time()})
             if signal_agent(rd):
-                return
+                return None
         else:
             try:
                 lock = RunLock.acquire(rd.lock, rd.name)
             except LockedError:
                 continue  # an agent just came up (a shim restarting it): ask that one
-            # No agent: this command does the stop itself, with the same machine (imported
-            # only here, so that `rgt-agent status` and friends start without the supervisor).
-            from onbox.agent.leftovers import end_found_leftovers
-            from onbox.agent.loop import Agent
-
-            agent = Agent(rd, lock)
-            if agent.prepare(may_begin=False):
-                agent.run(stop=("stop", grace))
-                return
-            # Over already, with processes of its last attempt left (its agent was killed as
-            # it ended them): they end as that agent would have ended them.
-            n = agent.sup.attempt
-            agent.runner.adopt(n)
-            try:  # a Ctrl-C here raises StopFailed with what is left (onbox/agent/leftovers.py)
-                left = functools.partial(observe.tagged_alive, rd, n)
-                end_found_leftovers(rd.name, n, agent.runner, agent.journal.event, left)
-            finally:
-                agent.runner.close()
-                lock.release()
-            return
+            try:
+                live = (read_json(rd.state) or {}).get("state") not in (None, *TERMINAL_NAMES)
+            except ValueError:
+                live = False  # the in-process agent below says what is wrong with it
+            if live:
+                write_json(rd.stop_request, {"grace": grace, "requested_at": time.time()})
+                return _agent_for_stop(rd, lock)
+            _end_found_leftovers_here(rd, lock, grace)
+            return None
         if time.monotonic() > deadline:
             raise StopFailed(f"the agent of {rd.name!r} does not answer", f"see {rd.agent_log}")
         time.sleep(0.1)
+
+
+def _agent_for_stop(rd: RunDir, lock: RunLock) -> int:
+    """Start an agent for the live run ``rd`` holding ``lock`` (handed over): it adopts the run,
+    as the shim starts one (never begins it again), and reads the stop request from its
+    mailbox. The read end of its ready pipe."""
+    from onbox.agent.daemon import spawn_agent  # (lazily: status and friends stay small)
+
+    r, w = os.pipe()
+    try:
+        spawn_agent(rd, lock.fd, ready_fd=w, adopt_only=True)
+    except BaseException:
+        os.close(r)
+        raise
+    finally:
+        os.close(w)
+        lock.release()  # the agent holds its own copy of the lock
+    return r
+
+
+def _agent_up(rd: RunDir, ready: int, deadline: float) -> None:
+    """Wait for the agent ``_agent_for_stop`` started to say it is up (its stop requested);
+    raise what it said when it could not take the run over."""
+    from onbox.agent.runner import read_ready
+
+    try:
+        msg = read_ready(ready, max(deadline - time.monotonic(), 1.0))
+    except HostError:
+        raise StopFailed(
+            f"the agent started to stop {rd.name!r} did not come up", f"see {rd.agent_log}"
+        ) from None
+    if msg.get("ok") is False:
+        code = int(msg.get("exit_code") or 1)
+        raise error_from_code(code, str(msg.get("what")), msg.get("remedy"))
+
+
+def _end_found_leftovers_here(rd: RunDir, lock: RunLock, grace: Optional[float]) -> None:
+    """No agent, and the run over (or never begun): what its last attempt left alive ends as
+    that agent would have ended it, from here (imported only here, so that `rgt-agent status`
+    and friends start without the supervisor)."""
+    from onbox.agent.leftovers import end_found_leftovers
+    from onbox.agent.loop import Agent
+
+    agent = Agent(rd, lock)
+    if agent.prepare(may_begin=False):  # live after all (a state.json edited meanwhile)
+        agent.run(stop=("stop", grace))
+        return
+    n = agent.sup.attempt
+    agent.runner.adopt(n)
+    try:  # a Ctrl-C here raises StopFailed with what is left (onbox/agent/leftovers.py)
+        left = functools.partial(observe.tagged_alive, rd, n)
+        end_found_leftovers(rd.name, n, agent.runner, agent.journal.event, left)
+    finally:
+        agent.runner.close()
+        lock.release()
 
 
 def over(rd: RunDir) -> Optional[Dict[str, Any]]:
@@ -87,11 +146,33 @@ def over(rd: RunDir) -> Optional[Dict[str, Any]]:
 
 def stop_run(rd: RunDir, grace: Optional[float]) -> Dict[str, Any]:
     """Stop the run (stop signal, ``grace`` or the spec's, SIGKILL of the whole group) and wait
-    until it is terminal with no process of its attempt left; its state document then."""
+    until it is terminal with no process of its attempt left; its state document then. A
+    Ctrl-C or SIGTERM during the wait raises WaitInterrupted: the stop goes on in the agent."""
     spec = JobSpec.from_json(read_json(rd.spec) or {})
     wait = (grace if grace is not None else spec.grace) + 30.0
     deadline = time.monotonic() + wait
-    _ask_to_stop(rd, grace, deadline)
+    ready = _ask_to_stop(rd, grace, deadline)
+    try:
+        with cut_by_signals():
+            if ready is not None:
+                _agent_up(rd, ready, deadline)
+            return _wait_stopped(rd, wait, deadline)
+    except Cut as cut:
+        doc = read_json(rd.state) or {}
+        final = "PREEMPTED" if (doc.get("stop") or {}).get("reason") == "preempt" else "STOPPED"
+        raise WaitInterrupted(
+            f"interrupted ({signal.Signals(cut.signum).name}) while waiting for run {rd.name!r} "
+            f"to stop: the stop was asked and goes on in its agent, which gives the job its "
+            f"grace; the run will be {final}",
+            f"`rgt-agent status {rd.name}` to see it",
+        ) from None
+    finally:
+        if ready is not None:
+            os.close(ready)
+
+
+def _wait_stopped(rd: RunDir, wait: float, deadline: float) -> Dict[str, Any]:
+    """Until the run is terminal, with no process of its attempt left and no agent."""
     while True:
         doc = read_json(rd.state) or {}
         left = observe.tagged_alive(rd, doc.get("attempt") or 0)

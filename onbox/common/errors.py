@@ -25,7 +25,9 @@ a bug and is shown with its traceback.
     ├── MeterUnresolved           exit 17  (controller) the meter-stop's outcome is not known
     ├── NotReconciled             exit 18  (controller) a sweep's cells are not all sealed+verified
     ├── SmokeFailed               exit 19  (controller) a check of `rgt smoke` failed
-    └── MeterNotSent              exit 20  (controller) the meter-stop was not sent: nothing changed
+    ├── MeterNotSent              exit 20  (controller) the meter-stop was not sent: nothing changed
+    └── WaitInterrupted           exit 130 a Ctrl-C (or SIGTERM) ended the command's wait; what it
+                                           asked goes on (`rgt-agent stop` of a live run)
 
 ``StoreAuthError`` is both: ``except AuthError`` and ``except StoreError`` catch it, and it exits
 14 as every store error does, whatever refused (exit 4 is the box's login only).
@@ -187,6 +189,14 @@ class SmokeFailed(RgtError):
     exit_code = 19
 
 
+class WaitInterrupted(RgtError):
+    """A person's Ctrl-C (or a SIGTERM) ended a command's wait for what it had asked, which goes
+    on without it (`rgt-agent stop` of a live run: the agent carries the stop); 130, as a
+    shell's Ctrl-C."""
+
+    exit_code = 130
+
+
 # Exit codes of `rgt-agent run` by final state, so a Slurm or Kubernetes wrapper can act on them.
 FINAL_EXIT_CODES = {
     "SUCCEEDED": 0,
@@ -229,6 +239,7 @@ _BY_CODE = {
         NotReconciled,
         SmokeFailed,
         MeterNotSent,
+        WaitInterrupted,
     )
 }
 

@@ -369,6 +369,60 @@ def test_ctrl_c_ends_the_wait_of_a_stop_ending_leftovers_and_says_what_is_left(c
     assert "no process of attempt 1 remains" in p.stdout, p.stdout
 
 
+@pytest.mark.parametrize("agent", ["alive", "gone"])
+def test_ctrl_c_ends_the_wait_of_a_stop_of_a_live_run_and_the_stop_goes_on(
+    cli: Cli, agent: str
+) -> None:
+    """`rgt-agent stop` of a live run whose job ignores SIGTERM waits out the job's grace. A
+    person's Ctrl-C then ended it silently (exit 130, no word) while the run's agent stopped
+    it; and with no agent (killed with its shim), the command stopped the run in its own
+    process and ignored the Ctrl-C until the grace was over. Now the wait ends at once, saying
+    the stop goes on in the agent, which an agent does: the job keeps its grace (alive when the
+    command returns), the run is STOPPING under a live agent, and it ends STOPPED."""
+    cli("start", "--name", "cc", "--grace", "120", "--", *fixture("ignore_term.py"), check=True)
+    st = cli.wait_state("cc", "STARTING", "RUNNING")
+    cli.wait_output("cc", "unkillable")
+    job = procfs.identity(st["pid"])
+    assert job is not None
+    if agent == "gone":  # killed with its shim (which would start it again), the job alive
+        with open(os.path.join(cli.home, "runs", "cc", "attempts", "0001", "job.json")) as f:
+            shim = json.load(f)["shim"]["pid"]
+        for pid in (shim, st["agent"]["pid"]):
+            os.kill(pid, signal.SIGKILL)
+        _wait_gone([shim, st["agent"]["pid"]])
+        cli.wait_for("cc", lambda s: not s["agent"]["alive"], what="the agent's lock to go")
+    stop = subprocess.Popen(
+        [*agent_exe(), "stop", "cc"], env=cli.env, cwd=cli.home,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        cli.wait_state("cc", "STOPPING")
+        # The command asked and waits (asleep in the kernel) for the job's 120 s of grace.
+        deadline = time.monotonic() + 60
+        while (ps := procfs.read_stat(stop.pid)) is not None and ps.state != "S":
+            assert time.monotonic() < deadline, "the stop never waited"
+            time.sleep(0.01)
+        os.kill(stop.pid, signal.SIGINT)
+        out, err = stop.communicate(timeout=60)
+    finally:
+        if stop.poll() is None:
+            stop.kill()
+            stop.wait()
+    assert stop.returncode == 130, (out, err)
+    assert "interrupted (SIGINT) while waiting for run 'cc' to stop" in err, err
+    assert "goes on in its agent" in err and "the run will be STOPPED" in err, err
+    assert "rgt-agent status cc" in err, err
+    # Neither cancelled nor torn: the job has its grace, a live agent carries the stop.
+    assert procfs.is_alive(job), "the Ctrl-C cut the job's grace short"
+    now = cli.peek("cc")
+    assert now["state"] == "STOPPING" and now["agent"]["alive"], now
+    assert now["stop"]["reason"] == "stop", now
+    # A second stop hastens it (the sooner SIGKILL wins) and finds the agent carrying it.
+    cli("stop", "cc", "--grace", "1", check=True)
+    cli.wait_over("cc", "STOPPED")
+    assert not procfs.is_alive(job)
+
+
 def test_stop_gives_the_job_its_grace_before_sigkill(cli: Cli) -> None:
     cli("start", "--name", "r8", "--", *fixture("ignore_term.py"), check=True)
     cli.wait_state("r8", "STARTING", "RUNNING")

@@ -139,16 +139,11 @@ def start(
         from onbox.agent.boot import record_opt_in
 
         record_opt_in(rd)
-    from onbox.agent.beginning import cut_since, events_end  # (lazily, as in _claim)
-    from onbox.agent.detach import NotStarted, detach
+    from onbox.agent.detach import detach  # (lazily, as in _claim)
 
-    # Raises what the agent said when the run did not start (FAILED, or ended before its
-    # first attempt: onbox/agent/detach.py); a taken-over run's cut restore is said here.
-    since = events_end(rd)
+    # Raises what the agent said when the run did not start (FAILED, or ended before its job
+    # started: onbox/agent/detach.py). Meanwhile what it does (a restore) goes on stderr.
     msg = detach(rd, lock, _warn)
-    ended = cut_since(rd, since) if msg.get("adopted") else None
-    if ended:
-        raise NotStarted(rd.name, ended)
     verb = "re-attached to" if msg.get("adopted") else "started"
     _emit(
         f"{verb} run {rd.name}: agent pid {msg['pid']}, job pid {msg.get('job_pid')}, "

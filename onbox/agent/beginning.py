@@ -4,23 +4,16 @@ before its first attempt (``SealService.start``, onbox/agent/sealservice.py).
 What failed there is said as it is (``begin_failure``): "nothing to resume from" only when
 checkpoints were sealed and none of them is usable; a store that refuses the credentials when
 the epoch is taken is a failed epoch, not a missing checkpoint. A SIGTERM or SIGINT while it runs
-cuts it short (``Interrupted``, ``tell_interrupted``), also for an agent that takes over a run
-(``adopt``) and restores after a power-on: `rgt-agent start` reads that as a run that did not
-start (``cut_since``), as the agent's ready message says it for a run that had not run. Which
-step it resumed from when newer ones were unusable becomes a warning for status
-(``fallback_warning``).
+cuts it short (``Interrupted``, ``tell_interrupted``); which step it resumed from when newer ones
+were unusable becomes a warning for status (``fallback_warning``).
 """
 
 from __future__ import annotations
 
-import os
 import signal
 from typing import Any, Callable, Dict, List, Optional
 
-from onbox.common import jsondoc
-from onbox.common.durable import read_json
 from onbox.common.errors import RgtError
-from onbox.common.rundir import RunDir
 from onbox.sealing.restore import NoVerifiedCheckpoint
 
 
@@ -46,43 +39,6 @@ def tell_interrupted(event: Callable[..., None], signum: int) -> None:
         klass="transient",
         remedy="start the run again (a power-on does: `rgt-agent boot`); it restores afresh",
     )
-
-
-def events_end(rd: RunDir) -> int:
-    """Where the run's events file ends now: what an agent spawned next writes comes after."""
-    try:
-        return os.path.getsize(rd.events)
-    except FileNotFoundError:
-        return 0
-
-
-def cut_since(rd: RunDir, offset: int) -> Optional[str]:
-    """The state the run ends in (PREEMPTED or STOPPED) when an agent's beginning was cut
-    (``restore_interrupted``) in the events written after ``offset``; else None.
-
-    For `rgt-agent start` of a run an agent takes over (``adopt``: it was running when the box
-    went down): the ready message comes once the stop the signal began is under way (STOPPING,
-    the job already gone), not once it ends, so it says "re-attached" where no job runs again.
-    The stop's reason, which the first signal set, names the state it ends in."""
-    try:
-        with open(rd.events, "rb") as f:
-            f.seek(offset)
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        return None
-    kinds = set()
-    for raw in lines:
-        try:
-            kinds.add(jsondoc.loads(raw).get("kind"))
-        except (ValueError, AttributeError):  # a torn line: not the one sought
-            continue
-    if "restore_interrupted" not in kinds:
-        return None
-    try:
-        stop = (read_json(rd.state) or {}).get("stop") or {}
-    except ValueError:
-        stop = {}
-    return "PREEMPTED" if stop.get("reason") == "preempt" else "STOPPED"
 
 
 def begin_failure(e: RgtError, doing: str) -> str:

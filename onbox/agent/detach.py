@@ -60,8 +60,9 @@ def beat_every() -> float:
 
 
 class NotStarted(RgtError):
-    """The run ended before its first attempt, while its agent prepared it: ``exit_code`` is
-    its final state's (FINAL_EXIT_CODES), as `rgt-agent run` exits."""
+    """The run ended before its job started (its first attempt, or the next one of a run an
+    agent took over after a power-on), while its agent prepared it: ``exit_code`` is its final
+    state's (FINAL_EXIT_CODES), as `rgt-agent run` exits."""
 
     def __init__(self, name: str, state: str) -> None:
         why = {
@@ -70,7 +71,7 @@ class NotStarted(RgtError):
         }.get(state, "it ended")
         super().__init__(
             f"run {name} did not start: {why} while its agent prepared it (took its epoch, "
-            f"restored from the store), before its first attempt; the run is {state}",
+            f"restored from the store), before the job started; the run is {state}",
             f"start it again: rgt-agent start --name {name}"
             + ("; a power-on does it too, rgt-agent boot" if state == "PREEMPTED" else ""),
         )
@@ -178,6 +179,8 @@ def detach(
         code = int(msg.get("exit_code") or 1)
         raise error_from_code(code, str(msg.get("what")), msg.get("remedy"))
     state = str(msg.get("state"))
+    if msg.get("cut") in ("PREEMPTED", "STOPPED"):  # its beginning cut by a signal
+        raise NotStarted(rd.name, str(msg["cut"]))
     if not msg.get("adopted") and state in TERMINAL_NAMES and FINAL_EXIT_CODES.get(state):
         raise NotStarted(rd.name, state)
     return msg

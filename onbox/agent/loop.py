@@ -121,6 +121,7 @@ class Agent:
         except UsageError as e:  # a spec.json edited by hand: supervise without the check
             log(rd.agent_log, f"resume check off: {e}")
         self.adopted = False
+        self.cut: Optional[str] = None  # the state a signal that cut the beginning ends it in
         self.journal.listeners.append(self._wake_on_takeover)
         self.notice: Optional[NoticeWatcher] = None  # the platform's preemption notice
         self.health: Optional[healthuse.AgentHealth] = None  # the probes (onbox/health/)
@@ -188,6 +189,9 @@ class Agent:
             self._interruptible = False
         except Interrupted as cut:  # run() ends the run as the signal asks, before any attempt
             tell_interrupted(self.journal.event, cut.signum)
+            # Said in the ready message: the job does not run (again), also for a run taken
+            # over, which is still STOPPING then (onbox/agent/detach.py NotStarted).
+            self.cut = "PREEMPTED" if cut.signum == signal.SIGTERM else "STOPPED"
             return
         except RgtError as e:
             self._interruptible = False
@@ -328,6 +332,7 @@ class Agent:
                     "state": sup.state.value,
                     "attempt": sup.attempt,
                     "adopted": self.adopted,
+                    **({"cut": self.cut} if self.cut else {}),
                 },
             )
         self._check_resume()

@@ -25,7 +25,7 @@ import os
 import shlex
 import subprocess
 import sys
-from typing import Callable, List, Optional
+from typing import Callable, List, NamedTuple, Optional
 
 import onbox
 from onbox.common import jobenv
@@ -227,40 +227,58 @@ def boot(say: Callable[[str], None], home: Optional[str] = None) -> int:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)  # two logins at once: the second finds nothing to do
         write_atomic(boot_id_path(home), (current_boot() + "\n").encode())
-        started = 0
-        for rd in all_runs(home):
-            if not resumable(rd):
-                continue
-            started += _start(rd, say)
-        return started
+        # Every run's `start` at once: each waits out its own restore (minutes from a remote
+        # store, and a power-on is when a disk comes back empty), and one run's must not hold
+        # back the next's. None is bounded in total: `start` gives up on an agent that goes
+        # silent (onbox/agent/detach.py), never on one that is busy.
+        starting = [_begin_start(rd) for rd in all_runs(home) if resumable(rd)]
+        return sum(_end_start(s, say) for s in starting)
     finally:
         os.close(fd)
 
 
-def _start(rd: RunDir, say: Callable[[str], None]) -> int:
-    """`rgt-agent start --name N`, as a user would type it after a power-on."""
+class _Starting(NamedTuple):
+    """One run's `rgt-agent start` under way (``proc`` None: it could not be run, ``why``)."""
+
+    rd: RunDir
+    mark: str
+    proc: Optional[subprocess.Popen[str]]
+    why: str
+
+
+def _begin_start(rd: RunDir) -> _Starting:
+    """`rgt-agent start --name N`, as a user would type it after a power-on, begun."""
     mark = os.path.join(rd.path, FROM_BOOT)
     write_json(mark, {"boot_id": current_boot()})
     env = {k: v for k, v in os.environ.items() if k != jobenv.ATTEMPT_TAG}
     env[jobenv.HOME] = rd.home
     try:
-        p = subprocess.run(
+        proc = subprocess.Popen(
             [sys.executable, "-m", "onbox.cli", "start", "--name", rd.name],
             env=env,
             stdin=subprocess.DEVNULL,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=120,
             cwd="/",
         )
-    except (OSError, subprocess.TimeoutExpired) as e:
-        say(f"rgt-agent boot: {rd.name}: {e}")
-        return 0
+    except OSError as e:
+        return _Starting(rd, mark, None, str(e))
+    return _Starting(rd, mark, proc, "")
+
+
+def _end_start(s: _Starting, say: Callable[[str], None]) -> int:
+    """Wait for ``s`` to end and say how it went: 1 when the run started, else 0."""
+    try:
+        if s.proc is None:
+            say(f"rgt-agent boot: {s.rd.name}: {s.why}")
+            return 0
+        out, err = s.proc.communicate()
     finally:
-        if not _agent_took(rd):
-            _unmark(mark)
-    say(f"rgt-agent boot: {rd.name}: {_outcome(p.returncode, p.stdout, p.stderr)}")
-    return 1 if p.returncode == 0 else 0
+        if not _agent_took(s.rd):
+            _unmark(s.mark)
+    say(f"rgt-agent boot: {s.rd.name}: {_outcome(s.proc.returncode, out, err)}")
+    return 1 if s.proc.returncode == 0 else 0
 
 
 def _outcome(code: int, out: str, err: str) -> str:

@@ -8,6 +8,7 @@ boot as new by changing the recorded one.
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
 import os
@@ -48,6 +49,7 @@ time.sleep(float(sys.argv[1]))  # bounded: then it ends by itself
 """
 
 
+BIG_PAD = 'z.writestr("version", str(step)); z.writestr("pad", os.urandom(5 << 20))'
 LIVE = ("STARTING", "RUNNING")
 
 
@@ -70,11 +72,15 @@ def _override(tmp_path: Any, cli: Cli, profile: str, boot_path: str) -> None:
     cli.env["RGT_PROFILES_DIR"] = str(d)
 
 
-def _start(cli: Cli, tmp_path: Any, name: str, profile: str, life: float = 120) -> str:
+def _start(
+    cli: Cli, tmp_path: Any, name: str, profile: str, life: float = 120, script: str = ""
+) -> str:
     root = str(tmp_path / "durable")
     os.makedirs(root, exist_ok=True)
-    script = tmp_path / "job.py"
-    script.write_text(JOB)
+    if not script:
+        script = str(tmp_path / "job.py")
+        with open(script, "w") as f:
+            f.write(JOB)
     job = os.path.join(cli.home, f"{name}.toml")
     with open(job, "w") as f:
         f.write(
@@ -292,3 +298,60 @@ def test_a_run_preempted_in_its_restore_after_a_power_loss_is_said_not_to_have_s
     st = cli.wait_over("b4", "PREEMPTED", timeout=60)
     assert st["attempt"] == 1 and len(_seen(cli, "b4")) == 1, st  # the job did not run again
     assert _kinds(cli, "b4", "adopt") and _kinds(cli, "b4", "restore_interrupted")
+
+
+def _step_is(root: str, name: str, step: int) -> bool:
+    return latest_step(root, name) == step
+
+
+def _back(cli: Cli, name: str) -> bool:
+    """Whether the run's job ran a second time (after the power-on)."""
+    return len(_seen(cli, name)) == 2
+
+
+def test_boot_starts_every_run_at_once_and_waits_out_a_long_restore(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """`rgt-agent boot` ran each run's `start` in turn with 120 s in all: a run whose restore
+    was long held back every run after it, and one longer than 120 s was said not started while
+    its agent went on. Every run's start now begins at once, and each is waited out (its agent's
+    silence bounds it, never its length): here the first run's restore is held until the test
+    lets it go, and the second run is back meanwhile."""
+    hook = str(tmp_path / "rgt-agent.sh")
+    _override(tmp_path, cli, "autodl", hook)
+    big = tmp_path / "big.py"  # step 1 with 5 MiB beside it: copied in pieces, so it holds
+    big.write_text(JOB.replace('z.writestr("version", str(step))', BIG_PAD))
+    root = _start(cli, tmp_path, "b1long", "autodl", script=str(big))
+    _start(cli, tmp_path, "b2short", "autodl")
+    for name in ("b1long", "b2short"):
+        wait(functools.partial(_step_is, root, name, 1), what=f"{name}'s step 1 sealed")
+        _power_loss(cli, name)
+    # b1long's checkpoint dir came back empty (a disk the power-off lost): it restores.
+    ckpt = os.path.join(cli.home, "runs", "b1long", "ckpt")
+    shutil.rmtree(ckpt)
+    os.makedirs(ckpt)
+    _new_boot(cli)
+    release = tmp_path / "release"
+    p = subprocess.Popen(
+        boot_command(),
+        env=dict(cli.env, RGT_HOLD_AT="copy.after_piece", RGT_HOLD_UNTIL=str(release)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd="/",
+    )
+    try:
+        # b1long's restore holds (it sorts first); b2short is back all the same.
+        wait(functools.partial(_back, cli, "b2short"), timeout=60, what="b2short back")
+        assert len(_seen(cli, "b1long")) == 1 and p.poll() is None
+        release.write_text("")
+        out, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 0, (out, err)
+    for name in ("b1long", "b2short"):
+        assert f"rgt-agent boot: {name}: re-attached to run {name}" in out, (out, err)
+        wait(functools.partial(_back, cli, name), what=f"{name}'s job back")
+        assert _seen(cli, name)[-1]["resume_from"].endswith("step_1.pt"), _seen(cli, name)

@@ -61,6 +61,7 @@ from onbox.common.errors import (
     LockedError,
     NotFound,
     RemoteUnreachable,
+    WaitInterrupted,
 )
 from onbox.common.rundir import profiles_dir
 from onbox.profiles.load import SHIPPED_DIR
@@ -345,6 +346,13 @@ def _start(
         # the run, so that `rgt status` finds it and the next deploy sees it live.
         registry.put(rec)
         raise
+    except KeyboardInterrupt:  # the person's Ctrl-C ends the wait, not the start on the box
+        registry.put(rec)
+        raise WaitInterrupted(
+            f"interrupted while {plan.target.label}'s agent started run {plan.name}: the start "
+            "goes on there (its restore, then the job)",
+            f"rgt status {plan.name} to see it; rgt stop {plan.name} to stop it",
+        ) from None
     if r.rc != 0:  # a preemption during the restore is said as such (startfail.py)
         raise start_failed(plan.target.label, plan.name, r.rc, r.err or r.text)
 

@@ -245,3 +245,49 @@ def test_a_relayed_start_is_cut_after_its_silence_and_its_stderr_reaches_the_ter
     assert "  | one?]0;pwned?\n" in err, err
     assert "  | rgt: forged\n" in err, err
     assert "\033" not in err, err
+
+
+def test_a_ctrl_c_of_rgt_run_during_a_long_start_leaves_the_run_known_to_the_laptop(
+    cli: Cli, tmp_path: Any, controller_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C of `rgt run` while the box's agent restores (minutes, now waited out) ended
+    rgt with a traceback and no record of the run on the laptop, while the agent on the box
+    went on and started the job: `rgt status` knew nothing of it. rgt now records the run,
+    says the start goes on on the box and how to see it, and exits 130."""
+    monkeypatch.setenv("RGT_BOX_HOME", cli.home)
+    root = str(tmp_path / "durable")
+    os.makedirs(root)
+    _seal(root, tmp_path, "dep")
+    release = str(tmp_path / "release")
+    env = dict(
+        os.environ, RGT_HOLD_AT="copy.after_piece", RGT_HOLD_UNTIL=release, PYTHONUNBUFFERED="1"
+    )
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "job.py").write_text(
+        "import os\nprint('resume=' + os.environ['RGT_RESUME_FROM'], flush=True)\n"
+    )
+    rgt = [sys.executable, "-c", "import sys; from controller.cli import main; sys.exit(main())"]
+    p = subprocess.Popen(
+        [*rgt, "deploy", "local", "--name", "dep", "--python", sys.executable, "--project",
+         str(proj), "--store", f"file://{root}", "--", sys.executable, "job.py"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        stage = os.path.join(cli.home, "**", STAGE_PREFIX + "*")
+        _until("the box's restore to begin", lambda: bool(glob.glob(stage, recursive=True)))
+        os.kill(p.pid, signal.SIGINT)  # the person's Ctrl-C, to rgt (ssh would not pass it on)
+        out, err = p.communicate(timeout=60)
+    finally:
+        open(release, "w").close()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 130, (out, err)
+    assert "Traceback" not in err, err
+    assert "rgt status dep" in err, err
+    st = subprocess.run([*rgt, "status", "dep"], env=env, capture_output=True, text=True)
+    assert st.returncode == 0, (st.stdout, st.stderr)
+    assert "dep" in st.stdout, st.stdout
+    out = cli.wait_output("dep", "resume=")  # the box went on: restored and started the job
+    assert f"ckpt_{STEP}" in out, out

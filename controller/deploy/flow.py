@@ -44,12 +44,12 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from controller import boxrun, contacts, envnames
 from controller.deploy import audit as auditmod
 from controller.deploy import guess as guessmod
+from controller.deploy.boxstart import start_on_box
 from controller.deploy.install import AgentInstall, answers_version, found_install, install_agent
 from controller.deploy.probe import Probed
 from controller.deploy.project import project_files, release_id
 from controller.deploy.release import PushResult, push_release, switch_current
 from controller.deploy.request import DeployRequest, Plan, check_on_done, check_request
-from controller.deploy.startfail import start_failed
 from controller.deploy.wheel import AgentWheel, agent_wheel
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, box_int, open_remote
@@ -60,16 +60,11 @@ from onbox.common.errors import (
     HostError,
     LockedError,
     NotFound,
-    RemoteUnreachable,
-    WaitInterrupted,
 )
 from onbox.common.rundir import profiles_dir
 from onbox.profiles.load import SHIPPED_DIR
 
 FIRST_LINE_TIMEOUT = 60.0
-# The longest silence of `rgt-agent start` (it says how its agent's restore goes every few
-# seconds: onbox/agent/detach.py PROGRESS_EVERY).
-START_SILENCE = 120.0
 FIRST_BYTES = 64 << 10  # of the job's log read for its first line
 
 
@@ -151,7 +146,8 @@ def deploy(
 
             opts = _agent_args("run", plan, store, tail=False)[5:]  # after --profile P
             return submit_run(remote, registry, plan.slurm, rec, opts, plan.job_rel, prev, say)
-        _start(remote, registry, plan, rec, store, pushed)
+        argv = rec.agent_argv(*_agent_args("start", plan, store))
+        start_on_box(remote, registry, rec, plan.target.label, argv, pushed.path)
         registry.put(rec)
         switch_current(remote, box_home, plan.name, pushed.id)
         _wait_first_line(remote, rec, say)
@@ -317,44 +313,6 @@ def _store_secrets(
     if r.rc != 0:
         raise HostError(f"storing the secrets on the box failed: {r.err.strip()}")
     say(f"rgt: secrets {', '.join(sorted(secrets))} stored on the box (0600)")
-
-
-def _start(
-    remote: Remote,
-    registry: Registry,
-    plan: Plan,
-    rec: RunRecord,
-    store: Optional[str],
-    pushed: PushResult,
-) -> None:
-    """``rgt-agent start`` in the release's directory (it returns once the job runs).
-
-    The start waits for the agent's restore, minutes for a large checkpoint; meanwhile it says
-    what the agent is doing on its stderr (onbox/agent/detach.py), which is shown as it comes.
-    So START_SILENCE bounds its silence, not its run; ssh's keepalive finds a dead link."""
-    args = _agent_args("start", plan, store)
-    try:
-        r = remote.sh(
-            'cd "$1" || exit 9; shift; exec "$@"',
-            pushed.path,
-            *rec.agent_argv(*args),
-            timeout=START_SILENCE,
-            relay=True,
-        )
-    except RemoteUnreachable:
-        # The link went while the agent was starting, so it may well be running: remember
-        # the run, so that `rgt status` finds it and the next deploy sees it live.
-        registry.put(rec)
-        raise
-    except KeyboardInterrupt:  # the person's Ctrl-C ends the wait, not the start on the box
-        registry.put(rec)
-        raise WaitInterrupted(
-            f"interrupted while {plan.target.label}'s agent started run {plan.name}: the start "
-            "goes on there (its restore, then the job)",
-            f"rgt status {plan.name} to see it; rgt stop {plan.name} to stop it",
-        ) from None
-    if r.rc != 0:  # a preemption during the restore is said as such (startfail.py)
-        raise start_failed(plan.target.label, plan.name, r.rc, r.err or r.text)
 
 
 def _agent_args(verb: str, plan: Plan, store: Optional[str], tail: bool = True) -> List[str]:

@@ -28,7 +28,7 @@ from typing import Any, Dict, List
 
 import pytest
 
-from controller.deploy.startfail import start_failed
+from controller.deploy.boxstart import start_failed
 from onbox.agent import procfs
 from onbox.common.errors import FINAL_EXIT_CODES
 from onbox.common.faults import STOP_AFTER_EVENT

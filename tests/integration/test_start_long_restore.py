@@ -29,7 +29,7 @@ from typing import Any, Callable, List, Tuple
 import pytest
 
 from controller.cli import main as rgt_main
-from controller.deploy import flow
+from controller.deploy import boxstart
 from controller.remote import LocalRemote
 from onbox.agent import procfs
 from onbox.common.errors import RemoteUnreachable
@@ -192,7 +192,7 @@ def test_rgt_run_waits_for_a_box_start_that_outlasts_its_bound_and_shows_the_pro
     which says how the restore goes; its lines reach the user's terminal, quoted. A ``local``
     target runs the same commands as an ssh box."""
     laptop_silence = 3 * SILENCE
-    monkeypatch.setattr(flow, "START_SILENCE", laptop_silence)
+    monkeypatch.setattr(boxstart, "START_SILENCE", laptop_silence)
     monkeypatch.setenv("RGT_BOX_HOME", cli.home)
     root = str(tmp_path / "durable")
     os.makedirs(root)

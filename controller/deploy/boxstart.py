@@ -1,0 +1,77 @@
+"""The deploy's last step: ``rgt-agent start`` on the box (``start_on_box``), and what the
+laptop says when it fails (``start_failed``).
+
+The start returns once the job runs, so it waits for the agent's restore: minutes for a large
+checkpoint. Meanwhile it says what the agent is doing on its stderr (onbox/agent/detach.py),
+shown as it comes, so START_SILENCE bounds its silence, not its run; ssh's keepalive finds a
+dead link. Whatever ends the laptop's wait (the link gone, a person's Ctrl-C), the run is
+recorded: its agent may well be starting it.
+
+Most failures are said as the box said them. One is not a failure of the start at all: the box's
+agent took its epoch and restored the run's checkpoint, and a SIGTERM (the box preempted) or a
+stop came before the job started, so the run ended PREEMPTED (exit 13) or STOPPED (exit 12)
+before its first attempt (onbox/agent/detach.py ``NotStarted``). That is said as what happened,
+with what to do, and `rgt run` exits with the box's code (13 or 12), as `rgt-agent run` does.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from controller.registry import Registry, RunRecord
+from controller.remote import Remote
+from onbox.common.errors import FINAL_EXIT_CODES, RemoteUnreachable, RgtError, WaitInterrupted
+
+# The longest silence of `rgt-agent start` (it says how its agent's restore goes every few
+# seconds: onbox/agent/detach.py PROGRESS_EVERY).
+START_SILENCE = 120.0
+
+_WHY = {
+    "PREEMPTED": "the box was preempted (SIGTERM to its agent)",
+    "STOPPED": "a stop (Ctrl-C on the box, `rgt stop`) came",
+}
+_REMEDY = {
+    "PREEMPTED": "run `rgt run` again, on this box once it is back or on another with the same "
+    "store: the run restores its newest sealed checkpoint and resumes from it",
+    "STOPPED": "run `rgt run` again to start it; it restores its newest sealed checkpoint",
+}
+
+
+def start_failed(label: str, name: str, rc: int, said: str) -> RgtError:
+    """The error for ``rgt-agent start`` of run ``name`` exiting ``rc`` on ``label``, which
+    printed ``said`` (its stderr, or its stdout when that is empty)."""
+    state = next((s for s, code in FINAL_EXIT_CODES.items() if code == rc and s in _WHY), None)
+    if state is None:
+        return RgtError(f"rgt-agent start failed on {label} (exit {rc}): {said.strip()}")
+    err = RgtError(
+        f"run {name} did not start on {label}: {_WHY[state]} while its agent restored the "
+        f"run's checkpoint, before the job started; the run is {state}",
+        _REMEDY[state],
+    )
+    err.exit_code = rc
+    return err
+
+
+def start_on_box(
+    remote: Remote, registry: Registry, rec: RunRecord, label: str, argv: Sequence[str], path: str
+) -> None:
+    """``argv`` (the agent's start of run ``rec``) in the release's directory ``path`` on
+    ``label``; returns once the job runs."""
+    try:
+        r = remote.sh(
+            'cd "$1" || exit 9; shift; exec "$@"', path, *argv, timeout=START_SILENCE, relay=True
+        )
+    except RemoteUnreachable:
+        # The link went while the agent was starting, so it may well be running: remember
+        # the run, so that `rgt status` finds it and the next deploy sees it live.
+        registry.put(rec)
+        raise
+    except KeyboardInterrupt:  # the person's Ctrl-C ends the wait, not the start on the box
+        registry.put(rec)
+        raise WaitInterrupted(
+            f"interrupted while {label}'s agent started run {rec.name}: the start goes on "
+            "there (its restore, then the job)",
+            f"rgt status {rec.name} to see it; rgt stop {rec.name} to stop it",
+        ) from None
+    if r.rc != 0:  # a preemption during the restore is said as such
+        raise start_failed(label, rec.name, r.rc, r.err or r.text)

@@ -42,7 +42,7 @@ def start_failed(label: str, name: str, rc: int, said: str) -> RgtError:
     printed ``said`` (its stderr, or its stdout when that is empty)."""
     state = next((s for s, code in FINAL_EXIT_CODES.items() if code == rc and s in _WHY), None)
     if state is None:
-        return RgtError(f"rgt-agent start failed on {label} (exit {rc}): {said.strip()}")
+        return RgtError(f"rgt-agent start failed on {label} (exit {rc}): {_its_error(said)}")
     err = RgtError(
         f"run {name} did not start on {label}: {_WHY[state]} while its agent restored the "
         f"run's checkpoint, before the job started; the run is {state}",
@@ -50,6 +50,17 @@ def start_failed(label: str, name: str, rc: int, said: str) -> RgtError:
     )
     err.exit_code = rc
     return err
+
+
+def _its_error(said: str) -> str:
+    """What the start said of its failure: from its last ``rgt:`` line on (its error, with the
+    lines that error carries), else all of it. Its progress and warnings were on the terminal
+    as they came (the relay): not again in the error."""
+    lines = said.strip().splitlines()
+    last = max((i for i, ln in enumerate(lines) if ln.startswith("rgt: ")), default=None)
+    if last is None:
+        return "\n".join(lines)
+    return "\n".join([lines[last][len("rgt: ") :], *lines[last + 1 :]])
 
 
 def start_on_box(

@@ -30,6 +30,7 @@ import pytest
 
 from controller.cli import main as rgt_main
 from controller.deploy import boxstart
+from controller.deploy.boxstart import start_failed
 from controller.remote import LocalRemote
 from onbox.agent import procfs
 from onbox.common.errors import RemoteUnreachable
@@ -170,6 +171,7 @@ def test_start_gives_up_on_an_agent_that_goes_silent_mid_restore(cli: Cli, tmp_p
     try:
         agent = _agent_of(start)
         _until("the agent never began its restore", lambda: _restoring(ckpt))
+        _until("start never said the restore's progress", lambda: "restoring" in _err(tmp_path))
         os.kill(agent, signal.SIGSTOP)
         out, err = _finish(start, tmp_path)
     finally:
@@ -177,6 +179,19 @@ def test_start_gives_up_on_an_agent_that_goes_silent_mid_restore(cli: Cli, tmp_p
     assert start.returncode == 9, (out, err)
     assert f"the agent for {RUN!r} did not come up" in err, err
     assert "started" not in out, out
+    # The laptop's error for it (`rgt run`) is the start's error, not its progress again
+    # (that reached the terminal as it came).
+    e = start_failed("box1", RUN, start.returncode, err)
+    assert f"the agent for {RUN!r} did not come up" in e.what, e.what
+    assert "restoring" not in e.what, e.what
+
+
+def _err(tmp_path: Any) -> str:
+    try:
+        with open(os.path.join(str(tmp_path), "start.err")) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
 
 
 def test_rgt_run_waits_for_a_box_start_that_outlasts_its_bound_and_shows_the_progress(

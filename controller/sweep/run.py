@@ -151,7 +151,9 @@ class Driver:
             return "failed"
         if alive and (state in LIVE_NAMES or state == "SUCCEEDED"):
             return "live"  # SUCCEEDED and alive: the completion seal is on its way
-        return "dead"
+        # The agent writes DONE.json before it lets go of the run: one that ended between the
+        # look at the store above and the status (SUCCEEDED, its agent gone) is done, not dead.
+        return "done" if self._done(run) else "dead"
 
     def _deploy(self, box: Box, name: str, run: str) -> None:
         from controller.deploy.flow import deploy

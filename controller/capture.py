@@ -16,9 +16,9 @@ child takes it. Of stdout it keeps at most ``limit`` bytes, and past them (``ove
 With ``sink`` the stdout is written there as it comes (``rgt logs``: the job's bytes, raw) and
 none of it is kept; ``timeout`` is then the most seconds without a byte. With ``relay`` the
 stderr goes on to the user's terminal a line at a time as it comes (``LineRelay``), besides
-being kept, and ``timeout`` is the most seconds without a byte on either pipe: a command that
+being kept, and ``timeout`` is the most seconds without a byte on the stderr: a command that
 says how it is getting on there (`rgt-agent start` in a long restore) is waited for as long as
-it does. stderr is never a
+it does (its stdout, kept whole, is what it prints at the end). stderr is never a
 failure: its first ERR_HEAD and last ERR_TAIL bytes are kept (ssh and a login shell say why a
 connection failed first; a command's error is in its last lines), the middle dropped with a
 marker. Killing ssh ends the session on the box: its sshd closes the command's pipes, and the
@@ -157,7 +157,7 @@ def _pump(
     """Feed ``input`` and read both pipes until they close (False), or until stdout went past
     its limit with over "fail" or "cut" (True: the caller kills the child); and the deadline
     then. TimeoutExpired past ``timeout`` (with a ``sink``: that long without a byte of
-    stdout; with ``shown``, the stderr's relay: that long without a byte of either)."""
+    stdout; with ``shown``, the stderr's relay: that long without a byte of the stderr)."""
     assert p.stdout is not None and p.stderr is not None
     never = timeout is None
     timeout = float("inf") if timeout is None else timeout

@@ -285,12 +285,15 @@ def _outcome(code: int, out: str, err: str) -> str:
     """What `rgt-agent start` did, in one line (its first line saying so): started or
     re-attached; else its error (the ``rgt:`` line: for a run preempted or stopped during its
     restore, onbox/agent/detach.py ``NotStarted`` says so and what to do), then whatever else
-    it printed on stderr (its warnings), on lines of their own."""
+    it printed on stderr (its warnings), on lines of their own; not its progress (a long
+    restore's ``rgt-agent: ...`` lines, onbox/agent/detach.py ``Progress``)."""
     if code == 0:
         lines = out.strip().splitlines()
         said = [ln for ln in lines if ln.startswith(("started", "re-attached", "run "))]
         return (said or lines or ["started (`rgt-agent start` printed nothing)"])[0]
-    lines = err.strip().splitlines()
+    from onbox.agent.detach import PROGRESS_PREFIX  # (lazily: a boot with nothing failed)
+
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith(PROGRESS_PREFIX)]
     errors = [ln for ln in lines if ln.startswith("rgt: ")]
     why = errors[-1][len("rgt: ") :] if errors else f"`rgt-agent start` failed (exit {code})"
     rest = [ln for ln in lines if not errors or ln != errors[-1]]

@@ -40,7 +40,11 @@ from onbox.common.terminal import printable
 READY_TIMEOUT = 10.0
 SILENCE_ENV = "RGT_TEST_READY_SILENCE"
 PROGRESS_EVERY = 10.0  # `start` repeats the agent's progress this often (and on a new step)
+PROGRESS_PREFIX = "rgt-agent: "  # each progress line's, as `boot` tells them from the rest
 QUIET = 2.0  # and says none of it in a start's first seconds: a quick start prints as before
+# A beat is one write to a non-blocking pipe: within PIPE_BUF the kernel writes it whole or not
+# at all (a full pipe: the beat is dropped); beyond it, it may write part of the line.
+BEAT_MAX = select.PIPE_BUF
 
 
 def ready_silence() -> float:
@@ -101,32 +105,46 @@ class ReadyPipe:
                 msg = self.working()
             except Exception:  # a sign of life all the same; what it says is only for show
                 msg = {"working": "preparing the run"}
-            msg["working"] = str(msg.get("working"))[:500]  # one line well within PIPE_BUF
+            line = beat_line(msg)
             with self._lock:
                 if self._said.is_set():
                     return
                 try:
-                    os.write(self.fd, (json.dumps(msg) + "\n").encode())
+                    os.write(self.fd, line)
                 except OSError:  # full (a reader behind), or gone: the next beat tries again
                     pass
             self._said.wait(every)
 
     def say(self, msg: Dict[str, Any]) -> None:
-        """Write the ready message (after the last beat) and close the pipe. A reader that is
-        behind gets the silence bound to make room; then the message is dropped."""
+        """Write the ready message (after the last beat) whole, however long (an error's text),
+        and close the pipe. A reader that is behind gets the silence bound to make room for
+        each piece; then the rest is dropped, and `start` says the agent did not come up."""
         with self._lock:
             if self._said.is_set():
                 return
             self._said.set()
+            left = memoryview((json.dumps(msg) + "\n").encode())
             try:
                 poller = select.poll()
                 poller.register(self.fd, select.POLLOUT)
-                if poller.poll(int(ready_silence() * 1000)):
-                    os.write(self.fd, (json.dumps(msg) + "\n").encode())
-            except OSError:
+                while left and poller.poll(int(ready_silence() * 1000)):
+                    left = left[os.write(self.fd, left) :]
+            except OSError:  # the reader gone: `start` gave up waiting
                 pass
             finally:
                 os.close(self.fd)
+
+
+def beat_line(msg: Dict[str, Any]) -> bytes:
+    """The beat ``msg`` as one line of at most BEAT_MAX bytes: its text shortened until it
+    fits (json.dumps escapes a character outside ASCII into up to 12 bytes)."""
+    text = str(msg.get("working"))[:500]
+    sizes = {k: msg[k] for k in ("done", "total") if isinstance(msg.get(k), int)}
+    while True:
+        line = (json.dumps({"working": text, **sizes}) + "\n").encode()
+        if len(line) <= BEAT_MAX or not text:
+            return line
+        text = text[: len(text) // 2]
 
 
 class Progress:
@@ -149,7 +167,7 @@ class Progress:
             what_now = f"{what}: {human(done)} of {human(total)}"
         else:
             what_now = what
-        self.tell(f"rgt-agent: {what_now}")
+        self.tell(f"{PROGRESS_PREFIX}{what_now}")
         self._last, self._at = what, now
 
 
@@ -169,9 +187,9 @@ def detach(
         lock.release()
     try:
         msg = read_ready(r, ready_silence(), Progress(tell or (lambda line: None)))
-    except HostError:
+    except HostError as e:  # silent, gone, or a message it could not read (e.what)
         raise HostError(
-            f"the agent for {rd.name!r} did not come up", f"see {rd.agent_log}"
+            f"the agent for {rd.name!r} did not come up: {e.what}", f"see {rd.agent_log}"
         ) from None
     finally:
         os.close(r)

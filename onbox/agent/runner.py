@@ -27,6 +27,7 @@ from onbox.common import jobenv
 from onbox.common.durable import read_json, write_json
 from onbox.common.errors import HostError
 from onbox.common.rundir import RunDir
+from onbox.common.terminal import printable
 
 TAIL_BYTES = 16384
 # Without pidfds (Linux < 5.3) the agent looks for the shim's exit this often.
@@ -442,7 +443,13 @@ def read_ready(
                 raise HostError("the process did not report ready in time", "see the agent log")
             buf += chunk
         line, buf = buf.split(b"\n", 1)
-        msg: Dict[str, Any] = json.loads(line.decode(errors="replace"))
+        try:
+            msg = json.loads(line.decode(errors="replace"))
+        except ValueError:
+            msg = None
+        if not isinstance(msg, dict):  # never written so by an agent of this version
+            said = printable(line[:200].decode(errors="replace"))
+            raise HostError(f"the process's ready message was unreadable: {said}", "see its log")
         if "working" not in msg:
             return msg
         working(msg)

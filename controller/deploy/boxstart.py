@@ -5,7 +5,8 @@ The start returns once the job runs, so it waits for the agent's restore: minute
 checkpoint. Meanwhile it says what the agent is doing on its stderr (onbox/agent/detach.py),
 shown as it comes, so START_SILENCE bounds its silence, not its run; ssh's keepalive finds a
 dead link. Whatever ends the laptop's wait (the link gone, a person's Ctrl-C), the run is
-recorded: its agent may well be starting it.
+recorded: its agent may well be starting it. So is a run that ended before its job started
+(below): the box holds it in that state, and `rgt run` there again resumes it.
 
 Most failures are said as the box said them. One is not a failure of the start at all: the box's
 agent took its epoch and restored the run's checkpoint, and a SIGTERM (the box preempted) or a
@@ -85,4 +86,7 @@ def start_on_box(
             f"rgt status {rec.name} to see it; rgt stop {rec.name} to stop it",
         ) from None
     if r.rc != 0:  # a preemption during the restore is said as such
-        raise start_failed(label, rec.name, r.rc, r.err or r.text)
+        err = start_failed(label, rec.name, r.rc, r.err or r.text)
+        if err.exit_code in (FINAL_EXIT_CODES["PREEMPTED"], FINAL_EXIT_CODES["STOPPED"]):
+            registry.put(rec)  # the run is there, in that state: `rgt status` must find it
+        raise err

@@ -306,3 +306,43 @@ def test_a_ctrl_c_of_rgt_run_during_a_long_start_leaves_the_run_known_to_the_lap
     assert "dep" in st.stdout, st.stdout
     out = cli.wait_output("dep", "resume=")  # the box went on: restored and started the job
     assert f"ckpt_{STEP}" in out, out
+
+
+def test_rgt_run_of_a_box_preempted_in_its_restore_leaves_the_run_known_to_the_laptop(
+    cli: Cli, tmp_path: Any, controller_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The box is preempted (SIGTERM to its agent) while its agent restores: `rgt run` exits 13
+    and says the run did not start. It left no record of the run on the laptop, so `rgt status`
+    said it knew no such run while the box held it PREEMPTED (and `rgt run` there again, as the
+    error says, found no previous run to compare with). The run is recorded now."""
+    monkeypatch.setenv("RGT_BOX_HOME", cli.home)
+    root = str(tmp_path / "durable")
+    os.makedirs(root)
+    _seal(root, tmp_path, "dep")
+    release = str(tmp_path / "release")
+    env = dict(os.environ, RGT_HOLD_AT="copy.after_piece", RGT_HOLD_UNTIL=release)
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "job.py").write_text("print('trained', flush=True)\n")
+    rgt = [sys.executable, "-c", "import sys; from controller.cli import main; sys.exit(main())"]
+    p = subprocess.Popen(
+        [*rgt, "deploy", "local", "--name", "dep", "--python", sys.executable, "--project",
+         str(proj), "--store", f"file://{root}", "--", sys.executable, "job.py"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        stage = os.path.join(cli.home, "**", STAGE_PREFIX + "*")
+        _until("the box's restore to begin", lambda: bool(glob.glob(stage, recursive=True)))
+        agent = cli.peek("dep")["agent"]["pid"]
+        os.kill(agent, signal.SIGTERM)  # the box's preemption
+        out, err = p.communicate(timeout=120)
+    finally:
+        open(release, "w").close()
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == 13, (out, err)
+    assert "run dep did not start on" in err and "the run is PREEMPTED" in err, err
+    st = subprocess.run([*rgt, "status", "dep"], env=env, capture_output=True, text=True)
+    assert st.returncode == 0, (st.stdout, st.stderr)
+    assert "PREEMPTED" in st.stdout, st.stdout

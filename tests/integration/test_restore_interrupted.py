@@ -24,7 +24,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import pytest
 
@@ -93,6 +93,26 @@ def _child_of(parent: int, deadline: float) -> int:
     raise AssertionError("`rgt-agent start` spawned no agent")
 
 
+@contextlib.contextmanager
+def _starting(cli: Cli, url: str, **env: str) -> Iterator[subprocess.Popen[str]]:
+    """`rgt-agent start` of RUN from the store ``url``, with ``env`` added to its environment
+    (a hold point, a seam); killed by PID if it is still running when the test leaves."""
+    start = subprocess.Popen(
+        [*agent_exe(), "start", "--name", RUN, "--store", url, "--", *JOB],
+        env=dict(cli.env, **env),
+        cwd=cli.home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield start
+    finally:
+        if start.poll() is None:
+            start.kill()
+            start.wait()
+
+
 def _stopped(pid: int) -> None:
     """Until ``pid`` is stopped (or gone)."""
     while True:
@@ -131,23 +151,11 @@ def test_a_signal_during_the_restore_ends_the_run_cleanly_and_the_next_start_res
     files = _seal_big(root, tmp_path)
     url = "file://" + root
     ckpt = os.path.join(cli.home, "runs", RUN, "ckpt")
-    start = subprocess.Popen(
-        [*agent_exe(), "start", "--name", RUN, "--store", url, "--", *JOB],
-        env=dict(cli.env, RGT_HOLD_AT=HOLD),
-        cwd=cli.home,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with _starting(cli, url, RGT_HOLD_AT=HOLD) as start:
         deadline = time.monotonic() + 60
         agent = _child_of(start.pid, deadline)
         _signal_mid_restore(agent, signal.Signals[sig], ckpt, deadline)
         out, err = start.communicate(timeout=60)
-    finally:
-        if start.poll() is None:
-            start.kill()
-            start.wait()
     # `start` says the run did not start, and exits as `run` does for that state (it printed
     # "started run cut: ..., PREEMPTED" and exited 0, as if the job were on its way).
     assert start.returncode == FINAL_EXIT_CODES[final_state], (out, err)
@@ -211,15 +219,7 @@ def test_a_sigterm_a_worker_thread_takes_stops_the_restore_all_the_same(
     os.makedirs(root)
     _seal_big(root, tmp_path)
     ckpt = os.path.join(cli.home, "runs", RUN, "ckpt")
-    start = subprocess.Popen(
-        [*agent_exe(), "start", "--name", RUN, "--store", "file://" + root, "--", *JOB],
-        env=dict(cli.env, RGT_HOLD_AT=HOLD),
-        cwd=cli.home,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with _starting(cli, "file://" + root, RGT_HOLD_AT=HOLD) as start:
         deadline = time.monotonic() + 60
         agent = _child_of(start.pid, deadline)
         _wait_mid_restore(ckpt, deadline)
@@ -237,10 +237,6 @@ def test_a_sigterm_a_worker_thread_takes_stops_the_restore_all_the_same(
         if libc.syscall(SYS_TGKILL, agent, workers[0], signal.SIGTERM) != 0:
             raise OSError(ctypes.get_errno(), "tgkill")
         out, err = start.communicate(timeout=60)
-    finally:
-        if start.poll() is None:
-            start.kill()
-            start.wait()
     assert start.returncode == FINAL_EXIT_CODES["PREEMPTED"], (out, err)
     cli.wait_over(RUN, "PREEMPTED", timeout=60)
     kinds = [e["kind"] for e in cli.events(RUN)]
@@ -273,17 +269,11 @@ def test_a_sigterm_stops_the_restore_of_one_large_file_part_way(cli: Cli, tmp_pa
     os.makedirs(root)
     _seal_one_big(root, tmp_path)
     ckpt = os.path.join(cli.home, "runs", RUN, "ckpt")
-    start = subprocess.Popen(
-        [*agent_exe(), "start", "--name", RUN, "--store", "file://" + root, "--", *JOB],
-        # The copy waits after each piece until the restore is stopped (onbox/common/faults.py):
-        # the SIGTERM lands mid-copy however slow the test is to send it.
-        env=dict(cli.env, RGT_HOLD_AT=HOLD),
-        cwd=cli.home,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    # The copy waits after each piece until the restore is stopped (onbox/common/faults.py):
+    # the SIGTERM lands mid-copy however slow the test is to send it.
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, root, ignore_errors=True)  # a GiB: not left for pytest
+        start = stack.enter_context(_starting(cli, "file://" + root, RGT_HOLD_AT=HOLD))
         deadline = time.monotonic() + 60
         agent = _child_of(start.pid, deadline)
         staged: List[str] = []
@@ -305,11 +295,6 @@ def test_a_sigterm_stops_the_restore_of_one_large_file_part_way(cli: Cli, tmp_pa
                 break
             time.sleep(0.001)
         start.communicate(timeout=60)
-    finally:
-        if start.poll() is None:
-            start.kill()
-            start.wait()
-        shutil.rmtree(root, ignore_errors=True)  # a GiB: not left for pytest's basetemp
     cli.wait_over(RUN, "PREEMPTED", timeout=60)
     assert [e["kind"] for e in cli.events(RUN) if e["kind"] == "restore_interrupted"] == [
         "restore_interrupted"
@@ -346,25 +331,13 @@ def test_a_signal_just_as_the_restore_completes_ends_the_run_as_one_mid_restore_
     os.makedirs(root)
     _seal_small(root, tmp_path)
     url = "file://" + root
-    start = subprocess.Popen(
-        [*agent_exe(), "start", "--name", RUN, "--store", url, "--", *JOB],
-        env=dict(cli.env, **{STOP_AFTER_EVENT: "restored"}),
-        cwd=cli.home,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
+    with _starting(cli, url, **{STOP_AFTER_EVENT: "restored"}) as start:
         agent = _child_of(start.pid, time.monotonic() + 60)
         _stopped(agent)  # after its `restored` event, by itself
         assert [e["kind"] for e in cli.events(RUN)][-1] == "restored"
         os.kill(agent, signal.Signals[sig])  # delivered at SIGCONT: no later, no sooner
         os.kill(agent, signal.SIGCONT)
         out, err = start.communicate(timeout=60)
-    finally:
-        if start.poll() is None:
-            start.kill()
-            start.wait()
     assert start.returncode == FINAL_EXIT_CODES[final_state], (out, err)
     assert f"run {RUN} did not start" in err and final_state in err, err
     st = cli.wait_over(RUN, final_state, timeout=60)

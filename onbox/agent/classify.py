@@ -13,6 +13,8 @@ import re
 import signal
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from onbox.agent import launchers
+
 
 @dataclasses.dataclass(frozen=True)
 class ExitStatus:
@@ -46,6 +48,8 @@ class Kind(str, enum.Enum):
     # policy is to stop (a NaN loss).
     STALLED = "stalled"
     HEALTH = "health"
+    # A collective failed because another rank stopped taking part (onbox/agent/launchers.py).
+    PEER_LOST = "peer_lost"
 
 
 class Budget(str, enum.Enum):
@@ -198,6 +202,31 @@ def _resource_verdict(
     return None
 
 
+def _peer_verdict(status: ExitStatus, tail: str, step: Optional[int]) -> Optional[Verdict]:
+    """The end's verdict when the process failed because a peer rank stopped taking part in a
+    collective: its last exception says so, or NCCL's watchdog aborted it (SIGABRT); None
+    otherwise. A retry helps once the peer is back, but a job that hangs itself in a collective
+    ends the same way every time, so it spends the error budget (bounded), not the preemption
+    one."""
+    exc = last_exception(tail)
+    said = launchers.peer_lost(exc[1]) if exc is not None else None
+    aborted = status.signal == signal.SIGABRT or status.code == 128 + signal.SIGABRT
+    if said is None and aborted:
+        said = launchers.peer_lost(tail)
+    if said is None:
+        return None
+    return Verdict(
+        Kind.PEER_LOST,
+        f"a collective failed because another rank stopped taking part: {said}",
+        "look in the other ranks' and nodes' logs for the first failure (a node preempted or "
+        "crashed, a network fault, a rank that hung); rgt restarts from the newest sealed "
+        "checkpoint on the error budget: on spot nodes raise [restart] max_error_restarts",
+        "transient",
+        Budget.ERROR,
+        step=step,
+    )
+
+
 def _exception_verdict(tail: str, sig: Optional[int], step: Optional[int]) -> Optional[Verdict]:
     """The end's verdict from the last Python exception in the log; None when there is none
     (or it was a KeyboardInterrupt, or a signal ended the job after it)."""
@@ -290,9 +319,10 @@ def classify(
     oom_kills_rose: bool = False,
     inodes_exhausted: Callable[[], bool] = lambda: False,
 ) -> Verdict:
-    """Classify one ended attempt."""
+    """Classify one ended attempt. Under torchrun the first rank that failed decides, and a
+    rank's own lines are read without their rank prefix (onbox/agent/launchers.py)."""
     step = last_step(tail)
-    code, sig = status.code, status.signal
+    code = status.code
     if code is not None and code in success_codes:
         return Verdict(Kind.SUCCESS, f"exited with code {code}", "", "", Budget.NONE, step=step)
     if not status.known:
@@ -314,14 +344,38 @@ def classify(
             deterministic=True,
             step=step,
         )
+    cause = launchers.root_cause(tail)
+    if cause is None:
+        return _verdict(status, launchers.unprefixed(tail), step, oom_kills_rose, inodes_exhausted)
+    # torchrun's own exit code and ChildFailedError say only that a rank failed: that rank's
+    # exit (a negative code is a signal) and its own lines say how.
+    code = cause.exitcode
+    ranked = ExitStatus(signal=-code) if code < 0 else ExitStatus(code=code)
+    own = launchers.rank_lines(tail, cause)
+    v = _verdict(ranked, own, step, oom_kills_rose, inodes_exhausted)
+    return dataclasses.replace(v, reason=f"rank {cause.rank}: {v.reason}")
+
+
+def _verdict(
+    status: ExitStatus,
+    tail: str,
+    step: Optional[int],
+    oom_kills_rose: bool,
+    inodes_exhausted: Callable[[], bool],
+) -> Verdict:
+    """The verdict of a failed end of a known status, from the output of the process (or the
+    rank) that failed."""
     verdict = _resource_verdict(status, tail, step, oom_kills_rose, inodes_exhausted)
     if verdict is None:
-        verdict = _exception_verdict(tail, sig, step)
+        verdict = _peer_verdict(status, tail, step)
+    if verdict is None:
+        verdict = _exception_verdict(tail, status.signal, step)
     if verdict is not None:
         return verdict
     verdict = _signal_verdict(status, step)
     if verdict is not None:
         return verdict
+    code = status.code
     return Verdict(
         Kind.EXIT_CODE,
         f"exited with code {code}",

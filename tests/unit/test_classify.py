@@ -163,3 +163,116 @@ def test_last_exception_of_a_chain() -> None:
         "occurred:\n\n" + TB + "ValueError: second\n"
     )
     assert last_exception(tail) == ("ValueError", "second")
+
+
+# Distributed jobs (onbox/agent/launchers.py). The outputs below are what torch 2.13's
+# torchrun printed on this machine for two CPU ranks on gloo (paths shortened); the NCCL lines
+# are NCCL's own wording, which no CPU here can produce (no GPU: a fixed text is the seam).
+RANKED_IMPORT = (
+    "[rank0]: Traceback (most recent call last):\n"
+    '[rank0]:   File "/job/train.py", line 5, in <module>\n'
+    "[rank0]:     import no_such_module\n"
+    "[rank0]: ModuleNotFoundError: No module named 'no_such_module'\n"
+)
+_LAUNCHER_TB = (
+    "Traceback (most recent call last):\n"
+    '  File "<frozen runpy>", line 198, in _run_module_as_main\n'
+    '  File "/venv/torch/distributed/launcher/api.py", line 383, in launch_agent\n'
+    "    raise ChildFailedError(\n"
+    "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+    "============================================================\n"
+    "train.py FAILED\n"
+    "------------------------------------------------------------\n"
+    "Failures:\n"
+    "[1]:\n"
+    "  time      : 2026-12-06_13:10:44\n"
+    "  host      : localhost\n"
+    "  rank      : 0 (local_rank: 0)\n"
+    "  exitcode  : -15 (pid: 20122)  (SIGTERM)\n"
+    "  error_file: <N/A>\n"
+    "  traceback : Signal 15 (SIGTERM) received by PID 20122\n"
+    "------------------------------------------------------------\n"
+    "Root Cause (first observed failure):\n"
+    "[0]:\n"
+    "  time      : 2026-12-06_13:10:44\n"
+    "  host      : localhost\n"
+    "  rank      : 1 (local_rank: 1)\n"
+    "  exitcode  : {code} (pid: 20123) {sig}\n"
+    "  error_file: <N/A>\n"
+    "  traceback : {said}\n"
+    "============================================================\n"
+)
+GLOO_PEER = (
+    "[rank0]: Traceback (most recent call last):\n"
+    '[rank0]:   File "/job/train.py", line 7, in <module>\n'
+    "[rank0]:     dist.all_reduce(t)\n"
+    "[rank0]: RuntimeError: [/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553]"
+    " Connection closed by peer [127.0.0.1]:718. This is typically caused by a remote worker "
+    "crashing. Check the logs of the remote worker before reporting an error.\n"
+)
+
+
+def _torchrun(ranks: str, code: int, sig: str = "", said: str = "") -> str:
+    return ranks + _LAUNCHER_TB.format(code=code, sig=sig, said=said or "To enable traceback")
+
+
+def test_a_ranks_prefixed_import_error_is_not_retried() -> None:
+    """PyTorch prefixes a rank's uncaught exception with ``[rankN]:``: the import error was
+    not found, and the end read "exited with code 1", retried on the error budget."""
+    v = classify(ExitStatus(code=1), "step 3\n" + RANKED_IMPORT)
+    assert (v.kind, v.deterministic) == (Kind.IMPORT_ERROR, True), v
+    assert v.reason == "ModuleNotFoundError: No module named 'no_such_module'", v.reason
+
+
+def test_under_torchrun_the_first_failed_ranks_error_decides() -> None:
+    """torchrun exits 1 with its own ChildFailedError; the first failed rank's import error
+    is what ended the job (rank 0 then failed on the lost peer, and was sent SIGTERM)."""
+    ranks = RANKED_IMPORT.replace("[rank0]", "[rank1]") + GLOO_PEER
+    v = classify(ExitStatus(code=1), _torchrun(ranks, 1))
+    assert (v.kind, v.deterministic) == (Kind.IMPORT_ERROR, True), v
+    assert v.reason == "rank 1: ModuleNotFoundError: No module named 'no_such_module'", v.reason
+    assert "ChildFailedError" not in v.reason
+
+
+def test_under_torchrun_a_rank_the_oom_killer_ended_is_an_oom_kill() -> None:
+    """Killed by the OOM killer, a rank is "exitcode -9"; torchrun's own status is 1, so the
+    kill (its SIGKILL) and the cgroup's count were never put together."""
+    out = _torchrun(GLOO_PEER, -9, "(SIGKILL)", "Signal 9 (SIGKILL) received by PID 20123")
+    v = classify(ExitStatus(code=1), out, oom_kills_rose=True)
+    assert v.kind == Kind.OOM_KILLED and v.reason.startswith("rank 1: killed by the kernel's")
+    v = classify(ExitStatus(code=1), out, oom_kills_rose=False)  # killed from outside
+    assert (v.kind, v.budget) == (Kind.SIGNAL, Budget.PREEMPT), v
+    assert v.reason == "rank 1: killed by signal 9 (SIGKILL)", v.reason
+
+
+def test_a_rank_whose_peer_went_says_so() -> None:
+    """gloo's lost connection and NCCL's watchdog abort (SIGABRT) are a peer's end, not this
+    rank's own fault: said as such, on the error budget, with where to look."""
+    v = classify(ExitStatus(code=1), GLOO_PEER)
+    assert (v.kind, v.budget, v.klass) == (Kind.PEER_LOST, Budget.ERROR, "transient"), v
+    assert "another rank stopped" in v.reason and "Connection closed by peer" in v.reason
+    assert "other ranks" in v.remedy and "max_error_restarts" in v.remedy
+    nccl = (
+        "step 41\n"
+        "[rank0]:[E321 02:07:08.408271257 ProcessGroupNCCL.cpp:607] [Rank 0] Watchdog caught "
+        "collective operation timeout: WorkNCCL(SeqNum=1580, OpType=ALLREDUCE, NumelIn=4661, "
+        "NumelOut=4661, Timeout(ms)=600000) ran for 600060 milliseconds before timing out.\n"
+        "[rank0]:[E321 02:07:08.865763562 ProcessGroupNCCL.cpp:698] [Rank 0] To avoid data "
+        "inconsistency, we are taking the entire process down.\n"
+    )
+    for status in (ExitStatus(signal=signal.SIGABRT), ExitStatus(code=128 + signal.SIGABRT)):
+        v = classify(status, nccl)
+        assert (v.kind, v.budget, v.step) == (Kind.PEER_LOST, Budget.ERROR, 41), v
+        assert "Watchdog caught collective operation timeout" in v.reason, v.reason
+    # Another rank's words in the output are not this process's end.
+    v = classify(ExitStatus(code=1), GLOO_PEER + TB + "ValueError: bad shape\n")
+    assert v.kind == Kind.PYTHON_EXCEPTION, v
+
+
+def test_torchrun_tee_prefixes_are_taken_off_too() -> None:
+    """``torchrun --tee 3`` puts ``[defaultN]:`` before PyTorch's ``[rankN]:``."""
+    ranks = "".join(
+        "[default1]:" + ln + "\n" for ln in RANKED_IMPORT.replace("0]", "1]").split("\n") if ln
+    )
+    v = classify(ExitStatus(code=1), _torchrun(ranks, 1))
+    assert v.kind == Kind.IMPORT_ERROR and v.reason.startswith("rank 1: ModuleNotFoundError"), v

@@ -1,0 +1,77 @@
+"""How a distributed job's end is told: a real torchrun of two CPU ranks (gloo) under the real
+agent (`rgt-agent run`), one rank failing for real (onbox/agent/launchers.py).
+
+torchrun exits 1 with its own ChildFailedError whatever a rank did, and PyTorch prefixes a
+rank's traceback with ``[rankN]:``: an import error in a rank was retried on the error budget
+as torchrun's "ChildFailedError", and a rank killed from outside spent the error budget too.
+Now the first failed rank's own end decides.
+"""
+
+from __future__ import annotations
+
+import socket
+import sys
+from typing import Any, Dict, List
+
+from tests.conftest import Cli
+
+JOB = """
+import datetime, os, signal, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+rank = dist.get_rank()
+how, marker = sys.argv[1], sys.argv[2]
+if rank == 1 and how == "import":
+    import no_such_module_rgt  # noqa: F401
+t = torch.ones(4)
+for step in range(20):
+    dist.all_reduce(t)
+    if rank == 0:
+        print(f"step {step}", flush=True)
+    if rank == 1 and how == "kill" and step == 5 and not os.path.exists(marker):
+        open(marker, "w").close()
+        os.kill(os.getpid(), signal.SIGKILL)  # once: the next attempt runs to its end
+    time.sleep(0.05)
+dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _run(cli: Cli, tmp_path: Any, name: str, how: str) -> Any:
+    job = tmp_path / "ddp.py"
+    job.write_text(JOB)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    port = ["--master-addr", "127.0.0.1", "--master-port", str(_free_port())]
+    marker = str(tmp_path / "killed-once")
+    return cli("run", "--name", name, "--", *torchrun, *port, str(job), how, marker, timeout=300)
+
+
+def _exits(cli: Cli, name: str) -> List[Dict[str, Any]]:
+    return [e for e in cli.events(name) if e["kind"] == "exit"]
+
+
+def test_an_import_error_in_one_rank_fails_the_run_at_once_and_names_the_rank(
+    cli: Cli, tmp_path: Any
+) -> None:
+    p = _run(cli, tmp_path, "ddpimport", "import")
+    assert p.returncode == 11, (p.stdout, p.stderr)  # FAILED, not retried
+    (ex,) = _exits(cli, "ddpimport")
+    assert ex["exit_kind"] == "import_error", ex
+    assert "rank 1: ModuleNotFoundError: No module named 'no_such_module_rgt'" in ex["reason"], ex
+
+
+def test_a_rank_killed_from_outside_is_restarted_as_a_preemption_and_named(
+    cli: Cli, tmp_path: Any
+) -> None:
+    p = _run(cli, tmp_path, "ddpkill", "kill")
+    assert p.returncode == 0, (p.stdout, p.stderr)  # the second attempt ran to its end
+    first = _exits(cli, "ddpkill")[0]
+    assert first["exit_kind"] == "signal", first
+    assert "rank 1: killed by signal 9 (SIGKILL)" in first["reason"], first
+    st = cli.peek("ddpkill")
+    assert st["budgets"]["error_used"] == 0 and st["budgets"]["preempt_used"] == 1, st

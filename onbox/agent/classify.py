@@ -77,6 +77,11 @@ _EXC_LINE = re.compile(r"^([A-Za-z_][\w.]*)(?:: (.*))?$")
 _STEP = re.compile(r"(?i)\bstep[\s:=#]*(\d+)")
 _NAN = re.compile(r"(?i)\b(loss\b[^\n]{0,40}\b(nan|inf)\b|non-finite loss|nan loss)")
 _CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC_FAILED")
+# What PyTorch's DataLoader raises in the main process when a worker was killed (the OOM
+# killer takes the biggest process, a worker holding a prefetched batch as often as not).
+_WORKER_KILLED = re.compile(
+    r"DataLoader worker \(pid\(?s?\)? [\d, ]+\) (?:is killed by signal: Killed|exited unexpectedly)"
+)
 _ENOSPC = re.compile(r"No space left on device|\[Errno 28\]|ENOSPC")
 _SYNTAX = {"SyntaxError", "IndentationError", "TabError"}
 _IMPORT = {"ImportError", "ModuleNotFoundError"}
@@ -159,6 +164,16 @@ def _resource_verdict(
             Kind.OOM_KILLED,
             "killed by the kernel's OOM killer (host memory)",
             "lower the batch size or workers, or rent a box with more RAM",
+            "permanent",
+            Budget.ERROR,
+            step=step,
+        )
+    if oom_kills_rose and _WORKER_KILLED.search(tail):
+        return Verdict(
+            Kind.OOM_KILLED,
+            "a DataLoader worker was killed by the kernel's OOM killer (host memory)",
+            "lower the DataLoader's num_workers or prefetch_factor, or the batch size, or rent "
+            "a box with more RAM",
             "permanent",
             Budget.ERROR,
             step=step,

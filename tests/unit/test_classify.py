@@ -276,3 +276,10 @@ def test_torchrun_tee_prefixes_are_taken_off_too() -> None:
     )
     v = classify(ExitStatus(code=1), _torchrun(ranks, 1))
     assert v.kind == Kind.IMPORT_ERROR and v.reason.startswith("rank 1: ModuleNotFoundError"), v
+
+
+def test_a_killed_dataloader_worker_is_an_oom_kill_only_when_the_count_rose() -> None:
+    tail = TB + "RuntimeError: DataLoader worker (pid(s) 5666) exited unexpectedly\n"
+    assert classify(ExitStatus(code=1), tail).kind == Kind.PYTHON_EXCEPTION
+    v = classify(ExitStatus(code=1), tail, oom_kills_rose=True)
+    assert v.kind == Kind.OOM_KILLED and "DataLoader worker" in v.reason, v

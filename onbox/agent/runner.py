@@ -372,13 +372,13 @@ class ShimRunner:
             except ProcessLookupError:
                 pass
 
-    def tail(self) -> str:
+    def tail(self, limit: int = TAIL_BYTES) -> str:
         path = self.rd.output_log(self.attempt)
         try:
             with open(path, "rb") as f:
                 f.seek(0, os.SEEK_END)
                 size = f.tell()
-                f.seek(max(0, size - TAIL_BYTES))
+                f.seek(max(0, size - limit))
                 return f.read().decode(errors="replace")
         except OSError:
             return ""

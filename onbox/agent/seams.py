@@ -57,8 +57,8 @@ class Runner(Protocol):
     def alive(self) -> bool:
         """Whether any process of the current attempt is alive (zombies are dead)."""
 
-    def tail(self) -> str:
-        """The end of the current attempt's output."""
+    def tail(self, limit: int = ...) -> str:
+        """The last ``limit`` bytes of the current attempt's output (TAIL_BYTES by default)."""
 
     def oom_kills(self) -> Optional[int]:
         """The cgroup's OOM-kill count, when the box exposes it."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import signal
 from typing import Any, Callable, Dict, Optional
 
+from onbox.agent import launchers
 from onbox.agent.attemptkill import AttemptKill
 from onbox.agent.classify import (
     Budget,
@@ -32,6 +33,9 @@ from onbox.agent.states import ACTIVE, TERMINAL, State, can_transition
 # How often to look for processes while waiting for an attempt's processes to vanish.
 REAP_POLL = 0.05
 GATE_POLL = 0.5  # how often a start held by the start gate asks it again
+# How much of a torchrun job's output is read for its failed rank's own lines: eight ranks'
+# NCCL aborts print some 4 KiB of C++ frames each after the first failure.
+RANKS_TAIL_BYTES = 1 << 20
 
 
 class Supervisor:
@@ -223,6 +227,8 @@ class Supervisor:
         job_pid, self.pid = self.pid, None
         now = self.clock.monotonic()
         tail = self.runner.tail()
+        if launchers.root_cause(tail) is not None:  # torchrun's: its failed rank's own lines
+            tail = self.runner.tail(RANKS_TAIL_BYTES)  # may be far back, behind other ranks'
         oom_after = self.runner.oom_kills()
         oom = oom_after is not None and self.oom_before is not None and oom_after > self.oom_before
         if not oom and job_pid and (status.signal == signal.SIGKILL or status.code == 137):

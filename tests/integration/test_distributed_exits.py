@@ -25,7 +25,13 @@ if rank == 1 and how == "import":
     import no_such_module_rgt  # noqa: F401
 t = torch.ones(4)
 for step in range(20):
-    dist.all_reduce(t)
+    try:
+        dist.all_reduce(t)
+    except RuntimeError:
+        if how == "import":  # what a job's own report at its end may print: 40 KiB of it
+            for i in range(400):
+                print(f"rank {rank} diagnostics {i}: " + "x" * 80, flush=True)
+        raise
     if rank == 0:
         print(f"step {step}", flush=True)
     if rank == 1 and how == "kill" and step == 5 and not os.path.exists(marker):
@@ -58,6 +64,8 @@ def _exits(cli: Cli, name: str) -> List[Dict[str, Any]]:
 def test_an_import_error_in_one_rank_fails_the_run_at_once_and_names_the_rank(
     cli: Cli, tmp_path: Any
 ) -> None:
+    """Rank 0, whose peer went, prints 40 KiB before torchrun's summary: more than the tail
+    the agent reads of a job's output, so rank 1's traceback is read from further back."""
     p = _run(cli, tmp_path, "ddpimport", "import")
     assert p.returncode == 11, (p.stdout, p.stderr)  # FAILED, not retried
     (ex,) = _exits(cli, "ddpimport")

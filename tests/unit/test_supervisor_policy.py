@@ -62,8 +62,8 @@ class FakeRunner:
     def alive(self) -> bool:
         return self.processes_alive
 
-    def tail(self) -> str:
-        return self.output
+    def tail(self, limit: int = 16384) -> str:
+        return self.output[-limit:]
 
     def oom_kills(self) -> Optional[int]:
         return self.ooms

@@ -306,6 +306,11 @@ class Checkpointer:
         self._collect()
         if self._hold() and not self.preempted:
             return None
+        if self._writer is not None and self._writer.inflight is not None:
+            # The staging buffer is still being read. That write answers the request it was
+            # made for, not one that came since, and never ends the process: after a
+            # preemption, the state this save takes is the newest and must land too.
+            self._finish(self._writer.wait())
         self._request_sig = self._request()
         self._asked.clear()
         t0 = time.monotonic()
@@ -325,9 +330,6 @@ class Checkpointer:
         if self._writer is None:  # closed earlier: a save after close starts again
             self._writer = Writer()
             self._staging = snapshot.Staging(pin=self._pin)
-        if self._writer.inflight is not None:  # the staging buffer is still being read
-            self._finish(self._writer.wait())
-            t0 = time.monotonic()  # the cost of a checkpoint itself, not of this wait
         assert self._staging is not None
         state, weights = self._tree(step, extra)
         staged = self._staging.stage({"state": state, "weights": weights})
@@ -344,7 +346,7 @@ class Checkpointer:
         self.step = int(step)
         self.last_save_at = time.monotonic()
         if self.preempted:
-            self._finish(self._writer.wait())
+            self._finish(self._writer.wait(), final=True)
         return None
 
     def _hold(self) -> bool:
@@ -354,7 +356,9 @@ class Checkpointer:
         self._held = held
         return held
 
-    def _saved(self, step: int) -> None:
+    def _saved(self, step: int, final: bool = True) -> None:
+        """A checkpoint of ``step`` is on disk; ``final``: it is the one a save asked for after
+        a preemption would end with (not an earlier write that completed meanwhile)."""
         self.step = int(step)
         self.last_save_at = time.monotonic()
         self._last_save = (self.step, self.cost) if self.cost is not None else self._last_save
@@ -365,15 +369,15 @@ class Checkpointer:
                 progress.write(self.run_dir, step, self.attempt, save=self._last_save)
             except OSError:
                 pass
-        if self.preempted and self.exit_on_preempt:
+        if final and self.preempted and self.exit_on_preempt:
             self.close()
             raise SystemExit(PREEMPT_EXIT)
 
-    def _finish(self, reply: Optional[Dict[str, Any]]) -> None:
+    def _finish(self, reply: Optional[Dict[str, Any]], final: bool = False) -> None:
         if reply is None:
             return
         self.write_seconds = float(reply.get("seconds") or 0.0)
-        self._saved(self.step)
+        self._saved(self.step, final)
 
     def _collect(self) -> None:
         """Take the result of a finished background write; raise its error once."""

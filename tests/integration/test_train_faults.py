@@ -1,0 +1,80 @@
+"""The training API's checkpoints under the faults a box meets: a preemption while a background
+write is in flight, rotation next to a damaged checkpoint, a SIGKILL in the middle of rotation
+or of replacing a checkpoint of the same step. Real processes, real signals, real files.
+
+What a user relies on: the checkpoint a preemption ends with holds the newest state; rotation
+never deletes the checkpoint it has just written; a directory under a final name is whole
+(every file its marker names is there) whenever the process is killed; a kill never takes away
+the only copy of a step.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+
+from onbox.train import Checkpointer, ckptdir
+from tests.conftest import ROOT, require
+
+_MISSING = [m for m in ("torch", "numpy") if importlib.util.find_spec(m) is None]
+if not _MISSING:
+    import torch
+
+
+@pytest.fixture(autouse=True)
+def _needs_torch() -> None:
+    require(not _MISSING, f"{', '.join(_MISSING)} (pip install -e '.[train]' torch==2.13.0)")
+
+
+def _run(script: str, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    code = f"import sys; sys.path.insert(0, {ROOT!r})\n" + textwrap.dedent(script)
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=dict(os.environ, **env),
+    )
+
+
+def test_a_preemption_during_a_background_write_ends_with_the_newest_state(tmp_path: Any) -> None:
+    """SIGTERM arrives while step 1's write is in flight; the loop goes on to step 2, where
+    should_checkpoint says yes and save(2) is called: the process exits 143 with step 2 on
+    disk, whole, holding step 2's weights (it exited once step 1's write landed, and step 2,
+    the state the loop reached, was never written)."""
+    d = str(tmp_path / "ck")
+    p = _run(
+        """
+        import os, signal, torch
+        from onbox.train import Checkpointer
+        m = torch.nn.Linear(1, 1)
+        m.big = torch.nn.Parameter(torch.zeros(16 << 20))  # 64 MiB: the write takes a while
+        ck = Checkpointer(sys.argv[1], async_save=True, model=m)
+        ck.save(1)  # in flight
+        os.kill(os.getpid(), signal.SIGTERM)  # the preemption, while it is
+        step = 1
+        while step < 50:
+            step += 1
+            with torch.no_grad():
+                m.big.fill_(step)
+            if ck.should_checkpoint(step):
+                print("saving", step, flush=True)
+                ck.save(step)
+        print("not ended", flush=True)
+        """,
+        d,
+        RGT_RUN="t",
+    )
+    assert p.returncode == 143, p.stdout + p.stderr[-2000:]
+    assert p.stdout.split() == ["saving", "2"], p.stdout
+    ckptdir.verify(os.path.join(d, "step_2"))
+    m = torch.nn.Linear(1, 1)
+    m.big = torch.nn.Parameter(torch.zeros(16 << 20))
+    assert Checkpointer(d, handle_signals=False, model=m).load() == 2
+    assert bool((m.big == 2).all())

@@ -323,7 +323,7 @@ class Checkpointer:
                     f"writing checkpoint step {step} to {self.dir} failed: {e.strerror or e}",
                     "free space or inodes on the checkpoint disk; the previous one is intact",
                 ) from None
-            ckptdir.prune(self.dir, self.keep)
+            ckptdir.prune(self.dir, self.keep, protect=path)  # whatever steps are above it
             self.cost = self.write_seconds = time.monotonic() - t0
             self._saved(step)
             return path
@@ -338,7 +338,7 @@ class Checkpointer:
             "step": int(step),
             "state": staged["state"],
             "weights": staged["weights"],
-            "prune": [{"keep": self.keep}],
+            "prune": [{"keep": self.keep, "protect": ckptdir.path_for(self.dir, step)}],
             "submitted": time.monotonic(),
         }
         self._writer.submit(request, self._staging.fd)

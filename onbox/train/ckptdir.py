@@ -45,6 +45,10 @@ def name_for(step: int) -> str:
     return f"{PREFIX}{int(step)}"
 
 
+def path_for(ckpt_dir: str, step: int) -> str:
+    return os.path.join(ckpt_dir, name_for(step))
+
+
 def step_of(name: str) -> Optional[int]:
     m = _NAME.match(name)
     return int(m.group(1)) if m else None
@@ -141,7 +145,7 @@ def write(
     """Write checkpoint ``step`` atomically; (its path, bytes written). ``weights`` maps a model's
     name to its state dict, saved as ``<name>.safetensors``."""
     os.makedirs(ckpt_dir, exist_ok=True)
-    final = os.path.join(ckpt_dir, name_for(step))
+    final = path_for(ckpt_dir, step)
     tmp = os.path.join(ckpt_dir, f".{name_for(step)}.rgt-tmp.{os.getpid()}.{os.urandom(3).hex()}")
     os.mkdir(tmp)
     try:
@@ -219,7 +223,9 @@ def _untied(sd: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def prune(ckpt_dir: str, keep: int, protect: Optional[str] = None) -> List[str]:
-    """Delete all but the newest ``keep`` checkpoints (never ``protect``); what was deleted."""
+    """Delete all but the newest ``keep`` checkpoints (never ``protect``: the one just written,
+    which a higher step left behind by an earlier run, e.g. a damaged one that load skipped,
+    would otherwise push out); what was deleted."""
     gone = []
     for _, path in complete(ckpt_dir)[max(keep, 1) :]:
         if protect is not None and os.path.abspath(path) == os.path.abspath(protect):

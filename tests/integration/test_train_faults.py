@@ -78,3 +78,30 @@ def test_a_preemption_during_a_background_write_ends_with_the_newest_state(tmp_p
     m.big = torch.nn.Parameter(torch.zeros(16 << 20))
     assert Checkpointer(d, handle_signals=False, model=m).load() == 2
     assert bool((m.big == 2).all())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_rotation_never_deletes_the_checkpoint_it_has_just_written(
+    tmp_path: Any, mode: str
+) -> None:
+    """The newest local checkpoint (step 300) is damaged: load skips it for step 100, as the
+    README says. With keep=1, the save at step 110 that follows must survive its own rotation
+    (it was deleted at once: step 300 is the higher step, so it alone was kept, and the run had
+    no loadable checkpoint left)."""
+    d = str(tmp_path / "ck")
+    model = torch.nn.Linear(4, 4)
+    first = Checkpointer(d, keep=5, handle_signals=False, model=model)
+    first.save(100)
+    first.save(300)
+    target = os.path.join(d, "step_300", ckptdir.STATE)
+    with open(target, "r+b") as f:
+        f.seek(os.path.getsize(target) // 2)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x01]))
+    ck = Checkpointer(d, keep=1, async_save=mode == "async", handle_signals=False, model=model)
+    assert ck.load() == 100
+    ck.save(110)
+    ck.close()
+    ckptdir.verify(os.path.join(d, "step_110"))
+    assert Checkpointer(d, handle_signals=False, model=model).load() == 110

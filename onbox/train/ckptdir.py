@@ -38,7 +38,7 @@ MARKER = jobenv.COMPLETE_MARKER
 STATE = "state.pt"
 PREFIX = "step_"
 _NAME = re.compile(r"step_(\d+)\Z")
-_TMP = re.compile(r"\.step_\d+\.rgt-(tmp|old)\.")
+_TMP = re.compile(r"\.step_\d+\.rgt-(tmp|old|del)\.")
 
 
 def name_for(step: int) -> str:
@@ -230,9 +230,22 @@ def prune(ckpt_dir: str, keep: int, protect: Optional[str] = None) -> List[str]:
     for _, path in complete(ckpt_dir)[max(keep, 1) :]:
         if protect is not None and os.path.abspath(path) == os.path.abspath(protect):
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        remove(path)
         gone.append(path)
     return gone
+
+
+def remove(path: str) -> None:
+    """Delete the checkpoint at ``path``: first renamed to a hidden name in one step, so that
+    a kill part-way through leaves no marker over missing files under a final name (the
+    sealer would seal that as a complete checkpoint); clean_stale takes what is left."""
+    parent, name = os.path.split(path)
+    gone = os.path.join(parent, f".{name}.rgt-del.{os.urandom(3).hex()}")
+    try:
+        os.rename(path, gone)
+    except FileNotFoundError:
+        return
+    shutil.rmtree(gone, ignore_errors=True)
 
 
 def verify(path: str, fmt: Any = FORMAT) -> Dict[str, Any]:

@@ -105,3 +105,47 @@ def test_rotation_never_deletes_the_checkpoint_it_has_just_written(
     ck.close()
     ckptdir.verify(os.path.join(d, "step_110"))
     assert Checkpointer(d, handle_signals=False, model=model).load() == 110
+
+
+def _whole_under_final_names(d: str) -> None:
+    """Every checkpoint under a final name verifies, and the agent's sealer, which takes a
+    marked directory as complete and seals the files it finds, sees all of them."""
+    from onbox.sealing.discovery import dir_candidate
+
+    for name in os.listdir(d):
+        if name.startswith("."):
+            continue
+        path = os.path.join(d, name)
+        marker = ckptdir.verify(path)
+        cand = dir_candidate(d, name, path)
+        assert cand is not None
+        assert sorted(cand.files) == sorted(
+            f"{name}/{f}" for f in [*marker["files"], ckptdir.MARKER]
+        )
+
+
+def test_a_sigkill_in_the_middle_of_rotation_leaves_no_partial_checkpoint(tmp_path: Any) -> None:
+    """The process is SIGKILLed right after rotation deleted the first file of step 1 (a
+    preemption's grace ran out): what is left under a final name is whole. step_1 stayed
+    with its marker and without its state, which load skipped but the sealer would seal
+    as a complete checkpoint of step 1 holding nothing."""
+    d = str(tmp_path / "ck")
+    p = _run(
+        """
+        import os, signal, torch
+        from onbox.train import Checkpointer
+        ck = Checkpointer(sys.argv[1], keep=1, handle_signals=False, model=torch.nn.Linear(4, 4))
+        ck.save(1)
+        real = os.unlink
+        def unlink(*a, **k):  # rotation's first file deleted, then the end
+            real(*a, **k)
+            os.kill(os.getpid(), signal.SIGKILL)
+        os.unlink = unlink
+        ck.save(2)
+        print("not killed")
+        """,
+        d,
+    )
+    assert p.returncode == -9, p.stdout + p.stderr[-2000:]
+    _whole_under_final_names(d)
+    assert [s for s, _ in ckptdir.complete(d)] == [2]

@@ -137,8 +137,8 @@ class Checkpointer:
         self._writer: Optional[Writer] = None
         self._staging: Optional[snapshot.Staging] = None
         self._pin = pin
+        ckptdir.clean_stale(self.dir)  # before load: a killed replacement's step goes back
         if async_save:
-            ckptdir.clean_stale(self.dir)
             self._writer = Writer()
             self._writer.start()
             self._staging = snapshot.Staging(pin=pin)

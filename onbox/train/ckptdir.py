@@ -38,7 +38,8 @@ MARKER = jobenv.COMPLETE_MARKER
 STATE = "state.pt"
 PREFIX = "step_"
 _NAME = re.compile(r"step_(\d+)\Z")
-_TMP = re.compile(r"\.step_\d+\.rgt-(tmp|old|del)\.")
+# .step_N.rgt-tmp.<pid>.<hex> (a write), .rgt-old.<hex> (moved aside to be replaced), .rgt-del.<hex>
+_TMP = re.compile(r"\.(step_\d+)\.rgt-(tmp|old|del)\.(?:(\d+)\.)?")
 
 
 def name_for(step: int) -> str:
@@ -70,14 +71,40 @@ def complete(ckpt_dir: str) -> List[Tuple[int, str]]:
 
 
 def clean_stale(ckpt_dir: str) -> None:
-    """Remove the temporary directories of writes that were killed (never a final name)."""
+    """Tidy up after killed saves (never a final name is removed): a checkpoint moved aside to
+    be replaced by one of the same step goes back under its name when the new one never got
+    there (it was the only copy of that step); the temporary directory of a write whose process
+    is gone, and one being deleted, are removed."""
     try:
-        names = os.listdir(ckpt_dir)
+        names = sorted(os.listdir(ckpt_dir))
     except FileNotFoundError:
         return
     for n in names:
-        if _TMP.match(n):
-            shutil.rmtree(os.path.join(ckpt_dir, n), ignore_errors=True)
+        m = _TMP.match(n)
+        if m is None:
+            continue
+        path, final = os.path.join(ckpt_dir, n), os.path.join(ckpt_dir, m.group(1))
+        if m.group(2) == "old" and not os.path.exists(final):
+            with contextlib.suppress(OSError):  # else left as it is, for a later start
+                os.rename(path, final)
+            continue
+        if m.group(2) == "tmp" and m.group(3) and _alive(int(m.group(3))):
+            continue  # another process's write in progress (a rank's, say)
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is another process that is running (this one has no write in flight
+    while it tidies up: a directory named for it was left by an earlier process)."""
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: running, someone else's
+        return True
+    return True
 
 
 class _HashingFile:

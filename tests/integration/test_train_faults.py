@@ -149,3 +149,40 @@ def test_a_sigkill_in_the_middle_of_rotation_leaves_no_partial_checkpoint(tmp_pa
     assert p.returncode == -9, p.stdout + p.stderr[-2000:]
     _whole_under_final_names(d)
     assert [s for s, _ in ckptdir.complete(d)] == [2]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_sigkill_while_a_step_is_saved_again_never_loses_that_step(
+    tmp_path: Any, mode: str
+) -> None:
+    """Step 5 is saved again (a resumed run saving at the step it resumed from); the process
+    is SIGKILLed between moving the old step_5 aside and putting the new one in place. The
+    next run finds step 5 (both copies sat under hidden names: load started from 0, and an
+    async Checkpointer's start deleted them both), and no hidden leftovers stay behind."""
+    d = str(tmp_path / "ck")
+    p = _run(
+        """
+        import os, signal, torch
+        from onbox.train import Checkpointer
+        ck = Checkpointer(sys.argv[1], handle_signals=False, model=torch.nn.Linear(4, 4))
+        ck.save(5)
+        real = os.rename
+        def rename(src, dst, *a, **k):  # the old step_5 moved aside: the end
+            real(src, dst, *a, **k)
+            if ".rgt-old." in str(dst):
+                os.kill(os.getpid(), signal.SIGKILL)
+        os.rename = rename
+        ck.save(5)
+        print("not killed")
+        """,
+        d,
+    )
+    assert p.returncode == -9, p.stdout + p.stderr[-2000:]
+    assert "step_5" not in os.listdir(d)  # the moment the test is about
+    ck = Checkpointer(
+        d, async_save=mode == "async", handle_signals=False, model=torch.nn.Linear(4, 4)
+    )
+    assert ck.load() == 5
+    ck.close()
+    assert os.listdir(d) == ["step_5"]
+    _whole_under_final_names(d)

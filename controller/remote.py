@@ -394,7 +394,7 @@ class SshRemote(Remote):
 
     def close(self) -> None:
         try:  # the master's answer is one line: a bounded tail is all there is to keep
-            capture(self.ssh_argv("-O", "exit"), timeout=30, limit=4096, over="tail")
+            capture(self.ssh_argv("-O", "stop"), timeout=30, limit=4096, over="tail")
         except (subprocess.TimeoutExpired, FileNotFoundError):
             pass
         if not self.control_dir.startswith(self.home + os.sep):

@@ -442,11 +442,17 @@ def _wait_first_line(remote: Remote, rec: RunRecord, say: Callable[[str], None])
     deadline = time.monotonic() + FIRST_LINE_TIMEOUT
     state = "?"
     while time.monotonic() < deadline:
-        state = str(boxrun.poll_status(rec, remote).get("state"))
-        # Its first line only: the log's beginning is read, then the reader stopped.
-        log = remote.run(
-            rec.agent_argv("logs", rec.name), timeout=60, limit=FIRST_BYTES, over="cut"
-        ).text
+        doc = boxrun.poll_status(rec, remote)
+        state = str(doc.get("state"))
+        attempt = doc.get("attempt")
+        # The attempt this start began, not the run's first one: a run started again has the
+        # older attempts' output (a traceback that was fixed since) before it.
+        if isinstance(attempt, int) and not isinstance(attempt, bool) and attempt > 0:
+            # Its first line only: the log's beginning is read, then the reader stopped.
+            path = boxrun.look_dir(rec).output_log(attempt)
+            log = remote.run(["cat", "--", path], timeout=60, limit=FIRST_BYTES, over="cut").text
+        else:
+            log = ""
         if log.strip():
             say(f"rgt: {rec.name} is {state}; its first line: {log.strip().splitlines()[0][:200]}")
             break

@@ -229,11 +229,15 @@ def test_stderr_keeps_its_head_and_tail_only() -> None:
 
 def test_deploy_reads_only_the_beginning_of_the_job_log_for_its_first_line(agent: Path) -> None:
     """`rgt deploy` waits for the job's first line: it read the whole log, again every half
-    second, to show that line."""
-    _does(agent, "status", 'echo \'{"name": "r1", "state": "RUNNING"}\'\n')
-    _does(agent, "logs", f"echo 'step 1 loss 2.5'; head -c {BIG} /dev/zero | tr '\\0' y\n")
+    second, to show that line. (It reads the log of the attempt the status names.)"""
+    _does(agent, "status", 'echo \'{"name": "r1", "state": "RUNNING", "attempt": 1}\'\n')
     said: List[str] = []
     rec = Registry().get(RUN)
+    log = Path(rec.box_home, "runs", RUN, "attempts", "0001", "output.log")
+    log.parent.mkdir(parents=True)
+    with open(log, "wb") as f:
+        f.write(b"step 1 loss 2.5\n")
+        f.truncate(BIG)  # and then more, past what a first line needs
     got, peak = _peak(lambda: flow._wait_first_line(LocalRemote(), rec, said.append))
     assert not isinstance(got, Exception), got
     assert said[0] == f"rgt: {RUN} is RUNNING; its first line: step 1 loss 2.5", said

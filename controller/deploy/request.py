@@ -3,7 +3,7 @@
 ``check_request`` refuses (UsageError) what the box would refuse only after the push and the
 install: a profile that is not one (shipped, or the user's in $RGT_CONTROLLER_HOME/profiles or
 $RGT_PROFILES_DIR) or does not fit the target, an ``--on-done`` the profile does not offer, nothing
-to run, a job file outside the project,
+to run, a job file outside the project or with a setting the box would refuse,
 a bad run name, store URL or ``--output``, a ``--secret-env`` with no value here, a Slurm flag
 (``--time``, ``--sbatch``, ...) off a Slurm profile or a bad one on it. What it returns,
 a ``Plan``, is what controller/deploy/flow.py carries through the steps of the deploy.
@@ -20,7 +20,8 @@ from controller.deploy import guess as guessmod
 from controller.profiles import user_dirs as profile_dirs
 from controller.slurm.submit import SlurmAsk, check_ask
 from controller.target import Target, parse_target
-from onbox.agent.spec import check_outputs, default_name
+from onbox.agent.profileuse import meter_deadline
+from onbox.agent.spec import Overrides, check_outputs, check_settings, default_name
 from onbox.common.errors import UsageError
 from onbox.common.rundir import check_name
 from onbox.common.storeurl import parse_store_setting, parse_store_url
@@ -83,6 +84,20 @@ def _job_name(req: DeployRequest, project: str) -> str:
         if isinstance(cmd, list) and cmd:
             return default_name([str(c) for c in cmd])
     return default_name(req.command)
+
+
+def _check_job_file(req: DeployRequest) -> None:
+    """Refuse a job file the box would refuse for its keys or values (a typo: ``comand``,
+    ``[checkpoint] intervall``), checked here with the box's own parser, before the push and the
+    install; what only the box can tell (its PATH, the workdir, the profile) is left to it."""
+    if not req.job_file:
+        return
+    try:
+        doc = _read_toml(req.job_file)
+    except (OSError, ValueError):
+        return  # _job_name has read it already
+    check_settings(doc)
+    meter_deadline(doc, Overrides())
 
 
 def _check_job_store(req: DeployRequest) -> bool:
@@ -184,6 +199,7 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
         if job_rel.startswith(".."):
             raise UsageError("JOB.toml", f"{req.job_file} is not inside the project {project}")
     name = _job_name(req, project)
+    _check_job_file(req)
     # The box would refuse a bad store URL too, but only after the push and the install: check
     # it here with the box's own parser, before anything anywhere changes.
     job_store = False

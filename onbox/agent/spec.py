@@ -363,6 +363,23 @@ def _store_setting(data: Mapping[str, Any], flags: Overrides) -> Optional[StoreU
     return store_override(flags.store, endpoint, "store.endpoint_url")
 
 
+def check_settings(data: Mapping[str, Any]) -> None:
+    """A job file's settings checked as ``build_spec`` checks them, less what only the box can
+    tell (the command on its PATH, the workdir, the profile and its durable path): `rgt deploy`
+    runs this on the laptop, so that a wrong key or value is refused before the box is touched.
+    """
+    _unknown(data, _TOP_KEYS, "")
+    _checkpoint_settings(_table(data, "checkpoint", _CKPT_KEYS, '[checkpoint] dir = "ckpt"'), "")
+    check_outputs(data.get("outputs", []))
+    parse_duration(data.get("grace", 30), "grace", allow_zero=True)
+    parse_signal(data.get("stop_signal", "TERM"), "stop_signal")
+    _restart_policy(_table(data, "restart", _RESTART_KEYS, "[restart] max_error_restarts = 5"))
+    prog = _table(data, "progress", _PROGRESS_KEYS, "[progress] pattern = 'step (\\d+)'")
+    if prog.get("pattern") is not None:
+        compile_progress_pattern(prog["pattern"])
+    health_config.parse(data, {})  # {}: the box's own notify variables are its business
+
+
 def build_spec(
     job_file: Optional[str],
     flags: Overrides,

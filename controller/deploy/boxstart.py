@@ -12,7 +12,9 @@ Most failures are said as the box said them. One is not a failure of the start a
 agent took its epoch and restored the run's checkpoint, and a SIGTERM (the box preempted) or a
 stop came before the job started, so the run ended PREEMPTED (exit 13) or STOPPED (exit 12)
 before its first attempt (onbox/agent/detach.py ``NotStarted``). That is said as what happened,
-with what to do, and `rgt run` exits with the box's code (13 or 12), as `rgt-agent run` does.
+with what to do, and `rgt deploy` exits with the box's code (13 or 12), as `rgt-agent run` does.
+Any other refusal of the box's agent keeps its code too where it is one of rgt's (2 a job the
+box cannot run, 5 a run held by another agent, 14 the store...): exit 1 is a bug's.
 """
 
 from __future__ import annotations
@@ -21,7 +23,19 @@ from typing import Sequence
 
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote
-from onbox.common.errors import FINAL_EXIT_CODES, RemoteUnreachable, RgtError, WaitInterrupted
+from onbox.common.errors import (
+    FINAL_EXIT_CODES,
+    HostError,
+    IntegrityError,
+    LockedError,
+    NotFound,
+    RemoteUnreachable,
+    RgtError,
+    StoreError,
+    UnsafeRefused,
+    UsageError,
+    WaitInterrupted,
+)
 
 # The longest silence of `rgt-agent start` (it says how its agent's restore goes every few
 # seconds: onbox/agent/detach.py PROGRESS_EVERY).
@@ -32,9 +46,24 @@ _WHY = {
     "STOPPED": "a stop (Ctrl-C on the box, `rgt stop`) came",
 }
 _REMEDY = {
-    "PREEMPTED": "run `rgt run` again, on this box once it is back or on another with the same "
-    "store: the run restores its newest sealed checkpoint and resumes from it",
-    "STOPPED": "run `rgt run` again to start it; it restores its newest sealed checkpoint",
+    "PREEMPTED": "run the same `rgt deploy` again, on this box once it is back or on another "
+    "with the same store: the run restores its newest sealed checkpoint and resumes from it",
+    "STOPPED": "run the same `rgt deploy` again to start it; it restores its newest sealed "
+    "checkpoint",
+}
+# The codes a refusing `rgt-agent start` means as rgt means them (not 3 and 4: on the laptop
+# they say the box did not answer or refused the login, which it did not).
+_BOX_CODES = {
+    c.exit_code
+    for c in (
+        UsageError,
+        LockedError,
+        IntegrityError,
+        UnsafeRefused,
+        NotFound,
+        HostError,
+        StoreError,
+    )
 }
 
 
@@ -43,7 +72,10 @@ def start_failed(label: str, name: str, rc: int, said: str) -> RgtError:
     printed ``said`` (its stderr, or its stdout when that is empty)."""
     state = next((s for s, code in FINAL_EXIT_CODES.items() if code == rc and s in _WHY), None)
     if state is None:
-        return RgtError(f"rgt-agent start failed on {label} (exit {rc}): {_its_error(said)}")
+        err = RgtError(f"rgt-agent start failed on {label} (exit {rc}): {_its_error(said)}")
+        if rc in _BOX_CODES:
+            err.exit_code = rc
+        return err
     err = RgtError(
         f"run {name} did not start on {label}: {_WHY[state]} while its agent restored the "
         f"run's checkpoint, before the job started; the run is {state}",

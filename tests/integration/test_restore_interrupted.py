@@ -417,7 +417,8 @@ def test_a_run_preempted_in_its_restore_is_said_so_by_boot_and_by_the_laptop(
     e = start_failed("box1", RUN, first.returncode, first.stderr)
     assert e.exit_code == FINAL_EXIT_CODES["PREEMPTED"] and "failed" not in e.what, e.line()
     assert f"run {RUN} did not start on box1: the box was preempted" in e.what, e.line()
-    assert "restored" in e.what and "PREEMPTED" in e.what and "`rgt run` again" in (e.remedy or "")
+    assert "restored" in e.what and "PREEMPTED" in e.what, e.line()
+    assert "`rgt deploy` again" in (e.remedy or ""), e.line()
     # A power-on: `boot` starts it again, and it is preempted in its restore once more.
     with open(os.path.join(cli.home, "boot_id"), "w") as f:
         f.write("a-boot-before\n")

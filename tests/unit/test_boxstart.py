@@ -1,0 +1,31 @@
+"""What `rgt deploy` says when the box's start fails (controller/deploy/boxstart.py)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from controller.cli import cli
+from controller.deploy.boxstart import start_failed
+
+
+@pytest.mark.parametrize("rc", [12, 13])
+def test_a_start_cut_by_a_stop_or_preemption_names_a_command_rgt_has(rc: int) -> None:
+    e = start_failed("box1", "gpt", rc, "")
+    assert e.exit_code == rc
+    named = re.findall(r"`rgt ([a-z-]+)", e.remedy or "")
+    assert named, e.remedy
+    for command in named:  # the user types what the remedy says
+        assert command in cli.commands, (command, e.remedy)
+
+
+@pytest.mark.parametrize("rc", [2, 5, 14])
+def test_a_refusal_of_the_box_keeps_its_exit_code(rc: int) -> None:
+    assert start_failed("box1", "gpt", rc, "rgt: what the box said").exit_code == rc
+
+
+def test_an_exit_that_is_not_one_of_rgts_is_not_passed_on() -> None:
+    # 3 and 4 mean on the laptop that the box did not answer or refused the login.
+    for rc in (3, 4, 127):
+        assert start_failed("box1", "gpt", rc, "sh: rgt-agent: not found").exit_code == 1

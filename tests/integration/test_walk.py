@@ -1,0 +1,169 @@
+"""A new user's walk through `rgt` against a real box (the session's loopback sshd, tests/sshd.py):
+the real CLI as a process (tests/laptop.py), what it prints held against what README.md promises.
+
+- a run deployed, stopped and deployed again: the second deploy shows the first line of the
+  attempt it started, not the run's first attempt's (a traceback fixed since);
+- `rgt logs -f` in one terminal goes on while another rgt command on the same box ends (they
+  share ssh's control master: the one that ends must not take the other's session with it);
+- typos: a job file with a wrong key is refused (exit 2, naming the key) before the box is
+  touched; a command the box cannot find is the box's usage error, exit 2, not a bug's 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator, List
+
+import pytest
+
+from onbox.agent import procfs
+from tests.conftest import _kill_run_processes
+from tests.laptop import laptop_env, rgt_exe, run_rgt, ssh_target
+from tests.sshd import SshServer
+
+RUN = f"walk-{os.getpid()}"
+# The job: one line naming its attempt, then a tick every half second until it is stopped.
+JOB = """\
+import os, time
+print("first line of attempt", os.environ["RGT_ATTEMPT"], flush=True)
+while True:
+    print("tick", flush=True)
+    time.sleep(0.5)
+"""
+
+
+@dataclasses.dataclass
+class Walk:
+    sshd: SshServer
+    ctl_home: str
+    box_home: str
+    project: str
+
+    @property
+    def target(self) -> str:
+        return ssh_target(self.sshd)
+
+    def rgt(self, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+        return run_rgt(args, laptop_env(self.ctl_home, self.box_home), self.project, timeout)
+
+    def deploy(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return self.rgt("deploy", self.target, "--python", sys.executable, *args)
+
+    def sessions(self) -> int:
+        """Commands the box's sshd has started so far."""
+        return self.sshd.log().count("Starting session: ")
+
+    def ssh_clients(self) -> List[int]:
+        """This laptop's ssh processes: their command line names its control socket directory."""
+        dirs = [os.path.join(self.ctl_home, "cm").encode()]
+        with contextlib.suppress(OSError), open(os.path.join(self.ctl_home, "cm-dir"), "rb") as f:
+            dirs.append(f.read().strip())
+        out = []
+        for pid in procfs.pids():
+            with contextlib.suppress(OSError), open(f"/proc/{pid}/cmdline", "rb") as f:
+                line = f.read()
+                if line.startswith(b"ssh") and any(d and d in line for d in dirs):
+                    out.append(pid)
+        return out
+
+
+@pytest.fixture(scope="module")
+def walk(sshd: SshServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Walk]:
+    tmp = tmp_path_factory.mktemp("walk")
+    project = tmp / "project"
+    project.mkdir()
+    (project / "job.py").write_text(JOB)
+    w = Walk(sshd, str(tmp / "ctl"), str(tmp / "box"), str(project))
+    os.makedirs(w.ctl_home)
+    try:
+        yield w
+    finally:
+        _kill_run_processes(w.box_home)
+        for pid in w.ssh_clients():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _first_line(err: str) -> str:
+    said = [ln for ln in err.splitlines() if "its first line:" in ln]
+    assert len(said) == 1, err
+    return said[0]
+
+
+def test_a_deploy_again_shows_the_first_line_of_the_attempt_it_started(walk: Walk) -> None:
+    p = walk.deploy("--name", RUN, "--", sys.executable, "job.py")
+    assert p.returncode == 0, p.stderr
+    assert _first_line(p.stderr).endswith("its first line: first line of attempt 1"), p.stderr
+    p = walk.rgt("stop", RUN, "--grace", "2")
+    assert p.returncode == 0, p.stderr
+
+    p = walk.deploy("--name", RUN, "--", sys.executable, "job.py")
+    assert p.returncode == 0, p.stderr
+    assert _first_line(p.stderr).endswith("its first line: first line of attempt 2"), p.stderr
+
+
+def test_logs_follow_goes_on_while_another_rgt_command_on_the_box_ends(
+    walk: Walk, tmp_path: Path
+) -> None:
+    out = tmp_path / "follow.out"
+    with open(out, "wb") as f:
+        follower = subprocess.Popen(
+            [*rgt_exe(), "logs", RUN, "-f"],
+            env=laptop_env(walk.ctl_home, walk.box_home),
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            cwd=walk.project,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while b"tick" not in out.read_bytes():
+            assert follower.poll() is None, out.read_bytes()[-2000:]
+            assert time.monotonic() < deadline, "rgt logs -f printed nothing"
+            time.sleep(0.1)
+        # Another terminal: a command that opens, uses and closes its ssh connection to the box.
+        p = walk.rgt("doctor", walk.target)
+        assert p.returncode in (0, 9), p.stderr
+        p = walk.rgt("stop", RUN, "--grace", "2")
+        assert p.returncode == 0, p.stderr
+        # The follower ends with the run, having followed it to its end, not with the doctor.
+        assert follower.wait(timeout=60) == 0, out.read_bytes()[-2000:]
+    finally:
+        follower.kill()
+        follower.wait(10)
+
+
+def test_a_job_file_with_a_wrong_key_is_refused_before_the_box_is_touched(walk: Walk) -> None:
+    job = Path(walk.project) / "typo.toml"
+    releases = os.path.join(walk.box_home, "releases")
+    before = sorted(os.listdir(releases))
+    for text, key in [
+        ('name = "typo"\ncomand = ["python", "job.py"]\n', "comand"),
+        (
+            'name = "typo"\ncommand = ["python", "job.py"]\n[checkpoint]\nintervall = "5m"\n',
+            "checkpoint.intervall",
+        ),
+    ]:
+        job.write_text(text)
+        sessions = walk.sessions()
+        p = walk.deploy(str(job))
+        assert p.returncode == 2, p.stderr
+        assert f"{key}: unknown setting" in p.stderr and "valid: " in p.stderr, p.stderr
+        assert walk.sessions() == sessions, p.stderr  # not one command on the box
+    assert sorted(os.listdir(releases)) == before  # no release pushed for it
+    assert not os.path.exists(os.path.join(walk.box_home, "runs", "typo"))
+    job.unlink()
+
+
+def test_a_command_the_box_cannot_find_is_a_usage_error(walk: Walk) -> None:
+    p = walk.deploy("--name", "nocmd", "--", "no-such-command-here", "job.py")
+    assert p.returncode == 2, p.stderr
+    assert "'no-such-command-here' is not found on PATH" in p.stderr, p.stderr
+    assert not os.path.exists(os.path.join(walk.box_home, "runs", "nocmd"))

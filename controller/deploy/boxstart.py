@@ -6,7 +6,7 @@ checkpoint. Meanwhile it says what the agent is doing on its stderr (onbox/agent
 shown as it comes, so START_SILENCE bounds its silence, not its run; ssh's keepalive finds a
 dead link. Whatever ends the laptop's wait (the link gone, a person's Ctrl-C), the run is
 recorded: its agent may well be starting it. So is a run that ended before its job started
-(below): the box holds it in that state, and `rgt run` there again resumes it.
+(below): the box holds it in that state, and `rgt deploy` there again resumes it.
 
 Most failures are said as the box said them. One is not a failure of the start at all: the box's
 agent took its epoch and restored the run's checkpoint, and a SIGTERM (the box preempted) or a

@@ -5,7 +5,7 @@ restore: 20 GiB from S3 takes minutes. It used to wait READY_TIMEOUT (10 s) in a
 "the agent did not come up" (exit 9) while the agent went on and started the job. Now the agent
 says what it is doing while it prepares the run, and READY_TIMEOUT bounds the silence: a long
 restore is waited for (its progress shown), a hung agent is still given up on. The laptop's
-`rgt run` ran that start with 120 s for all of it; now its START_SILENCE bounds the silence, and
+`rgt deploy` ran that start with 120 s for all of it; now its START_SILENCE bounds the silence, and
 the start's lines reach the user's terminal, quoted.
 
 Real processes, a real ``file://`` store. The restore's copies hold after each piece
@@ -179,7 +179,7 @@ def test_start_gives_up_on_an_agent_that_goes_silent_mid_restore(cli: Cli, tmp_p
     assert start.returncode == 9, (out, err)
     assert f"the agent for {RUN!r} did not come up" in err, err
     assert "started" not in out, out
-    # The laptop's error for it (`rgt run`) is the start's error, not its progress again
+    # The laptop's error for it (`rgt deploy`) is the start's error, not its progress again
     # (that reached the terminal as it came).
     e = start_failed("box1", RUN, start.returncode, err)
     assert f"the agent for {RUN!r} did not come up" in e.what, e.what
@@ -202,7 +202,7 @@ def test_rgt_run_waits_for_a_box_start_that_outlasts_its_bound_and_shows_the_pro
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """The laptop's side: the deploy ran `rgt-agent start` with 120 s for all of it, so a
-    restore longer than that failed `rgt run` ("did not finish within 120 s") while the run
+    restore longer than that failed `rgt deploy` ("did not finish within 120 s") while the run
     started on the box. Now START_SILENCE (made short here) bounds the silence of the start,
     which says how the restore goes; its lines reach the user's terminal, quoted. A ``local``
     target runs the same commands as an ssh box."""
@@ -265,7 +265,7 @@ def test_a_relayed_start_is_cut_after_its_silence_and_its_stderr_reaches_the_ter
 def test_a_ctrl_c_of_rgt_run_during_a_long_start_leaves_the_run_known_to_the_laptop(
     cli: Cli, tmp_path: Any, controller_env: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A Ctrl-C of `rgt run` while the box's agent restores (minutes, now waited out) ended
+    """A Ctrl-C of `rgt deploy` while the box's agent restores (minutes, now waited out) ended
     rgt with a traceback and no record of the run on the laptop, while the agent on the box
     went on and started the job: `rgt status` knew nothing of it. rgt now records the run,
     says the start goes on on the box and how to see it, and exits 130."""
@@ -311,9 +311,9 @@ def test_a_ctrl_c_of_rgt_run_during_a_long_start_leaves_the_run_known_to_the_lap
 def test_rgt_run_of_a_box_preempted_in_its_restore_leaves_the_run_known_to_the_laptop(
     cli: Cli, tmp_path: Any, controller_env: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The box is preempted (SIGTERM to its agent) while its agent restores: `rgt run` exits 13
+    """The box is preempted (SIGTERM to its agent) while its agent restores: `rgt deploy` exits 13
     and says the run did not start. It left no record of the run on the laptop, so `rgt status`
-    said it knew no such run while the box held it PREEMPTED (and `rgt run` there again, as the
+    said it knew no such run while the box held it PREEMPTED (and `rgt deploy` there again, as the
     error says, found no previous run to compare with). The run is recorded now."""
     monkeypatch.setenv("RGT_BOX_HOME", cli.home)
     root = str(tmp_path / "durable")

@@ -13,6 +13,9 @@ process dies, the writer finishes the write it holds, reads end-of-file, and exi
 killed mid-write leaves only a hidden temporary directory, never a checkpoint under its name.
 
     python -m onbox.train.writer FD
+
+(The training process starts it with ``python -c`` and the same ``main``: ``-m`` of a module
+its package has already imported makes Python print a RuntimeWarning into the job's log.)
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from onbox.common.errors import CheckpointWriteFailed
 
 _LEN = struct.Struct("!Q")
 NICE = 10
+_ENTRY = "import sys; from onbox.train.writer import main; sys.exit(main(sys.argv[1:]))"
 
 
 def _send(sock: socket.socket, msg: Dict[str, Any], fds: Tuple[int, ...] = ()) -> None:
@@ -85,7 +89,7 @@ class Writer:
         env["PYTHONPATH"] = here + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "onbox.train.writer", str(child.fileno())],
+                [sys.executable, "-c", _ENTRY, str(child.fileno())],
                 pass_fds=(child.fileno(),),
                 env=env,
                 stdin=subprocess.DEVNULL,

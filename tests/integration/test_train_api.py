@@ -539,3 +539,22 @@ def test_the_api_imports_with_only_the_standard_library(tmp_path: Any) -> None:
     )
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "[]"
+
+
+def test_the_background_writer_adds_nothing_to_the_jobs_output(tmp_path: Any) -> None:
+    """The writer was started as `python -m onbox.train.writer`, a module the package had
+    already imported: every job with async_save printed Python's RuntimeWarning about it into
+    its log (and `rgt logs`), as if something were wrong."""
+    d = str(tmp_path / "ck")
+    script = (
+        "import torch\nfrom onbox.train import Checkpointer\n"
+        f"c = Checkpointer({d!r}, async_save=True, handle_signals=False, "
+        "model=torch.nn.Linear(4, 4))\nc.save(1)\nc.close()\n"
+    )
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    p = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 0, p.stderr
+    assert p.stderr == "" and p.stdout == "", (p.stdout, p.stderr)
+    ckptdir.verify(os.path.join(d, "step_1"))

@@ -116,8 +116,9 @@ def complete_checkpoints(ckpt_dir: str, fmt: Optional[str] = FORMAT) -> List[Tup
 
 class AcceleratorCheckpointer:
     """Saves and restores an ``Accelerator``'s whole state as rgt checkpoints; see the module
-    docstring. ``dir`` defaults to RGT_CKPT_DIR (else ./checkpoints); the newest ``keep`` are
-    kept; ``interval``, ``exit_on_preempt`` and ``handle_signals`` are Checkpointer's."""
+    docstring. ``dir`` defaults to RGT_CKPT_DIR (else ./checkpoints); the newest ``keep`` of its
+    own checkpoints are kept, and always the one just saved; ``interval``,
+    ``exit_on_preempt`` and ``handle_signals`` are Checkpointer's."""
 
     def __init__(
         self,
@@ -194,8 +195,8 @@ class AcceleratorCheckpointer:
             acc.wait_for_everyone()
             if acc.is_main_process:
                 publish_dir(tmp, final, step, FORMAT)
-                for _, old in complete_checkpoints(self.dir)[max(self.keep, 1) :]:
-                    shutil.rmtree(old, ignore_errors=True)
+                found = complete_checkpoints(self.dir)  # its own format's only
+                ckptdir.prune(self.dir, self.keep, protect=final, found=found)
         except OSError as e:
             if acc.is_main_process:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -249,12 +249,18 @@ def _untied(sd: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
-def prune(ckpt_dir: str, keep: int, protect: Optional[str] = None) -> List[str]:
+def prune(
+    ckpt_dir: str,
+    keep: int,
+    protect: Optional[str] = None,
+    found: Optional[List[Tuple[int, str]]] = None,
+) -> List[str]:
     """Delete all but the newest ``keep`` checkpoints (never ``protect``: the one just written,
     which a higher step left behind by an earlier run, e.g. a damaged one that load skipped,
-    would otherwise push out); what was deleted."""
+    would otherwise push out); what was deleted. ``found``: the (step, path) of the ones to
+    rotate, newest first (an adapter's own kind; default: every complete one in ckpt_dir)."""
     gone = []
-    for _, path in complete(ckpt_dir)[max(keep, 1) :]:
+    for _, path in (complete(ckpt_dir) if found is None else found)[max(keep, 1) :]:
         if protect is not None and os.path.abspath(path) == os.path.abspath(protect):
             continue
         remove(path)
@@ -263,9 +269,14 @@ def prune(ckpt_dir: str, keep: int, protect: Optional[str] = None) -> List[str]:
 
 
 def remove(path: str) -> None:
-    """Delete the checkpoint at ``path``: first renamed to a hidden name in one step, so that
-    a kill part-way through leaves no marker over missing files under a final name (the
-    sealer would seal that as a complete checkpoint); clean_stale takes what is left."""
+    """Delete the checkpoint at ``path``: a directory is first renamed to a hidden name in one
+    step, so that a kill part-way through leaves no marker over missing files under a final
+    name (the sealer would seal that as a complete checkpoint); clean_stale takes what is left.
+    A file (Lightning's step_N.ckpt) goes in one unlink."""
+    if not os.path.isdir(path) or os.path.islink(path):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
     parent, name = os.path.split(path)
     gone = os.path.join(parent, f".{name}.rgt-del.{os.urandom(3).hex()}")
     try:

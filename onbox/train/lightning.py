@@ -23,7 +23,8 @@ through :class:`onbox.train.Checkpointer`), every ``every_n_steps`` optimizer st
 check ``callback.preempted`` and exit non-zero itself). Lightning's own reaction
 to SIGTERM (stop and exit with status 0, which looks like success) is turned into status 143 as
 well. The decision is agreed across ranks, so all ranks save together. It keeps the newest
-``keep`` of its own checkpoints, and reports the step and the logged ``loss`` to the agent.
+``keep`` of its own checkpoints (and always the one just saved), and reports the step and the
+logged ``loss`` to the agent.
 
 Lightning does not checkpoint the random number generators; this callback adds them (Python,
 NumPy, torch, CUDA) to every checkpoint and restores them when the run resumes, after the
@@ -176,7 +177,9 @@ class RgtCheckpoint(Callback):
                     fsync_file(tmp)
                     os.replace(tmp, final)
                     fsync_dir(self.dirpath)
-                self._prune()
+                ckptdir.prune(
+                    self.dirpath, self.keep, protect=final, found=complete_checkpoints(self.dirpath)
+                )
         except BaseException:
             if trainer.is_global_zero:
                 _remove(tmp)
@@ -195,10 +198,6 @@ class RgtCheckpoint(Callback):
                 trainer.should_stop = True
         self.ckpt.saved(step, token)  # answers the request, reports; preempted: SystemExit(143)
         return final
-
-    def _prune(self) -> None:
-        for _, old in complete_checkpoints(self.dirpath)[max(self.keep, 1) :]:
-            _remove(old)
 
     # ---- Lightning hooks
     def on_train_batch_end(

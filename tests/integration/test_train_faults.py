@@ -107,16 +107,16 @@ def test_rotation_never_deletes_the_checkpoint_it_has_just_written(
     assert Checkpointer(d, handle_signals=False, model=model).load() == 110
 
 
-def _whole_under_final_names(d: str) -> None:
-    """Every checkpoint under a final name verifies, and the agent's sealer, which takes a
-    marked directory as complete and seals the files it finds, sees all of them."""
+def _whole_under_final_names(d: str, fmt: Any = ckptdir.FORMAT) -> None:
+    """Every checkpoint under a final name verifies (as ``fmt``), and the agent's sealer, which
+    takes a marked directory as complete and seals the files it finds, sees all of them."""
     from onbox.sealing.discovery import dir_candidate
 
     for name in os.listdir(d):
         if name.startswith("."):
             continue
         path = os.path.join(d, name)
-        marker = ckptdir.verify(path)
+        marker = ckptdir.verify(path, fmt)
         cand = dir_candidate(d, name, path)
         assert cand is not None
         assert sorted(cand.files) == sorted(
@@ -186,3 +186,146 @@ def test_a_sigkill_while_a_step_is_saved_again_never_loses_that_step(
     ck.close()
     assert os.listdir(d) == ["step_5"]
     _whole_under_final_names(d)
+
+
+# ---- the framework adapters (onbox/train/accelerate.py, lightning.py) rotate their own kinds
+
+
+def _script(*parts: str) -> str:
+    return "".join(textwrap.dedent(p) for p in parts)
+
+
+def _need(*modules: str) -> None:
+    missing = [m for m in modules if importlib.util.find_spec(m) is None]
+    require(not missing, f"{', '.join(missing)} (pip install -e '.[train,frameworks]')")
+
+
+_ACCELERATE = """
+    import os, signal, torch
+    from accelerate import Accelerator
+    from onbox.train.accelerate import AcceleratorCheckpointer
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 4)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    d = sys.argv[1]
+    def checkpointer(keep):
+        return AcceleratorCheckpointer(acc, d, keep=keep, handle_signals=False)
+"""
+
+_LIGHTNING = """
+    import os, signal, torch
+    import lightning.pytorch as pl
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+    from onbox.train.lightning import RgtCheckpoint, resume_path
+    d = sys.argv[1]
+
+    class DirIO(TorchCheckpointIO):  # the layout of a sharded strategy: a directory of files
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            os.makedirs(path)
+            torch.save(checkpoint.pop("state_dict"), os.path.join(path, "model.pt"))
+            torch.save(checkpoint, os.path.join(path, "rest.pt"))
+
+    def fit(steps, keep, plugins=()):
+        trainer = pl.Trainer(
+            max_steps=steps, accelerator="cpu", devices=1, logger=False, plugins=list(plugins),
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[RgtCheckpoint(d, every_n_steps=1, keep=keep, handle_signals=False)],
+        )
+        trainer.fit(BoringModel(), ckpt_path=resume_path(d))
+"""
+
+# Rotation's first file deleted (not the marker: the directory must stay marked), then the end.
+_KILL_IN_ROTATION = """
+    real = os.unlink
+    def unlink(name, *a, **k):
+        real(name, *a, **k)
+        if os.path.basename(name) != ".rgt-complete":
+            os.kill(os.getpid(), signal.SIGKILL)
+    os.unlink = unlink
+"""
+
+
+def test_accelerate_rotation_never_deletes_the_checkpoint_it_has_just_written(
+    tmp_path: Any,
+) -> None:
+    """As for Checkpointer: the damaged step 300 is skipped for step 100, and with keep=1 the
+    save at step 110 must survive its own rotation (it was deleted at once, and step 100
+    with it: the run had no loadable checkpoint left)."""
+    _need("accelerate")
+    d = str(tmp_path / "ck")
+    p = _run(
+        _script(
+            _ACCELERATE,
+            """
+        first = checkpointer(5)
+        first.save(100)
+        first.save(300)
+        with open(os.path.join(d, "step_300", "model.safetensors"), "r+b") as f:
+            f.write(b"X")
+        ck = checkpointer(1)
+        print("loaded", ck.load(), flush=True)
+        ck.save(110)
+        print("then", checkpointer(1).load(), flush=True)
+        """,
+        ),
+        d,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+    assert p.stdout.split() == ["loaded", "100", "then", "110"], p.stdout + p.stderr[-2000:]
+    ckptdir.verify(os.path.join(d, "step_110"), fmt="accelerate")
+
+
+def test_accelerate_a_sigkill_in_the_middle_of_rotation_leaves_no_partial_checkpoint(
+    tmp_path: Any,
+) -> None:
+    """SIGKILL right after rotation deleted the first file of step 1: step_1 stayed marked
+    with a file gone, which the sealer would seal as a complete checkpoint of step 1."""
+    _need("accelerate")
+    d = str(tmp_path / "ck")
+    p = _run(
+        _script(
+            _ACCELERATE,
+            "ck = checkpointer(1)\nck.save(1)\n",
+            _KILL_IN_ROTATION,
+            "ck.save(2)\nprint('not killed')\n",
+        ),
+        d,
+    )
+    assert p.returncode == -9, p.stdout + p.stderr[-2000:]
+    _whole_under_final_names(d, fmt="accelerate")
+    assert [s for s, _ in ckptdir.complete(d)] == [2]
+
+
+def test_lightning_rotation_never_deletes_the_checkpoint_it_has_just_written(
+    tmp_path: Any,
+) -> None:
+    """A run left step_1..3.ckpt; step 3 is damaged, and the agent resumes the next run from
+    step 1 (RGT_RESUME_FROM). With keep=1, its save at step 2 must survive its own rotation
+    (it was deleted at once: step 3 is the higher step, so it alone was kept)."""
+    _need("lightning")
+    d = str(tmp_path / "ck")
+    first = _run(_script(_LIGHTNING, "fit(3, keep=5)\n"), d)
+    assert first.returncode == 0, first.stdout + first.stderr[-2000:]
+    assert sorted(os.listdir(d)) == ["step_1.ckpt", "step_2.ckpt", "step_3.ckpt"]
+    os.truncate(os.path.join(d, "step_3.ckpt"), 100)
+    p = _run(
+        _script(_LIGHTNING, "fit(2, keep=1)\n"), d, RGT_RESUME_FROM=os.path.join(d, "step_1.ckpt")
+    )
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+    assert "step_2.ckpt" in os.listdir(d)
+    state = torch.load(os.path.join(d, "step_2.ckpt"), map_location="cpu", weights_only=False)
+    assert state["global_step"] == 2
+
+
+def test_lightning_a_sigkill_in_the_middle_of_rotation_leaves_no_partial_checkpoint(
+    tmp_path: Any,
+) -> None:
+    """The same with a strategy that saves a directory (step_N/ with rgt's marker): SIGKILL
+    right after rotation deleted the first file of step_1/."""
+    _need("lightning")
+    d = str(tmp_path / "ck")
+    p = _run(_script(_LIGHTNING, _KILL_IN_ROTATION, "fit(2, keep=1, plugins=[DirIO()])\n"), d)
+    assert p.returncode == -9, p.stdout + p.stderr[-2000:]
+    _whole_under_final_names(d, fmt="lightning")
+    assert [s for s, _ in ckptdir.complete(d)] == [2]

@@ -116,8 +116,8 @@ def complete_checkpoints(ckpt_dir: str, fmt: Optional[str] = FORMAT) -> List[Tup
 
 class AcceleratorCheckpointer:
     """Saves and restores an ``Accelerator``'s whole state as rgt checkpoints; see the module
-    docstring. ``dir`` defaults to RGT_CKPT_DIR (else ./checkpoints); the newest ``keep`` of its
-    own checkpoints are kept, and always the one just saved; ``interval``,
+    docstring. ``dir`` defaults to RGT_CKPT_DIR (else ./checkpoints); the newest ``keep`` (1 or
+    more) of its own checkpoints are kept, and always the one just saved; ``interval``,
     ``exit_on_preempt`` and ``handle_signals`` are Checkpointer's."""
 
     def __init__(
@@ -146,7 +146,7 @@ class AcceleratorCheckpointer:
             handle_signals=handle_signals,
         )
         self.dir = self.ckpt.dir
-        self.keep = keep
+        self.keep = keep  # checked by Checkpointer
         self.safe_serialization = safe_serialization
         self.step = 0  # the step of the last save or load
 

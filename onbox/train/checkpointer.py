@@ -106,7 +106,7 @@ class Checkpointer:
         if safetensors:
             import safetensors as _  # noqa: F401  (fail here, not at the first save)
         self.dir = os.path.abspath(dir or os.environ.get(jobenv.CKPT_DIR) or "checkpoints")
-        self.keep = keep
+        self.keep = ckptdir.check_keep(keep)
         self.interval = interval
         self.async_save = async_save
         self.safetensors = safetensors

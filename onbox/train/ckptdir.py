@@ -249,6 +249,17 @@ def _untied(sd: Dict[str, Any]) -> Dict[str, Any]:
     return out
 
 
+def check_keep(keep: Any) -> int:
+    """``keep``, the number of newest checkpoints rotation leaves, checked when a checkpointer
+    is made: a bad one would otherwise fail only after the first save was written."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(
+            f"keep must be a whole number of checkpoints, 1 or more, not {keep!r}: "
+            "rotation keeps the newest keep (give a large one to keep them all)"
+        )
+    return keep
+
+
 def prune(
     ckpt_dir: str,
     keep: int,

@@ -131,6 +131,7 @@ class RgtCheckpoint(Callback):
     ) -> None:
         if every_n_steps is not None and every_n_steps < 1:
             raise ValueError(f"every_n_steps must be >= 1, not {every_n_steps!r}")
+        ckptdir.check_keep(keep)  # here: a checkpointer given has a keep of its own, unused
         self.ckpt = checkpointer or Checkpointer(
             dirpath,
             keep=keep,

@@ -1,10 +1,12 @@
 """The framework-neutral parts of the framework callbacks, without the frameworks: publishing a
 directory as a complete rgt checkpoint (onbox/train/accelerate.py), the save/load cycle of
 ``AcceleratorCheckpointer`` against a fake ``Accelerator`` (the object the user hands in: the
-seam), and the ImportError a missing framework gives."""
+seam), the ImportError a missing framework gives, and the arguments refused when a checkpointer
+is made."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -14,14 +16,14 @@ from typing import Any, Dict, List
 import pytest
 
 from onbox.common.errors import CheckpointError
-from onbox.train import ckptdir
+from onbox.train import Checkpointer, ckptdir
 from onbox.train.accelerate import (
     AcceleratorCheckpointer,
     complete_checkpoints,
     publish_dir,
     verify_dir,
 )
-from tests.conftest import ROOT
+from tests.conftest import ROOT, require
 
 
 def _write(path: str, data: bytes) -> None:
@@ -178,3 +180,30 @@ def test_a_missing_framework_names_the_extra(module: str, blocked: str, extra: s
     )
     assert p.returncode != 0
     assert f"pip install 'remote-gpu-trainer[{extra}]'" in p.stderr, p.stderr[-2000:]
+
+
+BAD_KEEPS: List[Any] = [None, 0, -1, 1.5, "3", True]
+
+
+@pytest.mark.parametrize("keep", BAD_KEEPS)
+def test_a_bad_keep_is_refused_when_the_checkpointer_is_made(job_env: Any, keep: Any) -> None:
+    """At once, not after the first save was written (rotation then raised a TypeError, in
+    async mode a failed background write; 0 or less silently kept one)."""
+    with pytest.raises(ValueError, match=r"keep must be a whole number of checkpoints, 1 or more"):
+        Checkpointer(keep=keep, handle_signals=False)
+    with pytest.raises(ValueError, match=r"keep must be a whole number of checkpoints, 1 or more"):
+        AcceleratorCheckpointer(FakeAccelerator(), keep=keep, handle_signals=False)
+
+
+def test_lightning_refuses_a_bad_keep_also_next_to_a_checkpointer(job_env: Any) -> None:
+    require(
+        importlib.util.find_spec("lightning") is not None,
+        "lightning (pip install -e '.[frameworks]')",
+    )
+    from onbox.train.lightning import RgtCheckpoint
+
+    for keep in BAD_KEEPS:
+        with pytest.raises(ValueError, match=r"keep must be a whole number"):
+            RgtCheckpoint(keep=keep, handle_signals=False)
+        with pytest.raises(ValueError, match=r"keep must be a whole number"):
+            RgtCheckpoint(keep=keep, checkpointer=Checkpointer(handle_signals=False))

@@ -82,6 +82,7 @@ _CUDA_OOM = re.compile(r"CUDA out of memory|OutOfMemoryError|CUBLAS_STATUS_ALLOC
 _WORKER_KILLED = re.compile(
     r"DataLoader worker \(pid\(?s?\)? [\d, ]+\) (?:is killed by signal: Killed|exited unexpectedly)"
 )
+_EDQUOT = re.compile(r"Disk quota exceeded|\[Errno 122\]|EDQUOT")
 _ENOSPC = re.compile(r"No space left on device|\[Errno 28\]|ENOSPC")
 _SYNTAX = {"SyntaxError", "IndentationError", "TabError"}
 _IMPORT = {"ImportError", "ModuleNotFoundError"}
@@ -183,6 +184,16 @@ def _resource_verdict(
             Kind.CUDA_OOM,
             "CUDA out of memory" + (f" at step {step}" if step else ""),
             "lower the batch size, use gradient accumulation or checkpointing",
+            "permanent",
+            Budget.ERROR,
+            step=step,
+        )
+    if _EDQUOT.search(tail):
+        return Verdict(
+            Kind.DISK_FULL,
+            "disk quota exceeded (EDQUOT): the filesystem may have room, the quota on it has none",
+            "free space within the quota (old checkpoints, caches) or have it raised (a network "
+            "volume's size); `df` shows the filesystem's room, not the quota's",
             "permanent",
             Budget.ERROR,
             step=step,

@@ -283,3 +283,13 @@ def test_a_killed_dataloader_worker_is_an_oom_kill_only_when_the_count_rose() ->
     assert classify(ExitStatus(code=1), tail).kind == Kind.PYTHON_EXCEPTION
     v = classify(ExitStatus(code=1), tail, oom_kills_rose=True)
     assert v.kind == Kind.OOM_KILLED and "DataLoader worker" in v.reason, v
+
+
+def test_a_quota_exceeded_is_a_full_disk_whatever_df_says() -> None:
+    """EDQUOT (a RunPod network volume past its size, a shared box's user quota) read as a
+    Python exception, "fix the error shown in the log". This kernel has no quota support
+    (no CONFIG_QFMT_V2, no tmpfs quota), so the errno's text is the seam here."""
+    tail = TB + "OSError: [Errno 122] Disk quota exceeded: '/workspace/ckpt/step_9/model.pt'\n"
+    v = classify(ExitStatus(code=1), tail, inodes_exhausted=lambda: False)
+    assert (v.kind, v.budget, v.klass) == (Kind.DISK_FULL, Budget.ERROR, "permanent"), v
+    assert "quota" in v.reason and "quota" in v.remedy and "df" in v.remedy, v

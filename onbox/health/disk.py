@@ -7,8 +7,9 @@ used is held against three watermarks: ``prune_at`` asks the sealer to delete lo
 already verified in the store (``free_room``); ``warn_at`` is a warning naming the path, the
 labels on it, which of the two ran out and a remedy; ``hold_at`` is an alert and the hold file
 (``checkpoint.hold`` in the run dir), while which the training API writes no new local
-checkpoint. The hold goes once every watched filesystem is back under ``warn_at``. The probe
-never deletes anything itself.
+checkpoint. The verdict speaks of the fullest watched filesystem; the prune and the hold only of
+those a checkpoint takes room on (``CKPT_LABELS``), and the hold goes once they are back under
+``warn_at``. The probe never deletes anything itself.
 
 The budget: the checkpoint filesystem must keep room for one checkpoint being written, one
 kept, and the job's scratch (``ckpt_bytes * 2 + scratch``, from the first sealed checkpoint on;
@@ -44,6 +45,10 @@ from onbox.health.verdict import Action, Context, Reading, Verdict, ok, unknown
 
 PRUNE_EVERY = 60.0  # seconds between free_room requests while above prune_at
 GROWS_INTO = ("run", "ckpt")  # labels whose directory may not exist yet: read where it will be
+# Where a new checkpoint takes room: the checkpoints, and the run dir (the sealer's staging). Only
+# their filesystems hold the saves back or ask the sealer for room: a full cache on another disk
+# must not leave the run without checkpoints, and pruning the checkpoints frees nothing there.
+CKPT_LABELS = frozenset(GROWS_INTO)
 # A name opened this way is never followed (a symlink: ELOOP) and never waited on (a FIFO with no
 # reader: ENXIO, as a socket gives; with one, fstat tells). O_TRUNC is not used: a file is cut
 # only once fstat has shown it is the probe's own.
@@ -244,8 +249,10 @@ class DiskProbe:
                 )
                 sample[f"{label}.free_bytes"] = fs.free
         worst = max(filesystems, key=lambda fs: fs.worst)
-        actions = self._prune(worst, ctx.now)
-        self._watermarks(worst, ctx.wall)
+        ours = [fs for fs in filesystems if CKPT_LABELS.intersection(fs.labels)] or filesystems
+        fullest_ours = max(ours, key=lambda fs: fs.worst)
+        actions = self._prune(fullest_ours, ctx.now)
+        self._watermarks(fullest_ours, ctx.wall)
         verdict = self._verdict(worst, filesystems, ctx)
         return Reading(verdict, sample, actions)
 

@@ -150,6 +150,36 @@ def test_budget_needs_two_checkpoints_and_scratch_once_one_is_sealed(tmpfs: str)
     assert tight.check(_ctx()).verdict.code == "budget"  # before any seal: scratch alone
 
 
+def test_a_full_disk_without_the_checkpoints_alerts_but_neither_holds_nor_prunes_them(
+    tmpfs: str, tmp_path: Any
+) -> None:
+    # The checkpoints (and the run dir, the sealer's staging) on a disk of their own with room;
+    # the cache's disk (a real tmpfs) full. Holding the saves would leave the run with no new
+    # checkpoint exactly when the job may die of the full cache; pruning frees nothing there.
+    with mounts.tmpfs(str(tmp_path / "ckfs"), "size=64m", "rgt-disk-ckpt") as ckfs:
+        run, ckpt = os.path.join(ckfs, "run"), os.path.join(ckfs, "ckpt")
+        os.makedirs(run)
+        hold = os.path.join(run, "checkpoint.hold")
+        cfg = DiskConfig(scratch=1 << 20)
+        paths = {"run": run, "ckpt": ckpt, "cache": tmpfs}
+        probe = DiskProbe(cfg, paths, hold, True)
+        _fill_bytes(tmpfs, 0.97)
+        r = probe.check(_ctx(now=0))
+        assert (r.verdict.level, r.verdict.code) == ("alert", "bytes_full"), r.verdict
+        assert tmpfs in r.verdict.reason and "cache" in r.verdict.reason
+        assert "held back" not in r.verdict.reason
+        assert not os.path.exists(hold) and r.actions == []
+        # The checkpoints' own disk full: held, and the sealer asked for room.
+        _fill_bytes(ckfs, 0.97)
+        r = probe.check(_ctx(now=1))
+        assert os.path.exists(hold) and [a.kind for a in r.actions] == ["free_room"]
+        assert "held back" in r.verdict.reason
+        # Room again there, the cache still full: released.
+        os.unlink(os.path.join(ckfs, "big"))
+        r = probe.check(_ctx(now=2))
+        assert not os.path.exists(hold) and r.verdict.code == "bytes_full", r.verdict
+
+
 def test_paths_missing_are_skipped_and_none_readable_is_unknown(tmp_path: Any) -> None:
     hold = str(tmp_path / "checkpoint.hold")
     probe = DiskProbe(DiskConfig(), {"cache": str(tmp_path / "nope")}, hold, False)

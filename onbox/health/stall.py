@@ -5,10 +5,11 @@ thread that keeps printing while the training loop hangs in a collective is a st
 The budget is learned per attempt. Until the first step: ``startup``. The first ``warmup`` step
 changes are the warm-up (compilation, cache filling): still the startup budget, and their
 intervals teach nothing. Then ``max(floor, factor x the longest interval between step changes
-seen since)``. While progress.json says ``"phase": "checkpoint"`` or ``"eval"``, that phase's own
-budget, counted from when the phase was first seen, and the interval around it teaches nothing.
-A stall also needs the GPU idle where one is seen (the GPU probe's ``idle`` sample): a busy or
-unreadable GPU means the job may be computing a long step.
+seen since)``, once one was seen (until then, still the startup budget). While progress.json
+says ``"phase": "checkpoint"`` or ``"eval"``, that phase's own budget, counted from when the
+phase was first seen, and the interval around it teaches nothing. A stall also needs the GPU idle
+where one is seen (the GPU probe's ``idle`` sample): a busy or unreadable GPU means the job may
+be computing a long step.
 
 On a stall, once per attempt, every thread's stack of each Python process of the attempt goes to
 the attempt's stacks file (onbox/health/stacks.py), a ``stall`` event names it with the first
@@ -155,6 +156,10 @@ class StallProbe:
             return cfg.startup, f"{_fmt(cfg.startup)} until the first step"
         if a.changes < cfg.warmup:
             return cfg.startup, f"{_fmt(cfg.startup)} during the warm-up ({a.changes}/{cfg.warmup})"
+        if a.longest <= 0:
+            # Nothing learned yet (the first interval after the warm-up, or one with a phase in
+            # it): the floor alone would end a steady job whose steps are longer than it.
+            return cfg.startup, f"{_fmt(cfg.startup)} until a step interval is learned"
         learned = cfg.factor * a.longest
         if learned <= cfg.floor:
             return cfg.floor, (

@@ -127,6 +127,23 @@ def test_warm_up_intervals_teach_nothing(tmp_path: Any) -> None:
     assert r.verdict.code == "stalled", r.verdict  # 4 s > floor 3 s (not 150 s)
 
 
+def test_a_steady_job_slower_than_the_floor_is_not_stalled_when_the_warm_up_ends(
+    tmp_path: Any,
+) -> None:
+    """One step every 10 s from the start (over the 3 s floor, far under the 60 s startup):
+    alive and never slower than before. Right after the warm-up nothing was learned yet, so the
+    floor alone is no budget for it: a real agent restarted such a job at every attempt."""
+    rig = Rig(tmp_path, floor=3.0, factor=5.0, warmup=3, startup=60.0)
+    for t in range(91):  # a tick a second, as the watcher does
+        if t % 10 == 0:
+            rig.step(t // 10)
+        r = rig.at(float(t))
+        assert r.verdict.level == "ok", (t, r.verdict)
+    assert r.sample["budget"] == pytest.approx(50.0)  # then learned: 5 x 10 s
+    # A hang after it is caught at the learned budget.
+    assert rig.at(90.0 + 51).verdict.code == "stalled"
+
+
 def test_an_earlier_attempts_report_is_no_step(tmp_path: Any) -> None:
     rig = Rig(tmp_path, startup=60.0)
     rig.attempt, rig.started = 2, 100.0

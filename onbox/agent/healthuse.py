@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 from onbox.agent.journal import FileJournal
 from onbox.agent.profileuse import load_profile
 from onbox.agent.runner import ShimRunner
 from onbox.agent.sealservice import SealService
-from onbox.agent.spec import JobSpec
+from onbox.agent.spec import JobSpec, disk_paths
 from onbox.agent.supervisor import Supervisor
 from onbox.common.errors import RgtError
 from onbox.common.rundir import RunDir
@@ -54,7 +54,10 @@ def build(spec: JobSpec, rd: RunDir, event: Callable[..., None]) -> List[Probe]:
     # Each probe's construction is one statement, owned with its module.
     probes: List[Probe] = [
         DiskProbe(
-            cfg.disk, disk_paths(spec, rd), rd.checkpoint_hold, has_store=spec.store is not None
+            cfg.disk,
+            disk_paths(spec, rd.path),
+            rd.checkpoint_hold,
+            has_store=spec.store is not None,
         ),
         MemoryProbe(cfg.memory, owner),
         GpuProbe(cfg.gpu, owner, event),
@@ -64,22 +67,6 @@ def build(spec: JobSpec, rd: RunDir, event: Callable[..., None]) -> List[Probe]:
         ClocksProbe(danger_clocks(spec)),
     ]
     return probes
-
-
-def disk_paths(spec: JobSpec, rd: RunDir) -> Dict[str, str]:
-    """The paths the disk probe watches, by label: the run's own, the caches, the user's."""
-    paths = {"run": rd.path, "workdir": spec.workdir, "ckpt": spec.ckpt_dir}
-    if spec.store is not None and spec.store.url.startswith("file://"):
-        paths["store"] = spec.store.url[len("file://") :]
-    cache = os.environ.get("HF_HOME") or os.path.expanduser("~/.cache")
-    paths["cache"] = cache
-    for i, extra in enumerate(cfg_paths(spec)):
-        paths[f"path{i + 1}"] = extra
-    return paths
-
-
-def cfg_paths(spec: JobSpec) -> List[str]:
-    return [os.path.abspath(os.path.join(spec.workdir, p)) for p in spec.health.disk.paths]
 
 
 def danger_clocks(spec: JobSpec) -> List[Tuple[str, float, str, str]]:

@@ -22,7 +22,7 @@ from onbox.agent import cgroup, procfs, proxyhook
 from onbox.agent.classify import ExitStatus
 from onbox.agent.daemon import TAG_VAR, agent_environ, python_argv, user_environ
 from onbox.agent.journal import log
-from onbox.agent.spec import JobSpec
+from onbox.agent.spec import JobSpec, disk_paths
 from onbox.common import jobenv
 from onbox.common.durable import read_json, write_json
 from onbox.common.errors import HostError
@@ -395,7 +395,9 @@ class ShimRunner:
         return ""
 
     def inodes_exhausted(self) -> bool:
-        for path in (self.spec.workdir, self.spec.ckpt_dir):
+        # Every path the disk probe watches (a dataset dir, the cache), not only the workdir and
+        # the checkpoints: the exit says what its verdict said.
+        for path in disk_paths(self.spec, self.rd.path).values():
             try:
                 st = os.statvfs(path)
             except OSError:

@@ -469,3 +469,15 @@ def _restart_policy(r: Mapping[str, Any]) -> RestartPolicy:
         raise UsageError("restart.success_codes", f"{codes!r} is not a list of exit codes 0-255")
     kw["success_codes"] = tuple(codes)
     return RestartPolicy(**kw)
+
+
+def disk_paths(spec: JobSpec, run_dir: str) -> Dict[str, str]:
+    """The paths the run writes to, by label: its own, the caches, the user's ``[health.disk]
+    paths``. The disk probe watches them; an ENOSPC exit asks which of them ran out of inodes."""
+    paths = {"run": run_dir, "workdir": spec.workdir, "ckpt": spec.ckpt_dir}
+    if spec.store is not None and spec.store.url.startswith("file://"):
+        paths["store"] = spec.store.url[len("file://") :]
+    paths["cache"] = os.environ.get("HF_HOME") or os.path.expanduser("~/.cache")
+    for i, extra in enumerate(spec.health.disk.paths):
+        paths[f"path{i + 1}"] = os.path.abspath(os.path.join(spec.workdir, extra))
+    return paths

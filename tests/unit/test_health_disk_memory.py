@@ -414,3 +414,36 @@ def test_memory_reads_a_real_cgroup_v1_limit(tmp_path: Any, holders: Holders) ->
 def _procs(cg: str) -> List[str]:
     with open(os.path.join(cg, "cgroup.procs")) as f:
         return f.read().split()
+
+
+# ---- the exit of a job that ran out of inodes on a watched path besides its workdir
+FILLER = """
+import os, sys
+for n in range(100000):  # bounded: the tmpfs has 2000 inodes
+    open(os.path.join(sys.argv[1], f"shard{n}"), "w").close()
+"""
+
+
+def test_a_job_out_of_inodes_on_a_watched_dataset_dir_ends_as_inodes_exhausted(
+    tmpfs: str, tmp_path: Any
+) -> None:
+    # The dataset dir ([health.disk] paths) is on its own filesystem, out of inodes with bytes to
+    # spare; the workdir and the checkpoints are elsewhere, with room. The disk probe says
+    # inodes; the job's exit must say the same, not "free disk space".
+    from onbox.agent.classify import ExitStatus, Kind, classify
+    from onbox.agent.runner import ShimRunner
+    from onbox.agent.spec import JobSpec
+    from onbox.common.rundir import RunDir
+
+    work = tmp_path / "work"
+    work.mkdir()
+    health = HealthConfig(disk=DiskConfig(paths=(tmpfs,)))
+    spec = JobSpec("ino", ("true",), str(work), str(work / "ckpt"), health=health)
+    rd = RunDir("ino", home=str(tmp_path / "home"))
+    runner = ShimRunner(rd, spec, agent_cmd=["false"], base_environ=os.environ)
+    p = subprocess.run(
+        [sys.executable, "-c", FILLER, tmpfs], capture_output=True, text=True, timeout=120
+    )
+    assert p.returncode == 1 and "No space left on device" in p.stderr, p.stderr
+    v = classify(ExitStatus(code=p.returncode), p.stderr, inodes_exhausted=runner.inodes_exhausted)
+    assert v.kind == Kind.INODES_EXHAUSTED, v

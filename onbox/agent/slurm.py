@@ -19,7 +19,9 @@ lives there:
   the loop's preemption path as before, within the grace.
 - ``after``: once the run is terminal and the agent let go of it, never in a signal handler:
   after a warning, ``scontrol requeue JOBID``; after a bare SIGTERM, the job's end as Slurm
-  says it (TIMEOUT, PREEMPTED, NODE_FAIL: requeue; a user's scancel: not). Events
+  says it (TIMEOUT, PREEMPTED, NODE_FAIL: requeue; a user's scancel: not). A job whose
+  ``Restarts`` is past this allocation's was requeued already (``scontrol requeue``, a node
+  failure, a preemption in REQUEUE mode): said so, never requeued twice. Events
   ``slurm_requeued``, ``slurm_requeue_failed`` (the reason and the remedy) or
   ``slurm_not_requeued``. The requeued job's ``rgt-agent run`` is a new incarnation of the same
   run: it restores from the store and goes on (a DONE.json there stops a finished one).
@@ -193,6 +195,12 @@ def requeue_decision(fields: Optional[Mapping[str, str]], warned: bool) -> Tuple
     return False, f"the job is {ended}: the SIGTERM did not come from Slurm's end of the job"
 
 
+def restarts(fields: Mapping[str, str]) -> int:
+    """The job's ``Restarts`` (how often it was requeued so far; 0 when not shown)."""
+    value = fields.get("Restarts", "")
+    return int(value) if value.isdigit() else 0
+
+
 def parse_end(value: Optional[str]) -> Optional[float]:
     """EndTime (the cluster's local time, to the second) as epoch seconds; None when unknown."""
     if not value or value in ("Unknown", "None", "N/A"):
@@ -321,17 +329,26 @@ class SlurmWatch:
         """Requeue, or say why not, once the run ended (never in a signal handler)."""
         if final != "PREEMPTED" or not (self.warned or self.termed):
             return
-        fields = None
-        if not self.warned:
-            fields, why = show_job(self.job.job_id)
-            if fields is None:
-                self.event(
-                    "slurm_not_requeued",
-                    f"the job's state could not be read ({why}); not requeued",
-                    klass="transient",
-                    remedy=f"requeue it yourself: scontrol requeue {self.job.job_id}",
-                )
-                return
+        fields, why = show_job(self.job.job_id)
+        if fields is not None and restarts(fields) > self.job.restart_count:
+            # Requeued already, before this agent could (`scontrol requeue` by someone, a node
+            # failure, a preemption in REQUEUE mode): a second requeue would fail, and "not
+            # requeued" would send the user to sbatch a second job for the same run.
+            self._requeued(
+                f"Slurm requeued job {self.job.job_id} itself (Restarts {restarts(fields)}: "
+                "`scontrol requeue`, a node failure or a preemption)",
+                extra,
+                save,
+            )
+            return
+        if not self.warned and fields is None:
+            self.event(
+                "slurm_not_requeued",
+                f"the job's state could not be read ({why}); not requeued",
+                klass="transient",
+                remedy=f"requeue it yourself: scontrol requeue {self.job.job_id}",
+            )
+            return
         ok, why = requeue_decision(fields, self.warned)
         if not ok:
             self.requeued = False
@@ -348,18 +365,12 @@ class SlurmWatch:
 
     def _requeue(self, why: str, extra: Dict[str, Any], save: Callable[[], None]) -> None:
         rc, _, err = run_tool(["scontrol", "requeue", self.job.job_id])
-        self.requeued = rc == 0
+        if rc == 0:
+            self._requeued(f"{why}; `scontrol requeue {self.job.job_id}`", extra, save)
+            return
+        self.requeued = False
         extra["slurm"] = self.state()
         save()
-        if rc == 0:
-            self.event(
-                "slurm_requeued",
-                f"{why}; `scontrol requeue {self.job.job_id}`: the job goes back to the queue "
-                f"and resumes from the store (allocation attempt {self.job.restart_count + 2})",
-                job_id=self.job.job_id,
-                restart_count=self.job.restart_count,
-            )
-            return
         self.event(
             "slurm_requeue_failed",
             f"{why}, but `scontrol requeue {self.job.job_id}` failed: {err or f'exit {rc}'}",
@@ -367,6 +378,18 @@ class SlurmWatch:
             remedy="the checkpoint is sealed: submit the batch script again (sbatch), or ask "
             "the site whether requeue is allowed (JobRequeue, the partition's policy)",
             job_id=self.job.job_id,
+        )
+
+    def _requeued(self, why: str, extra: Dict[str, Any], save: Callable[[], None]) -> None:
+        self.requeued = True
+        extra["slurm"] = self.state()
+        save()
+        self.event(
+            "slurm_requeued",
+            f"{why}: the job goes back to the queue and resumes from the store (allocation "
+            f"attempt {self.job.restart_count + 2})",
+            job_id=self.job.job_id,
+            restart_count=self.job.restart_count,
         )
 
 

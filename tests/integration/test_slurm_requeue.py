@@ -272,3 +272,45 @@ def test_a_stop_asked_from_another_node_reaches_the_agent_through_slurm(
     assert "stop" in kinds and "slurm_warning" not in kinds and "slurm_requeued" not in kinds
     assert slurm_cluster.job_field(job, "Restarts") == "0"
     assert not slurm.wake_agent({"slurm": {"job_id": "x; rm -rf /"}})  # never a shell word
+
+
+def test_a_requeue_by_slurm_during_a_seal_is_said_as_one_and_resumes_the_newest_seal(
+    slurm_cluster: SlurmCluster, cli: Cli, tmp_path: Any
+) -> None:
+    """`scontrol requeue` by someone else (an admin; Slurm does the same on a node failure or a
+    preemption in REQUEUE mode) while a checkpoint is being sealed: the agent gets a bare
+    SIGTERM, seals within the grace and must say the job was requeued (not "cancelled, not
+    requeued, sbatch it again", which would make a second job of the same run), must not requeue
+    it a second time, and the next allocation resumes from the newest sealed step."""
+    name = "slurm-cancel"  # the job file's name
+    job, _ = _start_writer(slurm_cluster, cli, tmp_path, 64)
+    try:
+        pid = cli.status(name)["pid"]
+        os.kill(pid, signal.SIGUSR2)
+        _wait(lambda: _sealed(cli, name) == [1], 60, "the first seal")
+        os.kill(pid, signal.SIGUSR2)
+        ckpt = os.path.join(cli.home, "runs", name, "ckpt", "step_2.pt")
+        _wait(lambda: os.path.exists(ckpt), 60, "the second checkpoint")
+        assert slurm_cluster.run("scontrol", "requeue", job).returncode == 0
+        # The second allocation's slurm_job event comes after its restore.
+        _wait(
+            lambda: [e["kind"] for e in _events(cli, name)].count("slurm_job") == 2,
+            180,
+            "the second allocation",
+            lambda: [e["kind"] for e in _events(cli, name)],
+        )
+        events = _events(cli, name)
+        kinds = [e["kind"] for e in events]
+        again = kinds.index("incarnation", kinds.index("slurm_job") + 1)
+        first = events[:again]
+        assert "slurm_not_requeued" not in kinds, [e.get("reason") for e in first[-3:]]
+        assert [e["kind"] for e in first].count("slurm_requeued") == 1, kinds
+        assert "slurm_requeue_failed" not in kinds
+        assert [e["restart_count"] for e in events if e["kind"] == "slurm_job"] == [0, 1]
+        sealed = [e["step"] for e in first if e["kind"] == "sealed"]
+        restored = [e for e in events[again:] if e["kind"] == "restored"]
+        assert restored and restored[-1]["step"] == max(sealed) >= 1, (sealed, restored)
+        assert slurm_cluster.job_field(job, "Restarts") == "1"  # requeued once, by Slurm
+    finally:
+        slurm_cluster.run("scancel", job)
+    slurm_cluster.wait_job(job, "CANCELLED", timeout=60)

@@ -50,7 +50,9 @@ def let_go(agent: Agent) -> None:
     if agent.notifier is not None:  # the last ping and a bounded drain (a few seconds)
         agent.notifier.finish(agent.sup.state.value)
     if agent.slurm is not None:  # last: a requeue ends this allocation's processes
-        agent.slurm.after(agent.sup.state.value, agent.sup.extra, agent.sup.save)
+        sealed = agent.seal.sealed_step() if agent.seal is not None else None
+        stuck = agent.sup.policy.max_stuck_restarts
+        agent.slurm.after(agent.sup.state.value, agent.sup.extra, agent.sup.save, sealed, stuck)
     log(agent.rd.agent_log, f"agent pid {os.getpid()} exits: run is {agent.sup.state}")
     agent.runner.close()
     agent.lock.release()

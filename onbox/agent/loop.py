@@ -342,7 +342,8 @@ class Agent:
             self.spec, self.rd, self.journal, sup, self.runner, self.seal, self._wake_w
         )
         if self.slurm is not None:
-            self.slurm.begin(sup.extra)
+            seal = self.seal
+            self.slurm.begin(sup.extra, (seal is not None, seal.sealed_step() if seal else None))
             sup.save()
         self._leave_if_taken_over()
         while sup.state not in TERMINAL:

@@ -234,6 +234,12 @@ class SlurmWatch:
         self.warned = False
         self.termed = False
         self.requeued: Optional[bool] = None
+        self.stuck = 0
+        # With a store: the sealed step this allocation began from, and how many allocations
+        # before it, in a row, sealed nothing newer than theirs (``stuck``).
+        self.has_store = False
+        self.sealed_at_begin: Optional[int] = None
+        self.stuck_before = 0
 
     def state(self) -> Dict[str, Any]:
         return {
@@ -243,8 +249,13 @@ class SlurmWatch:
             "requeued": self.requeued,
         }
 
-    def begin(self, extra: Dict[str, Any]) -> None:
-        """Record the allocation; read its EndTime once (its own timer needs it)."""
+    def begin(
+        self, extra: Dict[str, Any], sealed: Tuple[bool, Optional[int]] = (False, None)
+    ) -> None:
+        """Record the allocation; read its EndTime once (its own timer needs it). ``sealed``:
+        whether the run has a store, and its sealed step now (after the restore)."""
+        self.has_store, self.sealed_at_begin = sealed
+        self.stuck_before = stuck_so_far(read_events(self.events_path), self.job)
         fields, why = show_job(self.job.job_id)
         end = parse_end(fields.get("EndTime")) if fields else None
         if end is not None:
@@ -325,10 +336,21 @@ class SlurmWatch:
     def on_term(self) -> None:
         self.termed = True
 
-    def after(self, final: str, extra: Dict[str, Any], save: Callable[[], None]) -> None:
-        """Requeue, or say why not, once the run ended (never in a signal handler)."""
+    def after(
+        self,
+        final: str,
+        extra: Dict[str, Any],
+        save: Callable[[], None],
+        sealed_now: Optional[int] = None,
+        stuck_limit: int = 0,
+    ) -> None:
+        """Requeue, or say why not, once the run ended (never in a signal handler).
+        ``sealed_now``: the run's sealed step now; ``stuck_limit`` ([restart]
+        max_stuck_restarts, 0: no limit): that many allocations in a row that sealed nothing
+        newer than they began from are not requeued again."""
         if final != "PREEMPTED" or not (self.warned or self.termed):
             return
+        self.stuck = self._stuck(sealed_now)
         fields, why = show_job(self.job.job_id)
         if fields is not None and restarts(fields) > self.job.restart_count:
             # Requeued already, before this agent could (`scontrol requeue` by someone, a node
@@ -361,7 +383,38 @@ class SlurmWatch:
                 "to continue from the sealed checkpoint",
             )
             return
+        if stuck_limit and self.stuck >= stuck_limit:
+            self._stuck_loop(extra, save)
+            return
         self._requeue(why, extra, save)
+
+    def _stuck(self, sealed_now: Optional[int]) -> int:
+        if not self.has_store:  # nothing to tell progress by
+            return 0
+        at = self.sealed_at_begin
+        progressed = sealed_now is not None and (at is None or sealed_now > at)
+        return 0 if progressed else self.stuck_before + 1
+
+    def _stuck_loop(self, extra: Dict[str, Any], save: Callable[[], None]) -> None:
+        """Not requeued: allocation after allocation was warned before anything was sealed."""
+        self.requeued = False
+        extra["slurm"] = self.state()
+        save()
+        at = self.sealed_at_begin
+        self.event(
+            "slurm_not_requeued",
+            f"{self.stuck} allocation(s) of job {self.job.job_id} in a row sealed nothing newer "
+            f"than {'step ' + str(at) if at is not None else 'nothing'}: each was warned before "
+            f"its job could checkpoint (its restore and start take longer than the time limit "
+            f"less the warning's lead, {self.job.lead or self.grace} s); the run stays PREEMPTED",
+            klass="permanent",
+            remedy="give the job more time (sbatch --time; rgt deploy --time) or make its "
+            "checkpoints quicker to seal (a shorter lead), then sbatch the batch script again: "
+            "it resumes from the newest sealed checkpoint ([restart] max_stuck_restarts sets "
+            "how many such allocations are requeued)",
+            job_id=self.job.job_id,
+            stuck=self.stuck,
+        )
 
     def _requeue(self, why: str, extra: Dict[str, Any], save: Callable[[], None]) -> None:
         rc, _, err = run_tool(["scontrol", "requeue", self.job.job_id])
@@ -390,7 +443,18 @@ class SlurmWatch:
             f"attempt {self.job.restart_count + 2})",
             job_id=self.job.job_id,
             restart_count=self.job.restart_count,
+            stuck=self.stuck,
         )
+
+
+def stuck_so_far(events: Sequence[Mapping[str, Any]], job: SlurmJob) -> int:
+    """How many allocations of ``job`` before this one, in a row, sealed nothing newer than they
+    began from: what the previous allocation's requeue said (0 when it said nothing)."""
+    for ev in reversed(events):
+        if ev.get("kind") == "slurm_requeued" and str(ev.get("job_id")) == job.job_id:
+            same = ev.get("restart_count") == job.restart_count - 1
+            return int(ev.get("stuck") or 0) if same else 0
+    return 0
 
 
 def wake_agent(doc: Mapping[str, Any]) -> bool:

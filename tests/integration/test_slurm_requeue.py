@@ -314,3 +314,52 @@ def test_a_requeue_by_slurm_during_a_seal_is_said_as_one_and_resumes_the_newest_
     finally:
         slurm_cluster.run("scancel", job)
     slurm_cluster.wait_job(job, "CANCELLED", timeout=60)
+
+
+def test_allocations_that_seal_nothing_newer_are_not_requeued_for_ever(
+    slurm_cluster: SlurmCluster, cli: Cli, tmp_path: Any
+) -> None:
+    """A time limit that leaves no room after the warning's lead (here a 1-minute job warned
+    58 s before its end, while its job is still starting): every allocation was warned before
+    it could checkpoint, sealed nothing, and requeued the job again, for ever, each allocation
+    spent for nothing. With a store, `max_stuck_restarts` allocations in a row that sealed
+    nothing newer than they began with end the loop: not requeued, said why, the job gone."""
+    root, out = str(tmp_path / "durable"), str(tmp_path / "out")
+    os.makedirs(root)
+    os.makedirs(out)
+    name = "slurm-stuck"
+    job_file = str(tmp_path / "job.toml")
+    slow = "import time\ntime.sleep(50)  # a long start: an import, a dataset's index\n"
+    with open(job_file, "w") as f:
+        f.write(f"name = {name!r}\ncommand = {[sys.executable, '-c', slow]!r}\n")
+        f.write("[restart]\nmax_stuck_restarts = 1\n")
+    script = batch_script(
+        name=name,
+        agent_argv=agent_exe(),
+        release_dir=str(tmp_path),
+        output_dir=out,
+        time_limit="1",
+        lead=58,
+        job_file=job_file,
+        store="file://" + root,
+        env={"RGT_HOME": cli.home},
+    )
+    job = _sbatch(slurm_cluster, script, str(tmp_path / "job.sh"), cli.env)
+    try:
+        _wait(
+            lambda: (
+                {"slurm_requeued", "slurm_not_requeued"} & {e["kind"] for e in _events(cli, name)}
+                if os.path.exists(RunDir(name, cli.home).events)
+                else False
+            ),
+            240,
+            "the first allocation's end",
+            lambda: _job_log(out)[-2000:],
+        )
+        kinds = [e["kind"] for e in _events(cli, name)]
+        assert "slurm_requeued" not in kinds, kinds
+        (why,) = [e for e in _events(cli, name) if e["kind"] == "slurm_not_requeued"]
+        assert "sealed nothing newer" in why["reason"] and "--time" in why["remedy"], why
+        assert slurm_cluster.job_field(job, "Restarts") in ("0", None, ""), job
+    finally:
+        slurm_cluster.run("scancel", job)

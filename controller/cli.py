@@ -132,7 +132,7 @@ def deploy(ctx: click.Context, /, outputs: List[str], sbatch: List[str], **optio
     if options.pop("smoke"):  # before anything is created on the box (controller/smoke/)
         run_smoke(options["job_file"], command, options["project"])
     req = DeployRequest(command=command, outputs=list(outputs), sbatch=list(sbatch), **options)
-    rec = do_deploy(req)
+    rec = do_deploy(req, raise_ended=True)  # a run FAILED at once exits 11, as run does
     _emit(rec.name)
     return 0
 

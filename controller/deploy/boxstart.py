@@ -1,5 +1,6 @@
-"""The deploy's last step: ``rgt-agent start`` on the box (``start_on_box``), and what the
-laptop says when it fails (``start_failed``).
+"""The deploy's last steps: ``rgt-agent start`` on the box (``start_on_box``), what the laptop
+says when it fails (``start_failed``), and the wait for the job's first line
+(``wait_first_line``), which also says how a run that ended at once ended (``ended``).
 
 The start returns once the job runs, so it waits for the agent's restore: minutes for a large
 checkpoint. Meanwhile it says what the agent is doing on its stderr (onbox/agent/detach.py),
@@ -15,14 +16,23 @@ before its first attempt (onbox/agent/detach.py ``NotStarted``). That is said as
 with what to do, and `rgt deploy` exits with the box's code (13 or 12), as `rgt-agent run` does.
 Any other refusal of the box's agent keeps its code too where it is one of rgt's (2 a job the
 box cannot run, 5 a run held by another agent, 14 the store...): exit 1 is a bug's.
+
+A job may end as soon as it started (a missing import). When the wait sees the run already in a
+final state, the deploy says so, with the box's reason and what to do, and exits with that state's
+code as `rgt-agent run` does (11 FAILED, 12 STOPPED, 13 PREEMPTED; 0 SUCCEEDED), so that
+`rgt deploy ... && next` does not go on after a job that failed. A run still live keeps exit 0.
+(A sweep's deploy of a cell only says it: the sweep's own poll marks the cell FAILED.)
 """
 
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from typing import Any, Callable, Dict, Optional, Sequence
 
+from controller import boxrun
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote
+from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.errors import (
     FINAL_EXIT_CODES,
     HostError,
@@ -40,6 +50,8 @@ from onbox.common.errors import (
 # The longest silence of `rgt-agent start` (it says how its agent's restore goes every few
 # seconds: onbox/agent/detach.py PROGRESS_EVERY).
 START_SILENCE = 120.0
+FIRST_LINE_TIMEOUT = 60.0
+FIRST_BYTES = 64 << 10  # of the job's log read for its first line
 
 _WHY = {
     "PREEMPTED": "the box was preempted (SIGTERM to its agent)",
@@ -122,3 +134,85 @@ def start_on_box(
         if err.exit_code in (FINAL_EXIT_CODES["PREEMPTED"], FINAL_EXIT_CODES["STOPPED"]):
             registry.put(rec)  # the run is there, in that state: `rgt status` must find it
         raise err
+
+
+def wait_first_line(
+    remote: Remote, rec: RunRecord, label: str, say: Callable[[str], None]
+) -> Optional[RgtError]:
+    """Wait (FIRST_LINE_TIMEOUT at most) for the first line of the attempt the start began, or
+    for the run's end, and say which; the error of a run seen ended other than SUCCEEDED
+    (``ended``), for the caller to raise or to report."""
+    deadline = time.monotonic() + FIRST_LINE_TIMEOUT
+    doc: Dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        doc = boxrun.poll_status(rec, remote)
+        line = _first_line(remote, rec, doc)
+        if line and doc.get("state") not in TERMINAL_NAMES:
+            # A job that printed its traceback has most likely ended since the poll: look again
+            # (one round trip), rather than call a dead job RUNNING and exit 0.
+            doc = boxrun.poll_status(rec, remote) or doc
+        if line:
+            say(f"rgt: {rec.name} is {doc.get('state')}; its first line: {line[:200]}")
+            break
+        if doc.get("state") in TERMINAL_NAMES:
+            say(f"rgt: {rec.name} ended ({doc.get('state')}) before printing anything")
+            break
+        time.sleep(0.5)
+    else:
+        wait = f"{FIRST_LINE_TIMEOUT:.0f} s"
+        say(f"rgt: {rec.name} is {doc.get('state')}; no output within {wait} yet")
+    if doc.get("state") not in TERMINAL_NAMES:
+        say(
+            f"rgt: follow it with `rgt watch {rec.name}`, `rgt logs {rec.name} -f`, "
+            f"`rgt status {rec.name}`; it runs on without this laptop"
+        )
+        return None
+    err = ended(rec.name, label, doc)
+    if err is not None:
+        return err
+    say(
+        f"rgt: run {rec.name} SUCCEEDED already: its results with `rgt pull {rec.name}`, "
+        f"its output with `rgt logs {rec.name}`"
+    )
+    return None
+
+
+def _first_line(remote: Remote, rec: RunRecord, doc: Dict[str, Any]) -> str:
+    """The first line the attempt ``doc`` names has printed ("" before it printed one)."""
+    attempt = doc.get("attempt")
+    # The attempt this start began, not the run's first one: a run started again has the
+    # older attempts' output (a traceback that was fixed since) before it.
+    if not isinstance(attempt, int) or isinstance(attempt, bool) or attempt < 1:
+        return ""
+    # Its first line only: the log's beginning is read, then the reader stopped.
+    path = boxrun.look_dir(rec).output_log(attempt)
+    log = remote.run(["cat", "--", path], timeout=60, limit=FIRST_BYTES, over="cut").text
+    return log.strip().splitlines()[0] if log.strip() else ""
+
+
+def ended(name: str, label: str, doc: Dict[str, Any]) -> Optional[RgtError]:
+    """The error for run ``name`` that the deploy saw ended on ``label`` (``doc``: its status),
+    with its state's exit code, the box's reason and what to do; None when it SUCCEEDED."""
+    state = str(doc.get("state"))
+    code = FINAL_EXIT_CODES.get(state)
+    if not code:
+        return None
+    last: Dict[str, Any] = doc.get("last_exit") or {}
+    # The reason without the output it quotes: the first line was shown, `rgt logs` has all.
+    reason = str(last.get("reason") or _WHY.get(state) or "").split(" | last output: ")[0]
+    fix = str(last.get("remedy") or "") if state == "FAILED" else _REMEDY.get(state, "")
+    err = RgtError(
+        f"run {name} {state} on {label} right after its start"
+        + (f": {reason[:400]}" if reason else ""),
+        "; ".join(
+            x
+            for x in (
+                fix,
+                f"its output: `rgt logs {name}`",
+                "then `rgt deploy` again" if state == "FAILED" else "",
+            )
+            if x
+        ),
+    )
+    err.exit_code = code
+    return err

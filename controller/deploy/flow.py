@@ -38,13 +38,12 @@ import json
 import os
 import posixpath
 import sys
-import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from controller import boxrun, contacts, envnames
 from controller.deploy import audit as auditmod
 from controller.deploy import guess as guessmod
-from controller.deploy.boxstart import start_on_box
+from controller.deploy.boxstart import start_on_box, wait_first_line
 from controller.deploy.install import AgentInstall, answers_version, found_install, install_agent
 from controller.deploy.probe import Probed
 from controller.deploy.project import project_files, release_id
@@ -54,7 +53,7 @@ from controller.deploy.wheel import AgentWheel, agent_wheel
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, box_int, open_remote
 from controller.target import Target
-from onbox.agent.states import LIVE_NAMES, TERMINAL_NAMES
+from onbox.agent.states import LIVE_NAMES
 from onbox.common import jobenv, jsondoc
 from onbox.common.errors import (
     HostError,
@@ -63,9 +62,6 @@ from onbox.common.errors import (
 )
 from onbox.common.rundir import profiles_dir
 from onbox.profiles.load import SHIPPED_DIR
-
-FIRST_LINE_TIMEOUT = 60.0
-FIRST_BYTES = 64 << 10  # of the job's log read for its first line
 
 
 def _say(msg: str) -> None:
@@ -105,8 +101,11 @@ def deploy(
     registry: Optional[Registry] = None,
     environ: Optional[Dict[str, str]] = None,
     say: Callable[[str], None] = _say,
+    raise_ended: bool = False,
 ) -> RunRecord:
-    """Run every step of a deploy; the run's record once its job printed a first line."""
+    """Run every step of a deploy; the run's record once its job printed a first line.
+    ``raise_ended``: a run seen FAILED, STOPPED or PREEMPTED by then is raised, with its state's
+    exit code (`rgt deploy`); else it is said, and returned (a sweep follows its cells)."""
     environ = dict(os.environ if environ is None else environ)
     registry = registry or Registry()
     plan = check_request(req, environ)
@@ -150,7 +149,11 @@ def deploy(
         start_on_box(remote, registry, rec, plan.target.label, argv, pushed.path)
         registry.put(rec)
         switch_current(remote, box_home, plan.name, pushed.id)
-        _wait_first_line(remote, rec, say)
+        ended = wait_first_line(remote, rec, plan.target.label, say)
+        if ended is not None and raise_ended:
+            raise ended
+        if ended is not None:
+            say(ended.line())
         return rec
     finally:
         remote.close()
@@ -436,33 +439,3 @@ def _live(status: List[str], spec: List[str]) -> Optional[Live]:
         except (ValueError, AttributeError):
             rel = None
     return str(doc["state"]), rel
-
-
-def _wait_first_line(remote: Remote, rec: RunRecord, say: Callable[[str], None]) -> None:
-    deadline = time.monotonic() + FIRST_LINE_TIMEOUT
-    state = "?"
-    while time.monotonic() < deadline:
-        doc = boxrun.poll_status(rec, remote)
-        state = str(doc.get("state"))
-        attempt = doc.get("attempt")
-        # The attempt this start began, not the run's first one: a run started again has the
-        # older attempts' output (a traceback that was fixed since) before it.
-        if isinstance(attempt, int) and not isinstance(attempt, bool) and attempt > 0:
-            # Its first line only: the log's beginning is read, then the reader stopped.
-            path = boxrun.look_dir(rec).output_log(attempt)
-            log = remote.run(["cat", "--", path], timeout=60, limit=FIRST_BYTES, over="cut").text
-        else:
-            log = ""
-        if log.strip():
-            say(f"rgt: {rec.name} is {state}; its first line: {log.strip().splitlines()[0][:200]}")
-            break
-        if state in TERMINAL_NAMES:
-            say(f"rgt: {rec.name} ended ({state}) before printing anything")
-            break
-        time.sleep(0.5)
-    else:
-        say(f"rgt: {rec.name} is {state}; no output within {FIRST_LINE_TIMEOUT:.0f} s yet")
-    say(
-        f"rgt: follow it with `rgt watch {rec.name}`, `rgt logs {rec.name} -f`, "
-        f"`rgt status {rec.name}`; it runs on without this laptop"
-    )

@@ -26,7 +26,7 @@ from typing import IO, Any, Callable, Dict, Iterator, List, Tuple, Union
 import pytest
 
 from controller.capture import ERR_HEAD, ERR_TAIL
-from controller.deploy import flow
+from controller.deploy import boxstart
 from controller.observe import STOP_OUTPUT
 from controller.registry import Registry, RunRecord
 from controller.remote import MAX_OUTPUT, LocalRemote, SshRemote
@@ -238,7 +238,7 @@ def test_deploy_reads_only_the_beginning_of_the_job_log_for_its_first_line(agent
     with open(log, "wb") as f:
         f.write(b"step 1 loss 2.5\n")
         f.truncate(BIG)  # and then more, past what a first line needs
-    got, peak = _peak(lambda: flow._wait_first_line(LocalRemote(), rec, said.append))
+    got, peak = _peak(lambda: boxstart.wait_first_line(LocalRemote(), rec, "box", said.append))
     assert not isinstance(got, Exception), got
     assert said[0] == f"rgt: {RUN} is RUNNING; its first line: step 1 loss 2.5", said
     assert peak < 4 << 20, peak

@@ -6,7 +6,9 @@ the real CLI as a process (tests/laptop.py), what it prints held against what RE
 - `rgt logs -f` in one terminal goes on while another rgt command on the same box ends (they
   share ssh's control master: the one that ends must not take the other's session with it);
 - typos: a job file with a wrong key is refused (exit 2, naming the key) before the box is
-  touched; a command the box cannot find is the box's usage error, exit 2, not a bug's 1.
+  touched; a command the box cannot find is the box's usage error, exit 2, not a bug's 1;
+- a job that fails at once: deploy says so, with the box's reason and `rgt logs NAME`, and exits
+  11 (FAILED) as `rgt-agent run` does, not 0; one that succeeded at once exits 0;
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Iterator, List
 import pytest
 
 from onbox.agent import procfs
+from onbox.common.errors import FINAL_EXIT_CODES
 from tests.conftest import _kill_run_processes
 from tests.laptop import laptop_env, rgt_exe, run_rgt, ssh_target
 from tests.sshd import SshServer
@@ -167,3 +170,21 @@ def test_a_command_the_box_cannot_find_is_a_usage_error(walk: Walk) -> None:
     assert p.returncode == 2, p.stderr
     assert "'no-such-command-here' is not found on PATH" in p.stderr, p.stderr
     assert not os.path.exists(os.path.join(walk.box_home, "runs", "nocmd"))
+
+
+def test_a_job_that_fails_at_once_makes_deploy_exit_with_the_failed_code(walk: Walk) -> None:
+    p = walk.deploy("--name", "fails", "--", sys.executable, "-c", "import no_such_module")
+    assert p.returncode == FINAL_EXIT_CODES["FAILED"], p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith("rgt: run fails FAILED"), p.stderr
+    assert "No module named 'no_such_module'" in last, p.stderr  # the box's reason
+    assert "`rgt logs fails`" in last, p.stderr
+    assert "runs on without this laptop" not in p.stderr, p.stderr
+    assert p.stdout == "", p.stdout  # no run name: nothing runs
+
+
+def test_a_job_that_succeeded_at_once_exits_0_and_says_it_ended(walk: Walk) -> None:
+    p = walk.deploy("--name", "quick", "--", sys.executable, "-c", "pass")
+    assert p.returncode == 0, p.stderr
+    assert "quick SUCCEEDED" in p.stderr and "`rgt pull quick`" in p.stderr, p.stderr
+    assert "runs on without this laptop" not in p.stderr, p.stderr

@@ -1,4 +1,5 @@
-"""What `rgt deploy` says when the box's start fails (controller/deploy/boxstart.py)."""
+"""What `rgt deploy` says when the box's start fails, or the run it started has ended already
+(controller/deploy/boxstart.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import re
 import pytest
 
 from controller.cli import cli
-from controller.deploy.boxstart import start_failed
+from controller.deploy.boxstart import ended, start_failed
+from onbox.common.errors import FINAL_EXIT_CODES
 
 
 @pytest.mark.parametrize("rc", [12, 13])
@@ -29,3 +31,18 @@ def test_an_exit_that_is_not_one_of_rgts_is_not_passed_on() -> None:
     # 3 and 4 mean on the laptop that the box did not answer or refused the login.
     for rc in (3, 4, 127):
         assert start_failed("box1", "gpt", rc, "sh: rgt-agent: not found").exit_code == 1
+
+
+@pytest.mark.parametrize("state", ["FAILED", "STOPPED", "PREEMPTED"])
+def test_a_run_seen_ended_exits_with_its_states_code_and_names_rgt_logs(state: str) -> None:
+    e = ended("gpt", "box1", {"state": state, "last_exit": None})
+    assert e is not None and e.exit_code == FINAL_EXIT_CODES[state], state
+    assert e.what.startswith(f"run gpt {state} on box1"), e.what
+    assert "`rgt logs gpt`" in (e.remedy or ""), e.remedy
+    for command in re.findall(r"`rgt ([a-z-]+)", e.remedy or ""):
+        assert command in cli.commands, (command, e.remedy)
+
+
+def test_a_run_seen_succeeded_or_live_is_no_error() -> None:
+    for state in ("SUCCEEDED", "RUNNING", "STARTING", "BACKOFF"):
+        assert ended("gpt", "box1", {"state": state}) is None

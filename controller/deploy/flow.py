@@ -123,6 +123,7 @@ def deploy(
     try:
         say(f"rgt: auditing {plan.target.label} ...")
         report, box_home, store, plan = _audit(remote, plan, rid, wheel, prev, say)
+        _warn_no_store(plan, say)
         pushed = push_release(
             remote, plan.project, box_home, name=plan.name, files=files, seen=report.release
         )
@@ -204,6 +205,20 @@ def _audit(
             "fix these, then deploy again",
         )
     return report, box_home, store, plan
+
+
+def _warn_no_store(plan: Plan, say: Callable[[str], None]) -> None:
+    """One line when the run gets no store at all (no --store, none in the job file, no durable
+    mount of the profile's to default to): its checkpoints then live on the box alone."""
+    assert plan.guess is not None
+    prof = plan.guess.profile
+    if plan.req.store is not None or plan.job_store or plan.profile == "local" or prof.durable.path:
+        return
+    say(
+        f"rgt: warning: no --store, and profile {prof.name} has no durable mount to default "
+        "to: checkpoints and results stay only on the box, gone if it is destroyed (give "
+        "--store s3://BUCKET/PREFIX, or --store file:///a/durable/mount)"
+    )
 
 
 def _store(plan: Plan, known: str) -> Optional[str]:

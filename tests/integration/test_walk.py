@@ -9,6 +9,8 @@ the real CLI as a process (tests/laptop.py), what it prints held against what RE
   touched; a command the box cannot find is the box's usage error, exit 2, not a bug's 1;
 - a job that fails at once: deploy says so, with the box's reason and `rgt logs NAME`, and exits
   11 (FAILED) as `rgt-agent run` does, not 0; one that succeeded at once exits 0;
+- no `--store` on a profile with no durable mount: one warning line that the checkpoints live only
+  on the box, and no warning with a store;
 """
 
 from __future__ import annotations
@@ -188,3 +190,25 @@ def test_a_job_that_succeeded_at_once_exits_0_and_says_it_ended(walk: Walk) -> N
     assert p.returncode == 0, p.stderr
     assert "quick SUCCEEDED" in p.stderr and "`rgt pull quick`" in p.stderr, p.stderr
     assert "runs on without this laptop" not in p.stderr, p.stderr
+
+
+def _store_warnings(err: str) -> List[str]:
+    return [ln for ln in err.splitlines() if "only on the box" in ln]
+
+
+def test_no_store_on_a_profile_without_a_durable_mount_is_warned_once(
+    walk: Walk, tmp_path: Path
+) -> None:
+    p = walk.deploy("--name", "nostore", "--", sys.executable, "-c", "pass")
+    assert p.returncode == 0, p.stderr
+    said = _store_warnings(p.stderr)
+    assert len(said) == 1, p.stderr
+    assert said[0].startswith("rgt: warning: no --store"), said
+    assert "--store s3://" in said[0] and "--store file://" in said[0], said
+    store = tmp_path / "store"
+    store.mkdir()
+    p = walk.deploy(
+        "--name", "nostore", "--store", f"file://{store}", "--", sys.executable, "-c", "pass"
+    )
+    assert p.returncode == 0, p.stderr
+    assert _store_warnings(p.stderr) == [], p.stderr

@@ -32,6 +32,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 from controller import boxrun
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote
+from onbox.agent.lock import HELD_REMEDY
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.errors import (
     FINAL_EXIT_CODES,
@@ -83,6 +84,13 @@ def start_failed(label: str, name: str, rc: int, said: str) -> RgtError:
     """The error for ``rgt-agent start`` of run ``name`` exiting ``rc`` on ``label``, which
     printed ``said`` (its stderr, or its stdout when that is empty)."""
     state = next((s for s, code in FINAL_EXIT_CODES.items() if code == rc and s in _WHY), None)
+    if rc == LockedError.exit_code:  # the box's remedy names its commands: the laptop's here
+        what = _its_error(said).replace(f" ({HELD_REMEDY.format(run=name)})", "")
+        return LockedError(
+            f"rgt-agent start failed on {label}: {what}",
+            f"another agent is supervising the run: `rgt status {name}` shows it, "
+            f"`rgt stop {name}` stops it; then deploy again",
+        )
     if state is None:
         err = RgtError(f"rgt-agent start failed on {label} (exit {rc}): {_its_error(said)}")
         if rc in _BOX_CODES:

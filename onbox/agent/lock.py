@@ -25,6 +25,9 @@ if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
 # reads the mailbox on SIGUSR2; it would kill a `sync` sealing with no agent, or a process
 # still "starting" (a `start` about to hand the lock over, an agent restoring): a stop waits.
 ROLES = ("agent", "starting", "sync")
+# The remedy of a refused lock, as the box says it; the laptop's `rgt deploy` puts its own
+# commands in its place (controller/deploy/boxstart.py).
+HELD_REMEDY = "that agent is supervising it; use `rgt-agent status {run}` or `rgt-agent stop {run}`"
 
 
 def _record(role: str) -> Dict[str, Any]:
@@ -86,7 +89,7 @@ class RunLock:
                 time.sleep(0.01)
             raise LockedError(
                 f"run {run!r} is held by {describe(rec)}",
-                "that agent is supervising it; use `rgt-agent status` or `rgt-agent stop`",
+                HELD_REMEDY.format(run=run),
             ) from None
         lock = cls(fd, path)
         lock.write_record(role)

@@ -11,6 +11,7 @@ the real CLI as a process (tests/laptop.py), what it prints held against what RE
   11 (FAILED) as `rgt-agent run` does, not 0; one that succeeded at once exits 0;
 - no `--store` on a profile with no durable mount: one warning line that the checkpoints live only
   on the box, and no warning with a store;
+- a run held by another agent (exit 5): the remedy names the laptop's commands.
 """
 
 from __future__ import annotations
@@ -212,3 +213,32 @@ def test_no_store_on_a_profile_without_a_durable_mount_is_warned_once(
     )
     assert p.returncode == 0, p.stderr
     assert _store_warnings(p.stderr) == [], p.stderr
+
+
+def test_a_run_held_by_another_agent_names_the_laptops_commands(walk: Walk) -> None:
+    p = walk.deploy("--name", "held", "--", sys.executable, "-c", "pass")
+    assert p.returncode == 0, p.stderr
+    lock = os.path.join(walk.box_home, "runs", "held", "lock")
+    hold = (
+        "import fcntl, os, sys, time\n"
+        "fd = os.open(sys.argv[1], os.O_RDWR)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\n"
+        "print('held', flush=True)\n"
+        "time.sleep(300)\n"
+    )
+    holder = subprocess.Popen(
+        [sys.executable, "-c", hold, lock], stdout=subprocess.PIPE, stdin=subprocess.DEVNULL
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        p = walk.deploy("--name", "held", "--", sys.executable, "-c", "pass")
+        assert p.returncode == 5, p.stderr
+        last = p.stderr.strip().splitlines()[-1]
+        assert "is held by" in last, p.stderr
+        assert "`rgt status held`" in last and "`rgt stop held`" in last, p.stderr
+        assert "`rgt-agent" not in last, p.stderr  # no box command offered to the laptop
+    finally:
+        holder.kill()
+        holder.wait(10)
+        assert holder.stdout is not None
+        holder.stdout.close()

@@ -241,6 +241,22 @@ def make_dest(dest: str) -> None:
         raise cannot(dest, err) from None
 
 
+def _in_the_way(path: str) -> str:
+    """The file that is not a directory on ``path``'s way: ``path`` itself, or the nearest of
+    its parents that is there (``--to FILE/sub``: FILE, not FILE/sub, which is not there)."""
+    p = path
+    while True:
+        try:
+            if not stat.S_ISDIR(os.stat(p).st_mode):
+                return p
+        except OSError:  # not there, or under a file: look one up
+            pass
+        parent = os.path.dirname(p)
+        if parent == p:
+            return path
+        p = parent
+
+
 def check_dest(dest: str, entries: List[Entry]) -> None:
     """Before anything is fetched: no final name, nor a directory on the way to it, is a
     symlink (UnsafePath, exit 6), a directory or a file in the way (UsageError)."""
@@ -249,7 +265,11 @@ def check_dest(dest: str, entries: List[Entry]) -> None:
             st = lstat_beneath(dest, e.path, "file")
         except NotADirectoryError as err:
             raise UsageError(
-                "--to", f"{err.filename} is a file; the pull would put a directory there"
+                "--to",
+                f"{_in_the_way(str(err.filename or dest))} is a file, where the pull needs a "
+                "directory",
+                "move that file away, or give --to a directory (or a new one's path) that is not "
+                "under a file",
             ) from None
         except OSError as err:  # e.g. a parent of --to this user cannot search
             raise cannot(dest, err) from None

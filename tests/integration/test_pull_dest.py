@@ -241,3 +241,22 @@ def test_twins_on_a_case_sensitive_dest_both_land_and_the_probe_leaves_nothing(
         with open(os.path.join(dest, "checkpoints", "step_5", name), "rb") as f:
             assert f.read() == data
     assert sorted(os.listdir(dest)) == [".rgt-receipt.json", "checkpoints"]
+
+
+def test_a_dest_under_a_regular_file_names_that_file_and_what_to_do(
+    tmp_path: Any, laptop: str
+) -> None:
+    """`rgt pull N --to FILE/sub`, FILE a regular file, said "FILE/sub is a file" (it is not
+    there at all) and no remedy."""
+    store = _store(tmp_path)
+    _seal(str(tmp_path), store, 5, {"model.bin": os.urandom(100)})
+    rec = _rec(store.url, str(tmp_path / "boxhome"))
+    afile = tmp_path / "notes.txt"
+    afile.write_text("mine\n")
+    with pytest.raises(UsageError) as e:
+        pull(rec, str(afile / "sub"), "store")
+    assert e.value.exit_code == 2
+    assert e.value.what.startswith(f"--to: {afile} is a file"), e.value.line()
+    assert f"{afile}/sub is a file" not in e.value.what, e.value.line()
+    assert e.value.remedy and "--to" in e.value.remedy, e.value.line()
+    assert afile.read_text() == "mine\n"  # left as it was

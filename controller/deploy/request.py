@@ -21,7 +21,13 @@ from controller.profiles import user_dirs as profile_dirs
 from controller.slurm.submit import SlurmAsk, check_ask
 from controller.target import Target, parse_target
 from onbox.agent.profileuse import meter_deadline
-from onbox.agent.spec import Overrides, check_outputs, check_settings, default_name
+from onbox.agent.spec import (
+    Overrides,
+    check_outputs,
+    check_settings,
+    default_name,
+    naming_file,
+)
 from onbox.common.errors import UsageError
 from onbox.common.rundir import check_name
 from onbox.common.storeurl import parse_store_setting, parse_store_url
@@ -79,7 +85,7 @@ def _job_name(req: DeployRequest, project: str) -> str:
         except (OSError, ValueError) as e:
             raise UsageError("JOB.toml", f"cannot read {req.job_file}: {e}") from None
         if isinstance(doc.get("name"), str):
-            return check_name(doc["name"], "name (in the job file)")
+            return check_name(doc["name"], "name")
         cmd = doc.get("command")
         if isinstance(cmd, list) and cmd:
             return default_name([str(c) for c in cmd])
@@ -109,7 +115,7 @@ def _check_job_store(req: DeployRequest) -> bool:
     except (OSError, ValueError):
         return False  # _job_name has read it already; the box names what is wrong with it
     if store is not None:
-        parse_store_setting(store, "store (in the job file)")
+        parse_store_setting(store, "store")
     return store is not None
 
 
@@ -198,15 +204,18 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
         job_rel = os.path.relpath(os.path.abspath(req.job_file), project)
         if job_rel.startswith(".."):
             raise UsageError("JOB.toml", f"{req.job_file} is not inside the project {project}")
-    name = _job_name(req, project)
-    _check_job_file(req)
-    # The box would refuse a bad store URL too, but only after the push and the install: check
-    # it here with the box's own parser, before anything anywhere changes.
-    job_store = False
-    if req.store is not None:
-        parse_store_url(req.store, "--store")
-    else:
-        job_store = _check_job_store(req)
+    try:  # a bad setting of the job file names the file, as the box's check does
+        name = _job_name(req, project)
+        _check_job_file(req)
+        # The box would refuse a bad store URL too, but only after the push and the install:
+        # check it here with the box's own parser, before anything anywhere changes.
+        job_store = False
+        if req.store is not None:
+            parse_store_url(req.store, "--store")
+        else:
+            job_store = _check_job_store(req)
+    except UsageError as e:
+        raise naming_file(e, req.job_file) from None
     check_outputs(list(req.outputs), "--output")  # as the box would, before anything changes
     secrets = _secrets(req.secret_env, environ)
     slurm = check_ask(

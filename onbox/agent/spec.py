@@ -380,6 +380,16 @@ def check_settings(data: Mapping[str, Any]) -> None:
     health_config.parse(data, {})  # {}: the box's own notify variables are its business
 
 
+def naming_file(e: UsageError, path: Optional[str], flag_command: bool = False) -> UsageError:
+    """``e`` naming the job file ``path`` when it is about one of the file's settings: not a
+    flag's (``--grace``; ``command`` when ``flag_command``: it came after ``--``), not the
+    file's own reading (``JOB.toml``, which names it), not a profile file's."""
+    field = e.field
+    if path is None or type(e) is not UsageError or field.startswith("-") or field == "JOB.toml":
+        return e
+    return e if field == "command" and flag_command else e.in_file(path)
+
+
 def build_spec(
     job_file: Optional[str],
     flags: Overrides,
@@ -389,10 +399,25 @@ def build_spec(
     default_name: str,
     run_dir_of: Any,
 ) -> JobSpec:
-    """Merge a job file and flags into a checked ``JobSpec``; flags win.
+    """Merge a job file and flags into a checked ``JobSpec``; flags win. A job file's bad
+    setting names the file and the setting (``naming_file``).
 
     ``run_dir_of(name)`` gives the run directory, for the default checkpoint dir.
     """
+    try:
+        return _build_spec(job_file, flags, cwd, environ, default_name, run_dir_of)
+    except UsageError as e:
+        raise naming_file(e, job_file, bool(flags.command)) from None
+
+
+def _build_spec(
+    job_file: Optional[str],
+    flags: Overrides,
+    cwd: str,
+    environ: Mapping[str, str],
+    default_name: str,
+    run_dir_of: Any,
+) -> JobSpec:
     data: Dict[str, Any] = _load_toml(job_file) if job_file else {}
     _unknown(data, _TOP_KEYS, "")
     base = os.path.dirname(os.path.abspath(job_file)) if job_file else cwd

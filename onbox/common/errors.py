@@ -68,6 +68,14 @@ class UsageError(RgtError):
         self.field = field
         self.problem = problem
 
+    def in_file(self, path: str) -> UsageError:
+        """This error as a setting of the file ``path``: its message names the file first
+        (``path: field: problem``); ``field`` stays the setting's."""
+        err = UsageError(self.field, self.problem, self.remedy)
+        err.what = f"{path}: {err.what}"
+        err.args = (err.what,)
+        return err
+
 
 class RemoteUnreachable(RgtError):
     """The box does not answer (controller side)."""

@@ -329,7 +329,7 @@ RGT_ROWS: List[Any] = [
     pytest.param(
         ["deploy", "local", "project/ftp.toml", "--project", "project"],
         2,
-        "store (in the job file): 'ftp://x'",
+        "project/ftp.toml: store: 'ftp://x'",
         id="store-in-job-file",
     ),
     # run names

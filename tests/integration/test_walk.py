@@ -5,8 +5,8 @@ the real CLI as a process (tests/laptop.py), what it prints held against what RE
   attempt it started, not the run's first attempt's (a traceback fixed since);
 - `rgt logs -f` in one terminal goes on while another rgt command on the same box ends (they
   share ssh's control master: the one that ends must not take the other's session with it);
-- typos: a job file with a wrong key is refused (exit 2, naming the key) before the box is
-  touched; a command the box cannot find is the box's usage error, exit 2, not a bug's 1;
+- typos: a job file with a wrong key is refused (exit 2, naming the file and the key) before the
+  box is touched; a command the box cannot find is the box's usage error, exit 2, not a bug's 1;
 - a job that fails at once: deploy says so, with the box's reason and `rgt logs NAME`, and exits
   11 (FAILED) as `rgt-agent run` does, not 0; one that succeeded at once exits 0;
 - no `--store` on a profile with no durable mount: one warning line that the checkpoints live only
@@ -161,7 +161,7 @@ def test_a_job_file_with_a_wrong_key_is_refused_before_the_box_is_touched(walk: 
         sessions = walk.sessions()
         p = walk.deploy(str(job))
         assert p.returncode == 2, p.stderr
-        assert f"{key}: unknown setting" in p.stderr and "valid: " in p.stderr, p.stderr
+        assert f"{job}: {key}: unknown setting" in p.stderr and "valid: " in p.stderr, p.stderr
         assert walk.sessions() == sessions, p.stderr  # not one command on the box
     assert sorted(os.listdir(releases)) == before  # no release pushed for it
     assert not os.path.exists(os.path.join(walk.box_home, "runs", "typo"))

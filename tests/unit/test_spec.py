@@ -286,3 +286,25 @@ def test_a_bad_store_table_is_refused_naming_the_field(
     with pytest.raises(UsageError) as e:
         _build(tmp_path, f'command = ["true"]\n[store]\n{table}\n')
     assert e.value.field == field and says in e.value.line(), e.value.line()
+
+
+def test_a_bad_setting_of_the_job_file_names_the_file_and_a_bad_flag_does_not(
+    tmp_path: Any,
+) -> None:
+    job = tmp_path / "job.toml"
+    for toml, field in [
+        ('command = ["true"]\n[checkpoint]\nintervall = "5m"\n', "checkpoint.intervall"),
+        ('command = ["true"]\ngrace = "soon"\n', "grace"),
+        ('command = ["true"]\nstore = "ftp://x"\n', "store"),
+        ('command = ["true"]\nname = "A B"\n', "name"),
+    ]:
+        with pytest.raises(UsageError) as e:
+            _build(tmp_path, toml)
+        assert e.value.exit_code == 2 and e.value.field == field, e.value.line()
+        assert e.value.what.startswith(f"{job}: {field}: "), e.value.line()
+    with pytest.raises(UsageError) as e:
+        _build(tmp_path, 'command = ["true"]\n', grace="soon")
+    assert e.value.what.startswith("--grace: "), e.value.line()
+    with pytest.raises(UsageError) as e:  # the file's own reading names it once
+        _build(tmp_path, "command = [\n")
+    assert e.value.what.startswith(f"JOB.toml: {job} cannot be read"), e.value.line()

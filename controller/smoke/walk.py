@@ -35,9 +35,10 @@ from controller.smoke import finish
 from controller.smoke.checks import Report, rate_text, seal_text, short_list, step_rate, tree
 from controller.smoke.localbox import LocalBox
 from onbox.agent.journal import iso
-from onbox.agent.spec import JobSpec, compile_progress_pattern
+from onbox.agent.spec import JobSpec
 from onbox.common.errors import RgtError, UsageError
 from onbox.common.logscan import LogScanner
+from onbox.common.progress import compile_progress_pattern
 from onbox.common.sealtime import measure
 from onbox.sealing import manifest as mf
 from onbox.sealing.discovery import newest_local_step

@@ -16,8 +16,9 @@ from onbox.agent.journal import FileJournal
 from onbox.agent.profileuse import load_profile
 from onbox.agent.runner import ShimRunner
 from onbox.agent.sealservice import SealService
-from onbox.agent.spec import JobSpec, disk_paths
+from onbox.agent.spec import JobSpec
 from onbox.agent.supervisor import Supervisor
+from onbox.agent.watchedpaths import disk_paths
 from onbox.common.errors import RgtError
 from onbox.common.rundir import RunDir
 from onbox.health.clocks import ClocksProbe

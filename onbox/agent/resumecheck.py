@@ -25,9 +25,9 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
-from onbox.agent.spec import compile_progress_pattern
 from onbox.common import progress
 from onbox.common.logscan import LogScanner
+from onbox.common.progress import compile_progress_pattern
 from onbox.common.rundir import RunDir
 from onbox.sealing.discovery import newest_local_step
 

@@ -22,7 +22,8 @@ from onbox.agent import cgroup, procfs, proxyhook
 from onbox.agent.classify import ExitStatus
 from onbox.agent.daemon import TAG_VAR, agent_environ, python_argv, user_environ
 from onbox.agent.journal import log
-from onbox.agent.spec import JobSpec, disk_paths
+from onbox.agent.spec import JobSpec
+from onbox.agent.watchedpaths import disk_paths
 from onbox.common import jobenv
 from onbox.common.durable import read_json, write_json
 from onbox.common.errors import HostError

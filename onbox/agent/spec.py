@@ -17,6 +17,7 @@ from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 from onbox.common.duration import parse_duration
 from onbox.common.errors import UsageError
+from onbox.common.progress import compile_progress_pattern
 from onbox.common.rundir import check_name, is_name
 from onbox.common.storeurl import StoreURL, parse_store_setting, parse_store_url, with_endpoint
 from onbox.health import config as health_config
@@ -186,24 +187,6 @@ _TOP_KEYS = {
 _CKPT_KEYS = {"dir", "trigger", "keep", "interval", "scan"}
 _PROGRESS_KEYS = {"pattern"}
 _RESTART_KEYS = {f.name for f in dataclasses.fields(RestartPolicy)}
-
-
-def compile_progress_pattern(value: Any, field: str = "progress.pattern") -> re.Pattern[str]:
-    """The job's step pattern, compiled: a regex with exactly one group, or a group named
-    ``step``, matched against each line of the job's output (``'step (\\d+)'``)."""
-    example = "e.g. pattern = 'step (\\d+)' or 'it=(?P<step>\\d+)'"
-    if not isinstance(value, str) or not value:
-        raise UsageError(field, f"{value!r} is not a regular expression", example)
-    try:
-        rx = re.compile(value)
-    except re.error as e:
-        raise UsageError(
-            field, f"{value!r} is not a valid regular expression: {e}", example
-        ) from None
-    if "step" not in rx.groupindex and rx.groups != 1:
-        what = "no group" if rx.groups == 0 else f"{rx.groups} groups, none named step,"
-        raise UsageError(field, f"{value!r} has {what} to capture the step", example)
-    return rx
 
 
 def _load_toml(path: str) -> Dict[str, Any]:
@@ -494,15 +477,3 @@ def _restart_policy(r: Mapping[str, Any]) -> RestartPolicy:
         raise UsageError("restart.success_codes", f"{codes!r} is not a list of exit codes 0-255")
     kw["success_codes"] = tuple(codes)
     return RestartPolicy(**kw)
-
-
-def disk_paths(spec: JobSpec, run_dir: str) -> Dict[str, str]:
-    """The paths the run writes to, by label: its own, the caches, the user's ``[health.disk]
-    paths``. The disk probe watches them; an ENOSPC exit asks which of them ran out of inodes."""
-    paths = {"run": run_dir, "workdir": spec.workdir, "ckpt": spec.ckpt_dir}
-    if spec.store is not None and spec.store.url.startswith("file://"):
-        paths["store"] = spec.store.url[len("file://") :]
-    paths["cache"] = os.environ.get("HF_HOME") or os.path.expanduser("~/.cache")
-    for i, extra in enumerate(spec.health.disk.paths):
-        paths[f"path{i + 1}"] = os.path.abspath(os.path.join(spec.workdir, extra))
-    return paths

@@ -23,8 +23,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import time
 from typing import Any, Dict, Optional, Tuple
+
+from onbox.common.errors import UsageError
 
 FILE = "progress.json"
 
@@ -107,3 +110,21 @@ def _plain(v: Any) -> Any:
         except (TypeError, ValueError, RuntimeError):
             pass
     return str(v)
+
+
+def compile_progress_pattern(value: Any, field: str = "progress.pattern") -> re.Pattern[str]:
+    """The job's step pattern, compiled: a regex with exactly one group, or a group named
+    ``step``, matched against each line of the job's output (``'step (\\d+)'``)."""
+    example = "e.g. pattern = 'step (\\d+)' or 'it=(?P<step>\\d+)'"
+    if not isinstance(value, str) or not value:
+        raise UsageError(field, f"{value!r} is not a regular expression", example)
+    try:
+        rx = re.compile(value)
+    except re.error as e:
+        raise UsageError(
+            field, f"{value!r} is not a valid regular expression: {e}", example
+        ) from None
+    if "step" not in rx.groupindex and rx.groups != 1:
+        what = "no group" if rx.groups == 0 else f"{rx.groups} groups, none named step,"
+        raise UsageError(field, f"{value!r} has {what} to capture the step", example)
+    return rx

@@ -14,13 +14,13 @@ from onbox.agent.spec import (
     Overrides,
     RestartPolicy,
     build_spec,
-    compile_progress_pattern,
     default_name,
     parse_signal,
 )
 from onbox.common.duration import parse_duration
 from onbox.common.errors import UsageError
 from onbox.common.logscan import step_group
+from onbox.common.progress import compile_progress_pattern
 from onbox.common.rundir import check_name
 
 

@@ -15,7 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from typing import Any
+from typing import Any, List
 
 import pytest
 
@@ -329,3 +329,24 @@ def test_lightning_a_sigkill_in_the_middle_of_rotation_leaves_no_partial_checkpo
     assert p.returncode == -9, p.stdout + p.stderr[-2000:]
     _whole_under_final_names(d, fmt="lightning")
     assert [s for s, _ in ckptdir.complete(d)] == [2]
+
+
+def test_lightning_refuses_a_bad_keep_also_next_to_a_checkpointer(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Here, not among the unit tests: the on-box Python 3.9 stage has no Lightning."""
+    for k in ("RGT_RUN", "RGT_RESUME_FROM", "RGT_ATTEMPT"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("RGT_CKPT_DIR", str(tmp_path / "ckpt"))
+    require(
+        importlib.util.find_spec("lightning") is not None,
+        "lightning (pip install -e '.[frameworks]')",
+    )
+    from onbox.train.lightning import RgtCheckpoint
+
+    bad: List[Any] = [None, 0, -1, 1.5, "3", True]
+    for keep in bad:
+        with pytest.raises(ValueError, match=r"keep must be a whole number"):
+            RgtCheckpoint(keep=keep, handle_signals=False)
+        with pytest.raises(ValueError, match=r"keep must be a whole number"):
+            RgtCheckpoint(keep=keep, checkpointer=Checkpointer(handle_signals=False))

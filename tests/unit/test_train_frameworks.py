@@ -6,7 +6,6 @@ is made."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -23,7 +22,7 @@ from onbox.train.accelerate import (
     publish_dir,
     verify_dir,
 )
-from tests.conftest import ROOT, require
+from tests.conftest import ROOT
 
 
 def _write(path: str, data: bytes) -> None:
@@ -193,17 +192,3 @@ def test_a_bad_keep_is_refused_when_the_checkpointer_is_made(job_env: Any, keep:
         Checkpointer(keep=keep, handle_signals=False)
     with pytest.raises(ValueError, match=r"keep must be a whole number of checkpoints, 1 or more"):
         AcceleratorCheckpointer(FakeAccelerator(), keep=keep, handle_signals=False)
-
-
-def test_lightning_refuses_a_bad_keep_also_next_to_a_checkpointer(job_env: Any) -> None:
-    require(
-        importlib.util.find_spec("lightning") is not None,
-        "lightning (pip install -e '.[frameworks]')",
-    )
-    from onbox.train.lightning import RgtCheckpoint
-
-    for keep in BAD_KEEPS:
-        with pytest.raises(ValueError, match=r"keep must be a whole number"):
-            RgtCheckpoint(keep=keep, handle_signals=False)
-        with pytest.raises(ValueError, match=r"keep must be a whole number"):
-            RgtCheckpoint(keep=keep, checkpointer=Checkpointer(handle_signals=False))

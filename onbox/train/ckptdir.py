@@ -218,6 +218,13 @@ def put_in_place(tmp: str, final: str, marker: Dict[str, Any]) -> None:
     os.rename(tmp, final)
     fsync_dir(parent)
     if old is not None:
+        # Deleted under the name of a deletion, not .rgt-old: clean_stale puts an .rgt-old
+        # back under ``final`` once that is gone, and a kill part-way through this rmtree
+        # would leave it marked over missing files.
+        gone = os.path.join(parent, f".{os.path.basename(final)}.rgt-del.{os.urandom(3).hex()}")
+        with contextlib.suppress(OSError):
+            os.rename(old, gone)
+            old = gone
         shutil.rmtree(old, ignore_errors=True)
 
 

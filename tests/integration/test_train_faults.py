@@ -188,6 +188,37 @@ def test_a_sigkill_while_a_step_is_saved_again_never_loses_that_step(
     _whole_under_final_names(d)
 
 
+def test_a_half_deleted_replaced_copy_never_comes_back_under_its_name(tmp_path: Any) -> None:
+    """Step 5 is saved again and the process is SIGKILLed once the first file (not the
+    marker) of the copy it replaced was deleted. Before anything tidies up, rotation removes
+    step_5 (step 6 is newer, keep=1: what the writer of a live process does). The next start
+    must not put that half-deleted copy back under step_5: it was taken as a replacement
+    killed before its new copy got there, and came back marked, its state gone."""
+    d = str(tmp_path / "ck")
+    script = _script(
+        """
+        import os, signal, torch
+        from onbox.train import Checkpointer
+        ck = Checkpointer(sys.argv[1], handle_signals=False, model=torch.nn.Linear(4, 4))
+        ck.save(5)
+        """,
+        _KILL_IN_ROTATION,
+        """
+        ck.save(5)
+        print("not killed")
+        """,
+    )
+    p = _run(script, d)
+    assert p.returncode == -9, p.stdout + p.stderr[-2000:]
+    state = {"format": ckptdir.FORMAT, "step": 6, "objects": {}, "rng": {}, "extra": {}}
+    six, _ = ckptdir.write(d, 6, state)
+    ckptdir.prune(d, 1, protect=six)
+    ck = Checkpointer(d, handle_signals=False, model=torch.nn.Linear(4, 4))  # the next start
+    _whole_under_final_names(d)
+    assert os.listdir(d) == ["step_6"]
+    ck.close()
+
+
 # ---- the framework adapters (onbox/train/accelerate.py, lightning.py) rotate their own kinds
 
 

@@ -32,12 +32,14 @@ _FIELD = re.compile(r"^\s*(rank|exitcode)\s*:\s*(-?\d+)(?:\s*\(local_rank:\s*(\d
 # What a rank says when another one stopped taking part in a collective: NCCL's watchdog (its
 # timeout, then SIGABRT: "taking the entire process down") and a remote error, and gloo's TCP
 # transport. Checked only in the failing rank's own last error (classify.py), never anywhere
-# in the output, where another rank's lines may say it of this one.
+# in the output, where another rank's lines may say it of this one. A lost connection counts
+# only where gloo's transport says it: any socket says "Connection reset by peer" (a plain job's
+# dataset download), and that is the job's own exception.
 PEER = re.compile(
     r"Watchdog caught collective operation timeout|NCCL communicator was aborted"
     r"|Some NCCL operations have failed or timed out|ncclRemoteError"
     r"|remote process exited or there was a network error"
-    r"|Connection closed by peer|Connection reset by peer"
+    r"|gloo/transport/\S*\] [^\n]*Connection (?:closed|reset) by peer"
 )
 
 

@@ -269,6 +269,26 @@ def test_a_rank_whose_peer_went_says_so() -> None:
     assert v.kind == Kind.PYTHON_EXCEPTION, v
 
 
+def test_a_plain_jobs_reset_connection_is_its_own_exception_not_a_lost_rank() -> None:
+    """ "Connection reset by peer" is any socket's error (a dataset download, an HTTP API):
+    a single-process job that ended on it ended on its own exception, as before, and one
+    that aborted after a download retried on it crashed; neither lost a rank."""
+    for exc in (
+        "ConnectionResetError: [Errno 104] Connection reset by peer",
+        "requests.exceptions.ConnectionError: ('Connection aborted.', "
+        "ConnectionResetError(104, 'Connection reset by peer'))",
+    ):
+        v = classify(ExitStatus(code=1), "step 7\n" + TB + exc + "\n")
+        assert (v.kind, v.reason) == (Kind.PYTHON_EXCEPTION, exc), v
+    retried = "Retrying after ConnectionResetError(104, 'Connection reset by peer')\nstep 8\n"
+    v = classify(ExitStatus(signal=signal.SIGABRT), retried + "terminate called, aborting\n")
+    assert v.kind == Kind.CRASHED, v
+    gloo = GLOO_PEER.replace(
+        "553] Connection closed", "598] Read error [10.0.0.2]:41018: Connection reset"
+    )
+    assert classify(ExitStatus(code=1), gloo).kind == Kind.PEER_LOST  # gloo's, still
+
+
 def test_torchrun_tee_prefixes_are_taken_off_too() -> None:
     """``torchrun --tee 3`` puts ``[defaultN]:`` before PyTorch's ``[rankN]:``."""
     ranks = "".join(

@@ -12,6 +12,7 @@ import time
 from typing import IO, Any, Callable, Dict, Iterator, List, Optional, Set
 
 from controller.results.entries import Entry, stage_path
+from onbox.common.size import human
 from onbox.common.terminal import printable
 
 
@@ -152,7 +153,7 @@ def terminal_progress(stream: Optional[IO[str]] = None) -> Iterator[ProgressFn]:
                 last[0] = now
                 pct = 100 * p.total_done // max(p.total, 1)
                 print(
-                    f"rgt pull: {p.phase} {pct}% ({p.total_done >> 20}/{p.total >> 20} MiB)"
+                    f"rgt pull: {p.phase} {pct}% ({human(p.total_done)} of {human(p.total)})"
                     + (f" {printable(p.path)}" if p.path else ""),
                     file=out,
                     flush=True,

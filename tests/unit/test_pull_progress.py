@@ -85,3 +85,13 @@ def test_a_file_name_is_shown_as_it_is_never_as_markup_or_a_line_of_its_own(tty:
     text = out.getvalue()
     assert "a[/]b [bold]c?FORGED LINE" in text, text
     assert "\nFORGED" not in text
+
+
+def test_a_plain_progress_line_of_small_files_says_their_size() -> None:
+    """Off a terminal each line gave whole MiB: a pull of a few KiB read "(0/0 MiB)"."""
+    out = io.StringIO()
+    with terminal_progress(out) as show:
+        show(Progress("done", "", 3000, 3000, 3000, 3000))
+    text = out.getvalue()
+    assert "0/0 MiB" not in text, text
+    assert "rgt pull: done 100% (2.9 KiB of 2.9 KiB)" in text, text

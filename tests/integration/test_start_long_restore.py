@@ -16,6 +16,7 @@ short for the test (``RGT_TEST_READY_SILENCE``): no timing decides the outcome.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -24,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
 
@@ -262,13 +263,16 @@ def test_a_relayed_start_is_cut_after_its_silence_and_its_stderr_reaches_the_ter
     assert "\033" not in err, err
 
 
-def test_a_ctrl_c_of_rgt_run_during_a_long_start_leaves_the_run_known_to_the_laptop(
-    cli: Cli, tmp_path: Any, controller_env: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A Ctrl-C of `rgt deploy` while the box's agent restores (minutes, now waited out) ended
-    rgt with a traceback and no record of the run on the laptop, while the agent on the box
-    went on and started the job: `rgt status` knew nothing of it. rgt now records the run,
-    says the start goes on on the box and how to see it, and exits 130."""
+RGT = [sys.executable, "-c", "import sys; from controller.cli import main; sys.exit(main())"]
+
+
+@contextlib.contextmanager
+def _deploy_held(
+    cli: Cli, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Tuple[subprocess.Popen[str], Dict[str, str]]]:
+    """`rgt deploy local` of run dep from a store holding its checkpoint, yielded (with the
+    environment it runs in) once the box's restore has begun, held there; on leaving, the
+    restore is let go and the deploy killed by PID if it still runs."""
     monkeypatch.setenv("RGT_BOX_HOME", cli.home)
     root = str(tmp_path / "durable")
     os.makedirs(root)
@@ -282,67 +286,55 @@ def test_a_ctrl_c_of_rgt_run_during_a_long_start_leaves_the_run_known_to_the_lap
     (proj / "job.py").write_text(
         "import os\nprint('resume=' + os.environ['RGT_RESUME_FROM'], flush=True)\n"
     )
-    rgt = [sys.executable, "-c", "import sys; from controller.cli import main; sys.exit(main())"]
     p = subprocess.Popen(
-        [*rgt, "deploy", "local", "--name", "dep", "--python", sys.executable, "--project",
+        [*RGT, "deploy", "local", "--name", "dep", "--python", sys.executable, "--project",
          str(proj), "--store", f"file://{root}", "--", sys.executable, "job.py"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         stage = os.path.join(cli.home, "**", STAGE_PREFIX + "*")
         _until("the box's restore to begin", lambda: bool(glob.glob(stage, recursive=True)))
-        os.kill(p.pid, signal.SIGINT)  # the person's Ctrl-C, to rgt (ssh would not pass it on)
-        out, err = p.communicate(timeout=60)
+        yield p, env
     finally:
         open(release, "w").close()
         if p.poll() is None:
             p.kill()
             p.wait()
+
+
+def test_a_ctrl_c_of_rgt_run_during_a_long_start_leaves_the_run_known_to_the_laptop(
+    cli: Cli, tmp_path: Any, controller_env: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C of `rgt deploy` while the box's agent restores (minutes, now waited out) ended
+    rgt with a traceback and no record of the run on the laptop, while the agent on the box
+    went on and started the job: `rgt status` knew nothing of it. rgt now records the run,
+    says the start goes on on the box and how to see it, and exits 130."""
+    with _deploy_held(cli, tmp_path, monkeypatch) as (p, env):
+        os.kill(p.pid, signal.SIGINT)  # the person's Ctrl-C, to rgt (ssh would not pass it on)
+        out, err = p.communicate(timeout=60)
     assert p.returncode == 130, (out, err)
     assert "Traceback" not in err, err
     assert "rgt status dep" in err, err
-    st = subprocess.run([*rgt, "status", "dep"], env=env, capture_output=True, text=True)
+    st = subprocess.run([*RGT, "status", "dep"], env=env, capture_output=True, text=True)
     assert st.returncode == 0, (st.stdout, st.stderr)
     assert "dep" in st.stdout, st.stdout
     out = cli.wait_output("dep", "resume=")  # the box went on: restored and started the job
     assert f"ckpt_{STEP}" in out, out
 
 
-def test_rgt_run_of_a_box_preempted_in_its_restore_leaves_the_run_known_to_the_laptop(
+def test_rgt_deploy_of_a_box_preempted_in_its_restore_leaves_the_run_known_to_the_laptop(
     cli: Cli, tmp_path: Any, controller_env: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The box is preempted (SIGTERM to its agent) while its agent restores: `rgt deploy` exits 13
     and says the run did not start. It left no record of the run on the laptop, so `rgt status`
     said it knew no such run while the box held it PREEMPTED (and `rgt deploy` there again, as the
     error says, found no previous run to compare with). The run is recorded now."""
-    monkeypatch.setenv("RGT_BOX_HOME", cli.home)
-    root = str(tmp_path / "durable")
-    os.makedirs(root)
-    _seal(root, tmp_path, "dep")
-    release = str(tmp_path / "release")
-    env = dict(os.environ, RGT_HOLD_AT="copy.after_piece", RGT_HOLD_UNTIL=release)
-    proj = tmp_path / "proj"
-    proj.mkdir()
-    (proj / "job.py").write_text("print('trained', flush=True)\n")
-    rgt = [sys.executable, "-c", "import sys; from controller.cli import main; sys.exit(main())"]
-    p = subprocess.Popen(
-        [*rgt, "deploy", "local", "--name", "dep", "--python", sys.executable, "--project",
-         str(proj), "--store", f"file://{root}", "--", sys.executable, "job.py"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        stage = os.path.join(cli.home, "**", STAGE_PREFIX + "*")
-        _until("the box's restore to begin", lambda: bool(glob.glob(stage, recursive=True)))
+    with _deploy_held(cli, tmp_path, monkeypatch) as (p, env):
         agent = cli.peek("dep")["agent"]["pid"]
         os.kill(agent, signal.SIGTERM)  # the box's preemption
         out, err = p.communicate(timeout=120)
-    finally:
-        open(release, "w").close()
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     assert p.returncode == 13, (out, err)
     assert "run dep did not start on" in err and "the run is PREEMPTED" in err, err
-    st = subprocess.run([*rgt, "status", "dep"], env=env, capture_output=True, text=True)
+    st = subprocess.run([*RGT, "status", "dep"], env=env, capture_output=True, text=True)
     assert st.returncode == 0, (st.stdout, st.stderr)
     assert "PREEMPTED" in st.stdout, st.stdout

@@ -19,6 +19,10 @@ Known behaviour of weed mini 4.48, relied on or worked around here:
   host's address), and the full flag set on every start: weed rewrites ``DIR/mini.options``.
 - an admin identity's PUT into a missing bucket creates the bucket; HEAD bucket does not.
 - it leaves ``/tmp/seaweedfs-<service>-grpc-<port>.sock`` behind, even on a clean exit.
+- each bucket is a collection with volumes of its own, and mini's automatic volume limit let
+  only about 30 buckets be written (a put into the next answered 500 InternalError). A session's
+  tests make a bucket each, so the limit is set high: volumes are not preallocated and take no
+  room until written.
 """
 
 from __future__ import annotations
@@ -151,7 +155,7 @@ class SeaweedServer:
             self.weed, f"-logdir={d}/logs", "mini",
             f"-dir={d}/data", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             f"-s3.port={p}", f"-master.port={p + 1}", f"-volume.port={p + 2}",
-            f"-filer.port={p + 3}", f"-admin.port={p + 4}",
+            f"-filer.port={p + 3}", f"-admin.port={p + 4}", "-volume.max=2000",
             f"-s3.config={d}/s3.json", "-webdav=false", "-admin.ui=false",
             "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-filer.localSocket={d}/filer.sock", f"-s3.localSocket={d}/s3.sock",

@@ -345,8 +345,9 @@ def classify(
     oom_kills_rose: bool = False,
     inodes_exhausted: Callable[[], bool] = lambda: False,
 ) -> Verdict:
-    """Classify one ended attempt. Under torchrun the first rank that failed decides, and a
-    rank's own lines are read without their rank prefix (onbox/agent/launchers.py)."""
+    """Classify one ended attempt. Under torchrun the first rank that failed decides, under
+    mp.spawn the child the parent names, and a rank's own lines are read without their rank
+    prefix (onbox/agent/launchers.py)."""
     step = last_step(tail)
     code = status.code
     if code is not None and code in success_codes:
@@ -370,16 +371,21 @@ def classify(
             deterministic=True,
             step=step,
         )
+    # torchrun's own exit code and ChildFailedError, and mp.spawn's exception in the parent,
+    # say only that a rank (a child) failed: its exit (a negative code is a signal) and its own
+    # lines say how.
     cause = launchers.root_cause(tail)
-    if cause is None:
-        return _verdict(status, launchers.unprefixed(tail), step, oom_kills_rose, inodes_exhausted)
-    # torchrun's own exit code and ChildFailedError say only that a rank failed: that rank's
-    # exit (a negative code is a signal) and its own lines say how.
-    code = cause.exitcode
+    if cause is not None:
+        who, code, own = f"rank {cause.rank}", cause.exitcode, launchers.rank_lines(tail, cause)
+    else:
+        tail = launchers.unprefixed(tail)
+        child = launchers.spawned(tail)
+        if child is None:
+            return _verdict(status, tail, step, oom_kills_rose, inodes_exhausted)
+        who, code, own = f"process {child.index}", child.exitcode, child.lines
     ranked = ExitStatus(signal=-code) if code < 0 else ExitStatus(code=code)
-    own = launchers.rank_lines(tail, cause)
     v = _verdict(ranked, own, step, oom_kills_rose, inodes_exhausted)
-    return dataclasses.replace(v, reason=f"rank {cause.rank}: {v.reason}")
+    return dataclasses.replace(v, reason=f"{who}: {v.reason}")
 
 
 def _verdict(

@@ -15,14 +15,23 @@ of its end:
   in a collective: NCCL's watchdog aborts it (SIGABRT) after its timeout, gloo raises that
   the connection was closed or reset by the peer. That is no fault of this rank's code.
 
+A job that starts its processes with ``torch.multiprocessing.spawn`` (``mp.spawn``) ends, when
+a child fails, on the parent's ProcessRaisedException, whose message carries the child's own
+traceback ("-- Process N terminated with the following error:"), or on ProcessExitedException
+("process N terminated with signal SIGKILL") for a child ended by a signal or an exit code.
+Read as the parent's own exception, a child's import error was retried as any exception, and a
+child the OOM killer ended, or one killed from outside, was a Python exception of the parent.
+
 ``root_cause`` reads torchrun's summary, ``rank_lines`` one rank's own lines, ``unprefixed``
-the output with the rank prefixes taken off, and ``peer_lost`` the line that says a peer went.
+the output with the rank prefixes taken off, ``spawned`` mp.spawn's failed child, and
+``peer_lost`` the line that says a peer went.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+import signal
 from typing import Optional
 
 # torchrun's --tee puts its own in front of PyTorch's: "[default1]:[rank1]: Traceback ...".
@@ -99,6 +108,72 @@ def _before_launcher(tail: str) -> str:
 def unprefixed(tail: str) -> str:
     """``tail`` with each line's rank prefix taken off."""
     return _PREFIX.sub("", tail)
+
+
+# mp.spawn's two exceptions (torch/multiprocessing/spawn.py) as Python prints them uncaught.
+_RAISED = re.compile(
+    r"^(?:torch\.multiprocessing\.spawn\.)?ProcessRaisedException: *\n\s*\n"
+    r"-- Process (\d+) terminated with the following error:\n",
+    re.MULTILINE,
+)
+_EXITED = re.compile(
+    r"(?:torch\.multiprocessing\.spawn\.)?ProcessExitedException: process (\d+) terminated "
+    r"with (?:signal (?:(SIG[A-Z0-9]+)|<Unknown signal (\d+)>)|exit code (-?\d+))"
+)
+_TB = "Traceback (most recent call"
+# The line Python prints between two tracebacks of one chain (a cause, a context).
+_CHAINED = (
+    "During handling of the above exception, another exception occurred:",
+    "The above exception was the direct cause of the following exception:",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Spawned:
+    """mp.spawn's failed child: its index, its exit code (negative: the signal that ended it;
+    1 when it raised) and its own lines: its traceback when it raised, else the output before
+    the parent's traceback (the children's lines are not told apart)."""
+
+    index: int
+    exitcode: int
+    lines: str
+
+
+def spawned(tail: str) -> Optional[Spawned]:
+    """The failed child of the mp.spawn that ended the job, from the parent's uncaught
+    exception at the end of ``tail``; None when the job did not end on one."""
+    found = list(_RAISED.finditer(tail))
+    if found:
+        child = tail[found[-1].end() :]
+        lines = child.splitlines()
+        heads = [i for i, ln in enumerate(lines) if ln.startswith(_TB)]
+        # The child's traceback (a chain, maybe), then nothing: a traceback after it that is
+        # not chained to it is the parent's own, later.
+        if heads[:1] == [0] and all(lines[i - 2] in _CHAINED for i in heads[1:]):
+            return Spawned(int(found[-1].group(1)), 1, child)
+    lines = tail.splitlines(keepends=True)
+    heads = [i for i, ln in enumerate(lines) if ln.startswith(_TB)]
+    if not heads:
+        return None
+    # The exception line of the parent's last traceback: the first unindented line after it.
+    exc = next((ln for ln in lines[heads[-1] + 1 :] if not ln[0].isspace()), "")
+    m = _EXITED.match(exc)
+    code = _exit_code(m) if m is not None else None
+    if m is None or code is None:
+        return None
+    return Spawned(int(m.group(1)), code, "".join(lines[: heads[-1]]))
+
+
+def _exit_code(m: re.Match[str]) -> Optional[int]:
+    """The child's exit code in ProcessExitedException's message, negative for a signal."""
+    if m.group(4) is not None:
+        return int(m.group(4))
+    if m.group(3) is not None:
+        return -int(m.group(3))
+    try:
+        return -int(signal.Signals[m.group(2)])
+    except KeyError:
+        return None
 
 
 def peer_lost(text: str) -> Optional[str]:

@@ -5,6 +5,10 @@ torchrun exits 1 with its own ChildFailedError whatever a rank did, and PyTorch 
 rank's traceback with ``[rankN]:``: an import error in a rank was retried on the error budget
 as torchrun's "ChildFailedError", and a rank killed from outside spent the error budget too.
 Now the first failed rank's own end decides.
+
+The same for a job that starts its processes with ``torch.multiprocessing.spawn``: the parent
+ends on ProcessRaisedException (the child's traceback in its message) or ProcessExitedException
+(a child ended by a signal), and the child's own end decides.
 """
 
 from __future__ import annotations
@@ -82,4 +86,56 @@ def test_a_rank_killed_from_outside_is_restarted_as_a_preemption_and_named(
     assert first["exit_kind"] == "signal", first
     assert "rank 1: killed by signal 9 (SIGKILL)" in first["reason"], first
     st = cli.peek("ddpkill")
+    assert st["budgets"]["error_used"] == 0 and st["budgets"]["preempt_used"] == 1, st
+
+
+SPAWN_JOB = """
+import os, signal, sys, time
+import torch.multiprocessing as mp
+
+def work(i, how, marker):
+    if i == 1 and how == "import":
+        import no_such_module_rgt  # noqa: F401
+    for step in range(10):
+        if i == 0:
+            print(f"step {step}", flush=True)
+        if i == 1 and how == "kill" and step == 3 and not os.path.exists(marker):
+            open(marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)  # once: the next attempt runs to its end
+        time.sleep(0.05)
+
+if __name__ == "__main__":
+    mp.spawn(work, args=(sys.argv[1], sys.argv[2]), nprocs=2)
+"""
+
+
+def _spawn(cli: Cli, tmp_path: Any, name: str, how: str) -> Any:
+    job = tmp_path / "spawned.py"
+    job.write_text(SPAWN_JOB)
+    marker = str(tmp_path / "killed-once")
+    return cli("run", "--name", name, "--", sys.executable, str(job), how, marker, timeout=300)
+
+
+def test_an_import_error_in_a_spawned_child_fails_the_run_at_once_and_names_it(
+    cli: Cli, tmp_path: Any
+) -> None:
+    p = _spawn(cli, tmp_path, "spawnimport", "import")
+    assert p.returncode == 11, (p.stdout, p.stderr)  # FAILED, not retried
+    (ex,) = _exits(cli, "spawnimport")
+    assert ex["exit_kind"] == "import_error", ex
+    want = "process 1: ModuleNotFoundError: No module named 'no_such_module_rgt'"
+    assert want in ex["reason"], ex
+
+
+def test_a_spawned_child_killed_from_outside_is_restarted_as_a_preemption_and_named(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """The parent ends on ProcessExitedException ("process 1 terminated with signal
+    SIGKILL"), exit code 1: read as its own Python exception, on the error budget."""
+    p = _spawn(cli, tmp_path, "spawnkill", "kill")
+    assert p.returncode == 0, (p.stdout, p.stderr)  # the second attempt ran to its end
+    first = _exits(cli, "spawnkill")[0]
+    assert first["exit_kind"] == "signal", first
+    assert "process 1: killed by signal 9 (SIGKILL)" in first["reason"], first
+    st = cli.peek("spawnkill")
     assert st["budgets"]["error_used"] == 0 and st["budgets"]["preempt_used"] == 1, st

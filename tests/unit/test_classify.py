@@ -313,3 +313,78 @@ def test_a_quota_exceeded_is_a_full_disk_whatever_df_says() -> None:
     v = classify(ExitStatus(code=1), tail, inodes_exhausted=lambda: False)
     assert (v.kind, v.budget, v.klass) == (Kind.DISK_FULL, Budget.ERROR, "permanent"), v
     assert "quota" in v.reason and "quota" in v.remedy and "df" in v.remedy, v
+
+
+# torch.multiprocessing.spawn (onbox/agent/launchers.py): what torch 2.13 printed on this
+# machine for a parent whose child 1 raised, or was killed (paths shortened).
+_SPAWN_PARENT = (
+    "W1206 16:25:22.675000 29340 torch/multiprocessing/spawn.py:165] Terminating process 29375 "
+    "via signal SIGTERM\n"
+    "Traceback (most recent call last):\n"
+    '  File "/job/spawned.py", line 16, in <module>\n'
+    "    mp.spawn(work, args=(sys.argv[1], sys.argv[2]), nprocs=2)\n"
+    '  File "/venv/torch/multiprocessing/spawn.py", line 340, in spawn\n'
+    '    return start_processes(fn, args, nprocs, join, daemon, start_method="spawn")\n'
+    "           ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+    '  File "/venv/torch/multiprocessing/spawn.py", line 296, in start_processes\n'
+    "    while not context.join():\n"
+    "              ^^^^^^^^^^^^^^\n"
+)
+_CHILD_TB = (
+    "Traceback (most recent call last):\n"
+    '  File "/venv/torch/multiprocessing/spawn.py", line 87, in _wrap\n'
+    "    fn(i, *args)\n"
+    '  File "/job/spawned.py", line 6, in work\n'
+)
+SPAWN_RAISED = (
+    "step 9\n"
+    + _SPAWN_PARENT
+    + '  File "/venv/torch/multiprocessing/spawn.py", line 211, in join\n'
+    "    raise ProcessRaisedException(msg, error_index, failed_process.pid)\n"
+    "torch.multiprocessing.spawn.ProcessRaisedException: \n\n"
+    "-- Process 1 terminated with the following error:\n"
+    + _CHILD_TB
+    + "    import no_such_module_rgt  # noqa: F401\n"
+    "    ^^^^^^^^^^^^^^^^^^^^^^^^^\n"
+    "ModuleNotFoundError: No module named 'no_such_module_rgt'\n\n"
+)
+SPAWN_EXITED = (
+    "step 5\n"
+    + _SPAWN_PARENT
+    + '  File "/venv/torch/multiprocessing/spawn.py", line 192, in join\n'
+    "    raise ProcessExitedException(\n"
+    "torch.multiprocessing.spawn.ProcessExitedException: process 1 terminated with {how}\n"
+)
+
+
+def test_a_spawned_childs_own_exception_decides_and_is_named() -> None:
+    v = classify(ExitStatus(code=1), SPAWN_RAISED)
+    assert (v.kind, v.deterministic, v.step) == (Kind.IMPORT_ERROR, True, 9), v
+    assert v.reason == "process 1: ModuleNotFoundError: No module named 'no_such_module_rgt'"
+    # A child's chained exception: its last one, as for any traceback.
+    chained = SPAWN_RAISED.replace(
+        "ModuleNotFoundError: No module named 'no_such_module_rgt'\n",
+        "KeyError: 'a'\n\nDuring handling of the above exception, another exception occurred:"
+        "\n\n" + _CHILD_TB + "ValueError: bad shard\n",
+    )
+    assert classify(ExitStatus(code=1), chained).reason == "process 1: ValueError: bad shard"
+    # A parent that went on after the child's failure and then failed of its own is not it.
+    later = SPAWN_RAISED + "retrying without workers\n" + TB + "OSError: disk gone\n"
+    v = classify(ExitStatus(code=1), later)
+    assert (v.kind, v.reason) == (Kind.PYTHON_EXCEPTION, "OSError: disk gone"), v
+
+
+def test_a_spawned_child_ended_by_a_signal_is_told_as_its_signal() -> None:
+    """The parent's ProcessExitedException and exit code 1 read as its own Python exception,
+    on the error budget: a child the OOM killer took, or one killed from outside, was not
+    told."""
+    out = SPAWN_EXITED.format(how="signal SIGKILL")
+    v = classify(ExitStatus(code=1), out, oom_kills_rose=True)
+    assert v.kind == Kind.OOM_KILLED and v.reason.startswith("process 1: killed by the kernel's")
+    v = classify(ExitStatus(code=1), out)
+    assert (v.kind, v.budget, v.step) == (Kind.SIGNAL, Budget.PREEMPT, 5), v
+    assert v.reason == "process 1: killed by signal 9 (SIGKILL)", v.reason
+    v = classify(ExitStatus(code=1), SPAWN_EXITED.format(how="signal SIGSEGV"))
+    assert (v.kind, v.budget) == (Kind.CRASHED, Budget.ERROR), v
+    v = classify(ExitStatus(code=1), SPAWN_EXITED.format(how="exit code 3"))
+    assert (v.kind, v.reason) == (Kind.EXIT_CODE, "process 1: exited with code 3"), v

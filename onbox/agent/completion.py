@@ -23,11 +23,11 @@ from onbox.common import redact
 from onbox.common.faults import crash_point
 from onbox.common.rundir import RunDir
 from onbox.common.safepath import NotRegularFile, UnsafePath, file_kind, safe_rel, sha256_regular
+from onbox.common.wholefile import looks_whole
 from onbox.sealing import manifest as mf
 from onbox.sealing.discovery import (
     dir_candidate,
     is_ckpt_file,
-    looks_whole,
     open_for_writing,
     skip,
     step_named,

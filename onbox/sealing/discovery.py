@@ -30,6 +30,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 from onbox.common import jobenv
 from onbox.common.safepath import NotRegularFile, file_kind, open_regular
+from onbox.common.wholefile import looks_whole
 
 MARKERS = (jobenv.COMPLETE_MARKER, "trainer_state.json", ".metadata")
 _STEP = re.compile(r"(?i)(?:global_step|checkpoint|ckpt|step|iter(?:ation)?)[_\-=]?(\d+)")
@@ -104,37 +105,6 @@ def read_signature(st: os.stat_result) -> Tuple[int, int, int, int]:
     ``rsync -t``, ``os.utime``) keeps the signature, but the kernel moves ctime at every write
     and no caller can set it back; a chmod meanwhile only costs a retry."""
     return (st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
-
-
-def looks_whole(path: str) -> bool:
-    """Cheap checks that a file of a known format is not torn (its writer died mid-write and the
-    kernel closed it): a zip (torch.save's format) must end with its central directory; a
-    safetensors file must hold as many bytes as its header says. Other formats pass. Anything
-    but a regular file (a FIFO named ``step_5.pt`` would hang a plain open) is not whole."""
-    try:
-        with open(open_regular(path), "rb") as f:
-            head = f.read(8)
-            if head[:4] == b"PK\x03\x04":
-                import zipfile
-
-                return zipfile.is_zipfile(f)
-            if path.endswith(".safetensors") and len(head) == 8:
-                n = int.from_bytes(head, "little")
-                header = json.loads(f.read(n))
-                end = max(
-                    [
-                        0,
-                        *(
-                            int(v["data_offsets"][1])
-                            for k, v in header.items()
-                            if k != "__metadata__"
-                        ),
-                    ]
-                )
-                return bool(os.fstat(f.fileno()).st_size == 8 + n + end)
-    except (OSError, ValueError, KeyError, TypeError, IndexError, NotRegularFile):
-        return False
-    return True
 
 
 def _real_paths(paths: List[str]) -> Dict[str, List[str]]:

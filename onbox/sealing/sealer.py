@@ -44,12 +44,12 @@ from onbox.common.errors import (
 )
 from onbox.common.faults import crash_point
 from onbox.common.rundir import RunDir
+from onbox.common.wholefile import looks_whole
 from onbox.sealing import manifest as mf
 from onbox.sealing.discovery import (
     Candidate,
     in_place,
     listing,
-    looks_whole,
     open_for_writing,
     signature,
     step_from_name,

@@ -231,15 +231,15 @@ class AcceleratorCheckpointer:
             if os.path.isfile(explicit):
                 explicit = os.path.dirname(explicit)
             return self._load_from(explicit)
-        for step, cand in complete_checkpoints(self.dir):
-            try:
-                return self._load_from(cand)
-            except CheckpointError as e:
-                print(f"rgt: skipping checkpoint step {step}: {e.line()}", file=sys.stderr)
-        return 0
+        found = ckptdir.newest_verified(complete_checkpoints(self.dir), verify_dir)
+        if found is None:
+            return 0
+        _, cand, marker = found
+        return self._load_from(cand, marker)
 
-    def _load_from(self, path: str) -> int:
-        marker = verify_dir(path)
+    def _load_from(self, path: str, marker: Optional[Dict[str, Any]] = None) -> int:
+        if marker is None:
+            marker = verify_dir(path)
         if marker.get("format") != FORMAT:
             raise CheckpointError(
                 f"{path} is a checkpoint of format {marker.get('format')!r}, not {FORMAT!r}",

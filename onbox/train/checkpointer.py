@@ -438,14 +438,11 @@ class Checkpointer:
         explicit = path or os.environ.get(jobenv.RESUME_FROM) or None
         if explicit:
             return self._load_from(self._checkpoint_dir(explicit))
-        for step, cand in ckptdir.complete(self.dir):
-            try:
-                marker = ckptdir.verify(cand)
-            except CheckpointError as e:  # damaged: the one before is the newest whole one
-                print(f"rgt: skipping checkpoint step {step}: {e.what}", file=sys.stderr)
-                continue
-            return self._load_from(cand, marker)  # any other refusal is the caller's to fix
-        return 0
+        found = ckptdir.newest_verified(ckptdir.complete(self.dir))
+        if found is None:
+            return 0
+        _, cand, marker = found
+        return self._load_from(cand, marker)  # any other refusal is the caller's to fix
 
     @staticmethod
     def _checkpoint_dir(path: str) -> str:

@@ -26,8 +26,9 @@ import json
 import os
 import re
 import shutil
+import sys
 import time
-from typing import IO, Any, Dict, List, Optional, Tuple, cast
+from typing import IO, Any, Callable, Dict, List, Optional, Tuple, cast
 
 from onbox.common import jobenv
 from onbox.common.durable import fsync_dir, fsync_file, sha256_file
@@ -344,6 +345,21 @@ def verify(path: str, fmt: Any = FORMAT) -> Dict[str, Any]:
                 "use an older checkpoint",
             )
     return dict(marker)
+
+
+def newest_verified(
+    found: List[Tuple[int, str]], check: Callable[[str], Dict[str, Any]] = verify
+) -> Optional[Tuple[int, str, Dict[str, Any]]]:
+    """(step, path, what ``check`` returned) of the first of ``found`` ((step, path), newest
+    first) that ``check`` passes, None when none does. A scanned checkpoint that fails it
+    (CheckpointError: damaged, cut off) is skipped with a line on stderr, so a run resumes
+    from the newest whole one instead of crashing on (or loading) a broken newest."""
+    for step, path in found:
+        try:
+            return step, path, check(path)
+        except CheckpointError as e:
+            print(f"rgt: skipping checkpoint step {step}: {e.what}", file=sys.stderr, flush=True)
+    return None
 
 
 def read(

@@ -31,7 +31,9 @@ NumPy, torch, CUDA) to every checkpoint and restores them when the run resumes, 
 resumed data loader has made its iterator (which draws a seed from the torch RNG).
 
 ``resume_path()`` is the ``ckpt_path`` for ``trainer.fit``: RGT_RESUME_FROM when set, else the
-newest complete ``step_<N>`` checkpoint in the directory, else None (a fresh start).
+newest ``step_<N>`` checkpoint in the directory that verifies (a directory's files against
+rgt's marker, a file's zip structure; a damaged one is skipped for the one before it, as
+onbox.train.accelerate does), else None (a fresh start).
 
 **Mid-epoch resume needs a stateful data loader.** Use torchdata's ``StatefulDataLoader``
 (``pip install torchdata``) instead of ``torch.utils.data.DataLoader``: Lightning saves its
@@ -74,6 +76,8 @@ except ImportError as _e:  # pragma: no cover - exercised where lightning is mis
 
 from onbox.common import jobenv
 from onbox.common.durable import fsync_dir, fsync_file
+from onbox.common.errors import CheckpointError
+from onbox.common.wholefile import looks_whole
 from onbox.train import PREEMPT_EXIT, Checkpointer, ckptdir, snapshot
 from onbox.train.accelerate import publish_dir
 
@@ -103,15 +107,32 @@ def complete_checkpoints(dirpath: str) -> List[Tuple[int, str]]:
     return sorted(out, reverse=True)
 
 
+def _verify(path: str) -> Dict[str, Any]:
+    """Check the checkpoint at ``path`` before a resume: a directory's every file against rgt's
+    marker (ckptdir.verify), a file's zip structure (torch.save's format must end with its
+    central directory: a cut-off file does not). Its marker (``{}`` for a file); raises
+    CheckpointError naming what is wrong."""
+    if os.path.isdir(path):
+        return ckptdir.verify(path, fmt=None)
+    if not looks_whole(path):
+        raise CheckpointError(
+            f"{path} is not a whole checkpoint file (cut off or damaged: it does not end with "
+            "the zip directory torch.save writes last)",
+            "use an older checkpoint",
+        )
+    return {}
+
+
 def resume_path(dirpath: Optional[str] = None) -> Optional[str]:
-    """The ``ckpt_path`` for ``trainer.fit``: RGT_RESUME_FROM when set, else the newest complete
-    checkpoint in ``dirpath`` (default RGT_CKPT_DIR, else ./checkpoints), else None."""
+    """The ``ckpt_path`` for ``trainer.fit``: RGT_RESUME_FROM when set, else the newest
+    checkpoint in ``dirpath`` (default RGT_CKPT_DIR, else ./checkpoints) that ``_verify`` passes
+    (a damaged newer one is skipped with a line on stderr), else None."""
     explicit = os.environ.get(jobenv.RESUME_FROM) or ""
     if explicit:
         return os.path.abspath(explicit)
     where = dirpath or os.environ.get(jobenv.CKPT_DIR) or "checkpoints"
-    found = complete_checkpoints(where)
-    return found[0][1] if found else None
+    found = ckptdir.newest_verified(complete_checkpoints(where), _verify)
+    return found[1] if found else None
 
 
 class RgtCheckpoint(Callback):

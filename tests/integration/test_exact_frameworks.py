@@ -312,3 +312,25 @@ def test_lightning_resume_path_takes_the_newest_whole_one(
     assert resume_path(d) == os.path.join(d, "step_20")
     monkeypatch.setenv("RGT_RESUME_FROM", os.path.join(d, "step_10.ckpt"))
     assert resume_path(d) == os.path.join(d, "step_10.ckpt")
+
+
+def test_lightning_resume_path_skips_a_damaged_newest_one(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file cut off before torch.save's zip directory, and a sharded directory whose marker
+    lists a file that is short, are skipped for the newest one that verifies."""
+    _need("lightning", "torch")
+    import torch
+
+    from onbox.train.lightning import resume_path
+
+    d = os.path.join(str(tmp_path), "ckpt")
+    monkeypatch.delenv("RGT_RESUME_FROM", raising=False)
+    os.makedirs(d)
+    torch.save({"global_step": 10}, os.path.join(d, "step_10.ckpt"))
+    torch.save({"global_step": 30, "pad": torch.zeros(4096)}, os.path.join(d, "step_30.ckpt"))
+    os.truncate(os.path.join(d, "step_30.ckpt"), 8192)
+    marker = {"step": 20, "format": "lightning", "files": {"model.pt": {"size": 5, "sha256": "0"}}}
+    _touch(os.path.join(d, "step_20", "model.pt"), "abc")
+    _touch(os.path.join(d, "step_20", ".rgt-complete"), json.dumps(marker))
+    assert resume_path(d) == os.path.join(d, "step_10.ckpt")

@@ -349,6 +349,26 @@ def test_lightning_rotation_never_deletes_the_checkpoint_it_has_just_written(
     assert state["global_step"] == 2
 
 
+def test_lightning_resumes_from_the_newest_checkpoint_that_verifies(tmp_path: Any) -> None:
+    """A run left step_1..3.ckpt and step 3 was cut off (a disk fault, a copy gone wrong):
+    resume_path named it all the same, and the resumed fit crashed on it. Now step 3 is
+    skipped, said on stderr, and the run resumes from step 2 (as Accelerate's does)."""
+    _need("lightning")
+    d = str(tmp_path / "ck")
+    first = _run(_script(_LIGHTNING, "fit(3, keep=5)\n"), d)
+    assert first.returncode == 0, first.stdout + first.stderr[-2000:]
+    os.truncate(os.path.join(d, "step_3.ckpt"), 4096)
+    p = _run(_script(_LIGHTNING, "print('from', resume_path(d), flush=True)\nfit(4, keep=5)\n"), d)
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+    assert f"from {os.path.join(d, 'step_2.ckpt')}" in p.stdout, p.stdout
+    assert "rgt: skipping checkpoint step 3:" in p.stderr, p.stderr[-2000:]
+    for step in (3, 4):  # written again from step 2's state
+        state = torch.load(
+            os.path.join(d, f"step_{step}.ckpt"), map_location="cpu", weights_only=False
+        )
+        assert state["global_step"] == step
+
+
 def test_lightning_a_sigkill_in_the_middle_of_rotation_leaves_no_partial_checkpoint(
     tmp_path: Any,
 ) -> None:

@@ -87,7 +87,8 @@ def _durable_path(store: Optional[str]) -> Optional[str]:
     return store[len("file://") :] if store and store.startswith("file://") else None
 
 
-def _extras(store: Optional[str]) -> List[str]:
+def store_extras(store: Optional[str]) -> List[str]:
+    """The agent's install extras a run with ``store`` needs."""
     if store and store.startswith("s3://"):
         return ["s3"]
     if store and store.startswith("hf://"):
@@ -112,25 +113,38 @@ def deploy(
     # The agent this laptop last ran the run with is most likely still the one: look at the run
     # through it within the audit's command (checked against what the audit finds). Read before
     # anything else, so that a corrupt registry stops the deploy with nothing changed.
-    prev = _previous(registry, plan.name, plan.target)
+    prev = previous_record(registry, plan.name, plan.target)
     # What the audit looks for on the box, computed here first: the release's id (a project
     # that cannot be pushed is refused before the box is touched) and the agent's wheel.
-    files = project_files(plan.project)
-    rid = release_id(plan.project, files)
+    # (None for a start by name alone: nothing is pushed, controller/deploy/again.py.)
+    files = None if plan.again else project_files(plan.project)
+    rid = None if files is None else release_id(plan.project, files)
     wheel = agent_wheel()
 
     remote = open_remote(plan.target)
     try:
         say(f"rgt: auditing {plan.target.label} ...")
         report, box_home, store, plan = _audit(remote, plan, rid, wheel, prev, say)
+        if files is None:
+            from controller.deploy.again import start_again  # (it builds on this module)
+
+            return start_again(remote, registry, plan, report, box_home, wheel, say, raise_ended)
         _warn_no_store(plan, say)
         pushed = push_release(
             remote, plan.project, box_home, name=plan.name, files=files, seen=report.release
         )
         say(_pushed_line(pushed))
         record = _recorder(plan, store, box_home, pushed)
-        agent, rec, live = _agent_and_run(
-            remote, req, box_home, wheel, _extras(store), report.probed, record, prev, report.look
+        agent, rec, live = agent_and_run(
+            remote,
+            req,
+            box_home,
+            wheel,
+            store_extras(store),
+            report.probed,
+            record,
+            prev,
+            report.look,
         )
         say(
             f"rgt: agent {'installed' if agent.installed else 'already installed'} "
@@ -138,7 +152,7 @@ def deploy(
         )
         if live is not None:
             return _already_live(remote, registry, plan, rec, live, pushed, say)
-        _store_secrets(remote, rec, plan.secrets, say)
+        store_secrets(remote, rec, plan.secrets, say)
         _put_override(remote, plan, box_home)
         if plan.slurm is not None and plan.guess is not None:
             # A batch job runs the agent (controller/slurm/submit.py): submitted, not started.
@@ -163,7 +177,7 @@ def deploy(
 def _audit(
     remote: Remote,
     plan: Plan,
-    rid: str,
+    rid: Optional[str],
     wheel: AgentWheel,
     prev: Optional[RunRecord],
     say: Callable[[str], None],
@@ -179,7 +193,7 @@ def _audit(
         box_home=known,
         durable=_durable_path(store),
         wheel=wheel,
-        extras=_extras(store),
+        extras=store_extras(store),
         release_id=rid,
         deploy=plan.name,
         look=_look_args(prev, wheel.version) if prev is not None else (),
@@ -321,7 +335,7 @@ def _already_live(
     return rec
 
 
-def _store_secrets(
+def store_secrets(
     remote: Remote, rec: RunRecord, secrets: Dict[str, str], say: Callable[[str], None]
 ) -> None:
     """Each secret's value on stdin to ``rgt-agent secrets`` (never in argv)."""
@@ -356,7 +370,7 @@ def _agent_args(verb: str, plan: Plan, store: Optional[str], tail: bool = True) 
 Live = Tuple[str, Optional[str]]  # a live run's state and the release it runs
 
 
-def _agent_and_run(
+def agent_and_run(
     remote: Remote,
     req: DeployRequest,
     box_home: str,
@@ -398,7 +412,7 @@ def _agent_and_run(
     return agent, rec, _look(remote, rec)[1]
 
 
-def _previous(registry: Registry, name: str, target: Target) -> Optional[RunRecord]:
+def previous_record(registry: Registry, name: str, target: Target) -> Optional[RunRecord]:
     """This laptop's record of run ``name`` on ``target``, if it has one with an agent."""
     try:
         rec = registry.get(name)

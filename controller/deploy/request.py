@@ -3,10 +3,11 @@
 ``check_request`` refuses (UsageError) what the box would refuse only after the push and the
 install: a profile that is not one (shipped, or the user's in $RGT_CONTROLLER_HOME/profiles or
 $RGT_PROFILES_DIR) or does not fit the target, an ``--on-done`` the profile does not offer, nothing
-to run, a job file outside the project or with a setting the box would refuse,
-a bad run name, store URL or ``--output``, a ``--secret-env`` with no value here, a Slurm flag
-(``--time``, ``--sbatch``, ...) off a Slurm profile or a bad one on it. What it returns,
-a ``Plan``, is what controller/deploy/flow.py carries through the steps of the deploy.
+to run (no job, and no ``--name`` of a run to start again), a job file outside the project or
+with a setting the box would refuse, a bad run name, store URL or ``--output``, a ``--secret-env``
+with no value here, a Slurm flag (``--time``, ``--sbatch``, ...) off a Slurm profile or a bad one
+on it. What it returns, a ``Plan``, is what controller/deploy/flow.py carries through the steps
+of the deploy.
 """
 
 from __future__ import annotations
@@ -148,11 +149,24 @@ class Plan:
     dirs: Sequence[str] = ()  # the laptop's user profile directories
     job_store: bool = False  # the job file names a store (it wins over the profile's default)
     slurm: Optional[SlurmAsk] = None  # a Slurm profile's batch job, submitted instead of a start
+    again: bool = False  # no job given: run ``name`` started again from the box's record
 
     @property
     def profile(self) -> str:
         """The chosen profile's name ("" while it is still to be guessed)."""
         return self.guess.profile.name if self.guess is not None else ""
+
+
+def check_again(profile: Profile) -> None:
+    """Refuse a start by name alone on a Slurm profile: its batch job is written from the job
+    file or command (controller/slurm/submit.py), which the laptop then does not have."""
+    if profile.kind == "slurm":
+        raise UsageError(
+            "command",
+            f"nothing to run: profile {profile.name} submits the job as a batch job, which "
+            "needs the job file or command",
+            "give the JOB.toml or `-- CMD ...` again",
+        )
 
 
 def check_on_done(profile: Profile, on_done: Optional[str]) -> None:
@@ -196,8 +210,17 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
     guess = _profile(req, target, dirs)
     if guess is not None:
         check_on_done(guess.profile, req.on_done)
-    if not req.command and not req.job_file and not req.cells:
-        raise UsageError("command", "nothing to run", "give a JOB.toml or `-- CMD ...`")
+    # No job at all, with --name: start run N again from the box's record of it
+    # (controller/deploy/again.py); without a name there is nothing to run.
+    again = not req.command and not req.job_file and not req.cells
+    if again and req.name is None:
+        raise UsageError(
+            "command",
+            "nothing to run",
+            "give a JOB.toml or `-- CMD ...`, or --name N to start run N on the box again",
+        )
+    if again and guess is not None:
+        check_again(guess.profile)
     project = os.path.abspath(req.project)
     job_rel = None
     if req.job_file:
@@ -243,4 +266,4 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
             "put credentials where their tools read them on the cluster (~/.aws/credentials, "
             "~/.cache/huggingface/token, mode 0600), then deploy without --secret-env",
         )
-    return Plan(req, target, guess, project, job_rel, name, secrets, dirs, job_store, slurm)
+    return Plan(req, target, guess, project, job_rel, name, secrets, dirs, job_store, slurm, again)

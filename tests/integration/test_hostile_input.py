@@ -338,7 +338,8 @@ RGT_ROWS: List[Any] = [
         for i, n in enumerate(["", "..", "../x", "a/b", LONG, "a;b", "UPPER", "   "])
     ],
     # other deploy input
-    pytest.param(["deploy", "local", "--name", "x"], 2, "command: nothing to run", id="no-cmd"),
+    # (with --name alone it starts run x again from the box's record: test_deploy_again.py)
+    pytest.param(["deploy", "local"], 2, "command: nothing to run", id="no-cmd"),
     pytest.param(
         ["deploy", "local", "--name", "x", "--profile", "aws", "--", "true"],
         2,

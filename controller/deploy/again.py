@@ -1,0 +1,162 @@
+"""`rgt deploy TARGET --name N` with no job file and no command: start run N on the box again,
+from the box's own record of it, as `rgt-agent start --name N` does there.
+
+The box keeps each run's job spec (runs/N/spec.json: its command, the release directory it runs
+in, its store); `rgt-agent start --name N` with no command starts that spec again, a new
+incarnation that restores the newest sealed checkpoint. The laptop keeps no copy of the job, so
+what the box holds is what starts: nothing is pushed (the run starts in the release it ran in;
+a deploy with the command pushes the code as it is now). The audit and the agent's install are
+the deploy's own (controller/deploy/flow.py). Refused before anything starts:
+
+- no run N on the box (no spec.json there): NotFound (exit 8), saying to give the command;
+- run N live there (its agent supervises it): LockedError (exit 5), naming `rgt status N`,
+  `rgt logs N -f` and `rgt stop N`; starting it again would only re-attach.
+
+The start and the wait for the job's first line are the deploy's (controller/deploy/boxstart.py):
+a run that ends at once exits with its state's code, as after any deploy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import posixpath
+import shlex
+from typing import Any, Callable, Dict, List, Optional
+
+from controller.deploy import flow
+from controller.deploy.audit import Audit
+from controller.deploy.boxstart import start_on_box, wait_first_line
+from controller.deploy.install import AgentInstall
+from controller.deploy.release import release_path
+from controller.deploy.request import Plan, check_again
+from controller.deploy.wheel import AgentWheel
+from controller.registry import Registry, RunRecord
+from controller.remote import Remote
+from onbox.common import jsondoc
+from onbox.common.errors import HostError, LockedError, NotFound
+from onbox.common.rundir import RunDir
+from onbox.common.terminal import printable
+
+# The run's spec.json, or exit 7 when there is none (the run is not on the box).
+_READ_SPEC = '[ -f "$1" ] || exit 7; exec cat -- "$1"'
+SPEC_LIMIT = 1 << 20  # an agent's spec.json is a few KiB
+
+
+@dataclasses.dataclass(frozen=True)
+class BoxJob:
+    """What the laptop reads of the box's spec.json of a run (the box's record, untrusted)."""
+
+    command: List[str]
+    workdir: str
+    store: Optional[str]
+    profile: Optional[str]
+
+
+def start_again(
+    remote: Remote,
+    registry: Registry,
+    plan: Plan,
+    report: Audit,
+    box_home: str,
+    wheel: AgentWheel,
+    say: Callable[[str], None],
+    raise_ended: bool,
+) -> RunRecord:
+    """Start run ``plan.name`` on the box again from its spec there (module docstring); its
+    record once the job printed a first line."""
+    assert plan.guess is not None
+    check_again(plan.guess.profile)  # a profile guessed from the box's markers only now
+    label = plan.target.label
+    job = box_job(remote, box_home, plan.name, label)
+    releases = release_path(box_home, "")
+
+    def record(agent: AgentInstall) -> RunRecord:
+        here = posixpath.dirname(job.workdir.rstrip("/")) == releases.rstrip("/")
+        return RunRecord(
+            name=plan.name,
+            target=plan.target,
+            profile=job.profile or plan.profile,
+            store=job.store,
+            box_home=box_home,
+            agent=list(agent.argv),
+            agent_env=dict(agent.env),
+            release=posixpath.basename(job.workdir.rstrip("/")) if here else None,
+            workdir=job.workdir,
+            instance=plan.req.instance,
+        )
+
+    prev = flow.previous_record(registry, plan.name, plan.target)
+    extras = flow.store_extras(plan.req.store or job.store)
+    agent, rec, live = flow.agent_and_run(
+        remote, plan.req, box_home, wheel, extras, report.probed, record, prev, report.look
+    )
+    if live is not None:
+        raise LockedError(
+            f"run {plan.name} is {live[0]} on {label}: there is nothing to start again",
+            f"`rgt status {plan.name}` and `rgt logs {plan.name} -f` show it; "
+            f"`rgt stop {plan.name}` first to start it again",
+        )
+    say(
+        f"rgt: starting run {plan.name} again from the box's record: "
+        f"{printable(shlex.join(job.command))[:200]} (in {printable(job.workdir)})"
+    )
+    flow.store_secrets(remote, rec, plan.secrets, say)
+    start_on_box(remote, registry, rec, label, rec.agent_argv(*_start_args(plan)), job.workdir)
+    registry.put(rec)
+    ended = wait_first_line(remote, rec, label, say)
+    if ended is not None and raise_ended:
+        raise ended
+    if ended is not None:
+        say(ended.line())
+    return rec
+
+
+def _start_args(plan: Plan) -> List[str]:
+    """``rgt-agent start``'s arguments: the name, and only the flags given this time (the box
+    keeps the rest, and refuses a --profile other than the run's)."""
+    req = plan.req
+    args = ["start", "--name", plan.name]
+    for flag, value in (("--profile", req.profile), ("--on-done", req.on_done)):
+        if value is not None:
+            args += [flag, value]
+    if req.store is not None:
+        args += ["--store", req.store]
+    for out in req.outputs:
+        args += ["--output", out]
+    return args
+
+
+def box_job(remote: Remote, box_home: str, name: str, label: str) -> BoxJob:
+    """The box's record of run ``name``: NotFound when the box has none."""
+    path = RunDir(name, box_home).spec
+    r = remote.sh(_READ_SPEC, path, timeout=60, limit=SPEC_LIMIT, what=f"cat {path}")
+    if r.rc == 7:
+        raise NotFound(
+            f"there is no run {name} on {label} to start again (no {path})",
+            f"give its job: `rgt deploy {label} --name {name} -- CMD ...` or a JOB.toml",
+        )
+    try:
+        doc: Any = jsondoc.loads(r.stdout) if r.rc == 0 else None
+    except ValueError:
+        doc = None
+    job = _job(doc) if isinstance(doc, dict) else None
+    if job is None:
+        why = r.err.strip()[-300:] if r.rc != 0 else "it is not a run's spec"
+        raise HostError(
+            f"{label}: cannot read run {name}'s record {path}: {printable(why)}",
+            f"give the job again: `rgt deploy {label} --name {name} -- CMD ...`",
+        )
+    return job
+
+
+def _job(doc: Dict[str, Any]) -> Optional[BoxJob]:
+    """The fields the laptop uses, checked; None when one is not what an agent writes."""
+    command, workdir = doc.get("command"), doc.get("workdir")
+    store, profile = doc.get("store"), doc.get("profile")
+    if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)):
+        return None
+    if not (isinstance(workdir, str) and workdir.startswith("/")):
+        return None
+    if not all(v is None or isinstance(v, str) for v in (store, profile)):
+        return None
+    return BoxJob(command, workdir, store, profile)

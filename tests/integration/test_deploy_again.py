@@ -1,0 +1,102 @@
+"""`rgt deploy` of a run that is already on the box: started again by name alone.
+
+- `rgt deploy TARGET --name N` with no command starts a STOPPED run again from the box's own
+  record of it (its spec.json), also from a laptop that has no record of the run; it is refused
+  with its own exit code and what to do when the box has no such run (8) or the run is live (5).
+
+The `local` target runs the same commands as an ssh box (controller/remote.py), with the real
+`rgt` CLI in this process and the real agent installed once, in a box home shared by the module.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any, Iterator, List, Tuple
+
+import pytest
+
+from controller.cli import main as rgt_main
+from tests.conftest import Cli, _kill_run_processes
+
+JOB = "import os, time\nprint('job started', flush=True)\ntime.sleep(600)\n"
+
+
+@pytest.fixture(scope="module")
+def box(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The box's RGT_HOME, shared by the module's tests (one agent install for them all)."""
+    home = str(tmp_path_factory.mktemp("box"))
+    yield home
+    _kill_run_processes(home)
+
+
+@pytest.fixture
+def on_box(
+    box: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, controller_env: Any
+) -> Tuple[Cli, str]:
+    """(a Cli reading the box's runs, the project to deploy)."""
+    monkeypatch.setenv("RGT_BOX_HOME", box)
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "job.py").write_text(JOB)
+    return Cli(box, dict(os.environ, RGT_HOME=box)), str(proj)
+
+
+def _rgt(capsys: pytest.CaptureFixture[str], *argv: str) -> Tuple[int, str]:
+    """`rgt ARGV` in this process: its exit code and what it printed on stderr."""
+    capsys.readouterr()
+    code = rgt_main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def _deploy(proj: str, name: str, *cmd: str) -> List[str]:
+    tail = ["--", *cmd] if cmd else []
+    return ["deploy", "local", "--name", name, "--python", sys.executable, "--project", proj, *tail]
+
+
+def test_a_stopped_run_is_started_again_by_name_from_the_boxs_record(
+    on_box: Tuple[Cli, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before: `rgt deploy TARGET --name N` with no command was refused (exit 2, "nothing to
+    run"), though the box keeps the run's job and `rgt-agent start --name N` starts it again."""
+    cli, proj = on_box
+    code, err = _rgt(capsys, *_deploy(proj, "redo", sys.executable, "job.py"))
+    assert code == 0, err
+    # Live: nothing to start again, said with its own code and what to do.
+    code, err = _rgt(capsys, *_deploy(proj, "redo"))
+    assert code == 5, err
+    assert re.search(
+        r"run redo is (STARTING|RUNNING) on local: there is nothing to start again", err
+    ), err
+    assert "`rgt stop redo` first" in err, err
+    code, err = _rgt(capsys, "stop", "redo", "--grace", "1")
+    assert code == 0, err
+    cli.wait_over("redo", "STOPPED")
+    # A laptop with no record of the run: the box's record is what starts.
+    monkeypatch.setenv("RGT_CONTROLLER_HOME", str(tmp_path / "other-laptop"))
+    code, err = _rgt(capsys, *_deploy(proj, "redo"))
+    assert code == 0, err
+    assert "starting run redo again from the box's record" in err and "job.py" in err, err
+    assert re.search(r"redo is (STARTING|RUNNING); its first line: job started", err), err
+    st = cli.wait_state("redo", "RUNNING")
+    assert st["attempt"] == 2, st
+    assert cli.log_text("redo").count("job started") == 2
+    code, err = _rgt(capsys, "stop", "redo", "--grace", "1")  # the new laptop knows it now
+    assert code == 0, err
+
+
+def test_starting_again_a_run_the_box_does_not_have_is_not_found(
+    on_box: Tuple[Cli, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    cli, proj = on_box
+    code, err = _rgt(capsys, *_deploy(proj, "ghost"))
+    assert code == 8, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rgt: there is no run ghost on local to start again"), err
+    assert "rgt deploy local --name ghost -- CMD" in last, last
+    assert not os.path.exists(os.path.join(cli.home, "runs", "ghost"))

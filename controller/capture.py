@@ -18,7 +18,8 @@ none of it is kept; ``timeout`` is then the most seconds without a byte. With ``
 stderr goes on to the user's terminal a line at a time as it comes (``LineRelay``), besides
 being kept, and ``timeout`` is the most seconds without a byte on the stderr: a command that
 says how it is getting on there (`rgt-agent start` in a long restore) is waited for as long as
-it does (its stdout, kept whole, is what it prints at the end). stderr is never a
+it does (its stdout, kept whole, is what it prints at the end); the error a failed command
+ends with is left to the caller's own error (``LineRelay``). stderr is never a
 failure: its first ERR_HEAD and last ERR_TAIL bytes are kept (ssh and a login shell say why a
 connection failed first; a command's error is in its last lines), the middle dropped with a
 marker. Killing ssh ends the session on the box: its sshd closes the command's pipes, and the
@@ -126,13 +127,15 @@ def capture(
         env=env,
     )
     assert p.stdout is not None and p.stderr is not None
+    failed = False  # the command ran to its end, and failed
     try:
         cut, deadline = _pump(p, input, timeout, out, err, over, sink, shown)
         if not cut:  # both pipes closed: the child is ending (or closed them and hangs on)
             p.wait(timeout=None if timeout is None else max(0.0, deadline - time.monotonic()))
+            failed = p.returncode != 0
     finally:
         if shown is not None:
-            shown.flush()
+            shown.flush(drop_error=failed)
         if p.returncode is None:
             p.kill()  # by its PID; its own children lose the pipes' read ends we close below
         for f in (p.stdin, p.stdout, p.stderr):
@@ -278,23 +281,48 @@ def _relay(p: Relayed) -> None:
 class LineRelay:
     """A box's stderr for the user's terminal, given as it comes in chunks: each whole line
     shown through ``printable`` under ``QUOTED`` (as ``Relayed`` does), a line longer than
-    _CHUNK in pieces of that, the last unended one at ``flush``."""
+    _CHUNK in pieces of that, the last unended one at ``flush``.
+
+    An rgt error line (``rgt: ...``, and the ``  | `` lines it carries: onbox/common/climain.py)
+    is held until another line comes: a command that fails ends with its error, which the
+    caller's own error says (controller/deploy/boxstart.py ``start_failed``, from the same
+    stderr); shown here too, it was on the terminal twice. ``flush(drop_error=True)`` drops it;
+    anything else shows it, in its place."""
 
     def __init__(self) -> None:
         self._buf = b""
+        self._held: List[bytes] = []
 
     def add(self, data: bytes) -> None:
         *lines, self._buf = (self._buf + data).split(b"\n")
         for line in lines:
-            _show(line)
+            self._line(line)
         while len(self._buf) > _CHUNK:
-            _show(self._buf[:_CHUNK])
+            self._line(self._buf[:_CHUNK])
             self._buf = self._buf[_CHUNK:]
 
-    def flush(self) -> None:
+    def _line(self, line: bytes) -> None:
+        if self._held and line.startswith(QUOTED.encode()):
+            self._held.append(line)  # a line the held error carries
+            return
+        self._release()
+        if line.startswith(b"rgt: "):
+            self._held.append(line)
+        else:
+            _show(line)
+
+    def _release(self) -> None:
+        for line in self._held:
+            _show(line)
+        self._held = []
+
+    def flush(self, drop_error: bool = False) -> None:
         if self._buf:
-            _show(self._buf)
+            self._line(self._buf)
             self._buf = b""
+        if drop_error:
+            self._held = []
+        self._release()
 
 
 def _show(line: bytes) -> None:

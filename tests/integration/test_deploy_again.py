@@ -1,8 +1,11 @@
-"""`rgt deploy` of a run that is already on the box: started again by name alone.
+"""`rgt deploy` of a run that is already on the box: started again by name alone, and what the
+laptop says when the box's start fails.
 
 - `rgt deploy TARGET --name N` with no command starts a STOPPED run again from the box's own
   record of it (its spec.json), also from a laptop that has no record of the run; it is refused
-  with its own exit code and what to do when the box has no such run (8) or the run is live (5).
+  with its own exit code and what to do when the box has no such run (8) or the run is live (5);
+- a failed start's error is said once (not relayed from the box, then again as rgt's error),
+  with the box's exit code and remedy.
 
 The `local` target runs the same commands as an ssh box (controller/remote.py), with the real
 `rgt` CLI in this process and the real agent installed once, in a box home shared by the module.
@@ -100,3 +103,16 @@ def test_starting_again_a_run_the_box_does_not_have_is_not_found(
     assert last.startswith("rgt: there is no run ghost on local to start again"), err
     assert "rgt deploy local --name ghost -- CMD" in last, last
     assert not os.path.exists(os.path.join(cli.home, "runs", "ghost"))
+
+
+def test_a_failed_start_says_its_error_once_with_the_boxs_code_and_remedy(
+    on_box: Tuple[Cli, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: the box's error line was relayed as it came, then said again as rgt's error."""
+    _, proj = on_box
+    code, err = _rgt(capsys, *_deploy(proj, "nocmd", "rgt-no-such-program"))
+    assert code == 2, err
+    assert err.count("'rgt-no-such-program' is not found on PATH") == 1, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("rgt: rgt-agent start failed on local (exit 2): command:"), last
+    assert last.endswith("(give its full path)"), last

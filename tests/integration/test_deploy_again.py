@@ -5,7 +5,9 @@ laptop says when the box's start fails.
   record of it (its spec.json), also from a laptop that has no record of the run; it is refused
   with its own exit code and what to do when the box has no such run (8) or the run is live (5);
 - a failed start's error is said once (not relayed from the box, then again as rgt's error),
-  with the box's exit code and remedy.
+  with the box's exit code and remedy;
+- a start refused because another agent holds the run (exit 5) names the laptop's commands
+  only, not the box's `rgt-agent status` / `rgt-agent stop`.
 
 The `local` target runs the same commands as an ssh box (controller/remote.py), with the real
 `rgt` CLI in this process and the real agent installed once, in a box home shared by the module.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Iterator, List, Tuple
@@ -116,3 +119,36 @@ def test_a_failed_start_says_its_error_once_with_the_boxs_code_and_remedy(
     last = err.strip().splitlines()[-1]
     assert last.startswith("rgt: rgt-agent start failed on local (exit 2): command:"), last
     assert last.endswith("(give its full path)"), last
+
+
+def test_a_start_refused_for_a_held_run_names_only_the_laptops_commands(
+    on_box: Tuple[Cli, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run is STOPPED but its lock still held (an agent finishing its last seal, a box's
+    `rgt-agent stop`): the box's start exits 5. Before: the box's line, relayed above rgt's
+    error, told the laptop's user to run `rgt-agent status` and `rgt-agent stop`."""
+    cli, proj = on_box
+    code, err = _rgt(capsys, *_deploy(proj, "held", sys.executable, "job.py"))
+    assert code == 0, err
+    code, err = _rgt(capsys, "stop", "held", "--grace", "1")
+    assert code == 0, err
+    cli.wait_over("held", "STOPPED")
+    lock = os.path.join(cli.home, "runs", "held", "lock")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time; from onbox.agent.lock import RunLock; "
+         "RunLock.acquire(sys.argv[1], 'held', 'sync'); print('held', flush=True); "
+         "time.sleep(600)", lock],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+        code, err = _rgt(capsys, *_deploy(proj, "held", sys.executable, "job.py"))
+    finally:
+        holder.kill()  # by its PID
+        holder.wait()
+        assert holder.stdout is not None
+        holder.stdout.close()
+    assert code == 5, err
+    assert f"is held by rgt-agent pid {holder.pid}" in err, err
+    assert "rgt-agent status" not in err and "rgt-agent stop" not in err, err
+    assert "`rgt status held`" in err and "`rgt stop held`" in err, err

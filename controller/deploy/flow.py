@@ -223,10 +223,25 @@ def _audit(
 
 def _warn_no_store(plan: Plan, say: Callable[[str], None]) -> None:
     """One line when the run gets no store at all (no --store, none in the job file, no durable
-    mount of the profile's to default to): its checkpoints then live on the box alone."""
+    mount of the profile's to default to): its checkpoints then live on the box alone. Also when
+    the profile's durable default is durable only on some of the storage its path may be (a
+    RunPod /workspace is a Network Volume, or the pod's own volume disk, deleted with it)."""
     assert plan.guess is not None
     prof = plan.guess.profile
-    if plan.req.store is not None or plan.job_store or plan.profile == "local" or prof.durable.path:
+    if plan.req.store is not None or plan.job_store or plan.profile == "local":
+        return
+    path = prof.durable.path
+    tiers = [s for s in prof.storage if path and s.path.rstrip("/") == path.rstrip("/")]
+    lost = [s.name for s in tiers if not s.survives_destroy]
+    if lost:
+        kept = [s.name for s in tiers if s.survives_destroy]
+        say(
+            f"rgt: warning: no --store, so checkpoints go to profile {prof.name}'s durable "
+            f"default {path}, which outlives the box only on {' or '.join(kept) or 'nothing'}, "
+            f"not on {' or '.join(lost)} ({prof.durable.note}): check with the provider which "
+            f"the box has at {path}, or give --store s3://BUCKET/PREFIX"
+        )
+    if path:
         return
     say(
         f"rgt: warning: no --store, and profile {prof.name} has no durable mount to default "

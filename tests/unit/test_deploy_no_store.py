@@ -1,5 +1,6 @@
 """`rgt deploy` warns, in one line, when a run gets no store at all (controller/deploy/flow.py):
-no --store, none in the job file, and no durable mount of the profile's that rgt defaults to."""
+no --store, none in the job file, and no durable mount of the profile's that rgt defaults to; or
+one that is durable only on some of the storage that may be at its path (RunPod's /workspace)."""
 
 from __future__ import annotations
 
@@ -57,3 +58,17 @@ def test_a_store_given_or_in_the_job_file_is_not_warned(tmp_path: Path) -> None:
     assert _said(tmp_path, "generic-ssh", store="s3://bucket/rgt") == []
     job = 'command = ["python", "train.py"]\nstore = "file:///mnt/durable/rgt"\n'
     assert _said(tmp_path, "generic-ssh", job=job) == []
+
+
+def test_a_default_durable_only_on_some_storage_is_warned_with_the_truth(tmp_path: Path) -> None:
+    """RunPod's /workspace outlives the pod only when a Network Volume is mounted there; else it
+    is the pod's volume disk, deleted on terminate. Before, /workspace counted as durable and a
+    deploy with no store said nothing."""
+    said = _said(tmp_path, "runpod")
+    assert len(said) == 1, said
+    line = said[0]
+    assert line.startswith("rgt: warning: no --store, so checkpoints go to profile runpod's"), line
+    assert "/workspace, which outlives the box only on network-volume, not on volume" in line, line
+    assert "durable only when a Network Volume is mounted there" in line, line
+    assert "check with the provider" in line and "--store s3://BUCKET/PREFIX" in line, line
+    assert _said(tmp_path, "runpod", store="s3://bucket/rgt") == []

@@ -8,7 +8,9 @@ again
 now from the store or the box, and whose files are still in the receipt's destination. Before
 anything is done it shows what will be lost (files in the run's directory on the box that the
 receipt does not cover: checkpoints newer than the sealed one, job logs not pulled, rgt's own
-records) and what keeps billing, then asks for the run's name to be typed. ``--yes`` replaces
+records; and what the job wrote in its release, the workdir it runs in, when down removes that
+release: every file changed since the push marked it complete that is no pulled output) and
+what keeps billing, then asks for the run's name to be typed. ``--yes`` replaces
 the typing only when stdin is not a terminal (a script), and never replaces the receipt.
 
 What down does on the box, each step idempotent so that running it again after a failure is
@@ -55,8 +57,9 @@ from onbox.profiles.schema import Profile
 _RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 # A job's log in the run directory, or the redacted copy the agent wrote next to it.
 _JOB_LOG = re.compile(r"attempts/(\d{4,})/output(\.redacted)?\.log\Z")
-# The shell of down on the box: two functions (controller/shell/down.sh), and the call of one.
+# The shell of down on the box: functions (controller/shell/down.sh), and the call of one.
 _SIZES = script("down.sh") + 'rgt_sizes "$@"\n'
+_JOB_FILES = script("down.sh") + 'rgt_job_files "$@"\n'
 _REMOVE = script("down.sh") + 'rgt_remove "$@"\n'
 
 
@@ -115,8 +118,8 @@ def _human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _box_sizes(remote: Remote, *dirs: str) -> Dict[str, int]:
-    r = remote.sh(_SIZES, *dirs, timeout=600)
+def _box_sizes(remote: Remote, *dirs: str, script: str = _SIZES) -> Dict[str, int]:
+    r = remote.sh(script, *dirs, timeout=600)
     fields = r.stdout.split(b"\0")
     out = {}
     for i in range(0, len(fields) - 1, 2):
@@ -293,6 +296,7 @@ def _losses(
             continue
         records += 1
         records_bytes += size
+    lost += _workdir_losses(rec, spec, pulled, run_dir, remote)
     if records:
         lost.append(
             f"rgt's records of the run (state, events, agent log): {records} files, "
@@ -300,6 +304,33 @@ def _losses(
             + (" (the store keeps a mirror of state and events)" if rec.store else "")
         )
     return lost, kept
+
+
+def _workdir_losses(
+    rec: RunRecord, spec: Dict[str, Any], pulled: Dict[str, int], run_dir: str, remote: Remote
+) -> List[str]:
+    """Lost lines for what the job wrote in its release (it runs there, and down removes the
+    release unless another run uses it) that the receipt does not hold: a declared output is
+    held as ``outputs/<path under the workdir>`` with its size; anything else is lost."""
+    if not rec.release or not _RELEASE.match(rec.release):
+        return []
+    home = rec.box_home.rstrip("/")
+    release = release_path(home, rec.release)
+    workdir = str(spec.get("workdir") or rec.workdir or release)
+    found = _box_sizes(
+        remote, run_dir, deploy_path(home, rec.name), release, script=_JOB_FILES
+    ).items()
+    lost = []
+    for path, size in sorted(found):
+        if (
+            _inside(path, workdir)
+            and pulled.get(f"outputs/{os.path.relpath(path, workdir)}") == size
+        ):
+            continue
+        lost.append(
+            f"written by the job in its workdir: {os.path.relpath(path, release)} ({_human(size)})"
+        )
+    return lost
 
 
 def down(

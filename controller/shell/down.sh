@@ -1,5 +1,5 @@
-# controller/results/down.py: the shell of `rgt down` on the box, as two functions; the caller
-# appends the call (`rgt_sizes "$@"` or `rgt_remove "$@"`).
+# controller/results/down.py: the shell of `rgt down` on the box, as functions; the caller
+# appends the call (`rgt_sizes "$@"`, `rgt_job_files "$@"` or `rgt_remove "$@"`).
 
 # rgt_sizes DIR...: every file under the given directories as NUL-terminated (size, path) pairs.
 rgt_sizes() {
@@ -11,6 +11,39 @@ rgt_sizes() {
   done
 }
 
+# rgt_release_used RUN_DIR DEPLOY RELEASE: whether another deploy's current link or another
+# run's spec names RELEASE (then it stays when this run is removed).
+rgt_release_used() {
+  run=$1; deploy=$2; release=$3
+  rel=${release##*/}          # the release's id
+  rels=${release%/*}; rels=${rels##*/}   # the name of the releases directory
+  for d in "${deploy%/*}"/*/; do
+    [ -d "$d" ] || continue
+    [ "${d%/}" = "${deploy%/}" ] && continue
+    t=$(readlink "$d/current" 2>/dev/null) || continue
+    case "$t" in */"$rels"/"$rel"|*/"$rels"/"$rel"/) return 0;; esac
+  done
+  for s in "${run%/*}"/*/spec.json; do
+    if [ ! -f "$s" ] || [ "$s" = "$run/spec.json" ]; then continue; fi
+    grep -qF "/$rels/$rel" "$s" && return 0
+  done
+  return 1
+}
+
+# rgt_job_files RUN_DIR DEPLOY RELEASE: what the job wrote in its release (the workdir it runs
+# in), as rgt_sizes prints it, when down will remove that release: every file changed after
+# the release was marked complete (a push writes its marker last; ctime cannot be set back).
+# Python's bytecode caches are left out: they come back by themselves.
+rgt_job_files() {
+  release=$3
+  [ -f "$release/.rgt-release" ] || return 0
+  rgt_release_used "$@" && return 0
+  # shellcheck disable=SC2016 # the inner sh expands them, once per batch of files
+  find "$release" -name __pycache__ -prune -o -type f -cnewer "$release/.rgt-release" \
+    ! -path "$release/.rgt-release" -exec sh -c 'for f do s=$(wc -c < "$f") || continue
+      printf "%s\0%s\0" $s "$f"; done' rgt {} +
+}
+
 # rgt_remove RUN_DIR SECRETS DEPLOY RELEASE: remove the run's files, every path given by its
 # owner (onbox.common.rundir.RunDir, controller/deploy/release.py); RELEASE may be empty (none).
 # Every step may have been done already; the status says whether nothing of the run is left.
@@ -18,25 +51,12 @@ rgt_remove() {
   run=$1; secrets=$2; deploy=$3; release=$4
   rm -f -- "$secrets"
   rm -rf -- "$deploy"
-  if [ -n "$release" ] && [ -d "$release" ]; then
-    used=
-    rel=${release##*/}          # the release's id
-    rels=${release%/*}; rels=${rels##*/}   # the name of the releases directory
-    for d in "${deploy%/*}"/*/; do
-      [ -d "$d" ] || continue
-      t=$(readlink "$d/current" 2>/dev/null) || continue
-      case "$t" in */"$rels"/"$rel"|*/"$rels"/"$rel"/) used=1;; esac
-    done
-    for s in "${run%/*}"/*/spec.json; do
-      if [ ! -f "$s" ] || [ "$s" = "$run/spec.json" ]; then continue; fi
-      grep -qF "/$rels/$rel" "$s" && used=1
-    done
-    if [ -z "$used" ]; then
-      # Only directories need write permission to be emptied; files may be hard links that
-      # other releases share, so their modes are left alone.
-      find "$release" -type d ! -perm -u+w -exec chmod u+w {} + 2>/dev/null
-      rm -rf -- "$release"
-    fi
+  if [ -n "$release" ] && [ -d "$release" ] && ! rgt_release_used "$run" "$deploy" "$release"
+  then
+    # Only directories need write permission to be emptied; files may be hard links that
+    # other releases share, so their modes are left alone.
+    find "$release" -type d ! -perm -u+w -exec chmod u+w {} + 2>/dev/null
+    rm -rf -- "$release"
   fi
   rm -rf -- "$run"
   [ ! -e "$run" ] && [ ! -e "$secrets" ] && [ ! -e "$deploy" ]

@@ -16,6 +16,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 from typing import Any, Iterator, List, Optional
 
@@ -255,3 +256,69 @@ def test_down_finishes_after_a_down_that_stopped_halfway(box: Box, tmp_path: Any
     assert plan.state == "STOPPED"
     assert not os.path.exists(box.run_dir) and not os.path.exists(box.release)
     assert os.path.exists(box.other_release)
+
+
+# A job that leaves a declared output and, beside it, a file nothing declares.
+WORKDIR_JOB = """
+import os
+os.makedirs("results", exist_ok=True)
+with open("results/eval.csv", "w") as f:
+    f.write("acc,0.93\\n")
+os.makedirs("scratch", exist_ok=True)
+with open("scratch/best-notes.txt", "w") as f:
+    f.write("the best run so far\\n")
+print("finished", flush=True)
+"""
+
+
+def _after(path: str) -> None:
+    """Return once a file written now gets a later change time than ``path`` has (file times
+    move in clock ticks: a file written in the same tick would look as old)."""
+    probe = path + ".probe"
+    deadline = time.monotonic() + 10
+    try:
+        while True:
+            with open(probe, "w"):
+                pass
+            if os.stat(probe).st_ctime_ns > os.stat(path).st_mtime_ns:
+                return
+            assert time.monotonic() < deadline, "the file clock did not move"
+            time.sleep(0.01)
+    finally:
+        os.unlink(probe)
+
+
+def test_down_shows_as_lost_what_the_job_wrote_in_its_workdir_that_no_pull_holds(
+    cli: Cli, tmp_path: Any, laptop: str
+) -> None:
+    """The job runs in its release; down removes the release. What the job wrote there and
+    the receipt does not hold (an undeclared file) must be among what "will be lost", not
+    removed unsaid; the pushed code and the pulled outputs are not."""
+    release = os.path.join(cli.home, "releases", RELEASE)
+    os.makedirs(release)
+    with open(os.path.join(release, "train.py"), "w") as f:
+        f.write(WORKDIR_JOB)
+    marker = os.path.join(release, ".rgt-release")  # written last, as a push does
+    with open(marker, "w") as f:
+        f.write("{}")
+    deploys = os.path.join(cli.home, "deploys", RUN)
+    os.makedirs(deploys)
+    os.symlink(f"../../releases/{RELEASE}", os.path.join(deploys, "current"))
+    _after(marker)
+    store = "file://" + str(tmp_path / "store")
+    cli("start", "--name", RUN, "--store", store, "--output", "results/", "--",
+        sys.executable, "train.py", check=True, cwd=release)  # fmt: skip
+    cli.wait_over(RUN, "SUCCEEDED")
+    rec = RunRecord(RUN, Target("local"), profile="local", store=store, box_home=cli.home,
+                    agent=agent_exe(), release=RELEASE, workdir=release)  # fmt: skip
+    Registry().put(rec)
+    receipt = pull(rec, str(tmp_path / "dest"), "store")
+    assert "outputs/results/eval.csv" in {f.path for f in receipt.files}
+
+    shown: List[str] = []
+    with pytest.raises(UnsafeRefused, match="does not match"):
+        down(rec, yes=False, interactive=True, ask=lambda p: "not-it", show=shown.append)
+    lost = "\n".join(shown).split("will be lost")[1].split("\nkept:")[0]
+    assert "scratch/best-notes.txt" in lost, lost
+    assert "eval.csv" not in lost and "train.py" not in lost, lost
+    assert os.path.exists(os.path.join(release, "scratch", "best-notes.txt"))

@@ -248,6 +248,16 @@ def pull(name: str, dest: Optional[str], source: str) -> int:
         }
         for out in receipt.sealed.missing_outputs
     ]
+    # Files the job left that the completion seal could not take (a FIFO, a symlink, a name
+    # pull refuses): not here, and only on the box.
+    left = receipt.sealed.left_out
+    missing += [
+        {"reason": f"{x}: not sealed at the job's end, so not here (only on the box)"}
+        for x in left[:20]
+    ]
+    if len(left) > 20:
+        more = f"and {len(left) - 20} more not sealed: `rgt-agent logs {name} --agent` on the box"
+        missing.append({"reason": more})
     for line in warning_lines({"warnings": missing}):
         _emit(f"  warning: {line}")
     for f in receipt.files:

@@ -64,9 +64,10 @@ def from_documents(
     done_raw = get(mf.done_key(run))
     done_sha = None
     missing_outputs: Tuple[str, ...] = ()
+    left_out: Tuple[str, ...] = ()
     if done_raw is not None:
         done_sha = sha_hex(done_raw)
-        missing_outputs = _done(run, done_raw, entries)
+        missing_outputs, left_out = _done(run, done_raw, entries)
     if latest is None and done_raw is None:
         raise NotFound(
             f"run {run!r} has nothing sealed yet (no LATEST.json, no DONE.json)",
@@ -84,6 +85,7 @@ def from_documents(
         done_sha256=done_sha,
         note=note,
         missing_outputs=missing_outputs,
+        left_out=left_out,
     )
     return ident, entries
 
@@ -165,8 +167,11 @@ def _done_kind(run: str, f: Dict[str, Any]) -> str:
     )
 
 
-def _done(run: str, done_raw: bytes, entries: List[Entry]) -> Tuple[str, ...]:
-    """DONE.json's outputs and logs added to ``entries``; the outputs it says are missing."""
+def _done(
+    run: str, done_raw: bytes, entries: List[Entry]
+) -> Tuple[Tuple[str, ...], Tuple[str, ...]]:
+    """DONE.json's outputs and logs added to ``entries``; the outputs it says are missing, and
+    the files it says were left out ("PATH: why", PATH as the pull names it)."""
     try:
         done = jsondoc.loads(done_raw)
     except ValueError:
@@ -188,6 +193,14 @@ def _done(run: str, done_raw: bytes, entries: List[Entry]) -> Tuple[str, ...]:
         path, redacted = f"{kind}/{f['path']}", f.get("redacted") is True
         entries.append(Entry(path, kind[:-1], f["size"], f["sha256"], f["key"], redacted=redacted))
     missing = done.get("missing_outputs")
-    if isinstance(missing, list):
-        return tuple(str(m) for m in missing)
-    return ()
+    left = done.get("left_out")
+    return (
+        tuple(str(m) for m in missing) if isinstance(missing, list) else (),
+        tuple(
+            f"{x['path']}: {x['why']}"
+            for x in (left if isinstance(left, list) else [])
+            if isinstance(x, dict)
+            and isinstance(x.get("path"), str)
+            and isinstance(x.get("why"), str)
+        ),
+    )

@@ -85,10 +85,13 @@ class SealedId:
     note: Optional[str] = None
     # Declared outputs DONE.json says were missing when the job succeeded (never sealed).
     missing_outputs: Tuple[str, ...] = ()
+    # Files DONE.json says the job left but could not be sealed ("PATH: why"; not pulled).
+    left_out: Tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         # A receipt read back from JSON holds a list: the same state, so equal to this one.
         object.__setattr__(self, "missing_outputs", tuple(self.missing_outputs))
+        object.__setattr__(self, "left_out", tuple(self.left_out))
 
     def describe(self) -> str:
         if self.listing_sha256 is not None:
@@ -222,6 +225,7 @@ _SEALED_TYPES: Dict[str, Tuple[type, bool, str]] = {
     "listing_sha256": (str, True, "a string"),
     "note": (str, True, "a string"),
     "missing_outputs": (list, False, "a list of strings"),
+    "left_out": (list, False, "a list of strings"),
 }
 
 

@@ -2,12 +2,14 @@
 
 On success the sealer seals the last checkpoints; then every other file the job left under
 RGT_CKPT_DIR (``results/``, any format), the declared outputs and the logs, each verified by the
-store as it is uploaded; only then DONE.json, which lists them and names the declared outputs
-that were missing (each also an event and a status warning). In a pod the outputs are read in
-the job container's filesystem, through its launcher's ``/proc/PID/root``, never following a
-link out of the job's workdir (onbox/agent/jobroot.py). A job's log that holds a secret
-value or a token shape is sealed as a redacted copy (the box's own log stays unaltered), with a
-``secret_in_log`` event and a status warning naming the log, never the value.
+store as it is uploaded; only then DONE.json, which lists them, names the declared outputs
+that were missing (each also an event and a status warning) and, in ``left_out``, each file the
+job left that could not be sealed and why (each also an event), which `rgt pull` says. In a
+pod the outputs are read in the job container's filesystem, through its launcher's
+``/proc/PID/root``, never following a link out of the job's workdir (onbox/agent/jobroot.py).
+A job's log that holds a secret value or a token shape is sealed as a redacted copy (the box's
+own log stays unaltered), with a ``secret_in_log`` event and a status warning naming the log,
+never the value.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ class Completion:
         # Where the job's workdir is seen (runner.workdir_root): "" this filesystem, a pod's
         # /proc/PID/root, None when the job container's files cannot be read.
         self.root = root
+        # What the job left that was not sealed, and why, by the name a pull would give it
+        # (checkpoints/, outputs/, logs/): DONE.json's ``left_out``, which `rgt pull` says.
+        self.left_out: List[Dict[str, str]] = []
 
     def run(self) -> None:
         """On success: the last checkpoints; then every other file the job left under
@@ -92,6 +97,7 @@ class Completion:
             "epoch": self.sealer.epoch,
             "files": results + outputs + logs,
             "missing_outputs": missing,
+            "left_out": self.left_out,
             "finished_at": time.time(),
         }
         with_retries(lambda: self.store.put_bytes(mf.done_key(run), mf.dump(done)))
@@ -142,6 +148,7 @@ class Completion:
 
     def _refused(self, rel: str, why: str) -> None:
         where = " in the job container" if self.root else ""
+        self._not_sealed(f"outputs/{rel}", why)
         self.event(
             "output_refused",
             f"output {rel}{where} is not sealed: {why}",
@@ -239,7 +246,12 @@ class Completion:
                 out.append(r)
         return out
 
+    def _not_sealed(self, path: str, why: str) -> None:
+        """``path`` (its name in a pull) is left out of DONE.json's files, for ``why``."""
+        self.left_out.append({"path": path, "why": why})
+
     def _left_out(self, rel: str, why: str) -> None:
+        self._not_sealed(f"checkpoints/{rel}", why)
         self.event(
             "result_left_out",
             f"{rel} in the checkpoint dir is not sealed at completion: {why}",
@@ -344,6 +356,7 @@ class Completion:
         elif os.path.isfile(path):
             paths.append((path, rel))
         else:
+            self._not_sealed(_pulled_as(prefix, rel), "it is no regular file nor directory")
             self.event(
                 "seal_missing",
                 f"{rel} does not exist or is no regular file nor directory ({path}): "
@@ -390,6 +403,7 @@ class Completion:
             except UnsafePath as e:
                 # DONE.json listing it would make every pull of the run refuse the whole
                 # result (onbox/common/safepath.py): leave this one file out, say so, seal the rest.
+                self._not_sealed(_pulled_as(prefix, r), e.what)
                 self.event(
                     "unsafe_name",
                     f"output {r!r} is not sealed: {e.what}; restore and `rgt pull` would "
@@ -407,6 +421,7 @@ class Completion:
                 with_retries(put)
             except (FileNotFoundError, NotRegularFile) as e:
                 why = e.what if isinstance(e, NotRegularFile) else "it was removed"
+                self._not_sealed(_pulled_as(prefix, r), f"it changed since it was listed ({why})")
                 self.event(
                     "seal_missing",
                     f"{r} is not sealed: it changed since it was listed ({why})",
@@ -428,3 +443,10 @@ def _rel_under(top: str, rel: str, full: str) -> str:
     """``full`` (under the directory ``top``, which is ``rel`` under the checkpoint dir) as a
     '/'-separated path relative to the checkpoint dir."""
     return "/".join([rel, *os.path.relpath(full, top).split(os.sep)])
+
+
+def _pulled_as(prefix: str, rel: str) -> str:
+    """The name `rgt pull` gives a file sealed under the store ``prefix`` (RUN/results/,
+    RUN/outputs/ or RUN/logs/) as ``rel``."""
+    kind = prefix.rstrip("/").rsplit("/", 1)[-1]
+    return f"{'checkpoints' if kind == 'results' else kind}/{rel}"

@@ -18,7 +18,12 @@ import os
 import sys
 from typing import Any, Dict
 
-from tests.conftest import Cli
+import pytest
+
+from controller.cli import main as rgt_main
+from controller.registry import Registry, RunRecord
+from controller.target import Target
+from tests.conftest import Cli, agent_exe
 
 JOB = r"""
 import os, socket
@@ -80,3 +85,40 @@ def test_a_fifo_a_socket_and_a_symlink_in_the_outputs_are_left_out_and_the_run_e
     assert all(e["class"] == "usage" for e in refused.values())
     left = {e["path"]: e for e in events if e["kind"] == "result_left_out"}
     assert set(left) == {"toppipe", "eval/pipe"}, events
+
+
+def test_rgt_pull_says_which_results_were_left_out_at_completion(
+    cli: Cli, tmp_path: Any, controller_env: Dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file the job left that the completion seal could not take (a FIFO, a socket, a
+    symlink) is not in the pull: `rgt pull` must say so, file by file, as it says a missing
+    declared output, rather than a bare "pulled and verified" while the file stays on the
+    box (and goes with it)."""
+    root = str(tmp_path / "durable")
+    os.makedirs(root)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "job.py").write_text(JOB)
+    (work / "job.toml").write_text(
+        f'name = "odd2"\ncommand = {json.dumps([sys.executable, "job.py"])}\n'
+        f'outputs = ["out/"]\nstore = "file://{root}"\n'
+    )
+    cli("start", "job.toml", "--ckpt-dir", str(tmp_path / "ckpt"), check=True, cwd=str(work))
+    cli.wait_state("odd2", "SUCCEEDED", timeout=60)
+    Registry().put(
+        RunRecord("odd2", Target("local"), profile="local", store=f"file://{root}",
+                  box_home=cli.home, agent=agent_exe())
+    )  # fmt: skip
+    capsys.readouterr()
+    assert rgt_main(["pull", "odd2", "--to", str(tmp_path / "dest"), "--from", "store"]) == 0
+    said = capsys.readouterr().out
+    warned = [line for line in said.splitlines() if line.strip().startswith("warning:")]
+    for name, what in (
+        ("outputs/out/pipe", "FIFO"),
+        ("outputs/out/sock", "socket"),
+        ("outputs/out/link", "symlink"),
+        ("checkpoints/toppipe", "FIFO"),
+        ("checkpoints/eval/pipe", ""),
+    ):
+        assert [line for line in warned if name in line and what in line], (name, said)
+    assert all("not sealed" in line for line in warned), said

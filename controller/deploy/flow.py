@@ -231,7 +231,7 @@ def _warn_no_store(plan: Plan, say: Callable[[str], None]) -> None:
     if plan.req.store is not None or plan.job_store or plan.profile == "local":
         return
     path = prof.durable.path
-    tiers = [s for s in prof.storage if path and s.path.rstrip("/") == path.rstrip("/")]
+    tiers = prof.tiers_at(path) if path else ()
     lost = [s.name for s in tiers if not s.survives_destroy]
     if lost:
         kept = [s.name for s in tiers if s.survives_destroy]

@@ -29,6 +29,7 @@ Every table may carry its own ``checked`` and ``hands_on``; without them it has 
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 import re
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -213,6 +214,24 @@ class Profile:
     def default_store(self) -> Optional[str]:
         """The store URL checkpoints go to when the user names none: under the durable path."""
         return f"file://{self.durable.path.rstrip('/')}/rgt" if self.durable.path else None
+
+    def tiers_at(self, path: str) -> Tuple[Storage, ...]:
+        """The storage tiers the absolute box path ``path`` lies on: those at the longest tier
+        path that holds it. Two tiers may share a path (RunPod's /workspace is the pod's volume
+        disk or a Network Volume): either may be the one. Empty when no tier holds it."""
+        path = posixpath.normpath(path)
+        best: Tuple[Storage, ...] = ()
+        depth = -1
+        for t in self.storage:
+            if not t.path.startswith("/"):
+                continue  # not a path on the box
+            root = posixpath.normpath(t.path)
+            if path == root or path.startswith(root.rstrip("/") + "/"):
+                if len(root) > depth:
+                    best, depth = (t,), len(root)
+                elif len(root) == depth:
+                    best += (t,)
+        return best
 
     def job_vars(self) -> Dict[str, str]:
         """The variables the job gets from the profile (the proxy hook's come on the box)."""

@@ -57,8 +57,9 @@ PINS: Dict[str, Pin] = {
         {"idle-timeout": 90 / 1440, "vm-lifetime": 0.5},
         False,
     ),  # fmt: skip
-    # §1.B Featurize 实例归还 (return) irreversible; §1.A durable /home/featurize (work)
-    "featurize": Pin(10, "实例归还 (return)", False, "none", "/home/featurize", {}, False),
+    # §1.B Featurize 实例归还 (return) irreversible; §1.A durable `work` under /home/featurize
+    # (FZ3: ~/work); FZ1: everything outside work and /cloud is wiped on return
+    "featurize": Pin(10, "实例归还 (return)", False, "none", "/home/featurize/work", {}, False),
     # §1.C reference GCP Spot ~30 s; GCP Preemptible hard 24 h cap (Appendix A, SR2)
     "gcp-spot": Pin(30, "delete", False, "none", "", {"preemptible-24h": 1}, True),
     # §1.B Generic SSH: manual, usually irreversible; §1.A durable host-dependent (off: --store)
@@ -142,6 +143,23 @@ def test_on_done_is_only_autodl_poweroff() -> None:
     billing, LAM3)."""
     acts = {p.name: [a.name for a in p.meter.on_done] for p in load_all() if p.meter.on_done}
     assert acts == {"autodl": ["poweroff"]}
+
+
+@pytest.mark.parametrize("name", names())
+def test_the_durable_default_lies_on_storage_that_outlives_the_box(name: str) -> None:
+    """The default store (no --store) goes under the durable path: it must lie on a tier of the
+    profile's own storage that survives a destroy, or checkpoints go with the box they were
+    meant to outlive. Where two tiers share the path (RunPod's /workspace: the pod's volume
+    disk or a Network Volume), one must survive, and the deploy warns of the other."""
+    p = load(name)
+    if not p.durable.path:
+        return  # off the box: the user names a store
+    tiers = p.tiers_at(p.durable.path)
+    assert tiers, f"{name}: the durable path {p.durable.path} lies on none of its storage"
+    assert any(t.survives_destroy for t in tiers), (
+        f"{name}: the durable path {p.durable.path} lies on {[t.name for t in tiers]}, "
+        "which a destroy deletes"
+    )
 
 
 def test_only_autodl_and_local_are_hands_on() -> None:

@@ -36,15 +36,16 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional
 
 from controller import boxrun
 from controller.deploy.release import deploy_path, release_path
 from controller.meter import stop as meter
-from controller.meter.api import check_instance, client, noun, title
+from controller.meter.api import check_instance, client, noun
 from controller.profiles import user_dirs as profile_dirs
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, open_remote
+from controller.results import meterplan
 from controller.results.receipt import Coverage, Receipt, load_state_receipt, state_receipt_path
 from controller.results.sealed import covers_newest
 from controller.shell import script
@@ -143,53 +144,6 @@ def run_profile(rec: RunRecord, home: Optional[str] = None) -> Optional[Profile]
         return None
 
 
-def _billing(
-    rec: RunRecord, profile: Optional[Profile], instance: Optional[str]
-) -> Tuple[List[str], List[str]]:
-    """(billing, after): what keeps billing and how down stops the meter; what survives the
-    meter-stop verb, what it makes irreversible, and the danger clocks."""
-    if rec.profile == "local":
-        return ["nothing keeps billing: the target is this machine"], []
-    console = [
-        f"the box {rec.target.label} keeps billing until you stop it in your provider's "
-        "console: rgt stops the agent and the job and removes the run's files on the box, "
-        "it does not stop the machine"
-    ]
-    if profile is None:
-        return console, []
-    m = profile.meter
-    what = noun(m.api)
-    if m.api == "none":
-        billing = console + [f"  {i}. {x}" for i, x in enumerate(m.console_steps, 1)]
-    elif instance:
-        billing = [
-            f"down will {m.verb} the {what} {instance} through {title(m.api)}'s API "
-            f"({'reversible' if m.reversible else 'irreversible'}) once the run is off the box, "
-            f"and poll until it is {'off' if m.reversible else 'gone'}"
-        ]
-    else:
-        billing = [
-            f"rgt was not told the {what}'s id: down will stop nothing and the {what} keeps "
-            f"billing (pass it: rgt down {rec.name} --instance ID)"
-        ]
-    billing += [f"keeps billing after the {m.verb}: {x}" for x in m.keeps_billing]
-    after = []
-    for t in profile.storage:
-        kept = t.survives_stop if m.reversible else t.survives_destroy
-        after.append(
-            f"{t.name} ({t.path}): {'survives' if kept else 'LOST'} "
-            f"(survives a stop: {_yes(t.survives_stop)}, a destroy: {_yes(t.survives_destroy)})"
-        )
-    after += [f"irreversible: {x}" for x in m.irreversible]
-    for d in profile.danger:
-        after.append(f"danger, {d.name}: {d.what} ({d.remedy})")
-    return billing, after
-
-
-def _yes(b: bool) -> str:
-    return "yes" if b else "no"
-
-
 def _receipt(name: str, home: Optional[str]) -> Receipt:
     receipt = load_state_receipt(name, home)
     if receipt is None:
@@ -237,9 +191,16 @@ def plan_down(
         spec = run.spec
         grace = float(spec.get("grace") or 30.0)
         state = str(run.status.get("state"))
-        lost, kept = _losses(rec, receipt, spec, run_dir, remote)
+        lost, kept = _losses(rec, receipt, spec, run_dir, remote, profile)
     if rec.store:
-        kept.append(f"the store {rec.store}: every sealed checkpoint (rgt never deletes it)")
+        store = f"the store {rec.store}"
+        gone = meterplan.deleted_by_meter_stop(meterplan.file_path(rec.store), profile)
+        if gone:
+            lost.append(
+                f"{store}, every sealed checkpoint in it (the receipt holds the newest): {gone}"
+            )
+        else:
+            kept.append(f"{store}: every sealed checkpoint (rgt never deletes it)")
     kept.append(f"the pulled files in {receipt.dest}")
     home_box = rec.box_home.rstrip("/")
     actions = []
@@ -250,7 +211,7 @@ def plan_down(
     ]
     if rec.release:
         actions.append(f"remove {home_box}/releases/{rec.release} unless another run uses it")
-    billing, after = _billing(rec, profile, instance)
+    billing, after = meterplan.billing(rec, profile, instance)
     if profile is not None and profile.meter.api != "none" and instance:
         check_instance(instance)
         client(profile.meter.api)  # no API key: refused now, before anything is done
@@ -262,7 +223,12 @@ def plan_down(
 
 
 def _losses(
-    rec: RunRecord, receipt: Receipt, spec: Dict[str, Any], run_dir: str, remote: Remote
+    rec: RunRecord,
+    receipt: Receipt,
+    spec: Dict[str, Any],
+    run_dir: str,
+    remote: Remote,
+    profile: Optional[Profile],
 ) -> tuple[List[str], List[str]]:
     """(lost, kept) lines: the run dir's files the receipt does not cover. A job log pulled
     redacted (its box copy holds a secret) is covered, whatever its size: what the receipt has
@@ -271,9 +237,13 @@ def _losses(
     redacted = {f.path for f in receipt.files if f.redacted}
     ckpt = str(spec.get("ckpt_dir") or "")
     kept = []
-    if ckpt and not _inside(ckpt, run_dir):
-        kept.append(f"the checkpoint dir {ckpt} on the box (outside the run dir: not removed)")
     lost: List[str] = []
+    if ckpt and not _inside(ckpt, run_dir):
+        gone = meterplan.deleted_by_meter_stop(ckpt, profile)
+        if gone:
+            lost.append(f"the checkpoint dir {ckpt} (outside the run dir, not removed): {gone}")
+        else:
+            kept.append(f"the checkpoint dir {ckpt} on the box (outside the run dir: not removed)")
     records, records_bytes = 0, 0
     for path, size in sorted(_box_sizes(remote, run_dir).items()):
         if ckpt and _inside(path, ckpt):

@@ -12,6 +12,7 @@ writes a checkpoint each time it gets SIGUSR2, which the agent seals. The box la
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -23,12 +24,13 @@ from typing import Any, Iterator, List, Optional
 import pytest
 
 from controller.registry import Registry, RunRecord
-from controller.remote import SshRemote
-from controller.results.down import down
+from controller.remote import SshRemote, open_remote
+from controller.results.down import down, plan_down
 from controller.results.pull import pull
 from controller.results.receipt import state_receipt_path
 from controller.target import Target
 from onbox.common.errors import NotFound, UnsafeRefused
+from onbox.profiles.load import load as load_profile
 from tests.conftest import Cli, agent_exe, fixture
 from tests.sshd import SshServer
 
@@ -322,3 +324,42 @@ def test_down_shows_as_lost_what_the_job_wrote_in_its_workdir_that_no_pull_holds
     assert "scratch/best-notes.txt" in lost, lost
     assert "eval.csv" not in lost and "train.py" not in lost, lost
     assert os.path.exists(os.path.join(release, "scratch", "best-notes.txt"))
+
+
+def _pod_profile(d: str, where: str, network_volume: bool) -> None:
+    """A user profile ``pod``: RunPod's shipped facts with its /workspace at ``where`` (this
+    machine's store), with or without the Network Volume that may sit there."""
+    with open(os.path.join(os.path.dirname(load_profile("runpod").file), "runpod.toml")) as f:
+        text = f.read().replace('name = "runpod"', 'name = "pod"', 1)
+    text = text.replace('"/workspace"', json.dumps(where))
+    if not network_volume:
+        head, _, rest = text.partition('[[storage]]\nname = "network-volume"')
+        text = head + rest[rest.index("\n[") + 1 :]
+    with open(os.path.join(d, "pod.toml"), "w") as f:
+        f.write(text)
+
+
+@pytest.mark.parametrize("network_volume", [True, False])
+def test_down_on_a_pod_says_its_store_on_the_volume_disk_is_lost_with_the_pod(
+    box: Box, tmp_path: Any, monkeypatch: pytest.MonkeyPatch, network_volume: bool
+) -> None:
+    """A file:// store on a RunPod pod's /workspace: down leaves the store alone, but the
+    terminate deletes the volume disk, so every sealed checkpoint in it goes too (only a
+    Network Volume there survives). The plan the user confirms says so, under what is lost."""
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    monkeypatch.setenv("RGT_PROFILES_DIR", str(profiles))
+    _pod_profile(str(profiles), os.path.dirname(box.store_root), network_volume)
+    rec = dataclasses.replace(box.record(), profile="pod")
+    Registry().put(rec)
+    pull(rec, str(tmp_path / "dest"), "auto")
+
+    text = "\n".join(plan_down(rec, open_remote(rec.target)).lines())
+    lost = text.split("will be lost")[1].split("kept:")[0]
+    kept = text.split("kept:")[1].split("billing:")[0]
+    assert f"the store file://{box.store_root}" in lost, text
+    assert "the provider deletes it at the meter-stop (terminate)" in lost
+    if network_volume:
+        assert "if it is on the volume (" in lost and "not the network-volume" in lost
+    assert "the store" not in kept  # no longer promised as kept
+    box.intact()  # only a plan: nothing was done

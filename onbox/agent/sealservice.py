@@ -162,7 +162,9 @@ class SealService(Hooks):
             self.auto.start(time.time())
         if begin:
             self.doing = f"restoring the newest checkpoint from {url}"
-            self.restored = restore_latest(self.store, run, self.spec.ckpt_dir, self.event)
+            self.restored = restore_latest(
+                self.store, run, self.spec.ckpt_dir, self.event, stall=self.spec.restore_stall
+            )
             if self.restored is not None:
                 self.sealer.remember_restored(self.restored)
         self._thread = threading.Thread(target=self._loop, name="rgt-sealer", daemon=True)

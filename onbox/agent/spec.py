@@ -19,7 +19,14 @@ from onbox.common.duration import parse_duration
 from onbox.common.errors import UsageError
 from onbox.common.progress import compile_progress_pattern
 from onbox.common.rundir import check_name, is_name
-from onbox.common.storeurl import StoreURL, parse_store_setting, parse_store_url, with_endpoint
+from onbox.common.storeurl import (
+    RESTORE_STALL,
+    StoreURL,
+    parse_store_setting,
+    parse_store_url,
+    restore_stall,
+    with_endpoint,
+)
 from onbox.health import config as health_config
 from onbox.health.config import HealthConfig
 
@@ -90,6 +97,7 @@ class JobSpec:
     ckpt_dir: str
     env: Mapping[str, str] = dataclasses.field(default_factory=dict)
     store: Optional[StoreURL] = None  # spec.json holds its URL (and endpoint_url when set)
+    restore_stall: float = RESTORE_STALL  # [store] stall: a restore moving no byte this long ends
     grace: float = 30.0
     stop_signal: int = int(signal.SIGTERM)
     trigger: str = "none"
@@ -137,6 +145,7 @@ class JobSpec:
             ckpt_dir=d["ckpt_dir"],
             env=dict(d.get("env") or {}),
             store=_stored_store(d),
+            restore_stall=float(d.get("restore_stall", RESTORE_STALL)),
             grace=float(d["grace"]),
             stop_signal=int(d["stop_signal"]),
             trigger=d.get("trigger", "none"),
@@ -447,6 +456,7 @@ def _build_spec(
         workdir=workdir,
         env=env,
         store=store,
+        restore_stall=restore_stall(data.get("store")),
         grace=grace,
         stop_signal=stop_signal,
         restart=restart,

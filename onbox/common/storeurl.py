@@ -1,5 +1,7 @@
 """The store URL as a value: ``StoreURL``, parsed once from ``--store`` or the job file's
-``store`` (a URL, or a table with ``url`` and ``endpoint_url``) and carried in the JobSpec.
+``store`` (a URL, or a table with ``url``, ``endpoint_url`` and ``stall``) and carried in the
+JobSpec. ``stall`` (``restore_stall``) is how long a restore's download may move no byte before
+it is given up as a transient store failure (onbox/sealing/fetch.py).
 
 The parse opens nothing and imports no extra, so that the laptop (``rgt deploy``) refuses a bad
 URL with the very rules the box applies, before it changes anything;
@@ -13,11 +15,18 @@ import re
 from typing import Any, Optional
 from urllib.parse import unquote, urlsplit
 
+from onbox.common.duration import parse_duration
 from onbox.common.errors import UsageError
 
 SCHEMES = ("file", "s3", "hf")
 EXAMPLES = "e.g. file:///mnt/durable/rgt, s3://bucket/prefix, hf://user/repo"
-STORE_KEYS = {"url", "endpoint_url"}
+STORE_KEYS = {"url", "endpoint_url", "stall"}
+# A restore whose bytes do not move this long ends (TransientStoreError, exit 14): several
+# times one request's read timeout (S3: 60 s), so a blip is ridden out by the retries, and a
+# black-holed network or a hung mount is told within minutes, not never (rclone's IO idle
+# timeout, --timeout, is 5 min too). Movement is counted as it reaches the disk, a request's
+# buffer at a time (S3: 4 MiB): a link slower than that buffer per bound needs a longer one.
+RESTORE_STALL = 300.0
 _BUCKET = re.compile(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]\Z")
 _HF_PART = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,95}\Z")
 
@@ -134,4 +143,13 @@ def parse_store_setting(value: Any, field: str = "store") -> StoreURL:
             f"{field}.url", "is missing", f'e.g. url = "s3://bucket/prefix" ({EXAMPLES})'
         )
     store = parse_store_url(value["url"], f"{field}.url")
+    restore_stall(value, field)
     return with_endpoint(store, value.get("endpoint_url"), f"{field}.endpoint_url")
+
+
+def restore_stall(value: Any, field: str = "store") -> float:
+    """The job file's ``store.stall`` in seconds (RESTORE_STALL when ``value``, the ``store``
+    setting, is a plain URL or a table without it); a bad one raises UsageError naming it."""
+    if not isinstance(value, dict) or value.get("stall") is None:
+        return RESTORE_STALL
+    return parse_duration(value["stall"], f"{field}.stall")

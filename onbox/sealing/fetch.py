@@ -23,6 +23,15 @@ target is walked one directory at a time without following symlinks, onbox.commo
 
 While the files download, ``progress()`` says how far (`rgt-agent start` shows it): read from
 the staging files' allocated blocks, so it needs nothing of each store's download.
+
+A download that moves nothing for ``stall`` seconds (the job file's ``[store] stall``,
+RESTORE_STALL by default) ends as ``RestoreStalled``, a TransientStoreError (exit 14) naming the
+store and how long: a store that stops answering mid-body (a black-holed network, a stopped
+server, a hung mount) would otherwise hold the restore, and `start` waiting on it, for as long as
+its client's read timeout and retries allow, or for ever. Movement is read from the stage as a
+whole (every byte or file written under it, whichever store writes it), so a slow store that
+still sends is never cut; the retries of each request go on inside the bound, and a stall is
+then a transient failure like any other, with nothing under a final name.
 """
 
 from __future__ import annotations
@@ -40,6 +49,9 @@ from onbox.common.durable import fsync_dir, make_dirs, sha256_fd
 from onbox.common.errors import HostError, IntegrityError, RgtError
 from onbox.common.faults import crash_point
 from onbox.common.safepath import lstat_beneath, replace_beneath, symlink_error
+from onbox.common.size import human
+from onbox.common.storeurl import RESTORE_STALL
+from onbox.sealing.stall import RestoreStalled, Stall, stage_marks
 from onbox.sealing.stores.base import (
     Lanes,
     Store,
@@ -58,6 +70,9 @@ FILES = 16
 # How long the restoring thread waits for a file before it runs the signal handlers a worker
 # took for it (in_parallel).
 SIGNAL_POLL = 0.2
+# After a stall, how long the workers are waited for once stopped: one blocked where no stop
+# reaches it (a read from a hung mount) is then left, its stage removed under it.
+LET_GO = 10.0
 T = TypeVar("T")
 
 
@@ -86,6 +101,18 @@ def progress() -> Optional[Tuple[int, int]]:
 
 class StoreCorrupt(IntegrityError):
     """A sealed checkpoint is unusable in the store (quarantined), not on this box."""
+
+
+def _stalled(store: Store, bound: float) -> RestoreStalled:
+    """The error of a restore from ``store`` that moved nothing for ``bound`` seconds."""
+    done, total = progress() or (0, 0)
+    took = f"{bound / 60:g} min" if bound >= 60 else f"{bound:g}s"
+    return RestoreStalled(
+        f"{store.url} sent nothing of the checkpoint for {took} ({human(done)} of "
+        f"{human(total)} downloaded): it stopped answering mid-download; nothing was put in place",
+        "check the store and the way to it (the network, a stopped server, a hung mount), then "
+        "start again; a store that slow can be given longer: [store] stall in the job file",
+    )
 
 
 def retried(fn: Callable[[], T]) -> T:
@@ -252,13 +279,18 @@ def _fetch_one(
 
 
 def in_parallel(
-    jobs: List[Callable[[Lanes], None]], after_each: Callable[[], None] = lambda: None
+    jobs: List[Callable[[Lanes], None]],
+    after_each: Callable[[], None] = lambda: None,
+    stall: Optional[Stall] = None,
 ) -> None:
     """Each job (the download of one file, given the shared lanes) run FILES at a time, every
     request of them in one ``Lanes`` of LANES; ``after_each`` in this thread as each job ends.
     The first failure stops the others (no new request; a running one gives up at its next
-    chunk) and is raised once every job is over: nothing writes after this returns. The laptop's
-    pull from a store runs its downloads here too (controller/results/transport.py)."""
+    chunk) and is raised once every job is over: nothing writes after this returns. ``stall``
+    ends a download that moves nothing (its error raised); the workers are then waited for
+    LET_GO seconds at most, and one still blocked is left (its writes go to the caller's stage,
+    which the caller removes). The laptop's pull from a store runs its downloads here too
+    (controller/results/transport.py)."""
     lanes = Lanes(LANES)
     pool = concurrent.futures.ThreadPoolExecutor(
         max(1, min(FILES, len(jobs))), thread_name_prefix="rgt-fetch"
@@ -270,34 +302,43 @@ def in_parallel(
         for fut in futures:
             fut.add_done_callback(ended.put)
         for _ in futures:
-            fut = _next_ended(ended)
+            fut = _next_ended(ended, stall)
             fut.result()  # the first failure ends them all (the finally stops the rest)
             after_each()
     finally:
         lanes.stop()
         for fut in futures:
             fut.cancel()
-        pool.shutdown(wait=True)  # no worker writes after this
-        lanes.close()
+        stalled = stall is not None and stall.fired
+        over = not stalled or not concurrent.futures.wait(futures, LET_GO).not_done
+        pool.shutdown(wait=over)  # no worker writes after this (but one a stop cannot reach)
+        lanes.close(wait=over)
 
 
 def _next_ended(
-    ended: queue.SimpleQueue[concurrent.futures.Future[None]],
+    ended: queue.SimpleQueue[concurrent.futures.Future[None]], stall: Optional[Stall] = None
 ) -> concurrent.futures.Future[None]:
     """The next job to end. The wait is cut every SIGNAL_POLL: Python runs a signal's handler
     in this thread only, once it runs, and the kernel may hand the process's SIGTERM to a
     worker, which does not cut a wait short (the agent's stop of its restore would wait for a
-    whole file to end)."""
+    whole file to end). ``stall`` is checked at each cut (its error raised), reset at an end."""
     while True:
         try:
-            return ended.get(timeout=SIGNAL_POLL)
+            fut = ended.get(timeout=SIGNAL_POLL)
         except queue.Empty:
+            if stall is not None:
+                stall.check()
             continue
+        if stall is not None:
+            stall.reset()
+        return fut
 
 
-def _fetch_all(store: Store, files: List[Dict[str, Any]], stage: str, dest_dir: str) -> None:
+def _fetch_all(
+    store: Store, files: List[Dict[str, Any]], stage: str, dest_dir: str, stall: float
+) -> None:
     """Every file into ``stage`` (as ``stage/<index>``), FILES at a time; the first failure
-    raised once every worker is over."""
+    raised once every worker is over; RestoreStalled when nothing moved for ``stall`` s."""
     global _downloading
     need = sum(int(f["size"]) for f in files)
     store.plan_fetch({f["key"]: int(f["size"]) for f in files})
@@ -309,18 +350,25 @@ def _fetch_all(store: Store, files: List[Dict[str, Any]], stage: str, dest_dir: 
     _downloading = (stage, [int(f["size"]) for f in files])
     try:
         in_parallel(
-            [job(i, f) for i, f in enumerate(files)], lambda: crash_point("restore.after_object")
+            [job(i, f) for i, f in enumerate(files)],
+            lambda: crash_point("restore.after_object"),
+            Stall(stall, lambda: stage_marks(stage), lambda: _stalled(store, stall)),
         )
     finally:
         _downloading = None
 
 
 def fetch(
-    store: Store, doc: Dict[str, Any], dest_dir: str, made: Optional[List[str]] = None
+    store: Store,
+    doc: Dict[str, Any],
+    dest_dir: str,
+    made: Optional[List[str]] = None,
+    stall: float = RESTORE_STALL,
 ) -> None:
     """Every file of ``doc`` into ``dest_dir``: staged, verified, then renamed into place. The
     directories it makes are appended to ``made`` (for a caller that undoes a failed restore).
-    StoreCorrupt for a file the store holds damaged; UnsafePath or HostError for the target."""
+    StoreCorrupt for a file the store holds damaged; UnsafePath or HostError for the target;
+    RestoreStalled when the download moved nothing for ``stall`` seconds."""
     for f in doc["files"]:
         if f["path"].startswith(STAGE_PREFIX):  # would land in the staging dir, then vanish
             raise StoreCorrupt(f"the MANIFEST lists {f['path']!r}, a name of rgt's own staging")
@@ -337,20 +385,25 @@ def fetch(
             stage = tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=dest_dir)
         except OSError as e:
             raise unwritable(dest_dir, e) from None
-        _fetch_into(store, doc, stage, dest_dir, made)
+        _fetch_into(store, doc, stage, dest_dir, made, stall)
     finally:
         if held is not None:
             os.close(held)
 
 
 def _fetch_into(
-    store: Store, doc: Dict[str, Any], stage: str, dest_dir: str, made: Optional[List[str]]
+    store: Store,
+    doc: Dict[str, Any],
+    stage: str,
+    dest_dir: str,
+    made: Optional[List[str]],
+    stall: float,
 ) -> None:
     """fetch() once its stage is made: the files verified into ``stage``, then renamed into
     place; the stage removed whatever happens."""
     try:
         # A flat name per file: nothing the store supplies names anything under the stage.
-        _fetch_all(store, doc["files"], stage, dest_dir)
+        _fetch_all(store, doc["files"], stage, dest_dir, stall)
         dirs = set()
         for i, f in enumerate(doc["files"]):
             try:

@@ -13,8 +13,9 @@ verified checkpoint is left does the restore fail (``NoVerifiedCheckpoint``, exi
 every step tried and why. A store that does not answer is a different thing (restic keeps "the
 download failed" apart from "the data is corrupt"): it is retried with backoff and then raised
 as the StoreError it is, and nothing is quarantined, so a network blip never flags good
-checkpoints. A quarantined step is never offered again: not by restore, ``rgt-agent
-checkpoints``, ``rgt pull`` or status.
+checkpoints. A download that moves nothing for the job file's ``[store] stall`` (a store gone
+silent mid-body) ends the same way, as RestoreStalled (onbox/sealing/stall.py). A quarantined
+step is never offered again: not by restore, ``rgt-agent checkpoints``, ``rgt pull`` or status.
 
 A restore killed midway (``restore.after_object``, onbox/common/faults.py) leaves only its staging
 directory and perhaps some files already renamed into place; the next restore into the same
@@ -36,6 +37,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from onbox.common.durable import sha256_fd
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import UnsafePath, lstat_beneath, open_beneath
+from onbox.common.storeurl import RESTORE_STALL
 from onbox.sealing import manifest as mf
 from onbox.sealing.fetch import StoreCorrupt, check_target, failure, fetch
 from onbox.sealing.fetch import retried as _retried
@@ -185,6 +187,7 @@ def restore_latest(
     ckpt_dir: str,
     event: Callable[..., None],
     made: Optional[List[str]] = None,
+    stall: float = RESTORE_STALL,
 ) -> Optional[Dict[str, Any]]:
     """Make sure the newest verified sealed checkpoint is in ``ckpt_dir``; return its MANIFEST
     (with ``"local"``: abs path of its root, and ``"skipped"``: the newer steps found unusable,
@@ -193,8 +196,10 @@ def restore_latest(
     Each unusable checkpoint on the way is quarantined and the previous one tried; when
     checkpoints were sealed but none is usable, NoVerifiedCheckpoint lists what was tried. A
     store that does not answer raises its StoreError (nothing quarantined); a target that is
-    refused raises UnsafePath or HostError. Directories it makes are appended to ``made``;
-    nothing is made before a checkpoint to download is found."""
+    refused raises UnsafePath or HostError; a download that moves nothing for ``stall``
+    seconds raises RestoreStalled (a TransientStoreError: nothing quarantined, nothing put in
+    place). Directories it makes are appended to ``made``; nothing is made before a checkpoint
+    to download is found."""
     # LATEST and the quarantine records are read side by side: every round trip to a remote
     # store is paid before the first byte of the checkpoint comes.
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rgt-restore-q") as pool:
@@ -213,7 +218,7 @@ def restore_latest(
             else:
                 t0 = time.monotonic()
                 # An UnsafePath or HostError about the target is raised: not the store's fault.
-                fetch(store, doc, ckpt_dir, made)
+                fetch(store, doc, ckpt_dir, made, stall)
                 how = f"downloaded and verified in {time.monotonic() - t0:.1f}s"
         except StoreCorrupt as e:
             _quarantine(store, run, step, e, event)

@@ -22,6 +22,7 @@ from onbox.common.errors import UsageError
 from onbox.common.logscan import step_group
 from onbox.common.progress import compile_progress_pattern
 from onbox.common.rundir import check_name
+from onbox.common.storeurl import RESTORE_STALL
 
 
 def _build(tmp_path: Any, toml: str = "", **flags: Any) -> Any:
@@ -266,9 +267,28 @@ def test_a_job_files_store_table_carries_its_endpoint_url(tmp_path: Any) -> None
     assert _build(tmp_path, toml, store="file:///mnt/d").store.endpoint_url is None
 
 
+def test_a_job_files_store_table_carries_the_restores_stall_bound(tmp_path: Any) -> None:
+    """``[store] stall``: how long a restore's download may move nothing (onbox/sealing/stall.py);
+    kept in spec.json (a later start of the run restores with it), kept under ``--store``, and
+    RESTORE_STALL where the job file does not say (a plain URL, or an old spec.json)."""
+    toml = 'command = ["true"]\n[store]\nurl = "file:///mnt/d"\nstall = "90s"\n'
+    spec = _build(tmp_path, toml)
+    assert spec.restore_stall == 90.0
+    doc = spec.to_json()
+    assert JobSpec.from_json(doc) == spec
+    assert _build(tmp_path, toml, store="s3://other/p").restore_stall == 90.0
+    plain = _build(tmp_path, 'command = ["true"]\nstore = "file:///mnt/d"\n')
+    assert plain.restore_stall == RESTORE_STALL == 300.0
+    del doc["restore_stall"]
+    assert JobSpec.from_json(doc).restore_stall == RESTORE_STALL
+
+
 @pytest.mark.parametrize(
     "table,field,says",
     [
+        ('url = "s3://bkt/p"\nstall = "soon"', "store.stall", "not a duration"),
+        ('url = "s3://bkt/p"\nstall = 0', "store.stall", "greater than 0"),
+        ('url = "s3://bkt/p"\nstall = -5', "store.stall", "finite duration"),
         ('url = "s3://bkt/p"\nendpoint_url = "s3.example.com"', "store.endpoint_url", "http"),
         ('url = "s3://bkt/p"\nendpoint_url = "ftp://h"', "store.endpoint_url", "http"),
         ('url = "s3://bkt/p"\nendpoint_url = "http://"', "store.endpoint_url", "http"),

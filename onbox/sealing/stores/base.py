@@ -231,10 +231,11 @@ class Lanes:
             with contextlib.suppress(Exception):  # best effort: the read timeout still bounds it
                 abort()
 
-    def close(self) -> None:
-        """Stop, and wait for the requests running (each gives up at its next chunk)."""
+    def close(self, wait: bool = True) -> None:
+        """Stop, and wait for the requests running (each gives up at its next chunk); with
+        ``wait`` false, leave those a stop does not reach (fetch.in_parallel after a stall)."""
         self.stop()
-        self._pool.shutdown(wait=True)
+        self._pool.shutdown(wait=wait)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,62 @@
+"""The bound on a restore's download that moves nothing (onbox/sealing/fetch.py): ``Stall``
+reads what is under the download's stage (``stage_marks``: any store's files, its temporary
+ones too) and, once that has not changed for the bound, raises ``RestoreStalled``, a
+TransientStoreError (exit 14). A store that still sends, however slowly, is never cut.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable, Tuple
+
+from onbox.common.errors import TransientStoreError
+
+
+class RestoreStalled(TransientStoreError):
+    """A restore's download moved nothing for its bound (``Stall``)."""
+
+
+def stage_marks(stage: str) -> Tuple[int, int, int]:
+    """What is under ``stage`` now: (files, bytes allocated, bytes long), any store's temporary
+    files included (the Hub's download directory): any change is movement."""
+    files = blocks = length = 0
+    for top, _, names in os.walk(stage):
+        for name in names:
+            try:
+                st = os.lstat(os.path.join(top, name))
+            except OSError:  # gone meanwhile (renamed into place, a temporary file)
+                continue
+            files, blocks, length = files + 1, blocks + st.st_blocks, length + st.st_size
+    return files, blocks, length
+
+
+class Stall:
+    """The bound on a download that moves nothing: ``check()``, called in in_parallel's wait,
+    raises ``stalled()`` once ``moved()`` has given the same answer for ``bound`` seconds
+    (read at most every ``every`` seconds: it walks the stage), and is ``fired`` from then on;
+    ``reset()`` when a file ends."""
+
+    def __init__(
+        self, bound: float, moved: Callable[[], object], stalled: Callable[[], Exception]
+    ) -> None:
+        self.bound, self.moved, self.stalled = bound, moved, stalled
+        self.every = min(2.0, bound / 5)
+        self._seen: object = None
+        self.fired = False
+        self._since = self._read_at = time.monotonic()
+
+    def reset(self) -> None:
+        self._seen, self._since = None, time.monotonic()
+
+    def check(self) -> None:
+        now = time.monotonic()
+        if now - self._read_at < self.every:
+            return
+        self._read_at = now
+        seen = self.moved()
+        if seen != self._seen:
+            self._seen, self._since = seen, now
+        elif now - self._since >= self.bound:
+            self.fired = True
+            raise self.stalled()

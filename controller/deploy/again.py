@@ -76,7 +76,7 @@ def start_again(
             name=plan.name,
             target=plan.target,
             profile=job.profile or plan.profile,
-            store=job.store,
+            store=plan.req.store or job.store,  # --store given this time: the box's now
             box_home=box_home,
             agent=list(agent.argv),
             agent_env=dict(agent.env),

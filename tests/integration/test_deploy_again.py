@@ -4,6 +4,7 @@ laptop says when the box's start fails.
 - `rgt deploy TARGET --name N` with no command starts a STOPPED run again from the box's own
   record of it (its spec.json), also from a laptop that has no record of the run; it is refused
   with its own exit code and what to do when the box has no such run (8) or the run is live (5);
+  over a real ssh too, where a --store given this time is the store the laptop records;
 - a failed start's error is said once (not relayed from the box, then again as rgt's error),
   with the box's exit code and remedy;
 - a start refused because another agent holds the run (exit 5) names the laptop's commands
@@ -15,6 +16,7 @@ The `local` target runs the same commands as an ssh box (controller/remote.py), 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -26,6 +28,8 @@ import pytest
 
 from controller.cli import main as rgt_main
 from tests.conftest import Cli, _kill_run_processes
+from tests.laptop import laptop_env, run_rgt, ssh_target
+from tests.sshd import SshServer
 
 JOB = "import os, time\nprint('job started', flush=True)\ntime.sleep(600)\n"
 
@@ -152,3 +156,39 @@ def test_a_start_refused_for_a_held_run_names_only_the_laptops_commands(
     assert f"is held by rgt-agent pid {holder.pid}" in err, err
     assert "rgt-agent status" not in err and "rgt-agent stop" not in err, err
     assert "`rgt status held`" in err and "`rgt stop held`" in err, err
+
+
+def test_started_again_over_ssh_with_a_new_store_the_laptop_records_that_store(
+    sshd: SshServer, tmp_path: Path
+) -> None:
+    """Over a real ssh (the box's commands through its login shell): a stopped run started
+    again by name alone, with --store given this time. The box's agent runs it with that store
+    (``rgt-agent start --name N --store``); before, the laptop recorded the store of the box's
+    old spec.json, so `rgt runs` named it and `rgt status` from the store read the wrong one."""
+    ctl, box_home = str(tmp_path / "ctl"), str(tmp_path / "box")
+    proj, old, new = tmp_path / "proj", tmp_path / "old", tmp_path / "new"
+    os.mkdir(ctl)
+    for d in (proj, old, new):
+        d.mkdir()
+    (proj / "job.py").write_text(JOB)
+    env = laptop_env(ctl, box_home)
+    cli = Cli(box_home, dict(os.environ, RGT_HOME=box_home))
+    name, target = f"again-ssh-{os.getpid()}", ssh_target(sshd)
+    base = ["deploy", target, "--name", name, "--python", sys.executable, "--project", str(proj)]
+    try:
+        p = run_rgt([*base, "--store", f"file://{old}", "--", sys.executable, "job.py"], env, ctl)
+        assert p.returncode == 0, p.stderr
+        p = run_rgt(["stop", name, "--grace", "1"], env, ctl)
+        assert p.returncode == 0, p.stderr
+        cli.wait_over(name, "STOPPED")
+        p = run_rgt([*base, "--store", f"file://{new}"], env, ctl)
+        assert p.returncode == 0, p.stderr
+        assert f"starting run {name} again from the box's record" in p.stderr, p.stderr
+        assert cli.wait_state(name, "RUNNING")["attempt"] == 2
+        with open(os.path.join(box_home, "runs", name, "spec.json")) as f:
+            assert json.load(f)["store"] == f"file://{new}"
+        p = run_rgt(["runs"], env, ctl)
+        assert f"store=file://{new}" in p.stdout, p.stdout + p.stderr
+    finally:
+        run_rgt(["stop", name, "--grace", "1"], env, ctl)
+        _kill_run_processes(box_home)

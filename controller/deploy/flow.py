@@ -251,14 +251,14 @@ def _warn_no_store(plan: Plan, say: Callable[[str], None]) -> None:
 
 
 def _store(plan: Plan, known: str) -> Optional[str]:
-    """The run's store: --store; on local, $RGT_HOME/store (as before profiles); else the job
-    file's (None here: the agent reads it), else the profile's durable default, else none."""
+    """The run's store: --store; else the job file's (None here: the agent reads it); else on
+    local $RGT_HOME/store (as before profiles), else the profile's durable default, else none."""
     if plan.req.store is not None:
         return plan.req.store
-    if plan.profile == "local":
-        return "file://" + os.path.join(known, "store")
     if plan.job_store:
         return None  # the job file's, read by the agent
+    if plan.profile == "local":
+        return "file://" + os.path.join(known, "store")
     default = plan.guess.profile.default_store() if plan.guess is not None else None
     # A default naming the box's variables (Slurm's /scratch/$USER) is the agent's to expand.
     if default and "$" not in default and "~" not in default:

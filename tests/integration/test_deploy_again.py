@@ -192,3 +192,23 @@ def test_started_again_over_ssh_with_a_new_store_the_laptop_records_that_store(
     finally:
         run_rgt(["stop", name, "--grace", "1"], env, ctl)
         _kill_run_processes(box_home)
+
+
+def test_a_deploy_to_local_keeps_the_store_its_job_file_names(
+    on_box: Tuple[Cli, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """On the local target rgt defaults the store to the box home's store/, but only when the
+    job names none: a job file's store was silently replaced by that default, so a user trying
+    the run here sealed somewhere other than the store the job file names."""
+    cli, proj = on_box
+    mine = tmp_path / "job-store"
+    (Path(proj) / "job.toml").write_text(
+        f'command = ["{sys.executable}", "job.py"]\nstore = "file://{mine}"\n'
+    )
+    code, err = _rgt(capsys, *_deploy(proj, "jobstore"), str(Path(proj) / "job.toml"))
+    assert code == 0, err
+    spec = json.loads(Path(cli.home, "runs", "jobstore", "spec.json").read_text())
+    assert spec["store"] == f"file://{mine}", spec["store"]
+    code, err = _rgt(capsys, "stop", "jobstore", "--grace", "1")
+    assert code == 0, err
+

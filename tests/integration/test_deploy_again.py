@@ -211,4 +211,3 @@ def test_a_deploy_to_local_keeps_the_store_its_job_file_names(
     assert spec["store"] == f"file://{mine}", spec["store"]
     code, err = _rgt(capsys, "stop", "jobstore", "--grace", "1")
     assert code == 0, err
-

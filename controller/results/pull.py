@@ -16,13 +16,13 @@ What is pulled is the run's newest *sealed* state, never a file that is still be
   the box.
 - without a store (``--from box`` only): when the run is no longer live (its agent reports a
   terminal state, so no file is being written), every file in its checkpoint dir (hidden and
-  temporary names skipped, as the sealer skips them), its outputs and its job logs, with
-  sha256 computed on the box at pull time. A live run without a store is refused: stop it
-  first; a run that has ended is pulled once its agent has let go of it. A job's log that holds
-  a secret is taken as the redacted copy the agent wrote next to it when it let go
-  (``attempts/NNNN/output.redacted.log``, onbox/agent/sealservice.py ``redact_box_logs``), never as
-  is;
-  the receipt marks it ``redacted``.
+  temporary names skipped, as the sealer skips them), every file of its outputs (hidden and
+  temporary names too, as the completion seal takes them: ``out/.hydra/config.yaml``) and its
+  job logs, with sha256 computed on the box at pull time. A live run without a store is
+  refused: stop it first; a run that has ended is pulled once its agent has let go of it. A
+  job's log that holds a secret is taken as the redacted copy the agent wrote next to it when
+  it let go (``attempts/NNNN/output.redacted.log``, onbox/agent/sealservice.py
+  ``redact_box_logs``), never as is; the receipt marks it ``redacted``.
 
 Layout under DEST: ``checkpoints/<path as sealed, relative to RGT_CKPT_DIR>``,
 ``outputs/<path>``, ``logs/attempt-NNNN.log``, and ``.rgt-receipt.json``

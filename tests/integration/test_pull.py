@@ -334,6 +334,58 @@ def test_a_run_without_a_store_pulls_its_box_files_once_it_has_ended(
         pull(rec, dest, "store")
 
 
+# What a job leaves in its outputs under names the sealer skips in a checkpoint dir: hydra's
+# config, a lock file, an editor's backup, temporary-named files. All are the job's results.
+ODD_OUTPUTS = {
+    ".hydra/config.yaml": b"lr: 0.1\n",
+    ".hidden": b"dot",
+    "run.lock": b"lock",
+    "notes.txt~": b"backup",
+    "eval.tmp": b"tmp",
+    "shard.part": b"part",
+    "sub/metrics.jsonl": b'{"loss": 0.5}\n',
+}
+ODD_JOB = """
+import json, os, sys
+ckpt = os.environ["RGT_CKPT_DIR"]
+os.makedirs(ckpt, exist_ok=True)
+with open(os.path.join(ckpt, "step_3.pt"), "wb") as f:
+    f.write(b"weights")
+with open(os.path.join(ckpt, ".step_4.pt.tmp"), "wb") as f:  # a torn write's leftover
+    f.write(b"torn")
+for rel, data in json.loads(sys.argv[1]).items():
+    os.makedirs(os.path.dirname(os.path.join("out", rel)), exist_ok=True)
+    with open(os.path.join("out", rel), "w") as f:
+        f.write(data)
+"""
+
+
+def test_a_run_without_a_store_pulls_its_outputs_whole_hidden_and_temporary_names_too(
+    cli: Cli, tmp_path: Any, laptop: str, ssh_target: Target
+) -> None:
+    """Before: the box's lister skipped hidden and temporary names in the outputs as in the
+    checkpoint dir, so `out/.hydra/config.yaml` came back with a store (the completion seal
+    takes the outputs whole) and was silently missing without one. The checkpoint dir's torn
+    leftovers are still skipped. Over real ssh, by both transports."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "job.py").write_text(ODD_JOB)
+    outputs = {k: v.decode() for k, v in ODD_OUTPUTS.items()}
+    argv = [sys.executable, "job.py", json.dumps(outputs)]
+    cli("run", "--name", RUN, "--output", "out/", "--", *argv, check=True, cwd=str(work))
+    rec = _rec(None, cli.home, ssh_target)
+    for transport in ["stream"] + (["rsync"] if shutil.which("rsync") else []):
+        dest = str(tmp_path / f"dest-{transport}")
+        receipt = pull(rec, dest, "box", transport=transport)
+        paths = {f.path for f in receipt.files}
+        want = {f"outputs/out/{rel}" for rel in ODD_OUTPUTS}
+        assert {p for p in paths if p.startswith("outputs/")} == want, paths
+        for rel, data in ODD_OUTPUTS.items():
+            assert _read(os.path.join(dest, "outputs", "out", *rel.split("/"))) == data
+        assert {p for p in paths if p.startswith("checkpoints/")} == {"checkpoints/step_3.pt"}
+        assert covers_newest(rec, receipt)
+
+
 # ---- damage, in the store and on the box
 
 

@@ -18,13 +18,13 @@ a run that ends at once exits with its state's code, as after any deploy.
 
 from __future__ import annotations
 
-import dataclasses
 import posixpath
 import shlex
-from typing import Any, Callable, Dict, List, Optional
+from typing import Callable, List
 
 from controller.deploy import flow
 from controller.deploy.audit import Audit
+from controller.deploy.boxspec import box_job
 from controller.deploy.boxstart import start_on_box, wait_first_line
 from controller.deploy.install import AgentInstall
 from controller.deploy.release import release_path
@@ -32,24 +32,8 @@ from controller.deploy.request import Plan, check_again
 from controller.deploy.wheel import AgentWheel
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote
-from onbox.common import jsondoc
-from onbox.common.errors import HostError, LockedError, NotFound
-from onbox.common.rundir import RunDir
+from onbox.common.errors import LockedError
 from onbox.common.terminal import printable
-
-# The run's spec.json, or exit 7 when there is none (the run is not on the box).
-_READ_SPEC = '[ -f "$1" ] || exit 7; exec cat -- "$1"'
-SPEC_LIMIT = 1 << 20  # an agent's spec.json is a few KiB
-
-
-@dataclasses.dataclass(frozen=True)
-class BoxJob:
-    """What the laptop reads of the box's spec.json of a run (the box's record, untrusted)."""
-
-    command: List[str]
-    workdir: str
-    store: Optional[str]
-    profile: Optional[str]
 
 
 def start_again(
@@ -124,39 +108,3 @@ def _start_args(plan: Plan) -> List[str]:
     for out in req.outputs:
         args += ["--output", out]
     return args
-
-
-def box_job(remote: Remote, box_home: str, name: str, label: str) -> BoxJob:
-    """The box's record of run ``name``: NotFound when the box has none."""
-    path = RunDir(name, box_home).spec
-    r = remote.sh(_READ_SPEC, path, timeout=60, limit=SPEC_LIMIT, what=f"cat {path}")
-    if r.rc == 7:
-        raise NotFound(
-            f"there is no run {name} on {label} to start again (no {path})",
-            f"give its job: `rgt deploy {label} --name {name} -- CMD ...` or a JOB.toml",
-        )
-    try:
-        doc: Any = jsondoc.loads(r.stdout) if r.rc == 0 else None
-    except ValueError:
-        doc = None
-    job = _job(doc) if isinstance(doc, dict) else None
-    if job is None:
-        why = r.err.strip()[-300:] if r.rc != 0 else "it is not a run's spec"
-        raise HostError(
-            f"{label}: cannot read run {name}'s record {path}: {printable(why)}",
-            f"give the job again: `rgt deploy {label} --name {name} -- CMD ...`",
-        )
-    return job
-
-
-def _job(doc: Dict[str, Any]) -> Optional[BoxJob]:
-    """The fields the laptop uses, checked; None when one is not what an agent writes."""
-    command, workdir = doc.get("command"), doc.get("workdir")
-    store, profile = doc.get("store"), doc.get("profile")
-    if not (isinstance(command, list) and command and all(isinstance(c, str) for c in command)):
-        return None
-    if not (isinstance(workdir, str) and workdir.startswith("/")):
-        return None
-    if not all(v is None or isinstance(v, str) for v in (store, profile)):
-        return None
-    return BoxJob(command, workdir, store, profile)

@@ -43,6 +43,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 from controller import boxrun, contacts, envnames
 from controller.deploy import audit as auditmod
 from controller.deploy import guess as guessmod
+from controller.deploy.boxspec import record_box_store
 from controller.deploy.boxstart import start_on_box, wait_first_line
 from controller.deploy.install import AgentInstall, answers_version, found_install, install_agent
 from controller.deploy.probe import Probed
@@ -163,6 +164,8 @@ def deploy(
         argv = rec.agent_argv(*_agent_args("start", plan, store))
         start_on_box(remote, registry, rec, plan.target.label, argv, pushed.path)
         registry.put(rec)
+        if rec.store is None and plan.job_store:  # the job file's, as the agent took it
+            rec = record_box_store(remote, registry, rec, plan.target.label, say)
         switch_current(remote, box_home, plan.name, pushed.id)
         ended = wait_first_line(remote, rec, plan.target.label, say)
         if ended is not None and raise_ended:
@@ -251,7 +254,8 @@ def _warn_no_store(plan: Plan, say: Callable[[str], None]) -> None:
 
 
 def _store(plan: Plan, known: str) -> Optional[str]:
-    """The run's store: --store; else the job file's (None here: the agent reads it); else on
+    """The run's store: --store; else the job file's (None here: the agent reads it, and the
+    record takes it from the box after the start, boxspec.record_box_store); else on
     local $RGT_HOME/store (as before profiles), else the profile's durable default, else none."""
     if plan.req.store is not None:
         return plan.req.store
@@ -346,6 +350,8 @@ def _already_live(
     # A deploy cut off after the start may not have switched the link yet.
     switch_current(remote, rec.box_home, plan.name, pushed.id)
     registry.put(rec)
+    if rec.store is None and plan.job_store:
+        rec = record_box_store(remote, registry, rec, plan.target.label, say)
     say(f"rgt: {plan.name} is already {state} on this release; nothing to do")
     return rec
 

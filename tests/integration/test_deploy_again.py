@@ -8,7 +8,9 @@ laptop says when the box's start fails.
 - a failed start's error is said once (not relayed from the box, then again as rgt's error),
   with the box's exit code and remedy;
 - a start refused because another agent holds the run (exit 5) names the laptop's commands
-  only, not the box's `rgt-agent status` / `rgt-agent stop`.
+  only, not the box's `rgt-agent status` / `rgt-agent stop`;
+- a store named by the job file (not --store) is the store the laptop records (locally, and over
+  ssh, where `rgt status` reads it while the box does not answer).
 
 The `local` target runs the same commands as an ssh box (controller/remote.py), with the real
 `rgt` CLI in this process and the real agent installed once, in a box home shared by the module.
@@ -29,7 +31,7 @@ import pytest
 from controller.cli import main as rgt_main
 from tests.conftest import Cli, _kill_run_processes
 from tests.laptop import laptop_env, run_rgt, ssh_target
-from tests.sshd import SshServer
+from tests.sshd import SshServer, start_sshd
 
 JOB = "import os, time\nprint('job started', flush=True)\ntime.sleep(600)\n"
 
@@ -211,3 +213,48 @@ def test_a_deploy_to_local_keeps_the_store_its_job_file_names(
     assert spec["store"] == f"file://{mine}", spec["store"]
     code, err = _rgt(capsys, "stop", "jobstore", "--grace", "1")
     assert code == 0, err
+
+
+def test_a_deploy_over_ssh_records_the_store_its_job_file_names(tmp_path: Path) -> None:
+    """Over a real ssh, a job file naming the store (no --store): before, the laptop recorded the
+    run with no store ("the agent reads it"), so `rgt runs` named none and `rgt status` with the
+    box gone said the run has no store. The record now takes the store from the box's spec.json
+    after the start. The box's sshd is this test's own, stopped to make the box not answer."""
+    ctl, box_home = str(tmp_path / "ctl"), str(tmp_path / "box")
+    proj, store = tmp_path / "proj", tmp_path / "job-store"
+    os.mkdir(ctl)
+    proj.mkdir()
+    (proj / "job.py").write_text(JOB)
+    (proj / "job.toml").write_text(
+        f'command = ["{sys.executable}", "job.py"]\nstore = "file://{store}"\n'
+    )
+    server = start_sshd(str(tmp_path / "sshd"))
+    env = laptop_env(ctl, box_home)
+    cli = Cli(box_home, dict(os.environ, RGT_HOME=box_home))
+    name = f"jobstore-ssh-{os.getpid()}"
+    argv = ["deploy", ssh_target(server), "--name", name, "--python", sys.executable]
+    try:
+        p = run_rgt([*argv, "--project", str(proj), str(proj / "job.toml")], env, ctl)
+        assert p.returncode == 0, p.stderr
+        spec = json.loads(Path(box_home, "runs", name, "spec.json").read_text())
+        assert spec["store"] == f"file://{store}", spec
+        p = run_rgt(["runs"], env, ctl)
+        assert f"store=file://{store}" in p.stdout, p.stdout + p.stderr
+        mirror = store / name / "state" / "state.json"
+
+        def mirrored(_: Any) -> bool:
+            try:
+                return bool(json.loads(mirror.read_text()).get("state") == "RUNNING")
+            except (OSError, ValueError):
+                return False
+
+        cli.wait_for(name, mirrored, what="RUNNING mirrored to the store")
+        server.stop()
+        p = run_rgt(["status", name, "--json"], env, ctl, timeout=120)
+        assert p.returncode == 0, p.stdout + p.stderr
+        doc = json.loads(p.stdout)
+        assert doc["source"] == "store" and doc["box_unreachable"], doc
+        assert doc["state"] == "RUNNING", doc
+    finally:
+        server.stop()
+        _kill_run_processes(box_home)

@@ -107,17 +107,16 @@ def _check_job_file(req: DeployRequest) -> None:
     meter_deadline(doc, Overrides())
 
 
-def _check_job_store(req: DeployRequest) -> bool:
-    """Refuse a malformed ``store`` in the job file, as the box would; whether it has one."""
+def _check_job_store(req: DeployRequest) -> Optional[str]:
+    """Refuse a malformed ``store`` in the job file, as the box would; its URL, None when it
+    names none (the agent's install extras and the audit's disk check follow the URL)."""
     if not req.job_file:
-        return False
+        return None
     try:
         store = _read_toml(req.job_file).get("store")
     except (OSError, ValueError):
-        return False  # _job_name has read it already; the box names what is wrong with it
-    if store is not None:
-        parse_store_setting(store, "store")
-    return store is not None
+        return None  # _job_name has read it already; the box names what is wrong with it
+    return None if store is None else parse_store_setting(store, "store").url
 
 
 def _secrets(names: Sequence[str], environ: Dict[str, str]) -> Dict[str, str]:
@@ -147,7 +146,7 @@ class Plan:
     name: str
     secrets: Dict[str, str]
     dirs: Sequence[str] = ()  # the laptop's user profile directories
-    job_store: bool = False  # the job file names a store (it wins over the profile's default)
+    job_store: Optional[str] = None  # the job file's store URL (it wins over the profile's)
     slurm: Optional[SlurmAsk] = None  # a Slurm profile's batch job, submitted instead of a start
     again: bool = False  # no job given: run ``name`` started again from the box's record
 
@@ -232,7 +231,7 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
         _check_job_file(req)
         # The box would refuse a bad store URL too, but only after the push and the install:
         # check it here with the box's own parser, before anything anywhere changes.
-        job_store = False
+        job_store = None
         if req.store is not None:
             parse_store_url(req.store, "--store")
         else:

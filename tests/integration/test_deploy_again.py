@@ -31,6 +31,7 @@ import pytest
 from controller.cli import main as rgt_main
 from tests.conftest import Cli, _kill_run_processes
 from tests.laptop import laptop_env, run_rgt, ssh_target
+from tests.seaweed import SeaweedServer
 from tests.sshd import SshServer, start_sshd
 
 JOB = "import os, time\nprint('job started', flush=True)\ntime.sleep(600)\n"
@@ -258,3 +259,28 @@ def test_a_deploy_over_ssh_records_the_store_its_job_file_names(tmp_path: Path) 
     finally:
         server.stop()
         _kill_run_processes(box_home)
+
+
+def test_a_job_file_naming_an_s3_store_gets_an_agent_that_can_reach_it(
+    on_box: Tuple[Cli, str],
+    s3_server: SeaweedServer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The agent is installed with the extras its store needs (boto3 for s3://). They were
+    chosen from --store only, so a job file naming an S3 store got an agent without boto3,
+    and the run failed at its start on the box."""
+    cli, proj = on_box
+    bucket = s3_server.bucket()
+    (Path(proj) / "s3job.toml").write_text(
+        f'command = ["{sys.executable}", "job.py"]\n'
+        f'[store]\nurl = "s3://{bucket}/rgt"\nendpoint_url = "{s3_server.endpoint}"\n'
+    )
+    for var, value in s3_server.env({}).items():
+        monkeypatch.setenv(var, value)
+    secrets = ["--secret-env", "AWS_ACCESS_KEY_ID", "--secret-env", "AWS_SECRET_ACCESS_KEY"]
+    code, err = _rgt(capsys, *_deploy(proj, "s3job"), *secrets, str(Path(proj) / "s3job.toml"))
+    assert code == 0, err
+    assert cli.status("s3job")["state"] in ("STARTING", "RUNNING")
+    code, err = _rgt(capsys, "stop", "s3job", "--grace", "1")
+    assert code == 0, err

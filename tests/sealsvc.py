@@ -12,6 +12,9 @@ from onbox.agent.sealservice import SealService
 from onbox.agent.spec import JobSpec
 from onbox.common.rundir import RunDir
 from onbox.common.storeurl import parse_store_url
+from onbox.sealing.epochs import take_epoch
+from onbox.sealing.sealer import Sealer
+from onbox.sealing.stores.base import Store
 
 
 def seal_service(tmp_path: Any, **spec: Any) -> SealService:
@@ -30,3 +33,20 @@ def seal_service(tmp_path: Any, **spec: Any) -> SealService:
         **spec,
     )
     return SealService(job, rd, FileJournal(rd.state, rd.events), lambda sig: None)
+
+
+def old_box_sealer(run: str, ckpt: str, store: Store, tmp_path: Any) -> Sealer:
+    """The real Sealer of run ``run``'s old box over the checkpoint dir ``ckpt``, loaded, with
+    an epoch of its own in ``store`` and its stage and state under ``tmp_path``: what sealed
+    the checkpoints a test's fresh box then restores."""
+    sealer = Sealer(
+        run,
+        ckpt,
+        store,
+        str(tmp_path / "old-box-stage"),
+        epoch=take_epoch(store, run),
+        event=lambda *a, **k: None,
+        state_path=str(tmp_path / "old-box-seq.json"),
+    )
+    sealer.load()
+    return sealer

@@ -36,6 +36,7 @@ from onbox.sealing.stores.base import Store, StoreError
 from onbox.sealing.stores.s3 import download
 from tests.conftest import Cli
 from tests.mounts import tmpfs
+from tests.sealsvc import old_box_sealer
 from tests.seaweed import SeaweedServer, closed_port
 
 RUN = "fb"
@@ -131,16 +132,7 @@ def _seal(store: Store, tmp_path: Any, steps: List[int]) -> None:
     """Each step a 64 KiB checkpoint ``step_N.pt`` sealed by the real Sealer (LATEST: last)."""
     ckpt = str(tmp_path / "old-box-ckpt")
     os.makedirs(ckpt, exist_ok=True)
-    s = Sealer(
-        RUN,
-        ckpt,
-        store,
-        str(tmp_path / "old-box-stage"),
-        epoch=take_epoch(store, RUN),
-        event=lambda *a, **k: None,
-        state_path=str(tmp_path / "old-box-seq.json"),
-    )
-    s.load()
+    s = old_box_sealer(RUN, ckpt, store, tmp_path)
     for step in steps:
         with open(os.path.join(ckpt, f"step_{step}.pt"), "wb") as f:
             f.write(os.urandom(64 << 10))
@@ -363,16 +355,7 @@ def _seal_dirs(
     by their paths under it) and rgt's marker, sealed by the real Sealer; every file's bytes by
     its path under the ckpt dir."""
     ckpt = str(tmp_path / "old-box-ckpt")
-    s = Sealer(
-        RUN,
-        ckpt,
-        store,
-        str(tmp_path / "old-box-stage"),
-        epoch=take_epoch(store, RUN),
-        event=lambda *a, **k: None,
-        state_path=str(tmp_path / "old-box-seq.json"),
-    )
-    s.load()
+    s = old_box_sealer(RUN, ckpt, store, tmp_path)
     out: Dict[int, Dict[str, bytes]] = {}
     for step in steps:
         d = os.path.join(ckpt, f"step_{step}")

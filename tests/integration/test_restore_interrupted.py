@@ -33,13 +33,12 @@ from onbox.agent import procfs
 from onbox.common.errors import FINAL_EXIT_CODES
 from onbox.common.faults import STOP_AFTER_EVENT
 from onbox.sealing import fetch
-from onbox.sealing.epochs import take_epoch
 from onbox.sealing.fetch import STAGE_PREFIX
-from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from onbox.sealing.stores.filecopy import COPY_CHUNK, SMALL_FILE
 from tests.conftest import Cli, agent_exe
+from tests.sealsvc import old_box_sealer
 
 RUN = "cut"
 STEP = 10
@@ -53,16 +52,7 @@ JOB = [sys.executable, "-c", "import os; print('resume=' + os.environ['RGT_RESUM
 
 def _seal_old_box(store: Store, ckpt: str, tmp_path: Any) -> None:
     """Seal the one checkpoint in ``ckpt`` with the real Sealer, as the run's old box did."""
-    sealer = Sealer(
-        RUN,
-        ckpt,
-        store,
-        str(tmp_path / "old-box-stage"),
-        epoch=take_epoch(store, RUN),
-        event=lambda *a, **k: None,
-        state_path=str(tmp_path / "old-box-seq.json"),
-    )
-    sealer.load()
+    sealer = old_box_sealer(RUN, ckpt, store, tmp_path)
     assert sealer.seal_pending() == 1
 
 

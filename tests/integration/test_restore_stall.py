@@ -33,15 +33,14 @@ import pytest
 
 from onbox.agent import procfs
 from onbox.sealing import fetch
-from onbox.sealing.epochs import take_epoch
 from onbox.sealing.fetch import STAGE_PREFIX
-from onbox.sealing.sealer import Sealer
 from onbox.sealing.stall import RestoreStalled, Stall, stage_marks
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from onbox.sealing.stores.filecopy import SMALL_FILE
 from tests import seaweed
 from tests.conftest import Cli, agent_exe, require
+from tests.sealsvc import old_box_sealer
 from tests.seaweed import start_seaweed
 
 RUN = "stall"
@@ -64,16 +63,7 @@ def _seal(store: Store, tmp_path: Any, size: int, files: int = 2) -> None:
             f.write(os.urandom(size))
     with open(os.path.join(path, ".rgt-complete"), "w") as f:
         json.dump({"step": STEP}, f)
-    sealer = Sealer(
-        RUN,
-        ckpt,
-        store,
-        str(tmp_path / "old-box-stage"),
-        epoch=take_epoch(store, RUN),
-        event=lambda *a, **k: None,
-        state_path=str(tmp_path / "old-box-seq.json"),
-    )
-    sealer.load()
+    sealer = old_box_sealer(RUN, ckpt, store, tmp_path)
     assert sealer.seal_pending() == 1
 
 

@@ -35,12 +35,11 @@ from controller.deploy.boxstart import start_failed
 from controller.remote import LocalRemote
 from onbox.agent import procfs
 from onbox.common.errors import RemoteUnreachable
-from onbox.sealing.epochs import take_epoch
 from onbox.sealing.fetch import STAGE_PREFIX
-from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.filecopy import SMALL_FILE
 from tests.conftest import Cli, agent_exe
+from tests.sealsvc import old_box_sealer
 
 RUN = "slow"
 STEP = 10
@@ -60,16 +59,7 @@ def _seal(root: str, tmp_path: Any, run: str = RUN) -> None:
             f.write(os.urandom(FILE_SIZE))
     with open(os.path.join(path, ".rgt-complete"), "w") as f:
         json.dump({"step": STEP}, f)
-    sealer = Sealer(
-        run,
-        ckpt,
-        store,
-        str(tmp_path / "old-box-stage"),
-        epoch=take_epoch(store, RUN),
-        event=lambda *a, **k: None,
-        state_path=str(tmp_path / "old-box-seq.json"),
-    )
-    sealer.load()
+    sealer = old_box_sealer(run, ckpt, store, tmp_path)
     assert sealer.seal_pending() == 1
 
 

@@ -42,7 +42,9 @@ under it, is refused (exit 6), never written through. A pull that is killed and 
 continues: from the box, rsync (``--inplace``, delta transfer against the partial copy) sends
 only what is missing and skips finished files; from the store, a file whose partial copy
 already has the right size and sha256 is not downloaded again (the store interface has no
-byte ranges, so an unfinished file is downloaded again whole).
+byte ranges, so an unfinished file is downloaded again whole). A download from the store that
+moves no byte for 5 min (RESTORE_STALL, as the box's restore: a store that stopped answering
+mid-body, a hung mount) ends as a transient store error (exit 14), nothing placed.
 
 Verification, before any file gets its final name: each file's size and sha256 against the
 manifest (a mismatch is fetched fresh once more, then it is an IntegrityError naming the file);
@@ -94,6 +96,7 @@ from controller.results.sealed import covers_newest, newest_sealed, read_sealed,
 from controller.results.transport import fetcher
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import unlink_beneath
+from onbox.common.storeurl import RESTORE_STALL
 
 # What callers of ``rgt pull`` import from here (the CLI, the tests), owned by the modules above.
 __all__ = [
@@ -143,6 +146,7 @@ def pull(
     transport: Optional[str] = None,
     remote: Optional[Remote] = None,
     home: Optional[str] = None,
+    stall: float = RESTORE_STALL,
 ) -> Receipt:
     """Pull ``rec``'s newest sealed state into ``dest``, verify it, write the receipt.
 
@@ -150,7 +154,8 @@ def pull(
     the box. ``transport`` (box only): "rsync" or "stream" (``tail -c +N`` over ssh, resumable
     too); by default rsync when both ends have it, else stream. ``remote``: an open Remote to
     the box (else one is opened and closed here). ``home``: the laptop's state dir (default
-    controller_home()).
+    controller_home()). ``stall``: a download from the store that moves no byte this long ends
+    as RestoreStalled (exit 14; the job file's ``[store] stall`` is the box's, not read here).
     Raises IntegrityError (exit 6) naming the files that do not match; then nothing has a
     final name and no receipt is written."""
     where = resolve_source(rec, source)
@@ -159,7 +164,8 @@ def pull(
         remote = open_remote(rec.target)
     try:
         sealed = read_sealed(rec, where, remote)
-        return _pull(rec, sealed, os.path.abspath(dest), progress, bwlimit, transport, remote, home)
+        dest = os.path.abspath(dest)
+        return _pull(rec, sealed, dest, progress, bwlimit, transport, remote, home, stall)
     finally:
         if own and remote is not None:
             remote.close()
@@ -174,6 +180,7 @@ def _pull(
     transport: Optional[str],
     remote: Optional[Remote],
     home: Optional[str],
+    stall: float,
 ) -> Receipt:
     stage_dir = os.path.join(dest, STAGE)
     destination.check_dest(dest, sealed.entries)
@@ -194,7 +201,7 @@ def _pull(
         except OSError as err:
             raise destination.cannot(dest, err) from None
         receipt = _staged_and_placed(
-            rec, sealed, dest, stage_dir, items, progress, bwlimit, transport, remote, home
+            rec, sealed, dest, stage_dir, items, progress, bwlimit, transport, remote, home, stall
         )
         shutil.rmtree(stage_dir, ignore_errors=True)
     if progress is not None:
@@ -214,6 +221,7 @@ def _staged_and_placed(
     transport: Optional[str],
     remote: Optional[Remote],
     home: Optional[str],
+    stall: float,
 ) -> Receipt:
     """Every file fetched into the stage, verified, opened, placed; the receipt written."""
     good = _reusable(sealed, items, stage_dir)
@@ -225,7 +233,7 @@ def _staged_and_placed(
         checker.finished(e, sha256)
 
     try:
-        fetch = fetcher(sealed, stage_dir, bwlimit, transport, remote, finished)
+        fetch = fetcher(sealed, stage_dir, bwlimit, transport, remote, finished, stall)
         with monitor:
             fetched = fetch([e for e in items if e.stage not in good])
         more, durable = _verify(rec.name, items, good, stage_dir, fetch, progress, checker)

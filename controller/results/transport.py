@@ -5,6 +5,7 @@ without rsync on one end, a stream of ``tail -c +N`` over ssh (resumable too).""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import os
 import re
 import shutil
@@ -23,7 +24,9 @@ from onbox.common.errors import (
     UsageError,
 )
 from onbox.common.safepath import open_beneath
+from onbox.common.storeurl import RESTORE_STALL
 from onbox.sealing.fetch import in_parallel
+from onbox.sealing.stall import RestoreStalled, Stall, stage_marks, took
 from onbox.sealing.stores.base import Lanes, Store, target_error, with_retries
 
 CHUNK = 8 << 20
@@ -37,13 +40,21 @@ class Finished(Protocol):
     def __call__(self, e: Entry, sha256: Optional[str] = None) -> None: ...
 
 
-def fetch_store(store: Store, items: List[Entry], stage_dir: str, finished: Finished) -> int:
+def fetch_store(
+    store: Store,
+    items: List[Entry],
+    stage_dir: str,
+    finished: Finished,
+    stall: float = RESTORE_STALL,
+) -> int:
     """Each entry from the store by its key, as the agent's restore downloads a checkpoint
     (onbox/sealing/fetch.py ``in_parallel``): several files at once and their requests in
     shared lanes, one GET for a file the MANIFEST says is small (a HEAD first would double the
     requests of a checkpoint of many small objects), ranged GETs for a large one, each file
     hashed while it is written and fsynced once; handed to ``finished`` with that hash. The
-    first failure stops the others and is raised once none is running."""
+    first failure stops the others and is raised once none is running. A download that moves
+    nothing for ``stall`` seconds (a store gone silent mid-body, which its client's timeouts
+    may wait on for long, or a hung mount for ever) ends as RestoreStalled (exit 14)."""
 
     def job(e: Entry) -> Callable[[Lanes], None]:
         assert e.key is not None
@@ -72,8 +83,19 @@ def fetch_store(store: Store, items: List[Entry], stage_dir: str, finished: Fini
         return run
 
     store.plan_fetch({e.key: e.size for e in items if e.key is not None})
-    in_parallel([job(e) for e in items])
+    marks = functools.partial(stage_marks, stage_dir)
+    in_parallel([job(e) for e in items], stall=Stall(stall, marks, lambda: _stalled(store, stall)))
     return sum(e.size for e in items)
+
+
+def _stalled(store: Store, bound: float) -> RestoreStalled:
+    """The error of a pull from ``store`` that moved nothing for ``bound`` seconds."""
+    return RestoreStalled(
+        f"{store.url} sent nothing for {took(bound)}: it stopped answering mid-download. "
+        "Nothing was put in place and no receipt was written",
+        "check the store and the way to it (the network, a stopped server, a hung mount), then "
+        "pull again: it keeps the files already verified and downloads the rest whole",
+    )
 
 
 _LINE_MAX = 64 << 10
@@ -260,13 +282,15 @@ def fetcher(
     transport: Optional[str],
     remote: Optional[Remote],
     finished: Finished,
+    stall: float = RESTORE_STALL,
 ) -> Callable[[List[Entry]], int]:
     """The fetch of a list of entries into their staged copies (the bytes fetched), from where
-    ``sealed`` says they are; each file handed to ``finished`` once its transport is done."""
+    ``sealed`` says they are; each file handed to ``finished`` once its transport is done. A
+    download from the store that moves nothing for ``stall`` seconds ends (fetch_store)."""
     if sealed.source == "store":
         assert sealed.store is not None
         store = sealed.store
-        return lambda items: fetch_store(store, items, stage_dir, finished) if items else 0
+        return lambda items: fetch_store(store, items, stage_dir, finished, stall) if items else 0
     assert remote is not None and sealed.box_root is not None
     box = _box_fetcher(remote, sealed.box_root, stage_dir, bwlimit, transport, finished)
     if sealed.store is None:
@@ -280,7 +304,7 @@ def fetcher(
             if e.src is not None:
                 continue
             try:
-                n += fetch_store(store, [e], stage_dir, finished)
+                n += fetch_store(store, [e], stage_dir, finished, stall)
             except StoreError as err:
                 raise StoreError(
                     f"{e.path} is sealed as a redacted copy ({e.key} in {store.url}) because "

@@ -51,7 +51,7 @@ from onbox.common.faults import crash_point
 from onbox.common.safepath import lstat_beneath, replace_beneath, symlink_error
 from onbox.common.size import human
 from onbox.common.storeurl import RESTORE_STALL
-from onbox.sealing.stall import RestoreStalled, Stall, stage_marks
+from onbox.sealing.stall import RestoreStalled, Stall, stage_marks, took
 from onbox.sealing.stores.base import (
     Lanes,
     Store,
@@ -106,9 +106,8 @@ class StoreCorrupt(IntegrityError):
 def _stalled(store: Store, bound: float) -> RestoreStalled:
     """The error of a restore from ``store`` that moved nothing for ``bound`` seconds."""
     done, total = progress() or (0, 0)
-    took = f"{bound / 60:g} min" if bound >= 60 else f"{bound:g}s"
     return RestoreStalled(
-        f"{store.url} sent nothing of the checkpoint for {took} ({human(done)} of "
+        f"{store.url} sent nothing of the checkpoint for {took(bound)} ({human(done)} of "
         f"{human(total)} downloaded): it stopped answering mid-download; nothing was put in place",
         "check the store and the way to it (the network, a stopped server, a hung mount), then "
         "start again; a store that slow can be given longer: [store] stall in the job file",

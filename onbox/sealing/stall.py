@@ -1,4 +1,5 @@
-"""The bound on a restore's download that moves nothing (onbox/sealing/fetch.py): ``Stall``
+"""The bound on a download that moves nothing (onbox/sealing/fetch.py ``in_parallel``: a
+restore's, and the laptop's pull from a store, controller/results/transport.py): ``Stall``
 reads what is under the download's stage (``stage_marks``: any store's files, its temporary
 ones too) and, once that has not changed for the bound, raises ``RestoreStalled``, a
 TransientStoreError (exit 14). A store that still sends, however slowly, is never cut.
@@ -14,7 +15,12 @@ from onbox.common.errors import TransientStoreError
 
 
 class RestoreStalled(TransientStoreError):
-    """A restore's download moved nothing for its bound (``Stall``)."""
+    """A download (a restore's, a pull's) moved nothing for its bound (``Stall``)."""
+
+
+def took(bound: float) -> str:
+    """``bound`` seconds as an error says it: "5 min", "3s"."""
+    return f"{bound / 60:g} min" if bound >= 60 else f"{bound:g}s"
 
 
 def stage_marks(stage: str) -> Tuple[int, int, int]:

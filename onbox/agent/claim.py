@@ -163,14 +163,17 @@ def _check_store(spec: JobSpec, say: Say, warn: Say) -> bool:
     from onbox.sealing.stores import open_store
 
     store = open_store(spec.store)
-    for finding in store.preflight(spec.name):
-        say(("store: " if finding.ok else "WARNING: store: ") + finding.what)
-    if store.same_filesystem_as(_existing(spec.ckpt_dir)):
-        warn(
-            f"WARNING: the store {store.url} is on the same filesystem as the checkpoint dir "
-            f"{spec.ckpt_dir}: it dies with this disk. Is the durable mount really mounted?"
-        )
-    done = store.get_bytes(mf.done_key(spec.name))
+    # A hung mount fails `start` here (exit 14), not holds it for ever (stores/hangbound.py).
+    with store.calls_bounded(spec.restore_stall):
+        for finding in store.preflight(spec.name):
+            say(("store: " if finding.ok else "WARNING: store: ") + finding.what)
+        if store.same_filesystem_as(_existing(spec.ckpt_dir)):
+            warn(
+                f"WARNING: the store {store.url} is on the same filesystem as the checkpoint "
+                f"dir {spec.ckpt_dir}: it dies with this disk. Is the durable mount really "
+                "mounted?"
+            )
+        done = store.get_bytes(mf.done_key(spec.name))
     if done is not None:
         say(
             f"run {spec.name} is finished: {store.url}/{spec.name}/DONE.json exists; not "

@@ -118,7 +118,19 @@ class SealService(Hooks):
     # ---- start
     def start(self, begin: bool, adopting: bool = False) -> None:
         """Epoch, stale uploads, restore (``begin``: a new incarnation), then the thread. An
-        ``adopting`` agent whose run another box took over starts none of it (``superseded``)."""
+        ``adopting`` agent whose run another box took over starts none of it (``superseded``).
+        A call to a ``file://`` store that does not return for ``[store] stall`` (a hung mount;
+        S3's have their timeouts) fails the beginning as a transient store error, as a download
+        that moves nothing does (onbox/sealing/stores/hangbound.py)."""
+        with self.store.calls_bounded(self.spec.restore_stall):
+            if not self._begin(begin, adopting):
+                return
+        self._thread = threading.Thread(target=self._loop, name="rgt-sealer", daemon=True)
+        self._thread.start()
+        self._observer = watch(self.spec.ckpt_dir, self._wake, self.spec.scan_interval, self.event)
+
+    def _begin(self, begin: bool, adopting: bool) -> bool:
+        """start() up to the thread; False when another box took the run over."""
         run, url = self.spec.name, self.store.url
         self.doing = f"taking the run's epoch in {url}"
         try:
@@ -126,7 +138,7 @@ class SealService(Hooks):
         except Superseded as e:
             self.superseded = True
             e.tell(self.event)
-            return  # no sealer, no thread: nothing of this agent reaches the store
+            return False  # no sealer, no thread: nothing of this agent reaches the store
         self.doing = f"aborting the uploads a dead agent left in {url}"
         aborted = self.store.abort_stale_uploads(f"{run}/")
         if aborted:
@@ -167,9 +179,7 @@ class SealService(Hooks):
             )
             if self.restored is not None:
                 self.sealer.remember_restored(self.restored)
-        self._thread = threading.Thread(target=self._loop, name="rgt-sealer", daemon=True)
-        self._thread.start()
-        self._observer = watch(self.spec.ckpt_dir, self._wake, self.spec.scan_interval, self.event)
+        return True
 
     def resume_from(self) -> str:
         """RGT_RESUME_FROM for the next attempt: the restored checkpoint, or ''.

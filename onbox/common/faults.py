@@ -68,6 +68,8 @@ def crash_point(name: str) -> None:
 HOLDS = (
     "copy.after_piece",  # a file:// copy wrote one piece (filecopy.copy_from); until: stopped
     "leftovers.after_term",  # the leftovers got SIGTERM, their grace not yet waited; until: never
+    "store.get",  # a file:// store's read of a document (local.py get_bytes), hung; until: never
+    "store.list",  # a file:// store's listing (local.py list), as on a hung mount; until: never
 )
 HOLD_FOR = 120.0  # a hold is let go after this long: a test that never acts fails, not hangs
 

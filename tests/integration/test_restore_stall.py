@@ -264,3 +264,62 @@ def test_a_download_a_stop_cannot_reach_is_let_go_after_a_stall(
     finally:
         let_go.set()
         t.join(30)
+
+
+def _hung_mount(cli: Cli, tmp_path: Any, hold: str) -> Tuple[str, str, Dict[str, str]]:
+    """A ``file://`` store with a sealed checkpoint, a job file giving it 2 s, and the
+    environment under which its calls at ``hold`` hang as on a hung mount (until HOLD_FOR)."""
+    root = str(tmp_path / "durable")
+    os.makedirs(root)
+    _seal(open_store("file://" + root), tmp_path, 1 << 20)
+    return root, _job_file(tmp_path, f"file://{root}", "2s"), dict(cli.env, RGT_HOLD_AT=hold)
+
+
+def _ended(start: subprocess.Popen[str]) -> Tuple[str, str]:
+    try:
+        return start.communicate(timeout=WAIT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"`start` still waited on the hung store after {WAIT:.0f}s")
+
+
+def test_a_hung_mount_under_the_beginnings_reads_fails_the_start_as_transient(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """The agent's reads before the download (here the epochs' listing, the first of them)
+    hang as on a mount whose server stopped: `start` exits 14 naming the store and the call,
+    the run FAILED with a transient ``restore_failed``, nothing restored. Before the fix the
+    agent's main thread waited in the listing (until the hold's own limit, HOLD_FOR, 120 s,
+    on a real hung mount for ever) and `start` with it."""
+    root, job, env = _hung_mount(cli, tmp_path, "store.list")
+    with _starting(cli, job, env) as (start, _):
+        out, err = _ended(start)
+    assert start.returncode == 14, (out, err)
+    assert f"file://{root} did not answer for 2s (listing {RUN}/epochs/)" in err, err
+    assert "the mount under it hangs" in err and "[store] stall" in err, err
+    assert "started" not in out, out
+    _nothing_in_place(os.path.join(cli.home, "runs", RUN, "ckpt"))
+    event = _failed_event(cli)
+    assert event["class"] == "transient", event
+    assert f"taking the run's epoch in file://{root} failed" in event["reason"], event
+    assert cli.status(RUN)["state"] == "FAILED"
+
+
+def test_a_hung_mount_under_starts_check_of_the_store_fails_it_before_anything_is_made(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """`start` reads the store's DONE.json before it claims the run: on a hung mount it exits
+    14 naming the store, and no run is made. Before the fix it waited in that read."""
+    root, job, env = _hung_mount(cli, tmp_path, "store.get")
+    start = subprocess.Popen(
+        [*agent_exe(), "start", job, "--name", RUN, "--", *JOB],
+        env=env, cwd=cli.home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        out, err = _ended(start)
+    finally:
+        if start.poll() is None:
+            start.kill()
+            start.communicate()
+    assert start.returncode == 14, (out, err)
+    assert f"file://{root} did not answer for 2s (reading {RUN}/DONE.json)" in err, err
+    assert not os.path.exists(os.path.join(cli.home, "runs", RUN)), os.listdir(cli.home)

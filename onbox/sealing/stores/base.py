@@ -361,6 +361,13 @@ class Store(abc.ABC):
         """Prove the store works for ``run`` before training starts (write, read back, compare,
         delete under ``run/``); raise StoreError naming the step that failed."""
 
+    @contextlib.contextmanager
+    def calls_bounded(self, seconds: float) -> Iterator[None]:
+        """While entered, a call that may block for ever (a ``file://`` store's, on a hung
+        mount) gives up after ``seconds`` (hangbound.py); a store whose client has timeouts of
+        its own (S3, the Hub) changes nothing."""
+        yield
+
     def abort_stale_uploads(self, prefix: str) -> int:
         """Abort half-finished uploads under ``prefix`` left by a dead writer; how many."""
         return 0

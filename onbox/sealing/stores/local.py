@@ -38,6 +38,7 @@ from typing import Iterator, List, Optional, Tuple
 
 from onbox.common.durable import make_dirs
 from onbox.common.errors import IntegrityError
+from onbox.common.faults import hold_point
 from onbox.common.safepath import (
     UnsafePath,
     lstat_beneath,
@@ -59,6 +60,7 @@ from onbox.sealing.stores.base import (
     os_error,
 )
 from onbox.sealing.stores.filecopy import copy_file, never
+from onbox.sealing.stores.hangbound import HangBound, answers
 
 LOCK_NAME = ".rgt-lock"  # RUN/.rgt-lock: held around a conditional replace, never listed
 LOCK_WAIT = 30.0  # seconds a conditional replace waits for another writer's lock
@@ -68,8 +70,9 @@ def _sig(st: os.stat_result) -> Tuple[int, int, int, int]:
     return (st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
 
-class LocalStore(Store):
-    """A store in a directory of a (durable) mount."""
+class LocalStore(HangBound, Store):
+    """A store in a directory of a (durable) mount; its calls before a download may be bounded
+    (hangbound.py: a hung mount)."""
 
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
@@ -250,6 +253,7 @@ class LocalStore(Store):
             os.close(dfd)
         return ObjectInfo(key, size, got)
 
+    @answers("writing {}")
     def put_bytes(
         self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
     ) -> ObjectInfo:
@@ -283,7 +287,9 @@ class LocalStore(Store):
         data = self.get_bytes(key)
         return None if data is None else (data, hashlib.sha256(data).hexdigest())
 
+    @answers("reading {}")
     def get_bytes(self, key: str) -> Optional[bytes]:
+        hold_point("store.get")  # a test's hung mount
         try:
             fd, _ = self._open_read(key)
         except FileNotFoundError:
@@ -324,6 +330,7 @@ class LocalStore(Store):
                 raise TransientStoreError(f"downloading {key}: it changed while it was copied")
         return got
 
+    @answers("looking at {}")
     def stat(self, key: str) -> Optional[ObjectInfo]:
         try:
             st = lstat_beneath(self.root, key, "store key")
@@ -335,6 +342,7 @@ class LocalStore(Store):
             raise symlink_error(self._path(key))
         return ObjectInfo(key, st.st_size, None, None, st.st_mtime)
 
+    @answers("listing {}", whole=True)
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         """Every object under ``prefix``, symlinks never followed: a symlink to a directory is
         not descended into, one to a file (or to nothing) is listed with its own lstat (reading
@@ -349,6 +357,7 @@ class LocalStore(Store):
         except (FileNotFoundError, NotADirectoryError):
             return
         start = os.path.join(base, *parts)
+        hold_point("store.list")  # a test's hung mount
         for dirpath, dirnames, filenames in os.walk(start):
             dirnames.sort()
             for name in sorted(filenames):
@@ -367,6 +376,7 @@ class LocalStore(Store):
                         continue  # deleted since the directory was read
                     yield ObjectInfo(key, st.st_size, None, None, st.st_mtime)
 
+    @answers("deleting {}")
     def delete(self, key: str) -> None:
         try:
             dfd, name = self._parent(key)
@@ -383,6 +393,7 @@ class LocalStore(Store):
         finally:
             os.close(dfd)
 
+    @answers("removing what a killed writer left under {}")
     def abort_stale_uploads(self, prefix: str) -> int:
         """Remove temporary files a killed writer left under ``prefix`` (never a final name)."""
         n = 0
@@ -397,6 +408,7 @@ class LocalStore(Store):
                         pass
         return n
 
+    @answers("looking at its mount beside {}")
     def same_filesystem_as(self, path: str) -> bool:
         probe = self.root
         while not os.path.exists(probe):
@@ -422,6 +434,7 @@ class LocalStore(Store):
             pass
         return kind
 
+    @answers("its preflight for {}")
     def preflight(self, run: str) -> List[Finding]:
         found: List[Finding] = []
         kind = self.fs_type()

@@ -1,0 +1,113 @@
+"""A bound on the calls of a ``file://`` store that may block for ever: a read of its LATEST, a
+listing, the epoch's put, on a mount whose server stopped answering (NFS, a FUSE daemon). S3's
+and the Hub's clients have timeouts of their own; a mount has none. The downloads have their
+own bound (onbox/sealing/stall.py); this is for the calls before them, which `rgt-agent start`
+makes in its main thread (the store's check before the run is claimed, onbox/agent/claim.py;
+the beginning's epoch, stale uploads, ledger, history and restore's reads,
+onbox/agent/sealservice.py), and which held it, and `rgt deploy` over it, for ever.
+
+While ``calls_bounded(seconds)`` is entered, a call marked ``@answers("reading {}")`` runs in a
+daemon thread, waited for in SIGNAL_POLL cuts (a signal's handler runs meanwhile: SIGTERM still
+interrupts a beginning); one that has not returned within the bound raises ``StoreHung``
+(transient, exit 14) and is left. Left, such a call can do no harm: a daemon does not keep the
+process from exiting, and if the mount answers first, what the call was doing completes as a
+killed writer's would (a document is renamed into place whole or not at all; an epoch created
+and not recorded is taken as this box's by onbox/agent/ownership.py; a temporary file or a
+preflight probe is removed or left as a killed one is). While a call is still hung the next
+fails at once: the retries of a hung store would each wait the bound again. Outside it, or for
+a call not marked (the copies of files, which the stall bound watches), nothing changes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from typing import Any, Callable, Iterator, List, Optional, TypeVar, cast
+
+from onbox.common.errors import TransientStoreError
+from onbox.sealing.stall import took
+
+F = TypeVar("F", bound=Callable[..., Any])
+# How often the waiting thread wakes to run the handlers of signals a worker took for it (as
+# onbox/sealing/fetch.py SIGNAL_POLL).
+SIGNAL_POLL = 0.2
+
+
+class StoreHung(TransientStoreError):
+    """A store's call did not return within its bound (``HangBound.calls_bounded``)."""
+
+
+class HangBound:
+    """The bound, for a Store class whose calls may hang (mixed in before ``Store``)."""
+
+    url: str
+    _bound: Optional[float] = None
+    _hung: Optional[StoreHung] = None  # the error of a call still running past its bound
+    _left: Optional[threading.Thread] = None
+
+    @contextlib.contextmanager
+    def calls_bounded(self, seconds: float) -> Iterator[None]:
+        """Each call marked ``@answers`` made meanwhile gives up after ``seconds``."""
+        self._bound = seconds
+        try:
+            yield
+        finally:
+            self._bound = None
+
+    def _within(self, bound: float, what: str, fn: Callable[[], Any]) -> Any:
+        left = self._left
+        if left is not None and left.is_alive() and self._hung is not None:
+            raise StoreHung(self._hung.what, self._hung.remedy)
+        out: List[Any] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                out.append((True, fn()))
+            except BaseException as e:  # raised in the waiting thread
+                out.append((False, e))
+            finally:
+                done.set()
+
+        t = threading.Thread(target=run, name="rgt-store-call", daemon=True)
+        t.start()
+        deadline = time.monotonic() + bound
+        while not done.wait(SIGNAL_POLL):
+            if time.monotonic() >= deadline:
+                self._left, self._hung = t, self._hung_error(bound, what)
+                raise self._hung
+        ok, value = out[0]
+        if not ok:
+            raise value
+        return value
+
+    def _hung_error(self, bound: float, what: str) -> StoreHung:
+        return StoreHung(
+            f"{self.url} did not answer for {took(bound)} ({what}): the mount under it hangs; "
+            "nothing was put in place",
+            "check the mount and its server (NFS, a FUSE daemon), then start again; a store that "
+            "slow can be given longer: [store] stall in the job file",
+        )
+
+
+def answers(what: str, whole: bool = False) -> Callable[[F], F]:
+    """Mark a method of a HangBound store as bounded while ``calls_bounded``: ``what`` says
+    the call in an error (``{}``: its first argument); ``whole``: it returns an iterator,
+    then read whole in the worker (a listing)."""
+
+    def mark(method: F) -> F:
+        @functools.wraps(method)
+        def call(self: HangBound, *args: Any, **kwargs: Any) -> Any:
+            bound = self._bound
+            if bound is None:
+                return method(self, *args, **kwargs)
+            if whole:
+                got = self._within(bound, what.format(*args), lambda: list(method(self, *args)))
+                return iter(got)
+            return self._within(bound, what.format(*args), lambda: method(self, *args, **kwargs))
+
+        return cast(F, call)
+
+    return mark

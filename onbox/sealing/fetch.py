@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import fcntl
+import functools
 import os
 import queue
 import shutil
@@ -51,7 +52,7 @@ from onbox.common.faults import crash_point
 from onbox.common.safepath import lstat_beneath, replace_beneath, symlink_error
 from onbox.common.size import human
 from onbox.common.storeurl import RESTORE_STALL
-from onbox.sealing.stall import RestoreStalled, Stall, stage_marks, took
+from onbox.sealing.stall import Daemons, RestoreStalled, Stall, stage_marks, took
 from onbox.sealing.stores.base import (
     Lanes,
     Store,
@@ -287,17 +288,15 @@ def in_parallel(
     The first failure stops the others (no new request; a running one gives up at its next
     chunk) and is raised once every job is over: nothing writes after this returns. ``stall``
     ends a download that moves nothing (its error raised); the workers are then waited for
-    LET_GO seconds at most, and one still blocked is left (its writes go to the caller's stage,
-    which the caller removes). The laptop's pull from a store runs its downloads here too
-    (controller/results/transport.py)."""
+    LET_GO seconds at most, and one still blocked is left (a daemon, stall.Daemons: it does not
+    hold the process's exit; its writes go to the caller's stage, which the caller removes).
+    The laptop's pull from a store runs its downloads here too (controller/results/transport.py)."""
     lanes = Lanes(LANES)
-    pool = concurrent.futures.ThreadPoolExecutor(
-        max(1, min(FILES, len(jobs))), thread_name_prefix="rgt-fetch"
-    )
+    pool = Daemons(max(1, min(FILES, len(jobs))), "rgt-fetch")  # one left must not hold the exit
     futures: List[concurrent.futures.Future[None]] = []
     try:
         ended: queue.SimpleQueue[concurrent.futures.Future[None]] = queue.SimpleQueue()
-        futures = [pool.submit(job, lanes) for job in jobs]
+        futures = [pool.submit(functools.partial(job, lanes)) for job in jobs]
         for fut in futures:
             fut.add_done_callback(ended.put)
         for _ in futures:

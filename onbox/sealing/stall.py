@@ -7,9 +7,12 @@ TransientStoreError (exit 14). A store that still sends, however slowly, is neve
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
+import queue
+import threading
 import time
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 from onbox.common.errors import TransientStoreError
 
@@ -66,3 +69,46 @@ class Stall:
         elif now - self._since >= self.bound:
             self.fired = True
             raise self.stalled()
+
+
+class Daemons:
+    """The workers of a download a stall may leave behind: ``n`` daemon threads, each running
+    the jobs submitted in turn. One blocked where no stop reaches (a read from a hung mount)
+    then does not keep the process from exiting once it has said the stall, as a
+    ThreadPoolExecutor's worker would (Python joins those at exit)."""
+
+    def __init__(self, n: int, name: str) -> None:
+        Job = Tuple[concurrent.futures.Future[None], Callable[[], None]]
+        self._jobs: queue.SimpleQueue[Optional[Job]] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(n)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, fn: Callable[[], None]) -> concurrent.futures.Future[None]:
+        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._jobs.put((fut, fn))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fut, fn = job
+            if not fut.set_running_or_notify_cancel():  # cancelled before it began
+                continue
+            try:
+                fn()
+                fut.set_result(None)
+            except BaseException as e:  # the caller's to raise
+                fut.set_exception(e)
+
+    def shutdown(self, wait: bool = True) -> None:
+        """No more jobs; with ``wait``, once every worker is over."""
+        for _ in self._threads:
+            self._jobs.put(None)
+        if wait:
+            for t in self._threads:
+                t.join()

@@ -323,3 +323,41 @@ def test_a_hung_mount_under_starts_check_of_the_store_fails_it_before_anything_i
     assert start.returncode == 14, (out, err)
     assert f"file://{root} did not answer for 2s (reading {RUN}/DONE.json)" in err, err
     assert not os.path.exists(os.path.join(cli.home, "runs", RUN)), os.listdir(cli.home)
+
+
+# A process whose download stalls on a worker no stop reaches (as a read from a hung mount),
+# then exits with the stall's code, as `rgt pull` and the agent do once they have said it.
+LEFT_BEHIND = (
+    "import os, sys, threading\n"
+    "from onbox.sealing import fetch\n"
+    "from onbox.sealing.stall import RestoreStalled, Stall, stage_marks\n"
+    "fetch.LET_GO = 0.5\n"
+    "stage = sys.argv[1]\n"
+    "never = threading.Event()\n"
+    "stall = Stall(0.5, lambda: stage_marks(stage), lambda: RestoreStalled('stalled', None))\n"
+    "try:\n"
+    "    fetch.in_parallel([lambda lanes: never.wait()], stall=stall)\n"
+    "except RestoreStalled as e:\n"
+    "    print(e.what, flush=True)\n"
+    "    sys.exit(e.exit_code)\n"
+)
+
+
+def test_a_process_whose_download_stalled_on_a_worker_no_stop_reaches_still_exits(
+    tmp_path: Any,
+) -> None:
+    """The worker left behind after a stall must not hold the process: before the fix it was a
+    ThreadPoolExecutor's, which Python joins at exit, so the stalled pull or agent said its
+    error and then never exited (until the mount answered)."""
+    stage = str(tmp_path / "stage")
+    os.makedirs(stage)
+    p = subprocess.Popen(
+        [sys.executable, "-c", LEFT_BEHIND, stage], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        out, _ = p.communicate(timeout=WAIT)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, _ = p.communicate()
+        pytest.fail(f"the process still waited on its left worker after {WAIT:.0f}s ({out!r})")
+    assert (p.returncode, out) == (14, "stalled\n")

@@ -9,6 +9,7 @@ a deploy with the command pushes the code as it is now). The audit and the agent
 the deploy's own (controller/deploy/flow.py). Refused before anything starts:
 
 - no run N on the box (no spec.json there): NotFound (exit 8), saying to give the command;
+- run N's directory gone from the box (its release removed): NotFound (exit 8), the same;
 - run N live there (its agent supervises it): LockedError (exit 5), naming `rgt status N`,
   `rgt logs N -f` and `rgt stop N`; starting it again would only re-attach.
 
@@ -32,7 +33,7 @@ from controller.deploy.request import Plan, check_again
 from controller.deploy.wheel import AgentWheel
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote
-from onbox.common.errors import LockedError
+from onbox.common.errors import LockedError, NotFound
 from onbox.common.terminal import printable
 
 
@@ -52,6 +53,13 @@ def start_again(
     check_again(plan.guess.profile)  # a profile guessed from the box's markers only now
     label = plan.target.label
     job = box_job(remote, box_home, plan.name, label)
+    if remote.sh('[ -d "$1" ]', job.workdir, timeout=60).rc != 0:
+        raise NotFound(
+            f"run {plan.name}'s directory {printable(job.workdir)} is no longer on {label}: "
+            "there is nothing to start it in again",
+            f"give its command, which pushes the code again: "
+            f"`rgt deploy {label} --name {plan.name} -- CMD ...`",
+        )
     releases = release_path(box_home, "")
 
     def record(agent: AgentInstall) -> RunRecord:

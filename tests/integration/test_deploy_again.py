@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,28 @@ def test_starting_again_a_run_the_box_does_not_have_is_not_found(
     assert last.startswith("rgt: there is no run ghost on local to start again"), err
     assert "rgt deploy local --name ghost -- CMD" in last, last
     assert not os.path.exists(os.path.join(cli.home, "runs", "ghost"))
+
+
+def test_starting_again_a_run_whose_release_is_gone_is_not_found_and_starts_nothing(
+    on_box: Tuple[Cli, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The run's release (its workdir) was removed from the box since it stopped: the start
+    again was refused by the shell's `cd` (exit 9, no remedy); now exit 8, saying to give the
+    command, which pushes the code again, and the run is not started."""
+    cli, proj = on_box
+    code, err = _rgt(capsys, *_deploy(proj, "gone", sys.executable, "job.py"))
+    assert code == 0, err
+    code, err = _rgt(capsys, "stop", "gone", "--grace", "1")
+    assert code == 0, err
+    cli.wait_over("gone", "STOPPED")
+    spec = json.loads(Path(cli.home, "runs", "gone", "spec.json").read_text())
+    shutil.rmtree(spec["workdir"])
+    code, err = _rgt(capsys, *_deploy(proj, "gone"))
+    assert code == 8, err
+    last = err.strip().splitlines()[-1]
+    assert "is no longer on local: there is nothing to start it in again" in last, err
+    assert "rgt deploy local --name gone -- CMD" in last, last
+    assert cli.status("gone")["state"] == "STOPPED"  # not started
 
 
 def test_a_failed_start_says_its_error_once_with_the_boxs_code_and_remedy(

@@ -135,7 +135,9 @@ def deploy(
             remote, plan.project, box_home, name=plan.name, files=files, seen=report.release
         )
         say(_pushed_line(pushed))
-        record = _recorder(plan, store, box_home, pushed)
+        # A job file's store is recorded at once (the box's record confirms it after the
+        # start): a start cut off, or a Slurm job still queued, has no box record to read yet.
+        record = _recorder(plan, store or plan.job_store, box_home, pushed)
         agent, rec, live = agent_and_run(
             remote,
             req,
@@ -164,7 +166,7 @@ def deploy(
         argv = rec.agent_argv(*_agent_args("start", plan, store))
         start_on_box(remote, registry, rec, plan.target.label, argv, pushed.path)
         registry.put(rec)
-        if rec.store is None and plan.job_store:  # the job file's, as the agent took it
+        if plan.req.store is None and plan.job_store:  # the job file's, as the agent took it
             rec = record_box_store(remote, registry, rec, plan.target.label, say)
         switch_current(remote, box_home, plan.name, pushed.id)
         ended = wait_first_line(remote, rec, plan.target.label, say)
@@ -350,7 +352,7 @@ def _already_live(
     # A deploy cut off after the start may not have switched the link yet.
     switch_current(remote, rec.box_home, plan.name, pushed.id)
     registry.put(rec)
-    if rec.store is None and plan.job_store:
+    if plan.req.store is None and plan.job_store:
         rec = record_box_store(remote, registry, rec, plan.target.label, say)
     say(f"rgt: {plan.name} is already {state} on this release; nothing to do")
     return rec

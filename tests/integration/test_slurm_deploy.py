@@ -170,6 +170,28 @@ def test_a_queued_job_status_logs_and_stop(login: Login) -> None:
         login.cancel(name)
 
 
+def test_a_queued_job_whose_job_file_names_the_store_is_recorded_with_it(login: Login) -> None:
+    """A job file's store is the agent's to read, and on Slurm the agent runs only once the job
+    does: the laptop recorded a queued run with no store, so `rgt status` could not read the
+    store while the login node did not answer. It now records the job file's store at once."""
+    name = "slurm-jobstore"
+    job = Path(login.project, "jobstore.toml")
+    job.write_text(
+        f'command = ["{sys.executable}", "train_plain.py", "--steps", "10"]\n'
+        f'store = "file://{login.store}-job"\n'
+    )
+    p = login.rgt(
+        "deploy", login.target, "--profile", "slurm", "--name", name,
+        "--python", sys.executable, "--project", login.project,
+        "--time", "10", "--seal-time", "2", "--sbatch", "--begin=now+3600", str(job),
+    )  # fmt: skip
+    try:
+        assert p.returncode == 0, p.stderr
+        assert Registry(login.ctl_home).get(name).store == f"file://{login.store}-job"
+    finally:
+        login.cancel(name)
+
+
 def test_a_running_job_status_logs_one_job_and_stop(login: Login) -> None:
     name = "slurm-obs"
     job_args = ["train_plain.py", "--steps", "100000", "--sleep", "0.2", "--ckpt-every", "20"]

@@ -19,7 +19,8 @@ stderr goes on to the user's terminal a line at a time as it comes (``LineRelay`
 being kept, and ``timeout`` is the most seconds without a byte on the stderr: a command that
 says how it is getting on there (`rgt-agent start` in a long restore) is waited for as long as
 it does (its stdout, kept whole, is what it prints at the end); the error a failed command
-ends with is left to the caller's own error (``LineRelay``). stderr is never a
+ends with is not shown but handed to the caller (``Captured.held``), whose own error says it
+(``LineRelay``). stderr is never a
 failure: its first ERR_HEAD and last ERR_TAIL bytes are kept (ssh and a login shell say why a
 connection failed first; a command's error is in its last lines), the middle dropped with a
 marker. Killing ssh ends the session on the box: its sshd closes the command's pipes, and the
@@ -58,12 +59,15 @@ class TooMuch(Exception):
 @dataclasses.dataclass
 class Captured:
     """A finished command: its exit status (negative: the signal that ended it), what was kept of
-    its stdout and stderr, and whether stdout was cut (over "cut": the child was killed)."""
+    its stdout and stderr, whether stdout was cut (over "cut": the child was killed), and the
+    error lines its relay held back from the terminal (``LineRelay``: the command failed), for
+    the caller to say; b"" when none."""
 
     rc: int
     stdout: bytes
     stderr: bytes
     cut: bool = False
+    held: bytes = b""
 
 
 class Kept:
@@ -128,6 +132,7 @@ def capture(
     )
     assert p.stdout is not None and p.stderr is not None
     failed = False  # the command ran to its end, and failed
+    held = b""
     try:
         cut, deadline = _pump(p, input, timeout, out, err, over, sink, shown)
         if not cut:  # both pipes closed: the child is ending (or closed them and hangs on)
@@ -135,7 +140,7 @@ def capture(
             failed = p.returncode != 0
     finally:
         if shown is not None:
-            shown.flush(drop_error=failed)
+            held = shown.flush(hold_error=failed)
         if p.returncode is None:
             p.kill()  # by its PID; its own children lose the pipes' read ends we close below
         for f in (p.stdin, p.stdout, p.stderr):
@@ -144,7 +149,7 @@ def capture(
         rc = p.wait()
     if out.seen > limit and over == "fail":
         raise TooMuch(limit, err.value())
-    return Captured(rc, out.value(), err.value(), cut)
+    return Captured(rc, out.value(), err.value(), cut, held)
 
 
 def _pump(
@@ -285,9 +290,10 @@ class LineRelay:
 
     An rgt error line (``rgt: ...``, and the ``  | `` lines it carries: onbox/common/climain.py)
     is held until another line comes: a command that fails ends with its error, which the
-    caller's own error says (controller/deploy/boxstart.py ``start_failed``, from the same
-    stderr); shown here too, it was on the terminal twice. ``flush(drop_error=True)`` drops it;
-    anything else shows it, in its place."""
+    caller's own error says (controller/deploy/boxstart.py ``start_failed``); shown here too,
+    it was on the terminal twice. ``flush(hold_error=True)`` returns it unshown, for the caller
+    to say: in its error, or with ``show_lines`` when its error is another (ssh lost the
+    connection: controller/remote.py). Anything else shows it, in its place."""
 
     def __init__(self) -> None:
         self._buf = b""
@@ -316,13 +322,24 @@ class LineRelay:
             _show(line)
         self._held = []
 
-    def flush(self, drop_error: bool = False) -> None:
+    def flush(self, hold_error: bool = False) -> bytes:
+        """Show what is left; the held error too, unless ``hold_error``: then it is returned
+        (its lines, each ended by a newline), else b""."""
         if self._buf:
             self._line(self._buf)
             self._buf = b""
-        if drop_error:
+        held = b"".join(line + b"\n" for line in self._held) if hold_error else b""
+        if hold_error:
             self._held = []
         self._release()
+        return held
+
+
+def show_lines(data: bytes) -> None:
+    """Lines of a box's stderr (``Captured.held``) on the user's terminal, as the relay shows
+    each line."""
+    for line in data.splitlines():
+        _show(line)
 
 
 def _show(line: bytes) -> None:

@@ -42,11 +42,11 @@ import time
 from typing import IO, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from controller import envnames
-from controller.capture import Relayed, TooMuch, capture, command_name, relayed
+from controller.capture import Relayed, TooMuch, capture, command_name, relayed, show_lines
 from controller.controldir import control_dir
 from controller.sshcipher import cipher_preference
 from controller.target import Target, ssh_destination_args
-from onbox.common.errors import AuthError, HostError, RemoteUnreachable, UsageError
+from onbox.common.errors import AuthError, HostError, RemoteUnreachable, RgtError, UsageError
 from onbox.common.size import human
 from onbox.common.terminal import printable
 
@@ -66,11 +66,12 @@ def controller_home() -> str:
 
 @dataclasses.dataclass
 class Result:
-    """A finished remote command."""
+    """A finished remote command; ``held``: the error lines its relay did not show (``run``)."""
 
     rc: int
     stdout: bytes
     stderr: bytes
+    held: bytes = b""
 
     @property
     def text(self) -> str:
@@ -176,7 +177,9 @@ class Remote:
         stdout at most ``limit`` bytes are kept (``over``: controller/capture.py); past them,
         with "fail", HostError (exit 9) naming the command (``what``, else its argv) and the
         limit. With ``relay`` its stderr is shown as it comes and ``timeout`` bounds its
-        silence, not its run (controller/capture.py)."""
+        silence, not its run (controller/capture.py); the error a failed command ends with is
+        not shown but returned (``Result.held``) for the caller's error to say, unless ssh
+        failed (then it is shown before ssh's error is raised)."""
         stalled = f"sent nothing for {timeout:.0f} s" if relay else None
         try:
             with self._unreachable(argv, stalled or f"did not finish within {timeout:.0f} s"):
@@ -197,8 +200,14 @@ class Remote:
                 "look at what that command prints on the box: rgt's own never print that "
                 "much, so a file there is damaged or altered, or a command runs away",
             ) from None
-        self.check_transport(got.rc, got.stderr)
-        return Result(got.rc, got.stdout, got.stderr)
+        try:
+            self.check_transport(got.rc, got.stderr)
+        except RgtError:
+            # The box's error the relay held back for the caller's error, which is now this
+            # one (ssh lost the connection): shown, or nothing would say what the box said.
+            show_lines(got.held)
+            raise
+        return Result(got.rc, got.stdout, got.stderr, got.held)
 
     def sh(
         self,

@@ -1,0 +1,99 @@
+"""What the user sees of a failed `rgt-agent start` over a real ssh (controller/deploy/boxstart.py
+``start_on_box``): the box's stderr is relayed as it comes, and the box's last words are on the
+terminal exactly once, whoever fails.
+
+- ssh itself fails (the box's sshd killed mid-command) after the box said an ``rgt:`` line that
+  the relay holds back for the start's own error: that line is shown, above "cannot reach".
+
+Each test has its own sshd (tests/sshd.py) on loopback; the box is this machine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+from typing import Iterator, List, Tuple
+
+import pytest
+
+from controller import capture
+from controller.deploy.boxstart import start_on_box
+from controller.registry import Registry, RunRecord
+from controller.remote import SshRemote
+from controller.target import Target
+from onbox.common.errors import RemoteUnreachable, RgtError
+from tests.sshd import SshServer, start_sshd
+
+
+@pytest.fixture
+def box(
+    tmp_path: Path, controller_env: object
+) -> Iterator[Tuple[SshServer, SshRemote, Registry, RunRecord]]:
+    """(the sshd, a remote on it, the laptop's registry, a run record on the box)."""
+    server = start_sshd(str(tmp_path / "sshd"))
+    target = Target(
+        "ssh", host=server.host, user=server.user, port=server.port, identity=server.client_key
+    )
+    remote = SshRemote(target)
+    rec = RunRecord("said", target, box_home=str(tmp_path / "box"))
+    try:
+        yield server, remote, Registry(), rec
+    finally:
+        remote.close()
+        server.stop()
+
+
+def _start(
+    box: Tuple[SshServer, SshRemote, Registry, RunRecord], argv: List[str], path: str
+) -> RgtError:
+    _, remote, registry, rec = box
+    with pytest.raises(RgtError) as info:
+        start_on_box(remote, registry, rec, remote.target.label, argv, path)
+    return info.value
+
+
+def test_a_held_box_line_is_shown_when_ssh_fails_after_it(
+    box: Tuple[SshServer, SshRemote, Registry, RunRecord],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The box says an rgt error line (held back by the relay: a failed start's error says it)
+    and then its connection is lost: ssh exits 255 and the error is "cannot reach", which does
+    not say the box's line. Before: the line was dropped, and the user never saw it."""
+    server = box[0]
+    pidfile = tmp_path / "sleeper.pid"
+    said = threading.Event()
+    add = capture.LineRelay.add
+
+    def add_and_tell(self: capture.LineRelay, data: bytes) -> None:
+        add(self, data)
+        if b"rgt: store: the box said this" in data:
+            said.set()  # the line is on the laptop, held by the relay
+
+    monkeypatch.setattr(capture.LineRelay, "add", add_and_tell)
+
+    def cut() -> None:
+        if said.wait(60):
+            for pid in server.session_pids():  # this connection's sshd, by PID
+                os.kill(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=cut, daemon=True)
+    killer.start()
+    script = "printf 'rgt: store: the box said this\\n' >&2; echo $$ > \"$1\"; exec sleep 120"
+    capsys.readouterr()
+    try:
+        e = _start(box, ["sh", "-c", script, "sh", str(pidfile)], str(tmp_path))
+    finally:
+        killer.join(60)
+        if pidfile.exists():  # the box's sleep outlives its connection: end it by its PID
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    assert said.is_set()
+    err = capsys.readouterr().err
+    assert isinstance(e, RemoteUnreachable), e.line()
+    assert err.count("  | rgt: store: the box said this\n") == 1, err

@@ -9,7 +9,11 @@ dead link. Whatever ends the laptop's wait (the link gone, a person's Ctrl-C), t
 recorded: its agent may well be starting it. So is a run that ended before its job started
 (below): the box holds it in that state, and `rgt deploy` there again resumes it.
 
-Most failures are said as the box said them. One is not a failure of the start at all: the box's
+Most failures are said as the box said them, once: the start's stderr is shown as it comes, but
+for the rgt error it ends with, which rgt's own error says (controller/capture.py LineRelay). A
+start that ends without one (the agent's program gone from the box: ``env: ...: No such file``)
+was shown whole: rgt's error points at it, and says what to do. The release directory gone
+before the start (``cd``) is NotFound (exit 8). One is not a failure of the start at all: the box's
 agent took its epoch and restored the run's checkpoint, and a SIGTERM (the box preempted) or a
 stop came before the job started, so the run ended PREEMPTED (exit 13) or STOPPED (exit 12)
 before its first attempt (onbox/agent/detach.py ``NotStarted``). That is said as what happened,
@@ -80,9 +84,23 @@ _BOX_CODES = {
 }
 
 
-def start_failed(label: str, name: str, rc: int, said: str) -> RgtError:
+# The start's shell found no release directory to run in (not one of rgt's exit codes).
+_NO_RELEASE = 44
+# The line the start runs on the box: $1 the release directory, then the agent's argv.
+START_SH = f'cd "$1" 2>/dev/null || exit {_NO_RELEASE}; shift; exec "$@"'
+# What to do when the start failed without an rgt error: the box's shell or Python said why.
+_UNSAID = (
+    "run the same `rgt deploy` again: it checks the agent's install on the box and installs it "
+    "again where it does not run; if it fails the same way, report it as a bug in rgt, with "
+    "the box's lines above"
+)
+
+
+def start_failed(label: str, name: str, rc: int, said: str, shown: bool = False) -> RgtError:
     """The error for ``rgt-agent start`` of run ``name`` exiting ``rc`` on ``label``, which
-    printed ``said`` (its stderr, or its stdout when that is empty)."""
+    printed ``said`` (its stderr, or its stdout when that is empty). ``shown``: its stderr is on
+    the terminal already (the relay), all but the rgt error it ended with, which is ``said``
+    ("" when it ended with none)."""
     state = next((s for s, code in FINAL_EXIT_CODES.items() if code == rc and s in _WHY), None)
     if rc == LockedError.exit_code:  # the box's remedy names its commands: the laptop's here
         what = _its_error(said).replace(f" ({HELD_REMEDY.format(run=name)})", "")
@@ -90,6 +108,12 @@ def start_failed(label: str, name: str, rc: int, said: str) -> RgtError:
             f"rgt-agent start failed on {label}: {what}",
             f"another agent is supervising the run: `rgt status {name}` shows it, "
             f"`rgt stop {name}` stops it; then deploy again",
+        )
+    if state is None and shown and not said.strip():  # its lines, all shown: not again
+        return RgtError(
+            f"rgt-agent start failed on {label} (exit {rc}) without an error of rgt's: "
+            "the box's lines above say why",
+            _UNSAID,
         )
     if state is None:
         err = RgtError(f"rgt-agent start failed on {label} (exit {rc}): {_its_error(said)}")
@@ -122,9 +146,7 @@ def start_on_box(
     """``argv`` (the agent's start of run ``rec``) in the release's directory ``path`` on
     ``label``; returns once the job runs."""
     try:
-        r = remote.sh(
-            'cd "$1" || exit 9; shift; exec "$@"', path, *argv, timeout=START_SILENCE, relay=True
-        )
+        r = remote.sh(START_SH, path, *argv, timeout=START_SILENCE, relay=True)
     except RemoteUnreachable:
         # The link went while the agent was starting, so it may well be running: remember
         # the run, so that `rgt status` finds it and the next deploy sees it live.
@@ -137,8 +159,17 @@ def start_on_box(
             "there (its restore, then the job)",
             f"rgt status {rec.name} to see it; rgt stop {rec.name} to stop it",
         ) from None
+    if r.rc == _NO_RELEASE:
+        raise NotFound(
+            f"the release {path} that run {rec.name} starts in is not on {label}: it was "
+            "removed since it was pushed",
+            "run the same `rgt deploy` again: it pushes the code again",
+        )
     if r.rc != 0:  # a preemption during the restore is said as such
-        err = start_failed(label, rec.name, r.rc, r.err or r.text)
+        # Its stderr was shown as it came, but for the error it held back (r.held).
+        shown = bool(r.stderr)
+        said = r.held.decode("utf-8", "replace") if shown else r.text
+        err = start_failed(label, rec.name, r.rc, said, shown)
         if err.exit_code in (FINAL_EXIT_CODES["PREEMPTED"], FINAL_EXIT_CODES["STOPPED"]):
             registry.put(rec)  # the run is there, in that state: `rgt status` must find it
         raise err

@@ -35,6 +35,7 @@ from typing import Dict, Iterator, List, Tuple
 import pytest
 
 from controller import remote as remotemod
+from controller.deploy.boxstart import START_SH
 from controller.deploy.release import push_release
 from controller.remote import SshRemote
 from controller.results.entries import Entry, Sealed
@@ -199,7 +200,7 @@ def test_popen(box: Box) -> None:
 
 
 def test_deploy_start_line_job_argv(box: Box) -> None:
-    """The line controller/deploy/flow.py starts the agent with, ``cd DIR; shift; exec "$@"``, with
+    """The line controller/deploy/boxstart.py starts the agent with (``START_SH``), with
     ``env K=V`` and a job after ``--``: the job (a Python on the box) sees its argv as given."""
     args = hostile(box.plant)
     job = (
@@ -208,7 +209,7 @@ def test_deploy_start_line_job_argv(box: Box) -> None:
     )
     rgt_home = os.path.join(box.work, "home 'q' $(x)")
     r = box.remote.sh(
-        'cd "$1" || exit 9; shift; exec "$@"',
+        START_SH,
         box.work,
         "env",
         f"RGT_HOME={rgt_home}",

@@ -2,6 +2,9 @@
 ``start_on_box``): the box's stderr is relayed as it comes, and the box's last words are on the
 terminal exactly once, whoever fails.
 
+- the start fails with no ``rgt:`` line (the agent's program gone: ``env: ...: No such file``):
+  the relayed line is the only copy, and rgt's error says it is above and what to do;
+- the release directory is gone (the start's ``cd``): one line, exit 8, what to do;
 - ssh itself fails (the box's sshd killed mid-command) after the box said an ``rgt:`` line that
   the relay holds back for the start's own error: that line is shown, above "cannot reach".
 
@@ -52,6 +55,39 @@ def _start(
     with pytest.raises(RgtError) as info:
         start_on_box(remote, registry, rec, remote.target.label, argv, path)
     return info.value
+
+
+def test_a_start_that_fails_without_an_rgt_line_is_said_once_with_what_to_do(
+    box: Tuple[SshServer, SshRemote, Registry, RunRecord],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before: the box's line was relayed, then said again as rgt's error."""
+    capsys.readouterr()
+    e = _start(box, ["env", "RGT_X=1", "/nonexistent/bin/rgt-agent", "start"], str(tmp_path))
+    relayed = capsys.readouterr().err
+    seen = relayed + e.line()
+    assert seen.count("/nonexistent/bin/rgt-agent") == 1, seen
+    assert "  | env: '/nonexistent/bin/rgt-agent': No such file or directory" in relayed, seen
+    assert e.what.startswith(f"rgt-agent start failed on {box[1].target.label} (exit 127)"), seen
+    assert "above" in e.what, seen
+    assert "rgt deploy" in (e.remedy or ""), seen
+
+
+def test_a_start_whose_release_is_gone_says_so_once_with_what_to_do(
+    box: Tuple[SshServer, SshRemote, Registry, RunRecord],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Before: "rgt-agent start failed ... (exit 9): 1: cd: can't cd to ..." (sh's own words,
+    the sh's $0 taken for rgt's prefix), with no remedy."""
+    gone = str(tmp_path / "releases" / "gone")
+    capsys.readouterr()
+    e = _start(box, ["true"], gone)
+    seen = capsys.readouterr().err + e.line()
+    assert seen.count(gone) == 1, seen
+    assert e.exit_code == 8, seen
+    assert "rgt deploy" in seen, seen
 
 
 def test_a_held_box_line_is_shown_when_ssh_fails_after_it(

@@ -9,9 +9,11 @@ now from the store or the box, and whose files are still in the receipt's destin
 anything is done it shows what will be lost (files in the run's directory on the box that the
 receipt does not cover: checkpoints newer than the sealed one, job logs not pulled, rgt's own
 records; and what the job wrote in its release, the workdir it runs in, when down removes that
-release: every file changed since the push marked it complete that is no pulled output) and
-what keeps billing, then asks for the run's name to be typed. ``--yes`` replaces
-the typing only when stdin is not a terminal (a script), and never replaces the receipt.
+release: every file changed since the push marked it complete that is no pulled output),
+what keeps billing, and for a live run that the checkpoint its stop may seal goes into the store
+only (with how to have it pulled too: stop, pull, then down), then asks for the run's name to
+be typed. ``--yes`` replaces the typing only when stdin is not a terminal (a script), and never
+replaces the receipt.
 
 What down does on the box, each step idempotent so that running it again after a failure is
 safe: ``rgt-agent stop N`` (waits until no process of the run is left; a run already gone is
@@ -49,6 +51,7 @@ from controller.results import meterplan
 from controller.results.receipt import Coverage, Receipt, load_state_receipt, state_receipt_path
 from controller.results.sealed import covers_newest
 from controller.shell import script
+from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.errors import HostError, StopFailed, UnsafeRefused, UsageError
 from onbox.common.rundir import RunDir, check_name
 from onbox.common.terminal import printable
@@ -81,6 +84,7 @@ class DownPlan:
     profile: Optional[Profile] = None  # None: the record's profile could not be loaded
     instance: Optional[str] = None  # the provider's id of the box, when rgt was told it
     after: List[str] = dataclasses.field(default_factory=list)  # what the meter-stop leaves
+    stopping: List[str] = dataclasses.field(default_factory=list)  # a live run's stop (below)
 
     def lines(self) -> List[str]:
         r = self.receipt
@@ -103,6 +107,9 @@ class DownPlan:
         if self.after and self.profile is not None:
             out.append(f"after the meter-stop ({self.profile.meter.verb}):")
             out += [f"  {x}" for x in self.after]
+        if self.stopping:
+            out.append(f"the run is {self.state}: down stops it first, {self.stopping[0]}")
+            out += [f"  {x}" for x in self.stopping[1:]]
         out.append("down will:")
         out += [f"  {x}" for x in self.actions]
         # Names and the state come from the box (its files, spec.json, status): an escape
@@ -192,6 +199,7 @@ def plan_down(
         grace = float(spec.get("grace") or 30.0)
         state = str(run.status.get("state"))
         lost, kept = _losses(rec, receipt, spec, run_dir, remote, profile)
+    gone = ""  # why the meter-stop deletes the store ("": it does not, or there is none)
     if rec.store:
         store = f"the store {rec.store}"
         gone = meterplan.deleted_by_meter_stop(meterplan.file_path(rec.store), profile)
@@ -219,7 +227,26 @@ def plan_down(
     actions.append("forget the run on this laptop (its receipt stays)")
     plan = DownPlan(rec, receipt, coverage, state, lost, kept, billing, actions, grace)
     plan.profile, plan.instance, plan.after = profile, instance, after
+    if rec.store and state is not None and state not in TERMINAL_NAMES:
+        plan.stopping = _stop_seals(rec.name, rec.store, receipt, gone)
     return plan
+
+
+def _stop_seals(name: str, store: str, receipt: Receipt, gone: str) -> List[str]:
+    """What the plan says of a live run's stop: the checkpoint it may seal (the job's save as
+    it is stopped, onbox/agent/budgetseal.py) goes into the store only, after the pull the
+    receipt covers, and down forgets the run, so `rgt pull` cannot fetch it afterwards. (A live
+    run without a store never gets here: its box files cannot be pulled while it runs, so no
+    receipt covers them.)"""
+    return [
+        "and the stop may seal a newer checkpoint (what the job saves as it is stopped):",
+        f"it goes into the store {store} only: not into {receipt.dest} (the pull has "
+        f"{receipt.sealed.pulled()})"
+        + (", and the store goes with the box (above)" if gone else "")
+        + f"; down then forgets the run on this laptop, so `rgt pull {name}` cannot fetch it",
+        f"to have it here too: rgt stop {name}, then rgt pull {name} --from store, "
+        f"then rgt down {name}",
+    ]
 
 
 def _losses(

@@ -363,3 +363,26 @@ def test_down_on_a_pod_says_its_store_on_the_volume_disk_is_lost_with_the_pod(
         assert "if it is on the volume (" in lost and "not the network-volume" in lost
     assert "the store" not in kept  # no longer promised as kept
     box.intact()  # only a plan: nothing was done
+
+
+def test_down_of_a_live_run_says_the_stops_checkpoint_goes_to_the_store_only(
+    box: Box, tmp_path: Any, sshd: SshServer, request: pytest.FixtureRequest
+) -> None:
+    """Down stops a live run first, and the stop may seal a newer checkpoint (what the job saves
+    as it is stopped) into the store: the receipt covers what was pulled (step 1), not that one.
+    Before: the plan said only that the run will be stopped. Now it says where that checkpoint
+    goes (the store, not the pulled copy), that down forgets the run (so `rgt pull` cannot fetch
+    it afterwards), and the steps that bring it here: stop, pull, then down."""
+    target = Target(
+        "ssh", host="127.0.0.1", user=sshd.user, port=sshd.port, identity=sshd.client_key
+    )
+    request.addfinalizer(SshRemote(target).close)
+    rec = box.record(target)
+    dest = str(tmp_path / "dest")
+    pull(rec, dest, "store")
+    text = "\n".join(plan_down(rec, open_remote(rec.target)).lines())
+    live = text.split("the run is RUNNING:")[1].split("down will:")[0]
+    assert f"the store file://{box.store_root}" in live, text
+    assert f"not into {dest}" in live and "step 1" in live, text
+    assert f"rgt stop {RUN}, then rgt pull {RUN} --from store, then rgt down {RUN}" in live, text
+    box.intact()  # only a plan: nothing was done

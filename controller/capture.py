@@ -293,11 +293,14 @@ class LineRelay:
     caller's own error says (controller/deploy/boxstart.py ``start_failed``); shown here too,
     it was on the terminal twice. ``flush(hold_error=True)`` returns it unshown, for the caller
     to say: in its error, or with ``show_lines`` when its error is another (ssh lost the
-    connection: controller/remote.py). Anything else shows it, in its place."""
+    connection: controller/remote.py). Anything else shows it, in its place. Past ERR_TAIL
+    bytes it is no error of rgt's but a flood, which the laptop must not keep: shown as it
+    comes."""
 
     def __init__(self) -> None:
         self._buf = b""
         self._held: List[bytes] = []
+        self._held_bytes = 0
 
     def add(self, data: bytes) -> None:
         *lines, self._buf = (self._buf + data).split(b"\n")
@@ -310,6 +313,9 @@ class LineRelay:
     def _line(self, line: bytes) -> None:
         if self._held and line.startswith(QUOTED.encode()):
             self._held.append(line)  # a line the held error carries
+            self._held_bytes += len(line)
+            if self._held_bytes > ERR_TAIL:  # no error of rgt's: a flood, shown as it comes
+                self._release()
             return
         self._release()
         if line.startswith(b"rgt: "):
@@ -320,7 +326,7 @@ class LineRelay:
     def _release(self) -> None:
         for line in self._held:
             _show(line)
-        self._held = []
+        self._held, self._held_bytes = [], 0
 
     def flush(self, hold_error: bool = False) -> bytes:
         """Show what is left; the held error too, unless ``hold_error``: then it is returned
@@ -330,7 +336,7 @@ class LineRelay:
             self._buf = b""
         held = b"".join(line + b"\n" for line in self._held) if hold_error else b""
         if hold_error:
-            self._held = []
+            self._held, self._held_bytes = [], 0
         self._release()
         return held
 

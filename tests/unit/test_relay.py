@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from controller.capture import ERR_TAIL
 from controller.remote import LocalRemote
 
 PROGRESS = "printf 'rgt-agent: restoring 1 of 2\\n' >&2; "
@@ -38,3 +39,19 @@ def test_a_command_that_succeeds_shows_every_line_in_its_place(
         "  | rgt: command: x is not found (give its full path)",
         "  |   | what the box said",
     ], err
+
+
+def test_an_error_that_goes_on_and_on_is_shown_not_held(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The relay holds an rgt error and the "  | " lines it carries for the caller's error; a
+    box that sends such lines without end was held whole, in the laptop's memory, however much
+    it sent. Past ERR_TAIL bytes they are shown as they come, and nothing is held."""
+    lines = 20000
+    flood = f"i=0; while [ $i -lt {lines} ]; do printf '  | %060d\\n' $i >&2; i=$((i+1)); done; "
+    capsys.readouterr()
+    r = LocalRemote().sh(ERROR + flood + "exit 2", relay=True, timeout=60)
+    err = capsys.readouterr().err
+    assert r.rc == 2 and len(r.stderr) > ERR_TAIL  # more than the relay may hold
+    assert len(r.held) <= ERR_TAIL, len(r.held)
+    assert err.count("\n") >= lines - ERR_TAIL // 60, err[-300:]

@@ -379,7 +379,9 @@ def classify(
         who, code, own = f"rank {cause.rank}", cause.exitcode, launchers.rank_lines(tail, cause)
     else:
         tail = launchers.unprefixed(tail)
-        child = launchers.spawned(tail)
+        # A Python exception the parent did not catch exits it with 1: any other status is
+        # not mp.spawn's exception ending the job, whatever its text said earlier.
+        child = launchers.spawned(tail) if status.code == 1 else None
         if child is None:
             return _verdict(status, tail, step, oom_kills_rose, inodes_exhausted)
         who, code, own = f"process {child.index}", child.exitcode, child.lines

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import signal
-from typing import Optional
+from typing import List, Optional
 
 # torchrun's --tee puts its own in front of PyTorch's: "[default1]:[rank1]: Traceback ...".
 _PREFIX = re.compile(r"^(?:\[(?:rank|default)\d+\]:[ ]?)+", re.MULTILINE)
@@ -156,12 +156,33 @@ def spawned(tail: str) -> Optional[Spawned]:
     if not heads:
         return None
     # The exception line of the parent's last traceback: the first unindented line after it.
-    exc = next((ln for ln in lines[heads[-1] + 1 :] if not ln[0].isspace()), "")
-    m = _EXITED.match(exc)
+    end = len(lines)
+    at = next((i for i in range(heads[-1] + 1, end) if not lines[i][0].isspace()), end)
+    m = _EXITED.match(lines[at]) if at < end else None
     code = _exit_code(m) if m is not None else None
-    if m is None or code is None:
+    # Only the job's final traceback says how it ended: one it printed and went on from (a
+    # retry loop's log) is not its end, and a child's signal read from it would put a job
+    # that crash-loops on the preemption budget.
+    if m is None or code is None or not _ends(lines[at + 1 :]):
         return None
     return Spawned(int(m.group(1)), code, "".join(lines[: heads[-1]]))
+
+
+# What Python may print after an uncaught exception as it shuts down: a warning (the
+# multiprocessing resource tracker's "leaked semaphore objects") with its source line.
+_SHUTDOWN_WARNING = re.compile(r"^\S[^\n]*:\d+: \w*Warning: ")
+
+
+def _ends(after: List[str]) -> bool:
+    """Whether ``after``, the lines after an exception, are no more of the job's own: blank, or
+    a warning Python printed as it shut down."""
+    warned = False
+    for ln in after:
+        if _SHUTDOWN_WARNING.match(ln):
+            warned = True
+        elif ln.strip() and not (warned and ln[0].isspace()):
+            return False
+    return True
 
 
 def _exit_code(m: re.Match[str]) -> Optional[int]:

@@ -13,6 +13,7 @@ ends on ProcessRaisedException (the child's traceback in its message) or Process
 
 from __future__ import annotations
 
+import json
 import socket
 import sys
 from typing import Any, Dict, List
@@ -139,3 +140,46 @@ def test_a_spawned_child_killed_from_outside_is_restarted_as_a_preemption_and_na
     assert "process 1: killed by signal 9 (SIGKILL)" in first["reason"], first
     st = cli.peek("spawnkill")
     assert st["budgets"]["error_used"] == 0 and st["budgets"]["preempt_used"] == 1, st
+
+
+CAUGHT_JOB = """
+import os, signal, sys, traceback
+import torch.multiprocessing as mp
+
+def work(i):
+    if i == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+if __name__ == "__main__":
+    for attempt in range(2):
+        try:
+            mp.spawn(work, nprocs=2)
+        except mp.ProcessExitedException:
+            traceback.print_exc()  # logged, and the job goes on
+            print(f"spawn {attempt} failed; retrying", flush=True)
+    print("giving up", flush=True)
+    sys.exit(1)
+"""
+
+
+def test_a_spawn_failure_the_job_logged_and_went_on_from_is_not_how_it_ended(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """The job catches mp.spawn's ProcessExitedException ("process 1 terminated with signal
+    SIGKILL"), prints its traceback, goes on, and later exits 1 of its own with no traceback.
+    The logged exception was read as the job's end: a child killed from outside, restarted on
+    the preemption budget (100 tries), where the job crash-loops on the error budget's."""
+    job = tmp_path / "caught.py"
+    job.write_text(CAUGHT_JOB)
+    toml = tmp_path / "caught.toml"
+    toml.write_text(
+        f"command = {json.dumps([sys.executable, str(job)])}\n[restart]\n"
+        'max_error_restarts = 1\nmax_preempt_restarts = 3\nbackoff_initial = "0.1s"\n'
+        'backoff_max = "0.2s"\n'
+    )
+    p = cli("run", str(toml), "--name", "spawncaught", timeout=300)
+    assert p.returncode == 11, (p.stdout, p.stderr)  # FAILED once the error budget is spent
+    exits = _exits(cli, "spawncaught")
+    assert [e["exit_kind"] for e in exits] == ["python_exception"] * 2, exits
+    st = cli.peek("spawncaught")
+    assert st["budgets"]["error_used"] == 1 and st["budgets"]["preempt_used"] == 0, st

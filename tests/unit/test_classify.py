@@ -388,3 +388,32 @@ def test_a_spawned_child_ended_by_a_signal_is_told_as_its_signal() -> None:
     assert (v.kind, v.budget) == (Kind.CRASHED, Budget.ERROR), v
     v = classify(ExitStatus(code=1), SPAWN_EXITED.format(how="exit code 3"))
     assert (v.kind, v.reason) == (Kind.EXIT_CODE, "process 1: exited with code 3"), v
+
+
+def test_a_spawn_exception_the_job_went_on_from_is_not_its_end() -> None:
+    """Only the job's final traceback is mp.spawn's word on a child: one logged and gone on
+    from, or one behind a parent ended otherwise, would put a crash loop on the preemption
+    budget (tests/integration/test_distributed_exits.py runs the real job)."""
+    out = SPAWN_EXITED.format(how="signal SIGKILL")
+    went_on = out + "spawn 0 failed; retrying\ngiving up\n"
+    v = classify(ExitStatus(code=1), went_on)
+    assert (v.kind, v.budget) == (Kind.PYTHON_EXCEPTION, Budget.ERROR), v
+    # The parent logged it, printed nothing more, and then a signal ended it: the parent's own.
+    v = classify(ExitStatus(signal=15), SPAWN_EXITED.format(how="signal SIGSEGV"))
+    assert (v.kind, v.budget, v.reason) == (
+        Kind.SIGNAL,
+        Budget.PREEMPT,
+        "killed by signal 15 (SIGTERM)",
+    )
+    v = classify(ExitStatus(code=3), SPAWN_RAISED)
+    assert v.reason == "ModuleNotFoundError: No module named 'no_such_module_rgt'", v
+    # What Python prints as it shuts down after the uncaught exception is no more of the job.
+    leaked = (
+        "/usr/lib/python3.11/multiprocessing/resource_tracker.py:254: UserWarning: "
+        "resource_tracker: There appear to be 1 leaked semaphore objects to clean up at "
+        "shutdown\n  warnings.warn('resource_tracker: There appear to be %d '\n"
+    )
+    v = classify(ExitStatus(code=1), out + "\n" + leaked)
+    assert (v.kind, v.budget, v.reason) == (
+        Kind.SIGNAL, Budget.PREEMPT, "process 1: killed by signal 9 (SIGKILL)"
+    ), v  # fmt: skip

@@ -353,13 +353,40 @@ def newest_verified(
     """(step, path, what ``check`` returned) of the first of ``found`` ((step, path), newest
     first) that ``check`` passes, None when none does. A scanned checkpoint that fails it
     (CheckpointError: damaged, cut off) is skipped with a line on stderr, so a run resumes
-    from the newest whole one instead of crashing on (or loading) a broken newest."""
+    from the newest whole one instead of crashing on (or loading) a broken newest.
+
+    A symlink (Lightning's ``last.ckpt``, a user's ``step_N.ckpt``) is checked through its
+    target when that lies in the checkpoint dir (the sealer seals it there under its own name),
+    and skipped when it lies outside: the sealer never follows a link
+    (onbox/sealing/discovery.py), so the store never holds what it points to, and a run resumed
+    from it would go back to an older step on the next box."""
     for step, path in found:
+        real = _target(path)
+        if real is None:
+            print(
+                f"rgt: skipping checkpoint step {step}: {path} is a symlink to "
+                f"{os.path.realpath(path)}, outside the checkpoint dir (never sealed); resume "
+                "reads only checkpoints in it (a link to one in it is fine)",
+                file=sys.stderr,
+                flush=True,
+            )
+            continue
         try:
-            return step, path, check(path)
+            return step, path, check(real)
         except CheckpointError as e:
             print(f"rgt: skipping checkpoint step {step}: {e.what}", file=sys.stderr, flush=True)
     return None
+
+
+def _target(path: str) -> Optional[str]:
+    """What to check of ``path``: itself, or where it leads when it is a symlink whose target
+    lies inside the directory it is in (that directory's real path: a checkpoint dir that is
+    itself a link is fine); None for a link out of it."""
+    if not os.path.islink(path):
+        return path
+    home = os.path.realpath(os.path.dirname(path))
+    real = os.path.realpath(path)
+    return real if real.startswith(home.rstrip(os.sep) + os.sep) else None
 
 
 def read(

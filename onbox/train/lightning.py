@@ -126,7 +126,8 @@ def _verify(path: str) -> Dict[str, Any]:
 def resume_path(dirpath: Optional[str] = None) -> Optional[str]:
     """The ``ckpt_path`` for ``trainer.fit``: RGT_RESUME_FROM when set, else the newest
     checkpoint in ``dirpath`` (default RGT_CKPT_DIR, else ./checkpoints) that ``_verify`` passes
-    (a damaged newer one is skipped with a line on stderr), else None."""
+    (a damaged newer one is skipped with a line on stderr; a ``step_N.ckpt`` symlink counts
+    only when it leads to a file in the directory: ckptdir.newest_verified), else None."""
     explicit = os.environ.get(jobenv.RESUME_FROM) or ""
     if explicit:
         return os.path.abspath(explicit)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -105,6 +106,27 @@ def test_rotation_never_deletes_the_checkpoint_it_has_just_written(
     ck.close()
     ckptdir.verify(os.path.join(d, "step_110"))
     assert Checkpointer(d, handle_signals=False, model=model).load() == 110
+
+
+def test_a_checkpoint_linked_in_from_outside_the_dir_is_not_resumed(tmp_path: Any) -> None:
+    """``step_5`` in the checkpoint dir is a symlink to a directory elsewhere: the sealer never
+    follows it, so the store never holds step 5, yet load resumed from it. Now it is skipped,
+    said on stderr, for the newest one in the dir."""
+    d, elsewhere = str(tmp_path / "ck"), str(tmp_path / "elsewhere")
+    model = torch.nn.Linear(4, 4)
+    Checkpointer(d, handle_signals=False, model=model).save(1)
+    Checkpointer(elsewhere, handle_signals=False, model=model).save(5)
+    os.symlink(os.path.join(elsewhere, "step_5"), os.path.join(d, "step_5"))
+    p = _run(
+        "from onbox.train import Checkpointer\n"
+        "import torch\n"
+        "ck = Checkpointer(sys.argv[1], handle_signals=False, model=torch.nn.Linear(4, 4))\n"
+        "print('loaded', ck.load())\n",
+        d,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+    assert p.stdout.split() == ["loaded", "1"], p.stdout + p.stderr[-2000:]
+    assert "skipping checkpoint step 5:" in p.stderr and "outside" in p.stderr, p.stderr
 
 
 def _whole_under_final_names(d: str, fmt: Any = ckptdir.FORMAT) -> None:
@@ -401,3 +423,61 @@ def test_lightning_refuses_a_bad_keep_also_next_to_a_checkpointer(
             RgtCheckpoint(keep=keep, handle_signals=False)
         with pytest.raises(ValueError, match=r"keep must be a whole number"):
             RgtCheckpoint(keep=keep, checkpointer=Checkpointer(handle_signals=False))
+
+
+_LINKED = """
+    import os, shutil
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+    from lightning.pytorch.demos.boring_classes import BoringModel
+    from onbox.train.lightning import RgtCheckpoint, resume_path
+    d, steps = sys.argv[1], int(sys.argv[2])
+
+    class Start(Callback):
+        def on_train_start(self, trainer, pl_module):
+            print("start", trainer.global_step, flush=True)
+
+    mc = ModelCheckpoint(dirpath=d, every_n_train_steps=2, save_top_k=-1, save_last="link")
+    trainer = pl.Trainer(
+        max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[RgtCheckpoint(d, every_n_steps=3, handle_signals=False), mc, Start()],
+    )
+    path = resume_path(d)
+    print("from", path, flush=True)
+    trainer.fit(BoringModel(), ckpt_path=path)
+"""
+
+
+def test_lightning_resumes_through_a_link_in_the_checkpoint_dir_never_one_out_of_it(
+    tmp_path: Any,
+) -> None:
+    """Lightning's ModelCheckpoint(save_last="link") makes last.ckpt a symlink to its newest
+    file, and a user may link step_N.ckpt to a checkpoint. The sealer follows no link
+    (last.ckpt is left out, its target sealed under its own name); resume_path took a link out
+    of the checkpoint dir, which the store never holds, as the newest checkpoint. A link to one
+    in the dir (here through a checkpoint dir that is itself a link) is resumed."""
+    _need("lightning")
+    from onbox.sealing import discovery
+
+    real = tmp_path / "ck"
+    real.mkdir()
+    d = str(tmp_path / "ck-link")
+    os.symlink(real, d)
+    first = _run(_script(_LINKED), d, "4")
+    assert first.returncode == 0, first.stdout + first.stderr[-2000:]
+    assert os.readlink(os.path.join(d, "last.ckpt")) == "epoch=0-step=4.ckpt"
+    _, files, links = discovery.listing(d)
+    assert [n for n, _ in links] == ["last.ckpt"]  # left out, never followed
+    assert {"epoch=0-step=4.ckpt", "step_3.ckpt"} <= {n for n, _ in files}
+    os.symlink("epoch=0-step=4.ckpt", os.path.join(d, "step_4.ckpt"))  # in the dir
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(os.path.join(d, "step_3.ckpt"), elsewhere / "step_9.ckpt")
+    os.symlink(elsewhere / "step_9.ckpt", os.path.join(d, "step_9.ckpt"))  # out of it
+    p = _run(_script(_LINKED), d, "6")
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]
+    assert f"from {os.path.join(d, 'step_4.ckpt')}\nstart 4\n" in p.stdout, p.stdout
+    assert "rgt: skipping checkpoint step 9:" in p.stderr and "outside" in p.stderr, p.stderr
+    state = torch.load(os.path.join(d, "step_6.ckpt"), map_location="cpu", weights_only=False)
+    assert state["global_step"] == 6

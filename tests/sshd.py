@@ -257,7 +257,8 @@ def _config(
     for k, v in set_env.items():
         if not k or any(c in k + v for c in '"\n') or "=" in k:
             raise ValueError(f"cannot pass {k!r}={v!r} through SetEnv")
-        lines.append(f'SetEnv "{k}={v}"')
+    if set_env:  # one line: sshd keeps the first SetEnv it reads and ignores any other
+        lines.append("SetEnv " + " ".join(f'"{k}={v}"' for k, v in set_env.items()))
     return "\n".join(lines) + "\n"
 
 

@@ -18,6 +18,7 @@ from typing import IO, Any, Dict, List, Optional, Tuple
 from controller import boxrun
 from controller.registry import RunRecord
 from controller.remote import Remote, box_float, box_int, open_remote
+from controller.runstore import open_run_store
 from controller.shell import script
 from onbox.agent.observe import health_lines, public_state, shaped, warning_lines
 from onbox.agent.states import TERMINAL_NAMES
@@ -127,9 +128,7 @@ def from_store(rec: RunRecord) -> Dict[str, Any]:
             f"{rec.target.label} does not answer and run {rec.name!r} has no store",
             "nothing else knows its state; try again when the box is reachable",
         )
-    from onbox.sealing.stores import open_store
-
-    store = open_store(rec.store)
+    store = open_run_store(rec)
     raw = store.get_bytes(mf.state_key(rec.name, "state.json"))
     if raw is None:
         raise NotFound(f"the store {rec.store} holds no state of run {rec.name!r} yet")

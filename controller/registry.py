@@ -3,8 +3,9 @@ need only the run's name.
 
 One JSON file, ``$RGT_CONTROLLER_HOME/runs.json`` (default ``~/.config/rgt``), replaced
 atomically under an flock, so two rgt commands at once never lose a record. It holds no
-secrets: only the target, the profile, the store URL and paths on the box. A file that does not
-parse is reported as corrupt (exit 6), never read as empty nor overwritten.
+secrets: only the target, the profile, the store (its URL, endpoint and stall) and paths on the
+box. A file that does not parse is reported as corrupt (exit 6), never read as empty nor
+overwritten.
 """
 
 from __future__ import annotations
@@ -32,6 +33,11 @@ class RunRecord:
     target: Target
     profile: str = "generic-ssh"
     store: Optional[str] = None
+    # Where the box reads and writes that store, so the laptop opens it there too (runstore.py):
+    # the job file's [store] endpoint_url (s3:// only) and stall (seconds). Records written
+    # before these fields load with None (boto3's endpoint, the default stall).
+    store_endpoint_url: Optional[str] = None
+    store_stall: Optional[float] = None
     box_home: str = ""  # RGT_HOME on the box (absolute)
     agent: List[str] = dataclasses.field(default_factory=list)  # argv of rgt-agent on the box
     agent_env: Dict[str, str] = dataclasses.field(default_factory=dict)  # e.g. PYTHONPATH

@@ -11,12 +11,13 @@ value counts as no measurement.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from onbox.common import jsondoc
 from onbox.common.duration import parse_duration
 from onbox.common.errors import StoreError, UsageError
 from onbox.common.sealtime import SealTime, measure
+from onbox.common.storeurl import StoreURL
 from onbox.sealing import manifest as mf
 
 MAX_EVENTS_BYTES = 8 << 20
@@ -39,9 +40,10 @@ def _lines(raw: Optional[bytes]) -> List[Dict[str, Any]]:
     return out
 
 
-def from_store(store_url: Optional[str], run: str) -> SealTime:
-    """The seal time measured from ``run``'s mirrored events in ``store_url`` (not measured
-    when there is no store, no such run, or the store cannot be read: said in ``source``)."""
+def from_store(store_url: Union[str, StoreURL, None], run: str) -> SealTime:
+    """The seal time measured from ``run``'s mirrored events in ``store_url`` (a StoreURL
+    carries its endpoint; not measured when there is no store, no such run, or the store
+    cannot be read: said in ``source``)."""
     if not store_url:
         return SealTime(None, 0, f"not measured: run {run} has no store to read its seals from")
     from onbox.sealing.stores import open_store
@@ -66,7 +68,9 @@ def given(value: str) -> SealTime:
     return SealTime(float(seconds), 1, f"given: --seal-time {value}")
 
 
-def seal_time(seal_time_flag: Optional[str], store_url: Optional[str], run: str) -> SealTime:
+def seal_time(
+    seal_time_flag: Optional[str], store_url: Union[str, StoreURL, None], run: str
+) -> SealTime:
     """The flag when given, else the store's measurement."""
     if seal_time_flag is not None:
         return given(seal_time_flag)

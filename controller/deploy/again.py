@@ -33,6 +33,7 @@ from controller.deploy.request import Plan, check_again
 from controller.deploy.wheel import AgentWheel
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote
+from controller.runstore import store_fields
 from onbox.common.errors import LockedError, NotFound
 from onbox.common.terminal import printable
 
@@ -68,7 +69,8 @@ def start_again(
             name=plan.name,
             target=plan.target,
             profile=job.profile or plan.profile,
-            store=plan.req.store or job.store,  # --store given this time: the box's now
+            # --store given this time: the box's now (with the endpoint, when S3 too)
+            **store_fields(plan.req.store or job.store, job.endpoint_url, job.stall),
             box_home=box_home,
             agent=list(agent.argv),
             agent_env=dict(agent.env),

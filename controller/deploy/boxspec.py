@@ -1,10 +1,12 @@
 """The box's record of a run, runs/N/spec.json, as the laptop reads it: ``box_job`` (its
 command, workdir, store and profile, for a start by name, controller/deploy/again.py) and
-``record_box_store`` (the store the box runs a deployed run with, for the laptop's record).
+``record_box_store`` (the store the box runs a deployed run with, its endpoint and stall, for
+the laptop's record).
 
 The box is untrusted input: the file is read by a bounded, shell-neutral command, parsed by the
-laptop's JSON loader, and each field checked (the store as a store URL, as the agent checks it)
-before the laptop keeps any of it."""
+laptop's JSON loader, and each field checked (the store as a store URL, its endpoint as a plain
+http(s)://host[:port] URL and its stall as a duration, as the agent checks them) before the
+laptop keeps any of it."""
 
 from __future__ import annotations
 
@@ -13,10 +15,12 @@ from typing import Any, Callable, Dict, List, Optional
 
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote
+from controller.runstore import store_fields
 from onbox.common import jsondoc
+from onbox.common.duration import parse_duration
 from onbox.common.errors import HostError, NotFound, RgtError
 from onbox.common.rundir import RunDir
-from onbox.common.storeurl import parse_store_url
+from onbox.common.storeurl import parse_store_url, with_endpoint
 from onbox.common.terminal import printable
 
 # The run's spec.json, or exit 7 when there is none (the run is not on the box).
@@ -32,6 +36,8 @@ class BoxJob:
     workdir: str
     store: Optional[str]
     profile: Optional[str]
+    endpoint_url: Optional[str] = None  # the store's (s3:// only), where the agent reaches it
+    stall: Optional[float] = None  # the store's [store] stall, in seconds
 
 
 def box_job(remote: Remote, box_home: str, name: str, label: str) -> BoxJob:
@@ -68,12 +74,16 @@ def _job(doc: Dict[str, Any]) -> Optional[BoxJob]:
         return None
     if not all(v is None or isinstance(v, str) for v in (store, profile)):
         return None
-    if store is not None:
-        try:  # the agent wrote it parsed (onbox/agent/spec.py): anything else is not its
-            parse_store_url(store)
-        except RgtError:
-            return None
-    return BoxJob(command, workdir, store or None, profile)
+    endpoint, stall = doc.get("store_endpoint_url"), doc.get("restore_stall")
+    try:  # the agent wrote them parsed (onbox/agent/spec.py): anything else is not its
+        if store:
+            with_endpoint(parse_store_url(store), endpoint, "store_endpoint_url")
+        stall = None if stall is None else parse_duration(stall, "restore_stall")
+    except RgtError:
+        return None
+    if not store:
+        store = endpoint = None
+    return BoxJob(command, workdir, store, profile, endpoint, stall)
 
 
 def record_box_store(
@@ -85,7 +95,7 @@ def record_box_store(
     and `rgt down` need it). When the box's record cannot be read (the link went, it is not an
     agent's), that is said and ``rec`` stays as it is: the run has started all the same."""
     try:
-        store = box_job(remote, rec.box_home, rec.name, label).store
+        job = box_job(remote, rec.box_home, rec.name, label)
     except RgtError as e:
         say(
             f"rgt: warning: the store run {rec.name} runs with could not be read from "
@@ -93,7 +103,8 @@ def record_box_store(
             "it from the store while the box does not answer"
         )
         return rec
-    if store != rec.store:
-        rec = dataclasses.replace(rec, store=store)
+    fields = store_fields(job.store, job.endpoint_url, job.stall)
+    if any(getattr(rec, k) != v for k, v in fields.items()):
+        rec = dataclasses.replace(rec, **fields)
         registry.put(rec)
     return rec

@@ -53,6 +53,7 @@ from controller.deploy.request import DeployRequest, Plan, check_on_done, check_
 from controller.deploy.wheel import AgentWheel, agent_wheel
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, box_int, open_remote
+from controller.runstore import store_fields
 from controller.target import Target
 from onbox.agent.states import LIVE_NAMES
 from onbox.common import jobenv, jsondoc
@@ -321,7 +322,7 @@ def _recorder(
             name=plan.name,
             target=plan.target,
             profile=plan.profile,
-            store=store,
+            **store_fields(store, plan.store_endpoint, plan.store_stall),
             box_home=box_home,
             agent=list(agent.argv),
             agent_env=dict(agent.env),

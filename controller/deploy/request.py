@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from controller.deploy import guess as guessmod
 from controller.profiles import user_dirs as profile_dirs
+from controller.runstore import store_at
 from controller.slurm.submit import SlurmAsk, check_ask
 from controller.target import Target, parse_target
 from onbox.agent.profileuse import meter_deadline
@@ -28,10 +29,11 @@ from onbox.agent.spec import (
     check_settings,
     default_name,
     naming_file,
+    store_override,
 )
 from onbox.common.errors import UsageError
 from onbox.common.rundir import check_name
-from onbox.common.storeurl import parse_store_setting, parse_store_url
+from onbox.common.storeurl import parse_store_setting, restore_stall
 from onbox.profiles.load import load
 from onbox.profiles.schema import Profile
 
@@ -107,16 +109,26 @@ def _check_job_file(req: DeployRequest) -> None:
     meter_deadline(doc, Overrides())
 
 
-def _check_job_store(req: DeployRequest) -> Optional[str]:
-    """Refuse a malformed ``store`` in the job file, as the box would; its URL, None when it
-    names none (the agent's install extras and the audit's disk check follow the URL)."""
-    if not req.job_file:
-        return None
-    try:
-        store = _read_toml(req.job_file).get("store")
-    except (OSError, ValueError):
-        return None  # _job_name has read it already; the box names what is wrong with it
-    return None if store is None else parse_store_setting(store, "store").url
+def _check_store(req: DeployRequest) -> Tuple[Optional[str], Optional[str], Optional[float]]:
+    """Refuse a malformed ``--store``, or ``store`` in the job file, as the box would (it would
+    only after the push and the install). Returns the job file's store URL (None when it names
+    none, or --store replaces it: the agent's install extras and the audit's disk check follow
+    the URL), the endpoint the run's store is read at (the job file's ``endpoint_url``, which
+    the box keeps for an s3:// ``--store`` too) and the job file's ``stall`` (None: not given).
+    """
+    setting: Any = None
+    if req.job_file:
+        try:
+            setting = _read_toml(req.job_file).get("store")
+        except (OSError, ValueError):
+            pass  # _job_name has read it already; the box names what is wrong with it
+    table = setting if isinstance(setting, dict) else {}
+    stall = None if table.get("stall") is None else restore_stall(table)
+    if req.store is not None:
+        endpoint = table.get("endpoint_url")
+        return None, store_override(req.store, endpoint, "store.endpoint_url").endpoint_url, stall
+    store = None if setting is None else parse_store_setting(setting, "store")
+    return (store.url, store.endpoint_url, stall) if store is not None else (None, None, stall)
 
 
 def _secrets(names: Sequence[str], environ: Dict[str, str]) -> Dict[str, str]:
@@ -149,6 +161,9 @@ class Plan:
     job_store: Optional[str] = None  # the job file's store URL (it wins over the profile's)
     slurm: Optional[SlurmAsk] = None  # a Slurm profile's batch job, submitted instead of a start
     again: bool = False  # no job given: run ``name`` started again from the box's record
+    # The endpoint and stall of the run's store (--store's or the job file's), from the job file
+    store_endpoint: Optional[str] = None
+    store_stall: Optional[float] = None
 
     @property
     def profile(self) -> str:
@@ -229,13 +244,7 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
     try:  # a bad setting of the job file names the file, as the box's check does
         name = _job_name(req, project)
         _check_job_file(req)
-        # The box would refuse a bad store URL too, but only after the push and the install:
-        # check it here with the box's own parser, before anything anywhere changes.
-        job_store = None
-        if req.store is not None:
-            parse_store_url(req.store, "--store")
-        else:
-            job_store = _check_job_store(req)
+        job_store, endpoint, stall = _check_store(req)
     except UsageError as e:
         raise naming_file(e, req.job_file) from None
     check_outputs(list(req.outputs), "--output")  # as the box would, before anything changes
@@ -250,7 +259,7 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
         sbatch=req.sbatch,
         seal_time=req.seal_time,
         run=name,
-        store=req.store,
+        store=None if req.store is None else store_at(req.store, endpoint, "--store"),
         grace=guess.profile.preemption.grace if guess is not None else 0.0,
         command=req.command,
         job_file=job_rel,
@@ -265,4 +274,7 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
             "put credentials where their tools read them on the cluster (~/.aws/credentials, "
             "~/.cache/huggingface/token, mode 0600), then deploy without --secret-env",
         )
-    return Plan(req, target, guess, project, job_rel, name, secrets, dirs, job_store, slurm, again)
+    return Plan(
+        req, target, guess, project, job_rel, name, secrets, dirs, job_store, slurm, again,
+        store_endpoint=endpoint, store_stall=stall,
+    )  # fmt: skip

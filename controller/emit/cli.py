@@ -8,13 +8,14 @@ stdout. Bad input is a UsageError naming its field (exit 2), raised before anyth
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, Union
 
 import click
 
 from controller.emit.common import load_job, write_out
 from onbox.agent.spec import Overrides
 from onbox.common.errors import UsageError
+from onbox.common.storeurl import StoreURL
 
 
 @click.group("emit")
@@ -22,7 +23,7 @@ def emit() -> None:
     """Write what another engine runs (a Kubernetes Job, a SkyPilot task) with rgt inside."""
 
 
-def _seal(flag: Optional[str], store: Optional[str], run: str) -> Any:
+def _seal(flag: Optional[str], store: Union[str, StoreURL, None], run: str) -> Any:
     from controller.sealbudget import seal_time
 
     return seal_time(flag, store, run)
@@ -87,7 +88,7 @@ def emit_k8s(
     if plan_store and store is None and pvc is None:
         store = plan_store  # the sweep's store root: each cell is its own run under it
     spec = k8s.load(job_file, store, pvc, profile)
-    measured_in = seal_from or (spec.store.url if spec.store else None)
+    measured_in = seal_from or spec.store  # the job file's store at its endpoint
     seal = _seal(seal_time, measured_in, spec.name)
     opts = k8s.K8sOptions(image, pvc, gpus, secret, image_dir, job_image=job_image)
     text = k8s.render(spec, opts, profile, seal, job_file, dict(os.environ), cells, sweep_name)
@@ -129,7 +130,7 @@ def emit_skypilot(
     from controller.emit import skypilot
 
     spec = load_job(job_file, Overrides(store=store))
-    seal = _seal(seal_time, spec.store.url if spec.store else None, spec.name)
+    seal = _seal(seal_time, spec.store, spec.name)
     opts = skypilot.SkyOptions(accelerators, spot, install, tuple(secret_env))
     write_out(skypilot.render(spec, opts, seal, job_file, dict(os.environ)), out)
     return 0

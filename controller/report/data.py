@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional
 from controller import observe
 from controller.registry import RunRecord
 from controller.remote import open_remote
+from controller.runstore import open_run_store
 from onbox.common import jsondoc
 from onbox.common.errors import HostError, NotFound, RemoteUnreachable
 from onbox.health import series
@@ -160,10 +161,7 @@ def _lines(raw: Optional[bytes]) -> List[bytes]:
 def from_store(rec: RunRecord, why_not_box: Optional[str]) -> ReportData:
     """The mirror in the store (NotFound when there is none, as status says)."""
     status = observe.from_store(rec)
-    from onbox.sealing.stores import open_store
-
-    assert rec.store is not None  # from_store refused a run without one
-    store = open_store(rec.store)
+    store = open_run_store(rec)  # from_store refused a run without one
 
     def get(name: str) -> List[bytes]:
         return _lines(store.get_bytes(mf.state_key(rec.name, name)))

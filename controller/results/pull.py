@@ -43,8 +43,10 @@ continues: from the box, rsync (``--inplace``, delta transfer against the partia
 only what is missing and skips finished files; from the store, a file whose partial copy
 already has the right size and sha256 is not downloaded again (the store interface has no
 byte ranges, so an unfinished file is downloaded again whole). A download from the store that
-moves no byte for 5 min (RESTORE_STALL, as the box's restore: a store that stopped answering
-mid-body, a hung mount) ends as a transient store error (exit 14), nothing placed.
+moves no byte for the run's ``[store] stall`` (5 min by default, as the box's restore: a store
+that stopped answering mid-body, a hung mount) ends as a transient store error (exit 14),
+nothing placed. The store is read where the box writes it (its recorded endpoint,
+controller/runstore.py).
 
 Verification, before any file gets its final name: each file's size and sha256 against the
 manifest (a mismatch is fetched fresh once more, then it is an IntegrityError naming the file);
@@ -94,9 +96,9 @@ from controller.results.receipt import (
 )
 from controller.results.sealed import covers_newest, newest_sealed, read_sealed, resolve_source
 from controller.results.transport import fetcher
+from controller.runstore import run_store_stall
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import unlink_beneath
-from onbox.common.storeurl import RESTORE_STALL
 
 # What callers of ``rgt pull`` import from here (the CLI, the tests), owned by the modules above.
 __all__ = [
@@ -146,7 +148,7 @@ def pull(
     transport: Optional[str] = None,
     remote: Optional[Remote] = None,
     home: Optional[str] = None,
-    stall: float = RESTORE_STALL,
+    stall: Optional[float] = None,
 ) -> Receipt:
     """Pull ``rec``'s newest sealed state into ``dest``, verify it, write the receipt.
 
@@ -155,7 +157,7 @@ def pull(
     too); by default rsync when both ends have it, else stream. ``remote``: an open Remote to
     the box (else one is opened and closed here). ``home``: the laptop's state dir (default
     controller_home()). ``stall``: a download from the store that moves no byte this long ends
-    as RestoreStalled (exit 14; the job file's ``[store] stall`` is the box's, not read here).
+    as RestoreStalled (exit 14); by default the run's ``[store] stall`` as recorded.
     Raises IntegrityError (exit 6) naming the files that do not match; then nothing has a
     final name and no receipt is written."""
     where = resolve_source(rec, source)
@@ -165,7 +167,8 @@ def pull(
     try:
         sealed = read_sealed(rec, where, remote)
         dest = os.path.abspath(dest)
-        return _pull(rec, sealed, dest, progress, bwlimit, transport, remote, home, stall)
+        bound = run_store_stall(rec) if stall is None else stall
+        return _pull(rec, sealed, dest, progress, bwlimit, transport, remote, home, bound)
     finally:
         if own and remote is not None:
             remote.close()

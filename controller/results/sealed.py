@@ -18,9 +18,9 @@ from controller.results.boxfiles import box_files
 from controller.results.documents import from_documents, store_get, store_listing
 from controller.results.entries import Entry, Sealed, box_join, checked
 from controller.results.receipt import Coverage, Receipt, SealedId, compare
+from controller.runstore import open_run_store
 from onbox.common.errors import IntegrityError, NotFound, UsageError
 from onbox.sealing import manifest as mf
-from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from onbox.sealing.stores.local import LocalStore
 
@@ -39,15 +39,15 @@ def resolve_source(rec: RunRecord, source: str) -> str:
         return source
     if not rec.store:
         return "box"
-    if _file_root(rec.store) is not None and rec.target.kind != "local":
+    if _file_root(rec) is not None and rec.target.kind != "local":
         return "box"  # a file:// store is a mount on the box
     return "store"
 
 
-def _file_root(url: str) -> Optional[str]:
-    if not url.lower().startswith("file:"):
+def _file_root(rec: RunRecord) -> Optional[str]:
+    if not rec.store or not rec.store.lower().startswith("file:"):
         return None
-    store = open_store(url)
+    store = open_run_store(rec)
     assert isinstance(store, LocalStore)
     return store.root
 
@@ -62,21 +62,21 @@ def _read_sealed(rec: RunRecord, source: str, remote: Optional[Remote]) -> Seale
     run = rec.name
     if source == "store":
         assert rec.store
-        root = _file_root(rec.store)
+        root = _file_root(rec)
         if root is not None and not os.path.isdir(root):
             raise UsageError(
                 "--from",
                 f"the store {rec.store} is not a directory on this laptop",
                 "a file:// store is a path on the box: pull with --from box",
             )
-        store = open_store(rec.store)
+        store = open_run_store(rec)
         ident, entries = _from_store(store, run)
         entries = [dataclasses.replace(e, origin=e.key or "") for e in entries]
         return Sealed(ident, entries, "store", store=store)
     assert remote is not None
     if not rec.store:
         return box_files(rec, remote)
-    root = _file_root(rec.store)
+    root = _file_root(rec)
     if root is not None:
         ident, entries = _from_box_docs(remote, root, run)
         entries = [
@@ -84,7 +84,7 @@ def _read_sealed(rec: RunRecord, source: str, remote: Optional[Remote]) -> Seale
         ]
         return Sealed(ident, entries, "box", box_root=root)
     # s3://, hf://: the store says what is sealed; the box holds copies of the bytes.
-    store = open_store(rec.store)
+    store = open_run_store(rec)
     ident, entries = _from_store(store, run)
     spec = boxrun.spec(rec, remote)
     attempts = boxrun.run_dir(rec).attempts
@@ -129,9 +129,9 @@ def newest_sealed(rec: RunRecord, remote: Optional[Remote] = None) -> SealedId:
     source the files came from): a file:// store of an ssh target on the box, any other store
     from the laptop, the box's files for a run without a store."""
     if rec.store:
-        root = _file_root(rec.store)
+        root = _file_root(rec)
         if root is None or rec.target.kind == "local":
-            return _from_store(open_store(rec.store), rec.name)[0]
+            return _from_store(open_run_store(rec), rec.name)[0]
     own = remote is None
     box = remote or open_remote(rec.target)
     try:

@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Optional
 
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote
+from controller.runstore import store_at
 from controller.slurm.batch import Cell
 from controller.slurm.submit import Say, SlurmAsk, check_ask, sbatch, scheduler_doc
 from onbox.common.errors import UsageError
@@ -47,7 +48,7 @@ def plan_ask(plan: Any) -> SlurmAsk:
         sbatch=list(sb.get("extra") or ()),
         seal_time=sb.get("seal_time"),
         run=plan.name,
-        store=plan.store,
+        store=store_at(plan.store, getattr(plan, "store_endpoint", None), "store"),
         cells=_cells(plan),
     )
     assert ask is not None

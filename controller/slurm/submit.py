@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
 from controller import sealbudget
 from controller.registry import Registry, RunRecord
@@ -31,6 +31,7 @@ from onbox.common import jobenv
 from onbox.common.errors import HostError, LockedError, RemoteUnreachable, UsageError
 from onbox.common.rundir import RunDir
 from onbox.common.sealtime import SealTime
+from onbox.common.storeurl import StoreURL
 
 SLACK = 60  # seconds: slurmctld checks signal deadlines about every 30 s, and may be late
 SCRIPT = "slurm-batch.sh"
@@ -143,7 +144,7 @@ def check_ask(
     sbatch: Sequence[str] = (),
     seal_time: Optional[str] = None,
     run: str = "run",
-    store: Optional[str] = None,
+    store: Union[str, StoreURL, None] = None,
     grace: float = 30.0,
     command: Sequence[str] = (),
     job_file: Optional[str] = None,
@@ -226,7 +227,9 @@ def lead_line(st: SealTime, lead: int, assumed: float) -> str:
     return head
 
 
-def lead_for(ask: SlurmAsk, store: Optional[str], run: str, grace: float) -> Tuple[int, str]:
+def lead_for(
+    ask: SlurmAsk, store: Union[str, StoreURL, None], run: str, grace: float
+) -> Tuple[int, str]:
     """The warning lead in seconds and the line that explains it."""
     st = sealbudget.seal_time(ask.seal_time, store, run)
     lead = st.lead(assumed=grace, slack=SLACK)

@@ -54,7 +54,7 @@ import string
 import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from onbox.agent.spec import check_outputs
+from onbox.agent.spec import check_outputs, store_override
 from onbox.common.errors import UsageError
 from onbox.common.rundir import check_name
 from onbox.common.storeurl import parse_store_url
@@ -109,6 +109,9 @@ class Plan:
     offline: bool = False  # bring the agent's dependencies from here
     secret_env: List[str] = dataclasses.field(default_factory=list)
     sbatch: Dict[str, Any] = dataclasses.field(default_factory=dict)  # [sbatch], with slurm
+    # The base job file's [store] endpoint_url, which each cell's box keeps for the s3:// store
+    # (onbox/agent/spec.py store_override): the laptop reads the store there too.
+    store_endpoint: Optional[str] = None
 
 
 def _read_toml(path: str) -> Dict[str, Any]:
@@ -464,8 +467,12 @@ def load_plan(path: str) -> Plan:
         raise UsageError("project", f"{project!r} is not a directory (relative to the plan)")
     project = os.path.abspath(os.path.join(base, project))
     job = _check_job(doc, base, project)
+    table = _read_toml(job).get("store") if job else None
+    endpoint = table.get("endpoint_url") if isinstance(table, dict) else None
+    endpoint = store_override(store, endpoint, "job's store.endpoint_url").endpoint_url
     cells = expand(name, grid, command, outputs, costs)
-    return Plan(path, name, cells, targets, slurm, store, job, project, outputs, **_options(doc))
+    plan = Plan(path, name, cells, targets, slurm, store, job, project, outputs, **_options(doc))
+    return dataclasses.replace(plan, store_endpoint=endpoint)
 
 
 def assign(cells: Sequence[Cell], targets: Sequence[str]) -> Dict[str, List[Cell]]:

@@ -38,12 +38,12 @@ from controller.registry import RunRecord
 from controller.results.documents import from_documents, store_get, store_listing
 from controller.results.hashing import file_sha
 from controller.results.loadcheck import check_format
+from controller.runstore import open_sweep_store
 from controller.sweep import record
 from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError, NotReconciled, StoreError, UnsafeRefused
 from onbox.common.terminal import printable
 from onbox.sealing import manifest as mf
-from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 
 VERDICTS = ("ok", "missing", "failed", "unverified")
@@ -187,7 +187,7 @@ def reconcile(
     say: Optional[Callable[[str], None]] = None,
 ) -> Report:
     """The roster of the sweep record ``doc`` (or only ``cells`` of it) against its store."""
-    store = open_store(doc["store"])
+    store = open_sweep_store(doc["store"], doc.get("store_endpoint_url"))
     names = sorted(
         cells if cells is not None else doc["cells"], key=lambda n: doc["cells"][n]["index"]
     )

@@ -137,6 +137,7 @@ def begin(plan: Plan, home: Optional[str] = None) -> Dict[str, Any]:
                 "sweep": plan.name,
                 "plan": plan.path,
                 "store": plan.store,
+                "store_endpoint_url": plan.store_endpoint,
                 "targets": plan.targets,
                 "cells": {c.name: _new_cell(plan, c.index, box_of[c.name]) for c in plan.cells},
             }
@@ -147,11 +148,18 @@ def begin(plan: Plan, home: Optional[str] = None) -> Dict[str, Any]:
         return doc
 
 
+def _at(url: Optional[str], endpoint: Optional[str]) -> str:
+    return f"{url} at {endpoint}" if endpoint else str(url)
+
+
 def _check_same(plan: Plan, doc: Dict[str, Any]) -> None:
     had, now = set(doc["cells"]), {c.name for c in plan.cells}
-    if had != now or doc.get("store") != plan.store:
+    # A record from before the endpoint was kept takes the plan's (its cells' boxes had it).
+    old = (doc.get("store"), doc.setdefault("store_endpoint_url", plan.store_endpoint))
+    new = (plan.store, plan.store_endpoint)
+    if had != now or old != new:
         what = (
-            f"store {doc.get('store')} -> {plan.store}"
+            f"store {_at(*old)} -> {_at(*new)}"
             if had == now
             else f"{len(now - had)} cell(s) added, {len(had - now)} removed"
         )

@@ -33,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional
 from controller import boxrun
 from controller.registry import Registry
 from controller.remote import Remote, open_remote
+from controller.runstore import open_sweep_store
 from controller.sweep import record
 from controller.sweep.plan import Cell, Plan, check_store_here
 from controller.target import parse_target
@@ -46,7 +47,6 @@ from onbox.common.errors import (
     UsageError,
 )
 from onbox.sealing import manifest as mf
-from onbox.sealing.stores import open_store
 
 MAX_MISSES = 10  # polls in a row a box may not answer before its queue is left
 MAX_REDEPLOYS = 3  # deploys of one dead cell per invocation, before its box is left
@@ -101,7 +101,7 @@ class Driver:
         self.interval = interval
         self.home = home
         self.registry = Registry(home)
-        self.store = open_store(plan.store or "")
+        self.store = open_sweep_store(plan.store or "", plan.store_endpoint)
         self.cells = {c.name: c for c in plan.cells}
         self.boxes = [Box(t) for t in plan.targets]
 

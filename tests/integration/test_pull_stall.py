@@ -4,8 +4,9 @@ The laptop's pull from a store downloads as the agent's restore does (onbox/seal
 ``in_parallel``), and like the restore it had no bound on a download that moves nothing: from an
 S3 store that stopped sending mid-body the pull waited as long as the client's read timeout and
 retries allowed (minutes), and only Ctrl-C ended it sooner. Now it ends once nothing has moved
-for its bound (5 min by default; ``pull(stall=...)``), exit 14 with the store named, nothing
-under a final name and no receipt; with the store back, the next pull brings every file whole.
+for its bound (the run's ``[store] stall`` as the laptop recorded it, 5 min by default; before,
+the job file's bound was not known to the laptop), exit 14 with the store named, nothing under a
+final name and no receipt; with the store back, the next pull brings every file whole.
 
 Real processes, real signals: the S3 store is a SeaweedFS of the test's own (``weed mini``),
 SIGSTOPped once the pull, a child process, has begun its download (the pull is stopped for that
@@ -14,6 +15,7 @@ moment, so that its download cannot end first), and SIGCONTed in a ``finally``.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -37,8 +39,8 @@ STEP = 4
 # buffers of a loopback connection hold after the stop is a few MiB.
 FILE = 48 << 20
 WAIT = 60.0  # the test's bound on the pull; before the fix S3's read timeout alone was 60 s
-# The pull as `rgt pull` runs it (an RgtError printed as its line, exited with its code), with
-# the bound given in seconds.
+# The pull as `rgt pull` runs it (an RgtError printed as its line, exited with its code): its
+# bound is the record's.
 PULL = (
     "import json, sys\n"
     "from controller.registry import RunRecord\n"
@@ -46,7 +48,7 @@ PULL = (
     "from onbox.common.errors import RgtError\n"
     "try:\n"
     "    rec = RunRecord.from_json(json.loads(sys.argv[1]))\n"
-    "    pull(rec, sys.argv[2], 'store', stall=float(sys.argv[3]))\n"
+    "    pull(rec, sys.argv[2], 'store')\n"
     "except RgtError as e:\n"
     "    print(e.line(), file=sys.stderr)\n"
     "    sys.exit(e.exit_code)\n"
@@ -74,10 +76,10 @@ def test_a_pull_from_a_store_stopped_mid_download_fails_within_its_bound_and_res
         files: Dict[str, bytes] = {f"part-{i}.bin": os.urandom(FILE) for i in range(2)}
         _seal(str(tmp_path), server.store(bucket, "rgt"), STEP, files)
         url = f"s3://{bucket}/rgt"
-        rec = _rec(url, str(tmp_path / "box"))
+        rec = dataclasses.replace(_rec(url, str(tmp_path / "box")), store_stall=3.0)
         dest = str(tmp_path / "dest")
         child = subprocess.Popen(
-            [sys.executable, "-c", PULL, json.dumps(rec.to_json()), dest, "3"],
+            [sys.executable, "-c", PULL, json.dumps(rec.to_json()), dest],
             cwd=ROOT,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,

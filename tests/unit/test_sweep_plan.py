@@ -237,3 +237,26 @@ def test_a_slurm_sweep_needs_its_walltime_and_its_sbatch_table_is_checked(
     bad = load_plan(_plan(tmp_path, SLURM + '[sbatch]\ntime = "10"\nextra = ["--output=/x"]\n'))
     with pytest.raises(UsageError, match="--sbatch"):
         plan_ask(bad)  # what rgt sets itself is refused, as deploy's --sbatch is
+
+
+def test_an_s3_sweep_reads_its_store_at_the_endpoint_its_job_file_gives_the_cells(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each cell's box keeps the base job file's endpoint_url for the sweep's s3:// store
+    (``--store`` replaces only the URL): the sweep and its record read the store there too."""
+    from controller.sweep import record
+
+    monkeypatch.setenv("RGT_CONTROLLER_HOME", str(tmp_path / "ctl"))
+    ep = "http://127.0.0.1:9000"
+    job = f'[store]\nurl = "s3://elsewhere/x"\nendpoint_url = "{ep}"\n'
+    (tmp_path / "job.toml").write_text(job)
+    path = tmp_path / "PLAN.toml"
+    path.write_text('store = "s3://sweeps/rgt"\njob = "job.toml"\n' + BASE)
+    plan = load_plan(str(path))
+    assert plan.store_endpoint == ep
+    doc = record.begin(plan)
+    assert doc["store"] == "s3://sweeps/rgt" and doc["store_endpoint_url"] == ep
+    (tmp_path / "job.toml").write_text('[store]\nurl = "s3://elsewhere/x"\n')
+    with pytest.raises(UsageError) as e:  # another endpoint: another store, as another URL is
+        record.begin(load_plan(str(path)))
+    assert f"s3://sweeps/rgt at {ep} -> s3://sweeps/rgt" in e.value.what

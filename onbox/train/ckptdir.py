@@ -28,9 +28,9 @@ import re
 import shutil
 import sys
 import time
-from typing import IO, Any, Callable, Dict, List, Optional, Tuple, cast
+from typing import IO, Any, Callable, Dict, List, Optional, Set, Tuple, cast
 
-from onbox.common import jobenv
+from onbox.common import jobenv, links
 from onbox.common.durable import fsync_dir, fsync_file, sha256_file
 from onbox.common.errors import CheckpointError
 
@@ -277,14 +277,46 @@ def prune(
     """Delete all but the newest ``keep`` checkpoints (never ``protect``: the one just written,
     which a higher step left behind by an earlier run, e.g. a damaged one that load skipped,
     would otherwise push out); what was deleted. ``found``: the (step, path) of the ones to
-    rotate, newest first (an adapter's own kind; default: every complete one in ckpt_dir)."""
+    rotate, newest first (an adapter's own kind; default: every complete one in ckpt_dir).
+
+    A user's symlinks (links.within): one in the dir counts as its target, ranked by the newest
+    of its names (what resume would load through), and goes with it, so a kept link never
+    dangles and a kept checkpoint keeps its links; one out of the dir is neither counted nor
+    touched (resume skips it). A checkpoint that another link in the dir names (``best``) is
+    never deleted: that link would dangle."""
+    groups: Dict[str, List[str]] = {}  # real path -> its names in ``found``, newest first
+    for _, path in complete(ckpt_dir) if found is None else found:
+        if links.within(path) is not None:
+            groups.setdefault(os.path.realpath(path), []).append(path)
+    rotated = {os.path.abspath(p) for names in groups.values() for p in names}
+    held = {os.path.realpath(protect)} if protect is not None else set()
+    held |= _named_by_links(ckpt_dir, rotated)
     gone = []
-    for _, path in (complete(ckpt_dir) if found is None else found)[max(keep, 1) :]:
-        if protect is not None and os.path.abspath(path) == os.path.abspath(protect):
+    for real, names in list(groups.items())[max(keep, 1) :]:
+        if real in held:
             continue
-        remove(path)
-        gone.append(path)
+        # The links first: a kill part-way through leaves no link to a deleted checkpoint.
+        for path in sorted(names, key=lambda p: not os.path.islink(p)):
+            remove(path)
+            gone.append(path)
     return gone
+
+
+def _named_by_links(ckpt_dir: str, rotated: Set[str]) -> Set[str]:
+    """The real paths that a symlink in ``ckpt_dir`` other than those in ``rotated`` (abs
+    paths) leads to, inside the dir."""
+    try:
+        names = os.listdir(ckpt_dir)
+    except FileNotFoundError:
+        return set()
+    out = set()
+    for n in names:
+        path = os.path.join(ckpt_dir, n)
+        if os.path.abspath(path) not in rotated and os.path.islink(path):
+            real = links.within(path)
+            if real is not None:
+                out.add(real)
+    return out
 
 
 def remove(path: str) -> None:
@@ -361,7 +393,7 @@ def newest_verified(
     (onbox/sealing/discovery.py), so the store never holds what it points to, and a run resumed
     from it would go back to an older step on the next box."""
     for step, path in found:
-        real = _target(path)
+        real = links.within(path)
         if real is None:
             print(
                 f"rgt: skipping checkpoint step {step}: {path} is a symlink to "
@@ -376,17 +408,6 @@ def newest_verified(
         except CheckpointError as e:
             print(f"rgt: skipping checkpoint step {step}: {e.what}", file=sys.stderr, flush=True)
     return None
-
-
-def _target(path: str) -> Optional[str]:
-    """What to check of ``path``: itself, or where it leads when it is a symlink whose target
-    lies inside the directory it is in (that directory's real path: a checkpoint dir that is
-    itself a link is fine); None for a link out of it."""
-    if not os.path.islink(path):
-        return path
-    home = os.path.realpath(os.path.dirname(path))
-    real = os.path.realpath(path)
-    return real if real.startswith(home.rstrip(os.sep) + os.sep) else None
 
 
 def read(

@@ -129,6 +129,46 @@ def test_a_checkpoint_linked_in_from_outside_the_dir_is_not_resumed(tmp_path: An
     assert "skipping checkpoint step 5:" in p.stderr and "outside" in p.stderr, p.stderr
 
 
+def test_rotation_counts_a_link_as_its_target_and_never_leaves_one_dangling(
+    tmp_path: Any,
+) -> None:
+    """A user's ``step_N`` links in the checkpoint dir: ``step_9`` to ``step_1`` (resume loads
+    step 1 through it), ``step_0`` to ``step_3``, ``best`` to ``step_2``, ``step_8`` to a
+    checkpoint elsewhere. Rotation counted each step_N link as a checkpoint of its own: with
+    keep=2 it deleted step_3, step_2 and step_1, leaving step_9 and best dangling and one real
+    checkpoint, and unlinked step_0 though step_3 was kept. Now a link counts as its target
+    (its newest name ranks it), a checkpoint another link in the dir names is not deleted, and
+    one outside the dir is neither counted nor touched."""
+    d, elsewhere = str(tmp_path / "ck"), str(tmp_path / "elsewhere")
+    model = torch.nn.Linear(4, 4)
+    Checkpointer(elsewhere, handle_signals=False, model=model).save(8)
+    ck = Checkpointer(d, keep=9, handle_signals=False, model=model)
+    for step in (1, 2, 3):
+        ck.save(step)
+    os.symlink("step_1", os.path.join(d, "step_9"))
+    os.symlink("step_3", os.path.join(d, "step_0"))
+    os.symlink("step_2", os.path.join(d, "best"))
+    os.symlink(os.path.join(elsewhere, "step_8"), os.path.join(d, "step_8"))
+    ck.keep = 2
+    ck.save(4)
+    ck.close()
+    # kept: step_9 (= step_1, the newest name), step_4; step_3 and its step_0 link are the
+    # third checkpoint: rotated away together; step_2 stays while best names it.
+    assert sorted(os.listdir(d)) == ["best", "step_1", "step_2", "step_4", "step_8", "step_9"]
+    for name in ("step_9", "best", "step_1", "step_2", "step_4", "step_8"):
+        assert os.path.exists(os.path.join(d, name)), name  # no link left dangling
+    assert os.readlink(os.path.join(d, "step_9")) == "step_1"
+    ckptdir.verify(os.path.join(elsewhere, "step_8"))
+    p = _run(
+        "from onbox.train import Checkpointer\n"
+        "import torch\n"
+        "ck = Checkpointer(sys.argv[1], handle_signals=False, model=torch.nn.Linear(4, 4))\n"
+        "print('loaded', ck.load())\n",
+        d,
+    )
+    assert p.stdout.split() == ["loaded", "1"], p.stdout + p.stderr[-2000:]
+
+
 def _whole_under_final_names(d: str, fmt: Any = ckptdir.FORMAT) -> None:
     """Every checkpoint under a final name verifies (as ``fmt``), and the agent's sealer, which
     takes a marked directory as complete and seals the files it finds, sees all of them."""

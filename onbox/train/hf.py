@@ -49,7 +49,7 @@ import json
 import os
 import re
 import sys
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 try:
     from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -61,7 +61,8 @@ except ImportError as _e:  # pragma: no cover - exercised where transformers is 
     ) from _e
 
 from onbox.common import jobenv
-from onbox.train import PREEMPT_EXIT, Checkpointer, SaveToken
+from onbox.common.errors import CheckpointError
+from onbox.train import PREEMPT_EXIT, Checkpointer, SaveToken, ckptdir
 
 __all__ = ["RgtCallback", "resume_checkpoint", "complete_checkpoints", "is_complete"]
 
@@ -90,8 +91,8 @@ def is_complete(path: str) -> bool:
     )
 
 
-def complete_checkpoints(output_dir: str) -> List[str]:
-    """Every complete ``checkpoint-<N>`` in ``output_dir``, newest (highest N) first."""
+def _found(output_dir: str) -> List[Tuple[int, str]]:
+    """(step, path) of every ``checkpoint-<N>`` directory in ``output_dir``, newest first."""
     try:
         names = os.listdir(output_dir)
     except OSError:
@@ -100,15 +101,33 @@ def complete_checkpoints(output_dir: str) -> List[str]:
     for n in names:
         m = _CHECKPOINT.match(n)
         path = os.path.join(output_dir, n)
-        if m and os.path.isdir(path) and is_complete(path):
+        if m and os.path.isdir(path):
             found.append((int(m.group(1)), path))
-    return [p for _, p in sorted(found, reverse=True)]
+    return sorted(found, reverse=True)
+
+
+def complete_checkpoints(output_dir: str) -> List[str]:
+    """Every complete ``checkpoint-<N>`` in ``output_dir``, newest (highest N) first."""
+    return [p for _, p in _found(output_dir) if is_complete(p)]
+
+
+def _verify(path: str) -> Dict[str, Any]:
+    """Nothing, when ``path`` is a complete Trainer checkpoint; else CheckpointError."""
+    if not is_complete(path):
+        raise CheckpointError(
+            f"{path} is not a complete Trainer checkpoint (no readable {TRAINER_STATE} next "
+            "to the weights: cut off while written)",
+            "use an older checkpoint",
+        )
+    return {}
 
 
 def resume_checkpoint(output_dir: Optional[str] = None) -> Optional[str]:
     """The checkpoint to pass as ``trainer.train(resume_from_checkpoint=...)``: RGT_RESUME_FROM
     when it is a complete Trainer checkpoint, else the newest complete ``checkpoint-<N>`` in
-    ``output_dir`` (default RGT_CKPT_DIR), else None."""
+    ``output_dir`` (default RGT_CKPT_DIR), else None. An incomplete newer one is skipped with a
+    line on stderr; a ``checkpoint-<N>`` symlink counts only when it leads to a checkpoint in
+    ``output_dir`` (ckptdir.newest_verified)."""
     explicit = os.environ.get(jobenv.RESUME_FROM) or ""
     if explicit:
         path = explicit if os.path.isdir(explicit) else os.path.dirname(explicit)
@@ -123,8 +142,10 @@ def resume_checkpoint(output_dir: Optional[str] = None) -> Optional[str]:
     where = output_dir or os.environ.get(jobenv.CKPT_DIR) or ""
     if not where:
         return None
-    found = complete_checkpoints(where)
-    return os.path.abspath(found[0]) if found else None
+    # The rule every adapter resumes by: a cut-off one is skipped, said on stderr; a link
+    # counts through its target in the dir, one out of it is skipped (never sealed).
+    found = ckptdir.newest_verified(_found(where), _verify)
+    return os.path.abspath(found[1]) if found else None
 
 
 class RgtCallback(TrainerCallback):

@@ -293,6 +293,34 @@ def test_hf_resume_checkpoint_takes_the_newest_whole_one(
     assert resume_checkpoint() == os.path.join(out, "checkpoint-10")
 
 
+def test_hf_resume_checkpoint_follows_a_link_in_the_output_dir_never_one_out_of_it(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``checkpoint-40`` in the output dir is a symlink to a checkpoint elsewhere: the sealer
+    never follows a link, so the store never holds it, yet resume_checkpoint resumed from it
+    (its own scan had no link rule). It is skipped now, said on stderr, as the other adapters
+    do (ckptdir.newest_verified); ``checkpoint-20``, a link to ``checkpoint-10`` beside it,
+    is resumed through."""
+    _need("transformers")
+    from onbox.train.hf import resume_checkpoint
+
+    out, elsewhere = os.path.join(str(tmp_path), "out"), os.path.join(str(tmp_path), "else")
+    monkeypatch.delenv("RGT_RESUME_FROM", raising=False)
+    for d, step in ((out, 10), (elsewhere, 40)):
+        name = os.path.join(d, f"checkpoint-{step}")
+        _touch(os.path.join(name, "trainer_state.json"), json.dumps({"global_step": step}))
+        _touch(os.path.join(name, "model.safetensors"))
+    os.symlink(os.path.join(elsewhere, "checkpoint-40"), os.path.join(out, "checkpoint-40"))
+    os.symlink("checkpoint-10", os.path.join(out, "checkpoint-20"))
+    assert resume_checkpoint(out) == os.path.join(out, "checkpoint-20")
+    err = capsys.readouterr().err
+    assert "skipping checkpoint step 40:" in err and "outside" in err, err
+    os.unlink(os.path.join(out, "checkpoint-20"))
+    _touch(os.path.join(out, "checkpoint-30", "trainer_state.json"), '{"global_st')  # cut off
+    _touch(os.path.join(out, "checkpoint-30", "model.safetensors"))
+    assert resume_checkpoint(out) == os.path.join(out, "checkpoint-10")
+
+
 def test_lightning_resume_path_takes_the_newest_whole_one(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 from onbox.agent.jobroot import JobFiles
 from onbox.agent.spec import JobSpec
-from onbox.common import redact
+from onbox.common import links, redact
 from onbox.common.faults import crash_point
 from onbox.common.rundir import RunDir
 from onbox.common.safepath import NotRegularFile, UnsafePath, file_kind, safe_rel, sha256_regular
@@ -185,8 +185,12 @@ class Completion:
             path = os.path.join(base, name)
             if skip(name):
                 continue
-            if os.path.islink(path):
-                self._left_out(name, "it is a symlink")
+            if os.path.islink(path) and links.within(path) is not None:
+                # A link to a path in the dir loses nothing: its target is sealed (here or as
+                # a checkpoint) under its own name. Said once, at info level, not a pull warning.
+                self.sealer.refusals.report_links(base, [name])
+            elif os.path.islink(path):
+                self._left_out(name, "it is a symlink out of the checkpoint dir")
             elif os.path.isdir(path):
                 if dir_candidate(base, name, path) is None:
                     todo += self._walk_results(path, name)

@@ -15,13 +15,16 @@ Only regular files are sealed (onbox/sealing/discovery.py says why): a symlink, 
 a device in a checkpoint is left out, and the rest of the checkpoint sealed; one ``left_out``
 event (class usage) names what was left out, again only when the checkpoint changes. A symlink
 in the checkpoint dir itself (``latest``, Lightning's ``last.ckpt``) is never sealed either: one
-event the first time it is seen.
+event the first time it is seen: ``left_out`` when it leads out of the dir (those bytes are never
+sealed), ``ckpt_link`` (info) when it leads to a path in it, sealed under its own name.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Set, Tuple
+import os
+from typing import Callable, Dict, List, Tuple
 
+from onbox.common import links
 from onbox.common.safepath import UnsafePath, safe_rel
 from onbox.sealing.discovery import Candidate
 
@@ -44,7 +47,8 @@ class Refusals:
         self.event = event
         self.refused: Dict[str, Tuple[int, int, int]] = {}  # unsafe names, reported once each
         self.left_out: Dict[str, Tuple[int, int, int]] = {}  # non-regular files, reported once
-        self.links: Set[str] = set()  # symlinks in the checkpoint dir, reported once each
+        # symlinks in the checkpoint dir, reported once each: whether it leads inside it
+        self.links: Dict[str, bool] = {}
 
     def safe_names(self, root: str, files: List[str], sig: Tuple[int, int, int]) -> bool:
         """Whether every name of the checkpoint ``root`` is one restore and pull accept
@@ -91,18 +95,37 @@ class Refusals:
             paths=[rel for rel, _ in cand.left_out],
         )
 
-    def report_links(self, names: List[str]) -> None:
-        """One ``left_out`` event for each symlink in the checkpoint dir that would be a
-        checkpoint if it were not a link (discovery.listing), the first time it is seen."""
+    def report_links(self, ckpt_dir: str, names: List[str]) -> None:
+        """Say once of each symlink in the checkpoint dir (discovery.listing's, or any the
+        completion seal meets) that it is not sealed, again only when where it leads changes
+        side: one that leads to a path in the dir (Lightning's ``last.ckpt``) loses nothing,
+        its target being sealed under its own name (info, ``ckpt_link``); one out of it leads
+        to bytes never sealed (``left_out``, usage)."""
         for name in names:
-            if name in self.links:
+            path = os.path.join(ckpt_dir, name)
+            real = links.within(path)
+            if self.links.get(name) == (real is not None):
                 continue
-            self.links.add(name)
+            self.links[name] = real is not None
+            if real is not None:
+                target = os.path.relpath(real, os.path.realpath(ckpt_dir))
+                self.event(
+                    "ckpt_link",
+                    f"{name!r} in the checkpoint dir is a symlink to {target!r} in it: the "
+                    "link is not sealed, what it leads to is (under its own name, as any "
+                    "checkpoint or file there); a restore or a pull does not make the link "
+                    "again",
+                    remedy="nothing; resume from the target (rgt's resume helpers do), not "
+                    "through the link (Lightning: resume_path(), not ckpt_path='last')",
+                    path=name,
+                    target=target,
+                )
+                continue
             self.event(
                 "left_out",
-                f"{name!r} in the checkpoint dir is a symlink: not sealed (a link is never "
-                "followed; a checkpoint it points to in the checkpoint dir is sealed under its "
-                "own name)",
+                f"{name!r} in the checkpoint dir is a symlink out of it (to "
+                f"{os.path.realpath(path)!r}): not sealed, nor what it leads to (a link is "
+                "never followed)",
                 klass="usage",
                 remedy="save checkpoints as real files or directories in the checkpoint dir",
                 paths=[name],

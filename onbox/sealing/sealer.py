@@ -180,7 +180,7 @@ class Sealer:
     def scan(self) -> List[Candidate]:
         """Complete checkpoints not sealed yet, oldest step first."""
         dirs, files, links = listing(self.ckpt_dir)
-        self.refusals.report_links([n for n, _ in links])
+        self.refusals.report_links(self.ckpt_dir, [n for n, _ in links])
         dirs = [c for c in dirs if self.refusals.safe_names(c.root, c.files, c.signature)]
         files = [(n, st) for n, st in files if self.refusals.safe_names(n, [n], signature(st))]
         # Only what may still need sealing is checked for writers: the walk of /proc reads every

@@ -13,6 +13,7 @@ store; the wait for SUCCEEDED is the bound (a hang fails it).
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -122,3 +123,67 @@ def test_rgt_pull_says_which_results_were_left_out_at_completion(
     ):
         assert [line for line in warned if name in line and what in line], (name, said)
     assert all("not sealed" in line for line in warned), said
+
+
+LIGHTNING_JOB = r"""
+import os
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.demos.boring_classes import BoringModel
+ck = os.environ["RGT_CKPT_DIR"]
+mc = ModelCheckpoint(dirpath=ck, every_n_train_steps=2, save_top_k=-1, save_last="link")
+trainer = pl.Trainer(
+    max_steps=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+    enable_model_summary=False, callbacks=[mc],
+)
+trainer.fit(BoringModel())
+os.makedirs("elsewhere", exist_ok=True)
+os.link(os.path.join(ck, "epoch=0-step=2.ckpt"), os.path.join("elsewhere", "kept.ckpt"))
+os.symlink(os.path.abspath("elsewhere/kept.ckpt"), os.path.join(ck, "stray.ckpt"))
+print("finished", os.readlink(os.path.join(ck, "last.ckpt")), flush=True)
+"""
+
+
+def test_lightnings_last_link_is_no_warning_at_pull_a_link_out_of_the_dir_still_is(
+    cli: Cli, tmp_path: Any, controller_env: Dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """ModelCheckpoint(save_last="link") makes last.ckpt a symlink to its newest checkpoint in
+    the checkpoint dir, which is sealed under its own name: nothing is lost, yet every pull
+    warned that last.ckpt was not sealed (and the sealer wrote a usage event). Now such a
+    link is said once at info level (``ckpt_link``), not in DONE.json's ``left_out``; a link
+    out of the checkpoint dir (stray.ckpt), whose bytes are never sealed, still warns."""
+    if importlib.util.find_spec("lightning") is None:
+        pytest.skip("lightning (pip install -e '.[train,frameworks]')")
+    root = str(tmp_path / "durable")
+    os.makedirs(root)
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "job.py").write_text(LIGHTNING_JOB)
+    (work / "job.toml").write_text(
+        f'name = "lnk"\ncommand = {json.dumps([sys.executable, "job.py"])}\n'
+        f'store = "file://{root}"\n'
+    )
+    cli("start", "job.toml", "--ckpt-dir", str(tmp_path / "ckpt"), check=True, cwd=str(work))
+    cli.wait_state("lnk", "SUCCEEDED", timeout=180)
+    done = _done(root, "lnk")
+    assert [x["path"] for x in done["left_out"]] == ["checkpoints/stray.ckpt"], done["left_out"]
+    events = cli.events("lnk")
+    said = [e for e in events if "last.ckpt" in json.dumps(e)]
+    assert [(e["kind"], e["class"]) for e in said] == [("ckpt_link", None)], said
+    # Said when first seen: while the job ran, last.ckpt may still have led to step 2.
+    assert said[0]["target"] in ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt"), said
+    assert f"to {said[0]['target']!r} in it" in said[0]["reason"], said
+    stray = [e for e in events if "stray.ckpt" in json.dumps(e)]
+    assert {(e["kind"], e["class"]) for e in stray} >= {("result_left_out", "usage")}, stray
+    Registry().put(
+        RunRecord("lnk", Target("local"), profile="local", store=f"file://{root}",
+                  box_home=cli.home, agent=agent_exe())
+    )  # fmt: skip
+    capsys.readouterr()
+    dest = tmp_path / "dest"
+    assert rgt_main(["pull", "lnk", "--to", str(dest), "--from", "store"]) == 0
+    out = capsys.readouterr().out
+    warned = [line for line in out.splitlines() if line.strip().startswith("warning:")]
+    assert [line for line in warned if "stray.ckpt" in line], out
+    assert not [line for line in warned if "last.ckpt" in line], out
+    assert (dest / "checkpoints" / "epoch=0-step=4.ckpt").is_file(), out

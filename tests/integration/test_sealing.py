@@ -549,6 +549,7 @@ def test_links_fifos_and_sockets_in_a_checkpoint_are_left_out_reported_once_and_
     sock.bind(os.path.join(d, "sock"))
     _dir_ckpt(ckpt, "step_2", 2, {"model.bin": b"v" * 100})
     os.symlink("step_2", os.path.join(ckpt, "latest"))  # a link in the checkpoint dir itself
+    os.symlink(str(tmp_path), os.path.join(ckpt, "away"))  # and one out of it
     events: List[Dict[str, Any]] = []
     s = _sealer(store, "links", ckpt, tmp_path, events)
     try:
@@ -561,7 +562,10 @@ def test_links_fifos_and_sockets_in_a_checkpoint_are_left_out_reported_once_and_
     stored = [f for _, _, files in os.walk(os.path.join(root, "links")) for f in files]
     assert not {"tokenizer.json", "zero", "pipe", "sock"} & set(stored)
     top, ev = [e for e in events if e["kind"] == "left_out"]
-    assert top["paths"] == ["latest"] and "is a symlink: not sealed" in top["reason"]
+    assert top["paths"] == ["away"] and "is a symlink out of it" in top["reason"]
+    # A link to a checkpoint in the dir loses nothing: said once, at info level.
+    (link,) = [e for e in events if e["kind"] == "ckpt_link"]
+    assert (link["path"], link["target"], link.get("klass")) == ("latest", "step_2", None), link
     assert ev["klass"] == "usage" and ev["paths"] == [
         "step_1/dirlink",
         "step_1/pipe",

@@ -160,7 +160,8 @@ def doctor(target: str, **options: Any) -> int:
 @click.argument("name", required=False)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
 def status(name: Optional[str], as_json: bool) -> int:
-    """The run's state, from the box, or from the store when the box does not answer."""
+    """The run's state, from the box, or from the store when the box does not answer or the
+    run was taken down (rgt down)."""
     rec = _pick(name)
     doc, why = observe.status(rec)
     if as_json:
@@ -312,7 +313,8 @@ def runs(as_json: bool) -> int:
     if not recs:
         _emit("no runs yet: rgt deploy TARGET -- CMD")
     for r in recs:
-        _emit(f"{r.name}  {r.target.label}  {r.profile}  store={r.store or '-'}")
+        down = f"  {r.taken_down()}" if r.down_at is not None else ""  # its store alone left
+        _emit(f"{r.name}  {r.target.label}  {r.profile}  store={r.store or '-'}{down}")
     return 0
 
 

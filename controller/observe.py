@@ -176,8 +176,11 @@ def from_store(rec: RunRecord) -> Dict[str, Any]:
 
 
 def status(rec: RunRecord) -> Tuple[Dict[str, Any], Optional[str]]:
-    """(status, why the box was not used); falls back to the store when the box is silent.
-    A run a Slurm job runs joins Slurm's side (controller/slurm/runs.py)."""
+    """(status, why the box was not used); falls back to the store when the box is silent, and
+    reads only the store for a run taken down (``rgt down``: nothing of it is on a box). A run a
+    Slurm job runs joins Slurm's side (controller/slurm/runs.py)."""
+    if rec.down_at is not None:
+        return dict(from_store(rec), taken_down=rec.taken_down()), None
     if rec.scheduler.get("kind") == "slurm":
         from controller.slurm import runs
 
@@ -200,10 +203,12 @@ def describe(doc: Dict[str, Any], why_not_box: Optional[str] = None) -> str:
         lines.append(str(first_line(doc)))
     elif doc.get("source") == "store":
         since = doc.get("known_at") or doc.get("updated_at") or "an unknown time"
-        lines.append(
-            f"{doc.get('name')}: unknown since {since}, when it was {doc.get('state')} "
-            f"(the box does not answer: {why_not_box}; read from the store at {doc['read_at']})"
-        )
+        head = f"unknown since {since}, when it was {doc.get('state')} (the box does not answer: "
+        if doc.get("taken_down"):
+            head = f"{doc['taken_down']}, {doc.get('state')} at {since} ("
+            why_not_box = "rgt down: nothing of it is left on its box"
+        read = f"{why_not_box}; read from the store at {doc['read_at']})"
+        lines.append(f"{doc.get('name')}: {head}{read}")
     else:
         lines.append(
             f"{doc.get('name')}: {doc.get('state')}, attempt {doc.get('attempt')}, "
@@ -265,6 +270,7 @@ _IF_MADE = (
 def logs(rec: RunRecord, follow: bool, out: IO[bytes]) -> int:
     """Copy the job's output from the box (following it with ``follow``); for a Slurm run,
     controller/slurm/runs.py's (the batch output while no agent started)."""
+    rec.check_on_box("rgt logs")  # taken down: nothing of it is left on a box
     if rec.scheduler.get("kind") == "slurm":
         from controller.slurm import runs
 
@@ -319,6 +325,7 @@ def _follow(remote: Remote, argv: List[str], out: IO[bytes], label: str) -> Tupl
 
 
 def stop(rec: RunRecord, grace: Optional[str]) -> int:
+    rec.check_on_box("rgt stop")  # taken down: stopped, and nothing of it is left on a box
     if rec.scheduler.get("kind") == "slurm":  # the agent, then scancel
         from controller.slurm import runs
 
@@ -462,7 +469,8 @@ def watch(rec: RunRecord, *, interval: float, once: bool, until_done: bool, out:
         state = str(doc.get("state"))
         # A Slurm run's PREEMPTED agent goes on once Slurm starts its requeued job.
         live = (doc.get("scheduler") or {}).get("live")
-        ended = state in TERMINAL_NAMES and live is not True
+        # A run taken down has nothing left to change its state (only the store's copy is read).
+        ended = (state in TERMINAL_NAMES and live is not True) or rec.down_at is not None
         return render(doc, rates.update(doc.get("progress") or {}), why)
 
     if once or not console.is_terminal:

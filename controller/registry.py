@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import fcntl
 import os
 import time
@@ -49,6 +50,10 @@ class RunRecord:
     scheduler: Dict[str, Any] = dataclasses.field(default_factory=dict)
     created: float = dataclasses.field(default_factory=time.time)
     updated: float = dataclasses.field(default_factory=time.time)
+    # When `rgt down` took the run off its box and stopped the meter, keeping this record for
+    # the run's store, which outlives the box (controller/results/settle.py); None while the
+    # run is on its box. Absent from a record written before it: read as None.
+    down_at: Optional[float] = None
 
     def to_json(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -61,6 +66,25 @@ class RunRecord:
         kw = {k: v for k, v in d.items() if k in fields}
         kw["target"] = Target.from_json(d["target"])
         return cls(**kw)
+
+    def taken_down(self) -> str:
+        """When ``rgt down`` took the run off its box, as shown ("" while it is on one)."""
+        if self.down_at is None:
+            return ""
+        when = datetime.datetime.fromtimestamp(self.down_at, datetime.timezone.utc)
+        return f"taken down at {when.isoformat(timespec='seconds')}"
+
+    def check_on_box(self, what: str) -> None:
+        """NotFound (exit 8) when the run was taken down: ``what`` (a command) would reach a
+        box that holds nothing of it, and may be gone; only the store has the run now."""
+        if self.down_at is None:
+            return
+        raise NotFound(
+            f"run {self.name} was {self.taken_down()} (rgt down): nothing of it is left on "
+            f"{self.target.label}, which may be gone, so {what} has nothing to reach",
+            f"its store {self.store} has what it sealed: rgt pull {self.name} fetches it, "
+            f"rgt status {self.name} reads it",
+        )
 
     def agent_argv(self, *args: str) -> List[str]:
         """argv that runs ``rgt-agent ARGS`` on the box for this run."""
@@ -138,6 +162,17 @@ class Registry:
 
     def all(self) -> List[RunRecord]:
         return [self._record(n, d) for n, d in sorted(self._read()["runs"].items())]
+
+    def mark_down(self, name: str) -> Optional[RunRecord]:
+        """Mark the record of ``name`` taken down now (``RunRecord.down_at``); the record, or
+        None when there is none to mark."""
+        with self._locked() as doc:
+            d = doc["runs"].get(name)
+            if d is None:
+                return None
+            d["down_at"] = d["updated"] = time.time()
+            write_json(self.path, doc)
+            return self._record(name, d)
 
     def remove(self, name: str) -> None:
         with self._locked() as doc:

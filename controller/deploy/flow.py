@@ -437,12 +437,13 @@ def agent_and_run(
 
 
 def previous_record(registry: Registry, name: str, target: Target) -> Optional[RunRecord]:
-    """This laptop's record of run ``name`` on ``target``, if it has one with an agent."""
+    """This laptop's record of run ``name`` on ``target``, if it has one with an agent (one
+    taken down by ``rgt down`` has none: nothing of the run is left on its box)."""
     try:
         rec = registry.get(name)
     except NotFound:
         return None
-    if rec.target != target or not rec.agent or not rec.box_home:
+    if rec.target != target or not rec.agent or not rec.box_home or rec.down_at is not None:
         return None
     return rec
 

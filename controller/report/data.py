@@ -45,7 +45,7 @@ class ReportData:
     status: Dict[str, Any]
     rows: List[Dict[str, Any]]
     events: List[Dict[str, Any]]
-    why_not_box: Optional[str] = None
+    why_not_box: Optional[str] = None  # why it was read from the store, as the page says it
 
 
 def text(v: Any, limit: int = MAX_TEXT) -> str:
@@ -181,8 +181,11 @@ def from_store(rec: RunRecord, why_not_box: Optional[str]) -> ReportData:
 
 
 def gather(rec: RunRecord) -> ReportData:
-    """From the box; from the store when the box does not answer."""
+    """From the box; from the store when the box does not answer, or when the run was taken
+    down (nothing of it is left on a box)."""
+    if rec.down_at is not None:
+        return from_store(rec, f"{rec.taken_down()} by rgt down: nothing of it is left on its box")
     try:
         return from_box(rec)
     except RemoteUnreachable as e:
-        return from_store(rec, e.what)
+        return from_store(rec, f"the box did not answer: {e.what}")

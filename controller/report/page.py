@@ -198,7 +198,7 @@ def render(data: ReportData) -> str:
     head = (
         f"state {st.get('state')}, attempt {st.get('attempt')}, restarts {st.get('restarts')}; "
         f"read from the {data.source} at {_when(data.read_at)}"
-        + (f" (the box did not answer: {data.why_not_box})" if data.why_not_box else "")
+        + (f" ({data.why_not_box})" if data.why_not_box else "")
     )
     span = f"{_when(axis.t0)} to {_when(axis.t1)} (UTC), {len(data.rows)} samples"
     marks = [(category(e), e) for e in data.events]

@@ -29,8 +29,10 @@ steps are shown. The plan shows, before anything is done, what survives that ver
 tier), what keeps billing after it, what it makes irreversible, and the profile's danger clocks.
 A meter-stop that was refused, not sent, or whose end is unknown fails down and keeps the run's
 record; for the last, a second ``rgt down N`` finds the journal, never re-sends the call, and
-only polls. Last, the run is removed from the laptop's registry; its receipt stays in
-``$RGT_CONTROLLER_HOME/receipts/``.
+only polls. Last, the laptop's record of the run (controller/results/settle.py): kept, marked
+taken down, when the run's store outlives the box, so that ``rgt pull N`` fetches from the store
+afterwards (``rgt down N`` again then forgets the run, doing nothing on a box nor to the meter);
+else removed. Its receipt stays in ``$RGT_CONTROLLER_HOME/receipts/``.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from controller.meter.api import check_instance, client, noun
 from controller.profiles import user_dirs as profile_dirs
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, open_remote
-from controller.results import meterplan
+from controller.results import meterplan, settle
 from controller.results.receipt import Coverage, Receipt, load_state_receipt, state_receipt_path
 from controller.results.sealed import covers_newest
 from controller.shell import script
@@ -224,7 +226,7 @@ def plan_down(
         check_instance(instance)
         client(profile.meter.api)  # no API key: refused now, before anything is done
         actions.append(f"{profile.meter.verb} the {noun(profile.meter.api)} {instance}")
-    actions.append("forget the run on this laptop (its receipt stays)")
+    actions.append(settle.plan_line(rec, profile))
     plan = DownPlan(rec, receipt, coverage, state, lost, kept, billing, actions, grace)
     plan.profile, plan.instance, plan.after = profile, instance, after
     if rec.store and state is not None and state not in TERMINAL_NAMES:
@@ -235,15 +237,25 @@ def plan_down(
 def _stop_seals(name: str, store: str, receipt: Receipt, gone: str) -> List[str]:
     """What the plan says of a live run's stop: the checkpoint it may seal (the job's save as
     it is stopped, onbox/agent/budgetseal.py) goes into the store only, after the pull the
-    receipt covers, and down forgets the run, so `rgt pull` cannot fetch it afterwards. (A live
-    run without a store never gets here: its box files cannot be pulled while it runs, so no
-    receipt covers them.)"""
-    return [
-        "and the stop may seal a newer checkpoint (what the job saves as it is stopped):",
+    receipt covers. Where the store outlives the box, down keeps the run's record for it
+    (controller/results/settle.py), so `rgt pull` fetches it afterwards; where the store goes
+    with the box, down forgets the run and it is lost unless pulled first. (A live run without
+    a store never gets here: its box files cannot be pulled while it runs, so no receipt covers
+    them.)"""
+    into = (
         f"it goes into the store {store} only: not into {receipt.dest} (the pull has "
         f"{receipt.sealed.pulled()})"
-        + (", and the store goes with the box (above)" if gone else "")
-        + f"; down then forgets the run on this laptop, so `rgt pull {name}` cannot fetch it",
+    )
+    if not gone:
+        return [
+            "and the stop may seal a newer checkpoint (what the job saves as it is stopped):",
+            f"{into}; down keeps the run's record on this laptop for the store, so "
+            f"`rgt pull {name}` fetches it afterwards",
+        ]
+    return [
+        "and the stop may seal a newer checkpoint (what the job saves as it is stopped):",
+        f"{into}, and the store goes with the box (above); down then forgets the run on this "
+        f"laptop, so `rgt pull {name}` cannot fetch it",
         f"to have it here too: rgt stop {name}, then rgt pull {name} --from store, "
         f"then rgt down {name}",
     ]
@@ -349,6 +361,10 @@ def down(
     MeterUnresolved (17) or MeterNotSent (20) when the meter-stop fails, keeping the run's
     record."""
     name = check_name(rec.name)
+    if rec.down_at is not None:  # an earlier down took it off its box: only the record is left
+        plan = _off_the_box(rec, home, "taken down already")
+        plan.done.append(settle.forget(rec, registry or Registry(home), show))
+        return plan
     if yes and interactive:
         raise UnsafeRefused(
             f"run {name}: --yes works only when stdin is not a terminal",
@@ -389,8 +405,9 @@ def down(
 def _stop_meter(
     plan: DownPlan, show: Callable[[str], None], home: Optional[str], registry: Optional[Registry]
 ) -> DownPlan:
-    """The run is off the box: stop the meter, then forget the run, unless the meter is left
-    running for a later ``rgt down N --instance ID`` (then the record stays)."""
+    """The run is off the box: stop the meter, then keep the run's record for its store or
+    forget it (controller/results/settle.py), unless the meter is left running for a later
+    ``rgt down N --instance ID`` (then the record stays as it is)."""
     name = plan.rec.name
     if plan.profile is not None and plan.rec.profile != "local":
         step = meter.Step(name, plan.profile, plan.instance, show, home)
@@ -403,9 +420,7 @@ def _stop_meter(
                 f"rgt down {name} --instance ID can stop the meter"
             )
             return plan
-    (registry or Registry(home)).remove(name)
-    plan.done.append("forgot the run on this laptop")
-    show(f"run {name} is down")
+    plan.done.append(settle.settle(plan.rec, plan.profile, registry or Registry(home), show))
     return plan
 
 
@@ -419,11 +434,16 @@ def _resume(
 ) -> DownPlan:
     """An earlier down took the run off the box and sent the meter-stop, whose end it did not
     see: only poll (the receipt must still be here; nothing on the box is touched)."""
-    receipt = _receipt(rec.name, home)
     show(f"run {rec.name}: an earlier down took it off the box and sent the meter-stop")
-    plan = DownPlan(rec, receipt, Coverage(True, "off the box already"), None, [], [], [], [], 30.0)
+    plan = _off_the_box(rec, home, "off the box already")
     plan.profile, plan.instance = profile, instance
     return _stop_meter(plan, show, home, registry)
+
+
+def _off_the_box(rec: RunRecord, home: Optional[str], why: str) -> DownPlan:
+    """The plan of a down whose run an earlier one took off the box (its receipt must still be
+    here): nothing on the box is looked at."""
+    return DownPlan(rec, _receipt(rec.name, home), Coverage(True, why), None, [], [], [], [])
 
 
 def _execute(plan: DownPlan, remote: Remote) -> None:

@@ -13,7 +13,8 @@ What is pulled is the run's newest *sealed* state, never a file that is still be
   whatever ``--from`` says, verified the same way, and when the store cannot give it the pull
   stops and says so: the box's raw log is never taken in its place. ``auto`` is the store when
   the laptop can read it (``s3://``, ``hf://``, or ``file://`` with a ``local`` target), else
-  the box.
+  the box; for a run ``rgt down`` took off its box (its record kept for the store,
+  controller/results/settle.py) it is the store, and ``--from box`` is refused (exit 8).
 - without a store (``--from box`` only): when the run is no longer live (its agent reports a
   terminal state, so no file is being written), every file in its checkpoint dir (hidden and
   temporary names skipped, as the sealer skips them), every file of its outputs (hidden and

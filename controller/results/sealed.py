@@ -33,6 +33,10 @@ def resolve_source(rec: RunRecord, source: str) -> str:
     controller/results/pull.py's docstring)."""
     if source not in SOURCES:
         raise UsageError("--from", f"{source!r} is not box or store")
+    if rec.down_at is not None and rec.store:  # rgt down kept the record for the store alone
+        if source == "box":
+            rec.check_on_box("rgt pull --from box")
+        return "store"
     if source != "auto":
         if source == "store" and not rec.store:
             raise UsageError("--from", f"run {rec.name!r} has no store", "pull it with --from box")
@@ -63,6 +67,13 @@ def _read_sealed(rec: RunRecord, source: str, remote: Optional[Remote]) -> Seale
     if source == "store":
         assert rec.store
         root = _file_root(rec)
+        if root is not None and not os.path.isdir(root) and rec.down_at is not None:
+            raise NotFound(
+                f"run {run} was {rec.taken_down()} (rgt down), and its store {rec.store} is a "
+                "mount of the box's, not a directory on this laptop",
+                f"mount it here at {root}, or deploy a box that mounts it "
+                f"(rgt deploy TARGET --name {run} --store {rec.store} ...) and pull from there",
+            )
         if root is not None and not os.path.isdir(root):
             raise UsageError(
                 "--from",

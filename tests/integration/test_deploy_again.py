@@ -10,7 +10,9 @@ laptop says when the box's start fails.
 - a start refused because another agent holds the run (exit 5) names the laptop's commands
   only, not the box's `rgt-agent status` / `rgt-agent stop`;
 - a store named by the job file (not --store) is the store the laptop records (locally, and over
-  ssh, where `rgt status` reads it while the box does not answer).
+  ssh, where `rgt status` reads it while the box does not answer);
+- a run `rgt down` took off its box, whose record the laptop keeps for its store, is deployed
+  again under its name: the new record replaces the kept one and the run resumes from the store.
 
 The `local` target runs the same commands as an ssh box (controller/remote.py), with the real
 `rgt` CLI in this process and the real agent installed once, in a box home shared by the module.
@@ -22,15 +24,18 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator, List, Tuple
 
 import pytest
 
 from controller.cli import main as rgt_main
-from tests.conftest import Cli, _kill_run_processes
+from controller.registry import Registry
+from tests.conftest import Cli, _kill_run_processes, fixture
 from tests.laptop import laptop_env, run_rgt, ssh_target
 from tests.seaweed import SeaweedServer
 from tests.sshd import SshServer, start_sshd
@@ -306,4 +311,39 @@ def test_a_job_file_naming_an_s3_store_gets_an_agent_that_can_reach_it(
     assert code == 0, err
     assert cli.status("s3job")["state"] in ("STARTING", "RUNNING")
     code, err = _rgt(capsys, "stop", "s3job", "--grace", "1")
+    assert code == 0, err
+
+
+def test_a_run_taken_down_with_its_store_kept_is_deployed_again_and_resumes_from_the_store(
+    on_box: Tuple[Cli, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`rgt down` keeps the record of a run whose store outlives the box, marked taken down.
+    A new `rgt deploy TARGET --name N` is not refused for it: its record replaces the kept one,
+    and the agent restores the run's newest sealed checkpoint from the store."""
+    cli, proj = on_box
+    store = tmp_path / "store"
+    job = [*fixture("ckpt_writer.py"), "on_signal", "0.25"]
+    deploy = [*_deploy(proj, "again"), "--store", f"file://{store}", "--", *job]
+    code, err = _rgt(capsys, *deploy)
+    assert code == 0, err
+    cli.wait_for("again", lambda s: bool(s.get("pid")) and "ready" in cli.log_text("again"))
+    os.kill(cli.status("again")["pid"], signal.SIGUSR2)
+    latest = store / "again" / "LATEST.json"
+    deadline = time.monotonic() + 60
+    while not (latest.exists() and json.loads(latest.read_text())["step"] == 1):
+        assert time.monotonic() < deadline, "step 1 was not sealed"
+        time.sleep(0.05)
+    code, err = _rgt(capsys, "pull", "again", "--to", str(tmp_path / "dest"))
+    assert code == 0, err
+    code, err = _rgt(capsys, "down", "again", "--yes")
+    assert code == 0, err
+    ckpt = Path(cli.home, "runs", "again", "ckpt", "step_1.pt")
+    assert not ckpt.exists() and Registry().get("again").down_at is not None
+
+    code, err = _rgt(capsys, *deploy)
+    assert code == 0, err
+    rec = Registry().get("again")
+    assert rec.down_at is None and rec.store == f"file://{store}"
+    assert ckpt.exists()  # restored from the store before the job started
+    code, err = _rgt(capsys, "stop", "again", "--grace", "5")
     assert code == 0, err

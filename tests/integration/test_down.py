@@ -233,16 +233,19 @@ def test_down_after_a_verified_pull_stops_the_run_and_removes_only_its_box_files
     assert box.latest() == 1
     assert os.path.exists(os.path.join(receipt.dest, "checkpoints", "step_1.pt"))
     assert os.path.exists(state_receipt_path(RUN))
-    with pytest.raises(NotFound):
-        Registry().get(RUN)
+    if over == "local":  # the store is on this machine: the record stays for it, taken down
+        assert Registry().get(RUN).down_at is not None
+        last = "kept the run's record for its store, marked taken down"
+    else:  # generic-ssh: the store is on the box's disk, which goes with the machine
+        with pytest.raises(NotFound):
+            Registry().get(RUN)
+        last = "forgot the run on this laptop"
+    assert plan.done[-1] == last
     assert json.loads(box.cli("list", "--json").stdout) == []  # no run left on the box
 
-    # Running it again (the laptop kept the record) is safe: nothing is left to do.
+    # Running it again (the laptop kept the record as it was) is safe: nothing is left to do.
     again = down(rec, yes=True, interactive=False, ask=_never, show=shown.append)
-    assert again.state is None and again.done == [
-        "removed the run's files on the box",
-        "forgot the run on this laptop",
-    ]
+    assert again.state is None and again.done == ["removed the run's files on the box", last]
 
 
 def test_down_finishes_after_a_down_that_stopped_halfway(box: Box, tmp_path: Any) -> None:
@@ -386,3 +389,106 @@ def test_down_of_a_live_run_says_the_stops_checkpoint_goes_to_the_store_only(
     assert f"not into {dest}" in live and "step 1" in live, text
     assert f"rgt stop {RUN}, then rgt pull {RUN} --from store, then rgt down {RUN}" in live, text
     box.intact()  # only a plan: nothing was done
+
+
+def _nas_profile(d: str, where: str) -> None:
+    """A user profile ``nas``: any ssh box (generic-ssh), with a network mount at ``where`` (this
+    machine's store) that outlives the machine."""
+    with open(
+        os.path.join(os.path.dirname(load_profile("generic-ssh").file), "generic-ssh.toml")
+    ) as f:
+        text = f.read().replace('name = "generic-ssh"', 'name = "nas"', 1)
+    mount = (
+        f'[[storage]]\nname = "nas"\npath = {json.dumps(where)}\nsurvives_stop = true\n'
+        'survives_destroy = true\nnote = "a network mount"\n\n[durable]'
+    )
+    with open(os.path.join(d, "nas.toml"), "w") as f:
+        f.write(text.replace("[durable]", mount, 1))
+
+
+def _rgt(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    """`rgt ARGV` in this process: its exit code, stdout and stderr."""
+    from controller.cli import main as rgt_main
+
+    capsys.readouterr()
+    code = rgt_main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_a_run_taken_down_keeps_its_record_for_a_store_that_outlives_the_box(
+    box: Box,
+    tmp_path: Any,
+    sshd: SshServer,
+    request: pytest.FixtureRequest,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The store is on a mount that outlives the box: after `rgt down N` the run's newest sealed
+    state is still there (the stop of a live run may seal one newer than the pull). Before, down
+    forgot the run, so neither `rgt pull N` nor `rgt status N` could find the store by name. Now
+    the record stays, marked taken down: pull and status read the store, the commands that need
+    the box say it was taken down (exit 8), and `rgt down N` again forgets the run."""
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    monkeypatch.setenv("RGT_PROFILES_DIR", str(profiles))
+    _nas_profile(str(profiles), os.path.dirname(box.store_root))
+    target = Target(
+        "ssh", host="127.0.0.1", user=sshd.user, port=sshd.port, identity=sshd.client_key
+    )
+    request.addfinalizer(SshRemote(target).close)
+    rec = dataclasses.replace(box.record(target), profile="nas")
+    Registry().put(rec)
+    pull(rec, str(tmp_path / "dest"), "store")
+
+    shown: List[str] = []
+    down(rec, yes=True, interactive=False, ask=_never, show=shown.append)
+    text = "\n".join(shown)
+    live = text.split("the run is RUNNING:")[1].split("down will:")[0]
+    assert f"`rgt pull {RUN}` fetches it afterwards" in live, text
+    assert "cannot fetch it" not in text
+    assert "keep the run's record on this laptop, marked taken down, for its store" in text
+    assert not os.path.exists(box.run_dir)
+    kept = Registry().get(RUN)
+    assert kept.down_at is not None and kept.store == rec.store
+
+    # `rgt pull N` (auto) fetches from the store and verifies; --from box is refused.
+    after = tmp_path / "after"
+    code, out, err = _rgt(capsys, "pull", RUN, "--to", str(after))
+    assert code == 0, err
+    assert "and verified" in out
+    assert (after / "checkpoints" / "step_1.pt").exists()
+    with open(after / ".rgt-receipt.json") as f:
+        assert json.load(f)["source"] == "store"
+    code, out, err = _rgt(capsys, "pull", RUN, "--from", "box", "--to", str(tmp_path / "b"))
+    assert code == 8 and "was taken down at" in err and f"rgt pull {RUN}" in err, err
+
+    # `rgt status N` and `rgt watch N` answer from the store, saying the run was taken down.
+    code, out, err = _rgt(capsys, "status", RUN)
+    assert code == 0, err
+    first = out.splitlines()[0]
+    assert f"{RUN}: taken down at" in first and "read from the store" in first, out
+    assert "does not answer" not in out
+    code, out, err = _rgt(capsys, "watch", RUN, "--once")
+    assert code == 0 and f"{RUN}: taken down at" in out, out + err
+    code, out, err = _rgt(capsys, "report", RUN, "--out", str(tmp_path / "r.html"))
+    assert code == 0, err
+    assert "taken down at" in (tmp_path / "r.html").read_text()
+
+    # `rgt runs` lists it as taken down.
+    code, out, err = _rgt(capsys, "runs")
+    line = next(x for x in out.splitlines() if x.startswith(RUN + " "))
+    assert "taken down at" in line, out
+
+    # The commands that need the box say it was taken down, and do nothing.
+    for argv in (["logs", RUN], ["stop", RUN]):
+        code, out, err = _rgt(capsys, *argv)
+        assert code == 8 and f"run {RUN} was taken down at" in err, (argv, err)
+
+    # `rgt down N` again forgets it: nothing on a box, no meter.
+    code, out, err = _rgt(capsys, "down", RUN)
+    assert code == 0, err
+    assert "nothing is done there nor to the meter now" in out, out
+    assert "rgt has no API" not in out  # no meter-stop step this time
+    with pytest.raises(NotFound):
+        Registry().get(RUN)

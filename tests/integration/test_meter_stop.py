@@ -289,8 +289,11 @@ def test_fake_provider_rgt_down_sends_exactly_the_documented_calls(
     assert all(not f.requests for a, f in fakes.items() if a != api)  # no other provider
     if api == "paperspace":
         assert "(reversible)" in "\n".join(shown) and "shut-down confirmed, off" in shown[-2]
-    with pytest.raises(NotFound):
-        Registry().get(RUN)
+        # The store is on the notebook's root (/), wiped at the shut-down: nothing to keep.
+        with pytest.raises(NotFound):
+            Registry().get(RUN)
+    else:  # on no storage of the profile's, so not deleted with it: kept for `rgt pull`
+        assert Registry().get(RUN).down_at is not None
 
 
 def test_fake_autodl_down_prints_the_console_steps_and_calls_nothing(

@@ -97,6 +97,7 @@ class Agent:
             self.spec, self.runner, clock or RealClock(), self.journal, hooks=hooks, doc=state_doc
         )
         self.sup.extra["agent"] = {"pid": os.getpid(), "host": os.uname().nodename}
+        self.sup.mailbox = self.check_stop_request
         # status's ``warnings`` (a job's log held a secret): kept across agents of the run. The
         # supervisor's state document holds this very list, so what is appended is saved.
         self.warnings: List[Dict[str, Any]] = list((state_doc or {}).get("warnings") or [])

@@ -91,6 +91,9 @@ class Supervisor:
         # attempt's GPU memory to be released); asked in BACKOFF once nothing is left alive.
         self.start_gate: Callable[[], bool] = lambda: True
         self._gate_held = False
+        # The agent's mailbox, read once more before a stop's terminal state: a stop the user
+        # asked for while the final seal ran is taken in (``request_stop``) before it is written.
+        self.mailbox: Callable[[], None] = lambda: None
 
     # ---- the one place state changes (the event first: whoever sees a state finds its event)
     def _change(
@@ -335,7 +338,8 @@ class Supervisor:
 
         For "preempt", ``grace`` is the whole budget: the agent must be gone before it ends.
         """
-        if self.state in TERMINAL or (self.stop and self.stop["reason"] == "preempt"):
+        preempting = self.stop is not None and self.stop.get("reason") == "preempt"
+        if self.state in TERMINAL or (preempting and reason != "stop"):
             return
         grace = self.spec.grace if grace is None else grace
         now = self.clock.monotonic()
@@ -343,7 +347,9 @@ class Supervisor:
         again = self.state == State.STOPPING and self.stop is not None
         # A second stop while one runs (`stop` again, the SIGTERM of a preemption, a second
         # Ctrl-C): the sooner SIGKILL and deadline win, and the first reason stays (a stop the
-        # user asked for ends STOPPED, never resumed at the next power-on).
+        # user asked for ends STOPPED, never resumed at the next power-on), but for a stop the
+        # user asks during a preemption: it ends STOPPED too (a Slurm job's warning would
+        # requeue the job otherwise), within the preemption's budget.
         was = (self._kill_at, self._deadline) if again else (None, None)
         self._kill_at = min(x for x in (was[0], now + kill_delay) if x is not None)
         self._deadline = min(x for x in (was[1], now + grace) if x is not None)
@@ -352,6 +358,7 @@ class Supervisor:
             "grace": grace,
             "requested_at": iso(self.clock.time()),
             **(self.stop if again and self.stop else {}),
+            **({"reason": "stop"} if preempting else {}),
             "kill_at_ts": to_wall(self.clock, self._kill_at),
             "deadline_ts": to_wall(self.clock, self._deadline),
         }
@@ -393,8 +400,9 @@ class Supervisor:
                 alive = self.runner.alive()
             if not alive and self.exit_seen:
                 assert self.stop is not None
+                self.hooks.before_terminal(self.stop["reason"], self._deadline or now)
+                self.mailbox()  # a stop asked while the seal ran (its signal waits till now)
                 reason = self.stop["reason"]
-                self.hooks.before_terminal(reason, self._deadline or now)
                 final = State.PREEMPTED if reason == "preempt" else State.STOPPED
                 self._change(final, f"{reason}: every process of attempt {self.attempt} is gone")
 

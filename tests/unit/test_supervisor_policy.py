@@ -327,6 +327,43 @@ def test_fake_clock_preemption_ends_preempted_and_kills_before_the_budget_ends()
     assert rig.sup.state == State.PREEMPTED
 
 
+def test_fake_clock_a_stop_during_a_preemption_ends_stopped_within_its_budget() -> None:
+    """A stop the user asks while a preemption (a Slurm job's time-limit warning) is under
+    way: the run ends STOPPED (not PREEMPTED, which a Slurm job's agent requeues), and the
+    preemption's budget stays: SIGKILL comes no later than it would have."""
+    rig = Rig(start_grace=1.0)
+    rig.sup.begin()
+    rig.run_for(2.0)
+    rig.sup.request_stop("preempt", grace=5.0)
+    rig.sup.request_stop("stop", grace=60.0)
+    assert rig.sup.state == State.STOPPING and rig.states().count("STOPPING") == 1
+    rig.run_for(preempt_kill_delay(5.0) + 0.1, step=0.1)
+    assert signal.SIGKILL in rig.runner.signals  # not after the stop's 60 s
+    rig.exit(sig=signal.SIGKILL)
+    rig.sup.tick()
+    assert rig.sup.state == State.STOPPED
+
+
+def test_fake_clock_a_stop_asked_during_the_final_seal_is_read_before_the_end() -> None:
+    """The final seal runs in the loop, so a stop asked meanwhile (its signal waits for the
+    loop) is read from the mailbox before the terminal state is written: STOPPED."""
+    rig = Rig(start_grace=1.0)
+    asked: List[bool] = []
+
+    class Sealing(Hooks):
+        def before_terminal(self, reason: str, deadline: float) -> None:
+            asked.append(True)  # `rgt-agent stop` wrote its request during the seal
+
+    rig.sup = Supervisor(rig.sup.spec, rig.runner, rig.clock, rig.journal, hooks=Sealing())
+    rig.sup.mailbox = lambda: rig.sup.request_stop("stop") if asked else None
+    rig.sup.begin()
+    rig.run_for(2.0)
+    rig.sup.request_stop("preempt", grace=5.0)
+    rig.exit(code=0)
+    rig.sup.tick()
+    assert asked and rig.sup.state == State.STOPPED
+
+
 def test_fake_clock_stop_during_backoff_and_before_start() -> None:
     rig = Rig(start_grace=5.0, backoff_initial=30.0)
     rig.sup.begin()

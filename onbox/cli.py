@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import click
 
-from onbox.agent import observe, slurm
+from onbox.agent import observe, slurm, slurmlogin
 from onbox.agent.cliflags import platform_options, platform_overrides, pod_option
 from onbox.agent.lock import RunLock
 from onbox.agent.mailbox import over, stop_run, sync_run
@@ -236,7 +236,7 @@ def status(name: Optional[str], as_json: bool) -> int:
     if prog:
         metrics = "".join(f", {k} {v}" for k, v in (prog.get("metrics") or {}).items())
         _emit(f"  progress   step {prog['step']} (attempt {prog.get('attempt')}){metrics}")
-    for line in slurm.status_lines(st):  # inside a Slurm job: its id and allocation attempt
+    for line in slurmlogin.status_lines(st):  # inside a Slurm job: its id and allocation attempt
         _emit(f"  slurm      {line}")
     for line in observe.warning_lines(st):
         _emit(f"  warning    {line}")
@@ -338,12 +338,15 @@ def stop(name: str, grace: Optional[str]) -> int:
     """Stop the job (stop signal, grace, SIGKILL of the whole group); ends STOPPED."""
     rd = RunDir(name).require()
     g = parse_duration(grace, "--grace", allow_zero=True) if grace is not None else None
-    done = over(rd)  # over, and nothing of its last attempt left alive
-    if done is not None:
-        _emit(f"run {name} is already {done['state']}")
-        return 0
-    doc = stop_run(rd, g)
-    _emit(f"run {name} is {doc['state']}: no process of attempt {doc.get('attempt')} remains")
+    doc = over(rd)  # over, and nothing of its last attempt left alive
+    if doc is not None:
+        _emit(f"run {name} is already {doc['state']}")
+    else:
+        doc = stop_run(rd, g)
+        _emit(f"run {name} is {doc['state']}: no process of attempt {doc.get('attempt')} remains")
+    requeued = slurmlogin.cancel_requeued(doc)  # its Slurm job, queued to run it again
+    if requeued:
+        _emit(requeued)
     return 0
 
 

@@ -9,6 +9,7 @@ last ping, a Slurm requeue comes last of the work, and only then does the lock g
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -52,7 +53,10 @@ def let_go(agent: Agent) -> None:
     if agent.slurm is not None:  # last: a requeue ends this allocation's processes
         sealed = agent.seal.sealed_step() if agent.seal is not None else None
         stuck = agent.sup.policy.max_stuck_restarts
-        agent.slurm.after(agent.sup.state.value, agent.sup.extra, agent.sup.save, sealed, stuck)
+        asked = functools.partial(os.path.exists, agent.rd.stop_request)  # a stop came late
+        agent.slurm.after(
+            agent.sup.state.value, agent.sup.extra, agent.sup.save, sealed, stuck, asked
+        )
     log(agent.rd.agent_log, f"agent pid {os.getpid()} exits: run is {agent.sup.state}")
     agent.runner.close()
     agent.lock.release()

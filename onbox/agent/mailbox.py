@@ -17,7 +17,7 @@ import signal
 import time
 from typing import Any, Dict, Optional
 
-from onbox.agent import observe, procfs, slurm
+from onbox.agent import observe, procfs, slurmlogin
 from onbox.agent.leftovers import Cut, cut_by_signals
 from onbox.agent.lock import RunLock, is_held, read_holder
 from onbox.agent.spec import JobSpec
@@ -43,7 +43,7 @@ def signal_agent(rd: RunDir) -> bool:
     if holder.get("host") != os.uname().nodename:
         # Another node of a cluster holds it (a Slurm job's agent on a compute node, this
         # command on the login node): slurmctld delivers the signal there.
-        return slurm.wake_agent(read_json(rd.state) or {})
+        return slurmlogin.wake_agent(read_json(rd.state) or {})
     if holder.get("role", "agent") != "agent":  # SIGUSR2 would kill a `sync` or a `start`
         return False
     ident = procfs.Identity(holder["pid"], holder.get("start_ticks") or -1)

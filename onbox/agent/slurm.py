@@ -23,8 +23,13 @@ lives there:
   ``Restarts`` is past this allocation's was requeued already (``scontrol requeue``, a node
   failure, a preemption in REQUEUE mode): said so, never requeued twice. Events
   ``slurm_requeued``, ``slurm_requeue_failed`` (the reason and the remedy) or
-  ``slurm_not_requeued``. The requeued job's ``rgt-agent run`` is a new incarnation of the same
-  run: it restores from the store and goes on (a DONE.json there stops a finished one).
+  ``slurm_not_requeued``. A stop the user asked for wins over the requeue, whichever came
+  first: the run ends STOPPED (onbox/agent/supervisor.py ``request_stop``; one asked during the
+  final seal is read before the terminal state) and is not requeued, nor is a PREEMPTED run
+  when a stop came after its end, before the requeue. One that comes after the requeue cancels
+  the requeued job from the login node (onbox/agent/slurmlogin.py, with ``wake_agent``). The
+  requeued job's ``rgt-agent run`` is a new incarnation of the same run: it restores from the
+  store and goes on (a DONE.json there stops a finished one).
 
 While a job is ending, ``scontrol`` shows it COMPLETING whatever ended it; the cause is in
 ``Reason=TimeLimit`` (the time limit), ``PreemptTime`` (set only for a preempted job) and
@@ -343,11 +348,17 @@ class SlurmWatch:
         save: Callable[[], None],
         sealed_now: Optional[int] = None,
         stuck_limit: int = 0,
+        stop_asked: Callable[[], bool] = lambda: False,
     ) -> None:
         """Requeue, or say why not, once the run ended (never in a signal handler).
         ``sealed_now``: the run's sealed step now; ``stuck_limit`` ([restart]
         max_stuck_restarts, 0: no limit): that many allocations in a row that sealed nothing
-        newer than they began from are not requeued again."""
+        newer than they began from are not requeued again; ``stop_asked``: whether a stop
+        (`rgt-agent stop`) came since the run ended: a stop wins over the requeue."""
+        if final == "STOPPED":  # whatever Slurm said meanwhile (a warning during the seal)
+            why = "the run was stopped by the user (or its cost cap): STOPPED, its job ends"
+            self._not_requeued(why, extra, save)
+            return
         if final != "PREEMPTED" or not (self.warned or self.termed):
             return
         self.stuck = self._stuck(sealed_now)
@@ -372,21 +383,27 @@ class SlurmWatch:
             )
             return
         ok, why = requeue_decision(fields, self.warned)
+        if ok and stop_asked():  # the last moment a stop can still keep the job out
+            ok, why = False, "stopped by the user (`rgt-agent stop` came as the run ended)"
         if not ok:
-            self.requeued = False
-            extra["slurm"] = self.state()
-            save()
-            self.event(
-                "slurm_not_requeued",
-                f"{why}; the run stays PREEMPTED",
-                remedy="sbatch the batch script again (or `rgt-agent run` with the same --name) "
-                "to continue from the sealed checkpoint",
-            )
+            self._not_requeued(f"{why}; the run stays PREEMPTED", extra, save)
             return
         if stuck_limit and self.stuck >= stuck_limit:
             self._stuck_loop(extra, save)
             return
         self._requeue(why, extra, save)
+
+    def _not_requeued(self, why: str, extra: Dict[str, Any], save: Callable[[], None]) -> None:
+        self.requeued = False
+        extra["slurm"] = self.state()
+        save()
+        self.event(
+            "slurm_not_requeued",
+            why,
+            remedy="sbatch the batch script again (or `rgt-agent run` with the same --name) "
+            "to continue from the sealed checkpoint",
+            job_id=self.job.job_id,
+        )
 
     def _stuck(self, sealed_now: Optional[int]) -> int:
         if not self.has_store:  # nothing to tell progress by
@@ -455,36 +472,6 @@ def stuck_so_far(events: Sequence[Mapping[str, Any]], job: SlurmJob) -> int:
             same = ev.get("restart_count") == job.restart_count - 1
             return int(ev.get("stuck") or 0) if same else 0
     return 0
-
-
-def wake_agent(doc: Mapping[str, Any]) -> bool:
-    """SIGUSR2 to the run's agent from any node of the cluster: the agent is its Slurm job's
-    batch shell, which slurmctld signals wherever it runs (``scancel --batch --signal=USR2``).
-    For ``rgt-agent stop``/``sync`` on the login node when the agent holds the run from a compute
-    node (the request file is on the shared filesystem already). False when the run's state
-    (``doc``, state.json) names no Slurm job, or scancel refused."""
-    job = doc.get("slurm")
-    job_id = str(job.get("job_id") or "") if isinstance(job, dict) else ""
-    if not job_id.isdigit():
-        return False
-    rc, _, _ = run_tool(["scancel", "--batch", "--signal=USR2", job_id])
-    return rc == 0
-
-
-def status_lines(doc: Mapping[str, Any]) -> List[str]:
-    """What `rgt-agent status` says of the run's Slurm job (state.json's ``slurm``)."""
-    job = doc.get("slurm")
-    if not isinstance(job, dict):
-        return []
-    array = f" (array {job.get('array_job_id')}_{job.get('array_task_id')})"
-    requeued = job.get("requeued")
-    return [
-        f"job {job.get('job_id')}"
-        + (array if job.get("array_job_id") else "")
-        + f", allocation attempt {int(job.get('restart_count') or 0) + 1}"
-        + (", warned before its time limit" if job.get("warned") else "")
-        + ("" if requeued is None else ", requeued" if requeued else ", not requeued")
-    ]
 
 
 def watch_for(

@@ -26,12 +26,12 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
 from controller.slurm.batch import batch_script
-from onbox.agent import slurm
+from onbox.agent import slurmlogin
 from onbox.common.durable import read_json, write_json
 from onbox.common.rundir import RunDir
 from onbox.common.sealtime import SealTime
@@ -181,9 +181,12 @@ def _sealed(cli: Cli, name: str) -> List[Any]:
     return [e.get("step") for e in _events(cli, name) if e["kind"] == "sealed"]
 
 
-def _start_writer(cluster: SlurmCluster, cli: Cli, tmp: Any, mib: int) -> Tuple[str, str]:
+def _start_writer(
+    cluster: SlurmCluster, cli: Cli, tmp: Any, mib: int, env: Optional[Dict[str, str]] = None
+) -> Tuple[str, str]:
     """The checkpoint writer fixture (``mib`` MiB a checkpoint, written on USR2) submitted as
-    run slurm-cancel with a file:// store; (job id, store dir) once the job said it is ready."""
+    run slurm-cancel with a file:// store; (job id, store dir) once the job said it is ready.
+    ``env``: more variables for the agent (a hold point, onbox/common/faults.py)."""
     root, out = str(tmp / "durable"), str(tmp / "out")
     os.makedirs(root)
     os.makedirs(out)
@@ -197,7 +200,7 @@ def _start_writer(cluster: SlurmCluster, cli: Cli, tmp: Any, mib: int) -> Tuple[
         lead=SealTime(None, 0, "not measured").lead(assumed=30),
         job_file=_job_file(tmp, mib),
         store="file://" + root,
-        env={"RGT_HOME": cli.home},
+        env={"RGT_HOME": cli.home, **(env or {})},
     )
     job = _sbatch(cluster, script, str(tmp / "job.sh"), cli.env)
     try:
@@ -263,7 +266,7 @@ def test_a_stop_asked_from_another_node_reaches_the_agent_through_slurm(
         rd = RunDir(name, home=cli.home)
         write_json(rd.stop_request, {"grace": None, "requested_at": time.time()})
         monkeypatch.setenv("SLURM_CONF", slurm_cluster.conf)
-        assert slurm.wake_agent(read_json(rd.state) or {})
+        assert slurmlogin.wake_agent(read_json(rd.state) or {})
         slurm_cluster.wait_job(job, "COMPLETED", "FAILED", timeout=90)
     finally:
         slurm_cluster.run("scancel", job)
@@ -271,7 +274,7 @@ def test_a_stop_asked_from_another_node_reaches_the_agent_through_slurm(
     assert cli.status(name)["state"] == "STOPPED", kinds
     assert "stop" in kinds and "slurm_warning" not in kinds and "slurm_requeued" not in kinds
     assert slurm_cluster.job_field(job, "Restarts") == "0"
-    assert not slurm.wake_agent({"slurm": {"job_id": "x; rm -rf /"}})  # never a shell word
+    assert not slurmlogin.wake_agent({"slurm": {"job_id": "x; rm -rf /"}})  # never a shell word
 
 
 def test_a_requeue_by_slurm_during_a_seal_is_said_as_one_and_resumes_the_newest_seal(

@@ -18,8 +18,8 @@ from onbox.agent.slurm import (
     how_it_ended,
     parse_show,
     requeue_decision,
-    status_lines,
 )
+from onbox.agent.slurmlogin import status_lines
 
 # `scontrol show job -o` of a job cancelled with scancel, read from inside it at its SIGTERM
 # (Slurm 22.05): COMPLETING, no reason, no PreemptTime.
@@ -202,3 +202,32 @@ def test_a_bare_sigterm_whose_job_state_cannot_be_read_is_not_requeued(
     w.on_term()
     w.after("PREEMPTED", {}, lambda: None)
     assert said[-1][0] == "slurm_not_requeued" and "scontrol requeue 42" in said[-1][1]
+
+
+def _fake_scontrol(tmp_path: Any, show: str) -> str:
+    """A ``scontrol`` on PATH that prints ``show`` for `show job` and records a `requeue`."""
+    marker = os.path.join(str(tmp_path), "requeued")
+    path = os.path.join(str(tmp_path), "scontrol")
+    with open(path, "w") as f:
+        f.write(f"#!/bin/sh\ncase $1 in requeue) : > {marker};; show) echo '{show}';; esac\n")
+    os.chmod(path, 0o755)
+    return marker
+
+
+def test_a_stop_asked_as_a_warned_run_ended_keeps_its_job_out_of_the_queue(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rgt-agent stop` after the warning's seal ended the run PREEMPTED, before the requeue:
+    the stop wins, the job is not requeued and the event says why."""
+    marker = _fake_scontrol(tmp_path, "JobId=42 JobState=COMPLETING Restarts=0")
+    monkeypatch.setenv("PATH", str(tmp_path) + os.pathsep + os.environ.get("PATH", ""))
+    w, clock, said = _watch(tmp_path, [], lead=60)
+    w.on_usr2(lambda r, g: None)
+    extra: Dict[str, Any] = {}
+    w.after("PREEMPTED", extra, lambda: None, stop_asked=lambda: True)
+    assert said[-1][0] == "slurm_not_requeued" and "stopped by the user" in said[-1][1], said
+    assert not os.path.exists(marker) and extra["slurm"]["requeued"] is False
+    w, clock, said = _watch(tmp_path, [], lead=60)  # with no stop: requeued
+    w.on_usr2(lambda r, g: None)
+    w.after("PREEMPTED", {}, lambda: None, stop_asked=lambda: False)
+    assert said[-1][0] == "slurm_requeued" and os.path.exists(marker), said

@@ -27,7 +27,7 @@ from onbox.agent.lock import is_held
 from onbox.agent.title import set_title
 from onbox.common import redact
 from onbox.common.durable import read_json, write_json
-from onbox.common.rundir import RunDir
+from onbox.common.rundir import RunDir, read_secrets
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
@@ -64,26 +64,7 @@ class Shim:
         path = self.launch.get("secrets")
         if not path:
             return env
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        except FileNotFoundError:
-            return env
-        try:
-            if os.fstat(fd).st_mode & 0o077:
-                raise OSError(0, f"{path} is readable by others; chmod 600 it")
-            with os.fdopen(os.dup(fd), "rb") as f:
-                data = f.read()
-        finally:
-            os.close(fd)
-        try:
-            secrets = json.loads(data)
-        except ValueError:
-            raise OSError(0, f"{path} is not a JSON object of strings") from None
-        if not isinstance(secrets, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in secrets.items()
-        ):
-            raise OSError(0, f"{path} is not a JSON object of strings")
-        env.update(secrets)
+        env.update(read_secrets(path))
         return env
 
     def start_job(self) -> subprocess.Popen[bytes]:

@@ -33,7 +33,7 @@ from onbox.common.errors import HostError, NotFound, UsageError
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
-    from typing import List, Mapping, Optional
+    from typing import Dict, List, Mapping, Optional
 
 NAME_PATTERN = "[a-z0-9][a-z0-9._-]{0,62}"
 # The name under the run dir (RGT_RUN_DIR) of the agent's request for a checkpoint: the job's
@@ -251,6 +251,35 @@ def unwritable(path: str) -> Optional[str]:
     except OSError:
         pass
     return f"{p} is not writable by this user (uid {os.getuid()})"
+
+
+def read_secrets(path: str) -> Dict[str, str]:
+    """The secrets in ``path`` (a ``RunDir.secrets_file``): {} when there is none. Read without
+    following a symlink; OSError when the file is readable by others or is not a JSON object of
+    strings. The one reader, for the job's environment (the shim) and the store's credentials
+    (onbox.sealing.stores.open_box_store)."""
+    import json
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return {}
+    try:
+        if os.fstat(fd).st_mode & 0o077:
+            raise OSError(0, f"{path} is readable by others; chmod 600 it")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read()
+    finally:
+        os.close(fd)
+    try:
+        secrets = json.loads(data)
+    except ValueError:
+        raise OSError(0, f"{path} is not a JSON object of strings") from None
+    if not isinstance(secrets, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in secrets.items()
+    ):
+        raise OSError(0, f"{path} is not a JSON object of strings")
+    return secrets
 
 
 def all_runs(home: Optional[str] = None) -> List[RunDir]:

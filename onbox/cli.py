@@ -302,7 +302,8 @@ def secrets(name: str) -> int:
     """Store the run's secrets from stdin: a JSON object of VAR to value, never an argument.
 
     They go to $RGT_HOME/secrets/NAME (mode 0600, in a 0700 directory, outside every run
-    directory); the job gets them in its environment at every start, restarts included. An
+    directory); the job gets them in its environment at every start, restarts included, and
+    the run's store its own variables among them (onbox.sealing.stores.open_box_store). An
     empty object removes them. Values are never printed."""
     rd = RunDir(name)
     raw = sys.stdin.buffer.read()

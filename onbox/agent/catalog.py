@@ -12,12 +12,13 @@ from onbox.agent.journal import iso
 from onbox.common.errors import IntegrityError, NotFound, UsageError
 from onbox.common.rundir import check_name
 from onbox.sealing import manifest as mf
-from onbox.sealing.stores import open_store
+from onbox.sealing.stores import open_box_store
 from onbox.sealing.stores.base import Store
 
 
 def store_and_run(url: str, name: Optional[str]) -> Tuple[Store, str]:
-    """The store and the run: ``--store ROOT --name N``, or ``--store ROOT/N``."""
+    """The store and the run: ``--store ROOT --name N``, or ``--store ROOT/N``; opened with the
+    run's store secrets where this box has them (onbox.sealing.stores.open_box_store)."""
     if name is None:
         root, _, last = url.rstrip("/").rpartition("/")
         if "://" not in root or not last:
@@ -28,8 +29,10 @@ def store_and_run(url: str, name: Optional[str]) -> Tuple[Store, str]:
             )
         # file:///NAME: the root is file:/// (rpartition leaves "file://")
         root = root + "/" if root.endswith((":/", "://")) else root
-        return open_store(root), check_name(last, "run")
-    return open_store(url), check_name(name, "--name")
+        run = check_name(last, "run")
+        return open_box_store(root, run), run
+    run = check_name(name, "--name")
+    return open_box_store(url, run), run
 
 
 def require_in_store(store: Store, run: str) -> None:

@@ -160,9 +160,9 @@ def _check_store(spec: JobSpec, say: Say, warn: Say) -> bool:
     if not spec.store:
         return True
     from onbox.sealing import manifest as mf
-    from onbox.sealing.stores import open_store
+    from onbox.sealing.stores import open_box_store
 
-    store = open_store(spec.store)
+    store = open_box_store(spec.store, spec.name)
     # A hung mount fails `start` here (exit 14), not holds it for ever (stores/hangbound.py).
     with store.calls_bounded(spec.restore_stall):
         for finding in store.preflight(spec.name):

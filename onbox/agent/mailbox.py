@@ -194,13 +194,13 @@ def _seal_here(rd: RunDir, spec: JobSpec) -> Store:
     from onbox.agent.journal import FileJournal
     from onbox.agent.ownership import Superseded, take_epoch_here
     from onbox.sealing.sealer import Sealer
-    from onbox.sealing.stores import open_store
+    from onbox.sealing.stores import open_box_store
 
     assert spec.store is not None
     lock = RunLock.acquire(rd.lock, rd.name, role="sync")
     try:
         journal = FileJournal(rd.state, rd.events, rd.agent_log)
-        store = open_store(spec.store)
+        store = open_box_store(spec.store, spec.name)
         try:
             epoch = take_epoch_here(store, rd, going_on=True)
         except Superseded as e:
@@ -219,7 +219,7 @@ def _seal_here(rd: RunDir, spec: JobSpec) -> Store:
 def sync_run(rd: RunDir, spec: JobSpec, wait: float) -> Store:
     """Seal the run's complete checkpoints now: its agent is asked and waited for (``wait``
     seconds at most), or, with none, they are sealed from here. The run's store."""
-    from onbox.sealing.stores import open_store
+    from onbox.sealing.stores import open_box_store
 
     assert spec.store is not None
     if not is_held(rd.lock):
@@ -236,4 +236,4 @@ def sync_run(rd: RunDir, spec: JobSpec, wait: float) -> Store:
                 f"the seal of {rd.name!r} did not finish in {wait:.0f}s", f"see {rd.agent_log}"
             )
         time.sleep(0.1)
-    return open_store(spec.store)
+    return open_box_store(spec.store, spec.name)

@@ -47,7 +47,7 @@ from onbox.sealing import manifest as mf
 from onbox.sealing.discovery import newest_local_step
 from onbox.sealing.restore import restore_latest
 from onbox.sealing.sealer import Sealer
-from onbox.sealing.stores import open_store
+from onbox.sealing.stores import open_box_store
 from onbox.sealing.stores.base import Store
 
 # Seconds kept in hand at the end of a preemption budget for the final records and the exit.
@@ -69,7 +69,7 @@ class SealService(Hooks):
         self.rd = rd
         self.journal = journal
         self.signal_job = signal_job
-        self.store: Store = open_store(spec.store)
+        self.store: Store = open_box_store(spec.store, spec.name)
         self.sealer: Optional[Sealer] = None
         self.restored: Optional[Dict[str, Any]] = None
         self._wake = threading.Event()

@@ -2,7 +2,8 @@
 
 Everything goes through huggingface_hub's ``HfApi``, configured the library's own way: the token
 from ``HF_TOKEN`` (else the one ``hf auth login`` saved), the endpoint from ``HF_ENDPOINT`` (a
-mirror or a self-hosted Hub), read when the store is opened. Key ``K`` is the file
+mirror or a self-hosted Hub), read when the store is opened; a run's own ``HF_TOKEN`` and
+``HF_ENDPOINT`` secrets, where it has them, are given explicitly and win. Key ``K`` is the file
 ``prefix/K`` of the repo's ``main`` branch; the first write creates the repo, private.
 
 Every put is one commit, so it is atomic: readers see the old file or the new one. The content
@@ -95,14 +96,24 @@ def _info(key: str, f: RepoFile) -> ObjectInfo:
 class HFStore(Store):
     """A store in a model repo of the Hugging Face Hub (or a mirror of it)."""
 
-    def __init__(self, repo_id: str, prefix: str = "") -> None:
+    def __init__(
+        self,
+        repo_id: str,
+        prefix: str = "",
+        *,
+        token: Optional[str] = None,
+        endpoint: Optional[str] = None,
+    ) -> None:
+        """``token`` and ``endpoint`` (a run's secrets, onbox.sealing.stores.open_store) win
+        over HF_TOKEN or the saved token, and over HF_ENDPOINT."""
         self.repo_id = repo_id
         self.prefix = "/".join(p for p in prefix.split("/") if p)
         self.url = f"hf://{repo_id}" + (f"/{self.prefix}" if self.prefix else "")
+        self.token = token  # None: huggingface_hub's own (HF_TOKEN, else `hf auth login`'s)
         # huggingface_hub reads HF_ENDPOINT once, when it is imported; read it again here so a
         # store opened later still honours it.
-        endpoint = os.environ.get("HF_ENDPOINT", "").strip().rstrip("/") or None
-        self.api = HfApi(endpoint=endpoint, library_name="rgt")
+        endpoint = (endpoint or os.environ.get("HF_ENDPOINT", "")).strip().rstrip("/") or None
+        self.api = HfApi(endpoint=endpoint, token=token, library_name="rgt")
         self.endpoint: str = self.api.endpoint
         self._repo_ready = False
         self._private: Optional[bool] = None
@@ -124,7 +135,9 @@ class HFStore(Store):
     def _error(self, e: BaseException, doing: str) -> Exception:
         """The StoreError for an exception raised by huggingface_hub (hferrors.store_error)."""
         where = f"{doing} ({self.url} on {self.endpoint})"
-        return store_error(e, where, repo_id=self.repo_id, branch=REVISION, tokens=self.tokens)
+        return store_error(
+            e, where, repo_id=self.repo_id, branch=REVISION, tokens=self.tokens, token=self.token
+        )
 
     def ensure_repo(self) -> Optional[bool]:
         """Create the repo, private, unless it exists (checked first: a token that may write to
@@ -235,7 +248,7 @@ class HFStore(Store):
 
     def _download(self, path: str, into: str, revision: str = REVISION) -> Optional[str]:
         """Download ``path`` under the directory ``into``; its local path, or None if absent."""
-        return download(self.repo_id, self.endpoint, path, into, revision, self._error)
+        return download(self.repo_id, self.endpoint, path, into, revision, self._error, self.token)
 
     # -- the Store interface -----------------------------------------------------------------
 
@@ -359,7 +372,9 @@ class HFStore(Store):
         if size is not None:
             found: Optional[Tuple[Optional[int], Optional[str]]] = self._planned.pop(key, None)
             if found is None:  # not planned, or taken by an earlier try: ask now
-                found = size_at_head(self.repo_id, self.endpoint, path, REVISION, self._error)
+                found = size_at_head(
+                    self.repo_id, self.endpoint, path, REVISION, self._error, self.token
+                )
             if found is None:
                 raise PermanentStoreError(f"{key} is not in {self.url}")
             if found[0] is not None and found[0] != size:
@@ -370,12 +385,32 @@ class HFStore(Store):
                     "nothing of it was downloaded",
                 )
             revision = found[1] or REVISION
-        download_to(self.repo_id, self.endpoint, path, dest, revision, self._error, key, self.url)
+        download_to(
+            self.repo_id,
+            self.endpoint,
+            path,
+            dest,
+            revision,
+            self._error,
+            key,
+            self.url,
+            self.token,
+        )
         return None
 
     def get_file(self, key: str, dest: str) -> None:
         path = self._path(key)
-        download_to(self.repo_id, self.endpoint, path, dest, REVISION, self._error, key, self.url)
+        download_to(
+            self.repo_id,
+            self.endpoint,
+            path,
+            dest,
+            REVISION,
+            self._error,
+            key,
+            self.url,
+            self.token,
+        )
 
     def stat(self, key: str) -> Optional[ObjectInfo]:
         f = self._file(self._path(key))

@@ -34,16 +34,24 @@ BATCH = 500
 
 
 def download(
-    repo_id: str, endpoint: str, path: str, into: str, revision: str, error: Error
+    repo_id: str,
+    endpoint: str,
+    path: str,
+    into: str,
+    revision: str,
+    error: Error,
+    token: Optional[str] = None,
 ) -> Optional[str]:
     """Download ``path`` at ``revision`` under the directory ``into``; its local path, or None
-    when the Hub has no such file."""
+    when the Hub has no such file. ``token`` (None: huggingface_hub's own) reads a private
+    repo."""
     try:
         got = hf_hub_download(
             repo_id,
             path,
             revision=revision,
             endpoint=endpoint,
+            token=token,
             local_dir=os.path.join(into, "d"),
             cache_dir=os.path.join(into, "c"),
             library_name="rgt",
@@ -74,7 +82,12 @@ def sizes_at(api: HfApi, repo_id: str, paths: List[str], commit: str) -> Dict[st
 
 
 def size_at_head(
-    repo_id: str, endpoint: str, path: str, revision: str, error: Error
+    repo_id: str,
+    endpoint: str,
+    path: str,
+    revision: str,
+    error: Error,
+    token: Optional[str] = None,
 ) -> Optional[Tuple[Optional[int], Optional[str]]]:
     """(the size the Hub gives ``path`` at ``revision``, the commit that answer is of), from
     a HEAD, before any byte of it; None when the Hub has no such file."""
@@ -82,6 +95,7 @@ def size_at_head(
         meta = get_hf_file_metadata(
             hf_hub_url(repo_id, path, revision=revision, endpoint=endpoint),
             endpoint=endpoint,
+            token=token,
             library_name="rgt",
         )
     except EntryNotFoundError:
@@ -100,6 +114,7 @@ def download_to(
     error: Error,
     key: str,
     url: str,
+    token: Optional[str] = None,
 ) -> None:
     """``path`` (the store's ``key``; ``url``, the store's, for messages) at ``revision``
     downloaded to ``dest``, a new file (never over anything there, a symlink included),
@@ -109,7 +124,7 @@ def download_to(
     except OSError as e:
         raise target_error(e, f"writing {dest}") from None
     try:
-        local = download(repo_id, endpoint, path, tmp, revision, error)
+        local = download(repo_id, endpoint, path, tmp, revision, error, token)
         if local is None:
             raise PermanentStoreError(f"{key} is not in {url}")
         if os.path.lexists(dest):  # as the other stores: a new file, never over a symlink

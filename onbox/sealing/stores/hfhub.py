@@ -134,16 +134,23 @@ def _first_line(e: BaseException) -> str:
 
 
 def store_error(
-    e: BaseException, where: str, *, repo_id: str, branch: str, tokens: str
+    e: BaseException,
+    where: str,
+    *,
+    repo_id: str,
+    branch: str,
+    tokens: str,
+    token: Optional[str] = None,
 ) -> Exception:
     """The StoreError for ``e``, raised by huggingface_hub while doing ``where`` (what, on which
-    store: the repo ``repo_id``, its ``branch``); ``tokens`` says where write tokens are made.
+    store: the repo ``repo_id``, its ``branch``); ``tokens`` says where write tokens are made;
+    ``token`` is the one the store was given (None: huggingface_hub's own, if any).
     Re-raises what it cannot place."""
     for c in _chain(e):
         if isinstance(c, RgtError):
             return c
         if isinstance(c, RepositoryNotFoundError):
-            if http_status(c) == 401 and get_token() is None:
+            if http_status(c) == 401 and token is None and get_token() is None:
                 return StoreAuthError(f"{where}: no Hugging Face token: {AUTH_MESSAGE}", tokens)
             return PermanentStoreError(
                 f"{where}: the Hub has no repo {repo_id} that this token can see",

@@ -27,7 +27,7 @@ def preflight(store: HFStore, run: str) -> List[Finding]:
     found: List[Finding] = []
     step = "find a Hub token"
     try:
-        if get_token() is None:
+        if store.token is None and get_token() is None:
             raise StoreAuthError(
                 f"{store.url}: no Hugging Face token: {AUTH_MESSAGE}", store.tokens
             )

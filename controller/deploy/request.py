@@ -33,7 +33,7 @@ from onbox.agent.spec import (
 )
 from onbox.common.errors import UsageError
 from onbox.common.rundir import check_name
-from onbox.common.storeurl import parse_store_setting, restore_stall
+from onbox.common.storeurl import StoreURL, parse_store_setting, restore_stall
 from onbox.profiles.load import load
 from onbox.profiles.schema import Profile
 
@@ -129,6 +129,18 @@ def _check_store(req: DeployRequest) -> Tuple[Optional[str], Optional[str], Opti
         return None, store_override(req.store, endpoint, "store.endpoint_url").endpoint_url, stall
     store = None if setting is None else parse_store_setting(setting, "store")
     return (store.url, store.endpoint_url, stall) if store is not None else (None, None, stall)
+
+
+def _run_store(
+    flag: Optional[str], job_store: Optional[str], endpoint: Optional[str]
+) -> Optional[StoreURL]:
+    """The store the run will use, at its endpoint: ``--store``, else the job file's (a Slurm
+    deploy measures the seal time its warning lead is planned from in this store, so a run
+    that sealed there before gets its own lead, not the assumed one). None: neither names one
+    (the profile's default is the box's to expand, and not the laptop's to read)."""
+    if flag is not None:
+        return store_at(flag, endpoint, "--store")
+    return None if job_store is None else store_at(job_store, endpoint, "store")
 
 
 def _secrets(names: Sequence[str], environ: Dict[str, str]) -> Dict[str, str]:
@@ -259,7 +271,7 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
         sbatch=req.sbatch,
         seal_time=req.seal_time,
         run=name,
-        store=None if req.store is None else store_at(req.store, endpoint, "--store"),
+        store=_run_store(req.store, job_store, endpoint),
         grace=guess.profile.preemption.grace if guess is not None else 0.0,
         command=req.command,
         job_file=job_rel,

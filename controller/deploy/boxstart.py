@@ -19,7 +19,10 @@ stop came before the job started, so the run ended PREEMPTED (exit 13) or STOPPE
 before its first attempt (onbox/agent/detach.py ``NotStarted``). That is said as what happened,
 with what to do, and `rgt deploy` exits with the box's code (13 or 12), as `rgt-agent run` does.
 Any other refusal of the box's agent keeps its code too where it is one of rgt's (2 a job the
-box cannot run, 5 a run held by another agent, 14 the store...): exit 1 is a bug's.
+box cannot run, 5 a run held by another agent, 14 the store...). A code means what rgt means by
+it only when it came with rgt's own error line (``rgt: ...``): a start that exits without one
+failed before or outside rgt's code (Python's "can't open file" exits 2, a killed shell anything),
+which is the box's failure, HostError (exit 9) naming the code, whatever its number.
 
 A job may end as soon as it started (a missing import). When the wait sees the run already in a
 final state, the deploy says so, with the box's reason and what to do, and exits with that state's
@@ -101,6 +104,12 @@ def start_failed(label: str, name: str, rc: int, said: str, shown: bool = False)
     printed ``said`` (its stderr, or its stdout when that is empty). ``shown``: its stderr is on
     the terminal already (the relay), all but the rgt error it ended with, which is ``said``
     ("" when it ended with none)."""
+    if not _rgt_said(said):  # not rgt's refusal, so not rgt's meaning of the code either
+        why = "the box's lines above say why" if shown else _its_error(said) or "it said nothing"
+        return HostError(
+            f"rgt-agent start failed on {label} (exit {rc}) without an error of rgt's: {why}",
+            _UNSAID,
+        )
     state = next((s for s, code in FINAL_EXIT_CODES.items() if code == rc and s in _WHY), None)
     if rc == LockedError.exit_code:  # the box's remedy names its commands: the laptop's here
         what = _its_error(said).replace(f" ({HELD_REMEDY.format(run=name)})", "")
@@ -108,12 +117,6 @@ def start_failed(label: str, name: str, rc: int, said: str, shown: bool = False)
             f"rgt-agent start failed on {label}: {what}",
             f"another agent is supervising the run: `rgt status {name}` shows it, "
             f"`rgt stop {name}` stops it; then deploy again",
-        )
-    if state is None and shown and not said.strip():  # its lines, all shown: not again
-        return RgtError(
-            f"rgt-agent start failed on {label} (exit {rc}) without an error of rgt's: "
-            "the box's lines above say why",
-            _UNSAID,
         )
     if state is None:
         err = RgtError(f"rgt-agent start failed on {label} (exit {rc}): {_its_error(said)}")
@@ -127,6 +130,11 @@ def start_failed(label: str, name: str, rc: int, said: str, shown: bool = False)
     )
     err.exit_code = rc
     return err
+
+
+def _rgt_said(said: str) -> bool:
+    """Whether the start ended with rgt's own error line (onbox/common/climain.py)."""
+    return any(line.startswith("rgt: ") for line in said.splitlines())
 
 
 def _its_error(said: str) -> str:

@@ -5,6 +5,9 @@ terminal exactly once, whoever fails.
 - the start fails with no ``rgt:`` line (the agent's program gone: ``env: ...: No such file``):
   the relayed line is the only copy, and rgt's error says it is above and what to do;
 - the release directory is gone (the start's ``cd``): one line, exit 8, what to do;
+- a start that exits with one of rgt's codes (2 usage, 5 held, 13 preempted) but without rgt's
+  own error line (Python's "can't open file" exits 2) is the box's failure, exit 9 naming the
+  code, never rgt's meaning of that number; one with rgt's error line keeps its code;
 - ssh itself fails (the box's sshd killed mid-command) after the box said an ``rgt:`` line that
   the relay holds back for the start's own error: that line is shown, above "cannot reach".
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Iterator, List, Tuple
@@ -26,7 +30,7 @@ from controller.deploy.boxstart import start_on_box
 from controller.registry import Registry, RunRecord
 from controller.remote import SshRemote
 from controller.target import Target
-from onbox.common.errors import RemoteUnreachable, RgtError
+from onbox.common.errors import HostError, RemoteUnreachable, RgtError
 from tests.sshd import SshServer, start_sshd
 
 
@@ -88,6 +92,49 @@ def test_a_start_whose_release_is_gone_says_so_once_with_what_to_do(
     assert seen.count(gone) == 1, seen
     assert e.exit_code == 8, seen
     assert "rgt deploy" in seen, seen
+
+
+@pytest.mark.parametrize(
+    "argv, rc",
+    [
+        ([sys.executable, "/nonexistent/rgt-agent.py", "start"], 2),  # "can't open file", on stderr
+        (["sh", "-c", "echo 'usage: not rgt'; exit 2"], 2),  # said on stdout alone
+        (["sh", "-c", "echo 'held?' >&2; exit 5"], 5),
+        (["sh", "-c", "echo 'killed?' >&2; exit 13"], 13),
+    ],
+)
+def test_an_exit_without_rgts_error_line_is_the_boxs_whatever_its_number(
+    box: Tuple[SshServer, SshRemote, Registry, RunRecord],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    argv: List[str],
+    rc: int,
+) -> None:
+    """Before: its code was passed on as rgt's: exit 2 a usage error of the user's, 5 "another
+    agent is supervising the run", 13 "the box was preempted ... the run is PREEMPTED"."""
+    capsys.readouterr()
+    e = _start(box, argv, str(tmp_path))
+    seen = capsys.readouterr().err + e.line()
+    assert isinstance(e, HostError) and e.exit_code == 9, seen
+    assert e.what.startswith(f"rgt-agent start failed on {box[1].target.label} (exit {rc})"), seen
+    assert "without an error of rgt's" in e.what, seen
+    assert "PREEMPTED" not in seen and "another agent" not in seen, seen
+    assert "rgt deploy" in (e.remedy or ""), seen
+    assert box[3].name not in [r.name for r in box[2].all()], "a run never started was recorded"
+
+
+def test_an_exit_with_rgts_error_line_keeps_its_code(
+    box: Tuple[SshServer, SshRemote, Registry, RunRecord],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    script = "echo 'restoring' >&2; echo 'rgt: JOB.toml: command: not found' >&2; exit 2"
+    capsys.readouterr()
+    e = _start(box, ["sh", "-c", script], str(tmp_path))
+    seen = capsys.readouterr().err + e.line()
+    assert e.exit_code == 2, seen
+    assert e.what.endswith("(exit 2): JOB.toml: command: not found"), seen
+    assert seen.count("command: not found") == 1, seen
 
 
 def test_a_held_box_line_is_shown_when_ssh_fails_after_it(

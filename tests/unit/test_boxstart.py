@@ -14,7 +14,7 @@ from onbox.common.errors import FINAL_EXIT_CODES
 
 @pytest.mark.parametrize("rc", [12, 13])
 def test_a_start_cut_by_a_stop_or_preemption_names_a_command_rgt_has(rc: int) -> None:
-    e = start_failed("box1", "gpt", rc, "")
+    e = start_failed("box1", "gpt", rc, "rgt: run gpt did not start: a SIGTERM came ...")
     assert e.exit_code == rc
     named = re.findall(r"`rgt ([a-z-]+)", e.remedy or "")
     assert named, e.remedy
@@ -30,7 +30,15 @@ def test_a_refusal_of_the_box_keeps_its_exit_code(rc: int) -> None:
 def test_an_exit_that_is_not_one_of_rgts_is_not_passed_on() -> None:
     # 3 and 4 mean on the laptop that the box did not answer or refused the login.
     for rc in (3, 4, 127):
-        assert start_failed("box1", "gpt", rc, "sh: rgt-agent: not found").exit_code == 1
+        assert start_failed("box1", "gpt", rc, "sh: rgt-agent: not found").exit_code == 9
+
+
+@pytest.mark.parametrize("rc", [2, 5, 12, 13, 14])
+def test_one_of_rgts_codes_without_rgts_error_line_is_the_boxs(rc: int) -> None:
+    """Python's "can't open file" exits 2: not a usage error of the user's."""
+    e = start_failed("box1", "gpt", rc, "python3: can't open file '/x/rgt-agent'")
+    assert e.exit_code == 9 and f"(exit {rc}) without an error of rgt's" in e.what, e.line()
+    assert "can't open file" in e.what, e.line()
 
 
 @pytest.mark.parametrize("state", ["FAILED", "STOPPED", "PREEMPTED"])

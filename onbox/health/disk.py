@@ -7,9 +7,12 @@ used is held against three watermarks: ``prune_at`` asks the sealer to delete lo
 already verified in the store (``free_room``); ``warn_at`` is a warning naming the path, the
 labels on it, which of the two ran out and a remedy; ``hold_at`` is an alert and the hold file
 (``checkpoint.hold`` in the run dir), while which the training API writes no new local
-checkpoint. The verdict speaks of the fullest watched filesystem; the prune and the hold only of
-those a checkpoint takes room on (``CKPT_LABELS``), and the hold goes once they are back under
-``warn_at``. The probe never deletes anything itself.
+checkpoint. The verdict names every watched filesystem past ``warn_at``, the fullest first (its
+level and code are the fullest's), each with what it is short of, what is left and its own
+remedy: the fullest by bytes never hides another out of inodes, and a second one running short is
+an event of its own. The prune and the hold speak only of the filesystems a checkpoint takes
+room on (``CKPT_LABELS``), and the hold goes once they are back under ``warn_at``. The probe
+never deletes anything itself.
 
 The budget: the checkpoint filesystem must keep room for one checkpoint being written, one
 kept, and the job's scratch (``ckpt_bytes * 2 + scratch``, from the first sealed checkpoint on;
@@ -269,7 +272,7 @@ class DiskProbe:
     def _watermarks(self, worst: Fs, wall: float) -> None:
         if worst.worst >= self.cfg.hold_at:
             if not self.held():
-                self._hold(_what(worst), wall)
+                self._hold(_what(worst, self.cfg.warn_at), wall)
         elif worst.worst < self.cfg.warn_at and self.held():
             self._release()
 
@@ -282,10 +285,12 @@ class DiskProbe:
 
     def _verdict_of(self, worst: Fs, filesystems: List[Fs], ctx: Context) -> Verdict:
         data = {"filesystems": [fs.doc() for fs in filesystems], "hold": self.held()}
-        if worst.worst >= self.cfg.warn_at:
+        short = sorted(
+            (fs for fs in filesystems if fs.worst >= self.cfg.warn_at), key=lambda fs: -fs.worst
+        )
+        if short:  # short[0] is ``worst``
             full = worst.worst >= self.cfg.hold_at
-            kind = "inodes" if worst.short_of_inodes else "bytes"
-            reason = _what(worst)
+            reason = "; ".join(_what(fs, self.cfg.warn_at) for fs in short)
             if self.held():
                 reason += "; new local checkpoints are held back"
             elif self._hold_error:
@@ -293,11 +298,12 @@ class DiskProbe:
             return Verdict(
                 self.name,
                 "alert" if full else "warn",
-                f"{kind}_{'full' if full else 'high'}",
+                f"{_short_of(worst)}_{'full' if full else 'high'}",
                 reason,
-                remedy=_remedy(worst),
+                remedy="; ".join(_remedy(fs, self.cfg.warn_at) for fs in short),
                 klass="permanent" if full else "transient",
                 data=data,
+                about=tuple(f"{fs.path}: {_short_of(fs)}" for fs in short),
             )
         budget = self._budget(filesystems, ctx)
         if budget is not None:
@@ -308,7 +314,7 @@ class DiskProbe:
                 "budget",
                 f"{fs.path} ({', '.join(fs.labels)}) has {human(fs.free)} free; the "
                 f"checkpoints need {human(need)}",
-                remedy=_remedy(fs),
+                remedy=_remedy(fs, self.cfg.warn_at),
                 klass="transient",
                 data=data,
             )
@@ -336,27 +342,40 @@ def _pct(x: Optional[float]) -> str:
     return "no limit" if x is None else f"{x * 100:.0f}%"  # no inode limit: btrfs
 
 
-def _what(fs: Fs) -> str:
+def _short_of(fs: Fs) -> str:
+    return "inodes" if fs.short_of_inodes else "bytes"
+
+
+def _both(fs: Fs, warn_at: float) -> bool:
+    """Whether bytes and inodes are both past ``warn_at``: neither is "to spare"."""
+    return min(fs.bytes_used, fs.inodes_used or 0.0) >= warn_at
+
+
+def _what(fs: Fs, warn_at: float) -> str:
     """Which path, which labels, what ran out: inodes with bytes to spare is said as such."""
     where = f"{fs.path} ({', '.join(fs.labels)})"
-    used = fs.inodes - fs.inodes_free
+    inodes = f"inodes {_pct(fs.inodes_used)} used ({fs.inodes - fs.inodes_free} of {fs.inodes})"
+    size = f"{_pct(fs.bytes_used)} of bytes used ({human(fs.free)} free)"
+    if _both(fs, warn_at):
+        return f"{where}: {inodes} and {size}"
     if fs.short_of_inodes:
         return (
-            f"{where}: inodes {_pct(fs.inodes_used)} used ({used} of {fs.inodes}) with bytes to "
-            f"spare ({_pct(fs.bytes_used)} used, {human(fs.free)} free): new files fail "
-            "although df -h shows room"
+            f"{where}: {inodes} with bytes to spare ({_pct(fs.bytes_used)} used, "
+            f"{human(fs.free)} free): new files fail although df -h shows room"
         )
-    return f"{where}: {_pct(fs.bytes_used)} of bytes used ({human(fs.free)} free)"
+    return f"{where}: {size}"
 
 
-def _remedy(fs: Fs) -> str:
-    if fs.short_of_inodes:
-        return (
-            f"delete many small files on {fs.path} (caches, logs, extracted datasets; "
-            f"`df -i {fs.path}`, then `du -x --inodes -d 2 {fs.path} | sort -n | tail`) or move "
-            "them to a filesystem with inodes to spare"
-        )
-    return (
+def _remedy(fs: Fs, warn_at: float) -> str:
+    inodes = (
+        f"delete many small files on {fs.path} (caches, logs, extracted datasets; "
+        f"`df -i {fs.path}`, then `du -x --inodes -d 2 {fs.path} | sort -n | tail`) or move "
+        "them to a filesystem with inodes to spare"
+    )
+    size = (
         f"free space on {fs.path} (`du -xh -d 2 {fs.path} | sort -h | tail`), keep fewer local "
         "checkpoints ([checkpoint] keep), or put [checkpoint] dir on a bigger disk"
     )
+    if _both(fs, warn_at):
+        return f"{inodes}; {size}"
+    return inodes if fs.short_of_inodes else size

@@ -4,13 +4,15 @@ actions it asks the agent for; the ``Context`` a probe reads; the ``Probe`` prot
 Levels, in order of concern: ``ok``; ``unavailable`` (the probe cannot run here: no GPU, no
 library); ``unknown`` (it could not read its signal this time: treated as busy, never as idle
 or dead); ``warn``; ``alert``. A verdict's ``code`` is a short stable name ("inodes_high",
-"stalled"): a change of (level, code) is an event, the same verdict again is not.
+"stalled"): a change of (level, code) is an event, the same verdict again is not. A verdict about
+several things at once (the disk probe's filesystems short of room) names them in ``about``: a
+change of those is an event too (a second disk running out while the first still is).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Mapping, Optional, Protocol
+from typing import Any, Dict, List, Mapping, Optional, Protocol, Tuple
 
 LEVELS = ("ok", "unavailable", "unknown", "warn", "alert")
 RANK = {name: i for i, name in enumerate(LEVELS)}
@@ -28,13 +30,14 @@ class Verdict:
     remedy: str = ""
     klass: Optional[str] = None  # the event's class when the level is warn or alert
     data: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    about: Tuple[str, ...] = ()  # what the verdict is of, when several things (part of the key)
 
     def __post_init__(self) -> None:
         assert self.level in RANK, self.level
 
     @property
     def key(self) -> tuple:  # type: ignore[type-arg]
-        return (self.level, self.code)
+        return (self.level, self.code, self.about)
 
     def to_doc(self) -> Dict[str, Any]:
         doc: Dict[str, Any] = {"level": self.level, "code": self.code, "reason": self.reason}

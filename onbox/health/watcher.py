@@ -3,9 +3,9 @@ probe never delays the agent's loop, and turns what they say into events, state 
 
 Each tick takes a ``Context`` from the agent, runs the probes in order (a probe that raises is
 an ``unknown`` verdict with the error, and the others go on), appends one row to the time
-series, writes a ``health`` event for every verdict whose (level, code) changed, and queues the
-actions the probes asked for. The agent's loop takes them (``take_actions``) after it is woken:
-only the loop changes the run's state.
+series, writes a ``health`` event for every verdict whose key changed (its level, its code, and
+what it is about: ``Verdict.about``), and queues the actions the probes asked for. The agent's
+loop takes them (``take_actions``) after it is woken: only the loop changes the run's state.
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ class HealthWatcher:
         return out
 
     def _judge(self, v: Verdict) -> bool:
-        """Record ``v``; an event when its (level, code) changed. True when anything changed."""
+        """Record ``v``; an event when its key (level, code, about) changed. True when anything
+        changed."""
         prev = self.verdicts.get(v.probe)
         self.verdicts[v.probe] = v
         if prev is not None and prev.key == v.key:

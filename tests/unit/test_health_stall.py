@@ -309,3 +309,64 @@ def test_the_training_apis_phase_block_reports_the_phase_and_clears_it(
     with phase("checkpoint"):  # outside the agent: nothing written, nothing raised
         pass
     assert progress.read(run_dir) is None
+
+
+def _ticks(rig: Rig, reports: List[Tuple[float, int]], until: float, every: float = 10.0) -> float:
+    """The watcher's ticks, one every ``every`` seconds (the default interval) from 0 to
+    ``until``; before each, the job writes every step it reported since the last (several a
+    tick for a fast job: the probe sees the last). Each tick must be ok. Returns the time of the
+    tick that saw the last step."""
+    todo, seen, t = list(reports), 0.0, 0.0
+    while t <= until:
+        changed = False
+        while todo and todo[0][0] <= t:
+            rig.step(todo.pop(0)[1])
+            changed = True
+        r = rig.at(t)
+        assert r.verdict.level == "ok", (t, r.verdict)
+        seen = t if changed else seen
+        t += every
+    return seen
+
+
+def _first_stall(rig: Rig, t0: float, every: float = 10.0) -> Reading:
+    """Ticks on from ``t0`` (the job reports nothing more) until the stall; bounded."""
+    for k in range(1, 1000):
+        r = rig.at(t0 + k * every)
+        if r.verdict.code == "stalled":
+            return r
+    raise AssertionError("the hang was never judged a stall")
+
+
+def test_a_fast_job_logging_many_steps_a_tick_warms_up_and_a_later_hang_is_caught_at_the_floor(
+    tmp_path: Any,
+) -> None:
+    """The defaults (floor 120 s, factor 5, warm-up 5, startup 900 s, a tick every 10 s) and a
+    job reporting a step every 2 s: five steps land in each tick, which counts one change. The
+    warm-up lasts five ticks with steps, nothing is judged a stall, and what is learned is the
+    interval the probe can see (a tick), so a hang is caught once the floor has passed."""
+    rig = Rig(tmp_path, floor=120.0, factor=5.0, warmup=5, startup=900.0)
+    reports = [(1.0 + 2.0 * n, n) for n in range(150)]  # steps 0..149, up to t=299
+    last = _ticks(rig, reports, until=300.0)
+    assert last == 300.0
+    r = rig.at(last + 120.0)
+    assert r.verdict.level == "ok" and r.sample["budget"] == pytest.approx(120.0)
+    r = _first_stall(rig, last + 120.0)
+    assert r.sample["step"] == 149 and "the floor" in r.verdict.reason, r.verdict
+    assert r.sample["since_step"] == pytest.approx(130.0)
+
+
+def test_slow_first_steps_compiling_are_no_stall_and_teach_nothing(tmp_path: Any) -> None:
+    """A job that reports its first step at once (a resume's step 0), then compiles: ~700 s to
+    step 1, ~700 s more to step 2 (a recompile), a quick step 3, ~650 s to step 4 (the eval
+    graph), then a step every 2 s (several a tick). Each slow step is under the startup budget
+    and within the warm-up: no false stall. A hang after the warm-up is caught at the floor,
+    not at 5 x the compile's 700 s."""
+    rig = Rig(tmp_path, floor=120.0, factor=5.0, warmup=5, startup=900.0)
+    reports = [(3.0, 0), (703.0, 1), (1405.0, 2), (1452.0, 3), (2108.0, 4)]
+    reports += [(2110.0 + 2.0 * n, 5 + n) for n in range(100)]  # up to t=2308, step 104
+    last = _ticks(rig, reports, until=2310.0)
+    assert last == 2310.0
+    r = _first_stall(rig, last)
+    assert r.sample["step"] == 104 and "the floor" in r.verdict.reason, r.verdict
+    assert r.sample["since_step"] == pytest.approx(130.0) and _restarts(r)

@@ -193,6 +193,7 @@ def _seal_here(rd: RunDir, spec: JobSpec) -> Store:
     write nothing to the store and raise Superseded (onbox/agent/ownership.py)."""
     from onbox.agent.journal import FileJournal
     from onbox.agent.ownership import Superseded, take_epoch_here
+    from onbox.agent.podlaunch import POD
     from onbox.sealing.sealer import Sealer
     from onbox.sealing.stores import open_box_store
 
@@ -209,6 +210,9 @@ def _seal_here(rd: RunDir, spec: JobSpec) -> Store:
         sealer = Sealer.for_run(
             rd, store, spec.ckpt_dir, keep=spec.keep, event=journal.event, epoch=epoch
         )
+        # In a pod the job's files may be another container's filesystem, which a sync has no
+        # launcher to tell: a link in a checkpoint is then not followed (discovery.py).
+        sealer.follow_links = lambda: not os.path.isdir(os.path.join(rd.path, POD))
         sealer.load()
         sealer.seal_pending()
     finally:

@@ -156,6 +156,9 @@ class SealService(Hooks):
             keep=self.spec.keep,
             event=self.event,
         )
+        # A link in a checkpoint is followed only where the job's files are this filesystem
+        # (a pod's job container may have its own: onbox/sealing/discovery.py).
+        self.sealer.follow_links = lambda: self.workdir_root() == ""
         self.sealer.load()
         key = mf.state_key(run, "events.jsonl")  # the history, read before our first mirror
         get = functools.partial(self.store.get_bytes, key)

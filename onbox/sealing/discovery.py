@@ -12,12 +12,23 @@ A checkpoint in the job's checkpoint dir is complete when:
 Its step comes from rgt's marker or the name (``step_120``, ``checkpoint-120``, ``ckpt_120.pt``).
 Hidden and temporary names (``skip``) are never checkpoints: torn writes live there.
 
-Only regular files are sealed. A symlink is never followed, in the checkpoint dir or inside a
-checkpoint (its target may lie outside the checkpoint, e.g. a credentials file, and sealing it
-would put that in the store as part of the checkpoint; a ``latest`` link names a checkpoint
-that is sealed under its own name anyway); a FIFO, a socket or a device has no bytes to keep
-(and reading a FIFO would wait forever). Each is left out, and listed in ``left_out`` so the
-sealer reports it once.
+Only regular files are sealed. A symlink in the checkpoint dir itself is never followed (a
+``latest`` link names a checkpoint sealed under its own name anyway; onbox/common/links.py). A
+symlink to a regular file *inside* a checkpoint directory (``step_1/tokenizer.json`` linked
+from the Hugging Face cache, a checkpoint assembled with ``ln -s``) is sealed as that file's
+content under the link's name, as ``rsync -L`` and s5cmd copy it: left out, the checkpoint a
+restore brings back is incomplete, and the resume fails or silently uses another tokenizer.
+Its size, mtime and sha256 are the target's, checked like any file's (the stability checks,
+the writers in /proc, on the target). This grants nothing new: the job runs as the agent's
+user and could copy those bytes into the checkpoint itself; rgt's own verification
+(onbox/train/ckptdir.py ``verify``) hashes through links too, so the two agree. Where the
+job's files are in another container's filesystem (a pod: ``follow=False``), an absolute
+target would be resolved in the *agent's* filesystem (its store credentials, another file of
+the same name), so there no link is followed (onbox/agent/jobroot.py says the same of
+outputs). Never followed, anywhere: a link to a directory (loops, unbounded trees), a
+dangling link, a link to a FIFO, socket or device or into /proc or /sys (no stable bytes to
+keep; a FIFO would block the read). Those, and a FIFO, a socket or a device itself, are left
+out, and listed in ``left_out`` so the sealer reports it once.
 """
 
 from __future__ import annotations
@@ -170,6 +181,7 @@ class Candidate:
         files: List[str],
         signature: Sig,
         left_out: Optional[List[Tuple[str, str]]] = None,
+        linked: Optional[Set[str]] = None,
     ) -> None:
         self.root = root  # relative to the checkpoint dir
         self.kind = kind  # "file" | "dir"
@@ -179,6 +191,8 @@ class Candidate:
         # (name relative to the checkpoint dir, what it is) of each entry that is not sealed:
         # not a regular file (a symlink, a FIFO, a socket, a device)
         self.left_out = left_out or []
+        # the ``files`` that are symlinks to a regular file: their target's bytes are sealed
+        self.linked = linked or set()
 
 
 def dir_marker(path: str) -> Optional[Tuple[str, Optional[int]]]:
@@ -220,9 +234,10 @@ def dir_step(name: str, path: str) -> Optional[int]:
     return found[1] if found[1] is not None else step_from_name(name)
 
 
-def dir_candidate(ckpt_dir: str, name: str, path: str) -> Optional[Candidate]:
+def dir_candidate(ckpt_dir: str, name: str, path: str, follow: bool = False) -> Optional[Candidate]:
     """The directory ``name`` (at ``path``, in ``ckpt_dir``) as a checkpoint with every file
-    in it, or None when it is not a complete checkpoint with a step."""
+    in it, or None when it is not a complete checkpoint with a step. ``follow``: a symlink to
+    a regular file in it is one of its files (the module docstring says when)."""
     found = dir_marker(path)
     if found is None:
         return None
@@ -231,21 +246,46 @@ def dir_candidate(ckpt_dir: str, name: str, path: str) -> Optional[Candidate]:
         step = step_from_name(name)
     if step is None:
         return None
-    rel_files, left_out = _regular_files(ckpt_dir, path)
+    rel_files, left_out, linked = _regular_files(ckpt_dir, path, follow)
     try:
         st = os.stat(os.path.join(path, marker))
     except FileNotFoundError:
         return None  # the job rotated it away while it was listed: normal, not an error
-    return Candidate(name, "dir", step, rel_files, signature(st), left_out)
+    return Candidate(name, "dir", step, rel_files, signature(st), left_out, linked)
 
 
-def _regular_files(ckpt_dir: str, path: str) -> Tuple[List[str], List[Tuple[str, str]]]:
+# Pseudo-files: a size that is not what a read gives, so never a stable file to seal.
+_PSEUDO = ("/proc/", "/sys/")
+
+
+def _link_kind(path: str, follow: bool) -> Optional[str]:
+    """None when the symlink ``path`` is sealed as the regular file it leads to (``follow``);
+    else what it is, in words, for ``left_out``."""
+    if not follow:
+        return "a symlink (not followed: the job's files are in another filesystem)"
+    try:
+        st = os.stat(path)
+    except OSError:  # dangling, a loop, or a directory on the way denied
+        return "a symlink that leads nowhere"
+    kind = file_kind(st.st_mode)
+    if kind is not None:
+        return f"a symlink to {kind}"
+    if os.path.realpath(path).startswith(_PSEUDO):
+        return "a symlink to a pseudo-file (/proc, /sys)"
+    return None
+
+
+def _regular_files(
+    ckpt_dir: str, path: str, follow: bool = False
+) -> Tuple[List[str], List[Tuple[str, str]], Set[str]]:
     """The regular files under ``path`` (relative to ``ckpt_dir``, sorted; hidden and temporary
-    names but the markers skipped), and (name, what it is) of every other entry: each lstat'ed,
-    so a symlink (to a file or a directory: os.walk does not descend into the latter, which
-    was a silent omission) is left out, never followed."""
+    names but the markers skipped), and (name, what it is) of every other entry, and which of
+    the files are symlinks to a regular file (only with ``follow``). Each entry is lstat'ed: a
+    symlink to a directory is left out, never followed (os.walk does not descend into it, which
+    was a silent omission), so is any other link ``_link_kind`` names."""
     files: List[str] = []
     left_out: List[Tuple[str, str]] = []
+    linked: Set[str] = set()
 
     def rel(dirpath: str, name: str) -> str:
         return os.path.relpath(os.path.join(dirpath, name), ckpt_dir).replace(os.sep, "/")
@@ -258,26 +298,31 @@ def _regular_files(ckpt_dir: str, path: str) -> Tuple[List[str], List[Tuple[str,
         for fn in sorted(filenames):
             if skip(fn) and fn != jobenv.COMPLETE_MARKER and fn != ".metadata":
                 continue
+            full = os.path.join(dirpath, fn)
             try:
-                kind = file_kind(os.lstat(os.path.join(dirpath, fn)).st_mode)
+                kind = file_kind(os.lstat(full).st_mode)
             except FileNotFoundError:
                 continue  # deleted since the directory was read: the seal finds it vanished
+            if kind == "a symlink":
+                kind = _link_kind(full, follow)
+                if kind is None:
+                    linked.add(rel(dirpath, fn))
             if kind is None:
                 files.append(rel(dirpath, fn))
             else:
                 left_out.append((rel(dirpath, fn), kind))
-    return files, sorted(left_out)
+    return files, sorted(left_out), linked
 
 
 Stats = List[Tuple[str, os.stat_result]]
 
 
-def listing(ckpt_dir: str) -> Tuple[List[Candidate], Stats, Stats]:
+def listing(ckpt_dir: str, follow: bool = False) -> Tuple[List[Candidate], Stats, Stats]:
     """What ``ckpt_dir`` holds that may be a checkpoint, by name: the complete directory
     checkpoints, the loose files in a checkpoint format (with their stat), whose completeness
     (closed, whole) the caller checks, and the symlinks that would otherwise be one of those
     (with their lstat): never followed, so never sealed (Lightning's ``last.ckpt`` link, a
-    ``latest`` link name a checkpoint sealed under its own name)."""
+    ``latest`` link name a checkpoint sealed under its own name). ``follow``: dir_candidate's."""
     try:
         names = sorted(os.listdir(ckpt_dir))
     except FileNotFoundError:
@@ -297,7 +342,7 @@ def listing(ckpt_dir: str) -> Tuple[List[Candidate], Stats, Stats]:
             if os.path.isdir(path) or is_ckpt_file(name):
                 links.append((name, st))
         elif stat.S_ISDIR(st.st_mode):
-            cand = dir_candidate(ckpt_dir, name, path)
+            cand = dir_candidate(ckpt_dir, name, path, follow)
             if cand is not None:
                 dirs.append(cand)
         elif stat.S_ISREG(st.st_mode) and is_ckpt_file(name):

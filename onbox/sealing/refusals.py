@@ -11,9 +11,10 @@ text, so it could not be stored by its name. One ``unsafe_name`` event (class us
 and it is skipped at each scan after that until it changes, while the other checkpoints are
 sealed as usual.
 
-Only regular files are sealed (onbox/sealing/discovery.py says why): a symlink, a FIFO, a socket or
-a device in a checkpoint is left out, and the rest of the checkpoint sealed; one ``left_out``
-event (class usage) names what was left out, again only when the checkpoint changes. A symlink
+Only regular files, and links to one inside a checkpoint, are sealed (onbox/sealing/discovery.py
+says which links and why): a link to a directory, a dangling one, a FIFO, a socket or a device
+in a checkpoint is left out, and the rest of the checkpoint sealed; one ``left_out`` event
+(class usage) names what was left out, again only when the checkpoint changes. A symlink
 in the checkpoint dir itself (``latest``, Lightning's ``last.ckpt``) is never sealed either: one
 event the first time it is seen: ``left_out`` when it leads out of the dir (those bytes are never
 sealed), ``ckpt_link`` (info) when it leads to a path in it, sealed under its own name.
@@ -87,11 +88,12 @@ class Refusals:
         self.event(
             "left_out",
             f"checkpoint {cand.root!r}: {shown}{f' and {more} more' if more > 0 else ''} "
-            "not sealed: only regular files are; a symlink is never followed (its target may "
-            "lie outside the checkpoint), a FIFO, socket or device holds no bytes to keep",
+            "not sealed: only regular files and links to one are (a link to a directory is "
+            "never followed, a dangling link, a FIFO, socket or device holds no bytes to keep)",
             klass="usage",
-            remedy="put what a resume needs in the checkpoint as a regular file (a copy, not "
-            "a link); the rest of the checkpoint is sealed",
+            remedy="put what a resume needs in the checkpoint as a regular file, or a link to "
+            "one (a copy where the job runs in its own container); the rest of the checkpoint "
+            "is sealed",
             paths=[rel for rel, _ in cand.left_out],
         )
 

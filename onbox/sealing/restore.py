@@ -36,7 +36,12 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from onbox.common.durable import sha256_fd
 from onbox.common.errors import IntegrityError
-from onbox.common.safepath import UnsafePath, lstat_beneath, open_beneath
+from onbox.common.safepath import (
+    lstat_beneath,
+    open_beneath,
+    open_regular,
+    safe_join,
+)
 from onbox.common.storeurl import RESTORE_STALL
 from onbox.sealing import manifest as mf
 from onbox.sealing.fetch import StoreCorrupt, check_target, failure, fetch
@@ -61,20 +66,31 @@ class NoVerifiedCheckpoint(IntegrityError):
 
 def local_matches(doc: Dict[str, Any], ckpt_dir: str, verify: bool = False) -> bool:
     """Whether every file of the manifest is present locally as a regular file (with its size;
-    and sha256 when ``verify``). A symlink there is no match: the download then refuses it."""
+    and sha256 when ``verify``). A symlink under a file's name (the directories on the way are
+    never followed) matches when the regular file it leads to does: the job made it in its
+    checkpoint, and the sealer sealed what it leads to (onbox/sealing/discovery.py), so on the
+    box that sealed it the checkpoint is there as it is. Nothing is written through it: when
+    it does not match, the download refuses it (check_target)."""
     for f in doc["files"]:
         try:
             st = lstat_beneath(ckpt_dir, f["path"])
+            real = None
+            if st is not None and stat.S_ISLNK(st.st_mode):
+                real = os.path.realpath(safe_join(ckpt_dir, f["path"]))
+                st = os.stat(real)
             if st is None or not stat.S_ISREG(st.st_mode) or st.st_size != f["size"]:
                 return False
             if verify:
-                fd = open_beneath(ckpt_dir, f["path"], os.O_RDONLY | os.O_NONBLOCK)
+                if real is None:
+                    fd = open_beneath(ckpt_dir, f["path"], os.O_RDONLY | os.O_NONBLOCK)
+                else:
+                    fd = open_regular(real)
                 try:
                     if sha256_fd(fd)[0] != f["sha256"]:
                         return False
                 finally:
                     os.close(fd)
-        except (UnsafePath, OSError):
+        except (IntegrityError, OSError):  # UnsafePath, NotRegularFile: no match
             return False
     return True
 

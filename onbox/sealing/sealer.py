@@ -101,6 +101,10 @@ class Sealer:
         # The seconds the job's save of a step held its loop, where the job reports it
         # (onbox/common/progress.py): carried on the ``sealed`` event for the auto interval.
         self.job_blocked: Callable[[int], Optional[float]] = lambda step: None
+        # Whether a symlink to a regular file inside a checkpoint is sealed as that file
+        # (onbox/sealing/discovery.py): only where the job's files are in this filesystem,
+        # which the agent knows (a pod's job container may not be); not assumed.
+        self.follow_links: Callable[[], bool] = lambda: False
 
     @classmethod
     def for_run(
@@ -179,7 +183,7 @@ class Sealer:
     # ---- finding checkpoints
     def scan(self) -> List[Candidate]:
         """Complete checkpoints not sealed yet, oldest step first."""
-        dirs, files, links = listing(self.ckpt_dir)
+        dirs, files, links = listing(self.ckpt_dir, self.follow_links())
         self.refusals.report_links(self.ckpt_dir, [n for n, _ in links])
         dirs = [c for c in dirs if self.refusals.safe_names(c.root, c.files, c.signature)]
         files = [(n, st) for n, st in files if self.refusals.safe_names(n, [n], signature(st))]
@@ -332,6 +336,7 @@ class Sealer:
             rewritten=in_place(cand.root, cand.kind),
             found=cand.signature if in_place(cand.root, cand.kind) else None,
             deadline=deadline,
+            linked=cand.linked,
         ).run()
 
     def remember_restored(self, doc: Dict[str, Any]) -> None:

@@ -123,6 +123,7 @@ class CheckpointUpload:
         rewritten: bool,
         found: Optional[Tuple[int, int, int]] = None,
         deadline: Optional[float] = None,
+        linked: Collection[str] = (),
     ) -> None:
         self.store = store
         self.ckpt_dir = ckpt_dir
@@ -138,9 +139,14 @@ class CheckpointUpload:
         self.deadline = deadline  # time.monotonic(): no file, no retry starts after it
         self.stop = threading.Event()
         self.shared_sizes: Set[int] = set()  # sizes two files of this checkpoint have
+        # The ``rels`` that are symlinks to a regular file (onbox/sealing/discovery.py): read
+        # from their target, resolved once per file, so every read, stat and put below is of
+        # one symlink-free path (and the stores' O_NOFOLLOW open passes).
+        self.linked = set(linked)
 
     def src(self, rel: str) -> str:
-        return os.path.join(self.ckpt_dir, *rel.split("/"))
+        path = os.path.join(self.ckpt_dir, *rel.split("/"))
+        return os.path.realpath(path) if rel in self.linked else path
 
     def run(self) -> Tuple[List[Entry], int]:
         self.shared_sizes = _shared_sizes([self.src(r) for r in self.rels])

@@ -6,6 +6,8 @@ store only when it lies in the checkpoint dir itself, sealed there under its own
 beside it). Resume (onbox/train/ckptdir.py ``newest_verified``, the adapters' resume helpers),
 rotation (``ckptdir.prune``), the sealer and the completion seal all judge a link by
 ``within``: a link inside the dir stands for its target, one out of it for nothing rgt keeps.
+What deletes checkpoints (rotation, the sealer's room on a low disk: onbox/sealing/room.py)
+never deletes one that a link it leaves (``inbound``) leads to: the link would dangle.
 
 Standard library only.
 """
@@ -13,7 +15,7 @@ Standard library only.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import List, Optional, Tuple
 
 
 def within(path: str) -> Optional[str]:
@@ -26,3 +28,22 @@ def within(path: str) -> Optional[str]:
     home = os.path.realpath(os.path.dirname(path))
     real = os.path.realpath(path)
     return real if real.startswith(home.rstrip(os.sep) + os.sep) else None
+
+
+def inbound(ckpt_dir: str, deep: bool = False) -> List[Tuple[str, str]]:
+    """(path, real target) of each symlink in ``ckpt_dir`` that leads to a path in it (its real
+    path, existing or not): the links in the dir itself, and with ``deep`` those anywhere under
+    it too (a checkpoint's ``tokenizer.json`` linked to the one of an older checkpoint; no link
+    to a directory is descended into)."""
+    home = os.path.realpath(ckpt_dir).rstrip(os.sep) + os.sep
+    out: List[Tuple[str, str]] = []
+    for dirpath, dirnames, filenames in os.walk(ckpt_dir):
+        for name in dirnames + filenames:
+            path = os.path.join(dirpath, name)
+            if os.path.islink(path):
+                real = os.path.realpath(path)
+                if real.startswith(home):
+                    out.append((path, real))
+        if not deep:
+            break
+    return out

@@ -13,6 +13,10 @@ A local checkpoint (a file or a directory under RGT_CKPT_DIR) is deleted only wh
   it is not quarantined;
 - it is not the newest local state: never the checkpoint LATEST names, never the newest sealed
   checkpoint still on this disk, never a file whose bytes are not sealed (the job's newest);
+- no symlink elsewhere in the checkpoint dir leads to it or into it (a user's ``best`` link, a
+  newer checkpoint's ``tokenizer.json`` linked to this one's): the link would dangle, and the
+  job resumes through it. Rotation's rule (onbox/train/ckptdir.py ``prune``, links.inbound);
+  a link inside the checkpoint itself goes with it;
 - no process holds one of its files open for writing, and none changed between the hash and
   the delete (the checkpoint is first renamed to a temporary name the sealer skips, then its
   (size, mtime_ns, inode) compared again, so a rewrite that begins meanwhile is put back).
@@ -28,6 +32,7 @@ import os
 import shutil
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
+from onbox.common import links
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import NotRegularFile, sha256_regular
 from onbox.sealing import manifest as mf
@@ -104,6 +109,7 @@ class Room:
             keep.add(manifests[latest]["root"])
         if present:
             keep.add(max(present, key=lambda r: by_root[r][-1]["step"]))
+        keep |= self._linked(present)
         freed = 0
         deleted = 0
         for root in sorted(present, key=lambda r: by_root[r][-1]["step"]):
@@ -124,11 +130,26 @@ class Room:
                 "room_exhausted",
                 f"the disk of {self.ckpt_dir} is low and no local checkpoint may be deleted: "
                 "each one left is the newest state, not sealed in the store as it is now, "
-                "or open for writing",
+                "open for writing, or a symlink in the checkpoint dir leads to it",
                 klass="permanent",
                 remedy="free disk space (df -h, df -i), or let the job keep fewer checkpoints",
             )
         return freed
+
+    def _linked(self, roots: List[str]) -> Set[str]:
+        """The ``roots`` that a symlink in the checkpoint dir, not inside the root itself,
+        leads to or into (a deep walk: paid only when the disk is low)."""
+        found = links.inbound(self.ckpt_dir, deep=True)
+        out: Set[str] = set()
+        for root in roots:
+            path = self._path(root)
+            real = os.path.realpath(path)
+            for link, target in found:
+                inside = link == path or link.startswith(path + os.sep)
+                if not inside and (target == real or target.startswith(real + os.sep)):
+                    out.add(root)
+                    break
+        return out
 
     # ---- what the store says
     def _reach(self) -> Tuple[Optional[int], Set[int], Set[int]]:

@@ -305,18 +305,7 @@ def prune(
 def _named_by_links(ckpt_dir: str, rotated: Set[str]) -> Set[str]:
     """The real paths that a symlink in ``ckpt_dir`` other than those in ``rotated`` (abs
     paths) leads to, inside the dir."""
-    try:
-        names = os.listdir(ckpt_dir)
-    except FileNotFoundError:
-        return set()
-    out = set()
-    for n in names:
-        path = os.path.join(ckpt_dir, n)
-        if os.path.abspath(path) not in rotated and os.path.islink(path):
-            real = links.within(path)
-            if real is not None:
-                out.add(real)
-    return out
+    return {real for path, real in links.inbound(ckpt_dir) if os.path.abspath(path) not in rotated}
 
 
 def remove(path: str) -> None:

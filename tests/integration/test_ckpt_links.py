@@ -22,9 +22,11 @@ import pytest
 from onbox.common.safepath import UnsafePath
 from onbox.sealing.epochs import take_epoch
 from onbox.sealing.restore import restore_latest
+from onbox.sealing.room import is_low
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from tests.conftest import Cli, require
+from tests.mounts import tmpfs
 
 _MISSING = [m for m in ("torch", "safetensors") if importlib.util.find_spec(m) is None]
 
@@ -249,3 +251,39 @@ def test_the_agent_on_a_box_seals_a_linked_file_of_a_checkpoint(cli: Cli, tmp_pa
     files = {e["path"]: e["size"] for e in doc["files"]}
     assert files.get("step_1/tokenizer.json") == len("vocab"), files
     assert not [e for e in cli.events("lnk") if e["kind"] == "left_out"]
+
+
+@pytest.mark.parametrize("how", ["best", "nested"])
+def test_a_low_disk_never_deletes_a_checkpoint_a_link_leads_to(tmp_path: Any, how: str) -> None:
+    """Sealed steps 2, 3, 4 on a disk that runs low: step 2 may go (sealed, oldest) unless a
+    link leads to it, a user's ``best`` or step 4's ``tokenizer.json`` linked to step 2's: then
+    step 3 goes instead, and the link still leads to its bytes."""
+    with tmpfs(str(tmp_path / "small"), "size=8m") as small:
+        events: List[Dict[str, Any]] = []
+        root = str(tmp_path / "durable")
+        os.makedirs(root)
+        s = _sealer(open_store("file://" + root), "room", small, tmp_path, events)
+        s.follow_links = lambda: True
+        for n in (2, 3, 4):
+            d = os.path.join(small, f"step_{n}")
+            _write(os.path.join(d, "model.bin"), os.urandom(1536 << 10))
+            tok = os.path.join(d, "tokenizer.json")
+            if n == 4 and how == "nested":
+                os.symlink("../step_2/tokenizer.json", tok)
+            else:
+                _write(tok, b"vocab %d" % n)
+            _write(os.path.join(d, ".rgt-complete"), json.dumps({"step": n}).encode())
+        if how == "best":
+            os.symlink("step_2", os.path.join(small, "best"))
+        assert _bounded(s.seal_pending) == 3
+        with open(os.path.join(small, "filler.dat"), "ab") as f:  # never a checkpoint
+            while not is_low(small):
+                f.write(b"\0" * (64 << 10))
+                f.flush()
+        assert s.free_room() > 0
+        assert not os.path.exists(os.path.join(small, "step_3"))
+        (ev,) = [e for e in events if e["kind"] == "freed_local"]
+        assert ev["root"] == "step_3"
+        via = "best/tokenizer.json" if how == "best" else "step_4/tokenizer.json"
+        with open(os.path.join(small, via), "rb") as f:
+            assert f.read() == b"vocab 2"

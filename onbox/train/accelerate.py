@@ -44,6 +44,7 @@ fits any loop that restores the RNGs before its data loader makes an iterator.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -216,12 +217,16 @@ class AcceleratorCheckpointer:
         return final
 
     def latest(self) -> Optional[str]:
-        """The checkpoint ``load`` would use: RGT_RESUME_FROM, else the newest local one."""
+        """The checkpoint ``load()`` would use, without loading it: RGT_RESUME_FROM's directory
+        (a file in one names it), else the newest local one that load's scan accepts (the same
+        link rule; its marker and its files' sizes checked, not their sha256: one altered
+        without a change of size is skipped by load only). None when load would start at 0."""
         explicit = os.environ.get(jobenv.RESUME_FROM)
         if explicit:
-            return explicit
-        found = complete_checkpoints(self.dir)
-        return found[0][1] if found else None
+            return os.path.dirname(explicit) if os.path.isfile(explicit) else explicit
+        sized = functools.partial(ckptdir.verify, fmt=None, hashes=False)
+        found = ckptdir.newest_verified(complete_checkpoints(self.dir), sized, say=False)
+        return found[1] if found else None
 
     def load(self, path: Optional[str] = None) -> int:
         """``accelerator.load_state`` from ``path``, RGT_RESUME_FROM or the newest verified local

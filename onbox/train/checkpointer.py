@@ -49,6 +49,7 @@ Outside rgt (no ``RGT_*`` variables) it works on ``./checkpoints`` and never sig
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import sys
@@ -423,12 +424,17 @@ class Checkpointer:
 
     # ---- loading
     def latest(self) -> Optional[str]:
-        """The checkpoint ``load`` would use: RGT_RESUME_FROM, else the newest local one."""
+        """The checkpoint ``load()`` would use, without loading it: RGT_RESUME_FROM's directory
+        (a file in one names it), else the newest local one that load's scan accepts (the same
+        link rule; its marker and its files' sizes checked, not their sha256, which would read
+        the whole checkpoint: one altered without a change of size is skipped by load only).
+        None when load would start from step 0."""
         resume = os.environ.get(jobenv.RESUME_FROM)
         if resume:
-            return resume
-        found = ckptdir.complete(self.dir)
-        return found[0][1] if found else None
+            return ckptdir.named_dir(resume)
+        sized = functools.partial(ckptdir.verify, hashes=False)
+        found = ckptdir.newest_verified(ckptdir.complete(self.dir), sized, say=False)
+        return found[1] if found else None
 
     def load(self, path: Optional[str] = None) -> int:
         """Restore the registered objects, the RNGs and ``self.extra``; the step to continue
@@ -446,9 +452,7 @@ class Checkpointer:
 
     @staticmethod
     def _checkpoint_dir(path: str) -> str:
-        # RGT_RESUME_FROM names the restored checkpoint; a file inside one is accepted too.
-        if os.path.isfile(path) and os.path.basename(path) != ckptdir.MARKER:
-            path = os.path.dirname(path)
+        path = ckptdir.named_dir(path)
         if not os.path.isdir(path):
             raise CheckpointError(
                 f"{path} does not exist or is not an rgt checkpoint directory",

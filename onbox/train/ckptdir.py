@@ -326,10 +326,12 @@ def remove(path: str) -> None:
     shutil.rmtree(gone, ignore_errors=True)
 
 
-def verify(path: str, fmt: Any = FORMAT) -> Dict[str, Any]:
+def verify(path: str, fmt: Any = FORMAT, hashes: bool = True) -> Dict[str, Any]:
     """The marker of the checkpoint at ``path`` after checking every file it lists (names may
     hold ``/``: files in subdirectories); raises CheckpointError naming the first file that is
-    missing, short, long or altered. ``fmt``: the marker's format required (None: any)."""
+    missing, short, long or altered. ``fmt``: the marker's format required (None: any).
+    ``hashes``: False checks presence and sizes only (a stat each, not a read of the whole
+    checkpoint): an alteration that keeps the size is found only with the sha256."""
     try:
         with open(os.path.join(path, MARKER)) as f:
             marker = json.load(f)
@@ -358,6 +360,8 @@ def verify(path: str, fmt: Any = FORMAT) -> Dict[str, Any]:
                 f"{fpath} is {size} bytes, its marker says {want['size']}: truncated or altered",
                 "use an older checkpoint",
             )
+        if not hashes:
+            continue
         sha, _ = sha256_file(fpath)
         if sha != want["sha256"]:
             raise CheckpointError(
@@ -369,7 +373,9 @@ def verify(path: str, fmt: Any = FORMAT) -> Dict[str, Any]:
 
 
 def newest_verified(
-    found: List[Tuple[int, str]], check: Callable[[str], Dict[str, Any]] = verify
+    found: List[Tuple[int, str]],
+    check: Callable[[str], Dict[str, Any]] = verify,
+    say: bool = True,
 ) -> Optional[Tuple[int, str, Dict[str, Any]]]:
     """(step, path, what ``check`` returned) of the first of ``found`` ((step, path), newest
     first) that ``check`` passes, None when none does. A scanned checkpoint that fails it
@@ -380,10 +386,13 @@ def newest_verified(
     target when that lies in the checkpoint dir (the sealer seals it there under its own name),
     and skipped when it lies outside: the sealer never follows a link
     (onbox/sealing/discovery.py), so the store never holds what it points to, and a run resumed
-    from it would go back to an older step on the next box."""
+    from it would go back to an older step on the next box. ``say``: False skips silently
+    (a question, such as ``Checkpointer.latest``, not the load itself)."""
     for step, path in found:
         real = links.within(path)
         if real is None:
+            if not say:
+                continue
             print(
                 f"rgt: skipping checkpoint step {step}: {path} is a symlink to "
                 f"{os.path.realpath(path)}, outside the checkpoint dir (never sealed); resume "
@@ -395,8 +404,17 @@ def newest_verified(
         try:
             return step, path, check(real)
         except CheckpointError as e:
-            print(f"rgt: skipping checkpoint step {step}: {e.what}", file=sys.stderr, flush=True)
+            if say:
+                print(f"rgt: skipping checkpoint step {step}: {e.what}", file=sys.stderr)
     return None
+
+
+def named_dir(path: str) -> str:
+    """The checkpoint directory ``path`` names (RGT_RESUME_FROM, a path given to load): itself,
+    or the directory of a file inside one."""
+    if os.path.isfile(path) and os.path.basename(path) != MARKER:
+        return os.path.dirname(path)
+    return path
 
 
 def read(

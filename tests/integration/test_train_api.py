@@ -122,6 +122,25 @@ def _saved(tmp_path: Any, steps: Tuple[int, ...] = (1, 2)) -> str:
     return d
 
 
+def test_latest_names_the_checkpoint_load_uses(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """latest() took the newest name: a link out of the dir, or a cut-off newest, that load
+    skips. It now applies load's rule (sizes, not sha256) and names what load then loads."""
+    monkeypatch.delenv("RGT_RESUME_FROM", raising=False)
+    d = _saved(tmp_path, (1, 2, 3))
+    elsewhere = str(tmp_path / "elsewhere")
+    Checkpointer(elsewhere, handle_signals=False, **_objects()).save(9)
+    os.symlink(os.path.join(elsewhere, "step_9"), os.path.join(d, "step_9"))
+    with open(os.path.join(d, "step_3", ckptdir.STATE), "r+b") as f:
+        f.truncate(10)
+    ck = Checkpointer(d, handle_signals=False, **_objects())
+    assert ck.latest() == os.path.join(d, "step_2")
+    assert ck.load() == 2
+    monkeypatch.setenv("RGT_RESUME_FROM", os.path.join(d, "step_1", ckptdir.STATE))
+    assert ck.latest() == os.path.join(d, "step_1") and ck.load() == 1
+
+
 def test_a_pickle_that_is_not_plain_data_is_refused_and_never_run(tmp_path: Any) -> None:
     """A state.pt carrying an arbitrary object (with a correct marker, so only the unpickler
     can catch it) is refused; its payload never runs."""

@@ -145,6 +145,27 @@ def test_fake_accelerator_checkpointer_saves_on_request_and_resumes(
         AcceleratorCheckpointer(FakeAccelerator()).load()
 
 
+def test_latest_names_the_checkpoint_load_uses(
+    job_env: Dict[str, str], tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """latest() took the newest name: a link out of the dir, or a cut-off newest, that load
+    skips. It now applies load's rule (sizes, not sha256) and names what load then loads."""
+    ckpt = job_env["ckpt"]
+    ck = AcceleratorCheckpointer(FakeAccelerator(), keep=5)
+    for step in (2, 4, 6):
+        ck.save(step)
+    other = AcceleratorCheckpointer(FakeAccelerator(), str(tmp_path / "elsewhere"))
+    os.symlink(other.save(9), os.path.join(ckpt, "step_9"))  # out of the dir: never sealed
+    _write(os.path.join(ckpt, "step_6", "model.safetensors"), b"cut")  # another size
+    acc = FakeAccelerator()
+    fresh = AcceleratorCheckpointer(acc)
+    assert fresh.latest() == os.path.join(ckpt, "step_4")
+    assert fresh.load() == 4 and acc.loaded == ["step_4"]
+    monkeypatch.setenv("RGT_RESUME_FROM", os.path.join(ckpt, "step_2", "model.safetensors"))
+    assert fresh.latest() == os.path.join(ckpt, "step_2")
+    assert fresh.load() == 2 and acc.loaded[-1] == "step_2"
+
+
 def test_fake_accelerator_checkpointer_exits_143_after_a_preemption_save(
     job_env: Dict[str, str],
 ) -> None:

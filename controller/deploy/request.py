@@ -105,7 +105,7 @@ def _check_job_file(req: DeployRequest) -> None:
         doc = _read_toml(req.job_file)
     except (OSError, ValueError):
         return  # _job_name has read it already
-    check_settings(doc)
+    check_settings(doc, flag_command=bool(req.command))
     meter_deadline(doc, Overrides())
 
 

@@ -252,13 +252,18 @@ def check_outputs(outputs: Any, field: str = "outputs") -> Tuple[str, ...]:
     return tuple(dict.fromkeys(outputs))
 
 
-def _check_command(command: Any, workdir: str, env: Mapping[str, str]) -> Tuple[str, ...]:
+def _command_shape(command: Any) -> None:
+    """A command is a non-empty argv list of strings (what the laptop can check too)."""
     if not isinstance(command, (list, tuple)) or not all(isinstance(a, str) for a in command):
         raise UsageError(
             "command", "must be a list of strings", 'e.g. command = ["python", "train.py"]'
         )
     if not command or not command[0].strip():
         raise UsageError("command", "is empty", "give the job after --, e.g. -- python train.py")
+
+
+def _check_command(command: Any, workdir: str, env: Mapping[str, str]) -> Tuple[str, ...]:
+    _command_shape(command)
     exe = command[0]
     if "/" in exe:
         path = exe if os.path.isabs(exe) else os.path.join(workdir, exe)
@@ -287,21 +292,13 @@ def _table(data: Mapping[str, Any], key: str, allowed: Set[str], example: str) -
     return table
 
 
-def _env_and_command(
-    data: Mapping[str, Any], flags: Overrides, workdir: str, environ: Mapping[str, str]
-) -> Tuple[Dict[str, str], Tuple[str, ...]]:
-    """The job file's ``[env]`` and the command, checked against the PATH the job will get."""
+def _env_table(data: Mapping[str, Any]) -> Dict[str, str]:
     env = data.get("env", {})
     if not isinstance(env, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in env.items()
     ):
         raise UsageError("env", "must be a table of string values", 'e.g. [env] FOO = "1"')
-    full_env = dict(environ)
-    full_env.update(env)
-    command = _check_command(
-        flags.command if flags.command else data.get("command"), workdir, full_env
-    )
-    return env, command
+    return env
 
 
 def _checkpoint_settings(ckpt: Mapping[str, Any], ckpt_dir: str) -> Dict[str, Any]:
@@ -355,12 +352,15 @@ def _store_setting(data: Mapping[str, Any], flags: Overrides) -> Optional[StoreU
     return store_override(flags.store, endpoint, "store.endpoint_url")
 
 
-def check_settings(data: Mapping[str, Any]) -> None:
+def check_settings(data: Mapping[str, Any], flag_command: bool = False) -> None:
     """A job file's settings checked as ``build_spec`` checks them, less what only the box can
     tell (the command on its PATH, the workdir, the profile and its durable path): `rgt deploy`
     runs this on the laptop, so that a wrong key or value is refused before the box is touched.
-    """
+    ``flag_command``: a command came after ``--``, so the file's is not used (nor checked)."""
     _unknown(data, _TOP_KEYS, "")
+    _env_table(data)
+    if not flag_command and "command" in data:
+        _command_shape(data["command"])
     _checkpoint_settings(_table(data, "checkpoint", _CKPT_KEYS, '[checkpoint] dir = "ckpt"'), "")
     check_outputs(data.get("outputs", []))
     parse_duration(data.get("grace", 30), "grace", allow_zero=True)
@@ -423,7 +423,8 @@ def _build_spec(
     workdir = os.path.abspath(os.path.join(base, str(data.get("workdir", "."))))
     if not os.path.isdir(workdir):
         raise UsageError("workdir", f"{workdir} is not a directory")
-    env, command = _env_and_command(data, flags, workdir, environ)
+    env = _env_table(data)  # the command is checked against the PATH the job will get
+    command = _check_command(flags.command or data.get("command"), workdir, {**environ, **env})
 
     ckpt = _table(data, "checkpoint", _CKPT_KEYS, '[checkpoint] dir = "ckpt"')
     ckpt_dir = flags.ckpt_dir or ckpt.get("dir")

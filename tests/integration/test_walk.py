@@ -6,7 +6,9 @@ the real CLI as a process (tests/laptop.py), what it prints held against what RE
 - `rgt logs -f` in one terminal goes on while another rgt command on the same box ends (they
   share ssh's control master: the one that ends must not take the other's session with it);
 - typos: a job file with a wrong key is refused (exit 2, naming the file and the key) before the
-  box is touched; a command the box cannot find is the box's usage error, exit 2, not a bug's 1;
+  box is touched, and so is a wrong value the laptop can tell (a command given as one string, a
+  non-string [env] value); a command the box cannot find is the box's usage error, exit 2, not a
+  bug's 1;
 - a job that fails at once: deploy says so, with the box's reason and `rgt logs NAME`, and exits
   11 (FAILED) as `rgt-agent run` does, not 0; one that succeeded at once exits 0;
 - no `--store` on a profile with no durable mount: one warning line that the checkpoints live only
@@ -169,6 +171,31 @@ def test_a_job_file_with_a_wrong_key_is_refused_before_the_box_is_touched(walk: 
         assert walk.sessions() == sessions, p.stderr  # not one command on the box
     assert _listing(releases) == before  # no release pushed for it
     assert not os.path.exists(os.path.join(walk.box_home, "runs", "typo"))
+    job.unlink()
+
+
+def test_a_job_file_with_a_wrong_value_is_refused_before_the_box_is_touched(walk: Walk) -> None:
+    """A command given as one string, an [env] value that is not a string: the box refused them
+    only after the push, the install and the secrets stored for a run that then never existed."""
+    job = Path(walk.project) / "typo.toml"
+    for text, said in [
+        ('name = "typo"\ncommand = "python job.py"\n', "command: must be a list of strings"),
+        ('name = "typo"\ncommand = []\n', "command: is empty"),
+        (
+            'name = "typo"\ncommand = ["python", "job.py"]\n[env]\nSEED = 1\n',
+            "env: must be a table of string values",
+        ),
+    ]:
+        job.write_text(text)
+        sessions = walk.sessions()
+        p = walk.deploy(str(job))
+        assert p.returncode == 2, p.stderr
+        assert f"{job}: {said}" in p.stderr, p.stderr
+        assert walk.sessions() == sessions, p.stderr  # not one command on the box
+    # The command after `--` replaces the file's: its shape is not the file's to refuse.
+    job.write_text('name = "typo"\ncommand = "python job.py"\n')
+    p = walk.deploy(str(job), "--", "no-such-command-here")
+    assert p.returncode == 2 and "'no-such-command-here' is not found on PATH" in p.stderr
     job.unlink()
 
 

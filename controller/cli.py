@@ -296,7 +296,7 @@ def down(name: str, yes: bool, instance: Optional[str]) -> int:
         instance=instance,
         yes=yes,
         interactive=sys.stdin.isatty(),
-        ask=lambda prompt: click.prompt(prompt, default="", show_default=False),
+        ask=lambda prompt: click.prompt(prompt, default="", show_default=False, prompt_suffix=""),
         show=_emit,
     )
     return 0

@@ -13,7 +13,8 @@ the real CLI as a process (tests/laptop.py), what it prints held against what RE
   11 (FAILED) as `rgt-agent run` does, not 0; one that succeeded at once exits 0;
 - no `--store` on a profile with no durable mount: one warning line that the checkpoints live only
   on the box, and no warning with a store;
-- a run held by another agent (exit 5): the remedy names the laptop's commands.
+- a run held by another agent (exit 5): the remedy names the laptop's commands;
+- `rgt down` on a terminal asks for the run's name in one prompt (``...: ``, not ``...: : ``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import pty
+import select
 import signal
 import subprocess
 import sys
@@ -97,6 +100,44 @@ def walk(sshd: SshServer, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         for pid in w.ssh_clients():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
+
+
+def _on_a_terminal(walk: Walk, *args: str, answer: str) -> tuple[int, str]:
+    """`rgt ARGS` on a pseudo-terminal, as a person runs it: ``answer`` typed once it asks.
+    Its exit code and what the terminal showed."""
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [*rgt_exe(), *args],
+        env=laptop_env(walk.ctl_home, walk.box_home),
+        stdin=slave,
+        stdout=slave,
+        stderr=slave,
+        cwd=walk.project,
+        close_fds=True,
+    )
+    os.close(slave)
+    shown, typed = b"", False
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if not select.select([master], [], [], 0.5)[0]:
+                continue
+            try:
+                chunk = os.read(master, 65536)
+            except OSError:  # EIO: the terminal's other side closed, rgt ended
+                break
+            if not chunk:
+                break
+            shown += chunk
+            if not typed and shown.rstrip().endswith(b":"):
+                os.write(master, answer.encode() + b"\n")
+                typed = True
+        return proc.wait(timeout=60), shown.decode("utf-8", "replace")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        os.close(master)
 
 
 def _first_line(err: str) -> str:
@@ -222,6 +263,26 @@ def test_a_job_that_succeeded_at_once_exits_0_and_says_it_ended(walk: Walk) -> N
     assert p.returncode == 0, p.stderr
     assert "quick SUCCEEDED" in p.stderr and "`rgt pull quick`" in p.stderr, p.stderr
     assert "runs on without this laptop" not in p.stderr, p.stderr
+
+
+def test_down_asks_for_the_runs_name_in_one_prompt_on_a_terminal(
+    walk: Walk, tmp_path: Path
+) -> None:
+    """The prompt ended in ": : " (click added its own suffix to down's)."""
+    job = "import os; open(os.environ['RGT_CKPT_DIR'] + '/step_1.bin', 'wb').write(b'w')"
+    store = tmp_path / "store"
+    store.mkdir()
+    p = walk.deploy(
+        "--name", "asked", "--store", f"file://{store}", "--", sys.executable, "-c", job
+    )
+    assert p.returncode == 0, p.stderr
+    p = walk.rgt("pull", "asked", "--to", str(tmp_path / "pulled"))
+    assert p.returncode == 0, p.stderr
+    code, shown = _on_a_terminal(walk, "down", "asked", answer="not-it")
+    assert code == 7 and "does not match; nothing done" in shown, shown
+    assert shown.count("Type the run's name (asked) to take it down: ") == 1, shown
+    assert "take it down: :" not in shown, shown
+    assert os.path.isdir(os.path.join(walk.box_home, "runs", "asked"))  # nothing done
 
 
 def _store_warnings(err: str) -> List[str]:

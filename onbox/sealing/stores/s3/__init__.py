@@ -40,7 +40,8 @@ sends the same headers, is verified the same way and fails with the same errors 
 
 The package, by job: ``core`` (S3Store: the client, puts, reads, list, delete), ``client`` (how
 boto3's client is configured), ``lean`` (the lean PUT), ``errors`` (what botocore's exceptions
-and the store's codes mean), ``checksums`` (the protocol above), ``multipart`` (part sizes,
+and the store's codes mean), ``conditional`` (the conditional puts), ``checksums`` (the protocol
+above), ``multipart`` (part sizes,
 parallel parts, completion) and ``preflight``.
 """
 

@@ -1,5 +1,5 @@
 """The S3Store itself (see the package docstring): the client, keys under the prefix, calls
-with their errors mapped (errors.py), puts (plain, create-if-absent, replace-if-version),
+with their errors mapped (errors.py), puts (plain; the conditional ones in conditional.py),
 reads, ranged parallel downloads, stat, list, delete and the stale-upload sweep. The checksum
 protocol, multipart uploads and the preflight are their own modules beside it.
 """
@@ -23,7 +23,6 @@ from onbox.sealing.stores.base import (
     Lanes,
     ObjectInfo,
     PermanentStoreError,
-    PreconditionFailed,
     Store,
     check_key,
 )
@@ -37,9 +36,10 @@ from onbox.sealing.stores.s3.checksums import (
     header,
     probe_crc32,
 )
-from onbox.sealing.stores.s3.client import MAX_CONCURRENCY, config, is_aws, lean_client, takes
+from onbox.sealing.stores.s3.client import MAX_CONCURRENCY, config, is_aws, lean_client
+from onbox.sealing.stores.s3.conditional import put_if_absent, put_if_match
 from onbox.sealing.stores.s3.download import download
-from onbox.sealing.stores.s3.errors import boto_error, client_error, error_code, not_implemented
+from onbox.sealing.stores.s3.errors import boto_error, client_error, error_code
 from onbox.sealing.stores.s3.lean import Lean, lean_headers
 from onbox.sealing.stores.s3.multipart import (
     MIN_PART,
@@ -290,62 +290,14 @@ class S3Store(Store):
         if lean is not None and if_match is None and not if_absent:
             r = lean.put(full, lean_headers(crc, sent, sha256), data, doing)
         elif if_match is not None:
-            r = self._put_if_match(full, kwargs, if_match, doing)
+            r = put_if_match(self, full, kwargs, if_match, doing)
         elif if_absent:
-            r = self._put_if_absent(full, kwargs, doing)
+            r = put_if_absent(self, full, kwargs, doing)
         else:
             r = self.call(doing, "put_object", **kwargs)
         # Checked by the store on arrival where it takes CRC32s; else the ETag must be the MD5.
         check_put(self, doing, full, sent, crc, r)
         return ObjectInfo(key, len(data), sha256, etag(r.get("ETag")))
-
-    def _put_if_absent(self, full: str, kwargs: Dict[str, Any], doing: str) -> Any:
-        """PutObject with ``If-None-Match: *``; a store that answers NotImplemented (once is
-        enough) gets a HEAD and a plain put instead."""
-        if self.conditional_writes is not False:
-            r = self._put_conditionally(doing, "If-None-Match", IfNoneMatch="*", **kwargs)
-            if r is not None:
-                self.conditional_writes = True
-                return r
-        return self._put_if_absent_unconditionally(full, kwargs, doing)
-
-    def _put_if_match(self, full: str, kwargs: Dict[str, Any], version: str, doing: str) -> Any:
-        """PutObject with ``If-Match: "<ETag>"`` (AWS since 2024; SeaweedFS 4.48 refuses a
-        stale one with 412, tested). A store that answers NotImplemented gets a HEAD, a compare
-        and a plain put: not atomic, so the caller reads back after the write."""
-        if self.conditional_writes is not False:
-            r = self._put_conditionally(doing, "If-Match", IfMatch=f'"{version}"', **kwargs)
-            if r is not None:
-                return r
-        head = self.call_missing_ok(doing, "head_object", Key=full)
-        if head is None or etag(head.get("ETag")) != version:
-            raise PreconditionFailed(f"{doing}: the object is not at version {version} any more")
-        return self.call(doing, "put_object", **kwargs)
-
-    def _put_conditionally(self, doing: str, condition: str, **kwargs: Any) -> Any:
-        """PutObject with the ``condition`` header in ``kwargs``; None where the store answered
-        NotImplemented (``conditional_writes`` is False from then on)."""
-        if not takes(self.client, "PutObject", condition.replace("-", "")):
-            raise PermanentStoreError(
-                f"{doing}: this boto3 ({boto3.__version__}) cannot send {condition}",
-                "pip install 'boto3>=1.35'",
-            )
-        try:
-            return self.client.put_object(Bucket=self.bucket, **kwargs)
-        except bex.ClientError as e:
-            if not not_implemented(e):
-                raise client_error(self, e, doing) from None
-            self.conditional_writes = False
-            return None
-        except bex.BotoCoreError as e:
-            raise boto_error(self, e, doing) from None
-
-    def _put_if_absent_unconditionally(self, full: str, kwargs: Dict[str, Any], doing: str) -> Any:
-        # The store does not do If-None-Match (it answered NotImplemented): check, then write.
-        # Not atomic between two writers, but a run has one writer: the agent holding its lock.
-        if self.call_missing_ok(doing, "head_object", Key=full) is not None:
-            raise PreconditionFailed(f"{doing}: the object already exists")
-        return self.call(doing, "put_object", **kwargs)
 
     def delete_quietly(self, full: str) -> None:
         try:

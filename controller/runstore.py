@@ -5,7 +5,8 @@ A job file may name an S3-compatible store (MinIO, Cloudflare R2, Backblaze) wit
 endpoint. The run's record (controller/registry.py) keeps that endpoint and the store's
 ``stall``, and every laptop read of a run's store (`rgt status` while the box does not answer,
 `rgt pull`, `rgt down`, `rgt report`) opens it through ``open_run_store``, so that none reaches
-AWS (or whatever ``AWS_ENDPOINT_URL`` says on the laptop) in its place.
+AWS (or whatever ``AWS_ENDPOINT_URL`` says on the laptop) in its place, and none waits on
+a store that stopped answering longer than that stall.
 """
 
 from __future__ import annotations
@@ -48,10 +49,15 @@ def run_store_url(rec: RunRecord) -> StoreURL:
 
 
 def open_run_store(rec: RunRecord) -> Store:
-    """``rec``'s store, opened where the box opens it (its recorded endpoint)."""
+    """``rec``'s store, opened where the box opens it (its recorded endpoint), each of its calls
+    before a download bounded by the run's stall (``run_store_stall``): a hung mount or a
+    stopped server ends the command (exit 14, onbox/sealing/stores/hangbound.py), not holds
+    the user's terminal."""
     from onbox.sealing.stores import open_store  # imports the store's extra (boto3, the Hub)
 
-    return open_store(run_store_url(rec))
+    store = open_store(run_store_url(rec))
+    store.bound_calls(run_store_stall(rec))
+    return store
 
 
 def open_sweep_store(url: str, endpoint_url: Optional[str]) -> Store:

@@ -352,7 +352,10 @@ def stop(name: str, grace: Optional[str]) -> int:
 
 
 def _store_options(f: Any) -> Any:
-    """--store URL and --name N, for the commands that read a run from its store."""
+    """--store URL, --name N and --stall S, for the commands that read a run from its store."""
+    f = click.option("--stall", callback=lambda c, p, v: parse_duration(v, "--stall"), default="5m",
+                     metavar="S", help="A store call or download moving nothing this long fails "
+                     "(exit 14; default 5m).")(f)  # fmt: skip
     f = click.option("--name", metavar="N", help="The run.")(f)
     return click.option(
         "--store",
@@ -384,7 +387,7 @@ def sync(name: str, timeout_s: str) -> int:
 @cli.command()
 @_store_options
 @click.option("--to", "dest", metavar="DIR", help="Where to put it (default ./NAME-restored).")
-def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
+def restore(url: str, name: Optional[str], stall: float, dest: Optional[str]) -> int:
     """Download the newest verified checkpoint of a run and check every sha256."""
     # Nothing is created before a checkpoint to download is found, and a restore that fails
     # removes the directories it made: a bad URL, name or --to leaves no empty --to behind.
@@ -393,7 +396,7 @@ def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
     from onbox.agent.catalog import store_and_run
     from onbox.sealing.restore import restore_latest
 
-    store, run = store_and_run(url, name)
+    store, run = store_and_run(url, name, stall)
     target = os.path.abspath(dest or f"{run}-restored")
     probe = target
     while not os.path.lexists(probe):
@@ -411,7 +414,7 @@ def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
     made: List[str] = []
     doc = None
     try:
-        doc = restore_latest(store, run, target, event, made)
+        doc = restore_latest(store, run, target, event, made, stall)
     finally:
         if doc is None:
             for d in reversed(made):
@@ -437,7 +440,12 @@ def restore(url: str, name: Optional[str], dest: Optional[str]) -> int:
 @click.option("--pin", "pin", type=int, metavar="STEP", help="Keep STEP whatever `keep` says.")
 @click.option("--unpin", "unpin", type=int, metavar="STEP", help="Let pruning take STEP again.")
 def checkpoints(
-    url: str, name: Optional[str], as_json: bool, pin: Optional[int], unpin: Optional[int]
+    url: str,
+    name: Optional[str],
+    stall: float,
+    as_json: bool,
+    pin: Optional[int],
+    unpin: Optional[int],
 ) -> int:
     """The run's sealed checkpoints: step, size, sealed time, verified, pinned, quarantined.
 
@@ -446,7 +454,7 @@ def checkpoints(
     never marked LATEST."""
     from onbox.agent.catalog import checkpoint_rows, require_in_store, set_pins, store_and_run
 
-    store, run = store_and_run(url, name)
+    store, run = store_and_run(url, name, stall)
     require_in_store(store, run)
     set_pins(store, run, pin, unpin)
     rows, why = checkpoint_rows(store, run)

@@ -16,9 +16,17 @@ from onbox.sealing.stores import open_box_store
 from onbox.sealing.stores.base import Store
 
 
-def store_and_run(url: str, name: Optional[str]) -> Tuple[Store, str]:
+def store_and_run(url: str, name: Optional[str], stall: float) -> Tuple[Store, str]:
     """The store and the run: ``--store ROOT --name N``, or ``--store ROOT/N``; opened with the
-    run's store secrets where this box has them (onbox.sealing.stores.open_box_store)."""
+    run's store secrets where this box has them (onbox.sealing.stores.open_box_store), every
+    call of it bounded by ``stall`` (``--stall``): a hung mount or a stopped server ends the
+    command (exit 14, stores/hangbound.py), not holds the user's terminal."""
+    store, run = _located(url, name)
+    store.bound_calls(stall, "--stall")
+    return store, run
+
+
+def _located(url: str, name: Optional[str]) -> Tuple[Store, str]:
     if name is None:
         root, _, last = url.rstrip("/").rpartition("/")
         if "://" not in root or not last:
@@ -40,6 +48,13 @@ def require_in_store(store: Store, run: str) -> None:
     that a mistyped URL or name never reads as "no checkpoints yet"; a ``file://`` store whose
     directory is missing is named as such. Every run that ever started with a store has taken
     an epoch there."""
+    # The store's own (bounded) calls first: a look at the directory of a hung mount would
+    # hang unbounded, and one that answered them answers it.
+    for prefix in (mf.epochs_prefix(run), mf.checkpoints_prefix(run)):
+        if next(iter(store.list(prefix)), None) is not None:
+            return
+    if store.stat(mf.latest_key(run)) is not None:
+        return
     root = getattr(store, "root", None)  # a LocalStore's directory
     if isinstance(root, str) and not os.path.isdir(root):
         raise NotFound(
@@ -47,11 +62,6 @@ def require_in_store(store: Store, run: str) -> None:
             f"{run!r} in it",
             "check the URL, and that the durable mount is mounted",
         )
-    for prefix in (mf.epochs_prefix(run), mf.checkpoints_prefix(run)):
-        if next(iter(store.list(prefix)), None) is not None:
-            return
-    if store.stat(mf.latest_key(run)) is not None:
-        return
     raise NotFound(
         f"the store {store.url} holds no run {run!r}",
         "check --name and the store root (or give the run's own URL, ROOT/NAME)",

@@ -362,11 +362,16 @@ class Store(abc.ABC):
         delete under ``run/``); raise StoreError naming the step that failed."""
 
     @contextlib.contextmanager
-    def calls_bounded(self, seconds: float) -> Iterator[None]:
-        """While entered, a call that may block for ever (a ``file://`` store's, on a hung
-        mount) gives up after ``seconds`` (hangbound.py); a store whose client has timeouts of
-        its own (S3, the Hub) changes nothing."""
+    def calls_bounded(self, seconds: float, longer: str = "") -> Iterator[None]:
+        """While entered, a call that may block far longer than a user waits (a ``file://``
+        store's on a hung mount, an S3 store's whose server stopped answering) gives up after
+        ``seconds``, its error saying ``longer`` (hangbound.py); a store without the bound
+        changes nothing."""
         yield
+
+    def bound_calls(self, seconds: float, longer: str = "") -> None:
+        """As ``calls_bounded``, for the rest of this store's life."""
+        return None  # no bound here: hangbound.py's
 
     def abort_stale_uploads(self, prefix: str) -> int:
         """Abort half-finished uploads under ``prefix`` left by a dead writer; how many."""

@@ -1,21 +1,26 @@
-"""A bound on the calls of a ``file://`` store that may block for ever: a read of its LATEST, a
-listing, the epoch's put, on a mount whose server stopped answering (NFS, a FUSE daemon). S3's
-and the Hub's clients have timeouts of their own; a mount has none. The downloads have their
-own bound (onbox/sealing/stall.py); this is for the calls before them, which `rgt-agent start`
-makes in its main thread (the store's check before the run is claimed, onbox/agent/claim.py;
-the beginning's epoch, stale uploads, ledger, history and restore's reads,
-onbox/agent/sealservice.py), and which held it, and `rgt deploy` over it, for ever.
+"""A bound on the calls of a store that may block far longer than a user waits: on a ``file://``
+store a read of its LATEST, a listing, the epoch's put, on a mount whose server stopped answering
+(NFS, a FUSE daemon), for ever; on an S3 store whose server or network stopped answering, for
+botocore's 4 tries of its 60 s read timeout (241 s measured on a SIGSTOPped SeaweedFS), and for
+five times that under base.with_retries. The downloads have their own bound
+(onbox/sealing/stall.py); this is for the calls before them, which `rgt-agent start` makes in its
+main thread (the store's check before the run is claimed, onbox/agent/claim.py; the beginning's
+epoch, stale uploads, ledger, history and restore's reads, onbox/agent/sealservice.py), and for
+the commands that read a store and download nothing or download after them (`rgt-agent restore`
+and `checkpoints`, onbox/cli.py; every laptop read of a run's store, controller/runstore.py),
+which otherwise held the user's terminal as long.
 
-While ``calls_bounded(seconds)`` is entered, a call marked ``@answers("reading {}")`` runs in a
-daemon thread, waited for in SIGNAL_POLL cuts (a signal's handler runs meanwhile: SIGTERM still
-interrupts a beginning); one that has not returned within the bound raises ``StoreHung``
-(transient, exit 14) and is left. Left, such a call can do no harm: a daemon does not keep the
-process from exiting, and if the mount answers first, what the call was doing completes as a
-killed writer's would (a document is renamed into place whole or not at all; an epoch created
-and not recorded is taken as this box's by onbox/agent/ownership.py; a temporary file or a
-preflight probe is removed or left as a killed one is). While a call is still hung the next
-fails at once: the retries of a hung store would each wait the bound again. Outside it, or for
-a call not marked (the copies of files, which the stall bound watches), nothing changes.
+While ``calls_bounded(seconds)`` is entered (or for good after ``bound_calls``), a call marked
+``@answers("reading {}")`` runs in a daemon thread, waited for in SIGNAL_POLL cuts (a signal's
+handler runs meanwhile: SIGTERM still interrupts a beginning); one that has not returned within
+the bound raises ``StoreHung`` (transient, exit 14) and is left. Left, such a call can do no harm:
+a daemon does not keep the process from exiting, and if the store answers first, what the call
+was doing completes as a killed writer's would (a document is renamed into place, or an S3 object
+put, whole or not at all; an epoch created and not recorded is taken as this box's by
+onbox/agent/ownership.py; a temporary file or a preflight probe is removed or left as a killed
+one is). While a call is still hung the next fails at once: the retries of a hung store would
+each wait the bound again. Outside it, or for a call not marked (the copies of files, which the
+stall bound watches), nothing changes.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # How often the waiting thread wakes to run the handlers of signals a worker took for it (as
 # onbox/sealing/fetch.py SIGNAL_POLL).
 SIGNAL_POLL = 0.2
+STALL_SETTING = "[store] stall in the job file"
 
 
 class StoreHung(TransientStoreError):
@@ -40,21 +46,31 @@ class StoreHung(TransientStoreError):
 
 
 class HangBound:
-    """The bound, for a Store class whose calls may hang (mixed in before ``Store``)."""
+    """The bound, for a Store class whose calls may hang (mixed in before ``Store``); ``hangs``
+    and ``to_check`` say, in its error, what hangs and what to look at."""
 
     url: str
+    hangs = "the mount under it hangs"
+    to_check = "check the mount and its server (NFS, a FUSE daemon)"
     _bound: Optional[float] = None
+    _longer = STALL_SETTING  # how a user gives the store longer, for the error
     _hung: Optional[StoreHung] = None  # the error of a call still running past its bound
     _left: Optional[threading.Thread] = None
 
     @contextlib.contextmanager
-    def calls_bounded(self, seconds: float) -> Iterator[None]:
-        """Each call marked ``@answers`` made meanwhile gives up after ``seconds``."""
-        self._bound = seconds
+    def calls_bounded(self, seconds: float, longer: str = STALL_SETTING) -> Iterator[None]:
+        """Each call marked ``@answers`` made meanwhile gives up after ``seconds``; its error
+        says ``longer`` (the setting that gives the store longer)."""
+        was = self._bound, self._longer
+        self.bound_calls(seconds, longer)
         try:
             yield
         finally:
-            self._bound = None
+            self._bound, self._longer = was
+
+    def bound_calls(self, seconds: float, longer: str = STALL_SETTING) -> None:
+        """As ``calls_bounded``, for the rest of this store's life."""
+        self._bound, self._longer = seconds, longer
 
     def _within(self, bound: float, what: str, fn: Callable[[], Any]) -> Any:
         left = self._left
@@ -85,10 +101,10 @@ class HangBound:
 
     def _hung_error(self, bound: float, what: str) -> StoreHung:
         return StoreHung(
-            f"{self.url} did not answer for {took(bound)} ({what}): the mount under it hangs; "
-            "nothing was put in place",
-            "check the mount and its server (NFS, a FUSE daemon), then start again; a store that "
-            "slow can be given longer: [store] stall in the job file",
+            f"{self.url} did not answer for {took(bound)} ({what}): {self.hangs}; nothing was "
+            "put in place",
+            f"{self.to_check}, then try again; a store that slow can be given longer: "
+            f"{self._longer}",
         )
 
 

@@ -26,6 +26,7 @@ from onbox.sealing.stores.base import (
     Store,
     check_key,
 )
+from onbox.sealing.stores.hangbound import HangBound, answers
 from onbox.sealing.stores.s3.checksums import (
     CHECKSUMS,
     SHA256_META,
@@ -57,8 +58,13 @@ SMALL_SLOTS = 8  # bodies of up to TINY in flight per ``concurrency`` (see S3Sto
 TINY = 1 << 20
 
 
-class S3Store(Store):
-    """A store under ``s3://bucket/prefix`` on AWS or any S3-compatible endpoint."""
+class S3Store(HangBound, Store):
+    """A store under ``s3://bucket/prefix`` on AWS or any S3-compatible endpoint; its calls
+    before a download may be bounded (hangbound.py: botocore waits 4 x 60 s for a server that
+    stopped answering, and with_retries five times that)."""
+
+    hangs = "the store, or the network to it, stopped answering"
+    to_check = "check the store's server and the network to it"
 
     def __init__(
         self,
@@ -305,6 +311,7 @@ class S3Store(Store):
         except Exception:  # best effort on a path that already fails with a better error
             pass
 
+    @answers("writing {}")
     def put_bytes(
         self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
     ) -> ObjectInfo:
@@ -360,6 +367,7 @@ class S3Store(Store):
 
     # -- reading ----------------------------------------------------------------------------
 
+    @answers("reading {}")
     def get_bytes(self, key: str) -> Optional[bytes]:
         return self.read(key, f"reading {key} from {self.url}")
 
@@ -392,6 +400,7 @@ class S3Store(Store):
     ) -> Optional[str]:
         return download(self, key, dest, size, lanes)
 
+    @answers("looking at {}")
     def stat(self, key: str) -> Optional[ObjectInfo]:
         return self.head(key, f"looking up {key} in {self.url}")
 
@@ -409,6 +418,7 @@ class S3Store(Store):
             modified.timestamp() if modified is not None else None,
         )
 
+    @answers("listing {}", whole=True)
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix
         doing = f"listing {self.url}/{prefix}"
@@ -431,12 +441,15 @@ class S3Store(Store):
         except bex.BotoCoreError as e:
             raise boto_error(self, e, doing) from None
 
+    @answers("deleting {}")
     def delete(self, key: str) -> None:
         # S3 answers 204 whether or not the key existed; a missing bucket still raises.
         self.call(f"deleting {key} from {self.url}", "delete_object", Key=self.full_key(key))
 
+    @answers("aborting the uploads left under {}")
     def abort_stale_uploads(self, prefix: str) -> int:
         return abort_stale(self, prefix)
 
+    @answers("its preflight for {}")
     def preflight(self, run: str) -> List[Finding]:
         return run_preflight(self, run)

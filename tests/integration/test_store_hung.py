@@ -1,0 +1,184 @@
+"""A store that stops answering before a download, and the commands that read a store without
+one: each ends within its ``[store] stall`` bound, exit 14, naming the store and the call.
+
+- `rgt-agent start`'s check of an S3 store (its preflight), on a SeaweedFS SIGSTOPped before
+  `start` runs: botocore waited 60 s for each of 4 tries (241 s measured) before the fix, and
+  every read wrapped in base.with_retries five times that.
+- `rgt-agent checkpoints` and `rgt-agent restore` on a hung ``file://`` mount (hold point
+  ``store.list``, onbox/common/faults.py: until HOLD_FOR, 120 s; a real hung mount, for ever)
+  and on a stopped S3 store; `--stall` gives them the bound a job file gives a run.
+- `rgt status` of a run taken off its box, read from its stopped S3 store with the run's
+  recorded stall.
+
+Real processes and real signals: a ``weed mini`` of the test's own, SIGSTOPped, then SIGCONTed
+and ended by PID in a ``finally``; every CLI run is bounded (WAIT) and killed by PID past it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Dict, Iterator, List, Tuple
+
+import pytest
+
+from controller.registry import Registry, RunRecord
+from controller.target import Target
+from onbox.sealing import manifest as mf
+from onbox.sealing.fetch import STAGE_PREFIX
+from onbox.sealing.stores import open_store
+from onbox.sealing.stores.base import Store
+from tests import seaweed
+from tests.conftest import Cli, agent_exe, require
+from tests.laptop import rgt_exe
+from tests.sealsvc import old_box_sealer
+from tests.seaweed import SeaweedServer, start_seaweed
+
+RUN = "hung"
+STEP = 10
+WAIT = 60.0  # the test's bound on each command: before the fixes, 241 s and more, or for ever
+
+
+def _seal(store: Store, tmp_path: Any, size: int, files: int = 1) -> None:
+    """One checkpoint of ``files`` files of ``size`` bytes at step STEP, sealed by the real
+    Sealer, as the run's box did."""
+    ckpt = str(tmp_path / "old-box-ckpt")
+    path = os.path.join(ckpt, f"ckpt_{STEP}")
+    os.makedirs(path)
+    for i in range(files):
+        with open(os.path.join(path, f"shard_{i}.bin"), "wb") as f:
+            f.write(os.urandom(size))
+    with open(os.path.join(path, ".rgt-complete"), "w") as f:
+        json.dump({"step": STEP}, f)
+    assert old_box_sealer(RUN, ckpt, store, tmp_path).seal_pending() == 1
+
+
+@contextlib.contextmanager
+def _weed(tmp_path: Any) -> Iterator[Tuple[SeaweedServer, Store, List[bool]]]:
+    """A SeaweedFS of this test's own, a store on a fresh bucket of it, and a flag list the
+    test appends to once it has SIGSTOPped the server (SIGCONTed, then ended, when it leaves)."""
+    require(seaweed.missing() is None, seaweed.missing() or "")
+    server = start_seaweed(str(tmp_path / "weed"))
+    stopped: List[bool] = []
+    try:
+        yield server, server.store(server.bucket(), "p"), stopped
+    finally:
+        if stopped and server.pid is not None:
+            os.kill(server.pid, signal.SIGCONT)
+        server.stop()
+
+
+def _stop(server: SeaweedServer, stopped: List[bool]) -> None:
+    assert server.pid is not None
+    os.kill(server.pid, signal.SIGSTOP)
+    stopped.append(True)
+
+
+def _bounded(argv: List[str], env: Dict[str, str], cwd: str) -> Tuple[int, str, str]:
+    """``argv`` run to its end, at most WAIT seconds (then killed by PID: the test fails)."""
+    p = subprocess.Popen(
+        argv, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        out, err = p.communicate(timeout=WAIT)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        pytest.fail(f"{' '.join(argv[-6:])} still waited on the hung store after {WAIT:.0f}s")
+    return p.returncode, out, err
+
+
+def test_start_on_a_stopped_s3_store_fails_within_its_stall_bound(cli: Cli, tmp_path: Any) -> None:
+    """`start` checks the store before it claims the run; with the S3 server stopped, the
+    check's first request is never answered. Before the fix `start` waited botocore's 4 tries
+    of 60 s (241 s) and then said a read timeout, whatever the job file's stall."""
+    with _weed(tmp_path) as (server, store, stopped):
+        job = str(tmp_path / "job.toml")
+        with open(job, "w") as f:
+            f.write(f'name = "{RUN}"\n[store]\nurl = "{store.url}"\nstall = "3s"\n')
+        _stop(server, stopped)
+        argv = [*agent_exe(), "start", job, "--name", RUN, "--", sys.executable, "-c", "pass"]
+        rc, out, err = _bounded(argv, server.env(cli.env), cli.home)
+    assert rc == 14, (out, err)
+    assert f"{store.url} did not answer for 3s (its preflight for {RUN})" in err, err
+    assert "stopped answering" in err and "[store] stall" in err, err
+    assert not os.path.exists(os.path.join(cli.home, "runs", RUN)), os.listdir(cli.home)
+
+
+def _file_store(tmp_path: Any) -> Tuple[str, Store]:
+    root = str(tmp_path / "durable")
+    os.makedirs(root)
+    store = open_store("file://" + root)
+    _seal(store, tmp_path, 1 << 16)
+    return root, store
+
+
+@pytest.mark.parametrize(
+    "command, hold, call",
+    [("checkpoints", "store.list", f"listing {RUN}/epochs/"), ("restore", "store.get", "reading")],
+)
+def test_a_hung_mount_under_checkpoints_and_restore_ends_them_after_stall(
+    cli: Cli, tmp_path: Any, command: str, hold: str, call: str
+) -> None:
+    """`rgt-agent checkpoints` lists the run's epochs first, `restore` reads its LATEST: on a
+    mount that hangs there they exit 14 after --stall, naming the store, the call and the
+    option. Before the fix they waited there (until the hold's own limit, 120 s; on a real
+    hung mount, for ever), and the user's terminal with them."""
+    root, store = _file_store(tmp_path)
+    env = dict(cli.env, RGT_HOLD_AT=hold)
+    to = ["--to", str(tmp_path / "restored")] if command == "restore" else []
+    argv = [*agent_exe(), command, "--store", store.url, "--name", RUN, "--stall", "2s", *to]
+    rc, out, err = _bounded(argv, env, cli.home)
+    assert rc == 14, (out, err)
+    assert f"file://{root} did not answer for 2s ({call}" in err, err
+    assert "the mount under it hangs" in err and "--stall" in err, err
+    assert not os.path.exists(tmp_path / "restored")
+
+
+def test_restore_from_a_stopped_s3_store_ends_after_stall(cli: Cli, tmp_path: Any) -> None:
+    """`rgt-agent restore` from an S3 server stopped before it runs: exit 14 after --stall.
+    Before the fix botocore's timeouts and the restore's retries held it for many minutes."""
+    with _weed(tmp_path) as (server, store, stopped):
+        _seal(store, tmp_path, 1 << 16)
+        _stop(server, stopped)
+        to = str(tmp_path / "restored")
+        argv = [*agent_exe(), "restore", "--store", store.url, "--name", RUN]
+        rc, out, err = _bounded([*argv, "--stall", "3s", "--to", to], server.env(cli.env), cli.home)
+    assert rc == 14, (out, err)
+    assert f"{store.url} did not answer for 3s (" in err, err
+    assert "stopped answering" in err and "--stall" in err, err
+    assert not os.path.exists(to)
+
+
+def test_rgt_status_of_a_run_whose_s3_store_stopped_ends_after_its_stall(
+    tmp_path: Any, controller_env: Dict[str, str]
+) -> None:
+    """`rgt status` of a run taken off its box reads the store's mirror of its state: with the
+    S3 server stopped it exits 14 after the run's recorded stall (the job file's), naming the
+    store and the read. Before the fix it waited botocore's 241 s per read."""
+    with _weed(tmp_path) as (server, store, stopped):
+        store.put_bytes(mf.state_key(RUN, "state.json"), b'{"state": "SUCCEEDED"}')
+        rec = RunRecord(
+            RUN,
+            Target("local"),
+            profile="local",
+            store=store.url,
+            store_endpoint_url=server.endpoint,
+            store_stall=3.0,
+            down_at=time.time(),
+        )
+        Registry().put(rec)
+        env = server.env(dict(os.environ, **controller_env))
+        rc, out, err = _bounded([*rgt_exe(), "status", RUN], env, str(tmp_path))
+        assert rc == 0 and "SUCCEEDED" in out, (out, err)  # the store answers: the mirror
+        _stop(server, stopped)
+        rc, out, err = _bounded([*rgt_exe(), "status", RUN], env, str(tmp_path))
+    assert rc == 14, (out, err)
+    assert f"{store.url} did not answer for 3s (reading {RUN}/state/state.json)" in err, err
+    assert "stopped answering" in err and "[store] stall" in err, err

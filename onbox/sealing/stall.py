@@ -12,9 +12,11 @@ import os
 import queue
 import threading
 import time
-from typing import Callable, Optional, Tuple
+from typing import Any, Callable, Optional, Tuple, TypeVar
 
 from onbox.common.errors import TransientStoreError
+
+T = TypeVar("T")
 
 
 class RestoreStalled(TransientStoreError):
@@ -73,12 +75,14 @@ class Stall:
 
 class Daemons:
     """The workers of a download a stall may leave behind: ``n`` daemon threads, each running
-    the jobs submitted in turn. One blocked where no stop reaches (a read from a hung mount)
-    then does not keep the process from exiting once it has said the stall, as a
-    ThreadPoolExecutor's worker would (Python joins those at exit)."""
+    the jobs submitted in turn. One blocked where no stop reaches (a read from a hung mount, a
+    request on boto3's path waiting for botocore's timeouts) then does not keep the process
+    from exiting once it has said the stall, as a ThreadPoolExecutor's worker would (Python
+    joins those at exit). The fetch workers (fetch.in_parallel) and the lanes of their requests
+    (base.Lanes) are these."""
 
     def __init__(self, n: int, name: str) -> None:
-        Job = Tuple[concurrent.futures.Future[None], Callable[[], None]]
+        Job = Tuple[concurrent.futures.Future[Any], Callable[[], Any]]
         self._jobs: queue.SimpleQueue[Optional[Job]] = queue.SimpleQueue()
         self._threads = [
             threading.Thread(target=self._work, name=f"{name}_{i}", daemon=True) for i in range(n)
@@ -86,8 +90,8 @@ class Daemons:
         for t in self._threads:
             t.start()
 
-    def submit(self, fn: Callable[[], None]) -> concurrent.futures.Future[None]:
-        fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
         self._jobs.put((fut, fn))
         return fut
 
@@ -100,8 +104,7 @@ class Daemons:
             if not fut.set_running_or_notify_cancel():  # cancelled before it began
                 continue
             try:
-                fn()
-                fut.set_result(None)
+                fut.set_result(fn())
             except BaseException as e:  # the caller's to raise
                 fut.set_exception(e)
 

@@ -9,6 +9,10 @@ one: each ends within its ``[store] stall`` bound, exit 14, naming the store and
   and on a stopped S3 store; `--stall` gives them the bound a job file gives a run.
 - `rgt status` of a run taken off its box, read from its stopped S3 store with the run's
   recorded stall.
+- A restore on boto3's own path (no lean reader: AWS_CSM_ENABLED, as on AWS's endpoint) whose
+  store stops mid-download: once it has said the stall it exits, where the lanes' threads
+  (Python joins a ThreadPoolExecutor's at exit) held it for the read timeouts of their
+  requests.
 
 Real processes and real signals: a ``weed mini`` of the test's own, SIGSTOPped, then SIGCONTed
 and ended by PID in a ``finally``; every CLI run is bounded (WAIT) and killed by PID past it.
@@ -154,6 +158,44 @@ def test_restore_from_a_stopped_s3_store_ends_after_stall(cli: Cli, tmp_path: An
     assert f"{store.url} did not answer for 3s (" in err, err
     assert "stopped answering" in err and "--stall" in err, err
     assert not os.path.exists(to)
+
+
+def test_a_restore_on_boto3s_path_exits_once_it_has_said_the_stall(cli: Cli, tmp_path: Any) -> None:
+    """The restore's download stops mid-body (the S3 server SIGSTOPped, the restore held for
+    that moment so that it cannot end first) on boto3's own path, whose receives a stop does
+    not cut. The restore says the stall and exits 14. Before the fix it said it and then
+    waited at exit for the lanes' threads (a ThreadPoolExecutor's, joined at exit) until each
+    request's read timeouts ran out."""
+    with _weed(tmp_path) as (server, store, stopped):
+        _seal(store, tmp_path, 4 << 20, files=24)
+        to = str(tmp_path / "restored")
+        argv = [*agent_exe(), "restore", "--store", store.url, "--name", RUN]
+        env = server.env(cli.env, AWS_CSM_ENABLED="true")  # no lean reader: boto3's receives
+        p = subprocess.Popen(
+            [*argv, "--stall", "3s", "--to", to],
+            env=env, cwd=cli.home, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        try:
+            deadline = time.monotonic() + WAIT
+            while not glob.glob(os.path.join(to, STAGE_PREFIX + "*")):
+                assert p.poll() is None and time.monotonic() < deadline, "no download began"
+                time.sleep(0.01)
+            os.kill(p.pid, signal.SIGSTOP)
+            try:
+                _stop(server, stopped)
+            finally:
+                os.kill(p.pid, signal.SIGCONT)
+            try:
+                out, err = p.communicate(timeout=WAIT)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the restore had not exited {WAIT:.0f}s after its store stopped")
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert p.returncode == 14, (out, err)
+    assert f"{store.url} sent nothing of the checkpoint for 3s" in err, err
+    assert not glob.glob(os.path.join(to, STAGE_PREFIX + "*")), os.listdir(to)
 
 
 def test_rgt_status_of_a_run_whose_s3_store_stopped_ends_after_its_stall(

@@ -41,6 +41,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import errno
+import functools
 import os
 import threading
 import time
@@ -57,6 +58,7 @@ from onbox.common.errors import (
     TransientStoreError,
 )
 from onbox.common.safepath import safe_rel
+from onbox.sealing.stall import Daemons
 
 __all__ = [
     "Finding",
@@ -177,18 +179,23 @@ class Lanes:
     told (``stopped``) to give up at its next chunk: one failed file ends the others early. A
     request under ``abortable`` (waiting for its answer, or receiving its body) is also cut off
     by ``stop()``: a receive blocked on a stalled connection then ends at once, not at the
-    store's read timeout (Ctrl-C during a pull whose network went away)."""
+    store's read timeout (Ctrl-C during a pull whose network went away). The threads are
+    daemons (stall.Daemons): one that no stop reaches (boto3's path, whose requests wait out
+    botocore's timeouts, 4 x 60 s) does not hold the process's exit after a stall."""
 
     def __init__(self, n: int) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(n, thread_name_prefix="rgt-lane")
+        self._pool = Daemons(n, "rgt-lane")
         self._stop = threading.Event()
         self._aborts: List[Callable[[], None]] = []
         self._lock = threading.Lock()
 
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        if self._stop.is_set():
-            raise concurrent.futures.CancelledError()
-        return self._pool.submit(self._guarded, fn, *args)
+        # Under the lock stop() sets the flag under: nothing is queued after close()'s end of
+        # the queue, where no worker would ever run it and its caller would wait for ever.
+        with self._lock:
+            if self._stop.is_set():
+                raise concurrent.futures.CancelledError()
+            return self._pool.submit(functools.partial(self._guarded, fn, *args))
 
     def _guarded(self, fn: Callable[..., T], *args: Any) -> T:
         if self._stop.is_set():  # queued before stop(), started after: not sent

@@ -258,7 +258,7 @@ def dir_candidate(ckpt_dir: str, name: str, path: str, follow: bool = False) -> 
 _PSEUDO = ("/proc/", "/sys/")
 
 
-def _link_kind(path: str, follow: bool) -> Optional[str]:
+def link_kind(path: str, follow: bool) -> Optional[str]:
     """None when the symlink ``path`` is sealed as the regular file it leads to (``follow``);
     else what it is, in words, for ``left_out``."""
     if not follow:
@@ -282,7 +282,7 @@ def _regular_files(
     names but the markers skipped), and (name, what it is) of every other entry, and which of
     the files are symlinks to a regular file (only with ``follow``). Each entry is lstat'ed: a
     symlink to a directory is left out, never followed (os.walk does not descend into it, which
-    was a silent omission), so is any other link ``_link_kind`` names."""
+    was a silent omission), so is any other link ``link_kind`` names."""
     files: List[str] = []
     left_out: List[Tuple[str, str]] = []
     linked: Set[str] = set()
@@ -304,7 +304,7 @@ def _regular_files(
             except FileNotFoundError:
                 continue  # deleted since the directory was read: the seal finds it vanished
             if kind == "a symlink":
-                kind = _link_kind(full, follow)
+                kind = link_kind(full, follow)
                 if kind is None:
                     linked.add(rel(dirpath, fn))
             if kind is None:

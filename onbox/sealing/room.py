@@ -7,7 +7,13 @@ A local checkpoint (a file or a directory under RGT_CKPT_DIR) is deleted only wh
 - its current bytes are a sealed checkpoint's: every file on disk under it is listed by one
   MANIFEST with the same size and sha256 (hashed now, not assumed from its name or step: an
   in-place ``ckpt.pt`` is one root for many steps, and holds only the newest of them), and
-  no other file is there;
+  no other file is there. A symlink to a regular file in a checkpoint directory
+  (``step_N/tokenizer.json`` into the Hugging Face cache) is judged as the sealer sealed it
+  (onbox/sealing/discovery.py, only where it follows links): under the link's name, by its
+  target's size and sha256. Deleting the checkpoint deletes the link, never the target, and
+  frees none of the target's bytes (the ``freed`` count leaves them out). Any other symlink
+  (to a directory, dangling, to a FIFO or a device, or any where links are not followed), or
+  anything but files, makes the checkpoint not ours to judge: it stays;
 - that MANIFEST is reached: the store still holds it, unchanged, with every object it names,
   and LATEST (or a pin) reaches it (its step is LATEST's or an older kept one, or pinned), and
   it is not quarantined;
@@ -30,12 +36,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 from typing import Any, Callable, Dict, List, Mapping, Optional, Set, Tuple
 
 from onbox.common import links
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import NotRegularFile, sha256_regular
 from onbox.sealing import manifest as mf
+from onbox.sealing.discovery import link_kind
 from onbox.sealing.ledger import pinned_steps
 from onbox.sealing.quarantine import quarantined
 from onbox.sealing.stores.base import Store
@@ -44,6 +52,8 @@ LOW_WATER = 0.05  # free fraction (bytes or inodes) under which sealed local cop
 _FREEING = ".rgt-free"  # suffix of a checkpoint being deleted: the sealer skips ".rgt-" names
 
 Sig = Tuple[int, int, int]
+# A symlink to a regular file in a checkpoint: (its target's real path, the link's own Sig)
+Links = Dict[str, Tuple[str, Sig]]
 
 
 def free_fraction(path: str) -> Optional[Tuple[float, float]]:
@@ -72,7 +82,8 @@ class Room:
     """Makes room on the checkpoint disk from sealed local copies (see the module docstring).
 
     ``busy(paths)`` says which of ``paths`` a process holds open for writing (the sealer's
-    ``open_for_writing``); ``event`` is the journal's."""
+    ``open_for_writing``); ``event`` is the journal's; ``follow()`` whether the sealer seals a
+    symlink to a regular file in a checkpoint as that file (its ``follow_links``)."""
 
     def __init__(
         self,
@@ -82,12 +93,14 @@ class Room:
         *,
         event: Callable[..., None],
         busy: Callable[[List[str]], Set[str]],
+        follow: Callable[[], bool] = lambda: False,
     ) -> None:
         self.run = run
         self.ckpt_dir = ckpt_dir
         self.store = store
         self.event = event
         self.busy = busy
+        self.follow = follow
         self.stuck_reported = False
 
     def free(self, manifests: Mapping[int, Dict[str, Any]], latest: Optional[int]) -> int:
@@ -188,31 +201,43 @@ class Room:
     def _path(self, rel: str) -> str:
         return os.path.join(self.ckpt_dir, *rel.split("/"))
 
-    def _on_disk(self, root: str) -> Optional[Dict[str, Sig]]:
+    def _on_disk(self, root: str) -> Optional[Tuple[Dict[str, Sig], Links]]:
         """Every file under ``root`` (a file or a directory), by its path relative to the
-        checkpoint dir, with its signature; None when a symlink or anything but plain files
-        is there (not ours to judge)."""
+        checkpoint dir, with its signature (a link's: its target's), and the links among them;
+        None when anything but plain files and links the sealer seals is there (not ours to
+        judge: the module docstring)."""
         path = self._path(root)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
             return None
-        if os.path.isfile(path) and not os.path.islink(path):
-            return {root: _sig(st)}
-        if not os.path.isdir(path) or os.path.islink(path):
+        if stat.S_ISREG(st.st_mode):
+            return {root: _sig(st)}, {}
+        if not stat.S_ISDIR(st.st_mode):
             return None
+        follow = self.follow()
         out: Dict[str, Sig] = {}
+        linked: Links = {}
         for dirpath, dirnames, filenames in os.walk(path):
             for name in dirnames:
                 if os.path.islink(os.path.join(dirpath, name)):
                     return None
             for name in filenames:
                 full = os.path.join(dirpath, name)
-                st = os.lstat(full)
-                if not os.path.isfile(full) or os.path.islink(full):
+                rel = os.path.relpath(full, self.ckpt_dir).replace(os.sep, "/")
+                try:
+                    st = os.lstat(full)
+                    if stat.S_ISLNK(st.st_mode) and link_kind(full, follow) is None:
+                        # judged as sealed: the target's bytes under the link's name
+                        real = os.path.realpath(full)
+                        linked[rel] = (real, _sig(st))
+                        st = os.lstat(real)
+                except OSError:  # gone since it was listed: the job is changing it
                     return None
-                out[os.path.relpath(full, self.ckpt_dir).replace(os.sep, "/")] = _sig(st)
-        return out
+                if not stat.S_ISREG(st.st_mode):
+                    return None
+                out[rel] = _sig(st)
+        return out, linked
 
     def _free_one(
         self,
@@ -222,13 +247,14 @@ class Room:
     ) -> Optional[int]:
         """Delete the local copy of ``root`` if its bytes are a reached MANIFEST's; bytes
         freed, or None when it must stay."""
-        files = self._on_disk(root)
-        if not files:
+        found = self._on_disk(root)
+        if not found or not found[0]:
             return None
+        files, linked = found
         full = [self._path(r) for r in files]
-        if self.busy(full):
+        if self.busy(full):  # resolves links: a writer of a link's target counts
             return None
-        doc = self._sealed_as(files, docs)
+        doc = self._sealed_as(files, linked, docs)
         if doc is None or not self._reached(doc, reach):
             return None
         path = self._path(root)
@@ -245,12 +271,16 @@ class Room:
             moved = {root: aside}
         else:
             moved = {r: os.path.join(aside, os.path.relpath(self._path(r), path)) for r in files}
-        unchanged = all(_stat_sig(moved[r]) == files[r] for r in files)
+        unchanged = all(_stat_sig(moved[r]) == _own_sig(r, files, linked) for r in files)
+        if not unchanged or not self._targets_unchanged(path, files, linked):
+            unchanged = False
         if not unchanged or self.busy(list(moved.values())):
             if not os.path.lexists(path):
                 os.rename(aside, path)
             return None
-        size = sum(s[0] for s in files.values())
+        # Only what the delete frees: a link's target stays (rmtree unlinks a link, never
+        # follows it), so its bytes are not counted.
+        size = sum(s[0] for r, s in files.items() if r not in linked)
         if os.path.isdir(aside):
             shutil.rmtree(aside)
         else:
@@ -259,7 +289,8 @@ class Room:
         self.event(
             "freed_local",
             f"the disk is low: deleted the local copy of step {doc['step']} ({root}, "
-            f"{len(files)} file(s), {size} bytes freed; {100 * free[0]:.1f}% of the disk free "
+            f"{len(files)} file(s){_links_said(linked)}, {size} bytes freed; "
+            f"{100 * free[0]:.1f}% of the disk free "
             "now): its bytes are sealed and verified in the store",
             step=doc["step"],
             root=root,
@@ -269,10 +300,19 @@ class Room:
         )
         return size
 
+    def _targets_unchanged(self, path: str, files: Dict[str, Sig], linked: Links) -> bool:
+        """Whether each link's target out of the checkpoint ``path`` (renamed aside now) is as
+        it was hashed; one inside it is one of ``files``, compared as that."""
+        home = os.path.realpath(path) + os.sep
+        return all(
+            real.startswith(home) or _stat_sig(real) == files[r] for r, (real, _) in linked.items()
+        )
+
     def _sealed_as(
-        self, files: Dict[str, Sig], docs: List[Dict[str, Any]]
+        self, files: Dict[str, Sig], linked: Links, docs: List[Dict[str, Any]]
     ) -> Optional[Dict[str, Any]]:
-        """The MANIFEST (newest first) whose files are exactly these, by size and sha256."""
+        """The MANIFEST (newest first) whose files are exactly these, by size and sha256 (a
+        link's: its target's, read through its real path)."""
         hashed: Dict[str, str] = {}
         for doc in docs[::-1]:
             want = {f["path"]: (f["size"], f["sha256"]) for f in doc["files"]}
@@ -281,11 +321,12 @@ class Room:
             ok = True
             for rel in files:
                 if rel not in hashed:
+                    src = linked[rel][0] if rel in linked else self._path(rel)
                     try:
-                        sha, _ = sha256_regular(self._path(rel))
+                        sha, _ = sha256_regular(src)
                     except (OSError, NotRegularFile):  # replaced since it was listed
                         return None
-                    if _stat_sig(self._path(rel)) != files[rel]:
+                    if _stat_sig(src) != files[rel]:
                         return None  # changed while hashed: the job is writing it
                     hashed[rel] = sha
                 if hashed[rel] != want[rel][1]:
@@ -305,3 +346,13 @@ def _stat_sig(path: str) -> Optional[Sig]:
         return _sig(os.lstat(path))
     except OSError:
         return None
+
+
+def _own_sig(rel: str, files: Dict[str, Sig], linked: Links) -> Sig:
+    """The signature of the entry ``rel`` itself: a link's own, else the file's."""
+    return linked[rel][1] if rel in linked else files[rel]
+
+
+def _links_said(linked: Links) -> str:
+    n = len(linked)
+    return f", {n} of them link(s) to a file that stays where it is" if n else ""

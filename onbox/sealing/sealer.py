@@ -365,7 +365,12 @@ class Sealer:
         freed."""
         if self._room is None:
             self._room = Room(
-                self.run, self.ckpt_dir, self.store, event=self.event, busy=open_for_writing
+                self.run,
+                self.ckpt_dir,
+                self.store,
+                event=self.event,
+                busy=open_for_writing,
+                follow=lambda: self.follow_links(),
             )
         return self._room.free(self.manifests, self.latest)
 

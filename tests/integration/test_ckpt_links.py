@@ -287,3 +287,59 @@ def test_a_low_disk_never_deletes_a_checkpoint_a_link_leads_to(tmp_path: Any, ho
         via = "best/tokenizer.json" if how == "best" else "step_4/tokenizer.json"
         with open(os.path.join(small, via), "rb") as f:
             assert f.read() == b"vocab 2"
+
+
+def _fill(small: str) -> None:
+    """Fill ``small`` with a file that is never a checkpoint until its disk is low."""
+    with open(os.path.join(small, "filler.dat"), "ab") as f:
+        while not is_low(small):
+            f.write(b"\0" * (64 << 10))
+            f.flush()
+
+
+@pytest.mark.parametrize("follow", [True, False])
+def test_a_low_disk_frees_a_sealed_checkpoint_with_a_linked_file_by_its_link(
+    tmp_path: Any, follow: bool
+) -> None:
+    """Every checkpoint links the HF cache's tokenizer (out of the disk): sealed as the target's
+    bytes under the link's name, a sealed step goes when the disk runs low, by deleting the
+    link, never the target, and counting only the bytes it freed. Step 3 also links a directory
+    (left out of its MANIFEST): not ours to judge, it stays. In a pod (no link followed) no
+    link was sealed, so none of them is judged: the disk stays low, said once."""
+    hub = str(tmp_path / "hub" / "tokenizer.json")
+    _write(hub, b"t" * (512 << 10))
+    with tmpfs(str(tmp_path / "small"), "size=8m") as small:
+        events: List[Dict[str, Any]] = []
+        root = str(tmp_path / "durable")
+        os.makedirs(root)
+        s = _sealer(open_store("file://" + root), "hf", small, tmp_path, events)
+        s.follow_links = lambda: follow
+        sizes = {}
+        for n in (2, 3, 4):
+            d = os.path.join(small, f"step_{n}")
+            _write(os.path.join(d, "model.bin"), os.urandom(1536 << 10))
+            os.symlink(hub, os.path.join(d, "tokenizer.json"))
+            if n == 2:  # a link within the checkpoint: it goes with its target
+                os.symlink("model.bin", os.path.join(d, "weights.bin"))
+            if n == 3:
+                os.symlink(str(tmp_path / "hub"), os.path.join(d, "hub"))
+            marker = _write(os.path.join(d, ".rgt-complete"), json.dumps({"step": n}).encode())
+            sizes[n] = (1536 << 10) + os.path.getsize(marker)
+        assert _bounded(s.seal_pending) == 3
+        _fill(small)
+        freed = s.free_room()
+        kinds = [e["kind"] for e in events]
+        if not follow:
+            assert freed == 0 and kinds.count("room_exhausted") == 1, kinds
+            assert all(os.path.isdir(os.path.join(small, f"step_{n}")) for n in (2, 3, 4))
+            return
+        gone = [e for e in events if e["kind"] == "freed_local"]
+        assert [e["root"] for e in gone] == ["step_2"], kinds
+        assert gone[0]["freed"] == sizes[2] and freed == sizes[2]  # not the tokenizer's bytes
+        assert not os.path.lexists(os.path.join(small, "step_2"))
+        assert os.path.isdir(os.path.join(small, "step_3"))  # its directory link: not judged
+        with open(hub, "rb") as f:  # the target stays, whole
+            assert f.read() == b"t" * (512 << 10)
+        _fill(small)  # again: step 3 is not judged, step 4 is LATEST
+        assert s.free_room() == 0 and os.path.isdir(os.path.join(small, "step_3"))
+        assert [e["kind"] for e in events].count("room_exhausted") == 1

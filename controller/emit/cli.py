@@ -23,10 +23,12 @@ def emit() -> None:
     """Write what another engine runs (a Kubernetes Job, a SkyPilot task) with rgt inside."""
 
 
-def _seal(flag: Optional[str], store: Union[str, StoreURL, None], run: str) -> Any:
-    from controller.sealbudget import seal_time
+def _seal(flag: Optional[str], store: Union[str, StoreURL, None], runs: List[str]) -> Any:
+    """The seal time (controller/sealbudget.py) over ``runs``: the job's run, or a sweep's
+    cells, whose pods share one grace: the longest seal measured of them."""
+    from controller.sealbudget import seal_time_over
 
-    return seal_time(flag, store, run)
+    return seal_time_over(flag, store, runs)
 
 
 def _sweep_cells(plan_path: str) -> Tuple[List[Any], str, Optional[str]]:
@@ -89,7 +91,9 @@ def emit_k8s(
         store = plan_store  # the sweep's store root: each cell is its own run under it
     spec = k8s.load(job_file, store, pvc, profile)
     measured_in = seal_from or spec.store  # the job file's store at its endpoint
-    seal = _seal(seal_time, measured_in, spec.name)
+    # A sweep's runs are its cells (the job file's name is no run there): one grace for each.
+    runs = [c.name for c in cells] if cells else [spec.name]
+    seal = _seal(seal_time, measured_in, runs)
     opts = k8s.K8sOptions(image, pvc, gpus, secret, image_dir, job_image=job_image)
     text = k8s.render(spec, opts, profile, seal, job_file, dict(os.environ), cells, sweep_name)
     write_out(text, out)
@@ -130,7 +134,7 @@ def emit_skypilot(
     from controller.emit import skypilot
 
     spec = load_job(job_file, Overrides(store=store))
-    seal = _seal(seal_time, spec.store, spec.name)
+    seal = _seal(seal_time, spec.store, [spec.name])
     opts = skypilot.SkyOptions(accelerators, spot, install, tuple(secret_env))
     write_out(skypilot.render(spec, opts, seal, job_file, dict(os.environ)), out)
     return 0

@@ -268,6 +268,42 @@ def test_gpu_sweep_is_an_indexed_job_whose_index_picks_the_cell(tmp_path: Any) -
     assert len(seen) == len(cells) == 3
 
 
+def _mirrored_seal(store: str, run: str, seconds: float) -> None:
+    """``run``'s mirrored events in the file store ``store``: one asked-for seal of ``seconds``."""
+    from onbox.agent.journal import iso
+
+    state = os.path.join(store, run, "state")
+    os.makedirs(state)
+    with open(os.path.join(state, "events.jsonl"), "w") as f:
+        for kind, at in (("checkpoint_asked", 0.0), ("sealed", seconds)):
+            f.write(json.dumps({"time": iso(1_790_000_000.0 + at), "kind": kind}) + "\n")
+
+
+def test_a_sweeps_grace_covers_the_longest_seal_measured_over_its_cells(tmp_path: Any) -> None:
+    """Every index of the Job gets the one pod grace: it is measured from the cells' own runs
+    (here in a copy of the sweep's store, --seal-from), never under the job file's name (no
+    run there), and it is the longest seal of them,
+    so that the slowest cell's final seal is not cut short by the kubelet's SIGKILL."""
+    from controller.sweep.plan import load_plan
+
+    tmp = str(tmp_path)
+    store = os.path.join(tmp, "sweeps")
+    jf = job_file(tmp, "base", 'name = "base"\ncommand = ["python", "train.py"]\n')
+    plan = job_file(tmp, "plan", PLAN)
+    cells = load_plan(plan).cells
+    _mirrored_seal(store, cells[0].name, 100.0)
+    _mirrored_seal(store, cells[1].name, 300.0)  # not the first cell: the slowest
+    r = rgt(tmp, "emit", "k8s", jf, "--image", "img", "--secret", "s", "--sweep", plan,
+            "--seal-from", f"file://{store}")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    doc = validated(r.stdout)
+    longest = SealTime(300.0, 1, "").lead(assumed=30, slack=k8s.SLACK_S, floor=k8s.FLOOR_S)
+    assert pod(doc)["terminationGracePeriodSeconds"] == longest
+    said = doc["metadata"]["annotations"]["rgt.dev/grace"]
+    assert said.startswith("measured") and f"run {cells[1].name}" in said, said
+    assert "the slowest of the sweep's 3 cells, 2 of them measured" in said, said
+
+
 def test_a_bad_sweep_plan_is_the_plans_usage_error(tmp_path: Any) -> None:
     tmp = str(tmp_path)
     jf = job_file(tmp, "j", 'name = "j"\ncommand = ["python", "t.py"]\n')

@@ -52,7 +52,7 @@ def longest(store_url: Union[str, StoreURL, None], runs: Sequence[str]) -> SealT
     """The longest seal measured over ``runs`` in ``store_url`` (a sweep's cells: one pod grace,
     one Slurm warning covers every cell, so the slowest one's seal is what it must fit), its
     ``source`` naming that run and how many of the cells were measured; not measured when none
-    of them was (the first's words), or when the store cannot be read."""
+    of them was, or when the store cannot be read."""
     what = f"run {runs[0]}" if len(runs) == 1 else f"the sweep's {len(runs)} cells"
     if not store_url:
         return SealTime(None, 0, f"not measured: {what} has no store to read its seals from")
@@ -63,10 +63,9 @@ def longest(store_url: Union[str, StoreURL, None], runs: Sequence[str]) -> SealT
         store = open_store(store_url)
         for run in runs:
             raw = store.get_bytes(mf.state_key(run, "events.jsonl"))
+            none = f"not measured: the store {store_url} holds no run {run} yet"
             found.append(
-                measure(_lines(raw), f"run {run}")
-                if raw is not None
-                else SealTime(None, 0, f"not measured: the store {store_url} holds no run {run} yet")
+                measure(_lines(raw), f"run {run}") if raw is not None else SealTime(None, 0, none)
             )
     except StoreError as e:
         return SealTime(None, 0, f"not measured: the store {store_url} cannot be read ({e.what})")
@@ -76,7 +75,9 @@ def longest(store_url: Union[str, StoreURL, None], runs: Sequence[str]) -> SealT
         )
     measured = [st for st in found if st.seconds is not None]
     if not measured:
-        return found[0]
+        if len(runs) == 1:
+            return found[0]
+        return SealTime(None, 0, f"not measured: none of {what} has a seal in {store_url} yet")
     best = max(measured, key=lambda st: st.seconds or 0.0)
     if len(runs) == 1:
         return best

@@ -12,7 +12,8 @@ requeue, output, job name) are the script's and refused in ``--sbatch``.
 
 The warning lead comes from the run's seal time (controller/sealbudget.py), never a constant:
 ``lead(assumed=<the profile's grace>, slack=SLACK)``; the deploy says where it came from, and
-says loudly when nothing was measured.
+says loudly when nothing was measured. A job array's one lead is every task's: the slowest seal
+measured over its cells' runs.
 """
 
 from __future__ import annotations
@@ -195,7 +196,8 @@ def check_ask(
         command=tuple(command),
         cells=tuple(cells),
     )
-    lead, line = lead_for(ask, store, cells[0][1] if cells else run, grace)
+    # One --signal lead for every task of an array: the slowest cell's seal is what it must fit.
+    lead, line = lead_for(ask, store, [c[1] for c in cells] or [run], grace)
     ask = dataclasses.replace(ask, lead=lead, lead_line=line)
     # The script with stand-in paths: its own checks (the lead against --time, each #SBATCH
     # value) refuse here what it would refuse after the push.
@@ -228,10 +230,11 @@ def lead_line(st: SealTime, lead: int, assumed: float) -> str:
 
 
 def lead_for(
-    ask: SlurmAsk, store: Union[str, StoreURL, None], run: str, grace: float
+    ask: SlurmAsk, store: Union[str, StoreURL, None], runs: Sequence[str], grace: float
 ) -> Tuple[int, str]:
-    """The warning lead in seconds and the line that explains it."""
-    st = sealbudget.seal_time(ask.seal_time, store, run)
+    """The warning lead in seconds and the line that explains it: from the longest seal
+    measured over ``runs`` (the run, or an array's cells)."""
+    st = sealbudget.seal_time_over(ask.seal_time, store, runs)
     lead = st.lead(assumed=grace, slack=SLACK)
     return lead, lead_line(st, lead, grace)
 

@@ -146,3 +146,28 @@ def test_emit_measures_at_the_job_files_endpoint_too(
     r = CliRunner().invoke(emit, ["skypilot", "job.toml"])
     assert r.exit_code == 0, r.output
     assert f"--timeout {2 * SEAL + skypilot.HOOK_SLACK_S}s" in r.output, r.output
+
+
+def test_a_slurm_arrays_lead_covers_the_slowest_cell_measured(tmp_path: Path) -> None:
+    """A job array's one ``--signal`` lead is every task's: measured over the cells' own runs
+    in the sweep's store, the longest seal of them, not the first cell's alone."""
+    from controller.slurm.array import plan_ask
+    from controller.sweep.plan import load_plan
+
+    store = tmp_path / "store"
+    plan_file = tmp_path / "PLAN.toml"
+    plan_file.write_text(
+        f'name = "lr"\nstore = "file://{store}"\nslurm = "login1"\n'
+        'command = ["python", "train.py", "--lr", "{lr}"]\n'
+        '[grid]\nlr = [0.1, 0.01, 0.001]\n[sbatch]\ntime = "4:00:00"\n'
+    )
+    cells = load_plan(str(plan_file)).cells
+    for cell, seconds in ((cells[0], 100), (cells[2], SEAL)):
+        state = store / cell.name / "state"
+        state.mkdir(parents=True)
+        (state / "events.jsonl").write_bytes(
+            EVENTS.replace(iso(T0 + SEAL).encode(), iso(T0 + seconds).encode())
+        )
+    ask = plan_ask(load_plan(str(plan_file)))
+    assert ask.lead == 2 * SEAL + SLACK, ask.lead_line
+    assert f"run {cells[2].name}" in ask.lead_line and "2 of them measured" in ask.lead_line

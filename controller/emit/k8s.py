@@ -129,7 +129,8 @@ def _grace_words(seal: SealTime, profile: Profile, pod_grace: int) -> str:
             f"grace {pod_grace} s; measure it (--seal-time S, or a store with this run's "
             "sealed events) and emit again"
         )
-    return f"measured: {seal.source}; grace {pod_grace} s"
+    # seal.source says how it was had ("measured: ...", "given: --seal-time S").
+    return f"{seal.source}; grace {pod_grace} s"
 
 
 def agent_argv(job_path: str, run: str, store: str, grace: int) -> List[str]:

@@ -1,12 +1,13 @@
 """A symlink in a checkpoint dir: the one rule of where it may lead.
 
-The sealer never follows a link (onbox/sealing/discovery.py), so what a link names is in the
-store only when it lies in the checkpoint dir itself, sealed there under its own name
-(Lightning's ``save_last="link"`` ``last.ckpt``, a user's ``step_N`` link to a checkpoint
-beside it). Resume (onbox/train/ckptdir.py ``newest_verified``, the adapters' resume helpers),
-rotation (``ckptdir.prune``), the sealer and the completion seal all judge a link by
-``within``: a link inside the dir stands for its target, one out of it for nothing rgt keeps.
-What deletes checkpoints (rotation, the sealer's room on a low disk: onbox/sealing/room.py)
+The sealer never follows a link at the top of the checkpoint dir (onbox/sealing/discovery.py;
+a link to a regular file *inside* a checkpoint directory is sealed as that file), so what such a
+link names is in the store only when it lies in the checkpoint dir itself, sealed there under
+its own name (Lightning's ``save_last="link"`` ``last.ckpt``, a user's ``step_N`` link to a
+checkpoint beside it). Resume (onbox/train/ckptdir.py ``newest_verified``, the adapters'
+resume helpers), rotation (``ckptdir.prune``), the sealer and the completion seal all judge a
+link by ``within``: a link inside the dir stands for its target, one out of it for nothing rgt
+keeps. What deletes checkpoints (rotation, the sealer's room on a low disk: onbox/sealing/room.py)
 never deletes one that a link it leaves (``inbound``) leads to: the link would dangle.
 
 Standard library only.

@@ -142,7 +142,8 @@ def test_plain_job_with_a_pvc_measured_from_a_real_agents_seals(tmp_path: Any) -
     grace = expected.lead(assumed=30, slack=k8s.SLACK_S, floor=k8s.FLOOR_S)
     assert p["terminationGracePeriodSeconds"] == grace
     assert agent_grace(agent(doc)) == grace - k8s.SLACK_S
-    assert doc["metadata"]["annotations"]["rgt.dev/grace"].startswith("measured")
+    assert doc["metadata"]["annotations"]["rgt.dev/grace"].startswith("measured: ")
+    assert "measured: measured" not in doc["metadata"]["annotations"]["rgt.dev/grace"]
     assert "measured" in r.stdout.splitlines()[1]
     assert p["volumes"][1] == {
         "name": "checkpoints",

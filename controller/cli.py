@@ -226,13 +226,16 @@ def stop(name: str, grace: Optional[str]) -> int:
 def pull(name: str, dest: Optional[str], source: str) -> int:
     """Fetch the newest sealed state, verify every file (sha256, then opened as its framework
     would), rename into place, and write a verification receipt. Resumable."""
+    from controller.results.destination import RESULTS_DIR
     from controller.results.pull import pull as do_pull
     from controller.results.pull import terminal_progress
 
     rec = Registry().get(name)
-    dest = dest or os.path.join("rgt-results", name)
+    # The default is a directory of rgt's own, which git (and deploy) then ignore.
+    results = None if dest else RESULTS_DIR
+    dest = dest or os.path.join(RESULTS_DIR, name)
     with terminal_progress() as progress:
-        receipt = do_pull(rec, dest, source, progress)
+        receipt = do_pull(rec, dest, source, progress, results=results)
     _emit(
         f"{name}: {receipt.sealed.pulled()} pulled to {receipt.dest} and verified: "
         f"{len(receipt.files)} files; receipt {os.path.join(receipt.dest, '.rgt-receipt.json')}"

@@ -1,9 +1,11 @@
 """The files of a project that a release holds, and the content hash that names the release.
 
 What is pushed is what the project's git work tree holds (tracked, and untracked but not ignored)
-or, outside git, every file under it; never VCS metadata, caches, venvs or rgt's own state. The
-release's id hashes each file's path, kind and content, so the same code always has the same id
-(controller/deploy/release.py pushes it under that name).
+or, outside git, every file under it but a directory that ignores itself (a ``.gitignore`` of
+``*``, as `rgt pull`'s rgt-results, a virtualenv, .pytest_cache have), as git would; never VCS
+metadata, caches, venvs or rgt's own state. The release's id hashes each file's path, kind and
+content, so the same code always has the same id (controller/deploy/release.py pushes it under
+that name).
 """
 
 from __future__ import annotations
@@ -61,17 +63,34 @@ def _is_state(rel: str, state: Sequence[str]) -> bool:
     return any(rel == s or rel.startswith(s + os.sep) for s in state)
 
 
+def _ignores_itself(d: str) -> bool:
+    """Whether directory ``d`` holds a ``.gitignore`` whose one rule is ``*`` (blank lines and
+    comments aside): a tool's own directory saying "none of me is the project's" (`rgt pull`'s
+    rgt-results, controller/results/destination.py ``ignore_all``; a virtualenv, .pytest_cache,
+    .ruff_cache, .mypy_cache). Git leaves it out; so does the walk outside git."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        with open(os.open(os.path.join(d, ".gitignore"), flags), "rb") as f:
+            data = f.read(4096)
+    except OSError:  # none, a link, a directory: not a rule of its own
+        return False
+    rules = [ln.strip() for ln in data.splitlines()]
+    return [r for r in rules if r and not r.startswith(b"#")] == [b"*"]
+
+
 def _walk(root: str, rel: str, out: Dict[str, None]) -> None:
-    """Every file and link under ``root/rel``, except VCS metadata, caches, venvs, rgt's state."""
+    """Every file and link under ``root/rel``, except VCS metadata, caches, venvs, rgt's state
+    and the directories that ignore themselves."""
     top = os.path.join(root, rel) if rel else root
     for here, dirs, files in os.walk(top):
         keep = []
         for d in dirs:
             if d in (".git", "__pycache__") or d.startswith(".venv") or d in STATE_DIRS:
                 continue
-            if os.path.islink(os.path.join(here, d)):
+            path = os.path.join(here, d)
+            if os.path.islink(path):
                 files.append(d)  # a link to a directory is pushed as the link
-            else:
+            elif not _ignores_itself(path):
                 keep.append(d)
         dirs[:] = keep
         for f in files:
@@ -83,10 +102,11 @@ def project_files(root: str) -> List[str]:
 
     In a git work tree: the tracked and the untracked-but-not-ignored files (a tracked file deleted
     from the tree is skipped). Elsewhere: every file under ``root`` except .git/, __pycache__/,
-    .venv*/. Either way never rgt's own state (STATE_DIRS at any depth, and the state
-    directories STATE_VARS name inside ``root``), tracked or not. Symbolic links stay links; one
-    that leads outside ``root`` is refused (the box would not have what it points to). Sockets,
-    FIFOs and devices are skipped.
+    .venv*/ and each directory that ignores itself (``_ignores_itself``: `rgt pull`'s
+    rgt-results), as git would leave them out. Either way never rgt's own state (STATE_DIRS at
+    any depth, and the state directories STATE_VARS name inside ``root``), tracked or not.
+    Symbolic links stay links; one that leads outside ``root`` is refused (the box would not
+    have what it points to). Sockets, FIFOs and devices are skipped.
     """
     root = os.path.abspath(root)
     if not os.path.isdir(root):

@@ -47,6 +47,15 @@ from onbox.common.safepath import (
 from onbox.sealing.discovery import MARKERS
 from onbox.sealing.stores.base import target_error
 
+# Where `rgt pull N` puts a run without --to: RESULTS_DIR/N, relative to where it runs (the
+# project, as a rule). A directory of rgt's own, which ignores itself (``ignore_all``).
+RESULTS_DIR = "rgt-results"
+IGNORE_ALL = (
+    "# Made by `rgt pull`: what it pulls here stays on this machine, out of git and out of\n"
+    "# every release `rgt deploy` pushes. Copy a file elsewhere in the project to ship it.\n"
+    "*\n"
+)
+
 
 def make_stage(stage_dir: str) -> bool:
     """The staging directory: made here 0700 (True), or left by an earlier pull of this user
@@ -225,8 +234,10 @@ def cannot(dest: str, err: OSError) -> HostError:
     )
 
 
-def make_dest(dest: str) -> None:
-    """DEST and the parents it lacks; those made are removed again when it cannot be."""
+def make_dest(dest: str, results: Optional[str] = None) -> None:
+    """DEST and the parents it lacks; those made are removed again when it cannot be.
+    ``results``: the directory of rgt's own DEST is in (pull's default, RESULTS_DIR), given
+    its ``.gitignore`` (``ignore_all``)."""
     missing = []
     d = dest
     while not os.path.lexists(d) and os.path.dirname(d) != d:
@@ -239,6 +250,27 @@ def make_dest(dest: str) -> None:
             with contextlib.suppress(OSError):
                 os.rmdir(d)
         raise cannot(dest, err) from None
+    if results is not None:
+        try:
+            ignore_all(results)
+        except OSError as err:
+            raise cannot(dest, err) from None
+
+
+def ignore_all(results: str) -> None:
+    """A ``.gitignore`` holding ``*`` in rgt's results directory ``results``, as a virtualenv
+    or .pytest_cache has one: git ignores what is pulled there, and so the next `rgt deploy`
+    does not push it back to the box (outside git, controller/deploy/project.py honours the
+    same file). Written where there is none, also in a results directory an older rgt made;
+    one already there (the user's, whatever it holds) is left as it is."""
+    path = os.path.join(results, ".gitignore")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        fd = os.open(path, flags, 0o644)
+    except FileExistsError:
+        return
+    with open(fd, "w", encoding="utf-8") as f:
+        f.write(IGNORE_ALL)
 
 
 def _in_the_way(path: str) -> str:

@@ -150,6 +150,7 @@ def pull(
     remote: Optional[Remote] = None,
     home: Optional[str] = None,
     stall: Optional[float] = None,
+    results: Optional[str] = None,
 ) -> Receipt:
     """Pull ``rec``'s newest sealed state into ``dest``, verify it, write the receipt.
 
@@ -159,6 +160,8 @@ def pull(
     the box (else one is opened and closed here). ``home``: the laptop's state dir (default
     controller_home()). ``stall``: a download from the store that moves no byte this long ends
     as RestoreStalled (exit 14); by default the run's ``[store] stall`` as recorded.
+    ``results``: rgt's results directory ``dest`` lies in (`rgt pull` without --to), which gets
+    its ``.gitignore`` when ``dest`` is made (destination.make_dest).
     Raises IntegrityError (exit 6) naming the files that do not match; then nothing has a
     final name and no receipt is written."""
     where = resolve_source(rec, source)
@@ -169,7 +172,8 @@ def pull(
         sealed = read_sealed(rec, where, remote)
         dest = os.path.abspath(dest)
         bound = run_store_stall(rec) if stall is None else stall
-        return _pull(rec, sealed, dest, progress, bwlimit, transport, remote, home, bound)
+        results = None if results is None else os.path.abspath(results)
+        return _pull(rec, sealed, dest, results, progress, bwlimit, transport, remote, home, bound)
     finally:
         if own and remote is not None:
             remote.close()
@@ -179,6 +183,7 @@ def _pull(
     rec: RunRecord,
     sealed: Sealed,
     dest: str,
+    results: Optional[str],
     progress: Optional[ProgressFn],
     bwlimit: Optional[int],
     transport: Optional[str],
@@ -196,7 +201,7 @@ def _pull(
         if (other.size, other.sha256) != (e.size, e.sha256):
             raise IntegrityError(f"{e.stage} is listed twice with different contents")
     items = list(unique.values())
-    destination.make_dest(dest)
+    destination.make_dest(dest, results)
     with destination.dest_lock(dest):
         destination.refuse_folded_twins(dest, sealed.entries)
         try:

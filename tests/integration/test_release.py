@@ -232,6 +232,34 @@ def test_project_files_of_a_plain_tree(tmp_path: Path) -> None:
     ]
 
 
+def test_a_directory_that_ignores_itself_is_left_out_of_a_plain_tree_as_git_would(
+    tmp_path: Path,
+) -> None:
+    """`rgt pull`'s rgt-results (and a .pytest_cache, a .mypy_cache) hold a ``.gitignore`` of
+    ``*``: git leaves them out, and so does a project outside git. Before, every pulled
+    checkpoint, receipt and log of a plain project went back to the box in the next release."""
+    root = tmp_path / "proj"
+    _write(root, "train.py", b"1")
+    _write(root, "rgt-results/.gitignore", b"# Made by `rgt pull`\n*\n")
+    _write(root, "rgt-results/r1/checkpoints/step_1.pt", b"2")
+    _write(root, "sub/.pytest_cache/.gitignore", b"*")
+    _write(root, "sub/.pytest_cache/v/cache/lastfailed", b"3")
+    _write(root, "data/.gitignore", b"*\n!keep.txt\n")  # not all of it: walked
+    _write(root, "data/keep.txt", b"4")
+    _write(root, "logs/.gitignore", b"")  # empty: ignores nothing
+    _write(root, "logs/a.log", b"5")
+    assert project_files(str(root)) == [
+        "data/.gitignore",
+        "data/keep.txt",
+        "logs/.gitignore",
+        "logs/a.log",
+        "train.py",
+    ]
+    _git(root, "init", "-q")  # in git: the same two directories left out, by git
+    in_git = project_files(str(root))
+    assert "train.py" in in_git and not [f for f in in_git if "rgt-results" in f or "cache" in f]
+
+
 def test_rgt_state_is_never_pushed_from_a_git_work_tree(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

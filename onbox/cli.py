@@ -97,19 +97,26 @@ def _claim(
     in_slurm: bool = False,
 ) -> Optional[Tuple[JobSpec, RunDir, RunLock]]:
     """The spec, the run's directory and its lock, for start and run (onbox.agent.claim); None
-    when the store says the run is finished."""
+    when the store says the run is finished. Refused with no runs/N made: the secrets stored
+    for the run are removed (onbox.agent.claim.drop_secrets_of_no_run)."""
     # Lazily: the commands people poll (status, logs; `rgt watch` every 2 s) skip the supervisor.
-    from onbox.agent.claim import prepare_run, resolve_spec, take_run  # (and its modules)
+    from onbox.agent import claim  # (and its modules)
 
     command: Optional[List[str]] = click.get_current_context().obj.get("command")
-    more = platform_overrides(platform)  # --profile, --on-done, the meter cap
-    spec = resolve_spec(job_file, command, name, ckpt_dir, store, grace, outputs, more)
-    if in_slurm:  # before anything is created
-        slurm.check_trigger(spec.trigger)
-    rd = prepare_run(spec, _emit, _warn)
-    if rd is None:
-        return None
-    return spec, rd, take_run(spec, rd)
+    named = name
+    try:
+        more = platform_overrides(platform)  # --profile, --on-done, the meter cap
+        spec = claim.resolve_spec(job_file, command, name, ckpt_dir, store, grace, outputs, more)
+        named = spec.name
+        if in_slurm:  # before anything is created
+            slurm.check_trigger(spec.trigger)
+        rd = claim.prepare_run(spec, _emit, _warn)
+        if rd is None:
+            return None
+        return spec, rd, claim.take_run(spec, rd)
+    except Exception:
+        claim.drop_secrets_of_no_run(named)
+        raise
 
 
 @cli.command(context_settings={"ignore_unknown_options": False})

@@ -5,6 +5,7 @@ with its spec.json written. Nothing is created until every check passed."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -24,7 +25,7 @@ from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.durable import make_dirs, read_json, remove_dirs, write_json
 from onbox.common.duration import parse_duration
 from onbox.common.errors import HostError, UsageError
-from onbox.common.rundir import RunDir, check_name, rgt_home, unwritable
+from onbox.common.rundir import RunDir, check_name, is_name, rgt_home, unwritable
 
 Say = Callable[[str], None]
 
@@ -214,3 +215,21 @@ def take_run(spec: JobSpec, rd: RunDir) -> RunLock:
         lock.release()
         raise
     return lock
+
+
+def drop_secrets_of_no_run(name: Optional[str]) -> None:
+    """After ``start`` or ``run`` of run ``name`` was refused: its secrets file removed when no
+    run of that name is on this box (no runs/N). `rgt deploy` stores the secrets just before the
+    start, and keeps no record of a run whose start was refused, so no `rgt down` would ever
+    remove them. The box decides, not the laptop: it looks at runs/N after its own refusal (the
+    claim makes runs/N only once every check passed, and removes it again when making it
+    failed), where the laptop knows only what its look saw before the push, and a run made
+    since (another deploy of the name) would lose its secrets. A run that is there keeps them
+    (`rgt down` removes them with it)."""
+    if name is None or not is_name(name):
+        return
+    rd = RunDir(name)
+    if os.path.lexists(rd.path):
+        return
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(rd.secrets_file)

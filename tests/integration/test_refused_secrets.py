@@ -1,0 +1,98 @@
+"""A run's `--secret-env` values leave the box with the run: a deploy whose start the box refused
+before the run existed there (no runs/N) leaves no secrets file behind (the laptop keeps no
+record of such a run, so no `rgt down` could ever remove it); a refused start of a run that does
+exist never takes that run's secrets; and `rgt down N` removes them with the run.
+
+Real processes: the `rgt` CLI (tests/laptop.py) against the session's loopback sshd.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from tests.conftest import _kill_run_processes
+from tests.laptop import laptop_env, run_rgt, ssh_target
+from tests.sshd import SshServer
+
+SECRET = {"RGT_TEST_TOKEN": "tok-" + os.urandom(8).hex()}
+
+
+class Laptop:
+    """`rgt` with this test's homes and a secret in its environment, in a project of one job."""
+
+    def __init__(self, sshd: SshServer, tmp_path: Path) -> None:
+        self.project = tmp_path / "project"
+        self.project.mkdir()
+        (self.project / "job.py").write_text(
+            "import os\nopen(os.environ['RGT_CKPT_DIR'] + '/step_1.bin', 'wb').write(b'w')\n"
+        )
+        self.ctl, self.box = tmp_path / "ctl", tmp_path / "box"
+        self.ctl.mkdir()
+        self.env = laptop_env(str(self.ctl), str(self.box), **SECRET)
+        self.target = ssh_target(sshd)
+
+    def rgt(self, *args: str) -> tuple[int, str]:
+        p = run_rgt(args, self.env, str(self.project))
+        return p.returncode, p.stdout + p.stderr
+
+    def deploy(self, name: str, *args: str) -> tuple[int, str]:
+        return self.rgt(
+            "deploy", self.target, "--python", sys.executable, "--name", name,
+            "--secret-env", "RGT_TEST_TOKEN", *args,
+        )  # fmt: skip
+
+    def secrets(self, name: str) -> Path:
+        return self.box / "secrets" / name
+
+    def runs(self, name: str) -> Path:
+        return self.box / "runs" / name
+
+
+def test_a_refused_start_of_a_new_run_leaves_no_secrets_on_the_box(
+    sshd: SshServer, tmp_path: Path
+) -> None:
+    lap = Laptop(sshd, tmp_path)
+    try:
+        rc, out = lap.deploy("leak", "--", "no-such-command-here")
+        assert rc == 2 and "'no-such-command-here' is not found on PATH" in out, out
+        assert "secrets RGT_TEST_TOKEN stored on the box" in out, out  # they were sent
+        assert not lap.runs("leak").exists()
+        assert not lap.secrets("leak").exists(), "the refused run's secrets stayed on the box"
+    finally:
+        _kill_run_processes(str(lap.box))
+
+
+def test_a_refused_start_of_a_run_that_exists_keeps_its_secrets(
+    sshd: SshServer, tmp_path: Path
+) -> None:
+    lap = Laptop(sshd, tmp_path)
+    try:
+        rc, out = lap.deploy("kept", "--", sys.executable, "-c", "pass")
+        assert rc == 0 and "kept SUCCEEDED" in out, out
+        assert lap.secrets("kept").is_file()
+        rc, out = lap.deploy("kept", "--", "no-such-command-here")
+        assert rc == 2 and "'no-such-command-here' is not found on PATH" in out, out
+        assert lap.runs("kept").is_dir()
+        assert lap.secrets("kept").is_file(), "a refused start took an existing run's secrets"
+    finally:
+        _kill_run_processes(str(lap.box))
+
+
+def test_down_removes_the_runs_secrets_from_the_box(sshd: SshServer, tmp_path: Path) -> None:
+    lap = Laptop(sshd, tmp_path)
+    store = tmp_path / "store"
+    store.mkdir()
+    try:
+        rc, out = lap.deploy("gone", "--store", f"file://{store}", "--", sys.executable, "job.py")
+        assert rc == 0, out
+        assert lap.secrets("gone").is_file()
+        rc, out = lap.rgt("pull", "gone", "--to", str(tmp_path / "pulled"))
+        assert rc == 0, out
+        rc, out = lap.rgt("down", "gone", "--yes")
+        assert rc == 0, out
+        assert not lap.runs("gone").exists()
+        assert not lap.secrets("gone").exists(), "down left the run's secrets on the box"
+    finally:
+        _kill_run_processes(str(lap.box))

@@ -7,9 +7,11 @@ unless the laptop holds a verification receipt of the run
 again
 now from the store or the box, and whose files are still in the receipt's destination. Before
 anything is done it shows what will be lost (files in the run's directory on the box that the
-receipt does not cover: checkpoints newer than the sealed one, job logs not pulled, rgt's own
-records; and what the job wrote in its release, the workdir it runs in, when down removes that
-release: every file changed since the push marked it complete that is no pulled output),
+receipt does not cover, nor a store that outlives the box holds: checkpoints not sealed, job
+logs not pulled, rgt's own records; and what the job wrote in its release, the workdir it runs
+in, when down removes that release: every file changed since the push marked it complete that
+is no pulled output, controller/results/boxlosses.py), what that store holds (the sealed steps
+its rotation left, controller/results/storekept.py),
 what keeps billing, and for a live run that the checkpoint its stop may seal goes into the store
 only (with how to have it pulled too: stop, pull, then down), then asks for the run's name to
 be typed. ``--yes`` replaces the typing only when stdin is not a terminal (a script), and never
@@ -17,7 +19,8 @@ replaces the receipt.
 
 What down does on the box, each step idempotent so that running it again after a failure is
 safe: ``rgt-agent stop N`` (waits until no process of the run is left; a run already gone is
-fine; if the stop fails nothing is removed), then removes ``secrets/N``, ``deploys/N``, the
+fine; of a run that has ended it only checks that no process is left; if the stop fails
+nothing is removed), then removes ``secrets/N``, ``deploys/N``, the
 release the run was deployed from when no other deploy or run uses it, and ``runs/N`` (with the
 default checkpoint dir inside it). Never the store, never a checkpoint dir outside the run dir,
 never a release another run uses.
@@ -31,16 +34,15 @@ A meter-stop that was refused, not sent, or whose end is unknown fails down and 
 record; for the last, a second ``rgt down N`` finds the journal, never re-sends the call, and
 only polls. Last, the laptop's record of the run (controller/results/settle.py): kept, marked
 taken down, when the run's store outlives the box, so that ``rgt pull N`` fetches from the store
-afterwards (``rgt down N`` again then forgets the run, doing nothing on a box nor to the meter);
-else removed. Its receipt stays in ``$RGT_CONTROLLER_HOME/receipts/``.
+afterwards (``rgt down N`` again then forgets the run, confirmed as the first down is, doing
+nothing on a box nor to the meter); else removed. Its receipt stays in
+``$RGT_CONTROLLER_HOME/receipts/``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
-import re
-from typing import Any, Callable, Dict, List, Optional
+from typing import Callable, List, Optional
 
 from controller import boxrun
 from controller.deploy.release import deploy_path, release_path
@@ -49,7 +51,8 @@ from controller.meter.api import check_instance, client, noun
 from controller.profiles import user_dirs as profile_dirs
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, open_remote
-from controller.results import meterplan, settle
+from controller.results import boxlosses, meterplan, settle, storekept
+from controller.results.boxlosses import RELEASE, human
 from controller.results.receipt import Coverage, Receipt, load_state_receipt, state_receipt_path
 from controller.results.sealed import covers_newest
 from controller.shell import script
@@ -60,12 +63,7 @@ from onbox.common.terminal import printable
 from onbox.profiles.load import load as load_profile
 from onbox.profiles.schema import Profile
 
-_RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
-# A job's log in the run directory, or the redacted copy the agent wrote next to it.
-_JOB_LOG = re.compile(r"attempts/(\d{4,})/output(\.redacted)?\.log\Z")
 # The shell of down on the box: functions (controller/shell/down.sh), and the call of one.
-_SIZES = script("down.sh") + 'rgt_sizes "$@"\n'
-_JOB_FILES = script("down.sh") + 'rgt_job_files "$@"\n'
 _REMOVE = script("down.sh") + 'rgt_remove "$@"\n'
 
 
@@ -94,10 +92,13 @@ class DownPlan:
             f"run {self.rec.name} on {self.rec.target.label} (profile {self.rec.profile}): "
             + (f"{self.state}" if self.state else "nothing of it is left on the box"),
             f"verified pull: {len(r.files)} file{'' if len(r.files) == 1 else 's'}, "
-            f"{_human(r.total_bytes())} in {r.dest} "
+            f"{human(r.total_bytes())} in {r.dest} "
             f"({r.sealed.describe()}; from the {r.source}); it covers the newest sealed state",
         ]
-        out.append("will be lost (on the box only, not in the receipt):")
+        out.append(
+            "will be lost (on the box only: not in the receipt, nor in a store that outlives "
+            "the box):"
+        )
         out += [f"  {x}" for x in self.lost[:20]] or ["  nothing"]
         if len(self.lost) > 20:
             out.append(f"  ... and {len(self.lost) - 20} more")
@@ -118,30 +119,6 @@ class DownPlan:
         # sequence or a newline in one must not redraw or forge what the user is asked to
         # confirm. Each line stays one line, control characters shown as '?'.
         return [printable(line) for line in out]
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
-
-
-def _box_sizes(remote: Remote, *dirs: str, script: str = _SIZES) -> Dict[str, int]:
-    r = remote.sh(script, *dirs, timeout=600)
-    fields = r.stdout.split(b"\0")
-    out = {}
-    for i in range(0, len(fields) - 1, 2):
-        try:
-            out[fields[i + 1].decode("utf-8", "surrogateescape")] = int(fields[i])
-        except ValueError:
-            continue
-    return out
-
-
-def _inside(path: str, d: str) -> bool:
-    return path == d or path.startswith(d.rstrip("/") + "/")
 
 
 def run_profile(rec: RunRecord, home: Optional[str] = None) -> Optional[Profile]:
@@ -191,30 +168,35 @@ def plan_down(
             f"{coverage.reason}",
             f"rgt pull {name} again, then rgt down {name}",
         )
-    state = None
+    state, keep = None, None
     lost: List[str] = []
     kept: List[str] = []
     grace = 30.0
+    gone = ""  # why the meter-stop deletes the store ("": it does not, or there is none)
+    held: storekept.Held = {}  # what a store that outlives the box holds, by sealed step
+    if rec.store:
+        gone = meterplan.deleted_by_meter_stop(meterplan.file_path(rec.store), profile)
+        held = {} if gone else storekept.held(rec, remote)
     if present:
         run = boxrun.read(rec, remote)  # the spec and the status in one round trip
         spec = run.spec
         grace = float(spec.get("grace") or 30.0)
+        keep = spec.get("keep") if isinstance(spec.get("keep"), int) else None
         state = str(run.status.get("state"))
-        lost, kept = _losses(rec, receipt, spec, run_dir, remote, profile)
-    gone = ""  # why the meter-stop deletes the store ("": it does not, or there is none)
-    if rec.store:
-        store = f"the store {rec.store}"
-        gone = meterplan.deleted_by_meter_stop(meterplan.file_path(rec.store), profile)
-        if gone:
-            lost.append(
-                f"{store}, every sealed checkpoint in it (the receipt holds the newest): {gone}"
-            )
-        else:
-            kept.append(f"{store}: every sealed checkpoint (rgt never deletes it)")
+        lost, kept = boxlosses.losses(rec, receipt, spec, run_dir, remote, profile, held)
+    if rec.store and gone:
+        lost.append(
+            f"the store {rec.store}, every sealed checkpoint in it (the receipt holds the "
+            f"newest): {gone}"
+        )
+    elif rec.store:
+        kept.append(storekept.store_line(rec.store, held, keep))
     kept.append(f"the pulled files in {receipt.dest}")
     home_box = rec.box_home.rstrip("/")
     actions = []
-    if present:
+    if state in TERMINAL_NAMES:  # nothing runs: the stop only checks that none is left
+        actions.append(f"check that no process of the run is left (rgt-agent stop {name})")
+    elif present:
         actions.append(f"stop the agent and the job (rgt-agent stop {name}; now {state})")
     actions += [
         f"remove {run_dir}, {home_box}/secrets/{name} and {home_box}/deploys/{name}",
@@ -261,87 +243,6 @@ def _stop_seals(name: str, store: str, receipt: Receipt, gone: str) -> List[str]
     ]
 
 
-def _losses(
-    rec: RunRecord,
-    receipt: Receipt,
-    spec: Dict[str, Any],
-    run_dir: str,
-    remote: Remote,
-    profile: Optional[Profile],
-) -> tuple[List[str], List[str]]:
-    """(lost, kept) lines: the run dir's files the receipt does not cover. A job log pulled
-    redacted (its box copy holds a secret) is covered, whatever its size: what the receipt has
-    is that log with each secret masked, and the kept lines say so."""
-    pulled = {f.path: f.size for f in receipt.files}
-    redacted = {f.path for f in receipt.files if f.redacted}
-    ckpt = str(spec.get("ckpt_dir") or "")
-    kept = []
-    lost: List[str] = []
-    if ckpt and not _inside(ckpt, run_dir):
-        gone = meterplan.deleted_by_meter_stop(ckpt, profile)
-        if gone:
-            lost.append(f"the checkpoint dir {ckpt} (outside the run dir, not removed): {gone}")
-        else:
-            kept.append(f"the checkpoint dir {ckpt} on the box (outside the run dir: not removed)")
-    records, records_bytes = 0, 0
-    for path, size in sorted(_box_sizes(remote, run_dir).items()):
-        if ckpt and _inside(path, ckpt):
-            rel = "checkpoints/" + os.path.relpath(path, ckpt)
-            if pulled.get(rel) != size:
-                lost.append(f"checkpoint {os.path.relpath(path, ckpt)} ({_human(size)})")
-            continue
-        m = _JOB_LOG.match(os.path.relpath(path, run_dir))
-        if m:
-            log = f"logs/attempt-{m.group(1)}.log"
-            if m.group(2):  # the agent's redacted copy of the log: counted with the log
-                continue
-            if log in redacted:
-                kept.append(
-                    f"job log of attempt {int(m.group(1))}: pulled redacted (each secret "
-                    f"masked) in {receipt.dest}"
-                )
-            elif pulled.get(log) != size:
-                lost.append(f"job log of attempt {int(m.group(1))} ({_human(size)})")
-            continue
-        records += 1
-        records_bytes += size
-    lost += _workdir_losses(rec, spec, pulled, run_dir, remote)
-    if records:
-        lost.append(
-            f"rgt's records of the run (state, events, agent log): {records} files, "
-            f"{_human(records_bytes)}"
-            + (" (the store keeps a mirror of state and events)" if rec.store else "")
-        )
-    return lost, kept
-
-
-def _workdir_losses(
-    rec: RunRecord, spec: Dict[str, Any], pulled: Dict[str, int], run_dir: str, remote: Remote
-) -> List[str]:
-    """Lost lines for what the job wrote in its release (it runs there, and down removes the
-    release unless another run uses it) that the receipt does not hold: a declared output is
-    held as ``outputs/<path under the workdir>`` with its size; anything else is lost."""
-    if not rec.release or not _RELEASE.match(rec.release):
-        return []
-    home = rec.box_home.rstrip("/")
-    release = release_path(home, rec.release)
-    workdir = str(spec.get("workdir") or rec.workdir or release)
-    found = _box_sizes(
-        remote, run_dir, deploy_path(home, rec.name), release, script=_JOB_FILES
-    ).items()
-    lost = []
-    for path, size in sorted(found):
-        if (
-            _inside(path, workdir)
-            and pulled.get(f"outputs/{os.path.relpath(path, workdir)}") == size
-        ):
-            continue
-        lost.append(
-            f"written by the job in its workdir: {os.path.relpath(path, release)} ({_human(size)})"
-        )
-    return lost
-
-
 def down(
     rec: RunRecord,
     *,
@@ -361,15 +262,18 @@ def down(
     MeterUnresolved (17) or MeterNotSent (20) when the meter-stop fails, keeping the run's
     record."""
     name = check_name(rec.name)
-    if rec.down_at is not None:  # an earlier down took it off its box: only the record is left
-        plan = _off_the_box(rec, home, "taken down already")
-        plan.done.append(settle.forget(rec, registry or Registry(home), show))
-        return plan
     if yes and interactive:
         raise UnsafeRefused(
             f"run {name}: --yes works only when stdin is not a terminal",
             f"type the run's name when asked instead (rgt down {name})",
         )
+    if rec.down_at is not None:  # an earlier down took it off its box: only the record is left
+        plan = _off_the_box(rec, home, "taken down already")
+        for line in settle.forget_plan(rec):
+            show(line)
+        _confirm(name, yes, interactive, ask, "to forget it on this laptop")
+        plan.done.append(settle.forget(rec, registry or Registry(home), show))
+        return plan
     profile = run_profile(rec, home)
     prior = meter.pending(name, home)
     if prior is not None and profile is not None:
@@ -384,22 +288,28 @@ def down(
         plan = plan_down(rec, box, home, profile=profile, instance=instance)
         for line in plan.lines():
             show(line)
-        if not yes:
-            if not interactive:
-                raise UnsafeRefused(
-                    f"run {name}: down needs the run's name typed on a terminal",
-                    "run it in a terminal, or pass --yes from a script",
-                )
-            typed = ask(f"Type the run's name ({name}) to take it down: ")
-            if typed.strip() != name:
-                raise UnsafeRefused(
-                    f"run {name}: the typed name {typed.strip()!r} does not match; nothing done"
-                )
+        _confirm(name, yes, interactive, ask, "to take it down")
         _execute(plan, box)
         return _stop_meter(plan, show, home, registry)
     finally:
         if own:
             box.close()
+
+
+def _confirm(name: str, yes: bool, interactive: bool, ask: Callable[[str], str], what: str) -> None:
+    """The run's name typed on a terminal, or ``--yes`` from a script; else UnsafeRefused."""
+    if yes:
+        return
+    if not interactive:
+        raise UnsafeRefused(
+            f"run {name}: down needs the run's name typed on a terminal",
+            "run it in a terminal, or pass --yes from a script",
+        )
+    typed = ask(f"Type the run's name ({name}) {what}: ")
+    if typed.strip() != name:
+        raise UnsafeRefused(
+            f"run {name}: the typed name {typed.strip()!r} does not match; nothing done"
+        )
 
 
 def _stop_meter(
@@ -453,7 +363,7 @@ def _execute(plan: DownPlan, remote: Remote) -> None:
     if not home.startswith("/") or home in ("", "/"):
         raise HostError(f"the record of {name!r} has no usable RGT_HOME on the box ({home!r})")
     release = rec.release or ""
-    if release and not _RELEASE.match(release):
+    if release and not RELEASE.match(release):
         raise HostError(f"the record of {name!r} names a release {release!r} rgt never makes")
     if plan.state is not None:
         r = remote.run(  # its last line is the error shown: a tail of what it prints is kept
@@ -467,7 +377,12 @@ def _execute(plan: DownPlan, remote: Remote) -> None:
                 f"rgt-agent stop {name} failed on {rec.target.label}: {err}; nothing was removed",
                 f"look at the box, then run rgt down {name} again",
             )
-        plan.done.append("stopped the agent and the job")
+        over = plan.state in TERMINAL_NAMES
+        plan.done.append(
+            "checked that no process of the run is left"
+            if over
+            else "stopped the agent and the job"
+        )
     rd = RunDir(name, home)
     rel_dir = release_path(home, release) if release else ""
     r = remote.sh(_REMOVE, rd.path, rd.secrets_file, deploy_path(home, name), rel_dir, timeout=600)

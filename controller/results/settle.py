@@ -7,16 +7,20 @@ destroy does not delete (controller/results/meterplan.py, from the profile's sto
 ``rgt pull N`` then fetches the run's newest sealed state from that store (a stop of a live
 run may have sealed one newer than the pull down checked) and ``rgt status N`` reads it there;
 no command tries the box again. Without a store, or with one that goes with the box, the record
-is removed, as nothing is left to reach. ``rgt down N`` of a run taken down already forgets it:
-nothing is left on a box to do, and the meter is not called again.
+is removed, as nothing is left to reach. ``rgt down N`` of a run taken down already forgets
+it, once confirmed as the first down is (the run's name typed, or ``--yes`` from a script):
+nothing is left on a box to do, and the meter is not called again; its last line says how the
+store's checkpoints are reached without the record (``rgt-agent restore --store URL``).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+import os
+from typing import Callable, List, Optional
 
 from controller.registry import Registry, RunRecord
-from controller.results import meterplan
+from controller.results import meterplan, storekept
+from onbox.common.errors import RgtError
 from onbox.profiles.schema import Profile
 
 
@@ -56,16 +60,53 @@ def settle(
     return "forgot the run on this laptop"
 
 
-def forget(rec: RunRecord, registry: Registry, show: Callable[[str], None]) -> str:
-    """``rgt down N`` of a run taken down already: only its record is left; remove it."""
+def forget_plan(rec: RunRecord) -> List[str]:
+    """What ``rgt down N`` of a run taken down already shows before it asks: it only forgets
+    the laptop's record, and what the store still holds of the run."""
     name = rec.name
-    show(
-        f"run {name} was {rec.taken_down()}: nothing of it is left on {rec.target.label} and "
-        "nothing is done there nor to the meter now; forgetting the run on this laptop"
-    )
-    registry.remove(name)
-    show(
-        f"run {name} is forgotten; its store {rec.store} keeps every sealed checkpoint (rgt "
-        f"never deletes it), but `rgt pull {name}` no longer finds it by name"
-    )
+    return [
+        f"run {name} was {rec.taken_down()}: nothing of it is left on {rec.target.label}; down "
+        "now only forgets it on this laptop (nothing is done on a box nor to the meter, and its "
+        "receipt stays)",
+        f"kept: {_holds(rec)}",
+        f"afterwards `rgt pull {name}` and `rgt status {name}` no longer find it by name",
+    ]
+
+
+def forget(rec: RunRecord, registry: Registry, show: Callable[[str], None]) -> str:
+    """``rgt down N`` of a run taken down already (confirmed): only its record is left; remove
+    it, and say how the store's checkpoints are reached without it."""
+    registry.remove(rec.name)
+    show(f"run {rec.name} is forgotten on this laptop; {reach(rec)}")
     return "forgot the run on this laptop"
+
+
+def _holds(rec: RunRecord) -> str:
+    """What the run's store holds, read from this laptop where it is reached from here (an
+    s3:// or hf:// store, a file:// one of a run on this machine); else the rotation's rule
+    (a file:// store of a box is that box's mount, whatever a path of that name is here)."""
+    path = meterplan.file_path(str(rec.store))
+    if path is None or (rec.target.kind == "local" and os.path.isdir(path)):
+        try:
+            return storekept.store_line(str(rec.store), storekept.held(rec, None), None)
+        except RgtError:  # not readable from here now: say the rule instead
+            pass
+    return (
+        f"the store {rec.store}: the sealed checkpoints its rotation left (the newest "
+        "[checkpoint] keep, 3 unless the job file set it, with the one LATEST names, the one "
+        "before it and any pinned; down deletes nothing in it)"
+    )
+
+
+def reach(rec: RunRecord) -> str:
+    """How the run's sealed checkpoints in its store are reached once the laptop forgot it."""
+    name, store = rec.name, str(rec.store)
+    env = f"AWS_ENDPOINT_URL={rec.store_endpoint_url} " if rec.store_endpoint_url else ""
+    where = ""
+    if meterplan.file_path(store) is not None and rec.target.kind != "local":
+        where = " on a machine that mounts it"
+    return (
+        f"its sealed checkpoints stay in {store}{where}: "
+        f"`{env}rgt-agent restore --store {store} --name {name} --to DIR` fetches the newest "
+        f"and checks it, `{env}rgt-agent checkpoints --store {store} --name {name}` lists them"
+    )

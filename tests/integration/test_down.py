@@ -448,6 +448,9 @@ def test_a_run_taken_down_keeps_its_record_for_a_store_that_outlives_the_box(
     assert f"`rgt pull {RUN}` fetches it afterwards" in live, text
     assert "cannot fetch it" not in text
     assert "keep the run's record on this laptop, marked taken down, for its store" in text
+    # The store is read on the box (a mount there): what it holds, as its rotation left it.
+    assert f"the store {rec.store}: the sealed checkpoints of step 1 (its rotation kept the " \
+        "newest 3" in text, text  # fmt: skip
     assert not os.path.exists(box.run_dir)
     kept = Registry().get(RUN)
     assert kept.down_at is not None and kept.store == rec.store
@@ -485,10 +488,14 @@ def test_a_run_taken_down_keeps_its_record_for_a_store_that_outlives_the_box(
         code, out, err = _rgt(capsys, *argv)
         assert code == 8 and f"run {RUN} was taken down at" in err, (argv, err)
 
-    # `rgt down N` again forgets it: nothing on a box, no meter.
+    # `rgt down N` again forgets it, confirmed as the first down is: nothing on a box, no meter.
     code, out, err = _rgt(capsys, "down", RUN)
+    assert code == 7 and "typed on a terminal" in err, out + err
+    assert Registry().get(RUN).down_at is not None
+    code, out, err = _rgt(capsys, "down", RUN, "--yes")
     assert code == 0, err
-    assert "nothing is done there nor to the meter now" in out, out
+    assert "nothing is done on a box nor to the meter" in out, out
+    assert "on a machine that mounts it" in out.splitlines()[-1], out  # a file:// store
     assert "rgt has no API" not in out  # no meter-stop step this time
     with pytest.raises(NotFound):
         Registry().get(RUN)

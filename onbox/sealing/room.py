@@ -11,9 +11,10 @@ A local checkpoint (a file or a directory under RGT_CKPT_DIR) is deleted only wh
   (``step_N/tokenizer.json`` into the Hugging Face cache) is judged as the sealer sealed it
   (onbox/sealing/discovery.py, only where it follows links): under the link's name, by its
   target's size and sha256. Deleting the checkpoint deletes the link, never the target, and
-  frees none of the target's bytes (the ``freed`` count leaves them out). Any other symlink
-  (to a directory, dangling, to a FIFO or a device, or any where links are not followed), or
-  anything but files, makes the checkpoint not ours to judge: it stays;
+  frees none of the target's bytes (the ``freed`` count leaves them out, as it leaves out a
+  file hard-linked from outside the checkpoint: its bytes stay under the other name). Any
+  other symlink (to a directory, dangling, to a FIFO or a device, or any where links are not
+  followed), or anything but files, makes the checkpoint not ours to judge: it stays;
 - that MANIFEST is reached: the store still holds it, unchanged, with every object it names,
   and LATEST (or a pin) reaches it (its step is LATEST's or an older kept one, or pinned), and
   it is not quarantined;
@@ -278,9 +279,7 @@ class Room:
             if not os.path.lexists(path):
                 os.rename(aside, path)
             return None
-        # Only what the delete frees: a link's target stays (rmtree unlinks a link, never
-        # follows it), so its bytes are not counted.
-        size = sum(s[0] for r, s in files.items() if r not in linked)
+        size = _freed_by(moved, linked)
         if os.path.isdir(aside):
             shutil.rmtree(aside)
         else:
@@ -339,6 +338,23 @@ class Room:
 
 def _files(doc: Dict[str, Any]) -> Set[Tuple[str, int, str, str]]:
     return {(f["path"], f["size"], f["sha256"], f["key"]) for f in doc["files"]}
+
+
+def _freed_by(moved: Dict[str, str], linked: Links) -> int:
+    """The bytes deleting ``moved`` (each file of the checkpoint, where it lies now) frees: a link's
+    target stays (rmtree unlinks a link, never follows it), and so does a file with a hard
+    link outside (a ``best.pt`` linked to it, a copy made with ``cp -l``): its bytes are freed
+    only when every name of it goes, which for one linked within the checkpoint they do."""
+    names: Dict[int, List[os.stat_result]] = {}
+    for rel, where in moved.items():
+        if rel in linked:
+            continue
+        try:
+            st = os.lstat(where)
+        except OSError:  # gone since it was compared: nothing of it to count
+            continue
+        names.setdefault(st.st_ino, []).append(st)
+    return sum(sts[0].st_size for sts in names.values() if sts[0].st_nlink <= len(sts))
 
 
 def _stat_sig(path: str) -> Optional[Sig]:

@@ -343,3 +343,37 @@ def test_a_low_disk_frees_a_sealed_checkpoint_with_a_linked_file_by_its_link(
         _fill(small)  # again: step 3 is not judged, step 4 is LATEST
         assert s.free_room() == 0 and os.path.isdir(os.path.join(small, "step_3"))
         assert [e["kind"] for e in events].count("room_exhausted") == 1
+
+
+def test_a_low_disk_counts_only_the_bytes_it_freed_of_a_hard_linked_checkpoint(
+    tmp_path: Any,
+) -> None:
+    """Step 2's weights are hard-linked outside the checkpoint dir, on its disk (a user's
+    ``cp -l`` of a good step): when the disk runs low, deleting step 2 frees only its marker,
+    which its ``freed_local`` says, and, the disk still low, step 3 goes too, whose two names
+    of one file (hard-linked within it) free that file's bytes once. Before the fix step 2 was
+    said to free its weights' bytes as well, which stayed on the disk, and step 3 twice its."""
+    with tmpfs(str(tmp_path / "small"), "size=8m") as small:
+        ckpt = os.path.join(small, "ckpt")
+        events: List[Dict[str, Any]] = []
+        root = str(tmp_path / "durable")
+        os.makedirs(root)
+        s = _sealer(open_store("file://" + root), "hard", ckpt, tmp_path, events)
+        sizes = {}
+        for n in (2, 3, 4):
+            d = os.path.join(ckpt, f"step_{n}")
+            _write(os.path.join(d, "model.bin"), os.urandom(1536 << 10))
+            if n == 3:
+                os.link(os.path.join(d, "model.bin"), os.path.join(d, "ema.bin"))
+            marker = _write(os.path.join(d, ".rgt-complete"), json.dumps({"step": n}).encode())
+            sizes[n] = os.path.getsize(marker)
+        best = os.path.join(small, "best")
+        os.makedirs(best)
+        os.link(os.path.join(ckpt, "step_2", "model.bin"), os.path.join(best, "model.bin"))
+        assert _bounded(s.seal_pending) == 3
+        _fill(small)
+        freed = s.free_room()
+        gone = {e["root"]: e["freed"] for e in events if e["kind"] == "freed_local"}
+        assert gone == {"step_2": sizes[2], "step_3": (1536 << 10) + sizes[3]}, events
+        assert freed == sum(gone.values()) and not is_low(small)
+        assert os.path.getsize(os.path.join(best, "model.bin")) == 1536 << 10

@@ -421,7 +421,7 @@ def restore(url: str, name: Optional[str], stall: float, dest: Optional[str]) ->
     made: List[str] = []
     doc = None
     try:
-        doc = restore_latest(store, run, target, event, made, stall)
+        doc = restore_latest(store, run, target, event, made, stall, "--stall")
     finally:
         if doc is None:
             for d in reversed(made):

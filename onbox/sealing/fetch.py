@@ -24,11 +24,12 @@ target is walked one directory at a time without following symlinks, onbox.commo
 While the files download, ``progress()`` says how far (`rgt-agent start` shows it): read from
 the staging files' allocated blocks, so it needs nothing of each store's download.
 
-A download that moves nothing for ``stall`` seconds (the job file's ``[store] stall``,
-RESTORE_STALL by default) ends as ``RestoreStalled``, a TransientStoreError (exit 14) naming the
-store and how long: a store that stops answering mid-body (a black-holed network, a stopped
-server, a hung mount) would otherwise hold the restore, and `start` waiting on it, for as long as
-its client's read timeout and retries allow, or for ever. Movement is read from the stage as a
+A download that moves nothing for ``stall`` seconds (the job file's ``[store] stall``, or
+`rgt-agent restore --stall`; RESTORE_STALL by default) ends as ``RestoreStalled``, a
+TransientStoreError (exit 14) naming the store, how long, and that setting: a store that stops
+answering mid-body (a black-holed network, a stopped server, a hung mount) would otherwise hold
+the restore, and `start` waiting on it, for as long as its client's read timeout and retries
+allow, or for ever. Movement is read from the stage as a
 whole (every byte or file written under it, whichever store writes it), so a slow store that
 still sends is never cut; the retries of each request go on inside the bound, and a stall is
 then a transient failure like any other, with nothing under a final name.
@@ -52,7 +53,14 @@ from onbox.common.faults import crash_point
 from onbox.common.safepath import lstat_beneath, replace_beneath, symlink_error
 from onbox.common.size import human
 from onbox.common.storeurl import RESTORE_STALL
-from onbox.sealing.stall import Daemons, RestoreStalled, Stall, stage_marks, took
+from onbox.sealing.stall import (
+    STALL_SETTING,
+    Daemons,
+    RestoreStalled,
+    Stall,
+    stage_marks,
+    took,
+)
 from onbox.sealing.stores.base import (
     Lanes,
     Store,
@@ -104,14 +112,15 @@ class StoreCorrupt(IntegrityError):
     """A sealed checkpoint is unusable in the store (quarantined), not on this box."""
 
 
-def _stalled(store: Store, bound: float) -> RestoreStalled:
-    """The error of a restore from ``store`` that moved nothing for ``bound`` seconds."""
+def _stalled(store: Store, bound: float, longer: str) -> RestoreStalled:
+    """The error of a restore from ``store`` that moved nothing for ``bound`` seconds (the
+    setting ``longer`` gives)."""
     done, total = progress() or (0, 0)
     return RestoreStalled(
         f"{store.url} sent nothing of the checkpoint for {took(bound)} ({human(done)} of "
         f"{human(total)} downloaded): it stopped answering mid-download; nothing was put in place",
         "check the store and the way to it (the network, a stopped server, a hung mount), then "
-        "start again; a store that slow can be given longer: [store] stall in the job file",
+        f"start again; a store that slow can be given longer: {longer}",
     )
 
 
@@ -333,7 +342,12 @@ def _next_ended(
 
 
 def _fetch_all(
-    store: Store, files: List[Dict[str, Any]], stage: str, dest_dir: str, stall: float
+    store: Store,
+    files: List[Dict[str, Any]],
+    stage: str,
+    dest_dir: str,
+    stall: float,
+    longer: str,
 ) -> None:
     """Every file into ``stage`` (as ``stage/<index>``), FILES at a time; the first failure
     raised once every worker is over; RestoreStalled when nothing moved for ``stall`` s."""
@@ -350,7 +364,7 @@ def _fetch_all(
         in_parallel(
             [job(i, f) for i, f in enumerate(files)],
             lambda: crash_point("restore.after_object"),
-            Stall(stall, lambda: stage_marks(stage), lambda: _stalled(store, stall)),
+            Stall(stall, lambda: stage_marks(stage), lambda: _stalled(store, stall, longer)),
         )
     finally:
         _downloading = None
@@ -362,11 +376,13 @@ def fetch(
     dest_dir: str,
     made: Optional[List[str]] = None,
     stall: float = RESTORE_STALL,
+    longer: str = STALL_SETTING,
 ) -> None:
     """Every file of ``doc`` into ``dest_dir``: staged, verified, then renamed into place. The
     directories it makes are appended to ``made`` (for a caller that undoes a failed restore).
     StoreCorrupt for a file the store holds damaged; UnsafePath or HostError for the target;
-    RestoreStalled when the download moved nothing for ``stall`` seconds."""
+    RestoreStalled when the download moved nothing for ``stall`` seconds, saying that
+    ``longer`` (the setting that gave the bound) gives it longer."""
     for f in doc["files"]:
         if f["path"].startswith(STAGE_PREFIX):  # would land in the staging dir, then vanish
             raise StoreCorrupt(f"the MANIFEST lists {f['path']!r}, a name of rgt's own staging")
@@ -383,7 +399,7 @@ def fetch(
             stage = tempfile.mkdtemp(prefix=STAGE_PREFIX, dir=dest_dir)
         except OSError as e:
             raise unwritable(dest_dir, e) from None
-        _fetch_into(store, doc, stage, dest_dir, made, stall)
+        _fetch_into(store, doc, stage, dest_dir, made, stall, longer)
     finally:
         if held is not None:
             os.close(held)
@@ -396,12 +412,13 @@ def _fetch_into(
     dest_dir: str,
     made: Optional[List[str]],
     stall: float,
+    longer: str,
 ) -> None:
     """fetch() once its stage is made: the files verified into ``stage``, then renamed into
     place; the stage removed whatever happens."""
     try:
         # A flat name per file: nothing the store supplies names anything under the stage.
-        _fetch_all(store, doc["files"], stage, dest_dir, stall)
+        _fetch_all(store, doc["files"], stage, dest_dir, stall, longer)
         dirs = set()
         for i, f in enumerate(doc["files"]):
             try:

@@ -47,6 +47,7 @@ from onbox.sealing import manifest as mf
 from onbox.sealing.fetch import StoreCorrupt, check_target, failure, fetch
 from onbox.sealing.fetch import retried as _retried
 from onbox.sealing.quarantine import flag_quarantined, quarantine_reasons
+from onbox.sealing.stall import STALL_SETTING
 from onbox.sealing.stores.base import Store, StoreError
 
 
@@ -204,6 +205,7 @@ def restore_latest(
     event: Callable[..., None],
     made: Optional[List[str]] = None,
     stall: float = RESTORE_STALL,
+    longer: str = STALL_SETTING,
 ) -> Optional[Dict[str, Any]]:
     """Make sure the newest verified sealed checkpoint is in ``ckpt_dir``; return its MANIFEST
     (with ``"local"``: abs path of its root, and ``"skipped"``: the newer steps found unusable,
@@ -214,8 +216,9 @@ def restore_latest(
     store that does not answer raises its StoreError (nothing quarantined); a target that is
     refused raises UnsafePath or HostError; a download that moves nothing for ``stall``
     seconds raises RestoreStalled (a TransientStoreError: nothing quarantined, nothing put in
-    place). Directories it makes are appended to ``made``; nothing is made before a checkpoint
-    to download is found."""
+    place), saying that ``longer`` (the setting that gave the bound) gives it longer.
+    Directories it makes are appended to ``made``; nothing is made before a checkpoint to
+    download is found."""
     # LATEST and the quarantine records are read side by side: every round trip to a remote
     # store is paid before the first byte of the checkpoint comes.
     with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rgt-restore-q") as pool:
@@ -234,7 +237,7 @@ def restore_latest(
             else:
                 t0 = time.monotonic()
                 # An UnsafePath or HostError about the target is raised: not the store's fault.
-                fetch(store, doc, ckpt_dir, made, stall)
+                fetch(store, doc, ckpt_dir, made, stall, longer)
                 how = f"downloaded and verified in {time.monotonic() - t0:.1f}s"
         except StoreCorrupt as e:
             _quarantine(store, run, step, e, event)

@@ -19,6 +19,12 @@ from onbox.common.errors import TransientStoreError
 T = TypeVar("T")
 
 
+# How a user gives a store longer, as an error says it: the job file's setting, which a run's
+# agent and the laptop go by; a command with a bound of its own (`rgt-agent restore --stall`)
+# says its option instead.
+STALL_SETTING = "[store] stall in the job file"
+
+
 class RestoreStalled(TransientStoreError):
     """A download (a restore's, a pull's) moved nothing for its bound (``Stall``)."""
 

@@ -38,6 +38,7 @@ from onbox.sealing import manifest as mf
 from onbox.sealing.fetch import STAGE_PREFIX
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
+from onbox.sealing.stores.filecopy import SMALL_FILE
 from tests import seaweed
 from tests.conftest import Cli, agent_exe, require
 from tests.laptop import rgt_exe
@@ -115,11 +116,11 @@ def test_start_on_a_stopped_s3_store_fails_within_its_stall_bound(cli: Cli, tmp_
     assert not os.path.exists(os.path.join(cli.home, "runs", RUN)), os.listdir(cli.home)
 
 
-def _file_store(tmp_path: Any) -> Tuple[str, Store]:
+def _file_store(tmp_path: Any, size: int = 1 << 16) -> Tuple[str, Store]:
     root = str(tmp_path / "durable")
     os.makedirs(root)
     store = open_store("file://" + root)
-    _seal(store, tmp_path, 1 << 16)
+    _seal(store, tmp_path, size)
     return root, store
 
 
@@ -224,3 +225,22 @@ def test_rgt_status_of_a_run_whose_s3_store_stopped_ends_after_its_stall(
     assert rc == 14, (out, err)
     assert f"{store.url} did not answer for 3s (reading {RUN}/state/state.json)" in err, err
     assert "stopped answering" in err and "[store] stall" in err, err
+
+
+def test_a_restore_whose_download_stalls_names_the_stall_option_that_bounded_it(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """`rgt-agent restore --stall 2s` whose download moves nothing (the ``file://`` store's copy
+    held after its first piece, as on a mount that hangs mid-file) ends after 2 s, and its error
+    tells the option that gave that bound, as the store's own calls' error does. Before the fix
+    it said to give the store longer with ``[store] stall in the job file``, which the command
+    does not read."""
+    _root, store = _file_store(tmp_path, SMALL_FILE + (1 << 20))  # copied in pieces
+    env = dict(cli.env, RGT_HOLD_AT="copy.after_piece")
+    to = str(tmp_path / "restored")
+    argv = [*agent_exe(), "restore", "--store", store.url, "--name", RUN, "--stall", "2s"]
+    rc, out, err = _bounded([*argv, "--to", to], env, cli.home)
+    assert rc == 14, (out, err)
+    assert f"{store.url} sent nothing of the checkpoint for 2s" in err, err
+    assert "can be given longer: --stall" in err and "[store] stall" not in err, err
+    assert not os.path.exists(to)

@@ -32,13 +32,12 @@ import time
 from typing import Any, Callable, Iterator, List, Optional, TypeVar, cast
 
 from onbox.common.errors import TransientStoreError
-from onbox.sealing.stall import took
+from onbox.sealing.stall import STALL_SETTING, took
 
 F = TypeVar("F", bound=Callable[..., Any])
 # How often the waiting thread wakes to run the handlers of signals a worker took for it (as
 # onbox/sealing/fetch.py SIGNAL_POLL).
 SIGNAL_POLL = 0.2
-STALL_SETTING = "[store] stall in the job file"
 
 
 class StoreHung(TransientStoreError):

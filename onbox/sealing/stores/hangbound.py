@@ -2,7 +2,8 @@
 store a read of its LATEST, a listing, the epoch's put, on a mount whose server stopped answering
 (NFS, a FUSE daemon), for ever; on an S3 store whose server or network stopped answering, for
 botocore's 4 tries of its 60 s read timeout (241 s measured on a SIGSTOPped SeaweedFS), and for
-five times that under base.with_retries. The downloads have their own bound
+five times that under base.with_retries; on an ``hf://`` store whose Hub stopped answering, for
+ever (huggingface_hub gives its API requests no timeout). The downloads have their own bound
 (onbox/sealing/stall.py); this is for the calls before them, which `rgt-agent start` makes in its
 main thread (the store's check before the run is claimed, onbox/agent/claim.py; the beginning's
 epoch, stale uploads, ledger, history and restore's reads, onbox/agent/sealservice.py), and for

@@ -71,6 +71,7 @@ from onbox.sealing.stores.base import (
     check_key,
     os_error,
 )
+from onbox.sealing.stores.hangbound import HangBound, answers
 from onbox.sealing.stores.hfdownload import download, download_to, size_at_head, sizes_at
 from onbox.sealing.stores.hfhub import git_blob_id, http_status, mismatch, store_error
 from onbox.sealing.stores.hfpreflight import preflight as run_preflight
@@ -93,8 +94,13 @@ def _info(key: str, f: RepoFile) -> ObjectInfo:
     return ObjectInfo(key, f.size, sha256, f.blob_id)
 
 
-class HFStore(Store):
-    """A store in a model repo of the Hugging Face Hub (or a mirror of it)."""
+class HFStore(HangBound, Store):
+    """A store in a model repo of the Hugging Face Hub (or a mirror of it); its calls before a
+    download may be bounded (hangbound.py): huggingface_hub gives its API requests no timeout,
+    so a Hub that stopped answering held them for ever."""
+
+    hangs = "the Hub (or the mirror HF_ENDPOINT names), or the network to it, stopped answering"
+    to_check = "check the Hub (status.huggingface.co, or the mirror's server) and the network to it"
 
     def __init__(
         self,
@@ -281,6 +287,7 @@ class HFStore(Store):
             key, repo_path, revision, size=size, sha256=sha256, blob_id=blob_id, local=path
         )
 
+    @answers("writing {}")
     def put_bytes(
         self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
     ) -> ObjectInfo:
@@ -318,6 +325,7 @@ class HFStore(Store):
             f"{IF_ABSENT_ATTEMPTS} attempts"
         )
 
+    @answers("reading {}")
     def get_bytes(self, key: str) -> Optional[bytes]:
         path = self._path(key)
         tmp = tempfile.mkdtemp(prefix="rgt-hf-")
@@ -330,6 +338,7 @@ class HFStore(Store):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    @answers("reading {}")
     def get_versioned(self, key: str) -> Optional[Tuple[bytes, str]]:
         path = self._path(key)
         head = self._head()  # the bytes and the blob id of one commit, read together
@@ -346,6 +355,7 @@ class HFStore(Store):
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
+    @answers("asking the sizes of the files to download")
     def plan_fetch(self, sizes: Mapping[str, int]) -> None:
         """The Hub's size of every key in ``sizes`` at the head commit, from paths-info
         (hfdownload.sizes_at): a few requests for a checkpoint of 1,000 files, not a HEAD per
@@ -412,10 +422,12 @@ class HFStore(Store):
             self.token,
         )
 
+    @answers("looking at {}")
     def stat(self, key: str) -> Optional[ObjectInfo]:
         f = self._file(self._path(key))
         return None if f is None else _info(key, f)
 
+    @answers("listing {}", whole=True)
     def list(self, prefix: str) -> Iterator[ObjectInfo]:
         parts = [p for p in prefix.split("/") if p][:-1] if prefix else []
         folder = "/".join(([self.prefix] if self.prefix else []) + parts)
@@ -440,6 +452,7 @@ class HFStore(Store):
         except Exception as e:
             raise self._error(e, f"listing {prefix!r}") from None
 
+    @answers("deleting {}")
     def delete(self, key: str) -> None:
         path = self._path(key)
         try:
@@ -452,5 +465,6 @@ class HFStore(Store):
         except Exception as e:
             raise self._error(e, f"deleting {key}") from None
 
+    @answers("its preflight for {}")
     def preflight(self, run: str) -> List[Finding]:
         return run_preflight(self, run)

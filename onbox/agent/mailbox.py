@@ -11,6 +11,7 @@ them ended from here (onbox/agent/leftovers.py ``end_found_leftovers``)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import signal
@@ -222,22 +223,38 @@ def _seal_here(rd: RunDir, spec: JobSpec) -> Store:
 
 def sync_run(rd: RunDir, spec: JobSpec, wait: float) -> Store:
     """Seal the run's complete checkpoints now: its agent is asked and waited for (``wait``
-    seconds at most), or, with none, they are sealed from here. The run's store."""
+    seconds at most), or, with none, they are sealed from here. The run's store.
+
+    An agent that dies while it is asked or waited on (the OOM killer, a kill, a preemption of
+    the agent alone) lets go of the run's lock: then the seal is made from here, at once,
+    rather than the wait running out (or "does not answer" the moment the lock came free)."""
     from onbox.sealing.stores import open_box_store
 
     assert spec.store is not None
-    if not is_held(rd.lock):
-        return _seal_here(rd, spec)
-    write_json(rd.sync_request, {"at": time.time()})
     deadline = time.monotonic() + wait
-    while not signal_agent(rd):  # an agent still starting is woken once it can read it
-        if time.monotonic() > deadline or not is_held(rd.lock):
-            raise StopFailed(f"the agent of {rd.name!r} does not answer", f"see {rd.agent_log}")
-        time.sleep(0.1)
-    while os.path.exists(rd.sync_request):
+    asked = woken = False
+    while True:
+        if not is_held(rd.lock):
+            try:
+                store = _seal_here(rd, spec)
+            except LockedError:
+                pass  # an agent came up meanwhile (the shim's respawn): ask that one
+            else:
+                if asked:  # no agent is to answer it now; a later one need not seal again
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(rd.sync_request)
+                return store
+        elif not asked:
+            write_json(rd.sync_request, {"at": time.time()})
+            asked = True
+        if asked and not woken:
+            woken = signal_agent(rd)  # an agent still starting is woken once it can read it
+        elif woken and not os.path.exists(rd.sync_request):
+            return open_box_store(spec.store, spec.name)
         if time.monotonic() > deadline:
+            if not woken:
+                raise StopFailed(f"the agent of {rd.name!r} does not answer", f"see {rd.agent_log}")
             raise StopFailed(
                 f"the seal of {rd.name!r} did not finish in {wait:.0f}s", f"see {rd.agent_log}"
             )
         time.sleep(0.1)
-    return open_box_store(spec.store, spec.name)

@@ -100,6 +100,11 @@ def test_a_preemption_seals_the_pending_checkpoint_only_if_it_fits_in_the_grace(
         st = cli.wait_state(RUN, "RUNNING", "STARTING")
         cli.wait_output(RUN, "ready")
         _wait(lambda: _latest_step(root) == 0, what="the first checkpoint sealed as step 0")
+        # The first checkpoint's write woke the sealing thread several times (created, closed,
+        # moved); a wake delivered late, on a loaded machine, ran a pass after the growth below
+        # and sealed the big checkpoint itself, before the SIGTERM. A sync is one more pass,
+        # answered once it is done: the wakes before it are spent by then.
+        cli("sync", RUN, check=True)
         # The job's second checkpoint: its in-place file grown to ``size`` (sparse: no bytes
         # written here). A truncate is a modification inotify does not wake the sealer for,
         # so the checkpoint is pending, unsealed, when the SIGTERM comes: the final seal's.

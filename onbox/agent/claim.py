@@ -228,8 +228,9 @@ def drop_secrets_of_no_run(name: Optional[str]) -> None:
     (`rgt down` removes them with it)."""
     if name is None or not is_name(name):
         return
-    rd = RunDir(name)
-    if os.path.lexists(rd.path):
-        return
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(rd.secrets_file)
+    # A clean-up on the way out of a refusal: it must never put its own error in place of the
+    # refusal's (RGT_HOME a file, an unreadable secrets dir: the refusal says what is wrong).
+    with contextlib.suppress(OSError):
+        rd = RunDir(name)
+        if not os.path.lexists(rd.path):
+            os.unlink(rd.secrets_file)

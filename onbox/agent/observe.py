@@ -27,6 +27,7 @@ _PRIVATE = (
     "attempt_started_ts",
     "backoff_until_ts",
     "oom_before",
+    "kmsg_before",
     "exit_seen",
     "quick_failures",
     "last_cuda_oom_step",

@@ -95,6 +95,7 @@ class PodRunner(ShimRunner):
         self.container_gone: Callable[[str], None] = lambda why: None
         self.launcher: Optional[procfs.Identity] = None
         self._box: Optional[Tuple[Cgroup, Optional[int]]] = None  # its cgroup, OOM count then
+        self._kmsg_mark: Optional[int] = None  # the kernel log's end when the launcher was seen
         self._ended: Optional[ExitStatus] = None  # an end found at spawn, for poll_exit
         os.makedirs(os.path.join(rd.path, POD), exist_ok=True)
         write_json(pod_file(rd.path, AGENT), identity_doc())  # the launcher passes stops here
@@ -102,10 +103,12 @@ class PodRunner(ShimRunner):
     # ---- the launcher
     def _note_launcher(self) -> Optional[procfs.Identity]:
         """The live launcher; the first time it is seen, its container's memory cgroup and
-        OOM-kill count (where this container can read them), the evidence of an OOM later."""
+        OOM-kill count (where this container can read them) and the kernel log's mark, the
+        evidence of an OOM later."""
         ident = recorded(pod_file(self.rd.path, LAUNCHER))
         if ident is not None and ident != self.launcher:
             self.launcher = ident
+            self._kmsg_mark = cgroup.kernel_log_mark()
             theirs, ours = cgroup_chain(ident.pid), cgroup_chain(None)
             if theirs and (not ours or theirs[0].path != ours[0].path):
                 self._box = (theirs[0], theirs[0].oom_kills())
@@ -190,7 +193,7 @@ class PodRunner(ShimRunner):
             after = box.oom_kills()
             if after is not None and before is not None and after > before:
                 evidence.append(f"its cgroup {box.path} counted {after - before} OOM kill(s)")
-        if pids and cgroup.kernel_says_oom_killed(pids):
+        if pids and cgroup.kernel_says_oom_killed(pids, self._kmsg_mark):
             evidence.append("the kernel log names one of its processes")
         how = f"OOM-killed ({'; '.join(evidence)})" if evidence else "killed"
         what = (

@@ -387,8 +387,11 @@ class ShimRunner:
     def oom_kills(self) -> Optional[int]:
         return cgroup.oom_kill_count()
 
-    def kernel_oom_killed(self, pid: int) -> bool:
-        return cgroup.kernel_says_oom_killed([pid])
+    def kernel_log_mark(self) -> Optional[int]:
+        return cgroup.kernel_log_mark()
+
+    def kernel_oom_killed(self, pid: int, after: Optional[int]) -> bool:
+        return cgroup.kernel_says_oom_killed([pid], after)
 
     def workdir_root(self) -> Optional[str]:
         """Where the job's workdir is seen from here, as a prefix: "" (on a box, this very

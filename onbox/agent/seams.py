@@ -66,8 +66,12 @@ class Runner(Protocol):
     def inodes_exhausted(self) -> bool:
         """Whether the job's filesystems ran out of inodes."""
 
-    def kernel_oom_killed(self, pid: int) -> bool:
-        """Whether the kernel log says the OOM killer took ``pid``."""
+    def kernel_log_mark(self) -> Optional[int]:
+        """Where the kernel log ends now (None where it cannot be read): an attempt's start."""
+
+    def kernel_oom_killed(self, pid: int, after: Optional[int]) -> bool:
+        """Whether the kernel log says, after the mark ``after``, that the OOM killer took
+        ``pid``."""
 
 
 class Hooks:

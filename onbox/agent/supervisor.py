@@ -73,6 +73,7 @@ class Supervisor:
         self.started_at: float = d.get("started_ts", clock.time())
         self.updated_at: float = d.get("updated_ts", clock.time())
         self.oom_before: Optional[int] = d.get("oom_before")
+        self.kmsg_before: Optional[int] = d.get("kmsg_before")
         self.exit_seen: bool = d.get("exit_seen", True)
         self.stop: Optional[Dict[str, Any]] = d.get("stop")
         # Deadlines are monotonic in memory and wall-clock on disk (a restarted agent converts).
@@ -145,6 +146,7 @@ class Supervisor:
             if self.state == State.BACKOFF
             else None,
             "oom_before": self.oom_before,
+            "kmsg_before": self.kmsg_before,
             "exit_seen": self.exit_seen,
             "stop": self.stop,
             "kill": self.kill.doc,
@@ -208,6 +210,7 @@ class Supervisor:
         self.attempt += 1
         self._attempt_started = self.clock.monotonic()
         self.oom_before = self.runner.oom_kills()
+        self.kmsg_before = self.runner.kernel_log_mark()
         self.exit_seen = False
         self.pid = None
         self.leftovers.kill_at = None
@@ -235,7 +238,8 @@ class Supervisor:
         oom_after = self.runner.oom_kills()
         oom = oom_after is not None and self.oom_before is not None and oom_after > self.oom_before
         if not oom and job_pid and (status.signal == signal.SIGKILL or status.code == 137):
-            oom = self.runner.kernel_oom_killed(job_pid)  # the kernel's word, where readable
+            # the kernel's word, where readable, from this attempt's records only (pids are reused)
+            oom = self.runner.kernel_oom_killed(job_pid, self.kmsg_before)
         verdict = classify(
             status,
             tail,

@@ -49,7 +49,9 @@ class FakeRunner:
         self.output = ""
         self.ooms: Optional[int] = 0
         self.no_inodes = False
-        self.kernel_oom_pids: List[int] = []
+        # The kernel log's OOM records, oldest first, as the pids they name; a record's sequence
+        # number is its place in the list, counted from 1 (None: the log cannot be read).
+        self.kernel_log: Optional[List[int]] = []
 
     def spawn(self, attempt: int) -> int:
         self.spawned.append(attempt)
@@ -71,8 +73,13 @@ class FakeRunner:
     def inodes_exhausted(self) -> bool:
         return self.no_inodes
 
-    def kernel_oom_killed(self, pid: int) -> bool:
-        return pid in self.kernel_oom_pids
+    def kernel_log_mark(self) -> Optional[int]:
+        return None if self.kernel_log is None else len(self.kernel_log)
+
+    def kernel_oom_killed(self, pid: int, after: Optional[int]) -> bool:
+        if self.kernel_log is None or after is None:
+            return False
+        return pid in self.kernel_log[after:]
 
 
 # Every Rig made while this is a list joins it: how the edge test below sees what each
@@ -190,8 +197,37 @@ def test_fake_clock_the_kernels_word_on_an_oom_kill_counts_too() -> None:
     rig = Rig(start_grace=1.0)
     rig.sup.begin()
     rig.run_for(2.0)
-    rig.runner.kernel_oom_pids = [4001]  # no cgroup counter, but the kernel log names the job
+    assert rig.runner.kernel_log is not None
+    rig.runner.kernel_log.append(4001)  # no cgroup counter, but the kernel log names the job
     rig.runner.ooms = None
+    rig.exit(sig=signal.SIGKILL)
+    assert rig.sup.last_exit is not None and rig.sup.last_exit["kind"] == "oom_killed"
+
+
+def test_fake_clock_an_oom_record_from_before_the_attempt_never_names_its_job() -> None:
+    """pid_max is often 32768, so a long-lived box reuses pids: the kernel log still holds the
+    OOM kill of an earlier process that had the job's pid. A SIGKILL from outside is then not an
+    OOM kill: it spends the preemption budget, not the error budget."""
+    rig = Rig(start_grace=1.0)
+    rig.runner.ooms = None  # no cgroup counter: only the kernel log can say
+    rig.runner.kernel_log = [4001, 17]  # 4001 was OOM-killed long before this run began
+    rig.sup.begin()
+    rig.run_for(2.0)
+    rig.exit(sig=signal.SIGKILL)
+    assert rig.sup.last_exit is not None and rig.sup.last_exit["kind"] != "oom_killed"
+    assert (rig.sup.error_restarts, rig.sup.preempt_restarts) == (0, 1)
+
+
+def test_fake_clock_the_kernel_log_mark_outlives_an_agent_restart() -> None:
+    """An agent that restarts during an attempt reads the kernel log from the attempt's mark,
+    kept in state.json, not from its own start (an OOM kill in between would be missed)."""
+    rig = Rig(start_grace=1.0)
+    rig.runner.ooms = None
+    rig.sup.begin()
+    rig.run_for(2.0)
+    assert rig.runner.kernel_log is not None
+    rig.runner.kernel_log.append(4001)  # the OOM killer takes the job while no agent runs
+    rig.sup = Supervisor(rig.sup.spec, rig.runner, rig.clock, rig.journal, doc=rig.sup.to_doc())
     rig.exit(sig=signal.SIGKILL)
     assert rig.sup.last_exit is not None and rig.sup.last_exit["kind"] == "oom_killed"
 

@@ -4,11 +4,13 @@ The sealer never follows a link at the top of the checkpoint dir (onbox/sealing/
 a link to a regular file *inside* a checkpoint directory is sealed as that file), so what such a
 link names is in the store only when it lies in the checkpoint dir itself, sealed there under
 its own name (Lightning's ``save_last="link"`` ``last.ckpt``, a user's ``step_N`` link to a
-checkpoint beside it). Resume (onbox/train/ckptdir.py ``newest_verified``, the adapters'
-resume helpers), rotation (``ckptdir.prune``), the sealer and the completion seal all judge a
-link by ``within``: a link inside the dir stands for its target, one out of it for nothing rgt
-keeps. What deletes checkpoints (rotation, the sealer's room on a low disk: onbox/sealing/room.py)
-never deletes one that a link it leaves (``inbound``) leads to: the link would dangle.
+checkpoint beside it); the link itself is recorded with the checkpoint it leads to, and a
+restore makes it again (onbox/sealing/dirlinks.py). Resume (onbox/train/ckptdir.py
+``newest_verified``, the adapters' resume helpers), rotation (``ckptdir.prune``), the sealer
+and the completion seal all judge a link by ``within``: a link inside the dir stands for its
+target, one out of it for nothing rgt keeps. What deletes checkpoints (rotation, the sealer's
+room on a low disk: onbox/sealing/room.py) never deletes one that a link it leaves
+(``inbound``) leads to: the link would dangle.
 
 Standard library only.
 """

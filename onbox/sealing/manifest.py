@@ -13,7 +13,12 @@ Layout under a run's prefix in the store (shared/DESIGN.md)::
                                         dir, the declared outputs, the job's logs
     DONE.json                           the completion receipt (it lists those three)
 
-A checkpoint without a MANIFEST does not exist. Each file entry of a MANIFEST names the object
+A checkpoint without a MANIFEST does not exist. A MANIFEST's ``links`` (absent from those written
+before it, and where there is none) are the symlinks of the checkpoint dir itself that led to the
+checkpoint when it was sealed (Lightning's ``last.ckpt``, a user's ``latest``), each {name: one
+name in the dir, target: the path it led to, relative to the dir, the checkpoint's root or a path
+under it}: a restore makes them again (onbox/sealing/dirlinks.py); a link is never an object of
+its own. Each file entry of a MANIFEST names the object
 that holds its bytes (``key``): the files of a checkpoint sealed by epoch E live under
 ``checkpoints/<step>/e<E>/`` (so two agents of one run never write the same object), and an
 entry may name an object an earlier checkpoint of the same epoch holds (same sha256). MANIFESTs
@@ -186,7 +191,8 @@ def new_manifest(
     run: str, step: int, epoch: int, root: str, kind: str, files: List[Dict[str, Any]]
 ) -> Dict[str, Any]:
     """A MANIFEST: ``root`` is the checkpoint's path relative to RGT_CKPT_DIR (a file or a
-    directory), ``files`` are {path (relative to RGT_CKPT_DIR), size, sha256, key}."""
+    directory), ``files`` are {path (relative to RGT_CKPT_DIR), size, sha256, key}. The
+    sealer adds ``links`` (the module docstring) when the dir has any to it."""
     return {
         "schema": SCHEMA,
         "run": run,
@@ -229,7 +235,38 @@ def parse_manifest(data: bytes, what: str = "MANIFEST") -> Dict[str, Any]:
         )
     if "epoch" in doc and (not isinstance(doc["epoch"], int) or doc["epoch"] < 0):
         raise IntegrityError(f"{what}: epoch {doc['epoch']!r} is not an epoch")
+    links = doc.get("links", [])
+    if not isinstance(links, list):
+        raise IntegrityError(f"{what}: links is not a list")
+    for link in links:
+        check_link(link, doc, what)
     return doc
+
+
+def check_link(link: object, doc: Dict[str, Any], what: str = "MANIFEST") -> Dict[str, str]:
+    """``link`` when it is a link the sealer could have recorded in ``doc`` (a checked
+    MANIFEST, its ``links`` aside): a plain name in the checkpoint dir (no '/', not rgt's own
+    ``.rgt-`` names, not the checkpoint's nor a top-level name of its files) and a plain
+    relative ``target`` that is the checkpoint's root or a path under it. Anything else would
+    lead out of the dir, or over a file, once made: UnsafePath (a store is untrusted)."""
+    if not isinstance(link, dict):
+        raise IntegrityError(f"{what}: a link entry is not an object")
+    name = safe_rel(link.get("name"), f"{what}: the link name")
+    if "/" in name or name.startswith(".rgt-"):
+        raise UnsafePath(
+            f"{what}: the link name {name!r} is refused: not a name in the checkpoint dir", name
+        )
+    target = safe_rel(link.get("target"), f"{what}: the target of link {name!r}")
+    root = doc["root"]
+    if target != root and not target.startswith(root + "/"):
+        raise UnsafePath(
+            f"{what}: the link {name!r} leads to {target!r}, which is not this checkpoint "
+            f"({root!r}): a link is recorded only with the checkpoint it leads to",
+            target,
+        )
+    if name == root.split("/")[0] or any(f["path"].split("/")[0] == name for f in doc["files"]):
+        raise UnsafePath(f"{what}: the link {name!r} would take the place of a sealed file", name)
+    return link
 
 
 def manifest_epoch(doc: Dict[str, Any]) -> int:

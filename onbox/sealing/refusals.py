@@ -101,7 +101,8 @@ class Refusals:
         """Say once of each symlink in the checkpoint dir (discovery.listing's, or any the
         completion seal meets) that it is not sealed, again only when where it leads changes
         side: one that leads to a path in the dir (Lightning's ``last.ckpt``) loses nothing,
-        its target being sealed under its own name (info, ``ckpt_link``); one out of it leads
+        its target being sealed under its own name and the link recorded with it
+        (onbox/sealing/dirlinks.py; info, ``ckpt_link``); one out of it leads
         to bytes never sealed (``left_out``, usage)."""
         for name in names:
             path = os.path.join(ckpt_dir, name)
@@ -113,12 +114,11 @@ class Refusals:
                 target = os.path.relpath(real, os.path.realpath(ckpt_dir))
                 self.event(
                     "ckpt_link",
-                    f"{name!r} in the checkpoint dir is a symlink to {target!r} in it: the "
-                    "link is not sealed, what it leads to is (under its own name, as any "
-                    "checkpoint or file there); a restore or a pull does not make the link "
-                    "again",
-                    remedy="nothing; resume from the target (rgt's resume helpers do), not "
-                    "through the link (Lightning: resume_path(), not ckpt_path='last')",
+                    f"{name!r} in the checkpoint dir is a symlink to {target!r} in it: "
+                    "what it leads to is sealed (under its own name, as any checkpoint or "
+                    "file there), and the link is recorded with the checkpoint it leads to; a "
+                    "restore of that checkpoint makes the link again",
+                    remedy="nothing",
                     path=name,
                     target=target,
                 )

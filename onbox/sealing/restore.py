@@ -3,7 +3,9 @@
 LATEST names a MANIFEST; its files are put in place by onbox.sealing.fetch (downloaded in
 parallel into a staging directory under the target, each hashed while written and verified;
 only when all of them match are they renamed into place, at the same relative path under
-RGT_CKPT_DIR they were sealed from, so the script's own resume logic finds them).
+RGT_CKPT_DIR they were sealed from, so the script's own resume logic finds them). Then the
+symlinks of the dir that led to it when it was sealed (Lightning's ``last.ckpt``: the MANIFEST's
+``links``) are made again where their name is free (onbox/sealing/dirlinks.py).
 
 Any unusable checkpoint is quarantined (kept as it is, flagged in ``quarantine/<step>.json`` with
 the reason, reported) and the previous verified one is tried: a MANIFEST missing, unreadable or
@@ -43,6 +45,7 @@ from onbox.common.safepath import (
     safe_join,
 )
 from onbox.common.storeurl import RESTORE_STALL
+from onbox.sealing import dirlinks
 from onbox.sealing import manifest as mf
 from onbox.sealing.fetch import StoreCorrupt, check_target, failure, fetch
 from onbox.sealing.fetch import retried as _retried
@@ -243,6 +246,10 @@ def restore_latest(
             _quarantine(store, run, step, e, event)
             tried.append((step, e.what))
             continue
+        # Only now, its files verified in place: the dir's links to it (Lightning's last.ckpt).
+        links = dirlinks.said(*dirlinks.make(doc, ckpt_dir))
+        if links:
+            how += f"; {links}"
         doc["local"] = os.path.join(ckpt_dir, *doc["root"].split("/"))
         if tried:
             how += "; newer, unusable: " + ", ".join(f"step {s}" for s, _ in tried)

@@ -46,6 +46,7 @@ from onbox.common.faults import crash_point
 from onbox.common.rundir import RunDir
 from onbox.common.wholefile import looks_whole
 from onbox.sealing import manifest as mf
+from onbox.sealing.dirlinks import leading_to
 from onbox.sealing.discovery import (
     Candidate,
     in_place,
@@ -285,6 +286,11 @@ class Sealer:
                 return None
             crash_point("seal.before_manifest")
             doc = mf.new_manifest(self.run, step, self.epoch, cand.root, cand.kind, entries)
+            # The dir's links to it (Lightning's last.ckpt) as they are now, after its files:
+            # the job links a checkpoint once it is written (onbox/sealing/dirlinks.py).
+            found = leading_to(self.ckpt_dir, doc)
+            if found:  # none: the MANIFEST as before links were recorded
+                doc["links"] = found
             if not self.ledger.put_manifest(step, doc):
                 return None  # stale: the objects stay where no MANIFEST names them
             crash_point("seal.after_manifest")

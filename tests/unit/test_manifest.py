@@ -63,3 +63,32 @@ def test_json_nested_past_the_parsers_depth_is_an_integrity_error(parse: Any) ->
 )
 def test_only_a_key_rgt_writes_for_a_manifest_names_a_step(key: str, step: Any) -> None:
     assert mf.manifest_step(RUN, key) == step
+
+
+def test_a_manifest_from_before_links_parses_and_one_with_a_link_in_it_too() -> None:
+    old = _doc(["ck/a"])
+    assert "links" not in old  # none recorded: the document is as before
+    assert "links" not in mf.parse_manifest(mf.dump(old))
+    doc = dict(old, links=[{"name": "latest", "target": "ck"}, {"name": "w", "target": "ck/a"}])
+    assert mf.parse_manifest(mf.dump(doc))["links"] == doc["links"]
+
+
+@pytest.mark.parametrize(
+    "links",
+    [
+        {"name": "latest", "target": "ck"},
+        [{"name": "latest", "target": "/etc"}],
+        [{"name": "latest", "target": "ck/../.."}],
+        [{"name": "latest", "target": "other"}],
+        [{"name": "latest", "target": "ckx"}],
+        [{"name": "a/b", "target": "ck"}],
+        [{"name": "..", "target": "ck"}],
+        [{"name": "ck", "target": "ck"}],
+        [{"name": ".rgt-restore-1", "target": "ck"}],
+        [{"name": "latest"}],
+        ["latest"],
+    ],
+)
+def test_a_link_that_would_lead_out_of_the_dir_or_over_a_file_is_refused(links: Any) -> None:
+    with pytest.raises(IntegrityError):
+        mf.parse_manifest(mf.dump(dict(_doc(["ck/a"]), links=links)))

@@ -1,0 +1,186 @@
+"""Symlinks in the checkpoint dir itself come back with a restore on a new box.
+
+Lightning's ``ModelCheckpoint(save_last="link")`` makes ``last.ckpt`` a symlink to the newest
+checkpoint, and ``trainer.fit(ckpt_path="last")`` looks for ``last*.ckpt`` in the checkpoint
+dir: restored without it, Lightning warns and trains from step 0 (weeks of GPU time redone).
+The seal records each link of the dir that leads to the checkpoint it seals (its MANIFEST's
+``links``), and the restore makes them again once the checkpoint's files are verified in place.
+A real Lightning run, a real seal to a ``file://`` store, a real restore into an empty directory
+(a new box), a real resume. A store is untrusted: a MANIFEST whose link leads out of the dir,
+or names a path instead of a name, is refused whole (quarantined) and nothing is made.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Dict, List
+
+import pytest
+
+from onbox.sealing import manifest as mf
+from onbox.sealing.epochs import take_epoch
+from onbox.sealing.restore import NoVerifiedCheckpoint, restore_latest
+from onbox.sealing.sealer import Sealer
+from onbox.sealing.stores import open_store
+from tests.conftest import require
+
+# A tiny model that checkpoints every 2 steps with save_last="link", and prints the step it
+# starts training from (0 unless it resumed).
+_SCRIPT = """
+import sys, torch, lightning as L
+from lightning.pytorch.callbacks import ModelCheckpoint
+ckpt, steps, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
+
+class M(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 1)
+    def training_step(self, batch, _):
+        return self.lin(batch[0]).pow(2).mean()
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+    def on_train_start(self):
+        print(f"training from step {self.trainer.global_step}", flush=True)
+
+torch.manual_seed(0)
+data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=1)
+cb = ModelCheckpoint(dirpath=ckpt, every_n_train_steps=2, save_top_k=-1, save_last="link")
+t = L.Trainer(max_steps=steps, callbacks=[cb], logger=False, enable_progress_bar=False,
+              enable_model_summary=False, accelerator="cpu", devices=1)
+t.fit(M(), data, ckpt_path="last" if resume else None)
+"""
+
+
+def _lightning(tmp_path: Any, ckpt: str, steps: int, resume: bool) -> str:
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    p = subprocess.run(  # bounded: run() kills it at the timeout
+        [sys.executable, str(script), ckpt, str(steps), "resume" if resume else "new"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=str(tmp_path),
+    )
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
+    return p.stdout
+
+
+def _seal_all(store: Any, run: str, ckpt: str, tmp_path: Any) -> List[Dict[str, Any]]:
+    events: List[Dict[str, Any]] = []
+    s = Sealer(
+        run,
+        ckpt,
+        store,
+        str(tmp_path / "stage"),
+        epoch=take_epoch(store, run),
+        event=lambda kind, reason, **kw: events.append(dict(kw, kind=kind, reason=reason)),
+        state_path=str(tmp_path / "seq.json"),
+    )
+    s.load()
+    while s.seal_pending():
+        pass
+    return events
+
+
+def _store(tmp_path: Any) -> Any:
+    root = tmp_path / "durable"
+    root.mkdir()
+    return open_store(f"file://{root}")
+
+
+def test_lightning_last_link_comes_back_and_resume_last_goes_on_from_it(tmp_path: Any) -> None:
+    missing = [m for m in ("torch", "lightning") if importlib.util.find_spec(m) is None]
+    require(not missing, f"{', '.join(missing)} (pip install -e '.[train,frameworks]')")
+    store = _store(tmp_path)
+    ckpt = str(tmp_path / "old-box" / "ckpt")
+    _lightning(tmp_path, ckpt, 4, resume=False)
+    assert os.readlink(os.path.join(ckpt, "last.ckpt")) == "epoch=0-step=4.ckpt"
+    _seal_all(store, "lit", ckpt, tmp_path)
+
+    new = str(tmp_path / "new-box" / "ckpt")  # the box preempted: an empty one
+    said: List[str] = []
+    doc = restore_latest(store, "lit", new, lambda kind, reason, **kw: said.append(reason))
+    assert doc is not None and doc["step"] == 4, said
+    assert sorted(os.listdir(new)) == ["epoch=0-step=4.ckpt", "last.ckpt"], said
+    assert os.readlink(os.path.join(new, "last.ckpt")) == "epoch=0-step=4.ckpt"
+    assert "last.ckpt" in said[-1], said
+
+    out = _lightning(tmp_path, new, 6, resume=True)
+    assert "training from step 4" in out, out[-2000:]
+
+
+def test_a_latest_link_to_a_checkpoint_dir_comes_back_and_one_out_of_the_dir_does_not(
+    tmp_path: Any,
+) -> None:
+    store = _store(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    for step in (1, 2):
+        d = ckpt / f"step_{step}"
+        d.mkdir(parents=True)
+        (d / "model.bin").write_bytes(b"w" * step)
+        (d / ".rgt-complete").write_text(json.dumps({"step": step}))
+    os.symlink("step_2", str(ckpt / "latest"))
+    os.symlink(str(ckpt / "step_2" / "model.bin"), str(ckpt / "model.bin"))  # absolute, in
+    os.symlink("step_1", str(ckpt / "previous"))  # leads to a step not restored
+    (tmp_path / "elsewhere.pt").write_bytes(b"x")
+    os.symlink(str(tmp_path / "elsewhere.pt"), str(ckpt / "out.pt"))  # out of the dir
+    _seal_all(store, "own", str(ckpt), tmp_path)
+    sealed = json.loads((tmp_path / "durable" / mf.manifest_key("own", 2)).read_bytes())
+    assert sealed["links"] == [
+        {"name": "latest", "target": "step_2"},
+        {"name": "model.bin", "target": "step_2/model.bin"},
+    ]
+
+    new = str(tmp_path / "new-box")
+    doc = restore_latest(store, "own", new, lambda *a, **kw: None)
+    assert doc is not None and doc["step"] == 2
+    assert sorted(os.listdir(new)) == ["latest", "model.bin", "step_2"]
+    assert os.readlink(os.path.join(new, "latest")) == "step_2"
+    with open(os.path.join(new, "model.bin"), "rb") as f:  # relative now: it moved boxes
+        assert f.read() == b"ww"
+    # Again, on a box where the link is there (and one the job moved on is its own): kept.
+    os.unlink(os.path.join(new, "latest"))
+    os.symlink("step_9", os.path.join(new, "latest"))
+    restore_latest(store, "own", new, lambda *a, **kw: None)
+    assert os.readlink(os.path.join(new, "latest")) == "step_9"
+
+
+@pytest.mark.parametrize(
+    "link",
+    [
+        {"name": "last.ckpt", "target": "/etc/passwd"},
+        {"name": "last.ckpt", "target": "../../outside"},
+        {"name": "last.ckpt", "target": "step_1/../../outside"},
+        {"name": "../evil", "target": "step_1.pt"},
+        {"name": "sub/evil", "target": "step_1.pt"},
+        {"name": "last.ckpt", "target": "other.pt"},  # in the dir, but not this checkpoint
+        {"name": "step_1.pt", "target": "step_1.pt"},  # over the checkpoint itself
+        {"name": ".rgt-restore-x", "target": "step_1.pt"},
+    ],
+)
+def test_a_manifest_whose_link_leads_out_is_refused_and_nothing_is_made(
+    tmp_path: Any, link: Dict[str, str]
+) -> None:
+    store = _store(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "step_1.pt").write_bytes(b"weights")
+    _seal_all(store, "evil", str(ckpt), tmp_path)
+    key = tmp_path / "durable" / mf.manifest_key("evil", 1)
+    doc = json.loads(key.read_bytes())
+    doc["links"] = [link]
+    key.write_bytes(mf.dump(doc))
+
+    box = tmp_path / "box"
+    box.mkdir()
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(NoVerifiedCheckpoint, match="link") as e:
+        restore_latest(store, "evil", str(box / "ckpt"), lambda *a, **kw: None)
+    assert "step 1" in e.value.what
+    assert sorted(os.listdir(tmp_path)) == before
+    assert not [p for p in box.rglob("*") if p.is_symlink()]
+    assert not os.path.lexists(str(box / "evil")) and not os.path.lexists("/etc/outside")

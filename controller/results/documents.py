@@ -59,8 +59,9 @@ def from_documents(
     entries: List[Entry] = []
     step = epoch = None
     mkey = msha = note = None
+    links: Tuple[Tuple[str, str], ...] = ()
     if latest is not None:
-        step, epoch, mkey, msha, note = _checkpoint(run, latest, get, listing, entries)
+        step, epoch, mkey, msha, note, links = _checkpoint(run, latest, get, listing, entries)
     done_raw = get(mf.done_key(run))
     done_sha = None
     missing_outputs: Tuple[str, ...] = ()
@@ -86,6 +87,7 @@ def from_documents(
         note=note,
         missing_outputs=missing_outputs,
         left_out=left_out,
+        links=links,
     )
     return ident, entries
 
@@ -102,9 +104,10 @@ def _checkpoint(
     get: Callable[[str], Optional[bytes]],
     listing: Optional[Listing],
     entries: List[Entry],
-) -> Tuple[int, Optional[int], str, str, Optional[str]]:
+) -> Tuple[int, Optional[int], str, str, Optional[str], Tuple[Tuple[str, str], ...]]:
     """The checkpoint LATEST names (or the one in effect), its files added to ``entries``:
-    (step, epoch, MANIFEST key, its sha256, note)."""
+    (step, epoch, MANIFEST key, its sha256, note, the dir's links to it: name, target, both
+    checked by parse_manifest: a name in the dir, a target in the checkpoint)."""
     step = latest["step"]
     if isinstance(step, bool):  # an int to isinstance: "step": true would name step True
         raise IntegrityError(f"{mf.latest_key(run)} names no step")
@@ -137,7 +140,8 @@ def _checkpoint(
         entries.append(
             Entry("checkpoints/" + f["path"], "checkpoint", f["size"], f["sha256"], f["key"])
         )
-    return step, epoch, mkey, msha, note
+    links = tuple((link["name"], link["target"]) for link in doc.get("links", []))
+    return step, epoch, mkey, msha, note, links
 
 
 # What DONE.json lists, by the prefix of its key (onbox/sealing/manifest.py), and the "root"

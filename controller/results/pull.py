@@ -27,7 +27,9 @@ What is pulled is the run's newest *sealed* state, never a file that is still be
 
 Layout under DEST: ``checkpoints/<path as sealed, relative to RGT_CKPT_DIR>``,
 ``outputs/<path>``, ``logs/attempt-NNNN.log``, and ``.rgt-receipt.json``
-(controller/results/receipt.py).
+(controller/results/receipt.py). The checkpoint dir's links the MANIFEST records (Lightning's
+``last.ckpt``) are made in ``checkpoints/`` after the files, relative, as the box's restore makes
+them (onbox/sealing/dirlinks.py); one from an older pull is moved on, a file is never replaced.
 
 Every file lands first under ``DEST/.rgt-part/`` (named by its store key or its path on the
 box), so nothing unverified ever has a final name.
@@ -100,6 +102,8 @@ from controller.results.transport import fetcher
 from controller.runstore import run_store_stall
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import unlink_beneath
+from onbox.sealing import dirlinks
+from onbox.sealing.stores.base import target_error
 
 # What callers of ``rgt pull`` import from here (the CLI, the tests), owned by the modules above.
 __all__ = [
@@ -251,6 +255,14 @@ def _staged_and_placed(
     fetched += more
     how = _open_all(rec.name, items, stage_dir)
     destination.place(rec.name, dest, stage_dir, sealed.entries, home, durable)
+    # The checkpoint dir's links to the checkpoint (Lightning's last.ckpt), as the box's
+    # restore makes them: relative, in DEST/checkpoints, once what they lead to is in place.
+    # parse_manifest checked each: a name there, a target in the checkpoint, never out of DEST.
+    recorded = [{"name": n, "target": t} for n, t in sealed.ident.links]
+    try:
+        dirlinks.make(recorded, dest, "checkpoints", replace=True)
+    except OSError as err:
+        raise target_error(err, f"making the checkpoint links in {dest}/checkpoints") from None
     receipt = Receipt(
         run=rec.name,
         source=sealed.source,

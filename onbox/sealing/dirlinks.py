@@ -23,6 +23,7 @@ Standard library only.
 from __future__ import annotations
 
 import os
+import stat
 from typing import Any, Dict, List, Tuple
 
 from onbox.common import links
@@ -51,39 +52,63 @@ def leading_to(ckpt_dir: str, doc: Dict[str, Any]) -> List[Dict[str, str]]:
     return out
 
 
-def make(doc: Dict[str, Any], ckpt_dir: str) -> Tuple[List[str], List[str]]:
-    """Make the links of ``doc`` (a checked MANIFEST whose files are verified in ``ckpt_dir``)
-    that are missing: (the names made, the names left as the box holds them). A link whose
-    target is not there (a hand-made document) is not made, and counted as left."""
+def make(
+    recorded: List[Dict[str, str]], base: str, sub: str = "", replace: bool = False
+) -> Tuple[List[str], List[str]]:
+    """Make the ``recorded`` links (a checked MANIFEST's, its files verified in place) in the
+    checkpoint dir ``base/sub`` (``sub``, rgt's own name, is not followed when a link):
+    (the names made, the names left as they are). A name taken is left, unless ``replace``
+    and it is a symlink (a pull's DEST mirrors the sealed state: its link from an older pull
+    is replaced, in one rename, never followed); a link whose target is not there (a
+    hand-made document) is not made, and counted as left."""
     made: List[str] = []
     left: List[str] = []
-    recorded = doc.get("links") or []
     if not recorded:
         return made, left
-    fd = open_dir(ckpt_dir, [])
+    fd = open_dir(base, [sub] if sub else [])
     try:
         for link in recorded:
             name, target = link["name"], link["target"]
-            try:
-                os.stat(name, dir_fd=fd, follow_symlinks=False)
-                left.append(name)  # the box's own: never replaced
-                continue
-            except FileNotFoundError:
-                pass
-            try:
-                there = lstat_beneath(ckpt_dir, target) is not None
-            except IntegrityError:  # a symlink on the way: not the checkpoint restored
-                there = False
-            if not there:
+            if not _there(base, f"{sub}/{target}" if sub else target):
                 left.append(name)
                 continue
-            os.symlink(target, name, dir_fd=fd)
+            try:
+                st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except FileNotFoundError:
+                os.symlink(target, name, dir_fd=fd)
+                made.append(name)
+                continue
+            if not (replace and stat.S_ISLNK(st.st_mode)):
+                left.append(name)  # the box's own (the job moved it on), or a file: kept
+                continue
+            if os.readlink(name, dir_fd=fd) != target:
+                _unlink(fd, _SPARE)
+                os.symlink(target, _SPARE, dir_fd=fd)
+                os.replace(_SPARE, name, src_dir_fd=fd, dst_dir_fd=fd)
             made.append(name)
         if made:
             os.fsync(fd)  # the links outlive a crash, as the files renamed in place do
     finally:
         os.close(fd)
     return made, left
+
+
+# The new link before it is renamed over an older one (a name the sealer never records).
+_SPARE = ".rgt-link.tmp"
+
+
+def _there(base: str, rel: str) -> bool:
+    try:
+        return lstat_beneath(base, rel) is not None
+    except IntegrityError:  # a symlink on the way: not the checkpoint restored
+        return False
+
+
+def _unlink(fd: int, name: str) -> None:
+    try:
+        os.unlink(name, dir_fd=fd)
+    except FileNotFoundError:
+        pass
 
 
 def said(made: List[str], left: List[str]) -> str:

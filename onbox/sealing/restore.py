@@ -247,7 +247,7 @@ def restore_latest(
             tried.append((step, e.what))
             continue
         # Only now, its files verified in place: the dir's links to it (Lightning's last.ckpt).
-        links = dirlinks.said(*dirlinks.make(doc, ckpt_dir))
+        links = dirlinks.said(*dirlinks.make(doc.get("links", []), ckpt_dir))
         if links:
             how += f"; {links}"
         doc["local"] = os.path.join(ckpt_dir, *doc["root"].split("/"))

@@ -6,8 +6,9 @@ dir: restored without it, Lightning warns and trains from step 0 (weeks of GPU t
 The seal records each link of the dir that leads to the checkpoint it seals (its MANIFEST's
 ``links``), and the restore makes them again once the checkpoint's files are verified in place.
 A real Lightning run, a real seal to a ``file://`` store, a real restore into an empty directory
-(a new box), a real resume. A store is untrusted: a MANIFEST whose link leads out of the dir,
-or names a path instead of a name, is refused whole (quarantined) and nothing is made.
+(a new box), a real resume; a real ``rgt pull`` makes them in DEST/checkpoints. A store is
+untrusted: a MANIFEST whose link leads out of the dir, or names a path instead of a name, is
+refused whole (the restore quarantines it, the pull stops) and nothing is made.
 """
 
 from __future__ import annotations
@@ -21,12 +22,17 @@ from typing import Any, Dict, List
 
 import pytest
 
+from controller.results.pull import pull
+from onbox.common.errors import IntegrityError
 from onbox.sealing import manifest as mf
 from onbox.sealing.epochs import take_epoch
 from onbox.sealing.restore import NoVerifiedCheckpoint, restore_latest
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from tests.conftest import require
+from tests.integration.test_pull import RUN, _rec, laptop
+
+__all__ = ["laptop"]  # the fixture, used by name
 
 # A tiny model that checkpoints every 2 steps with save_last="link", and prints the step it
 # starts training from (0 unless it resumed).
@@ -184,3 +190,48 @@ def test_a_manifest_whose_link_leads_out_is_refused_and_nothing_is_made(
     assert sorted(os.listdir(tmp_path)) == before
     assert not [p for p in box.rglob("*") if p.is_symlink()]
     assert not os.path.lexists(str(box / "evil")) and not os.path.lexists("/etc/outside")
+
+
+def _latest_to(tmp_path: Any, store: Any, step: int) -> None:
+    ckpt = tmp_path / "ckpt"
+    d = ckpt / f"step_{step}"
+    d.mkdir(parents=True)
+    (d / "model.bin").write_bytes(b"w" * step)
+    (d / ".rgt-complete").write_text(json.dumps({"step": step}))
+    if os.path.lexists(str(ckpt / "latest")):
+        os.unlink(str(ckpt / "latest"))
+    os.symlink(f"step_{step}", str(ckpt / "latest"))
+    _seal_all(store, RUN, str(ckpt), tmp_path)
+
+
+def test_a_pull_makes_the_link_in_dest_and_moves_it_on_at_the_next_pull(
+    tmp_path: Any, laptop: str
+) -> None:
+    store = _store(tmp_path)
+    rec = _rec(store.url, str(tmp_path / "box"))
+    dest = str(tmp_path / "dest")
+    _latest_to(tmp_path, store, 2)
+    pull(rec, dest, "store")
+    assert os.readlink(os.path.join(dest, "checkpoints", "latest")) == "step_2"
+    _latest_to(tmp_path, store, 4)
+    receipt = pull(rec, dest, "store")
+    assert os.readlink(os.path.join(dest, "checkpoints", "latest")) == "step_4"
+    assert receipt.sealed.links == (("latest", "step_4"),)
+    with open(os.path.join(dest, "checkpoints", "latest", "model.bin"), "rb") as f:
+        assert f.read() == b"wwww"
+
+
+@pytest.mark.parametrize("target", ["/etc", "../../../outside", "step_2/../../x"])
+def test_a_pull_refuses_a_link_out_of_dest_before_anything_is_made(
+    tmp_path: Any, laptop: str, target: str
+) -> None:
+    store = _store(tmp_path)
+    _latest_to(tmp_path, store, 2)
+    key = tmp_path / "durable" / mf.manifest_key(RUN, 2)
+    doc = json.loads(key.read_bytes())
+    doc["links"] = [{"name": "latest", "target": target}]
+    key.write_bytes(mf.dump(doc))
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(IntegrityError, match="latest"):
+        pull(_rec(store.url, str(tmp_path / "box")), str(tmp_path / "dest"), "store")
+    assert sorted(os.listdir(tmp_path)) == before

@@ -78,13 +78,14 @@ def make(
                 os.symlink(target, name, dir_fd=fd)
                 made.append(name)
                 continue
+            if stat.S_ISLNK(st.st_mode) and _leads(fd, os.path.join(base, sub), name, target):
+                continue  # there already (the box that sealed it): nothing to say
             if not (replace and stat.S_ISLNK(st.st_mode)):
                 left.append(name)  # the box's own (the job moved it on), or a file: kept
                 continue
-            if os.readlink(name, dir_fd=fd) != target:
-                _unlink(fd, _SPARE)
-                os.symlink(target, _SPARE, dir_fd=fd)
-                os.replace(_SPARE, name, src_dir_fd=fd, dst_dir_fd=fd)
+            _unlink(fd, _SPARE)
+            os.symlink(target, _SPARE, dir_fd=fd)
+            os.replace(_SPARE, name, src_dir_fd=fd, dst_dir_fd=fd)
             made.append(name)
         if made:
             os.fsync(fd)  # the links outlive a crash, as the files renamed in place do
@@ -102,6 +103,16 @@ def _there(base: str, rel: str) -> bool:
         return lstat_beneath(base, rel) is not None
     except IntegrityError:  # a symlink on the way: not the checkpoint restored
         return False
+
+
+def _leads(fd: int, here: str, name: str, target: str) -> bool:
+    """Whether the link ``name`` leads to ``target`` (both in ``here``, the dir of ``fd``), as
+    the seal judged it: the job's ``./step_2``, or an absolute path to the same file, does
+    too. Only read: nothing is written through it."""
+    now = os.readlink(name, dir_fd=fd)
+    if now == target:
+        return True
+    return os.path.realpath(os.path.join(here, now)) == os.path.realpath(os.path.join(here, target))
 
 
 def _unlink(fd: int, name: str) -> None:

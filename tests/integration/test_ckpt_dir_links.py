@@ -148,11 +148,16 @@ def test_a_latest_link_to_a_checkpoint_dir_comes_back_and_one_out_of_the_dir_doe
     assert os.readlink(os.path.join(new, "latest")) == "step_2"
     with open(os.path.join(new, "model.bin"), "rb") as f:  # relative now: it moved boxes
         assert f.read() == b"ww"
-    # Again, on a box where the link is there (and one the job moved on is its own): kept.
+    # Again, on a box where the link is there: nothing to say. One the job moved on is its
+    # own: kept, and said.
+    said: List[str] = []
+    restore_latest(store, "own", new, lambda kind, reason, **kw: said.append(reason))
+    assert "already on this box" in said[-1] and "link" not in said[-1], said
     os.unlink(os.path.join(new, "latest"))
     os.symlink("step_9", os.path.join(new, "latest"))
-    restore_latest(store, "own", new, lambda *a, **kw: None)
+    restore_latest(store, "own", new, lambda kind, reason, **kw: said.append(reason))
     assert os.readlink(os.path.join(new, "latest")) == "step_9"
+    assert "links left as the box holds them: latest" in said[-1], said
 
 
 @pytest.mark.parametrize(

@@ -247,7 +247,12 @@ def restore_latest(
             tried.append((step, e.what))
             continue
         # Only now, its files verified in place: the dir's links to it (Lightning's last.ckpt).
-        links = dirlinks.said(*dirlinks.make(doc.get("links", []), ckpt_dir))
+        # A filesystem that refuses a symlink (some FUSE mounts) keeps the restore: the files
+        # are in place; the event says the links are missing, so a resume through them looks.
+        try:
+            links = dirlinks.said(*dirlinks.make(doc.get("links", []), ckpt_dir))
+        except OSError as e:
+            links = f"its links could not be made again ({e}): a resume through them starts over"
         if links:
             how += f"; {links}"
         doc["local"] = os.path.join(ckpt_dir, *doc["root"].split("/"))

@@ -160,6 +160,32 @@ def test_a_latest_link_to_a_checkpoint_dir_comes_back_and_one_out_of_the_dir_doe
     assert "links left as the box holds them: latest" in said[-1], said
 
 
+def test_a_fake_filesystem_that_refuses_symlinks_keeps_the_restore_and_says_so(
+    tmp_path: Any, monkeypatch: Any
+) -> None:
+    """A checkpoint dir on a mount without symlinks (rclone or goofys without link support,
+    vfat): the files are restored and verified, the restore succeeds, and its words say the
+    links are missing. Fake: os.symlink refuses, as such a filesystem does (none mounts here)."""
+    store = _store(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    (ckpt / "step_1").mkdir(parents=True)
+    (ckpt / "step_1" / "model.bin").write_bytes(b"w")
+    (ckpt / "step_1" / ".rgt-complete").write_text(json.dumps({"step": 1}))
+    os.symlink("step_1", str(ckpt / "latest"))
+    _seal_all(store, "own", str(ckpt), tmp_path)
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "symlink", refuse)
+    new = str(tmp_path / "new-box")
+    said: List[str] = []
+    doc = restore_latest(store, "own", new, lambda kind, reason, **kw: said.append(reason))
+    assert doc is not None and doc["step"] == 1, said
+    assert sorted(os.listdir(new)) == ["step_1"]
+    assert "links could not be made again" in said[-1] and "starts over" in said[-1], said
+
+
 @pytest.mark.parametrize(
     "link",
     [

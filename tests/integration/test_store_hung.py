@@ -37,8 +37,9 @@ from controller.target import Target
 from onbox.sealing import manifest as mf
 from onbox.sealing.fetch import STAGE_PREFIX
 from onbox.sealing.stores import open_store
-from onbox.sealing.stores.base import Store
+from onbox.sealing.stores.base import Store, with_retries
 from onbox.sealing.stores.filecopy import SMALL_FILE
+from onbox.sealing.stores.hangbound import StoreHung
 from tests import seaweed
 from tests.conftest import Cli, agent_exe, require
 from tests.laptop import rgt_exe
@@ -244,3 +245,19 @@ def test_a_restore_whose_download_stalls_names_the_stall_option_that_bounded_it(
     assert f"{store.url} sent nothing of the checkpoint for 2s" in err, err
     assert "can be given longer: --stall" in err and "[store] stall" not in err, err
     assert not os.path.exists(to)
+
+
+def test_a_hung_store_call_is_not_retried_so_the_user_waits_its_bound_once(tmp_path: Any) -> None:
+    """A call that outlives its bound raises StoreHung, and ``with_retries`` (which every read
+    of the store goes through) gives it up at once: a hung store is no transient hiccup, and
+    each retry would have added its backoff (0.5 + 1 + 2 + 4 s) to the bound the user set. The
+    error names the store, the call and the bound. Before the fix ``with_retries`` slept its
+    backoff four times before raising it (a 3 s bound took about 12 s)."""
+    with _weed(tmp_path) as (server, store, stopped):
+        _stop(server, stopped)
+        slept: List[float] = []
+        with store.calls_bounded(1.0), pytest.raises(StoreHung) as hung:
+            with_retries(lambda: store.get_bytes(mf.latest_key(RUN)), sleep=slept.append)
+    assert slept == [], "with_retries backed off and retried a hung store"
+    assert f"{store.url} did not answer for 1s (reading {mf.latest_key(RUN)})" in hung.value.what
+    assert hung.value.exit_code == 14

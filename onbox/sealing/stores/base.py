@@ -59,6 +59,7 @@ from onbox.common.errors import (
 )
 from onbox.common.safepath import safe_rel
 from onbox.sealing.stall import Daemons
+from onbox.sealing.stores.hangbound import StoreHung
 
 __all__ = [
     "Finding",
@@ -402,10 +403,16 @@ def with_retries(
     cap: float = 30.0,
     sleep: Callable[[float], None] = time.sleep,
 ) -> T:
-    """Call ``fn``; retry TransientStoreError with exponential backoff, nothing else."""
+    """Call ``fn``; retry TransientStoreError with exponential backoff, nothing else. A
+    ``StoreHung`` is raised at once: the store already had the whole bound the user set
+    (stores/hangbound.py) and is no hiccup a retry outlasts, and while its call is still hung
+    each retry fails at once anyway, so the backoffs only added to the wait (a 3 s bound took
+    12 s)."""
     for n in range(attempts):
         try:
             return fn()
+        except StoreHung:
+            raise
         except TransientStoreError:
             if n == attempts - 1:
                 raise

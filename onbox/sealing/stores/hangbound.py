@@ -19,9 +19,10 @@ a daemon does not keep the process from exiting, and if the store answers first,
 was doing completes as a killed writer's would (a document is renamed into place, or an S3 object
 put, whole or not at all; an epoch created and not recorded is taken as this box's by
 onbox/agent/ownership.py; a temporary file or a preflight probe is removed or left as a killed
-one is). While a call is still hung the next fails at once: the retries of a hung store would
-each wait the bound again. Outside it, or for a call not marked (the copies of files, which the
-stall bound watches), nothing changes.
+one is). While a call is still hung the next fails at once, and base.with_retries does not
+retry a StoreHung: the user waits the bound once, not the bound and every backoff. Outside
+it, or for a call not marked (the copies of files, which the stall bound watches), nothing
+changes.
 """
 
 from __future__ import annotations

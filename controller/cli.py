@@ -7,7 +7,7 @@ meter only after explicit confirmation; the box runs on without it.
                [JOB.toml] [-- CMD ...]
     rgt status [N] [--json]    rgt watch [N]    rgt logs N [-f]    rgt stop N
     rgt report [N] [--out FILE.html]
-    rgt pull N [--to DIR] [--from box|store]
+    rgt pull N [--to DIR] [--from box|store] [--stall S]
     rgt down N [--instance ID]
     rgt doctor TARGET [--profile P] [--store URL] [--budget SIZE] [--verbose] [--json]
     rgt runs
@@ -35,6 +35,7 @@ from controller.smoke.cli import run_smoke, smoke_cmd
 from controller.sweep.cli import reconcile_cmd, sweep_cmd
 from onbox.agent.observe import warning_lines
 from onbox.common.climain import run_cli
+from onbox.common.duration import parse_duration
 from onbox.common.errors import FINAL_EXIT_CODES, NotFound, UsageError
 from onbox.common.terminal import printable
 
@@ -63,6 +64,12 @@ def _pick(name: Optional[str]) -> RunRecord:
         raise UsageError("N", "no runs deployed from this laptop yet", "rgt deploy TARGET -- CMD")
     latest = max(runs, key=lambda r: r.updated)
     return latest
+
+
+def _stall(value: Optional[str]) -> Optional[float]:
+    """`rgt pull --stall`, checked as `rgt-agent restore --stall` is (a bad one: exit 2, before
+    anything is read or made); None: the run's recorded ``[store] stall``."""
+    return None if value is None else parse_duration(value, "--stall")
 
 
 def _instance(value: Optional[str]) -> Optional[str]:
@@ -223,7 +230,12 @@ def stop(name: str, grace: Optional[str]) -> int:
     "--from", "source", type=click.Choice(["auto", "box", "store"]), default="auto",
     help="Read from the box or the store (auto: the store when the laptop can reach it).",
 )  # fmt: skip
-def pull(name: str, dest: Optional[str], source: str) -> int:
+@click.option(
+    "--stall", metavar="S", callback=lambda c, p, v: _stall(v),
+    help="A store call or download moving nothing this long fails (exit 14; default the job "
+    "file's [store] stall, else 5m).",
+)  # fmt: skip
+def pull(name: str, dest: Optional[str], source: str, stall: Optional[float]) -> int:
     """Fetch the newest sealed state, verify every file (sha256, then opened as its framework
     would), rename into place, and write a verification receipt. Resumable."""
     from controller.results.destination import RESULTS_DIR
@@ -235,7 +247,7 @@ def pull(name: str, dest: Optional[str], source: str) -> int:
     results = None if dest else RESULTS_DIR
     dest = dest or os.path.join(RESULTS_DIR, name)
     with terminal_progress() as progress:
-        receipt = do_pull(rec, dest, source, progress, results=results)
+        receipt = do_pull(rec, dest, source, progress, results=results, stall=stall)
     _emit(
         f"{name}: {receipt.sealed.pulled()} pulled to {receipt.dest} and verified: "
         f"{len(receipt.files)} files; receipt {os.path.join(receipt.dest, '.rgt-receipt.json')}"

@@ -6,7 +6,7 @@ endpoint. The run's record (controller/registry.py) keeps that endpoint and the 
 ``stall``, and every laptop read of a run's store (`rgt status` while the box does not answer,
 `rgt pull`, `rgt down`, `rgt report`) opens it through ``open_run_store``, so that none reaches
 AWS (or whatever ``AWS_ENDPOINT_URL`` says on the laptop) in its place, and none waits on
-a store that stopped answering longer than that stall.
+a store that stopped answering longer than that stall (or `rgt pull --stall`'s).
 """
 
 from __future__ import annotations
@@ -48,15 +48,19 @@ def run_store_url(rec: RunRecord) -> StoreURL:
     return store_at(rec.store, rec.store_endpoint_url, f"run {rec.name}'s store")
 
 
-def open_run_store(rec: RunRecord) -> Store:
+def open_run_store(rec: RunRecord, stall: Optional[float] = None) -> Store:
     """``rec``'s store, opened where the box opens it (its recorded endpoint), each of its calls
-    before a download bounded by the run's stall (``run_store_stall``): a hung mount or a
-    stopped server ends the command (exit 14, onbox/sealing/stores/hangbound.py), not holds
-    the user's terminal."""
+    before a download bounded by ``stall`` (a command's ``--stall``), else by the run's stall
+    (``run_store_stall``): a hung mount or a stopped server ends the command (exit 14,
+    onbox/sealing/stores/hangbound.py), not holds the user's terminal; its error names the
+    setting that gave the bound."""
     from onbox.sealing.stores import open_store  # imports the store's extra (boto3, the Hub)
 
     store = open_store(run_store_url(rec))
-    store.bound_calls(run_store_stall(rec))
+    if stall is None:
+        store.bound_calls(run_store_stall(rec))
+    else:
+        store.bound_calls(stall, "--stall")
     return store
 
 

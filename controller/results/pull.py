@@ -47,9 +47,9 @@ only what is missing and skips finished files; from the store, a file whose part
 already has the right size and sha256 is not downloaded again (the store interface has no
 byte ranges, so an unfinished file is downloaded again whole). A download from the store that
 moves no byte for the run's ``[store] stall`` (5 min by default, as the box's restore: a store
-that stopped answering mid-body, a hung mount) ends as a transient store error (exit 14),
-nothing placed. The store is read where the box writes it (its recorded endpoint,
-controller/runstore.py).
+that stopped answering mid-body, a hung mount), or for `rgt pull --stall S`, ends as a transient
+store error (exit 14), nothing placed; so does a read of the store that does not answer as
+long. The store is read where the box writes it (its recorded endpoint, controller/runstore.py).
 
 Verification, before any file gets its final name: each file's size and sha256 against the
 manifest (a mismatch is fetched fresh once more, then it is an IntegrityError naming the file);
@@ -162,8 +162,9 @@ def pull(
     the box. ``transport`` (box only): "rsync" or "stream" (``tail -c +N`` over ssh, resumable
     too); by default rsync when both ends have it, else stream. ``remote``: an open Remote to
     the box (else one is opened and closed here). ``home``: the laptop's state dir (default
-    controller_home()). ``stall``: a download from the store that moves no byte this long ends
-    as RestoreStalled (exit 14); by default the run's ``[store] stall`` as recorded.
+    controller_home()). ``stall`` (`rgt pull --stall`): a read of the store that does not
+    answer this long ends as StoreHung, a download from it that moves no byte this long as
+    RestoreStalled (both exit 14); by default the run's ``[store] stall`` as recorded.
     ``results``: rgt's results directory ``dest`` lies in (`rgt pull` without --to), which gets
     its ``.gitignore`` when ``dest`` is made (destination.make_dest).
     Raises IntegrityError (exit 6) naming the files that do not match; then nothing has a
@@ -173,7 +174,7 @@ def pull(
     if own:
         remote = open_remote(rec.target)
     try:
-        sealed = read_sealed(rec, where, remote)
+        sealed = read_sealed(rec, where, remote, stall)
         dest = os.path.abspath(dest)
         bound = run_store_stall(rec) if stall is None else stall
         results = None if results is None else os.path.abspath(results)

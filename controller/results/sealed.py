@@ -56,13 +56,18 @@ def _file_root(rec: RunRecord) -> Optional[str]:
     return store.root
 
 
-def read_sealed(rec: RunRecord, source: str, remote: Optional[Remote] = None) -> Sealed:
+def read_sealed(
+    rec: RunRecord, source: str, remote: Optional[Remote] = None, stall: Optional[float] = None
+) -> Sealed:
     """The newest sealed state of ``rec`` as ``source`` ("box" or "store") sees it, every final
-    and staging name checked (``checked``) before anything is created on the laptop."""
-    return checked(_read_sealed(rec, source, remote), f"pull of {rec.name}")
+    and staging name checked (``checked``) before anything is created on the laptop; each read
+    of the store bounded by ``stall`` (`rgt pull --stall`), else the run's (open_run_store)."""
+    return checked(_read_sealed(rec, source, remote, stall), f"pull of {rec.name}")
 
 
-def _read_sealed(rec: RunRecord, source: str, remote: Optional[Remote]) -> Sealed:
+def _read_sealed(
+    rec: RunRecord, source: str, remote: Optional[Remote], stall: Optional[float]
+) -> Sealed:
     run = rec.name
     if source == "store":
         assert rec.store
@@ -80,7 +85,7 @@ def _read_sealed(rec: RunRecord, source: str, remote: Optional[Remote]) -> Seale
                 f"the store {rec.store} is not a directory on this laptop",
                 "a file:// store is a path on the box: pull with --from box",
             )
-        store = open_run_store(rec)
+        store = open_run_store(rec, stall)
         ident, entries = _from_store(store, run)
         entries = [dataclasses.replace(e, origin=e.key or "") for e in entries]
         return Sealed(ident, entries, "store", store=store)
@@ -95,7 +100,7 @@ def _read_sealed(rec: RunRecord, source: str, remote: Optional[Remote]) -> Seale
         ]
         return Sealed(ident, entries, "box", box_root=root)
     # s3://, hf://: the store says what is sealed; the box holds copies of the bytes.
-    store = open_run_store(rec)
+    store = open_run_store(rec, stall)
     ident, entries = _from_store(store, run)
     spec = boxrun.spec(rec, remote)
     attempts = boxrun.run_dir(rec).attempts

@@ -261,3 +261,56 @@ def test_a_hung_store_call_is_not_retried_so_the_user_waits_its_bound_once(tmp_p
     assert slept == [], "with_retries backed off and retried a hung store"
     assert f"{store.url} did not answer for 1s (reading {mf.latest_key(RUN)})" in hung.value.what
     assert hung.value.exit_code == 14
+
+
+def _registered(server: SeaweedServer, store: Store) -> RunRecord:
+    """RUN's laptop record on ``store``, taken off its box, its stall not recorded (the
+    default, 5 min)."""
+    rec = RunRecord(
+        RUN,
+        Target("local"),
+        profile="local",
+        store=store.url,
+        store_endpoint_url=server.endpoint,
+        down_at=time.time(),
+    )
+    Registry().put(rec)
+    return rec
+
+
+def test_rgt_pull_stall_bounds_its_reads_of_a_stopped_s3_store(
+    tmp_path: Any, controller_env: Dict[str, str]
+) -> None:
+    """`rgt pull --stall 2s` from an S3 server that stopped answering: exit 14 after 2 s, the
+    store, the read and the option named, nothing made at --to. Before the fix `rgt pull` had
+    no --stall (exit 2: no such option), and the pull waited on the run's recorded stall, by
+    default 5 min, with no way to say less."""
+    with _weed(tmp_path) as (server, store, stopped):
+        _seal(store, tmp_path, 1 << 16)
+        _registered(server, store)
+        env = server.env(dict(os.environ, **controller_env))
+        _stop(server, stopped)
+        to = str(tmp_path / "pulled")
+        argv = [*rgt_exe(), "pull", RUN, "--from", "store", "--to", to, "--stall", "2s"]
+        rc, out, err = _bounded(argv, env, str(tmp_path))
+    assert rc == 14, (out, err)
+    assert f"{store.url} did not answer for 2s (reading {RUN}/" in err, err
+    assert "can be given longer: --stall" in err and "[store] stall" not in err, err
+    assert not os.path.exists(to)
+
+
+@pytest.mark.parametrize("bad", ["0", "-1s", "soon"])
+def test_rgt_pull_refuses_a_bad_stall_as_rgt_agent_restore_does(
+    cli: Cli, tmp_path: Any, controller_env: Dict[str, str], bad: str
+) -> None:
+    """A bad `rgt pull --stall` is a usage error (exit 2) naming the option, as `rgt-agent
+    restore --stall` says it, checked before the store is read or --to made."""
+    Registry().put(RunRecord(RUN, Target("local"), profile="local", store="s3://b/p"))
+    to = str(tmp_path / "pulled")
+    argv = [*rgt_exe(), "pull", RUN, "--from", "store", "--to", to, f"--stall={bad}"]
+    rc, out, err = _bounded(argv, dict(os.environ, **controller_env), str(tmp_path))
+    agent = [*agent_exe(), "restore", "--store", "s3://b/p", "--name", RUN, f"--stall={bad}"]
+    arc, _, aerr = _bounded([*agent, "--to", to], cli.env, cli.home)
+    assert rc == arc == 2, (out, err, aerr)
+    assert err.strip().splitlines()[-1] == aerr.strip().splitlines()[-1], (err, aerr)
+    assert "--stall" in err and not os.path.exists(to), err

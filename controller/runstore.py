@@ -6,7 +6,8 @@ endpoint. The run's record (controller/registry.py) keeps that endpoint and the 
 ``stall``, and every laptop read of a run's store (`rgt status` while the box does not answer,
 `rgt pull`, `rgt down`, `rgt report`) opens it through ``open_run_store``, so that none reaches
 AWS (or whatever ``AWS_ENDPOINT_URL`` says on the laptop) in its place, and none waits on
-a store that stopped answering longer than that stall (or `rgt pull --stall`'s).
+a store that stopped answering longer than that stall (or `rgt pull --stall`'s). A sweep's reads
+of its store root (`rgt sweep`, `rgt reconcile`) are bounded as well (``open_sweep_store``).
 """
 
 from __future__ import annotations
@@ -64,12 +65,18 @@ def open_run_store(rec: RunRecord, stall: Optional[float] = None) -> Store:
     return store
 
 
-def open_sweep_store(url: str, endpoint_url: Optional[str]) -> Store:
+def open_sweep_store(url: str, endpoint_url: Optional[str], stall: Optional[Any] = None) -> Store:
     """A sweep's store root (every cell's run under it), at the endpoint its base job file
-    gives its cells' boxes (controller/sweep/plan.py ``Plan.store_endpoint``)."""
+    gives its cells' boxes (controller/sweep/plan.py ``Plan.store_endpoint``), each of its
+    calls before a download bounded by that job file's ``[store] stall`` (``stall``; None: the
+    default), as ``open_run_store``'s: `rgt sweep` and `rgt reconcile` read every cell's
+    documents, and a hung store ends them (exit 14), not holds them."""
     from onbox.sealing.stores import open_store
 
-    return open_store(store_at(url, endpoint_url, "the sweep's store"))
+    store = open_store(store_at(url, endpoint_url, "the sweep's store"))
+    # Checked again: the sweep's record is a file a user may edit.
+    store.bound_calls(RESTORE_STALL if stall is None else parse_duration(stall, "store_stall"))
+    return store
 
 
 def run_store_stall(rec: RunRecord) -> float:

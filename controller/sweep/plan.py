@@ -57,7 +57,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from onbox.agent.spec import check_outputs, store_override
 from onbox.common.errors import UsageError
 from onbox.common.rundir import check_name
-from onbox.common.storeurl import parse_store_url
+from onbox.common.storeurl import parse_store_url, restore_stall
 
 MAX_CELLS = 10000
 MAX_SWEEP_NAME = 32
@@ -112,6 +112,9 @@ class Plan:
     # The base job file's [store] endpoint_url, which each cell's box keeps for the s3:// store
     # (onbox/agent/spec.py store_override): the laptop reads the store there too.
     store_endpoint: Optional[str] = None
+    # The base job file's [store] stall (None: not set, the default): the bound on each of the
+    # laptop's reads of the store (controller/runstore.py open_sweep_store).
+    store_stall: Optional[float] = None
 
 
 def _read_toml(path: str) -> Dict[str, Any]:
@@ -470,9 +473,11 @@ def load_plan(path: str) -> Plan:
     table = _read_toml(job).get("store") if job else None
     endpoint = table.get("endpoint_url") if isinstance(table, dict) else None
     endpoint = store_override(store, endpoint, "job's store.endpoint_url").endpoint_url
+    given = isinstance(table, dict) and table.get("stall") is not None
+    stall = restore_stall(table, "job's store") if given else None
     cells = expand(name, grid, command, outputs, costs)
     plan = Plan(path, name, cells, targets, slurm, store, job, project, outputs, **_options(doc))
-    return dataclasses.replace(plan, store_endpoint=endpoint)
+    return dataclasses.replace(plan, store_endpoint=endpoint, store_stall=stall)
 
 
 def assign(cells: Sequence[Cell], targets: Sequence[str]) -> Dict[str, List[Cell]]:

@@ -45,6 +45,7 @@ from onbox.common.errors import IntegrityError, NotReconciled, StoreError, Unsaf
 from onbox.common.terminal import printable
 from onbox.sealing import manifest as mf
 from onbox.sealing.stores.base import Store
+from onbox.sealing.stores.hangbound import StoreHung
 
 VERDICTS = ("ok", "missing", "failed", "unverified")
 _RERUN = re.compile(r"-r\d{1,3}\Z")
@@ -187,7 +188,7 @@ def reconcile(
     say: Optional[Callable[[str], None]] = None,
 ) -> Report:
     """The roster of the sweep record ``doc`` (or only ``cells`` of it) against its store."""
-    store = open_sweep_store(doc["store"], doc.get("store_endpoint_url"))
+    store = open_sweep_store(doc["store"], doc.get("store_endpoint_url"), doc.get("store_stall"))
     names = sorted(
         cells if cells is not None else doc["cells"], key=lambda n: doc["cells"][n]["index"]
     )
@@ -200,6 +201,10 @@ def reconcile(
                 verdict, reason = check_run(
                     store, c["run"], c["state"] == "failed", os.path.join(tmp, name)
                 )
+            except StoreHung:
+                # The store did not answer: nothing known of the cell, so no verdict (an
+                # "unverified" one would have `rgt sweep` re-run it as a fresh run).
+                raise
             except StoreError as e:
                 verdict, reason = "unverified", f"the store could not give it: {e.what}"
             findings.append(Finding(name, c["run"], c["box"], verdict, reason))

@@ -138,12 +138,15 @@ def begin(plan: Plan, home: Optional[str] = None) -> Dict[str, Any]:
                 "plan": plan.path,
                 "store": plan.store,
                 "store_endpoint_url": plan.store_endpoint,
+                "store_stall": plan.store_stall,
                 "targets": plan.targets,
                 "cells": {c.name: _new_cell(plan, c.index, box_of[c.name]) for c in plan.cells},
             }
         else:
             _check_same(plan, doc)
             _reassign(plan, doc)
+            # Not part of the sweep's identity: the job file's bound as it is now.
+            doc["store_stall"] = plan.store_stall
         write_json(path, doc)
         return doc
 

@@ -47,6 +47,7 @@ from onbox.common.errors import (
     UsageError,
 )
 from onbox.sealing import manifest as mf
+from onbox.sealing.stores.hangbound import StoreHung
 
 MAX_MISSES = 10  # polls in a row a box may not answer before its queue is left
 MAX_REDEPLOYS = 3  # deploys of one dead cell per invocation, before its box is left
@@ -101,7 +102,7 @@ class Driver:
         self.interval = interval
         self.home = home
         self.registry = Registry(home)
-        self.store = open_sweep_store(plan.store or "", plan.store_endpoint)
+        self.store = open_sweep_store(plan.store or "", plan.store_endpoint, plan.store_stall)
         self.cells = {c.name: c for c in plan.cells}
         self.boxes = [Box(t) for t in plan.targets]
 
@@ -215,6 +216,8 @@ class Driver:
                 box.left = f"it did not answer {box.misses} times: {e.what}"
                 return False
             return True
+        except StoreHung:  # the sweep's store, not the box: every queue waits on it
+            raise
         except RgtError as e:  # the box cannot take a deploy: its queue waits for a re-run
             box.left = e.line()
             return False

@@ -47,7 +47,7 @@ from onbox.agent.title import set_title
 from onbox.common import redact
 from onbox.common.durable import read_json
 from onbox.common.errors import RgtError, UsageError, event_class
-from onbox.common.rundir import RunDir
+from onbox.common.rundir import RunDir, drop_secrets
 
 if TYPE_CHECKING:
     from onbox.health.notify import Notifier
@@ -208,8 +208,8 @@ class Agent:
         """The incarnation cannot begin (its epoch, its ledger or what it resumes from cannot be
         had: onbox/agent/beginning.py ``begin_failure`` says which): one ``restore_failed``
         event with what failed and what was tried, the run FAILED with the reason (never left
-        PENDING with no agent), the lock let go. The caller raises ``e``: its exit code is the
-        command's."""
+        PENDING with no agent), the secrets of a run that never ran an attempt removed, the lock
+        let go. The caller raises ``e``: its exit code is the command's."""
         klass = event_class(e)
         remedy = e.remedy or "start the run again once the store answers"
         tried = getattr(e, "tried", None)
@@ -222,10 +222,30 @@ class Agent:
             **({"tried": [{"step": s, "reason": r} for s, r in tried]} if tried else {}),
         )
         self.sup.fail_to_begin(why, klass, remedy, power_on)
+        if self.sup.attempt == 0:
+            self._drop_secrets(e, why, remedy)
         if self.notifier is not None:
             self.notifier.finish(self.sup.state.value)
         self.runner.close()
         self.lock.release()
+
+    def _drop_secrets(self, e: RgtError, why: str, remedy: str) -> None:
+        """A run that never ran an attempt (in any incarnation) and cannot begin keeps no
+        secrets on the box: the deploy stored them for a start that did not happen, and the
+        laptop keeps no record of a run whose start failed, so no `rgt down` would remove them.
+        ``e`` then says so (``why``: what failed), and what to do (``remedy`` and more)."""
+        try:
+            dropped = drop_secrets(self.rd.secrets_file)
+        except OSError as oe:  # said, never in place of why the run could not begin
+            log(self.rd.agent_log, f"could not remove {self.rd.secrets_file}: {oe}")
+            return
+        e.what = f"run {self.rd.name} could not begin (FAILED before its first attempt): {why}"
+        if dropped:
+            e.remedy = (
+                f"{remedy}; its secrets were removed from the box with it: give them again "
+                "when you start it, `rgt deploy --secret-env VAR` or `rgt-agent secrets "
+                f"{self.rd.name}` on the box"
+            )
 
     # ---- signals
     def _on_signal(self, signum: int, frame: object) -> None:

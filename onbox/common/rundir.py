@@ -253,6 +253,15 @@ def unwritable(path: str) -> Optional[str]:
     return f"{p} is not writable by this user (uid {os.getuid()})"
 
 
+def drop_secrets(path: str) -> bool:
+    """The secrets file ``path`` (a ``RunDir.secrets_file``) removed; True when there was one."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 def read_secrets(path: str) -> Dict[str, str]:
     """The secrets in ``path`` (a ``RunDir.secrets_file``): {} when there is none. Read without
     following a symlink; OSError when the file is readable by others or is not a JSON object of

@@ -1,7 +1,9 @@
 """A run's `--secret-env` values leave the box with the run: a deploy whose start the box refused
 before the run existed there (no runs/N) leaves no secrets file behind (the laptop keeps no
 record of such a run, so no `rgt down` could ever remove it); a refused start of a run that does
-exist never takes that run's secrets; and `rgt down N` removes them with the run.
+exist never takes that run's secrets; a run that never ran an attempt and could not begin
+(FAILED before its first attempt) keeps none, and says so; and `rgt down N` removes them with
+the run.
 
 Real processes: the `rgt` CLI (tests/laptop.py) against the session's loopback sshd.
 """
@@ -94,5 +96,31 @@ def test_down_removes_the_runs_secrets_from_the_box(sshd: SshServer, tmp_path: P
         assert rc == 0, out
         assert not lap.runs("gone").exists()
         assert not lap.secrets("gone").exists(), "down left the run's secrets on the box"
+    finally:
+        _kill_run_processes(str(lap.box))
+
+
+def test_a_run_that_fails_before_its_first_attempt_leaves_no_secrets_on_the_box(
+    sshd: SshServer, tmp_path: Path
+) -> None:
+    """The box made runs/N and its agent took the start, but the run could not begin (here its
+    store's epoch cannot be taken: RUN/epochs is a file), so it ended FAILED with no attempt."""
+    lap = Laptop(sshd, tmp_path)
+    store = tmp_path / "store"
+    (store / "nobegin").mkdir(parents=True)
+    (store / "nobegin" / "epochs").write_text("in the way\n")
+    try:
+        rc, out = lap.deploy(
+            "nobegin", "--store", f"file://{store}", "--", sys.executable, "job.py"
+        )
+        assert rc == 14, out
+        assert "secrets RGT_TEST_TOKEN stored on the box" in out, out  # they were sent
+        assert lap.runs("nobegin").is_dir()  # the run is there, FAILED
+        assert not lap.secrets("nobegin").exists(), "a run that never began kept its secrets"
+        # Said: what happened to the run and its secrets, and what to do.
+        said = "run nobegin could not begin (FAILED before its first attempt): taking the run's"
+        assert f"{said} epoch in file://" in out, out
+        assert "its secrets were removed from the box" in out, out
+        assert "give them again when you start it, `rgt deploy --secret-env VAR`" in out, out
     finally:
         _kill_run_processes(str(lap.box))

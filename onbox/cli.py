@@ -35,7 +35,7 @@ from onbox.agent.spec import JobSpec
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.agent.title import set_title
 from onbox.common.climain import run_cli
-from onbox.common.durable import make_dirs, read_json, write_json
+from onbox.common.durable import read_json
 from onbox.common.duration import parse_duration
 from onbox.common.errors import (
     FINAL_EXIT_CODES,
@@ -97,8 +97,9 @@ def _claim(
     in_slurm: bool = False,
 ) -> Optional[Tuple[JobSpec, RunDir, RunLock]]:
     """The spec, the run's directory and its lock, for start and run (onbox.agent.claim); None
-    when the store says the run is finished. Refused with no runs/N made: the secrets stored
-    for the run are removed (onbox.agent.claim.drop_secrets_of_no_run)."""
+    when the store says the run is finished. Claimed: the secrets a deploy staged for it are
+    the run's (onbox.agent.claim.take_secrets); else they are removed, and the run's own too
+    when no runs/N is there (drop_refused_secrets)."""
     # Lazily: the commands people poll (status, logs; `rgt watch` every 2 s) skip the supervisor.
     from onbox.agent import claim  # (and its modules)
 
@@ -112,11 +113,18 @@ def _claim(
             slurm.check_trigger(spec.trigger)
         rd = claim.prepare_run(spec, _emit, _warn)
         if rd is None:
+            claim.drop_refused_secrets(named)
             return None
-        return spec, rd, claim.take_run(spec, rd)
+        lock = claim.take_run(spec, rd)
     except Exception:
-        claim.drop_secrets_of_no_run(named)
+        claim.drop_refused_secrets(named)
         raise
+    try:
+        claim.take_secrets(rd)
+    except BaseException:
+        lock.release()
+        raise
+    return spec, rd, lock
 
 
 @cli.command(context_settings={"ignore_unknown_options": False})
@@ -305,37 +313,23 @@ def logs(name: str, follow: bool, agent: bool) -> int:
 
 @cli.command()
 @click.argument("name")
-def secrets(name: str) -> int:
+@click.option(
+    "--for-start",
+    is_flag=True,
+    help="Keep them for the next start of the run: they become its secrets only once that "
+    "start is claimed, and a refused start removes them (what `rgt deploy` does).",
+)
+def secrets(name: str, for_start: bool) -> int:
     """Store the run's secrets from stdin: a JSON object of VAR to value, never an argument.
 
     They go to $RGT_HOME/secrets/NAME (mode 0600, in a 0700 directory, outside every run
     directory); the job gets them in its environment at every start, restarts included, and
     the run's store its own variables among them (onbox.sealing.stores.open_box_store). An
-    empty object removes them. Values are never printed."""
-    rd = RunDir(name)
-    raw = sys.stdin.buffer.read()
-    try:
-        doc = json.loads(raw or b"{}")
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict) or not all(
-        isinstance(k, str) and k.isidentifier() and isinstance(v, str) for k, v in doc.items()
-    ):
-        raise UsageError(
-            "stdin",
-            "is not a JSON object of variable names to string values",
-            'pipe e.g. {"WANDB_API_KEY": "..."}',
-        )
-    path = rd.secrets_file
-    make_dirs(os.path.dirname(path))  # RGT_HOME too, when this is the first command: 0700
-    os.chmod(os.path.dirname(path), 0o700)
-    if not doc:
-        if os.path.exists(path):
-            os.unlink(path)
-        _emit(f"secrets of {name}: none")
-        return 0
-    write_json(path, doc)  # atomic, 0600
-    _emit(f"secrets of {name}: {', '.join(sorted(doc))} (values not shown)")
+    empty object removes them. Values are never printed. ``--for-start``: to
+    RunDir.staged_secrets_file instead, until the next start takes them (onbox.agent.claim)."""
+    from onbox.agent.claim import keep_secrets
+
+    _emit(keep_secrets(RunDir(name), sys.stdin.buffer.read(), for_start))
     return 0
 
 

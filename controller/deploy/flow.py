@@ -362,10 +362,13 @@ def _already_live(
 def store_secrets(
     remote: Remote, rec: RunRecord, secrets: Dict[str, str], say: Callable[[str], None]
 ) -> None:
-    """Each secret's value on stdin to ``rgt-agent secrets`` (never in argv)."""
+    """Each secret's value on stdin to ``rgt-agent secrets --for-start`` (never in argv): the
+    run takes them only once the start that follows is claimed, so a start the box refuses
+    leaves the run's own in place and the new values nowhere (onbox.agent.claim)."""
     if not secrets:
         return
-    r = remote.run(rec.agent_argv("secrets", rec.name), input=json.dumps(secrets).encode())
+    argv = rec.agent_argv("secrets", "--for-start", rec.name)
+    r = remote.run(argv, input=json.dumps(secrets).encode())
     if r.rc != 0:
         raise HostError(f"storing the secrets on the box failed: {r.err.strip()}")
     say(f"rgt: secrets {', '.join(sorted(secrets))} stored on the box (0600)")

@@ -1,13 +1,17 @@
 """Claiming a run on this box for ``rgt-agent start`` and ``run``: the JobSpec from a job file
 and flags (or the run's last spec, when started again without a command), the run and
 checkpoint directories looked at and then made, the store's preflight, and the run's lock taken
-with its spec.json written. Nothing is created until every check passed."""
+with its spec.json written. Nothing is created until every check passed. The run's secrets
+too: `rgt-agent secrets` writes them (``keep_secrets``), `rgt deploy` as staged for its start,
+which become the run's once the start is claimed (``take_secrets``) and go when it is refused
+(``drop_refused_secrets``)."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import errno
+import json
 import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -22,10 +26,17 @@ from onbox.agent.spec import (
     store_override,
 )
 from onbox.agent.states import TERMINAL_NAMES
-from onbox.common.durable import make_dirs, read_json, remove_dirs, write_json
+from onbox.common.durable import fsync_dir, make_dirs, read_json, remove_dirs, write_json
 from onbox.common.duration import parse_duration
 from onbox.common.errors import HostError, UsageError
-from onbox.common.rundir import RunDir, check_name, is_name, rgt_home, unwritable
+from onbox.common.rundir import (
+    RunDir,
+    check_name,
+    drop_secrets,
+    is_name,
+    rgt_home,
+    unwritable,
+)
 
 Say = Callable[[str], None]
 
@@ -163,7 +174,7 @@ def _check_store(spec: JobSpec, say: Say, warn: Say) -> bool:
     from onbox.sealing import manifest as mf
     from onbox.sealing.stores import open_box_store
 
-    store = open_box_store(spec.store, spec.name)
+    store = open_box_store(spec.store, spec.name, staged=True)  # the secrets it will start with
     # A hung mount fails `start` here (exit 14), not holds it for ever (stores/hangbound.py).
     with store.calls_bounded(spec.restore_stall):
         for finding in store.preflight(spec.name):
@@ -217,20 +228,65 @@ def take_run(spec: JobSpec, rd: RunDir) -> RunLock:
     return lock
 
 
-def drop_secrets_of_no_run(name: Optional[str]) -> None:
-    """After ``start`` or ``run`` of run ``name`` was refused: its secrets file removed when no
-    run of that name is on this box (no runs/N). `rgt deploy` stores the secrets just before the
-    start, and keeps no record of a run whose start was refused, so no `rgt down` would ever
-    remove them. The box decides, not the laptop: it looks at runs/N after its own refusal (the
-    claim makes runs/N only once every check passed, and removes it again when making it
-    failed), where the laptop knows only what its look saw before the push, and a run made
-    since (another deploy of the name) would lose its secrets. A run that is there keeps them
-    (`rgt down` removes them with it)."""
+def keep_secrets(rd: RunDir, raw: bytes, for_start: bool) -> str:
+    """``rgt-agent secrets``: ``raw``, a JSON object of VAR to value, as the run's secrets
+    file (0600, in a 0700 directory), or as its staged one (``for_start``: the next claimed
+    start takes them, ``take_secrets``); an empty object removes that file. What to say."""
+    try:
+        doc = json.loads(raw or b"{}")
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict) or not all(
+        isinstance(k, str) and k.isidentifier() and isinstance(v, str) for k, v in doc.items()
+    ):
+        raise UsageError(
+            "stdin",
+            "is not a JSON object of variable names to string values",
+            'pipe e.g. {"WANDB_API_KEY": "..."}',
+        )
+    path = rd.staged_secrets_file if for_start else rd.secrets_file
+    make_dirs(os.path.dirname(path))  # RGT_HOME too, when this is the first command: 0700
+    os.chmod(os.path.dirname(path), 0o700)
+    if not doc:
+        drop_secrets(path)
+        return f"secrets of {rd.name}: none"
+    write_json(path, doc)  # atomic, 0600
+    return f"secrets of {rd.name}: {', '.join(sorted(doc))} (values not shown)"
+
+
+def take_secrets(rd: RunDir) -> None:
+    """The secrets a deploy staged for this start (``RunDir.staged_secrets_file``) become the
+    run's, replacing what it had: the start is claimed (every check passed, the lock held)."""
+    try:
+        os.replace(rd.staged_secrets_file, rd.secrets_file)
+        fsync_dir(os.path.dirname(rd.secrets_file))
+    except FileNotFoundError:  # none staged: the run keeps its own
+        return
+    except OSError as e:
+        raise HostError(
+            f"cannot make {rd.staged_secrets_file} the run's secrets {rd.secrets_file}: "
+            f"{e.strerror or e}",
+            "check the secrets directory's owner and permissions, then start again",
+        ) from None
+
+
+def drop_refused_secrets(name: Optional[str]) -> None:
+    """After ``start`` or ``run`` of run ``name`` was refused (or found the run finished): the
+    secrets a deploy staged for it removed, and its secrets file too when no run of that name is
+    on this box (no runs/N). `rgt deploy` stages the secrets just before the start, and keeps no
+    record of a run whose start was refused, so no `rgt down` would ever remove them. The box
+    decides, not the laptop: it looks at runs/N after its own refusal (the claim makes runs/N
+    only once every check passed, and removes it again when making it failed), where the laptop
+    knows only what its look saw before the push, and a run made since (another deploy of the
+    name) would lose its secrets. A run that is there keeps its own (`rgt down` removes them
+    with it); the refused start's new values are never put in their place (``take_secrets``)."""
     if name is None or not is_name(name):
         return
     # A clean-up on the way out of a refusal: it must never put its own error in place of the
     # refusal's (RGT_HOME a file, an unreadable secrets dir: the refusal says what is wrong).
     with contextlib.suppress(OSError):
         rd = RunDir(name)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(rd.staged_secrets_file)
         if not os.path.lexists(rd.path):
             os.unlink(rd.secrets_file)

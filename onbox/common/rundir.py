@@ -21,6 +21,8 @@ $RGT_HOME/                      RGT_HOME defaults to ~/.rgt
     attempts/NNNN/exit.json     written by the shim: the job's exit status
     ckpt/                       default RGT_CKPT_DIR
   secrets/                      0700; secrets the job needs across restarts (controller)
+    NAME                        the run's, 0600
+    .NAME.staged                a deploy's for its start, until the start is claimed
 """
 
 from __future__ import annotations
@@ -184,6 +186,13 @@ class RunDir:
         """The job's secrets (JSON {VAR: value}, 0600), outside the run directory so that no
         copy of the run (logs, the store's mirror) can carry them."""
         return os.path.join(self.home, "secrets", self.name)
+
+    @property
+    def staged_secrets_file(self) -> str:
+        """Secrets a deploy stored for the start that comes next (``rgt-agent secrets N
+        --for-start``): they become ``secrets_file`` only once that start is claimed, so a
+        refused start never replaces the run's own (a hidden name: no run's begins with '.')."""
+        return os.path.join(self.home, "secrets", f".{self.name}.staged")
 
     def job_record(self, attempt: int) -> str:
         return os.path.join(self.attempt_dir(attempt), "job.json")

@@ -124,3 +124,29 @@ def test_a_run_that_fails_before_its_first_attempt_leaves_no_secrets_on_the_box(
         assert "give them again when you start it, `rgt deploy --secret-env VAR`" in out, out
     finally:
         _kill_run_processes(str(lap.box))
+
+
+def test_a_refused_deploy_of_a_run_that_exists_keeps_its_secrets_and_leaves_none_of_its_own(
+    sshd: SshServer, tmp_path: Path
+) -> None:
+    """The run's own values are what it restarts with; the refused deploy's new ones are left
+    nowhere on the box (not over the run's, not beside them)."""
+    lap = Laptop(sshd, tmp_path)
+    try:
+        rc, out = lap.deploy("mine", "--", sys.executable, "-c", "pass")
+        assert rc == 0 and "mine SUCCEEDED" in out, out
+        own = lap.secrets("mine").read_bytes()
+        new = "new-" + os.urandom(8).hex()
+        lap.env["RGT_TEST_TOKEN"] = new
+        rc, out = lap.deploy("mine", "--", "no-such-command-here")
+        assert rc == 2 and "'no-such-command-here' is not found on PATH" in out, out
+        assert "secrets RGT_TEST_TOKEN stored on the box" in out, out  # they were sent
+        assert lap.secrets("mine").read_bytes() == own, "a refused deploy replaced the secrets"
+        left = [p for p in lap.box.rglob("*") if p.is_file() and new.encode() in p.read_bytes()]
+        assert not left, f"the refused deploy's secret values stayed on the box: {left}"
+        # The next deploy that starts gives the run its new values.
+        rc, out = lap.deploy("mine", "--", sys.executable, "-c", "pass")
+        assert rc == 0, out
+        assert new.encode() in lap.secrets("mine").read_bytes()
+    finally:
+        _kill_run_processes(str(lap.box))

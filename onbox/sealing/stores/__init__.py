@@ -9,6 +9,7 @@ the run's secrets (``rgt deploy --secret-env``, $RGT_HOME/secrets/NAME).
 
 from __future__ import annotations
 
+import os
 from typing import Dict, Mapping, Optional, Union
 
 from onbox.common.errors import UsageError
@@ -44,17 +45,22 @@ STORE_VARS = {
 }
 
 
-def open_box_store(url: Union[str, StoreURL], run: str) -> Store:
+def open_box_store(url: Union[str, StoreURL], run: str, staged: bool = False) -> Store:
     """The store of run ``run`` on this box, for everything the agent and ``rgt-agent`` do
     with it (start's preflight and restore, sealing, sync, a stop's seal, ``restore``,
     ``checkpoints``): opened
     with the store's variables among the run's secrets, read here from their 0600 file (never
     from a command line or an environment). A box rented without credentials of its own has
-    only those; a run without secrets gets the box's own configuration."""
+    only those; a run without secrets gets the box's own configuration. ``staged``: the
+    secrets a deploy staged for the start being claimed, where there are any, as the run takes
+    them once claimed (onbox.agent.claim.take_secrets)."""
     from onbox.common.errors import HostError
     from onbox.common.rundir import RunDir, read_secrets
 
-    path = RunDir(run).secrets_file
+    rd = RunDir(run)
+    path = rd.secrets_file
+    if staged and os.path.lexists(rd.staged_secrets_file):
+        path = rd.staged_secrets_file
     try:
         secrets = read_secrets(path)
     except OSError as e:

@@ -20,7 +20,7 @@ replaces the receipt.
 What down does on the box, each step idempotent so that running it again after a failure is
 safe: ``rgt-agent stop N`` (waits until no process of the run is left; a run already gone is
 fine; of a run that has ended it only checks that no process is left; if the stop fails
-nothing is removed), then removes ``secrets/N``, ``deploys/N``, the
+nothing is removed), then removes ``secrets/N`` (and ``secrets/.N.staged``), ``deploys/N``, the
 release the run was deployed from when no other deploy or run uses it, and ``runs/N`` (with the
 default checkpoint dir inside it). Never the store, never a checkpoint dir outside the run dir,
 never a release another run uses.
@@ -385,7 +385,8 @@ def _execute(plan: DownPlan, remote: Remote) -> None:
         )
     rd = RunDir(name, home)
     rel_dir = release_path(home, release) if release else ""
-    r = remote.sh(_REMOVE, rd.path, rd.secrets_file, deploy_path(home, name), rel_dir, timeout=600)
+    paths = (rd.path, rd.secrets_file, deploy_path(home, name), rel_dir, rd.staged_secrets_file)
+    r = remote.sh(_REMOVE, *paths, timeout=600)
     if r.rc != 0:
         raise HostError(
             f"removing the files of {name} on {rec.target.label} failed: "

@@ -44,12 +44,13 @@ rgt_job_files() {
       printf "%s\0%s\0" $s "$f"; done' rgt {} +
 }
 
-# rgt_remove RUN_DIR SECRETS DEPLOY RELEASE: remove the run's files, every path given by its
-# owner (onbox.common.rundir.RunDir, controller/deploy/release.py); RELEASE may be empty (none).
+# rgt_remove RUN_DIR SECRETS DEPLOY RELEASE STAGED: remove the run's files, every path given by
+# its owner (onbox.common.rundir.RunDir, controller/deploy/release.py); RELEASE may be empty
+# (none); STAGED is the secrets a deploy cut off before its start left for that start.
 # Every step may have been done already; the status says whether nothing of the run is left.
 rgt_remove() {
-  run=$1; secrets=$2; deploy=$3; release=$4
-  rm -f -- "$secrets"
+  run=$1; secrets=$2; deploy=$3; release=$4; staged=$5
+  rm -f -- "$secrets" "$staged"
   rm -rf -- "$deploy"
   if [ -n "$release" ] && [ -d "$release" ] && ! rgt_release_used "$run" "$deploy" "$release"
   then
@@ -59,5 +60,5 @@ rgt_remove() {
     rm -rf -- "$release"
   fi
   rm -rf -- "$run"
-  [ ! -e "$run" ] && [ ! -e "$secrets" ] && [ ! -e "$deploy" ]
+  [ ! -e "$run" ] && [ ! -e "$secrets" ] && [ ! -e "$deploy" ] && [ ! -e "$staged" ]
 }

@@ -90,12 +90,17 @@ def test_down_removes_the_runs_secrets_from_the_box(sshd: SshServer, tmp_path: P
         rc, out = lap.deploy("gone", "--store", f"file://{store}", "--", sys.executable, "job.py")
         assert rc == 0, out
         assert lap.secrets("gone").is_file()
+        # What a deploy cut off between its secrets and its start left for that start.
+        staged = lap.box / "secrets" / ".gone.staged"
+        staged.write_text('{"RGT_TEST_TOKEN": "staged"}')
+        staged.chmod(0o600)
         rc, out = lap.rgt("pull", "gone", "--to", str(tmp_path / "pulled"))
         assert rc == 0, out
         rc, out = lap.rgt("down", "gone", "--yes")
         assert rc == 0, out
         assert not lap.runs("gone").exists()
         assert not lap.secrets("gone").exists(), "down left the run's secrets on the box"
+        assert not staged.exists(), "down left the secrets staged for the run's start"
     finally:
         _kill_run_processes(str(lap.box))
 

@@ -74,9 +74,15 @@ def open_sweep_store(url: str, endpoint_url: Optional[str], stall: Optional[Any]
     from onbox.sealing.stores import open_store
 
     store = open_store(store_at(url, endpoint_url, "the sweep's store"))
-    # Checked again: the sweep's record is a file a user may edit.
-    store.bound_calls(RESTORE_STALL if stall is None else parse_duration(stall, "store_stall"))
+    store.bound_calls(sweep_store_stall(stall))
     return store
+
+
+def sweep_store_stall(stall: Optional[Any]) -> float:
+    """A sweep's bound on its store (its record's ``store_stall``; None: the default): on each
+    call before a download, and on a download that moves nothing (controller/sweep/reconcile.py).
+    Checked again: the sweep's record is a file a user may edit."""
+    return RESTORE_STALL if stall is None else parse_duration(stall, "store_stall")
 
 
 def run_store_stall(rec: RunRecord) -> float:

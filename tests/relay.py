@@ -8,16 +8,25 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import struct
 import threading
-from typing import List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 
 class Relay:
     """Relays connections made to ``(host, port)`` (the port picked by the system) to
-    ``target``."""
+    ``target``. ``reset_on``: a connection whose client sends bytes it is true of (an HTTP
+    request for one key) is reset (RST to the client, as a network that drops it), both ends
+    closed and nothing of those bytes relayed."""
 
-    def __init__(self, host: str, target: Tuple[str, int]) -> None:
+    def __init__(
+        self,
+        host: str,
+        target: Tuple[str, int],
+        reset_on: Optional[Callable[[bytes], bool]] = None,
+    ) -> None:
         self.target = target
+        self.reset_on = reset_on
         self._listener = socket.create_server((host, 0))
         self.host, self.port = host, self._listener.getsockname()[1]
         self._socks: List[socket.socket] = []
@@ -43,16 +52,24 @@ class Relay:
                     server.close()
                     return
                 self._socks += [client, server]
-            for a, b in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+            for a, b, check in ((client, server, self.reset_on), (server, client, None)):
+                threading.Thread(target=self._pipe, args=(a, b, check), daemon=True).start()
 
     @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
+    def _pipe(
+        src: socket.socket, dst: socket.socket, reset_on: Optional[Callable[[bytes], bool]]
+    ) -> None:
         try:
             while True:
                 data = src.recv(1 << 16)
                 if not data:
                     break
+                if reset_on is not None and reset_on(data):
+                    # SO_LINGER 0: close() sends RST, the client reads ECONNRESET
+                    src.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    src.close()
+                    dst.close()
+                    return
                 dst.sendall(data)
         except OSError:
             pass

@@ -15,6 +15,13 @@ A cell is
 - ``unverified``: DONE.json, but a file is missing or has other bytes, a declared output was
   missing when the job succeeded, or its documents do not parse.
 
+A verdict says what the store holds, never that it could not be read: a read that fails after
+the store layer's retries (a reset, a 5xx, a timeout, a call past the ``[store] stall`` bound, a
+download that moves nothing for as long) ends the command with that StoreError (exit 14),
+naming the cell and the read, and writes no verdict, so `rgt sweep` trains nothing again for a
+network blip. Only a store that answers, and answers that an object is missing, can make a cell
+unverified.
+
 Duplicates: a run in the store under the sweep's prefix (``<sweep>-``, shaped as a cell's run
 name) that claims a cell of the roster but was never deployed by this sweep (two runs claiming
 one cell), or matches no cell of the roster nor of another sweep this laptop knows. The
@@ -25,6 +32,7 @@ Reconciled means every cell ok and no duplicate; else NotReconciled (exit 18).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import os
@@ -36,16 +44,25 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from controller.registry import RunRecord
 from controller.results.documents import from_documents, store_get, store_listing
+from controller.results.entries import Entry, stage_path
 from controller.results.hashing import file_sha
 from controller.results.loadcheck import check_format
-from controller.runstore import open_sweep_store
+from controller.results.transport import fetch_store
+from controller.runstore import open_sweep_store, sweep_store_stall
 from controller.sweep import record
 from onbox.common import jsondoc
-from onbox.common.errors import IntegrityError, NotReconciled, StoreError, UnsafeRefused
+from onbox.common.errors import (
+    IntegrityError,
+    NotReconciled,
+    PermanentStoreError,
+    StoreError,
+    UnsafeRefused,
+)
+from onbox.common.storeurl import RESTORE_STALL
 from onbox.common.terminal import printable
 from onbox.sealing import manifest as mf
-from onbox.sealing.stores.base import Store
-from onbox.sealing.stores.hangbound import StoreHung
+from onbox.sealing.stall import RestoreStalled, took
+from onbox.sealing.stores.base import Store, with_retries
 
 VERDICTS = ("ok", "missing", "failed", "unverified")
 _RERUN = re.compile(r"-r\d{1,3}\Z")
@@ -123,8 +140,12 @@ def _failed_in_store(store: Store, run: str) -> bool:
     return isinstance(doc, dict) and doc.get("state") == "FAILED"
 
 
-def check_run(store: Store, run: str, seen_failed: bool, tmp: str) -> Tuple[str, str]:
-    """(verdict, reason) of one run (module docstring); files fetched under ``tmp``."""
+def check_run(
+    store: Store, run: str, seen_failed: bool, tmp: str, stall: float = RESTORE_STALL
+) -> Tuple[str, str]:
+    """(verdict, reason) of one run (module docstring); files fetched under ``tmp``, each
+    download that moves nothing for ``stall`` seconds ended (RestoreStalled). A store that
+    cannot be read raises its StoreError: that is no verdict (``reconcile``)."""
     get: Callable[[str], Optional[bytes]] = functools.partial(store_get, store)
     if get(mf.done_key(run)) is None:
         if seen_failed or _failed_in_store(store, run):
@@ -138,24 +159,67 @@ def check_run(store: Store, run: str, seen_failed: bool, tmp: str) -> Tuple[str,
         missing = ", ".join(ident.missing_outputs)
         return "unverified", f"declared output(s) {missing} missing when the job succeeded"
     for i, e in enumerate(entries):
-        assert e.key is not None
-        if store.stat(e.key) is None:
-            return "unverified", f"{e.path} is missing from the store ({e.key})"
-        dest = os.path.join(tmp, str(i), os.path.basename(e.path))
-        os.makedirs(os.path.dirname(dest))
-        store.get_file(e.key, dest)
+        bad = _check_file(store, e, os.path.join(tmp, str(i)), stall)
+        if bad is not None:
+            return "unverified", bad
+    return "ok", f"DONE.json and {len(entries)} files verified (sha256, loaded where a format)"
+
+
+def _check_file(store: Store, e: Entry, stage: str, stall: float) -> Optional[str]:
+    """Why the file ``e`` in the store is not as sealed (None when it is): fetched into
+    ``stage`` as a pull fetches it (transport.fetch_store: the stall watch, the size checked
+    before the bytes), hashed, opened as its format, removed."""
+    assert e.key is not None
+    info = with_retries(lambda: store.stat(e.key or ""))
+    if info is None:  # the store answered, and has no such object: it is not as sealed
+        return f"{e.path} is missing from the store ({e.key})"
+    if info.size != e.size:  # not fetched: it could fill this disk
+        return f"{e.path} is {info.size} bytes in the store, sealed as {e.size} bytes"
+    os.makedirs(stage, 0o700)
+    try:
+        fetch_store(store, [e], stage, lambda _e, sha256=None: None, stall)
+    except IntegrityError as err:  # its size changed since the stat: other bytes
+        return err.what
+    except RestoreStalled:  # said here as a reconcile's: the pull's words tell to pull again
+        raise RestoreStalled(
+            f"{store.url} sent nothing for {took(stall)} while {e.key} was downloaded: it "
+            "stopped answering mid-file",
+            "check the store and the way to it (the network, a stopped server, a hung mount)",
+        ) from None
+    except PermanentStoreError:
+        if with_retries(lambda: store.stat(e.key or "")) is None:  # removed since the stat
+            return f"{e.path} is missing from the store ({e.key})"
+        raise
+    dest = stage_path(stage, e)
+    try:
         size, sha = file_sha(dest)
         if (size, sha) != (e.size, e.sha256):
-            return "unverified", (
+            return (
                 f"{e.path} is {size} bytes sha256 {sha[:12]} in the store, sealed as "
                 f"{e.size} bytes sha256 {e.sha256[:12]}"
             )
-        try:
-            check_format(dest, e.path)
-        except IntegrityError as err:
-            return "unverified", err.what
-        os.unlink(dest)
-    return "ok", f"DONE.json and {len(entries)} files verified (sha256, loaded where a format)"
+        check_format(dest, e.path)
+    except IntegrityError as err:
+        return err.what
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+    return None
+
+
+def _unread(err: StoreError, sweep: str, cell: str, run: str, plan: str) -> StoreError:
+    """``err`` (its class, so its exit code) saying the cell whose read failed, that no
+    verdict was written, and to run the command again."""
+    out = copy.copy(err)  # not err itself: a StoreHung is kept and raised again by its store
+    out.what = (
+        f"sweep {sweep}: cell {cell} (run {run}): the store could not be read: "
+        f"{err.what.rstrip('.')}; no verdict was written for the cell (its record keeps the last "
+        "one) and nothing is re-run"
+    )
+    out.remedy = (err.remedy + "; " if err.remedy else "") + (
+        f"then run it again (rgt reconcile {plan} checks every cell anew)"
+    )
+    out.args = (out.what,)
+    return out
 
 
 def _duplicates(store: Store, doc: Dict[str, Any], home: Optional[str]) -> List[Dict[str, str]]:
@@ -189,6 +253,7 @@ def reconcile(
 ) -> Report:
     """The roster of the sweep record ``doc`` (or only ``cells`` of it) against its store."""
     store = open_sweep_store(doc["store"], doc.get("store_endpoint_url"), doc.get("store_stall"))
+    stall = sweep_store_stall(doc.get("store_stall"))
     names = sorted(
         cells if cells is not None else doc["cells"], key=lambda n: doc["cells"][n]["index"]
     )
@@ -199,14 +264,14 @@ def reconcile(
             c = doc["cells"][name]
             try:
                 verdict, reason = check_run(
-                    store, c["run"], c["state"] == "failed", os.path.join(tmp, name)
+                    store, c["run"], c["state"] == "failed", os.path.join(tmp, name), stall
                 )
-            except StoreHung:
-                # The store did not answer: nothing known of the cell, so no verdict (an
-                # "unverified" one would have `rgt sweep` re-run it as a fresh run).
-                raise
             except StoreError as e:
-                verdict, reason = "unverified", f"the store could not give it: {e.what}"
+                # The store could not be read (after its own retries: a reset, a 5xx, a
+                # timeout, a hang): nothing known of the cell, so no verdict; an "unverified"
+                # one would have `rgt sweep` train it again as a fresh run.
+                plan = doc.get("plan") or "PLAN.toml"
+                raise _unread(e, doc["sweep"], name, c["run"], plan) from None
             findings.append(Finding(name, c["run"], c["box"], verdict, reason))
             if say is not None:
                 say(f"  {name}: {verdict}")

@@ -22,8 +22,10 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from controller.sweep import record
+from controller.registry import RunRecord
+from controller.sweep import reconcile, record
 from controller.sweep.plan import load_plan
+from onbox.common.errors import StoreError
 from onbox.sealing import manifest as mf
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
@@ -159,3 +161,39 @@ def test_a_store_that_stalls_mid_file_ends_reconcile_after_the_job_files_stall(
     assert f"{url} sent nothing for 2s" in err and f"(run {runs[0]})" in err, err
     assert "no verdict was written" in err, err
     assert set(_verdicts(home).values()) == {None}, _verdicts(home)
+
+
+def test_downs_gate_on_a_store_that_resets_connections_ends_with_the_store_error(
+    tmp_path: Any, controller_env: Dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`rgt down`'s gate (reconcile.gate, in this process) for a run on the box of a sweep's
+    cell whose DONE.json read is reset: the store's error (exit 14) naming the cell, not a
+    refusal for a cell "not reconciled". Before the fix it refused down (UnsafeRefused, exit
+    7) calling the cell unverified, and told to re-run it with `rgt sweep`."""
+    home = controller_env["RGT_CONTROLLER_HOME"]
+    with _weed(tmp_path) as (server, store, _stopped):
+        runs: List[str] = []
+        relay = Relay(
+            "127.0.0.1",
+            ("127.0.0.1", server.port),
+            lambda data: bool(runs) and f"/{runs[0]}/DONE.json".encode() in data,
+        )
+        try:
+            plan = _plan(tmp_path, store.url, f"http://127.0.0.1:{relay.port}")
+            for k, v in server.env({}).items():
+                monkeypatch.setenv(k, v)
+            sealed = _sealed_cells(plan, store, tmp_path, home, 1 << 12)
+            with record.update("sw", home) as doc:
+                for c in doc["cells"].values():
+                    c["runs"] = [c["run"]]
+                    target = record.cell_target(c)
+            rec = RunRecord(sealed[0], target)
+            reconcile.gate(rec, home)  # every cell sealed and verified: down may go on
+            runs.extend(sealed)
+            with pytest.raises(StoreError) as got:
+                reconcile.gate(rec, home)
+        finally:
+            relay.close()
+    assert got.value.exit_code == 14, got.value.line()
+    assert f"(run {sealed[0]})" in got.value.what and "DONE.json" in got.value.what, got.value
+    assert "no verdict was written" in got.value.what, got.value.what

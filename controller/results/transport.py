@@ -94,7 +94,9 @@ def _stalled(store: Store, bound: float) -> RestoreStalled:
         f"{store.url} sent nothing for {took(bound)}: it stopped answering mid-download. "
         "Nothing was put in place and no receipt was written",
         "check the store and the way to it (the network, a stopped server, a hung mount), then "
-        "pull again: it keeps the files already verified and downloads the rest whole",
+        "pull again: it keeps the files already verified and downloads the rest whole (a store "
+        "that is slow, not stopped, can be given longer: rgt pull --stall S, or the job file's "
+        "[store] stall)",
     )
 
 

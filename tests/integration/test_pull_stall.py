@@ -109,6 +109,7 @@ def test_a_pull_from_a_store_stopped_mid_download_fails_within_its_bound_and_res
         assert child.returncode == 14, err
         assert f"{url} sent nothing for 3s" in err, err
         assert "stopped answering mid-download" in err and "pull again" in err, err
+        assert "rgt pull --stall S" in err, err  # the setting that gave the bound
         assert "Traceback" not in err, err
         assert _finals(dest) == []  # nothing under a final name, no receipt
 

@@ -9,8 +9,10 @@ seal records it in the MANIFEST of the checkpoint it leads to (``links``: name, 
 to the dir; onbox/sealing/manifest.py ``check_link`` says what a store may name), and the
 restore makes it again, relative, once that checkpoint's files are verified in place.
 
-A link is recorded only when it leads to the checkpoint being sealed (its root, or a path under
-it), so a restore never makes one to a checkpoint it did not put there. It is made only where
+A link is recorded only with a checkpoint it led to (its root, or a path under it) at a moment
+the seal observed (``Seen``: when the checkpoint was picked, during its upload, before its
+MANIFEST; the job may have moved it on by the MANIFEST), so a restore never makes one to a
+checkpoint it did not put there. It is made only where
 the name is free: a name the box already holds (a link the job moved on to a newer checkpoint,
 a file) is the box's own and left as it is. A link out of the dir is never recorded (what it
 leads to is not sealed). The link is made through a descriptor of the checkpoint dir opened
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from typing import Any, Dict, List, Tuple
 
 from onbox.common import links
@@ -33,23 +36,68 @@ from onbox.sealing.discovery import skip
 from onbox.sealing.manifest import check_link
 
 
-def leading_to(ckpt_dir: str, doc: Dict[str, Any]) -> List[Dict[str, str]]:
-    """The links in ``ckpt_dir`` itself that lead to the checkpoint of ``doc`` (a MANIFEST
-    about to be written: its root and files), as the MANIFEST records them, by name. A link
-    whose name or target the MANIFEST could not hold (``check_link``: an odd name) is left
-    out; so is a hidden or temporary name (never a checkpoint's either)."""
+def observe(ckpt_dir: str) -> List[Tuple[str, str]]:
+    """(name, target relative to the dir) of each link in ``ckpt_dir`` itself that leads to a
+    path in it, as a MANIFEST would record it; a hidden or temporary name (never a
+    checkpoint's either) is left out."""
     home = os.path.realpath(ckpt_dir)
-    out: List[Dict[str, str]] = []
+    out: List[Tuple[str, str]] = []
     for path, real in sorted(links.inbound(ckpt_dir)):
         name = os.path.basename(path)
-        link = {"name": name, "target": os.path.relpath(real, home).replace(os.sep, "/")}
-        if skip(name):
-            continue
-        try:
-            out.append(check_link(link, doc))
-        except IntegrityError:
-            continue  # another checkpoint's link, or one no MANIFEST may hold
+        if not skip(name):
+            out.append((name, os.path.relpath(real, home).replace(os.sep, "/")))
     return out
+
+
+class Seen:
+    """The dir's links as the sealer saw them while this agent ran: each (name, target) it
+    observed, when it observed it last. A link is recorded with a checkpoint it led to at any
+    moment the seal observed (when it was picked, during its upload, before its MANIFEST):
+    that is true of the dir's history. Observed only at the MANIFEST, a ``last.ckpt`` the job
+    moves on faster than a seal takes was recorded by no MANIFEST at all. A link never seen
+    leading to a checkpoint is never recorded with it (a ``best`` link stays with its own).
+    Thread-safe (scan may run beside a seal)."""
+
+    def __init__(self, ckpt_dir: str) -> None:
+        self.ckpt_dir = ckpt_dir
+        self.pairs: Dict[Tuple[str, str], int] = {}  # (name, target) -> when seen last
+        self.n = 0
+        self.lock = threading.Lock()
+
+    def look(self) -> None:
+        """Observe the dir's links now. A pair whose target is gone (rotation deleted it) is
+        forgotten: no seal records it, and the memory stays as small as the dir."""
+        now = observe(self.ckpt_dir)
+        with self.lock:
+            self.n += 1
+            for pair in now:
+                self.pairs[pair] = self.n
+            for pair in list(self.pairs):
+                if not os.path.lexists(os.path.join(self.ckpt_dir, *pair[1].split("/"))):
+                    del self.pairs[pair]
+
+    def leading_to(self, doc: Dict[str, Any]) -> List[Dict[str, str]]:
+        """Observe once more, then the links seen leading to the checkpoint of ``doc`` (a
+        MANIFEST about to be written: its root and files), as the MANIFEST records them, one
+        per name (the target seen last), by name. A link the MANIFEST could not hold
+        (``check_link``: an odd name) is left out."""
+        self.look()
+        with self.lock:
+            pairs = sorted(self.pairs.items(), key=lambda kv: kv[1])
+        out: Dict[str, Dict[str, str]] = {}
+        for (name, target), _ in pairs:
+            try:
+                out[name] = check_link({"name": name, "target": target}, doc)
+            except IntegrityError:
+                continue  # another checkpoint's link, or one no MANIFEST may hold
+        return [out[name] for name in sorted(out)]
+
+    def sealed(self, root: str) -> None:
+        """The checkpoint ``root`` has its MANIFEST: its links are recorded, forget them."""
+        with self.lock:
+            for pair in list(self.pairs):
+                if pair[1] == root or pair[1].startswith(root + "/"):
+                    del self.pairs[pair]
 
 
 def make(

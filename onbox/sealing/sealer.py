@@ -46,7 +46,7 @@ from onbox.common.faults import crash_point
 from onbox.common.rundir import RunDir
 from onbox.common.wholefile import looks_whole
 from onbox.sealing import manifest as mf
-from onbox.sealing.dirlinks import leading_to
+from onbox.sealing.dirlinks import Seen
 from onbox.sealing.discovery import (
     Candidate,
     in_place,
@@ -99,6 +99,7 @@ class Sealer:
         self.bytes_per_s = 50e6  # until measured: a cautious guess for the preemption estimate
         self.backlog: Optional[int] = None  # complete checkpoints the last pass left unsealed
         self.seq: Dict[str, Dict[str, Any]] = self._load_seq()
+        self.seen = Seen(ckpt_dir)  # the dir's links as observed: recorded with their target
         # The seconds the job's save of a step held its loop, where the job reports it
         # (onbox/common/progress.py): carried on the ``sealed`` event for the auto interval.
         self.job_blocked: Callable[[int], Optional[float]] = lambda step: None
@@ -222,6 +223,10 @@ class Sealer:
                 step = self._next_seq_step(entry["step"] if entry else -1)
             out.append(Candidate(name, "file", step, [name], signature(st)))
         out = [c for c in out if self._unsealed(c.step) and self.failed.get(c.root) != c.signature]
+        # The links now, after the checkpoints were picked (a job links one once it is written):
+        # each one picked is recorded with the links that lead to it here, even if the job has
+        # moved them on by its MANIFEST (onbox/sealing/dirlinks.py ``Seen``).
+        self.seen.look()
         return sorted(out, key=lambda c: c.step or 0)
 
     def _unsealed(self, step: Optional[int]) -> bool:
@@ -286,14 +291,15 @@ class Sealer:
                 return None
             crash_point("seal.before_manifest")
             doc = mf.new_manifest(self.run, step, self.epoch, cand.root, cand.kind, entries)
-            # The dir's links to it (Lightning's last.ckpt) as they are now, after its files:
-            # the job links a checkpoint once it is written (onbox/sealing/dirlinks.py).
-            found = leading_to(self.ckpt_dir, doc)
+            # The dir's links to it (Lightning's last.ckpt): those seen leading to it since it
+            # was picked, and now (onbox/sealing/dirlinks.py ``Seen``).
+            found = self.seen.leading_to(doc)
             if found:  # none: the MANIFEST as before links were recorded
                 doc["links"] = found
             if not self.ledger.put_manifest(step, doc):
                 return None  # stale: the objects stay where no MANIFEST names them
             crash_point("seal.after_manifest")
+            self.seen.sealed(cand.root)
             self.manifests[step] = doc
             took = time.monotonic() - t0
             if uploaded >= RATE_MIN_BYTES and took > 0:
@@ -343,6 +349,7 @@ class Sealer:
             found=cand.signature if in_place(cand.root, cand.kind) else None,
             deadline=deadline,
             linked=cand.linked,
+            look=self.seen.look,
         ).run()
 
     def remember_restored(self, doc: Dict[str, Any]) -> None:

@@ -49,6 +49,9 @@ CHUNK = 1 << 20
 # (shards, tokenizer files) is otherwise read and hashed twice per file. Small, because as many
 # files as the store's parallel_puts (S3: 64) may be read ahead at once.
 SMALL = 1 << 20
+# Seconds between two looks at the checkpoint dir's links while a checkpoint is put (a listing
+# of the dir: cheap beside a put; a job's checkpoint interval is far longer).
+LOOK_EVERY = 1.0
 Entry = Dict[str, Any]
 Known = Dict[Tuple[str, int], str]  # (sha256, size) -> key of an object that holds those bytes
 # What a put thread hands back: (the file's index, (entry, whether put) or None, the error).
@@ -124,6 +127,7 @@ class CheckpointUpload:
         found: Optional[Tuple[int, int, int]] = None,
         deadline: Optional[float] = None,
         linked: Collection[str] = (),
+        look: Callable[[], None] = lambda: None,
     ) -> None:
         self.store = store
         self.ckpt_dir = ckpt_dir
@@ -143,6 +147,9 @@ class CheckpointUpload:
         # from their target, resolved once per file, so every read, stat and put below is of
         # one symlink-free path (and the stores' O_NOFOLLOW open passes).
         self.linked = set(linked)
+        # Called every LOOK_EVERY seconds while files are put: the sealer observes the dir's
+        # links (onbox/sealing/dirlinks.py ``Seen``), which the job moves on meanwhile.
+        self.look = look
 
     def src(self, rel: str) -> str:
         path = os.path.join(self.ckpt_dir, *rel.split("/"))
@@ -173,8 +180,18 @@ class CheckpointUpload:
         try:
             for t in threads:
                 t.start()
+            looked = time.monotonic()
             for _ in range(n):
-                i, out, err = done.get()
+                got: Optional[_Done] = None
+                while got is None:
+                    try:
+                        got = done.get(timeout=LOOK_EVERY)
+                    except queue.Empty:
+                        pass
+                    if time.monotonic() - looked >= LOOK_EVERY:
+                        self.look()
+                        looked = time.monotonic()
+                i, out, err = got
                 if err is not None:  # the first failure: the rest stop (see _work)
                     failed = err
                     break

@@ -37,14 +37,17 @@ __all__ = ["laptop"]  # the fixture, used by name
 # A tiny model that checkpoints every 2 steps with save_last="link", and prints the step it
 # starts training from (0 unless it resumed).
 _SCRIPT = """
-import sys, torch, lightning as L
+import os, sys, time, torch, lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 ckpt, steps, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "resume"
+pad = int(sys.argv[4]) if len(sys.argv) > 4 else 0  # floats of padding: a bigger checkpoint
+gate = sys.argv[5] if len(sys.argv) > 5 else ""  # after step 2's checkpoint, wait for this file
 
 class M(L.LightningModule):
     def __init__(self):
         super().__init__()
         self.lin = torch.nn.Linear(4, 1)
+        self.register_buffer("pad", torch.zeros(pad))
     def training_step(self, batch, _):
         return self.lin(batch[0]).pow(2).mean()
     def configure_optimizers(self):
@@ -52,20 +55,29 @@ class M(L.LightningModule):
     def on_train_start(self):
         print(f"training from step {self.trainer.global_step}", flush=True)
 
+class Gate(L.Callback):
+    def on_train_batch_start(self, trainer, *_):
+        if gate and trainer.global_step == 2:
+            print("checkpointed step 2", flush=True)
+            for _ in range(3000):  # bounded: 300 s
+                if os.path.exists(gate):
+                    break
+                time.sleep(0.1)
+
 torch.manual_seed(0)
 data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 4)), batch_size=1)
 cb = ModelCheckpoint(dirpath=ckpt, every_n_train_steps=2, save_top_k=-1, save_last="link")
-t = L.Trainer(max_steps=steps, callbacks=[cb], logger=False, enable_progress_bar=False,
+t = L.Trainer(max_steps=steps, callbacks=[cb, Gate()], logger=False, enable_progress_bar=False,
               enable_model_summary=False, accelerator="cpu", devices=1)
 t.fit(M(), data, ckpt_path="last" if resume else None)
 """
 
 
-def _lightning(tmp_path: Any, ckpt: str, steps: int, resume: bool) -> str:
+def _lightning(tmp_path: Any, ckpt: str, steps: int, resume: bool, pad: int = 0) -> str:
     script = tmp_path / "train.py"
     script.write_text(_SCRIPT)
     p = subprocess.run(  # bounded: run() kills it at the timeout
-        [sys.executable, str(script), ckpt, str(steps), "resume" if resume else "new"],
+        [sys.executable, str(script), ckpt, str(steps), "resume" if resume else "new", str(pad)],
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,0 +1,56 @@
+"""The dir's links as the sealer saw them (onbox/sealing/dirlinks.py ``Seen``): a link is
+recorded with each checkpoint it led to at a moment the sealer looked, whatever it leads to by
+the MANIFEST, and never with one it was never seen leading to. A real directory, real links."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Any, Dict
+
+from onbox.sealing import manifest as mf
+from onbox.sealing.dirlinks import Seen
+
+
+def _doc(root: str, step: int) -> Dict[str, Any]:
+    f = {"path": root, "size": 1, "sha256": hashlib.sha256(b"x").hexdigest()}
+    f["key"] = mf.new_object_key("r", step, 1, root)
+    return mf.new_manifest("r", step, 1, root, "file", [f])
+
+
+def _point(d: Any, link: str, name: str) -> None:
+    os.symlink(name, str(d / ".tmp-link"))
+    os.replace(str(d / ".tmp-link"), str(d / link))
+
+
+def test_a_link_moved_on_past_a_backlog_is_recorded_with_each_checkpoint_it_was_seen_at(
+    tmp_path: Any,
+) -> None:
+    for step in (2, 4, 6):
+        (tmp_path / f"s{step}.ckpt").write_bytes(b"x")
+    _point(tmp_path, "best.ckpt", "s2.ckpt")
+    seen = Seen(str(tmp_path))
+    _point(tmp_path, "last.ckpt", "s2.ckpt")
+    seen.look()  # picked: step 2 sealed, the job goes on
+    _point(tmp_path, "last.ckpt", "s4.ckpt")
+    seen.look()  # during the upload of step 2
+    _point(tmp_path, "last.ckpt", "s6.ckpt")
+    assert seen.leading_to(_doc("s2.ckpt", 2)) == [
+        {"name": "best.ckpt", "target": "s2.ckpt"},
+        {"name": "last.ckpt", "target": "s2.ckpt"},
+    ]
+    seen.sealed("s2.ckpt")
+    # The backlog: steps 4 and 6, picked when last.ckpt led to 6 already.
+    assert seen.leading_to(_doc("s4.ckpt", 4)) == [{"name": "last.ckpt", "target": "s4.ckpt"}]
+    assert seen.leading_to(_doc("s6.ckpt", 6)) == [{"name": "last.ckpt", "target": "s6.ckpt"}]
+
+
+def test_a_link_to_a_checkpoint_the_job_deleted_is_forgotten(tmp_path: Any) -> None:
+    (tmp_path / "s2.ckpt").write_bytes(b"x")
+    seen = Seen(str(tmp_path))
+    _point(tmp_path, "last.ckpt", "s2.ckpt")
+    seen.look()
+    os.unlink(str(tmp_path / "s2.ckpt"))
+    os.unlink(str(tmp_path / "last.ckpt"))
+    seen.look()
+    assert seen.pairs == {}

@@ -14,13 +14,16 @@ or the test as the job) writes the next checkpoint and moves the link; then the 
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
+import select
+import struct
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 from onbox.sealing import manifest as mf
 from onbox.sealing.restore import restore_latest
@@ -34,18 +37,21 @@ import sys
 from onbox.sealing.epochs import take_epoch
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
-url, run, ckpt, tmp = sys.argv[1:5]
+url, run, ckpt, tmp, passes = sys.argv[1:6]
 store = open_store(url)
 s = Sealer(run, ckpt, store, tmp + "/stage", epoch=take_epoch(store, run),
            event=lambda *a, **kw: None, state_path=tmp + "/seq.json")
 s.load()
-print("sealed", s.seal_pending(), sorted(s.manifests), flush=True)
+print("sealed", [s.seal_pending() for _ in range(int(passes))], sorted(s.manifests), flush=True)
 """
 MIB = 5 << 20  # past filecopy.SMALL_FILE: copied in pieces, so the copy holds after one
 
 
-def _held_seal(tmp_path: Any, url: str, run: str, ckpt: str) -> subprocess.Popen[str]:
-    """A sealer process held in its first copy of a big file until ``tmp_path/release``."""
+def _held_seal(
+    tmp_path: Any, url: str, run: str, ckpt: str, passes: int = 1
+) -> subprocess.Popen[str]:
+    """A sealer process (``passes`` of them, then the box is gone) held in its first copy of a
+    big file until ``tmp_path/release``."""
     work = tmp_path / f"sealer-{time.monotonic_ns()}"
     work.mkdir()
     env = dict(
@@ -55,7 +61,7 @@ def _held_seal(tmp_path: Any, url: str, run: str, ckpt: str) -> subprocess.Popen
         PYTHONUNBUFFERED="1",
     )
     return subprocess.Popen(
-        [sys.executable, "-c", _SEAL, url, run, ckpt, str(work)],
+        [sys.executable, "-c", _SEAL, url, run, ckpt, str(work), str(passes)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -214,3 +220,67 @@ def test_a_link_is_recorded_with_each_checkpoint_it_led_to_and_never_with_anothe
     assert _restore(store, "own", str(third))["step"] == 2
     assert sorted(os.listdir(third)) == ["epoch=0-step=2.ckpt", "last.ckpt"]
     assert os.readlink(str(third / "last.ckpt")) == "epoch=0-step=2.ckpt"
+
+
+IN_OPEN, IN_ISDIR = 0x20, 0x40000000
+
+
+def _dir_opened(d: str) -> Callable[[], None]:
+    """An inotify watch on ``d``: the function returned waits until ``d`` itself is opened
+    (listed) after that call began, by anyone (here: only the held sealer's look at the links)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
+    assert fd >= 0 and libc.inotify_add_watch(fd, d.encode(), IN_OPEN) >= 0, ctypes.get_errno()
+
+    def wait() -> None:
+        while select.select([fd], [], [], 0)[0]:  # what came before this call: not it
+            os.read(fd, 65536)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if not select.select([fd], [], [], 1.0)[0]:
+                continue
+            data, off = os.read(fd, 65536), 0
+            while off < len(data):
+                _, mask, _, n = struct.unpack_from("iIII", data, off)
+                off += 16 + n
+                if mask & IN_ISDIR and n == 0:
+                    os.close(fd)
+                    return
+        os.close(fd)
+        raise AssertionError(f"the sealer never looked at {d} while its seal was held")
+
+    return wait
+
+
+def test_a_link_moved_on_past_a_backlog_during_a_seal_is_recorded_with_each_checkpoint(
+    tmp_path: Any,
+) -> None:
+    """Steps 4 and 6 written, and last.ckpt moved on to each, while step 2 is sealed: the
+    next pass seals 4 and 6 with last.ckpt at 6 already, and 4's MANIFEST still has it (the
+    sealer looked at the links during step 2's upload, with last.ckpt at 4). A box preempted
+    with 6 lost (damaged in the store) restores 4, with last.ckpt."""
+    root = tmp_path / "durable"
+    root.mkdir()
+    store = open_store(f"file://{root}")
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    _point(d, "last.ckpt", _ckpt(d, 2, MIB))
+    sealer = _held_seal(tmp_path, store.url, "own", str(d), passes=2)
+    _wait_copying(sealer, str(root))
+    looked = _dir_opened(str(d))
+    _point(d, "last.ckpt", _ckpt(d, 4, 1000))
+    looked()
+    _point(d, "last.ckpt", _ckpt(d, 6, 1000))
+    assert "[2, 4, 6]" in _finish(tmp_path, sealer)
+    for step in (2, 4, 6):
+        want = [{"name": "last.ckpt", "target": f"epoch=0-step={step}.ckpt"}]
+        assert _links(str(root), "own", step) == want, step
+
+    with open(os.path.join(root, mf.manifest_key("own", 6)), "rb") as f:
+        key = json.loads(f.read())["files"][0]["key"]
+    with open(os.path.join(root, key), "r+b") as f:  # the store lost step 6's bytes
+        f.write(b"\0" * 64)
+    box = tmp_path / "box"
+    assert _restore(store, "own", str(box))["step"] == 4
+    assert sorted(os.listdir(box)) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert os.readlink(str(box / "last.ckpt")) == "epoch=0-step=4.ckpt"

@@ -26,7 +26,7 @@ from typing import Callable, List
 from controller.deploy import flow
 from controller.deploy.audit import Audit
 from controller.deploy.boxspec import box_job
-from controller.deploy.boxstart import start_on_box, wait_first_line
+from controller.deploy.boxstart import after_start, finished_line, start_on_box
 from controller.deploy.install import AgentInstall
 from controller.deploy.release import release_path
 from controller.deploy.request import Plan, check_again
@@ -95,13 +95,14 @@ def start_again(
         f"{printable(shlex.join(job.command))[:200]} (in {printable(job.workdir)})"
     )
     flow.store_secrets(remote, rec, plan.secrets, say)
-    start_on_box(remote, registry, rec, label, rec.agent_argv(*_start_args(plan)), job.workdir)
+    started = start_on_box(
+        remote, registry, rec, label, rec.agent_argv(*_start_args(plan)), job.workdir
+    )
     registry.put(rec)
-    ended = wait_first_line(remote, rec, label, say)
-    if ended is not None and raise_ended:
-        raise ended
-    if ended is not None:
-        say(ended.line())
+    if not started:
+        say(finished_line(plan.name))
+        return rec
+    after_start(remote, rec, label, say, raise_ended)
     return rec
 
 

@@ -1,6 +1,8 @@
 """The deploy's last steps: ``rgt-agent start`` on the box (``start_on_box``), what the laptop
 says when it fails (``start_failed``), and the wait for the job's first line
-(``wait_first_line``), which also says how a run that ended at once ended (``ended``).
+(``wait_first_line``), which also says how a run that ended at once ended (``ended``). A run
+whose store holds its DONE.json is finished: the agent starts nothing, and the deploy says so
+(``finished_line``) rather than wait for a first line (a fresh box has no run to wait on).
 
 The start returns once the job runs, so it waits for the agent's restore: minutes for a large
 checkpoint. Meanwhile it says what the agent is doing on its stderr (onbox/agent/detach.py),
@@ -39,6 +41,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 from controller import boxrun
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote
+from onbox.agent.claim import FINISHED_SAY
 from onbox.agent.lock import HELD_REMEDY
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.errors import (
@@ -150,9 +153,10 @@ def _its_error(said: str) -> str:
 
 def start_on_box(
     remote: Remote, registry: Registry, rec: RunRecord, label: str, argv: Sequence[str], path: str
-) -> None:
+) -> bool:
     """``argv`` (the agent's start of run ``rec``) in the release's directory ``path`` on
-    ``label``; returns once the job runs."""
+    ``label``; returns once the job runs: True, or False when the agent started nothing, the
+    run's store holding its DONE.json (``finished_line`` says so)."""
     try:
         r = remote.sh(START_SH, path, *argv, timeout=START_SILENCE, relay=True)
     except RemoteUnreachable:
@@ -181,6 +185,17 @@ def start_on_box(
         if err.exit_code in (FINAL_EXIT_CODES["PREEMPTED"], FINAL_EXIT_CODES["STOPPED"]):
             registry.put(rec)  # the run is there, in that state: `rgt status` must find it
         raise err
+    said = FINISHED_SAY.format(run=rec.name)
+    return not any(line.startswith(said) for line in r.text.splitlines())
+
+
+def finished_line(name: str) -> str:
+    """What a deploy says when the box's agent started nothing: run ``name`` is finished."""
+    return (
+        f"rgt: run {name} is finished (its store holds DONE.json): nothing was started: this "
+        f"deploy's code did not run (to train again, deploy under a new --name; its results: "
+        f"`rgt pull {name}`)"
+    )
 
 
 def wait_first_line(
@@ -222,6 +237,18 @@ def wait_first_line(
         f"its output with `rgt logs {rec.name}`"
     )
     return None
+
+
+def after_start(
+    remote: Remote, rec: RunRecord, label: str, say: Callable[[str], None], raise_ended: bool
+) -> None:
+    """``wait_first_line``, then a run seen ended other than SUCCEEDED raised (``raise_ended``:
+    `rgt deploy`, with its state's exit code) or said (a sweep follows its cells)."""
+    ended = wait_first_line(remote, rec, label, say)
+    if ended is not None and raise_ended:
+        raise ended
+    if ended is not None:
+        say(ended.line())
 
 
 def _first_line(remote: Remote, rec: RunRecord, doc: Dict[str, Any]) -> str:

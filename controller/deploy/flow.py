@@ -44,7 +44,7 @@ from controller import boxrun, contacts, envnames
 from controller.deploy import audit as auditmod
 from controller.deploy import guess as guessmod
 from controller.deploy.boxspec import record_box_store
-from controller.deploy.boxstart import start_on_box, wait_first_line
+from controller.deploy.boxstart import after_start, finished_line, start_on_box
 from controller.deploy.install import AgentInstall, answers_version, found_install, install_agent
 from controller.deploy.probe import Probed
 from controller.deploy.project import project_files, release_id
@@ -165,16 +165,15 @@ def deploy(
             opts = _agent_args("run", plan, store, tail=False)[5:]  # after --profile P
             return submit_run(remote, registry, plan.slurm, rec, opts, plan.job_rel, prev, say)
         argv = rec.agent_argv(*_agent_args("start", plan, store))
-        start_on_box(remote, registry, rec, plan.target.label, argv, pushed.path)
+        started = start_on_box(remote, registry, rec, plan.target.label, argv, pushed.path)
         registry.put(rec)
+        if not started:  # the run is finished: it never runs in this release
+            say(finished_line(plan.name))
+            return rec
         if plan.req.store is None and plan.job_store:  # the job file's, as the agent took it
             rec = record_box_store(remote, registry, rec, plan.target.label, say)
         switch_current(remote, box_home, plan.name, pushed.id)
-        ended = wait_first_line(remote, rec, plan.target.label, say)
-        if ended is not None and raise_ended:
-            raise ended
-        if ended is not None:
-            say(ended.line())
+        after_start(remote, rec, plan.target.label, say, raise_ended)
         return rec
     finally:
         remote.close()

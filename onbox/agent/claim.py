@@ -167,6 +167,11 @@ def _existing(path: str) -> str:
     return path
 
 
+# How `start` begins its line for a run whose store says it is finished (nothing started): the
+# laptop's deploy reads it (controller/deploy/boxstart.py), so as not to wait for a job.
+FINISHED_SAY = "run {run} is finished: "
+
+
 def _check_store(spec: JobSpec, say: Say, warn: Say) -> bool:
     """Preflight the store before anything starts; False when the run is finished already."""
     if not spec.store:
@@ -188,8 +193,9 @@ def _check_store(spec: JobSpec, say: Say, warn: Say) -> bool:
         done = store.get_bytes(mf.done_key(spec.name))
     if done is not None:
         say(
-            f"run {spec.name} is finished: {store.url}/{spec.name}/DONE.json exists; not "
-            "training again (to train again, start under a new --name)"
+            FINISHED_SAY.format(run=spec.name)
+            + f"{store.url}/{spec.name}/DONE.json exists; not training again (to train "
+            "again, start under a new --name)"
         )
         return False
     return True

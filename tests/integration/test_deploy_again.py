@@ -347,3 +347,34 @@ def test_a_run_taken_down_with_its_store_kept_is_deployed_again_and_resumes_from
     assert ckpt.exists()  # restored from the store before the job started
     code, err = _rgt(capsys, "stop", "again", "--grace", "5")
     assert code == 0, err
+
+
+def test_a_deploy_of_a_finished_run_says_nothing_was_started_and_keeps_its_release(
+    on_box: Tuple[Cli, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run whose store holds DONE.json does not train again. A deploy of it with changed
+    code said "fin is SUCCEEDED; its first line: ..." (the old attempt's line, as if the new
+    code had started), moved the box's `current` link to a release the run never ran, and on
+    a fresh box (no run dir) waited a minute for a first line that never came ("no output
+    within 60 s yet", "follow it with `rgt watch fin`"). Now it says that nothing started."""
+    cli, proj = on_box
+    store = f"file://{tmp_path / 'store'}"
+    (Path(proj) / "done.py").write_text("print('trained', flush=True)\n")
+    deploy = [*_deploy(proj, "fin"), "--store", store, "--", sys.executable, "done.py"]
+    code, err = _rgt(capsys, *deploy)
+    assert code == 0, err
+    cli.wait_over("fin", "SUCCEEDED")
+    current = Path(cli.home, "deploys", "fin", "current")
+    ran_in = os.readlink(current)
+    (Path(proj) / "done.py").write_text("print('trained again', flush=True)\n")
+    for fresh_box in (False, True):
+        if fresh_box:
+            shutil.rmtree(Path(cli.home, "runs", "fin"))
+        code, err = _rgt(capsys, *deploy)
+        assert code == 0, err
+        assert "its first line" not in err and "follow it with" not in err, err
+        last = err.strip().splitlines()[-1]
+        assert last.startswith("rgt: run fin is finished (its store holds DONE.json)"), err
+        assert "nothing was started: this deploy's code did not run" in last, last
+        assert "deploy under a new --name" in last and "`rgt pull fin`" in last, last
+        assert os.readlink(current) == ran_in

@@ -40,26 +40,25 @@ import posixpath
 import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
-from controller import boxrun, contacts, envnames
+from controller import contacts, envnames
 from controller.deploy import audit as auditmod
 from controller.deploy import guess as guessmod
 from controller.deploy.boxspec import record_box_store
 from controller.deploy.boxstart import after_start, finished_line, start_on_box
-from controller.deploy.install import AgentInstall, answers_version, found_install, install_agent
+from controller.deploy.install import AgentInstall, found_install, install_agent
+from controller.deploy.look import Live, live_refusal, look, look_args, refuse_live_elsewhere
 from controller.deploy.probe import Probed
 from controller.deploy.project import project_files, release_id
 from controller.deploy.release import PushResult, push_release, switch_current
 from controller.deploy.request import DeployRequest, Plan, check_on_done, check_request
 from controller.deploy.wheel import AgentWheel, agent_wheel
 from controller.registry import Registry, RunRecord
-from controller.remote import Remote, box_int, open_remote
+from controller.remote import Remote, open_remote
 from controller.runstore import store_fields
 from controller.target import Target
-from onbox.agent.states import LIVE_NAMES
-from onbox.common import jobenv, jsondoc
+from onbox.common import jobenv
 from onbox.common.errors import (
     HostError,
-    LockedError,
     NotFound,
 )
 from onbox.common.rundir import profiles_dir
@@ -131,6 +130,7 @@ def deploy(
             from controller.deploy.again import start_again  # (it builds on this module)
 
             return start_again(remote, registry, plan, report, box_home, wheel, say, raise_ended)
+        refuse_live_elsewhere(remote, plan, prev, report.look, wheel.version, rid)
         _warn_no_store(plan, say)
         pushed = push_release(
             remote, plan.project, box_home, name=plan.name, files=files, seen=report.release
@@ -201,7 +201,7 @@ def _audit(
         extras=store_extras(store or plan.job_store),
         release_id=rid,
         deploy=plan.name,
-        look=_look_args(prev, wheel.version) if prev is not None else (),
+        look=look_args(prev, wheel.version) if prev is not None else (),
         markers=None if plan.guess else guessmod.marker_args(guessmod.candidates(plan.dirs)),
     )
     if plan.guess is None:
@@ -345,10 +345,7 @@ def _already_live(
     """A run already live on the box: left alone on this release, refused on another."""
     state, release = live
     if release != pushed.id:
-        raise LockedError(
-            f"run {plan.name} is {state} on {plan.target.label} with release {release}",
-            f"`rgt stop {plan.name}` first, or deploy under another --name",
-        )
+        raise live_refusal(plan, live)
     # A deploy cut off after the start may not have switched the link yet.
     switch_current(remote, rec.box_home, plan.name, pushed.id)
     registry.put(rec)
@@ -393,9 +390,6 @@ def _agent_args(verb: str, plan: Plan, store: Optional[str], tail: bool = True) 
     return args
 
 
-Live = Tuple[str, Optional[str]]  # a live run's state and the release it runs
-
-
 def agent_and_run(
     remote: Remote,
     req: DeployRequest,
@@ -421,7 +415,7 @@ def agent_and_run(
             and prev.agent_argv() == rec.agent_argv()
             and prev.name == rec.name
         )
-        sound, live = _look(remote, rec, wheel.version, seen if same else None)
+        sound, live = look(remote, rec, wheel.version, seen if same else None)
         if sound:
             return found, rec, live
     agent = install_agent(
@@ -435,7 +429,7 @@ def agent_and_run(
         broken=found is not None,
     )
     rec = record(agent)
-    return agent, rec, _look(remote, rec)[1]
+    return agent, rec, look(remote, rec)[1]
 
 
 def previous_record(registry: Registry, name: str, target: Target) -> Optional[RunRecord]:
@@ -448,50 +442,3 @@ def previous_record(registry: Registry, name: str, target: Target) -> Optional[R
     if rec.target != target or not rec.agent or not rec.box_home or rec.down_at is not None:
         return None
     return rec
-
-
-def _look_args(rec: RunRecord, version: Optional[str]) -> List[str]:
-    """audit.rgt_look's arguments for a look at ``rec``'s run (``--version`` too, with
-    ``version``)."""
-    return ["1" if version else "0", boxrun.look_dir(rec).spec, rec.name, *rec.agent_argv()]
-
-
-def _look(
-    remote: Remote,
-    rec: RunRecord,
-    version: Optional[str] = None,
-    seen: Optional[Dict[str, List[str]]] = None,
-) -> Tuple[bool, Optional[Live]]:
-    """Whether the run's agent answers ``--version`` with ``version`` (not asked, True, when
-    ``version`` is None), and the run's (state, release) when it is live on the box: from
-    ``seen`` (the audit's look through the same agent) or one command now."""
-    if seen is None:
-        r = remote.sh(auditmod.LOOK_SH + 'rgt_look "$@"', *_look_args(rec, version), timeout=180)
-        seen = auditmod.sections(r.text)
-    if version is not None:
-        rc = box_int("".join(seen.get("version-rc") or []))
-        said = "\n".join(seen.get("version") or [])
-        if not answers_version(-1 if rc is None else rc, said, version):
-            return False, None  # its status is not to be trusted either
-    if "".join(seen.get("status-rc") or []).strip() != "0":
-        return True, None
-    return True, _live(seen.get("status") or [], seen.get("spec") or [])
-
-
-def _live(status: List[str], spec: List[str]) -> Optional[Live]:
-    """(state, release) from ``rgt-agent status --json`` and spec.json when the run is live."""
-    try:
-        doc = jsondoc.loads("\n".join(status))
-    except ValueError:
-        return None
-    if not isinstance(doc, dict) or doc.get("state") not in LIVE_NAMES:
-        return None
-    if not (doc.get("agent") or {}).get("alive"):
-        return None
-    rel = posixpath.basename(str(doc.get("workdir") or "")) or None
-    if rel is None:
-        try:
-            rel = posixpath.basename(str(jsondoc.loads("\n".join(spec)).get("workdir", ""))) or None
-        except (ValueError, AttributeError):
-            rel = None
-    return str(doc["state"]), rel

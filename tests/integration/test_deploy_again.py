@@ -378,3 +378,25 @@ def test_a_deploy_of_a_finished_run_says_nothing_was_started_and_keeps_its_relea
         assert "nothing was started: this deploy's code did not run" in last, last
         assert "deploy under a new --name" in last and "`rgt pull fin`" in last, last
         assert os.readlink(current) == ran_in
+
+
+def test_a_deploy_of_new_code_to_a_live_run_is_refused_before_the_code_is_pushed(
+    on_box: Tuple[Cli, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A deploy of changed code under the name of a run that is live on the box is refused
+    (exit 5). It pushed the whole project first, then refused: minutes of upload for a large
+    project, and a release on the box that no run uses and no `rgt down` removes."""
+    cli, proj = on_box
+    code, err = _rgt(capsys, *_deploy(proj, "busy", sys.executable, "job.py"))
+    assert code == 0, err
+    releases = Path(cli.home, "releases")
+    before = sorted(os.listdir(releases))
+    (Path(proj) / "job.py").write_text(JOB + "# changed\n")
+    code, err = _rgt(capsys, *_deploy(proj, "busy", sys.executable, "job.py"))
+    assert code == 5, err
+    assert re.search(r"run busy is (STARTING|RUNNING) on local with release \w+", err), err
+    assert "`rgt stop busy` first, or deploy under another --name" in err, err
+    assert "sent" not in err, err  # no push line
+    assert sorted(os.listdir(releases)) == before
+    code, err = _rgt(capsys, "stop", "busy", "--grace", "1")
+    assert code == 0, err

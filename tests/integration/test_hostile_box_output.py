@@ -20,7 +20,7 @@ from typing import Dict, List
 
 import pytest
 
-from controller.deploy import flow
+from controller.deploy import look
 from controller.deploy.audit import audit
 from controller.registry import Registry, RunRecord
 from controller.remote import LocalRemote
@@ -196,7 +196,7 @@ def test_a_spec_forging_the_version_section_is_no_traceback(box: Path) -> None:
     Now that agent does not answer the version (and is installed anew)."""
     rec = Registry().get(RUN)
     Path(rec.box_home, "runs", RUN, "spec.json").write_text(f"@@version-rc\n{DIGITS}\n")
-    assert flow._look(LocalRemote(), rec, version="1.0") == (False, None)
+    assert look.look(LocalRemote(), rec, version="1.0") == (False, None)
 
 
 def test_slurm_stop_and_logs_carry_no_escape_sequence(box: Path, tmp_path: Path) -> None:

@@ -312,13 +312,19 @@ def _follow(remote: Remote, argv: List[str], out: IO[bytes], label: str) -> Tupl
     proc = remote.popen(argv)
     stream = proc.stdout
     assert stream is not None
+    interrupted = False
     try:
         for chunk in iter(lambda: os.read(stream.fileno(), 65536), b""):
             out.write(chunk)
             out.flush()
     except KeyboardInterrupt:
+        interrupted = True
         proc.terminate()
     rc = proc.wait()
+    if interrupted:
+        # A terminal's ^C reaches the ssh client too (one process group), which exits 255 on
+        # it: the person stopped reading, the box was not lost.
+        return 0, ""
     if rc == 255:
         raise RemoteUnreachable(f"lost {label} while following the log")
     return rc, printable(proc.err_tail.decode(errors="replace").strip()[-300:])

@@ -12,6 +12,7 @@ $RGT_HOME/                      RGT_HOME defaults to ~/.rgt
     checkpoint.request          written by the agent to ask the job for a checkpoint (trigger
                                 "file"; the training API watches it)
     sealer.json                 the sealer's memory of in-place checkpoint sequences
+    sealer-links.json           the sealer's memory of the checkpoint dir's links (last.ckpt)
     epoch.json                  the epoch this box's newest writer of the run took in the store
     staging/                    the sealer's copies of files it uploads (step-N/, logs/)
     attempts/NNNN/output.log    the job's stdout+stderr, unaltered
@@ -131,6 +132,12 @@ class RunDir:
     def sealer_state(self) -> str:
         """The sealer's memory of in-place checkpoint sequences (``ckpt.pt`` rewritten)."""
         return os.path.join(self.path, "sealer.json")
+
+    @property
+    def sealer_links(self) -> str:
+        """The sealer's memory of the checkpoint dir's links seen leading to checkpoints not
+        sealed yet (onbox/sealing/dirlinks.py ``Seen``)."""
+        return os.path.join(self.path, "sealer-links.json")
 
     @property
     def epoch_record(self) -> str:

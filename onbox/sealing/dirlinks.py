@@ -27,9 +27,10 @@ from __future__ import annotations
 import os
 import stat
 import threading
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from onbox.common import links
+from onbox.common.durable import read_json, write_json
 from onbox.common.errors import IntegrityError
 from onbox.common.safepath import lstat_beneath, open_dir
 from onbox.sealing.discovery import skip
@@ -50,31 +51,44 @@ def observe(ckpt_dir: str) -> List[Tuple[str, str]]:
 
 
 class Seen:
-    """The dir's links as the sealer saw them while this agent ran: each (name, target) it
-    observed, when it observed it last. A link is recorded with a checkpoint it led to at any
-    moment the seal observed (when it was picked, during its upload, before its MANIFEST):
+    """The dir's links as the sealer saw them: each (name, target) it observed, when it
+    observed it last; kept at ``path`` too, so an agent restarted (a crash, an upgrade, an
+    adoption) before a checkpoint's MANIFEST still records the links seen leading to it. A
+    link is recorded with a checkpoint it led to at any moment the seal observed (when it
+    was picked, during its upload, before its MANIFEST):
     that is true of the dir's history. Observed only at the MANIFEST, a ``last.ckpt`` the job
     moves on faster than a seal takes was recorded by no MANIFEST at all. A link never seen
     leading to a checkpoint is never recorded with it (a ``best`` link stays with its own).
     Thread-safe (scan may run beside a seal)."""
 
-    def __init__(self, ckpt_dir: str) -> None:
+    def __init__(self, ckpt_dir: str, path: Optional[str] = None) -> None:
         self.ckpt_dir = ckpt_dir
+        self.path = path  # where the memory outlives this agent (RunDir.sealer_links)
         self.pairs: Dict[Tuple[str, str], int] = {}  # (name, target) -> when seen last
         self.n = 0
+        self.last: Set[Tuple[str, str]] = set()  # the pairs the last look saw
         self.lock = threading.Lock()
+        if path is not None:
+            self.pairs = _load(path)
+            self.n = max(self.pairs.values(), default=0)
 
     def look(self) -> None:
         """Observe the dir's links now. A pair whose target is gone (rotation deleted it) is
         forgotten: no seal records it, and the memory stays as small as the dir."""
         now = observe(self.ckpt_dir)
         with self.lock:
+            before = set(self.pairs)
             self.n += 1
             for pair in now:
                 self.pairs[pair] = self.n
             for pair in list(self.pairs):
                 if not os.path.lexists(os.path.join(self.ckpt_dir, *pair[1].split("/"))):
                     del self.pairs[pair]
+            # Written only when it changed: the same links as the last look keep their order
+            # (which of a name's targets was seen last), so a pass over a still dir writes none.
+            if set(now) != self.last or set(self.pairs) != before:
+                self._save()
+            self.last = set(now)
 
     def leading_to(self, doc: Dict[str, Any]) -> List[Dict[str, str]]:
         """Observe once more, then the links seen leading to the checkpoint of ``doc`` (a
@@ -95,9 +109,56 @@ class Seen:
     def sealed(self, root: str) -> None:
         """The checkpoint ``root`` has its MANIFEST: its links are recorded, forget them."""
         with self.lock:
-            for pair in list(self.pairs):
-                if pair[1] == root or pair[1].startswith(root + "/"):
-                    del self.pairs[pair]
+            gone = [p for p in self.pairs if p[1] == root or p[1].startswith(root + "/")]
+            for pair in gone:
+                del self.pairs[pair]
+            if gone:
+                self._save()
+
+    def _save(self) -> None:
+        """The memory, durably (under the lock): a sealer restarted before a checkpoint's
+        MANIFEST still records the links seen leading to it. Not written (disk full, a
+        read-only run dir): it stays in this process, as before it was kept on disk; sealing
+        goes on."""
+        if self.path is None:
+            return
+        doc = {"version": 1, "pairs": [[n, t, k] for (n, t), k in sorted(self.pairs.items())]}
+        try:
+            write_json(self.path, doc)
+        except OSError:
+            pass
+
+
+def links_state(state_path: str) -> str:
+    """Where the links' memory is kept beside the sealer's state file ``state_path``:
+    ``sealer.json`` has ``sealer-links.json`` (RunDir.sealer_links)."""
+    return os.path.splitext(state_path)[0] + "-links.json"
+
+
+def _load(path: str) -> Dict[Tuple[str, str], int]:
+    """The memory a sealer of this run left on the box. Local state an earlier agent wrote,
+    read as untrusted all the same: a file torn or changed by hand loses what does not parse
+    (a pair is dropped, never guessed), and never stops sealing. A pair kept is still checked
+    against the MANIFEST it would join (``check_link``) before it is recorded."""
+    try:
+        doc = read_json(path)
+    except (OSError, ValueError):
+        return {}
+    pairs = doc.get("pairs") if isinstance(doc, dict) else None
+    out: Dict[Tuple[str, str], int] = {}
+    for item in pairs if isinstance(pairs, list) else []:
+        if not (isinstance(item, list) and len(item) == 3):
+            continue
+        name, target, n = item
+        if not (isinstance(name, str) and isinstance(target, str)):
+            continue
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            continue
+        parts = target.split("/")
+        if not name or "/" in name or any(p in ("", ".", "..") for p in parts):
+            continue  # not a name in the dir, nor a path under it, as observe gives
+        out[(name, target)] = n
+    return out
 
 
 def make(

@@ -46,7 +46,7 @@ from onbox.common.faults import crash_point
 from onbox.common.rundir import RunDir
 from onbox.common.wholefile import looks_whole
 from onbox.sealing import manifest as mf
-from onbox.sealing.dirlinks import Seen
+from onbox.sealing.dirlinks import Seen, links_state
 from onbox.sealing.discovery import (
     Candidate,
     in_place,
@@ -84,6 +84,7 @@ class Sealer:
         keep: int = 3,
         event: Callable[..., None],
         state_path: str,
+        links_path: Optional[str] = None,
     ) -> None:
         self.run = run
         self.ckpt_dir = ckpt_dir
@@ -99,7 +100,9 @@ class Sealer:
         self.bytes_per_s = 50e6  # until measured: a cautious guess for the preemption estimate
         self.backlog: Optional[int] = None  # complete checkpoints the last pass left unsealed
         self.seq: Dict[str, Dict[str, Any]] = self._load_seq()
-        self.seen = Seen(ckpt_dir)  # the dir's links as observed: recorded with their target
+        # The dir's links as observed: recorded with their target; kept next to the sequences
+        # (RunDir.sealer_links), so an agent restarted before a MANIFEST still records them.
+        self.seen = Seen(ckpt_dir, links_path or links_state(state_path))
         # The seconds the job's save of a step held its loop, where the job reports it
         # (onbox/common/progress.py): carried on the ``sealed`` event for the auto interval.
         self.job_blocked: Callable[[int], Optional[float]] = lambda step: None
@@ -130,6 +133,7 @@ class Sealer:
             keep=keep,
             event=event,
             state_path=rd.sealer_state,
+            links_path=rd.sealer_links,
         )
 
         def blocked(step: int) -> Optional[float]:

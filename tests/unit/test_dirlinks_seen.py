@@ -5,8 +5,9 @@ the MANIFEST, and never with one it was never seen leading to. A real directory,
 from __future__ import annotations
 
 import hashlib
+import json
 import os
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 from onbox.sealing import manifest as mf
 from onbox.sealing.dirlinks import Seen
@@ -54,3 +55,52 @@ def test_a_link_to_a_checkpoint_the_job_deleted_is_forgotten(tmp_path: Any) -> N
     os.unlink(str(tmp_path / "last.ckpt"))
     seen.look()
     assert seen.pairs == {}
+
+
+def test_the_memory_outlives_the_sealer_and_forgets_what_was_sealed_or_deleted(
+    tmp_path: Any,
+) -> None:
+    d, state = tmp_path / "ckpt", str(tmp_path / "sealer-links.json")
+    d.mkdir()
+    for step in (2, 4):
+        (d / f"s{step}.ckpt").write_bytes(b"x")
+    _point(d, "last.ckpt", "s2.ckpt")
+    Seen(str(d), state).look()  # that agent is gone before step 2's MANIFEST
+    _point(d, "last.ckpt", "s4.ckpt")
+    again = Seen(str(d), state)
+    want = [{"name": "last.ckpt", "target": "s2.ckpt"}]
+    assert again.leading_to(_doc("s2.ckpt", 2)) == want
+    again.sealed("s2.ckpt")
+    assert Seen(str(d), state).pairs == {("last.ckpt", "s4.ckpt"): 2}
+    os.remove(str(d / "s4.ckpt"))  # rotation
+    again.look()
+    assert Seen(str(d), state).pairs == {}
+
+
+def test_a_torn_or_odd_memory_loses_what_does_not_parse_and_never_stops_sealing(
+    tmp_path: Any,
+) -> None:
+    (tmp_path / "s2.ckpt").write_bytes(b"x")
+    state = tmp_path / "sealer-links.json"
+    state.write_text('{"version": 1, "pairs": [["last.ckpt", "s2.ck')  # torn
+    seen = Seen(str(tmp_path), str(state))
+    assert seen.pairs == {}
+    assert seen.leading_to(_doc("s2.ckpt", 2)) == []
+    odd = [
+        ["last.ckpt", "s2.ckpt", 3],
+        ["up", "../s2.ckpt", 1],
+        ["a/b", "s2.ckpt", 1],
+        ["abs", "/s2.ckpt", 1],
+        ["n", "s2.ckpt", "1"],
+        ["t", "s2.ckpt", True],
+        ["short", "s2.ckpt"],
+        "last.ckpt",
+    ]
+    docs: List[Any] = [[], {"pairs": {}}, None]
+    for doc in docs:
+        state.write_text(json.dumps(doc))
+        assert Seen(str(tmp_path), str(state)).pairs == {}
+    state.write_text(json.dumps({"pairs": odd}))
+    seen = Seen(str(tmp_path), str(state))
+    assert seen.pairs == {("last.ckpt", "s2.ckpt"): 3}
+    assert seen.leading_to(_doc("s2.ckpt", 2)) == [{"name": "last.ckpt", "target": "s2.ckpt"}]

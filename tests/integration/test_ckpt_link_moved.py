@@ -48,12 +48,14 @@ MIB = 5 << 20  # past filecopy.SMALL_FILE: copied in pieces, so the copy holds a
 
 
 def _held_seal(
-    tmp_path: Any, url: str, run: str, ckpt: str, passes: int = 1
+    tmp_path: Any, url: str, run: str, ckpt: str, passes: int = 1, work: Any = None
 ) -> subprocess.Popen[str]:
     """A sealer process (``passes`` of them, then the box is gone) held in its first copy of a
-    big file until ``tmp_path/release``."""
-    work = tmp_path / f"sealer-{time.monotonic_ns()}"
-    work.mkdir()
+    big file until ``tmp_path/release``; its state in ``work`` (an agent's run dir), a new one
+    unless given."""
+    if work is None:
+        work = tmp_path / f"sealer-{time.monotonic_ns()}"
+        work.mkdir()
     env = dict(
         os.environ,
         RGT_HOLD_AT="copy.after_piece",
@@ -284,3 +286,43 @@ def test_a_link_moved_on_past_a_backlog_during_a_seal_is_recorded_with_each_chec
     assert _restore(store, "own", str(box))["step"] == 4
     assert sorted(os.listdir(box)) == ["epoch=0-step=4.ckpt", "last.ckpt"]
     assert os.readlink(str(box / "last.ckpt")) == "epoch=0-step=4.ckpt"
+
+
+def test_a_link_seen_before_the_sealer_was_killed_is_recorded_by_the_next_one(
+    tmp_path: Any,
+) -> None:
+    """A sealer process saw ``last.ckpt`` lead to step 2 while step 2 waited, and is killed
+    (SIGKILL: a crash, an agent upgraded or adopted) before step 2's MANIFEST; the job moves
+    ``last.ckpt`` on to step 4; a new sealer process of the same run dir seals 2 and 4. Step
+    2's MANIFEST has ``last.ckpt``: the memory of the links outlived the process, and a
+    restore that falls back to step 2 makes it again."""
+    root = tmp_path / "durable"
+    root.mkdir()
+    store = open_store(f"file://{root}")
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    work = tmp_path / "run-dir"
+    work.mkdir()
+    _point(d, "last.ckpt", _ckpt(d, 2, MIB))
+    first = _held_seal(tmp_path, store.url, "own", str(d), work=work)
+    try:
+        _wait_copying(first, str(root))
+    finally:
+        first.kill()  # by its PID: SIGKILL, before step 2's MANIFEST
+        first.communicate()  # its pipes closed
+    assert not os.path.exists(os.path.join(root, mf.manifest_key("own", 2)))
+    _point(d, "last.ckpt", _ckpt(d, 4, 1000))
+
+    (tmp_path / "release").touch()  # no hold from here on
+    assert "[2, 4]" in _finish(tmp_path, _held_seal(tmp_path, store.url, "own", str(d), 1, work))
+    assert _links(str(root), "own", 2) == [{"name": "last.ckpt", "target": "epoch=0-step=2.ckpt"}]
+    assert _links(str(root), "own", 4) == [{"name": "last.ckpt", "target": "epoch=0-step=4.ckpt"}]
+    box = tmp_path / "box"
+    kept = json.loads((work / "seq-links.json").read_text())["pairs"]
+    assert not [p for p in kept if p[1] == "epoch=0-step=2.ckpt"], kept  # sealed: forgotten
+    with open(os.path.join(root, mf.manifest_key("own", 4)), "rb") as f:
+        key = json.loads(f.read())["files"][0]["key"]
+    with open(os.path.join(root, key), "r+b") as f:  # the store lost step 4's bytes
+        f.write(b"\0" * 64)
+    assert _restore(store, "own", str(box))["step"] == 2
+    assert os.readlink(str(box / "last.ckpt")) == "epoch=0-step=2.ckpt"

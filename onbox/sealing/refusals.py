@@ -106,6 +106,10 @@ class Refusals:
         to bytes never sealed (``left_out``, usage)."""
         for name in names:
             path = os.path.join(ckpt_dir, name)
+            if not os.path.islink(path):
+                # Gone since the listing (Lightning re-links last.ckpt by removing it first),
+                # or a file now: no link to speak of; said when it is one again.
+                continue
             real = links.within(path)
             if self.links.get(name) == (real is not None):
                 continue

@@ -88,7 +88,7 @@ class History:
 class Segment:
     """One agent's life in the events, from its ``epoch`` event on."""
 
-    def __init__(self, start: float) -> None:
+    def __init__(self, start: float, reports: bool = False) -> None:
         self.start = self.last = start
         self.unplanned = 0
         self.state = ""
@@ -105,7 +105,9 @@ class Segment:
         self._sealed_at_term = -1  # the newest sealed step when the job took that SIGTERM
         self.samples: List[float] = []  # d: the job's blocked save, else ask to sealed
         self.seals: List[float] = []  # ask to sealed, seconds
-        self.reports = False  # the job reports its saves' blocked time
+        # The job reports its saves' blocked time: from the history on (a new box's first seal
+        # can come before the job's report of that save; its ask-to-sealed is no measure of d).
+        self.reports = reports
         self._asked: Optional[float] = None
 
     def feed(self, ev: Dict[str, Any], t: float) -> None:
@@ -227,12 +229,14 @@ def history(events: List[Any], begin: bool) -> History:
         if kind == "epoch":
             if seg is not None:
                 base = seg.close(base, fresh)
-            seg, ended = Segment(t), False
+            seg, ended = Segment(t, base.reports), False
             continue
         if ended:
             continue
         if kind == KIND and ev.get("at_start"):  # that agent's own reading of the history
             base = _carried(ev)
+            if seg is not None:
+                seg.reports = seg.reports or base.reports
         if seg is not None:
             seg.feed(ev, t)
     return seg.close(base, begin) if seg is not None else base
@@ -327,7 +331,7 @@ class AutoInterval:
         self.base = base if base is not None else History()
         self.reread = reread if base is None else None
         self.floor = floor
-        self.seg = Segment(started)
+        self.seg = Segment(started, self.base.reports)
         self.path = events_path
         self.event = event
         self.seconds = floor
@@ -415,6 +419,7 @@ class AutoInterval:
         if base is None:
             return
         self.base, self.reread, self._logged = base, None, None
+        self.seg.reports = self.seg.reports or base.reports
         if base.unusable:
             self._unusable(base.unusable)
         self.update(now, at_start=True)

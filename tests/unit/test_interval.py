@@ -647,3 +647,37 @@ def test_a_store_that_does_not_answer_at_start_loses_no_history(
     mirrored = interval.parse_lines(get(mf.state_key("r", "events.jsonl")) or b"")
     later = history(mirrored, begin=True)  # what the next fresh box reads
     assert later.up >= 6000.0 and later.unplanned >= 3
+
+
+def test_a_new_agents_first_seal_without_a_report_does_not_mix_the_outside_view_in(
+    tmp_path: Any,
+) -> None:
+    """The job reports its saves' blocked time (the agents before this one saw it), but the
+    new box's first seal came before the job's report of that save (the sealer can beat the
+    job's progress.json on a loaded box; a clean-clone CI run saw it): the ask-to-sealed time
+    is no measure of d for such a job, here nor in the history the next box reads."""
+    reported = [
+        ev(0, "epoch", epoch=5),
+        state(1, "RUNNING"),
+        ev(10, "checkpoint_asked"),
+        ev(11, "sealed", step=1, seconds=0.5, blocked_s=0.02),
+    ]
+    base = history(reported, begin=True)
+    assert base.reports
+    path = os.path.join(str(tmp_path), "events.jsonl")
+    news = [
+        ev(100, "epoch", epoch=6),
+        ev(110, "checkpoint_asked"),
+        ev(111.4, "sealed", step=2, seconds=1.4),  # the report of step 2's save not seen yet
+    ]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(e) + "\n" for e in news)
+    logged: List[Any] = []
+    auto = AutoInterval(base, 0.1, T0 + 100, path, lambda k, r, **data: logged.append((r, data)))
+    auto.start(T0 + 100)
+    auto.update(T0 + 112)
+    reasons = [r for r, data in logged if data["d"] is not None]
+    assert reasons and all("the job's blocked save" in r for r in reasons), logged
+    assert all(data["d"] == pytest.approx(0.02) for r, data in logged if data["d"] is not None)
+    after = history(reported + [ev(100, "incarnation")] + news, begin=True)
+    assert after.reports and after.d == pytest.approx(0.02)

@@ -25,12 +25,11 @@ import pytest
 from controller.results.pull import pull
 from onbox.common.errors import IntegrityError
 from onbox.sealing import manifest as mf
-from onbox.sealing.epochs import take_epoch
 from onbox.sealing.restore import NoVerifiedCheckpoint, restore_latest
-from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from tests.conftest import require
 from tests.integration.test_pull import RUN, _rec, laptop
+from tests.integration.test_sealing import _sealer
 
 __all__ = ["laptop"]  # the fixture, used by name
 
@@ -89,16 +88,7 @@ def _lightning(tmp_path: Any, ckpt: str, steps: int, resume: bool, pad: int = 0)
 
 def _seal_all(store: Any, run: str, ckpt: str, tmp_path: Any) -> List[Dict[str, Any]]:
     events: List[Dict[str, Any]] = []
-    s = Sealer(
-        run,
-        ckpt,
-        store,
-        str(tmp_path / "stage"),
-        epoch=take_epoch(store, run),
-        event=lambda kind, reason, **kw: events.append(dict(kw, kind=kind, reason=reason)),
-        state_path=str(tmp_path / "seq.json"),
-    )
-    s.load()
+    s = _sealer(store, run, ckpt, tmp_path, events)
     while s.seal_pending():
         pass
     return events

@@ -214,14 +214,19 @@ def test_a_link_is_recorded_with_each_checkpoint_it_led_to_and_never_with_anothe
     assert _restore(store, "own", str(second))["step"] == 4
     assert os.readlink(str(second / "last.ckpt")) == "epoch=0-step=4.ckpt"
 
-    with open(os.path.join(root, mf.manifest_key("own", 4)), "rb") as f:
-        key = json.loads(f.read())["files"][0]["key"]
-    with open(os.path.join(root, key), "r+b") as f:  # the store lost step 4's bytes
-        f.write(b"\0" * 64)
+    _damage(str(root), "own", 4)  # the store lost step 4's bytes
     third = tmp_path / "box-3"
     assert _restore(store, "own", str(third))["step"] == 2
     assert sorted(os.listdir(third)) == ["epoch=0-step=2.ckpt", "last.ckpt"]
     assert os.readlink(str(third / "last.ckpt")) == "epoch=0-step=2.ckpt"
+
+
+def _damage(root: str, run: str, step: int) -> None:
+    """Overwrite the start of the first file of ``step`` in the file:// store at ``root``."""
+    with open(os.path.join(root, mf.manifest_key(run, step)), "rb") as f:
+        key = json.loads(f.read())["files"][0]["key"]
+    with open(os.path.join(root, key), "r+b") as f:
+        f.write(b"\0" * 64)
 
 
 IN_OPEN, IN_ISDIR = 0x20, 0x40000000
@@ -278,10 +283,7 @@ def test_a_link_moved_on_past_a_backlog_during_a_seal_is_recorded_with_each_chec
         want = [{"name": "last.ckpt", "target": f"epoch=0-step={step}.ckpt"}]
         assert _links(str(root), "own", step) == want, step
 
-    with open(os.path.join(root, mf.manifest_key("own", 6)), "rb") as f:
-        key = json.loads(f.read())["files"][0]["key"]
-    with open(os.path.join(root, key), "r+b") as f:  # the store lost step 6's bytes
-        f.write(b"\0" * 64)
+    _damage(str(root), "own", 6)  # the store lost step 6's bytes
     box = tmp_path / "box"
     assert _restore(store, "own", str(box))["step"] == 4
     assert sorted(os.listdir(box)) == ["epoch=0-step=4.ckpt", "last.ckpt"]
@@ -320,9 +322,6 @@ def test_a_link_seen_before_the_sealer_was_killed_is_recorded_by_the_next_one(
     box = tmp_path / "box"
     kept = json.loads((work / "seq-links.json").read_text())["pairs"]
     assert not [p for p in kept if p[1] == "epoch=0-step=2.ckpt"], kept  # sealed: forgotten
-    with open(os.path.join(root, mf.manifest_key("own", 4)), "rb") as f:
-        key = json.loads(f.read())["files"][0]["key"]
-    with open(os.path.join(root, key), "r+b") as f:  # the store lost step 4's bytes
-        f.write(b"\0" * 64)
+    _damage(str(root), "own", 4)  # the store lost step 4's bytes
     assert _restore(store, "own", str(box))["step"] == 2
     assert os.readlink(str(box / "last.ckpt")) == "epoch=0-step=2.ckpt"

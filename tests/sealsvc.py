@@ -23,6 +23,7 @@ def seal_service(tmp_path: Any, **spec: Any) -> SealService:
     rd = RunDir("r", str(tmp_path / "home"))
     rd.create()
     os.makedirs(str(tmp_path / "ckpt"), exist_ok=True)
+    os.makedirs(str(tmp_path / "store"), exist_ok=True)  # a store root is the user's to make
     spec.setdefault("trigger", "file")
     job = JobSpec(
         "r",

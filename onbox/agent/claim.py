@@ -172,14 +172,19 @@ def _existing(path: str) -> str:
 FINISHED_SAY = "run {run} is finished: "
 
 
-def _check_store(spec: JobSpec, say: Say, warn: Say) -> bool:
+def _check_store(spec: JobSpec, rd: RunDir, say: Say, warn: Say) -> bool:
     """Preflight the store before anything starts; False when the run is finished already."""
     if not spec.store:
         return True
     from onbox.sealing import manifest as mf
     from onbox.sealing.stores import open_box_store
+    from onbox.sealing.stores.local import LocalStore
 
     store = open_box_store(spec.store, spec.name, staged=True)  # the secrets it will start with
+    if isinstance(store, LocalStore) and store.root == os.path.join(rd.home, "store"):
+        # rgt's own default on the `local` target (controller/deploy/flow.py): no path a user
+        # typed, so no typo to refuse (stores/localpreflight.py); rgt makes it.
+        make_dirs(store.root)
     # A hung mount fails `start` here (exit 14), not holds it for ever (stores/hangbound.py).
     with store.calls_bounded(spec.restore_stall):
         for finding in store.preflight(spec.name):
@@ -207,7 +212,7 @@ def prepare_run(spec: JobSpec, say: Say, warn: Say) -> Optional[RunDir]:
     writes only in the store, and removes its probe), then the directories made. None when the
     store says the run is finished. ``say`` prints a line, ``warn`` one for stderr."""
     rd = _check_dirs(spec)
-    if not _check_store(spec, say, warn):
+    if not _check_store(spec, rd, say, warn):
         return None
     _make_dirs(spec, rd)
     return rd

@@ -416,7 +416,20 @@ class SealService(Hooks):
                 remedy="a longer grace, or smaller/more frequent checkpoints",
             )
             return
-        if seal_in_budget(sealer, self.spec.ckpt_dir, reason, budget_end, self.event):
+        try:
+            sealed = seal_in_budget(sealer, self.spec.ckpt_dir, reason, budget_end, self.event)
+        except StoreError as e:
+            # Said, not raised: the run must still end STOPPED or PREEMPTED with its state
+            # written (an agent that died here left it STOPPING, its job already gone).
+            self.event(
+                "seal_error",
+                e.what,
+                klass=event_class(e),
+                remedy=(e.remedy + "; " if e.remedy else "")
+                + "the checkpoints stay on the box; the next start seals them",
+            )
+            return
+        if sealed:
             self.mirror_quietly()
 
     def close(self) -> None:

@@ -59,6 +59,7 @@ def small(tmp_path: Any) -> Iterator[str]:
 
 
 def _sealer(tmp_path: Any, ckpt_dir: str, events: List[Dict[str, Any]]) -> Sealer:
+    os.makedirs(tmp_path / "durable", exist_ok=True)
     store = open_store("file://" + str(tmp_path / "durable"))
     s = Sealer(
         "r",
@@ -219,6 +220,7 @@ def test_files_the_job_leaves_in_the_ckpt_dir_are_sealed_at_success_and_pulled(
     pull brought the logs and not the result."""
     work = _job(tmp_path, "done1", ["out/", "summary.md"])
     root = str(tmp_path / "durable")
+    os.makedirs(root, exist_ok=True)
     ckpt = str(tmp_path / "ckpt")
     cli("start", "job.toml", "--ckpt-dir", ckpt, check=True, cwd=work)
     cli.wait_state("done1", "SUCCEEDED", timeout=60)
@@ -264,6 +266,7 @@ def test_a_missing_declared_output_is_an_event_a_status_line_and_a_pull_line(
     job succeeds is said, and the rest is sealed."""
     work = _job(tmp_path, "done2", ["out/", "nowhere/"])
     root = str(tmp_path / "durable")
+    os.makedirs(root, exist_ok=True)
     p = cli(
         "run", "job.toml", "--output", "summary.md", "--output", "missing.txt", "--output",
         "out/", cwd=work, timeout=120,
@@ -304,6 +307,7 @@ def test_a_crash_before_done_leaves_no_done_and_the_next_agent_finishes(
     claims anything; the next start of the run completes it, result included."""
     work = _job(tmp_path, "done3", ["out/"])
     root = str(tmp_path / "durable")
+    os.makedirs(root, exist_ok=True)
     env = dict(cli.env, RGT_CRASH_AT="finish.before_done")
     p = subprocess.run(
         [*agent_exe(), "run", "job.toml"], env=env, cwd=work, capture_output=True, timeout=120

@@ -233,6 +233,7 @@ def test_a_deploy_to_local_keeps_the_store_its_job_file_names(
     the run here sealed somewhere other than the store the job file names."""
     cli, proj = on_box
     mine = tmp_path / "job-store"
+    mine.mkdir()
     (Path(proj) / "job.toml").write_text(
         f'command = ["{sys.executable}", "job.py"]\nstore = "file://{mine}"\n'
     )
@@ -253,6 +254,7 @@ def test_a_deploy_over_ssh_records_the_store_its_job_file_names(tmp_path: Path) 
     proj, store = tmp_path / "proj", tmp_path / "job-store"
     os.mkdir(ctl)
     proj.mkdir()
+    store.mkdir()
     (proj / "job.py").write_text(JOB)
     (proj / "job.toml").write_text(
         f'command = ["{sys.executable}", "job.py"]\nstore = "file://{store}"\n'
@@ -322,6 +324,7 @@ def test_a_run_taken_down_with_its_store_kept_is_deployed_again_and_resumes_from
     and the agent restores the run's newest sealed checkpoint from the store."""
     cli, proj = on_box
     store = tmp_path / "store"
+    store.mkdir()
     job = [*fixture("ckpt_writer.py"), "on_signal", "0.25"]
     deploy = [*_deploy(proj, "again"), "--store", f"file://{store}", "--", *job]
     code, err = _rgt(capsys, *deploy)
@@ -358,6 +361,7 @@ def test_a_deploy_of_a_finished_run_says_nothing_was_started_and_keeps_its_relea
     a fresh box (no run dir) waited a minute for a first line that never came ("no output
     within 60 s yet", "follow it with `rgt watch fin`"). Now it says that nothing started."""
     cli, proj = on_box
+    (tmp_path / "store").mkdir()
     store = f"file://{tmp_path / 'store'}"
     (Path(proj) / "done.py").write_text("print('trained', flush=True)\n")
     deploy = [*_deploy(proj, "fin"), "--store", store, "--", sys.executable, "done.py"]

@@ -60,6 +60,7 @@ class Box:
         self.cli = cli
         self.home = cli.home
         self.store_root = str(tmp_path / "store")
+        os.mkdir(self.store_root)
         self.release = os.path.join(self.home, "releases", RELEASE)
         self.other_release = os.path.join(self.home, "releases", "ffff0000")
         for rel, name in ((self.release, RUN), (self.other_release, "other")):
@@ -310,6 +311,7 @@ def test_down_shows_as_lost_what_the_job_wrote_in_its_workdir_that_no_pull_holds
     os.makedirs(deploys)
     os.symlink(f"../../releases/{RELEASE}", os.path.join(deploys, "current"))
     _after(marker)
+    (tmp_path / "store").mkdir()
     store = "file://" + str(tmp_path / "store")
     cli("start", "--name", RUN, "--store", store, "--output", "results/", "--",
         sys.executable, "train.py", check=True, cwd=release)  # fmt: skip

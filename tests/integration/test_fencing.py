@@ -106,6 +106,7 @@ def url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     """A fresh store URL; for s3, the environment points boto3 at SeaweedFS (the child
     inherits it, as an agent would)."""
     if request.param == "file":
+        (tmp_path / "durable").mkdir()
         yield f"file://{tmp_path}/durable"
         return
     server: SeaweedServer = request.getfixturevalue("s3_server")

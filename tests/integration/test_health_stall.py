@@ -53,6 +53,7 @@ def test_a_job_that_stops_stepping_while_printing_is_restarted_from_the_sealed_c
     cli: Cli, tmp_path: Any
 ) -> None:
     root = str(tmp_path / "durable")
+    os.makedirs(root, exist_ok=True)
     go = str(tmp_path / "stall-now")
     job = _job(
         cli,

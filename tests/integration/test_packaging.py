@@ -235,6 +235,7 @@ def test_the_installed_agent_starts_stops_and_mirrors_a_run_into_a_file_store(
     venv: Venv, tmp_path: Path
 ) -> None:
     home, store = str(tmp_path / "home"), str(tmp_path / "store")
+    os.mkdir(store)  # a store root is the user's to make
     env = venv.env(home)
 
     def agent(*args: str) -> subprocess.CompletedProcess[str]:

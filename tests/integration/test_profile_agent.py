@@ -26,8 +26,10 @@ def _profiles(cli: Cli, tmp_path: Any, name: str, toml: str) -> str:
 
 
 def _durable(tmp_path: Any) -> str:
+    """The profile's durable path, with the store root the profile defaults to under it made
+    (on a real box the durable path is a mount, under which rgt makes it itself)."""
     root = tmp_path / "durable"
-    root.mkdir(exist_ok=True)
+    (root / "rgt").mkdir(parents=True, exist_ok=True)
     return str(root)
 
 

@@ -31,10 +31,11 @@ from onbox.sealing.fetch import STAGE_PREFIX
 from onbox.sealing.restore import restore_latest
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
-from onbox.sealing.stores.base import ObjectInfo
+from onbox.sealing.stores.base import ObjectInfo, Store
 from onbox.sealing.stores.local import LocalStore
 from tests.conftest import ROOT, Cli, fixture, require
 from tests.dirsync import DirSyncSpy
+from tests.mounts import tmpfs
 
 WRITER = fixture("ckpt_writer.py")
 
@@ -378,8 +379,8 @@ def test_every_directory_a_seal_or_restore_makes_is_durable_before_it_is_relied_
     a shard directory inside the checkpoint) fsyncs each new directory into its parent before
     LATEST names the checkpoint; a restore into a new nested target does the same before it
     returns. Otherwise power lost on the box could keep LATEST and lose the step it names."""
-    root = str(tmp_path / "mnt" / "durable")  # made by the first put
-    store = open_store("file://" + root)
+    mnt = str(tmp_path / "mnt")
+    root = os.path.join(mnt, "proj", "durable")  # made by the first put, under a mount
     ckpt = str(tmp_path / "ckpt")
     d = os.path.join(ckpt, "checkpoint-5")
     os.makedirs(os.path.join(d, "shards", "rank0"))
@@ -387,15 +388,21 @@ def test_every_directory_a_seal_or_restore_makes_is_durable_before_it_is_relied_
         f.write(os.urandom(3 << 20))
     with open(os.path.join(d, "trainer_state.json"), "w") as f:
         f.write('{"global_step": 5, "log_history": []}')
-    spy = DirSyncSpy(monkeypatch)
-    s = _sealer(store, "r", ckpt, tmp_path)
-    assert s.seal_pending() == 1 and _latest(root, "r")["step"] == 5
-    made = spy.made(str(tmp_path / "mnt"))
-    assert made[:3] == [os.path.realpath(p) for p in (tmp_path / "mnt", root, root + "/r")]
-    assert made[-1].endswith("/r/checkpoints/5/e1/checkpoint-5/shards/rank0"), made
-    latest = os.path.join(root, "r", "LATEST.json")
-    assert spy.not_durable(str(tmp_path / "mnt"), before=latest) == []
+    with tmpfs(mnt, "size=64m"):
+        store = open_store("file://" + root)
+        spy = DirSyncSpy(monkeypatch)
+        s = _sealer(store, "r", ckpt, tmp_path)
+        assert s.seal_pending() == 1 and _latest(root, "r")["step"] == 5
+        made = spy.made(mnt)
+        assert made[:3] == [os.path.realpath(p) for p in (mnt + "/proj", root, root + "/r")]
+        assert made[-1].endswith("/r/checkpoints/5/e1/checkpoint-5/shards/rank0"), made
+        latest = os.path.join(root, "r", "LATEST.json")
+        assert spy.not_durable(mnt, before=latest) == []
+        _restore_made_durable(store, tmp_path, spy)
 
+
+def _restore_made_durable(store: Store, tmp_path: Any, spy: DirSyncSpy) -> None:
+    """A restore into a new nested target fsyncs each directory it makes."""
     fresh = str(tmp_path / "box2" / "work" / "ckpt")
     doc = restore_latest(store, "r", fresh, lambda kind, reason, **kw: None)
     assert doc is not None and doc["step"] == 5

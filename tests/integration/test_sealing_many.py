@@ -78,6 +78,7 @@ def test_a_many_file_checkpoint_seals_every_file_verified_and_restores_equal(
         # the small files' puts.
         store: Store = srv.store(srv.bucket(), "p", part_size=5 * MiB, multipart_threshold=5 * MiB)
     else:
+        os.makedirs(tmp_path / "durable", exist_ok=True)
         store = open_store("file://" + str(tmp_path / "durable"))
     rng = __import__("random").Random(17)
     files = {f"shard/{i:04d}.bin": os.urandom(rng.randrange(0, 48 << 10)) for i in range(250)}
@@ -118,6 +119,7 @@ def test_a_put_that_fails_midway_leaves_no_manifest_and_the_retry_seals_it(
     tmp_path: Any,
 ) -> None:
     root = str(tmp_path / "durable")
+    os.makedirs(root, exist_ok=True)
     store = open_store("file://" + root)
     ckpt = str(tmp_path / "ckpt")
     events: List[Dict[str, Any]] = []
@@ -154,6 +156,7 @@ def test_a_checkpoint_deleted_during_a_parallel_seal_is_skipped_and_the_next_sea
     tmp_path: Any,
 ) -> None:
     root = str(tmp_path / "durable")
+    os.makedirs(root, exist_ok=True)
     store = open_store("file://" + root)
     ckpt = str(tmp_path / "ckpt")
     events: List[Dict[str, Any]] = []

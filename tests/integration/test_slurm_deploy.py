@@ -130,6 +130,8 @@ def login(slurm_login: SshServer, slurm_cluster: SlurmCluster) -> Iterator[Login
         project=str(project),
     )
     os.makedirs(lg.ctl_home)
+    for store in (lg.store, lg.store + "-job"):  # store roots are the user's to make
+        os.makedirs(store)
     try:
         yield lg
     finally:

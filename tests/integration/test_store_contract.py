@@ -77,11 +77,18 @@ def _rewritten(path: str, size: int) -> Iterator[None]:
         writer.join()
 
 
+def _local(tmp_path: os.PathLike[str]) -> LocalStore:
+    """A ``file://`` store in a directory made for it (a store root is the user's to make)."""
+    root = os.path.join(tmp_path, "store")
+    os.mkdir(root)
+    return LocalStore(root)
+
+
 @pytest.fixture(params=["local", "s3"])
 def store(request: pytest.FixtureRequest, tmp_path: os.PathLike[str]) -> Iterator[Store]:
     """A fresh, empty store of each kind (S3: a new prefix in a session bucket)."""
     if request.param == "local":
-        yield LocalStore(os.path.join(tmp_path, "store"))
+        yield _local(tmp_path)
         return
     server: SeaweedServer = request.getfixturevalue("s3_server")
     bucket = request.getfixturevalue("contract_bucket")
@@ -207,7 +214,7 @@ def test_a_file_store_object_rewritten_during_a_download_is_refused_or_hashed_as
     (which the restore then compares with the MANIFEST's). Both copies: an object of up to
     4 MiB read whole and hashed in memory, a larger one copied by the kernel while a second
     thread hashes the source."""
-    store = LocalStore(os.path.join(tmp_path, "store"))
+    store = _local(tmp_path)
     src, _ = _file(os.path.join(tmp_path, "src"), size)
     store.put_file("run/x", src, sha256=None, size=size)
     outcomes = []

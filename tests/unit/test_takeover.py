@@ -31,6 +31,7 @@ RUN = "r"
 
 @pytest.fixture
 def store(tmp_path: Any) -> Store:
+    (tmp_path / "store").mkdir()
     return open_store(f"file://{tmp_path}/store")
 
 

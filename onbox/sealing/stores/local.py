@@ -37,7 +37,7 @@ import time
 from typing import Iterator, List, Optional, Tuple
 
 from onbox.common.durable import make_dirs
-from onbox.common.errors import IntegrityError
+from onbox.common.errors import IntegrityError, NotFound
 from onbox.common.faults import hold_point
 from onbox.common.safepath import (
     UnsafePath,
@@ -61,6 +61,8 @@ from onbox.sealing.stores.base import (
 )
 from onbox.sealing.stores.filecopy import copy_file, never
 from onbox.sealing.stores.hangbound import HangBound, answers
+from onbox.sealing.stores.localpreflight import check_root, fs_type
+from onbox.sealing.stores.localpreflight import preflight as run_preflight
 
 LOCK_NAME = ".rgt-lock"  # RUN/.rgt-lock: held around a conditional replace, never listed
 LOCK_WAIT = 30.0  # seconds a conditional replace waits for another writer's lock
@@ -92,6 +94,16 @@ class LocalStore(HangBound, Store):
         except FileNotFoundError:
             if not create or os.path.isdir(self.root):
                 raise
+        try:
+            check_root(self.root)
+        except NotFound:
+            # The root the preflight saw is gone, most likely a durable mount that was
+            # unmounted: making it again would put the checkpoints on the box's own disk.
+            raise PermanentStoreError(
+                f"the store root {self.root} is gone (was the durable mount unmounted?)",
+                f"mount it again at {os.path.dirname(self.root)}; rgt makes a missing root "
+                "only on a mount of its own, never on the box's own disk",
+            ) from None
         make_dirs(self.root, 0o777)  # the root itself, once (not tried at every put), as durable
         return open_dir(self.root, parts[:-1], create=create), parts[-1]
 
@@ -420,71 +432,8 @@ class LocalStore(HangBound, Store):
 
     def fs_type(self) -> str:
         """The filesystem type of the root, from /proc/self/mountinfo."""
-        best, kind = "", "unknown"
-        try:
-            with open("/proc/self/mountinfo") as f:
-                for line in f:
-                    left, _, right = line.partition(" - ")
-                    mount = left.split()[4].replace("\\040", " ")
-                    if (self.root + "/").startswith(mount.rstrip("/") + "/") and len(mount) > len(
-                        best
-                    ):
-                        best, kind = mount, right.split()[0]
-        except (OSError, IndexError):
-            pass
-        return kind
+        return fs_type(self.root)
 
     @answers("its preflight for {}")
     def preflight(self, run: str) -> List[Finding]:
-        found: List[Finding] = []
-        kind = self.fs_type()
-        step = "create the run directory"
-        d = os.path.join(self.root, run, ".rgt-preflight")
-        dfd = -1
-        try:
-            os.makedirs(self.root, exist_ok=True)
-            dfd = open_dir(self.root, [check_key(run), ".rgt-preflight"], create=True)
-            step = "write and fsync a probe file"
-            payload = os.urandom(4096)
-            for p in ("a", "b"):
-                fd = os.open(
-                    p,
-                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                    0o600,
-                    dir_fd=dfd,
-                )
-                try:
-                    os.write(fd, payload)
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            step = "rename a file over another (atomic replace)"
-            os.replace("a", "b", src_dir_fd=dfd, dst_dir_fd=dfd)
-            if os.path.lexists(os.path.join(d, "a")):
-                raise OSError(errno.EIO, "the source of the rename still exists")
-            step = "fsync the directory"
-            os.fsync(dfd)
-            step = "read the probe back and compare"
-            fd = os.open("b", os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
-            with open(fd, "rb") as f:
-                if f.read() != payload:
-                    raise OSError(errno.EIO, "read back different bytes")
-            step = "delete the probe"
-            os.unlink("b", dir_fd=dfd)
-            os.rmdir(d)
-        except OSError as e:
-            err = os_error(e, f"store preflight failed at '{step}' in {self.root}")
-            raise err from None
-        finally:
-            if dfd >= 0:
-                os.close(dfd)
-        found.append(Finding(True, f"{self.url} ({kind}): writes, fsyncs, renames atomically"))
-        if kind.startswith("fuse"):
-            found.append(
-                Finding(
-                    False,
-                    f"{self.url} is a FUSE mount ({kind}): renames and fsync "
-                    "may not be atomic or durable there; prefer s3:// directly",
-                )
-            )
-        return found
+        return run_preflight(self, run)

@@ -1,21 +1,65 @@
-"""The directory of the laptop's ssh control sockets (controller/remote.py's multiplexing):
-rgt's own, mode 0700, checked before each use (``control_dir``). Whoever can write there could put
-a socket of their own in ssh's way and see every command and byte of the connection."""
+"""The laptop's ssh control sockets (controller/remote.py's multiplexing): their directory,
+rgt's own, mode 0700, checked before each use (``control_dir``), and each socket's name
+(``control_path``). Whoever can write there could put a socket of their own in ssh's way and see
+every command and byte of the connection.
+
+A socket is named for everything that decides who its connection logs in as and which way it
+goes, so a command rides only a master its own target made: ssh's own ``%C`` hashes the local
+host, host, port and user alone, and a target with another key (or none), another jump host or
+another configuration then ran over a master opened with a different identity. It "worked", and
+failed on its own ("Permission denied", exit 4) once that master was gone.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import stat
 import tempfile
-from typing import Optional
+from typing import Optional, Sequence
 
 from controller import envnames
 from onbox.common.errors import UsageError
 
-# A unix socket path must fit in 104 bytes with its NUL (macOS; Linux: 108). ssh's %C adds 41
-# ("/" and 40 hex digits), and a master first binds PATH plus a random 17-byte suffix, then
-# renames it: 104 - 1 - 41 - 17.
+# A unix socket path must fit in 104 bytes with its NUL (macOS; Linux: 108). The socket's name
+# (control_path) adds 41 ("/" and SOCKET_NAME hex digits), and a master first binds PATH plus a
+# random 17-byte suffix, then renames it: 104 - 1 - 41 - 17.
+SOCKET_NAME = 40
 CONTROL_DIR_MAX = 45
+
+# What ``ssh -G`` resolves that decides who a connection authenticates as and which way it goes
+# (an alias's IdentityFile or ProxyCommand, say): a configuration changed between two commands
+# gives the second its own connection.
+IDENTITY_SETTINGS = frozenset(
+    {
+        "hostname", "port", "user", "identityfile", "identitiesonly", "certificatefile",
+        "identityagent", "pkcs11provider", "securitykeyprovider", "proxyjump", "proxycommand",
+        "hostkeyalias", "bindaddress", "bindinterface", "addressfamily",
+        "pubkeyauthentication", "pubkeyacceptedalgorithms", "pubkeyacceptedkeytypes",
+        "hostbasedauthentication", "gssapiauthentication", "kbdinteractiveauthentication",
+        "passwordauthentication", "preferredauthentications",
+    }
+)  # fmt: skip
+
+
+def control_path(directory: str, ssh_args: Sequence[str], settings: Optional[str]) -> str:
+    """The control socket in ``directory`` for the connection ssh makes with ``ssh_args`` (the
+    configuration file, the target's options as the user gave them and its host: -F, -p, -i, -l,
+    -J), ``settings`` (``ssh -G``'s text for them, or None) and this environment's ssh agent.
+
+    Two connections that could log in as someone else, or go another way, get two sockets; the
+    same target gets the same one, so its commands share one connection. The name is hex (no
+    ``%`` token for ssh to expand) and SOCKET_NAME long, whatever the target (CONTROL_DIR_MAX)."""
+    resolved = sorted(
+        line
+        for line in (settings or "").splitlines()
+        if line.split(" ", 1)[0].lower() in IDENTITY_SETTINGS
+    )
+    # Without -i the agent's keys are offered: another agent may hold other keys.
+    agent = os.environ.get("SSH_AUTH_SOCK")
+    key = json.dumps([list(ssh_args), resolved, agent], separators=(",", ":"))
+    return os.path.join(directory, hashlib.sha256(key.encode()).hexdigest()[:SOCKET_NAME])
 
 
 def control_dir(home: str) -> str:

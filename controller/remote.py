@@ -23,7 +23,9 @@ own status is returned to the caller.
 
 Control sockets (multiplexing) live in a directory rgt made itself, mode 0700, checked before
 each use (controller/controldir.py): whoever can write there could put a socket of their own in
-ssh's way and see every command and byte of the connection.
+ssh's way and see every command and byte of the connection. Each is named for the target's
+identity and route (key, jump host, user, host, port, ssh configuration: ``control_path``), so
+commands share a connection only with the same target's, and each target logs in as itself.
 
 Output: what the box prints is untrusted, and is kept bounded (controller/capture.py): a
 command's stdout to ``limit`` bytes (MAX_OUTPUT unless the caller needs more), its stderr to a
@@ -43,8 +45,8 @@ from typing import IO, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from controller import envnames
 from controller.capture import Relayed, TooMuch, capture, command_name, relayed, show_lines
-from controller.controldir import control_dir
-from controller.sshcipher import cipher_preference
+from controller.controldir import control_dir, control_path
+from controller.sshcipher import cipher_preference, ssh_settings
 from controller.target import Target, ssh_destination_args
 from onbox.common.errors import AuthError, HostError, RemoteUnreachable, RgtError, UsageError
 from onbox.common.size import human
@@ -299,6 +301,12 @@ class SshRemote(Remote):
         os.makedirs(self.home, mode=0o700, exist_ok=True)
         self.known_hosts = os.path.join(self.home, "known_hosts")
         self.control_dir = control_dir(self.home)
+        config = os.environ.get(envnames.SSH_CONFIG)  # tests: -F /dev/null
+        self.config_args = ["-F", config] if config else []
+        dest = ssh_destination_args(target)
+        settings = ssh_settings(self.config_args, dest)
+        # One socket per identity and route, not ssh's %C (controller/controldir.py).
+        self.control_path = control_path(self.control_dir, [*self.config_args, *dest], settings)
         alive = os.environ.get(envnames.SSH_KEEPALIVE, "15")
         user_known = os.path.join(os.path.expanduser("~"), ".ssh", "known_hosts")
         self.options = [
@@ -307,16 +315,14 @@ class SshRemote(Remote):
             "-o", f"ServerAliveInterval={alive}",
             "-o", "ServerAliveCountMax=3",
             "-o", "ControlMaster=auto",
-            "-o", f"ControlPath={os.path.join(self.control_dir, '%C')}",
+            "-o", f"ControlPath={self.control_path}",
             "-o", "ControlPersist=60",
             "-o", "StrictHostKeyChecking=accept-new",
             # New keys are recorded in rgt's file (the first); the user's are honoured too.
             "-o", f"UserKnownHostsFile={_ssh_path(self.known_hosts)} {_ssh_path(user_known)}",
             "-o", "LogLevel=ERROR",
         ]  # fmt: skip
-        config = os.environ.get(envnames.SSH_CONFIG)  # tests: -F /dev/null
-        self.config_args = ["-F", config] if config else []
-        self.options += cipher_preference(self.config_args, ssh_destination_args(target))
+        self.options += cipher_preference(self.config_args, dest, settings)
         self.base = ["ssh", *self.config_args, *self.options]
 
     def ssh_argv(self, *extra: str) -> List[str]:

@@ -18,7 +18,9 @@ from typing import List, Optional, Sequence
 FAST_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 
 
-def effective_ciphers(config_args: Sequence[str], dest: Sequence[str]) -> Optional[str]:
+def ssh_settings(config_args: Sequence[str], dest: Sequence[str]) -> Optional[str]:
+    """What ``ssh -G`` says the client would use for ``dest`` (one ``name value`` a line, the
+    configuration applied), or None when ssh cannot say."""
     try:
         p = subprocess.run(
             ["ssh", *config_args, "-G", *dest],
@@ -29,16 +31,27 @@ def effective_ciphers(config_args: Sequence[str], dest: Sequence[str]) -> Option
         )
     except (OSError, subprocess.SubprocessError):
         return None
-    found = re.search(r"^ciphers (\S+)$", p.stdout, re.MULTILINE) if p.returncode == 0 else None
+    return p.stdout if p.returncode == 0 else None
+
+
+def effective_ciphers(config_args: Sequence[str], dest: Sequence[str]) -> Optional[str]:
+    return _ciphers(ssh_settings(config_args, dest))
+
+
+def _ciphers(settings: Optional[str]) -> Optional[str]:
+    found = re.search(r"^ciphers (\S+)$", settings or "", re.MULTILINE)
     return found.group(1) if found else None
 
 
-def cipher_preference(config_args: Sequence[str], dest: Sequence[str]) -> List[str]:
+def cipher_preference(
+    config_args: Sequence[str], dest: Sequence[str], settings: Optional[str] = None
+) -> List[str]:
     """``-o Ciphers=...`` with AES-GCM first, or nothing where a configuration chose the
-    ciphers, the CPU lacks AES instructions, or ssh cannot say (module docstring)."""
+    ciphers, the CPU lacks AES instructions, or ssh cannot say (module docstring).
+    ``settings``: ``ssh_settings(config_args, dest)`` when the caller has it already."""
     if not has_aes():
         return []
-    ours = effective_ciphers(config_args, dest)
+    ours = _ciphers(settings) if settings is not None else effective_ciphers(config_args, dest)
     bare = effective_ciphers(["-F", os.devnull], dest)
     if ours is None or ours != bare:
         return []

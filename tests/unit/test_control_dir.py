@@ -5,12 +5,16 @@ before each use, on the real file system.
   directory or someone else's is refused (UsageError, exit 2) naming it and what to do;
 - a home too long for a socket path: a private mkdtemp directory under /tmp, recorded in the home
   and used again; one that no longer checks (replaced by a 0777 directory, a symlink, another
-  user's, or a record pointing elsewhere) is left alone and a fresh one made; ``close`` removes it.
+  user's, or a record pointing elsewhere) is left alone and a fresh one made; ``close`` removes it;
+- each socket's name (``control_path``): short enough for any target, and one per identity and
+  route (key, agent, jump, user, host, port, ssh configuration), the same for the same target.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import re
 import shutil
 import stat
 from pathlib import Path
@@ -158,7 +162,60 @@ def test_long_home_never_uses_a_recorded_dir_that_fails(
         assert stat.S_IMODE(os.lstat(d).st_mode) == 0o777  # theirs now: left as it is
 
 
-def test_socket_paths_fit() -> None:
-    """The longest directory used, with ssh's %C and the suffix of its temporary socket name,
-    fits a unix socket path on macOS (104 bytes with the NUL) and Linux (108)."""
-    assert controldir.CONTROL_DIR_MAX + 41 + 17 + 1 <= 104
+def test_socket_paths_fit(short_home: str) -> None:
+    """The longest directory used, with the socket's name and the suffix of ssh's temporary
+    socket name, fits a unix socket path on macOS (104 bytes with the NUL) and Linux (108),
+    whatever the target."""
+    assert controldir.CONTROL_DIR_MAX + 1 + controldir.SOCKET_NAME + 17 + 1 <= 104
+    long = Target("ssh", host="h" * 200, user="u" * 30, port=65535, identity="/k" * 100, jump="j")
+    path = SshRemote(long, home=short_home).control_path
+    assert path == os.path.join(short_home, "cm", path[-controldir.SOCKET_NAME :])
+    assert re.fullmatch(r"[0-9a-f]+", os.path.basename(path))  # no %token for ssh to expand
+
+
+BASE = Target("ssh", host="box", user="root", port=2222, identity="/keys/a")
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        dataclasses.replace(BASE, identity="/keys/b"),
+        dataclasses.replace(BASE, identity=None),
+        dataclasses.replace(BASE, jump="bastion"),
+        dataclasses.replace(BASE, user="ubuntu"),
+        dataclasses.replace(BASE, user=None),
+        dataclasses.replace(BASE, port=22),
+        dataclasses.replace(BASE, host="box2"),
+    ],
+    ids=["key", "no-key", "jump", "user", "no-user", "port", "host"],
+)
+def test_targets_that_log_in_otherwise_never_share_a_socket(short_home: str, other: Target) -> None:
+    """controller/controldir.py control_path: each identity and route its own master; the same
+    target (a new SshRemote, as each rgt command makes) the same socket."""
+    ours = SshRemote(BASE, home=short_home).control_path
+    assert SshRemote(BASE, home=short_home).control_path == ours
+    assert SshRemote(other, home=short_home).control_path != ours
+
+
+def test_a_changed_ssh_config_or_agent_gets_its_own_socket(
+    short_home: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What ssh -G resolves for an alias (its IdentityFile, ProxyJump), and the ssh agent a
+    target without -i logs in with, are part of a socket's name."""
+    config = tmp_path / "ssh_config"
+    monkeypatch.setenv("RGT_SSH_CONFIG", str(config))
+    monkeypatch.delenv("SSH_AUTH_SOCK", raising=False)
+    alias = Target("ssh", host="gpu1")
+
+    def path(text: str) -> str:
+        config.write_text(f"Host gpu1\n  HostName 10.0.0.7\n  User root\n{text}")
+        return SshRemote(alias, home=short_home).control_path
+
+    plain = path("")
+    assert path("") == plain
+    keyed = path("  IdentityFile /keys/a\n")
+    assert keyed != plain and path("  IdentityFile /keys/b\n") != keyed
+    assert path("  ProxyJump bastion\n") != plain
+    assert path("  ServerAliveInterval 5\n") == plain  # nothing to do with who logs in
+    monkeypatch.setenv("SSH_AUTH_SOCK", "/tmp/agent.1")
+    assert path("") != plain

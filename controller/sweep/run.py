@@ -17,8 +17,13 @@ again resumes: a cell whose store has DONE.json is skipped, a live one is follow
 deployed again, and each cell the last ``rgt reconcile`` found failed or unverified gets a fresh
 run of the identical config (a run whose store holds DONE.json never trains again).
 
+Whether a cell is sealed is read from the store as every store read is (retried past a blip);
+a store that cannot say (after those retries, or past its ``[store] stall``) is no box's doing:
+no queue is left for it, the sweep ends with the store's error (SweepStoreUnread, exit 14).
+
 Exit: 0 when every cell succeeded; 11 when some failed (FINAL_EXIT_CODES' FAILED); 3 when a box
-was left with cells to do (RemoteUnreachable's code); 0 with ``--no-wait`` once deployed.
+was left with cells to do (RemoteUnreachable's code); 14 when the store could not be read; 0
+with ``--no-wait`` once deployed.
 """
 
 from __future__ import annotations
@@ -44,9 +49,11 @@ from onbox.common.errors import (
     NotFound,
     RemoteUnreachable,
     RgtError,
+    StoreError,
     UsageError,
 )
 from onbox.sealing import manifest as mf
+from onbox.sealing.stores.base import with_retries
 from onbox.sealing.stores.hangbound import StoreHung
 
 MAX_MISSES = 10  # polls in a row a box may not answer before its queue is left
@@ -56,6 +63,12 @@ Say = Callable[[str], None]
 
 def _say(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+class SweepStoreUnread(StoreError):
+    """The sweep's own store could not say whether a cell is sealed (after the store layer's
+    retries): no box's doing, so no queue is left for it; every queue waits on the store, and
+    the sweep ends (exit 14) naming the cell and the read."""
 
 
 @dataclasses.dataclass
@@ -129,17 +142,28 @@ class Driver:
                 elif v == "missing" and c["state"] == "succeeded":
                     c.update(state="pending", verdict=None)
 
-    def _done(self, run: str) -> bool:
-        return self.store.get_bytes(mf.done_key(run)) is not None
+    def _done(self, name: str, run: str) -> bool:
+        """Whether the store holds the run's DONE.json, read as every store read is (retried
+        past a blip); SweepStoreUnread when the store cannot say."""
+        try:
+            return with_retries(lambda: self.store.get_bytes(mf.done_key(run))) is not None
+        except StoreError as e:
+            raise SweepStoreUnread(
+                f"sweep {self.plan.name}: cell {name} (run {run}): the store could not say "
+                f"whether it is sealed: {e.what.rstrip('.')}; no box is to blame, and nothing "
+                "more was deployed",
+                (f"{e.remedy}; then " if e.remedy else "")
+                + f"rgt sweep {self.plan.path} again resumes where it is",
+            ) from None
 
     def _remote(self, box: Box) -> Remote:
         if box.remote is None:
             box.remote = open_remote(parse_target(box.target))
         return box.remote
 
-    def _observe(self, box: Box, run: str) -> str:
+    def _observe(self, box: Box, name: str, run: str) -> str:
         """done | failed | live | dead, for the run of a box's current cell."""
-        if self._done(run):
+        if self._done(name, run):
             return "done"
         try:
             rec = self.registry.get(run)
@@ -154,7 +178,7 @@ class Driver:
             return "live"  # SUCCEEDED and alive: the completion seal is on its way
         # The agent writes DONE.json before it lets go of the run: one that ended between the
         # look at the store above and the status (SUCCEEDED, its agent gone) is done, not dead.
-        return "done" if self._done(run) else "dead"
+        return "done" if self._done(name, run) else "dead"
 
     def _deploy(self, box: Box, name: str, run: str) -> None:
         from controller.deploy.flow import deploy
@@ -187,7 +211,7 @@ class Driver:
         try:
             if current is not None:
                 run = cells[current]["run"]
-                seen = self._observe(box, run)
+                seen = self._observe(box, current, run)
                 box.misses = 0
                 if seen == "live":
                     return True
@@ -216,8 +240,8 @@ class Driver:
                 box.left = f"it did not answer {box.misses} times: {e.what}"
                 return False
             return True
-        except StoreHung:  # the sweep's store, not the box: every queue waits on it
-            raise
+        except (StoreHung, SweepStoreUnread):  # the sweep's store, not the box: every queue
+            raise  # waits on it
         except RgtError as e:  # the box cannot take a deploy: its queue waits for a re-run
             box.left = e.line()
             return False
@@ -228,7 +252,7 @@ class Driver:
             if c["state"] != "pending":
                 continue
             run = str(c["run"])
-            if self._done(run):  # sealed already (a record lost or a finished deploy)
+            if self._done(name, run):  # sealed already (a record lost or a finished deploy)
                 self._set(name, state="succeeded")
                 self.say(f"rgt sweep: {name} is sealed already (DONE.json): skipped")
                 continue

@@ -64,5 +64,5 @@ def test_a_run_that_ends_while_its_status_is_read_is_done_not_dead_race_seam(
     driver = sweeprun.Driver.__new__(sweeprun.Driver)  # only what _observe reads
     driver.registry = Registry()
     driver.store = open_store(f"file://{root}")
-    seen = driver._observe(sweeprun.Box("local"), RUN)
+    seen = driver._observe(sweeprun.Box("local"), RUN, RUN)
     assert seen == "done", seen

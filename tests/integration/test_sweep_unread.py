@@ -197,3 +197,44 @@ def test_downs_gate_on_a_store_that_resets_connections_ends_with_the_store_error
     assert got.value.exit_code == 14, got.value.line()
     assert f"(run {sealed[0]})" in got.value.what and "DONE.json" in got.value.what, got.value
     assert "no verdict was written" in got.value.what, got.value.what
+
+
+@pytest.mark.parametrize("resets", [3, 99])
+def test_sweeps_look_for_a_cells_done_json_is_retried_and_never_blames_the_box(
+    tmp_path: Any, controller_env: Dict[str, str], resets: int
+) -> None:
+    """`rgt sweep` asks the store whether each cell is sealed already (its DONE.json) before
+    it reaches a box; here both cells are, and the relay resets the first ``resets``
+    connections asking for the first cell's DONE.json. Three (botocore's own tries of one
+    request) are a blip the store layer's retries outlast: both cells skipped, exit 0, no box
+    reached. Resets through every retry: the store's error, exit 14, naming the store, the cell
+    and the read. Before the fix the look was not retried and its error was taken as the box's:
+    "its queue is left" (exit 3), for the blip as for the rest."""
+    home = controller_env["RGT_CONTROLLER_HOME"]
+    with _weed(tmp_path) as (server, store, _stopped):
+        runs: List[str] = []
+        seen: List[bytes] = []
+
+        def reset_on(data: bytes) -> bool:
+            if not runs or f"/{runs[0]}/DONE.json".encode() not in data:
+                return False
+            seen.append(data)
+            return len(seen) <= resets
+
+        relay = Relay("127.0.0.1", ("127.0.0.1", server.port), reset_on)
+        try:
+            plan = _plan(tmp_path, store.url, f"http://127.0.0.1:{relay.port}")
+            env = server.env(dict(os.environ, **controller_env))
+            runs.extend(_sealed_cells(plan, store, tmp_path, home, 1 << 12))
+            argv = [*rgt_exe(), "sweep", plan, "--interval", "0.1"]
+            rc, out, err = _bounded(argv, env, str(tmp_path))
+        finally:
+            relay.close()
+    assert "Traceback" not in err and "queue is left" not in err, err
+    if resets == 3:
+        assert rc == 0, (out, err)
+        assert err.count("is sealed already (DONE.json): skipped") == 2, err
+        return
+    assert rc == 14, (out, err)
+    assert store.url in err and f"(run {runs[0]})" in err and "DONE.json" in err, err
+    assert "connection" in err and "again" in err, err

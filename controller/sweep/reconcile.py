@@ -24,9 +24,11 @@ unverified.
 
 Duplicates: a run in the store under the sweep's prefix (``<sweep>-``, shaped as a cell's run
 name) that claims a cell of the roster but was never deployed by this sweep (two runs claiming
-one cell), or matches no cell of the roster nor of another sweep this laptop knows. The
-verdicts are written to the record; ``rgt sweep PLAN.toml`` then launches a fresh run of the
-identical config for each failed or unverified cell (and continues each missing one).
+one cell), or matches no cell of the roster nor of another sweep this laptop knows. That
+listing (retried as every read) comes before any cell is judged: a store that cannot list ends
+the command as a failed read does, with nothing half-done. The verdicts are written to the
+record; ``rgt sweep PLAN.toml`` then launches a fresh run of the identical config for each
+failed or unverified cell (and continues each missing one).
 Reconciled means every cell ok and no duplicate; else NotReconciled (exit 18).
 """
 
@@ -206,14 +208,13 @@ def _check_file(store: Store, e: Entry, stage: str, stall: float) -> Optional[st
     return None
 
 
-def _unread(err: StoreError, sweep: str, cell: str, run: str, plan: str) -> StoreError:
-    """``err`` (its class, so its exit code) saying the cell whose read failed, that no
-    verdict was written, and to run the command again."""
+def _unread(err: StoreError, lead: str, plan: str) -> StoreError:
+    """``err`` (its class, so its exit code) after ``lead`` (the sweep and what could not be
+    read), saying that no verdict was written, and to run the command again."""
     out = copy.copy(err)  # not err itself: a StoreHung is kept and raised again by its store
     out.what = (
-        f"sweep {sweep}: cell {cell} (run {run}): the store could not be read: "
-        f"{err.what.rstrip('.')}; no verdict was written for the cell (its record keeps the last "
-        "one) and nothing is re-run"
+        f"{lead}: {err.what.rstrip('.')}; no verdict was written (the record keeps the last "
+        "ones) and nothing is re-run"
     )
     out.remedy = (err.remedy + "; " if err.remedy else "") + (
         f"then run it again (rgt reconcile {plan} checks every cell anew)"
@@ -225,7 +226,15 @@ def _unread(err: StoreError, sweep: str, cell: str, run: str, plan: str) -> Stor
 def _duplicates(store: Store, doc: Dict[str, Any], home: Optional[str]) -> List[Dict[str, str]]:
     sweep = doc["sweep"]
     shape = re.compile(re.escape(sweep) + r"-[a-z0-9-]+-[0-9a-f]{8}(-r\d{1,3})?\Z")
-    names = {i.key.split("/", 1)[0] for i in store.list(sweep + "-")}
+    try:  # read whole in the retried call: a listing's errors come as it is iterated
+        keys = with_retries(lambda: [i.key for i in store.list(sweep + "-")])
+    except StoreError as e:
+        lead = (
+            f"sweep {sweep}: the store could not be listed under {store.url}/{sweep}- (the runs "
+            "under the sweep's prefix, looked through for duplicates)"
+        )
+        raise _unread(e, lead, doc.get("plan") or "PLAN.toml") from None
+    names = {k.split("/", 1)[0] for k in keys}
     others = {
         n for d in record.all_records(home) if d.get("sweep") != sweep for n in d["cells"]
     }  # fmt: skip
@@ -257,6 +266,8 @@ def reconcile(
     names = sorted(
         cells if cells is not None else doc["cells"], key=lambda n: doc["cells"][n]["index"]
     )
+    # Listed first: a listing that fails then leaves no cell judged and its verdict lost.
+    dups = _duplicates(store, doc, home) if duplicates else []
     findings = []
     tmp = tempfile.mkdtemp(prefix="rgt-reconcile-")
     try:
@@ -270,14 +281,16 @@ def reconcile(
                 # The store could not be read (after its own retries: a reset, a 5xx, a
                 # timeout, a hang): nothing known of the cell, so no verdict; an "unverified"
                 # one would have `rgt sweep` train it again as a fresh run.
-                plan = doc.get("plan") or "PLAN.toml"
-                raise _unread(e, doc["sweep"], name, c["run"], plan) from None
+                lead = (
+                    f"sweep {doc['sweep']}: cell {name} (run {c['run']}): the store could not "
+                    "be read"
+                )
+                raise _unread(e, lead, doc.get("plan") or "PLAN.toml") from None
             findings.append(Finding(name, c["run"], c["box"], verdict, reason))
             if say is not None:
                 say(f"  {name}: {verdict}")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    dups = _duplicates(store, doc, home) if duplicates else []
     return Report(doc["sweep"], findings, dups)
 
 

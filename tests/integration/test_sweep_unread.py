@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from typing import Any, Dict, List, Tuple
 
@@ -238,3 +239,47 @@ def test_sweeps_look_for_a_cells_done_json_is_retried_and_never_blames_the_box(
     assert rc == 14, (out, err)
     assert store.url in err and f"(run {runs[0]})" in err and "DONE.json" in err, err
     assert "connection" in err and "again" in err, err
+
+
+@pytest.mark.parametrize("resets", [4, 99])
+def test_a_reset_listing_for_duplicates_is_retried_and_leaves_nothing_half_done(
+    tmp_path: Any, controller_env: Dict[str, str], resets: int
+) -> None:
+    """Both cells sealed; the relay resets the first ``resets`` connections that list the
+    store under the sweep's prefix (the look for duplicate runs). Four (botocore's own tries
+    of one listing) are a blip the store layer's retries outlast: reconciled, exit 0, both
+    verdicts written. Resets through every retry: exit 14 naming the sweep, the store and what
+    was listed and why, and no cell judged (the listing comes first: nothing half-done). Before
+    the fix the listing was not retried, and came after every cell had been fetched and
+    judged: its error (exit 14) named no sweep, and threw those verdicts away."""
+    home = controller_env["RGT_CONTROLLER_HOME"]
+    with _weed(tmp_path) as (server, store, _stopped):
+        seen: List[bytes] = []
+        asked: List[bytes] = []  # each request's first line, in order
+
+        def reset_on(data: bytes) -> bool:
+            asked.append(data.split(b"\r\n", 1)[0])
+            if re.search(rb"[?&]prefix=p%2Fsw-(&| )", data) is None:
+                return False
+            seen.append(data)
+            return len(seen) <= resets
+
+        relay = Relay("127.0.0.1", ("127.0.0.1", server.port), reset_on)
+        try:
+            plan = _plan(tmp_path, store.url, f"http://127.0.0.1:{relay.port}")
+            env = server.env(dict(os.environ, **controller_env))
+            _sealed_cells(plan, store, tmp_path, home, 1 << 12)
+            rc, out, err = _reconcile(plan, env, str(tmp_path))
+        finally:
+            relay.close()
+    assert seen, "the relay saw no listing under the sweep's prefix"
+    assert "Traceback" not in err, err
+    if resets == 4:
+        assert rc == 0, (out, err)
+        assert set(_verdicts(home).values()) == {"ok"}, _verdicts(home)
+        return
+    assert rc == 14, (out, err)
+    assert f"sweep sw: the store could not be listed under {store.url}/sw-" in err, err
+    assert "duplicate" in err and "connection" in err and "again" in err, err
+    assert set(_verdicts(home).values()) == {None}, _verdicts(home)
+    assert not [a for a in asked if b"DONE.json" in a], asked  # no cell was judged

@@ -145,14 +145,21 @@ def _failed_in_store(store: Store, run: str) -> bool:
 def check_run(
     store: Store, run: str, seen_failed: bool, tmp: str, stall: float = RESTORE_STALL
 ) -> Tuple[str, str]:
-    """(verdict, reason) of one run (module docstring); files fetched under ``tmp``, each
+    """(verdict, reason) of one run (module docstring), judged by its DONE.json as first read
+    (one removed or rewritten meanwhile is not read again); files fetched under ``tmp``, each
     download that moves nothing for ``stall`` seconds ended (RestoreStalled). A store that
     cannot be read raises its StoreError: that is no verdict (``reconcile``)."""
-    get: Callable[[str], Optional[bytes]] = functools.partial(store_get, store)
-    if get(mf.done_key(run)) is None:
+    done = store_get(store, mf.done_key(run))
+    if done is None:
         if seen_failed or _failed_in_store(store, run):
             return "failed", "the run FAILED: no DONE.json (rgt logs or the store's logs say why)"
         return "missing", "no DONE.json in the store: never ran, still running, or its box died"
+
+    def get(key: str) -> Optional[bytes]:
+        # DONE.json is read once: the cell is judged by the one seen. Read again, it could be
+        # gone (from_documents: "nothing sealed", exit 8, for a cell just seen sealed) or other.
+        return done if key == mf.done_key(run) else store_get(store, key)
+
     try:
         ident, entries = from_documents(run, get, functools.partial(store_listing, store, run))
     except IntegrityError as err:

@@ -283,3 +283,40 @@ def test_a_reset_listing_for_duplicates_is_retried_and_leaves_nothing_half_done(
     assert "duplicate" in err and "connection" in err and "again" in err, err
     assert set(_verdicts(home).values()) == {None}, _verdicts(home)
     assert not [a for a in asked if b"DONE.json" in a], asked  # no cell was judged
+
+
+def test_a_done_json_removed_while_its_cell_is_read_is_judged_as_first_read(
+    tmp_path: Any, controller_env: Dict[str, str]
+) -> None:
+    """A cell whose run sealed DONE.json and no checkpoint (no LATEST.json); its DONE.json is
+    removed from the store (directly, not through the relay) the moment reconcile asks for its
+    LATEST.json, i.e. after reconcile saw the DONE.json and before it reads the sealed state.
+    The cell is judged by the DONE.json it read: ok, exit 0. Before the fix DONE.json was read
+    a second time for the sealed state, found gone, and the whole command ended with "run ...
+    has nothing sealed yet" (NotFound, exit 8: "no such run"), a cell it had just seen sealed."""
+    home = controller_env["RGT_CONTROLLER_HOME"]
+    with _weed(tmp_path) as (server, store, _stopped):
+        runs: List[str] = []
+        removed: List[str] = []
+
+        def remove_done(data: bytes) -> bool:
+            if runs and not removed and f"/{runs[0]}/LATEST.json".encode() in data:
+                store.delete(mf.done_key(runs[0]))
+                removed.append(runs[0])
+            return False
+
+        relay = Relay("127.0.0.1", ("127.0.0.1", server.port), remove_done)
+        try:
+            plan = _plan(tmp_path, store.url, f"http://127.0.0.1:{relay.port}")
+            env = server.env(dict(os.environ, **controller_env))
+            sealed = _sealed_cells(plan, store, tmp_path, home, 1 << 12)
+            store.delete(mf.latest_key(sealed[0]))  # DONE.json alone: no checkpoint sealed
+            runs.extend(sealed)
+            rc, out, err = _reconcile(plan, env, str(tmp_path))
+            gone = store.get_bytes(mf.done_key(sealed[0])) is None
+        finally:
+            relay.close()
+    assert removed and gone, "DONE.json was not removed between the reads"
+    assert rc == 0, (out, err)
+    assert "Traceback" not in err and "nothing sealed" not in err, err
+    assert set(_verdicts(home).values()) == {"ok"}, _verdicts(home)

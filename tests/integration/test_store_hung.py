@@ -263,6 +263,30 @@ def test_a_hung_store_call_is_not_retried_so_the_user_waits_its_bound_once(tmp_p
     assert hung.value.exit_code == 14
 
 
+def test_a_call_refused_while_an_earlier_one_is_hung_names_itself_and_the_hung_one(
+    tmp_path: Any,
+) -> None:
+    """The server stopped: a read of LATEST.json outlives its 1 s bound and is left hung; a
+    look at another key, made while that read is still hung, is refused at once. Its error
+    names the refused call (what was not done) and the earlier call still hung (why). Before
+    the fix the refusal repeated the hung call's error word for word: "did not answer for 1s
+    (reading .../LATEST.json)", naming a call that was not this one."""
+    latest, other = mf.latest_key(RUN), mf.done_key(RUN)
+    with _weed(tmp_path) as (server, store, stopped):
+        _stop(server, stopped)
+        with store.calls_bounded(1.0):
+            with pytest.raises(StoreHung) as hung:
+                store.get_bytes(latest)
+            with pytest.raises(StoreHung) as refused:
+                store.stat(other)
+    assert f"{store.url} did not answer for 1s (reading {latest})" in hung.value.what
+    what = refused.value.what
+    assert f"{store.url} was not asked (looking at {other})" in what, what
+    assert f"an earlier call (reading {latest}) is still hung" in what, what
+    assert "[store] stall" in (refused.value.remedy or ""), refused.value.remedy
+    assert refused.value.exit_code == 14
+
+
 def _registered(server: SeaweedServer, store: Store) -> RunRecord:
     """RUN's laptop record on ``store``, taken off its box, its stall not recorded (the
     default, 5 min)."""

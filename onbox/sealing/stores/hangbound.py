@@ -19,10 +19,10 @@ a daemon does not keep the process from exiting, and if the store answers first,
 was doing completes as a killed writer's would (a document is renamed into place, or an S3 object
 put, whole or not at all; an epoch created and not recorded is taken as this box's by
 onbox/agent/ownership.py; a temporary file or a preflight probe is removed or left as a killed
-one is). While a call is still hung the next fails at once, and base.with_retries does not
-retry a StoreHung: the user waits the bound once, not the bound and every backoff. Outside
-it, or for a call not marked (the copies of files, which the stall bound watches), nothing
-changes.
+one is). While a call is still hung the next fails at once (its error names it, and the call
+still hung), and base.with_retries does not retry a StoreHung: the user waits the bound once,
+not the bound and every backoff. Outside it, or for a call not marked (the copies of files,
+which the stall bound watches), nothing changes.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import contextlib
 import functools
 import threading
 import time
-from typing import Any, Callable, Iterator, List, Optional, TypeVar, cast
+from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar, cast
 
 from onbox.common.errors import TransientStoreError
 from onbox.sealing.stall import STALL_SETTING, took
@@ -55,7 +55,7 @@ class HangBound:
     to_check = "check the mount and its server (NFS, a FUSE daemon)"
     _bound: Optional[float] = None
     _longer = STALL_SETTING  # how a user gives the store longer, for the error
-    _hung: Optional[StoreHung] = None  # the error of a call still running past its bound
+    _hung: Optional[Tuple[str, float]] = None  # (what, bound) of a call left past its bound
     _left: Optional[threading.Thread] = None
 
     @contextlib.contextmanager
@@ -76,7 +76,7 @@ class HangBound:
     def _within(self, bound: float, what: str, fn: Callable[[], Any]) -> Any:
         left = self._left
         if left is not None and left.is_alive() and self._hung is not None:
-            raise StoreHung(self._hung.what, self._hung.remedy)
+            raise self._refused(what, *self._hung)
         out: List[Any] = []
         done = threading.Event()
 
@@ -93,8 +93,8 @@ class HangBound:
         deadline = time.monotonic() + bound
         while not done.wait(SIGNAL_POLL):
             if time.monotonic() >= deadline:
-                self._left, self._hung = t, self._hung_error(bound, what)
-                raise self._hung
+                self._left, self._hung = t, (what, bound)
+                raise self._hung_error(bound, what)
         ok, value = out[0]
         if not ok:
             raise value
@@ -104,8 +104,23 @@ class HangBound:
         return StoreHung(
             f"{self.url} did not answer for {took(bound)} ({what}): {self.hangs}; nothing was "
             "put in place",
+            self._remedy(),
+        )
+
+    def _refused(self, what: str, hung: str, bound: float) -> StoreHung:
+        """The error of a call not made (``what``) because an earlier one (``hung``) is still
+        running past its ``bound``: it names both, the refused call first, as what was not
+        done (the hung call's own error was said to its caller)."""
+        return StoreHung(
+            f"{self.url} was not asked ({what}): an earlier call ({hung}) is still hung, past "
+            f"its bound of {took(bound)}: {self.hangs}; nothing was put in place",
+            self._remedy(),
+        )
+
+    def _remedy(self) -> str:
+        return (
             f"{self.to_check}, then try again; a store that slow can be given longer: "
-            f"{self._longer}",
+            f"{self._longer}"
         )
 
 

@@ -218,7 +218,7 @@ def _check_file(store: Store, e: Entry, stage: str, stall: float) -> Optional[st
 def _unread(err: StoreError, lead: str, plan: str) -> StoreError:
     """``err`` (its class, so its exit code) after ``lead`` (the sweep and what could not be
     read), saying that no verdict was written, and to run the command again."""
-    out = copy.copy(err)  # not err itself: a StoreHung is kept and raised again by its store
+    out = copy.copy(err)  # its class and exit code; the store's own error left as it was
     out.what = (
         f"{lead}: {err.what.rstrip('.')}; no verdict was written (the record keeps the last "
         "ones) and nothing is re-run"

@@ -5,15 +5,19 @@ What failed there is said as it is (``begin_failure``): "nothing to resume from"
 checkpoints were sealed and none of them is usable; a store that refuses the credentials when
 the epoch is taken is a failed epoch, not a missing checkpoint. A SIGTERM or SIGINT while it runs
 cuts it short (``Interrupted``, ``tell_interrupted``); which step it resumed from when newer ones
-were unusable becomes a warning for status (``fallback_warning``).
+were unusable becomes a warning for status (``fallback_warning``). A new run that `rgt-agent
+start` made and that could not begin goes from the box whole (``forget_unbegun``).
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 import signal
 from typing import Any, Callable, Dict, List, Optional
 
 from onbox.common.errors import RgtError
+from onbox.common.rundir import RunDir
 from onbox.sealing.restore import NoVerifiedCheckpoint
 
 
@@ -68,4 +72,25 @@ def fallback_warning(warnings: List[Dict[str, Any]], restored: Optional[Dict[str
             f"checkpoint; newer ones are quarantined ({newer})",
         }
     )
+    return True
+
+
+def forget_unbegun(rd: RunDir, ckpt_dir: str) -> bool:
+    """Remove run ``rd`` from the box whole: a new run (no agent had recorded its state) that a
+    `start` made and that could not begin, FAILED before any attempt. Its deploy failed, so the
+    laptop keeps no record of it: left here, `rgt status` and `rgt down` would not know it, and
+    the next deploy of the name would find a FAILED run to start again rather than a new one.
+    Kept (False) when its checkpoint dir, inside the run's, holds a file (nothing that may be
+    someone's checkpoint is deleted). The directory is renamed aside first, so runs/N is there
+    whole or not at all; a removal that fails halfway leaves only that hidden directory."""
+    path = os.path.abspath(rd.path)
+    inside = os.path.commonpath([os.path.abspath(ckpt_dir), path]) == path
+    if inside and any(files for _, _, files in os.walk(ckpt_dir)):
+        return False
+    aside = os.path.join(os.path.dirname(path), f".{rd.name}.unbegun.{os.getpid()}")
+    try:
+        os.rename(path, aside)
+    except OSError:
+        return False
+    shutil.rmtree(aside, ignore_errors=True)
     return True

@@ -3,7 +3,8 @@ what its ready message means for the command.
 
 The agent says it is up once it has prepared the run (taken its epoch, restored) and begun its
 first attempt, or re-attached to a live job. Two things it may say instead are not a start:
-it could not begin (the run is FAILED: that error, with its exit code), or the run ended before
+it could not begin (the run is FAILED, or gone when it was new: that error, with its exit code,
+onbox/agent/beginning.py ``forget_unbegun``), or the run ended before
 its first attempt, because a SIGTERM (a preemption), a Ctrl-C or `rgt-agent stop` came while
 the agent prepared it, during a long restore most likely. The latter is ``NotStarted``: one
 line saying so, and the exit code `rgt-agent run` gives that final state (FINAL_EXIT_CODES:

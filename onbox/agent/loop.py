@@ -25,6 +25,7 @@ from onbox.agent.beginning import (
     Interrupted,
     begin_failure,
     fallback_warning,
+    forget_unbegun,
     tell_interrupted,
 )
 from onbox.agent.boot import install_hook, take_from_boot
@@ -130,6 +131,10 @@ class Agent:
         self._interruptible = False  # a SIGTERM or SIGINT now raises Interrupted (_on_signal)
         self._wake_r = self._wake_w = -1
         self.slurm: Optional[SlurmWatch] = None  # set by `rgt-agent run` inside a Slurm job
+        # The agent of a `start`: a new run it cannot begin goes from the box (forget_unbegun),
+        # as its deploy keeps no record of it. Not `rgt-agent run`'s (a Slurm or Kubernetes
+        # job, which its scheduler and the laptop's record follow), nor a respawned agent's.
+        self.unbegun_goes = False
 
     # ---- deciding what to do with the run as found
     def prepare(self, may_begin: bool) -> bool:
@@ -208,8 +213,9 @@ class Agent:
         """The incarnation cannot begin (its epoch, its ledger or what it resumes from cannot be
         had: onbox/agent/beginning.py ``begin_failure`` says which): one ``restore_failed``
         event with what failed and what was tried, the run FAILED with the reason (never left
-        PENDING with no agent), the secrets of a run that never ran an attempt removed, the lock
-        let go. The caller raises ``e``: its exit code is the command's."""
+        PENDING with no agent), the secrets of a run that never ran an attempt removed, a new run
+        of `start`'s removed from the box whole (``unbegun_goes``), the lock let go. The caller
+        raises ``e``: its exit code is the command's."""
         klass = event_class(e)
         remedy = e.remedy or "start the run again once the store answers"
         tried = getattr(e, "tried", None)
@@ -227,6 +233,13 @@ class Agent:
         if self.notifier is not None:
             self.notifier.finish(self.sup.state.value)
         self.runner.close()
+        # Removed while the lock is held, so that no other start has claimed the name meanwhile.
+        new = self.unbegun_goes and self.fresh and self.sup.attempt == 0 and not power_on
+        if new and forget_unbegun(self.rd, self.spec.ckpt_dir):
+            e.what = (
+                f"run {self.rd.name} could not begin: {why}; nothing of the run is left on the "
+                "box (it was new: `start` removed it again)"
+            )
         self.lock.release()
 
     def _drop_secrets(self, e: RgtError, why: str, remedy: str) -> None:
@@ -448,10 +461,12 @@ def main(argv: List[str]) -> int:
     agent = Agent(rd, lock)
     if ready is not None:
         ready.working = agent.working
+        agent.unbegun_goes = not args["adopt_only"]
     try:
         prepared = agent.prepare(may_begin=not args["adopt_only"])
     except RgtError as e:  # the run is FAILED already; `start` prints this and exits with it
-        log(rd.agent_log, f"agent pid {os.getpid()}: {e.line()}")
+        if os.path.isdir(rd.path):  # else it went from the box whole (forget_unbegun)
+            log(rd.agent_log, f"agent pid {os.getpid()}: {e.line()}")
         if ready is not None:
             ready.say(
                 {"ok": False, "what": e.what, "remedy": e.remedy, "exit_code": e.exit_code},

@@ -2,8 +2,8 @@
 before the run existed there (no runs/N) leaves no secrets file behind (the laptop keeps no
 record of such a run, so no `rgt down` could ever remove it); a refused start of a run that does
 exist never takes that run's secrets; a run that never ran an attempt and could not begin
-(FAILED before its first attempt) keeps none, and says so; and `rgt down N` removes them with
-the run.
+(FAILED before its first attempt) keeps none, and says so (a new one goes whole); and `rgt
+down N` removes them with the run.
 
 Real processes: the `rgt` CLI (tests/laptop.py) against the session's loopback sshd.
 """
@@ -109,7 +109,8 @@ def test_a_run_that_fails_before_its_first_attempt_leaves_no_secrets_on_the_box(
     sshd: SshServer, tmp_path: Path
 ) -> None:
     """The box made runs/N and its agent took the start, but the run could not begin (here its
-    store's epoch cannot be taken: RUN/epochs is a file), so it ended FAILED with no attempt."""
+    store's epoch cannot be taken: RUN/epochs is a file), so it ended FAILED with no attempt,
+    and went from the box whole (tests/integration/test_deploy_unbegun.py)."""
     lap = Laptop(sshd, tmp_path)
     store = tmp_path / "store"
     (store / "nobegin").mkdir(parents=True)
@@ -120,11 +121,10 @@ def test_a_run_that_fails_before_its_first_attempt_leaves_no_secrets_on_the_box(
         )
         assert rc == 14, out
         assert "secrets RGT_TEST_TOKEN stored on the box" in out, out  # they were sent
-        assert lap.runs("nobegin").is_dir()  # the run is there, FAILED
+        assert not lap.runs("nobegin").exists()
         assert not lap.secrets("nobegin").exists(), "a run that never began kept its secrets"
         # Said: what happened to the run and its secrets, and what to do.
-        said = "run nobegin could not begin (FAILED before its first attempt): taking the run's"
-        assert f"{said} epoch in file://" in out, out
+        assert "run nobegin could not begin: taking the run's epoch in file://" in out, out
         assert "its secrets were removed from the box" in out, out
         assert "give them again when you start it, `rgt deploy --secret-env VAR`" in out, out
     finally:

@@ -20,7 +20,8 @@ replaces the receipt.
 What down does on the box, each step idempotent so that running it again after a failure is
 safe: ``rgt-agent stop N`` (waits until no process of the run is left; a run already gone is
 fine; of a run that has ended it only checks that no process is left; if the stop fails
-nothing is removed), then removes ``secrets/N`` (and ``secrets/.N.staged``), ``deploys/N``, the
+nothing is removed), then removes ``secrets/N`` (and ``secrets/.N.staged``, which the plan
+names where a deploy cut off before its start left it), ``deploys/N``, the
 release the run was deployed from when no other deploy or run uses it, and ``runs/N`` (with the
 default checkpoint dir inside it). Never the store, never a checkpoint dir outside the run dir,
 never a release another run uses.
@@ -42,7 +43,7 @@ nothing on a box nor to the meter); else removed. Its receipt stays in
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 from controller import boxrun
 from controller.deploy.release import deploy_path, release_path
@@ -157,7 +158,8 @@ def plan_down(
     profile = profile or run_profile(rec, home)
     instance = instance or rec.instance
     run_dir = boxrun.run_dir(rec).path
-    present = remote.sh('[ -d "$1" ]', run_dir).rc == 0
+    staged = RunDir(name, rec.box_home.rstrip("/")).staged_secrets_file
+    present, staged_there = _present(remote, run_dir, staged)
     if present or rec.store:
         coverage = covers_newest(rec, receipt, remote)
     else:  # no store, and its directory is gone: the box holds nothing of it to lose
@@ -198,9 +200,12 @@ def plan_down(
         actions.append(f"check that no process of the run is left (rgt-agent stop {name})")
     elif present:
         actions.append(f"stop the agent and the job (rgt-agent stop {name}; now {state})")
-    actions += [
-        f"remove {run_dir}, {home_box}/secrets/{name} and {home_box}/deploys/{name}",
-    ]
+    # Every path _execute removes is named: the staged secrets only where a deploy left them.
+    left = f", {staged} (secrets a deploy cut off before its start left for it)"
+    actions.append(
+        f"remove {run_dir}, {home_box}/secrets/{name}{left if staged_there else ''} and "
+        f"{home_box}/deploys/{name}"
+    )
     if rec.release:
         actions.append(f"remove {home_box}/releases/{rec.release} unless another run uses it")
     billing, after = meterplan.billing(rec, profile, instance)
@@ -214,6 +219,17 @@ def plan_down(
     if rec.store and state is not None and state not in TERMINAL_NAMES:
         plan.stopping = _stop_seals(rec.name, rec.store, receipt, gone)
     return plan
+
+
+def _present(remote: Remote, run_dir: str, staged: str) -> Tuple[bool, bool]:
+    """Whether the run's directory and the secrets a deploy staged for its start are on the box
+    (one round trip; the box's answer is only compared with two fixed words)."""
+    said = remote.sh(
+        '[ -d "$1" ] && echo run; if [ -e "$2" ] || [ -L "$2" ]; then echo staged; fi',
+        run_dir,
+        staged,
+    ).text.split()
+    return "run" in said, "staged" in said
 
 
 def _stop_seals(name: str, store: str, receipt: Receipt, gone: str) -> List[str]:

@@ -215,6 +215,7 @@ def test_down_after_a_verified_pull_stops_the_run_and_removes_only_its_box_files
     assert "checkpoint notes.txt" in text  # on the box only: lost
     assert "job log of attempt 1" in text  # a live run's log is not sealed yet
     assert "step_1.pt" not in text.split("will be lost")[1].split("kept:")[0]  # it was pulled
+    assert ".staged" not in text  # no deploy left secrets staged: nothing of them to name
     if over == "local":
         assert "nothing keeps billing" in text
     else:

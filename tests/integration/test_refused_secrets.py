@@ -98,6 +98,9 @@ def test_down_removes_the_runs_secrets_from_the_box(sshd: SshServer, tmp_path: P
         assert rc == 0, out
         rc, out = lap.rgt("down", "gone", "--yes")
         assert rc == 0, out
+        # The plan, shown before the confirmation, names everything down removes.
+        plan = out.split("down will:")[1]
+        assert f"{staged} (secrets a deploy cut off before its start left for it)" in plan, out
         assert not lap.runs("gone").exists()
         assert not lap.secrets("gone").exists(), "down left the run's secrets on the box"
         assert not staged.exists(), "down left the secrets staged for the run's start"

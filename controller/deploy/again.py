@@ -94,10 +94,9 @@ def start_again(
         f"rgt: starting run {plan.name} again from the box's record: "
         f"{printable(shlex.join(job.command))[:200]} (in {printable(job.workdir)})"
     )
-    flow.store_secrets(remote, rec, plan.secrets, say)
-    started = start_on_box(
-        remote, registry, rec, label, rec.agent_argv(*_start_args(plan)), job.workdir
-    )
+    staged = flow.store_secrets(remote, rec, plan.secrets, say)
+    argv = rec.agent_argv(*_start_args(plan))
+    started = start_on_box(remote, registry, rec, label, argv, job.workdir, staged)
     registry.put(rec)
     if not started:
         say(finished_line(plan.name))

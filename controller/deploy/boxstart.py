@@ -15,16 +15,19 @@ Most failures are said as the box said them, once: the start's stderr is shown a
 for the rgt error it ends with, which rgt's own error says (controller/capture.py LineRelay). A
 start that ends without one (the agent's program gone from the box: ``env: ...: No such file``)
 was shown whole: rgt's error points at it, and says what to do. The release directory gone
-before the start (``cd``) is NotFound (exit 8). One is not a failure of the start at all: the box's
-agent took its epoch and restored the run's checkpoint, and a SIGTERM (the box preempted) or a
-stop came before the job started, so the run ended PREEMPTED (exit 13) or STOPPED (exit 12)
-before its first attempt (onbox/agent/detach.py ``NotStarted``). That is said as what happened,
-with what to do, and `rgt deploy` exits with the box's code (13 or 12), as `rgt-agent run` does.
-Any other refusal of the box's agent keeps its code too where it is one of rgt's (2 a job the
-box cannot run, 5 a run held by another agent, 14 the store...). A code means what rgt means by
-it only when it came with rgt's own error line (``rgt: ...``): a start that exits without one
-failed before or outside rgt's code (Python's "can't open file" exits 2, a killed shell anything),
-which is the box's failure, HostError (exit 9) naming the code, whatever its number.
+before the start (``cd``) is NotFound (exit 8). The start never takes secrets another deploy
+left staged (one cut off before its start): unless this deploy staged its own, the same line
+removes them first (HostError, exit 9, when it cannot). One is not a failure of the start at
+all: the box's agent took its epoch and restored the run's checkpoint, and a SIGTERM (the box
+preempted) or a stop came before the job started, so the run ended PREEMPTED (exit 13) or
+STOPPED (exit 12) before its first attempt (onbox/agent/detach.py ``NotStarted``). That is said
+as what happened, with what to do, and `rgt deploy` exits with the box's code (13 or 12), as
+`rgt-agent run` does. Any other refusal of the box's agent keeps its code too where it is one of
+rgt's (2 a job the box cannot run, 5 a run held by another agent, 14 the store...). A code means
+what rgt means by it only when it came with rgt's own error line (``rgt: ...``): a start that
+exits without one failed before or outside rgt's code (Python's "can't open file" exits 2, a
+killed shell anything), which is the box's failure, HostError (exit 9) naming the code, whatever
+its number.
 
 A job may end as soon as it started (a missing import). When the wait sees the run already in a
 final state, the deploy says so, with the box's reason and what to do, and exits with that state's
@@ -57,6 +60,7 @@ from onbox.common.errors import (
     UsageError,
     WaitInterrupted,
 )
+from onbox.common.rundir import RunDir
 
 # The longest silence of `rgt-agent start` (it says how its agent's restore goes every few
 # seconds: onbox/agent/detach.py PROGRESS_EVERY).
@@ -90,10 +94,16 @@ _BOX_CODES = {
 }
 
 
-# The start's shell found no release directory to run in (not one of rgt's exit codes).
+# The start's shell found no release directory to run in, or could not remove secrets another
+# deploy left staged (not rgt's exit codes).
 _NO_RELEASE = 44
-# The line the start runs on the box: $1 the release directory, then the agent's argv.
-START_SH = f'cd "$1" 2>/dev/null || exit {_NO_RELEASE}; shift; exec "$@"'
+_STALE_KEPT = 45
+# The line the start runs on the box: $1 the release directory, $2 the staged secrets to remove
+# first ("" when this deploy staged them), then the agent's argv.
+START_SH = (
+    f'cd "$1" 2>/dev/null || exit {_NO_RELEASE}; {{ [ -z "$2" ] || rm -f -- "$2"; }} || '
+    f'exit {_STALE_KEPT}; shift 2; exec "$@"'
+)
 # What to do when the start failed without an rgt error: the box's shell or Python said why.
 _UNSAID = (
     "run the same `rgt deploy` again: it checks the agent's install on the box and installs it "
@@ -152,13 +162,22 @@ def _its_error(said: str) -> str:
 
 
 def start_on_box(
-    remote: Remote, registry: Registry, rec: RunRecord, label: str, argv: Sequence[str], path: str
+    remote: Remote,
+    registry: Registry,
+    rec: RunRecord,
+    label: str,
+    argv: Sequence[str],
+    path: str,
+    staged: bool = False,
 ) -> bool:
     """``argv`` (the agent's start of run ``rec``) in the release's directory ``path`` on
     ``label``; returns once the job runs: True, or False when the agent started nothing, the
-    run's store holding its DONE.json (``finished_line`` says so)."""
+    run's store holding its DONE.json (``finished_line`` says so). ``staged``: this deploy
+    staged secrets for the start (flow.store_secrets); else any staged there were left by a
+    deploy cut off before its start, and are removed first, never taken by this one."""
+    stale = "" if staged else RunDir(rec.name, rec.box_home).staged_secrets_file
     try:
-        r = remote.sh(START_SH, path, *argv, timeout=START_SILENCE, relay=True)
+        r = remote.sh(START_SH, path, stale, *argv, timeout=START_SILENCE, relay=True)
     except RemoteUnreachable:
         # The link went while the agent was starting, so it may well be running: remember
         # the run, so that `rgt status` finds it and the next deploy sees it live.
@@ -176,6 +195,12 @@ def start_on_box(
             f"the release {path} that run {rec.name} starts in is not on {label}: it was "
             "removed since it was pushed",
             "run the same `rgt deploy` again: it pushes the code again",
+        )
+    if r.rc == _STALE_KEPT:
+        raise HostError(
+            f"cannot remove {stale} on {label}: secrets a deploy cut off before its start left "
+            f"for run {rec.name}, which this start must not take; nothing was started",
+            "check the owner and permissions of the box's rgt secrets directory, then deploy again",
         )
     if r.rc != 0:  # a preemption during the restore is said as such
         # Its stderr was shown as it came, but for the error it held back (r.held).

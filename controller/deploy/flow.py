@@ -11,6 +11,7 @@
 3. Install the agent into its own environment from the box's Python (controller/deploy/install.py).
 4. Secrets: each ``--secret-env`` value travels on stdin to ``rgt-agent secrets`` (0600 file
    outside the release and run directories), never in argv, a command line, a log or the store.
+   Staged for the start; a deploy with none removes what a cut-off one left staged (boxstart).
 5. Start the agent detached (``rgt-agent start --profile NAME [--on-done ACTION]`` returns within a
    second; a user override of the profile on this laptop is first put at
    $RGT_HOME/profiles/NAME.toml, so that the box resolves the same profile), then watch until the
@@ -156,7 +157,7 @@ def deploy(
         )
         if live is not None:
             return _already_live(remote, registry, plan, rec, live, pushed, say)
-        store_secrets(remote, rec, plan.secrets, say)
+        staged = store_secrets(remote, rec, plan.secrets, say)
         _put_override(remote, plan, box_home)
         if plan.slurm is not None and plan.guess is not None:
             # A batch job runs the agent (controller/slurm/submit.py): submitted, not started.
@@ -165,7 +166,7 @@ def deploy(
             opts = _agent_args("run", plan, store, tail=False)[5:]  # after --profile P
             return submit_run(remote, registry, plan.slurm, rec, opts, plan.job_rel, prev, say)
         argv = rec.agent_argv(*_agent_args("start", plan, store))
-        started = start_on_box(remote, registry, rec, plan.target.label, argv, pushed.path)
+        started = start_on_box(remote, registry, rec, plan.target.label, argv, pushed.path, staged)
         registry.put(rec)
         if not started:  # the run is finished: it never runs in this release
             say(finished_line(plan.name))
@@ -357,17 +358,19 @@ def _already_live(
 
 def store_secrets(
     remote: Remote, rec: RunRecord, secrets: Dict[str, str], say: Callable[[str], None]
-) -> None:
+) -> bool:
     """Each secret's value on stdin to ``rgt-agent secrets --for-start`` (never in argv): the
     run takes them only once the start that follows is claimed, so a start the box refuses
-    leaves the run's own in place and the new values nowhere (onbox.agent.claim)."""
+    leaves the run's own in place and the new values nowhere (onbox.agent.claim). Whether it
+    staged any (else the start removes what another deploy left staged: boxstart.py)."""
     if not secrets:
-        return
+        return False
     argv = rec.agent_argv("secrets", "--for-start", rec.name)
     r = remote.run(argv, input=json.dumps(secrets).encode())
     if r.rc != 0:
         raise HostError(f"storing the secrets on the box failed: {r.err.strip()}")
     say(f"rgt: secrets {', '.join(sorted(secrets))} stored on the box (0600)")
+    return True
 
 
 def _agent_args(verb: str, plan: Plan, store: Optional[str], tail: bool = True) -> List[str]:

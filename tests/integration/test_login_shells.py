@@ -211,6 +211,7 @@ def test_deploy_start_line_job_argv(box: Box) -> None:
     r = box.remote.sh(
         START_SH,
         box.work,
+        "",  # no staged secrets to remove
         "env",
         f"RGT_HOME={rgt_home}",
         BOX_PYTHON,

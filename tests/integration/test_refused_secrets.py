@@ -158,3 +158,48 @@ def test_a_refused_deploy_of_a_run_that_exists_keeps_its_secrets_and_leaves_none
         assert new.encode() in lap.secrets("mine").read_bytes()
     finally:
         _kill_run_processes(str(lap.box))
+
+
+def test_a_deploy_without_secrets_never_takes_those_a_cut_off_deploy_left_staged(
+    sshd: SshServer, tmp_path: Path
+) -> None:
+    """A deploy cut off between its secrets and its start leaves them staged for that start; the
+    next deploy that gives no `--secret-env` starts the run with none of them, and removes them."""
+    lap = Laptop(sshd, tmp_path)
+    staged = lap.box / "secrets" / ".stale.staged"
+    staged.parent.mkdir(parents=True, mode=0o700)
+    staged.write_text('{"RGT_TEST_TOKEN": "left-by-a-cut-off-deploy"}')
+    staged.chmod(0o600)
+    job = "import os\nprint(os.environ.get('RGT_TEST_TOKEN', 'none'), flush=True)\n"
+    (lap.project / "show.py").write_text(job)
+    try:
+        rc, out = lap.rgt(
+            "deploy", lap.target, "--python", sys.executable, "--name", "stale",
+            "--", sys.executable, "show.py",
+        )  # fmt: skip
+        assert rc == 0, out
+        assert "first line: none" in out, out
+        assert not lap.secrets("stale").exists(), "the run took a cut-off deploy's secrets"
+        assert not staged.exists(), "the cut-off deploy's secrets stayed staged on the box"
+    finally:
+        _kill_run_processes(str(lap.box))
+
+
+def test_a_deploy_that_cannot_remove_a_cut_off_deploys_staged_secrets_starts_nothing(
+    sshd: SshServer, tmp_path: Path
+) -> None:
+    """Here the staged path is a directory, which `rm -f` refuses: the deploy stops with the
+    path and what to do (exit 9), and no run is made."""
+    lap = Laptop(sshd, tmp_path)
+    staged = lap.box / "secrets" / ".odd.staged"
+    (staged / "inside").mkdir(parents=True)
+    try:
+        rc, out = lap.rgt(
+            "deploy", lap.target, "--python", sys.executable, "--name", "odd",
+            "--", sys.executable, "job.py",
+        )  # fmt: skip
+        assert rc == 9, out
+        assert f"cannot remove {staged} on " in out and "nothing was started" in out, out
+        assert not lap.runs("odd").exists()
+    finally:
+        _kill_run_processes(str(lap.box))

@@ -79,6 +79,7 @@ class LocalStore(HangBound, Store):
     def __init__(self, root: str) -> None:
         self.root = os.path.abspath(root)
         self.url = "file://" + self.root
+        self._dev: Optional[int] = None  # the root's filesystem at this process's first write
 
     def _path(self, key: str) -> str:
         """The key's path, for messages (every access goes through ``_parent``)."""
@@ -89,6 +90,8 @@ class LocalStore(HangBound, Store):
         on the way is UnsafePath; missing directories are made when ``create``), and the key's
         last component. The caller closes the descriptor."""
         parts = check_key(key).split("/")
+        if create:
+            self._same_filesystem()
         try:
             return open_dir(self.root, parts[:-1], create=create), parts[-1]
         except FileNotFoundError:
@@ -106,6 +109,25 @@ class LocalStore(HangBound, Store):
             ) from None
         make_dirs(self.root, 0o777)  # the root itself, once (not tried at every put), as durable
         return open_dir(self.root, parts[:-1], create=create), parts[-1]
+
+    def _same_filesystem(self) -> None:
+        """Refuse a write once the root has moved onto the box's root filesystem from another:
+        a root that is itself a mount point stays a directory when the mount drops, and what
+        is written there is on the box's own disk. Another filesystem (a volume mounted again)
+        is taken as the new one."""
+        try:
+            dev = os.stat(self.root).st_dev
+            moved = self._dev is not None and dev != self._dev and dev == os.stat("/").st_dev
+        except OSError:
+            return  # the walk that follows says what is wrong
+        if moved:
+            raise PermanentStoreError(
+                f"the store root {self.root} is on the box's root filesystem now, no longer on "
+                "the one it was on (was the durable mount unmounted?)",
+                f"mount it again at {self.root}; rgt never seals onto the box's own disk in its "
+                "place",
+            )
+        self._dev = dev
 
     @staticmethod
     def _tmp() -> str:

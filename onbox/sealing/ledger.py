@@ -46,7 +46,12 @@ import json
 import time
 from typing import Any, Callable, Dict, List, Optional, Set, Union
 
-from onbox.common.errors import IntegrityError, PreconditionFailed, TransientStoreError
+from onbox.common.errors import (
+    IntegrityError,
+    PermanentStoreError,
+    PreconditionFailed,
+    TransientStoreError,
+)
 from onbox.common.faults import crash_point
 from onbox.sealing import manifest as mf
 from onbox.sealing.quarantine import quarantined
@@ -222,10 +227,24 @@ class Ledger:
     def is_stale(self, what: str = "the next checkpoint") -> bool:
         """Whether a newer epoch owns the run (listed afresh until it does: then for good)."""
         if not self.stale:
-            newest = max(self.epoch, with_retries(lambda: newest_epoch(self.store, self.run)))
+            newest = with_retries(lambda: newest_epoch(self.store, self.run))
+            if newest < self.epoch:
+                raise self._epoch_gone(newest, what)
             if newest > self.epoch:
                 self._go_stale(newest, what)
         return self.stale
+
+    def _epoch_gone(self, newest: int, what: str) -> PermanentStoreError:
+        """The store no longer holds the epoch this agent took: it is not the store the run
+        was taken in (a durable mount dropped or swapped under its path, a bucket emptied,
+        another endpoint), and what is written there would not be the run's."""
+        return PermanentStoreError(
+            f"{self.store.url} no longer holds run {self.run}'s epoch {self.epoch} (its newest "
+            f"is {newest or 'none'}): it is not the store this agent took the run in (was the "
+            f"durable mount unmounted? the bucket emptied?); {what} is not sealed",
+            "check the store; nothing is written to it until the run's epoch is back there "
+            "(or the run is started again); the checkpoints stay on the box",
+        )
 
     def is_writer(self) -> bool:
         """Whether this agent still owns the run's store prefix (no newer epoch): callers

@@ -18,6 +18,8 @@ from typing import Any, List
 
 import pytest
 
+from onbox.common.errors import PermanentStoreError
+from onbox.sealing.stores.local import LocalStore
 from tests.conftest import FIXTURES, Cli
 from tests.mounts import tmpfs
 from tests.polling import latest_step, wait
@@ -97,7 +99,29 @@ def test_a_durable_mount_that_goes_away_is_not_replaced_on_the_boxs_disk(
         st = cli.wait_over("away", "STOPPED")
         assert st["last_exit"]["reason"].startswith("ended by stop"), st
         [reason, *_] = _seal_errors(cli, "away")
-        assert f"the store root {root} is " in reason, reason
-        assert "(was the durable mount unmounted?)" in reason, reason
+        # (Said by the epoch's check before any put: the store is not the one the run's epoch
+        # was taken in. The puts' own checks are tested below, without a ledger.)
+        assert f"file://{root} no longer holds run away's epoch 1" in reason, reason
+        assert "was the durable mount unmounted?" in reason, reason
         assert not os.path.lexists(os.path.join(root, "away", "checkpoints"))
         assert os.path.exists(ckpt)  # kept on the box
+
+
+@pytest.mark.parametrize("under", ["rgt", ""], ids=["root under the mount", "root is the mount"])
+def test_a_put_after_the_mount_dropped_writes_nothing_on_the_boxs_disk(
+    tmp_path: Any, under: str
+) -> None:
+    """The store's own check, whoever writes (a ledger's epoch check is not the only guard)."""
+    mnt = str(tmp_path / "mnt")
+    root = os.path.join(mnt, under) if under else mnt
+    src = tmp_path / "w.bin"
+    src.write_bytes(b"w" * 4096)
+    with tmpfs(mnt, "size=16m"):
+        store = LocalStore(root)
+        store.preflight("r")
+        store.put_file("r/checkpoints/1/w.bin", str(src), sha256=None, size=4096)
+        subprocess.run(["umount", "-l", mnt], check=True, timeout=30)
+        with pytest.raises(PermanentStoreError) as got:
+            store.put_file("r/checkpoints/2/w.bin", str(src), sha256=None, size=4096)
+        assert "(was the durable mount unmounted?)" in got.value.what, got.value.what
+        assert not os.path.lexists(os.path.join(root, "r"))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,12 +17,12 @@ import pytest
 
 from onbox.agent.mirror import StateMirror
 from onbox.agent.ownership import Superseded, recorded_epoch, take_epoch_here, writer_mark
-from onbox.common.errors import UnsafeRefused
+from onbox.common.errors import PermanentStoreError, UnsafeRefused
 from onbox.common.rundir import RunDir
 from onbox.sealing import epochs
 from onbox.sealing import manifest as mf
 from onbox.sealing.epochs import take_epoch, take_epoch_after
-from onbox.sealing.ledger import newest_epoch
+from onbox.sealing.ledger import Ledger, newest_epoch
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
@@ -194,3 +195,20 @@ def test_an_epoch_with_this_marks_copy_on_another_host_is_a_takeover(
         take_epoch_here(store, rd, going_on=True)
     assert (got.value.own, got.value.newer) == (1, 2)
     assert f"host {real.nodename}-clone" in got.value.what
+
+
+def test_a_store_that_lost_the_writers_epoch_is_written_no_more(
+    store: Store, tmp_path: Any
+) -> None:
+    """The store under the same URL no longer holds the epoch this agent took (a durable mount
+    dropped under its path, a bucket emptied): a seal there is refused, said as a store error,
+    never taken as 'no newer writer' (before, the next checkpoint was sealed into it)."""
+    epoch = take_epoch(store, RUN)
+    ledger = Ledger(RUN, store, epoch=epoch, keep=2, event=lambda *a, **k: None)
+    assert not ledger.is_stale()
+    shutil.rmtree(tmp_path / "store" / RUN / "epochs")
+    with pytest.raises(PermanentStoreError) as got:
+        ledger.is_stale("checkpoint step_2.pt (step 2)")
+    assert f"no longer holds run {RUN}'s epoch 1 (its newest is none)" in got.value.what
+    assert "checkpoint step_2.pt (step 2) is not sealed" in got.value.what
+    assert not ledger.stale  # not a newer writer: the run's own epoch may come back

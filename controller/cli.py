@@ -248,9 +248,17 @@ def pull(name: str, dest: Optional[str], source: str, stall: Optional[float]) ->
     dest = dest or os.path.join(RESULTS_DIR, name)
     with terminal_progress() as progress:
         receipt = do_pull(rec, dest, source, progress, results=results, stall=stall)
+    where = os.path.join(receipt.dest, ".rgt-receipt.json")
+    if receipt.sealed.nothing:  # failed or stopped before its first checkpoint was sealed
+        _emit(
+            f"{name}: nothing is sealed yet in the store (no LATEST.json, no DONE.json): "
+            f"nothing pulled; receipt {where} records that. rgt down {name} goes only while "
+            "nothing is sealed, and loses the run's files on the box (its plan lists them)"
+        )
+        return 0
     _emit(
         f"{name}: {receipt.sealed.pulled()} pulled to {receipt.dest} and verified: "
-        f"{len(receipt.files)} files; receipt {os.path.join(receipt.dest, '.rgt-receipt.json')}"
+        f"{len(receipt.files)} files; receipt {where}"
     )
     if receipt.sealed.note:  # LATEST names a quarantined step: which one was pulled, and why
         # Its reason is the store's quarantine record: control characters shown as '?'.

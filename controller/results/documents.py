@@ -8,7 +8,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from controller.results.entries import SHA256_HEX, Entry, sha_hex
 from controller.results.receipt import SealedId
 from onbox.common import jsondoc
-from onbox.common.errors import IntegrityError, NotFound
+from onbox.common.errors import IntegrityError
 from onbox.common.safepath import safe_rel
 from onbox.common.terminal import printable
 from onbox.sealing import manifest as mf
@@ -54,7 +54,8 @@ def from_documents(
     """LATEST -> MANIFEST, and DONE: the sealed state and its files. When LATEST names a
     quarantined step (``listing`` says which are), the newest sealed step before it that is
     not quarantined is the sealed state instead (onbox.sealing.restore.in_effect), and ``note`` says
-    so; a run with none left is an IntegrityError."""
+    so; a run with none left is an IntegrityError. A run with neither document has nothing
+    sealed: an empty SealedId and no files."""
     latest = mf.parse_latest(get(mf.latest_key(run)))
     entries: List[Entry] = []
     step = epoch = None
@@ -70,10 +71,10 @@ def from_documents(
         done_sha = sha_hex(done_raw)
         missing_outputs, left_out = _done(run, done_raw, entries)
     if latest is None and done_raw is None:
-        raise NotFound(
-            f"run {run!r} has nothing sealed yet (no LATEST.json, no DONE.json)",
-            f"wait for its first sealed checkpoint (rgt status {run})",
-        )
+        # Nothing sealed (a job that failed or was stopped before its first checkpoint): a
+        # state of its own, which a pull records in its receipt (SealedId.nothing) so that
+        # `rgt down` can go while the store still has nothing sealed, and refuses once it has.
+        return SealedId(), []
     paths = [e.path for e in entries]
     if len(set(paths)) != len(paths):
         raise IntegrityError(f"the sealed state of {run!r} lists a path twice")

@@ -5,7 +5,9 @@ reconciled (controller/sweep/reconcile.py ``gate``: remedy ``rgt reconcile PLAN.
 unless the laptop holds a verification receipt of the run
 (controller/results/receipt.py, written by ``rgt pull``) that covers its newest sealed state, read
 again
-now from the store or the box, and whose files are still in the receipt's destination. Before
+now from the store or the box, and whose files are still in the receipt's destination (a
+receipt of a pull that found nothing sealed covers a run whose store still has nothing sealed:
+the plan then lists every checkpoint and log of the run on the box as lost). Before
 anything is done it shows what will be lost (files in the run's directory on the box that the
 receipt does not cover, nor a store that outlives the box holds: checkpoints not sealed, job
 logs not pulled, rgt's own records; and what the job wrote in its release, the workdir it runs
@@ -96,6 +98,12 @@ class DownPlan:
             f"{human(r.total_bytes())} in {r.dest} "
             f"({r.sealed.describe()}; from the {r.source}); it covers the newest sealed state",
         ]
+        if r.sealed.nothing:  # the receipt holds no file: all of the run on the box is lost
+            out[1] = (
+                f"verified pull: nothing was sealed when {r.dest} was pulled (from the "
+                f"{r.source}), and nothing is sealed now: no file of the run is in a pull or "
+                "in the store"
+            )
         out.append(
             "will be lost (on the box only: not in the receipt, nor in a store that outlives "
             "the box):"
@@ -187,13 +195,16 @@ def plan_down(
         state = str(run.status.get("state"))
         lost, kept = boxlosses.losses(rec, receipt, spec, run_dir, remote, profile, held)
     if rec.store and gone:
-        lost.append(
-            f"the store {rec.store}, every sealed checkpoint in it (the receipt holds the "
-            f"newest): {gone}"
+        what = (
+            " (it holds nothing sealed of the run)"
+            if receipt.sealed.nothing
+            else ", every sealed checkpoint in it (the receipt holds the newest)"
         )
+        lost.append(f"the store {rec.store}{what}: {gone}")
     elif rec.store:
         kept.append(storekept.store_line(rec.store, held, keep))
-    kept.append(f"the pulled files in {receipt.dest}")
+    if not receipt.sealed.nothing:  # a pull of nothing sealed put no file there
+        kept.append(f"the pulled files in {receipt.dest}")
     home_box = rec.box_home.rstrip("/")
     actions = []
     if state in TERMINAL_NAMES:  # nothing runs: the stop only checks that none is left

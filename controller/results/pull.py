@@ -25,6 +25,11 @@ What is pulled is the run's newest *sealed* state, never a file that is still be
   it let go (``attempts/NNNN/output.redacted.log``, onbox/agent/sealservice.py
   ``redact_box_logs``), never as is; the receipt marks it ``redacted``.
 
+A run with a store that has nothing sealed (no LATEST.json, no DONE.json: its job failed or was
+stopped before its first checkpoint) is pulled as that: no file, and a receipt that records that
+nothing was sealed (controller/results/receipt.py), which ``rgt down`` takes only while the
+store still has nothing sealed.
+
 Layout under DEST: ``checkpoints/<path as sealed, relative to RGT_CKPT_DIR>``,
 ``outputs/<path>``, ``logs/attempt-NNNN.log``, and ``.rgt-receipt.json``
 (controller/results/receipt.py). The checkpoint dir's links the MANIFEST records (Lightning's

@@ -35,6 +35,11 @@ Format (JSON, ``schema`` 1)::
       "rgt_version": "0.1.0"
     }
 
+A run with nothing sealed (no LATEST.json, no DONE.json: its job failed or was stopped before
+its first checkpoint) gets a receipt too: ``step`` and the other fields null, ``done`` false,
+no files. It says that the pull found nothing sealed; ``rgt down`` takes it only while the
+store still has nothing sealed, and lists the run's files on the box as lost.
+
 ``verified`` says how far each file was checked: ``sha256`` (against the manifest), plus
 ``safetensors header`` or ``torch.load(weights_only=True)`` where the file was opened as its
 framework would, or a note why it was not opened (no torch on this laptop). ``redacted`` is true
@@ -97,9 +102,17 @@ class SealedId:
         object.__setattr__(self, "missing_outputs", tuple(self.missing_outputs))
         object.__setattr__(self, "left_out", tuple(self.left_out))
 
+    @property
+    def nothing(self) -> bool:
+        """Nothing sealed: a store with no LATEST.json and no DONE.json (a job that failed or
+        was stopped before its first checkpoint). A receipt of it holds no file."""
+        return self.listing_sha256 is None and self.step is None and not self.done
+
     def describe(self) -> str:
         if self.listing_sha256 is not None:
             return f"the box's files (no store), listing {self.listing_sha256[:12]}"
+        if self.nothing:
+            return "nothing sealed"
         what = f"sealed step {self.step}" if self.step is not None else "no sealed checkpoint"
         return what + (", run done (outputs and logs)" if self.done else "")
 
@@ -107,6 +120,8 @@ class SealedId:
         """What a pull of this state brought, as ``rgt pull``'s line names it."""
         if self.listing_sha256 is not None:
             return "the box's files (no store)"
+        if self.nothing:
+            return "nothing (nothing was sealed)"
         if self.step is None:  # DONE.json, no LATEST: the job never sealed a checkpoint
             return "results only (DONE.json; no checkpoint was sealed)"
         return f"step {self.step}"
@@ -117,6 +132,9 @@ class SealedId:
             if self.listing_sha256 != newer.listing_sha256:
                 return "the box's files changed since the pull"
             return None
+        if self.nothing and not newer.nothing:
+            what = f"step {newer.step}" if newer.step is not None else "the run's end (DONE.json)"
+            return f"{what} was sealed after the pull, whose receipt says nothing was sealed"
         if newer.step != self.step:
             return f"the newest sealed step is {newer.step}, the receipt has step {self.step}"
         if newer.manifest_sha256 != self.manifest_sha256:

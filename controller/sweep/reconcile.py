@@ -157,7 +157,7 @@ def check_run(
 
     def get(key: str) -> Optional[bytes]:
         # DONE.json is read once: the cell is judged by the one seen. Read again, it could be
-        # gone (from_documents: "nothing sealed", exit 8, for a cell just seen sealed) or other.
+        # gone (from_documents: nothing sealed, for a cell just seen sealed) or other.
         return done if key == mf.done_key(run) else store_get(store, key)
 
     try:

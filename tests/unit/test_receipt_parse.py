@@ -78,3 +78,15 @@ def test_a_receipt_of_a_run_without_a_store_reads_back_with_nulls_and_no_outputs
     assert Receipt.from_json(doc).sealed == SealedId(listing_sha256="a" * 64)
     doc["sealed"] = {"step": 3, "epoch": None, "note": None, "done": True, "done_sha256": "b" * 64}
     assert Receipt.from_json(doc).sealed == SealedId(step=3, done=True, done_sha256="b" * 64)
+
+
+def test_a_receipt_of_nothing_sealed_covers_only_a_store_that_still_has_nothing_sealed() -> None:
+    """A pull of a run with nothing sealed records that; a seal after it (a checkpoint, or the
+    run's end with DONE.json alone) is newer, so `rgt down` refuses again."""
+    doc = Receipt("r", "store", "local", "file:///s", "/d", SealedId(), []).to_json()
+    nothing = Receipt.from_json(doc).sealed
+    assert nothing.nothing and nothing.differs_from(SealedId()) is None
+    why = nothing.differs_from(SealedId(step=1, manifest="r/checkpoints/1/MANIFEST.json"))
+    assert why is not None and "step 1" in why and "nothing was sealed" in why
+    assert nothing.differs_from(SealedId(done=True, done_sha256="b" * 64)) is not None
+    assert not SealedId(done=True).nothing and not SealedId(listing_sha256="a" * 64).nothing

@@ -1,0 +1,111 @@
+"""`rgt pull` and `rgt down` of a store-backed run that has nothing sealed yet.
+
+A run whose job failed, or was stopped, before its first checkpoint was sealed has no LATEST.json
+and no DONE.json in its store. `rgt pull N` pulls what there is (nothing) and writes a receipt
+that records that nothing was sealed; `rgt down N` accepts it only while the store still has
+nothing sealed, and its plan lists as lost the checkpoint files left on the box. Each run is a
+real agent with a real file:// store (the Box of tests/integration/test_down.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, List, Tuple
+
+import pytest
+
+from controller.remote import SshRemote, open_remote
+from controller.results.down import down, plan_down
+from controller.target import Target
+from onbox.common.errors import UnsafeRefused
+from tests.conftest import Cli
+from tests.integration.test_down import RUN, Box
+from tests.sshd import SshServer
+
+
+@pytest.fixture
+def laptop(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
+    home = str(tmp_path / "laptop")
+    monkeypatch.setenv("RGT_CONTROLLER_HOME", home)
+    monkeypatch.setenv("RGT_SSH_CONFIG", "/dev/null")
+    return home
+
+
+def _rgt(capsys: pytest.CaptureFixture[str], *argv: str) -> Tuple[int, str, str]:
+    """`rgt ARGV` in this process: its exit code, stdout and stderr."""
+    from controller.cli import main as rgt_main
+
+    capsys.readouterr()
+    code = rgt_main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _never(prompt: str) -> str:
+    raise AssertionError(f"down asked {prompt!r} before it should have")
+
+
+def test_a_pull_of_a_run_with_nothing_sealed_lets_down_go_only_while_nothing_is_sealed(
+    cli: Cli, tmp_path: Any, laptop: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: `rgt pull N` of a run with nothing sealed stopped (exit 8, "has nothing sealed
+    yet") and wrote no receipt, so `rgt down N` was refused for ever ("rgt pull N first").
+    Now the pull writes a receipt recording that nothing was sealed; down accepts it; once a
+    checkpoint is sealed after the pull, down refuses again."""
+    box = Box(cli, tmp_path)
+    rec = box.record()
+    assert box.latest() is None
+    dest = tmp_path / "dest"
+    code, out, err = _rgt(capsys, "pull", RUN, "--to", str(dest))
+    assert code == 0, err
+    assert "nothing is sealed" in out, out
+    with open(dest / ".rgt-receipt.json") as f:
+        doc = json.load(f)
+    assert doc["files"] == [] and doc["sealed"]["step"] is None and not doc["sealed"]["done"]
+    text = "\n".join(plan_down(rec, open_remote(rec.target)).lines())
+    assert "nothing was sealed" in text, text
+
+    box.checkpoint(1)  # sealed after the pull: the receipt no longer covers the newest state
+    with pytest.raises(UnsafeRefused) as e:
+        plan_down(rec, open_remote(rec.target))
+    assert "step 1" in e.value.what and "nothing was sealed" in e.value.what, e.value.what
+    box.intact()
+
+
+def test_down_of_a_stopped_run_with_nothing_sealed_names_its_unsealed_checkpoint_as_lost(
+    cli: Cli,
+    tmp_path: Any,
+    laptop: str,
+    sshd: SshServer,
+    request: pytest.FixtureRequest,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A run stopped before any checkpoint was sealed, a checkpoint file the job left on the box
+    unsealed: `rgt pull N --from box` (a file:// store read on the box, over a real sshd) gives a
+    receipt down accepts; down's plan says, before it does anything, that the file is lost; the
+    store is left as it is."""
+    box = Box(cli, tmp_path)
+    cli("stop", RUN, check=True, timeout=120)
+    cli.wait_for(RUN, lambda s: s["state"] == "STOPPED", what="the run stopped")
+    assert box.latest() is None
+    left = os.path.join(box.run_dir, "ckpt", "step_5.pt")
+    with open(left, "wb") as f:
+        f.write(b"a checkpoint no seal took")
+    target = Target(
+        "ssh", host="127.0.0.1", user=sshd.user, port=sshd.port, identity=sshd.client_key
+    )
+    request.addfinalizer(SshRemote(target).close)
+    rec = box.record(target)
+    code, out, err = _rgt(capsys, "pull", RUN, "--from", "box", "--to", str(tmp_path / "dest"))
+    assert code == 0, err
+
+    shown: List[str] = []
+    down(rec, yes=True, interactive=False, ask=_never, show=shown.append)
+    text = "\n".join(shown)
+    lost = text.split("will be lost")[1].split("\nkept:")[0]
+    assert "checkpoint step_5.pt" in lost and "job log of attempt 1" in lost, text
+    assert "(it holds nothing sealed of the run)" in lost, text
+    assert "the pulled files in" not in text, text
+    assert not os.path.exists(box.run_dir)
+    assert os.path.isdir(box.store_root)

@@ -134,7 +134,21 @@ def _from_box_docs(remote: Remote, root: str, run: str) -> Tuple[SealedId, List[
     """The sealed state as the documents of a file:// store on the box say."""
     docs = BoxDocs(remote, root)
     docs.prefetch([mf.latest_key(run), mf.done_key(run)], run=run)  # one round trip
-    return from_documents(run, docs.get, functools.partial(docs.listing, run))
+    ident, entries = from_documents(run, docs.get, functools.partial(docs.listing, run))
+    # No document may mean a store whose mount is not there: nothing sealed is said (in a
+    # receipt `rgt down` takes) only of a store that is. The box's answer is one fixed word.
+    if ident.nothing and remote.sh('[ -d "$1" ] && echo dir', root).text.split() != ["dir"]:
+        raise _no_store_dir(root, run, remote.target.label)
+    return ident, entries
+
+
+def _no_store_dir(root: str, run: str, where: str) -> NotFound:
+    """A file:// store whose directory is not there: not a store with nothing sealed."""
+    return NotFound(
+        f"the store {root} of run {run} is not a directory on {where}: whether anything "
+        "of the run is sealed cannot be read (its mount gone?)",
+        f"mount the store there again, then rgt pull {run}",
+    )
 
 
 # ---- does a receipt cover the newest sealed state?
@@ -147,7 +161,10 @@ def newest_sealed(rec: RunRecord, remote: Optional[Remote] = None) -> SealedId:
     if rec.store:
         root = _file_root(rec)
         if root is None or rec.target.kind == "local":
-            return _from_store(open_run_store(rec), rec.name)[0]
+            ident = _from_store(open_run_store(rec), rec.name)[0]
+            if ident.nothing and root is not None and not os.path.isdir(root):
+                raise _no_store_dir(root, rec.name, "this machine")
+            return ident
     own = remote is None
     box = remote or open_remote(rec.target)
     try:

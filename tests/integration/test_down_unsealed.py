@@ -65,6 +65,12 @@ def test_a_pull_of_a_run_with_nothing_sealed_lets_down_go_only_while_nothing_is_
     assert doc["files"] == [] and doc["sealed"]["step"] is None and not doc["sealed"]["done"]
     text = "\n".join(plan_down(rec, open_remote(rec.target)).lines())
     assert "nothing was sealed" in text, text
+    # The store's directory gone (a mount that is not there): no store to say nothing is sealed.
+    os.rename(box.store_root, box.store_root + ".away")
+    with pytest.raises(UnsafeRefused) as e:
+        plan_down(rec, open_remote(rec.target))
+    assert "is not a directory on this machine" in e.value.what, e.value.what
+    os.rename(box.store_root + ".away", box.store_root)
 
     box.checkpoint(1)  # sealed after the pull: the receipt no longer covers the newest state
     with pytest.raises(UnsafeRefused) as e:
@@ -97,6 +103,12 @@ def test_down_of_a_stopped_run_with_nothing_sealed_names_its_unsealed_checkpoint
     )
     request.addfinalizer(SshRemote(target).close)
     rec = box.record(target)
+    # The store's directory gone from the box (a mount that is not there): that the store has
+    # nothing sealed is not known, so no receipt says it.
+    os.rename(box.store_root, box.store_root + ".away")
+    code, out, err = _rgt(capsys, "pull", RUN, "--from", "box", "--to", str(tmp_path / "away"))
+    assert code == 8 and "not a directory on" in err, (code, out, err)
+    os.rename(box.store_root + ".away", box.store_root)
     code, out, err = _rgt(capsys, "pull", RUN, "--from", "box", "--to", str(tmp_path / "dest"))
     assert code == 0, err
 

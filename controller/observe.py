@@ -222,8 +222,10 @@ def describe(doc: Dict[str, Any], why_not_box: Optional[str] = None) -> str:
         lines.append(f"  step {prog.get('step')}" + _metrics(prog))
     sealed = (doc.get("box") or {}).get("sealed") or {}
     if sealed:
+        how = "restored from the store" if sealed.get("kind") == "restored" else ""
         lines.append(
-            f"  newest sealed checkpoint: step {sealed.get('step')} at {sealed.get('time')}"
+            f"  newest sealed checkpoint: step {sealed.get('step')} "
+            + (f"({how} at {sealed.get('time')})" if how else f"at {sealed.get('time')}")
         )
     elif doc.get("in_effect"):
         lines.append(f"  newest verified: step {doc['in_effect'].get('step')}")
@@ -418,7 +420,8 @@ def render(doc: Dict[str, Any], rate: Optional[float], why_not_box: Optional[str
     sealed = box.get("sealed")
     if sealed and box.get("box_time"):
         age = _age(sealed.get("time"), box["box_time"])
-        t.add_row("sealed", f"step {sealed.get('step')}, {age} ago")
+        how = "restored from the store " if sealed.get("kind") == "restored" else ""
+        t.add_row("sealed", f"step {sealed.get('step')}, {how}{age} ago")
     elif doc.get("in_effect"):
         t.add_row("sealed", f"step {doc['in_effect'].get('step')} ({doc['in_effect'].get('note')})")
     elif doc.get("latest"):

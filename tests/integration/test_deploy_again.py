@@ -321,7 +321,8 @@ def test_a_run_taken_down_with_its_store_kept_is_deployed_again_and_resumes_from
 ) -> None:
     """`rgt down` keeps the record of a run whose store outlives the box, marked taken down.
     A new `rgt deploy TARGET --name N` is not refused for it: its record replaces the kept one,
-    and the agent restores the run's newest sealed checkpoint from the store."""
+    and the agent restores the run's newest sealed checkpoint from the store, which `rgt status`
+    names as the newest sealed at once."""
     cli, proj = on_box
     store = tmp_path / "store"
     store.mkdir()
@@ -348,6 +349,13 @@ def test_a_run_taken_down_with_its_store_kept_is_deployed_again_and_resumes_from
     rec = Registry().get("again")
     assert rec.down_at is None and rec.store == f"file://{store}"
     assert ckpt.exists()  # restored from the store before the job started
+    # The new box's status names the restored step as the newest sealed at once: it is in
+    # the store (it said nothing of it until the run sealed again).
+    capsys.readouterr()
+    code = rgt_main(["status", "again"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert re.search(r"newest sealed checkpoint: step 1 \(restored from the store at ", out), out
     code, err = _rgt(capsys, "stop", "again", "--grace", "5")
     assert code == 0, err
 

@@ -54,15 +54,19 @@ def _days(seconds: float) -> str:
     return f"{seconds / 86400:g} days" if seconds >= 86400 else f"{seconds / 3600:g} hours"
 
 
-def notes(profile: Profile) -> List[str]:
-    """The first-contact lines of ``profile``: its danger clocks, then its conveniences."""
+def notes(label: str, profile: Profile) -> List[str]:
+    """The first-contact lines of target ``label`` under ``profile``: its danger clocks, then
+    its conveniences."""
     out: List[str] = []
     for d in profile.danger:
         when = f" (after {_days(d.after)})" if d.after is not None else ""
         out.append(f"  danger: {d.name}{when}: {d.what}; {d.remedy}")
     out += [f"  tip: {c}" for c in profile.conveniences]
     if out:
-        out.insert(0, f"rgt: first contact with {profile.title} ({profile.name}):")
+        # The title describes the profile ("Any box reachable over SSH"), not a platform's
+        # name: quoted after the profile's name, the line reads right for every title.
+        head = f'rgt: first contact with {label} under profile {profile.name}, "{profile.title}":'
+        out.insert(0, head)
     return out
 
 
@@ -75,4 +79,4 @@ def first_contact(label: str, profile: Profile, again: bool = False) -> List[str
         if not seen:
             doc["seen"][key] = time.time()
             write_json(_path(), doc)
-    return notes(profile) if again or not seen else []
+    return notes(label, profile) if again or not seen else []

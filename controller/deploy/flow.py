@@ -56,6 +56,7 @@ from controller.deploy.wheel import AgentWheel, agent_wheel
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, open_remote
 from controller.runstore import store_fields
+from controller.slurm.submit import submit_run
 from controller.target import Target
 from onbox.common import jobenv
 from onbox.common.errors import (
@@ -161,10 +162,10 @@ def deploy(
         _put_override(remote, plan, box_home)
         if plan.slurm is not None and plan.guess is not None:
             # A batch job runs the agent (controller/slurm/submit.py): submitted, not started.
-            from controller.slurm.submit import submit_run
-
             opts = _agent_args("run", plan, store, tail=False)[5:]  # after --profile P
-            return submit_run(remote, registry, plan.slurm, rec, opts, plan.job_rel, prev, say)
+            return submit_run(
+                remote, registry, plan.slurm, rec, opts, plan.job_rel, prev, say, staged
+            )
         argv = rec.agent_argv(*_agent_args("start", plan, store))
         started = start_on_box(remote, registry, rec, plan.target.label, argv, pushed.path, staged)
         registry.put(rec)

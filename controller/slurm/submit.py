@@ -240,16 +240,19 @@ def lead_for(
 
 
 # Under a lock in the run's directory ($1): refuse (45) when one of the user's jobs named $3 is
-# live, else put stdin at $1/$2 atomically and sbatch it with the rest of the arguments.
+# live, else remove the staged secrets $4 ("": this deploy staged them; 48 when they stay: the
+# job's agent would claim them), put stdin at $1/$2 atomically and sbatch it with the rest.
+_STALE_KEPT = 48
 _SUBMIT = r"""
 umask 077
-d=$1; f=$2; jn=$3; shift 3
+d=$1; f=$2; jn=$3; stale=$4; shift 4
 mkdir -p "$d" || exit 9
 if command -v flock >/dev/null 2>&1; then
   exec 9>"$d/.submit.lock" && flock -w 60 9 || { echo "the submit lock is held" >&2; exit 46; }
 fi
 live=$(squeue -h -u "$(id -un)" -n "$jn" -o "%i %T" 2>&1) || { printf '%s\n' "$live" >&2; exit 47; }
 if [ -n "$live" ]; then printf '%s\n' "$live" | head -c 4096; exit 45; fi
+{ [ -z "$stale" ] || rm -f -- "$stale"; } || exit 48
 cat >"$d/.$f.part.$$" && chmod 700 "$d/.$f.part.$$" && mv -f "$d/.$f.part.$$" "$d/$f" || exit 9
 exec sbatch --parsable "$@" "$d/$f"
 """
@@ -270,15 +273,18 @@ def sbatch(
     script: str,
     sbatch_args: Sequence[str],
     name: str,
+    stale: str = "",
 ) -> str:
     """Put ``script`` in the run's directory and submit it; the job id. LockedError when the
-    run has a live job already (nothing submitted)."""
+    run has a live job already (nothing submitted). ``stale``: staged secrets a cut-off deploy
+    left, removed first (HostError, nothing submitted, when they cannot be)."""
     label = remote.target.label
     r = remote.sh(
         _SUBMIT,
         run_dir.path,
         SCRIPT,
         job_name(name),
+        stale,
         *sbatch_args,
         input=script.encode(),
         timeout=SBATCH_TIMEOUT,
@@ -288,6 +294,12 @@ def sbatch(
         raise LockedError(
             f"run {name} has a live Slurm job on {label} already ({', '.join(live) or '?'})",
             f"`rgt status {name}`; `rgt stop {name}` first to submit it again",
+        )
+    if r.rc == _STALE_KEPT:
+        raise HostError(
+            f"cannot remove {stale} on {label}: secrets a deploy cut off before its submit left "
+            f"for run {name}, which this job must not take; nothing was submitted",
+            "check the owner and permissions of the box's rgt secrets directory, then deploy again",
         )
     if r.rc != 0:
         raise HostError(
@@ -331,9 +343,12 @@ def submit_run(
     job_file: Optional[str],
     prev: Optional[RunRecord],
     say: Say,
+    staged: bool = False,
 ) -> RunRecord:
     """Submit the run's batch job (in place of ``rgt-agent start``; ``opts``: more ``rgt-agent
-    run`` flags) and record it. A run whose job is live already is left alone (this laptop's
+    run`` flags) and record it. ``staged``: this deploy staged secrets for the job's agent to
+    claim; else any staged are a cut-off deploy's, removed by the submit (as a start does,
+    controller/deploy/boxstart.py). A run whose job is live already is left alone (this laptop's
     record of that job, same release) or refused (LockedError), never submitted twice. With
     ``ask.cells``, one job array whose task i runs cell i, each cell recorded as a run of its
     own (controller/slurm/array.py)."""
@@ -346,7 +361,8 @@ def submit_run(
 
         return submit_cells(remote, registry, rec, ask, rd, script, say)
     try:
-        job = sbatch(remote, rd, script, [], rec.name)
+        stale = "" if staged else rd.staged_secrets_file
+        job = sbatch(remote, rd, script, [], rec.name, stale)
     except LockedError:
         known = (prev.scheduler if prev is not None else {}).get("job")
         if prev is None or prev.release != rec.release or not known:

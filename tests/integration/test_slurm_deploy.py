@@ -8,6 +8,8 @@ Covered:
 
 - a job held in the queue (``--sbatch --begin=now+1hour``): status says Slurm's state and that no
   agent started, logs says so too, stop cancels it (squeue has no job of it then);
+- a deploy with no `--secret-env` submits its job with no secrets a cut-off deploy left staged
+  (the submit's command removes them; one that cannot is refused, exit 9, nothing queued);
 - a running job: status joins Slurm's side (state, restarts, time left) with the agent's; logs
   show the training; a second deploy of the same run submits no second job; stop asks the agent
   (STOPPED) and the job is gone from the queue;
@@ -190,6 +192,49 @@ def test_a_queued_job_whose_job_file_names_the_store_is_recorded_with_it(login: 
     try:
         assert p.returncode == 0, p.stderr
         assert Registry(login.ctl_home).get(name).store == f"file://{login.store}-job"
+    finally:
+        login.cancel(name)
+
+
+def test_a_submit_without_secrets_removes_those_a_cut_off_deploy_left_staged(
+    login: Login,
+) -> None:
+    """A deploy cut off between its secrets and its submit leaves them staged
+    (secrets/.N.staged); the batch job's agent claims what is staged when it starts. A deploy
+    with no `--secret-env` submitted the job with them still there: the run would start with
+    the cut-off deploy's values. The submit's own command removes them first."""
+    name = "slurm-stale"
+    staged = Path(login.box_home, "secrets", f".{name}.staged")
+    staged.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    staged.write_text('{"RGT_TEST_TOKEN": "left-by-a-cut-off-deploy"}')
+    staged.chmod(0o600)
+    p = login.deploy(
+        name, "--time", "10", "--seal-time", "2", "--sbatch", "--begin=now+3600",
+        job=["train_plain.py", "--steps", "10"],
+    )  # fmt: skip
+    try:
+        assert p.returncode == 0, p.stderr
+        assert login.queued(name) == [login.job(name)]
+        assert not staged.exists(), "the cut-off deploy's secrets stayed for the batch job"
+    finally:
+        login.cancel(name)
+
+
+def test_a_submit_that_cannot_remove_staged_secrets_submits_nothing(login: Login) -> None:
+    """Here the staged path is a directory, which `rm -f` refuses: the deploy stops with the
+    path and what to do (exit 9), and no job is queued."""
+    name = "slurm-odd"
+    staged = Path(login.box_home, "secrets", f".{name}.staged")
+    (staged / "inside").mkdir(parents=True)
+    p = login.deploy(
+        name, "--time", "10", "--seal-time", "2", "--sbatch", "--begin=now+3600",
+        job=["train_plain.py", "--steps", "10"],
+    )  # fmt: skip
+    try:
+        assert p.returncode == 9, p.stderr
+        assert f"cannot remove {staged} on " in p.stderr, p.stderr
+        assert "nothing was submitted" in p.stderr, p.stderr
+        assert login.queued(name) == []
     finally:
         login.cancel(name)
 

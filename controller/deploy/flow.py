@@ -62,8 +62,10 @@ from onbox.common import jobenv
 from onbox.common.errors import (
     HostError,
     NotFound,
+    UsageError,
 )
 from onbox.common.rundir import profiles_dir
+from onbox.common.terminal import printable
 from onbox.profiles.load import SHIPPED_DIR
 
 
@@ -127,7 +129,7 @@ def deploy(
     remote = open_remote(plan.target)
     try:
         say(f"rgt: auditing {plan.target.label} ...")
-        report, box_home, store, plan = _audit(remote, plan, rid, wheel, prev, say)
+        report, box_home, store, plan = _audit(remote, plan, rid, wheel, prev, say, registry)
         if files is None:
             from controller.deploy.again import start_again  # (it builds on this module)
 
@@ -188,10 +190,12 @@ def _audit(
     wheel: AgentWheel,
     prev: Optional[RunRecord],
     say: Callable[[str], None],
+    registry: Registry,
 ) -> Tuple[auditmod.Audit, str, Optional[str], Plan]:
     """The audit, shown line by line: HostError with every problem, before anything on the box
     is changed. Returns it, RGT_HOME on the box, the run's store and the plan with its profile
-    chosen (from the box's markers when neither --profile nor the host told)."""
+    chosen (from the box's markers when neither --profile nor the host told). A deploy that
+    would drop the store the laptop recorded for the run is refused then (``_keeps_store``)."""
     known = box_home_for(remote, "")  # "" on an ssh box: its $HOME/.rgt, read by the audit
     store = _store(plan, known)
     report = auditmod.audit(
@@ -225,7 +229,32 @@ def _audit(
             + ". Nothing was changed on the box.",
             "fix these, then deploy again",
         )
+    _keeps_store(registry, plan, store)
     return report, box_home, store, plan
+
+
+def _keeps_store(registry: Registry, plan: Plan, store: Optional[str]) -> None:
+    """Refuse (UsageError, nothing changed yet) a deploy that names no store (no --store, none
+    in the job file) under the name of a run this laptop recorded with one, when the store it
+    would use is not that one: the run would go on without it (its sealed checkpoints neither
+    restored nor added to, the record's store forgotten), after a warning that said only that
+    the checkpoints stay on the box. A start by name alone keeps the box's spec, store too."""
+    if plan.again or plan.req.store is not None or plan.job_store:
+        return
+    try:
+        kept = registry.get(plan.name).store
+    except NotFound:
+        return
+    if not kept or kept == store:
+        return
+    url = printable(kept)  # the record's store may have come from the box (record_box_store)
+    raise UsageError(
+        "--store",
+        f"run {plan.name} was deployed with store {url} (this laptop's record of it), and this "
+        "deploy names none: the run would go on without it, its sealed checkpoints there "
+        "neither restored nor added to",
+        f"give --store {url} again (or a job file naming it), or deploy under another --name",
+    )
 
 
 def _warn_no_store(plan: Plan, say: Callable[[str], None]) -> None:

@@ -12,7 +12,8 @@ the real CLI as a process (tests/laptop.py), what it prints held against what RE
 - a job that fails at once: deploy says so, with the box's reason and `rgt logs NAME`, and exits
   11 (FAILED) as `rgt-agent run` does, not 0; one that succeeded at once exits 0;
 - no `--store` on a profile with no durable mount: one warning line that the checkpoints live only
-  on the box, and no warning with a store;
+  on the box, and no warning with a store; no store under the name of a run recorded with one:
+  refused (exit 2) before anything changes, with no such warning;
 - a run held by another agent (exit 5): the remedy names the laptop's commands;
 - `rgt down` on a terminal asks for the run's name in one prompt (``...: ``, not ``...: : ``).
 """
@@ -305,6 +306,36 @@ def test_no_store_on_a_profile_without_a_durable_mount_is_warned_once(
     )
     assert p.returncode == 0, p.stderr
     assert _store_warnings(p.stderr) == [], p.stderr
+
+
+def test_a_deploy_without_the_store_the_runs_record_names_is_refused_first(
+    walk: Walk, tmp_path: Path
+) -> None:
+    """A deploy with no store under the name of a run this laptop recorded with one warned
+    "checkpoints stay only on the box", then started the run without its store (its sealed
+    checkpoints neither restored nor added to, and the laptop's record forgot the store). It is
+    refused (exit 2) before anything changes, with no such warning; the store given again
+    deploys."""
+    store = tmp_path / "store"
+    store.mkdir()
+    p = walk.deploy("--name", "kept", "--store", f"file://{store}", "--", sys.executable, "job.py")
+    assert p.returncode == 0, p.stderr
+    p = walk.rgt("stop", "kept", "--grace", "1")
+    assert p.returncode == 0, p.stderr
+    p = walk.deploy("--name", "kept", "--", sys.executable, "job.py")
+    assert p.returncode == 2, p.stderr
+    assert _store_warnings(p.stderr) == [], p.stderr
+    last = p.stderr.strip().splitlines()[-1]
+    assert f"run kept was deployed with store file://{store}" in last, p.stderr
+    assert f"give --store file://{store} again" in last, p.stderr
+    assert "first line of attempt 2" not in p.stderr, p.stderr  # nothing started
+    p = walk.rgt("status", "kept", "--json")
+    assert p.returncode == 0 and '"STOPPED"' in p.stdout, (p.stdout, p.stderr)
+    p = walk.deploy("--name", "kept", "--store", f"file://{store}", "--", sys.executable, "job.py")
+    assert p.returncode == 0, p.stderr
+    assert "first line of attempt 2" in p.stderr, p.stderr
+    p = walk.rgt("stop", "kept", "--grace", "1")
+    assert p.returncode == 0, p.stderr
 
 
 def test_a_run_held_by_another_agent_names_the_laptops_commands(walk: Walk) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any, Dict
+
 from controller.observe import describe
 
 
@@ -27,3 +29,36 @@ def test_the_last_exit_names_its_attempt_so_an_old_failure_is_not_read_as_the_cu
         "  last exit (attempt 2, at 2026-12-06T12:10:00Z): import_error: ModuleNotFoundError: "
         "No module named 'x' (deterministic: not retried)"
     ) in lines, lines
+
+
+def _restored_doc() -> Dict[str, Any]:
+    """A new box's run whose agent restored step 40 from the store and has not sealed since:
+    its newest 'sealed'-or-'restored' event is the restore (controller/shell/observe.sh)."""
+    return {
+        "name": "gpt",
+        "state": "RUNNING",
+        "attempt": 1,
+        "job_alive": True,
+        "read_at": "2026-12-06T13:00:00Z",
+        "box": {
+            "sealed": {"kind": "restored", "step": 40, "time": "2026-12-06T12:59:00.000Z"},
+            "box_time": 1796562000,  # 2026-12-06T13:00:00Z
+        },
+    }
+
+
+def test_a_restored_step_is_the_newest_sealed_and_says_it_came_from_the_store() -> None:
+    lines = describe(_restored_doc()).splitlines()
+    assert (
+        "  newest sealed checkpoint: step 40 (restored from the store at 2026-12-06T12:59:00.000Z)"
+    ) in lines, lines
+
+
+def test_watch_shows_a_restored_step_as_restored_from_the_store() -> None:
+    from rich.console import Console
+
+    from controller.observe import render
+
+    console = Console(record=True, width=200)
+    console.print(render(_restored_doc(), None, None))
+    assert "step 40, restored from the store 1m00s ago" in console.export_text()

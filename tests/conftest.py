@@ -288,3 +288,9 @@ def controller_env(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Dict[str, 
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     return env
+
+
+@pytest.fixture
+def laptop(controller_env: Dict[str, str]) -> str:
+    """The laptop's state dir (receipts, records), for tests that pass it as ``home``."""
+    return controller_env["RGT_CONTROLLER_HOME"]

@@ -28,10 +28,8 @@ from onbox.sealing import manifest as mf
 from onbox.sealing.restore import NoVerifiedCheckpoint, restore_latest
 from onbox.sealing.stores import open_store
 from tests.conftest import require
-from tests.integration.test_pull import RUN, _rec, laptop
+from tests.integration.test_pull import RUN, _rec
 from tests.integration.test_sealing import _sealer
-
-__all__ = ["laptop"]  # the fixture, used by name
 
 # A tiny model that checkpoints every 2 steps with save_last="link", and prints the step it
 # starts training from (0 unless it resumed).

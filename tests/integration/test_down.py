@@ -38,14 +38,6 @@ RUN = "r1"
 RELEASE = "a1b2c3d4e5f6"
 
 
-@pytest.fixture
-def laptop(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
-    home = str(tmp_path / "laptop")
-    monkeypatch.setenv("RGT_CONTROLLER_HOME", home)
-    monkeypatch.setenv("RGT_SSH_CONFIG", "/dev/null")
-    return home
-
-
 def _wait(pred: Any, what: str, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while not pred():

@@ -24,14 +24,6 @@ from tests.integration.test_down import RUN, Box
 from tests.sshd import SshServer
 
 
-@pytest.fixture
-def laptop(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
-    home = str(tmp_path / "laptop")
-    monkeypatch.setenv("RGT_CONTROLLER_HOME", home)
-    monkeypatch.setenv("RGT_SSH_CONFIG", "/dev/null")
-    return home
-
-
 def _rgt(capsys: pytest.CaptureFixture[str], *argv: str) -> Tuple[int, str, str]:
     """`rgt ARGV` in this process: its exit code, stdout and stderr."""
     from controller.cli import main as rgt_main

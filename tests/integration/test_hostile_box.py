@@ -94,11 +94,6 @@ def _one_line(p: subprocess.CompletedProcess[str]) -> str:
 # ---- the laptop, the box
 
 
-@pytest.fixture
-def laptop(controller_env: Dict[str, str]) -> str:
-    return controller_env["RGT_CONTROLLER_HOME"]
-
-
 def _target(server: SshServer) -> Target:
     return Target(
         "ssh", host="127.0.0.1", user=server.user, port=server.port, identity=server.client_key

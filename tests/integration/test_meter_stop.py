@@ -43,8 +43,8 @@ from onbox.profiles.load import load as load_profile
 from tests.integration import test_down
 from tests.integration.test_down import RUN, Box
 
-# test_down's fixtures: a laptop home, and a real agent run with one sealed checkpoint.
-laptop, box = test_down.laptop, test_down.box
+# test_down's fixture: a real agent run with one sealed checkpoint (the laptop home: conftest's).
+box = test_down.box
 
 KEY = "k3y-" + "x" * 20
 IDS = {"runpod": "pod1abc", "vastai": "4242", "lambda": "0920582c7ff041399e34823a0be62549",

@@ -51,15 +51,6 @@ RUN = "r1"
 HOSTILE = '-odd dir/we\'ird "name" $(touch pwned);\nx.txt'
 
 
-@pytest.fixture
-def laptop(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The laptop's state dir, and ssh without the user's config (for children too)."""
-    home = str(tmp_path / "laptop")
-    monkeypatch.setenv("RGT_CONTROLLER_HOME", home)
-    monkeypatch.setenv("RGT_SSH_CONFIG", "/dev/null")
-    return home
-
-
 def _torch_bytes(n: int = 64) -> bytes:
     """A real torch.save checkpoint (the train extra installs torch)."""
     try:

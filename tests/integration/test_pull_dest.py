@@ -30,10 +30,7 @@ from tests.integration.test_pull import (
     _seal,
     _store,
     _store_file,
-    laptop,
 )
-
-__all__ = ["laptop"]  # the fixture, used by name
 
 
 def test_a_second_pull_into_dest_is_refused_until_the_first_has_cleaned_up(

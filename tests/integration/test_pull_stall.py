@@ -29,10 +29,8 @@ import pytest
 from controller.results.pull import pull
 from tests import seaweed
 from tests.conftest import ROOT, require
-from tests.integration.test_pull import _finals, _read, _rec, _seal, laptop
+from tests.integration.test_pull import _finals, _read, _rec, _seal
 from tests.seaweed import start_seaweed
-
-__all__ = ["laptop"]  # the fixture, used by name
 
 STEP = 4
 # Large enough that the download outlasts the moment the test stops the store: what the kernel

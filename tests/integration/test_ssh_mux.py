@@ -16,7 +16,7 @@ import dataclasses
 import re
 import subprocess
 from pathlib import Path
-from typing import Dict, Iterator
+from typing import Iterator
 
 import pytest
 
@@ -26,11 +26,6 @@ from controller.target import Target
 from onbox.common.errors import AuthError
 from tests.laptop import laptop_env, run_rgt
 from tests.sshd import SshServer
-
-
-@pytest.fixture
-def laptop(controller_env: Dict[str, str]) -> str:
-    return controller_env["RGT_CONTROLLER_HOME"]
 
 
 @pytest.fixture

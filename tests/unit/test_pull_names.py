@@ -31,14 +31,6 @@ from onbox.sealing.stores.base import Store
 RUN = "r1"
 
 
-@pytest.fixture
-def laptop(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The laptop's state dir, where the receipts `rgt down` reads are."""
-    home = str(tmp_path / "laptop")
-    monkeypatch.setenv("RGT_CONTROLLER_HOME", home)
-    return home
-
-
 def _done(store: Store, files: Dict[str, Dict[str, Any]]) -> None:
     """A DONE.json listing ``files`` (key: its entry, without size and sha256), each object
     written to the store under its key."""

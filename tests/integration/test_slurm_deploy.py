@@ -144,12 +144,18 @@ def login(slurm_login: SshServer, slurm_cluster: SlurmCluster) -> Iterator[Login
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_a_queued_job_status_logs_and_stop(login: Login) -> None:
-    name = "slurm-held"
-    p = login.deploy(
+def _deploy_held(login: Login, name: str) -> subprocess.CompletedProcess[str]:
+    """Deploy a short job held in the queue for an hour (``--begin=now+3600``): it never runs
+    while the test looks at it; the caller cancels it."""
+    return login.deploy(
         name, "--time", "10", "--seal-time", "2", "--sbatch", "--begin=now+3600",
         job=["train_plain.py", "--steps", "10"],
     )  # fmt: skip
+
+
+def test_a_queued_job_status_logs_and_stop(login: Login) -> None:
+    name = "slurm-held"
+    p = _deploy_held(login, name)
     try:
         assert p.returncode == 0, p.stderr
         # The lead and where it came from: the flag's 2 s seal, doubled, plus Slurm's slack.
@@ -208,10 +214,7 @@ def test_a_submit_without_secrets_removes_those_a_cut_off_deploy_left_staged(
     staged.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
     staged.write_text('{"RGT_TEST_TOKEN": "left-by-a-cut-off-deploy"}')
     staged.chmod(0o600)
-    p = login.deploy(
-        name, "--time", "10", "--seal-time", "2", "--sbatch", "--begin=now+3600",
-        job=["train_plain.py", "--steps", "10"],
-    )  # fmt: skip
+    p = _deploy_held(login, name)
     try:
         assert p.returncode == 0, p.stderr
         assert login.queued(name) == [login.job(name)]
@@ -226,10 +229,7 @@ def test_a_submit_that_cannot_remove_staged_secrets_submits_nothing(login: Login
     name = "slurm-odd"
     staged = Path(login.box_home, "secrets", f".{name}.staged")
     (staged / "inside").mkdir(parents=True)
-    p = login.deploy(
-        name, "--time", "10", "--seal-time", "2", "--sbatch", "--begin=now+3600",
-        job=["train_plain.py", "--steps", "10"],
-    )  # fmt: skip
+    p = _deploy_held(login, name)
     try:
         assert p.returncode == 9, p.stderr
         assert f"cannot remove {staged} on " in p.stderr, p.stderr

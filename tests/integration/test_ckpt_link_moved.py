@@ -14,16 +14,13 @@ or the test as the job) writes the next checkpoint and moves the link; then the 
 
 from __future__ import annotations
 
-import ctypes
 import importlib.util
 import json
 import os
-import select
-import struct
 import subprocess
 import sys
 import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 from onbox.sealing import manifest as mf
 from onbox.sealing.restore import restore_latest
@@ -229,34 +226,25 @@ def _damage(root: str, run: str, step: int) -> None:
         f.write(b"\0" * 64)
 
 
-IN_OPEN, IN_ISDIR = 0x20, 0x40000000
-
-
-def _dir_opened(d: str) -> Callable[[], None]:
-    """An inotify watch on ``d``: the function returned waits until ``d`` itself is opened
-    (listed) after that call began, by anyone (here: only the held sealer's look at the links)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.inotify_init1(os.O_NONBLOCK | os.O_CLOEXEC)
-    assert fd >= 0 and libc.inotify_add_watch(fd, d.encode(), IN_OPEN) >= 0, ctypes.get_errno()
-
-    def wait() -> None:
-        while select.select([fd], [], [], 0)[0]:  # what came before this call: not it
-            os.read(fd, 65536)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            if not select.select([fd], [], [], 1.0)[0]:
-                continue
-            data, off = os.read(fd, 65536), 0
-            while off < len(data):
-                _, mask, _, n = struct.unpack_from("iIII", data, off)
-                off += 16 + n
-                if mask & IN_ISDIR and n == 0:
-                    os.close(fd)
-                    return
-        os.close(fd)
-        raise AssertionError(f"the sealer never looked at {d} while its seal was held")
-
-    return wait
+def _remembered(work: Any, p: subprocess.Popen[str], name: str, target: str) -> None:
+    """Until the sealer's memory of the links (``seq-links.json`` in its run dir, written by a
+    look that saw a new pair) holds ``name`` leading to ``target``: the look is over, not only
+    begun (a look that opened the dir may read the link after the job moved it on again)."""
+    path = work / "seq-links.json"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            pairs = json.loads(path.read_text())["pairs"]
+        except (OSError, ValueError):
+            pairs = []
+        if any(pair[:2] == [name, target] for pair in pairs):
+            return
+        if p.poll() is not None:
+            break
+        time.sleep(0.05)
+    p.kill()  # by its PID
+    out, err = p.communicate()
+    raise AssertionError(f"the sealer never saw {name} -> {target} while held: {out}\n{err}")
 
 
 def test_a_link_moved_on_past_a_backlog_during_a_seal_is_recorded_with_each_checkpoint(
@@ -272,11 +260,12 @@ def test_a_link_moved_on_past_a_backlog_during_a_seal_is_recorded_with_each_chec
     d = tmp_path / "ckpt"
     d.mkdir()
     _point(d, "last.ckpt", _ckpt(d, 2, MIB))
-    sealer = _held_seal(tmp_path, store.url, "own", str(d), passes=2)
+    work = tmp_path / "run-dir"
+    work.mkdir()
+    sealer = _held_seal(tmp_path, store.url, "own", str(d), passes=2, work=work)
     _wait_copying(sealer, str(root))
-    looked = _dir_opened(str(d))
     _point(d, "last.ckpt", _ckpt(d, 4, 1000))
-    looked()
+    _remembered(work, sealer, "last.ckpt", "epoch=0-step=4.ckpt")
     _point(d, "last.ckpt", _ckpt(d, 6, 1000))
     assert "[2, 4, 6]" in _finish(tmp_path, sealer)
     for step in (2, 4, 6):

@@ -28,7 +28,9 @@ What is pulled is the run's newest *sealed* state, never a file that is still be
 A run with a store that has nothing sealed (no LATEST.json, no DONE.json: its job failed or was
 stopped before its first checkpoint) is pulled as that: no file, and a receipt that records that
 nothing was sealed (controller/results/receipt.py), which ``rgt down`` takes only while the
-store still has nothing sealed.
+store still has nothing sealed. Only a store that holds the run's epoch (taken by its agent
+before the job starts) is said to have nothing sealed: one with no trace of the run is likely
+not the box's store (a wrong bucket, prefix or directory), and stops the pull (NotFound).
 
 Layout under DEST: ``checkpoints/<path as sealed, relative to RGT_CKPT_DIR>``,
 ``outputs/<path>``, ``logs/attempt-NNNN.log``, and ``.rgt-receipt.json``

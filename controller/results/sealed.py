@@ -21,6 +21,7 @@ from controller.results.receipt import Coverage, Receipt, SealedId, compare
 from controller.runstore import open_run_store
 from onbox.common.errors import IntegrityError, NotFound, UsageError
 from onbox.sealing import manifest as mf
+from onbox.sealing.ledger import newest_epoch
 from onbox.sealing.stores.base import Store
 from onbox.sealing.stores.local import LocalStore
 
@@ -86,7 +87,7 @@ def _read_sealed(
                 "a file:// store is a path on the box: pull with --from box",
             )
         store = open_run_store(rec, stall)
-        ident, entries = _from_store(store, run)
+        ident, entries = _from_store(store, rec)
         entries = [dataclasses.replace(e, origin=e.key or "") for e in entries]
         return Sealed(ident, entries, "store", store=store)
     assert remote is not None
@@ -94,14 +95,14 @@ def _read_sealed(
         return box_files(rec, remote)
     root = _file_root(rec)
     if root is not None:
-        ident, entries = _from_box_docs(remote, root, run)
+        ident, entries = _from_box_docs(remote, root, rec)
         entries = [
             dataclasses.replace(e, src=e.key, origin=box_join(root, e.key or "")) for e in entries
         ]
         return Sealed(ident, entries, "box", box_root=root)
     # s3://, hf://: the store says what is sealed; the box holds copies of the bytes.
     store = open_run_store(rec, stall)
-    ident, entries = _from_store(store, run)
+    ident, entries = _from_store(store, rec)
     spec = boxrun.spec(rec, remote)
     attempts = boxrun.run_dir(rec).attempts
     ckpt, workdir = boxrun.spec_dirs(rec, spec, remote)
@@ -123,22 +124,43 @@ def _read_sealed(
     return Sealed(ident, placed, "box", box_root="/", store=store)
 
 
-def _from_store(store: Store, run: str) -> Tuple[SealedId, List[Entry]]:
-    """The sealed state as the store's documents say, read with the laptop's credentials."""
-    return from_documents(
+def _from_store(store: Store, rec: RunRecord) -> Tuple[SealedId, List[Entry]]:
+    """The sealed state as the store's documents say, read with the laptop's credentials.
+    Nothing sealed is said only of a store that holds the run's epoch (``_no_trace``)."""
+    run = rec.name
+    ident, entries = from_documents(
         run, functools.partial(store_get, store), functools.partial(store_listing, store, run)
     )
+    if ident.nothing and newest_epoch(store, run) == 0:
+        raise _no_trace(rec)
+    return ident, entries
 
 
-def _from_box_docs(remote: Remote, root: str, run: str) -> Tuple[SealedId, List[Entry]]:
+# The box's answer: "dir" when the store's directory is there, then "epoch" when the run's
+# epochs/ holds a file (the mark its agent makes there when it starts). Nothing else is read.
+_TRACE = (
+    'if [ -d "$1" ]; then echo dir\n'
+    '  for f in "$2"/[0-9]*; do [ -f "$f" ] && { echo epoch; break; }; done\nfi\n'
+)
+
+
+def _from_box_docs(remote: Remote, root: str, rec: RunRecord) -> Tuple[SealedId, List[Entry]]:
     """The sealed state as the documents of a file:// store on the box say."""
+    run = rec.name
     docs = BoxDocs(remote, root)
     docs.prefetch([mf.latest_key(run), mf.done_key(run)], run=run)  # one round trip
     ident, entries = from_documents(run, docs.get, functools.partial(docs.listing, run))
-    # No document may mean a store whose mount is not there: nothing sealed is said (in a
-    # receipt `rgt down` takes) only of a store that is. The box's answer is one fixed word.
-    if ident.nothing and remote.sh('[ -d "$1" ] && echo dir', root).text.split() != ["dir"]:
+    if not ident.nothing:
+        return ident, entries
+    # No document may mean a store whose mount is not there, or a directory that is not the
+    # run's store: nothing sealed is said (in a receipt `rgt down` takes) only of a store that
+    # is there and holds the run's epoch. The box's answer is fixed words (``_TRACE``).
+    epochs = box_join(root, mf.epochs_prefix(run).rstrip("/"))
+    seen = remote.sh(_TRACE, root, epochs).text.split()
+    if seen[:1] != ["dir"]:
         raise _no_store_dir(root, run, remote.target.label)
+    if seen[1:] != ["epoch"]:
+        raise _no_trace(rec)
     return ident, entries
 
 
@@ -148,6 +170,26 @@ def _no_store_dir(root: str, run: str, where: str) -> NotFound:
         f"the store {root} of run {run} is not a directory on {where}: whether anything "
         "of the run is sealed cannot be read (its mount gone?)",
         f"mount the store there again, then rgt pull {run}",
+    )
+
+
+def _no_trace(rec: RunRecord) -> NotFound:
+    """A store that holds nothing of the run, not even the epoch every agent of a run with a
+    store takes there before its job starts (onbox/sealing/epochs.py): most likely not the
+    store the box writes to, so not a store with nothing sealed (whose receipt would let
+    `rgt down` take the box and checkpoints it may have sealed elsewhere)."""
+    run = rec.name
+    at = f" at {rec.store_endpoint_url}" if rec.store_endpoint_url else ""
+    events = box_join(boxrun.run_dir(rec).path, "events.jsonl")
+    wrong = "directory" if _file_root(rec) is not None else "bucket, prefix or endpoint"
+    return NotFound(
+        f"the store {rec.store}{at} holds nothing of run {run}: no sealed checkpoint, no "
+        f"DONE.json, not even the epoch its agent takes there when it starts ({run}/epochs/): "
+        f"most likely not the store the box writes to (a wrong {wrong})",
+        f"check this laptop's store for {run} (rgt runs shows it) against the one the box's "
+        f"agent writes to (its 'epoch' event names it: {events} on the box). If that agent "
+        "never reached its store, nothing of the run is sealed anywhere and what the box "
+        "holds is on the box alone",
     )
 
 
@@ -161,17 +203,16 @@ def newest_sealed(rec: RunRecord, remote: Optional[Remote] = None) -> SealedId:
     if rec.store:
         root = _file_root(rec)
         if root is None or rec.target.kind == "local":
-            ident = _from_store(open_run_store(rec), rec.name)[0]
-            if ident.nothing and root is not None and not os.path.isdir(root):
+            if root is not None and not os.path.isdir(root):
                 raise _no_store_dir(root, rec.name, "this machine")
-            return ident
+            return _from_store(open_run_store(rec), rec)[0]
     own = remote is None
     box = remote or open_remote(rec.target)
     try:
         if not rec.store:
             return box_files(rec, box).ident
         assert root is not None
-        return _from_box_docs(box, root, rec.name)[0]
+        return _from_box_docs(box, root, rec)[0]
     finally:
         if own:
             box.close()

@@ -48,11 +48,13 @@ def _wait(pred: Any, what: str, timeout: float = 60) -> None:
 class Box:
     """A deployed run on this machine: release, deploy link, secrets, a live agent."""
 
-    def __init__(self, cli: Cli, tmp_path: Any) -> None:
+    def __init__(self, cli: Cli, tmp_path: Any, store: Optional[str] = None) -> None:
+        """``store``: the run's store URL (default: a file:// store at ``store_root``)."""
         self.cli = cli
         self.home = cli.home
         self.store_root = str(tmp_path / "store")
         os.mkdir(self.store_root)
+        self.store = store or "file://" + self.store_root
         self.release = os.path.join(self.home, "releases", RELEASE)
         self.other_release = os.path.join(self.home, "releases", "ffff0000")
         for rel, name in ((self.release, RUN), (self.other_release, "other")):
@@ -75,7 +77,7 @@ class Box:
             "--name",
             RUN,
             "--store",
-            "file://" + self.store_root,
+            self.store,
             "--",
             *fixture("ckpt_writer.py"),
             "on_signal",
@@ -108,7 +110,7 @@ class Box:
             RUN,
             target or Target("local"),
             profile="local" if target is None else "generic-ssh",
-            store="file://" + self.store_root,
+            store=self.store,
             box_home=self.home,
             agent=agent_exe(),
             release=RELEASE,

@@ -3,24 +3,29 @@
 A run whose job failed, or was stopped, before its first checkpoint was sealed has no LATEST.json
 and no DONE.json in its store. `rgt pull N` pulls what there is (nothing) and writes a receipt
 that records that nothing was sealed; `rgt down N` accepts it only while the store still has
-nothing sealed, and its plan lists as lost the checkpoint files left on the box. Each run is a
-real agent with a real file:// store (the Box of tests/integration/test_down.py).
+nothing sealed, and its plan lists as lost the checkpoint files left on the box. A store with
+no trace of the run (not even its agent's epoch) is not said to have nothing sealed. Each run is
+a real agent with a real file:// store (the Box of tests/integration/test_down.py), or an S3
+store on a real SeaweedFS.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, List, Tuple
 
 import pytest
 
+from controller.registry import Registry
 from controller.remote import SshRemote, open_remote
 from controller.results.down import down, plan_down
 from controller.target import Target
 from onbox.common.errors import UnsafeRefused
 from tests.conftest import Cli
 from tests.integration.test_down import RUN, Box
+from tests.seaweed import SeaweedServer
 from tests.sshd import SshServer
 
 
@@ -101,6 +106,15 @@ def test_down_of_a_stopped_run_with_nothing_sealed_names_its_unsealed_checkpoint
     code, out, err = _rgt(capsys, "pull", RUN, "--from", "box", "--to", str(tmp_path / "away"))
     assert code == 8 and "not a directory on" in err, (code, out, err)
     os.rename(box.store_root + ".away", box.store_root)
+    # A directory that is there but is not the run's store (no epoch of the run in it): not a
+    # store with nothing sealed either.
+    os.mkdir(tmp_path / "other")
+    Registry().put(dataclasses.replace(rec, store=f"file://{tmp_path}/other"))
+    code, out, err = _rgt(capsys, "pull", RUN, "--from", "box", "--to", str(tmp_path / "away"))
+    assert code == 8 and f"{tmp_path}/other holds nothing of run {RUN}" in err, (code, out, err)
+    assert "a wrong directory" in err, err
+    assert not os.path.exists(tmp_path / "away" / ".rgt-receipt.json")
+    Registry().put(rec)
     code, out, err = _rgt(capsys, "pull", RUN, "--from", "box", "--to", str(tmp_path / "dest"))
     assert code == 0, err
 
@@ -113,3 +127,39 @@ def test_down_of_a_stopped_run_with_nothing_sealed_names_its_unsealed_checkpoint
     assert "the pulled files in" not in text, text
     assert not os.path.exists(box.run_dir)
     assert os.path.isdir(box.store_root)
+
+
+def test_a_store_that_holds_no_trace_of_the_run_is_not_said_to_have_nothing_sealed(
+    cli: Cli,
+    tmp_path: Any,
+    laptop: str,
+    s3_server: SeaweedServer,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The box's agent writes to s3://B/a (its epoch is there, nothing sealed); the laptop's
+    record names s3://B/b (a typo, or a store that differs between box and laptop). Before:
+    `rgt pull N` said nothing was sealed (exit 0), wrote a receipt, and `rgt down N` took it,
+    the box's checkpoints with it. Now the pull stops (exit 8, no receipt), naming the store
+    and the run, and down refuses; with the run's own store the pull of nothing goes."""
+    cli.env = s3_server.env(cli.env)
+    for var, value in s3_server.env({}).items():
+        monkeypatch.setenv(var, value)
+    bucket = s3_server.bucket()
+    box = Box(cli, tmp_path, store=f"s3://{bucket}/a")
+    rec = box.record()
+    code, out, err = _rgt(capsys, "pull", RUN, "--to", str(tmp_path / "dest"))
+    assert code == 0 and "nothing is sealed" in out, (code, out, err)
+
+    wrong = dataclasses.replace(rec, store=f"s3://{bucket}/b")
+    Registry().put(wrong)
+    code, out, err = _rgt(capsys, "pull", RUN, "--to", str(tmp_path / "wrong"))
+    assert code == 8, (code, out, err)
+    assert f"the store s3://{bucket}/b holds nothing of run {RUN}" in err, err
+    assert "wrong bucket" in err and "--from box" not in err, err
+    assert not os.path.exists(tmp_path / "wrong" / ".rgt-receipt.json")
+    # The receipt of the pull from the run's own store does not let down go on the wrong one.
+    with pytest.raises(UnsafeRefused) as e:
+        plan_down(wrong, open_remote(wrong.target))
+    assert f"s3://{bucket}/b holds nothing of run {RUN}" in e.value.what, e.value.what
+    box.intact()

@@ -273,15 +273,15 @@ def pull(name: str, dest: Optional[str], source: str, stall: Optional[float]) ->
         for out in receipt.sealed.missing_outputs
     ]
     # Files the job left that the completion seal could not take (a FIFO, a symlink, a name
-    # pull refuses): not here, and only on the box.
+    # pull refuses): not here, and only on the box. Without a store: the links the pull left
+    # out (controller/results/boxlinks.py).
     left = receipt.sealed.left_out
-    missing += [
-        {"reason": f"{x}: not sealed at the job's end, so not here (only on the box)"}
-        for x in left[:20]
-    ]
+    box = receipt.sealed.listing_sha256 is not None
+    why = "not pulled" if box else "not sealed at the job's end"
+    missing += [{"reason": f"{x}: {why}, so not here (only on the box)"} for x in left[:20]]
     if len(left) > 20:
-        more = f"and {len(left) - 20} more not sealed: `rgt-agent logs {name} --agent` on the box"
-        missing.append({"reason": more})
+        where = "in the receipt" if box else f"in `rgt-agent logs {name} --agent` on the box"
+        missing.append({"reason": f"and {len(left) - 20} more {why}: {where}"})
     for line in warning_lines({"warnings": missing}):
         _emit(f"  warning: {line}")
     for f in receipt.files:

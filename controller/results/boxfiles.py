@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Tuple
 from controller import boxrun
 from controller.registry import RunRecord
 from controller.remote import Remote
+from controller.results import boxlinks
 from controller.results.entries import (
     MAX_SIZE_DIGITS,
     SHA256_HEX,
@@ -56,16 +57,24 @@ def box_files(rec: RunRecord, remote: Remote) -> Sealed:
             safe_rel("/".join(parts), f"spec.json of {rec.name!r}: output {out!r}") if parts else ""
         )
         roots.append(("output", box_join(workdir, rel) if rel else workdir, workdir, "outputs/"))
-    entries, logs = _listed(rec, remote, roots)
+    entries, logs, listed = _listed(rec, remote, roots)
     entries.update(_job_logs(rec, remote, status, logs))
     if not entries:
         raise NotFound(f"run {rec.name!r} has no files on {remote.target.label} to pull")
+    # The links are not in the listing's hash: as a MANIFEST's are not in a receipt's
+    # comparison, the files tell one state from another (and a receipt written before links
+    # were pulled still covers the same files).
+    links, left = boxlinks.judged(listed, ckpt, set(entries))
     listing = "".join(
         f"{e.path}\0{e.size}\0{e.sha256}\n" for e in sorted(entries.values(), key=lambda e: e.path)
     )
     return checked(
         Sealed(
-            SealedId(listing_sha256=sha_hex(listing.encode("utf-8", "surrogateescape"))),
+            SealedId(
+                listing_sha256=sha_hex(listing.encode("utf-8", "surrogateescape")),
+                left_out=tuple(left),
+                links=tuple(links),
+            ),
             list(entries.values()),
             "box",
             box_root="/",
@@ -79,9 +88,9 @@ _Root = Tuple[str, str, str, str]
 
 def _listed(
     rec: RunRecord, remote: Remote, roots: List[_Root]
-) -> Tuple[Dict[str, Entry], Dict[Tuple[str, bool], Entry]]:
+) -> Tuple[Dict[str, Entry], Dict[Tuple[str, bool], Entry], List[boxlinks.Listed]]:
     """The files under ``roots`` as the box lists and hashes them: (entries by final name, the
-    job's logs by (attempt, redacted copy?))."""
+    job's logs by (attempt, redacted copy?), the links it lists, for boxlinks to judge)."""
     args: List[str] = []
     for kind, listed, _, _ in roots:
         args += [kind, listed]
@@ -100,21 +109,18 @@ def _listed(
         )
     entries: Dict[str, Entry] = {}
     logs: Dict[Tuple[str, bool], Entry] = {}  # (attempt, redacted copy?) -> its entry
+    links: List[boxlinks.Listed] = []
     for i in range(0, len(fields) - 1, 4):
         kind, sha, size, raw = (x.decode("utf-8", "surrogateescape") for x in fields[i : i + 4])
+        if kind == "link":  # "link", the kind, its target, its path: judged once all are in
+            kind, target = sha, size
+            base, prefix = _root_of(roots, kind, raw)
+            links.append((kind, prefix + raw[len(base) + 1 :], raw[len(base) + 1 :], target))
+            continue
         size_ok = size.isascii() and size.isdigit() and len(size) <= MAX_SIZE_DIGITS
         if not SHA256_HEX.match(sha) or not size_ok:
             raise IntegrityError(f"the box listed {raw!r} with a malformed hash or size")
-        root = next(
-            (x for x in roots if x[0] == kind and (raw == x[1] or raw.startswith(x[1] + "/"))),
-            None,
-        )
-        if root is None:
-            raise UnsafePath(
-                f"the box listed {raw!r} as a {kind}, outside every directory it was asked to list",
-                raw,
-            )
-        _, _, base, prefix = root
+        base, prefix = _root_of(roots, kind, raw)
         rel = raw[len(base) + 1 :]
         if kind == "log":
             m = re.match(r"(\d{4,})/output(\.redacted)?\.log\Z", rel)
@@ -125,7 +131,22 @@ def _listed(
             continue
         path = prefix + rel
         entries[path] = Entry(path, kind, int(size), sha, None, raw[1:], raw)
-    return entries, logs
+    return entries, logs, links
+
+
+def _root_of(roots: List[_Root], kind: str, raw: str) -> Tuple[str, str]:
+    """(the directory final names are relative to, their prefix) of the path ``raw`` the box
+    listed as a ``kind``; UnsafePath when it lies under no directory it was asked to list."""
+    root = next(
+        (x for x in roots if x[0] == kind and (raw == x[1] or raw.startswith(x[1] + "/"))),
+        None,
+    )
+    if root is None:
+        raise UnsafePath(
+            f"the box listed {raw!r} as a {kind}, outside every directory it was asked to list",
+            raw,
+        )
+    return root[2], root[3]
 
 
 # Seconds a pull of a run without a store waits for the agent of a run that has ended to let go

@@ -37,6 +37,10 @@ Layout under DEST: ``checkpoints/<path as sealed, relative to RGT_CKPT_DIR>``,
 (controller/results/receipt.py). The checkpoint dir's links the MANIFEST records (Lightning's
 ``last.ckpt``) are made in ``checkpoints/`` after the files, relative, as the box's restore makes
 them (onbox/sealing/dirlinks.py); one from an older pull is moved on, a file is never replaced.
+Without a store, the links at the top of the box's checkpoint dir that lead to a checkpoint file
+pulled (or a directory of them) are made the same way; every other link the box holds (out of
+the dir, to nothing pulled, in the outputs) is left out and named in the receipt's ``left_out``
+(controller/results/boxlinks.py).
 
 Every file lands first under ``DEST/.rgt-part/`` (named by its store key or its path on the
 box), so nothing unverified ever has a final name.
@@ -265,7 +269,8 @@ def _staged_and_placed(
     destination.place(rec.name, dest, stage_dir, sealed.entries, home, durable)
     # The checkpoint dir's links to the checkpoint (Lightning's last.ckpt), as the box's
     # restore makes them: relative, in DEST/checkpoints, once what they lead to is in place.
-    # parse_manifest checked each: a name there, a target in the checkpoint, never out of DEST.
+    # parse_manifest checked each (a name there, a target in the checkpoint, never out of
+    # DEST), or, from a box without a store, boxlinks.judged (a target pulled, in DEST).
     recorded = [{"name": n, "target": t} for n, t in sealed.ident.links]
     try:
         dirlinks.make(recorded, dest, "checkpoints", replace=True)

@@ -4,18 +4,26 @@
 # skips them (torn writes live there). An output is taken whole, as the completion seal takes
 # it (.hydra/, run.lock are the job's results): the pull lists only a run that has ended, whose
 # agent has let go of it, so nothing under it is still being written.
-# Each file comes out as four NUL-terminated fields: kind, sha256, size, path.
+# Each file comes out as four NUL-terminated fields: kind, sha256, size, path. A symlink in the
+# checkpoint dir or the outputs (followed by no one here) as four too: "link", kind, its target
+# as readlink gives it (a trailing newline kept), path; the laptop decides which it makes.
 # shellcheck disable=SC2016 # expanded by the sh that runs it, once per batch of files
 hash_files='for f do h=$(sha256sum < "$f") || exit 45; s=$(wc -c < "$f") || exit 45
   printf "%s\0%s\0%s\0%s\0" "$K" "${h%% *}" $s "$f"; done'
+# shellcheck disable=SC2016
+show_links='for f do t=$(readlink "$f"; echo x) || exit 45; t=${t%x}
+  printf "link\0%s\0%s\0%s\0" "$K" "${t%?}" "$f"; done'
 while [ $# -ge 2 ]; do
   K=$1; p=$2; shift 2; export K
   if [ -f "$p" ]; then sh -c "$hash_files" rgt "$p" || exit 45
   elif [ -d "$p" ] && [ "$K" = output ]; then
-    find "$p" -mindepth 1 -type f -exec sh -c "$hash_files" rgt {} + || exit 45
+    find "$p" -mindepth 1 \( -type f -exec sh -c "$hash_files" rgt {} + \) \
+      -o \( -type l -exec sh -c "$show_links" rgt {} + \) || exit 45
   elif [ -d "$p" ]; then
+    links=$show_links; [ "$K" = log ] && links=:  # a link among the logs is no job's log
     find "$p" -mindepth 1 \( -name '.*' -o -name '*.tmp' -o -name '*.tmp.*' -o -name '*.partial' \
       -o -name '*.part' -o -name '*.lock' -o -name '*~' -o -name '*.rgt-*' \) -prune \
-      -o -type f -exec sh -c "$hash_files" rgt {} + || exit 45
+      -o \( -type f -exec sh -c "$hash_files" rgt {} + \) \
+      -o \( -type l -exec sh -c "$links" rgt {} + \) || exit 45
   fi
 done

@@ -18,18 +18,23 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, Iterator, List
 
 import pytest
 
-from controller.results.pull import pull
+from controller.cli import main as rgt_main
+from controller.registry import Registry
+from controller.remote import SshRemote
+from controller.results.pull import covers_newest, pull
+from controller.target import Target
 from onbox.common.errors import IntegrityError
 from onbox.sealing import manifest as mf
 from onbox.sealing.restore import NoVerifiedCheckpoint, restore_latest
 from onbox.sealing.stores import open_store
-from tests.conftest import require
-from tests.integration.test_pull import RUN, _rec
+from tests.conftest import Cli, require
+from tests.integration.test_pull import RUN, _rec, _ssh_target
 from tests.integration.test_sealing import _sealer
+from tests.sshd import SshServer
 
 # A tiny model that checkpoints every 2 steps with save_last="link", and prints the step it
 # starts training from (0 unless it resumed).
@@ -266,3 +271,114 @@ def test_a_pull_refuses_a_link_out_of_dest_before_anything_is_made(
     with pytest.raises(IntegrityError, match="latest"):
         pull(_rec(store.url, str(tmp_path / "box")), str(tmp_path / "dest"), "store")
     assert sorted(os.listdir(tmp_path)) == before
+
+
+# ---- a run without a store, pulled from the box itself
+
+
+@pytest.fixture
+def ssh_box(sshd: SshServer, laptop: str) -> Iterator[Target]:
+    """The real sshd on loopback, as the laptop reaches a box."""
+    target = _ssh_target(sshd)
+    yield target
+    SshRemote(target).close()  # the control master ssh keeps for a while
+
+
+def test_a_pull_from_the_box_without_a_store_brings_last_ckpt_and_resume_last_goes_on(
+    cli: Cli, tmp_path: Any, ssh_box: Target
+) -> None:
+    """Before: the box's lister took regular files only, so a run without a store arrived
+    without Lightning's ``last.ckpt`` link, and ``fit(ckpt_path="last")`` on the pulled dir
+    trained from step 0. A real Lightning job on a real box (sshd on loopback), pulled."""
+    missing = [m for m in ("torch", "lightning") if importlib.util.find_spec(m) is None]
+    require(not missing, f"{', '.join(missing)} (pip install -e '.[train,frameworks]')")
+    work = tmp_path / "work"
+    work.mkdir()
+    head = "import os, sys\nsys.argv[1:] = [os.environ['RGT_CKPT_DIR'], '4', 'new']\n"
+    (work / "job.py").write_text(head + _SCRIPT)
+    cli(
+        "run", "--name", RUN, "--", sys.executable, "job.py", check=True, cwd=str(work), timeout=300
+    )
+    box_ckpt = os.path.join(cli.home, "runs", RUN, "ckpt")
+    assert os.readlink(os.path.join(box_ckpt, "last.ckpt")) == "epoch=0-step=4.ckpt"
+
+    dest = str(tmp_path / "dest")
+    receipt = pull(_rec(None, cli.home, ssh_box), dest, "box")
+    pulled = os.path.join(dest, "checkpoints")
+    assert os.readlink(os.path.join(pulled, "last.ckpt")) == "epoch=0-step=4.ckpt"
+    assert ("last.ckpt", "epoch=0-step=4.ckpt") in receipt.sealed.links
+    assert receipt.sealed.left_out == ()
+    assert covers_newest(_rec(None, cli.home, ssh_box), receipt)
+    # Pulled again into the same DEST: the link is there already, and stays.
+    again = pull(_rec(None, cli.home, ssh_box), dest, "box")
+    assert again.sealed.listing_sha256 == receipt.sealed.listing_sha256
+    assert os.readlink(os.path.join(pulled, "last.ckpt")) == "epoch=0-step=4.ckpt"
+
+    out = _lightning(tmp_path, pulled, 6, resume=True)
+    assert "training from step 4" in out, out[-2000:]
+
+
+# A job that leaves, beside its checkpoint, links a hostile (or careless) box could hold: out
+# of the dir (absolute, '..'), to nothing pulled, under a name the laptop refuses, and one in
+# its outputs. Only the link to the checkpoint, relative (the absolute one made so), comes.
+_LINKS_JOB = """
+import os
+ckpt = os.environ["RGT_CKPT_DIR"]
+os.makedirs(ckpt, exist_ok=True)
+with open(os.path.join(ckpt, "weights.dat"), "wb") as f:
+    f.write(b"weights")
+os.symlink("weights.dat", os.path.join(ckpt, "latest"))
+os.symlink(os.path.join(ckpt, "weights.dat"), os.path.join(ckpt, "abs"))
+os.symlink("/etc/passwd", os.path.join(ckpt, "passwd"))
+os.symlink("../../x", os.path.join(ckpt, "up"))
+os.symlink("../" + os.path.basename(ckpt) + "/../../x", os.path.join(ckpt, "roundabout"))
+os.symlink("missing.dat", os.path.join(ckpt, "gone"))
+os.symlink("weights.dat", os.path.join(ckpt, "odd\\x01name"))
+os.makedirs("out", exist_ok=True)
+with open("out/result.txt", "w") as f:
+    f.write("done")
+os.symlink("/etc/passwd", "out/evil")
+"""
+
+
+def test_links_a_box_pull_brings_lead_inside_dest_and_the_others_are_said_left_out(
+    cli: Cli, tmp_path: Any, ssh_box: Target, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before: no link came at all, and nothing said so. Now the links in the checkpoint dir
+    that lead to a pulled checkpoint are made, relative; a link out of the dir (absolute, a
+    '..' escape), to nothing pulled, or under an odd name, and a link in the outputs, are left
+    out, each named in the receipt and by `rgt pull`; no link in DEST leads out of it."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "job.py").write_text(_LINKS_JOB)
+    argv = [sys.executable, "job.py"]
+    cli("run", "--name", RUN, "--output", "out/", "--", *argv, check=True, cwd=str(work))
+    rec = _rec(None, cli.home, ssh_box)
+    dest = str(tmp_path / "dest")
+    receipt = pull(rec, dest, "box")
+    ckpts = os.path.join(dest, "checkpoints")
+    assert os.readlink(os.path.join(ckpts, "latest")) == "weights.dat"
+    assert os.readlink(os.path.join(ckpts, "abs")) == "weights.dat"
+    for name in ("passwd", "up", "roundabout", "gone", "odd\x01name"):
+        assert not os.path.lexists(os.path.join(ckpts, name)), name
+    assert not os.path.lexists(os.path.join(dest, "outputs", "out", "evil"))
+    home = os.path.realpath(dest) + os.sep
+    for here, dirs, files in os.walk(dest):
+        for name in dirs + files:
+            path = os.path.join(here, name)
+            if os.path.islink(path):
+                assert os.path.realpath(path).startswith(home), (path, os.readlink(path))
+    left = "\n".join(receipt.sealed.left_out)
+    for name in ("checkpoints/passwd", "checkpoints/up", "checkpoints/roundabout"):
+        assert f"{name} -> " in left and "out of the checkpoint dir" in left, left
+    assert "checkpoints/gone -> 'missing.dat'" in left and "nothing pulled" in left, left
+    assert "odd" in left and "outputs/out/evil -> '/etc/passwd'" in left, left
+    assert len(receipt.sealed.left_out) == 6, left
+    assert covers_newest(rec, receipt)
+
+    Registry().put(rec)
+    capsys.readouterr()
+    assert rgt_main(["pull", RUN, "--to", str(tmp_path / "dest-cli")]) == 0
+    out = capsys.readouterr().out
+    assert "warning: checkpoints/passwd -> '/etc/passwd'" in out, out
+    assert "not pulled, so not here (only on the box)" in out, out

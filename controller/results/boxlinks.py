@@ -1,0 +1,85 @@
+"""The symlinks of a run without a store, as ``rgt pull`` takes them from the box: which it
+makes in DEST and which it leaves out, and why.
+
+With a store, the seal records each link of the checkpoint dir that leads to the checkpoint it
+seals (onbox/sealing/dirlinks.py), and a pull makes them again. Without one, the box's lister
+(controller/shell/boxfiles.sh) prints every link in the checkpoint dir and the outputs with its
+target as ``readlink`` gives it; the laptop judges each, as the seal would: a link at the top of
+the checkpoint dir whose target, resolved by name (nothing on the box is followed), is a pulled
+checkpoint file or a directory of them is made, with that target relative and normalised (no
+'..', nothing absolute), as the restore makes it. Every other link (out of the dir, absolute
+elsewhere, a '..' escape, to nothing pulled, an odd name, one deeper in the dir or in the
+outputs) is left out, and named in the receipt's ``left_out`` so that ``rgt pull`` says so.
+Nothing here touches the laptop's files: the names and targets are the box's, untrusted.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from typing import List, Set, Tuple, Union
+
+from onbox.common.safepath import UnsafePath, safe_rel
+from onbox.sealing.discovery import skip
+
+# The most left-out links named one by one in a receipt; the rest are counted (a box holding a
+# million links makes no receipt of a million lines).
+MAX_NAMED = 100
+
+# One link as listed: (kind, its final name under DEST, its path under the listed root, target)
+Listed = Tuple[str, str, str, str]
+
+
+def judged(
+    listed: List[Listed], ckpt: str, pulled: Set[str]
+) -> Tuple[List[Tuple[str, str]], List[str]]:
+    """(the links to make in DEST/checkpoints: name, target relative to it; each link left
+    out: "PATH -> 'TARGET': why"), for the links ``listed`` by the box, whose checkpoint dir
+    is ``ckpt`` (absolute, normalised), ``pulled`` the final names of the files pulled."""
+    made: List[Tuple[str, str]] = []
+    left: List[str] = []
+    for kind, final, rel, target in sorted(listed):
+        why = _why_not(kind, rel, target, ckpt, pulled)
+        if isinstance(why, tuple):
+            made.append(why)
+        else:
+            shown = final if final.isprintable() else repr(final)
+            left.append(f"{shown} -> {target!r}: {why}")
+    if len(left) > MAX_NAMED:
+        left[MAX_NAMED:] = [f"and {len(left) - MAX_NAMED} more links, left out"]
+    return made, left
+
+
+def _why_not(
+    kind: str, rel: str, target: str, ckpt: str, pulled: Set[str]
+) -> Union[str, Tuple[str, str]]:
+    """(name, target) to make for one link, or why it is left out."""
+    if kind == "output":
+        return "a link in the outputs is not pulled (nor sealed at the job's end)"
+    if kind != "checkpoint":
+        return "a link among the job's logs is not pulled"
+    if "/" in rel:
+        return "a link below the top of the checkpoint dir is not pulled as a link"
+    try:
+        safe_rel(rel, "the link name")
+    except UnsafePath as err:
+        return err.what
+    if skip(rel):
+        return "a hidden or temporary name, never a checkpoint's"
+    if any(p.split("/")[1] == rel for p in pulled if p.startswith("checkpoints/")):
+        return "it would take the place of a pulled file"
+    home = ckpt.rstrip("/") + "/"
+    # By name only: what the target is on the box is never asked, nor followed.
+    full = posixpath.normpath(target if target.startswith("/") else home + target)
+    if not target or not full.startswith(home):
+        return "it leads out of the checkpoint dir"
+    to = full[len(home) :]
+    try:
+        safe_rel(to, "its target")
+    except UnsafePath as err:
+        return err.what
+    under = "checkpoints/" + to
+    if to.split("/")[0] == rel or (
+        under not in pulled and not any(p.startswith(under + "/") for p in pulled)
+    ):
+        return "it leads to nothing pulled"
+    return (rel, to)

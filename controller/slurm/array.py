@@ -121,10 +121,14 @@ def submit_cells(
     say: Say,
 ) -> RunRecord:
     """Submit the array's ``script`` (``ask.cells``) from the sweep's directory ``rd``, and
-    record each cell as a run; the sweep's own record (not registered) naming the array job."""
+    record each cell as a run; the sweep's own record (not registered) naming the array job.
+    A sweep stages no secrets (``submit_array`` refuses secret_env), so any staged under a
+    cell's name are a cut-off deploy's of that name, which the cell's agent would claim at its
+    start: the submit's own command removes them first, as a single run's does."""
     from controller.deploy.release import switch_current
 
-    job = sbatch(remote, rd, script, [], rec.name)
+    stale = [RunDir(name, rec.box_home).staged_secrets_file for _, name, *_ in ask.cells]
+    job = sbatch(remote, rd, script, [], rec.name, stale)
     for index, name, *_ in ask.cells:
         doc = scheduler_doc(ask, job, array_job=job, array_task=index, sweep=rec.name)
         registry.put(dataclasses.replace(rec, name=name, scheduler=doc))

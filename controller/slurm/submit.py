@@ -19,6 +19,7 @@ measured over its cells' runs.
 from __future__ import annotations
 
 import dataclasses
+import posixpath
 import re
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple, Union
 
@@ -240,19 +241,28 @@ def lead_for(
 
 
 # Under a lock in the run's directory ($1): refuse (45) when one of the user's jobs named $3 is
-# live, else remove the staged secrets $4 ("": this deploy staged them; 48 when they stay: the
-# job's agent would claim them), put stdin at $1/$2 atomically and sbatch it with the rest.
+# live, else remove the staged secrets stdin names first (a count line, then one path a line:
+# those a cut-off deploy left for the job's agents to claim; 48 and the index of the one that
+# stays, when one does), put the rest of stdin at $1/$2 atomically and sbatch it with the rest
+# of the arguments. The paths travel on stdin, not as arguments: an array of 10,000 cells would
+# pass the length a command line may have. `read` takes one line of a pipe, no byte more.
 _STALE_KEPT = 48
 _SUBMIT = r"""
 umask 077
-d=$1; f=$2; jn=$3; stale=$4; shift 4
+d=$1; f=$2; jn=$3; shift 3
 mkdir -p "$d" || exit 9
 if command -v flock >/dev/null 2>&1; then
   exec 9>"$d/.submit.lock" && flock -w 60 9 || { echo "the submit lock is held" >&2; exit 46; }
 fi
 live=$(squeue -h -u "$(id -un)" -n "$jn" -o "%i %T" 2>&1) || { printf '%s\n' "$live" >&2; exit 47; }
 if [ -n "$live" ]; then printf '%s\n' "$live" | head -c 4096; exit 45; fi
-{ [ -z "$stale" ] || rm -f -- "$stale"; } || exit 48
+IFS= read -r n || exit 9
+i=0
+while [ "$i" -lt "$n" ]; do
+  IFS= read -r s || exit 9
+  if [ -e "$s" ] || [ -L "$s" ]; then rm -f -- "$s" || { echo "$i"; exit 48; }; fi
+  i=$((i + 1))
+done
 cat >"$d/.$f.part.$$" && chmod 700 "$d/.$f.part.$$" && mv -f "$d/.$f.part.$$" "$d/$f" || exit 9
 exec sbatch --parsable "$@" "$d/$f"
 """
@@ -273,20 +283,23 @@ def sbatch(
     script: str,
     sbatch_args: Sequence[str],
     name: str,
-    stale: str = "",
+    stale: Sequence[str] = (),
 ) -> str:
     """Put ``script`` in the run's directory and submit it; the job id. LockedError when the
     run has a live job already (nothing submitted). ``stale``: staged secrets a cut-off deploy
-    left, removed first (HostError, nothing submitted, when they cannot be)."""
+    left (``RunDir.staged_secrets_file`` of the run, or of each cell of an array), removed
+    first in the same command (HostError, nothing submitted, when one cannot be)."""
     label = remote.target.label
+    if any("\n" in path for path in stale):  # one a line on stdin; a run name holds none
+        raise UsageError("box_home", f"{stale[0]!r}: a path with a newline", "choose another")
+    head = "".join(f"{path}\n" for path in [str(len(stale)), *stale])
     r = remote.sh(
         _SUBMIT,
         run_dir.path,
         SCRIPT,
         job_name(name),
-        stale,
         *sbatch_args,
-        input=script.encode(),
+        input=head.encode("utf-8", "surrogateescape") + script.encode(),
         timeout=SBATCH_TIMEOUT,
     )
     if r.rc == 45:
@@ -295,10 +308,14 @@ def sbatch(
             f"run {name} has a live Slurm job on {label} already ({', '.join(live) or '?'})",
             f"`rgt status {name}`; `rgt stop {name}` first to submit it again",
         )
-    if r.rc == _STALE_KEPT:
+    if r.rc == _STALE_KEPT and stale:
+        said = r.text.strip()  # the index of the one kept: digits, else the box's noise
+        ok = said.isascii() and said.isdigit() and len(said) < 7 and int(said) < len(stale)
+        kept = stale[int(said)] if ok else stale[0]
+        owner = posixpath.basename(kept)[1 : -len(".staged")] or name
         raise HostError(
-            f"cannot remove {stale} on {label}: secrets a deploy cut off before its submit left "
-            f"for run {name}, which this job must not take; nothing was submitted",
+            f"cannot remove {kept} on {label}: secrets a deploy cut off before its submit left "
+            f"for run {owner}, which this job must not take; nothing was submitted",
             "check the owner and permissions of the box's rgt secrets directory, then deploy again",
         )
     if r.rc != 0:
@@ -361,7 +378,7 @@ def submit_run(
 
         return submit_cells(remote, registry, rec, ask, rd, script, say)
     try:
-        stale = "" if staged else rd.staged_secrets_file
+        stale = [] if staged else [rd.staged_secrets_file]
         job = sbatch(remote, rd, script, [], rec.name, stale)
     except LockedError:
         known = (prev.scheduler if prev is not None else {}).get("job")

@@ -15,6 +15,8 @@ Covered:
   (STOPPED) and the job is gone from the queue;
 - a sweep of 4 cells as one job array (`rgt sweep PLAN.toml` with ``slurm =``): each cell's
   DONE.json and output are in the store, and `rgt reconcile PLAN.toml` verifies them (exit 0);
+- a job array removes the secrets a cut-off deploy left staged under a cell's name in its
+  submit's command (the cell's job never sees them; one that cannot be is exit 9, nothing queued);
 - the acceptance: a training that needs longer than the time its allocation leaves before the
   warning (``--time 2``, a lead of 62 s from ``--seal-time 1``) is warned, seals, requeues
   itself, restores in the requeued job and SUCCEEDS, and its final weights, optimizer and RNG
@@ -36,11 +38,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 import pytest
 
 from controller.registry import Registry
+from controller.sweep.plan import load_plan
 from onbox.sealing import manifest as mf
 from onbox.sealing.stores import open_store
 from tests.conftest import ROOT, _kill_run_processes
@@ -335,6 +338,74 @@ def test_a_sweep_of_four_cells_as_one_job_array(login: Login) -> None:
         )
     finally:
         login.cancel("sw4")
+
+
+# A cell that writes what it sees of the secret a cut-off deploy staged under its name.
+SECRET_CELL = """\
+import json, os, sys
+os.makedirs(sys.argv[1], exist_ok=True)
+with open(os.path.join(sys.argv[1], "seen.json"), "w") as f:
+    json.dump({"token": os.environ.get("RGT_TEST_TOKEN")}, f)
+"""
+
+
+def _one_cell_plan(login: Login, sweep: str) -> Tuple[Path, str]:
+    """A plan of one cell that runs SECRET_CELL; (its path, the cell's run name)."""
+    Path(login.project, "seen.py").write_text(SECRET_CELL)
+    plan = Path(login.project, f"{sweep}.toml")
+    plan.write_text(
+        f'name = "{sweep}"\nstore = "file://{login.store}"\nslurm = {json.dumps(login.target)}\n'
+        f'python = "{sys.executable}"\nprofile = "slurm"\n'
+        f'command = ["{sys.executable}", "seen.py", "{{out}}"]\n'
+        'outputs = ["out"]\n[sbatch]\ntime = "5"\nseal_time = "2"\n'
+        "[grid]\nsteps = [1]\n"
+    )
+    (cell,) = load_plan(str(plan)).cells
+    return plan, cell.name
+
+
+def test_a_job_array_removes_the_secrets_a_cut_off_deploy_left_staged_for_a_cell(
+    login: Login,
+) -> None:
+    """A deploy cut off between its secrets and its submit leaves them staged under its run's
+    name; a sweep's cell of that name ran with them (its agent claims what is staged when it
+    starts): the array's submit did not remove them, as the single submit does. Now its own
+    command removes each cell's before the sbatch: the cell never sees them."""
+    plan, cell = _one_cell_plan(login, "swsec")
+    staged = Path(login.box_home, "secrets", f".{cell}.staged")
+    staged.parent.mkdir(parents=True, mode=0o700, exist_ok=True)
+    staged.write_text('{"RGT_TEST_TOKEN": "left-by-a-cut-off-deploy"}')
+    staged.chmod(0o600)
+    try:
+        p = login.rgt("sweep", str(plan), timeout=300)
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert not staged.exists(), "the cut-off deploy's secrets stayed for the cell's job"
+        store = open_store("file://" + login.store)
+        deadline = time.monotonic() + 150
+        while time.monotonic() < deadline and store.get_bytes(mf.done_key(cell)) is None:
+            time.sleep(1.0)
+        seen = store.get_bytes(f"{cell}/outputs/out/{cell}/seen.json")
+        assert seen is not None and json.loads(seen) == {"token": None}, seen
+    finally:
+        login.cancel("swsec")
+
+
+def test_a_job_array_that_cannot_remove_a_cells_staged_secrets_submits_nothing(
+    login: Login,
+) -> None:
+    """Here a cell's staged path is a directory, which `rm -f` refuses: the sweep stops with
+    the path and what to do (exit 9), and no array is queued."""
+    plan, cell = _one_cell_plan(login, "swodd")
+    staged = Path(login.box_home, "secrets", f".{cell}.staged")
+    (staged / "inside").mkdir(parents=True)
+    try:
+        p = login.rgt("sweep", str(plan), timeout=300)
+        assert p.returncode == 9, p.stderr[-3000:]
+        assert f"cannot remove {staged} on " in p.stderr, p.stderr
+        assert "nothing was submitted" in p.stderr, p.stderr
+        assert login.queued("swodd") == []
+    finally:
+        login.cancel("swodd")
 
 
 # Two allocations of a 2-minute limit, a requeue's hold and the uninterrupted run: minutes, more

@@ -1,0 +1,63 @@
+"""The links a box without a store lists, as ``rgt pull`` judges them (controller/results/
+boxlinks.py): what a hostile box's listing could say that no real ``find`` prints (a name with
+'/' or '..', a target with a control character, a prefix of the checkpoint dir's name) is left
+out with its reason, never made; a link to a pulled checkpoint is made relative."""
+
+from __future__ import annotations
+
+from controller.results.boxlinks import MAX_NAMED, judged
+
+CKPT = "/box/runs/r1/ckpt"
+PULLED = {"checkpoints/step_4.ckpt", "checkpoints/step_2/model.pt", "outputs/out/a.txt"}
+
+
+def _one(kind: str, rel: str, target: str) -> str:
+    prefix = "checkpoints/" if kind == "checkpoint" else "outputs/"
+    made, left = judged([(kind, prefix + rel, rel, target)], CKPT, PULLED)
+    assert not made, made
+    (line,) = left
+    return line
+
+
+def test_links_to_a_pulled_checkpoint_are_made_relative_and_normalised() -> None:
+    listed = [
+        ("checkpoint", "checkpoints/last.ckpt", "last.ckpt", "step_4.ckpt"),
+        ("checkpoint", "checkpoints/latest", "latest", "./step_2/"),
+        ("checkpoint", "checkpoints/abs", "abs", CKPT + "/step_2/model.pt"),
+        ("checkpoint", "checkpoints/back", "back", "../ckpt/step_4.ckpt"),
+    ]
+    made, left = judged(listed, CKPT, PULLED)
+    assert left == []
+    assert made == [
+        ("abs", "step_2/model.pt"),
+        ("back", "step_4.ckpt"),
+        ("last.ckpt", "step_4.ckpt"),
+        ("latest", "step_2"),
+    ]
+
+
+def test_what_a_hostile_listing_says_is_left_out_with_why() -> None:
+    assert "out of the checkpoint dir" in _one("checkpoint", "x", "/etc/passwd")
+    assert "out of the checkpoint dir" in _one("checkpoint", "x", "../../x")
+    assert "out of the checkpoint dir" in _one("checkpoint", "x", "/box/runs/r1/ckptX/step_4.ckpt")
+    assert "out of the checkpoint dir" in _one("checkpoint", "x", "")
+    assert "out of the checkpoint dir" in _one("checkpoint", "x", ".")
+    assert "below the top" in _one("checkpoint", "../x", "step_4.ckpt")
+    assert "'..'" in _one("checkpoint", "..", "step_4.ckpt")
+    assert "control character" in _one("checkpoint", "a\x1bb", "step_4.ckpt")
+    assert "control character" in _one("checkpoint", "x", "step_4\x1b.ckpt")
+    assert "hidden or temporary" in _one("checkpoint", ".rgt-link.tmp", "step_4.ckpt")
+    assert "take the place of a pulled file" in _one("checkpoint", "step_2", "step_4.ckpt")
+    assert "nothing pulled" in _one("checkpoint", "x", "step_9.ckpt")
+    assert "nothing pulled" in _one("checkpoint", "x", "x/y")  # a link into itself
+    assert "in the outputs" in _one("output", "out/evil", "a.txt")
+    assert "logs" in _one("log", "0001/x", "output.log")
+    # The box's names are shown as repr where they are not printable (a receipt line).
+    assert _one("checkpoint", "a\x01", "/etc/passwd").startswith("'checkpoints/a\\x01' -> ")
+
+
+def test_a_box_of_many_bad_links_is_counted_past_the_first_named() -> None:
+    listed = [("output", f"outputs/out/l{i}", f"out/l{i}", "/etc/passwd") for i in range(500)]
+    made, left = judged(listed, CKPT, PULLED)
+    assert made == [] and len(left) == MAX_NAMED + 1
+    assert left[-1] == f"and {500 - MAX_NAMED} more links, left out"

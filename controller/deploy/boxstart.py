@@ -23,7 +23,10 @@ preempted) or a stop came before the job started, so the run ended PREEMPTED (ex
 STOPPED (exit 12) before its first attempt (onbox/agent/detach.py ``NotStarted``). That is said
 as what happened, with what to do, and `rgt deploy` exits with the box's code (13 or 12), as
 `rgt-agent run` does. Any other refusal of the box's agent keeps its code too where it is one of
-rgt's (2 a job the box cannot run, 5 a run held by another agent, 14 the store...). A code means
+rgt's (2 a job the box cannot run, 5 a run held by another agent, 14 the store...). A start that
+fails in a release this deploy pushed removes that release again where nothing uses it, in the
+same command (``START_DROP_SH``, controller/deploy/leftrelease.py), and says so in one line
+before the box's error. A code means
 what rgt means by it only when it came with rgt's own error line (``rgt: ...``): a start that
 exits without one failed before or outside rgt's code (Python's "can't open file" exits 2, a
 killed shell anything), which is the box's failure, HostError (exit 9) naming the code, whatever
@@ -39,11 +42,14 @@ code as `rgt-agent run` does (11 FAILED, 12 STOPPED, 13 PREEMPTED; 0 SUCCEEDED),
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from controller import boxrun
+from controller.deploy import leftrelease
+from controller.deploy.release import PushResult, deploy_path
 from controller.registry import Registry, RunRecord
-from controller.remote import Remote
+from controller.remote import Remote, Result
+from controller.shell import script
 from onbox.agent.claim import FINISHED_SAY
 from onbox.agent.lock import HELD_REMEDY
 from onbox.agent.states import TERMINAL_NAMES
@@ -103,6 +109,16 @@ _STALE_KEPT = 45
 START_SH = (
     f'cd "$1" 2>/dev/null || exit {_NO_RELEASE}; {{ [ -z "$2" ] || rm -f -- "$2"; }} || '
     f'exit {_STALE_KEPT}; shift 2; exec "$@"'
+)
+# START_SH for a start in a release this deploy pushed ($3 the run's directory, $4 its deploy's,
+# then the agent's argv): not exec'd, so that on a non-zero exit the same command removes the
+# release again where nothing uses it, and says so last on stdout (deploy/leftrelease.py).
+START_DROP_SH = script("release_use.sh") + (
+    f'cd "$1" 2>/dev/null || exit {_NO_RELEASE}; rel=$1 run=$3 deploy=$4; '
+    f'if {{ [ -z "$2" ] || rm -f -- "$2"; }}; then shift 4; "$@"; rc=$?; '
+    f"else rc={_STALE_KEPT}; fi; "
+    f'[ "$rc" -eq 0 ] || {{ cd / && printf "\\n{leftrelease.MARK}%s\\n" '
+    '"$(rgt_release_drop "$rel" "$run" "$deploy")"; }; exit "$rc"\n'
 )
 # What to do when the start failed without an rgt error: the box's shell or Python said why.
 _UNSAID = (
@@ -169,15 +185,67 @@ def start_on_box(
     argv: Sequence[str],
     path: str,
     staged: bool = False,
+    pushed: Optional[PushResult] = None,
+    say: Callable[[str], None] = lambda line: None,
 ) -> bool:
     """``argv`` (the agent's start of run ``rec``) in the release's directory ``path`` on
     ``label``; returns once the job runs: True, or False when the agent started nothing, the
     run's store holding its DONE.json (``finished_line`` says so). ``staged``: this deploy
     staged secrets for the start (flow.store_secrets); else any staged there were left by a
-    deploy cut off before its start, and are removed first, never taken by this one."""
+    deploy cut off before its start, and are removed first, never taken by this one.
+    ``pushed``: the release at ``path`` this deploy pushed; a start that fails removes it again
+    where this deploy created it and nothing uses it, and ``say`` gets a line of what became
+    of it (controller/deploy/leftrelease.py)."""
     stale = "" if staged else RunDir(rec.name, rec.box_home).staged_secrets_file
+    r, out, left = _start(remote, registry, rec, label, argv, path, stale, pushed)
+    if r.rc == _NO_RELEASE:
+        raise NotFound(
+            f"the release {path} that run {rec.name} starts in is not on {label}: it was "
+            "removed since it was pushed",
+            "run the same `rgt deploy` again: it pushes the code again",
+        )
+    if r.rc != 0 and pushed is not None:
+        say(leftrelease.line(pushed, rec.name, left))
+    if r.rc == _STALE_KEPT:
+        raise HostError(
+            f"cannot remove {stale} on {label}: secrets a deploy cut off before its start left "
+            f"for run {rec.name}, which this start must not take; nothing was started",
+            "check the owner and permissions of the box's rgt secrets directory, then deploy again",
+        )
+    if r.rc != 0:  # a preemption during the restore is said as such
+        # Its stderr was shown as it came, but for the error it held back (r.held).
+        shown = bool(r.stderr)
+        said = r.held.decode("utf-8", "replace") if shown else out
+        err = start_failed(label, rec.name, r.rc, said, shown)
+        if err.exit_code in (FINAL_EXIT_CODES["PREEMPTED"], FINAL_EXIT_CODES["STOPPED"]):
+            registry.put(rec)  # the run is there, in that state: `rgt status` must find it
+        raise err
+    said = FINISHED_SAY.format(run=rec.name)
+    return not any(line.startswith(said) for line in out.splitlines())
+
+
+def _start(
+    remote: Remote,
+    registry: Registry,
+    rec: RunRecord,
+    label: str,
+    argv: Sequence[str],
+    path: str,
+    stale: str,
+    pushed: Optional[PushResult],
+) -> Tuple[Result, str, Optional[str]]:
+    """The start's command, with the drop of the release this deploy pushed when it created it
+    (``START_DROP_SH``); its result, its stdout without the drop's word, and that word."""
+    drop = pushed is not None and pushed.method != "existing"
     try:
-        r = remote.sh(START_SH, path, stale, *argv, timeout=START_SILENCE, relay=True)
+        if drop:
+            rd, where = RunDir(rec.name, rec.box_home), deploy_path(rec.box_home, rec.name)
+            r = remote.sh(
+                START_DROP_SH, path, stale, rd.path, where, *argv,
+                timeout=START_SILENCE, relay=True,
+            )  # fmt: skip
+        else:
+            r = remote.sh(START_SH, path, stale, *argv, timeout=START_SILENCE, relay=True)
     except RemoteUnreachable:
         # The link went while the agent was starting, so it may well be running: remember
         # the run, so that `rgt status` finds it and the next deploy sees it live.
@@ -190,28 +258,10 @@ def start_on_box(
             "there (its restore, then the job)",
             f"rgt status {rec.name} to see it; rgt stop {rec.name} to stop it",
         ) from None
-    if r.rc == _NO_RELEASE:
-        raise NotFound(
-            f"the release {path} that run {rec.name} starts in is not on {label}: it was "
-            "removed since it was pushed",
-            "run the same `rgt deploy` again: it pushes the code again",
-        )
-    if r.rc == _STALE_KEPT:
-        raise HostError(
-            f"cannot remove {stale} on {label}: secrets a deploy cut off before its start left "
-            f"for run {rec.name}, which this start must not take; nothing was started",
-            "check the owner and permissions of the box's rgt secrets directory, then deploy again",
-        )
-    if r.rc != 0:  # a preemption during the restore is said as such
-        # Its stderr was shown as it came, but for the error it held back (r.held).
-        shown = bool(r.stderr)
-        said = r.held.decode("utf-8", "replace") if shown else r.text
-        err = start_failed(label, rec.name, r.rc, said, shown)
-        if err.exit_code in (FINAL_EXIT_CODES["PREEMPTED"], FINAL_EXIT_CODES["STOPPED"]):
-            registry.put(rec)  # the run is there, in that state: `rgt status` must find it
-        raise err
-    said = FINISHED_SAY.format(run=rec.name)
-    return not any(line.startswith(said) for line in r.text.splitlines())
+    if not drop:
+        return r, r.text, None
+    out, left = leftrelease.split(r.text)
+    return r, out, left
 
 
 def finished_line(name: str) -> str:

@@ -154,10 +154,7 @@ def deploy(
             prev,
             report.look,
         )
-        say(
-            f"rgt: agent {'installed' if agent.installed else 'already installed'} "
-            f"({agent.method}, Python {agent.python_version})"
-        )
+        say(_agent_line(agent))
         if live is not None:
             return _already_live(remote, registry, plan, rec, live, pushed, say)
         staged = store_secrets(remote, rec, plan.secrets, say)
@@ -169,7 +166,9 @@ def deploy(
                 remote, registry, plan.slurm, rec, opts, plan.job_rel, prev, say, staged
             )
         argv = rec.agent_argv(*_agent_args("start", plan, store))
-        started = start_on_box(remote, registry, rec, plan.target.label, argv, pushed.path, staged)
+        started = start_on_box(
+            remote, registry, rec, plan.target.label, argv, pushed.path, staged, pushed, say
+        )
         registry.put(rec)
         if not started:  # the run is finished: it never runs in this release
             say(finished_line(plan.name))
@@ -339,6 +338,14 @@ def _pushed_line(pushed: PushResult) -> str:
         if pushed.method == "existing"
         else f"{pushed.transferred_files} files, {pushed.transferred_bytes} bytes "
         f"sent ({pushed.method})"
+    )
+
+
+def _agent_line(agent: AgentInstall) -> str:
+    """Which agent runs the run, in one line."""
+    return (
+        f"rgt: agent {'installed' if agent.installed else 'already installed'} "
+        f"({agent.method}, Python {agent.python_version})"
     )
 
 

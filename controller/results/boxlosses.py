@@ -21,9 +21,10 @@ from onbox.profiles.schema import Profile
 RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 # A job's log in the run directory, or the redacted copy the agent wrote next to it.
 _JOB_LOG = re.compile(r"attempts/(\d{4,})/output(\.redacted)?\.log\Z")
-# down's shell on the box (controller/shell/down.sh), with the call of one of its functions.
+# down's shell on the box (controller/shell/down.sh, after release_use.sh where it looks at who
+# uses a release), with the call of one of its functions.
 _SIZES = script("down.sh") + 'rgt_sizes "$@"\n'
-_JOB_FILES = script("down.sh") + 'rgt_job_files "$@"\n'
+_JOB_FILES = script("release_use.sh") + script("down.sh") + 'rgt_job_files "$@"\n'
 
 
 def human(n: float) -> str:

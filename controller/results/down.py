@@ -66,8 +66,9 @@ from onbox.common.terminal import printable
 from onbox.profiles.load import load as load_profile
 from onbox.profiles.schema import Profile
 
-# The shell of down on the box: functions (controller/shell/down.sh), and the call of one.
-_REMOVE = script("down.sh") + 'rgt_remove "$@"\n'
+# The shell of down on the box: functions (controller/shell/release_use.sh, down.sh), and the
+# call of one.
+_REMOVE = script("release_use.sh") + script("down.sh") + 'rgt_remove "$@"\n'
 
 
 @dataclasses.dataclass

@@ -1,5 +1,6 @@
-# controller/results/down.py: the shell of `rgt down` on the box, as functions; the caller
-# appends the call (`rgt_sizes "$@"`, `rgt_job_files "$@"` or `rgt_remove "$@"`).
+# controller/results/down.py: the shell of `rgt down` on the box, as functions, after those of
+# release_use.sh (rgt_release_used); the caller appends the call (`rgt_sizes "$@"`,
+# `rgt_job_files "$@"` or `rgt_remove "$@"`).
 
 # rgt_sizes DIR...: every file under the given directories as NUL-terminated (size, path) pairs.
 rgt_sizes() {
@@ -9,25 +10,6 @@ rgt_sizes() {
     find "$d" -type f -exec sh -c 'for f do s=$(wc -c < "$f") || continue
       printf "%s\0%s\0" $s "$f"; done' rgt {} +
   done
-}
-
-# rgt_release_used RUN_DIR DEPLOY RELEASE: whether another deploy's current link or another
-# run's spec names RELEASE (then it stays when this run is removed).
-rgt_release_used() {
-  run=$1; deploy=$2; release=$3
-  rel=${release##*/}          # the release's id
-  rels=${release%/*}; rels=${rels##*/}   # the name of the releases directory
-  for d in "${deploy%/*}"/*/; do
-    [ -d "$d" ] || continue
-    [ "${d%/}" = "${deploy%/}" ] && continue
-    t=$(readlink "$d/current" 2>/dev/null) || continue
-    case "$t" in */"$rels"/"$rel"|*/"$rels"/"$rel"/) return 0;; esac
-  done
-  for s in "${run%/*}"/*/spec.json; do
-    if [ ! -f "$s" ] || [ "$s" = "$run/spec.json" ]; then continue; fi
-    grep -qF "/$rels/$rel" "$s" && return 0
-  done
-  return 1
 }
 
 # rgt_job_files RUN_DIR DEPLOY RELEASE: what the job wrote in its release (the workdir it runs

@@ -3,12 +3,15 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
 from controller.cli import cli
+from controller.deploy import leftrelease
 from controller.deploy.boxstart import ended, start_failed
+from controller.deploy.release import PushResult
 from onbox.common.errors import FINAL_EXIT_CODES
 
 
@@ -54,3 +57,18 @@ def test_a_run_seen_ended_exits_with_its_states_code_and_names_rgt_logs(state: s
 def test_a_run_seen_succeeded_or_live_is_no_error() -> None:
     for state in ("SUCCEEDED", "RUNNING", "STARTING", "BACKOFF"):
         assert ended("gpt", "box1", {"state": state}) is None
+
+
+def test_the_drop_word_is_read_from_the_last_line_only_and_never_trusted() -> None:
+    """The start's stdout keeps what the agent printed; the drop's word is only compared with
+    fixed words: anything else says the release may be left (controller/deploy/leftrelease.py)."""
+    pushed = PushResult("0123456789abcdef", "/h/releases/0123456789abcdef", 1, 9, "rsync")
+    out, word = leftrelease.split(f"agent said\n\n{leftrelease.MARK}removed\n")
+    assert (out, word) == ("agent said\n", "removed")
+    assert "was removed from the box again" in leftrelease.line(pushed, "gpt", word)
+    assert leftrelease.split("agent said\n") == ("agent said\n", None)
+    for odd in (None, "removed; rm -rf /", "\x1b[2J"):
+        said = leftrelease.line(pushed, "gpt", odd)
+        assert "may be left on the box" in said and "\x1b" not in said, said
+    kept = dataclasses.replace(pushed, method="existing")
+    assert "it was there before this deploy" in leftrelease.line(kept, "gpt", "removed")

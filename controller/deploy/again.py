@@ -96,7 +96,7 @@ def start_again(
     )
     staged = flow.store_secrets(remote, rec, plan.secrets, say)
     argv = rec.agent_argv(*_start_args(plan))
-    started = start_on_box(remote, registry, rec, label, argv, job.workdir, staged)
+    started = start_on_box(remote, registry, rec, label, argv, job.workdir, staged, None, say)
     registry.put(rec)
     if not started:
         say(finished_line(plan.name))

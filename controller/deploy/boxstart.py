@@ -23,14 +23,17 @@ preempted) or a stop came before the job started, so the run ended PREEMPTED (ex
 STOPPED (exit 12) before its first attempt (onbox/agent/detach.py ``NotStarted``). That is said
 as what happened, with what to do, and `rgt deploy` exits with the box's code (13 or 12), as
 `rgt-agent run` does. Any other refusal of the box's agent keeps its code too where it is one of
-rgt's (2 a job the box cannot run, 5 a run held by another agent, 14 the store...). A start that
-fails in a release this deploy pushed removes that release again where nothing uses it, in the
-same command (``START_DROP_SH``, controller/deploy/leftrelease.py), and says so in one line
-before the box's error. A code means
+rgt's (2 a job the box cannot run, 5 a run held by another agent, 14 the store...). A code means
 what rgt means by it only when it came with rgt's own error line (``rgt: ...``): a start that
 exits without one failed before or outside rgt's code (Python's "can't open file" exits 2, a
 killed shell anything), which is the box's failure, HostError (exit 9) naming the code, whatever
 its number.
+
+A start that fails in a release this deploy pushed removes that release again where nothing
+uses it, in the same command (``START_SH``, controller/deploy/leftrelease.py), and says so in
+one line before the box's error. A run the box holds after the failure (FAILED, or another
+agent's) that this laptop has no record of is recorded from the box's record
+(controller/deploy/heldrun.py), so that `rgt status` and `rgt down` find it.
 
 A job may end as soon as it started (a missing import). When the wait sees the run already in a
 final state, the deploy says so, with the box's reason and what to do, and exits with that state's
@@ -42,10 +45,11 @@ code as `rgt-agent run` does (11 FAILED, 12 STOPPED, 13 PREEMPTED; 0 SUCCEEDED),
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from controller import boxrun
 from controller.deploy import leftrelease
+from controller.deploy.heldrun import record_held
 from controller.deploy.release import PushResult, deploy_path
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, Result
@@ -105,20 +109,26 @@ _BOX_CODES = {
 _NO_RELEASE = 44
 _STALE_KEPT = 45
 # The line the start runs on the box: $1 the release directory, $2 the staged secrets to remove
-# first ("" when this deploy staged them), then the agent's argv.
-START_SH = (
-    f'cd "$1" 2>/dev/null || exit {_NO_RELEASE}; {{ [ -z "$2" ] || rm -f -- "$2"; }} || '
-    f'exit {_STALE_KEPT}; shift 2; exec "$@"'
-)
-# START_SH for a start in a release this deploy pushed ($3 the run's directory, $4 its deploy's,
-# then the agent's argv): not exec'd, so that on a non-zero exit the same command removes the
-# release again where nothing uses it, and says so last on stdout (deploy/leftrelease.py).
-START_DROP_SH = script("release_use.sh") + (
-    f'cd "$1" 2>/dev/null || exit {_NO_RELEASE}; rel=$1 run=$3 deploy=$4; '
-    f'if {{ [ -z "$2" ] || rm -f -- "$2"; }}; then shift 4; "$@"; rc=$?; '
-    f"else rc={_STALE_KEPT}; fi; "
-    f'[ "$rc" -eq 0 ] || {{ cd / && printf "\\n{leftrelease.MARK}%s\\n" '
-    '"$(rgt_release_drop "$rel" "$run" "$deploy")"; }; exit "$rc"\n'
+# first ("" when this deploy staged them), $3 the run's directory, $4 its deploy's directory,
+# $5 "drop" where this deploy created the release ("" else), then the agent's argv. Not exec'd:
+# a start that exits non-zero is followed, in the same command, by the drop of the release
+# ($5: controller/deploy/leftrelease.py) and a look at runs/N and deploys/N/current
+# (controller/deploy/heldrun.py), said last on stdout, after MARK, in three words: the drop's
+# ("-" without one), "held" or "none" (runs/N/spec.json there or not), and the id of the
+# release deploys/N/current names ("-" for none).
+MARK = "rgt-start-failed: "
+START_SH = script("release_use.sh") + "\n".join(
+    (
+        f'cd "$1" 2>/dev/null || exit {_NO_RELEASE}; rel=$1 run=$3 deploy=$4 drop=$5',
+        'if { [ -z "$2" ] || rm -f -- "$2"; }; then shift 5; "$@"; rc=$?',
+        f"else rc={_STALE_KEPT}; fi",
+        '[ "$rc" -eq 0 ] && exit 0; cd / || exit "$rc"',
+        'left=-; [ -z "$drop" ] || left=$(rgt_release_drop "$rel" "$run" "$deploy")',
+        'held=none; [ -f "$run/spec.json" ] && held=held',
+        'cur=$(readlink "$deploy/current" 2>/dev/null) || cur=-',
+        f'printf "\\n{MARK}%s %s %s\\n" "$left" "$held" "${{cur##*/}}"; exit "$rc"',
+        "",
+    )
 )
 # What to do when the start failed without an rgt error: the box's shell or Python said why.
 _UNSAID = (
@@ -195,33 +205,42 @@ def start_on_box(
     deploy cut off before its start, and are removed first, never taken by this one.
     ``pushed``: the release at ``path`` this deploy pushed; a start that fails removes it again
     where this deploy created it and nothing uses it, and ``say`` gets a line of what became
-    of it (controller/deploy/leftrelease.py)."""
+    of it (controller/deploy/leftrelease.py), and one when the run, which the box holds, is
+    recorded on this laptop only now (controller/deploy/heldrun.py)."""
     stale = "" if staged else RunDir(rec.name, rec.box_home).staged_secrets_file
-    r, out, left = _start(remote, registry, rec, label, argv, path, stale, pushed)
+    r, out, words = _start(remote, registry, rec, label, argv, path, stale, pushed)
     if r.rc == _NO_RELEASE:
         raise NotFound(
             f"the release {path} that run {rec.name} starts in is not on {label}: it was "
             "removed since it was pushed",
             "run the same `rgt deploy` again: it pushes the code again",
         )
-    if r.rc != 0 and pushed is not None:
-        say(leftrelease.line(pushed, rec.name, left))
-    if r.rc == _STALE_KEPT:
-        raise HostError(
-            f"cannot remove {stale} on {label}: secrets a deploy cut off before its start left "
-            f"for run {rec.name}, which this start must not take; nothing was started",
-            "check the owner and permissions of the box's rgt secrets directory, then deploy again",
-        )
-    if r.rc != 0:  # a preemption during the restore is said as such
-        # Its stderr was shown as it came, but for the error it held back (r.held).
-        shown = bool(r.stderr)
-        said = r.held.decode("utf-8", "replace") if shown else out
-        err = start_failed(label, rec.name, r.rc, said, shown)
+    if r.rc != 0:
+        if pushed is not None:
+            say(leftrelease.line(pushed, rec.name, words[0] if words else None))
+        err = _failure(r, out, label, rec.name, stale)
         if err.exit_code in (FINAL_EXIT_CODES["PREEMPTED"], FINAL_EXIT_CODES["STOPPED"]):
             registry.put(rec)  # the run is there, in that state: `rgt status` must find it
+        elif words[1:2] == ["held"]:  # the box holds the run: this laptop must know it too
+            record_held(remote, registry, rec, label, say, words[2:])
         raise err
     said = FINISHED_SAY.format(run=rec.name)
     return not any(line.startswith(said) for line in out.splitlines())
+
+
+def _failure(r: Result, out: str, label: str, name: str, stale: str) -> RgtError:
+    """The error of a start of run ``name`` that exited non-zero (``out``: its stdout)."""
+    if r.rc == _STALE_KEPT:
+        return HostError(
+            f"cannot remove {stale} on {label}: secrets a deploy cut off before its start left "
+            f"for run {name}, which this start must not take; nothing was started",
+            "check the owner and permissions of the box's rgt secrets directory, then deploy again",
+        )
+    # Its stderr was shown as it came, but for the error it held back (r.held). A preemption
+    # during the restore is said as such (start_failed).
+    shown = bool(r.stderr)
+    said = r.held.decode("utf-8", "replace") if shown else out
+    return start_failed(label, name, r.rc, said, shown)
 
 
 def _start(
@@ -233,19 +252,18 @@ def _start(
     path: str,
     stale: str,
     pushed: Optional[PushResult],
-) -> Tuple[Result, str, Optional[str]]:
-    """The start's command, with the drop of the release this deploy pushed when it created it
-    (``START_DROP_SH``); its result, its stdout without the drop's word, and that word."""
+) -> Tuple[Result, str, List[str]]:
+    """The start's command (``START_SH``: with the drop of the release this deploy pushed, where
+    it created it); its result, its stdout, and the words said after a failure (the drop's, or
+    "-"; whether the box holds the run, "held" or "none"; the release deploys/N/current names,
+    or "-"), none else."""
     drop = pushed is not None and pushed.method != "existing"
+    rd, where = RunDir(rec.name, rec.box_home), deploy_path(rec.box_home, rec.name)
     try:
-        if drop:
-            rd, where = RunDir(rec.name, rec.box_home), deploy_path(rec.box_home, rec.name)
-            r = remote.sh(
-                START_DROP_SH, path, stale, rd.path, where, *argv,
-                timeout=START_SILENCE, relay=True,
-            )  # fmt: skip
-        else:
-            r = remote.sh(START_SH, path, stale, *argv, timeout=START_SILENCE, relay=True)
+        r = remote.sh(
+            START_SH, path, stale, rd.path, where, "drop" if drop else "", *argv,
+            timeout=START_SILENCE, relay=True,
+        )  # fmt: skip
     except RemoteUnreachable:
         # The link went while the agent was starting, so it may well be running: remember
         # the run, so that `rgt status` finds it and the next deploy sees it live.
@@ -258,10 +276,16 @@ def _start(
             "there (its restore, then the job)",
             f"rgt status {rec.name} to see it; rgt stop {rec.name} to stop it",
         ) from None
-    if not drop:
-        return r, r.text, None
-    out, left = leftrelease.split(r.text)
-    return r, out, left
+    out, words = failure_words(r.text) if r.rc != 0 else (r.text, [])
+    return r, out, words
+
+
+def failure_words(text: str) -> Tuple[str, List[str]]:
+    """The stdout ``text`` of a failed start without what ``START_SH`` said last (after MARK),
+    and those words (none when it said nothing: the command was cut off). The box's words are
+    only ever compared with fixed ones."""
+    out, sep, tail = text.rpartition("\n" + MARK)
+    return (out, tail.split()) if sep else (text, [])
 
 
 def finished_line(name: str) -> str:

@@ -9,37 +9,26 @@ and nothing removed it later: `rgt down` removes the release its record names, a
 stale ``.tmp-`` directories of pushes cut off. Every failed redeploy of changed code added one.
 
 So where this deploy created the release (``PushResult.method`` is not "existing": a release
-on the box before it may be another run's), the start runs in ``START_DROP_SH``
-(controller/deploy/boxstart.py): when the start exits non-zero, the same command runs
-``rgt_release_drop`` (controller/shell/release_use.sh), which keeps the release while a
-deploy's current link or another run's spec names it, or the run's own spec names it and the
-run is not FAILED (a start cut by a preemption or a stop, or another start of the run, may run
-it there), and removes it otherwise; it prints one word last on stdout, after ``MARK``. The
-user sees the box's error and exit code as before, and one line before it (``line``).
+on the box before it may be another run's), the start's line (``START_SH``,
+controller/deploy/boxstart.py) is given its deploy's directory: when the start exits non-zero,
+the same command runs ``rgt_release_drop`` (controller/shell/release_use.sh), which keeps the
+release while a deploy's current link or another run's spec names it, or the run's own spec
+names it and the run is not FAILED (a start cut by a preemption or a stop, or another start of
+the run, may run it there), and removes it otherwise. Its word is said last on stdout
+(boxstart.MARK); the user sees the box's error and exit code as before, and one line before it
+(``line``).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 from controller.deploy.release import PushResult
 
-# Put before the drop's word on the start's stdout (after whatever the agent printed there).
-MARK = "rgt-left-release: "
 _KEPT = {
     "current": "a deploy's current link points at it",
     "used": "another run or deploy on the box uses it",
 }
-
-
-def split(text: str) -> Tuple[str, Optional[str]]:
-    """The start's stdout without the drop's last line, and the drop's word (None when the box
-    printed none: the start succeeded, or the command was cut off). The box's word is only
-    ever compared with fixed words."""
-    head, sep, tail = text.rpartition("\n" + MARK)
-    if not sep:
-        return text, None
-    return head, tail.strip()
 
 
 def line(pushed: PushResult, name: str, word: Optional[str]) -> str:

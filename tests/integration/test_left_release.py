@@ -11,6 +11,7 @@ Real processes: the `rgt` CLI (tests/laptop.py) against the session's loopback s
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -134,3 +135,48 @@ def test_the_drop_keeps_a_release_that_a_deploy_or_a_run_uses(tmp_path: Path) ->
     os.chmod(rel / "sub", 0o500)  # a directory the job made read-only
     assert _drop(home, "me", rid) == "removed"
     assert os.listdir(home / "releases") == []
+
+
+def test_a_run_the_box_held_whose_start_failed_is_recorded_on_this_laptop(
+    sshd: SshServer, tmp_path: Path
+) -> None:
+    """Deployed from another laptop, the run's start from this one fails: the box holds it,
+    FAILED, and this laptop records it from the box's record, so `rgt status` finds it."""
+    other = Laptop(sshd, tmp_path)
+    (tmp_path / "here").mkdir()
+    lap = Laptop(sshd, tmp_path / "here")
+    lap.box, lap.env["RGT_BOX_HOME"] = other.box, str(other.box)  # one box, two laptops
+    store = tmp_path / "store"
+    store.mkdir()
+    (other.project / "job.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    try:
+        rc, out = other.deploy("held", "--store", f"file://{store}", *JOB)
+        assert rc == 0, out
+        rc, out = other.rgt("stop", "held")
+        assert rc == 0, out
+        shutil.rmtree(store / "held" / "epochs")
+        blocker = _block_epochs(store, "held")
+        rc, out = lap.rgt("status", "held")
+        assert rc == 8, out  # this laptop has not met the run
+        rc, out = lap.deploy("held", "--store", f"file://{store}", *JOB)
+        assert rc == 14 and "epochs/00000001: not a directory" in out, out  # the box's error
+        rc, said = lap.rgt("status", "held")
+        assert rc != 8 and "FAILED" in said, said
+        assert "which this laptop had no record of: recorded from the box's" in out, out
+        # What the box holds: its spec's store and workdir (the release this deploy pushed,
+        # removed again: the run is FAILED), and the release the run last started in.
+        rec = json.loads((lap.ctl / "runs.json").read_text())["runs"]["held"]
+        spec = json.loads((lap.box / "runs" / "held" / "spec.json").read_text())
+        assert (rec["store"], rec["workdir"]) == (f"file://{store}", spec["workdir"]), rec
+        assert "which this deploy pushed, was removed from the box again" in out, out
+        assert _releases(lap) == [_current(other, "held")] == [rec["release"]], rec
+        # And `rgt down` takes it off the box, the release it ran in too.
+        blocker.unlink()
+        rc, out = lap.rgt("pull", "held", "--to", str(tmp_path / "pulled"))
+        assert rc == 0, out
+        rc, out = lap.rgt("down", "held", "--yes")
+        assert rc == 0, out
+        assert not lap.runs("held").exists() and _releases(lap) == []
+        assert not (lap.box / "deploys" / "held").exists()
+    finally:
+        _kill_run_processes(str(other.box))

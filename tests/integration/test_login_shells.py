@@ -35,7 +35,7 @@ from typing import Dict, Iterator, List, Tuple
 import pytest
 
 from controller import remote as remotemod
-from controller.deploy.boxstart import START_SH
+from controller.deploy.boxstart import START_SH, failure_words
 from controller.deploy.release import push_release
 from controller.remote import SshRemote
 from controller.results.entries import Entry, Sealed
@@ -212,6 +212,9 @@ def test_deploy_start_line_job_argv(box: Box) -> None:
         START_SH,
         box.work,
         "",  # no staged secrets to remove
+        os.path.join(rgt_home, "runs", "r"),  # the run's directory
+        os.path.join(rgt_home, "deploys", "r"),  # its deploy's
+        "",  # no release to remove if the start fails
         "env",
         f"RGT_HOME={rgt_home}",
         BOX_PYTHON,
@@ -224,6 +227,28 @@ def test_deploy_start_line_job_argv(box: Box) -> None:
     cwd, home, argv = json.loads(r.stdout)
     assert (cwd, home) == (box.work, rgt_home)
     assert argv == args
+    assert box.planted() == []
+
+
+def test_deploy_start_line_says_what_it_left_after_a_failed_start(box: Box) -> None:
+    """A start that exits non-zero: its code comes back as it was, its stdout whole, then the
+    words of what the same command did after it (no release to drop, no run there, no current
+    link), whatever the login shell; the paths travel as data."""
+    home = os.path.join(box.work, "home 'q' $(x)")
+    r = box.remote.sh(
+        START_SH,
+        box.work,
+        "",
+        os.path.join(home, "runs", "r"),
+        os.path.join(home, "deploys", "r"),
+        "",
+        BOX_PYTHON,
+        "-c",
+        "import sys; print('agent out'); sys.exit(14)",
+        timeout=60,
+    )
+    assert r.rc == 14, r.err
+    assert failure_words(r.text) == ("agent out\n", ["-", "none", "-"]), r.text
     assert box.planted() == []
 
 

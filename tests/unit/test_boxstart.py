@@ -10,7 +10,7 @@ import pytest
 
 from controller.cli import cli
 from controller.deploy import leftrelease
-from controller.deploy.boxstart import ended, start_failed
+from controller.deploy.boxstart import MARK, ended, failure_words, start_failed
 from controller.deploy.release import PushResult
 from onbox.common.errors import FINAL_EXIT_CODES
 
@@ -60,13 +60,13 @@ def test_a_run_seen_succeeded_or_live_is_no_error() -> None:
 
 
 def test_the_drop_word_is_read_from_the_last_line_only_and_never_trusted() -> None:
-    """The start's stdout keeps what the agent printed; the drop's word is only compared with
-    fixed words: anything else says the release may be left (controller/deploy/leftrelease.py)."""
+    """The start's stdout keeps what the agent printed; the words said after it are only compared
+    with fixed ones: anything else says the release may be left (deploy/leftrelease.py)."""
     pushed = PushResult("0123456789abcdef", "/h/releases/0123456789abcdef", 1, 9, "rsync")
-    out, word = leftrelease.split(f"agent said\n\n{leftrelease.MARK}removed\n")
-    assert (out, word) == ("agent said\n", "removed")
-    assert "was removed from the box again" in leftrelease.line(pushed, "gpt", word)
-    assert leftrelease.split("agent said\n") == ("agent said\n", None)
+    out, words = failure_words(f"agent said\n\n{MARK}removed held\n")
+    assert (out, words) == ("agent said\n", ["removed", "held"])
+    assert "was removed from the box again" in leftrelease.line(pushed, "gpt", words[0])
+    assert failure_words("agent said\n") == ("agent said\n", [])
     for odd in (None, "removed; rm -rf /", "\x1b[2J"):
         said = leftrelease.line(pushed, "gpt", odd)
         assert "may be left on the box" in said and "\x1b" not in said, said

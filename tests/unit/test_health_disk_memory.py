@@ -27,7 +27,10 @@ from tests import mounts
 from tests.conftest import require
 from tests.polling import wait
 
-RUN = "memrun"
+# Unique to this process: the probe scans every process on the host for the attempt's tag, so
+# a second test run beside this one (another checkout's, another xdist worker) holding the
+# same tag would have its holders counted as this attempt's.
+RUN = f"memrun{os.getpid()}"
 
 
 def _ctx(now: float = 0.0, **kw: Any) -> Context:

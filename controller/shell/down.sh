@@ -36,10 +36,7 @@ rgt_remove() {
   rm -rf -- "$deploy"
   if [ -n "$release" ] && [ -d "$release" ] && ! rgt_release_used "$run" "$deploy" "$release"
   then
-    # Only directories need write permission to be emptied; files may be hard links that
-    # other releases share, so their modes are left alone.
-    find "$release" -type d ! -perm -u+w -exec chmod u+w {} + 2>/dev/null
-    rm -rf -- "$release"
+    rgt_release_remove "$release"
   fi
   rm -rf -- "$run"
   [ ! -e "$run" ] && [ ! -e "$secrets" ] && [ ! -e "$deploy" ] && [ ! -e "$staged" ]

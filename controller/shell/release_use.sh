@@ -27,8 +27,7 @@ rgt_release_used() {
 # another's, another run's spec, or the run's own spec while the run is not FAILED (a start
 # refused as preempted or stopped, or another start of it, may run it there). Prints one word:
 # removed, gone (no complete release there), current, used, run, or failed (rm could not).
-# Renamed aside as a .tmp- push first, so releases/<id> is whole or absent, never a torn
-# directory with its marker; a removal cut off there goes with the next push's stale ones.
+# Removed as rgt_release_remove removes one (renamed aside first).
 rgt_release_drop() {
   release=${1%/}; run=$2; deploy=$3
   rel=${release##*/}; rels=${release%/*}; rels=${rels##*/}
@@ -42,9 +41,22 @@ rgt_release_drop() {
      ! grep -q '^ "state": "FAILED"' "$run/state.json" 2>/dev/null; then
     echo run; return 0
   fi
-  aside="${release%/*}/.tmp-$rel-dropped$$"
-  mv -- "$release" "$aside" 2>/dev/null || { echo failed; return 0; }
-  find "$aside" -type d ! -perm -u+w -exec chmod u+w {} + 2>/dev/null
-  rm -rf -- "$aside" 2>/dev/null
+  rgt_release_remove "$release" 2>/dev/null || { echo failed; return 0; }
   echo removed
+}
+
+# rgt_release_remove RELEASE: remove the release directory RELEASE; fails when it could not be
+# renamed aside. Renamed first, as a .tmp- push, so that releases/<id> is whole or absent: an
+# rm cut off in place (a `rgt down` whose link dropped) left a torn directory that could still
+# hold its marker, which the next push of the same code took as complete and ran in. What is
+# left aside goes with the next push's stale ones (release_prepare.sh).
+rgt_release_remove() {
+  # Names of its own: sh has no local variables, and the callers' $release stays theirs.
+  rgt_gone=${1%/}
+  rgt_aside="${rgt_gone%/*}/.tmp-${rgt_gone##*/}-removed$$"
+  mv -- "$rgt_gone" "$rgt_aside" || return 1
+  # Only directories need write permission to be emptied; files may be hard links that
+  # other releases share, so their modes are left alone.
+  find "$rgt_aside" -type d ! -perm -u+w -exec chmod u+w {} + 2>/dev/null
+  rm -rf -- "$rgt_aside"
 }

@@ -29,7 +29,7 @@ from controller.results.down import down, plan_down
 from controller.results.pull import pull
 from controller.results.receipt import state_receipt_path
 from controller.target import Target
-from onbox.common.errors import NotFound, UnsafeRefused
+from onbox.common.errors import HostError, NotFound, UnsafeRefused
 from onbox.profiles.load import load as load_profile
 from tests.conftest import Cli, agent_exe, fixture
 from tests.sshd import SshServer
@@ -257,6 +257,46 @@ def test_down_finishes_after_a_down_that_stopped_halfway(box: Box, tmp_path: Any
     assert plan.state == "STOPPED"
     assert not os.path.exists(box.run_dir) and not os.path.exists(box.release)
     assert os.path.exists(box.other_release)
+
+
+# An `rm` first on the down's PATH: the removal of a release directory (`rm -rf DIR`, DIR
+# holding .rgt-release) is cut off halfway, as when the link drops: every file but the marker
+# removed (it comes later in the directory's order), then the down's shell and this rm are
+# SIGKILLed. Every other rm is the real one.
+CUT_RM = """#!/bin/sh
+for last; do :; done
+if [ "$1" = "-rf" ] && [ -f "$last/.rgt-release" ]; then
+  find "$last" -type f ! -name .rgt-release -exec /bin/rm -f {} +
+  kill -KILL "$PPID" "$$"
+fi
+exec /bin/rm "$@"
+"""
+
+
+def test_a_down_cut_off_while_removing_a_release_leaves_it_whole_or_gone_fake_rm(
+    box: Box, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A release removed in place and cut off halfway kept its marker with its files gone: the
+    next deploy of the same code found it complete and ran in it. It is renamed aside first:
+    releases/<id> is whole or absent, and a second down finishes."""
+    with open(os.path.join(box.release, "train.py"), "w") as f:
+        f.write("print('the job')\n")
+    rec = box.record()
+    pull(rec, str(tmp_path / "dest"), "store")
+    shim = tmp_path / "cut-rm"
+    shim.mkdir()
+    (shim / "rm").write_text(CUT_RM)
+    (shim / "rm").chmod(0o755)
+    with monkeypatch.context() as m:
+        m.setenv("PATH", f"{shim}:{os.environ['PATH']}")
+        with pytest.raises(HostError):
+            down(rec, yes=True, interactive=False, ask=_never, show=lambda line: None)
+    torn = os.path.exists(box.release) and not os.path.exists(os.path.join(box.release, "train.py"))
+    assert not torn, os.listdir(box.release)
+    assert not os.path.exists(box.release)
+    down(rec, yes=True, interactive=False, ask=_never, show=lambda line: None)
+    assert not os.path.exists(box.run_dir) and not os.path.exists(box.release)
+    assert os.path.exists(os.path.join(box.other_release, ".rgt-release"))
 
 
 # A job that leaves a declared output and, beside it, a file nothing declares.

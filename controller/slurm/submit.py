@@ -316,7 +316,8 @@ def sbatch(
         raise HostError(
             f"cannot remove {kept} on {label}: secrets a deploy cut off before its submit left "
             f"for run {owner}, which this job must not take; nothing was submitted",
-            "check the owner and permissions of the box's rgt secrets directory, then deploy again",
+            "check the owner and permissions of the box's rgt secrets directory, then run the "
+            "same `rgt deploy` or `rgt sweep` again",
         )
     if r.rc != 0:
         raise HostError(

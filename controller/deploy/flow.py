@@ -19,7 +19,9 @@
 
 Running deploy again is idempotent: the same code is not pushed again, an installed agent is
 reused, and a run that is already live on the same release is left alone. A deploy cut off
-halfway leaves the old release or the new one, never a mix.
+halfway leaves the old release or the new one, never a mix; one that fails after its push (or
+is interrupted before its start) removes the release it pushed again where nothing uses it
+(controller/deploy/leftrelease.py).
 
 Round trips: the audit's one script also reads the box's Python for the agent, the marker of the
 agent's install for it and whether the release is complete (controller/deploy/audit.py); and, where
@@ -47,6 +49,7 @@ from controller.deploy import guess as guessmod
 from controller.deploy.boxspec import record_box_store
 from controller.deploy.boxstart import after_start, finished_line, start_on_box
 from controller.deploy.install import AgentInstall, found_install, install_agent
+from controller.deploy.leftrelease import Left
 from controller.deploy.look import Live, live_refusal, look, look_args, refuse_live_elsewhere
 from controller.deploy.probe import Probed
 from controller.deploy.project import project_files, release_id
@@ -143,28 +146,25 @@ def deploy(
         # A job file's store is recorded at once (the box's record confirms it after the
         # start): a start cut off, or a Slurm job still queued, has no box record to read yet.
         record = _recorder(plan, store or plan.job_store, box_home, pushed)
-        agent, rec, live = agent_and_run(
-            remote,
-            req,
-            box_home,
-            wheel,
-            store_extras(store or plan.job_store),
-            report.probed,
-            record,
-            prev,
-            report.look,
-        )
-        say(_agent_line(agent))
-        if live is not None:
-            return _already_live(remote, registry, plan, rec, live, pushed, say)
-        staged = store_secrets(remote, rec, plan.secrets, say)
-        _put_override(remote, plan, box_home)
+        # A failure from here to the start or submit leaves the release unused: it goes again.
+        left = Left(remote, pushed, box_home, plan.name, say)
+        with left.until_start():
+            agent, rec, live = agent_and_run(
+                remote, req, box_home, wheel, store_extras(store or plan.job_store),
+                report.probed, record, prev, report.look,
+            )  # fmt: skip
+            say(_agent_line(agent))
+            if live is not None:
+                return _already_live(remote, registry, plan, rec, live, pushed, say)
+            staged = store_secrets(remote, rec, plan.secrets, say)
+            _put_override(remote, plan, box_home)
         if plan.slurm is not None and plan.guess is not None:
             # A batch job runs the agent (controller/slurm/submit.py): submitted, not started.
             opts = _agent_args("run", plan, store, tail=False)[5:]  # after --profile P
             return submit_run(
-                remote, registry, plan.slurm, rec, opts, plan.job_rel, prev, say, staged
-            )
+                remote, registry, plan.slurm, rec, opts, plan.job_rel, prev, say, staged,
+                unsubmitted=lambda: left.drop("the cluster refused the submit"),
+            )  # fmt: skip
         argv = rec.agent_argv(*_agent_args("start", plan, store))
         started = start_on_box(
             remote, registry, rec, plan.target.label, argv, pushed.path, staged, pushed, say

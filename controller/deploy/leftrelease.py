@@ -1,46 +1,112 @@
-"""The release a deploy pushed for a start that failed: removed from the box again when nothing
-uses it, within the start's own command, and one line saying what became of it.
+"""The release a deploy pushed, when the deploy fails before its run uses it: removed from the
+box again where nothing uses it, and one line saying what became of it.
 
 A deploy pushes its code as ``releases/<id>`` (controller/deploy/release.py) before the start,
 and points the laptop's record and ``deploys/<name>/current`` at it only once the start
-succeeded. A start the box refused or failed (the epoch refused, the restore stalled, a job the
-box cannot run, the run held by another agent) left that release with nothing pointing at it,
-and nothing removed it later: `rgt down` removes the release its record names, a push only the
-stale ``.tmp-`` directories of pushes cut off. Every failed redeploy of changed code added one.
+succeeded. A deploy that failed after the push (the start refused or failed; before it, the
+agent's install, the secrets' staging, the profile override, a run live on another release;
+the Slurm submit refused) left that release with nothing pointing at it, and nothing removed
+it later: `rgt down` removes the release its record names, a push only the stale ``.tmp-``
+directories of pushes cut off. Every failed redeploy of changed code added one.
 
 So where this deploy created the release (``PushResult.method`` is not "existing": a release
-on the box before it may be another run's), the start's line (``START_SH``,
-controller/deploy/boxstart.py) is given its deploy's directory: when the start exits non-zero,
-the same command runs ``rgt_release_drop`` (controller/shell/release_use.sh), which keeps the
-release while a deploy's current link or another run's spec names it, or the run's own spec
-names it and the run is not FAILED (a start cut by a preemption or a stop, or another start of
-the run, may run it there), and removes it otherwise. Its word is said last on stdout
-(boxstart.MARK); the user sees the box's error and exit code as before, and one line before it
-(``line``).
+on the box before it may be another run's), ``rgt_release_drop`` (controller/shell/release_use.sh)
+runs after such a failure: it keeps the release while a deploy's current link or another run's
+spec names it, or the run's own spec names it and the run is not FAILED (a start cut by a
+preemption or a stop, or another start of the run, may run it there), and removes it otherwise,
+printing one word. After a failed start it runs within the start's own command (``START_SH``,
+controller/deploy/boxstart.py, its word after boxstart.MARK); after a failure before the start,
+or a submit the cluster refused with nothing submitted, in one command of its own (``Left``),
+on that failure path only. The user sees the deploy's error and exit code as before, and one
+line before it (``line``).
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import contextlib
+from typing import Callable, Iterator, Optional
 
-from controller.deploy.release import PushResult
+from controller.deploy.release import PushResult, deploy_path
+from controller.remote import Remote
+from controller.shell import script
+from onbox.common.errors import RemoteUnreachable, RgtError
+from onbox.common.rundir import RunDir
 
+# The drop on its own: $1 the release, $2 the run's directory, $3 its deploy's.
+_DROP_SH = script("release_use.sh") + 'rgt_release_drop "$@"\n'
+_DROP_TIMEOUT = 120.0
 _KEPT = {
     "current": "a deploy's current link points at it",
     "used": "another run or deploy on the box uses it",
 }
+# The word for a drop that never reached the box (rgt_release_drop prints none with a dash).
+UNREACHED = "-unreached"
 
 
-def line(pushed: PushResult, name: str, word: Optional[str]) -> str:
-    """What a deploy whose start of run ``name`` failed says of the release it pushed, given
+class Left:
+    """The release ``pushed`` that a deploy of run ``name`` pushed to ``box_home``, until the
+    deploy's start or submit takes it on: ``until_start`` drops it when the deploy fails
+    before that, ``drop`` when a submit was refused. At most once, and only where this deploy
+    created it."""
+
+    def __init__(
+        self,
+        remote: Remote,
+        pushed: PushResult,
+        box_home: str,
+        name: str,
+        say: Callable[[str], None],
+    ) -> None:
+        self.remote, self.pushed, self.name, self.say = remote, pushed, name, say
+        self.run_dir = RunDir(name, box_home).path
+        self.deploy_dir = deploy_path(box_home, name)
+        self.done = pushed.method == "existing"  # another run's, maybe: nothing to drop
+
+    @contextlib.contextmanager
+    def until_start(self) -> Iterator[None]:
+        """The steps between the push and the start: an RgtError or a Ctrl-C out of them
+        drops the release (``drop``), then goes on as it was."""
+        try:
+            yield
+        except RgtError:
+            self.drop("the deploy failed before its start")
+            raise
+        except KeyboardInterrupt:  # nothing has run in the release: it goes as with an error
+            self.drop("the deploy was interrupted before its start")
+            raise
+
+    def drop(self, why: str) -> None:
+        """Remove the release from the box where nothing uses it, in one command, and say what
+        became of it; ``why``: what failed. Never raises: the caller's error is the one to
+        show, with its exit code (a box that cannot be reached, or a second Ctrl-C, leaves the
+        release, and the line says so)."""
+        if self.done:
+            return
+        self.done = True
+        word: Optional[str] = None
+        try:
+            r = self.remote.sh(
+                _DROP_SH, self.pushed.path, self.run_dir, self.deploy_dir, timeout=_DROP_TIMEOUT
+            )
+            if r.rc == 0:
+                word = r.text.strip()
+        except RemoteUnreachable:
+            word = UNREACHED
+        except (RgtError, OSError, KeyboardInterrupt):
+            word = None
+        self.say(line(self.pushed, self.name, word, why))
+
+
+def line(pushed: PushResult, name: str, word: Optional[str], why: str = "the start failed") -> str:
+    """What a deploy of run ``name`` that failed (``why``) says of the release it pushed, given
     the drop's ``word`` (none when the release was on the box before this deploy)."""
     rel = f"rgt: release {pushed.id}"
     if pushed.method == "existing":
         return f"{rel} is kept on the box: it was there before this deploy"
     if word == "removed":
         return (
-            f"{rel}, which this deploy pushed, was removed from the box again: the start "
-            "failed, and no run or deploy uses it"
+            f"{rel}, which this deploy pushed, was removed from the box again: {why}, and no "
+            "run or deploy uses it"
         )
     if word == "gone":
         return f"{rel}, which this deploy pushed, is no longer on the box"
@@ -55,6 +121,11 @@ def line(pushed: PushResult, name: str, word: Optional[str]) -> str:
         return (
             f"{rel}, which this deploy pushed, could not be removed from the box: remove "
             f"{pushed.path} by hand once no run uses it"
+        )
+    if word == UNREACHED:
+        return (
+            f"{rel}, which this deploy pushed, was not removed from the box: {why}, and the box "
+            f"could not be reached to remove it; remove {pushed.path} by hand once no run uses it"
         )
     return (
         f"{rel}, which this deploy pushed, may be left on the box: the box did not say whether "

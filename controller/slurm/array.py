@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote
 from controller.runstore import store_at
 from controller.slurm.batch import Cell
 from controller.slurm.submit import Say, SlurmAsk, check_ask, sbatch, scheduler_doc
-from onbox.common.errors import UsageError
+from onbox.common.errors import LockedError, UsageError
 from onbox.common.rundir import RunDir
 
 
@@ -119,16 +119,22 @@ def submit_cells(
     rd: RunDir,
     script: str,
     say: Say,
+    unsubmitted: Callable[[], None] = lambda: None,
 ) -> RunRecord:
     """Submit the array's ``script`` (``ask.cells``) from the sweep's directory ``rd``, and
-    record each cell as a run; the sweep's own record (not registered) naming the array job.
+    record each cell as a run; the sweep's own record (not registered) naming the array job
+    (``unsubmitted``: as submit.submit_run's).
     A sweep stages no secrets (``submit_array`` refuses secret_env), so any staged under a
     cell's name are a cut-off deploy's of that name, which the cell's agent would claim at its
     start: the submit's own command removes them first, as a single run's does."""
     from controller.deploy.release import switch_current
 
     stale = [RunDir(name, rec.box_home).staged_secrets_file for _, name, *_ in ask.cells]
-    job = sbatch(remote, rd, script, [], rec.name, stale)
+    try:
+        job = sbatch(remote, rd, script, [], rec.name, stale, unsubmitted)
+    except LockedError:  # a live job of the sweep's name: nothing submitted
+        unsubmitted()
+        raise
     for index, name, *_ in ask.cells:
         doc = scheduler_doc(ask, job, array_job=job, array_task=index, sweep=rec.name)
         registry.put(dataclasses.replace(rec, name=name, scheduler=doc))

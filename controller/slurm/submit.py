@@ -284,11 +284,14 @@ def sbatch(
     sbatch_args: Sequence[str],
     name: str,
     stale: Sequence[str] = (),
+    refused: Callable[[], None] = lambda: None,
 ) -> str:
     """Put ``script`` in the run's directory and submit it; the job id. LockedError when the
     run has a live job already (nothing submitted). ``stale``: staged secrets a cut-off deploy
     left (``RunDir.staged_secrets_file`` of the run, or of each cell of an array), removed
-    first in the same command (HostError, nothing submitted, when one cannot be)."""
+    first in the same command (HostError, nothing submitted, when one cannot be).
+    ``refused``: called before the error of a submit that submitted nothing is raised (not a
+    live job's LockedError: the caller's to judge)."""
     label = remote.target.label
     if any("\n" in path for path in stale):  # one a line on stdin; a run name holds none
         raise UsageError("box_home", f"{stale[0]!r}: a path with a newline", "choose another")
@@ -308,6 +311,8 @@ def sbatch(
             f"run {name} has a live Slurm job on {label} already ({', '.join(live) or '?'})",
             f"`rgt status {name}`; `rgt stop {name}` first to submit it again",
         )
+    if 0 < r.rc < 128:  # sbatch, or the command before it, refused: no job (not one killed)
+        refused()
     if r.rc == _STALE_KEPT and stale:
         said = r.text.strip()  # the index of the one kept: digits, else the box's noise
         ok = said.isascii() and said.isdigit() and len(said) < 7 and int(said) < len(stale)
@@ -362,6 +367,7 @@ def submit_run(
     prev: Optional[RunRecord],
     say: Say,
     staged: bool = False,
+    unsubmitted: Callable[[], None] = lambda: None,
 ) -> RunRecord:
     """Submit the run's batch job (in place of ``rgt-agent start``; ``opts``: more ``rgt-agent
     run`` flags) and record it. ``staged``: this deploy staged secrets for the job's agent to
@@ -369,7 +375,8 @@ def submit_run(
     controller/deploy/boxstart.py). A run whose job is live already is left alone (this laptop's
     record of that job, same release) or refused (LockedError), never submitted twice. With
     ``ask.cells``, one job array whose task i runs cell i, each cell recorded as a run of its
-    own (controller/slurm/array.py)."""
+    own (controller/slurm/array.py). ``unsubmitted``: called before the error of a submit
+    that submitted nothing is raised (the deploy drops the release it pushed for the job)."""
     say(ask.lead_line)
     say(f"rgt: {batch.requeue_side(list(ask.command), rec.workdir or '.')}")
     rd = RunDir(rec.name, rec.box_home)
@@ -377,15 +384,19 @@ def submit_run(
     if ask.cells:
         from controller.slurm.array import submit_cells
 
-        return submit_cells(remote, registry, rec, ask, rd, script, say)
+        return submit_cells(remote, registry, rec, ask, rd, script, say, unsubmitted)
     try:
         stale = [] if staged else [rd.staged_secrets_file]
-        job = sbatch(remote, rd, script, [], rec.name, stale)
+        job = sbatch(remote, rd, script, [], rec.name, stale, unsubmitted)
     except LockedError:
         known = (prev.scheduler if prev is not None else {}).get("job")
-        if prev is None or prev.release != rec.release or not known:
-            raise
-        if job_ref(prev.scheduler) not in queue.live_jobs(remote, job_name(rec.name)):
+        if (
+            prev is None
+            or prev.release != rec.release
+            or not known
+            or job_ref(prev.scheduler) not in queue.live_jobs(remote, job_name(rec.name))
+        ):
+            unsubmitted()  # another job of the name is live: this one was not submitted
             raise
         registry.put(prev)
         _switch(remote, prev)

@@ -4,7 +4,10 @@ left ``releases/<new id>`` there, which neither the laptop's record nor ``deploy
 named and no `rgt down` removed, so failed redeploys filled the box's disk. A release that was
 on the box before the deploy (another run's) is kept, and so is one that a deploy's current link
 or another run's spec names, or the run's own spec while it is not FAILED (``rgt_release_drop``,
-controller/shell/release_use.sh, run here as the start runs it: sh on its own).
+controller/shell/release_use.sh, run here as the start runs it: sh on its own). So does a
+deploy that fails after its push and before its start: its secrets' staging or its profile
+override failing, or the run live on another release (the live run keeps its release, and runs
+on).
 
 Real processes: the `rgt` CLI (tests/laptop.py) against the session's loopback sshd.
 """
@@ -14,16 +17,25 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import List
 
+import pytest
+
+from controller.deploy.leftrelease import Left
+from controller.deploy.release import PushResult
+from controller.remote import SshRemote
 from controller.shell import script
+from controller.target import parse_target
 from onbox.common.durable import write_json
+from onbox.common.errors import HostError
 from tests.conftest import _kill_run_processes
 from tests.integration.test_deploy_unbegun import _block_epochs
 from tests.integration.test_refused_secrets import Laptop
+from tests.laptop import ssh_target
 from tests.sshd import SshServer
 
 JOB = ("--", sys.executable, "job.py")
@@ -81,6 +93,129 @@ def test_a_failed_start_of_changed_code_removes_the_release_it_pushed(
         assert _current(lap, "held") == _current(lap, "other")
     finally:
         _kill_run_processes(str(lap.box))
+
+
+@pytest.mark.parametrize("step", ["secrets", "override"])
+def test_a_deploy_that_fails_before_its_start_removes_the_release_it_pushed(
+    sshd: SshServer, tmp_path: Path, step: str
+) -> None:
+    lap = Laptop(sshd, tmp_path)
+    store = tmp_path / "store"
+    store.mkdir()
+    # A user override of the profile, which each deploy puts on the box before the start.
+    (lap.ctl / "profiles").mkdir()
+    (lap.ctl / "profiles" / "generic-ssh.toml").write_text('[reach]\nnote = "this test\'s"\n')
+    (lap.project / "job.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    profile = ("--profile", "generic-ssh", "--store", f"file://{store}")
+    try:
+        rc, out = lap.deploy("held", *profile, *JOB)
+        assert rc == 0, out
+        rc, out = lap.rgt("stop", "held")
+        assert rc == 0, out
+        first = _releases(lap)
+        assert len(first) == 1 and _current(lap, "held") == first[0], first
+        # The code changed, and the step after the push cannot write on the box: a file is
+        # where its directory goes.
+        (lap.project / "job.py").write_text("print('changed')\n")
+        blocked = lap.box / ("secrets" if step == "secrets" else "profiles")
+        shutil.rmtree(blocked)
+        blocked.write_text("in the way\n")
+        rc, out = lap.deploy("held", *profile, *JOB)
+        assert rc == 9, out
+        said = "storing the secrets on the box failed" if step == "secrets" else "cannot write"
+        assert said in out and "sent (" in out, out  # it failed after pushing the new code
+        assert _releases(lap) == first, "the failed deploy's release stayed on the box"
+        assert "was removed from the box again: the deploy failed before its start" in out, out
+        assert _current(lap, "held") == first[0]
+        # The run is as it was: the same deploy starts it once the box takes the step.
+        blocked.unlink()
+        rc, out = lap.deploy("held", *profile, *JOB)
+        assert rc == 0, out
+        now = _current(lap, "held")
+        assert now not in first and _releases(lap) == sorted([*first, now])
+    finally:
+        _kill_run_processes(str(lap.box))
+
+
+def test_a_deploy_refused_as_the_run_is_live_on_another_release_removes_its_release(
+    sshd: SshServer, tmp_path: Path
+) -> None:
+    """Deployed from another laptop, the run is live on its release; this laptop has no record
+    of it, so its deploy of other code learns that only after the push, and is refused there."""
+    other = Laptop(sshd, tmp_path)
+    (tmp_path / "here").mkdir()
+    lap = Laptop(sshd, tmp_path / "here")
+    lap.box, lap.env["RGT_BOX_HOME"] = other.box, str(other.box)  # one box, two laptops
+    (other.project / "job.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    (lap.project / "job.py").write_text("print('other code')\n")
+    try:
+        rc, out = other.deploy("live", *JOB)
+        assert rc == 0 and "its first line: up" in out, out
+        live = _releases(other)
+        assert live == [_current(other, "live")], live
+        rc, out = lap.deploy("live", *JOB)
+        assert rc == 5 and f"with release {live[0]}" in out and "sent (" in out, out
+        assert _releases(lap) == live, "the refused deploy's release stayed on the box"
+        assert "was removed from the box again: the deploy failed before its start" in out, out
+        # The run goes on, in its release.
+        rc, out = other.rgt("status", "live", "--json")
+        assert rc == 0 and json.loads(out)["state"] in ("STARTING", "RUNNING"), out
+        assert _current(other, "live") == live[0]
+    finally:
+        _kill_run_processes(str(other.box))
+
+
+def _left(remote: SshRemote, home: Path, said: List[str], method: str = "rsync") -> Left:
+    rid = "0123456789abcdef"
+    pushed = PushResult(rid, str(home / "releases" / rid), 3, 9, method)
+    return Left(remote, pushed, str(home), "early", said.append)
+
+
+def test_a_ctrl_c_before_the_start_removes_the_release_and_stays_a_ctrl_c(
+    sshd: SshServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A deploy interrupted between its push and its start: nothing runs in the release, which
+    goes in one command (the ssh master outlives the person's ^C), then the ^C goes on."""
+    monkeypatch.setenv("RGT_SSH_CONFIG", "/dev/null")
+    home = tmp_path / "box"
+    rel = _release(home, "0123456789abcdef")
+    remote = SshRemote(parse_target(ssh_target(sshd)), home=str(tmp_path / "ctl"))
+    said: List[str] = []
+    try:
+        kept = _left(remote, home, said, method="existing")  # on the box before: left alone
+        with pytest.raises(KeyboardInterrupt), kept.until_start():
+            raise KeyboardInterrupt
+        assert said == [] and rel.is_dir()
+        left = _left(remote, home, said)
+        with pytest.raises(KeyboardInterrupt), left.until_start():
+            raise KeyboardInterrupt
+        assert not rel.exists() and os.listdir(home / "releases") == []
+        assert len(said) == 1 and "was removed from the box again: the deploy was " in said[0]
+        left.drop("once more")  # never twice
+        assert len(said) == 1
+    finally:
+        remote.close()
+
+
+def test_a_drop_that_cannot_reach_the_box_says_so_and_keeps_the_deploys_error(
+    sshd: SshServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The box went with the deploy's own failure: the line says the release was not removed,
+    and the deploy's error is raised as it was, with its exit code."""
+    monkeypatch.setenv("RGT_SSH_CONFIG", "/dev/null")
+    monkeypatch.setenv("RGT_SSH_CONNECT_TIMEOUT", "5")
+    with socket.socket() as nobody:
+        nobody.bind(("127.0.0.1", 0))  # bound, never listening: a connection is refused
+        line = f"ssh -p {nobody.getsockname()[1]} -i {sshd.client_key} {sshd.user}@127.0.0.1"
+        remote = SshRemote(parse_target(line), home=str(tmp_path / "ctl"))
+        said: List[str] = []
+        err = HostError("storing the secrets on the box failed: it went")
+        with pytest.raises(HostError) as got, _left(remote, tmp_path, said).until_start():
+            raise err
+        remote.close()
+    assert got.value is err and got.value.exit_code == 9
+    assert len(said) == 1 and "was not removed from the box: the deploy failed" in said[0]
+    assert "could not be reached" in said[0], said
 
 
 def _drop(home: Path, name: str, rid: str) -> str:

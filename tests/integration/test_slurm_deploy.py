@@ -9,7 +9,8 @@ Covered:
 - a job held in the queue (``--sbatch --begin=now+1hour``): status says Slurm's state and that no
   agent started, logs says so too, stop cancels it (squeue has no job of it then);
 - a deploy with no `--secret-env` submits its job with no secrets a cut-off deploy left staged
-  (the submit's command removes them; one that cannot is refused, exit 9, nothing queued);
+  (the submit's command removes them; one that cannot is refused, exit 9, nothing queued, and
+  the release that deploy pushed for the job is removed again);
 - a running job: status joins Slurm's side (state, restarts, time left) with the agent's; logs
   show the training; a second deploy of the same run submits no second job; stop asks the agent
   (STOPPED) and the job is gone from the queue;
@@ -237,6 +238,37 @@ def test_a_submit_that_cannot_remove_staged_secrets_submits_nothing(login: Login
         assert p.returncode == 9, p.stderr
         assert f"cannot remove {staged} on " in p.stderr, p.stderr
         assert "nothing was submitted" in p.stderr, p.stderr
+        assert login.queued(name) == []
+    finally:
+        login.cancel(name)
+
+
+def test_a_refused_submit_of_new_code_removes_the_release_it_pushed(login: Login) -> None:
+    """Nothing was submitted (the staged secrets cannot be removed: a directory), so no job
+    uses the release this deploy pushed for it: it goes from the login node again, in one
+    command after the refusal, which stays the deploy's error (exit 9)."""
+    name = "slurm-left"
+    project = Path(login.project).parent / "project-left"
+    shutil.copytree(login.project, project)
+    (project / "left.txt").write_text("code that no other test pushes\n")
+    staged = Path(login.box_home, "secrets", f".{name}.staged")
+    (staged / "inside").mkdir(parents=True)
+    releases = Path(login.box_home, "releases")
+    before = sorted(os.listdir(releases)) if releases.is_dir() else []
+    p = login.rgt(
+        "deploy", login.target, "--profile", "slurm", "--name", name,
+        "--python", sys.executable, "--project", str(project),
+        "--store", "file://" + login.store, "--time", "10", "--seal-time", "2",
+        "--", sys.executable, "train_plain.py", "--steps", "10",
+    )  # fmt: skip
+    try:
+        assert p.returncode == 9 and "nothing was submitted" in p.stderr, p.stderr
+        assert "sent (" in p.stderr, p.stderr  # the push made the release
+        assert sorted(n for n in os.listdir(releases) if not n.startswith(".")) == [
+            n for n in before if not n.startswith(".")
+        ], "the refused submit's release stayed on the login node"
+        said = "was removed from the box again: the cluster refused the submit"
+        assert said in p.stderr, p.stderr
         assert login.queued(name) == []
     finally:
         login.cancel(name)

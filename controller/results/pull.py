@@ -19,11 +19,14 @@ What is pulled is the run's newest *sealed* state, never a file that is still be
   terminal state, so no file is being written), every file in its checkpoint dir (hidden and
   temporary names skipped, as the sealer skips them), every file of its outputs (hidden and
   temporary names too, as the completion seal takes them: ``out/.hydra/config.yaml``) and its
-  job logs, with sha256 computed on the box at pull time. A live run without a store is
-  refused: stop it first; a run that has ended is pulled once its agent has let go of it. A
-  job's log that holds a secret is taken as the redacted copy the agent wrote next to it when
-  it let go (``attempts/NNNN/output.redacted.log``, onbox/agent/sealservice.py
-  ``redact_box_logs``), never as is; the receipt marks it ``redacted``.
+  job logs, with sha256 computed on the box at pull time. A declared output or the checkpoint
+  dir that is itself a symlink to a directory (linked to a data disk) is followed, as the
+  completion seal follows an output; nothing under it is (controller/shell/boxfiles.sh). A
+  live run without a store is refused: stop it first; a run that has ended is pulled once its
+  agent has let go of it. A job's log that holds a secret is taken as the redacted copy the
+  agent wrote next to it when it let go (``attempts/NNNN/output.redacted.log``,
+  onbox/agent/sealservice.py ``redact_box_logs``), never as is; the receipt marks it
+  ``redacted``.
 
 A run with a store that has nothing sealed (no LATEST.json, no DONE.json: its job failed or was
 stopped before its first checkpoint) is pulled as that: no file, and a receipt that records that

@@ -135,8 +135,12 @@ def fetch_rsync(
     by_name = {e.src.encode("utf-8", "surrogateescape"): e for e in items if e.src}
     # No file larger than the largest sealed one is taken: a box cannot fill this disk.
     largest = max([e.size for e in items if e.src] or [0])
+    # -L: a declared output that is itself a link to a file is listed, hashed and pulled as
+    # that file, as the stream's `tail` reads it (without -L rsync skipped it: "missing");
+    # every other name listed is a regular file, and one swapped for a link since fails its
+    # sha256.
     argv = [
-        "rsync", "-s", "-t", "--inplace", "--partial", "--no-whole-file",
+        "rsync", "-s", "-t", "-L", "--inplace", "--partial", "--no-whole-file",
         "--from0", f"--files-from={listing}", "--out-format=rgt-xfer %b %n",
         f"--max-size={max(largest, 1)}",
     ]  # fmt: skip

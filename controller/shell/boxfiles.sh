@@ -4,6 +4,10 @@
 # skips them (torn writes live there). An output is taken whole, as the completion seal takes
 # it (.hydra/, run.lock are the job's results): the pull lists only a run that has ended, whose
 # agent has let go of it, so nothing under it is still being written.
+# The path asked for itself is followed when it is a symlink to a directory (find -H), as the
+# completion seal follows a declared output (an outputs/ or ckpt/ linked to a data disk is a
+# user's choice: listed from the link, find -P printed nothing under it); nothing below it is.
+# The paths printed still start with the path asked for, as the laptop requires.
 # Each file comes out as four NUL-terminated fields: kind, sha256, size, path. A symlink in the
 # checkpoint dir or the outputs (followed by no one here) as four too: "link", kind, its target
 # as readlink gives it (a trailing newline kept), path; the laptop decides which it makes.
@@ -17,11 +21,11 @@ while [ $# -ge 2 ]; do
   K=$1; p=$2; shift 2; export K
   if [ -f "$p" ]; then sh -c "$hash_files" rgt "$p" || exit 45
   elif [ -d "$p" ] && [ "$K" = output ]; then
-    find "$p" -mindepth 1 \( -type f -exec sh -c "$hash_files" rgt {} + \) \
+    find -H "$p" -mindepth 1 \( -type f -exec sh -c "$hash_files" rgt {} + \) \
       -o \( -type l -exec sh -c "$show_links" rgt {} + \) || exit 45
   elif [ -d "$p" ]; then
     links=$show_links; [ "$K" = log ] && links=:  # a link among the logs is no job's log
-    find "$p" -mindepth 1 \( -name '.*' -o -name '*.tmp' -o -name '*.tmp.*' -o -name '*.partial' \
+    find -H "$p" -mindepth 1 \( -name '.*' -o -name '*.tmp' -o -name '*.tmp.*' -o -name '*.partial' \
       -o -name '*.part' -o -name '*.lock' -o -name '*~' -o -name '*.rgt-*' \) -prune \
       -o \( -type f -exec sh -c "$hash_files" rgt {} + \) \
       -o \( -type l -exec sh -c "$links" rgt {} + \) || exit 45

@@ -111,7 +111,8 @@ def box(sshd: SshServer, laptop: str) -> Iterator[Target]:
 EVIL_FIND = """#!/bin/sh
 # A compromised box: for the checkpoint directory, print the records the test planted (the
 # format rgt's listing script prints: kind, sha256, size, path, each NUL-terminated).
-case "$1" in
+p=$1; [ "$p" = -H ] && p=$2  # the listing follows the path it is given (find -H PATH)
+case "$p" in
   */ckpt) exec cat "$(dirname "$0")/records" ;;
 esac
 exec /usr/bin/find "$@"

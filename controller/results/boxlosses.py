@@ -15,6 +15,7 @@ from controller.remote import Remote
 from controller.results import meterplan, storekept
 from controller.results.receipt import Receipt
 from controller.shell import script
+from onbox.common.safepath import UnsafePath, safe_abs
 from onbox.profiles.schema import Profile
 
 # A release's name as rgt makes one (a content hash).
@@ -24,6 +25,7 @@ _JOB_LOG = re.compile(r"attempts/(\d{4,})/output(\.redacted)?\.log\Z")
 # down's shell on the box (controller/shell/down.sh, after release_use.sh where it looks at who
 # uses a release), with the call of one of its functions.
 _SIZES = script("down.sh") + 'rgt_sizes "$@"\n'
+_REAL = script("down.sh") + 'rgt_real "$@"\n'
 _JOB_FILES = script("release_use.sh") + script("down.sh") + 'rgt_job_files "$@"\n'
 
 
@@ -52,6 +54,31 @@ def _inside(path: str, d: str) -> bool:
     return path == d or path.startswith(d.rstrip("/") + "/")
 
 
+def _box_real(remote: Remote, ckpt: str, run_dir: str) -> Tuple[str, str]:
+    """(checkpoint dir, run dir) where they physically are on the box, every symlink on their
+    paths followed; their names as given when either is no directory there, or the box's
+    answer is not two absolute paths (then down judges by the names, as before)."""
+    fields = remote.sh(_REAL, ckpt, run_dir, timeout=60).stdout.split(b"\0")
+    real = [f.decode("utf-8", "surrogateescape") for f in fields[:-1]]
+    try:
+        if len(fields) == 3 and fields[-1] == b"":
+            return safe_abs(real[0]), safe_abs(real[1])
+    except UnsafePath:
+        pass
+    return ckpt, run_dir
+
+
+def _outside(ckpt: str, real: str, profile: Optional[Profile]) -> Tuple[List[str], List[str]]:
+    """(lost, kept): the line of a checkpoint dir that is not in the run dir, so not removed
+    (``real``: where it is on the box; a dir linked to a data disk is there): lost only when
+    the meter-stop deletes the storage it is on."""
+    name = ckpt if real == ckpt else f"{ckpt} -> {real}"
+    gone = meterplan.deleted_by_meter_stop(real, profile)
+    if gone:
+        return [f"the checkpoint dir {name} (outside the run dir, not removed): {gone}"], []
+    return [], [f"the checkpoint dir {name} on the box (outside the run dir: not removed)"]
+
+
 def losses(
     rec: RunRecord,
     receipt: Receipt,
@@ -68,24 +95,26 @@ def losses(
     pulled = {f.path: f.size for f in receipt.files}
     redacted = {f.path for f in receipt.files if f.redacted}
     ckpt = str(spec.get("ckpt_dir") or "")
-    kept = []
+    kept: List[str] = []
     lost: List[str] = []
-    if ckpt and not _inside(ckpt, run_dir):
-        gone = meterplan.deleted_by_meter_stop(ckpt, profile)
-        if gone:
-            lost.append(f"the checkpoint dir {ckpt} (outside the run dir, not removed): {gone}")
-        else:
-            kept.append(f"the checkpoint dir {ckpt} on the box (outside the run dir: not removed)")
+    # Judged where the dirs are: down removes the run dir without following a link in it, so a
+    # checkpoint dir linked to a data disk stays (said so), one linked into the run dir goes.
+    real_ckpt, real_run = _box_real(remote, ckpt, run_dir) if ckpt else ("", run_dir)
+    inside = bool(ckpt) and _inside(real_ckpt, real_run)
+    if ckpt and not inside:
+        lost, kept = _outside(ckpt, real_ckpt, profile)
     records, records_bytes = 0, 0
     in_store: List[Tuple[int, str, int]] = []
     for path, size in sorted(_box_sizes(remote, run_dir).items()):
-        if ckpt and _inside(path, ckpt):
-            rel = "checkpoints/" + os.path.relpath(path, ckpt)
+        # rgt_sizes follows no link below the run dir: the rest of the path is where it is.
+        at = real_run + path[len(run_dir.rstrip("/")) :] if _inside(path, run_dir) else path
+        if inside and _inside(at, real_ckpt):
+            rel = "checkpoints/" + os.path.relpath(at, real_ckpt)
             if pulled.get(rel) == size:
                 continue
             step = storekept.holding(held, rel[len("checkpoints/") :], size)
             if step is None:
-                lost.append(f"checkpoint {os.path.relpath(path, ckpt)} ({human(size)})")
+                lost.append(f"checkpoint {os.path.relpath(at, real_ckpt)} ({human(size)})")
             else:
                 in_store.append((step, rel[len("checkpoints/") :], size))
             continue

@@ -1,6 +1,6 @@
 # controller/results/down.py: the shell of `rgt down` on the box, as functions, after those of
 # release_use.sh (rgt_release_used); the caller appends the call (`rgt_sizes "$@"`,
-# `rgt_job_files "$@"` or `rgt_remove "$@"`).
+# `rgt_real "$@"`, `rgt_job_files "$@"` or `rgt_remove "$@"`).
 
 # rgt_sizes DIR...: every file under the given directories as NUL-terminated (size, path) pairs.
 rgt_sizes() {
@@ -9,6 +9,16 @@ rgt_sizes() {
     # shellcheck disable=SC2016 # the inner sh expands them, once per batch of files
     find "$d" -type f -exec sh -c 'for f do s=$(wc -c < "$f") || continue
       printf "%s\0%s\0" $s "$f"; done' rgt {} +
+  done
+}
+
+# rgt_real DIR...: where each directory physically is on the box (every symlink on its path
+# followed), as NUL-terminated fields; an empty one for a path that is no directory there. A
+# checkpoint dir linked to a data disk is not removed with the run dir, whatever its name.
+rgt_real() {
+  for d do
+    if r=$(cd -P -- "$d" 2>/dev/null && pwd -P && echo x); then r=${r%??}; else r=; fi
+    printf '%s\0' "$r"
   done
 }
 

@@ -25,7 +25,7 @@ from controller.results.receipt import SealedId
 from controller.shell import script
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common.errors import HostError, IntegrityError, NotFound, UsageError
-from onbox.common.safepath import UnsafePath, safe_rel
+from onbox.common.safepath import UnsafePath, safe_abs, safe_rel
 
 _LIST_SCRIPT = script("boxfiles.sh")  # each file listed: kind, sha256, size, path
 # The most bytes of that listing read (some 2,000,000 files of 100-byte paths); a box listing
@@ -57,14 +57,14 @@ def box_files(rec: RunRecord, remote: Remote) -> Sealed:
             safe_rel("/".join(parts), f"spec.json of {rec.name!r}: output {out!r}") if parts else ""
         )
         roots.append(("output", box_join(workdir, rel) if rel else workdir, workdir, "outputs/"))
-    entries, logs, listed = _listed(rec, remote, roots)
+    entries, logs, listed, real = _listed(rec, remote, roots)
     entries.update(_job_logs(rec, remote, status, logs))
     if not entries:
         raise NotFound(f"run {rec.name!r} has no files on {remote.target.label} to pull")
     # The links are not in the listing's hash: as a MANIFEST's are not in a receipt's
     # comparison, the files tell one state from another (and a receipt written before links
     # were pulled still covers the same files).
-    links, left = boxlinks.judged(listed, ckpt, set(entries))
+    links, left = boxlinks.judged(listed, ckpt, set(entries), real)
     listing = "".join(
         f"{e.path}\0{e.size}\0{e.sha256}\n" for e in sorted(entries.values(), key=lambda e: e.path)
     )
@@ -88,9 +88,10 @@ _Root = Tuple[str, str, str, str]
 
 def _listed(
     rec: RunRecord, remote: Remote, roots: List[_Root]
-) -> Tuple[Dict[str, Entry], Dict[Tuple[str, bool], Entry], List[boxlinks.Listed]]:
+) -> Tuple[Dict[str, Entry], Dict[Tuple[str, bool], Entry], List[boxlinks.Listed], str]:
     """The files under ``roots`` as the box lists and hashes them: (entries by final name, the
-    job's logs by (attempt, redacted copy?), the links it lists, for boxlinks to judge)."""
+    job's logs by (attempt, redacted copy?), the links it lists, for boxlinks to judge, where
+    the checkpoint dir leads when it is a link, else "")."""
     args: List[str] = []
     for kind, listed, _, _ in roots:
         args += [kind, listed]
@@ -110,8 +111,14 @@ def _listed(
     entries: Dict[str, Entry] = {}
     logs: Dict[Tuple[str, bool], Entry] = {}  # (attempt, redacted copy?) -> its entry
     links: List[boxlinks.Listed] = []
+    real = ""
     for i in range(0, len(fields) - 1, 4):
         kind, sha, size, raw = (x.decode("utf-8", "surrogateescape") for x in fields[i : i + 4])
+        if kind == "root":  # "root", "checkpoint", where the checkpoint dir leads, its path
+            if sha != "checkpoint" or raw != roots[0][1]:
+                raise IntegrityError(f"the box listed {raw!r} as a root it was not asked for")
+            real = safe_abs(size, f"where the checkpoint dir {raw!r} leads on the box")
+            continue
         if kind == "link":  # "link", the kind, its target, its path: judged once all are in
             kind, target = sha, size
             base, prefix = _root_of(roots, kind, raw)
@@ -131,7 +138,7 @@ def _listed(
             continue
         path = prefix + rel
         entries[path] = Entry(path, kind, int(size), sha, None, raw[1:], raw)
-    return entries, logs, links
+    return entries, logs, links, real
 
 
 def _root_of(roots: List[_Root], kind: str, raw: str) -> Tuple[str, str]:

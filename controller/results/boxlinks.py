@@ -5,8 +5,10 @@ With a store, the seal records each link of the checkpoint dir that leads to the
 seals (onbox/sealing/dirlinks.py), and a pull makes them again. Without one, the box's lister
 (controller/shell/boxfiles.sh) prints every link in the checkpoint dir and the outputs with its
 target as ``readlink`` gives it; the laptop judges each, as the seal would: a link at the top of
-the checkpoint dir whose target, resolved by name (nothing on the box is followed), is a pulled
-checkpoint file or a directory of them is made, with that target relative and normalised (no
+the checkpoint dir whose target, resolved by name (nothing on the box is followed; an absolute
+one under where the checkpoint dir leads, when it is itself a link, as the box's lister says, is
+under the dir, as the seal resolves it), is a pulled checkpoint file or a directory of them is
+made, with that target relative and normalised (no
 '..', nothing absolute), as the restore makes it. Every other link (out of the dir, absolute
 elsewhere, a '..' escape, to nothing pulled, an odd name, one deeper in the dir or in the
 outputs) is left out, and named in the receipt's ``left_out`` so that ``rgt pull`` says so.
@@ -30,15 +32,21 @@ Listed = Tuple[str, str, str, str]
 
 
 def judged(
-    listed: List[Listed], ckpt: str, pulled: Set[str]
+    listed: List[Listed], ckpt: str, pulled: Set[str], real: str = ""
 ) -> Tuple[List[Tuple[str, str]], List[str]]:
     """(the links to make in DEST/checkpoints: name, target relative to it; each link left
     out: "PATH -> 'TARGET': why"), for the links ``listed`` by the box, whose checkpoint dir
-    is ``ckpt`` (absolute, normalised), ``pulled`` the final names of the files pulled."""
+    is ``ckpt`` (absolute, normalised), ``pulled`` the final names of the files pulled.
+    ``real``: where ``ckpt`` leads when it is itself a link (a data disk), as the box said;
+    an absolute target under it leads into the dir, as the seal resolves it."""
     made: List[Tuple[str, str]] = []
     left: List[str] = []
+    home = real.rstrip("/") + "/"
     for kind, final, rel, target in sorted(listed):
-        why = _why_not(kind, rel, target, ckpt, pulled)
+        named = target  # judged by name: an absolute path under ``real`` is one under ckpt
+        if real and target.startswith(home):
+            named = ckpt.rstrip("/") + "/" + target[len(home) :]
+        why = _why_not(kind, rel, named, ckpt, pulled)
         if isinstance(why, tuple):
             made.append(why)
         else:

@@ -7,7 +7,9 @@
 # The path asked for itself is followed when it is a symlink to a directory (find -H), as the
 # completion seal follows a declared output (an outputs/ or ckpt/ linked to a data disk is a
 # user's choice: listed from the link, find -P printed nothing under it); nothing below it is.
-# The paths printed still start with the path asked for, as the laptop requires.
+# The paths printed still start with the path asked for, as the laptop requires. A checkpoint
+# dir that is such a link comes first as "root", kind, where it leads (cd -P), its path: a link
+# in it to that real path leads into it (the seal resolves it so, onbox/common/links.py).
 # Each file comes out as four NUL-terminated fields: kind, sha256, size, path. A symlink in the
 # checkpoint dir or the outputs (followed by no one here) as four too: "link", kind, its target
 # as readlink gives it (a trailing newline kept), path; the laptop decides which it makes.
@@ -24,6 +26,10 @@ while [ $# -ge 2 ]; do
     find -H "$p" -mindepth 1 \( -type f -exec sh -c "$hash_files" rgt {} + \) \
       -o \( -type l -exec sh -c "$show_links" rgt {} + \) || exit 45
   elif [ -d "$p" ]; then
+    if [ "$K" = checkpoint ] && [ -L "$p" ]; then
+      r=$(cd -P -- "$p" && pwd -P && echo x) || exit 45
+      printf "root\0%s\0%s\0%s\0" "$K" "${r%??}" "$p"
+    fi
     links=$show_links; [ "$K" = log ] && links=:  # a link among the logs is no job's log
     find -H "$p" -mindepth 1 \( -name '.*' -o -name '*.tmp' -o -name '*.tmp.*' -o -name '*.partial' \
       -o -name '*.part' -o -name '*.lock' -o -name '*~' -o -name '*.rgt-*' \) -prune \

@@ -255,6 +255,29 @@ def test_a_hostile_find_printing_a_size_of_thousands_of_digits_is_refused(
     assert "victim.bin" in err.what and len(err.line()) < 500, err.what
 
 
+@pytest.mark.parametrize(
+    "path,real,why",
+    [
+        ("/etc", "/data/ckpt", "as a root it was not asked for"),
+        ("{ckpt}", "/data/../etc", "'..' component"),
+        ("{ckpt}", "data/ckpt", "not an absolute path"),
+    ],
+    ids=["other-root", "climbs", "relative"],
+)
+def test_a_hostile_listing_of_where_the_checkpoint_dir_leads_is_refused(
+    cli: Cli, tmp_path: Path, evil_box: Target, evil_sshd: SshServer, path: str, real: str,
+    why: str,
+) -> None:  # fmt: skip
+    """The lister says where a checkpoint dir that is a link leads (a link in it naming that
+    real path leads into it): only of the checkpoint dir asked for, and only an absolute,
+    plain path; anything else stops the pull before any transport runs."""
+    ckpt = _box_run(cli)
+    record = [b"root", b"checkpoint", real.encode(), path.format(ckpt=ckpt).encode()]
+    with open(os.path.join(evil_sshd.dir, "..", "bin", "records"), "wb") as f:
+        f.write(b"\0".join(record) + b"\0")
+    _assert_refused(_rec(evil_box, cli.home), tmp_path / "dest", "stream", why)
+
+
 def _file_store(tmp_path: Path) -> Store:
     root = tmp_path / "store"
     root.mkdir(exist_ok=True)

@@ -24,9 +24,9 @@ from tests.conftest import Cli
 from tests.integration.test_pull import RUN, _finals, _read, _rec, _ssh_target
 from tests.sshd import SshServer
 
-# The job writes through the links the user made: its checkpoint (and a link in the
-# checkpoint dir that leads out of it), its outputs (and a link in them to a directory
-# elsewhere, whose file must not come).
+# The job writes through the links the user made: its checkpoint (two links to it, one by
+# its real path, and one in the checkpoint dir that leads out of it), its outputs (and a link
+# in them to a directory elsewhere, whose file must not come).
 _JOB = """
 import os, sys
 elsewhere = sys.argv[1]
@@ -34,6 +34,7 @@ ckpt = os.environ["RGT_CKPT_DIR"]
 with open(os.path.join(ckpt, "step_3.pt"), "wb") as f:
     f.write(b"weights of step 3")
 os.symlink("step_3.pt", os.path.join(ckpt, "latest"))
+os.symlink(os.path.realpath(os.path.join(ckpt, "step_3.pt")), os.path.join(ckpt, "resolved"))
 os.symlink(elsewhere, os.path.join(ckpt, "escape"))
 os.makedirs("out/sub", exist_ok=True)
 with open("out/result.json", "w") as f:
@@ -81,9 +82,11 @@ def test_outputs_and_a_checkpoint_dir_linked_to_a_data_disk_are_pulled_and_links
         assert {p for p in paths if not p.startswith("logs/")} == set(want), paths
         for path, data_ in want.items():
             assert _read(os.path.join(dest, *path.split("/"))) == data_, path
-        # The links under the declared paths are not followed: the one to the checkpoint is
-        # made, relative; the two to the directory elsewhere are left out and named.
-        assert os.readlink(os.path.join(dest, "checkpoints", "latest")) == "step_3.pt"
+        # The links under the declared paths are not followed: those to the checkpoint are
+        # made, relative (one names its real path on the data disk: the seal records it so);
+        # the two to the directory elsewhere are left out and named.
+        for name in ("latest", "resolved"):
+            assert os.readlink(os.path.join(dest, "checkpoints", name)) == "step_3.pt", name
         left = "\n".join(receipt.sealed.left_out)
         assert "checkpoints/escape ->" in left and "outputs/out/inner ->" in left, left
         assert not any("secret" in p for p in _finals(dest))

@@ -61,3 +61,19 @@ def test_a_box_of_many_bad_links_is_counted_past_the_first_named() -> None:
     made, left = judged(listed, CKPT, PULLED)
     assert made == [] and len(left) == MAX_NAMED + 1
     assert left[-1] == f"and {500 - MAX_NAMED} more links, left out"
+
+
+def test_an_absolute_link_to_where_a_linked_checkpoint_dir_leads_is_made_relative() -> None:
+    """The checkpoint dir is a link to a data disk (the box's lister says where it leads): a
+    link in it naming a checkpoint by that real path leads into the dir, as the seal resolves
+    it; one to a sibling of the real dir still leads out."""
+    real = "/data/ckpt"
+    listed = [
+        ("checkpoint", "checkpoints/resolved", "resolved", real + "/step_4.ckpt"),
+        ("checkpoint", "checkpoints/beside", "beside", real + "X/step_4.ckpt"),
+    ]
+    made, left = judged(listed, CKPT, PULLED, real)
+    assert made == [("resolved", "step_4.ckpt")]
+    assert left == [
+        "checkpoints/beside -> '/data/ckptX/step_4.ckpt': it leads out of the checkpoint dir"
+    ]

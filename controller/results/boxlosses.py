@@ -38,9 +38,9 @@ def human(n: float) -> str:
     return f"{n:.1f} TiB"
 
 
-def _box_sizes(remote: Remote, *dirs: str, script: str = _SIZES) -> Dict[str, int]:
-    r = remote.sh(script, *dirs, timeout=600)
-    fields = r.stdout.split(b"\0")
+def _pairs(fields: List[bytes]) -> Dict[str, int]:
+    """The (size, path) pairs of NUL-separated ``fields`` (rgt_sizes), by path; a pair whose
+    size is no number is left out."""
     out = {}
     for i in range(0, len(fields) - 1, 2):
         try:
@@ -50,22 +50,63 @@ def _box_sizes(remote: Remote, *dirs: str, script: str = _SIZES) -> Dict[str, in
     return out
 
 
+def _box_sizes(remote: Remote, *dirs: str) -> Dict[str, int]:
+    return _pairs(remote.sh(_SIZES, *dirs, timeout=600).stdout.split(b"\0"))
+
+
 def _inside(path: str, d: str) -> bool:
     return path == d or path.startswith(d.rstrip("/") + "/")
 
 
-def _box_real(remote: Remote, ckpt: str, run_dir: str) -> Tuple[str, str]:
-    """(checkpoint dir, run dir) where they physically are on the box, every symlink on their
-    paths followed; their names as given when either is no directory there, or the box's
-    answer is not two absolute paths (then down judges by the names, as before)."""
-    fields = remote.sh(_REAL, ckpt, run_dir, timeout=60).stdout.split(b"\0")
+def _box_real(remote: Remote, ckpt: str, run_dir: str, release: str) -> Tuple[str, str, str]:
+    """(checkpoint dir, run dir, release) where they physically are on the box, every symlink
+    on their paths followed; the first two as given when either is no directory there, or the
+    box's answer is not absolute paths (then down judges by the names, as before); the release
+    as given when it is not there (``release`` "": the run has none)."""
+    dirs = [ckpt, run_dir] + ([release] if release else [])
+    fields = remote.sh(_REAL, *dirs, timeout=60).stdout.split(b"\0")
     real = [f.decode("utf-8", "surrogateescape") for f in fields[:-1]]
+    if len(fields) != len(dirs) + 1 or fields[-1] != b"":
+        return ckpt, run_dir, release
     try:
-        if len(fields) == 3 and fields[-1] == b"":
-            return safe_abs(real[0]), safe_abs(real[1])
+        real_rel = safe_abs(real[2]) if release and real[2] else release
     except UnsafePath:
-        pass
-    return ckpt, run_dir
+        real_rel = release
+    try:
+        return safe_abs(real[0]), safe_abs(real[1]), real_rel
+    except UnsafePath:
+        return ckpt, run_dir, real_rel
+
+
+def _job_files(rec: RunRecord, run_dir: str, remote: Remote) -> Tuple[str, str, Dict[str, int]]:
+    """(release, fate, files): the run's release on the box ("": none), what down does with it
+    ("removed", "kept": another run uses it, "none": not there) and, when removed, the files
+    the job wrote in it (rgt_job_files: one round trip)."""
+    if not rec.release or not RELEASE.match(rec.release):
+        return "", "none", {}
+    home = rec.box_home.rstrip("/")
+    release = release_path(home, rec.release)
+    fields = remote.sh(
+        _JOB_FILES, run_dir, deploy_path(home, rec.name), release, timeout=600
+    ).stdout.split(b"\0")
+    fate = fields[0].decode("ascii", "replace") if len(fields) > 1 else ""
+    # An answer that is none of the three words: judged as removed, which shows the most lost.
+    fate = fate if fate in ("removed", "kept", "none") else "removed"
+    return release, fate, _pairs(fields[1:]) if fate == "removed" else {}
+
+
+def _in_release(ckpt: str, real: str, release: str, fate: str) -> Tuple[List[str], List[str]]:
+    """(lost, kept): the line of a checkpoint dir inside the run's release (the job's workdir):
+    it goes with the release, which down removes unless another run uses it."""
+    name = ckpt if real == ckpt else f"{ckpt} -> {real}"
+    rel = os.path.basename(release)
+    if fate == "removed":
+        return [f"the checkpoint dir {name} (in the release {rel}: removed with it, as no "
+                "other run uses it)"], []  # fmt: skip
+    if fate == "kept":
+        return [], [f"the checkpoint dir {name} on the box (in the release {rel}, which "
+                    "another run uses: not removed)"]  # fmt: skip
+    return [], []
 
 
 def _outside(ckpt: str, real: str, profile: Optional[Profile]) -> Tuple[List[str], List[str]]:
@@ -97,18 +138,28 @@ def losses(
     ckpt = str(spec.get("ckpt_dir") or "")
     kept: List[str] = []
     lost: List[str] = []
+    release, fate, job_files = _job_files(rec, run_dir, remote)
     # Judged where the dirs are: down removes the run dir without following a link in it, so a
-    # checkpoint dir linked to a data disk stays (said so), one linked into the run dir goes.
-    real_ckpt, real_run = _box_real(remote, ckpt, run_dir) if ckpt else ("", run_dir)
+    # checkpoint dir linked to a data disk stays (said so), one linked into the run dir goes;
+    # one in the release (the job's workdir) goes with it where down removes the release.
+    real_ckpt, real_run, real_rel = (
+        _box_real(remote, ckpt, run_dir, release) if ckpt else ("", run_dir, release)
+    )
     inside = bool(ckpt) and _inside(real_ckpt, real_run)
-    if ckpt and not inside:
+    in_rel = bool(ckpt and release) and not inside and _inside(real_ckpt, real_rel)
+    if in_rel:
+        lost, kept = _in_release(ckpt, real_ckpt, release, fate)
+    elif ckpt and not inside:
         lost, kept = _outside(ckpt, real_ckpt, profile)
+    # Its files are judged as checkpoints where they go: with the run dir, or with the release.
+    judged = inside or (in_rel and fate == "removed")
     records, records_bytes = 0, 0
     in_store: List[Tuple[int, str, int]] = []
-    for path, size in sorted(_box_sizes(remote, run_dir).items()):
+    dirs = [run_dir] + ([real_ckpt] if judged and not inside else [])
+    for path, size in sorted(_box_sizes(remote, *dirs).items()):
         # rgt_sizes follows no link below the run dir: the rest of the path is where it is.
         at = real_run + path[len(run_dir.rstrip("/")) :] if _inside(path, run_dir) else path
-        if inside and _inside(at, real_ckpt):
+        if judged and _inside(at, real_ckpt):
             rel = "checkpoints/" + os.path.relpath(at, real_ckpt)
             if pulled.get(rel) == size:
                 continue
@@ -134,7 +185,8 @@ def losses(
         records += 1
         records_bytes += size
     kept += storekept.grouped(in_store, str(rec.store), human)
-    lost += _workdir_losses(rec, spec, pulled, run_dir, remote)
+    skip = real_ckpt if judged and not inside else ""  # its checkpoints are judged above
+    lost += _workdir_losses(rec, spec, pulled, (release, real_rel), job_files, skip)
     if records:
         lost.append(
             f"rgt's records of the run (state, events, agent log): {records} files, "
@@ -145,21 +197,25 @@ def losses(
 
 
 def _workdir_losses(
-    rec: RunRecord, spec: Dict[str, Any], pulled: Dict[str, int], run_dir: str, remote: Remote
+    rec: RunRecord,
+    spec: Dict[str, Any],
+    pulled: Dict[str, int],
+    releases: Tuple[str, str],
+    found: Dict[str, int],
+    skip: str,
 ) -> List[str]:
     """Lost lines for what the job wrote in its release (it runs there, and down removes the
-    release unless another run uses it) that the receipt does not hold: a declared output is
-    held as ``outputs/<path under the workdir>`` with its size; anything else is lost."""
-    if not rec.release or not RELEASE.match(rec.release):
-        return []
-    home = rec.box_home.rstrip("/")
-    release = release_path(home, rec.release)
+    release unless another run uses it: ``found``, rgt_job_files) that the receipt does not
+    hold: a declared output is held as ``outputs/<path under the workdir>`` with its size;
+    anything else is lost. ``releases``: the release's path and where it is on the box; a file
+    there under ``skip`` (a checkpoint dir, judged with the checkpoints) is left out."""
+    release, real_rel = releases
     workdir = str(spec.get("workdir") or rec.workdir or release)
-    found = _box_sizes(
-        remote, run_dir, deploy_path(home, rec.name), release, script=_JOB_FILES
-    ).items()
     lost = []
-    for path, size in sorted(found):
+    for path, size in sorted(found.items()):
+        at = real_rel + path[len(release.rstrip("/")) :] if _inside(path, release) else path
+        if skip and _inside(at, skip):
+            continue
         if (
             _inside(path, workdir)
             and pulled.get(f"outputs/{os.path.relpath(path, workdir)}") == size

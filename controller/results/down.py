@@ -25,9 +25,10 @@ fine; of a run that has ended it only checks that no process is left; if the sto
 nothing is removed), then removes ``secrets/N`` (and ``secrets/.N.staged``, which the plan
 names where a deploy cut off before its start left it), ``deploys/N``, the
 release the run was deployed from when no other deploy or run uses it, and ``runs/N`` (with the
-default checkpoint dir inside it). Never the store, never a checkpoint dir outside the run dir
-(where its files are: a link in the run dir to one on a data disk goes, what it leads to stays),
-never a release another run uses.
+default checkpoint dir inside it; a checkpoint dir inside the release goes with the release,
+and the plan says so). Never the store, never a checkpoint dir outside the run dir and the
+release (where its files are: a link in the run dir to one on a data disk goes, what it leads
+to stays), never a release another run uses.
 
 Then the meter (controller/meter/stop.py), from the run's platform profile: where it has an API
 and rgt was given the box's id (``--instance``), the profile's meter-stop verb is sent once,

@@ -108,6 +108,7 @@ from benchlib import (  # noqa: E402
 
 from controller.registry import Registry, RunRecord  # noqa: E402
 from controller.remote import SshRemote  # noqa: E402
+from controller.results import destination as destinationmod  # noqa: E402
 from controller.results import hashing as hashingmod  # noqa: E402
 from controller.results import pull as pullmod  # noqa: E402
 from controller.results import transport as transportmod  # noqa: E402
@@ -806,7 +807,7 @@ def pull_phases(box: Box, dest: str, fresh: Callable[[], None]) -> Dict[str, Any
         wrap(stack, transportmod, "fetch_rsync", "fetch")  # called inside transport
         wrap(stack, pullmod, "_verify", "verify")
         wrap(stack, pullmod, "_open_all", "open")
-        wrap(stack, pullmod, "_place", "place")
+        wrap(stack, destinationmod, "place", "place")  # pull.py calls destination.place
         wrap(stack, pullmod, "write_receipt", "receipt")
         checker = getattr(hashingmod, "Checker", None)
         if checker is not None:

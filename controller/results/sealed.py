@@ -22,7 +22,7 @@ from controller.runstore import open_run_store
 from onbox.common.errors import IntegrityError, NotFound, UsageError
 from onbox.sealing import manifest as mf
 from onbox.sealing.ledger import newest_epoch
-from onbox.sealing.stores.base import Store
+from onbox.sealing.stores.base import Store, with_retries
 from onbox.sealing.stores.local import LocalStore
 
 SOURCES = ("box", "store", "auto")
@@ -131,9 +131,27 @@ def _from_store(store: Store, rec: RunRecord) -> Tuple[SealedId, List[Entry]]:
     ident, entries = from_documents(
         run, functools.partial(store_get, store), functools.partial(store_listing, store, run)
     )
-    if ident.nothing and newest_epoch(store, run) == 0:
+    if ident.nothing and not has_trace(store, run):
         raise _no_trace(rec)
     return ident, entries
+
+
+def has_trace(store: Store, run: str) -> bool:
+    """Whether ``store`` holds the run's epoch (``RUN/epochs/``), which every agent of a run
+    with a store takes there before its job starts (onbox/sealing/epochs.py); listed as every
+    document is read (retried past a blip). A store without it holds nothing of the run: most
+    likely not the store the box writes to (``no_trace_what``)."""
+    return with_retries(lambda: newest_epoch(store, run)) > 0
+
+
+def no_trace_what(store: str, run: str, file_store: bool) -> str:
+    """What a store (``store``: its URL, and endpoint) with no trace of ``run`` means."""
+    wrong = "directory" if file_store else "bucket, prefix or endpoint"
+    return (
+        f"the store {store} holds nothing of run {run}: no sealed checkpoint, no DONE.json, "
+        f"not even the epoch its agent takes there when it starts ({run}/epochs/): most likely "
+        f"not the store the box writes to (a wrong {wrong})"
+    )
 
 
 # The box's answer: "dir" when the store's directory is there, then "epoch" when the run's
@@ -181,11 +199,8 @@ def _no_trace(rec: RunRecord) -> NotFound:
     run = rec.name
     at = f" at {rec.store_endpoint_url}" if rec.store_endpoint_url else ""
     events = box_join(boxrun.run_dir(rec).path, "events.jsonl")
-    wrong = "directory" if _file_root(rec) is not None else "bucket, prefix or endpoint"
     return NotFound(
-        f"the store {rec.store}{at} holds nothing of run {run}: no sealed checkpoint, no "
-        f"DONE.json, not even the epoch its agent takes there when it starts ({run}/epochs/): "
-        f"most likely not the store the box writes to (a wrong {wrong})",
+        no_trace_what(f"{rec.store}{at}", run, _file_root(rec) is not None),
         f"check this laptop's store for {run} (rgt runs shows it) against the one the box's "
         f"agent writes to (its 'epoch' event names it: {events} on the box). If that agent "
         "never reached its store, nothing of the run is sealed anywhere and what the box "

@@ -11,7 +11,10 @@ A cell is
 
 - ``ok``: DONE.json, no declared output missing, every file there with its sha256, loadable;
 - ``failed``: no DONE.json and the run FAILED (the store's state mirror, or the sweep saw it);
-- ``missing``: no DONE.json otherwise (never ran, still running, or its box died);
+- ``missing``: no DONE.json otherwise (never ran, still running, or its box died); of a run
+  the store holds no trace of, not even its epoch (``RUN/epochs/``, taken by its agent before
+  its job starts), the reason says so, as `rgt pull` does (controller/results/sealed.py
+  ``has_trace``): its agent has not started, or the store is not the one its box writes to;
 - ``unverified``: DONE.json, but a file is missing or has other bytes, a declared output was
   missing when the job succeeded, or its documents do not parse.
 
@@ -49,6 +52,7 @@ from controller.results.documents import from_documents, store_get, store_listin
 from controller.results.entries import Entry, stage_path
 from controller.results.hashing import file_sha
 from controller.results.loadcheck import check_format
+from controller.results.sealed import has_trace, no_trace_what
 from controller.results.transport import fetch_store
 from controller.runstore import open_sweep_store, sweep_store_stall
 from controller.sweep import record
@@ -65,6 +69,7 @@ from onbox.common.terminal import printable
 from onbox.sealing import manifest as mf
 from onbox.sealing.stall import RestoreStalled, took
 from onbox.sealing.stores.base import Store, with_retries
+from onbox.sealing.stores.local import LocalStore
 
 VERDICTS = ("ok", "missing", "failed", "unverified")
 _RERUN = re.compile(r"-r\d{1,3}\Z")
@@ -143,16 +148,25 @@ def _failed_in_store(store: Store, run: str) -> bool:
 
 
 def check_run(
-    store: Store, run: str, seen_failed: bool, tmp: str, stall: float = RESTORE_STALL
+    store: Store,
+    run: str,
+    seen_failed: bool,
+    tmp: str,
+    stall: float = RESTORE_STALL,
+    where: Optional[str] = None,
 ) -> Tuple[str, str]:
     """(verdict, reason) of one run (module docstring), judged by its DONE.json as first read
     (one removed or rewritten meanwhile is not read again); files fetched under ``tmp``, each
-    download that moves nothing for ``stall`` seconds ended (RestoreStalled). A store that
-    cannot be read raises its StoreError: that is no verdict (``reconcile``)."""
+    download that moves nothing for ``stall`` seconds ended (RestoreStalled); ``where`` names
+    the store in a reason (its URL and endpoint; default its URL). A store that cannot be
+    read raises its StoreError: that is no verdict (``reconcile``)."""
     done = store_get(store, mf.done_key(run))
     if done is None:
         if seen_failed or _failed_in_store(store, run):
             return "failed", "the run FAILED: no DONE.json (rgt logs or the store's logs say why)"
+        if not has_trace(store, run):  # not on its way to DONE.json here: say what it may be
+            what = no_trace_what(where or store.url, run, isinstance(store, LocalStore))
+            return "missing", f"{what}; or its agent has not started yet"
         return "missing", "no DONE.json in the store: never ran, still running, or its box died"
 
     def get(key: str) -> Optional[bytes]:
@@ -270,6 +284,8 @@ def reconcile(
     """The roster of the sweep record ``doc`` (or only ``cells`` of it) against its store."""
     store = open_sweep_store(doc["store"], doc.get("store_endpoint_url"), doc.get("store_stall"))
     stall = sweep_store_stall(doc.get("store_stall"))
+    endpoint = doc.get("store_endpoint_url")
+    where = f"{doc['store']} at {endpoint}" if endpoint else str(doc["store"])
     names = sorted(
         cells if cells is not None else doc["cells"], key=lambda n: doc["cells"][n]["index"]
     )
@@ -282,7 +298,7 @@ def reconcile(
             c = doc["cells"][name]
             try:
                 verdict, reason = check_run(
-                    store, c["run"], c["state"] == "failed", os.path.join(tmp, name), stall
+                    store, c["run"], c["state"] == "failed", os.path.join(tmp, name), stall, where
                 )
             except StoreError as e:
                 # The store could not be read (after its own retries: a reset, a 5xx, a

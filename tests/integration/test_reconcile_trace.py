@@ -1,0 +1,56 @@
+"""`rgt reconcile` of a cell whose run the store holds no trace of: not even the epoch every
+agent of a run with a store takes there before its job starts (``RUN/epochs/``). That is not a
+run still on its way to its DONE.json: its agent never started, or the store this laptop reads
+is not the one the cell's box writes to. Its verdict stays "missing" (nothing there to verify,
+and `rgt down`'s gate refuses its box), and its reason says which of the two it may be, as
+`rgt pull` says of a run with no trace (controller/results/sealed.py).
+
+Real parts: a ``file://`` store on this machine, the epoch taken by the agent's own
+``take_epoch``, and the real `rgt` CLI as a process, bounded and killed by PID past it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict
+
+from controller.sweep import record
+from controller.sweep.plan import load_plan
+from onbox.sealing.epochs import take_epoch
+from onbox.sealing.stores import open_store
+from tests.integration.test_store_hung import _bounded
+from tests.integration.test_sweep_unread import _plan, _verdicts
+from tests.laptop import rgt_exe
+
+
+def test_a_cell_the_store_holds_no_trace_of_is_not_said_to_be_on_its_way(
+    tmp_path: Any, controller_env: Dict[str, str]
+) -> None:
+    """Both cells deployed (the sweep's record says running); the first's agent took its
+    epoch in the store and has sealed nothing yet, the second's store holds nothing of it.
+    Before the fix both read "no DONE.json in the store: never ran, still running, or its box
+    died", the second as if its box wrote here."""
+    home = controller_env["RGT_CONTROLLER_HOME"]
+    root = tmp_path / "durable"
+    root.mkdir()
+    url = f"file://{root}"
+    plan = _plan(tmp_path, url)
+    record.begin(load_plan(plan), home)
+    with record.update("sw", home) as doc:
+        for c in doc["cells"].values():
+            c.update(runs=[c["run"]], state="running")
+    started, untraced = sorted(doc["cells"], key=lambda n: doc["cells"][n]["index"])
+    assert take_epoch(open_store(url), started) == 1
+    env = dict(os.environ, **controller_env)
+    rc, out, err = _bounded([*rgt_exe(), "reconcile", plan], env, str(tmp_path))
+    assert rc == 18, (out, err)
+    assert "Traceback" not in err, err
+    lines = {n: [ln for ln in out.splitlines() if f": {n} (run" in ln] for n in doc["cells"]}
+    assert all(len(v) == 1 for v in lines.values()), out
+    assert "MISSING" in lines[started][0] and "no DONE.json" in lines[started][0], out
+    line = lines[untraced][0]
+    assert "MISSING" in line, out
+    assert f"{url} holds nothing of run {untraced}" in line, out
+    assert f"{untraced}/epochs/" in line and "not the store" in line, out
+    assert "a wrong directory" in line and "still running" not in line, out
+    assert set(_verdicts(home).values()) == {"missing"}, _verdicts(home)

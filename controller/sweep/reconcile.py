@@ -207,7 +207,7 @@ def _check_file(store: Store, e: Entry, stage: str, stall: float) -> Optional[st
         raise RestoreStalled(
             f"{store.url} sent nothing for {took(stall)} while {e.key} was downloaded: it "
             "stopped answering mid-file",
-            "check the store and the way to it (the network, a stopped server, a hung mount)",
+            "check the store and the way to it: the network, a stopped server, a hung mount",
         ) from None
     except PermanentStoreError:
         if with_retries(lambda: store.stat(e.key or "")) is None:  # removed since the stat
@@ -237,8 +237,9 @@ def _unread(err: StoreError, lead: str, plan: str) -> StoreError:
         f"{lead}: {err.what.rstrip('.')}; no verdict was written (the record keeps the last "
         "ones) and nothing is re-run"
     )
+    # No parentheses of its own: the CLI's line puts the whole remedy in a pair.
     out.remedy = (err.remedy + "; " if err.remedy else "") + (
-        f"then run it again (rgt reconcile {plan} checks every cell anew)"
+        f"then run it again: rgt reconcile {plan} checks every cell anew"
     )
     out.args = (out.what,)
     return out

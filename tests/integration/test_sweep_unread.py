@@ -82,6 +82,16 @@ def _verdicts(home: str) -> Dict[str, Any]:
         }
 
 
+def _nesting(text: str) -> int:
+    """How deep parentheses go in ``text``: the CLI's line puts the remedy in one pair, so
+    a remedy of its own in parentheses reads as a riddle."""
+    depth = most = 0
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        most = max(most, depth)
+    return most
+
+
 def _reconcile(plan: str, env: Dict[str, str], cwd: str) -> Tuple[int, str, str]:
     return _bounded([*rgt_exe(), "reconcile", plan], env, cwd)
 
@@ -118,6 +128,7 @@ def test_a_store_that_resets_connections_is_no_cells_verdict(
     assert "Traceback" not in err, err
     assert store.url in err and f"(run {runs[0]})" in err and read in err, err
     assert "connection" in err and "no verdict was written" in err and "again" in err, err
+    assert _nesting(err) == 1, err
     assert "UNVERIFIED" not in out, out
     assert set(_verdicts(home).values()) == {"ok"}, _verdicts(home)  # the previous verdicts
 
@@ -161,6 +172,8 @@ def test_a_store_that_stalls_mid_file_ends_reconcile_after_the_job_files_stall(
     assert "Traceback" not in err, err
     assert f"{url} sent nothing for 2s" in err and f"(run {runs[0]})" in err, err
     assert "no verdict was written" in err, err
+    assert f"then run it again: rgt reconcile {plan} checks every cell anew" in err, err
+    assert _nesting(err) == 1, err
     assert set(_verdicts(home).values()) == {None}, _verdicts(home)
 
 

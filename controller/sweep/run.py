@@ -243,6 +243,13 @@ class Driver:
         except (StoreHung, SweepStoreUnread):  # the sweep's store, not the box: every queue
             raise  # waits on it
         except RgtError as e:  # the box cannot take a deploy: its queue waits for a re-run
+            # A store error from a deploy (exit 14) is the box's agent refusing to start: its
+            # preflight, after its own retries, could not reach or write the store from the
+            # box. That is the box's (its network, its credentials, its mount), not the cell's:
+            # every cell of its queue would meet it alike, and the laptop read the same store
+            # just before (``_done``). So the box is left, its cells pending for `rgt sweep`
+            # again; none is marked failed, which would blame a job that never ran and make
+            # reconcile launch a fresh run of it.
             box.left = e.line()
             return False
 

@@ -30,7 +30,7 @@ from controller.slurm import batch, queue
 from controller.slurm.queue import job_ref
 from controller.target import Target
 from onbox.common import jobenv
-from onbox.common.errors import HostError, LockedError, RemoteUnreachable, UsageError
+from onbox.common.errors import HostError, LockedError, RemoteUnreachable, RgtError, UsageError
 from onbox.common.rundir import RunDir
 from onbox.common.sealtime import SealTime
 from onbox.common.storeurl import StoreURL
@@ -357,6 +357,20 @@ def unsure(e: RemoteUnreachable, name: str) -> RemoteUnreachable:
     )
 
 
+def unchecked(locked: LockedError, name: str, known: str, e: RgtError) -> LockedError:
+    """The refusal ``locked`` of a submit (a job of run ``name`` is live, nothing submitted)
+    whose look at that job failed (``e``): it may be this laptop's own job ``known``. Still
+    the refusal, with its exit code: that a job of the run is live is certain, and it is why
+    nothing was submitted; the failed look only left open whose job it is."""
+    return LockedError(
+        f"{locked.what}; whether it is this laptop's own job {known} of the same release "
+        f"could not be checked: {e.what.rstrip('.')}",
+        f"`rgt status {name}` shows the run's job: if it is {known}, the run is queued or "
+        f"running already and a deploy again says so; else `rgt stop {name}` first to submit "
+        "it again",
+    )
+
+
 def submit_run(
     remote: Remote,
     registry: Registry,
@@ -388,15 +402,18 @@ def submit_run(
     try:
         stale = [] if staged else [rd.staged_secrets_file]
         job = sbatch(remote, rd, script, [], rec.name, stale, unsubmitted)
-    except LockedError:
+    except LockedError as locked:
         known = (prev.scheduler if prev is not None else {}).get("job")
-        if (
-            prev is None
-            or prev.release != rec.release
-            or not known
-            or job_ref(prev.scheduler) not in queue.live_jobs(remote, job_name(rec.name))
-        ):
+        if prev is None or prev.release != rec.release or not known:
             unsubmitted()  # another job of the name is live: this one was not submitted
+            raise
+        try:
+            own = job_ref(prev.scheduler) in queue.live_jobs(remote, job_name(rec.name))
+        except RgtError as e:  # squeue failed, or the link went: whose job is live is unknown
+            unsubmitted()  # nothing was submitted either way
+            raise unchecked(locked, rec.name, str(known), e) from None
+        if not own:
+            unsubmitted()
             raise
         registry.put(prev)
         _switch(remote, prev)

@@ -144,14 +144,17 @@ def has_trace(store: Store, run: str) -> bool:
     return with_retries(lambda: newest_epoch(store, run)) > 0
 
 
-def no_trace_what(store: str, run: str, file_store: bool) -> str:
-    """What a store (``store``: its URL, and endpoint) with no trace of ``run`` means."""
-    wrong = "directory" if file_store else "bucket, prefix or endpoint"
+def no_trace_what(store: str, run: str) -> str:
+    """What a store (``store``: its URL, and endpoint) with no trace of ``run`` holds."""
     return (
         f"the store {store} holds nothing of run {run}: no sealed checkpoint, no DONE.json, "
-        f"not even the epoch its agent takes there when it starts ({run}/epochs/): most likely "
-        f"not the store the box writes to (a wrong {wrong})"
+        f"not even the epoch its agent takes there when it starts ({run}/epochs/)"
     )
+
+
+def wrong_store(file_store: bool) -> str:
+    """What a store the box does not write to may have been given wrong."""
+    return "a wrong " + ("directory" if file_store else "bucket, prefix or endpoint")
 
 
 # The box's answer: "dir" when the store's directory is there, then "epoch" when the run's
@@ -200,7 +203,8 @@ def _no_trace(rec: RunRecord) -> NotFound:
     at = f" at {rec.store_endpoint_url}" if rec.store_endpoint_url else ""
     events = box_join(boxrun.run_dir(rec).path, "events.jsonl")
     return NotFound(
-        no_trace_what(f"{rec.store}{at}", run, _file_root(rec) is not None),
+        f"{no_trace_what(f'{rec.store}{at}', run)}: most likely not the store the box writes "
+        f"to ({wrong_store(_file_root(rec) is not None)})",
         f"check this laptop's store for {run} (rgt runs shows it) against the one the box's "
         f"agent writes to (its 'epoch' event names it: {events} on the box). If that agent "
         "never reached its store, nothing of the run is sealed anywhere and what the box "

@@ -52,7 +52,7 @@ from controller.results.documents import from_documents, store_get, store_listin
 from controller.results.entries import Entry, stage_path
 from controller.results.hashing import file_sha
 from controller.results.loadcheck import check_format
-from controller.results.sealed import has_trace, no_trace_what
+from controller.results.sealed import has_trace, no_trace_what, wrong_store
 from controller.results.transport import fetch_store
 from controller.runstore import open_sweep_store, sweep_store_stall
 from controller.sweep import record
@@ -165,8 +165,11 @@ def check_run(
         if seen_failed or _failed_in_store(store, run):
             return "failed", "the run FAILED: no DONE.json (rgt logs or the store's logs say why)"
         if not has_trace(store, run):  # not on its way to DONE.json here: say what it may be
-            what = no_trace_what(where or store.url, run, isinstance(store, LocalStore))
-            return "missing", f"{what}; or its agent has not started yet"
+            wrong = wrong_store(isinstance(store, LocalStore))
+            return "missing", (
+                f"{no_trace_what(where or store.url, run)}: its agent has not started yet, or "
+                f"its box writes to another store than this one ({wrong})"
+            )
         return "missing", "no DONE.json in the store: never ran, still running, or its box died"
 
     def get(key: str) -> Optional[bytes]:

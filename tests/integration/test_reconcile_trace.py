@@ -51,6 +51,7 @@ def test_a_cell_the_store_holds_no_trace_of_is_not_said_to_be_on_its_way(
     line = lines[untraced][0]
     assert "MISSING" in line, out
     assert f"{url} holds nothing of run {untraced}" in line, out
-    assert f"{untraced}/epochs/" in line and "not the store" in line, out
-    assert "a wrong directory" in line and "still running" not in line, out
+    assert f"{untraced}/epochs/" in line and "its agent has not started yet" in line, out
+    assert "another store than this one (a wrong directory)" in line, out
+    assert "still running" not in line, out
     assert set(_verdicts(home).values()) == {"missing"}, _verdicts(home)

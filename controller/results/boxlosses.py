@@ -78,10 +78,14 @@ def _box_real(remote: Remote, ckpt: str, run_dir: str, release: str) -> Tuple[st
         return ckpt, run_dir, real_rel
 
 
-def _job_files(rec: RunRecord, run_dir: str, remote: Remote) -> Tuple[str, str, Dict[str, int]]:
+def _job_files(
+    rec: RunRecord, run_dir: str, remote: Remote
+) -> Tuple[str, str, Optional[Dict[str, int]]]:
     """(release, fate, files): the run's release on the box ("": none), what down does with it
-    ("removed", "kept": another run uses it, "none": not there) and, when removed, the files
-    the job wrote in it (rgt_job_files: one round trip)."""
+    ("removed"; "unmarked": removed, and it has no marker; "kept": another run uses it;
+    "none": not there) and the files the job wrote in it: changed since the push marked it
+    complete, so no pushed file the job left alone (rgt_job_files: one round trip); None where
+    that cannot be told (no marker)."""
     if not rec.release or not RELEASE.match(rec.release):
         return "", "none", {}
     home = rec.box_home.rstrip("/")
@@ -90,9 +94,18 @@ def _job_files(rec: RunRecord, run_dir: str, remote: Remote) -> Tuple[str, str, 
         _JOB_FILES, run_dir, deploy_path(home, rec.name), release, timeout=600
     ).stdout.split(b"\0")
     fate = fields[0].decode("ascii", "replace") if len(fields) > 1 else ""
-    # An answer that is none of the three words: judged as removed, which shows the most lost.
-    fate = fate if fate in ("removed", "kept", "none") else "removed"
+    if fate == "unmarked":
+        return release, fate, None
+    # An answer that is none of the words: judged as a release removed without its marker,
+    # which shows the most lost.
+    if fate not in ("removed", "kept", "none"):
+        return release, "unmarked", None
     return release, fate, _pairs(fields[1:]) if fate == "removed" else {}
+
+
+def _real(path: str, given: str, real: str) -> str:
+    """``path`` under the directory ``given`` where it is on the box (``given`` at ``real``)."""
+    return real + path[len(given.rstrip("/")) :] if _inside(path, given) else path
 
 
 def _in_release(ckpt: str, real: str, release: str, fate: str) -> Tuple[List[str], List[str]]:
@@ -100,7 +113,7 @@ def _in_release(ckpt: str, real: str, release: str, fate: str) -> Tuple[List[str
     it goes with the release, which down removes unless another run uses it."""
     name = ckpt if real == ckpt else f"{ckpt} -> {real}"
     rel = os.path.basename(release)
-    if fate == "removed":
+    if fate in ("removed", "unmarked"):
         return [f"the checkpoint dir {name} (in the release {rel}: removed with it, as no "
                 "other run uses it)"], []  # fmt: skip
     if fate == "kept":
@@ -152,22 +165,25 @@ def losses(
     elif ckpt and not inside:
         lost, kept = _outside(ckpt, real_ckpt, profile)
     # Its files are judged as checkpoints where they go: with the run dir, or with the release.
-    judged = inside or (in_rel and fate == "removed")
+    skip = real_ckpt if in_rel and fate in ("removed", "unmarked") else ""
+    found = job_files or {}
+    workdir = str(spec.get("workdir") or rec.workdir or release)
+    # In the release, only what the job wrote there: the pushed code (a checkpoint dir may be
+    # the release itself, `--ckpt-dir .`) is on the laptop. A release without its marker does
+    # not tell them apart: every file of the checkpoint dir is judged, which shows the most.
+    files = _box_sizes(remote, run_dir, *([skip] if skip and job_files is None else []))
+    files.update(
+        (p, n) for p, n in found.items() if skip and _inside(_real(p, release, real_rel), skip)
+    )
     records, records_bytes = 0, 0
     in_store: List[Tuple[int, str, int]] = []
-    dirs = [run_dir] + ([real_ckpt] if judged and not inside else [])
-    for path, size in sorted(_box_sizes(remote, *dirs).items()):
-        # rgt_sizes follows no link below the run dir: the rest of the path is where it is.
-        at = real_run + path[len(run_dir.rstrip("/")) :] if _inside(path, run_dir) else path
-        if judged and _inside(at, real_ckpt):
-            rel = "checkpoints/" + os.path.relpath(at, real_ckpt)
-            if pulled.get(rel) == size:
-                continue
-            step = storekept.holding(held, rel[len("checkpoints/") :], size)
-            if step is None:
-                lost.append(f"checkpoint {os.path.relpath(at, real_ckpt)} ({human(size)})")
-            else:
-                in_store.append((step, rel[len("checkpoints/") :], size))
+    for path, size in sorted(files.items()):
+        # rgt_sizes and find follow no link below the dirs: the rest of the path is where it is.
+        at = _real(path, release, real_rel) if release else path
+        at = _real(at, run_dir, real_run)
+        if (inside or skip) and _inside(at, real_ckpt):
+            held_as = (pulled, held, workdir)
+            _checkpoint(os.path.relpath(at, real_ckpt), path, size, held_as, (lost, in_store))
             continue
         m = _JOB_LOG.match(os.path.relpath(path, run_dir))
         if m:
@@ -185,8 +201,7 @@ def losses(
         records += 1
         records_bytes += size
     kept += storekept.grouped(in_store, str(rec.store), human)
-    skip = real_ckpt if judged and not inside else ""  # its checkpoints are judged above
-    lost += _workdir_losses(rec, spec, pulled, (release, real_rel), job_files, skip)
+    lost += _workdir_losses(workdir, pulled, (release, real_rel), found, skip)
     if records:
         lost.append(
             f"rgt's records of the run (state, events, agent log): {records} files, "
@@ -196,30 +211,54 @@ def losses(
     return lost, kept
 
 
+def _checkpoint(
+    rel: str,
+    path: str,
+    size: int,
+    held_as: Tuple[Dict[str, int], storekept.Held, str],
+    into: Tuple[List[str], List[Tuple[int, str, int]]],
+) -> None:
+    """Judge the file ``rel`` of the checkpoint dir (``path`` as the box listed it): nothing
+    where the receipt holds it (as ``checkpoints/<rel>``, or as a declared output: a checkpoint
+    dir may be the workdir), else its lost line or its entry in the store that holds it
+    (``into``: the lost lines and those entries). ``held_as``: the receipt's files by path, what
+    the store holds, the workdir."""
+    pulled, held, workdir = held_as
+    if pulled.get(f"checkpoints/{rel}") == size or _pulled_output(path, size, workdir, pulled):
+        return
+    step = storekept.holding(held, rel, size)
+    if step is None:
+        into[0].append(f"checkpoint {rel} ({human(size)})")
+    else:
+        into[1].append((step, rel, size))
+
+
+def _pulled_output(path: str, size: int, workdir: str, pulled: Dict[str, int]) -> bool:
+    """Whether the receipt holds ``path`` as a declared output: ``outputs/<path under the
+    workdir>``, with its size."""
+    return (
+        _inside(path, workdir) and pulled.get(f"outputs/{os.path.relpath(path, workdir)}") == size
+    )
+
+
 def _workdir_losses(
-    rec: RunRecord,
-    spec: Dict[str, Any],
+    workdir: str,
     pulled: Dict[str, int],
     releases: Tuple[str, str],
     found: Dict[str, int],
     skip: str,
 ) -> List[str]:
-    """Lost lines for what the job wrote in its release (it runs there, and down removes the
-    release unless another run uses it: ``found``, rgt_job_files) that the receipt does not
-    hold: a declared output is held as ``outputs/<path under the workdir>`` with its size;
-    anything else is lost. ``releases``: the release's path and where it is on the box; a file
-    there under ``skip`` (a checkpoint dir, judged with the checkpoints) is left out."""
+    """Lost lines for what the job wrote in its release (it runs there, ``workdir``, and down
+    removes the release unless another run uses it: ``found``, rgt_job_files) that the receipt
+    does not hold as a declared output; anything else is lost. ``releases``: the release's
+    path and where it is on the box; a file there under ``skip`` (a checkpoint dir, judged with
+    the checkpoints) is left out."""
     release, real_rel = releases
-    workdir = str(spec.get("workdir") or rec.workdir or release)
     lost = []
     for path, size in sorted(found.items()):
-        at = real_rel + path[len(release.rstrip("/")) :] if _inside(path, release) else path
-        if skip and _inside(at, skip):
+        if skip and _inside(_real(path, release, real_rel), skip):
             continue
-        if (
-            _inside(path, workdir)
-            and pulled.get(f"outputs/{os.path.relpath(path, workdir)}") == size
-        ):
+        if _pulled_output(path, size, workdir, pulled):
             continue
         lost.append(
             f"written by the job in its workdir: {os.path.relpath(path, release)} ({human(size)})"

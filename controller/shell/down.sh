@@ -23,17 +23,19 @@ rgt_real() {
 }
 
 # rgt_job_files RUN_DIR DEPLOY RELEASE: first, as one NUL-terminated word, what rgt_remove does
-# with RELEASE (the release the job runs in): "removed", "kept" (another run uses it) or "none"
-# (no directory there); then, when it is removed and complete, what the job wrote in it (its
-# workdir, and a checkpoint dir the job has there), as rgt_sizes prints it: every file changed
-# after the release was marked complete (a push writes its marker last; ctime cannot be set
-# back). Python's bytecode caches are left out: they come back by themselves.
+# with RELEASE (the release the job runs in): "removed", "unmarked" (removed, but it has no
+# marker: what the job wrote cannot be told from what was pushed), "kept" (another run uses it)
+# or "none" (no directory there); then, when "removed", what the job wrote in it (its workdir,
+# and a checkpoint dir the job has there, the release itself included), as rgt_sizes prints
+# it: every file changed after the release was marked complete (a push writes its marker last;
+# ctime cannot be set back), so no pushed file unless the job changed it. Python's bytecode
+# caches are left out: they come back by themselves.
 rgt_job_files() {
   release=$3
   if [ ! -d "$release" ]; then printf 'none\0'; return 0; fi
   if rgt_release_used "$@"; then printf 'kept\0'; return 0; fi
+  if [ ! -f "$release/.rgt-release" ]; then printf 'unmarked\0'; return 0; fi
   printf 'removed\0'
-  [ -f "$release/.rgt-release" ] || return 0
   # shellcheck disable=SC2016 # the inner sh expands them, once per batch of files
   find "$release" -name __pycache__ -prune -o -type f -cnewer "$release/.rgt-release" \
     ! -path "$release/.rgt-release" -exec sh -c 'for f do s=$(wc -c < "$f") || continue

@@ -90,3 +90,48 @@ def test_down_says_a_checkpoint_dir_in_the_release_goes_with_it(
     down(rec, yes=True, interactive=False, ask=_never, show=shown.append)
     assert os.path.exists(os.path.join(ckpt, "step_2.pt")) is shared
     assert os.path.exists(release) is shared
+
+
+@pytest.mark.parametrize("marked", [True, False])
+def test_down_of_a_checkpoint_dir_that_is_the_release_lists_only_what_the_job_wrote(
+    cli: Cli, tmp_path: Any, laptop: str, marked: bool
+) -> None:
+    """``--ckpt-dir .``: the job checkpoints into its workdir, the release itself. The pushed
+    files there (on the laptop; a hidden one is sealed by no seal) and the release's marker are
+    not lost, nor what the pull holds; what was written there after the push and no pull holds
+    is, checkpoint or not. ``marked``: the release still has its marker; without it, what was
+    pushed cannot be told from what was written, and every file there no pull holds is listed."""
+    release = os.path.join(cli.home, "releases", RELEASE)
+    os.makedirs(os.path.join(release, "conf"))
+    with open(os.path.join(release, "train.py"), "w") as f:
+        f.write(_JOB)
+    with open(os.path.join(release, "conf", ".base.yaml"), "w") as f:
+        f.write("lr: 0.1\n")
+    marker = os.path.join(release, ".rgt-release")  # written last, as a push does
+    with open(marker, "w") as f:
+        f.write("{}")
+    os.makedirs(os.path.join(cli.home, "deploys", RUN))
+    os.symlink(f"../../releases/{RELEASE}", os.path.join(cli.home, "deploys", RUN, "current"))
+    _after(marker)
+    (tmp_path / "store").mkdir()
+    store = "file://" + str(tmp_path / "store")
+    cli("run", "--name", RUN, "--store", store, "--ckpt-dir", ".", "--", sys.executable,
+        "train.py", check=True, cwd=release)  # fmt: skip
+    rec = RunRecord(RUN, Target("local"), profile="local", store=store, box_home=cli.home,
+                    agent=agent_exe(), release=RELEASE, workdir=release)  # fmt: skip
+    receipt = pull(rec, str(tmp_path / "dest"), "store")
+    assert "checkpoints/step_1.pt" in {f.path for f in receipt.files}
+    with open(os.path.join(release, "step_2.pt"), "wb") as g:
+        g.write(b"weights of step 2")
+    with open(os.path.join(release, "notes.txt"), "w") as g:
+        g.write("what the job noted")
+
+    if not marked:
+        os.unlink(marker)
+
+    text = "\n".join(plan_down(rec, open_remote(rec.target)).lines())
+    lost = _section(text, "will be lost", "\nkept:")
+    assert "train.py" not in lost and "step_1.pt" not in lost, text  # pulled
+    assert ("checkpoint conf/.base.yaml (8 B)" in lost) is not marked, text
+    assert ".rgt-release" not in lost, text
+    assert "step_2.pt (17 B)" in lost and "notes.txt (18 B)" in lost, text

@@ -141,11 +141,13 @@ def losses(
     remote: Remote,
     profile: Optional[Profile],
     held: storekept.Held,
-) -> tuple[List[str], List[str]]:
-    """(lost, kept) lines: the run dir's files the receipt does not cover. A job log pulled
-    redacted (its box copy holds a secret) is covered, whatever its size: what the receipt has
-    is that log with each secret masked, and the kept lines say so. A checkpoint file that
-    ``held`` (a store that outlives the box) has sealed is kept there, not lost."""
+) -> Tuple[List[str], List[str], str]:
+    """(lost, kept, with_release): lines of the run dir's files the receipt does not cover,
+    and the checkpoint dir that goes with the release, for down's line that removes it ("":
+    none; ``in_release``). A job log pulled redacted (its box copy holds a secret) is covered,
+    whatever its size: what the receipt has is that log with each secret masked, and the kept
+    lines say so. A checkpoint file that ``held`` (a store that outlives the box) has sealed is
+    kept there, not lost."""
     pulled = {f.path: f.size for f in receipt.files}
     redacted = {f.path for f in receipt.files if f.redacted}
     ckpt = str(spec.get("ckpt_dir") or "")
@@ -208,7 +210,15 @@ def losses(
             f"{human(records_bytes)}"
             + (" (the store keeps a mirror of state and events)" if rec.store else "")
         )
-    return lost, kept
+    return lost, kept, in_release(real_ckpt, real_rel) if in_rel and fate != "none" else ""
+
+
+def in_release(real_ckpt: str, real_rel: str) -> str:
+    """The checkpoint dir at ``real_ckpt``, inside the release at ``real_rel``, as down's line
+    that removes the release names it: by its place there."""
+    if real_ckpt.rstrip("/") == real_rel.rstrip("/"):
+        return "the checkpoint dir, which is the release itself"
+    return f"the checkpoint dir {os.path.relpath(real_ckpt, real_rel)}/ inside it"
 
 
 def _checkpoint(

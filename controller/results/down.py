@@ -184,6 +184,7 @@ def plan_down(
     state, keep = None, None
     lost: List[str] = []
     kept: List[str] = []
+    with_release = ""  # the checkpoint dir that goes with the release, when it is inside it
     grace = 30.0
     gone = ""  # why the meter-stop deletes the store ("": it does not, or there is none)
     held: storekept.Held = {}  # what a store that outlives the box holds, by sealed step
@@ -196,7 +197,9 @@ def plan_down(
         grace = float(spec.get("grace") or 30.0)
         keep = spec.get("keep") if isinstance(spec.get("keep"), int) else None
         state = str(run.status.get("state"))
-        lost, kept = boxlosses.losses(rec, receipt, spec, run_dir, remote, profile, held)
+        lost, kept, with_release = boxlosses.losses(
+            rec, receipt, spec, run_dir, remote, profile, held
+        )
     if rec.store and gone:
         what = (
             " (it holds nothing sealed of the run)"
@@ -208,20 +211,12 @@ def plan_down(
         kept.append(storekept.store_line(rec.store, held, keep))
     if not receipt.sealed.nothing:  # a pull of nothing sealed put no file there
         kept.append(f"the pulled files in {receipt.dest}")
-    home_box = rec.box_home.rstrip("/")
     actions = []
     if state in TERMINAL_NAMES:  # nothing runs: the stop only checks that none is left
         actions.append(f"check that no process of the run is left (rgt-agent stop {name})")
     elif present:
         actions.append(f"stop the agent and the job (rgt-agent stop {name}; now {state})")
-    # Every path _execute removes is named: the staged secrets only where a deploy left them.
-    left = f", {staged} (secrets a deploy cut off before its start left for it)"
-    actions.append(
-        f"remove {run_dir}, {home_box}/secrets/{name}{left if staged_there else ''} and "
-        f"{home_box}/deploys/{name}"
-    )
-    if rec.release:
-        actions.append(f"remove {home_box}/releases/{rec.release} unless another run uses it")
+    actions += _removals(rec, run_dir, staged if staged_there else "", with_release)
     billing, after = meterplan.billing(rec, profile, instance)
     if profile is not None and profile.meter.api != "none" and instance:
         check_instance(instance)
@@ -233,6 +228,23 @@ def plan_down(
     if rec.store and state is not None and state not in TERMINAL_NAMES:
         plan.stopping = _stop_seals(rec.name, rec.store, receipt, gone)
     return plan
+
+
+def _removals(rec: RunRecord, run_dir: str, staged: str, with_release: str) -> List[str]:
+    """The plan's lines of what down removes on the box: every path _execute removes is named,
+    the staged secrets (``staged``) only where a deploy left them, and a checkpoint dir that
+    goes with the release (``with_release``, boxlosses.losses) with it."""
+    home, name = rec.box_home.rstrip("/"), rec.name
+    left = f", {staged} (secrets a deploy cut off before its start left for it)"
+    out = [
+        f"remove {run_dir}, {home}/secrets/{name}{left if staged else ''} and {home}/deploys/{name}"
+    ]
+    if rec.release:
+        out.append(
+            f"remove {home}/releases/{rec.release} unless another run uses it"
+            + (f", and with it {with_release}" if with_release else "")
+        )
+    return out
 
 
 def _present(remote: Remote, run_dir: str, staged: str) -> Tuple[bool, bool]:

@@ -77,6 +77,11 @@ def test_down_says_a_checkpoint_dir_in_the_release_goes_with_it(
     kept = _section(text, "\nkept:", "\nbilling:")
     assert "step_1.pt" not in lost, text  # pulled
     assert "outside the run dir" not in text, text
+    will = text.split("\ndown will:\n")[1]
+    assert (
+        f"remove {release} unless another run uses it, and with it the checkpoint dir ckpt/ "
+        "inside it\n" in will
+    ), text
     if shared:
         assert "step_2.pt" not in lost, text
         assert f"the checkpoint dir {ckpt} on the box (in the release {RELEASE}, which " in kept
@@ -135,3 +140,8 @@ def test_down_of_a_checkpoint_dir_that_is_the_release_lists_only_what_the_job_wr
     assert ("checkpoint conf/.base.yaml (8 B)" in lost) is not marked, text
     assert ".rgt-release" not in lost, text
     assert "step_2.pt (17 B)" in lost and "notes.txt (18 B)" in lost, text
+    will = text.split("\ndown will:\n")[1]
+    assert (
+        f"remove {release} unless another run uses it, and with it the checkpoint dir, which "
+        "is the release itself\n" in will
+    ), text

@@ -217,7 +217,7 @@ def start_on_box(
         )
     if r.rc != 0:
         if pushed is not None:
-            say(leftrelease.line(pushed, rec.name, words[0] if words else None))
+            leftrelease.tell(say, leftrelease.line(pushed, rec.name, words[0] if words else None))
         err = _failure(r, out, label, rec.name, stale)
         if err.exit_code in (FINAL_EXIT_CODES["PREEMPTED"], FINAL_EXIT_CODES["STOPPED"]):
             registry.put(rec)  # the run is there, in that state: `rgt status` must find it

@@ -18,7 +18,10 @@ printing one word. After a failed start it runs within the start's own command (
 controller/deploy/boxstart.py, its word after boxstart.MARK); after a failure before the start,
 or a submit the cluster refused with nothing submitted, in one command of its own (``Left``),
 on that failure path only. The user sees the deploy's error and exit code as before, and one
-line before it (``line``).
+line before it (``line``; a release that was on the box before this deploy is kept, and the
+line says so, after a failure before the start as after a failed start). That line is only
+said (``tell``): a stderr that is gone (a closed pipe, a closed file) never replaces the
+deploy's own error.
 """
 
 from __future__ import annotations
@@ -46,8 +49,8 @@ UNREACHED = "-unreached"
 class Left:
     """The release ``pushed`` that a deploy of run ``name`` pushed to ``box_home``, until the
     deploy's start or submit takes it on: ``until_start`` drops it when the deploy fails
-    before that, ``drop`` when a submit was refused. At most once, and only where this deploy
-    created it."""
+    before that, ``drop`` when a submit was refused. At most once; removed only where this
+    deploy created it, and one on the box before it is said to be kept."""
 
     def __init__(
         self,
@@ -60,7 +63,7 @@ class Left:
         self.remote, self.pushed, self.name, self.say = remote, pushed, name, say
         self.run_dir = RunDir(name, box_home).path
         self.deploy_dir = deploy_path(box_home, name)
-        self.done = pushed.method == "existing"  # another run's, maybe: nothing to drop
+        self.done = False
 
     @contextlib.contextmanager
     def until_start(self) -> Iterator[None]:
@@ -83,6 +86,9 @@ class Left:
         if self.done:
             return
         self.done = True
+        if self.pushed.method == "existing":  # another run's, maybe: nothing to drop
+            tell(self.say, line(self.pushed, self.name, None, why))
+            return
         word: Optional[str] = None
         try:
             r = self.remote.sh(
@@ -94,7 +100,17 @@ class Left:
             word = UNREACHED
         except (RgtError, OSError, KeyboardInterrupt):
             word = None
-        self.say(line(self.pushed, self.name, word, why))
+        tell(self.say, line(self.pushed, self.name, word, why))
+
+
+def tell(say: Callable[[str], None], text: str) -> None:
+    """``say`` the line of what became of the release, on a failure path: a stderr that is
+    gone (``rgt deploy 2>&1 | head`` once head is done: EPIPE; a closed file) leaves it unsaid
+    rather than replace the deploy's own error and exit code, which follow it."""
+    try:
+        say(text)
+    except (OSError, ValueError):
+        pass
 
 
 def line(pushed: PushResult, name: str, word: Optional[str], why: str = "the start failed") -> str:

@@ -14,6 +14,7 @@ Real processes: the `rgt` CLI (tests/laptop.py) against the session's loopback s
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -21,11 +22,11 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Callable, List, Optional
 
 import pytest
 
-from controller.deploy.leftrelease import Left
+from controller.deploy.leftrelease import Left, line
 from controller.deploy.release import PushResult
 from controller.remote import SshRemote
 from controller.shell import script
@@ -165,10 +166,16 @@ def test_a_deploy_refused_as_the_run_is_live_on_another_release_removes_its_rele
         _kill_run_processes(str(other.box))
 
 
-def _left(remote: SshRemote, home: Path, said: List[str], method: str = "rsync") -> Left:
+def _left(
+    remote: SshRemote,
+    home: Path,
+    said: List[str],
+    method: str = "rsync",
+    say: Optional[Callable[[str], None]] = None,
+) -> Left:
     rid = "0123456789abcdef"
     pushed = PushResult(rid, str(home / "releases" / rid), 3, 9, method)
-    return Left(remote, pushed, str(home), "early", said.append)
+    return Left(remote, pushed, str(home), "early", say or said.append)
 
 
 def test_a_ctrl_c_before_the_start_removes_the_release_and_stays_a_ctrl_c(
@@ -185,7 +192,12 @@ def test_a_ctrl_c_before_the_start_removes_the_release_and_stays_a_ctrl_c(
         kept = _left(remote, home, said, method="existing")  # on the box before: left alone
         with pytest.raises(KeyboardInterrupt), kept.until_start():
             raise KeyboardInterrupt
-        assert said == [] and rel.is_dir()
+        # Said as a failed start says it (leftrelease.line), once.
+        assert said == [line(kept.pushed, "early", None)] and rel.is_dir()
+        assert said[0].endswith("is kept on the box: it was there before this deploy"), said
+        kept.drop("once more")
+        assert len(said) == 1
+        said.clear()
         left = _left(remote, home, said)
         with pytest.raises(KeyboardInterrupt), left.until_start():
             raise KeyboardInterrupt
@@ -216,6 +228,44 @@ def test_a_drop_that_cannot_reach_the_box_says_so_and_keeps_the_deploys_error(
     assert got.value is err and got.value.exit_code == 9
     assert len(said) == 1 and "was not removed from the box: the deploy failed" in said[0]
     assert "could not be reached" in said[0], said
+
+
+@pytest.mark.parametrize("stderr", ["broken", "closed"])
+def test_a_drop_whose_line_cannot_be_written_keeps_the_deploys_error(
+    sshd: SshServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, stderr: str
+) -> None:
+    """The drop's line goes to a stderr that is gone: a pipe nobody reads any longer (``rgt
+    deploy 2>&1 | head`` once head is done) or a closed file. The release is removed all the
+    same, and the deploy's own error is raised as it was, with its exit code: not the write's."""
+    monkeypatch.setenv("RGT_SSH_CONFIG", "/dev/null")
+    home = tmp_path / "box"
+    rel = _release(home, "0123456789abcdef")
+    read_end, write_end = os.pipe()
+    err_file = os.fdopen(write_end, "w")
+    os.close(read_end)  # each write now fails: EPIPE (Python ignores SIGPIPE)
+    if stderr == "closed":
+        err_file.close()
+
+    def say(msg: str) -> None:
+        print(msg, file=err_file, flush=True)
+
+    with pytest.raises(OSError if stderr == "broken" else ValueError):
+        say("the stderr is gone")  # as a real write to it fails
+    remote = SshRemote(parse_target(ssh_target(sshd)), home=str(tmp_path / "ctl"))
+    err = HostError("storing the secrets on the box failed: no space left")
+    try:
+        with pytest.raises(HostError) as got, _left(remote, home, [], say=say).until_start():
+            raise err
+        assert got.value is err and got.value.exit_code == 9
+        assert not rel.exists() and os.listdir(home / "releases") == []
+        kept = _left(remote, home, [], method="existing", say=say)
+        with pytest.raises(KeyboardInterrupt), kept.until_start():
+            raise KeyboardInterrupt
+    finally:
+        remote.close()
+        if stderr == "broken":
+            with contextlib.suppress(OSError):
+                err_file.close()
 
 
 def _drop(home: Path, name: str, rid: str) -> str:

@@ -1,8 +1,9 @@
 """The one entry point both CLIs (``rgt-agent`` and ``rgt``) run their click group through:
 the job's command split off after ``--``, an ``RgtError`` printed as one line (control
 characters as '?'; each line of another machine's text it carries under ``  | ``) and exited
-with its code (onbox.common.errors), click's own usage errors exit 2; anything else is a bug
-and shows its traceback."""
+with its code (onbox.common.errors), click's own usage errors exit 2, each with its code
+even where its line cannot be written (a stderr that is gone); anything else is a bug and
+shows its traceback."""
 
 from __future__ import annotations
 
@@ -37,13 +38,22 @@ def run_cli(
         # Many an error carries what another machine said (a box's stderr, a store's reason):
         # none of its escape sequences reaches the terminal, and none of its lines passes for
         # a further line of rgt's own.
-        click.echo(printable_error(e.line() if line is None else line(e)), err=True)
+        _said(printable_error(e.line() if line is None else line(e)))
         return e.exit_code
     except click.exceptions.UsageError as e:
-        click.echo(f"rgt: {e.format_message()}", err=True)
+        _said(f"rgt: {e.format_message()}")
         return 2
     except click.exceptions.Abort:
         return 130
     except click.exceptions.Exit as e:
         return int(e.exit_code)
     return rv if isinstance(rv, int) else 0
+
+
+def _said(text: str) -> None:
+    """``text`` on stderr, where it still goes: a stderr that is gone (``| head`` done: EPIPE;
+    a closed file) must not turn the error's exit code into a traceback's 1."""
+    try:
+        click.echo(text, err=True)
+    except (OSError, ValueError):
+        pass

@@ -14,6 +14,7 @@ from typing import Dict
 
 from onbox.agent import procfs
 from tests.conftest import Cli, _kill_run_processes, agent_exe, fixture, require
+from tests.laptop import laptop_env, rgt_exe
 
 
 def _no_processes_of(home: str) -> bool:
@@ -115,3 +116,27 @@ def test_secrets_makes_rgt_home_0700(cli: Cli, tmp_path: Path) -> None:
                        umask=0o022)  # fmt: skip
     assert p.returncode == 0, p.stderr
     assert set(_modes(str(tmp_path / "fresh")).values()) == {"0o700"}
+
+
+def test_an_error_said_to_a_stderr_that_is_gone_keeps_its_exit_code(
+    cli: Cli, tmp_path: Path
+) -> None:
+    """``rgt deploy ... 2>&1 | head``, head done: the error's line cannot be written (EPIPE),
+    and the exit code is still the error's (2: a bad run name; 8: no such run), not 1 from
+    the write's traceback. A closed stderr (fd 2) is the same."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads the pipe any longer: each write to it fails
+    env = laptop_env(str(tmp_path / "ctl"), str(tmp_path / "box"))
+    deploy = [*rgt_exe(), "deploy", "local", "--name", "a/b", "--", "true"]
+    try:
+        for argv, code in ((deploy, 2), ([*agent_exe(), "status", "nope"], 8)):
+            p = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=write_end, env=env | {"RGT_HOME": cli.home},
+                               cwd=str(tmp_path), timeout=60)  # fmt: skip
+            assert p.returncode == code, (argv, p.returncode)
+        p = subprocess.run(deploy, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, env=env, cwd=str(tmp_path), timeout=60,
+                           preexec_fn=lambda: os.close(2))  # fmt: skip
+        assert p.returncode == 2
+    finally:
+        os.close(write_end)

@@ -40,7 +40,6 @@ import dataclasses
 import json
 import os
 import posixpath
-import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from controller import contacts, envnames
@@ -68,12 +67,10 @@ from onbox.common.errors import (
     UsageError,
 )
 from onbox.common.rundir import profiles_dir
-from onbox.common.terminal import printable
+from onbox.common.terminal import printable, say
 from onbox.profiles.load import SHIPPED_DIR
 
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+_say = say  # progress lines; one stderr will not take is dropped (terminal.say)
 
 
 def box_home_for(remote: Remote, home: str) -> str:

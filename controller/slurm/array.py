@@ -19,7 +19,6 @@ Each cell's outputs go to its own task (``--output``), as on an SSH box.
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import Any, Callable, Dict, List, Optional
 
 from controller.registry import Registry, RunRecord
@@ -29,10 +28,9 @@ from controller.slurm.batch import Cell
 from controller.slurm.submit import Say, SlurmAsk, check_ask, sbatch, scheduler_doc
 from onbox.common.errors import LockedError, UsageError
 from onbox.common.rundir import RunDir
+from onbox.common.terminal import say
 
-
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+_say = say  # progress lines; one stderr will not take is dropped (terminal.say)
 
 
 def plan_ask(plan: Any) -> SlurmAsk:

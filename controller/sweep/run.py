@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import shlex
-import sys
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -52,6 +51,7 @@ from onbox.common.errors import (
     StoreError,
     UsageError,
 )
+from onbox.common.terminal import say
 from onbox.sealing import manifest as mf
 from onbox.sealing.stores.base import with_retries
 from onbox.sealing.stores.hangbound import StoreHung
@@ -61,8 +61,7 @@ MAX_REDEPLOYS = 3  # deploys of one dead cell per invocation, before its box is 
 Say = Callable[[str], None]
 
 
-def _say(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+_say = say  # progress lines; one stderr will not take is dropped (terminal.say)
 
 
 class SweepStoreUnread(StoreError):

@@ -5,6 +5,8 @@ one-line error or note)."""
 
 from __future__ import annotations
 
+import sys
+
 
 def printable(text: str) -> str:
     """``text`` with each control character (C0, newline and tab included, DEL, C1) as '?'."""
@@ -28,3 +30,14 @@ def printable_error(text: str) -> str:
     first under ``QUOTED``, empty lines at its end dropped."""
     first, *rest = text.rstrip("\n").split("\n")
     return "\n".join([printable(first), *(QUOTED + printable(line) for line in rest)])
+
+
+def say(msg: str) -> None:
+    """A progress line of a command that changes a box (a deploy, a sweep) on stderr. One that
+    cannot be written (``rgt deploy ... | head`` once head is done: EPIPE; a closed stderr) is
+    dropped: the command goes on to a whole end (its job started, or its release dropped)
+    rather than stop between two of its steps on a write."""
+    try:
+        print(msg, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass

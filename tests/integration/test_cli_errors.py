@@ -7,14 +7,16 @@ what ``start`` creates is the user's alone (0700), parents included.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Dict
 
 from onbox.agent import procfs
 from tests.conftest import Cli, _kill_run_processes, agent_exe, fixture, require
-from tests.laptop import laptop_env, rgt_exe
+from tests.laptop import laptop_env, rgt_exe, run_rgt
 
 
 def _no_processes_of(home: str) -> bool:
@@ -140,3 +142,29 @@ def test_an_error_said_to_a_stderr_that_is_gone_keeps_its_exit_code(
         assert p.returncode == 2
     finally:
         os.close(write_end)
+
+
+def test_a_deploy_whose_stderr_is_gone_still_starts_its_job(tmp_path: Path) -> None:
+    """``rgt deploy ... 2>&1 | head -1``, head done after the first line: every later progress
+    line fails to be written (EPIPE). The deploy goes on and starts the job (exit 0), rather
+    than stopping at that line with a traceback (exit 1) between its steps, its release pushed
+    and the job not started."""
+    ctl, box = tmp_path / "ctl", tmp_path / "box"
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "job.py").write_text("import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    env = laptop_env(str(ctl), str(box))
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # nobody reads the pipe any longer: each write to it fails
+    argv = [*rgt_exe(), "deploy", "local", "--name", "gone", "--python", sys.executable,
+            "--project", str(proj), "--", sys.executable, "job.py"]  # fmt: skip
+    try:
+        p = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                           stderr=write_end, env=env, cwd=str(tmp_path), timeout=300)  # fmt: skip
+        assert p.returncode == 0, p.returncode
+        st = run_rgt(["status", "gone", "--json"], env, str(tmp_path), timeout=60)
+        assert st.returncode == 0, st.stderr
+        assert json.loads(st.stdout)["state"] in ("STARTING", "RUNNING"), st.stdout
+    finally:
+        os.close(write_end)
+        _kill_run_processes(str(box))

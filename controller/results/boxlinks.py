@@ -4,15 +4,18 @@ makes in DEST and which it leaves out, and why.
 With a store, the seal records each link of the checkpoint dir that leads to the checkpoint it
 seals (onbox/sealing/dirlinks.py), and a pull makes them again. Without one, the box's lister
 (controller/shell/boxfiles.sh) prints every link in the checkpoint dir and the outputs with its
-target as ``readlink`` gives it; the laptop judges each, as the seal would: a link at the top of
-the checkpoint dir whose target, resolved by name (nothing on the box is followed; an absolute
-one under where the checkpoint dir leads, when it is itself a link, as the box's lister says, is
-under the dir, as the seal resolves it), is a pulled checkpoint file or a directory of them is
-made, with that target relative and normalised (no
-'..', nothing absolute), as the restore makes it. Every other link (out of the dir, absolute
-elsewhere, a '..' escape, to nothing pulled, an odd name, one deeper in the dir or in the
-outputs) is left out, and named in the receipt's ``left_out`` so that ``rgt pull`` says so.
-Nothing here touches the laptop's files: the names and targets are the box's, untrusted.
+target as ``readlink`` gives it; the laptop judges each, as the seal would: a link in the
+checkpoint dir, at its top or below it (``step-200/tokenizer.json -> ../step-100/tokenizer.json``,
+a saver sharing a file between checkpoints), whose target, resolved by name from the link's own
+directory (nothing on the box is followed; an absolute one under where the checkpoint dir leads,
+when it is itself a link, as the box's lister says, is under the dir, as the seal resolves it),
+is a pulled checkpoint file or a directory of them is made, with that target relative to the
+link's directory and normalised (nothing absolute; '..' only as far as the directory both are
+in), as the restore makes it. A link below the top is made only in a directory a pulled file is
+in (no directory is made for a link), and never to a directory that holds it (a loop). Every
+other link (out of the dir, absolute elsewhere, a '..' escape, to nothing pulled, an odd name,
+one in the outputs) is left out, and named in the receipt's ``left_out`` so that ``rgt pull``
+says so. Nothing here touches the laptop's files: the names and targets are the box's, untrusted.
 """
 
 from __future__ import annotations
@@ -65,19 +68,22 @@ def _why_not(
         return "a link in the outputs is not pulled (nor sealed at the job's end)"
     if kind != "checkpoint":
         return "a link among the job's logs is not pulled"
-    if "/" in rel:
-        return "a link below the top of the checkpoint dir is not pulled as a link"
     try:
         safe_rel(rel, "the link name")
     except UnsafePath as err:
         return err.what
-    if skip(rel):
+    parts = rel.split("/")
+    if any(skip(p) for p in parts):
         return "a hidden or temporary name, never a checkpoint's"
-    if any(p.split("/")[1] == rel for p in pulled if p.startswith("checkpoints/")):
+    mine = "checkpoints/" + rel
+    if mine in pulled or any(p.startswith(mine + "/") for p in pulled):
         return "it would take the place of a pulled file"
+    here = "/".join(parts[:-1])  # the link's own directory, under the checkpoint dir
+    if here and not any(p.startswith(f"checkpoints/{here}/") for p in pulled):
+        return "no file pulled is in its directory"  # made, it would make a directory of its own
     home = ckpt.rstrip("/") + "/"
     # By name only: what the target is on the box is never asked, nor followed.
-    full = posixpath.normpath(target if target.startswith("/") else home + target)
+    full = posixpath.normpath(target if target.startswith("/") else home + here + "/" + target)
     if not target or not full.startswith(home):
         return "it leads out of the checkpoint dir"
     to = full[len(home) :]
@@ -86,8 +92,19 @@ def _why_not(
     except UnsafePath as err:
         return err.what
     under = "checkpoints/" + to
-    if to.split("/")[0] == rel or (
-        under not in pulled and not any(p.startswith(under + "/") for p in pulled)
-    ):
+    if under not in pulled and not any(p.startswith(under + "/") for p in pulled):
         return "it leads to nothing pulled"
-    return (rel, to)
+    if rel == to or rel.startswith(to + "/"):
+        return "it leads to a directory that holds it"  # a loop, for whoever walks it
+    return (rel, _relative(to, here))
+
+
+def _relative(to: str, here: str) -> str:
+    """``to`` (a path under the checkpoint dir) as a link in ``here`` (one too, '' its top)
+    names it: relative, shortest ('..' only as far as their common directory). Pure string
+    work: posixpath.relpath would ask for the working directory, which may be gone."""
+    a, b = to.split("/"), here.split("/") if here else []
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return "/".join([".."] * (len(b) - n) + a[n:])

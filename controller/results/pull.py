@@ -40,8 +40,9 @@ Layout under DEST: ``checkpoints/<path as sealed, relative to RGT_CKPT_DIR>``,
 (controller/results/receipt.py). The checkpoint dir's links the MANIFEST records (Lightning's
 ``last.ckpt``) are made in ``checkpoints/`` after the files, relative, as the box's restore makes
 them (onbox/sealing/dirlinks.py); one from an older pull is moved on, a file is never replaced.
-Without a store, the links at the top of the box's checkpoint dir that lead to a checkpoint file
-pulled (or a directory of them) are made the same way; every other link the box holds (out of
+Without a store, the links in the box's checkpoint dir, at its top or below it, whose target
+(judged by name from the link's own directory) is a checkpoint file pulled or a directory of
+them are made the same way, each in its own directory; every other link the box holds (out of
 the dir, to nothing pulled, in the outputs) is left out and named in the receipt's ``left_out``
 (controller/results/boxlinks.py).
 
@@ -274,11 +275,7 @@ def _staged_and_placed(
     # restore makes them: relative, in DEST/checkpoints, once what they lead to is in place.
     # parse_manifest checked each (a name there, a target in the checkpoint, never out of
     # DEST), or, from a box without a store, boxlinks.judged (a target pulled, in DEST).
-    recorded = [{"name": n, "target": t} for n, t in sealed.ident.links]
-    try:
-        dirlinks.make(recorded, dest, "checkpoints", replace=True)
-    except OSError as err:
-        raise target_error(err, f"making the checkpoint links in {dest}/checkpoints") from None
+    _make_links(sealed, dest)
     receipt = Receipt(
         run=rec.name,
         source=sealed.source,
@@ -295,6 +292,22 @@ def _staged_and_placed(
     )
     write_receipt(receipt, home)
     return receipt
+
+
+def _make_links(sealed: Sealed, dest: str) -> None:
+    """The links ``sealed`` names (a MANIFEST's, at the top of the checkpoint dir; or, from a
+    box without a store, boxlinks.judged's, which may lie below it, each target relative to
+    its own directory), made in the directory of DEST/checkpoints each is in."""
+    by_dir: Dict[str, List[Dict[str, str]]] = {}
+    for name, target in sealed.ident.links:
+        here, _, base = name.rpartition("/")
+        by_dir.setdefault(here, []).append({"name": base, "target": target})
+    for here, recorded in sorted(by_dir.items()):
+        sub = f"checkpoints/{here}" if here else "checkpoints"
+        try:
+            dirlinks.make(recorded, dest, sub, replace=True)
+        except OSError as err:
+            raise target_error(err, f"making the checkpoint links in {dest}/{sub}") from None
 
 
 def _reusable(sealed: Sealed, items: List[Entry], stage_dir: str) -> Set[str]:

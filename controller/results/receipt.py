@@ -92,8 +92,10 @@ class SealedId:
     missing_outputs: Tuple[str, ...] = ()
     # Files DONE.json says the job left but could not be sealed ("PATH: why"; not pulled).
     left_out: Tuple[str, ...] = ()
-    # The checkpoint dir's links the MANIFEST records (name, target under checkpoints/), made
-    # in DEST by the pull (onbox/sealing/dirlinks.py). Said in the receipt, not read back:
+    # The checkpoint dir's links the MANIFEST records (name, target under checkpoints/), or a
+    # box without a store holds (boxlinks.py: a name may lie below the top, its target then
+    # relative to its own directory), made in DEST by the pull (onbox/sealing/dirlinks.py).
+    # Said in the receipt, not read back:
     # the MANIFEST's sha256 already tells one sealed state from another.
     links: Tuple[Tuple[str, str], ...] = dataclasses.field(default=(), compare=False)
 

@@ -25,6 +25,7 @@ Standard library only.
 from __future__ import annotations
 
 import os
+import posixpath
 import stat
 import threading
 from typing import Any, Dict, List, Optional, Set, Tuple
@@ -165,7 +166,8 @@ def make(
     recorded: List[Dict[str, str]], base: str, sub: str = "", replace: bool = False
 ) -> Tuple[List[str], List[str]]:
     """Make the ``recorded`` links (a checked MANIFEST's, its files verified in place) in the
-    checkpoint dir ``base/sub`` (``sub``, rgt's own name, is not followed when a link):
+    checkpoint dir ``base/sub`` (``sub``, rgt's own path, each of its directories opened
+    without following a link; a pull's may lie below the top of DEST/checkpoints):
     (the names made, the names left as they are). A name taken is left, unless ``replace``
     and it is a symlink (a pull's DEST mirrors the sealed state: its link from an older pull
     is replaced, in one rename, never followed); a link whose target is not there (a
@@ -174,11 +176,13 @@ def make(
     left: List[str] = []
     if not recorded:
         return made, left
-    fd = open_dir(base, [sub] if sub else [])
+    fd = open_dir(base, sub.split("/") if sub else [])
     try:
         for link in recorded:
             name, target = link["name"], link["target"]
-            if not _there(base, f"{sub}/{target}" if sub else target):
+            # A pull's link below the top of the dir names its target from its own directory
+            # ('../step-100/x'): looked for by the path that leads to, never followed there.
+            if not _there(base, posixpath.normpath(f"{sub}/{target}") if sub else target):
                 left.append(name)
                 continue
             try:

@@ -42,7 +42,7 @@ def test_what_a_hostile_listing_says_is_left_out_with_why() -> None:
     assert "out of the checkpoint dir" in _one("checkpoint", "x", "/box/runs/r1/ckptX/step_4.ckpt")
     assert "out of the checkpoint dir" in _one("checkpoint", "x", "")
     assert "out of the checkpoint dir" in _one("checkpoint", "x", ".")
-    assert "below the top" in _one("checkpoint", "../x", "step_4.ckpt")
+    assert "'..'" in _one("checkpoint", "../x", "step_4.ckpt")
     assert "'..'" in _one("checkpoint", "..", "step_4.ckpt")
     assert "control character" in _one("checkpoint", "a\x1bb", "step_4.ckpt")
     assert "control character" in _one("checkpoint", "x", "step_4\x1b.ckpt")
@@ -77,3 +77,48 @@ def test_an_absolute_link_to_where_a_linked_checkpoint_dir_leads_is_made_relativ
     assert left == [
         "checkpoints/beside -> '/data/ckptX/step_4.ckpt': it leads out of the checkpoint dir"
     ]
+
+
+def test_links_below_the_top_are_judged_from_their_own_directory() -> None:
+    """A link in a checkpoint's directory names its target from there: made, relative to it,
+    when that is a pulled file or directory in the checkpoint dir; left out otherwise."""
+    pulled = PULLED | {"checkpoints/step_2/sub/cfg.json", "checkpoints/step_6/model.pt"}
+    listed = [
+        ("checkpoint", "checkpoints/step_6/prev.pt", "step_6/prev.pt", "../step_2/model.pt"),
+        ("checkpoint", "checkpoints/step_6/abs.pt", "step_6/abs.pt", CKPT + "/step_4.ckpt"),
+        ("checkpoint", "checkpoints/step_6/two", "step_6/two", "../step_2"),
+        ("checkpoint", "checkpoints/step_2/sub/m", "step_2/sub/m", "../model.pt"),
+        ("checkpoint", "checkpoints/step_2/sub/up", "step_2/sub/up", "../../step_4.ckpt"),
+    ]
+    made, left = judged(listed, CKPT, pulled)
+    assert left == []
+    assert made == [
+        ("step_2/sub/m", "../model.pt"),
+        ("step_2/sub/up", "../../step_4.ckpt"),
+        ("step_6/abs.pt", "../step_4.ckpt"),
+        ("step_6/prev.pt", "../step_2/model.pt"),
+        ("step_6/two", "../step_2"),
+    ]
+
+
+def test_hostile_links_below_the_top_are_left_out_with_why() -> None:
+    def one(rel: str, target: str) -> str:
+        made, left = judged([("checkpoint", "checkpoints/" + rel, rel, target)], CKPT, PULLED)
+        assert not made, made
+        (line,) = left
+        return line
+
+    assert "out of the checkpoint dir" in one("step_2/x", "../../x")
+    assert "out of the checkpoint dir" in one("step_2/x", "..")
+    assert "out of the checkpoint dir" in one("step_2/x", "/etc/passwd")
+    assert "a directory that holds it" in one("step_2/x", ".")
+    assert "a directory that holds it" in one("step_2/x", "../step_2")
+    assert "nothing pulled" in one("step_2/x", "model.pt/x")
+    assert "nothing pulled" in one("step_2/x", "../step_9.ckpt")
+    assert "take the place of a pulled file" in one("step_2/model.pt", "../step_4.ckpt")
+    assert "take the place of a pulled file" in one("step_2", "step_4.ckpt")
+    assert "no file pulled is in its directory" in one("only/x", "../step_4.ckpt")
+    assert "no file pulled is in its directory" in one("step_4.ckpt/x", "../step_4.ckpt")
+    assert "hidden or temporary" in one("step_2/.git/x", "../../step_4.ckpt")
+    assert "'..'" in one("step_2/../../x", "step_4.ckpt")
+    assert "empty component" in one("step_2//x", "../step_4.ckpt")

@@ -5,6 +5,7 @@ and sizes are the box's, shown to the user as down's plan (controller/results/do
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Any, Dict, List, Optional, Tuple
@@ -141,13 +142,16 @@ def losses(
     remote: Remote,
     profile: Optional[Profile],
     held: storekept.Held,
+    logs: Optional[Logs] = None,
 ) -> Tuple[List[str], List[str], str]:
     """(lost, kept, with_release): lines of the run dir's files the receipt does not cover,
     and the checkpoint dir that goes with the release, for down's line that removes it ("":
     none; ``in_release``). A job log pulled redacted (its box copy holds a secret) is covered,
     whatever its size: what the receipt has is that log with each secret masked, and the kept
     lines say so. A checkpoint file that ``held`` (a store that outlives the box) has sealed is
-    kept there, not lost."""
+    kept there, not lost; so is a job log ``logs`` says it holds. ``logs`` also says whether
+    the stop down makes seals the logs into that store (a live run's: its agent seals them as
+    the run ends STOPPED)."""
     pulled = {f.path: f.size for f in receipt.files}
     redacted = {f.path for f in receipt.files if f.redacted}
     ckpt = str(spec.get("ckpt_dir") or "")
@@ -198,7 +202,9 @@ def losses(
                     f"masked) in {receipt.dest}"
                 )
             elif pulled.get(log) != size:
-                lost.append(f"job log of attempt {int(m.group(1))} ({human(size)})")
+                where = _log_in_store(log, size, logs, str(rec.store))  # "" when not there
+                line = f"job log of attempt {int(m.group(1))}"
+                (kept if where else lost).append(line + (where or f" ({human(size)})"))
             continue
         records += 1
         records_bytes += size
@@ -249,6 +255,30 @@ def _pulled_output(path: str, size: int, workdir: str, pulled: Dict[str, int]) -
     return (
         _inside(path, workdir) and pulled.get(f"outputs/{os.path.relpath(path, workdir)}") == size
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class Logs:
+    """The job's logs a store that outlives the box holds (storekept.logs: by their name in a
+    pull, (size, redacted)), and whether down's stop seals them there (a live run)."""
+
+    held: Dict[str, Tuple[int, bool]]
+    stop_seals: bool = False
+
+
+def _log_in_store(log: str, size: int, logs: Optional[Logs], store: str) -> str:
+    """The kept words for the box's job log ``log`` of ``size`` bytes that the store holds
+    (as it is, or redacted), or that down's stop seals there; "" when neither."""
+    if logs is None:
+        return ""
+    there = logs.held.get(log)
+    if there is not None and there[1]:
+        return f": sealed redacted (each secret masked) in the store {store}"
+    if there is not None and there[0] == size:
+        return f": sealed in the store {store}"
+    if logs.stop_seals:
+        return f": the stop seals it into the store {store} (ENDED.json)"
+    return ""
 
 
 def _workdir_losses(

@@ -1,8 +1,10 @@
-"""The sealed state of a run from its documents (LATEST -> MANIFEST, DONE), wherever they are
-read (a store, or a file:// store on the box): every file entry checked as untrusted input."""
+"""The sealed state of a run from its documents (LATEST -> MANIFEST, DONE or ENDED), wherever
+they are read (a store, or a file:// store on the box): every file entry checked as untrusted
+input."""
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from controller.results.entries import SHA256_HEX, Entry, sha_hex
@@ -51,11 +53,12 @@ def _check_doc_file(f: Any, what: str, run: str) -> None:
 def from_documents(
     run: str, get: Callable[[str], Optional[bytes]], listing: Optional[Listing] = None
 ) -> Tuple[SealedId, List[Entry]]:
-    """LATEST -> MANIFEST, and DONE: the sealed state and its files. When LATEST names a
-    quarantined step (``listing`` says which are), the newest sealed step before it that is
-    not quarantined is the sealed state instead (onbox.sealing.restore.in_effect), and ``note`` says
-    so; a run with none left is an IntegrityError. A run with neither document has nothing
-    sealed: an empty SealedId and no files."""
+    """LATEST -> MANIFEST, and DONE (or, without one, ENDED): the sealed state and its files.
+    When LATEST names a quarantined step (``listing`` says which are), the newest sealed step
+    before it that is not quarantined is the sealed state instead
+    (onbox.sealing.restore.in_effect), and ``note`` says so; a run with none left is an
+    IntegrityError. A run with none of the three documents has nothing sealed: an empty
+    SealedId and no files."""
     latest = mf.parse_latest(get(mf.latest_key(run)))
     entries: List[Entry] = []
     step = epoch = None
@@ -67,10 +70,18 @@ def from_documents(
     done_sha = None
     missing_outputs: Tuple[str, ...] = ()
     left_out: Tuple[str, ...] = ()
+    ended_raw = ended_sha = None
     if done_raw is not None:
         done_sha = sha_hex(done_raw)
         missing_outputs, left_out = _done(run, done_raw, entries)
-    if latest is None and done_raw is None:
+    else:
+        # A run that ended FAILED or STOPPED: its job's logs (onbox/agent/endlogs.py). DONE.json
+        # lists a run's logs when it succeeds, and then this is not read.
+        ended_raw = get(mf.ended_key(run))
+    if ended_raw is not None:
+        ended_sha = sha_hex(ended_raw)
+        left_out = _ended(run, ended_raw, entries)
+    if latest is None and done_raw is None and ended_raw is None:
         # Nothing sealed (a job that failed or was stopped before its first checkpoint): a
         # state of its own, which a pull records in its receipt (SealedId.nothing) so that
         # `rgt down` can go while the store still has nothing sealed, and refuses once it has.
@@ -89,6 +100,7 @@ def from_documents(
         missing_outputs=missing_outputs,
         left_out=left_out,
         links=links,
+        ended_sha256=ended_sha,
     )
     return ident, entries
 
@@ -198,14 +210,64 @@ def _done(
         path, redacted = f"{kind}/{f['path']}", f.get("redacted") is True
         entries.append(Entry(path, kind[:-1], f["size"], f["sha256"], f["key"], redacted=redacted))
     missing = done.get("missing_outputs")
-    left = done.get("left_out")
     return (
         tuple(str(m) for m in missing) if isinstance(missing, list) else (),
-        tuple(
-            f"{x['path']}: {x['why']}"
-            for x in (left if isinstance(left, list) else [])
-            if isinstance(x, dict)
-            and isinstance(x.get("path"), str)
-            and isinstance(x.get("why"), str)
-        ),
+        _left_out(done.get("left_out")),
     )
+
+
+def _left_out(left: Any) -> Tuple[str, ...]:
+    """A document's ``left_out`` ("PATH: why" each); entries not of rgt's form are skipped."""
+    return tuple(
+        f"{x['path']}: {x['why']}"
+        for x in (left if isinstance(left, list) else [])
+        if isinstance(x, dict) and isinstance(x.get("path"), str) and isinstance(x.get("why"), str)
+    )
+
+
+def _ended(run: str, raw: bytes, entries: List[Entry]) -> Tuple[str, ...]:
+    """ENDED.json's logs added to ``entries``; the files it says were left out. Each entry is
+    checked as DONE.json's are, and must be a job's log as the agent seals it
+    (``RUN/logs/attempt-NNNN.log``): anything else is an IntegrityError naming it."""
+    key = mf.ended_key(run)
+    try:
+        doc = jsondoc.loads(raw)
+    except ValueError:
+        raise IntegrityError(f"{key} is not valid JSON") from None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, list):
+        raise IntegrityError(f"{key} lists no files")
+    for f in files:
+        _check_doc_file(f, key, run)
+        if (
+            _ENDED_LOG.match(f["path"]) is None
+            or f["key"] != mf.logs_prefix(run) + f["path"]
+            or "root" in f
+        ):
+            raise IntegrityError(
+                f"{key} lists the key {f['key']!r} for the path {f['path']!r}: not a job's log "
+                f"as rgt seals it ({run}/logs/attempt-NNNN.log). Nothing was fetched",
+                f"the store's {key} is damaged or not rgt's: look at it",
+            )
+        path = "logs/" + f["path"]
+        entries.append(
+            Entry(path, "log", f["size"], f["sha256"], f["key"], redacted=f.get("redacted") is True)
+        )
+    return _left_out(doc.get("left_out"))
+
+
+def sealed_logs(run: str, get: Callable[[str], Optional[bytes]]) -> Dict[str, Tuple[int, bool]]:
+    """The job's logs the store holds (DONE.json's, or without one ENDED.json's), each by the
+    name a pull gives it: (size, redacted). Checked as a pull checks them (IntegrityError)."""
+    entries: List[Entry] = []
+    done_raw = get(mf.done_key(run))
+    if done_raw is not None:
+        _done(run, done_raw, entries)
+    else:
+        ended_raw = get(mf.ended_key(run))
+        if ended_raw is not None:
+            _ended(run, ended_raw, entries)
+    return {e.path: (e.size, e.redacted) for e in entries if e.kind == "log"}
+
+
+_ENDED_LOG = re.compile(r"attempt-\d{4,}\.log\Z")

@@ -10,10 +10,11 @@ receipt of a pull that found nothing sealed covers a run whose store still has n
 the plan then lists every checkpoint and log of the run on the box as lost). Before
 anything is done it shows what will be lost (files in the run's directory on the box that the
 receipt does not cover, nor a store that outlives the box holds: checkpoints not sealed, job
-logs not pulled, rgt's own records; and what the job wrote in its release, the workdir it runs
-in, when down removes that release: every file changed since the push marked it complete that
-is no pulled output, controller/results/boxlosses.py), what that store holds (the sealed steps
-its rotation left, controller/results/storekept.py),
+logs not pulled nor sealed (a run with a store seals them as it ends FAILED or STOPPED, the
+stop down makes too: ENDED.json), rgt's own records; and what the job wrote in its release,
+the workdir it runs in, when down removes that release: every file changed since the push
+marked it complete that is no pulled output, controller/results/boxlosses.py), what that store
+holds (the sealed steps its rotation left, controller/results/storekept.py),
 what keeps billing, and for a live run that the checkpoint its stop may seal goes into the store
 only (with how to have it pulled too: stop, pull, then down), then asks for the run's name to
 be typed. ``--yes`` replaces the typing only when stdin is not a terminal (a script), and never
@@ -186,24 +187,24 @@ def plan_down(
     kept: List[str] = []
     with_release = ""  # the checkpoint dir that goes with the release, when it is inside it
     grace = 30.0
-    gone = ""  # why the meter-stop deletes the store ("": it does not, or there is none)
-    held: storekept.Held = {}  # what a store that outlives the box holds, by sealed step
-    if rec.store:
-        gone = meterplan.deleted_by_meter_stop(meterplan.file_path(rec.store), profile)
-        held = {} if gone else storekept.held(rec, remote)
+    gone, held, logs = _store_holds(rec, remote, profile)
     if present:
         run = boxrun.read(rec, remote)  # the spec and the status in one round trip
         spec = run.spec
         grace = float(spec.get("grace") or 30.0)
         keep = spec.get("keep") if isinstance(spec.get("keep"), int) else None
         state = str(run.status.get("state"))
+        if logs is not None and state not in TERMINAL_NAMES:  # its stop seals the job's logs
+            logs = dataclasses.replace(logs, stop_seals=True)
         lost, kept, with_release = boxlosses.losses(
-            rec, receipt, spec, run_dir, remote, profile, held
+            rec, receipt, spec, run_dir, remote, profile, held, logs
         )
     if rec.store and gone:
         what = (
             " (it holds nothing sealed of the run)"
             if receipt.sealed.nothing
+            else " (it holds the job's logs, which the receipt has, and no sealed checkpoint)"
+            if receipt.sealed.step is None and not receipt.sealed.done
             else ", every sealed checkpoint in it (the receipt holds the newest)"
         )
         lost.append(f"the store {rec.store}{what}: {gone}")
@@ -245,6 +246,20 @@ def _removals(rec: RunRecord, run_dir: str, staged: str, with_release: str) -> L
             + (f", and with it {with_release}" if with_release else "")
         )
     return out
+
+
+def _store_holds(
+    rec: RunRecord, remote: Remote, profile: Optional[Profile]
+) -> Tuple[str, storekept.Held, Optional[boxlosses.Logs]]:
+    """(why the meter-stop deletes the run's store, "" when it does not or there is none; what
+    a store that outlives the box holds, by sealed step; the job's logs it holds, DONE.json's
+    or ENDED.json's, None when there is no such store)."""
+    if not rec.store:
+        return "", {}, None
+    gone = meterplan.deleted_by_meter_stop(meterplan.file_path(rec.store), profile)
+    if gone:
+        return gone, {}, None
+    return "", storekept.held(rec, remote), boxlosses.Logs(storekept.logs(rec, remote))
 
 
 def _present(remote: Remote, run_dir: str, staged: str) -> Tuple[bool, bool]:

@@ -3,15 +3,20 @@
 What is pulled is the run's newest *sealed* state, never a file that is still being written:
 
 - with a store: LATEST.json names a MANIFEST (files with path, size, sha256, key); when the run
-  is done, DONE.json adds its outputs and logs. ``--from store`` reads documents and files from
-  the store with the laptop's credentials. ``--from box`` reads them from the box over ssh: for
-  a ``file://`` store (a mount on the box) the documents and files are the store's, on the box;
+  is done, DONE.json adds its outputs and logs; when it ended FAILED or STOPPED (no DONE.json),
+  ENDED.json adds its job's logs, which its agent sealed as it let go of the run (redacted
+  where they hold a secret, onbox/agent/endlogs.py), so a failed job's log outlives its box.
+  ``--from store`` reads documents and files from the store with the laptop's credentials.
+  ``--from box`` reads them from the box over ssh: for a ``file://`` store (a mount on the
+  box) the documents and files are the store's, on the box;
   for ``s3://``/``hf://`` the documents come from the store (the source of truth for what is
   sealed) and the bytes from the box's own copies (its checkpoint dir, the job's workdir, the
   run's logs), each checked against the store's sha256; but a log DONE.json marks ``redacted``
   (the box's own log holds a secret, the store has a copy with it masked) comes from the store
   whatever ``--from`` says, verified the same way, and when the store cannot give it the pull
-  stops and says so: the box's raw log is never taken in its place. ``auto`` is the store when
+  stops and says so: the box's raw log is never taken in its place. A log ENDED.json lists
+  comes from the store as well (it may be an earlier box's attempt whose number this box's own
+  log now bears). ``auto`` is the store when
   the laptop can read it (``s3://``, ``hf://``, or ``file://`` with a ``local`` target), else
   the box; for a run ``rgt down`` took off its box (its record kept for the store,
   controller/results/settle.py) it is the store, and ``--from box`` is refused (exit 8).
@@ -28,8 +33,9 @@ What is pulled is the run's newest *sealed* state, never a file that is still be
   onbox/agent/sealservice.py ``redact_box_logs``), never as is; the receipt marks it
   ``redacted``.
 
-A run with a store that has nothing sealed (no LATEST.json, no DONE.json: its job failed or was
-stopped before its first checkpoint) is pulled as that: no file, and a receipt that records that
+A run with a store that has nothing sealed (no LATEST.json, no DONE.json, no ENDED.json: its job
+failed or was stopped before its first checkpoint, and its agent has not yet let go) is pulled
+as that: no file, and a receipt that records that
 nothing was sealed (controller/results/receipt.py), which ``rgt down`` takes only while the
 store still has nothing sealed. Only a store that holds the run's epoch (taken by its agent
 before the job starts) is said to have nothing sealed: one with no trace of the run is likely

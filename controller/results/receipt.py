@@ -22,6 +22,8 @@ Format (JSON, ``schema`` 1)::
         "manifest": "demo/checkpoints/120/MANIFEST.json",
         "manifest_sha256": "<hex of the MANIFEST's bytes>",
         "done": true, "done_sha256": "<hex of DONE.json's bytes>",
+        "ended_sha256": null               (the hex of ENDED.json's bytes: a run that ended
+                                           FAILED or STOPPED, its job's logs, no DONE.json)
         "listing_sha256": null             (runs without a store: the box's files, hashed)
       },
       "files": [                           every file, its path relative to DEST
@@ -35,10 +37,12 @@ Format (JSON, ``schema`` 1)::
       "rgt_version": "0.1.0"
     }
 
-A run with nothing sealed (no LATEST.json, no DONE.json: its job failed or was stopped before
-its first checkpoint) gets a receipt too: ``step`` and the other fields null, ``done`` false,
-no files. It says that the pull found nothing sealed; ``rgt down`` takes it only while the
-store still has nothing sealed, and lists the run's files on the box as lost.
+A run with nothing sealed (no LATEST.json, no DONE.json, no ENDED.json: its job failed or was
+stopped before its first checkpoint, and its agent has not sealed its logs) gets a receipt too:
+``step`` and the other fields null, ``done`` false, no files. It says that the pull found
+nothing sealed; ``rgt down`` takes it only while the store still has no sealed checkpoint nor
+DONE.json (the job's logs its agent seals as the run ends, ENDED.json, are in the store: down's
+plan says so), and lists the run's other files on the box as lost.
 
 ``verified`` says how far each file was checked: ``sha256`` (against the manifest), plus
 ``safetensors header`` or ``torch.load(weights_only=True)`` where the file was opened as its
@@ -88,6 +92,10 @@ class SealedId:
     done_sha256: Optional[str] = None
     listing_sha256: Optional[str] = None
     note: Optional[str] = None
+    # ENDED.json (a run that ended FAILED or STOPPED: its job's logs; read only while there is
+    # no DONE.json), the sha256 of its bytes; None without one. Said, not compared by
+    # ``differs_from`` (the logs it lists are in the store: down's plan says so).
+    ended_sha256: Optional[str] = None
     # Declared outputs DONE.json says were missing when the job succeeded (never sealed).
     missing_outputs: Tuple[str, ...] = ()
     # Files DONE.json says the job left but could not be sealed ("PATH: why"; not pulled).
@@ -106,9 +114,15 @@ class SealedId:
 
     @property
     def nothing(self) -> bool:
-        """Nothing sealed: a store with no LATEST.json and no DONE.json (a job that failed or
-        was stopped before its first checkpoint). A receipt of it holds no file."""
-        return self.listing_sha256 is None and self.step is None and not self.done
+        """Nothing sealed: a store with no LATEST.json, no DONE.json and no ENDED.json (a job
+        that failed or was stopped before its first checkpoint, its agent not yet done with
+        it). A receipt of it holds no file."""
+        return (
+            self.listing_sha256 is None
+            and self.step is None
+            and not self.done
+            and self.ended_sha256 is None
+        )
 
     def describe(self) -> str:
         if self.listing_sha256 is not None:
@@ -116,7 +130,9 @@ class SealedId:
         if self.nothing:
             return "nothing sealed"
         what = f"sealed step {self.step}" if self.step is not None else "no sealed checkpoint"
-        return what + (", run done (outputs and logs)" if self.done else "")
+        if self.done:
+            return what + ", run done (outputs and logs)"
+        return what + (", run ended (its job's logs)" if self.ended_sha256 is not None else "")
 
     def pulled(self) -> str:
         """What a pull of this state brought, as ``rgt pull``'s line names it."""
@@ -124,9 +140,11 @@ class SealedId:
             return "the box's files (no store)"
         if self.nothing:
             return "nothing (nothing was sealed)"
-        if self.step is None:  # DONE.json, no LATEST: the job never sealed a checkpoint
+        if self.step is None and self.done:  # DONE.json, no LATEST: no checkpoint sealed
             return "results only (DONE.json; no checkpoint was sealed)"
-        return f"step {self.step}"
+        if self.step is None:  # ENDED.json alone: the job failed or was stopped before one
+            return "the job's logs only (ENDED.json; no checkpoint was sealed)"
+        return f"step {self.step}" + (" and the job's logs" if self.ended_sha256 else "")
 
     def differs_from(self, newer: SealedId) -> Optional[str]:
         """Why ``newer`` is not the state this one names, or None when it is."""
@@ -134,9 +152,13 @@ class SealedId:
             if self.listing_sha256 != newer.listing_sha256:
                 return "the box's files changed since the pull"
             return None
-        if self.nothing and not newer.nothing:
+        # ENDED.json (the job's logs of a run that FAILED or was stopped) is not compared: the
+        # logs are in the store, and down's plan says where each log is (kept there, pulled,
+        # or lost with the store). A down that stopped the run (which sealed them) goes on.
+        if self.step is None and not self.done and (newer.step is not None or newer.done):
             what = f"step {newer.step}" if newer.step is not None else "the run's end (DONE.json)"
-            return f"{what} was sealed after the pull, whose receipt says nothing was sealed"
+            had = "has no sealed checkpoint" if self.ended_sha256 else "says nothing was sealed"
+            return f"{what} was sealed after the pull, whose receipt {had}"
         if newer.step != self.step:
             return f"the newest sealed step is {newer.step}, the receipt has step {self.step}"
         if newer.manifest_sha256 != self.manifest_sha256:
@@ -248,6 +270,7 @@ _SEALED_TYPES: Dict[str, Tuple[type, bool, str]] = {
     "done_sha256": (str, True, "a string"),
     "listing_sha256": (str, True, "a string"),
     "note": (str, True, "a string"),
+    "ended_sha256": (str, True, "a string"),
     "missing_outputs": (list, False, "a list of strings"),
     "left_out": (list, False, "a list of strings"),
 }

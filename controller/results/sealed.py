@@ -108,7 +108,10 @@ def _read_sealed(
     ckpt, workdir = boxrun.spec_dirs(rec, spec, remote)
     placed = []
     for e in entries:
-        if e.redacted:  # the box's own log holds the secret: the store's masked copy, verified
+        # A log the box's own copy holds a secret in: the store's masked copy, verified. A log
+        # ENDED.json lists (no DONE.json) comes from the store too: it may be an earlier box's
+        # attempt, whose number this box's own log of another attempt now bears.
+        if e.redacted or (e.kind == "log" and ident.ended_sha256 is not None):
             placed.append(dataclasses.replace(e, origin=e.key or ""))
             continue
         if e.kind == "checkpoint":
@@ -169,7 +172,7 @@ def _from_box_docs(remote: Remote, root: str, rec: RunRecord) -> Tuple[SealedId,
     """The sealed state as the documents of a file:// store on the box say."""
     run = rec.name
     docs = BoxDocs(remote, root)
-    docs.prefetch([mf.latest_key(run), mf.done_key(run)], run=run)  # one round trip
+    docs.prefetch([mf.latest_key(run), mf.done_key(run), mf.ended_key(run)], run=run)  # one trip
     ident, entries = from_documents(run, docs.get, functools.partial(docs.listing, run))
     if not ident.nothing:
         return ident, entries

@@ -1,5 +1,6 @@
 """What a run's store holds of its checkpoints, for ``rgt down``: the sealed steps the store's
-rotation left, and each one's files with their sizes.
+rotation left, and each one's files with their sizes; and the job's logs it holds (``logs``:
+DONE.json's, or ENDED.json's for a run that ended FAILED or STOPPED).
 
 Down must not call "lost" a checkpoint on the box that is sealed in a store that outlives the
 box, nor promise that the store keeps more than it does: the agent's rotation prunes sealed
@@ -20,7 +21,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from controller.registry import RunRecord
 from controller.remote import Remote
 from controller.results.boxdocs import BoxDocs
-from controller.results.documents import store_get
+from controller.results.documents import sealed_logs, store_get
 from controller.runstore import open_run_store
 from onbox.common.errors import IntegrityError
 from onbox.sealing import manifest as mf
@@ -113,3 +114,18 @@ def grouped(
             f"sealed in the store {store} (step {step})"
         )
     return out
+
+
+def logs(rec: RunRecord, remote: Optional[Remote]) -> Dict[str, Tuple[int, bool]]:
+    """The job's logs ``rec``'s store holds (DONE.json's, or ENDED.json's: a run that ended
+    FAILED or STOPPED), by their name in a pull: (size, redacted). Read where ``held`` reads;
+    documents that cannot be read as rgt writes them hold none (down then says lost)."""
+    store = open_run_store(rec)
+    if isinstance(store, LocalStore) and rec.target.kind != "local" and remote is not None:
+        get: Callable[[str], Optional[bytes]] = BoxDocs(remote, store.root).get
+    else:
+        get = functools.partial(store_get, store)
+    try:
+        return sealed_logs(rec.name, get)
+    except IntegrityError:
+        return {}

@@ -85,7 +85,7 @@ class Completion:
         self._report_missing(missing)
         logs: List[Dict[str, Any]] = []
         for a in self.rd.attempt_numbers():
-            logs += self._put_log(a)
+            logs += self.put_log(a)
         self.mirror()
         crash_point("finish.before_done")
         if not self.sealer.is_writer():  # checked again last: the uploads above take time
@@ -290,7 +290,7 @@ class Completion:
                 path=rel,
             )
 
-    def _put_log(self, attempt: int) -> List[Dict[str, Any]]:
+    def put_log(self, attempt: int) -> List[Dict[str, Any]]:
         """The job's log of ``attempt`` to ``logs/``: as it is, or, when it holds a secret, a
         redacted copy. The box's log is the job's and stays unaltered; the store's copy (what
         `rgt pull` brings to the laptop, and maybe to others) never carries the value. A

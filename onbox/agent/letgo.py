@@ -32,7 +32,11 @@ def let_go(agent: Agent) -> None:
     why = "processes of the last attempt outlived it; stopping them"
     end_leftovers(agent.runner, event, why)
     if agent.seal is not None:
-        agent.seal.close()
+        # A run that ended FAILED or STOPPED gets its job's logs sealed here (a secret in one
+        # is a status warning, saved with the state).
+        if agent.seal.close(agent.sup.state.value):
+            agent.sup.save()
+            agent.seal.mirror_quietly()  # the store's copy of the state has the warning too
     else:
         # No store: the box's logs are what `rgt pull` brings home. Done before the lock
         # goes, and the pull waits for the lock, so it never finds a log not yet scanned.

@@ -11,7 +11,8 @@ from the run's history), and mirrors the run's state and events to the store whi
 owns the run (onbox/agent/mirror.py). On preemption it asks the job for a final checkpoint and
 seals it only if the measured throughput says it fits in the budget; on success it runs the
 completion seal (onbox/agent/completion.py: the last checkpoints, results, outputs, logs, then
-DONE.json).
+DONE.json); when a run ends FAILED or STOPPED, its job's logs, then ENDED.json
+(onbox/agent/endlogs.py), as the agent lets go of it.
 
 Nothing leaves the box with a secret in it unnoticed: the mirror of state and events goes
 through the redactor (onbox/common/redact.py), and the completion seal seals a job's log that
@@ -32,6 +33,7 @@ from typing import Any, Callable, Dict, List, Optional
 from onbox.agent.budgetseal import seal_in_budget
 from onbox.agent.ckptwatch import watch
 from onbox.agent.completion import Completion
+from onbox.agent.endlogs import ENDED_STATES, seal_end_logs
 from onbox.agent.interval import AutoInterval, load_history
 from onbox.agent.journal import FileJournal, read_events
 from onbox.agent.meter import final_seal
@@ -432,11 +434,13 @@ class SealService(Hooks):
         if sealed:
             self.mirror_quietly()
 
-    def close(self) -> None:
+    def close(self, ended: str = "") -> bool:
         """The agent is leaving: the thread stops between two seals, never in the middle of
-        writing a document. A run that FAILED still gets its checkpoints sealed first."""
+        writing a document. A run that FAILED still gets its checkpoints sealed first; one
+        that ``ended`` FAILED or STOPPED then gets its job's logs sealed (onbox/agent/
+        endlogs.py). True when ``warnings`` may have changed (a log held a secret)."""
         if self._thread is None:
-            return
+            return False
         stopped = self._stop.is_set()
         self._stop_thread(None)
         # A frozen run (a NaN loss) leaves its newer checkpoints unsealed: LATEST stays good.
@@ -450,7 +454,37 @@ class SealService(Hooks):
                     klass=event_class(e),
                     remedy="the checkpoints stay on the box; the next start seals them",
                 )
+        changed = self.sealer is not None and self._seal_end_logs(ended)
         self.mirror_quietly(health=True)
+        return changed
+
+    def _seal_end_logs(self, ended: str) -> bool:
+        """The logs of a run that ended FAILED or STOPPED, to the store, each call bounded by
+        ``[store] stall`` (a hung mount must not keep the agent, and the run's lock, for
+        ever); an error said, never raised (the agent must still let go of the run)."""
+        assert self.sealer is not None
+        if ended not in ENDED_STATES or self.elsewhere:
+            return False
+        keep = "the job's logs stay on the box: pull them before the box goes"
+        try:
+            with self.store.calls_bounded(self.spec.restore_stall):
+                seal_end_logs(
+                    self.spec,
+                    self.rd,
+                    self.store,
+                    self.sealer,
+                    ended,
+                    event=self.event,
+                    warnings=self.warnings,
+                    root=self.workdir_root(),
+                )
+        except StoreError as e:
+            remedy = (e.remedy + "; " if e.remedy else "") + keep
+            self.event("seal_error", e.what, klass=event_class(e), remedy=remedy)
+        except Exception as e:  # a bug must not keep the agent from letting go of the run
+            what = f"sealing the job's logs failed: {type(e).__name__}: {e}"
+            self.event("seal_error", what, klass="permanent", remedy=keep)
+        return True
 
     def mirror_quietly(self, health: bool = False) -> None:
         try:

@@ -112,6 +112,12 @@ def done_key(run: str) -> str:
     return f"{run}/DONE.json"
 
 
+def ended_key(run: str) -> str:
+    """The job's logs of a run that ended FAILED or STOPPED (onbox/agent/endlogs.py): not
+    DONE.json, which means success."""
+    return f"{run}/ENDED.json"
+
+
 def results_prefix(run: str) -> str:
     """Files the job left in its checkpoint dir that no checkpoint rule covers (completion)."""
     return f"{run}/results/"

@@ -207,7 +207,12 @@ def test_down_after_a_verified_pull_stops_the_run_and_removes_only_its_box_files
     text = "\n".join(shown)
     assert len(asked) == 1 and RUN in asked[0]
     assert "checkpoint notes.txt" in text  # on the box only: lost
-    assert "job log of attempt 1" in text  # a live run's log is not sealed yet
+    # A live run's log is not sealed yet: lost where the store goes with the box, else the
+    # stop seals it there (ENDED.json).
+    lost = text.split("will be lost")[1].split("kept:")[0]
+    assert ("job log of attempt 1" in lost) == (over == "ssh"), text
+    if over == "local":
+        assert "job log of attempt 1: the stop seals it into the store" in text, text
     assert "step_1.pt" not in text.split("will be lost")[1].split("kept:")[0]  # it was pulled
     assert ".staged" not in text  # no deploy left secrets staged: nothing of them to name
     if over == "local":

@@ -86,8 +86,9 @@ def test_down_of_a_stopped_run_with_nothing_sealed_names_its_unsealed_checkpoint
 ) -> None:
     """A run stopped before any checkpoint was sealed, a checkpoint file the job left on the box
     unsealed: `rgt pull N --from box` (a file:// store read on the box, over a real sshd) gives a
-    receipt down accepts; down's plan says, before it does anything, that the file is lost; the
-    store is left as it is."""
+    receipt down accepts, with the job's log its agent sealed as the run ended (ENDED.json);
+    down's plan says, before it does anything, that the file is lost (the log is not: it is
+    pulled); the store is left as it is."""
     box = Box(cli, tmp_path)
     cli("stop", RUN, check=True, timeout=120)
     cli.wait_for(RUN, lambda s: s["state"] == "STOPPED", what="the run stopped")
@@ -122,9 +123,9 @@ def test_down_of_a_stopped_run_with_nothing_sealed_names_its_unsealed_checkpoint
     down(rec, yes=True, interactive=False, ask=_never, show=shown.append)
     text = "\n".join(shown)
     lost = text.split("will be lost")[1].split("\nkept:")[0]
-    assert "checkpoint step_5.pt" in lost and "job log of attempt 1" in lost, text
-    assert "(it holds nothing sealed of the run)" in lost, text
-    assert "the pulled files in" not in text, text
+    assert "checkpoint step_5.pt" in lost and "job log" not in lost, text
+    assert "(it holds the job's logs, which the receipt has, and no sealed checkpoint)" in lost
+    assert "the pulled files in" in text, text
     assert not os.path.exists(box.run_dir)
     assert os.path.isdir(box.store_root)
 

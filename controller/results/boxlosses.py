@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 from controller.deploy.release import deploy_path, release_path
 from controller.registry import RunRecord
@@ -193,18 +193,10 @@ def losses(
             continue
         m = _JOB_LOG.match(os.path.relpath(path, run_dir))
         if m:
-            log = f"logs/attempt-{m.group(1)}.log"
-            if m.group(2):  # the agent's redacted copy of the log: counted with the log
-                continue
-            if log in redacted:
-                kept.append(
-                    f"job log of attempt {int(m.group(1))}: pulled redacted (each secret "
-                    f"masked) in {receipt.dest}"
+            if not m.group(2):  # else the agent's redacted copy of the log: counted with it
+                _job_log(
+                    m.group(1), size, (pulled, redacted, receipt.dest), logs, rec, (lost, kept)
                 )
-            elif pulled.get(log) != size:
-                where = _log_in_store(log, size, logs, str(rec.store))  # "" when not there
-                line = f"job log of attempt {int(m.group(1))}"
-                (kept if where else lost).append(line + (where or f" ({human(size)})"))
             continue
         records += 1
         records_bytes += size
@@ -217,6 +209,29 @@ def losses(
             + (" (the store keeps a mirror of state and events)" if rec.store else "")
         )
     return lost, kept, in_release(real_ckpt, real_rel) if in_rel and fate != "none" else ""
+
+
+def _job_log(
+    digits: str,
+    size: int,
+    receipt: Tuple[Dict[str, int], Set[str], str],
+    logs: Optional[Logs],
+    rec: RunRecord,
+    into: Tuple[List[str], List[str]],
+) -> None:
+    """Judge the job's log of the attempt numbered ``digits`` (``size`` bytes on the box):
+    covered where the receipt (its files by path, those pulled redacted, its dest) holds it
+    whole or redacted, kept where the store holds it (``logs``), else lost (``into``: the lost
+    and kept lines)."""
+    pulled, redacted, dest = receipt
+    lost, kept = into
+    log, attempt = f"logs/attempt-{digits}.log", int(digits)
+    if log in redacted:
+        kept.append(f"job log of attempt {attempt}: pulled redacted (each secret masked) in {dest}")
+    elif pulled.get(log) != size:
+        where = _log_in_store(log, size, logs, str(rec.store))  # "" when not there
+        line = f"job log of attempt {attempt}"
+        (kept if where else lost).append(line + (where or f" ({human(size)})"))
 
 
 def in_release(real_ckpt: str, real_rel: str) -> str:

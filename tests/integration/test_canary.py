@@ -176,8 +176,15 @@ def test_a_failing_job_that_raises_with_its_secret_leaks_it_nowhere(
     assert "last output:" in reason and "step 2 loss 0.5" in reason  # the rest is kept
     exits = [e for e in cli.events("canary-fail") if e["kind"] == "exit"]
     assert len(exits) == 2 and all("[redacted]" in e["reason"] for e in exits)
-    assert st["warnings"] == []  # a failed run seals no logs
-    cli.wait_for("canary-fail", lambda s: not s["agent"]["alive"], 30, "the agent to exit")
+    st = cli.wait_for("canary-fail", lambda s: not s["agent"]["alive"], 30, "the agent to exit")
+    # A failed run's logs are sealed as it ends (ENDED.json), each attempt's redacted, and
+    # status warns of each, never with the value.
+    assert sorted(w["attempt"] for w in st["warnings"]) == [1, 2], st["warnings"]
+    assert all(w["kind"] == "secret_in_log" for w in st["warnings"])
+    with open(os.path.join(store, "canary-fail", "ENDED.json")) as f:
+        ended = json.load(f)
+    assert ended["state"] == "FAILED" and all(e["redacted"] for e in ended["files"]), ended
+    assert len(ended["files"]) == 2, ended
     _assert_nothing_rgt_wrote_holds_it(cli, store, "canary-fail")
 
 

@@ -21,9 +21,16 @@ Whether a cell is sealed is read from the store as every store read is (retried 
 a store that cannot say (after those retries, or past its ``[store] stall``) is no box's doing:
 no queue is left for it, the sweep ends with the store's error (SweepStoreUnread, exit 14).
 
+A cell the sweep saw succeed (it read its DONE.json in the store) that the last reconcile found
+missing is continued under its own name when the store still holds its run's epoch (its result
+was lost there); when the store holds no trace of it at all, the laptop is most likely reading
+another store than the one its box writes to, and the sweep ends before deploying anything
+(WrongStore, exit 21): deployed again, every such cell's agent would refuse a run it finished.
+
 Exit: 0 when every cell succeeded; 11 when some failed (FINAL_EXIT_CODES' FAILED); 3 when a box
-was left with cells to do (RemoteUnreachable's code); 14 when the store could not be read; 0
-with ``--no-wait`` once deployed.
+was left with cells to do (RemoteUnreachable's code); 14 when the store could not be read; 21
+when the store holds nothing of cells the sweep saw succeed; 0 with ``--no-wait`` once
+deployed.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from typing import Any, Callable, Dict, List, Optional
 from controller import boxrun
 from controller.registry import Registry
 from controller.remote import Remote, open_remote
+from controller.results.sealed import has_trace, wrong_store
 from controller.runstore import open_sweep_store
 from controller.sweep import record
 from controller.sweep.plan import Cell, Plan, check_store_here
@@ -50,11 +58,13 @@ from onbox.common.errors import (
     RgtError,
     StoreError,
     UsageError,
+    WrongStore,
 )
 from onbox.common.terminal import say
 from onbox.sealing import manifest as mf
 from onbox.sealing.stores.base import with_retries
 from onbox.sealing.stores.hangbound import StoreHung
+from onbox.sealing.stores.local import LocalStore
 
 MAX_MISSES = 10  # polls in a row a box may not answer before its queue is left
 MAX_REDEPLOYS = 3  # deploys of one dead cell per invocation, before its box is left
@@ -130,7 +140,18 @@ class Driver:
 
     def remediate(self) -> None:
         """Each cell the last reconcile found failed or unverified: a fresh run (a new name,
-        the identical config); a missing one is continued under its own name."""
+        the identical config); a missing one is continued under its own name. A missing cell
+        this sweep saw succeed (it read its DONE.json in this store) whose run the store now
+        holds no trace of: WrongStore before anything is deployed (``_untraced``)."""
+        lost = [
+            (n, str(c["run"])) for n, c in self._doc()["cells"].items()
+            if c["state"] == "succeeded" and (c.get("verdict") or {}).get("verdict") == "missing"
+        ]  # fmt: skip
+        # DONE.json looked for too: a run that has it is not "nothing of it" (an agent older
+        # than the epochs), and a store that has it again needs no re-run (``_next``).
+        untraced = [n for n, run in lost if not self._traced(n, run) and not self._done(n, run)]
+        if untraced:
+            raise self._untraced(untraced)
         with record.update(self.plan.name, self.home) as doc:
             for name, c in doc["cells"].items():
                 v = (c.get("verdict") or {}).get("verdict")
@@ -141,15 +162,55 @@ class Driver:
                 elif v == "missing" and c["state"] == "succeeded":
                     c.update(state="pending", verdict=None)
 
+    def _traced(self, name: str, run: str) -> bool:
+        """Whether the store holds the run's epoch (sealed.py ``has_trace``); SweepStoreUnread
+        when the store cannot say."""
+        return self._ask(name, run, "whether it holds the run", lambda: has_trace(self.store, run))
+
+    def _untraced(self, names: List[str]) -> WrongStore:
+        """Cells the sweep saw succeed whose runs the store holds no trace of. Its result lost
+        from the store would leave the run's epoch there (onbox/sealing/epochs.py: taken before
+        its job starts, never removed by rgt); none at all is a store the boxes do not write
+        to, as this laptop reaches it now. Deployed again, each cell's agent would find its
+        DONE.json in the store it writes to and refuse to train it, until its box is left."""
+        p = self.plan
+        where = f"{p.store} at {p.store_endpoint}" if p.store_endpoint else str(p.store)
+        shown = ", ".join(names[:10]) + (f" and {len(names) - 10} more" if len(names) > 10 else "")
+        file_store = isinstance(self.store, LocalStore)
+        return WrongStore(
+            f"sweep {p.name}: the store {where} holds nothing of {len(names)} cell(s) this sweep "
+            f"saw succeed: {shown}: no DONE.json, not even the epoch each run's agent takes "
+            "there when it starts (RUN/epochs/); most likely it is not the store their boxes "
+            f"write to ({wrong_store(file_store)}{', or a mount not there' if file_store else ''}"
+            "), and nothing was deployed: each of their agents would refuse a run it finished",
+            (
+                "mount the store the boxes write to at that directory on this laptop"
+                if file_store
+                else "check that the endpoint and credentials this laptop uses reach the store "
+                "the boxes write to"
+            )
+            + f"; then rgt reconcile {p.path}, and rgt sweep {p.path} again",
+        )
+
     def _done(self, name: str, run: str) -> bool:
         """Whether the store holds the run's DONE.json, read as every store read is (retried
         past a blip); SweepStoreUnread when the store cannot say."""
+        return self._ask(
+            name,
+            run,
+            "whether it is sealed",
+            lambda: with_retries(lambda: self.store.get_bytes(mf.done_key(run))) is not None,
+        )
+
+    def _ask(self, name: str, run: str, what: str, read: Callable[[], bool]) -> bool:
+        """``read`` of the store (retried by it past a blip) about the cell ``name``;
+        SweepStoreUnread, saying ``what`` could not be said, when the store cannot say."""
         try:
-            return with_retries(lambda: self.store.get_bytes(mf.done_key(run))) is not None
+            return read()
         except StoreError as e:
             raise SweepStoreUnread(
                 f"sweep {self.plan.name}: cell {name} (run {run}): the store could not say "
-                f"whether it is sealed: {e.what.rstrip('.')}; no box is to blame, and nothing "
+                f"{what}: {e.what.rstrip('.')}; no box is to blame, and nothing "
                 "more was deployed",
                 (f"{e.remedy}; then " if e.remedy else "")
                 + f"rgt sweep {self.plan.path} again resumes where it is",

@@ -26,6 +26,7 @@ a bug and is shown with its traceback.
     ├── NotReconciled             exit 18  (controller) a sweep's cells are not all sealed+verified
     ├── SmokeFailed               exit 19  (controller) a check of `rgt smoke` failed
     ├── MeterNotSent              exit 20  (controller) the meter-stop was not sent: nothing changed
+    ├── WrongStore                exit 21  (controller) the store has no trace of cells seen done
     └── WaitInterrupted           exit 130 a Ctrl-C (or SIGTERM) ended the command's wait; what it
                                            asked goes on (`rgt-agent stop` of a live run)
 
@@ -197,6 +198,16 @@ class SmokeFailed(RgtError):
     exit_code = 19
 
 
+class WrongStore(RgtError):
+    """``rgt sweep``: the store this laptop reads holds no trace of cells the sweep saw
+    succeed there (not even the epoch each agent takes before its job starts): most likely not
+    the store their boxes write to (a wrong bucket, prefix, endpoint or directory, a mount not
+    there). Nothing is deployed: in the store its box writes to, each such run has its
+    DONE.json, so its agent would refuse to train it again."""
+
+    exit_code = 21
+
+
 class WaitInterrupted(RgtError):
     """A person's Ctrl-C (or a SIGTERM) ended a command's wait for what it had asked, which goes
     on without it (`rgt-agent stop` of a live run: the agent carries the stop); 130, as a
@@ -247,6 +258,7 @@ _BY_CODE = {
         NotReconciled,
         SmokeFailed,
         MeterNotSent,
+        WrongStore,
         WaitInterrupted,
     )
 }

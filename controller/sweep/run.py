@@ -261,6 +261,15 @@ class Driver:
                 c["runs"].append(run)
             c.update(state="running", error=None, deployed_at=time.time())
 
+    def _deploy_recorded(self, box: Box, name: str, run: str) -> None:
+        """``_deploy``, a first one or one again after its agent was gone: its error recorded
+        on the cell (so the sweep record says why it did not go on), then raised for ``step``."""
+        try:
+            self._deploy(box, name, run)
+        except RgtError as e:
+            self._set(name, error=e.line())
+            raise
+
     def step(self, box: Box) -> bool:
         """One poll of ``box``: follow its current cell, deploy its next; whether it has
         work left."""
@@ -290,7 +299,7 @@ class Driver:
                         f"rgt sweep: {current}'s agent on {box.target} is gone mid-cell: "
                         "deploying it again (it resumes from its newest sealed checkpoint)"
                     )
-                    self._deploy(box, current, run)
+                    self._deploy_recorded(box, current, run)
                     return True
             return self._next(box, names, cells)
         except RemoteUnreachable as e:
@@ -324,11 +333,7 @@ class Driver:
                 self.say(f"rgt sweep: {name} is sealed already (DONE.json): skipped")
                 continue
             self.say(f"rgt sweep: {name} -> {box.target} (run {run})")
-            try:
-                self._deploy(box, name, run)
-            except RgtError as e:
-                self._set(name, error=e.line())
-                raise
+            self._deploy_recorded(box, name, run)
             return True
         return False
 

@@ -383,7 +383,7 @@ def _verify(
             + "; ".join(bad[:5])
             + ("" if len(bad) <= 5 else f"; and {len(bad) - 5} more")
             + ". Nothing was put in place and no receipt was written",
-            "the copy at the source is damaged: try the other source (--from box or --from store)",
+            "the copy at the source is damaged: try the other source, --from box or --from store",
         )
     return fetched, durable
 

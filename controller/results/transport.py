@@ -75,8 +75,8 @@ def fetch_store(
                 raise IntegrityError(  # another size than sealed: refused before it was fetched
                     f"{e.path} ({e.origin}): {err.what}. Nothing was put in place and no "
                     "receipt was written",
-                    "the copy at the source is damaged: try the other source (--from box or "
-                    "--from store)",
+                    "the copy at the source is damaged: try the other source, --from box or "
+                    "--from store",
                 ) from None
             finished(e, sha256)
 
@@ -93,10 +93,11 @@ def _stalled(store: Store, bound: float) -> RestoreStalled:
     return RestoreStalled(
         f"{store.url} sent nothing for {took(bound)}: it stopped answering mid-download. "
         "Nothing was put in place and no receipt was written",
-        "check the store and the way to it (the network, a stopped server, a hung mount), then "
-        "pull again: it keeps the files already verified and downloads the rest whole (a store "
+        # No parentheses of its own: the CLI's line puts the whole remedy in a pair.
+        "check the store and the way to it: the network, a stopped server, a hung mount; then "
+        "pull again: it keeps the files already verified and downloads the rest whole. A store "
         "that is slow, not stopped, can be given longer: rgt pull --stall S, or the job file's "
-        "[store] stall)",
+        "[store] stall",
     )
 
 

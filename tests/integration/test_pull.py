@@ -41,6 +41,7 @@ from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from tests.conftest import ROOT, Cli, agent_exe, require
+from tests.integration.test_sweep_unread import _nesting
 from tests.mounts import tmpfs
 from tests.netns import Netns
 from tests.relay import Relay
@@ -395,13 +396,16 @@ def _sealed_store(tmp_path: Any) -> Store:
     return store
 
 
-def _assert_refused(rec: RunRecord, dest: str, source: str, name: str, laptop: str) -> None:
+def _assert_refused(
+    rec: RunRecord, dest: str, source: str, name: str, laptop: str
+) -> IntegrityError:
     with pytest.raises(IntegrityError) as info:
         pull(rec, dest, source)
     assert info.value.exit_code == 6
     assert name in info.value.what, info.value.what
     assert _finals(dest) == []  # nothing under a final name, no receipt
     assert load_state_receipt(RUN, laptop) is None
+    return info.value
 
 
 @pytest.mark.parametrize("how", ["flip", "truncate"])
@@ -411,9 +415,11 @@ def test_a_damaged_file_in_the_store_is_caught(
 ) -> None:
     store = _sealed_store(tmp_path)
     _damage(_object_file(store, 5, f"step_5/{name}"), how)
-    _assert_refused(
+    err = _assert_refused(
         _rec(store.url, str(tmp_path / "box")), str(tmp_path / "dest"), "store", name, laptop
     )
+    # The CLI's line puts the remedy in one pair of parentheses: none of its own inside.
+    assert "--from box or --from store" in err.line() and _nesting(err.line()) == 1, err.line()
 
 
 @pytest.mark.parametrize("transport", ["rsync", "stream"])

@@ -27,9 +27,11 @@ from typing import Any, Dict
 import pytest
 
 from controller.results.pull import pull
+from onbox.sealing.stores.filecopy import SMALL_FILE
 from tests import seaweed
 from tests.conftest import ROOT, require
-from tests.integration.test_pull import _finals, _read, _rec, _seal
+from tests.integration.test_pull import _finals, _read, _rec, _seal, _store
+from tests.integration.test_sweep_unread import _nesting
 from tests.seaweed import start_seaweed
 
 STEP = 4
@@ -108,6 +110,7 @@ def test_a_pull_from_a_store_stopped_mid_download_fails_within_its_bound_and_res
         assert f"{url} sent nothing for 3s" in err, err
         assert "stopped answering mid-download" in err and "pull again" in err, err
         assert "rgt pull --stall S" in err, err  # the setting that gave the bound
+        assert _nesting(err) == 1, err  # the line's remedy in one pair, none inside it
         assert "Traceback" not in err, err
         assert _finals(dest) == []  # nothing under a final name, no receipt
 
@@ -121,3 +124,43 @@ def test_a_pull_from_a_store_stopped_mid_download_fails_within_its_bound_and_res
         if stopped:
             os.kill(weed, signal.SIGCONT)
         server.stop()
+
+
+def test_a_pull_from_a_file_store_that_holds_mid_file_says_its_remedy_plainly(
+    tmp_path: Any, laptop: str
+) -> None:
+    """A ``file://`` store whose copy of the file holds after its first piece (a hung mount
+    mid-file, ``RGT_HOLD_AT=copy.after_piece``): the pull ends after the run's bound (2 s), exit
+    14, and its line's remedy, which the CLI puts in one pair of parentheses, has none of its
+    own. Before the fix it read "(check the store and the way to it (the network, ...), then
+    pull again ... (a store that is slow, not stopped, ...: rgt pull --stall S, ...))"."""
+    store = _store(tmp_path)
+    _seal(str(tmp_path), store, STEP, {"model.bin": os.urandom(SMALL_FILE + (1 << 20))})
+    rec = dataclasses.replace(_rec(store.url, str(tmp_path / "box")), store_stall=2.0)
+    dest = str(tmp_path / "dest")
+    release = tmp_path / "release"  # the held copy let go once the pull has ended
+    env = dict(os.environ, RGT_HOLD_AT="copy.after_piece", RGT_HOLD_UNTIL=str(release))
+    child = subprocess.Popen(
+        [sys.executable, "-c", PULL, json.dumps(rec.to_json()), dest],
+        cwd=ROOT,
+        env=env,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        _, err = child.communicate(timeout=WAIT)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the pull still waited on the held store after {WAIT:.0f}s")
+    finally:
+        release.touch()
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
+    assert child.returncode == 14, err
+    assert "Traceback" not in err, err
+    assert f"{store.url} sent nothing for 2s" in err and "pull again" in err, err
+    assert "a hung mount" in err and "rgt pull --stall S" in err, err
+    assert _nesting(err) == 1, err
+    assert _finals(dest) == []  # nothing under a final name, no receipt

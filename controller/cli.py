@@ -253,8 +253,8 @@ def pull(name: str, dest: Optional[str], source: str, stall: Optional[float]) ->
         _emit(
             f"{name}: nothing is sealed yet in the store (no LATEST.json, DONE.json nor "
             f"ENDED.json): nothing pulled; receipt {where} records that. rgt down {name} goes "
-            "only while nothing is sealed, and loses the run's files on the box (its plan lists "
-            "them)"
+            "only while no checkpoint nor DONE.json is sealed, and loses the run's files on the "
+            "box (its plan lists them)"
         )
         return 0
     _emit(

@@ -6,8 +6,10 @@ unless the laptop holds a verification receipt of the run
 (controller/results/receipt.py, written by ``rgt pull``) that covers its newest sealed state, read
 again
 now from the store or the box, and whose files are still in the receipt's destination (a
-receipt of a pull that found nothing sealed covers a run whose store still has nothing sealed:
-the plan then lists every checkpoint and log of the run on the box as lost). Before
+receipt of a pull that found nothing sealed covers a run whose store still has no sealed
+checkpoint nor DONE.json: the plan then lists every checkpoint of the run on the box as lost,
+and each job log as lost or, once its agent sealed them as the run ended, ENDED.json, kept in
+the store, which its first line then says). Before
 anything is done it shows what will be lost (files in the run's directory on the box that the
 receipt does not cover, nor a store that outlives the box holds: checkpoints not sealed, job
 logs not pulled nor sealed (a run with a store seals them as it ends FAILED or STOPPED, the
@@ -92,6 +94,9 @@ class DownPlan:
     instance: Optional[str] = None  # the provider's id of the box, when rgt was told it
     after: List[str] = dataclasses.field(default_factory=list)  # what the meter-stop leaves
     stopping: List[str] = dataclasses.field(default_factory=list)  # a live run's stop (below)
+    # The job's logs a store that outlives the box holds (ENDED.json's, with a receipt of
+    # nothing sealed: its agent sealed them as the run ended, after the pull).
+    store_logs: int = 0
 
     def lines(self) -> List[str]:
         r = self.receipt
@@ -102,7 +107,15 @@ class DownPlan:
             f"{human(r.total_bytes())} in {r.dest} "
             f"({r.sealed.describe()}; from the {r.source}); it covers the newest sealed state",
         ]
-        if r.sealed.nothing:  # the receipt holds no file: all of the run on the box is lost
+        if r.sealed.nothing and self.store_logs:  # the logs are in the store, not pulled
+            n = self.store_logs
+            out[1] = (
+                f"verified pull: nothing was sealed when {r.dest} was pulled (from the "
+                f"{r.source}); since, the store holds the job's log{'s' if n > 1 else ''} of "
+                f"{n} attempt{'s' if n > 1 else ''} (ENDED.json), still no sealed checkpoint: "
+                f"rgt pull {self.rec.name} brings {'them' if n > 1 else 'it'}"
+            )
+        elif r.sealed.nothing:  # the receipt holds no file: all of the run on the box is lost
             out[1] = (
                 f"verified pull: nothing was sealed when {r.dest} was pulled (from the "
                 f"{r.source}), and nothing is sealed now: no file of the run is in a pull or "
@@ -226,6 +239,7 @@ def plan_down(
     actions.append(settle.plan_line(rec, profile))
     plan = DownPlan(rec, receipt, coverage, state, lost, kept, billing, actions, grace)
     plan.profile, plan.instance, plan.after = profile, instance, after
+    plan.store_logs = len(logs.held) if logs is not None else 0
     if rec.store and state is not None and state not in TERMINAL_NAMES:
         plan.stopping = _stop_seals(rec.name, rec.store, receipt, gone)
     return plan

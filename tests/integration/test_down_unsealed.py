@@ -164,3 +164,44 @@ def test_a_store_that_holds_no_trace_of_the_run_is_not_said_to_have_nothing_seal
         plan_down(wrong, open_remote(wrong.target))
     assert f"s3://{bucket}/b holds nothing of run {RUN}" in e.value.what, e.value.what
     box.intact()
+
+
+def test_a_receipt_of_nothing_sealed_does_not_hide_the_logs_sealed_as_the_run_ended(
+    cli: Cli, tmp_path: Any, laptop: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pulled while nothing was sealed (the receipt says so), then the run stopped before any
+    checkpoint: its agent sealed the job's log with ENDED.json. Down still goes on that receipt
+    (the log is in a store that outlives the box, not a sealed checkpoint the pull missed),
+    and its plan says the store holds the log. Before: its first line said "nothing is sealed
+    now: no file of the run is in a pull or in the store" above the kept line of that log. A
+    pull now brings the log, and down goes on its receipt too."""
+    box = Box(cli, tmp_path)
+    rec = box.record()
+    code, out, err = _rgt(capsys, "pull", RUN, "--to", str(tmp_path / "dest"))
+    assert code == 0 and "nothing is sealed" in out, (code, out, err)
+    assert "goes only while no checkpoint nor DONE.json is sealed" in out, out
+    cli("stop", RUN, check=True, timeout=120)
+    cli.wait_for(
+        RUN,
+        lambda s: s["state"] == "STOPPED" and not s["agent"]["alive"],
+        what="STOPPED and the agent gone",
+    )
+    assert os.path.exists(os.path.join(box.store_root, RUN, "ENDED.json"))
+    assert box.latest() is None
+    text = "\n".join(plan_down(rec, open_remote(rec.target)).lines())
+    head = text.splitlines()[1]
+    assert "no file of the run is in a pull or in the store" not in head, text
+    assert "the store holds the job's log of 1 attempt (ENDED.json)" in head, text
+    assert f"rgt pull {RUN} brings it" in head, text
+    assert f"job log of attempt 1: sealed in the store {box.store}" in text, text
+
+    code, out, err = _rgt(capsys, "pull", RUN, "--to", str(tmp_path / "again"))
+    assert code == 0 and "the job's logs only (ENDED.json" in out, (code, out, err)
+    with open(tmp_path / "again" / ".rgt-receipt.json") as f:
+        doc = json.load(f)
+    assert [x["path"] for x in doc["files"]] == ["logs/attempt-0001.log"], doc
+    assert doc["sealed"]["ended_sha256"] and doc["sealed"]["step"] is None, doc
+    shown: List[str] = []
+    down(rec, yes=True, interactive=False, ask=_never, show=shown.append)
+    assert "job log" not in "\n".join(shown).split("will be lost")[1].split("\nkept:")[0]
+    assert not os.path.exists(box.run_dir)

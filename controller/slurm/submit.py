@@ -412,6 +412,9 @@ def submit_run(
         except RgtError as e:  # squeue failed, or the link went: whose job is live is unknown
             unsubmitted()  # nothing was submitted either way
             raise unchecked(locked, rec.name, str(known), e) from None
+        except KeyboardInterrupt:  # a Ctrl-C while squeue is slow: nothing was submitted
+            unsubmitted()  # one bounded command; a second Ctrl-C ends it (leftrelease.Left)
+            raise
         if not own:
             unsubmitted()
             raise

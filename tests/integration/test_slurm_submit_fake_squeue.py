@@ -6,16 +6,20 @@ live job is this laptop's own could not be checked, and why.
 
 Real parts: the session's single-node Slurm, the real `rgt` CLI over a real sshd "login node"
 of this test's own. The one fake: ``squeue`` on the login node's PATH is a wrapper of the real
-one that, once the test arms it, fails when called outside the submit's lock (its own
-``squeue`` inside that lock answers as Slurm does, so the submit is refused for the live job);
-nothing else on the cluster fails that way on demand.
+one that, once the test arms it, fails (or hangs, for a Ctrl-C during the look) when called
+outside the submit's lock (its own ``squeue`` inside that lock answers as Slurm does, so the
+submit is refused for the live job); nothing else on the cluster fails that way on demand.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -24,14 +28,19 @@ import pytest
 from controller.registry import Registry
 from tests.conftest import ROOT, _kill_run_processes, require
 from tests.integration.test_slurm_deploy import Login
+from tests.laptop import rgt_exe
 from tests.slurm import SlurmCluster, missing
 from tests.sshd import start_sshd
 
 NAME = "slurm-sq"
 FAKE = """#!/bin/sh
 # The real squeue, but a failure (exit 1) once {arm} exists and the caller does not hold the
-# run's submit lock (flock -n gets it: no caller holds it).
+# run's submit lock (flock -n gets it: no caller holds it); with {arm}-hang too, a squeue that
+# does not answer: it writes its PID to {arm}.pid (for the test to end it) and sleeps.
 if [ -e "{arm}" ] && flock -n "{lock}" true; then
+  if [ -e "{arm}-hang" ]; then
+    echo $$ >"{arm}.pid.tmp" && mv "{arm}.pid.tmp" "{arm}.pid" && exec sleep 300
+  fi
   echo "squeue: error: Unable to contact slurm controller (fake)" >&2; exit 1
 fi
 exec {real} "$@"
@@ -99,5 +108,70 @@ def test_a_refused_submit_whose_live_job_cannot_be_looked_at_fake_squeue_drops_i
     assert f"whether it is this laptop's own job {queued[0]}" in p.stderr, p.stderr
     assert "Unable to contact slurm controller (fake)" in p.stderr, p.stderr
     assert f"rgt: release {rel}, which this deploy pushed," in p.stderr, p.stderr
+    assert not release.exists(), "the release pushed for a job never submitted stayed"
+    assert login.queued(NAME) == queued  # nothing more submitted
+
+
+def test_ctrl_c_while_the_live_job_is_looked_at_fake_squeue_drops_its_release(
+    login: Login,
+) -> None:
+    """As above, but the look at the live job does not answer (squeue hangs) and the user
+    presses Ctrl-C (a SIGINT to rgt's whole process group, as a terminal sends it). Before the
+    fix the deploy ended (exit 130) and R, pushed for a job never submitted, stayed on the
+    login node, with no line about it. Now the Ctrl-C ends the deploy as promptly, saying what
+    became of R, which goes."""
+    flags = ["--time", "10", "--seal-time", "2", "--sbatch", "--begin=now+3600"]
+    job = ["train_plain.py", "--steps", "10"]
+    p = login.deploy(NAME, *flags, job=job)
+    assert p.returncode == 0, p.stderr
+    queued = login.queued(NAME)
+    assert len(queued) == 1, queued
+    rel = Registry(login.ctl_home).get(NAME).release
+    assert rel, "the deploy recorded no release"
+    release = Path(login.box_home, "releases", rel)
+    shutil.rmtree(release)
+    os.unlink(Path(login.box_home, "deploys", NAME, "current"))
+    arm = Path(os.path.dirname(login.project), "arm")
+    Path(f"{arm}-hang").write_text("")
+    arm.write_text("")
+    pid_file = Path(f"{arm}.pid")
+    out = Path(os.path.dirname(login.project), "deploy.out")
+    argv = [
+        *rgt_exe(), "deploy", login.target, "--profile", "slurm", "--name", NAME,
+        "--python", sys.executable, "--project", login.project,
+        "--store", "file://" + login.store, *flags, "--", sys.executable, *job,
+    ]  # fmt: skip
+    with open(out, "wb") as f:
+        # Its own process group, as a shell's foreground job: the SIGINT goes to all of it.
+        deploy = subprocess.Popen(
+            argv,
+            env=login.env(),
+            cwd=login.ctl_home,
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while not pid_file.exists():
+            assert deploy.poll() is None, out.read_bytes()[-3000:]
+            assert time.monotonic() < deadline, "the deploy never looked at the live job"
+            time.sleep(0.1)
+        os.killpg(deploy.pid, signal.SIGINT)
+        rc = deploy.wait(150)  # the drop is one command, bounded; the hung squeue is not waited
+    finally:
+        if deploy.poll() is None:
+            os.killpg(deploy.pid, signal.SIGKILL)
+            deploy.wait(10)
+        if pid_file.exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    said = out.read_bytes().decode(errors="replace")
+    assert rc == 130, (rc, said)
+    assert "Traceback" not in said, said
+    assert f"rgt: release {rel}, which this deploy pushed, was removed" in said, said
     assert not release.exists(), "the release pushed for a job never submitted stayed"
     assert login.queued(NAME) == queued  # nothing more submitted

@@ -18,6 +18,7 @@ from controller.results.receipt import Receipt
 from controller.shell import script
 from onbox.common.safepath import UnsafePath, safe_abs
 from onbox.profiles.schema import Profile
+from onbox.sealing import discovery
 
 # A release's name as rgt makes one (a content hash).
 RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
@@ -188,7 +189,7 @@ def losses(
         at = _real(path, release, real_rel) if release else path
         at = _real(at, run_dir, real_run)
         if (inside or skip) and _inside(at, real_ckpt):
-            held_as = (pulled, held, workdir)
+            held_as = (pulled, held, workdir, not skip or job_files is not None)
             _checkpoint(os.path.relpath(at, real_ckpt), path, size, held_as, (lost, in_store))
             continue
         m = _JOB_LOG.match(os.path.relpath(path, run_dir))
@@ -246,22 +247,40 @@ def _checkpoint(
     rel: str,
     path: str,
     size: int,
-    held_as: Tuple[Dict[str, int], storekept.Held, str],
+    held_as: Tuple[Dict[str, int], storekept.Held, str, bool],
     into: Tuple[List[str], List[Tuple[int, str, int]]],
 ) -> None:
     """Judge the file ``rel`` of the checkpoint dir (``path`` as the box listed it): nothing
     where the receipt holds it (as ``checkpoints/<rel>``, or as a declared output: a checkpoint
     dir may be the workdir), else its lost line or its entry in the store that holds it
     (``into``: the lost lines and those entries). ``held_as``: the receipt's files by path, what
-    the store holds, the workdir."""
-    pulled, held, workdir = held_as
+    the store holds, the workdir, and whether the job wrote the file (False: a release without
+    its marker, where a pushed file cannot be told from the job's). A file that is no
+    checkpoint (``_is_checkpoint``) is lost as the file it is, not as a checkpoint."""
+    pulled, held, workdir, written = held_as
     if pulled.get(f"checkpoints/{rel}") == size or _pulled_output(path, size, workdir, pulled):
         return
     step = storekept.holding(held, rel, size)
-    if step is None:
-        into[0].append(f"checkpoint {rel} ({human(size)})")
-    else:
+    if step is not None:
         into[1].append((step, rel, size))
+    elif _is_checkpoint(rel):
+        into[0].append(f"checkpoint {rel} ({human(size)})")
+    else:  # notes.txt in a checkpoint dir that is the workdir (`--ckpt-dir .`), a config
+        who = "the job wrote " if written else ""
+        into[0].append(f"file {rel} {who}in the checkpoint dir ({human(size)})")
+
+
+def _is_checkpoint(rel: str) -> bool:
+    """Whether the file ``rel`` of the checkpoint dir is worded as a checkpoint in down's plan:
+    a loose file in a checkpoint format (onbox/sealing/discovery.py), or a file of a directory
+    named for a step (``checkpoint-500/config.json``); no hidden or temporary name on the way.
+    Only words: the file is judged (kept, pulled or lost) the same either way."""
+    parts = rel.split("/")
+    if any(discovery.skip(p) for p in parts):
+        return False
+    if len(parts) == 1:
+        return discovery.is_ckpt_file(rel)
+    return discovery.step_from_name(parts[0]) is not None or discovery.is_ckpt_file(parts[-1])
 
 
 def _pulled_output(path: str, size: int, workdir: str, pulled: Dict[str, int]) -> bool:

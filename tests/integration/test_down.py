@@ -206,7 +206,7 @@ def test_down_after_a_verified_pull_stops_the_run_and_removes_only_its_box_files
     plan = down(rec, yes=False, interactive=True, ask=ask, show=shown.append)
     text = "\n".join(shown)
     assert len(asked) == 1 and RUN in asked[0]
-    assert "checkpoint notes.txt" in text  # on the box only: lost
+    assert "file notes.txt the job wrote in the checkpoint dir" in text  # box only: lost
     # A live run's log is not sealed yet: lost where the store goes with the box, else the
     # stop seals it there (ENDED.json).
     lost = text.split("will be lost")[1].split("kept:")[0]

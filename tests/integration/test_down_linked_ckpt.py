@@ -76,7 +76,7 @@ def test_down_judges_a_linked_checkpoint_dir_where_its_files_are(
     kept = _section(text, "\nkept:", "\nbilling:")
     assert "step_3.pt" not in lost, text  # pulled
     if way == "in":
-        assert "checkpoint .step_4.pt.tmp (4 B)" in lost, text
+        assert "file .step_4.pt.tmp the job wrote in the checkpoint dir (4 B)" in lost, text
         assert "not removed" not in text, text
     else:
         assert f"the checkpoint dir {named} -> {real} on the box (outside the run dir: not " in (

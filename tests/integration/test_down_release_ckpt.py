@@ -137,9 +137,17 @@ def test_down_of_a_checkpoint_dir_that_is_the_release_lists_only_what_the_job_wr
     text = "\n".join(plan_down(rec, open_remote(rec.target)).lines())
     lost = _section(text, "will be lost", "\nkept:")
     assert "train.py" not in lost and "step_1.pt" not in lost, text  # pulled
-    assert ("checkpoint conf/.base.yaml (8 B)" in lost) is not marked, text
+    # Not a checkpoint (no checkpoint format, a hidden name): said as the file it is. Before,
+    # each was "checkpoint notes.txt (18 B)". Without the marker, a pushed file cannot be told
+    # from one the job wrote, and the line does not say who wrote it.
+    written = "the job wrote" if marked else ""
+    assert ("file conf/.base.yaml in the checkpoint dir (8 B)" in lost) is not marked, text
     assert ".rgt-release" not in lost, text
-    assert "step_2.pt (17 B)" in lost and "notes.txt (18 B)" in lost, text
+    assert "  checkpoint step_2.pt (17 B)\n" in lost, text
+    assert (
+        f"  file notes.txt {written + ' ' if written else ''}in the checkpoint dir (18 B)\n" in lost
+    )
+    assert "checkpoint notes.txt" not in lost and "checkpoint conf/" not in lost, text
     will = text.split("\ndown will:\n")[1]
     assert (
         f"remove {release} unless another run uses it, and with it the checkpoint dir, which "

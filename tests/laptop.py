@@ -3,7 +3,8 @@ home of the test's own, reaching a test sshd by the command line a platform woul
 
 ``laptop_env(ctl, box)`` is the environment for it (no user ssh config, short keepalive and
 connect timeouts so that a cut link ends in seconds, no RGT_HOME of the caller's);
-``run_rgt(argv, env, cwd)`` runs it (stdin closed, output captured, bounded by ``timeout``).
+``run_rgt(argv, env, cwd)`` runs it (stdin closed, output captured, bounded by ``timeout``);
+``nesting(line)`` says how deep an error line's parentheses go.
 """
 
 from __future__ import annotations
@@ -56,3 +57,13 @@ def run_rgt(
         timeout=timeout,
         cwd=str(cwd),
     )
+
+
+def nesting(text: str) -> int:
+    """How deep parentheses go in ``text``: the CLI's line puts the remedy in one pair, so
+    a remedy of its own in parentheses reads as a riddle."""
+    depth = most = 0
+    for ch in text:
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        most = max(most, depth)
+    return most

@@ -119,8 +119,9 @@ def _stalled(store: Store, bound: float, longer: str) -> RestoreStalled:
     return RestoreStalled(
         f"{store.url} sent nothing of the checkpoint for {took(bound)} ({human(done)} of "
         f"{human(total)} downloaded): it stopped answering mid-download; nothing was put in place",
-        "check the store and the way to it (the network, a stopped server, a hung mount), then "
-        f"start again; a store that slow can be given longer: {longer}",
+        # No parentheses of its own: the CLI's line puts the whole remedy in a pair.
+        "check the store and the way to it: the network, a stopped server, a hung mount; then "
+        f"start again. A store that slow can be given longer: {longer}",
     )
 
 

@@ -41,7 +41,7 @@ from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from tests.conftest import ROOT, Cli, agent_exe, require
-from tests.integration.test_sweep_unread import _nesting
+from tests.laptop import nesting as _nesting
 from tests.mounts import tmpfs
 from tests.netns import Netns
 from tests.relay import Relay

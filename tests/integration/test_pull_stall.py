@@ -31,7 +31,7 @@ from onbox.sealing.stores.filecopy import SMALL_FILE
 from tests import seaweed
 from tests.conftest import ROOT, require
 from tests.integration.test_pull import _finals, _read, _rec, _seal, _store
-from tests.integration.test_sweep_unread import _nesting
+from tests.laptop import nesting as _nesting
 from tests.seaweed import start_seaweed
 
 STEP = 4

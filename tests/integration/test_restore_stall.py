@@ -40,6 +40,7 @@ from onbox.sealing.stores.base import Store
 from onbox.sealing.stores.filecopy import SMALL_FILE
 from tests import seaweed
 from tests.conftest import Cli, agent_exe, require
+from tests.laptop import nesting
 from tests.sealsvc import old_box_sealer
 from tests.seaweed import start_seaweed
 
@@ -220,6 +221,9 @@ def test_rgt_deploy_says_the_restore_stalled_on_a_store_that_stopped_moving_byte
                 os.kill(agent["pid"], signal.SIGKILL)
     assert p.returncode == 14, (out, err)
     assert f"file://{root} sent nothing of the checkpoint for 2s" in err, err
+    # The line `rgt deploy` prints puts the box's remedy in one pair: none of its own inside.
+    line = next(x for x in err.splitlines() if "sent nothing of the checkpoint" in x)
+    assert "a hung mount" in line and nesting(line) == 1, line
     assert "Traceback" not in err, err
     _nothing_in_place(os.path.join(cli.home, "runs", RUN, "ckpt"))
     _gone(cli, err)

@@ -42,7 +42,7 @@ from onbox.sealing.stores.filecopy import SMALL_FILE
 from onbox.sealing.stores.hangbound import StoreHung
 from tests import seaweed
 from tests.conftest import Cli, agent_exe, require
-from tests.laptop import rgt_exe
+from tests.laptop import nesting, rgt_exe
 from tests.sealsvc import old_box_sealer
 from tests.seaweed import SeaweedServer, start_seaweed
 
@@ -244,6 +244,9 @@ def test_a_restore_whose_download_stalls_names_the_stall_option_that_bounded_it(
     assert rc == 14, (out, err)
     assert f"{store.url} sent nothing of the checkpoint for 2s" in err, err
     assert "can be given longer: --stall" in err and "[store] stall" not in err, err
+    # The CLI's line puts the remedy in one pair of parentheses: none of its own inside it.
+    line = next(x for x in err.splitlines() if "sent nothing of the checkpoint" in x)
+    assert "a hung mount" in line and nesting(line) == 1, line
     assert not os.path.exists(to)
 
 

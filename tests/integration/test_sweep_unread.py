@@ -32,6 +32,7 @@ from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from onbox.sealing.stores.filecopy import SMALL_FILE
 from tests.integration.test_store_hung import _bounded, _weed
+from tests.laptop import nesting as _nesting
 from tests.laptop import rgt_exe
 from tests.relay import Relay
 from tests.sealsvc import old_box_sealer
@@ -80,16 +81,6 @@ def _verdicts(home: str) -> Dict[str, Any]:
         return {
             n: (c.get("verdict") or {}).get("verdict") for n, c in json.load(f)["cells"].items()
         }
-
-
-def _nesting(text: str) -> int:
-    """How deep parentheses go in ``text``: the CLI's line puts the remedy in one pair, so
-    a remedy of its own in parentheses reads as a riddle."""
-    depth = most = 0
-    for ch in text:
-        depth += {"(": 1, ")": -1}.get(ch, 0)
-        most = max(most, depth)
-    return most
 
 
 def _reconcile(plan: str, env: Dict[str, str], cwd: str) -> Tuple[int, str, str]:

@@ -26,7 +26,8 @@ from onbox.sealing import manifest as mf
 from onbox.sealing.epochs import take_epoch
 from onbox.sealing.stores import open_store
 from tests.integration.test_store_hung import _bounded
-from tests.integration.test_sweep_unread import _nesting, _plan, _verdicts
+from tests.integration.test_sweep_unread import _plan, _verdicts
+from tests.laptop import nesting as _nesting
 from tests.laptop import rgt_exe
 
 

@@ -353,12 +353,14 @@ def gate(rec: RunRecord, home: Optional[str] = None) -> None:
         report = reconcile(doc, cells=ran, home=home, duplicates=False)
         bad = [f for f in report.findings if not f.ok]
         if bad:
-            # a reason holds the store's words: shown as one line, driving nothing
-            shown = printable("; ".join(f"{f.cell}: {f.verdict} ({f.reason})" for f in bad[:3]))
+            # a reason holds the store's words: shown as one line, driving nothing. No pair
+            # around it: a reason's own parentheses would nest, as would the remedy's inside
+            # the CLI's line (what (remedy)).
+            shown = printable("; ".join(f"{f.cell} is {f.verdict}: {f.reason}" for f in bad[:3]))
             more = f"; and {len(bad) - 3} more" if len(bad) > 3 else ""
             raise UnsafeRefused(
                 f"run {rec.name}: {rec.target.label} ran cells of sweep {doc['sweep']} that are "
                 f"not reconciled: {shown}{more}",
-                f"rgt reconcile {doc.get('plan') or 'PLAN.toml'} (then rgt sweep it to re-run "
-                "them); down only once every cell that ran there is sealed and verified",
+                f"rgt reconcile {doc.get('plan') or 'PLAN.toml'}, then rgt sweep it to re-run "
+                "them; down only once every cell that ran there is sealed and verified",
             )

@@ -14,13 +14,14 @@ from __future__ import annotations
 import os
 from typing import Any, Dict
 
+from controller.registry import Registry, RunRecord
 from controller.sweep import record
 from controller.sweep.plan import load_plan
 from onbox.sealing.epochs import take_epoch
 from onbox.sealing.stores import open_store
 from tests.integration.test_store_hung import _bounded
 from tests.integration.test_sweep_unread import _plan, _verdicts
-from tests.laptop import rgt_exe
+from tests.laptop import nesting, rgt_exe
 
 
 def test_a_cell_the_store_holds_no_trace_of_is_not_said_to_be_on_its_way(
@@ -55,3 +56,32 @@ def test_a_cell_the_store_holds_no_trace_of_is_not_said_to_be_on_its_way(
     assert "another store than this one (a wrong directory)" in line, out
     assert "still running" not in line, out
     assert set(_verdicts(home).values()) == {"missing"}, _verdicts(home)
+
+
+def test_rgt_down_refused_by_the_gate_says_each_reason_without_nesting_parentheses(
+    tmp_path: Any, controller_env: Dict[str, str]
+) -> None:
+    """`rgt down` of a cell's run that the store holds no trace of is refused by the sweep's
+    gate (exit 7, before the box is asked anything); its line names the cell, its verdict and
+    the reconcile reason, whose own parentheses ("(a wrong directory)") are the only ones
+    inside the remedy's pair. Before the fix each reason was wrapped in a pair of its own
+    ("missing (... (a wrong directory) ...)"), and the remedy held "(then rgt sweep it ...)"."""
+    root = tmp_path / "durable"
+    root.mkdir()
+    url = f"file://{root}"
+    plan = _plan(tmp_path, url)
+    home = controller_env["RGT_CONTROLLER_HOME"]
+    record.begin(load_plan(plan), home)
+    with record.update("sw", home) as doc:
+        for c in doc["cells"].values():
+            c.update(runs=[c["run"]], state="running")
+    cell = min(doc["cells"], key=lambda n: doc["cells"][n]["index"])
+    run = str(doc["cells"][cell]["run"])
+    Registry(home).put(RunRecord(run, record.cell_target(doc["cells"][cell]), store=url))
+    env = dict(os.environ, **controller_env)
+    rc, out, err = _bounded([*rgt_exe(), "down", run, "--yes"], env, str(tmp_path))
+    assert rc == 7, (out, err)
+    assert "Traceback" not in err, err
+    line = next(ln for ln in err.splitlines() if "not reconciled" in ln)
+    assert f"{cell} is missing: the store" in line and "(a wrong directory)" in line, line
+    assert f"rgt reconcile {plan}" in line and nesting(line) == 1, line

@@ -243,7 +243,7 @@ class Ledger:
             f"is {newest or 'none'}): it is not the store this agent took the run in (was the "
             f"durable mount unmounted? the bucket emptied?); {what} is not sealed",
             "check the store; nothing is written to it until the run's epoch is back there "
-            "(or the run is started again); the checkpoints stay on the box",
+            "or the run is started again; the checkpoints stay on the box",
         )
 
     def is_writer(self) -> bool:

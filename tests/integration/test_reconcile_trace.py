@@ -85,3 +85,31 @@ def test_rgt_down_refused_by_the_gate_says_each_reason_without_nesting_parenthes
     line = next(ln for ln in err.splitlines() if "not reconciled" in ln)
     assert f"{cell} is missing: the store" in line and "(a wrong directory)" in line, line
     assert f"rgt reconcile {plan}" in line and nesting(line) == 1, line
+
+
+def test_rgt_down_gated_on_a_hung_store_says_its_remedy_without_nesting_parentheses(
+    tmp_path: Any, controller_env: Dict[str, str]
+) -> None:
+    """`rgt down` of a cell's run whose ``file://`` store hangs as a mount does on its reads
+    (``RGT_HOLD_AT=store.get``): the gate's reconcile ends after the job file's 2 s, exit 14,
+    and the store's remedy ("check the mount and its server") sits in the CLI's one pair with
+    none of its own. Before the fix it read "(check the mount and its server (NFS, a FUSE
+    daemon), then try again; ...)"."""
+    root = tmp_path / "durable"
+    root.mkdir()
+    url = f"file://{root}"
+    plan = _plan(tmp_path, url)
+    home = controller_env["RGT_CONTROLLER_HOME"]
+    record.begin(load_plan(plan), home)
+    with record.update("sw", home) as doc:
+        for c in doc["cells"].values():
+            c.update(runs=[c["run"]], state="running")
+    cell = min(doc["cells"], key=lambda n: doc["cells"][n]["index"])
+    run = str(doc["cells"][cell]["run"])
+    Registry(home).put(RunRecord(run, record.cell_target(doc["cells"][cell]), store=url))
+    env = dict(os.environ, **controller_env, RGT_HOLD_AT="store.get")
+    rc, out, err = _bounded([*rgt_exe(), "down", run, "--yes"], env, str(tmp_path))
+    assert rc == 14, (out, err)
+    assert "Traceback" not in err, err
+    line = next(ln for ln in err.splitlines() if "did not answer for 2s" in ln)
+    assert "check the mount and its server" in line and nesting(line) == 1, line

@@ -66,7 +66,7 @@ def open_box_store(url: Union[str, StoreURL], run: str, staged: bool = False) ->
     except OSError as e:
         raise HostError(
             f"cannot read the secrets of run {run!r} for its store: {e.strerror or e}",
-            f"send them again: rgt deploy ... --secret-env VAR (or rgt-agent secrets {run})",
+            f"send them again: rgt deploy ... --secret-env VAR, or rgt-agent secrets {run}",
         ) from None
     return open_store(url, secrets=secrets)
 

@@ -116,11 +116,12 @@ def target_error(e: OSError, doing: str) -> HostError:
     """The error for an OSError on a download's own file: this machine's disk refused it (full,
     out of inodes, read-only, failing). A HostError, not a StoreError: nothing it says about
     the object in the store, so a restore never quarantines a checkpoint for it."""
+    # No parentheses of its own: the CLI's line puts the whole remedy in a pair.
     remedy = {
-        errno.ENOSPC: "free space and inodes (df -h, df -i) on that disk, then start again",
+        errno.ENOSPC: "free space and inodes on that disk, df -h and df -i say, then start again",
         errno.EDQUOT: "the disk quota of this user is used up: free some, then start again",
-        errno.EROFS: "the filesystem is read-only (remounted after errors?): check dmesg",
-    }.get(e.errno or 0, "check that disk (dmesg), then start again")
+        errno.EROFS: "the filesystem is read-only, perhaps remounted after errors: check dmesg",
+    }.get(e.errno or 0, "check that disk in dmesg, then start again")
     return HostError(f"{doing}: {e.strerror or e}", remedy)
 
 

@@ -52,7 +52,8 @@ class HangBound:
 
     url: str
     hangs = "the mount under it hangs"
-    to_check = "check the mount and its server (NFS, a FUSE daemon)"
+    # No parentheses in the remedy (to_check and _remedy): the CLI's line puts it in a pair.
+    to_check = "check the mount and its server, NFS or a FUSE daemon"
     _bound: Optional[float] = None
     _longer = STALL_SETTING  # how a user gives the store longer, for the error
     _hung: Optional[Tuple[str, float]] = None  # (what, bound) of a call left past its bound

@@ -100,7 +100,7 @@ class HFStore(HangBound, Store):
     so a Hub that stopped answering held them for ever."""
 
     hangs = "the Hub (or the mirror HF_ENDPOINT names), or the network to it, stopped answering"
-    to_check = "check the Hub (status.huggingface.co, or the mirror's server) and the network to it"
+    to_check = "check the Hub, status.huggingface.co or the mirror's server, and the network to it"
 
     def __init__(
         self,
@@ -391,7 +391,7 @@ class HFStore(HangBound, Store):
                 raise IntegrityError(
                     f"{self.url}/{key}: {found[0]} bytes in the store, the MANIFEST says "
                     f"{size} bytes",
-                    "the object in the store is not the one sealed (damaged or replaced): "
+                    "the object in the store is not the one sealed, damaged or replaced: "
                     "nothing of it was downloaded",
                 )
             revision = found[1] or REVISION

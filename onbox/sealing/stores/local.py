@@ -353,7 +353,7 @@ class LocalStore(HangBound, Store):
             raise IntegrityError(
                 f"{self._path(key)}: {st.st_size} bytes in the store, the MANIFEST says "
                 f"{size} bytes",
-                "the object in the store is not the one sealed (damaged or replaced): "
+                "the object in the store is not the one sealed, damaged or replaced: "
                 "nothing of it was copied",
             )
         with open(src, "rb") as f, new_download(dest, f"downloading {key}", os_error, lanes) as fd:

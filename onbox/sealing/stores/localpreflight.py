@@ -58,7 +58,7 @@ def check_root(root: str) -> None:
         f"the store root {root} does not exist on this box, and {why}: rgt does not make it "
         "there, because a mistyped durable path would put every checkpoint on the box's own "
         "disk, lost with the box",
-        f"if {root} is the right path, create it (mkdir -p {root}) and start again; else fix "
+        f"if {root} is the right path, create it with mkdir -p {root} and start again; else fix "
         "the path in --store",
     )
 

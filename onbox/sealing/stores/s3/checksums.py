@@ -34,8 +34,8 @@ CHECKSUMS = ("auto", "crc32", "md5")
 VERIFIED_BY = {"crc32": "its CRC32 checked by the store", "md5": "Content-MD5 and ETag verified"}
 # Why an ETag that is not the MD5 need not mean damage: the remedy of every ETag mismatch.
 SSE_ETAGS = (
-    "the bucket encrypts with SSE-KMS/SSE-C (whose ETags are not MD5s, so uploads cannot be "
-    "verified without reading back)"
+    "the bucket encrypts with SSE-KMS/SSE-C, whose ETags are not MD5s, so uploads cannot be "
+    "verified without reading back"
 )
 
 

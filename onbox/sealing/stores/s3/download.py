@@ -90,7 +90,7 @@ def _download(store: S3Store, key: str, dest: str, expect: Optional[int], lanes:
         if expect is not None and size != expect:  # not fetched: it could fill the target
             raise IntegrityError(
                 f"{doing}: {size} bytes in the store, the MANIFEST says {expect} bytes",
-                "the object in the store is not the one sealed (damaged or replaced): "
+                "the object in the store is not the one sealed, damaged or replaced: "
                 "nothing of it was kept",
             )
         version = str(head.get("ETag") or "")
@@ -190,7 +190,7 @@ def _get_whole(
         close()
         raise IntegrityError(
             f"{doing}: {length} bytes in the store, the MANIFEST says {size} bytes",
-            "the object in the store is not the one sealed (damaged or replaced): "
+            "the object in the store is not the one sealed, damaged or replaced: "
             "nothing of it was kept",
         )
     h = hashlib.sha256()

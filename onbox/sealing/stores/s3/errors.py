@@ -36,15 +36,15 @@ TRANSIENT_CODES = {
 AUTH_CODES = {
     "InvalidAccessKeyId": (
         "the store does not know the access key {key}",
-        "check AWS_ACCESS_KEY_ID (or the profile) and that the key belongs to this endpoint",
+        "check AWS_ACCESS_KEY_ID or the profile, and that the key belongs to this endpoint",
     ),
     "SignatureDoesNotMatch": (
         "the secret key does not match the access key {key}",
-        "check AWS_SECRET_ACCESS_KEY (or the profile)",
+        "check AWS_SECRET_ACCESS_KEY or the profile",
     ),
     "ExpiredToken": (
         "the session token has expired",
-        "refresh the temporary credentials (AWS_SESSION_TOKEN, sso login)",
+        "refresh the temporary credentials: AWS_SESSION_TOKEN, sso login",
     ),
     "InvalidToken": ("the session token is invalid", "refresh the temporary credentials"),
     "TokenRefreshRequired": ("the session token must be refreshed", "refresh the credentials"),
@@ -87,7 +87,7 @@ def client_error(store: S3Store, e: Any, doing: str) -> Exception:
     if code == "RequestTimeTooSkewed":
         return PermanentStoreError(
             f"{doing}: the store refuses requests because this machine's clock is off",
-            "synchronise the clock (NTP)",
+            "synchronise the clock, with NTP",
         )
     if code == "AccessDenied" or status == 403:
         return PermanentStoreError(

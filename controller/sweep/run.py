@@ -115,6 +115,16 @@ def show_plan(plan: Plan, doc: Optional[Dict[str, Any]], say: Say) -> None:
     say(f"store: {plan.store} (each cell under its run name)")
 
 
+def _redeploys_left(name: str, times: int, cell: Dict[str, Any]) -> str:
+    """Why a box is left whose current cell ``name`` was taken as gone ``times`` times: the
+    error its last deploy again failed with, which the cell keeps (``_deploy_recorded``; a
+    deploy that went through clears it), else its agent dying each time."""
+    error = cell.get("error")
+    if isinstance(error, str) and error:
+        return f"{name} could not be deployed again: {error.removeprefix('rgt: ')}"
+    return f"{name}'s agent died {times} times"
+
+
 class Driver:
     """One invocation of ``rgt sweep`` over the boxes of a plan."""
 
@@ -293,7 +303,7 @@ class Driver:
                 else:
                     box.redeploys += 1
                     if box.redeploys > MAX_REDEPLOYS:
-                        box.left = f"{current}'s agent died {box.redeploys} times"
+                        box.left = _redeploys_left(current, box.redeploys, cells[current])
                         return False
                     self.say(
                         f"rgt sweep: {current}'s agent on {box.target} is gone mid-cell: "

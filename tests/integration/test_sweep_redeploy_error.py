@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Dict
+from typing import Any, Dict, List, Tuple
 
 from controller.sweep import record
 from controller.sweep.plan import load_plan
@@ -22,13 +22,10 @@ from tests.laptop import rgt_exe
 BOX = "rgt-sweep-unread-box.invalid"
 
 
-def test_a_failed_deploy_of_a_cell_whose_agent_is_gone_is_recorded_on_the_cell(
-    tmp_path: Any, controller_env: Dict[str, str]
-) -> None:
-    """The first cell is running in the sweep's record, with no run record on this laptop (a
-    deploy cut off before it: the sweep takes its agent as gone) and nothing sealed; the sweep
-    deploys it again, and each deploy fails. Before the fix the cell's error stayed None: only
-    a pending cell's first deploy recorded its error."""
+def _swept(tmp_path: Any, controller_env: Dict[str, str]) -> Tuple[int, str, str, List[str]]:
+    """`rgt sweep` of a two-cell plan on BOX whose first cell is running in the sweep's
+    record, with no run record on this laptop (a deploy cut off before it: the sweep takes its
+    agent as gone) and nothing sealed: (exit code, stdout, stderr, the cells in order)."""
     home = controller_env["RGT_CONTROLLER_HOME"]
     root = tmp_path / "durable"
     root.mkdir()
@@ -40,6 +37,18 @@ def test_a_failed_deploy_of_a_cell_whose_agent_is_gone_is_recorded_on_the_cell(
         gone.update(runs=[gone["run"]], state="running")
     env = dict(os.environ, **controller_env)
     rc, out, err = _bounded([*rgt_exe(), "sweep", plan, "--interval", "0.1"], env, str(tmp_path))
+    return rc, out, err, cells
+
+
+def test_a_failed_deploy_of_a_cell_whose_agent_is_gone_is_recorded_on_the_cell(
+    tmp_path: Any, controller_env: Dict[str, str]
+) -> None:
+    """The first cell is running in the sweep's record, with no run record on this laptop (a
+    deploy cut off before it: the sweep takes its agent as gone) and nothing sealed; the sweep
+    deploys it again, and each deploy fails. Before the fix the cell's error stayed None: only
+    a pending cell's first deploy recorded its error."""
+    home = controller_env["RGT_CONTROLLER_HOME"]
+    rc, out, err, cells = _swept(tmp_path, controller_env)
     assert rc == 3, (out, err)
     assert "Traceback" not in err, err
     assert f"{cells[0]}'s agent on {BOX} is gone mid-cell" in err, err
@@ -50,3 +59,21 @@ def test_a_failed_deploy_of_a_cell_whose_agent_is_gone_is_recorded_on_the_cell(
     assert c["state"] == "running", c  # its agent gone, its run not done: the next sweep goes on
     assert c["error"] and c["error"].startswith("rgt: ") and BOX in c["error"], c
     assert got[cells[1]]["state"] == "pending" and got[cells[1]]["error"] is None, got
+
+
+def test_a_box_left_after_its_redeploys_failed_says_why_in_the_summary(
+    tmp_path: Any, controller_env: Dict[str, str]
+) -> None:
+    """As above: the summary's line for the box that is left says the last deploy's error
+    (its box cannot be reached), the cause the cell's record keeps. Before the fix it said
+    only "its agent died 4 times", as if the job's agent had died on the box each time."""
+    home = controller_env["RGT_CONTROLLER_HOME"]
+    rc, out, err, cells = _swept(tmp_path, controller_env)
+    assert rc == 3, (out, err)
+    with open(os.path.join(home, "sweeps", "sw.json")) as f:
+        error = json.load(f)["cells"][cells[0]]["error"]
+    assert error and error.startswith(f"rgt: cannot reach {BOX}: "), error  # RemoteUnreachable
+    left = [ln for ln in err.splitlines() if "its queue is left" in ln]
+    assert len(left) == 1 and left[0].startswith(f"  {BOX}: its queue is left: "), err
+    assert f"{cells[0]} could not be deployed again: " in left[0], left[0]
+    assert error[len("rgt: ") :] in left[0] and "agent died" not in left[0], left[0]

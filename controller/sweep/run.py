@@ -97,7 +97,7 @@ def deploy_command(cell: Cell) -> List[str]:
     return ["env", *[f"{k}={v}" for k, v in sorted(cell.env.items())], *cell.command]
 
 
-def show_plan(plan: Plan, doc: Optional[Dict[str, Any]], say: Say) -> None:
+def show_plan(plan: Plan, say: Say) -> None:
     """What the sweep would do (``--dry-run``)."""
     from controller.sweep.plan import assign
 
@@ -399,7 +399,7 @@ def sweep(
 ) -> int:
     """``rgt sweep`` (module docstring); the exit code."""
     if dry_run:
-        show_plan(plan, record.load(plan.name, home), say)
+        show_plan(plan, say)
         return 0
     if plan.slurm:
         try:  # helper module of the Slurm wing (controller/slurm/array.py)

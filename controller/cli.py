@@ -24,20 +24,23 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import click
 
-from controller import observe
 from controller.emit.cli import emit
-from controller.registry import Registry, RunRecord
 from controller.smoke.cli import run_smoke, smoke_cmd
 from controller.sweep.cli import reconcile_cmd, sweep_cmd
-from onbox.agent.observe import warning_lines
 from onbox.common.climain import run_cli
 from onbox.common.duration import parse_duration
 from onbox.common.errors import FINAL_EXIT_CODES, NotFound, UsageError
 from onbox.common.terminal import printable
+
+if TYPE_CHECKING:
+    from controller.registry import Registry, RunRecord
+
+# Every `rgt` command pays for the modules imported here, at its start: what only some commands
+# need (observing a run, a pull, a sweep) is imported inside them (tests/unit/test_cli_start.py).
 
 
 def _emit(text: str = "") -> None:
@@ -53,8 +56,16 @@ def cli() -> None:
     checkpointed and sealed to durable storage without this laptop."""
 
 
+def _registry() -> Registry:
+    """This laptop's record of its runs (imported here: with it comes the ssh layer, which
+    `rgt --help`, `rgt profiles` or `rgt emit` never use)."""
+    from controller.registry import Registry
+
+    return Registry()
+
+
 def _pick(name: Optional[str]) -> RunRecord:
-    reg = Registry()
+    reg = _registry()
     if name:
         return reg.get(name)
     runs = reg.all()
@@ -169,6 +180,8 @@ def doctor(target: str, **options: Any) -> int:
 def status(name: Optional[str], as_json: bool) -> int:
     """The run's state, from the box, or from the store when the box does not answer or the
     run was taken down (rgt down)."""
+    from controller import observe
+
     rec = _pick(name)
     doc, why = observe.status(rec)
     if as_json:
@@ -187,6 +200,8 @@ def status(name: Optional[str], as_json: bool) -> int:
 @click.option("--until-done", is_flag=True, help="Exit when the run ends.")
 def watch(name: Optional[str], interval: float, once: bool, until_done: bool) -> int:
     """A live view: state, attempt, step rate, loss, GPU, disk, memory, sealed age, events."""
+    from controller import observe
+
     rec = _pick(name)
     final = observe.watch(rec, interval=interval, once=once, until_done=until_done, out=sys.stdout)
     if until_done:
@@ -212,7 +227,9 @@ def report(name: Optional[str], out: Optional[str]) -> int:
 @click.option("-f", "--follow", is_flag=True, help="Keep printing until interrupted.")
 def logs(name: str, follow: bool) -> int:
     """The job's own output, every attempt, from the box."""
-    return observe.logs(Registry().get(name), follow, sys.stdout.buffer)
+    from controller import observe
+
+    return observe.logs(_registry().get(name), follow, sys.stdout.buffer)
 
 
 @cli.command()
@@ -220,7 +237,9 @@ def logs(name: str, follow: bool) -> int:
 @click.option("--grace", metavar="S", help="Seconds the job gets before SIGKILL.")
 def stop(name: str, grace: Optional[str]) -> int:
     """Stop the run's job (it can be deployed again; nothing is deleted)."""
-    return observe.stop(Registry().get(name), grace)
+    from controller import observe
+
+    return observe.stop(_registry().get(name), grace)
 
 
 @cli.command()
@@ -241,8 +260,9 @@ def pull(name: str, dest: Optional[str], source: str, stall: Optional[float]) ->
     from controller.results.destination import RESULTS_DIR
     from controller.results.pull import pull as do_pull
     from controller.results.pull import terminal_progress
+    from onbox.agent.observe import warning_lines
 
-    rec = Registry().get(name)
+    rec = _registry().get(name)
     # The default is a directory of rgt's own, which git (and deploy) then ignore.
     results = None if dest else RESULTS_DIR
     dest = dest or os.path.join(RESULTS_DIR, name)
@@ -309,7 +329,7 @@ def down(name: str, yes: bool, instance: Optional[str]) -> int:
     from controller.results.receipt import state_receipt_path
 
     try:
-        rec = Registry().get(name)
+        rec = _registry().get(name)
     except NotFound:
         if os.path.exists(state_receipt_path(name)):
             _emit(f"{name} was taken down already; its receipt is {state_receipt_path(name)}")
@@ -330,7 +350,7 @@ def down(name: str, yes: bool, instance: Optional[str]) -> int:
 @click.option("--json", "as_json", is_flag=True, help="A JSON array.")
 def runs(as_json: bool) -> int:
     """The runs this laptop deployed, and where they went."""
-    recs = Registry().all()
+    recs = _registry().all()
     if as_json:
         _emit(json.dumps([r.to_json() for r in recs], indent=1))
         return 0

@@ -8,14 +8,17 @@ stdout. Bad input is a UsageError naming its field (exit 2), raised before anyth
 from __future__ import annotations
 
 import os
-from typing import Any, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple, Union
 
 import click
 
-from controller.emit.common import load_job, write_out
-from onbox.agent.spec import Overrides
 from onbox.common.errors import UsageError
-from onbox.common.storeurl import StoreURL
+
+if TYPE_CHECKING:
+    from onbox.common.storeurl import StoreURL
+
+# This module is imported by every `rgt` command (controller/cli.py registers the group): what
+# the emitters need (the job file's reader, the spec) is imported inside the commands.
 
 
 @click.group("emit")
@@ -83,6 +86,7 @@ def emit_k8s(
     complete; the next pod restores the last sealed checkpoint (Kubernetes >= 1.29)."""
     from controller import profiles as prof
     from controller.emit import k8s
+    from controller.emit.common import write_out
 
     _check_k8s_names(pvc, secret, image_dir)
     profile = prof.load(k8s.PROFILE)
@@ -132,6 +136,8 @@ def emit_skypilot(
     """A SkyPilot task YAML (sky jobs launch): rgt-agent run as the run step, the bucket as the
     store, a preemption hook that asks rgt for the final seal."""
     from controller.emit import skypilot
+    from controller.emit.common import load_job, write_out
+    from onbox.agent.spec import Overrides
 
     spec = load_job(job_file, Overrides(store=store))
     seal = _seal(seal_time, spec.store, [spec.name])

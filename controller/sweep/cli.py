@@ -10,7 +10,8 @@ import json
 
 import click
 
-from controller.sweep.plan import check_store_here, load_plan
+# This module is imported by every `rgt` command (controller/cli.py registers these two): the
+# plan's reader and the sweep itself are imported inside the commands.
 
 
 @click.command("sweep")
@@ -22,6 +23,7 @@ def sweep_cmd(plan_file: str, dry_run: bool, no_wait: bool, interval: float) -> 
     """Fan PLAN.toml's grid out over its boxes (one sequential queue per box, split by cost),
     each cell its own run, outputs and store prefix; track them to the end. Run it again to
     resume: finished cells are skipped, a cell whose box died resumes from its store."""
+    from controller.sweep.plan import load_plan
     from controller.sweep.run import sweep
 
     return sweep(load_plan(plan_file), dry_run=dry_run, wait=not no_wait, interval=interval)
@@ -35,6 +37,7 @@ def reconcile_cmd(plan_file: str, as_json: bool) -> int:
     verified (sha256 against its manifest, loaded where a format); lists missing, failed,
     unverified and duplicate cells. Exit 0 only when all is reconciled, else 18."""
     from controller.sweep import record
+    from controller.sweep.plan import check_store_here, load_plan
     from controller.sweep.reconcile import raise_unless_ok, reconcile, remember
     from onbox.common.errors import UsageError
 

@@ -46,7 +46,6 @@ from controller import contacts, envnames
 from controller.deploy import audit as auditmod
 from controller.deploy import guess as guessmod
 from controller.deploy.boxspec import record_box_store
-from controller.deploy.boxstart import after_start, finished_line, start_on_box
 from controller.deploy.install import AgentInstall, found_install, install_agent
 from controller.deploy.leftrelease import Left
 from controller.deploy.look import Live, live_refusal, look, look_args, refuse_live_elsewhere
@@ -58,7 +57,6 @@ from controller.deploy.wheel import AgentWheel, agent_wheel
 from controller.registry import Registry, RunRecord
 from controller.remote import Remote, open_remote
 from controller.runstore import store_fields
-from controller.slurm.submit import submit_run
 from controller.target import Target
 from onbox.common import jobenv
 from onbox.common.errors import (
@@ -69,6 +67,10 @@ from onbox.common.errors import (
 from onbox.common.rundir import profiles_dir
 from onbox.common.terminal import printable, say
 from onbox.profiles.load import SHIPPED_DIR
+
+# Imported inside deploy(), where they are used: controller.deploy.boxstart (a deploy that finds
+# its run live, as one of unchanged code does, starts nothing) and controller.slurm.submit (a
+# Slurm deploy's alone); `rgt deploy` pays for every module imported here at its start.
 
 _say = say  # progress lines; one stderr will not take is dropped (terminal.say)
 
@@ -157,23 +159,27 @@ def deploy(
             _put_override(remote, plan, box_home)
         if plan.slurm is not None and plan.guess is not None:
             # A batch job runs the agent (controller/slurm/submit.py): submitted, not started.
+            from controller.slurm.submit import submit_run  # (see the imports above)
+
             opts = _agent_args("run", plan, store, tail=False)[5:]  # after --profile P
             return submit_run(
                 remote, registry, plan.slurm, rec, opts, plan.job_rel, prev, say, staged,
                 unsubmitted=lambda: left.drop("the cluster refused the submit"),
             )  # fmt: skip
+        from controller.deploy import boxstart  # (see the imports above)
+
         argv = rec.agent_argv(*_agent_args("start", plan, store))
-        started = start_on_box(
+        started = boxstart.start_on_box(
             remote, registry, rec, plan.target.label, argv, pushed.path, staged, pushed, say
         )
         registry.put(rec)
         if not started:  # the run is finished: it never runs in this release
-            say(finished_line(plan.name))
+            say(boxstart.finished_line(plan.name))
             return rec
         if plan.req.store is None and plan.job_store:  # the job file's, as the agent took it
             rec = record_box_store(remote, registry, rec, plan.target.label, say)
         switch_current(remote, box_home, plan.name, pushed.id)
-        after_start(remote, rec, plan.target.label, say, raise_ended)
+        boxstart.after_start(remote, rec, plan.target.label, say, raise_ended)
         return rec
     finally:
         remote.close()

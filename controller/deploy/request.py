@@ -15,12 +15,11 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from controller.deploy import guess as guessmod
 from controller.profiles import user_dirs as profile_dirs
 from controller.runstore import store_at
-from controller.slurm.submit import SlurmAsk, check_ask
 from controller.target import Target, parse_target
 from onbox.agent.profileuse import meter_deadline
 from onbox.agent.spec import (
@@ -36,6 +35,9 @@ from onbox.common.rundir import check_name
 from onbox.common.storeurl import StoreURL, parse_store_setting, restore_stall
 from onbox.profiles.load import load
 from onbox.profiles.schema import Profile
+
+if TYPE_CHECKING:
+    from controller.slurm.submit import SlurmAsk
 
 
 @dataclasses.dataclass
@@ -229,6 +231,41 @@ def named_profile(name: str, target: Target, dirs: Sequence[str]) -> guessmod.Gu
     return guessmod.Guess(profile, "given with --profile")
 
 
+def _slurm_ask(
+    req: DeployRequest,
+    guess: Optional[guessmod.Guess],
+    name: str,
+    job_rel: Optional[str],
+    store: Optional[StoreURL],
+) -> Optional[SlurmAsk]:
+    """The Slurm flags checked (controller/slurm/submit.py ``check_ask``): the batch job asked
+    for, None for a profile that is not Slurm's (or not chosen yet), which refuses the flags."""
+    kind = guess.profile.kind if guess is not None else None
+    flags = (req.slurm_time, req.partition, req.gpus, req.cpus, req.mem, req.seal_time)
+    if kind != "slurm" and all(v is None for v in flags) and not req.sbatch:
+        # Nothing to check (check_ask says None): its module, with the batch script's, is not
+        # imported, since `rgt deploy` pays for every module it imports at its start.
+        return None
+    from controller.slurm.submit import check_ask
+
+    return check_ask(
+        kind=kind,
+        time=req.slurm_time,
+        partition=req.partition,
+        gpus=req.gpus,
+        cpus=req.cpus,
+        mem=req.mem,
+        sbatch=req.sbatch,
+        seal_time=req.seal_time,
+        run=name,
+        store=store,
+        grace=guess.profile.preemption.grace if guess is not None else 0.0,
+        command=req.command,
+        job_file=job_rel,
+        cells=req.cells,
+    )
+
+
 def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
     """The request checked: UsageError for what the box would refuse, before it is touched."""
     target: Target = parse_target(req.target)
@@ -261,22 +298,7 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
         raise naming_file(e, req.job_file) from None
     check_outputs(list(req.outputs), "--output")  # as the box would, before anything changes
     secrets = _secrets(req.secret_env, environ)
-    slurm = check_ask(
-        kind=guess.profile.kind if guess is not None else None,
-        time=req.slurm_time,
-        partition=req.partition,
-        gpus=req.gpus,
-        cpus=req.cpus,
-        mem=req.mem,
-        sbatch=req.sbatch,
-        seal_time=req.seal_time,
-        run=name,
-        store=_run_store(req.store, job_store, endpoint),
-        grace=guess.profile.preemption.grace if guess is not None else 0.0,
-        command=req.command,
-        job_file=job_rel,
-        cells=req.cells,
-    )
+    slurm = _slurm_ask(req, guess, name, job_rel, _run_store(req.store, job_store, endpoint))
     if slurm is not None and secrets:
         # rgt keeps a run's secrets in a 0600 file on the box's local disk, never on a shared
         # mount; a cluster's $HOME (where the agent's run lives) is shared by every node.

@@ -17,7 +17,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import hashlib
-import importlib.metadata
 import io
 import os
 import stat
@@ -73,6 +72,10 @@ EXTRAS: Dict[str, Tuple[Requirement, ...]] = {
 
 def version() -> str:
     """The version of the rgt this controller runs."""
+    # (Imported here: importlib.metadata brings the email package, which no command needs
+    # before it builds the wheel.)
+    import importlib.metadata
+
     try:
         return importlib.metadata.version(DIST_NAME)
     except importlib.metadata.PackageNotFoundError:

@@ -61,3 +61,11 @@ def test_help_imports_no_command_body(argv: List[str]) -> None:
     mods = _imported(f"from controller.cli import main\nmain({argv!r})")
     assert "controller.cli" in mods  # the probe ran what it says
     assert _offending(mods, HELP_NEVER) == []
+
+
+def test_deploy_start_imports_only_what_a_live_deploy_runs() -> None:
+    """`rgt deploy`'s imports (controller.cli, then controller.deploy.flow): none of a Slurm
+    deploy's, the start's (a live run starts nothing), observing's or a sweep's."""
+    mods = _imported("import controller.cli, controller.deploy.flow")
+    assert "controller.deploy.flow" in mods
+    assert _offending(mods, NEVER + ("controller.deploy.boxstart",)) == []

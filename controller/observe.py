@@ -18,16 +18,12 @@ from typing import IO, Any, Dict, List, Optional, Tuple
 from controller import boxrun
 from controller.registry import RunRecord
 from controller.remote import Remote, box_float, box_int, open_remote
-from controller.runstore import open_run_store
 from controller.shell import script
 from onbox.agent.observe import health_lines, public_state, shaped, warning_lines
 from onbox.agent.states import TERMINAL_NAMES
 from onbox.common import jsondoc
 from onbox.common.errors import IntegrityError, NotFound, RemoteUnreachable, RgtError
 from onbox.common.terminal import printable, printable_lines
-from onbox.sealing import manifest as mf
-from onbox.sealing.quarantine import quarantine_reasons
-from onbox.sealing.restore import in_effect, sealed_steps
 
 # One round trip: the agent's status, then the box's view of what limits the run.
 SNAPSHOT = script("observe.sh")
@@ -128,6 +124,11 @@ def from_store(rec: RunRecord) -> Dict[str, Any]:
             f"{rec.target.label} does not answer and run {rec.name!r} has no store",
             "nothing else knows its state; try again when the box is reachable",
         )
+    from controller.runstore import open_run_store  # (here: a box that answers needs no store)
+    from onbox.sealing import manifest as mf
+    from onbox.sealing.quarantine import quarantine_reasons
+    from onbox.sealing.restore import in_effect, sealed_steps
+
     store = open_run_store(rec)
     raw = store.get_bytes(mf.state_key(rec.name, "state.json"))
     if raw is None:

@@ -69,3 +69,13 @@ def test_deploy_start_imports_only_what_a_live_deploy_runs() -> None:
     mods = _imported("import controller.cli, controller.deploy.flow")
     assert "controller.deploy.flow" in mods
     assert _offending(mods, NEVER + ("controller.deploy.boxstart",)) == []
+
+
+def test_status_start_imports_no_store() -> None:
+    """`rgt status`, `watch`, `logs`, `stop` (controller.observe): the store's modules are read
+    only when the box does not answer (observe.from_store)."""
+    mods = _imported("import controller.cli, controller.observe")
+    assert "controller.observe" in mods
+    never = [n for n in NEVER if n != "controller.observe"]
+    never += ["controller.runstore", "onbox.sealing"]
+    assert _offending(mods, never) == []

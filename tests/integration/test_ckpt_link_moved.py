@@ -298,6 +298,9 @@ def test_a_link_seen_before_the_sealer_was_killed_is_recorded_by_the_next_one(
     first = _held_seal(tmp_path, store.url, "own", str(d), work=work)
     try:
         _wait_copying(first, str(root))
+        # Its copy may begin before its first look at the dir's links: killed only once that
+        # look has put last.ckpt -> step 2 in its durable memory (what the test is about).
+        _remembered(work, first, "last.ckpt", "epoch=0-step=2.ckpt")
     finally:
         first.kill()  # by its PID: SIGKILL, before step 2's MANIFEST
         first.communicate()  # its pipes closed

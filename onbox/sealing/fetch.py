@@ -134,7 +134,8 @@ def unwritable(dest_dir: str, e: OSError) -> HostError:
     return HostError(
         f"cannot restore into {dest_dir}: {e.strerror or e}"
         + (f" ({e.filename})" if e.filename and e.filename != dest_dir else ""),
-        "pass --to a directory this user can write (or fix the checkpoint dir's permissions)",
+        # No parentheses of its own: the CLI's line puts the whole remedy in a pair.
+        "pass --to a directory this user can write, or fix the checkpoint dir's permissions",
     )
 
 
@@ -147,7 +148,7 @@ def check_target(doc: Dict[str, Any], dest_dir: str) -> None:
         except NotADirectoryError as e:
             raise HostError(
                 f"cannot restore {f['path']!r} into {dest_dir}: {e.filename} is not a directory",
-                "remove it, or restore into another directory (--to)",
+                "remove it, or restore into another directory with --to",
             ) from None
         except OSError as e:
             raise unwritable(dest_dir, e) from None
@@ -158,7 +159,7 @@ def check_target(doc: Dict[str, Any], dest_dir: str) -> None:
         if stat.S_ISDIR(st.st_mode):
             raise HostError(
                 f"cannot restore {f['path']!r} into {dest_dir}: a directory is in its place",
-                "remove it, or restore into another directory (--to)",
+                "remove it, or restore into another directory with --to",
             )
 
 

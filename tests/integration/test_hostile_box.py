@@ -41,6 +41,7 @@ from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from tests.conftest import Cli, agent_exe, require
 from tests.integration.test_pull import _seal
+from tests.laptop import nesting
 from tests.seaweed import SeaweedServer
 from tests.sshd import SshServer, missing, start_sshd
 
@@ -727,8 +728,9 @@ def test_restore_from_a_missing_store_leaves_no_empty_target(cli: Cli, tmp_path:
         ("{tmp}/a-file", 9, "not a directory"),
         ("{tmp}/a-file/x", 9, "not a directory"),
         ("{tmp}/has-a-file", 9, "step_5 is not a directory"),
+        ("{tmp}/has-a-dir", 9, "a directory is in its place"),
     ],
-    ids=["proc", "a-file", "under-a-file", "a-file-on-the-way"],
+    ids=["proc", "a-file", "under-a-file", "a-file-on-the-way", "a-dir-in-place"],
 )
 def test_restore_into_a_target_that_cannot_be_written_is_one_line(
     cli: Cli, tmp_path: Path, to: str, code: int, needle: str
@@ -737,10 +739,13 @@ def test_restore_into_a_target_that_cannot_be_written_is_one_line(
     (tmp_path / "a-file").write_bytes(b"x")
     (tmp_path / "has-a-file").mkdir()
     (tmp_path / "has-a-file" / "step_5").write_bytes(b"x")
+    (tmp_path / "has-a-dir" / "step_5" / "model.pt").mkdir(parents=True)
     before = _tree(str(tmp_path))
     p = _restore(cli, store, to.format(tmp=tmp_path))
     assert p.returncode == code, p.stdout + p.stderr
-    assert needle in _one_line(p)
+    line = _one_line(p)
+    # The CLI puts the remedy in one pair of parentheses: none of its own inside it.
+    assert needle in line and nesting(line) == 1, line
     assert _tree(str(tmp_path)) == before
 
 

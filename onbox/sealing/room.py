@@ -146,7 +146,9 @@ class Room:
                 "each one left is the newest state, not sealed in the store as it is now, "
                 "open for writing, or a symlink in the checkpoint dir leads to it",
                 klass="permanent",
-                remedy="free disk space (df -h, df -i), or let the job keep fewer checkpoints",
+                # No parentheses of its own: a remedy is printed inside a pair.
+                remedy="free disk space or inodes, df -h and df -i show which ran short; "
+                "or let the job keep fewer checkpoints",
             )
         return freed
 

@@ -37,6 +37,7 @@ from onbox.sealing.room import is_low
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from tests.conftest import Cli, agent_exe, require
+from tests.laptop import nesting
 
 MiB = 1 << 20
 
@@ -116,6 +117,8 @@ def test_a_low_disk_never_deletes_an_in_place_checkpoint_holding_the_newest_step
     assert "freed_local" not in [e["kind"] for e in events]
     [stuck] = [e for e in events if e["kind"] == "room_exhausted"]
     assert stuck["klass"] == "permanent" and "df -i" in stuck["remedy"]
+    # A remedy is printed inside one pair of parentheses: none of its own in it.
+    assert nesting(stuck["remedy"]) == 0, stuck["remedy"]
 
 
 def test_a_low_disk_deletes_only_bytes_sealed_exactly_and_reached_by_latest(

@@ -213,14 +213,7 @@ def plan_down(
             rec, receipt, spec, run_dir, remote, profile, held, logs
         )
     if rec.store and gone:
-        what = (
-            " (it holds nothing sealed of the run)"
-            if receipt.sealed.nothing
-            else " (it holds the job's logs, which the receipt has, and no sealed checkpoint)"
-            if receipt.sealed.step is None and not receipt.sealed.done
-            else ", every sealed checkpoint in it (the receipt holds the newest)"
-        )
-        lost.append(f"the store {rec.store}{what}: {gone}")
+        lost.append(f"the store {rec.store}{_gone_holds(rec, remote, receipt)}: {gone}")
     elif rec.store:
         kept.append(storekept.store_line(rec.store, held, keep))
     if not receipt.sealed.nothing:  # a pull of nothing sealed put no file there
@@ -274,6 +267,23 @@ def _store_holds(
     if gone:
         return gone, {}, None
     return "", storekept.held(rec, remote), boxlosses.Logs(storekept.logs(rec, remote))
+
+
+def _gone_holds(rec: RunRecord, remote: Remote, receipt: Receipt) -> str:
+    """What the plan says a store the meter-stop deletes holds, after its name. A receipt of a
+    pull that found nothing sealed is the pull's word, not the store's now: the job's logs its
+    agent sealed there with ENDED.json since (a run that ended FAILED or STOPPED; covers_newest
+    lets down go on them) are read, as a store that outlives the box has them read."""
+    if receipt.sealed.nothing:
+        if storekept.logs(rec, remote):
+            return (
+                " (it holds the job's logs, sealed as the run ended, which the receipt does not"
+                " have, and no sealed checkpoint)"
+            )
+        return " (it holds no sealed checkpoint nor job log of the run)"
+    if receipt.sealed.step is None and not receipt.sealed.done:
+        return " (it holds the job's logs, which the receipt has, and no sealed checkpoint)"
+    return ", every sealed checkpoint in it (the receipt holds the newest)"
 
 
 def _present(remote: Remote, run_dir: str, staged: str) -> Tuple[bool, bool]:

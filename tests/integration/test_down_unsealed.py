@@ -24,7 +24,7 @@ from controller.results.down import down, plan_down
 from controller.target import Target
 from onbox.common.errors import UnsafeRefused
 from tests.conftest import Cli
-from tests.integration.test_down import RUN, Box
+from tests.integration.test_down import RUN, Box, _pod_profile
 from tests.seaweed import SeaweedServer
 from tests.sshd import SshServer
 
@@ -205,3 +205,46 @@ def test_a_receipt_of_nothing_sealed_does_not_hide_the_logs_sealed_as_the_run_en
     down(rec, yes=True, interactive=False, ask=_never, show=shown.append)
     assert "job log" not in "\n".join(shown).split("will be lost")[1].split("\nkept:")[0]
     assert not os.path.exists(box.run_dir)
+
+
+def test_a_store_the_meter_stop_deletes_is_not_said_to_hold_nothing_when_it_holds_ended_logs(
+    cli: Cli,
+    tmp_path: Any,
+    laptop: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A file:// store on a pod's volume disk (the terminate deletes it), pulled while nothing
+    was sealed; then the run stopped before any checkpoint and its agent sealed the job's log
+    there with ENDED.json. Before: down's plan said the store, lost with the pod, "holds nothing
+    sealed of the run" (the receipt's word, not the store's). Now it reads the store and says
+    that it holds the job's logs, which the receipt does not have."""
+    box = Box(cli, tmp_path)
+    profiles = tmp_path / "profiles"
+    profiles.mkdir()
+    monkeypatch.setenv("RGT_PROFILES_DIR", str(profiles))
+    _pod_profile(str(profiles), os.path.dirname(box.store_root), network_volume=False)
+    rec = dataclasses.replace(box.record(), profile="pod")
+    Registry().put(rec)
+    code, out, err = _rgt(capsys, "pull", RUN, "--to", str(tmp_path / "dest"))
+    assert code == 0 and "nothing is sealed" in out, (code, out, err)
+
+    def store_line() -> str:
+        text = "\n".join(plan_down(rec, open_remote(rec.target)).lines())
+        lost = text.split("will be lost")[1].split("\nbilling:")[0]
+        [line] = [x for x in lost.splitlines() if x.startswith(f"  the store {box.store} (")]
+        assert "the provider deletes it at the meter-stop (terminate)" in line, text
+        return line
+
+    assert "the job's logs" not in store_line()  # nothing sealed yet, logs included
+    cli("stop", RUN, check=True, timeout=120)
+    cli.wait_for(
+        RUN,
+        lambda s: s["state"] == "STOPPED" and not s["agent"]["alive"],
+        what="STOPPED and the agent gone",
+    )
+    assert os.path.exists(os.path.join(box.store_root, RUN, "ENDED.json"))
+    assert box.latest() is None
+    line = store_line()
+    assert "nothing sealed" not in line and "nor job log" not in line, line
+    assert "the job's logs" in line and "the receipt does not have" in line, line

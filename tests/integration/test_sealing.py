@@ -1075,10 +1075,16 @@ def test_a_low_disk_frees_only_sealed_local_copies_oldest_first(tmp_path: Any) -
         subprocess.run(["umount", "-l", small])
 
 
+# A job that rewrites one file in place, and before the next rewrite waits (60 s at most) until
+# the sealer has sealed the last one: a rewrite sooner than the sealer can stage the file loses
+# that version by nature (the job wrote over it), and a loaded machine can make the sealer that
+# slow; what is checked is that each version it had time for is a sealed step of its own.
 TORCH_INPLACE = """
-import hashlib, os, time, torch
+import glob, hashlib, os, sys, time, torch
 torch.manual_seed(0)
 model = torch.nn.Linear(256, 256)
+sealed = os.path.join(sys.argv[1], "*", "MANIFEST.json")
+saves = 0
 for step in range(1, 41):
     with torch.no_grad():
         model.weight.add_(0.01)
@@ -1086,6 +1092,10 @@ for step in range(1, 41):
         torch.save({"step": step, "model": model.state_dict()}, "ckpt.pt")
         with open("ckpt.pt", "rb") as f:
             print("saved", step, hashlib.sha256(f.read()).hexdigest(), flush=True)
+        saves += 1
+        deadline = time.monotonic() + 60
+        while len(glob.glob(sealed)) < saves and time.monotonic() < deadline:
+            time.sleep(0.05)
     time.sleep(0.1)
 """
 
@@ -1101,9 +1111,10 @@ def test_a_plain_torch_save_in_place_script_gets_every_checkpoint_sealed(
     with open(script, "w") as f:
         f.write(TORCH_INPLACE)
     job = os.path.join(work, "job.toml")
+    argv = [sys.executable, script, os.path.join(root, "tp", "checkpoints")]  # where it waits
     with open(job, "w") as f:  # keep them all, to compare every one with what the job saved
         f.write(
-            f'command = {json.dumps([sys.executable, script])}\nstore = "file://{root}"\n'
+            f'command = {json.dumps(argv)}\nstore = "file://{root}"\n'
             '[checkpoint]\ndir = "."\nkeep = 20\n'
         )
     cli("start", job, "--name", "tp", check=True)

@@ -12,7 +12,7 @@ Real parts: a ``file://`` store on this machine, the epoch taken by the agent's 
 from __future__ import annotations
 
 import os
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 from controller.registry import Registry, RunRecord
 from controller.sweep import record
@@ -58,14 +58,9 @@ def test_a_cell_the_store_holds_no_trace_of_is_not_said_to_be_on_its_way(
     assert set(_verdicts(home).values()) == {"missing"}, _verdicts(home)
 
 
-def test_rgt_down_refused_by_the_gate_says_each_reason_without_nesting_parentheses(
-    tmp_path: Any, controller_env: Dict[str, str]
-) -> None:
-    """`rgt down` of a cell's run that the store holds no trace of is refused by the sweep's
-    gate (exit 7, before the box is asked anything); its line names the cell, its verdict and
-    the reconcile reason, whose own parentheses ("(a wrong directory)") are the only ones
-    inside the remedy's pair. Before the fix each reason was wrapped in a pair of its own
-    ("missing (... (a wrong directory) ...)"), and the remedy held "(then rgt sweep it ...)"."""
+def _running_cell(tmp_path: Any, controller_env: Dict[str, str]) -> Tuple[str, str, str]:
+    """A sweep over a ``file://`` store that holds nothing, its cells recorded running and its
+    first cell's run known to this laptop: (the plan, that cell, its run)."""
     root = tmp_path / "durable"
     root.mkdir()
     url = f"file://{root}"
@@ -78,6 +73,18 @@ def test_rgt_down_refused_by_the_gate_says_each_reason_without_nesting_parenthes
     cell = min(doc["cells"], key=lambda n: doc["cells"][n]["index"])
     run = str(doc["cells"][cell]["run"])
     Registry(home).put(RunRecord(run, record.cell_target(doc["cells"][cell]), store=url))
+    return str(plan), cell, run
+
+
+def test_rgt_down_refused_by_the_gate_says_each_reason_without_nesting_parentheses(
+    tmp_path: Any, controller_env: Dict[str, str]
+) -> None:
+    """`rgt down` of a cell's run that the store holds no trace of is refused by the sweep's
+    gate (exit 7, before the box is asked anything); its line names the cell, its verdict and
+    the reconcile reason, whose own parentheses ("(a wrong directory)") are the only ones
+    inside the remedy's pair. Before the fix each reason was wrapped in a pair of its own
+    ("missing (... (a wrong directory) ...)"), and the remedy held "(then rgt sweep it ...)"."""
+    plan, cell, run = _running_cell(tmp_path, controller_env)
     env = dict(os.environ, **controller_env)
     rc, out, err = _bounded([*rgt_exe(), "down", run, "--yes"], env, str(tmp_path))
     assert rc == 7, (out, err)
@@ -95,18 +102,7 @@ def test_rgt_down_gated_on_a_hung_store_says_its_remedy_without_nesting_parenthe
     and the store's remedy ("check the mount and its server") sits in the CLI's one pair with
     none of its own. Before the fix it read "(check the mount and its server (NFS, a FUSE
     daemon), then try again; ...)"."""
-    root = tmp_path / "durable"
-    root.mkdir()
-    url = f"file://{root}"
-    plan = _plan(tmp_path, url)
-    home = controller_env["RGT_CONTROLLER_HOME"]
-    record.begin(load_plan(plan), home)
-    with record.update("sw", home) as doc:
-        for c in doc["cells"].values():
-            c.update(runs=[c["run"]], state="running")
-    cell = min(doc["cells"], key=lambda n: doc["cells"][n]["index"])
-    run = str(doc["cells"][cell]["run"])
-    Registry(home).put(RunRecord(run, record.cell_target(doc["cells"][cell]), store=url))
+    plan, cell, run = _running_cell(tmp_path, controller_env)
     env = dict(os.environ, **controller_env, RGT_HOLD_AT="store.get")
     rc, out, err = _bounded([*rgt_exe(), "down", run, "--yes"], env, str(tmp_path))
     assert rc == 14, (out, err)

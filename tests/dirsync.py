@@ -3,9 +3,10 @@
 No crash can be simulated for real here (no device-mapper to drop unflushed writes), so the
 tests check the order of the real calls instead: every ``mkdir`` is wrapped, and so are
 ``fsync``, ``replace``/``rename`` and ``link``, each recording the absolute path it acted on
-(a descriptor resolved through /proc/self/fd) and then doing the real call. A directory is
-durable once its parent has been fsynced after it was made (POSIX; ext4's journal happens to
-order it, a network or FUSE mount need not).
+(a descriptor resolved through /proc/self/fd) in the order the calls were made (an fsync is
+recorded as it starts; the others as they are done, under the lock that orders the record).
+A directory is durable once its parent has been fsynced after it was made (POSIX; ext4's
+journal happens to order it, a network or FUSE mount need not).
 """
 
 from __future__ import annotations
@@ -41,9 +42,13 @@ class DirSyncSpy:
             with self._lock:
                 self.events.append((kind, path))
 
+        # The call and its record are made under one lock: the sealer's puts make directories
+        # from several threads, and a record taken after the lock was let go could land behind
+        # another thread's mkdir of a directory inside it (or its parent's fsync).
         def mkdir(path: Any, mode: int = 0o777, *, dir_fd: Optional[int] = None) -> None:
-            real_mkdir(path, mode, dir_fd=dir_fd)
-            record("mkdir", _at(path, dir_fd))
+            with self._lock:
+                real_mkdir(path, mode, dir_fd=dir_fd)
+                self.events.append(("mkdir", _at(path, dir_fd)))
 
         def fsync(fd: Any) -> None:
             fd = fd if isinstance(fd, int) else fd.fileno()
@@ -54,8 +59,9 @@ class DirSyncSpy:
             def call(
                 src: Any, dst: Any, *, src_dir_fd: Any = None, dst_dir_fd: Any = None, **kw: Any
             ) -> None:
-                real(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, **kw)
-                record(kind, _at(dst, dst_dir_fd))
+                with self._lock:
+                    real(src, dst, src_dir_fd=src_dir_fd, dst_dir_fd=dst_dir_fd, **kw)
+                    self.events.append((kind, _at(dst, dst_dir_fd)))
 
             return call
 

@@ -70,6 +70,7 @@ HOLDS = (
     "leftovers.after_term",  # the leftovers got SIGTERM, their grace not yet waited; until: never
     "store.get",  # a file:// store's read of a document (local.py get_bytes), hung; until: never
     "store.list",  # a file:// store's listing (local.py list), as on a hung mount; until: never
+    "memo.half_written",  # a rank wrote half its memo (onbox/train/rankverify.py); until: never
 )
 HOLD_FOR = 120.0  # a hold is let go after this long: a test that never acts fails, not hangs
 

@@ -11,6 +11,9 @@ $RGT_HOME/                      RGT_HOME defaults to ~/.rgt
     sync.request                written by `rgt-agent sync`; removed once everything is sealed
     checkpoint.request          written by the agent to ask the job for a checkpoint (trigger
                                 "file"; the training API watches it)
+    verified/                   0700; the job's ranks' memos of the checkpoints one of them
+                                hashed at resume, so the others need not (onbox/train/
+                                rankverify.py): NAME.lock, NAME.json
     sealer.json                 the sealer's memory of in-place checkpoint sequences
     sealer-links.json           the sealer's memory of the checkpoint dir's links (last.ckpt)
     epoch.json                  the epoch this box's newest writer of the run took in the store
@@ -45,6 +48,9 @@ CHECKPOINT_REQUEST = "checkpoint.request"
 # While this file is in the run directory, the training API writes no new local checkpoint: the
 # disk probe (onbox/health/disk.py) found the disk too full for one.
 CHECKPOINT_HOLD = "checkpoint.hold"
+# The directory under the run dir where the ranks of a job on one box record which checkpoint
+# files one of them verified (onbox/train/rankverify.py), so that the others skip hashing them.
+VERIFIED = "verified"
 _FIRST = frozenset("abcdefghijklmnopqrstuvwxyz0123456789")
 _REST = _FIRST | frozenset("._-")
 

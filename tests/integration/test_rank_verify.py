@@ -17,6 +17,7 @@ import importlib.util
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -192,6 +193,51 @@ def test_the_ranks_on_one_box_hash_a_checkpoint_once_and_resume_the_same_step(
         "blob.bin",
         "state.pt",
     ]
+
+
+_TORCHRUN_JOB = """
+import os, sys
+sys.path.insert(0, {root!r})
+import torch
+from onbox.train import Checkpointer
+
+def rchar():
+    with open("/proc/self/io") as f:
+        return int(next(l for l in f if l.startswith("rchar:")).split()[1])
+
+ck = Checkpointer(sys.argv[1], handle_signals=False, model=torch.nn.Linear(4, 4))
+before = rchar()
+step = ck.load()
+with open(os.path.join(sys.argv[2], os.environ["RANK"]), "w") as f:
+    f.write(f"{{step}} {{rchar() - before}}")
+"""
+
+
+def test_the_ranks_of_a_real_torchrun_hash_a_checkpoint_once(tmp_path: Any) -> None:
+    """The same under torchrun itself (its own LOCAL_WORLD_SIZE, RANK, TORCHELASTIC_*): the
+    environment the gate reads is the one it sets."""
+    d, out = str(tmp_path / "ck"), tmp_path / "out"
+    _checkpoints(d)
+    out.mkdir()
+    run = _run_dir(tmp_path)
+    job = tmp_path / "job.py"
+    job.write_text(_TORCHRUN_JOB.format(root=ROOT))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS)]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", port, str(job), d, str(out)]
+    _settle(d)
+    p = subprocess.Popen(cmd, env=_env(run, None), start_new_session=True)
+    try:
+        assert p.wait(timeout=WAIT) == 0
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)  # torchrun and its workers: its session
+            p.wait()
+    got = [(out / str(r)).read_text().split() for r in range(RANKS)]
+    assert [int(step) for step, _ in got] == [2] * RANKS
+    assert sum(1 for _, read in got if int(read) >= BLOB) == 1, got
 
 
 def test_a_damaged_checkpoint_is_refused_by_every_rank_after_one_hash(tmp_path: Any) -> None:

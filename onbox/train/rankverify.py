@@ -93,8 +93,10 @@ def check(path: str, raw: bytes, files: Dict[str, Any]) -> None:
     """Check every file of the checkpoint at ``path`` (its marker's bytes ``raw``, its parsed
     ``files``) for presence, size and sha256; raises CheckpointError naming the first that
     fails. Hashed by one rank of the box for all of them where they share a memo."""
-    began = time.time_ns()
     with _turn(path) as turn:
+        # After the wait for the lock: a rank that waited while a racy file's tick passed
+        # records it.
+        began = time.time_ns()
         stats = stat_files(path, files)
         marker = hashlib.sha256(raw).hexdigest()
         keys = {n: key(st) for n, st in stats.items()}
@@ -269,6 +271,12 @@ def _memo_dir(path: str) -> Optional[int]:
     return fd
 
 
+def memo_name(path: str) -> str:
+    """The name (without .json or .lock) of the memo of the checkpoint at ``path``."""
+    real = os.path.realpath(path)
+    return hashlib.sha256(real.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+
+
 def _within(path: str, top: str) -> bool:
     """Whether ``path`` is ``top`` or lies under it (symlinks resolved)."""
     real, top = os.path.realpath(path), os.path.realpath(top)
@@ -306,7 +314,7 @@ def _turn(path: str) -> Iterator[Optional[_Turn]]:
     lock = None
     try:
         real = os.path.realpath(path)
-        name = hashlib.sha256(real.encode("utf-8", "surrogateescape")).hexdigest()[:32]
+        name = memo_name(real)
         lock = _lock(dir_fd, name)
         yield None if lock is None else _Turn(dir_fd, name, real)
     finally:

@@ -13,6 +13,7 @@ mtime put back) is still caught, and a memo torn by a kill is never trusted.
 
 from __future__ import annotations
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -22,11 +23,12 @@ import stat
 import subprocess
 import sys
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import pytest
 
 from onbox.common.durable import sha256_file
+from onbox.train.rankverify import memo_name
 from tests.conftest import ROOT, require
 
 _MISSING = [m for m in ("torch", "numpy") if importlib.util.find_spec(m) is None]
@@ -128,8 +130,14 @@ def _kill(procs: List[subprocess.Popen[str]]) -> None:
             p.stdout.close()
 
 
-def _start(tmp_path: Any, d: str, envs: List[Dict[str, str]]) -> List[subprocess.Popen[str]]:
-    """One process per environment, each loading ``d`` once all have imported torch."""
+def _start(
+    tmp_path: Any,
+    d: str,
+    envs: List[Dict[str, str]],
+    before_go: Callable[[], None] = lambda: None,
+) -> List[subprocess.Popen[str]]:
+    """One process per environment, each loading ``d`` once all have imported torch (and
+    ``before_go`` has run)."""
     tag = os.urandom(3).hex()
     go = str(tmp_path / f"go.{tag}")
     code = _RANK.format(root=ROOT, wait=WAIT)
@@ -144,6 +152,7 @@ def _start(tmp_path: Any, d: str, envs: List[Dict[str, str]]) -> List[subprocess
             assert all(p.poll() is None for p in procs), "a rank ended before it was ready"
             assert time.monotonic() < deadline, "the ranks never got ready"
             time.sleep(0.05)
+        before_go()
         open(go, "w").close()  # all at once: they meet at the lock
     except BaseException:
         _kill(procs)
@@ -238,6 +247,42 @@ def test_the_ranks_of_a_real_torchrun_hash_a_checkpoint_once(tmp_path: Any) -> N
     got = [(out / str(r)).read_text().split() for r in range(RANKS)]
     assert [int(step) for step, _ in got] == [2] * RANKS
     assert sum(1 for _, read in got if int(read) >= BLOB) == 1, got
+
+
+def test_ranks_that_waited_on_the_lock_past_a_files_tick_record_it(tmp_path: Any) -> None:
+    """Every file's ctime is moved (a chmod) just before the ranks check, and the lock is held
+    (here by the test, as by a first rank slow to hash) until that is SETTLE seconds old. The
+    rank that gets it then hashes, now past the tick, and records; the others use its memo.
+    Timed from before its wait, each rank found the files racy and hashed, one after another."""
+    d = str(tmp_path / "ck")
+    _checkpoints(d)
+    run = _run_dir(tmp_path)
+    memos = os.path.join(run, "verified")
+    os.mkdir(memos, 0o700)
+    lock = os.open(
+        os.path.join(memos, memo_name(os.path.join(d, "step_2")) + ".lock"),
+        os.O_RDWR | os.O_CREAT,
+        0o600,
+    )
+    procs: List[subprocess.Popen[str]] = []
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        procs = _start(tmp_path, d, _ranks(run), before_go=lambda: _chmod_all(d))
+        _settle(d)
+    except BaseException:
+        _kill(procs)
+        raise
+    finally:
+        os.close(lock)  # the ranks go on
+    got = _results(procs)
+    assert [s for s, _ in got] == [2] * RANKS
+    assert sum(1 for _, read in got if read >= BLOB) == 1, got
+
+
+def _chmod_all(d: str) -> None:
+    for here, _, files in os.walk(d):
+        for f in files:
+            os.chmod(os.path.join(here, f), 0o644)
 
 
 def test_a_damaged_checkpoint_is_refused_by_every_rank_after_one_hash(tmp_path: Any) -> None:

@@ -47,7 +47,7 @@ from controller import envnames
 from controller.capture import Relayed, TooMuch, capture, command_name, relayed, show_lines
 from controller.controldir import control_dir, control_path
 from controller.sshcipher import cipher_preference, ssh_settings
-from controller.target import Target, ssh_destination_args
+from controller.target import Target, ssh_destination_args, ssh_literal, ssh_unexpandable
 from onbox.common.errors import AuthError, HostError, RemoteUnreachable, RgtError, UsageError
 from onbox.common.size import human
 from onbox.common.terminal import printable
@@ -298,6 +298,7 @@ class SshRemote(Remote):
         assert target.kind == "ssh"
         self.target = target
         self.home = home or controller_home()
+        _ssh_path(self.home)  # refused before anything is made in it
         os.makedirs(self.home, mode=0o700, exist_ok=True)
         self.known_hosts = os.path.join(self.home, "known_hosts")
         self.control_dir = control_dir(self.home)
@@ -315,7 +316,7 @@ class SshRemote(Remote):
             "-o", f"ServerAliveInterval={alive}",
             "-o", "ServerAliveCountMax=3",
             "-o", "ControlMaster=auto",
-            "-o", f"ControlPath={self.control_path}",
+            "-o", f"ControlPath={_ssh_path(self.control_path)}",
             "-o", "ControlPersist=60",
             "-o", "StrictHostKeyChecking=accept-new",
             # New keys are recorded in rgt's file (the first); the user's are honoured too.
@@ -431,12 +432,16 @@ def open_remote(target: Target) -> Remote:
 
 
 def _ssh_path(path: str) -> str:
-    if any(c in path for c in ' "\\'):
-        raise RemoteUnreachable(
-            f"the path {path!r} has characters ssh options cannot carry",
-            "set RGT_CONTROLLER_HOME to a path without spaces or quotes",
+    """``path`` as a path option of ssh's carries it (``%`` doubled: ssh expands its tokens
+    there); a path with what no option carries is refused before ssh runs."""
+    why = ssh_unexpandable(path)
+    if why:
+        raise UsageError(
+            envnames.CONTROLLER_HOME,
+            f"the path {path!r} {why}",
+            "set RGT_CONTROLLER_HOME to a path without those characters",
         )
-    return path
+    return ssh_literal(path)
 
 
 def _last_line(text: str) -> str:

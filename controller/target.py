@@ -178,10 +178,43 @@ def ssh_destination_args(t: Target) -> List[str]:
     if t.port:
         args += ["-p", str(t.port)]
     if t.identity:
-        args += ["-i", t.identity, "-o", "IdentitiesOnly=yes"]
+        args += [*_identity_args(t.identity), "-o", "IdentitiesOnly=yes"]
     if t.user:
         args += ["-l", t.user]
     if t.jump:
-        args += ["-J", t.jump]
+        # ssh expands % tokens in the jump host (a link-local address's zone, %eth0).
+        args += ["-J", ssh_literal(t.jump)]
     assert t.host is not None and not t.host.startswith("-")
     return [*args, "--", t.host]
+
+
+def ssh_literal(text: str) -> str:
+    """``text`` as an ssh option that expands ``%`` tokens (ControlPath, IdentityFile,
+    UserKnownHostsFile, ProxyJump) must carry it to be read back as itself: ``%%`` for each
+    ``%``. ssh's ``${VAR}`` (in those paths) has no such escape (``ssh_unexpandable``)."""
+    return text.replace("%", "%%")
+
+
+def ssh_unexpandable(path: str) -> Optional[str]:
+    """Why ``path`` cannot reach ssh as itself in a path option, or None: ssh expands
+    ``${VAR}`` there with no escape, and splits an option's value at blanks and quotes."""
+    if "${" in path:
+        return "has '${', which ssh replaces with an environment variable"
+    if any(c in path for c in " \"\\'\t"):
+        return "has a blank, a quote or a backslash, which an ssh option cannot carry"
+    return None
+
+
+def _identity_args(path: str) -> List[str]:
+    # ssh expands % tokens and ${VAR} in a -i path too, after looking for the file under the
+    # path as given: a path with % goes as IdentityFile, which is read the same way, its %
+    # written %%.
+    if "${" in path or ("%" in path and ssh_unexpandable(path)):
+        raise _refuse(
+            f"the key {path!r} {ssh_unexpandable(path)}",
+            "move the key to a path without those characters (or load it into ssh-agent "
+            "and leave -i out)",
+        )
+    if "%" in path:
+        return ["-o", f"IdentityFile={ssh_literal(path)}"]
+    return ["-i", path]

@@ -22,7 +22,7 @@ from typing import Iterator
 import pytest
 
 from controller.remote import SshRemote
-from controller.target import Target
+from controller.target import Target, ssh_destination_args
 from onbox.common.errors import UsageError
 from tests.sshd import SshServer
 
@@ -116,3 +116,12 @@ def test_a_jump_host_with_a_zone_reaches_ssh_with_its_percent(sshd: SshServer, l
         assert ran and ran.group(1) == "fe80::1%lo", p.stderr
     finally:
         remote.close()
+
+
+@pytest.mark.parametrize("key", ["/keys${HOME}/id", "/keys %r/id"])
+def test_a_key_ssh_cannot_be_given_as_written_is_refused(key: str) -> None:
+    """ssh would put a variable in for ``${HOME}``; ``%`` with a blank needs an IdentityFile
+    option, which splits at the blank."""
+    with pytest.raises(UsageError) as e:
+        ssh_destination_args(Target("ssh", host="127.0.0.1", identity=key))
+    assert e.value.field == "TARGET" and key in e.value.what

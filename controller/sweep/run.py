@@ -273,11 +273,14 @@ class Driver:
 
     def _deploy_recorded(self, box: Box, name: str, run: str) -> None:
         """``_deploy``, a first one or one again after its agent was gone: its error recorded
-        on the cell (so the sweep record says why it did not go on), then raised for ``step``."""
+        on the cell (so the sweep record says why it did not go on) and said, then raised for
+        ``step``."""
         try:
             self._deploy(box, name, run)
         except RgtError as e:
             self._set(name, error=e.line())
+            # Said as it happens: the summary says only a box's last error, once it is left.
+            self.say(f"rgt sweep: {name}: its deploy to {box.target} failed (run {run}): {e.what}")
             raise
 
     def step(self, box: Box) -> bool:

@@ -1,6 +1,8 @@
 """`rgt sweep` deploying again a cell whose agent is gone mid-cell, to a box that cannot take
 the deploy: the cell's record keeps the deploy's error, as a cell's first deploy does, so the
-record says why the cell did not go on (its box's queue is left after MAX_REDEPLOYS).
+record says why the cell did not go on (its box's queue is left after MAX_REDEPLOYS). Each
+failed deploy, a cell's first one or one again, is said as it happens, after the line that
+announced it: before, only the summary said the box's last error, once its queue was left.
 
 Real parts: the real `rgt sweep` CLI as a process, bounded and killed by PID past it, a
 ``file://`` store on this machine; the plan's one box does not resolve (``.invalid``), so each
@@ -77,3 +79,40 @@ def test_a_box_left_after_its_redeploys_failed_says_why_in_the_summary(
     assert len(left) == 1 and left[0].startswith(f"  {BOX}: its queue is left: "), err
     assert f"{cells[0]} could not be deployed again: " in left[0], left[0]
     assert error[len("rgt: ") :] in left[0] and "agent died" not in left[0], left[0]
+
+
+def _failed_deploys_said(err: str, cell: str, announced: str) -> int:
+    """How many deploys of ``cell`` ``err`` announces with ``announced``; each one's next sweep
+    line (the deploy's own indented lines left out) must say that it failed, naming the box and
+    why."""
+    lines = [ln for ln in err.splitlines() if ln.startswith("rgt sweep")]
+    starts = [i for i, ln in enumerate(lines) if ln.startswith(announced)]
+    for i in starts:
+        assert lines[i + 1].startswith(f"rgt sweep: {cell}: its deploy to {BOX} failed"), lines
+        assert f"cannot reach {BOX}: " in lines[i + 1], lines
+    return len(starts)
+
+
+def test_each_failed_deploy_again_is_said_as_it_happens(
+    tmp_path: Any, controller_env: Dict[str, str]
+) -> None:
+    rc, out, err, cells = _swept(tmp_path, controller_env)
+    assert rc == 3, (out, err)
+    said = _failed_deploys_said(
+        err, cells[0], f"rgt sweep: {cells[0]}'s agent on {BOX} is gone mid-cell"
+    )
+    assert said >= 1, err
+
+
+def test_each_failed_first_deploy_is_said_as_it_happens(
+    tmp_path: Any, controller_env: Dict[str, str]
+) -> None:
+    """A fresh sweep of the plan: each deploy of its first cell to BOX fails; each is said."""
+    root = tmp_path / "durable"
+    root.mkdir()
+    plan = _plan(tmp_path, f"file://{root}")
+    env = dict(os.environ, **controller_env)
+    rc, out, err = _bounded([*rgt_exe(), "sweep", plan, "--interval", "0.1"], env, str(tmp_path))
+    assert rc == 3, (out, err)
+    first = sorted(load_plan(plan).cells, key=lambda c: c.index)[0].name
+    assert _failed_deploys_said(err, first, f"rgt sweep: {first} -> {BOX} ") >= 1, err

@@ -97,6 +97,8 @@ class DownPlan:
     # The job's logs a store that outlives the box holds (ENDED.json's, with a receipt of
     # nothing sealed: its agent sealed them as the run ended, after the pull).
     store_logs: int = 0
+    # A live run whose stop seals the job's logs into a store that outlives the box.
+    stop_seals_logs: bool = False
 
     def lines(self) -> List[str]:
         r = self.receipt
@@ -114,6 +116,12 @@ class DownPlan:
                 f"{r.source}); since, the store holds the job's log{'s' if n > 1 else ''} of "
                 f"{n} attempt{'s' if n > 1 else ''} (ENDED.json), still no sealed checkpoint: "
                 f"rgt pull {self.rec.name} brings {'them' if n > 1 else 'it'}"
+            )
+        elif r.sealed.nothing and self.stop_seals_logs:  # the kept lines say the log's line
+            out[1] = (
+                f"verified pull: nothing was sealed when {r.dest} was pulled (from the "
+                f"{r.source}), and no checkpoint is sealed now; the stop seals the job's log "
+                "into the store (ENDED.json)"
             )
         elif r.sealed.nothing:  # the receipt holds no file: all of the run on the box is lost
             out[1] = (
@@ -233,6 +241,7 @@ def plan_down(
     plan = DownPlan(rec, receipt, coverage, state, lost, kept, billing, actions, grace)
     plan.profile, plan.instance, plan.after = profile, instance, after
     plan.store_logs = len(logs.held) if logs is not None else 0
+    plan.stop_seals_logs = logs is not None and logs.stop_seals
     if rec.store and state is not None and state not in TERMINAL_NAMES:
         plan.stopping = _stop_seals(rec.name, rec.store, receipt, gone)
     return plan

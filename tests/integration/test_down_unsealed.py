@@ -248,3 +248,25 @@ def test_a_store_the_meter_stop_deletes_is_not_said_to_hold_nothing_when_it_hold
     line = store_line()
     assert "nothing sealed" not in line and "nor job log" not in line, line
     assert "the job's logs" in line and "the receipt does not have" in line, line
+
+
+def test_the_plan_for_a_live_run_pulled_with_nothing_sealed_says_its_stop_seals_the_log(
+    cli: Cli, tmp_path: Any, laptop: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A live run pulled while nothing was sealed: down stops it first, and the stop seals the
+    job's log into the store (ENDED.json), which a kept line says. Before: the plan's first line
+    said "nothing is sealed now: no file of the run is in a pull or in the store" above that
+    kept line; now it says no checkpoint is sealed now and the stop seals the job's log."""
+    box = Box(cli, tmp_path)
+    rec = box.record()
+    code, out, err = _rgt(capsys, "pull", RUN, "--to", str(tmp_path / "dest"))
+    assert code == 0 and "nothing is sealed" in out, (code, out, err)
+    lines = plan_down(rec, open_remote(rec.target)).lines()
+    text = "\n".join(lines)
+    kept = text.split("\nkept:")[1].split("\nbilling:")[0]
+    assert f"job log of attempt 1: the stop seals it into the store {box.store}" in kept, text
+    head = lines[1]
+    assert "nothing is sealed now" not in head and "no file of the run" not in head, head
+    assert "no checkpoint is sealed now" in head, head
+    assert "the stop seals the job's log into the store (ENDED.json)" in head, head
+    box.intact()

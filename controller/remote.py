@@ -26,6 +26,8 @@ each use (controller/controldir.py): whoever can write there could put a socket 
 ssh's way and see every command and byte of the connection. Each is named for the target's
 identity and route (key, jump host, user, host, port, ssh configuration: ``control_path``), so
 commands share a connection only with the same target's, and each target logs in as itself.
+ssh expands ``%`` tokens in the paths rgt gives it (ControlPath, UserKnownHostsFile, a key) and
+in a jump host: each ``%`` goes as ``%%`` (controller/target.py ``ssh_literal``).
 
 Output: what the box prints is untrusted, and is kept bounded (controller/capture.py): a
 command's stdout to ``limit`` bytes (MAX_OUTPUT unless the caller needs more), its stderr to a

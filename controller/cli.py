@@ -271,10 +271,10 @@ def pull(name: str, dest: Optional[str], source: str, stall: Optional[float]) ->
     where = os.path.join(receipt.dest, ".rgt-receipt.json")
     if receipt.sealed.nothing:  # failed or stopped before its first checkpoint was sealed
         _emit(
-            f"{name}: nothing is sealed yet in the store (no LATEST.json, DONE.json nor "
-            f"ENDED.json): nothing pulled; receipt {where} records that. rgt down {name} goes "
-            "only while no checkpoint nor DONE.json is sealed, and loses the run's files on the "
-            "box (its plan lists them)"
+            f"{name}: nothing is sealed yet in the store (no LATEST.json, DONE.json, "
+            f"ENDED.json nor job log): nothing pulled; receipt {where} records that. rgt down "
+            f"{name} goes only while no checkpoint nor DONE.json is sealed, and loses the run's "
+            "files on the box (its plan lists them)"
         )
         return 0
     _emit(

@@ -29,6 +29,7 @@ class BoxDocs:
     # controller/shell/storedocs.sh: rgt_docs LATEST CHECKPOINTS FILE..., rgt_listing RUN.
     _SCRIPT = script("storedocs.sh") + 'rgt_docs "$@"\n'
     _LISTING = script("storedocs.sh") + 'rgt_listing "$@"\n'
+    _LOGDOCS = script("storedocs.sh") + 'rgt_logdocs "$@"\n'
 
     def __init__(self, remote: Remote, root: str) -> None:
         self.remote = remote
@@ -64,6 +65,33 @@ class BoxDocs:
         if key not in self.cache:
             self.prefetch([key])
         return self.cache[key]
+
+    def log_docs(self, run: str) -> Dict[int, bytes]:
+        """The run's log documents (``RUN/logs/e<epoch>.json``) as the box sees the store, by
+        epoch; names that are not rgt's are left out (controller/results/documents.py checks
+        the bytes)."""
+        r = self.remote.sh(self._LOGDOCS, box_join(self.root, run), limit=MAX_DOCS)
+        if r.rc != 0:
+            raise HostError(
+                f"cannot list the job's logs in the store under {self.root} on "
+                f"{self.remote.target.label}: {r.err.strip()[-300:]}"
+            )
+        out: Dict[int, bytes] = {}
+        pos, data = 0, r.stdout
+        while pos < len(data):
+            end = data.find(b"\n", pos)
+            head = data[pos:end].split(b" ", 1) if end >= 0 else []
+            if len(head) != 2 or head[0] != b"L":
+                raise HostError("the store's list of log documents on the box is malformed")
+            got = _one_doc(data, end + 1)
+            if got is None:
+                raise HostError("the store's list of log documents on the box was cut short")
+            doc, pos = got
+            name = head[1].decode("ascii", "replace")
+            epoch = mf.logs_doc_epoch(run, f"{mf.logs_prefix(run)}{name}")
+            if epoch is not None and doc is not None:
+                out[epoch] = doc
+        return out
 
     def listing(self, run: str) -> Tuple[List[int], Dict[int, str]]:
         """The run's sealed steps and quarantined steps (with reasons), as the box sees the
@@ -118,6 +146,23 @@ def _split_listing(out: bytes) -> Tuple[List[int], Dict[int, str]]:
     return sorted(sealed), bad
 
 
+def _one_doc(out: bytes, pos: int) -> Optional[Tuple[Optional[bytes], int]]:
+    """The document rgt_doc printed at ``pos`` of ``out`` (None when there was none) and the
+    position after it; None when the output does not add up."""
+    end = out.find(b"\n", pos)
+    if end < 0:
+        return None
+    head = out[pos:end].split()
+    if head == [b"N"]:
+        return None, end + 1
+    if len(head) != 2 or head[0] != b"F" or not _is_size(head[1]):
+        return None
+    size = int(head[1])
+    if end + 1 + size > len(out):
+        return None
+    return out[end + 1 : end + 1 + size], end + 1 + size
+
+
 _STEP_LINE = re.compile(rb"S ([0-9]+)\n")
 
 
@@ -128,18 +173,7 @@ def _split_docs(
     (None, None when it read none); None when the output does not add up."""
 
     def one(pos: int) -> Optional[Tuple[Optional[bytes], int]]:
-        end = out.find(b"\n", pos)
-        if end < 0:
-            return None
-        head = out[pos:end].split()
-        if head == [b"N"]:
-            return None, end + 1
-        if len(head) != 2 or head[0] != b"F" or not _is_size(head[1]):
-            return None
-        size = int(head[1])
-        if end + 1 + size > len(out):
-            return None
-        return out[end + 1 : end + 1 + size], end + 1 + size
+        return _one_doc(out, pos)
 
     docs: List[Optional[bytes]] = []
     pos = 0

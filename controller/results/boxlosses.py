@@ -16,6 +16,7 @@ from controller.remote import Remote
 from controller.results import meterplan, storekept
 from controller.results.receipt import Receipt
 from controller.shell import script
+from onbox.common import jsondoc
 from onbox.common.safepath import UnsafePath, safe_abs
 from onbox.profiles.schema import Profile
 from onbox.sealing import discovery
@@ -184,6 +185,7 @@ def losses(
     )
     records, records_bytes = 0, 0
     in_store: List[Tuple[int, str, int]] = []
+    epoch = _box_epoch(remote, run_dir) if rec.store else None  # its logs' names in the store
     for path, size in sorted(files.items()):
         # rgt_sizes and find follow no link below the dirs: the rest of the path is where it is.
         at = _real(path, release, real_rel) if release else path
@@ -195,9 +197,8 @@ def losses(
         m = _JOB_LOG.match(os.path.relpath(path, run_dir))
         if m:
             if not m.group(2):  # else the agent's redacted copy of the log: counted with it
-                _job_log(
-                    m.group(1), size, (pulled, redacted, receipt.dest), logs, rec, (lost, kept)
-                )
+                receipt_has = (pulled, redacted, receipt.dest)
+                _job_log((m.group(1), epoch), size, receipt_has, logs, rec, (lost, kept))
             continue
         records += 1
         records_bytes += size
@@ -213,26 +214,48 @@ def losses(
 
 
 def _job_log(
-    digits: str,
+    attempt_of: Tuple[str, Optional[int]],
     size: int,
     receipt: Tuple[Dict[str, int], Set[str], str],
     logs: Optional[Logs],
     rec: RunRecord,
     into: Tuple[List[str], List[str]],
 ) -> None:
-    """Judge the job's log of the attempt numbered ``digits`` (``size`` bytes on the box):
-    covered where the receipt (its files by path, those pulled redacted, its dest) holds it
-    whole or redacted, kept where the store holds it (``logs``), else lost (``into``: the lost
-    and kept lines)."""
+    """Judge the job's log of the attempt numbered ``digits`` (``size`` bytes on the box), of
+    the box whose newest writer took ``epoch`` (``attempt_of``; None: not known): covered
+    where the receipt (its files by path, those pulled redacted, its dest) holds it whole or
+    redacted, kept where the store holds it (``logs``), else lost (``into``: the lost and kept
+    lines). In a store the log is named by that epoch (``logs/e<epoch>/attempt-NNNN.log``:
+    another box's log of the same attempt number is another log), or by the name agents from
+    before epochs gave it."""
+    digits, epoch = attempt_of
     pulled, redacted, dest = receipt
     lost, kept = into
-    log, attempt = f"logs/attempt-{digits}.log", int(digits)
-    if log in redacted:
+    attempt = int(digits)
+    names = [f"logs/attempt-{digits}.log"]
+    if epoch is not None:
+        names.append(f"logs/e{epoch}/attempt-{digits}.log")
+    if any(log in redacted for log in names):
         kept.append(f"job log of attempt {attempt}: pulled redacted (each secret masked) in {dest}")
-    elif pulled.get(log) != size:
-        where = _log_in_store(log, size, logs, str(rec.store))  # "" when not there
+    elif all(pulled.get(log) != size for log in names):
+        where = ""  # the kept words, once the store is found to hold it
+        for log in names:
+            where = where or _log_in_store(log, size, logs, str(rec.store))
         line = f"job log of attempt {attempt}"
         (kept if where else lost).append(line + (where or f" ({human(size)})"))
+
+
+def _box_epoch(remote: Remote, run_dir: str) -> Optional[int]:
+    """The epoch the box's newest writer of the run took (its run dir's epoch.json,
+    onbox/agent/ownership.py), or None when it has none or what the box says is not one."""
+    path = os.path.join(run_dir, "epoch.json")
+    r = remote.sh('[ -f "$1" ] || exit 0; head -c 4096 -- "$1"', path, timeout=60)
+    try:
+        epoch = jsondoc.loads(r.stdout).get("epoch") if r.rc == 0 and r.stdout else None
+    except (ValueError, AttributeError):
+        return None
+    ok = isinstance(epoch, int) and not isinstance(epoch, bool) and 0 < epoch < 1 << 63
+    return epoch if ok else None
 
 
 def in_release(real_ckpt: str, real_rel: str) -> str:

@@ -1,9 +1,10 @@
-"""The sealed state of a run from its documents (LATEST -> MANIFEST, DONE or ENDED), wherever
-they are read (a store, or a file:// store on the box): every file entry checked as untrusted
-input."""
+"""The sealed state of a run from its documents (LATEST -> MANIFEST, DONE or ENDED, and each
+epoch's log document ``logs/e<epoch>.json``), wherever they are read (a store, or a file://
+store on the box): every file entry checked as untrusted input."""
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -26,6 +27,21 @@ def store_get(store: Store, key: str) -> Optional[bytes]:
 
 # (sealed steps, {quarantined step: reason}) of a run, as the store lists them.
 Listing = Callable[[], Tuple[List[int], Dict[int, str]]]
+# {epoch: the bytes of its log document} of a run (``RUN/logs/e<epoch>.json``).
+LogDocs = Callable[[], Dict[int, bytes]]
+
+
+def store_log_docs(store: Store, run: str) -> Dict[int, bytes]:
+    """The run's log documents, one per epoch whose agent sealed the job's logs
+    (onbox/agent/endlogs.py), as the store lists them; keys of any other form are skipped."""
+    keys = with_retries(lambda: [o.key for o in store.list(mf.logs_prefix(run))])
+    out: Dict[int, bytes] = {}
+    for key in keys:
+        epoch = mf.logs_doc_epoch(run, key)
+        data = store_get(store, key) if epoch is not None else None
+        if epoch is not None and data is not None:  # None: gone since it was listed
+            out[epoch] = data
+    return out
 
 
 def store_listing(store: Store, run: str) -> Tuple[List[int], Dict[int, str]]:
@@ -51,14 +67,18 @@ def _check_doc_file(f: Any, what: str, run: str) -> None:
 
 
 def from_documents(
-    run: str, get: Callable[[str], Optional[bytes]], listing: Optional[Listing] = None
+    run: str,
+    get: Callable[[str], Optional[bytes]],
+    listing: Optional[Listing] = None,
+    log_docs: Optional[LogDocs] = None,
 ) -> Tuple[SealedId, List[Entry]]:
-    """LATEST -> MANIFEST, and DONE (or, without one, ENDED): the sealed state and its files.
-    When LATEST names a quarantined step (``listing`` says which are), the newest sealed step
-    before it that is not quarantined is the sealed state instead
+    """LATEST -> MANIFEST, DONE (or, without one, ENDED), and the log document of each epoch
+    (``log_docs``: every box of the run that sealed its job's logs, a preempted one too): the
+    sealed state and its files. When LATEST names a quarantined step (``listing`` says which
+    are), the newest sealed step before it that is not quarantined is the sealed state instead
     (onbox.sealing.restore.in_effect), and ``note`` says so; a run with none left is an
-    IntegrityError. A run with none of the three documents has nothing sealed: an empty
-    SealedId and no files."""
+    IntegrityError. A run with none of these documents has nothing sealed: an empty SealedId
+    and no files."""
     latest = mf.parse_latest(get(mf.latest_key(run)))
     entries: List[Entry] = []
     step = epoch = None
@@ -81,7 +101,8 @@ def from_documents(
     if ended_raw is not None:
         ended_sha = sha_hex(ended_raw)
         left_out = _ended(run, ended_raw, entries)
-    if latest is None and done_raw is None and ended_raw is None:
+    logs_sha = _epoch_docs(run, log_docs() if log_docs is not None else {}, entries)
+    if latest is None and done_raw is None and ended_raw is None and logs_sha is None:
         # Nothing sealed (a job that failed or was stopped before its first checkpoint): a
         # state of its own, which a pull records in its receipt (SealedId.nothing) so that
         # `rgt down` can go while the store still has nothing sealed, and refuses once it has.
@@ -101,6 +122,7 @@ def from_documents(
         left_out=left_out,
         links=links,
         ended_sha256=ended_sha,
+        logs_sha256=logs_sha,
     )
     return ident, entries
 
@@ -237,28 +259,85 @@ def _ended(run: str, raw: bytes, entries: List[Entry]) -> Tuple[str, ...]:
     files = doc.get("files") if isinstance(doc, dict) else None
     if not isinstance(files, list):
         raise IntegrityError(f"{key} lists no files")
+    epoch = _integer(doc.get("epoch"))
     for f in files:
         _check_doc_file(f, key, run)
-        if (
-            _ENDED_LOG.match(f["path"]) is None
-            or f["key"] != mf.logs_prefix(run) + f["path"]
-            or "root" in f
-        ):
-            raise IntegrityError(
-                f"{key} lists the key {f['key']!r} for the path {f['path']!r}: not a job's log "
-                f"as rgt seals it ({run}/logs/attempt-NNNN.log). Nothing was fetched",
-                f"the store's {key} is damaged or not rgt's: look at it",
-            )
-        path = "logs/" + f["path"]
-        entries.append(
-            Entry(path, "log", f["size"], f["sha256"], f["key"], redacted=f.get("redacted") is True)
-        )
+        _job_log(run, key, f, epoch, old=True)
+        _add_log(entries, f)
     return _left_out(doc.get("left_out"))
 
 
-def sealed_logs(run: str, get: Callable[[str], Optional[bytes]]) -> Dict[str, Tuple[int, bool]]:
-    """The job's logs the store holds (DONE.json's, or without one ENDED.json's), each by the
-    name a pull gives it: (size, redacted). Checked as a pull checks them (IntegrityError)."""
+def _job_log(run: str, key: str, f: Dict[str, Any], epoch: Optional[int], old: bool) -> None:
+    """Refuse the entry ``f`` (checked) of the document ``key`` unless it is a job's log as
+    the agent of ``epoch`` seals it, ``RUN/logs/e<epoch>/attempt-NNNN.log``, or (``old``: an
+    ENDED.json, which agents from before epochs named the logs in wrote) ``RUN/logs/
+    attempt-NNNN.log``; with no ``root``."""
+    m = _LOG_NAME.match(f["path"])
+    if m is None:
+        named = False
+    elif m.group(1) is None:
+        named = old
+    else:
+        named = epoch is not None and m.group(1) == f"e{epoch}/"
+    if not named or f["key"] != mf.logs_prefix(run) + f["path"] or "root" in f:
+        raise IntegrityError(
+            f"{key} lists the key {f['key']!r} for the path {f['path']!r}: not a job's log "
+            f"as rgt seals it ({run}/logs/e<epoch>/attempt-NNNN.log, the epoch the "
+            "document's). Nothing was fetched",
+            f"the store's {key} is damaged or not rgt's: look at it",
+        )
+
+
+def _add_log(entries: List[Entry], f: Dict[str, Any]) -> None:
+    """The log ``f`` (checked) as an entry; one that is already there with the same key and
+    bytes (ENDED.json's and its epoch's log document list the same logs) once."""
+    new = Entry(
+        "logs/" + f["path"],
+        "log",
+        f["size"],
+        f["sha256"],
+        f["key"],
+        redacted=f.get("redacted") is True,
+    )
+    if new not in entries:
+        entries.append(new)
+
+
+def _epoch_docs(run: str, docs: Dict[int, bytes], entries: List[Entry]) -> Optional[str]:
+    """The logs of each epoch's log document (``docs``) added to ``entries``, each checked as
+    ENDED.json's are and named by that very epoch; the hex of a sha256 over the documents (for
+    the receipt), None without one."""
+    if not docs:
+        return None
+    digest = hashlib.sha256()
+    for epoch in sorted(docs):
+        key, raw = mf.logs_doc_key(run, epoch), docs[epoch]
+        try:
+            doc = jsondoc.loads(raw)
+        except ValueError:
+            raise IntegrityError(f"{key} is not valid JSON") from None
+        files = doc.get("files") if isinstance(doc, dict) else None
+        if not isinstance(files, list) or not isinstance(doc, dict):
+            raise IntegrityError(f"{key} lists no files")
+        if _integer(doc.get("epoch")) != epoch:
+            raise IntegrityError(
+                f"{key} says it is of epoch {doc.get('epoch')!r}, not {epoch}. Nothing was fetched",
+                f"the store's {key} is damaged or not rgt's: look at it",
+            )
+        for f in files:
+            _check_doc_file(f, key, run)
+            _job_log(run, key, f, epoch, old=False)
+            _add_log(entries, f)
+        digest.update(f"{key} {sha_hex(raw)}\n".encode())
+    return digest.hexdigest()
+
+
+def sealed_logs(
+    run: str, get: Callable[[str], Optional[bytes]], log_docs: Optional[LogDocs] = None
+) -> Dict[str, Tuple[int, bool]]:
+    """The job's logs the store holds (DONE.json's, or without one ENDED.json's, and each
+    epoch's log document's), each by the name a pull gives it: (size, redacted). Checked as a
+    pull checks them (IntegrityError)."""
     entries: List[Entry] = []
     done_raw = get(mf.done_key(run))
     if done_raw is not None:
@@ -267,7 +346,9 @@ def sealed_logs(run: str, get: Callable[[str], Optional[bytes]]) -> Dict[str, Tu
         ended_raw = get(mf.ended_key(run))
         if ended_raw is not None:
             _ended(run, ended_raw, entries)
+    _epoch_docs(run, log_docs() if log_docs is not None else {}, entries)
     return {e.path: (e.size, e.redacted) for e in entries if e.kind == "log"}
 
 
-_ENDED_LOG = re.compile(r"attempt-\d{4,}\.log\Z")
+# A job's log as the agent seals it: under its epoch (group 1), or as before epochs named them.
+_LOG_NAME = re.compile(r"(e[1-9][0-9]*/)?attempt-\d{4,}\.log\Z")

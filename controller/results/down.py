@@ -12,8 +12,10 @@ and each job log as lost or, once its agent sealed them as the run ended, ENDED.
 the store, which its first line then says). Before
 anything is done it shows what will be lost (files in the run's directory on the box that the
 receipt does not cover, nor a store that outlives the box holds: checkpoints not sealed, job
-logs not pulled nor sealed (a run with a store seals them as it ends FAILED or STOPPED, the
-stop down makes too: ENDED.json), rgt's own records; and what the job wrote in its release,
+logs not pulled nor sealed (a run with a store seals them as it ends FAILED, STOPPED or
+PREEMPTED, the stop down makes too: ENDED.json, and each agent's ``logs/e<epoch>.json``; a log
+on the box is judged by the name its box's newest agent gave it there, boxlosses.py), rgt's
+own records; and what the job wrote in its release,
 the workdir it runs in, when down removes that release: every file changed since the push
 marked it complete that is no pulled output, controller/results/boxlosses.py), what that store
 holds (the sealed steps its rotation left, controller/results/storekept.py),
@@ -114,7 +116,8 @@ class DownPlan:
             out[1] = (
                 f"verified pull: nothing was sealed when {r.dest} was pulled (from the "
                 f"{r.source}); since, the store holds the job's log{'s' if n > 1 else ''} of "
-                f"{n} attempt{'s' if n > 1 else ''} (ENDED.json), still no sealed checkpoint: "
+                f"{n} attempt{'s' if n > 1 else ''} (sealed as its agent let go of the run), "
+                "still no sealed checkpoint: "
                 f"rgt pull {self.rec.name} brings {'them' if n > 1 else 'it'}"
             )
         elif r.sealed.nothing and self.stop_seals_logs:  # the kept lines say the log's line

@@ -5,7 +5,9 @@ What is pulled is the run's newest *sealed* state, never a file that is still be
 - with a store: LATEST.json names a MANIFEST (files with path, size, sha256, key); when the run
   is done, DONE.json adds its outputs and logs; when it ended FAILED or STOPPED (no DONE.json),
   ENDED.json adds its job's logs, which its agent sealed as it let go of the run (redacted
-  where they hold a secret, onbox/agent/endlogs.py), so a failed job's log outlives its box.
+  where they hold a secret, onbox/agent/endlogs.py), so a failed job's log outlives its box;
+  and each epoch's log document (``logs/e<epoch>.json``) adds the logs that agent sealed (a
+  preempted box's too, in its grace), so every box of the run that sealed its logs is pulled.
   ``--from store`` reads documents and files from the store with the laptop's credentials.
   ``--from box`` reads them from the box over ssh: for a ``file://`` store (a mount on the
   box) the documents and files are the store's, on the box;
@@ -14,9 +16,9 @@ What is pulled is the run's newest *sealed* state, never a file that is still be
   run's logs), each checked against the store's sha256; but a log DONE.json marks ``redacted``
   (the box's own log holds a secret, the store has a copy with it masked) comes from the store
   whatever ``--from`` says, verified the same way, and when the store cannot give it the pull
-  stops and says so: the box's raw log is never taken in its place. A log ENDED.json lists
-  comes from the store as well (it may be an earlier box's attempt whose number this box's own
-  log now bears). ``auto`` is the store when
+  stops and says so: the box's raw log is never taken in its place. A log named by its epoch,
+  or one ENDED.json lists, comes from the store as well (it may be an earlier box's attempt
+  whose number this box's own log now bears). ``auto`` is the store when
   the laptop can read it (``s3://``, ``hf://``, or ``file://`` with a ``local`` target), else
   the box; for a run ``rgt down`` took off its box (its record kept for the store,
   controller/results/settle.py) it is the store, and ``--from box`` is refused (exit 8).
@@ -33,16 +35,18 @@ What is pulled is the run's newest *sealed* state, never a file that is still be
   onbox/agent/sealservice.py ``redact_box_logs``), never as is; the receipt marks it
   ``redacted``.
 
-A run with a store that has nothing sealed (no LATEST.json, no DONE.json, no ENDED.json: its job
-failed or was stopped before its first checkpoint, and its agent has not yet let go) is pulled
-as that: no file, and a receipt that records that
-nothing was sealed (controller/results/receipt.py), which ``rgt down`` takes only while the
-store still has nothing sealed. Only a store that holds the run's epoch (taken by its agent
+A run with a store that has nothing sealed (no LATEST.json, DONE.json, ENDED.json nor log
+document: its job failed or was stopped before its first checkpoint, and its agent has not yet
+let go) is pulled as that: no file, and a receipt that records that nothing was sealed
+(controller/results/receipt.py), which ``rgt down`` takes only while the store still has
+nothing sealed. Only a store that holds the run's epoch (taken by its agent
 before the job starts) is said to have nothing sealed: one with no trace of the run is likely
 not the box's store (a wrong bucket, prefix or directory), and stops the pull (NotFound).
 
 Layout under DEST: ``checkpoints/<path as sealed, relative to RGT_CKPT_DIR>``,
-``outputs/<path>``, ``logs/attempt-NNNN.log``, and ``.rgt-receipt.json``
+``outputs/<path>``, ``logs/e<epoch>/attempt-NNNN.log`` (the epoch of the agent that sealed
+it: two boxes' logs of attempt 1 are two files; ``logs/attempt-NNNN.log`` for a log sealed before
+epochs named them, or pulled from a box without a store), and ``.rgt-receipt.json``
 (controller/results/receipt.py). The checkpoint dir's links the MANIFEST records (Lightning's
 ``last.ckpt``) are made in ``checkpoints/`` after the files, relative, as the box's restore makes
 them (onbox/sealing/dirlinks.py); one from an older pull is moved on, a file is never replaced.

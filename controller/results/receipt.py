@@ -24,6 +24,8 @@ Format (JSON, ``schema`` 1)::
         "done": true, "done_sha256": "<hex of DONE.json's bytes>",
         "ended_sha256": null               (the hex of ENDED.json's bytes: a run that ended
                                            FAILED or STOPPED, its job's logs, no DONE.json)
+        "logs_sha256": null                (a sha256 over the log documents of the run's
+                                           epochs, logs/e<epoch>.json: each box's job logs)
         "listing_sha256": null             (runs without a store: the box's files, hashed)
       },
       "files": [                           every file, its path relative to DEST
@@ -37,8 +39,9 @@ Format (JSON, ``schema`` 1)::
       "rgt_version": "0.1.0"
     }
 
-A run with nothing sealed (no LATEST.json, no DONE.json, no ENDED.json: its job failed or was
-stopped before its first checkpoint, and its agent has not sealed its logs) gets a receipt too:
+A run with nothing sealed (no LATEST.json, no DONE.json, no ENDED.json, no log document
+``logs/e<epoch>.json``: its job failed or was stopped before its first checkpoint, and its agent
+has not sealed its logs) gets a receipt too:
 ``step`` and the other fields null, ``done`` false, no files. It says that the pull found
 nothing sealed; ``rgt down`` takes it only while the store still has no sealed checkpoint nor
 DONE.json (the job's logs its agent seals as the run ends, ENDED.json, are in the store: down's
@@ -96,6 +99,10 @@ class SealedId:
     # no DONE.json), the sha256 of its bytes; None without one. Said, not compared by
     # ``differs_from`` (the logs it lists are in the store: down's plan says so).
     ended_sha256: Optional[str] = None
+    # The log documents of the run's epochs (logs/e<epoch>.json: each box's job logs, a
+    # preempted one's too), a sha256 over them; None without one. Said, not compared, as
+    # ENDED.json is.
+    logs_sha256: Optional[str] = None
     # Declared outputs DONE.json says were missing when the job succeeded (never sealed).
     missing_outputs: Tuple[str, ...] = ()
     # Files DONE.json says the job left but could not be sealed ("PATH: why"; not pulled).
@@ -122,6 +129,7 @@ class SealedId:
             and self.step is None
             and not self.done
             and self.ended_sha256 is None
+            and self.logs_sha256 is None
         )
 
     def describe(self) -> str:
@@ -132,7 +140,9 @@ class SealedId:
         what = f"sealed step {self.step}" if self.step is not None else "no sealed checkpoint"
         if self.done:
             return what + ", run done (outputs and logs)"
-        return what + (", run ended (its job's logs)" if self.ended_sha256 is not None else "")
+        if self.ended_sha256 is not None:
+            return what + ", run ended (its job's logs)"
+        return what + (", the job's logs of a box" if self.logs_sha256 is not None else "")
 
     def pulled(self) -> str:
         """What a pull of this state brought, as ``rgt pull``'s line names it."""
@@ -143,8 +153,10 @@ class SealedId:
         if self.step is None and self.done:  # DONE.json, no LATEST: no checkpoint sealed
             return "results only (DONE.json; no checkpoint was sealed)"
         if self.step is None:  # ENDED.json alone: the job failed or was stopped before one
-            return "the job's logs only (ENDED.json; no checkpoint was sealed)"
-        return f"step {self.step}" + (" and the job's logs" if self.ended_sha256 else "")
+            doc = "ENDED.json" if self.ended_sha256 else "a preempted box's logs/e<epoch>.json"
+            return f"the job's logs only ({doc}; no checkpoint was sealed)"
+        logs = self.ended_sha256 or self.logs_sha256
+        return f"step {self.step}" + (" and the job's logs" if logs else "")
 
     def differs_from(self, newer: SealedId) -> Optional[str]:
         """Why ``newer`` is not the state this one names, or None when it is."""
@@ -157,7 +169,8 @@ class SealedId:
         # or lost with the store). A down that stopped the run (which sealed them) goes on.
         if self.step is None and not self.done and (newer.step is not None or newer.done):
             what = f"step {newer.step}" if newer.step is not None else "the run's end (DONE.json)"
-            had = "has no sealed checkpoint" if self.ended_sha256 else "says nothing was sealed"
+            logs = self.ended_sha256 or self.logs_sha256
+            had = "has no sealed checkpoint" if logs else "says nothing was sealed"
             return f"{what} was sealed after the pull, whose receipt {had}"
         if newer.step != self.step:
             return f"the newest sealed step is {newer.step}, the receipt has step {self.step}"
@@ -271,6 +284,7 @@ _SEALED_TYPES: Dict[str, Tuple[type, bool, str]] = {
     "listing_sha256": (str, True, "a string"),
     "note": (str, True, "a string"),
     "ended_sha256": (str, True, "a string"),
+    "logs_sha256": (str, True, "a string"),
     "missing_outputs": (list, False, "a list of strings"),
     "left_out": (list, False, "a list of strings"),
 }

@@ -15,11 +15,16 @@ from controller.registry import RunRecord
 from controller.remote import Remote, open_remote
 from controller.results.boxdocs import BoxDocs
 from controller.results.boxfiles import box_files
-from controller.results.documents import from_documents, store_get, store_listing
+from controller.results.documents import (
+    from_documents,
+    store_get,
+    store_listing,
+    store_log_docs,
+)
 from controller.results.entries import Entry, Sealed, box_join, checked
 from controller.results.receipt import Coverage, Receipt, SealedId, compare
 from controller.runstore import open_run_store
-from onbox.common.errors import IntegrityError, NotFound, UsageError
+from onbox.common.errors import NotFound, UsageError
 from onbox.sealing import manifest as mf
 from onbox.sealing.ledger import newest_epoch
 from onbox.sealing.stores.base import Store, with_retries
@@ -109,9 +114,10 @@ def _read_sealed(
     placed = []
     for e in entries:
         # A log the box's own copy holds a secret in: the store's masked copy, verified. A log
-        # ENDED.json lists (no DONE.json) comes from the store too: it may be an earlier box's
-        # attempt, whose number this box's own log of another attempt now bears.
-        if e.redacted or (e.kind == "log" and ident.ended_sha256 is not None):
+        # named by its epoch (or one ENDED.json lists) comes from the store too: it may be an
+        # earlier box's, whose attempt number this box's own log of another attempt bears.
+        m = _LOG.match(e.path[len("logs/") :]) if e.kind == "log" else None
+        if e.redacted or (e.kind == "log" and (ident.ended_sha256 is not None or m is None)):
             placed.append(dataclasses.replace(e, origin=e.key or ""))
             continue
         if e.kind == "checkpoint":
@@ -119,9 +125,7 @@ def _read_sealed(
         elif e.kind == "output":
             path = box_join(workdir, e.path[len("outputs/") :])
         else:
-            m = _LOG.match(e.path[len("logs/") :])
-            if not m:
-                raise IntegrityError(f"DONE.json lists a log {e.path!r} rgt did not write")
+            assert m is not None
             path = box_join(attempts, m.group(1), "output.log")
         placed.append(dataclasses.replace(e, src=path[1:], origin=path))
     return Sealed(ident, placed, "box", box_root="/", store=store)
@@ -132,7 +136,10 @@ def _from_store(store: Store, rec: RunRecord) -> Tuple[SealedId, List[Entry]]:
     Nothing sealed is said only of a store that holds the run's epoch (``_no_trace``)."""
     run = rec.name
     ident, entries = from_documents(
-        run, functools.partial(store_get, store), functools.partial(store_listing, store, run)
+        run,
+        functools.partial(store_get, store),
+        functools.partial(store_listing, store, run),
+        functools.partial(store_log_docs, store, run),
     )
     if ident.nothing and not has_trace(store, run):
         raise _no_trace(rec)
@@ -173,7 +180,9 @@ def _from_box_docs(remote: Remote, root: str, rec: RunRecord) -> Tuple[SealedId,
     run = rec.name
     docs = BoxDocs(remote, root)
     docs.prefetch([mf.latest_key(run), mf.done_key(run), mf.ended_key(run)], run=run)  # one trip
-    ident, entries = from_documents(run, docs.get, functools.partial(docs.listing, run))
+    ident, entries = from_documents(
+        run, docs.get, functools.partial(docs.listing, run), functools.partial(docs.log_docs, run)
+    )
     if not ident.nothing:
         return ident, entries
     # No document may mean a store whose mount is not there, or a directory that is not the

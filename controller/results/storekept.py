@@ -1,6 +1,7 @@
 """What a run's store holds of its checkpoints, for ``rgt down``: the sealed steps the store's
 rotation left, and each one's files with their sizes; and the job's logs it holds (``logs``:
-DONE.json's, or ENDED.json's for a run that ended FAILED or STOPPED).
+DONE.json's, or ENDED.json's for a run that ended FAILED or STOPPED, and each epoch's log
+document's: every box that sealed its logs, a preempted one too).
 
 Down must not call "lost" a checkpoint on the box that is sealed in a store that outlives the
 box, nor promise that the store keeps more than it does: the agent's rotation prunes sealed
@@ -21,7 +22,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 from controller.registry import RunRecord
 from controller.remote import Remote
 from controller.results.boxdocs import BoxDocs
-from controller.results.documents import sealed_logs, store_get
+from controller.results.documents import sealed_logs, store_get, store_log_docs
 from controller.runstore import open_run_store
 from onbox.common.errors import IntegrityError
 from onbox.sealing import manifest as mf
@@ -122,10 +123,13 @@ def logs(rec: RunRecord, remote: Optional[Remote]) -> Dict[str, Tuple[int, bool]
     documents that cannot be read as rgt writes them hold none (down then says lost)."""
     store = open_run_store(rec)
     if isinstance(store, LocalStore) and rec.target.kind != "local" and remote is not None:
-        get: Callable[[str], Optional[bytes]] = BoxDocs(remote, store.root).get
+        docs = BoxDocs(remote, store.root)
+        get: Callable[[str], Optional[bytes]] = docs.get
+        log_docs = functools.partial(docs.log_docs, rec.name)
     else:
         get = functools.partial(store_get, store)
+        log_docs = functools.partial(store_log_docs, store, rec.name)
     try:
-        return sealed_logs(rec.name, get)
+        return sealed_logs(rec.name, get, log_docs)
     except IntegrityError:
         return {}

@@ -1,5 +1,5 @@
 # controller/results/boxdocs.py: the documents of a file:// store on the box, as functions; the
-# caller appends the call (`rgt_docs "$@"` or `rgt_listing "$@"`). A failed read exits 45.
+# caller appends the call (`rgt_docs "$@"`, `rgt_listing "$@"` or `rgt_logdocs "$@"`). A failed read exits 45.
 
 # rgt_doc FILE: "F SIZE" and the file's bytes, or "N" when there is no such file.
 rgt_doc() {
@@ -27,5 +27,13 @@ rgt_listing() {
   done
   for q in "$1"/quarantine/*.json; do
     [ -f "$q" ] || continue; n=${q##*/}; echo "Q ${n%.json}"; rgt_doc "$q"
+  done
+}
+
+# rgt_logdocs RUN: each log document of the run's directory RUN in the store ("L NAME", then the
+# document as rgt_doc prints it): RUN/logs/e<epoch>.json, one per agent that sealed the job's logs.
+rgt_logdocs() {
+  for d in "$1"/logs/e*.json; do
+    [ -f "$d" ] || continue; echo "L ${d##*/}"; rgt_doc "$d"
   done
 }

@@ -297,7 +297,9 @@ class Completion:
         redacted copy rather than none: the log is what a person needs after a failure, and
         a warning says which one was changed."""
         path = self.rd.output_log(attempt)
-        prefix, rel = mf.logs_prefix(self.spec.name), f"attempt-{attempt:04d}.log"
+        # Named by this agent's epoch: another box's log of the same attempt number keeps its
+        # own key (onbox/sealing/manifest.py log_name).
+        prefix, rel = mf.logs_prefix(self.spec.name), mf.log_name(self.sealer.epoch, attempt)
         if not os.path.isfile(path):
             # The shim opens the log before it starts the job: an attempt without one never
             # started its job (its start failure has its own events), or a person removed
@@ -318,7 +320,7 @@ class Completion:
             return self._put_tree(path, prefix, rel)
         tmp_dir = self.rd.staged_logs
         os.makedirs(tmp_dir, exist_ok=True)
-        tmp = os.path.join(tmp_dir, rel)
+        tmp = os.path.join(tmp_dir, rel.replace("/", "-"))
         try:
             red.redact_file(path, tmp)
             sealed = [dict(e, redacted=True) for e in self._put_tree(tmp, prefix, rel)]

@@ -1,35 +1,51 @@
-"""The job's logs of a run that ended FAILED or STOPPED, sealed to the store as it ends.
+"""The job's logs of a run whose agent lets go of it FAILED, STOPPED or PREEMPTED, sealed to the
+store as it ends.
 
 The completion seal (onbox/agent/completion.py) puts the logs in the store only for a run that
 succeeded, with DONE.json. The log a user needs most is a failed job's, and without this it
 lived on the box alone: ``rgt down`` (or a box that dies) took it away, and ``rgt pull`` of the
-store brought the checkpoints and no log. So when its agent lets go of a run that ended FAILED
-or STOPPED, each attempt's log goes to the store as the completion seal puts it (``logs/``,
+store brought the checkpoints and no log. So when its agent lets go of a run, each attempt's
+log goes to the store as the completion seal puts it (``logs/e<epoch>/attempt-NNNN.log``,
 verified by the store as it is uploaded; a log that holds a secret as a redacted copy, with its
-``secret_in_log`` warning), then ``ENDED.json`` lists them: the run, its epoch, the state it
-ended in, the logs (as DONE.json lists them), ``left_out`` (DONE.json's form). ``ENDED.json``
-never means success (no on-done action, no sweep cell, reads it); ``rgt pull`` brings its logs
-(controller/results/documents.py) while the store has no DONE.json.
+``secret_in_log`` warning), then ``logs/e<epoch>.json`` lists them (this agent's log document:
+the run, its epoch, the state it ended in, the logs as DONE.json lists them, ``left_out``).
+A run that ended FAILED or STOPPED then gets ``ENDED.json`` too, the same document under the
+run's name (its newest end): it never means success (no on-done action, no sweep cell, reads
+it). ``rgt pull`` brings the logs of every epoch's document, and ENDED.json's while the store
+has no DONE.json (controller/results/documents.py).
 
-A run that ended PREEMPTED is left out: it goes on (a restart, another box), and its grace is
-spent on the final checkpoint. An agent that no longer owns the run (a newer epoch) writes
-nothing, as the completion seal does not. Written last, after every log it lists: cut off
-before it, the store holds logs no document names, and the pull brings none of them.
+A run that ended PREEMPTED goes on (a restart, another box, which takes a new epoch and numbers
+its attempts from 1 again): its box and its logs may be gone by then, so they are sealed within
+the preemption's grace, after the final checkpoint, with what is left of it
+(onbox/agent/sealservice.py ``before_terminal``); they never keep the agent past it. The
+epoch in every key is what keeps the newer box's logs from replacing the older's.
+
+An agent that no longer owns the run (a newer epoch) writes nothing, as the completion seal does
+not. Each document is written last, after every log it lists: cut off before it, the store
+holds logs no document names, and the pull brings none of them.
 """
 
 from __future__ import annotations
 
+import functools
+import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from onbox.agent.completion import Completion
 from onbox.agent.spec import JobSpec
+from onbox.common.errors import StoreError, event_class
 from onbox.common.rundir import RunDir
 from onbox.sealing import manifest as mf
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores.base import Store, with_retries
 
-# The states whose logs are sealed here; SUCCEEDED has the completion seal.
+if TYPE_CHECKING:
+    from onbox.agent.sealservice import SealService
+
+# The states whose logs are sealed here; SUCCEEDED has the completion seal. Of these, a
+# run that ended FAILED or STOPPED also gets ENDED.json.
+LOG_STATES = ("FAILED", "STOPPED", "PREEMPTED")
 ENDED_STATES = ("FAILED", "STOPPED")
 
 
@@ -44,10 +60,11 @@ def seal_end_logs(
     warnings: List[Dict[str, Any]],
     root: Optional[str] = "",
 ) -> bool:
-    """Seal each attempt's log of a run that ended ``state`` (FAILED or STOPPED), then
-    ENDED.json; True when ENDED.json was written. Store errors are the caller's to say."""
+    """Seal each attempt's log of a run that ended ``state`` (LOG_STATES), then this epoch's
+    log document, then (FAILED or STOPPED) ENDED.json; True when the log document was written.
+    Store errors are the caller's to say."""
     run = spec.name
-    if state not in ENDED_STATES or not sealer.is_writer():
+    if state not in LOG_STATES or not sealer.is_writer():
         return False
     before = [w for w in warnings if w.get("kind") == "secret_in_log"]
     done = Completion(
@@ -72,12 +89,83 @@ def seal_end_logs(
         "left_out": done.left_out,
         "ended_at": time.time(),
     }
-    with_retries(lambda: store.put_bytes(mf.ended_key(run), mf.dump(doc)))
+    keys = [mf.logs_doc_key(run, sealer.epoch)]
+    if state in ENDED_STATES:
+        keys.append(mf.ended_key(run))
+    for key in keys:
+        with_retries(functools.partial(store.put_bytes, key, mf.dump(doc)))
     event(
         "logs_sealed",
         f"the run ended {state}: {len(logs)} job log(s) sealed to the store with "
-        f"{mf.ended_key(run)}, for `rgt pull` once the box is gone",
+        f"{' and '.join(keys)}, for `rgt pull` once the box is gone",
         logs=[f["path"] for f in logs],
         state=state,
     )
     return True
+
+
+def logs_not_sealed(event: Callable[..., None], why: str) -> None:
+    """Say that a preemption left the job's logs unsealed, and ``why``."""
+    event(
+        "logs_not_sealed",
+        f"preemption: the job's logs are not sealed to the store ({why}); they stay on this "
+        "box's disk, and go with it",
+        klass="transient",
+        remedy="give the run a longer grace (--grace) where the platform allows it",
+    )
+
+
+def in_grace(seal: Callable[[], None], left: float, event: Callable[..., None]) -> None:
+    """Run ``seal`` (the logs of a run being preempted) within the ``left`` seconds of its
+    grace. A seal not done by then is left to run in a daemon thread (the agent exits soon
+    after; the log document, written last, is then never written, or written whole after every
+    log it lists) and said with ``seal_error``, as a failure is: the agent lets go in time."""
+    if left <= 0:
+        logs_not_sealed(event, "no grace was left after the final checkpoint")
+        return
+    keep = "the job's logs stay on this box's disk, and go with it"
+    worker = threading.Thread(
+        target=functools.partial(said, seal, event, keep), name="rgt-seal-logs", daemon=True
+    )
+    worker.start()
+    worker.join(left)
+    if worker.is_alive():
+        event(
+            "seal_error",
+            f"preemption: the job's logs were still being sealed when the grace ended "
+            f"({left:.1f}s were left after the final checkpoint); the agent lets go of the run "
+            "without them",
+            klass="transient",
+            remedy=f"a longer grace (--grace) where the platform allows it; {keep}",
+        )
+
+
+def said(seal: Callable[[], None], event: Callable[..., None], keep: str) -> None:
+    """Run ``seal``; a failure is a ``seal_error`` event (its remedy ends with ``keep``, where
+    the logs are meanwhile), never raised: the agent must still let go of the run."""
+    try:
+        seal()
+    except StoreError as e:
+        remedy = (e.remedy + "; " if e.remedy else "") + keep
+        event("seal_error", e.what, klass=event_class(e), remedy=remedy)
+    except Exception as e:  # a bug must not keep the agent from letting go of the run
+        what = f"sealing the job's logs failed: {type(e).__name__}: {e}"
+        event("seal_error", what, klass="permanent", remedy=keep)
+
+
+def seal_logs(seal: SealService, state: str, bound: float) -> None:
+    """``seal_end_logs`` for the agent's sealing ``seal`` (its sealer must be set), each store
+    call bounded by ``bound``; its ``logs_sealed`` set when the log document was written.
+    Raises what the store raises."""
+    assert seal.sealer is not None
+    with seal.store.calls_bounded(bound):
+        seal.logs_sealed |= seal_end_logs(
+            seal.spec,
+            seal.rd,
+            seal.store,
+            seal.sealer,
+            state,
+            event=seal.event,
+            warnings=seal.warnings,
+            root=seal.workdir_root(),
+        )

@@ -11,8 +11,9 @@ from the run's history), and mirrors the run's state and events to the store whi
 owns the run (onbox/agent/mirror.py). On preemption it asks the job for a final checkpoint and
 seals it only if the measured throughput says it fits in the budget; on success it runs the
 completion seal (onbox/agent/completion.py: the last checkpoints, results, outputs, logs, then
-DONE.json); when a run ends FAILED or STOPPED, its job's logs, then ENDED.json
-(onbox/agent/endlogs.py), as the agent lets go of it.
+DONE.json); when a run ends FAILED or STOPPED, its job's logs, then its epoch's log document
+and ENDED.json (onbox/agent/endlogs.py), as the agent lets go of it; when it is preempted, the
+logs and the log document with what is left of the grace after the final checkpoint.
 
 Nothing leaves the box with a secret in it unnoticed: the mirror of state and events goes
 through the redactor (onbox/common/redact.py), and the completion seal seals a job's log that
@@ -33,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 from onbox.agent.budgetseal import seal_in_budget
 from onbox.agent.ckptwatch import watch
 from onbox.agent.completion import Completion
-from onbox.agent.endlogs import ENDED_STATES, seal_end_logs
+from onbox.agent.endlogs import ENDED_STATES, in_grace, logs_not_sealed, said, seal_logs
 from onbox.agent.interval import AutoInterval, load_history
 from onbox.agent.journal import FileJournal, read_events
 from onbox.agent.meter import final_seal
@@ -92,6 +93,9 @@ class SealService(Hooks):
         self.sealing = False
         self.capped = False
         self.superseded = False  # found at start: another box took the run over (ownership.py)
+        # A preemption sealed the job's logs within its grace (``_seal_logs_in_grace``): the
+        # warnings may have changed (a log held a secret), for close() to say.
+        self.logs_sealed = False
         self.final_verified = False
         # Where the job's workdir is seen (the runner's workdir_root; a pod's is the job
         # container's /proc/PID/root): the completion seal reads the outputs there.
@@ -417,6 +421,8 @@ class SealService(Hooks):
                 klass="transient",
                 remedy="a longer grace, or smaller/more frequent checkpoints",
             )
+            if reason == "preempt":
+                logs_not_sealed(self.event, "an upload of a checkpoint took the whole grace")
             return
         try:
             sealed = seal_in_budget(sealer, self.spec.ckpt_dir, reason, budget_end, self.event)
@@ -430,9 +436,20 @@ class SealService(Hooks):
                 remedy=(e.remedy + "; " if e.remedy else "")
                 + "the checkpoints stay on the box; the next start seals them",
             )
-            return
+            sealed = False
         if sealed:
             self.mirror_quietly()
+        if reason == "preempt":  # the final checkpoint first; what is left of the grace, logs
+            self._seal_logs_in_grace(budget_end)
+
+    def _seal_logs_in_grace(self, budget_end: float) -> None:
+        """The logs of a run being preempted, in what is left of the grace once the final
+        checkpoint is sealed, never past ``budget_end`` (monotonic; endlogs.py ``in_grace``)."""
+        if self.elsewhere:
+            return
+        left = budget_end - time.monotonic()
+        bound = min(self.spec.restore_stall, max(left, 0.0))
+        in_grace(functools.partial(seal_logs, self, "PREEMPTED", bound), left, self.event)
 
     def close(self, ended: str = "") -> bool:
         """The agent is leaving: the thread stops between two seals, never in the middle of
@@ -456,34 +473,16 @@ class SealService(Hooks):
                 )
         changed = self.sealer is not None and self._seal_end_logs(ended)
         self.mirror_quietly(health=True)
-        return changed
+        return changed or self.logs_sealed
 
     def _seal_end_logs(self, ended: str) -> bool:
         """The logs of a run that ended FAILED or STOPPED, to the store, each call bounded by
         ``[store] stall`` (a hung mount must not keep the agent, and the run's lock, for
         ever); an error said, never raised (the agent must still let go of the run)."""
-        assert self.sealer is not None
         if ended not in ENDED_STATES or self.elsewhere:
             return False
-        keep = "the job's logs stay on the box: pull them before the box goes"
-        try:
-            with self.store.calls_bounded(self.spec.restore_stall):
-                seal_end_logs(
-                    self.spec,
-                    self.rd,
-                    self.store,
-                    self.sealer,
-                    ended,
-                    event=self.event,
-                    warnings=self.warnings,
-                    root=self.workdir_root(),
-                )
-        except StoreError as e:
-            remedy = (e.remedy + "; " if e.remedy else "") + keep
-            self.event("seal_error", e.what, klass=event_class(e), remedy=remedy)
-        except Exception as e:  # a bug must not keep the agent from letting go of the run
-            what = f"sealing the job's logs failed: {type(e).__name__}: {e}"
-            self.event("seal_error", what, klass="permanent", remedy=keep)
+        seal = functools.partial(seal_logs, self, ended, self.spec.restore_stall)
+        said(seal, self.event, "the job's logs stay on the box: pull them before the box goes")
         return True
 
     def mirror_quietly(self, health: bool = False) -> None:

@@ -9,9 +9,13 @@ Layout under a run's prefix in the store (shared/DESIGN.md)::
     quarantine/<step>.json              a checkpoint found corrupt: kept, flagged, reported
     pinned/<step>                       a checkpoint pruning never deletes
     state/                              the run's state and events, mirrored
-    results/, outputs/, logs/           sealed at completion: the other files of the checkpoint
-                                        dir, the declared outputs, the job's logs
-    DONE.json                           the completion receipt (it lists those three)
+    results/, outputs/                  sealed at completion: the other files of the checkpoint
+                                        dir, the declared outputs
+    logs/e<epoch>/attempt-NNNN.log      the job's logs, sealed by the agent of that epoch as it
+                                        lets go of the run (any end but a superseded one)
+    logs/e<epoch>.json                  that agent's list of them, written after them
+    DONE.json                           the completion receipt (results, outputs, logs)
+    ENDED.json                          the logs of a run that ended FAILED or STOPPED
 
 A checkpoint without a MANIFEST does not exist. A MANIFEST's ``links`` (absent from those written
 before it, and where there is none) are the symlinks of the checkpoint dir itself that led to the
@@ -131,6 +135,33 @@ def outputs_prefix(run: str) -> str:
 def logs_prefix(run: str) -> str:
     """The job's logs, one per attempt (redacted copies where they held a secret)."""
     return f"{run}/logs/"
+
+
+def log_name(epoch: int, attempt: int) -> str:
+    """The name, under ``logs_prefix``, of the job's log of ``attempt`` that the agent of
+    ``epoch`` seals: ``e<epoch>/attempt-NNNN.log``. A new box numbers its attempts from 1
+    again, so the epoch keeps two boxes' logs from ever sharing a key (one replacing the other
+    under a pull that had read the older document). Documents from before it name
+    ``attempt-NNNN.log``; both are read."""
+    return f"e{epoch}/attempt-{attempt:04d}.log"
+
+
+def logs_doc_key(run: str, epoch: int) -> str:
+    """The document listing the job's logs the agent of ``epoch`` sealed as it let go of the
+    run (onbox/agent/endlogs.py), whatever the run's end: one per epoch, never replaced by
+    another box's, so `rgt pull` finds every box's logs (``logs_doc_epoch``)."""
+    return f"{logs_prefix(run)}e{epoch}.json"
+
+
+def logs_doc_epoch(run: str, key: str) -> Optional[int]:
+    """The epoch of ``key`` when it is a log document's (``logs_doc_key``), else None."""
+    head = logs_prefix(run)
+    if not key.startswith(head + "e") or not key.endswith(".json"):
+        return None
+    middle = key[len(head) + 1 : -len(".json")]
+    if not (middle.isascii() and middle.isdigit()) or str(int(middle)) != middle:
+        return None
+    return int(middle)
 
 
 def epochs_prefix(run: str) -> str:

@@ -200,13 +200,13 @@ def test_a_succeeding_job_that_printed_its_secret_gets_a_redacted_log_sealed_and
     [warn] = st["warnings"]
     assert warn["kind"] == "secret_in_log" and warn["attempt"] == 1
     assert warn["found"] == ["RGT_CANARY", "RGT_CANARY_PW"]
-    assert warn["key"] == f"{name}/logs/attempt-0001.log"
+    assert warn["key"] == f"{name}/logs/e1/attempt-0001.log"
     assert warn["log"] == os.path.join(cli.home, "runs", name, "attempts", "0001", "output.log")
     [ev] = [e for e in cli.events(name) if e["kind"] == "secret_in_log"]
     assert ev["class"] == "usage" and "redacted copy" in ev["reason"]
 
     # The store's copy of the log: redacted, the rest of it intact, marked so in DONE.json.
-    with open(os.path.join(store, name, "logs", "attempt-0001.log"), "rb") as fb:
+    with open(os.path.join(store, name, "logs", "e1", "attempt-0001.log"), "rb") as fb:
         sealed = fb.read()
     assert b"step 1 token [redacted]\n" in sealed and b"not a secret: step 2 loss 0.5" in sealed
     with open(os.path.join(store, name, "DONE.json")) as f:
@@ -231,9 +231,9 @@ def test_a_succeeding_job_that_printed_its_secret_gets_a_redacted_log_sealed_and
     for source in ("auto", "box"):
         dest = str(tmp_path / f"pulled-{source}")
         receipt = pull(rec, dest, source)
-        [got] = [f for f in receipt.files if f.path == "logs/attempt-0001.log"]
-        assert got.redacted and got.source.endswith(f"{name}/logs/attempt-0001.log")
-        with open(os.path.join(dest, "logs", "attempt-0001.log"), "rb") as fb:
+        [got] = [f for f in receipt.files if f.path == "logs/e1/attempt-0001.log"]
+        assert got.redacted and got.source.endswith(f"{name}/logs/e1/attempt-0001.log")
+        with open(os.path.join(dest, "logs", "e1", "attempt-0001.log"), "rb") as fb:
             assert fb.read() == sealed
         assert _grep_tree(dest) == {}
     assert _grep_tree(controller_env["RGT_CONTROLLER_HOME"]) == {}
@@ -386,19 +386,19 @@ def test_a_run_with_an_s3_store_pulled_from_the_box_takes_its_redacted_log_from_
     _start(cli, tmp_path, name, "ok", url=url)
     cli.wait_state(name, "SUCCEEDED", timeout=90)
     st = cli.wait_for(name, lambda s: not s["agent"]["alive"], 30, "the agent to exit")
-    assert [w["key"] for w in st["warnings"]] == [f"{name}/logs/attempt-0001.log"]
+    assert [w["key"] for w in st["warnings"]] == [f"{name}/logs/e1/attempt-0001.log"]
     rec = _local_rec(cli, name, url)
     dest = str(tmp_path / "pulled")
     receipt = pull(rec, dest, "box")
     files = {f.path: f for f in receipt.files}
-    assert set(files) == {"logs/attempt-0001.log", "outputs/out/result.txt"}
-    log = files["logs/attempt-0001.log"]
-    assert log.redacted and log.source == f"{name}/logs/attempt-0001.log"  # the store's key
+    assert set(files) == {"logs/e1/attempt-0001.log", "outputs/out/result.txt"}
+    log = files["logs/e1/attempt-0001.log"]
+    assert log.redacted and log.source == f"{name}/logs/e1/attempt-0001.log"  # the store's key
     out = files["outputs/out/result.txt"]
     assert not out.redacted and out.source.startswith("/")  # from the box, as asked
     client = s3_server.client()
-    sealed = client.get_object(Bucket=bucket, Key=f"rgt/{name}/logs/attempt-0001.log")["Body"]
-    with open(os.path.join(dest, "logs", "attempt-0001.log"), "rb") as fb:
+    sealed = client.get_object(Bucket=bucket, Key=f"rgt/{name}/logs/e1/attempt-0001.log")["Body"]
+    with open(os.path.join(dest, "logs", "e1", "attempt-0001.log"), "rb") as fb:
         assert fb.read() == sealed.read()
     assert _grep_tree(dest) == {}
     assert _grep_tree(controller_env["RGT_CONTROLLER_HOME"]) == {}
@@ -408,13 +408,13 @@ def test_a_run_with_an_s3_store_pulled_from_the_box_takes_its_redacted_log_from_
     _assert_nothing_rgt_wrote_holds_it(cli, "", name)
 
     # The store's copy is gone: the pull names the log and why, and puts nothing in place.
-    client.delete_object(Bucket=bucket, Key=f"rgt/{name}/logs/attempt-0001.log")
+    client.delete_object(Bucket=bucket, Key=f"rgt/{name}/logs/e1/attempt-0001.log")
     again = str(tmp_path / "again")
     with pytest.raises(StoreError) as info:
         pull(rec, again, "box")
     msg = info.value.line()
     assert info.value.exit_code == 14
-    assert f"logs/attempt-0001.log is sealed as a redacted copy ({name}/logs/" in msg, msg
+    assert f"logs/e1/attempt-0001.log is sealed as a redacted copy ({name}/logs/" in msg, msg
     assert "never pulls the box's raw log in its place" in msg, msg
     assert not os.path.exists(os.path.join(again, "logs"))
     assert not os.path.exists(os.path.join(again, ".rgt-receipt.json"))

@@ -408,4 +408,4 @@ def test_a_missing_attempt_log_is_no_failure_and_an_output_that_is_no_file_is_th
     assert by[True]["class"] is None, missing  # the attempt's log
     assert by[False]["reason"].startswith("pipe ") and by[False]["class"] == "usage", missing
     done = _done(str(tmp_path / "durable"), "r")
-    assert [e["path"] for e in done["files"]] == ["attempt-0002.log"]
+    assert [e["path"] for e in done["files"]] == ["e1/attempt-0002.log"]

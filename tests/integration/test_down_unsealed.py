@@ -191,7 +191,8 @@ def test_a_receipt_of_nothing_sealed_does_not_hide_the_logs_sealed_as_the_run_en
     text = "\n".join(plan_down(rec, open_remote(rec.target)).lines())
     head = text.splitlines()[1]
     assert "no file of the run is in a pull or in the store" not in head, text
-    assert "the store holds the job's log of 1 attempt (ENDED.json)" in head, text
+    held = "the store holds the job's log of 1 attempt (sealed as its agent let go of the run)"
+    assert held in head, text
     assert f"rgt pull {RUN} brings it" in head, text
     assert f"job log of attempt 1: sealed in the store {box.store}" in text, text
 
@@ -199,7 +200,7 @@ def test_a_receipt_of_nothing_sealed_does_not_hide_the_logs_sealed_as_the_run_en
     assert code == 0 and "the job's logs only (ENDED.json" in out, (code, out, err)
     with open(tmp_path / "again" / ".rgt-receipt.json") as f:
         doc = json.load(f)
-    assert [x["path"] for x in doc["files"]] == ["logs/attempt-0001.log"], doc
+    assert [x["path"] for x in doc["files"]] == ["logs/e1/attempt-0001.log"], doc
     assert doc["sealed"]["ended_sha256"] and doc["sealed"]["step"] is None, doc
     shown: List[str] = []
     down(rec, yes=True, interactive=False, ask=_never, show=shown.append)

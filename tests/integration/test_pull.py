@@ -251,7 +251,7 @@ def test_a_clean_pull_from_the_store_verifies_opens_everything_and_writes_the_re
         "checkpoints/step_7/model.pt",
         "checkpoints/step_7/model.safetensors",
         "outputs/out/result.json",
-        "logs/attempt-0001.log",
+        "logs/e1/attempt-0001.log",
     }
     assert {f.path for f in receipt.files} == want
     assert _finals(dest) == sorted(want | {".rgt-receipt.json"})
@@ -259,7 +259,7 @@ def test_a_clean_pull_from_the_store_verifies_opens_everything_and_writes_the_re
     src = tmp_path / "src"
     assert _read(os.path.join(dest, "checkpoints/step_7/model.pt")) == _read(str(src / "model.pt"))
     assert json.loads(_read(os.path.join(dest, "outputs/out/result.json"))) == {"loss": 0.25}
-    assert b"trained to step 7" in _read(os.path.join(dest, "logs/attempt-0001.log"))
+    assert b"trained to step 7" in _read(os.path.join(dest, "logs/e1/attempt-0001.log"))
     assert os.path.exists(os.path.join(work, "out/result.json"))
 
     how = {f.path: f.verified for f in receipt.files}

@@ -69,9 +69,9 @@ def test_the_log_of_a_failed_run_is_pulled_from_the_store_after_its_box_is_gone(
     receipt = pull(rec, str(tmp_path / "dest"), "store")
     assert not receipt.sealed.nothing
     files = {f.path: f for f in receipt.files}
-    assert set(files) == {"logs/attempt-0001.log"}, files
-    assert files["logs/attempt-0001.log"].redacted
-    log = _read(str(tmp_path / "dest" / "logs" / "attempt-0001.log"))
+    assert set(files) == {"logs/e1/attempt-0001.log"}, files
+    assert files["logs/e1/attempt-0001.log"].redacted
+    log = _read(str(tmp_path / "dest" / "logs" / "e1" / "attempt-0001.log"))
     assert b"CUDA error: an illegal memory access" in log and b"step 1 loss" in log, log
     assert b"AKIAABCDEFGHIJKLMNOP" not in log, log
     assert covers_newest(rec, receipt)
@@ -81,7 +81,7 @@ def test_the_log_of_a_failed_run_is_pulled_from_the_store_after_its_box_is_gone(
         assert b"AKIAABCDEFGHIJKLMNOP" in f.read()
     shutil.rmtree(run_dir)
     again = pull(rec, str(tmp_path / "later"), "store")
-    assert _read(str(tmp_path / "later" / "logs" / "attempt-0001.log")) == log
+    assert _read(str(tmp_path / "later" / "logs" / "e1" / "attempt-0001.log")) == log
     assert again.sealed == receipt.sealed
     kinds = [e["kind"] for e in _events(store, RUN)]
     assert "logs_sealed" in kinds and "done" not in kinds, kinds
@@ -91,6 +91,7 @@ def test_the_log_of_a_failed_run_is_pulled_from_the_store_after_its_box_is_gone(
     "how, needle",
     [
         ("key-elsewhere", "not a job's log"),
+        ("other-epoch", "not a job's log"),
         ("path-escapes", "'..'"),
         ("not-a-log", "not a job's log"),
         ("with-root", "not a job's log"),
@@ -111,6 +112,8 @@ def test_a_hostile_ended_json_is_refused_before_anything_is_created(
     entry = doc["files"][0]
     if how == "key-elsewhere":
         entry["key"] = f"{RUN}/checkpoints/1/model.pt"
+    elif how == "other-epoch":  # a log of another box: never one this document's agent sealed
+        entry["path"], entry["key"] = "e2/attempt-0001.log", f"{RUN}/logs/e2/attempt-0001.log"
     elif how == "path-escapes":
         entry["path"] = "../../x.log"
         entry["key"] = f"{RUN}/logs/../../x.log"
@@ -164,7 +167,7 @@ def test_the_log_of_a_stopped_run_is_pulled_and_down_does_not_call_it_lost(
     rec = box.record(ssh_box)
     receipt = pull(rec, str(tmp_path / "dest"), "box")
     paths = {f.path for f in receipt.files}
-    assert "logs/attempt-0001.log" in paths, paths
+    assert "logs/e1/attempt-0001.log" in paths, paths
     assert any(p.startswith("checkpoints/") for p in paths), paths
     shown: List[str] = []
     down(rec, yes=True, interactive=False, ask=_never, show=shown.append)
@@ -185,7 +188,7 @@ def test_a_log_sealed_after_the_pull_is_kept_in_the_store_in_downs_plan(
     box.checkpoint(1)
     rec = box.record()
     receipt = pull(rec, str(tmp_path / "dest"), "store")
-    assert "logs/attempt-0001.log" not in {f.path for f in receipt.files}
+    assert "logs/e1/attempt-0001.log" not in {f.path for f in receipt.files}
     cli("stop", RUN, check=True, timeout=120)
     cli.wait_for(
         RUN,

@@ -79,22 +79,22 @@ def test_a_failed_runs_log_lands_in_the_bucket_and_is_pulled_from_the_store_or_t
 ) -> None:
     url = _failed_s3_run(cli, tmp_path, s3_server, monkeypatch)
     keys = _keys(s3_server, url)
-    assert f"{RUN}/ENDED.json" in keys and f"{RUN}/logs/attempt-0001.log" in keys, keys
+    assert f"{RUN}/ENDED.json" in keys and f"{RUN}/logs/e1/attempt-0001.log" in keys, keys
     assert f"{RUN}/DONE.json" not in keys, keys
     ended = _get(s3_server, url, f"{RUN}/ENDED.json")
     assert ended["state"] == "FAILED", ended
-    assert [f["path"] for f in ended["files"]] == ["attempt-0001.log"], ended
+    assert [f["path"] for f in ended["files"]] == ["e1/attempt-0001.log"], ended
     sha = ended["files"][0]["sha256"]
 
     rec = _rec(url, cli.home)
     receipt = pull(rec, str(tmp_path / "dest"), "store")
     assert receipt.sealed.ended_sha256 is not None and receipt.sealed.step == 1, receipt.sealed
     files: Dict[str, Any] = {f.path: f for f in receipt.files}
-    assert "logs/attempt-0001.log" in files and "checkpoints/step_1.pt" in files, files
-    log = files["logs/attempt-0001.log"]
-    assert log.sha256 == sha and log.source == f"{RUN}/logs/attempt-0001.log", log
+    assert "logs/e1/attempt-0001.log" in files and "checkpoints/step_1.pt" in files, files
+    log = files["logs/e1/attempt-0001.log"]
+    assert log.sha256 == sha and log.source == f"{RUN}/logs/e1/attempt-0001.log", log
     assert log.verified == "sha256" and not log.redacted, log
-    text = _read(str(tmp_path / "dest" / "logs" / "attempt-0001.log"))
+    text = _read(str(tmp_path / "dest" / "logs" / "e1" / "attempt-0001.log"))
     assert hashlib.sha256(text).hexdigest() == sha
     assert b"CUDA error: an illegal memory access" in text, text
     assert covers_newest(rec, receipt)
@@ -106,9 +106,9 @@ def test_a_failed_runs_log_lands_in_the_bucket_and_is_pulled_from_the_store_or_t
         f.write(b"written after the seal\n")
     again = pull(rec, str(tmp_path / "from-box"), "box")
     by_path = {f.path: f for f in again.files}
-    assert by_path["logs/attempt-0001.log"].source == f"{RUN}/logs/attempt-0001.log", by_path
+    assert by_path["logs/e1/attempt-0001.log"].source == f"{RUN}/logs/e1/attempt-0001.log", by_path
     assert by_path["checkpoints/step_1.pt"].source.startswith(cli.home), by_path
-    assert _read(str(tmp_path / "from-box" / "logs" / "attempt-0001.log")) == text
+    assert _read(str(tmp_path / "from-box" / "logs" / "e1" / "attempt-0001.log")) == text
     assert again.sealed == receipt.sealed
 
 

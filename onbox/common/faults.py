@@ -71,6 +71,7 @@ HOLDS = (
     "store.get",  # a file:// store's read of a document (local.py get_bytes), hung; until: never
     "store.list",  # a file:// store's listing (local.py list), as on a hung mount; until: never
     "memo.half_written",  # a rank wrote half its memo (onbox/train/rankverify.py); until: never
+    "store.put_file",  # a file:// store's upload of a file (local.py put_file), hung; never
 )
 HOLD_FOR = 120.0  # a hold is let go after this long: a test that never acts fails, not hangs
 

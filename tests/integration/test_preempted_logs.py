@@ -237,6 +237,32 @@ def test_a_failed_log_seal_at_a_preemption_is_said_and_the_run_still_ends_preemp
     assert not _events(cli, "logs_sealed")
 
 
+def test_a_log_seal_that_hangs_past_the_grace_is_said_and_the_agent_lets_go_in_time(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """The store's upload of the logs hangs (as on a mount whose server stopped: a hold point
+    that lasts 120 s, released here only while step 1 is sealed): the agent ends the run
+    PREEMPTED and exits within the test's 60 s wait, a seal_error event says the logs were
+    still being sealed when the grace ended, and no log document claims them."""
+    root = _store_root(tmp_path)
+    store = f"file://{root}"
+    release = tmp_path / "uploads-go-on"
+    release.write_text("")
+    cli.env.update(RGT_HOLD_AT="store.put_file", RGT_HOLD_UNTIL=str(release))
+
+    def latest() -> Any:
+        step = _file_latest(root)
+        if step == 1 and release.exists():
+            release.unlink()  # from here on an upload of a file hangs
+        return step
+
+    _preempted(cli, tmp_path, store, "A", latest)
+    errors = _events(cli, "seal_error")
+    assert errors and "still being sealed when the grace ended" in errors[-1]["reason"], errors
+    assert not _events(cli, "logs_sealed")
+    assert not os.path.exists(os.path.join(root, RUN, "logs", "e1.json"))
+
+
 @pytest.mark.parametrize(
     "how, needle",
     [

@@ -33,8 +33,8 @@ from tests.laptop import laptop_env, run_rgt
 from tests.seaweed import SeaweedServer
 from tests.sshd import SshServer
 
-# A box's job: its log says which box it ran on. "fail" exits 3 at once; "run" writes step_1.pt
-# (unless a restore put it back) and waits to be preempted.
+# A box's job: its log says which box it ran on. "fail" exits 3 at once, "ok" 0; "run" writes
+# step_1.pt (unless a restore put it back) and waits to be preempted.
 JOB = """\
 import os, sys, time
 who, how = sys.argv[1], sys.argv[2]
@@ -42,6 +42,9 @@ print(f"box {who}: step 1 loss 2.5", flush=True)
 if how == "fail":
     print(f"box {who}: RuntimeError: CUDA error", file=sys.stderr, flush=True)
     sys.exit(3)
+if how == "ok":
+    print(f"box {who}: done", flush=True)
+    sys.exit(0)
 d = os.environ["RGT_CKPT_DIR"]
 os.makedirs(d, exist_ok=True)
 if not os.path.exists(os.path.join(d, "step_1.pt")):
@@ -187,6 +190,59 @@ def test_a_newer_boxs_logs_never_replace_an_older_boxs_and_every_box_is_pulled(
     b = _read(str(later / "logs" / "e2" / "attempt-0001.log"))
     assert b"box A: RuntimeError" in a and b"box B" not in a, a
     assert b"box B: RuntimeError" in b and b"box A" not in b, b
+
+
+def test_a_preempted_box_then_one_that_succeeds_are_both_pulled(
+    cli: Cli, other_box: Cli, tmp_path: Any, laptop: str
+) -> None:
+    """Box A is preempted, box B restores step 1 and succeeds (DONE.json lists its logs): the
+    pull brings the checkpoint, B's log from DONE.json and A's from its log document."""
+    root = _store_root(tmp_path)
+    store = f"file://{root}"
+    _preempted(cli, tmp_path, store, "A", lambda: _file_latest(root))
+    _start(other_box, tmp_path, store, "B", "ok")
+    other_box.wait_over(RUN, "SUCCEEDED", "FAILED", "STOPPED", timeout=120)
+    with open(os.path.join(root, RUN, "DONE.json")) as f:
+        done = json.load(f)
+    assert [x["path"] for x in done["files"]] == ["e2/attempt-0001.log"], done
+    Registry().put(_rec(store, other_box.home))
+    dest = tmp_path / "dest"
+    p = _pull(laptop, other_box, dest)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    assert b"box A: ready" in _read(str(dest / "logs" / "e1" / "attempt-0001.log"))
+    assert b"box B: done" in _read(str(dest / "logs" / "e2" / "attempt-0001.log"))
+    assert os.path.exists(dest / "checkpoints" / "step_1.pt")
+
+
+def test_an_older_agents_ended_json_is_pulled_beside_a_newer_boxs_logs(
+    cli: Cli, other_box: Cli, tmp_path: Any, laptop: str
+) -> None:
+    """A store an agent from before epochs named the logs wrote to (box A's failed run, its
+    log at ``logs/attempt-0001.log`` and ENDED.json naming it, no log document: made so here
+    from what the agent sealed), then box B preempted: the pull reads both, A's log under its
+    old name."""
+    root = _store_root(tmp_path)
+    store = f"file://{root}"
+    _failed(cli, tmp_path, store, "A")
+    run = os.path.join(root, RUN)
+    os.rename(os.path.join(run, "logs", "e1", "attempt-0001.log"), os.path.join(run, "x.log"))
+    shutil.rmtree(os.path.join(run, "logs"))
+    os.mkdir(os.path.join(run, "logs"))
+    os.rename(os.path.join(run, "x.log"), os.path.join(run, "logs", "attempt-0001.log"))
+    with open(os.path.join(run, "ENDED.json")) as f:
+        ended = json.load(f)
+    for entry in ended["files"]:
+        entry["path"], entry["key"] = "attempt-0001.log", f"{RUN}/logs/attempt-0001.log"
+    with open(os.path.join(run, "ENDED.json"), "w") as f:
+        json.dump(ended, f)
+
+    _preempted(other_box, tmp_path, store, "B", lambda: _file_latest(root))
+    Registry().put(_rec(store, other_box.home))
+    dest = tmp_path / "dest"
+    p = _pull(laptop, other_box, dest)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    assert b"box A: RuntimeError" in _read(str(dest / "logs" / "attempt-0001.log"))
+    assert b"box B: ready" in _read(str(dest / "logs" / "e2" / "attempt-0001.log"))
 
 
 def test_a_preempted_box_then_a_failed_one_are_both_pulled_from_the_box(

@@ -101,7 +101,8 @@ def from_documents(
     if ended_raw is not None:
         ended_sha = sha_hex(ended_raw)
         left_out = _ended(run, ended_raw, entries)
-    logs_sha = _epoch_docs(run, log_docs() if log_docs is not None else {}, entries)
+    logs_sha, more_left = _epoch_docs(run, log_docs() if log_docs is not None else {}, entries)
+    left_out += tuple(x for x in more_left if x not in left_out)
     if latest is None and done_raw is None and ended_raw is None and logs_sha is None:
         # Nothing sealed (a job that failed or was stopped before its first checkpoint): a
         # state of its own, which a pull records in its receipt (SealedId.nothing) so that
@@ -303,13 +304,16 @@ def _add_log(entries: List[Entry], f: Dict[str, Any]) -> None:
         entries.append(new)
 
 
-def _epoch_docs(run: str, docs: Dict[int, bytes], entries: List[Entry]) -> Optional[str]:
+def _epoch_docs(
+    run: str, docs: Dict[int, bytes], entries: List[Entry]
+) -> Tuple[Optional[str], Tuple[str, ...]]:
     """The logs of each epoch's log document (``docs``) added to ``entries``, each checked as
-    ENDED.json's are and named by that very epoch; the hex of a sha256 over the documents (for
-    the receipt), None without one."""
+    ENDED.json's are and named by that very epoch: the hex of a sha256 over the documents (for
+    the receipt; None without one), and the files they say were left out ("PATH: why")."""
     if not docs:
-        return None
+        return None, ()
     digest = hashlib.sha256()
+    left: Tuple[str, ...] = ()
     for epoch in sorted(docs):
         key, raw = mf.logs_doc_key(run, epoch), docs[epoch]
         try:
@@ -321,15 +325,16 @@ def _epoch_docs(run: str, docs: Dict[int, bytes], entries: List[Entry]) -> Optio
             raise IntegrityError(f"{key} lists no files")
         if _integer(doc.get("epoch")) != epoch:
             raise IntegrityError(
-                f"{key} says it is of epoch {doc.get('epoch')!r}, not {epoch}. Nothing was fetched",
+                f"{key} says it is of another epoch than {epoch}. Nothing was fetched",
                 f"the store's {key} is damaged or not rgt's: look at it",
             )
         for f in files:
             _check_doc_file(f, key, run)
             _job_log(run, key, f, epoch, old=False)
             _add_log(entries, f)
+        left += _left_out(doc.get("left_out"))
         digest.update(f"{key} {sha_hex(raw)}\n".encode())
-    return digest.hexdigest()
+    return digest.hexdigest(), left
 
 
 def sealed_logs(

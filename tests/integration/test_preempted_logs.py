@@ -326,7 +326,7 @@ def test_a_log_seal_that_hangs_past_the_grace_is_said_and_the_agent_lets_go_in_t
         ("old-name", "not a job's log"),
         ("key-elsewhere", "not a job's log"),
         ("path-escapes", "'..'"),
-        ("epoch-lies", "says it is of epoch"),
+        ("epoch-lies", "says it is of another epoch"),
         ("files-not-a-list", "lists no files"),
         ("not-json", "not valid JSON"),
     ],

@@ -51,3 +51,27 @@ def test_a_document_size_of_too_many_digits_is_a_host_error(size: bytes) -> None
 def test_a_quarantine_record_size_of_too_many_digits_is_a_host_error(size: bytes) -> None:
     with pytest.raises(HostError, match="cut short"):
         BoxDocs(_Box(b"Q 5\nF " + size + b"\n"), "/store").listing("r")
+
+
+def test_log_documents_are_read_by_epoch_and_names_rgt_never_writes_are_left_out() -> None:
+    """rgt_logdocs prints each RUN/logs/e*.json: only a name logs_doc_key makes is an epoch's
+    (e01.json, e1.json.json or a name with a space in it is no document of rgt's)."""
+    out = (
+        b"L e1.json\nF 2\n{}L e01.json\nF 2\n[]L e7.json\nN\nL e 2.json\nF 1\nxL e12.json\nF 3\n[1]"
+    )
+    assert BoxDocs(_Box(out), "/store").log_docs("r") == {1: b"{}", 12: b"[1]"}
+
+
+@pytest.mark.parametrize(
+    "out",
+    [
+        b"L e1.json\nF 9\n{}",
+        b"L e1.json\n",
+        b"X e1.json\nN\n",
+        b"L e1.json",
+        b"L e1.json\nF " + HUGE,
+    ],
+)
+def test_log_documents_that_do_not_add_up_are_a_host_error(out: bytes) -> None:
+    with pytest.raises(HostError, match="log documents on the box"):
+        BoxDocs(_Box(out), "/store").log_docs("r")

@@ -265,9 +265,14 @@ def test_a_preempted_box_then_a_failed_one_are_both_pulled_from_the_box(
         assert b"box A: ready" in _read(str(dest / "logs" / "e1" / "attempt-0001.log"))
         assert b"box B: RuntimeError" in _read(str(dest / "logs" / "e2" / "attempt-0001.log"))
         assert os.path.exists(dest / "checkpoints" / "step_1.pt")
-        text = "\n".join(plan_down(rec, open_remote(rec.target)).lines())
-        lost = text.split("will be lost")[1].split("\nkept:")[0] if "will be lost" in text else ""
-        assert "job log" not in lost, text
+        for home in (other_box.home, cli.home):  # each box's log, by the epoch it sealed it as
+            rec = _rec(store, home, target)
+            Registry().put(rec)
+            text = "\n".join(plan_down(rec, open_remote(rec.target)).lines())
+            lost = (
+                text.split("will be lost")[1].split("\nkept:")[0] if "will be lost" in text else ""
+            )
+            assert "job log" not in lost, text
     finally:
         SshRemote(target).close()
 

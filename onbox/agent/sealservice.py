@@ -422,7 +422,7 @@ class SealService(Hooks):
                 remedy="a longer grace, or smaller/more frequent checkpoints",
             )
             if reason == "preempt":
-                logs_not_sealed(self.event, "an upload of a checkpoint took the whole grace")
+                logs_not_sealed(self.event, "the grace ended before the checkpoints' seal did")
             return
         try:
             sealed = seal_in_budget(sealer, self.spec.ckpt_dir, reason, budget_end, self.event)

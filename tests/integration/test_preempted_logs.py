@@ -77,8 +77,8 @@ def other_box(tmp_path: Any, cli: Cli) -> Iterator[Cli]:
         _kill_run_processes(home)
 
 
-def _start(box: Cli, tmp_path: Any, store: str, who: str, how: str) -> None:
-    """``box`` runs JOB as run RUN with ``store``, a grace of GRACE, no restart on an error."""
+def _start(box: Cli, tmp_path: Any, store: str, who: str, how: str, grace: str = GRACE) -> None:
+    """``box`` runs JOB as run RUN with ``store``, ``grace``, no restart on an error."""
     job_py = tmp_path / "job.py"
     job_py.write_text(JOB)
     job = tmp_path / f"job-{who}.toml"
@@ -86,13 +86,15 @@ def _start(box: Cli, tmp_path: Any, store: str, who: str, how: str) -> None:
         f"command = {json.dumps([sys.executable, str(job_py), who, how])}\n"
         f'store = "{store}"\n[restart]\nmax_error_restarts = 0\n'
     )
-    box("start", str(job), "--name", RUN, "--grace", GRACE, check=True, cwd=box.home)
+    box("start", str(job), "--name", RUN, "--grace", grace, check=True, cwd=box.home)
 
 
-def _preempted(box: Cli, tmp_path: Any, store: str, who: str, latest: Any) -> None:
+def _preempted(
+    box: Cli, tmp_path: Any, store: str, who: str, latest: Any, grace: str = GRACE
+) -> None:
     """``box`` runs JOB until step 1 is sealed (``latest()`` says), then takes a real SIGTERM
     (the platform's preemption) and ends PREEMPTED, its agent gone."""
-    _start(box, tmp_path, store, who, "run")
+    _start(box, tmp_path, store, who, "run", grace)
     box.wait_state(RUN, "RUNNING")
     box.wait_output(RUN, f"box {who}: ready")
     _wait(lambda: latest() == 1, "step 1 sealed")
@@ -296,6 +298,17 @@ def test_a_failed_log_seal_at_a_preemption_is_said_and_the_run_still_ends_preemp
     errors = _events(cli, "seal_error")
     assert errors and "the job's logs stay on this box" in errors[-1]["remedy"], errors
     assert not _events(cli, "logs_sealed")
+
+
+def test_a_preemption_with_no_grace_says_the_logs_are_not_sealed(cli: Cli, tmp_path: Any) -> None:
+    """A grace of 0 (vast.ai's): nothing is left for the logs; ``logs_not_sealed`` says so and
+    where they are, and no log document claims them."""
+    root = _store_root(tmp_path)
+    _preempted(cli, tmp_path, f"file://{root}", "A", lambda: _file_latest(root), grace="0")
+    [ev] = _events(cli, "logs_not_sealed")
+    assert "stay on this box's disk" in ev["reason"] and "--grace" in ev["remedy"], ev
+    assert not _events(cli, "logs_sealed")
+    assert not os.path.exists(os.path.join(root, RUN, "logs", "e1.json"))
 
 
 def test_a_log_seal_that_hangs_past_the_grace_is_said_and_the_agent_lets_go_in_time(

@@ -175,7 +175,8 @@ def test_down_of_a_run_pulled_with_nothing_sealed_reads_the_log_sealed_in_the_bu
     keys = _keys(s3_server, url)
     assert f"{RUN}/ENDED.json" in keys and f"{RUN}/LATEST.json" not in keys, keys
     head = plan_down(rec, open_remote(rec.target)).lines()[1]
-    assert "the store holds the job's log of 1 attempt (ENDED.json)" in head, head
+    held = "the store holds the job's log of 1 attempt (sealed as its agent let go of the run)"
+    assert held in head, head
     shown: List[str] = []
     down(rec, yes=True, interactive=False, ask=_never, show=shown.append)
     text = "\n".join(shown)

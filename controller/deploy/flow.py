@@ -210,10 +210,10 @@ def _audit(
         release_id=rid,
         deploy=plan.name,
         look=look_args(prev, wheel.version) if prev is not None else (),
-        markers=None if plan.guess else guessmod.marker_args(guessmod.candidates(plan.dirs)),
+        markers=None if plan.guess else guessmod.marker_args(plan.candidates),
     )
     if plan.guess is None:
-        guess = guessmod.chosen(plan.target, plan.dirs, report.markers or [])
+        guess = guessmod.chosen(plan.target, plan.dirs, report.markers or [], plan.candidates)
         check_on_done(guess.profile, plan.req.on_done)
         plan = dataclasses.replace(plan, guess=guess)
         store = _store(plan, known)

@@ -85,12 +85,18 @@ def by_markers(profiles: Sequence[Profile], files: Set[str], names: Set[str]) ->
     return Guess(best[1], f"the box has {', '.join(best[2])}")
 
 
-def chosen(target: Target, dirs: Sequence[str], markers: Optional[Sequence[str]] = None) -> Guess:
+def chosen(
+    target: Target,
+    dirs: Sequence[str],
+    markers: Optional[Sequence[str]] = None,
+    profiles: Sequence[Profile] = (),
+) -> Guess:
     """The profile for ``target`` with no --profile: by host, then by ``markers`` (rgt_markers'
-    output, when the box was asked), else generic-ssh."""
+    output, when the box was asked), else generic-ssh. ``profiles``: the candidates, where the
+    caller has read them already (else they are read here)."""
     if target.kind == "local":
         return Guess(load("local", dirs), "the local target")
-    profiles = candidates(dirs)
+    profiles = profiles or candidates(dirs)
     guess = by_host(target, profiles)
     if guess is None and markers is not None:
         guess = by_markers(profiles, *parse_markers(markers))

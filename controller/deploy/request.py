@@ -178,6 +178,8 @@ class Plan:
     # The endpoint and stall of the run's store (--store's or the job file's), from the job file
     store_endpoint: Optional[str] = None
     store_stall: Optional[float] = None
+    # The profiles the box's markers choose among, while ``guess`` is None (guess.candidates)
+    candidates: Sequence[Profile] = ()
 
     @property
     def profile(self) -> str:
@@ -209,14 +211,18 @@ def check_on_done(profile: Profile, on_done: Optional[str]) -> None:
     )
 
 
-def _profile(req: DeployRequest, target: Target, dirs: Sequence[str]) -> Optional[guessmod.Guess]:
+def _profile(
+    req: DeployRequest, target: Target, dirs: Sequence[str]
+) -> Tuple[Optional[guessmod.Guess], List[Profile]]:
     """The profile asked for (checked against the target), or guessed from the host; None when
-    only the box's markers can tell."""
+    only the box's markers can tell. With it the profiles it was guessed among (none when it was
+    named, or is local's), which the markers' guess is then made among, read only once."""
     if req.profile is None:
         if target.kind == "local":
-            return guessmod.chosen(target, dirs)
-        return guessmod.by_host(target, guessmod.candidates(dirs))
-    return named_profile(req.profile, target, dirs)
+            return guessmod.chosen(target, dirs), []
+        profiles = guessmod.candidates(dirs)
+        return guessmod.by_host(target, profiles), profiles
+    return named_profile(req.profile, target, dirs), []
 
 
 def named_profile(name: str, target: Target, dirs: Sequence[str]) -> guessmod.Guess:
@@ -270,7 +276,7 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
     """The request checked: UsageError for what the box would refuse, before it is touched."""
     target: Target = parse_target(req.target)
     dirs = profile_dirs()
-    guess = _profile(req, target, dirs)
+    guess, candidates = _profile(req, target, dirs)
     if guess is not None:
         check_on_done(guess.profile, req.on_done)
     # No job at all, with --name: start run N again from the box's record of it
@@ -310,5 +316,5 @@ def check_request(req: DeployRequest, environ: Dict[str, str]) -> Plan:
         )
     return Plan(
         req, target, guess, project, job_rel, name, secrets, dirs, job_store, slurm, again,
-        store_endpoint=endpoint, store_stall=stall,
+        store_endpoint=endpoint, store_stall=stall, candidates=candidates,
     )  # fmt: skip

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import selectors
 import subprocess
 import sys
@@ -354,3 +355,23 @@ def _show(line: bytes) -> None:
     with contextlib.suppress(OSError, ValueError):  # a closed terminal: nothing to tell
         sys.stderr.write(text + "\n")
         sys.stderr.flush()
+
+
+# The most digits a number the box prints may have to be read as one: Python's int() refuses a
+# string of more than 4300 (ValueError), and str.isdigit() accepts digits int() does not take
+# ("²"); either ended a reader of the box's output in a traceback.
+MAX_DIGITS = 20
+_NUMBER = re.compile(rf"[0-9]{{1,{MAX_DIGITS}}}(\.[0-9]{{1,{MAX_DIGITS}}})?")
+
+
+def box_int(text: str) -> Optional[int]:
+    """The non-negative integer a line of the box's output says (surrounding whitespace left
+    out), or None when it is not ASCII digits, at most MAX_DIGITS of them."""
+    m = _NUMBER.fullmatch(text.strip())
+    return int(m.group(0)) if m and m.group(1) is None else None
+
+
+def box_float(text: str) -> Optional[float]:
+    """As ``box_int``, for a number that may have a fraction (``12.5``)."""
+    m = _NUMBER.fullmatch(text.strip())
+    return float(m.group(0)) if m else None

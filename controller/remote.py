@@ -47,7 +47,10 @@ from typing import IO, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from controller import envnames
 from controller.capture import Relayed, TooMuch, capture, command_name, relayed, show_lines
+from controller.capture import box_float as box_float  # (read here by the box's readers)
+from controller.capture import box_int as box_int
 from controller.controldir import control_dir, control_path
+from controller.sshahead import Ahead, ahead_argv
 from controller.sshcipher import cipher_preference, ssh_settings
 from controller.target import Target, ssh_destination_args, ssh_literal, ssh_unexpandable
 from onbox.common.errors import AuthError, HostError, RemoteUnreachable, RgtError, UsageError
@@ -84,26 +87,6 @@ class Result:
     @property
     def err(self) -> str:
         return self.stderr.decode("utf-8", "replace")
-
-
-# The most digits a number the box prints may have to be read as one: Python's int() refuses a
-# string of more than 4300 (ValueError), and str.isdigit() accepts digits int() does not take
-# ("²"); either ended a reader of the box's output in a traceback.
-MAX_DIGITS = 20
-_NUMBER = re.compile(rf"[0-9]{{1,{MAX_DIGITS}}}(\.[0-9]{{1,{MAX_DIGITS}}})?")
-
-
-def box_int(text: str) -> Optional[int]:
-    """The non-negative integer a line of the box's output says (surrounding whitespace left
-    out), or None when it is not ASCII digits, at most MAX_DIGITS of them."""
-    m = _NUMBER.fullmatch(text.strip())
-    return int(m.group(0)) if m and m.group(1) is None else None
-
-
-def box_float(text: str) -> Optional[float]:
-    """As ``box_int``, for a number that may have a fraction (``12.5``)."""
-    m = _NUMBER.fullmatch(text.strip())
-    return float(m.group(0)) if m else None
 
 
 def quote_argv(argv: Sequence[str]) -> str:
@@ -185,6 +168,7 @@ class Remote:
         not shown but returned (``Result.held``) for the caller's error to say, unless ssh
         failed (then it is shown before ssh's error is raised)."""
         stalled = f"sent nothing for {timeout:.0f} s" if relay else None
+        self.ready(timeout)
         try:
             with self._unreachable(argv, stalled or f"did not finish within {timeout:.0f} s"):
                 got = capture(
@@ -243,6 +227,7 @@ class Remote:
         """Run ``argv``, writing its stdout to ``out`` as it comes (none of it kept: the
         Result's stdout is empty), its stderr kept as ``run`` keeps it; RemoteUnreachable when
         it sends nothing for ``idle`` seconds."""
+        self.ready(idle)
         with self._unreachable(argv, f"sent nothing for {idle:.0f} s"):
             got = capture(self.argv(argv), timeout=idle, limit=0, over="tail", sink=out)
         self.check_transport(got.rc, got.stderr)
@@ -268,6 +253,12 @@ class Remote:
 
     def check_transport(self, rc: int, stderr: bytes) -> None:
         """Raise when ``rc`` is the transport's failure rather than the command's."""
+
+    def connect_ahead(self) -> None:
+        """Start opening the connection, in the background (controller/sshahead.py)."""
+
+    def ready(self, bound: float = 120) -> None:
+        """Wait (``bound`` s at most) for ``connect_ahead``'s connection; ssh's error if none."""
 
     def rsync_shell(self) -> Optional[List[str]]:
         """The ``-e`` of rsync to reach this box, or None for local paths."""
@@ -327,11 +318,23 @@ class SshRemote(Remote):
         ]  # fmt: skip
         self.options += cipher_preference(self.config_args, dest, settings)
         self.base = ["ssh", *self.config_args, *self.options]
+        self._ahead: Optional[Ahead] = None
+
+    def connect_ahead(self) -> None:
+        dest = ssh_destination_args(self.target)
+        self._ahead = self._ahead or Ahead.start(ahead_argv(self.base, dest), self.control_path)
+
+    def ready(self, bound: float = 120) -> None:
+        ahead, self._ahead = self._ahead, None
+        failed = ahead.join(bound) if ahead is not None else None
+        if failed is not None:  # ssh's own error: unreachable, refused, a changed host key
+            self.check_transport(255, failed)
 
     def ssh_argv(self, *extra: str) -> List[str]:
         return [*self.base, *extra, *ssh_destination_args(self.target)]
 
     def argv(self, argv: Sequence[str], env: Optional[Mapping[str, str]] = None) -> List[str]:
+        self.ready()  # (run and stream have waited already, within their own timeouts)
         # exec: the command is sh's own process, as with a login shell running one command, so
         # a hangup or a signal from sshd reaches it and its status is the session's.
         script = "exec " + quote_argv([*env_prefix(dict(env or {})), *argv])
@@ -403,6 +406,7 @@ class SshRemote(Remote):
         ``-``), which every login shell parses alike, and every path and every option with a
         value travels inside rsync's own protocol instead of the command line. Without ``-s``,
         rsync quotes them for a POSIX shell, which fish reads otherwise (module docstring)."""
+        self.ready()
         return [*self.base, *ssh_destination_args(self.target)[:-2]]
 
     def path_arg(self, path: str) -> str:
@@ -411,6 +415,8 @@ class SshRemote(Remote):
         return f"{self.target.host}:{path}"
 
     def close(self) -> None:
+        if self._ahead is not None:  # never waited for: stopped by its pid (its master below)
+            self._ahead.stop()
         try:  # the master's answer is one line: a bounded tail is all there is to keep
             capture(self.ssh_argv("-O", "stop"), timeout=30, limit=4096, over="tail")
         except (subprocess.TimeoutExpired, FileNotFoundError):

@@ -31,7 +31,9 @@ the recorded agent is the install the audit found; else (or with no record) the 
 more command. A deploy of unchanged code whose run is live, from the laptop that deployed it,
 runs the audit alone. Anything missing or wrong is then fixed as before, each by its own
 command: the push, an install (also when the agent's ``--version`` fails), then the look again
-with the agent installed.
+with the agent installed. The connection (ssh's control master) is opened in the background once
+the project's files are listed, so that its handshake overlaps the hashing of the project and
+the building of the agent's wheel; the audit waits for it (controller/sshahead.py).
 """
 
 from __future__ import annotations
@@ -125,11 +127,11 @@ def deploy(
     # that cannot be pushed is refused before the box is touched) and the agent's wheel.
     # (None for a start by name alone: nothing is pushed, controller/deploy/again.py.)
     files = None if plan.again else project_files(plan.project)
-    rid = None if files is None else release_id(plan.project, files)
-    wheel = agent_wheel()
-
     remote = open_remote(plan.target)
-    try:
+    try:  # ssh's handshake, in the background while the hashing goes on (sshahead.py)
+        remote.connect_ahead()
+        rid = None if files is None else release_id(plan.project, files)
+        wheel = agent_wheel()
         say(f"rgt: auditing {plan.target.label} ...")
         report, box_home, store, plan = _audit(remote, plan, rid, wheel, prev, say, registry)
         if files is None:

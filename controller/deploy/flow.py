@@ -55,9 +55,10 @@ from controller.deploy.probe import Probed
 from controller.deploy.project import project_files, release_id
 from controller.deploy.release import PushResult, push_release, switch_current
 from controller.deploy.request import DeployRequest, Plan, check_on_done, check_request
-from controller.deploy.wheel import AgentWheel, agent_wheel
+from controller.deploy.wheel import AgentWheel
+from controller.deploy.wheelcache import kept_agent_wheel
 from controller.registry import Registry, RunRecord
-from controller.remote import Remote, open_remote
+from controller.remote import Remote, controller_home, open_remote
 from controller.runstore import store_fields
 from controller.target import Target
 from onbox.common import jobenv
@@ -131,7 +132,7 @@ def deploy(
     try:  # ssh's handshake, in the background while the hashing goes on (sshahead.py)
         remote.connect_ahead()
         rid = None if files is None else release_id(plan.project, files)
-        wheel = agent_wheel()
+        wheel = kept_agent_wheel(controller_home())  # (built again only for other code)
         say(f"rgt: auditing {plan.target.label} ...")
         report, box_home, store, plan = _audit(remote, plan, rid, wheel, prev, say, registry)
         if files is None:

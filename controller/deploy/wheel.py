@@ -147,14 +147,23 @@ def _add(zf: zipfile.ZipFile, name: str, data: bytes) -> None:
     zf.writestr(info, data)
 
 
-def wheel_bytes(ver: Optional[str] = None) -> bytes:
-    """The wheel's content (the same bytes for the same code)."""
-    ver = ver or version()
-    dist_info = f"{DIST_NAME.replace('-', '_')}-{ver.replace('-', '_')}.dist-info"
-    entries: List[Tuple[str, bytes]] = []
+def package_contents() -> List[Tuple[str, bytes]]:
+    """(path in the wheel, bytes) of every file of ``package_files``."""
+    out = []
     for rel, path in package_files():
         with open(path, "rb") as f:
-            entries.append((rel, f.read()))
+            out.append((rel, f.read()))
+    return out
+
+
+def wheel_bytes(
+    ver: Optional[str] = None, contents: Optional[List[Tuple[str, bytes]]] = None
+) -> bytes:
+    """The wheel's content (the same bytes for the same code): of ``contents`` when given (what
+    ``package_contents`` read), else of the package's files as they are now."""
+    ver = ver or version()
+    dist_info = f"{DIST_NAME.replace('-', '_')}-{ver.replace('-', '_')}.dist-info"
+    entries = list(package_contents() if contents is None else contents)
     entries.append((f"{dist_info}/METADATA", metadata_text(ver).encode()))
     wheel = (
         "Wheel-Version: 1.0\nGenerator: rgt (controller/deploy/wheel.py)\n"

@@ -22,8 +22,8 @@ it: without, each command compiles some 60 modules of rgt's again.
    the same two commands take turns ``--repeats`` times: the second and later deploys of
    unchanged code while the run is live (what `rgt deploy` does again: the audit, whose one
    script also finds the release complete on the box and the agent's install in place, so the
-   push sends nothing and installs nothing; then one more command, the found agent's
-   ``--version`` with the run's status, which finds the run live on this very release:
+   push sends nothing and installs nothing; its script also runs the found agent's
+   ``status NAME --json --with-version``, which finds the run live on this very release:
    "nothing to do"), against the rsync no-op (the destination
    is up to date: rsync compares the file list and sends no file). Each rgt deploy's output is
    checked to say that nothing was sent and nothing was to do, and the rsync no-op is checked,
@@ -529,9 +529,9 @@ class Steps:
 # them,
 # and (indented) what they call inside. A name the code no longer has is left out of the report.
 # The audit's one script also reads the box's Python for the agent, the marker of the agent's
-# install and whether the release is complete; the found agent's --version and the run's status
-# are one more command; the push and the install run commands of their own only when the audit
-# found no complete release or no install that answers.
+# install and whether the release is complete, and the run's status (with the version) through
+# the agent this laptop recorded; the push and the install run commands of their own only when
+# the audit found no complete release or no install that answers.
 STEP_LABELS = (
     ("controller.deploy.flow", "", "project_files", "list the project's files (git ls-files)"),
     ("controller.deploy.flow", "", "release_id", "hash them into the release id (sha256)"),
@@ -571,7 +571,7 @@ STEP_LABELS = (
         "controller.deploy.flow",
         "",
         "_look",
-        "  the agent's --version, `status NAME --json`, spec.json (one script)",
+        "  the agent's `status NAME --json --with-version`, spec.json (one script)",
     ),
     (
         "controller.deploy.flow",

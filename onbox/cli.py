@@ -226,13 +226,18 @@ def _pick_run(name: Optional[str]) -> Optional[RunDir]:
 @cli.command()
 @click.argument("name", required=False)
 @click.option("--json", "as_json", is_flag=True, help="One JSON object.")
-def status(name: Optional[str], as_json: bool) -> int:
+@click.option("--with-version", "with_version", is_flag=True, hidden=True)
+def status(name: Optional[str], as_json: bool, with_version: bool) -> int:
     """The run's state, job pid, attempt, restarts and last exit."""
     rd = _pick_run(name)
     if rd is None:
         return _list(as_json)
     st = observe.run_status(rd)
     if as_json:
+        if with_version:  # what --version says (rgt deploy's look: one start, not two)
+            import importlib.metadata  # (only here: every other start goes without it)
+
+            st["agent_version"] = importlib.metadata.version("remote-gpu-trainer")
         _emit(json.dumps(st, sort_keys=True))
         return 0
     agent = st["agent"]

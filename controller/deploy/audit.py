@@ -13,8 +13,8 @@ controller's wheel for it (controller/deploy/probe.py ``PROBE_SH``), and whether
 the project's code is complete there (controller/deploy/release.py ``SEEN_SH``). Each piece is
 a shell function (in controller/shell/) of the module that owns it, prints its own section and is
 read by that module, so its errors stay its own; a deploy of unchanged code then needs no other
-round trip for them. Asked to (``look``), it also runs an agent's ``--version`` and the run's
-status through it (``rgt_look``, read by controller/deploy/flow.py). And it lists which of the
+round trip for them. Asked to (``look``), it also runs the run's status through an agent, with
+the agent's version (``rgt_look``, read by controller/deploy/look.py). And it lists which of the
 profiles' marker files and init-process variable names the box has (``rgt_markers``, read by
 controller/deploy/guess.py when no profile was named or guessed from the host).
 """

@@ -24,16 +24,18 @@ is interrupted before its start) removes the release it pushed again where nothi
 (controller/deploy/leftrelease.py).
 
 Round trips: the audit's one script also reads the box's Python for the agent, the marker of the
-agent's install for it and whether the release is complete (controller/deploy/audit.py); and, where
-this laptop has a record of the run, it runs the recorded agent's ``--version`` and, at once,
-its ``status NAME --json`` and reads the run's spec.json (the look). That look counts only if
-the recorded agent is the install the audit found; else (or with no record) the look is one
-more command. A deploy of unchanged code whose run is live, from the laptop that deployed it,
-runs the audit alone. Anything missing or wrong is then fixed as before, each by its own
-command: the push, an install (also when the agent's ``--version`` fails), then the look again
-with the agent installed. The connection (ssh's control master) is opened in the background once
-the project's files are listed, so that its handshake overlaps the hashing of the project and
-the building of the agent's wheel; the audit waits for it (controller/sshahead.py).
+agent's install for it and whether the release is complete (controller/deploy/audit.py); and,
+where this laptop has a record of the run, it runs the recorded agent's ``status NAME --json
+--with-version`` (the run's status and what the agent's ``--version`` would say, in one start;
+``--version`` itself only where that fails) and reads the run's spec.json (the look). That look
+counts only if the recorded agent is the install the audit found; else (or with no record) the
+look is one more command. A deploy of unchanged code whose run is live, from the laptop that
+deployed it, runs the audit alone. Anything missing or wrong is then fixed as before, each by
+its own command: the push, an install (also when the agent's ``--version`` fails), then the look
+again with the agent installed. The connection (ssh's control master) is opened in the
+background once the project's files are listed, so that its handshake overlaps the hashing of
+the project and the building of the agent's wheel; the audit waits for it
+(controller/sshahead.py).
 """
 
 from __future__ import annotations
@@ -447,7 +449,7 @@ def agent_and_run(
     prev: Optional[RunRecord] = None,
     seen: Optional[Dict[str, List[str]]] = None,
 ) -> Tuple[AgentInstall, RunRecord, Optional[Live]]:
-    """The agent to run (the install the audit found, once its ``--version`` answers; else one
+    """The agent to run (the install the audit found, once it answers as this version; else one
     installed now), the run's record with it, and the run's live state, if it is live.
 
     ``seen``: the audit's look at the run through ``prev``'s agent (the one this laptop last

@@ -26,7 +26,7 @@ Live = Tuple[str, Optional[str]]  # a live run's state and the release it runs
 
 
 def look_args(rec: RunRecord, version: Optional[str]) -> List[str]:
-    """audit.rgt_look's arguments for a look at ``rec``'s run (``--version`` too, with
+    """audit.rgt_look's arguments for a look at ``rec``'s run (the agent's version too, with
     ``version``)."""
     return ["1" if version else "0", boxrun.look_dir(rec).spec, rec.name, *rec.agent_argv()]
 
@@ -37,20 +37,34 @@ def look(
     version: Optional[str] = None,
     seen: Optional[Dict[str, List[str]]] = None,
 ) -> Tuple[bool, Optional[Live]]:
-    """Whether the run's agent answers ``--version`` with ``version`` (not asked, True, when
-    ``version`` is None), and the run's (state, release) when it is live on the box: from
+    """Whether the run's agent says it runs as ``version`` (not asked, True, when ``version`` is
+    None: ``_answers``), and the run's (state, release) when it is live on the box: from
     ``seen`` (the audit's look through the same agent) or one command now."""
     if seen is None:
         r = remote.sh(auditmod.LOOK_SH + 'rgt_look "$@"', *look_args(rec, version), timeout=180)
         seen = auditmod.sections(r.text)
-    if version is not None:
-        rc = box_int("".join(seen.get("version-rc") or []))
-        said = "\n".join(seen.get("version") or [])
-        if not answers_version(-1 if rc is None else rc, said, version):
-            return False, None  # its status is not to be trusted either
-    if "".join(seen.get("status-rc") or []).strip() != "0":
+    status_rc = "".join(seen.get("status-rc") or []).strip()
+    if version is not None and not _answers(seen, status_rc, version):
+        return False, None  # its status is not to be trusted either
+    if status_rc != "0":
         return True, None
     return True, live_of(seen.get("status") or [], seen.get("spec") or [])
+
+
+def _answers(seen: Dict[str, List[str]], status_rc: str, version: str) -> bool:
+    """Whether the agent said it runs as ``version``: in its status (``--with-version``, where
+    that answered), else in its ``--version`` (rgt_look runs it where the status did not)."""
+    if "version-rc" in seen:
+        rc = box_int("".join(seen["version-rc"]))
+        said = "\n".join(seen.get("version") or [])
+        return answers_version(-1 if rc is None else rc, said, version)
+    if status_rc != "0":
+        return False
+    try:
+        doc = jsondoc.loads("\n".join(seen.get("status") or []))
+    except ValueError:
+        return False
+    return isinstance(doc, dict) and doc.get("agent_version") == version
 
 
 def live_of(status: List[str], spec: List[str]) -> Optional[Live]:

@@ -12,8 +12,8 @@
 home=${1:-$HOME/.rgt}; durable=$2; rel=$8; name=$9
 py=$3; code=$4; ver=$5; sha=$6; extras=$7; shift 9
 mfiles=$1; mnames=$2; shift 2
-# The look starts first and runs beside the rest (its two Python starts are most of the
-# script's time), its output held in a temporary file until the end; without mktemp, after.
+# The look starts first and runs beside the rest (its Python start is most of the script's
+# time), its output held in a temporary file until the end; without mktemp, after.
 look_out=
 if [ "$#" -gt 0 ] && look_out=$(mktemp 2>/dev/null); then
   rgt_look "$@" >"$look_out" 2>/dev/null &

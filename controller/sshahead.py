@@ -96,6 +96,9 @@ class Ahead:
             except subprocess.TimeoutExpired:
                 self.stop()
                 return None, bytes(err)
+        except BaseException:  # interrupted: not left running (its master: the caller's close)
+            self.stop()
+            raise
         finally:
             self.proc.stderr.close()
 

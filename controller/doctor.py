@@ -29,12 +29,13 @@ import os
 from typing import Callable, Dict, List, Optional, Tuple
 
 from controller import contacts, shell
+from controller.capture import box_int
 from controller.deploy import guess as guessmod
 from controller.deploy.audit import Finding, df_free, sections
 from controller.deploy.flow import box_home_for
 from controller.deploy.request import named_profile
 from controller.profiles import user_dirs as profile_dirs
-from controller.remote import Remote, box_int, open_remote
+from controller.remote import Remote, open_remote
 from controller.target import Target, parse_target
 from onbox.common import size
 from onbox.common.errors import HostError

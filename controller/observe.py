@@ -16,8 +16,9 @@ import time
 from typing import IO, Any, Dict, List, Optional, Tuple
 
 from controller import boxrun
+from controller.capture import box_float, box_int
 from controller.registry import RunRecord
-from controller.remote import Remote, box_float, box_int, open_remote
+from controller.remote import Remote, open_remote
 from controller.shell import script
 from onbox.agent.observe import health_lines, public_state, shaped, warning_lines
 from onbox.agent.states import TERMINAL_NAMES
@@ -351,8 +352,7 @@ def stop(rec: RunRecord, grace: Optional[str]) -> int:
     return res.rc
 
 
-# The last bytes of what `rgt-agent stop` prints that are shown (its last lines say how the
-# stop ended); a stop is never cut off for printing more.
+# What of `rgt-agent stop`'s output is shown, its last bytes (they say how it ended; never cut).
 STOP_OUTPUT = 256 << 10
 
 

@@ -47,8 +47,6 @@ from typing import IO, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from controller import envnames
 from controller.capture import Relayed, TooMuch, capture, command_name, relayed, show_lines
-from controller.capture import box_float as box_float  # (read here by the box's readers)
-from controller.capture import box_int as box_int
 from controller.controldir import control_dir, control_path
 from controller.sshahead import Ahead, ahead_argv
 from controller.sshcipher import cipher_preference, ssh_settings

@@ -26,11 +26,12 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from controller import shell
+from controller.capture import box_int
 from controller.deploy import guess as guessmod
 from controller.deploy import probe as probemod
 from controller.deploy import release as releasemod
 from controller.deploy.wheel import AgentWheel
-from controller.remote import Remote, box_int
+from controller.remote import Remote
 from onbox.common.errors import HostError
 
 # The look at a run (controller/shell/look.sh defines rgt_look; controller/deploy/flow.py reads

@@ -13,11 +13,12 @@ import posixpath
 from typing import Dict, List, Optional, Tuple
 
 from controller import boxrun
+from controller.capture import box_int
 from controller.deploy import audit as auditmod
 from controller.deploy.install import answers_version
 from controller.deploy.request import Plan
 from controller.registry import RunRecord
-from controller.remote import Remote, box_int
+from controller.remote import Remote
 from onbox.agent.states import LIVE_NAMES
 from onbox.common import jsondoc
 from onbox.common.errors import LockedError

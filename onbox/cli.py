@@ -23,28 +23,22 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import click
 
-from onbox.agent import observe, slurm, slurmlogin
-from onbox.agent.cliflags import platform_options, platform_overrides, pod_option
-from onbox.agent.lock import RunLock
-from onbox.agent.mailbox import over, stop_run, sync_run
-from onbox.agent.spec import JobSpec
-from onbox.agent.states import TERMINAL_NAMES
-from onbox.agent.title import set_title
+# Only what declaring the commands needs is imported here: `rgt deploy` and `rgt status` run
+# `rgt-agent status NAME --json` on the box, often more than once, and each start pays for every
+# module imported at the top. A command imports the rest of what it runs in its body
+# (tests/unit/test_agent_start.py lists what the status start must not import).
+from onbox.agent.cliflags import job_options, pod_option, store_options
 from onbox.common.climain import run_cli
-from onbox.common.durable import read_json
-from onbox.common.duration import parse_duration
-from onbox.common.errors import (
-    FINAL_EXIT_CODES,
-    HostError,
-    NotFound,
-    RgtError,
-    UsageError,
-)
+from onbox.common.errors import FINAL_EXIT_CODES, HostError, NotFound, RgtError, UsageError
 from onbox.common.rundir import RunDir, all_runs
+
+if TYPE_CHECKING:
+    from onbox.agent.lock import RunLock
+    from onbox.agent.spec import JobSpec
 
 
 def _emit(text: str = "") -> None:
@@ -55,31 +49,6 @@ def _emit(text: str = "") -> None:
 @click.version_option(package_name="remote-gpu-trainer", prog_name="rgt-agent")
 def cli() -> None:
     """Keep a training job alive on this box: detached, restarted with resume, never twice."""
-
-
-def _job_options(f: Any) -> Any:
-    f = platform_options(f)  # onbox/agent/cliflags.py
-    f = click.option(
-        "--output",
-        "outputs",
-        multiple=True,
-        metavar="PATH",
-        help="A result to seal when the job succeeds (relative to the workdir; added to the "
-        "job file's outputs). Repeatable.",
-    )(f)
-    f = click.option(
-        "--grace",
-        metavar="S",
-        help="Seconds (or 30s/5m) the job gets after the stop signal; also the preemption budget.",
-    )(f)
-    f = click.option("--store", metavar="URL", help="Durable store root (file://, s3://, hf://).")(
-        f
-    )
-    f = click.option("--ckpt-dir", metavar="D", help="The job's checkpoint directory.")(f)
-    f = click.option(
-        "--name", metavar="N", help="Run name (default: from the job file or the command)."
-    )(f)
-    return click.argument("job_file", metavar="[JOB.toml]", required=False)(f)
 
 
 def _warn(text: str) -> None:
@@ -101,7 +70,8 @@ def _claim(
     the run's (onbox.agent.claim.take_secrets); else they are removed, and the run's own too
     when no runs/N is there (drop_refused_secrets)."""
     # Lazily: the commands people poll (status, logs; `rgt watch` every 2 s) skip the supervisor.
-    from onbox.agent import claim  # (and its modules)
+    from onbox.agent import claim, slurm  # (and their modules)
+    from onbox.agent.cliflags import platform_overrides
 
     command: Optional[List[str]] = click.get_current_context().obj.get("command")
     named = name
@@ -128,7 +98,7 @@ def _claim(
 
 
 @cli.command(context_settings={"ignore_unknown_options": False})
-@_job_options
+@job_options
 @click.option(
     "--boot-hook",
     is_flag=True,
@@ -172,7 +142,7 @@ def start(
 
 
 @cli.command()
-@_job_options
+@job_options
 @pod_option
 def run(
     job_file: Optional[str],
@@ -190,12 +160,15 @@ def run(
 
         again = (job_file, name, ckpt_dir, store, grace, outputs, platform)
         return run_pod(name, lambda: _claim(*again), _emit)
+    from onbox.agent import slurm
+
     in_slurm = slurm.SlurmJob.from_env(os.environ) is not None
     claimed = _claim(job_file, name, ckpt_dir, store, grace, outputs, platform, in_slurm)
     if claimed is None:
         return 0
     spec, rd, lock = claimed
     from onbox.agent.loop import Agent  # (lazily, as in _claim)
+    from onbox.agent.title import set_title
 
     os.umask(0o077)
     set_title(f"rgt-agent run {rd.name}")
@@ -229,6 +202,8 @@ def _pick_run(name: Optional[str]) -> Optional[RunDir]:
 @click.option("--with-version", "with_version", is_flag=True, hidden=True)
 def status(name: Optional[str], as_json: bool, with_version: bool) -> int:
     """The run's state, job pid, attempt, restarts and last exit."""
+    from onbox.agent import observe
+
     rd = _pick_run(name)
     if rd is None:
         return _list(as_json)
@@ -240,6 +215,9 @@ def status(name: Optional[str], as_json: bool, with_version: bool) -> int:
             st["agent_version"] = importlib.metadata.version("remote-gpu-trainer")
         _emit(json.dumps(st, sort_keys=True))
         return 0
+    from onbox.agent import slurmlogin
+    from onbox.agent.states import TERMINAL_NAMES
+
     agent = st["agent"]
     _emit(
         f"{st['name']}: {st['state']}  attempt {st.get('attempt')}  restarts "
@@ -268,6 +246,8 @@ def status(name: Optional[str], as_json: bool, with_version: bool) -> int:
 
 
 def _list(as_json: bool) -> int:
+    from onbox.agent import observe
+
     rows = [observe.run_status(rd) for rd in all_runs()]
     if as_json:
         _emit(json.dumps(rows, sort_keys=True))
@@ -288,6 +268,8 @@ def _list(as_json: bool) -> int:
 @click.argument("name")
 def report_data(name: str) -> int:
     """One JSON object for `rgt report`: status, health samples, events (onbox.agent.observe)."""
+    from onbox.agent import observe
+
     _emit(json.dumps(observe.report_data(RunDir(name).require()), sort_keys=True))
     return 0
 
@@ -305,6 +287,8 @@ def list_runs(as_json: bool) -> int:
 @click.option("--agent", is_flag=True, help="The agent's log instead of the job's output.")
 def logs(name: str, follow: bool, agent: bool) -> int:
     """The job's own output, every attempt, oldest first, unaltered."""
+    from onbox.agent import observe
+
     rd = RunDir(name).require()
     out = sys.stdout.buffer
     offsets = observe.copy_logs(rd, out, agent=agent)
@@ -343,6 +327,10 @@ def secrets(name: str, for_start: bool) -> int:
 @click.option("--grace", metavar="S", help="Seconds the job gets before SIGKILL.")
 def stop(name: str, grace: Optional[str]) -> int:
     """Stop the job (stop signal, grace, SIGKILL of the whole group); ends STOPPED."""
+    from onbox.agent import slurmlogin
+    from onbox.agent.mailbox import over, stop_run
+    from onbox.common.duration import parse_duration
+
     rd = RunDir(name).require()
     g = parse_duration(grace, "--grace", allow_zero=True) if grace is not None else None
     doc = over(rd)  # over, and nothing of its last attempt left alive
@@ -357,27 +345,16 @@ def stop(name: str, grace: Optional[str]) -> int:
     return 0
 
 
-def _store_options(f: Any) -> Any:
-    """--store URL, --name N and --stall S, for the commands that read a run from its store."""
-    f = click.option("--stall", callback=lambda c, p, v: parse_duration(v, "--stall"), default="5m",
-                     metavar="S", help="A store call or download moving nothing this long fails "
-                     "(exit 14; default 5m).")(f)  # fmt: skip
-    f = click.option("--name", metavar="N", help="The run.")(f)
-    return click.option(
-        "--store",
-        "url",
-        required=True,
-        metavar="URL",
-        help="The store root (with --name) or the run's URL (ROOT/NAME).",
-    )(f)
-
-
 @cli.command()
 @click.argument("name")
 @click.option("--timeout", "timeout_s", default="10m", metavar="S",
               help="How long to wait for the seal (default 10m).")  # fmt: skip
 def sync(name: str, timeout_s: str) -> int:
     """Seal the run's complete checkpoints now, and wait until they are sealed."""
+    from onbox.agent.mailbox import sync_run
+    from onbox.agent.spec import JobSpec
+    from onbox.common.durable import read_json
+    from onbox.common.duration import parse_duration
     from onbox.sealing import manifest as mf
 
     rd = RunDir(name).require()
@@ -391,7 +368,7 @@ def sync(name: str, timeout_s: str) -> int:
 
 
 @cli.command()
-@_store_options
+@store_options
 @click.option("--to", "dest", metavar="DIR", help="Where to put it (default ./NAME-restored).")
 def restore(url: str, name: Optional[str], stall: float, dest: Optional[str]) -> int:
     """Download the newest verified checkpoint of a run and check every sha256."""
@@ -441,7 +418,7 @@ def restore(url: str, name: Optional[str], stall: float, dest: Optional[str]) ->
 
 
 @cli.command()
-@_store_options
+@store_options
 @click.option("--json", "as_json", is_flag=True, help="A JSON array.")
 @click.option("--pin", "pin", type=int, metavar="STEP", help="Keep STEP whatever `keep` says.")
 @click.option("--unpin", "unpin", type=int, metavar="STEP", help="Let pruning take STEP again.")

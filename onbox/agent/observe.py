@@ -12,7 +12,6 @@ import time
 from typing import IO, Any, Dict, List, Optional
 
 from onbox.agent import procfs
-from onbox.agent.daemon import TAG_VAR
 from onbox.agent.lock import is_held, read_holder
 from onbox.agent.states import TERMINAL_NAMES, State
 from onbox.common import progress, redact
@@ -241,6 +240,8 @@ def follow(
 
 def tagged_alive(rd: RunDir, attempt: int) -> List[int]:
     """Pids of live processes of ``attempt`` (zombies excluded)."""
+    from onbox.agent.daemon import TAG_VAR  # (here: status and logs need not import the spawner)
+
     rec = read_json(rd.job_record(attempt)) if attempt else None
     if not rec:
         return []

@@ -7,7 +7,6 @@ the caller rewrites the data (the kernel may have dropped the dirty pages alread
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 
@@ -157,6 +156,8 @@ def sha256_file(path: str) -> tuple[str, int]:
 
 def sha256_fd(fd: int) -> tuple[str, int]:
     """(sha256 hex, size) of what the open file ``fd`` holds from its offset on (sha256_file)."""
+    import hashlib  # (here: OpenSSL's start is a few ms every `rgt-agent status` need not pay)
+
     h = hashlib.sha256()
     n = 0
     size = os.fstat(fd).st_size

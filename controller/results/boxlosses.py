@@ -185,7 +185,8 @@ def losses(
     )
     records, records_bytes = 0, 0
     in_store: List[Tuple[int, str, int]] = []
-    epoch = _box_epoch(remote, run_dir) if rec.store else None  # its logs' names in the store
+    # Its logs' names in the store: the epoch each was sealed under, else the newest writer's.
+    epoch, sealed = _box_epochs(remote, run_dir) if rec.store else (None, {})
     for path, size in sorted(files.items()):
         # rgt_sizes and find follow no link below the dirs: the rest of the path is where it is.
         at = _real(path, release, real_rel) if release else path
@@ -198,7 +199,8 @@ def losses(
         if m:
             if not m.group(2):  # else the agent's redacted copy of the log: counted with it
                 receipt_has = (pulled, redacted, receipt.dest)
-                _job_log((m.group(1), epoch), size, receipt_has, logs, rec, (lost, kept))
+                was = [e for e in (sealed.get(int(m.group(1))), epoch) if e is not None]
+                _job_log((m.group(1), was), size, receipt_has, logs, rec, (lost, kept))
             continue
         records += 1
         records_bytes += size
@@ -214,7 +216,7 @@ def losses(
 
 
 def _job_log(
-    attempt_of: Tuple[str, Optional[int]],
+    attempt_of: Tuple[str, List[int]],
     size: int,
     receipt: Tuple[Dict[str, int], Set[str], str],
     logs: Optional[Logs],
@@ -222,19 +224,18 @@ def _job_log(
     into: Tuple[List[str], List[str]],
 ) -> None:
     """Judge the job's log of the attempt numbered ``digits`` (``size`` bytes on the box), of
-    the box whose newest writer took ``epoch`` (``attempt_of``; None: not known): covered
-    where the receipt (its files by path, those pulled redacted, its dest) holds it whole or
-    redacted, kept where the store holds it (``logs``), else lost (``into``: the lost and kept
-    lines). In a store the log is named by that epoch (``logs/e<epoch>/attempt-NNNN.log``:
-    another box's log of the same attempt number is another log), or by the name agents from
-    before epochs gave it."""
-    digits, epoch = attempt_of
+    the epochs it may be sealed under (``attempt_of``: the one the box's record says, and the
+    box's newest writer's; none known: []): covered where the receipt (its files by path,
+    those pulled redacted, its dest) holds it whole or redacted, kept where the store holds it
+    (``logs``), else lost (``into``: the lost and kept lines). In a store the log is named by
+    such an epoch (``logs/e<epoch>/attempt-NNNN.log``: another box's log of the same attempt
+    number is another log), or by the name agents from before epochs gave it."""
+    digits, epochs = attempt_of
     pulled, redacted, dest = receipt
     lost, kept = into
     attempt = int(digits)
     names = [f"logs/attempt-{digits}.log"]
-    if epoch is not None:
-        names.append(f"logs/e{epoch}/attempt-{digits}.log")
+    names += [f"logs/e{epoch}/attempt-{digits}.log" for epoch in epochs]
     if any(log in redacted for log in names):
         kept.append(f"job log of attempt {attempt}: pulled redacted (each secret masked) in {dest}")
     elif all(pulled.get(log) != size for log in names):
@@ -245,17 +246,42 @@ def _job_log(
         (kept if where else lost).append(line + (where or f" ({human(size)})"))
 
 
-def _box_epoch(remote: Remote, run_dir: str) -> Optional[int]:
+def _box_epochs(remote: Remote, run_dir: str) -> Tuple[Optional[int], Dict[int, int]]:
     """The epoch the box's newest writer of the run took (its run dir's epoch.json,
-    onbox/agent/ownership.py), or None when it has none or what the box says is not one."""
-    path = os.path.join(run_dir, "epoch.json")
-    r = remote.sh('[ -f "$1" ] || exit 0; head -c 4096 -- "$1"', path, timeout=60)
+    onbox/agent/ownership.py), or None when it has none or what the box says is not one; and
+    {attempt: the epoch its log was sealed under} (logs-sealed.json, onbox/agent/sealedlogs.py),
+    each entry that is not one left out. One command reads both, each followed by an ASCII
+    record separator (a JSON document holds none unescaped)."""
+    r = remote.sh(
+        'for f in "$1" "$2"; do [ -f "$f" ] && head -c 1048576 -- "$f"; printf \'\\036\'; done',
+        os.path.join(run_dir, "epoch.json"),
+        os.path.join(run_dir, "logs-sealed.json"),
+        timeout=60,
+    )
+    parts = r.stdout.split(b"\x1e") if r.rc == 0 else []
+    epoch = _doc(parts[0]).get("epoch") if parts else None
+    attempts = _doc(parts[1]).get("attempts") if len(parts) > 1 else None
+    sealed: Dict[int, int] = {}
+    for key, was in attempts.items() if isinstance(attempts, dict) else ():
+        at = _epoch(was.get("epoch")) if isinstance(was, dict) else None
+        if isinstance(key, str) and key.isdigit() and len(key) < 10 and at is not None:
+            sealed[int(key)] = at
+    return _epoch(epoch), sealed
+
+
+def _doc(text: bytes) -> Dict[str, Any]:
+    """The JSON object ``text`` holds, or {} when it holds none."""
     try:
-        epoch = jsondoc.loads(r.stdout).get("epoch") if r.rc == 0 and r.stdout else None
-    except (ValueError, AttributeError):
-        return None
-    ok = isinstance(epoch, int) and not isinstance(epoch, bool) and 0 < epoch < 1 << 63
-    return epoch if ok else None
+        doc = jsondoc.loads(text) if text else {}
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def _epoch(value: Any) -> Optional[int]:
+    """``value`` when it is an epoch (an integer, not a bool, from 1 below 2**63), else None."""
+    ok = isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 63
+    return value if ok else None
 
 
 def in_release(real_ckpt: str, real_rel: str) -> str:

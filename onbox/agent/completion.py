@@ -19,6 +19,7 @@ import os
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
+from onbox.agent import sealedlogs
 from onbox.agent.jobroot import JobFiles
 from onbox.agent.spec import JobSpec
 from onbox.common import links, redact
@@ -83,9 +84,8 @@ class Completion:
         results = self._results()
         outputs, missing = self._outputs()
         self._report_missing(missing)
-        logs: List[Dict[str, Any]] = []
-        for a in self.rd.attempt_numbers():
-            logs += self.put_log(a)
+        # The logs an earlier end of this run on this box sealed are in the store already.
+        logs, sealed = sealedlogs.put_unsealed(self.rd, self.store.url, self.put_log)
         self.mirror()
         crash_point("finish.before_done")
         if not self.sealer.is_writer():  # checked again last: the uploads above take time
@@ -101,6 +101,7 @@ class Completion:
             "finished_at": time.time(),
         }
         with_retries(lambda: self.store.put_bytes(mf.done_key(run), mf.dump(done)))
+        sealedlogs.record(self.rd, self.store.url, self.sealer.epoch, sealed)
         self.event(
             "done",
             f"DONE.json written: {len(results)} file(s) from the checkpoint dir, "

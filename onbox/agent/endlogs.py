@@ -5,7 +5,9 @@ The completion seal (onbox/agent/completion.py) puts the logs in the store only 
 succeeded, with DONE.json. The log a user needs most is a failed job's, and without this it
 lived on the box alone: ``rgt down`` (or a box that dies) took it away, and ``rgt pull`` of the
 store brought the checkpoints and no log. So when its agent lets go of a run, each attempt's
-log goes to the store as the completion seal puts it (``logs/e<epoch>/attempt-NNNN.log``,
+log that no agent sealed into this store yet (onbox/agent/sealedlogs.py: a run started again on
+this box keeps its older attempts' logs, sealed by their own agents) goes to the store as the
+completion seal puts it (``logs/e<epoch>/attempt-NNNN.log``,
 verified by the store as it is uploaded; a log that holds a secret as a redacted copy, with its
 ``secret_in_log`` warning), then ``logs/e<epoch>.json`` lists them (this agent's log document:
 the run, its epoch, the state it ended in, the logs as DONE.json lists them, ``left_out``).
@@ -32,6 +34,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
+from onbox.agent import sealedlogs
 from onbox.agent.completion import Completion
 from onbox.agent.spec import JobSpec
 from onbox.common.errors import StoreError, event_class
@@ -60,9 +63,10 @@ def seal_end_logs(
     warnings: List[Dict[str, Any]],
     root: Optional[str] = "",
 ) -> bool:
-    """Seal each attempt's log of a run that ended ``state`` (LOG_STATES), then this epoch's
-    log document, then (FAILED or STOPPED) ENDED.json; True when the log document was written.
-    Store errors are the caller's to say."""
+    """Seal each attempt's log of a run that ended ``state`` (LOG_STATES) that no agent sealed
+    into ``store`` yet (onbox/agent/sealedlogs.py), then this epoch's log document, then
+    (FAILED or STOPPED) ENDED.json; True when the log document was written. Store errors are
+    the caller's to say."""
     run = spec.name
     if state not in LOG_STATES or not sealer.is_writer():
         return False
@@ -70,9 +74,9 @@ def seal_end_logs(
     done = Completion(
         spec, rd, store, sealer, event=event, warnings=warnings, mirror=lambda: None, root=root
     )
-    logs: List[Dict[str, Any]] = []
-    for attempt in rd.attempt_numbers():
-        logs += done.put_log(attempt)
+    # Only the logs no agent sealed into this store yet: a run started again on this box
+    # keeps the older attempts' logs, sealed already (onbox/agent/sealedlogs.py).
+    logs, sealed = sealedlogs.put_unsealed(rd, store.url, done.put_log)
     # The same log's warning from an earlier end of this run (stopped, started, failed) once.
     for w in before:
         if w in warnings[warnings.index(w) + 1 :]:
@@ -94,6 +98,7 @@ def seal_end_logs(
         keys.append(mf.ended_key(run))
     for key in keys:
         with_retries(functools.partial(store.put_bytes, key, mf.dump(doc)))
+    sealedlogs.record(rd, store.url, sealer.epoch, sealed)
     event(
         "logs_sealed",
         f"the run ended {state}: {len(logs)} job log(s) sealed to the store with "

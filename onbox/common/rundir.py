@@ -17,6 +17,8 @@ $RGT_HOME/                      RGT_HOME defaults to ~/.rgt
     sealer.json                 the sealer's memory of in-place checkpoint sequences
     sealer-links.json           the sealer's memory of the checkpoint dir's links (last.ckpt)
     epoch.json                  the epoch this box's newest writer of the run took in the store
+    logs-sealed.json            which attempts' logs are in the store, under which epoch
+                                (onbox/agent/sealedlogs.py)
     staging/                    the sealer's copies of files it uploads (step-N/, logs/)
     attempts/NNNN/output.log    the job's stdout+stderr, unaltered
     attempts/NNNN/output.redacted.log   a copy with each secret masked, for `rgt pull`, when
@@ -149,6 +151,12 @@ class RunDir:
     def epoch_record(self) -> str:
         """The epoch this box's newest writer of the run took (onbox/agent/ownership.py)."""
         return os.path.join(self.path, "epoch.json")
+
+    @property
+    def sealed_logs(self) -> str:
+        """Which attempts' logs an agent sealed, into which store, under which epoch and at what
+        size (onbox/agent/sealedlogs.py): the next agent seals only the others."""
+        return os.path.join(self.path, "logs-sealed.json")
 
     @property
     def staging(self) -> str:

@@ -1,0 +1,172 @@
+"""A run stopped or failed and started again on the same box: each attempt's log reaches the
+store once, with its own bytes.
+
+Before, the newer agent (a new epoch, the same run directory, whose attempts/ still held the
+older attempts' logs) sealed every attempt's log again under its own epoch: the store held the
+older attempts' logs twice (``logs/e1/attempt-0001.log`` and ``logs/e2/attempt-0001.log``),
+and `rgt pull` brought them twice. Now an agent seals only the logs no agent sealed into that
+store yet (the run directory's ``logs-sealed.json`` says which were); a log whose own agent was
+killed before its log document was written is sealed by the next agent, under that agent's
+epoch. Real agents on one RGT_HOME, a real file:// store, a real kill -9, real `rgt pull`
+processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from typing import Any, Dict, List
+
+from controller.registry import Registry
+from controller.remote import open_remote
+from controller.results.down import plan_down
+from tests.conftest import Cli
+from tests.integration.test_preempted_logs import _pull, _start, _store_root
+from tests.integration.test_pull import RUN, _read, _rec
+
+
+def _pulled_logs(dest: Any) -> Dict[str, bytes]:
+    """Every job log under the pull's ``logs/``, by its path there."""
+    out = {}
+    top = os.path.join(str(dest), "logs")
+    for dirpath, _dirs, files in os.walk(top):
+        for name in files:
+            full = os.path.join(dirpath, name)
+            out[os.path.relpath(full, top)] = _read(full)
+    return out
+
+
+def _doc(root: str, *parts: str) -> Dict[str, Any]:
+    with open(os.path.join(root, RUN, *parts)) as f:
+        doc: Dict[str, Any] = json.load(f)
+    return doc
+
+
+def _paths(doc: Dict[str, Any]) -> List[str]:
+    return [x["path"] for x in doc["files"]]
+
+
+def _failed(cli: Cli, tmp_path: Any, store: str, who: str) -> None:
+    _start(cli, tmp_path, store, who, "fail")
+    over = cli.wait_over(RUN, "FAILED", "STOPPED", "PREEMPTED", timeout=120)
+    assert over["state"] == "FAILED", over
+
+
+def _no_log_lost(cli: Cli, store: str) -> None:
+    """Down's plan of the box calls no job log lost: each is pulled (or in the store)."""
+    rec = _rec(store, cli.home)
+    text = "\n".join(plan_down(rec, open_remote(rec.target)).lines())
+    lost = text.split("will be lost")[1].split("\nkept:")[0] if "will be lost" in text else ""
+    assert "job log" not in lost, text
+
+
+def test_a_run_failed_twice_on_one_box_has_each_attempts_log_pulled_once(
+    cli: Cli, tmp_path: Any, laptop: str
+) -> None:
+    """Failed (epoch 1, attempt 1), started again on the same box, failed again (epoch 2,
+    attempt 2). Before: e2.json and ENDED.json listed attempt 1's log again as
+    ``e2/attempt-0001.log``, and the pull brought three logs for two attempts."""
+    root = _store_root(tmp_path)
+    store = f"file://{root}"
+    _failed(cli, tmp_path, store, "A")
+    assert _paths(_doc(root, "logs", "e1.json")) == ["e1/attempt-0001.log"]
+    _failed(cli, tmp_path, store, "A2")
+    assert _paths(_doc(root, "logs", "e2.json")) == ["e2/attempt-0002.log"]
+    assert _paths(_doc(root, "ENDED.json")) == ["e2/attempt-0002.log"]
+
+    Registry().put(_rec(store, cli.home))
+    dest = tmp_path / "dest"
+    p = _pull(laptop, cli, dest)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    logs = _pulled_logs(dest)
+    assert sorted(logs) == ["e1/attempt-0001.log", "e2/attempt-0002.log"], sorted(logs)
+    first, second = logs["e1/attempt-0001.log"], logs["e2/attempt-0002.log"]
+    assert b"box A: RuntimeError" in first and b"box A2" not in first, first
+    assert b"box A2: RuntimeError" in second and b"box A:" not in second, second
+    _no_log_lost(cli, store)
+
+
+def test_a_log_whose_agent_was_killed_before_sealing_it_is_sealed_once_by_the_next(
+    cli: Cli, tmp_path: Any, laptop: str
+) -> None:
+    """The first agent fails its run, then is killed with SIGKILL while it uploads the log
+    (held there): no e1.json. Started again, the run fails once more: the new agent seals
+    attempt 1's log (never sealed) and its own attempt 2's, each once, under its epoch."""
+    root = _store_root(tmp_path)
+    store = f"file://{root}"
+    plain = dict(cli.env)
+    # The upload of a file hangs (for good: the release file is never made) until the kill.
+    cli.env.update(RGT_HOLD_AT="store.put_file", RGT_HOLD_UNTIL=str(tmp_path / "never"))
+    _start(cli, tmp_path, store, "A", "fail")
+    cli.wait_for(
+        RUN,
+        lambda s: s["state"] == "FAILED" and s["agent"]["alive"],
+        timeout=120,
+        what="FAILED, its agent alive and sealing",
+    )
+    os.kill(cli.status(RUN)["agent"]["pid"], signal.SIGKILL)
+    cli.wait_for(RUN, lambda s: not s["agent"]["alive"], timeout=60, what="the agent gone")
+    assert not os.path.exists(os.path.join(root, RUN, "logs", "e1.json"))
+    cli.env.clear()
+    cli.env.update(plain)
+
+    _failed(cli, tmp_path, store, "A2")
+    doc = _doc(root, "logs", "e2.json")
+    assert _paths(doc) == ["e2/attempt-0001.log", "e2/attempt-0002.log"], doc
+    Registry().put(_rec(store, cli.home))
+    dest = tmp_path / "dest"
+    p = _pull(laptop, cli, dest)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    logs = _pulled_logs(dest)
+    assert sorted(logs) == ["e2/attempt-0001.log", "e2/attempt-0002.log"], sorted(logs)
+    first, second = logs["e2/attempt-0001.log"], logs["e2/attempt-0002.log"]
+    assert b"box A: RuntimeError" in first and b"box A2" not in first, first
+    assert b"box A2: RuntimeError" in second and b"box A:" not in second, second
+
+    # A third end on this box seals nothing again: both logs are in the store already.
+    _failed(cli, tmp_path, store, "A3")
+    assert _paths(_doc(root, "logs", "e3.json")) == ["e3/attempt-0003.log"]
+    again = tmp_path / "again"
+    p = _pull(laptop, cli, again)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    logs = _pulled_logs(again)
+    assert sorted(logs) == [
+        "e2/attempt-0001.log",
+        "e2/attempt-0002.log",
+        "e3/attempt-0003.log",
+    ], sorted(logs)
+    assert logs["e2/attempt-0001.log"] == first and b"box A3" in logs["e3/attempt-0003.log"]
+    _no_log_lost(cli, store)
+
+
+def test_a_run_stopped_then_started_again_and_succeeded_has_each_log_pulled_once(
+    cli: Cli, tmp_path: Any, laptop: str
+) -> None:
+    """Stopped (epoch 1, attempt 1: its log sealed with ENDED.json), started again on the same
+    box, succeeded (epoch 2, attempt 2). Before: DONE.json listed attempt 1's log again as
+    ``e2/attempt-0001.log``, and the pull brought it twice."""
+    root = _store_root(tmp_path)
+    store = f"file://{root}"
+    _start(cli, tmp_path, store, "A", "run")
+    cli.wait_output(RUN, "box A: ready")
+    cli("stop", RUN, check=True, timeout=120)
+    over = cli.wait_over(RUN, "STOPPED", "FAILED", "PREEMPTED", timeout=120)
+    assert over["state"] == "STOPPED", over
+    assert _paths(_doc(root, "logs", "e1.json")) == ["e1/attempt-0001.log"]
+    _start(cli, tmp_path, store, "A2", "ok")
+    over = cli.wait_over(RUN, "SUCCEEDED", "FAILED", "STOPPED", timeout=120)
+    assert over["state"] == "SUCCEEDED", over
+    done = _doc(root, "DONE.json")
+    assert [p for p in _paths(done) if p.endswith(".log")] == ["e2/attempt-0002.log"], done
+
+    Registry().put(_rec(store, cli.home))
+    dest = tmp_path / "dest"
+    p = _pull(laptop, cli, dest)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    logs = _pulled_logs(dest)
+    assert sorted(logs) == ["e1/attempt-0001.log", "e2/attempt-0002.log"], sorted(logs)
+    first, second = logs["e1/attempt-0001.log"], logs["e2/attempt-0002.log"]
+    assert b"box A: ready" in first and b"box A2" not in first, first
+    assert b"box A2: done" in second and b"box A:" not in second, second
+    _no_log_lost(cli, store)

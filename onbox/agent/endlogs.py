@@ -174,3 +174,24 @@ def seal_logs(seal: SealService, state: str, bound: float) -> None:
             warnings=seal.warnings,
             root=seal.workdir_root(),
         )
+
+
+def logs_in_grace(seal: SealService, budget_end: float) -> None:
+    """The logs of a run being preempted, in what is left of the grace once the final
+    checkpoint is sealed, never past ``budget_end`` (monotonic; ``in_grace``)."""
+    if seal.elsewhere:
+        return
+    left = budget_end - time.monotonic()
+    bound = min(seal.spec.restore_stall, max(left, 0.0))
+    in_grace(functools.partial(seal_logs, seal, "PREEMPTED", bound), left, seal.event)
+
+
+def logs_at_end(seal: SealService, ended: str) -> bool:
+    """The logs of a run that ended FAILED or STOPPED, to the store, each call bounded by
+    ``[store] stall`` (a hung mount must not keep the agent, and the run's lock, for ever);
+    an error said, never raised (the agent must still let go of the run)."""
+    if ended not in ENDED_STATES or seal.elsewhere:
+        return False
+    bound = functools.partial(seal_logs, seal, ended, seal.spec.restore_stall)
+    said(bound, seal.event, "the job's logs stay on the box: pull them before the box goes")
+    return True

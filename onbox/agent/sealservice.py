@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 from onbox.agent.budgetseal import seal_in_budget
 from onbox.agent.ckptwatch import watch
 from onbox.agent.completion import Completion
-from onbox.agent.endlogs import ENDED_STATES, in_grace, logs_not_sealed, said, seal_logs
+from onbox.agent.endlogs import logs_at_end, logs_in_grace, logs_not_sealed
 from onbox.agent.interval import AutoInterval, load_history
 from onbox.agent.journal import FileJournal, read_events
 from onbox.agent.meter import final_seal
@@ -93,10 +93,12 @@ class SealService(Hooks):
         self.sealing = False
         self.capped = False
         self.superseded = False  # found at start: another box took the run over (ownership.py)
-        # A preemption sealed the job's logs within its grace (``_seal_logs_in_grace``): the
+        # A preemption sealed the job's logs within its grace (endlogs.py ``logs_in_grace``): the
         # warnings may have changed (a log held a secret), for close() to say.
         self.logs_sealed = False
         self.final_verified = False
+        self._grace_end: Optional[float] = None  # a preemption's (monotonic): ``_within``
+        self._mirror_said = False  # a mirror of the letting go gave up, and it was said
         # Where the job's workdir is seen (the runner's workdir_root; a pod's is the job
         # container's /proc/PID/root): the completion seal reads the outputs there.
         self.workdir_root: Callable[[], Optional[str]] = lambda: ""
@@ -131,6 +133,9 @@ class SealService(Hooks):
         with self.store.calls_bounded(self.spec.restore_stall):
             if not self._begin(begin, adopting):
                 return
+        # For good: the thread's calls (a StoreHung is a seal_error, retried) and the letting
+        # go's never wait on a hung store for ever (hangbound.py; not the copies of files).
+        self.store.bound_calls(self.spec.restore_stall)
         self._thread = threading.Thread(target=self._loop, name="rgt-sealer", daemon=True)
         self._thread.start()
         self._observer = watch(self.spec.ckpt_dir, self._wake, self.spec.scan_interval, self.event)
@@ -413,6 +418,9 @@ class SealService(Hooks):
             self.mirror_quietly()
             return
         budget_end = deadline - MARGIN
+        # A preemption's store calls end within its grace (a stop's within [store] stall).
+        until = budget_end if reason == "preempt" else None
+        self._grace_end = deadline if reason == "preempt" else None
         if not self._stop_thread(budget_end):
             self.event(
                 "seal_cut",
@@ -425,31 +433,17 @@ class SealService(Hooks):
                 logs_not_sealed(self.event, "the grace ended before the checkpoints' seal did")
             return
         try:
-            sealed = seal_in_budget(sealer, self.spec.ckpt_dir, reason, budget_end, self.event)
+            with self.store.calls_bounded(self._within(until)):
+                sealed = seal_in_budget(sealer, self.spec.ckpt_dir, reason, budget_end, self.event)
         except StoreError as e:
             # Said, not raised: the run must still end STOPPED or PREEMPTED with its state
             # written (an agent that died here left it STOPPING, its job already gone).
-            self.event(
-                "seal_error",
-                e.what,
-                klass=event_class(e),
-                remedy=(e.remedy + "; " if e.remedy else "")
-                + "the checkpoints stay on the box; the next start seals them",
-            )
+            self._said(e, "the checkpoints stay on the box; the next start seals them")
             sealed = False
         if sealed:
-            self.mirror_quietly()
+            self.mirror_quietly(until=until)
         if reason == "preempt":  # the final checkpoint first; what is left of the grace, logs
-            self._seal_logs_in_grace(budget_end)
-
-    def _seal_logs_in_grace(self, budget_end: float) -> None:
-        """The logs of a run being preempted, in what is left of the grace once the final
-        checkpoint is sealed, never past ``budget_end`` (monotonic; endlogs.py ``in_grace``)."""
-        if self.elsewhere:
-            return
-        left = budget_end - time.monotonic()
-        bound = min(self.spec.restore_stall, max(left, 0.0))
-        in_grace(functools.partial(seal_logs, self, "PREEMPTED", bound), left, self.event)
+            logs_in_grace(self, budget_end)
 
     def close(self, ended: str = "") -> bool:
         """The agent is leaving: the thread stops between two seals, never in the middle of
@@ -459,34 +453,43 @@ class SealService(Hooks):
         if self._thread is None:
             return False
         stopped = self._stop.is_set()
-        self._stop_thread(None)
+        if not self._stop_thread(self._grace_end):
+            return self.logs_sealed  # a preemption's seal_cut said it: the grace is over
         # A frozen run (a NaN loss) leaves its newer checkpoints unsealed: LATEST stays good.
         if not stopped and self.sealer is not None and self.frozen_above is None:
             try:
                 self.sealer.seal_pending()
             except StoreError as e:
-                self.event(
-                    "seal_error",
-                    e.what,
-                    klass=event_class(e),
-                    remedy="the checkpoints stay on the box; the next start seals them",
-                )
-        changed = self.sealer is not None and self._seal_end_logs(ended)
+                self._said(e, "the checkpoints stay on the box; the next start seals them")
+        changed = self.sealer is not None and logs_at_end(self, ended)
         self.mirror_quietly(health=True)
         return changed or self.logs_sealed
 
-    def _seal_end_logs(self, ended: str) -> bool:
-        """The logs of a run that ended FAILED or STOPPED, to the store, each call bounded by
-        ``[store] stall`` (a hung mount must not keep the agent, and the run's lock, for
-        ever); an error said, never raised (the agent must still let go of the run)."""
-        if ended not in ENDED_STATES or self.elsewhere:
-            return False
-        seal = functools.partial(seal_logs, self, ended, self.spec.restore_stall)
-        said(seal, self.event, "the job's logs stay on the box: pull them before the box goes")
-        return True
+    def _within(self, until: Optional[float]) -> float:
+        """The bound of a store call of the letting go: ``[store] stall``, and never past
+        ``until`` (monotonic; a preemption's grace when before_terminal set it)."""
+        until = self._grace_end if until is None else until
+        bound = self.spec.restore_stall
+        return bound if until is None else max(0.0, min(bound, until - time.monotonic()))
 
-    def mirror_quietly(self, health: bool = False) -> None:
+    def mirror_quietly(self, health: bool = False, until: Optional[float] = None) -> None:
+        """The mirror as the agent lets go of the run, each store call bounded (``_within``; in
+        a preemption none once the grace is over, and no health samples); a store that gives up
+        said once (seal_error), never raised: the agent must still let go of the run."""
+        health = health and self._grace_end is None
+        bound = self._within(until)
+        if bound <= 0:
+            return
         try:
-            self.mirror(health=health)
-        except StoreError:
-            pass
+            with self.store.calls_bounded(bound):
+                self.mirror(health=health)
+        except StoreError as e:
+            if not self._mirror_said:
+                self._mirror_said = True
+                keep = "the run's state and events stay on the box, where `rgt status` reads them"
+                self._said(e, keep, "the run's state was not mirrored to the store: ")
+
+    def _said(self, e: StoreError, keep: str, what: str = "") -> None:
+        """A store error of the letting go, said (seal_error): its remedy, then ``keep``."""
+        remedy = (e.remedy + "; " if e.remedy else "") + keep
+        self.event("seal_error", what + e.what, klass=event_class(e), remedy=remedy)

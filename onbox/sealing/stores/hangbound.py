@@ -6,7 +6,9 @@ five times that under base.with_retries; on an ``hf://`` store whose Hub stopped
 ever (huggingface_hub gives its API requests no timeout). The downloads have their own bound
 (onbox/sealing/stall.py); this is for the calls before them, which `rgt-agent start` makes in its
 main thread (the store's check before the run is claimed, onbox/agent/claim.py; the beginning's
-epoch, stale uploads, ledger, history and restore's reads, onbox/agent/sealservice.py), and for
+epoch, stale uploads, ledger, history and restore's reads, onbox/agent/sealservice.py; from then
+on, for good, every such call of the agent: its sealing thread's, and as it lets go of the run its
+mirror's and its seals', in a preemption within what is left of the grace), and for
 the commands that read a store and download nothing or download after them (`rgt-agent restore`
 and `checkpoints`, onbox/cli.py; every laptop read of a run's store, controller/runstore.py),
 which otherwise held the user's terminal as long.

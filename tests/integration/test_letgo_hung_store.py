@@ -1,0 +1,122 @@
+"""An agent letting go of a run whose store stopped answering still lets go: in time.
+
+The store is a ``file://`` directory whose listings hang from a chosen moment on (hold point
+``store.list``, onbox/common/faults.py: as on an NFS or FUSE mount whose server stopped
+answering; the hold ends after HOLD_FOR, 120 s, a real hung mount's never). The run's step 1 is
+sealed first; then the store hangs and the run ends: its job fails, `rgt-agent stop` stops it,
+or a real SIGTERM preempts it with a grace. Before the fix the agent's last mirror of the run's
+state to the store (``SealService.mirror_quietly``: a listing of the run's epochs, then the
+puts) had no bound: the agent waited on the store, holding the run's lock, past the grace of a
+preemption (its PREEMPTED not written in time), and after a stop or a failure as long as the
+store hung. Now every store call of the letting go is bounded by ``[store] stall`` (a
+preemption's by what is left of its grace): the agent says it with ``seal_error``, writes the
+run's final state, lets go of the lock and exits, and a new `rgt-agent start` takes the run.
+
+Real agents and jobs, a real SIGTERM; the test waits for the agent's PID with a bound (WAIT,
+well under the hold's 120 s) and kills what is left by PID (the cli fixture).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, Dict, List
+
+import pytest
+
+from onbox.agent import procfs
+from tests.conftest import Cli
+
+RUN = "letgo"
+GRACE = "5"
+WAIT = 45.0  # the test's bound on the agent's exit: before the fix, the hold's 120 s
+# Step 1, then "ready"; then the job waits for the file ``go`` and exits 3, or is stopped.
+JOB = """\
+import os, sys, time
+d, go = os.environ["RGT_CKPT_DIR"], sys.argv[1]
+os.makedirs(d, exist_ok=True)
+if not os.path.exists(os.path.join(d, "step_1.pt")):
+    with open(os.path.join(d, "step_1.pt.tmp"), "wb") as f:
+        f.write(b"weights of step 1" * 100)
+    os.replace(os.path.join(d, "step_1.pt.tmp"), os.path.join(d, "step_1.pt"))
+print("ready", flush=True)
+while not os.path.exists(go):
+    time.sleep(0.05)
+print("RuntimeError: CUDA error", file=sys.stderr, flush=True)
+sys.exit(3)
+"""
+
+
+def _wait(pred: Any, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _latest(root: str) -> Any:
+    try:
+        with open(os.path.join(root, RUN, "LATEST.json")) as f:
+            return json.load(f)["step"]
+    except FileNotFoundError:
+        return None
+
+
+def _events(cli: Cli, kind: str) -> List[Dict[str, Any]]:
+    return [e for e in cli.events(RUN) if e["kind"] == kind]
+
+
+def _start(cli: Cli, tmp_path: Any, root: str) -> None:
+    job_py = tmp_path / "job.py"
+    job_py.write_text(JOB)
+    job = tmp_path / "job.toml"
+    job.write_text(
+        f"command = {json.dumps([sys.executable, str(job_py), str(tmp_path / 'go')])}\n"
+        '[restart]\nmax_error_restarts = 0\n[store]\nurl = "file://' + root + '"\nstall = "2s"\n'
+    )
+    cli("start", str(job), "--name", RUN, "--grace", GRACE, check=True, cwd=cli.home)
+
+
+@pytest.mark.parametrize("how", ["fail", "stop", "preempt"])
+def test_an_agent_letting_go_on_a_hung_store_exits_in_time_and_frees_the_run(
+    cli: Cli, tmp_path: Any, how: str
+) -> None:
+    """Step 1 sealed, then the store's listings hang; the run ends (``how``). The agent ends
+    the run FAILED, STOPPED or PREEMPTED on the box, says the store's silence once with
+    seal_error (a remedy that names the store's stall), exits within WAIT, and a new
+    `rgt-agent start` of the run is not refused. Before the fix it waited on the hold (120 s)."""
+    root = str(tmp_path / "store")
+    os.makedirs(root)
+    release = tmp_path / "store-answers"
+    release.write_text("")
+    cli.env.update(RGT_HOLD_AT="store.list", RGT_HOLD_UNTIL=str(release))
+    _start(cli, tmp_path, root)
+    cli.wait_state(RUN, "RUNNING")
+    cli.wait_output(RUN, "ready")
+    _wait(lambda: _latest(root) == 1, "step 1 sealed")
+    pid = cli.status(RUN)["agent"]["pid"]
+    agent = procfs.identity(pid)
+    release.unlink()  # from here on a listing of the store hangs
+    final = {"fail": "FAILED", "stop": "STOPPED", "preempt": "PREEMPTED"}[how]
+    if how == "fail":
+        (tmp_path / "go").write_text("")
+    elif how == "stop":
+        p = cli("stop", RUN, "--grace", "1", timeout=WAIT + 30)
+        assert p.returncode == 0, (p.stdout, p.stderr)
+    else:
+        os.kill(pid, signal.SIGTERM)
+    try:
+        _wait(lambda: not procfs.is_alive(agent), f"the agent (pid {pid}) to exit", timeout=WAIT)
+    finally:
+        release.write_text("")  # the store answers again (the hold lets its threads go)
+    assert cli.peek(RUN)["state"] == final
+    errors = _events(cli, "seal_error")
+    hung = [e for e in errors if "did not answer" in e["reason"] or "not asked" in e["reason"]]
+    assert hung and "[store] stall" in hung[0]["remedy"], errors
+    del cli.env["RGT_HOLD_AT"]
+    (tmp_path / "go").write_text("")  # the new attempt fails at once
+    _start(cli, tmp_path, root)
+    cli.wait_over(RUN, "FAILED", timeout=60)

@@ -41,6 +41,7 @@ from onbox.common.errors import StoreError, event_class
 from onbox.common.rundir import RunDir
 from onbox.sealing import manifest as mf
 from onbox.sealing.sealer import Sealer
+from onbox.sealing.stall import STALL_SETTING, took
 from onbox.sealing.stores.base import Store, with_retries
 
 if TYPE_CHECKING:
@@ -189,9 +190,31 @@ def logs_in_grace(seal: SealService, budget_end: float) -> None:
 def logs_at_end(seal: SealService, ended: str) -> bool:
     """The logs of a run that ended FAILED or STOPPED, to the store, each call bounded by
     ``[store] stall`` (a hung mount must not keep the agent, and the run's lock, for ever);
-    an error said, never raised (the agent must still let go of the run)."""
+    an error said, never raised (the agent must still let go of the run). The uploads of the
+    logs are copies, which that bound does not watch (hangbound.py): the seal as a whole gets
+    the sum of its calls' bounds (a log's upload, and four calls for the documents: two
+    listings, two puts), and one not done by then is left to a daemon thread and said, as
+    ``in_grace`` leaves a preemption's."""
     if ended not in ENDED_STATES or seal.elsewhere:
         return False
-    bound = functools.partial(seal_logs, seal, ended, seal.spec.restore_stall)
-    said(bound, seal.event, "the job's logs stay on the box: pull them before the box goes")
+    stall = seal.spec.restore_stall
+    keep = "the job's logs stay on the box: pull them before the box goes"
+    run = functools.partial(
+        said, functools.partial(seal_logs, seal, ended, stall), seal.event, keep
+    )
+    worker = threading.Thread(target=run, name="rgt-seal-logs", daemon=True)
+    worker.start()
+    bound = stall * (len(seal.rd.attempt_numbers()) + 4)
+    worker.join(bound)
+    if worker.is_alive():
+        event = seal.event
+        event(
+            "seal_error",
+            f"the job's logs were not sealed: {seal.store.url} did not answer for {took(bound)} "
+            "(their upload); the agent lets go of the run without them",
+            klass="transient",
+            remedy="check the store (a hung mount, a store that stopped answering) and its "
+            f"server, then try again; a store that slow can be given longer: {STALL_SETTING}; "
+            + keep,
+        )
     return True

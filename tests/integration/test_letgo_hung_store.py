@@ -80,26 +80,37 @@ def _start(cli: Cli, tmp_path: Any, root: str) -> None:
     cli("start", str(job), "--name", RUN, "--grace", GRACE, check=True, cwd=cli.home)
 
 
-@pytest.mark.parametrize("how", ["fail", "stop", "preempt"])
+@pytest.mark.parametrize(
+    "how, hold",
+    [
+        ("fail", "store.list"),
+        ("stop", "store.list"),
+        ("preempt", "store.list"),
+        ("fail", "store.put_file"),
+        ("stop", "store.put_file"),
+    ],
+)
 def test_an_agent_letting_go_on_a_hung_store_exits_in_time_and_frees_the_run(
-    cli: Cli, tmp_path: Any, how: str
+    cli: Cli, tmp_path: Any, how: str, hold: str
 ) -> None:
-    """Step 1 sealed, then the store's listings hang; the run ends (``how``). The agent ends
-    the run FAILED, STOPPED or PREEMPTED on the box, says the store's silence once with
-    seal_error (a remedy that names the store's stall), exits within WAIT, and a new
-    `rgt-agent start` of the run is not refused. Before the fix it waited on the hold (120 s)."""
+    """Step 1 sealed, then the store's listings (or its uploads of files: the job's logs)
+    hang; the run ends (``how``). The agent ends the run FAILED, STOPPED or PREEMPTED on the
+    box, says the store's silence with seal_error (a remedy that names the store's stall),
+    exits within WAIT, and a new `rgt-agent start` of the run is not refused. Before the fix
+    it waited on the hold (120 s): a failed run's agent, and a stopped one's (`rgt-agent stop`
+    failed, exit 10: the lock still held); a preempted one with the run still STOPPING."""
     root = str(tmp_path / "store")
     os.makedirs(root)
     release = tmp_path / "store-answers"
     release.write_text("")
-    cli.env.update(RGT_HOLD_AT="store.list", RGT_HOLD_UNTIL=str(release))
+    cli.env.update(RGT_HOLD_AT=hold, RGT_HOLD_UNTIL=str(release))
     _start(cli, tmp_path, root)
     cli.wait_state(RUN, "RUNNING")
     cli.wait_output(RUN, "ready")
     _wait(lambda: _latest(root) == 1, "step 1 sealed")
     pid = cli.status(RUN)["agent"]["pid"]
     agent = procfs.identity(pid)
-    release.unlink()  # from here on a listing of the store hangs
+    release.unlink()  # from here on the store hangs there
     final = {"fail": "FAILED", "stop": "STOPPED", "preempt": "PREEMPTED"}[how]
     if how == "fail":
         (tmp_path / "go").write_text("")
@@ -115,7 +126,8 @@ def test_an_agent_letting_go_on_a_hung_store_exits_in_time_and_frees_the_run(
     assert cli.peek(RUN)["state"] == final
     errors = _events(cli, "seal_error")
     hung = [e for e in errors if "did not answer" in e["reason"] or "not asked" in e["reason"]]
-    assert hung and "[store] stall" in hung[0]["remedy"], errors
+    assert hung and all("[store] stall" in e["remedy"] for e in hung), errors
+    assert len(hung) == len({e["reason"] for e in hung}), errors  # none said twice
     del cli.env["RGT_HOLD_AT"]
     (tmp_path / "go").write_text("")  # the new attempt fails at once
     _start(cli, tmp_path, root)

@@ -249,7 +249,7 @@ class LocalStore(HangBound, Store):
     # be known durable before their MANIFEST.
     parallel_puts = 8
 
-    puts_data = True  # put_data is put_bytes: written, fsynced, renamed into place
+    puts_data = True  # put_data writes as put_bytes does: written, fsynced, renamed into place
 
     def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
         hold_point("store.put_file")  # a test's hung mount
@@ -292,6 +292,18 @@ class LocalStore(HangBound, Store):
     def put_bytes(
         self, key: str, data: bytes, *, if_absent: bool = False, if_match: Optional[str] = None
     ) -> ObjectInfo:
+        return self._write(key, data, if_absent, if_match, hashlib.sha256(data).hexdigest())
+
+    def put_data(self, key: str, data: bytes, sha256: str) -> ObjectInfo:
+        # A checkpoint's small file, as put_file puts a large one: not bounded by
+        # calls_bounded (the stall bound watches copies of files), where a document's put is.
+        # The agent bounds its store calls for the whole run, and a bounded call runs in a
+        # thread of its own: some 0.1-0.2 ms more per put, a third of a 16 KiB file's.
+        return self._write(key, data, False, None, sha256)
+
+    def _write(
+        self, key: str, data: bytes, if_absent: bool, if_match: Optional[str], sha: str
+    ) -> ObjectInfo:
         dest = self._path(key)
         try:
             dfd, name = self._parent(key, create=True)
@@ -315,7 +327,6 @@ class LocalStore(HangBound, Store):
             if tmp:
                 self._drop_tmp(dfd, tmp)
             os.close(dfd)
-        sha = hashlib.sha256(data).hexdigest()
         return ObjectInfo(key, len(data), sha, sha)
 
     def get_versioned(self, key: str) -> Optional[Tuple[bytes, str]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from controller.registry import Registry
 from controller.remote import open_remote
@@ -61,6 +61,28 @@ def _no_log_lost(cli: Cli, store: str) -> None:
     assert "job log" not in lost, text
 
 
+def _pull_two(
+    laptop: str,
+    cli: Cli,
+    dest: Any,
+    store: str,
+    first: Tuple[str, bytes],
+    second: Tuple[str, bytes],
+) -> bytes:
+    """A real `rgt pull` of the run into ``dest`` brings two logs, named and holding what
+    ``first`` and ``second`` say: box A's words in the first only, box A2's in the second.
+    The first log's bytes."""
+    Registry().put(_rec(store, cli.home))
+    p = _pull(laptop, cli, dest)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    logs = _pulled_logs(dest)
+    assert sorted(logs) == [first[0], second[0]], sorted(logs)
+    one, two = logs[first[0]], logs[second[0]]
+    assert first[1] in one and b"box A2" not in one, one
+    assert second[1] in two and b"box A:" not in two, two
+    return one
+
+
 def test_a_run_failed_twice_on_one_box_has_each_attempts_log_pulled_once(
     cli: Cli, tmp_path: Any, laptop: str
 ) -> None:
@@ -75,15 +97,14 @@ def test_a_run_failed_twice_on_one_box_has_each_attempts_log_pulled_once(
     assert _paths(_doc(root, "logs", "e2.json")) == ["e2/attempt-0002.log"]
     assert _paths(_doc(root, "ENDED.json")) == ["e2/attempt-0002.log"]
 
-    Registry().put(_rec(store, cli.home))
-    dest = tmp_path / "dest"
-    p = _pull(laptop, cli, dest)
-    assert p.returncode == 0, (p.stdout, p.stderr)
-    logs = _pulled_logs(dest)
-    assert sorted(logs) == ["e1/attempt-0001.log", "e2/attempt-0002.log"], sorted(logs)
-    first, second = logs["e1/attempt-0001.log"], logs["e2/attempt-0002.log"]
-    assert b"box A: RuntimeError" in first and b"box A2" not in first, first
-    assert b"box A2: RuntimeError" in second and b"box A:" not in second, second
+    _pull_two(
+        laptop,
+        cli,
+        tmp_path / "dest",
+        store,
+        ("e1/attempt-0001.log", b"box A: RuntimeError"),
+        ("e2/attempt-0002.log", b"box A2: RuntimeError"),
+    )
     _no_log_lost(cli, store)
 
 
@@ -114,15 +135,14 @@ def test_a_log_whose_agent_was_killed_before_sealing_it_is_sealed_once_by_the_ne
     _failed(cli, tmp_path, store, "A2")
     doc = _doc(root, "logs", "e2.json")
     assert _paths(doc) == ["e2/attempt-0001.log", "e2/attempt-0002.log"], doc
-    Registry().put(_rec(store, cli.home))
-    dest = tmp_path / "dest"
-    p = _pull(laptop, cli, dest)
-    assert p.returncode == 0, (p.stdout, p.stderr)
-    logs = _pulled_logs(dest)
-    assert sorted(logs) == ["e2/attempt-0001.log", "e2/attempt-0002.log"], sorted(logs)
-    first, second = logs["e2/attempt-0001.log"], logs["e2/attempt-0002.log"]
-    assert b"box A: RuntimeError" in first and b"box A2" not in first, first
-    assert b"box A2: RuntimeError" in second and b"box A:" not in second, second
+    first = _pull_two(
+        laptop,
+        cli,
+        tmp_path / "dest",
+        store,
+        ("e2/attempt-0001.log", b"box A: RuntimeError"),
+        ("e2/attempt-0002.log", b"box A2: RuntimeError"),
+    )
 
     # A third end on this box seals nothing again: both logs are in the store already.
     _failed(cli, tmp_path, store, "A3")
@@ -160,13 +180,12 @@ def test_a_run_stopped_then_started_again_and_succeeded_has_each_log_pulled_once
     done = _doc(root, "DONE.json")
     assert [p for p in _paths(done) if p.endswith(".log")] == ["e2/attempt-0002.log"], done
 
-    Registry().put(_rec(store, cli.home))
-    dest = tmp_path / "dest"
-    p = _pull(laptop, cli, dest)
-    assert p.returncode == 0, (p.stdout, p.stderr)
-    logs = _pulled_logs(dest)
-    assert sorted(logs) == ["e1/attempt-0001.log", "e2/attempt-0002.log"], sorted(logs)
-    first, second = logs["e1/attempt-0001.log"], logs["e2/attempt-0002.log"]
-    assert b"box A: ready" in first and b"box A2" not in first, first
-    assert b"box A2: done" in second and b"box A:" not in second, second
+    _pull_two(
+        laptop,
+        cli,
+        tmp_path / "dest",
+        store,
+        ("e1/attempt-0001.log", b"box A: ready"),
+        ("e2/attempt-0002.log", b"box A2: done"),
+    )
     _no_log_lost(cli, store)

@@ -103,6 +103,10 @@ class Segment:
         # else someone else's SIGTERM (counted once the job runs again, or at the end).
         self._term_exit = False
         self._sealed_at_term = -1  # the newest sealed step when the job took that SIGTERM
+        # The newest sealed step when the agent's own SIGTERM was handled (``preempt``): the
+        # sealer's thread may write a seal between that and STOPPING, and the stop must not be
+        # judged by which of the two threads wrote first.
+        self._sealed_at_sigterm: Optional[int] = None
         self.samples: List[float] = []  # d: the job's blocked save, else ask to sealed
         self.seals: List[float] = []  # ask to sealed, seconds
         # The job reports its saves' blocked time: from the history on (a new box's first seal
@@ -129,6 +133,8 @@ class Segment:
                 self.unplanned += 1
         elif kind in PLANNED:
             self.planned = True
+        elif kind == "preempt" and self._sealed_at_sigterm is None:
+            self._sealed_at_sigterm = self._sealed_step
         elif kind == "checkpoint_asked":
             # The final ask of a preemption (or of its notice) comes before the STOPPING state;
             # events written before ``why`` existed are judged by the state alone.
@@ -160,10 +166,15 @@ class Segment:
     def _preempted(self) -> None:
         """The preemption's first sign (its final ask, or STOPPING): what it must see sealed
         to have lost nothing is a step newer than the newest sealed when the job was stopped,
-        by the box's SIGTERM where the job took it first (its own save on SIGTERM, sealed
-        since, covers it)."""
+        by the box's SIGTERM where the job or the agent took it first (its own save on
+        SIGTERM, or a checkpoint whose seal ended after it, sealed since, covers it)."""
         if self._final_above is None:
-            self._final_above = self._sealed_at_term if self._term_exit else self._sealed_step
+            signs = [self._sealed_step]  # each a snapshot of a rising step: the first is least
+            if self._term_exit:
+                signs.append(self._sealed_at_term)
+            if self._sealed_at_sigterm is not None:
+                signs.append(self._sealed_at_sigterm)
+            self._final_above = min(signs)
             self.final_sealed = self._sealed_step > self._final_above
 
     def _sample(self, d: float) -> None:

@@ -156,10 +156,12 @@ def test_preempted_rgt_auto_never_redoes_a_counted_step_and_ends_exact(
 
 
 def _sealed_after_preempt(events: List[Dict[str, Any]]) -> bool:
-    """Whether a box sealed a step newer than its newest before the preemption's SIGTERM."""
+    """Whether a box sealed a step newer than its newest when the preemption's SIGTERM first
+    showed: the agent's (``preempt``), or the job's exit by it, whichever it wrote first."""
     newest, after = -1, False
     for ev in events:
-        if ev["kind"] == "preempt":
+        by_term = ev["kind"] == "exit" and (ev.get("signal") == 15 or ev.get("code") == 143)
+        if ev["kind"] == "preempt" or by_term:
             after = True
         elif ev["kind"] == "sealed":
             if after and ev["step"] > newest:

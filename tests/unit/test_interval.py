@@ -172,6 +172,29 @@ def test_a_notice_that_came_to_nothing_covers_no_later_preemption() -> None:
     assert history(events, begin=True).unplanned == 1
 
 
+@pytest.mark.parametrize("landed", ["before STOPPING", "after STOPPING"])
+def test_a_seal_after_the_agents_sigterm_is_judged_the_same_wherever_it_lands(landed: str) -> None:
+    """The agent writes ``preempt`` when its SIGTERM is handled, then STOPPING; the sealer's
+    thread writes ``sealed`` when it is done. A checkpoint sealed after the SIGTERM is judged
+    against what was sealed when the SIGTERM came, whichever of the two the thread beat: the
+    stop's count does not follow a race between two threads of one agent."""
+    seal = [ev(200.05, "sealed", step=180)]
+    stop = [
+        ev(200.1, "checkpoint_not_asked"),
+        state(200.1, "STOPPING", "preempt: signalling the job, SIGKILL after 0.0s"),
+    ]
+    start = [ev(0, "epoch", epoch=1), state(1, "RUNNING"), ev(51, "sealed", step=100)]
+    body = seal + stop if landed == "before STOPPING" else stop + seal
+    events = start + [ev(200, "preempt")] + body + [state(201, "PREEMPTED")]
+    h = history(events, begin=True)
+    assert (h.unplanned, h.covered) == (0, 1)
+    # nothing newer sealed after the SIGTERM: the stop lost work
+    old = [ev(200.05, "sealed", step=100)]
+    body = old + stop if landed == "before STOPPING" else stop + old
+    events = start + [ev(200, "preempt")] + body + [state(201, "PREEMPTED")]
+    assert (history(events, begin=True).unplanned, history(events, True).covered) == (1, 0)
+
+
 def sigterm_exit(t: float, shell: bool = False) -> Dict[str, Any]:
     """The job's exit by SIGTERM, as the supervisor writes it (a shell wrapper exits 143)."""
     how = {"code": 143, "signal": None} if shell else {"code": None, "signal": 15}

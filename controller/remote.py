@@ -288,6 +288,7 @@ class SshRemote(Remote):
     def __init__(self, target: Target, home: Optional[str] = None) -> None:
         assert target.kind == "ssh"
         self.target = target
+        dest = ssh_destination_args(target)  # (a key ssh cannot be given: refused first)
         self.home = home or controller_home()
         _ssh_path(self.home)  # refused before anything is made in it
         os.makedirs(self.home, mode=0o700, exist_ok=True)
@@ -295,7 +296,6 @@ class SshRemote(Remote):
         self.control_dir = control_dir(self.home)
         config = os.environ.get(envnames.SSH_CONFIG)  # tests: -F /dev/null
         self.config_args = ["-F", config] if config else []
-        dest = ssh_destination_args(target)
         settings = ssh_settings(self.config_args, dest)
         # One socket per identity and route, not ssh's %C (controller/controldir.py).
         self.control_path = control_path(self.control_dir, [*self.config_args, *dest], settings)

@@ -164,6 +164,7 @@ def parse_target(text: str) -> Target:
         parsed["user"] = _check_user(fields["user"])
     if "identity" in fields:
         parsed["identity"] = os.path.abspath(os.path.expanduser(fields["identity"]))
+        _identity_args(parsed["identity"])  # one ssh cannot be given: refused now, not later
     if "jump" in fields:
         if not _JUMP.match(fields["jump"]) or fields["jump"].startswith("-"):
             raise _refuse(f"jump host {fields['jump']!r} is not user@host[:port][,...]")

@@ -22,7 +22,7 @@ from typing import Iterator
 import pytest
 
 from controller.remote import SshRemote
-from controller.target import Target, ssh_destination_args
+from controller.target import Target, parse_target, ssh_destination_args
 from onbox.common.errors import UsageError
 from tests.sshd import SshServer
 
@@ -125,3 +125,21 @@ def test_a_key_ssh_cannot_be_given_as_written_is_refused(key: str) -> None:
     with pytest.raises(UsageError) as e:
         ssh_destination_args(Target("ssh", host="127.0.0.1", identity=key))
     assert e.value.field == "TARGET" and key in e.value.what
+
+
+def test_a_key_ssh_would_expand_a_variable_in_is_refused_before_the_home_is_made(
+    tmp_path: object,
+) -> None:
+    """The key is checked before rgt makes its home and the home's control directory (cm/):
+    bad input leaves nothing behind."""
+    home = os.path.join(str(tmp_path), "home")
+    with pytest.raises(UsageError) as e:
+        SshRemote(Target("ssh", host="127.0.0.1", identity="/keys${HOME}/id"), home=home)
+    assert e.value.field == "TARGET" and "${" in e.value.what
+    assert not os.path.exists(home)
+
+
+def test_a_pasted_line_with_a_key_ssh_cannot_be_given_is_refused_as_it_is_parsed() -> None:
+    with pytest.raises(UsageError) as e:
+        parse_target("ssh -i '/keys${HOME}/id' -p 2222 root@box.example.com")
+    assert e.value.field == "TARGET" and "${" in e.value.what

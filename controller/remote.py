@@ -408,9 +408,10 @@ class SshRemote(Remote):
         return [*self.base, *ssh_destination_args(self.target)[:-2]]
 
     def path_arg(self, path: str) -> str:
-        # rsync's remote side: "host:path" (the host never starts with "-": controller/target);
-        # with -s the path itself never reaches a shell (rsync_shell).
-        return f"{self.target.host}:{path}"
+        # rsync's "host:path" (the host never starts with "-"; with -s no shell sees the path);
+        # rsync ends the host at its first ":": an IPv6 one (fe80::1%eth0) goes in brackets.
+        host = self.target.host or ""
+        return f"[{host}]:{path}" if ":" in host else f"{host}:{path}"
 
     def close(self) -> None:
         if self._ahead is not None:  # never waited for: stopped by its pid (its master below)

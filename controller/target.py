@@ -97,7 +97,8 @@ def _split_destination(dest: str) -> Dict[str, Any]:
         user, _, dest = dest.rpartition("@")
         out["user"] = _check_user(user)
     if dest.startswith("["):  # [v6addr]:port
-        m = re.match(r"\[([0-9A-Fa-f:.%]+)\](?::(\d+))?\Z", dest)
+        # An address with a zone names its interface: fe80::1%eth0.
+        m = re.match(r"\[([0-9A-Fa-f:.]+(?:%[A-Za-z0-9_.-]+)?)\](?::(\d+))?\Z", dest)
         if not m:
             raise _refuse(f"{dest!r} is not [IPv6] or [IPv6]:port")
         out["host"] = m.group(1)

@@ -101,6 +101,20 @@ class Netns:
             stdin=subprocess.DEVNULL, capture_output=True, timeout=30,
         )  # fmt: skip
 
+    def link_local(self) -> str:
+        """Give the pair the IPv6 link-local addresses fe80::1 (here) and fe80::2 (inside), and
+        return the namespace's end as the box's own sshd listens on it (``fe80::2%vb-NAME``).
+        This machine reaches it with the zone of its own end (``link_local_here``)."""
+        _ip("addr", "add", "fe80::1/64", "dev", self.host_if, "nodad")
+        _ip("netns", "exec", self.name, "ip", "addr", "add", "fe80::2/64", "dev", self.box_if,
+            "nodad")  # fmt: skip
+        return f"fe80::2%{self.box_if}"
+
+    @property
+    def link_local_here(self) -> str:
+        """The namespace's link-local address with the zone this machine reaches it through."""
+        return f"fe80::2%{self.host_if}"
+
     def delete(self) -> None:
         """Remove the namespace (and with it the veth pair); quiet when it is already gone."""
         _ip("netns", "del", self.name, check=False)

@@ -285,13 +285,16 @@ def start_sshd(
     address: str = "127.0.0.1",
     netns: Optional[str] = None,
     users: Sequence[str] = (),
+    reach: Optional[str] = None,
 ) -> SshServer:
     """Start a test sshd whose files live in ``d``; raises RuntimeError with its log if not.
 
     ``address``: where it listens. ``netns``: the network namespace to run it in (through
     ``ip netns exec``, which execs sshd itself, so the PID is still sshd's); ``address`` must then
     be the namespace's own, reachable from here. ``users``: other users the client key logs in
-    as too (``shell_user``; reach them with ``SshServer.as_user``)."""
+    as too (``shell_user``; reach them with ``SshServer.as_user``). ``reach``: the address this
+    machine connects to, where it is not ``address`` (a link-local address's zone is the
+    interface of its own end: tests/netns.py ``Netns.link_local``)."""
     why = missing()
     if why is not None:
         raise RuntimeError(f"cannot start a test sshd: needs {why}")
@@ -308,7 +311,7 @@ def start_sshd(
     env: Dict[str, str] = dict(set_env or {})
     keys_dir = _keys_dir(client_key + ".pub", users) if users else None
     try:
-        return _serve(d, user, client_key, env, timeout, address, netns, keys_dir)
+        return _serve(d, user, client_key, env, timeout, address, netns, keys_dir, reach)
     except BaseException:
         if keys_dir is not None:
             shutil.rmtree(keys_dir, ignore_errors=True)
@@ -324,7 +327,9 @@ def _serve(
     address: str,
     netns: Optional[str],
     keys_dir: Optional[str],
+    reach: Optional[str] = None,
 ) -> SshServer:
+    reach = reach or address
     cfg = os.path.join(d, "sshd_config")
     log_path = os.path.join(d, "sshd.log")
     text = ""
@@ -332,8 +337,9 @@ def _serve(
         port = free_port()
         with open(cfg, "w") as f:
             f.write(_config(d, port, env, address, keys_dir))
-        check = subprocess.run(
-            [SSHD, "-t", "-f", cfg],
+        inside = ["ip", "netns", "exec", netns] if netns else []
+        check = subprocess.run(  # in the namespace: its addresses are there alone
+            [*inside, SSHD, "-t", "-f", cfg],
             stdin=subprocess.DEVNULL,
             capture_output=True,
             text=True,
@@ -343,12 +349,12 @@ def _serve(
             raise RuntimeError(f"sshd -t rejects {cfg}: {check.stderr.strip()}")
         with open(log_path, "ab") as logf:
             proc = subprocess.Popen(
-                [*(["ip", "netns", "exec", netns] if netns else []), SSHD, "-D", "-e", "-f", cfg],
+                [*inside, SSHD, "-D", "-e", "-f", cfg],
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
             )
-        if _wait_listening(proc, port, timeout, address):
+        if _wait_listening(proc, port, timeout, reach):
             return SshServer(
                 dir=d,
                 port=port,
@@ -357,7 +363,7 @@ def _serve(
                 known_hosts=os.path.join(d, "known_hosts"),
                 log_path=log_path,
                 proc=proc,
-                host=address,
+                host=reach,
                 netns=netns,
                 keys_dir=keys_dir,
             )

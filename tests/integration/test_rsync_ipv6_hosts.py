@@ -1,0 +1,108 @@
+"""rsync reaches the box ssh reaches, whatever form its address takes (controller/remote.py
+``SshRemote.path_arg``).
+
+rsync reads ``HOST:PATH`` up to the first colon: an IPv6 address written bare (``::1``,
+``fe80::2%eth0``) gave it another host (``fe80``, or none and then a daemon's ``::``), so a
+deploy's push and a pull went elsewhere than the commands over ssh, or failed. rsync takes an
+IPv6 address in brackets (``[fe80::2%eth0]:PATH``) and hands ssh the address inside them.
+Real rsync and ssh against a test sshd on ``::1``, and on a link-local address (with its zone)
+of a network namespace's veth pair (tests/netns.py).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from typing import Iterator
+
+import pytest
+
+from controller.remote import SshRemote, rsync_e
+from controller.target import parse_target
+from tests import netns as netnsmod
+from tests.conftest import require
+from tests.sshd import SshServer, missing, start_sshd
+
+
+@pytest.fixture(scope="module")
+def sshd_v6(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
+    """A test sshd listening on IPv6 loopback alone (``::1``)."""
+    why = missing()
+    require(why is None, why or "")
+    server = start_sshd(str(tmp_path_factory.mktemp("sshd-v6")), address="::1")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def sshd_zone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
+    """A test sshd on a network namespace's link-local address, reached from here with the zone
+    of this machine's end of the pair (``fe80::2%vh-NAME``)."""
+    why = netnsmod.missing() or missing()
+    require(why is None, why or "")
+    ns = netnsmod.create_netns("rgtz")
+    try:
+        server = start_sshd(
+            str(tmp_path_factory.mktemp("sshd-zone")),
+            address=ns.link_local(),
+            netns=ns.name,
+            reach=ns.link_local_here,
+        )
+        try:
+            yield server
+        finally:
+            server.stop()
+    finally:
+        ns.delete()
+
+
+def _rsync(remote: SshRemote, src: str, dst: str) -> subprocess.CompletedProcess[str]:
+    """rsync as rgt runs it (-s, its -e), bounded."""
+    shell = remote.rsync_shell()
+    assert shell is not None
+    argv = ["rsync", "-a", "-s", "-e", rsync_e(shell), src, dst]
+    return subprocess.run(
+        argv, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120
+    )
+
+
+def _push_and_pull(remote: SshRemote, root: str) -> None:
+    src, box, back = (os.path.join(root, d) for d in ("src", "box", "back"))
+    os.makedirs(src)
+    with open(os.path.join(src, "f"), "w") as f:
+        f.write("payload\n")
+    got = remote.run(["true"], timeout=60)  # ssh itself reaches the box
+    assert got.rc == 0, got.err
+    p = _rsync(remote, src + "/", remote.path_arg(box) + "/")
+    assert p.returncode == 0, p.stderr
+    with open(os.path.join(box, "f")) as f:  # the namespace shares this file system
+        assert f.read() == "payload\n"
+    p = _rsync(remote, remote.path_arg(box) + "/", back + "/")
+    assert p.returncode == 0, p.stderr
+    with open(os.path.join(back, "f")) as f:
+        assert f.read() == "payload\n"
+
+
+def test_rsync_reaches_a_box_at_an_ipv6_address(
+    sshd_v6: SshServer, laptop: str, tmp_path: object
+) -> None:
+    s = sshd_v6
+    remote = SshRemote(parse_target(f"ssh -p {s.port} -i {s.client_key} {s.user}@::1"))
+    try:
+        _push_and_pull(remote, str(tmp_path))
+    finally:
+        remote.close()
+
+
+def test_rsync_reaches_a_box_at_a_link_local_address_with_its_zone(
+    sshd_zone: SshServer, laptop: str, tmp_path: object
+) -> None:
+    s = sshd_zone
+    remote = SshRemote(parse_target(f"ssh -i {s.client_key} {s.user}@[{s.host}]:{s.port}"))
+    assert remote.target.host == s.host  # fe80::2%vh-NAME, the brackets gone
+    try:
+        _push_and_pull(remote, str(tmp_path))
+    finally:
+        remote.close()

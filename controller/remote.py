@@ -48,7 +48,7 @@ from typing import IO, Dict, Iterator, List, Mapping, Optional, Sequence
 from controller import envnames
 from controller.capture import Relayed, TooMuch, capture, command_name, relayed, show_lines
 from controller.controldir import control_dir, control_path
-from controller.sshahead import Ahead, ahead_argv
+from controller.sshahead import Ahead
 from controller.sshcipher import cipher_preference, ssh_settings
 from controller.target import Target, ssh_destination_args, ssh_literal, ssh_unexpandable
 from onbox.common.errors import AuthError, HostError, RemoteUnreachable, RgtError, UsageError
@@ -320,7 +320,7 @@ class SshRemote(Remote):
 
     def connect_ahead(self) -> None:
         dest = ssh_destination_args(self.target)
-        self._ahead = self._ahead or Ahead.start(ahead_argv(self.base, dest), self.control_path)
+        self._ahead = self._ahead or Ahead.start(self.base, dest, self.control_path)
 
     def ready(self, bound: float = 120) -> None:
         ahead, self._ahead = self._ahead, None

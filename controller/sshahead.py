@@ -15,8 +15,11 @@ commands see does not change:
 - the foreground ssh exits 255: it could not connect or log in, and says why as the command's
   ssh would have; the caller raises that (``Remote.check_transport``), so an unreachable box is
   not waited for twice;
-- another master took the socket meanwhile (ssh says it is "disabling multiplexing", and would
-  hold a connection of its own open): it is stopped, and the command goes on as it always did;
+- another master took the socket meanwhile (ssh then goes on without multiplexing, and would
+  hold a connection of its own open): it is stopped, and the command goes on as it always did.
+  ssh says so ("disabling multiplexing"), which is taken at once; an ssh that words it
+  otherwise, or says nothing (its LogLevel), is known by the master that answers at the socket
+  (``ssh -O check``) while it is still running, looked for each LOOK seconds of silence;
 - not done within the wait: stopped, and the command connects itself, within its own timeout;
 - any other end (a signal, an ssh that cannot be run): the command goes on as it always did.
 
@@ -35,6 +38,12 @@ from typing import List, Optional, Sequence, Tuple
 # What ssh says when the master it was to become lost the socket to another one: it then goes on
 # without multiplexing, and with -N would hold its connection open until stopped.
 LOST_SOCKET = b"disabling multiplexing"
+# How long a silent foreground ssh runs before the socket is looked at (module docstring): the
+# look is a stat, and ``ssh -O check`` only once a socket is there. Its own master's socket
+# appears just before the foreground exits, so a deploy rarely pays for a check at all.
+LOOK = 0.1
+# The most one ``ssh -O check`` may take (a master that does not answer is no master).
+CHECK_BOUND = 5.0
 # The most of its stderr kept: ssh's error is a few lines.
 MAX_ERR = 64 << 10
 
@@ -42,25 +51,33 @@ MAX_ERR = 64 << 10
 class Ahead:
     """The foreground ``ssh -N`` opening a control master, until it is joined or stopped."""
 
-    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+    def __init__(
+        self, proc: subprocess.Popen[bytes], check: Sequence[str] = (), control_path: str = ""
+    ) -> None:
         self.proc = proc
+        self.check = list(check)  # ssh -O check for the same socket (none: words alone)
+        self.control_path = control_path
 
     @classmethod
-    def start(cls, argv: Sequence[str], control_path: str) -> Optional[Ahead]:
-        """Start ``argv`` (ssh with the target's options, ``-N -T`` and the destination), or
-        None where a socket is already at ``control_path`` or ssh cannot be started."""
+    def start(
+        cls, base: Sequence[str], destination: Sequence[str], control_path: str
+    ) -> Optional[Ahead]:
+        """Start ssh (``base``: ssh and the target's options; ``destination``: its own options
+        and host) opening the master alone (``ahead_argv``), or None where a socket is already
+        at ``control_path`` or ssh cannot be started."""
         if os.path.lexists(control_path):
             return None
+        check = [*base, "-O", "check", *destination]
         try:
             proc = subprocess.Popen(
-                list(argv),
+                ahead_argv(base, destination),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
             )
         except OSError:
             return None  # the command's own ssh says what is missing
-        return cls(proc)
+        return cls(proc, check, control_path)
 
     def join(self, bound: float) -> Optional[bytes]:
         """Wait (at most ``bound`` seconds) for the foreground ssh to end. Its stderr when it
@@ -81,9 +98,14 @@ class Ahead:
             # own standard streams on /dev/null by then.
             while True:
                 left = deadline - time.monotonic()
-                if left <= 0 or not select.select([fd], [], [], left)[0]:
+                if left <= 0:
                     self.stop()
                     return None, bytes(err)
+                if not select.select([fd], [], [], min(left, LOOK))[0]:
+                    if self._master_answers(left):  # another's, or its own in the background
+                        self.stop()
+                        return None, bytes(err)
+                    continue
                 chunk = os.read(fd, 4096)
                 if not chunk:
                     break
@@ -101,6 +123,24 @@ class Ahead:
             raise
         finally:
             self.proc.stderr.close()
+
+    def _master_answers(self, left: float) -> bool:
+        """Whether a master answers at the control path (``ssh -O check``, within ``left``
+        seconds and CHECK_BOUND): the command can ride it, and the foreground ssh is not
+        needed any more, in whatever words it lost the socket."""
+        if not self.check or not os.path.lexists(self.control_path):
+            return False
+        try:
+            p = subprocess.run(
+                self.check,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                timeout=min(left, CHECK_BOUND),
+            )
+        except (OSError, subprocess.SubprocessError):  # no answer in time: no master
+            return False
+        return p.returncode == 0
 
     def stop(self) -> None:
         """Stop the foreground ssh by its pid (a master it already made is the caller's to stop:

@@ -18,8 +18,9 @@ import os
 import re
 import signal
 import subprocess
+import threading
 from pathlib import Path
-from typing import Iterator, List
+from typing import Iterator, List, Optional
 
 import pytest
 
@@ -145,6 +146,37 @@ def test_a_master_that_took_the_socket_first_stops_the_one_opened_ahead(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    assert remote.run(["true"]).rc == 0  # over the other master
+    assert _master_running(remote)
+
+
+def test_a_master_that_took_the_socket_first_is_seen_whatever_ssh_says(
+    target: Target, sshd: SshServer
+) -> None:
+    """The same race with an ssh that says nothing of it (LogLevel QUIET: as an OpenSSH that
+    words it otherwise): the master answering at the socket is what stops the one opened
+    ahead, not its words. Before, ``join`` waited for its whole bound (here 600 s; a deploy's
+    first command's own timeout): the thread waiting for it is given 120 s to return, and the
+    ssh is stopped by its pid in any case."""
+    remote = SshRemote(target)
+    assert remote.run(["true"]).rc == 0  # another rgt's master, left open (ControlPersist)
+    dest = ssh_destination_args(target)
+    quiet = [remote.base[0], "-o", "LogLevel=QUIET", *remote.base[1:]]
+    proc = subprocess.Popen(ahead_argv(quiet, dest), stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    ahead = Ahead(proc, [*remote.base, "-O", "check", *dest], remote.control_path)
+    got: List[Optional[bytes]] = []
+    waiter = threading.Thread(target=lambda: got.append(ahead.join(600)), daemon=True)
+    try:
+        waiter.start()
+        waiter.join(120)
+        assert not waiter.is_alive(), "still waiting for an ssh that lost the socket"
+        assert got == [None]  # no error: the command goes on
+        assert proc.returncode == -signal.SIGKILL  # stopped, not left holding a connection
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        waiter.join(60)
     assert remote.run(["true"]).rc == 0  # over the other master
     assert _master_running(remote)
 

@@ -289,14 +289,14 @@ class SshRemote(Remote):
         assert target.kind == "ssh"
         self.target = target
         dest = ssh_destination_args(target)  # (a key ssh cannot be given: refused first)
+        config = os.environ.get(envnames.SSH_CONFIG)  # tests: -F /dev/null
+        self.config_args = ["-F", config] if config else []
+        settings = ssh_settings(self.config_args, dest)  # (a config ssh cannot read: too)
         self.home = home or controller_home()
         _ssh_path(self.home)  # refused before anything is made in it
         os.makedirs(self.home, mode=0o700, exist_ok=True)
         self.known_hosts = os.path.join(self.home, "known_hosts")
         self.control_dir = control_dir(self.home)
-        config = os.environ.get(envnames.SSH_CONFIG)  # tests: -F /dev/null
-        self.config_args = ["-F", config] if config else []
-        settings = ssh_settings(self.config_args, dest)
         # One socket per identity and route, not ssh's %C (controller/controldir.py).
         self.control_path = control_path(self.control_dir, [*self.config_args, *dest], settings)
         alive = os.environ.get(envnames.SSH_KEEPALIVE, "15")

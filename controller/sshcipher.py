@@ -15,12 +15,16 @@ import re
 import subprocess
 from typing import List, Optional, Sequence
 
+from onbox.common.errors import UsageError
+
 FAST_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
 
 
 def ssh_settings(config_args: Sequence[str], dest: Sequence[str]) -> Optional[str]:
     """What ``ssh -G`` says the client would use for ``dest`` (one ``name value`` a line, the
-    configuration applied), or None when ssh cannot say."""
+    configuration applied), or None when ssh cannot say. A configuration with a ``%`` that ssh
+    takes for a token it does not know (a zone in a Hostname: fe80::1%eth0) fails every ssh
+    command, with words rgt would not show: UsageError, naming ssh's line."""
     try:
         p = subprocess.run(
             ["ssh", *config_args, "-G", *dest],
@@ -31,6 +35,14 @@ def ssh_settings(config_args: Sequence[str], dest: Sequence[str]) -> Optional[st
         )
     except (OSError, subprocess.SubprocessError):
         return None
+    bad = re.search(r"^.*unknown key %.*$", p.stderr, re.MULTILINE)
+    if p.returncode != 0 and bad:
+        raise UsageError(
+            "ssh configuration",
+            f"ssh cannot read a % in the configuration for {dest[-1]!r}: {bad.group(0).strip()}",
+            "write a % that is not one of ssh's tokens as %% in your ssh config "
+            "(an IPv6 zone: Hostname fe80::1%%eth0)",
+        )
     return p.stdout if p.returncode == 0 else None
 
 

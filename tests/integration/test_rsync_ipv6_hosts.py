@@ -19,6 +19,7 @@ import pytest
 
 from controller.remote import SshRemote, rsync_e
 from controller.target import parse_target
+from onbox.common.errors import UsageError
 from tests import netns as netnsmod
 from tests.conftest import require
 from tests.sshd import SshServer, missing, start_sshd
@@ -106,3 +107,41 @@ def test_rsync_reaches_a_box_at_a_link_local_address_with_its_zone(
         _push_and_pull(remote, str(tmp_path))
     finally:
         remote.close()
+
+
+def _config(tmp_path: object, hostname: str, s: SshServer) -> str:
+    path = os.path.join(str(tmp_path), "ssh_config")
+    with open(path, "w") as f:
+        f.write(
+            f"Host zbox\n  Hostname {hostname}\n  Port {s.port}\n  User {s.user}\n"
+            f"  IdentityFile {s.client_key}\n  IdentitiesOnly yes\n"
+        )
+    return path
+
+
+def test_an_alias_whose_hostname_has_a_zone_written_for_ssh_is_reached_by_rsync(
+    sshd_zone: SshServer, laptop: str, tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ssh expands % tokens in a configuration's Hostname: a zone is written %% there, as ssh
+    itself needs, and rgt (ssh and rsync alike) goes by the alias."""
+    hostname = sshd_zone.host.replace("%", "%%")
+    monkeypatch.setenv("RGT_SSH_CONFIG", _config(tmp_path, hostname, sshd_zone))
+    remote = SshRemote(parse_target("zbox"))
+    try:
+        _push_and_pull(remote, str(tmp_path))
+    finally:
+        remote.close()
+
+
+def test_an_alias_whose_hostname_has_a_percent_ssh_cannot_read_is_refused_first(
+    sshd_zone: SshServer, controller_env: object, tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``Hostname fe80::2%vh-x``: ssh reads ``%v`` as a token it does not know, and would fail
+    every command with no word rgt could show (exit 3, "the connection was lost"). It is
+    refused as the configuration's fault, saying to write %%, before rgt makes anything."""
+    monkeypatch.setenv("RGT_SSH_CONFIG", _config(tmp_path, sshd_zone.host, sshd_zone))
+    home = os.path.join(str(tmp_path), "home")
+    with pytest.raises(UsageError) as e:
+        SshRemote(parse_target("zbox"), home=home)
+    assert "%v" in e.value.what and "%%" in (e.value.remedy or ""), e.value.what
+    assert not os.path.exists(home)

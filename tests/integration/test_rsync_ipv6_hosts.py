@@ -12,8 +12,9 @@ of a network namespace's veth pair (tests/netns.py).
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
-from typing import Iterator
+from typing import Iterator, Optional
 
 import pytest
 
@@ -25,10 +26,20 @@ from tests.conftest import require
 from tests.sshd import SshServer, missing, start_sshd
 
 
+def _no_ipv6() -> Optional[str]:
+    """Why this machine has no IPv6 loopback to listen on, or None."""
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError as e:
+        return f"IPv6 on loopback (::1: {e.strerror})"
+    return None
+
+
 @pytest.fixture(scope="module")
 def sshd_v6(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
     """A test sshd listening on IPv6 loopback alone (``::1``)."""
-    why = missing()
+    why = missing() or _no_ipv6()
     require(why is None, why or "")
     server = start_sshd(str(tmp_path_factory.mktemp("sshd-v6")), address="::1")
     try:
@@ -41,7 +52,7 @@ def sshd_v6(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
 def sshd_zone(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SshServer]:
     """A test sshd on a network namespace's link-local address, reached from here with the zone
     of this machine's end of the pair (``fe80::2%vh-NAME``)."""
-    why = netnsmod.missing() or missing()
+    why = netnsmod.missing() or missing() or _no_ipv6()
     require(why is None, why or "")
     ns = netnsmod.create_netns("rgtz")
     try:

@@ -144,7 +144,9 @@ class Room:
                 "room_exhausted",
                 f"the disk of {self.ckpt_dir} is low and no local checkpoint may be deleted: "
                 "each one left is the newest state, not sealed in the store as it is now, "
-                "open for writing, or a symlink in the checkpoint dir leads to it",
+                "open for writing, led to by a symlink in the checkpoint dir, or holds a symlink "
+                "the sealer left out: one to a directory, a dangling one, or any where the "
+                "sealer follows no link, as in a pod",
                 klass="permanent",
                 # No parentheses of its own: a remedy is printed inside a pair.
                 remedy="free disk space or inodes, df -h and df -i show which ran short; "

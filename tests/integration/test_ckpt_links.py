@@ -331,6 +331,7 @@ def test_a_low_disk_frees_a_sealed_checkpoint_with_a_linked_file_by_its_link(
         kinds = [e["kind"] for e in events]
         if not follow:
             assert freed == 0 and kinds.count("room_exhausted") == 1, kinds
+            _says_left_out_link(events)
             assert all(os.path.isdir(os.path.join(small, f"step_{n}")) for n in (2, 3, 4))
             return
         gone = [e for e in events if e["kind"] == "freed_local"]
@@ -343,6 +344,20 @@ def test_a_low_disk_frees_a_sealed_checkpoint_with_a_linked_file_by_its_link(
         _fill(small)  # again: step 3 is not judged, step 4 is LATEST
         assert s.free_room() == 0 and os.path.isdir(os.path.join(small, "step_3"))
         assert [e["kind"] for e in events].count("room_exhausted") == 1
+        _says_left_out_link(events)
+
+
+def _says_left_out_link(events: List[Dict[str, Any]]) -> None:
+    """The ``room_exhausted`` event names the reason that kept a checkpoint holding a symlink
+    the sealer left out, as docs/events.md's row does (before, its message gave four reasons,
+    and this one was only implied)."""
+    [stuck] = [e for e in events if e["kind"] == "room_exhausted"]
+    reason = "holds a symlink the sealer left out"
+    assert reason in stuck["reason"], stuck
+    docs = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "events.md")
+    with open(docs) as f:
+        [row] = [x for x in f if x.startswith("| `room_exhausted` |")]
+    assert reason in row, row
 
 
 def test_a_low_disk_counts_only_the_bytes_it_freed_of_a_hard_linked_checkpoint(

@@ -22,7 +22,7 @@ from controller.registry import Registry
 from controller.remote import SshRemote, open_remote
 from controller.results.down import down, plan_down
 from controller.target import Target
-from onbox.common.errors import UnsafeRefused
+from onbox.common.errors import IntegrityError, UnsafeRefused
 from tests.conftest import Cli
 from tests.integration.test_down import RUN, Box, _pod_profile
 from tests.seaweed import SeaweedServer
@@ -219,7 +219,8 @@ def test_a_store_the_meter_stop_deletes_is_not_said_to_hold_nothing_when_it_hold
     was sealed; then the run stopped before any checkpoint and its agent sealed the job's log
     there with ENDED.json. Before: down's plan said the store, lost with the pod, "holds nothing
     sealed of the run" (the receipt's word, not the store's). Now it reads the store and says
-    that it holds the job's logs, which the receipt does not have."""
+    that it holds the job's logs, which the receipt does not have. With ENDED.json damaged,
+    no plan is made that could call the store empty on its word: down refuses, naming it."""
     box = Box(cli, tmp_path)
     profiles = tmp_path / "profiles"
     profiles.mkdir()
@@ -249,6 +250,11 @@ def test_a_store_the_meter_stop_deletes_is_not_said_to_hold_nothing_when_it_hold
     line = store_line()
     assert "nothing sealed" not in line and "nor job log" not in line, line
     assert "the job's logs" in line and "the receipt does not have" in line, line
+
+    with open(os.path.join(box.store_root, RUN, "ENDED.json"), "wb") as f:
+        f.write(b'{"files": [tru')  # torn or damaged: no log it lists can be known
+    with pytest.raises(IntegrityError, match=f"{RUN}/ENDED.json is not valid JSON"):
+        plan_down(rec, open_remote(rec.target))
 
 
 def test_the_plan_for_a_live_run_pulled_with_nothing_sealed_says_its_stop_seals_the_log(

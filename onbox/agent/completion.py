@@ -85,7 +85,7 @@ class Completion:
         outputs, missing = self._outputs()
         self._report_missing(missing)
         # The logs an earlier end of this run on this box sealed are in the store already.
-        logs, sealed = sealedlogs.put_unsealed(self.rd, self.store.url, self.put_log)
+        logs, sealed = sealedlogs.put_unsealed(self.rd, self.store, run, self.put_log)
         self.mirror()
         crash_point("finish.before_done")
         if not self.sealer.is_writer():  # checked again last: the uploads above take time
@@ -100,6 +100,8 @@ class Completion:
             "left_out": self.left_out,
             "finished_at": time.time(),
         }
+        # Pending until DONE.json is written (onbox/agent/sealedlogs.py), then recorded.
+        sealedlogs.record(self.rd, self.store.url, self.sealer.epoch, sealed, mf.done_key(run))
         with_retries(lambda: self.store.put_bytes(mf.done_key(run), mf.dump(done)))
         sealedlogs.record(self.rd, self.store.url, self.sealer.epoch, sealed)
         self.event(

@@ -38,6 +38,7 @@ from onbox.agent import sealedlogs
 from onbox.agent.completion import Completion
 from onbox.agent.spec import JobSpec
 from onbox.common.errors import StoreError, event_class
+from onbox.common.faults import crash_point
 from onbox.common.rundir import RunDir
 from onbox.sealing import manifest as mf
 from onbox.sealing.sealer import Sealer
@@ -77,7 +78,7 @@ def seal_end_logs(
     )
     # Only the logs no agent sealed into this store yet: a run started again on this box
     # keeps the older attempts' logs, sealed already (onbox/agent/sealedlogs.py).
-    logs, sealed = sealedlogs.put_unsealed(rd, store.url, done.put_log)
+    logs, sealed = sealedlogs.put_unsealed(rd, store, run, done.put_log)
     # The same log's warning from an earlier end of this run (stopped, started, failed) once.
     for w in before:
         if w in warnings[warnings.index(w) + 1 :]:
@@ -97,8 +98,12 @@ def seal_end_logs(
     keys = [mf.logs_doc_key(run, sealer.epoch)]
     if state in ENDED_STATES:
         keys.append(mf.ended_key(run))
+    # Recorded as pending first: killed before the second record, the next agent finds them
+    # in the log document (onbox/agent/sealedlogs.py) rather than sealing them again.
+    sealedlogs.record(rd, store.url, sealer.epoch, sealed, doc=keys[0])
     for key in keys:
         with_retries(functools.partial(store.put_bytes, key, mf.dump(doc)))
+    crash_point("logs.before_record")
     sealedlogs.record(rd, store.url, sealer.epoch, sealed)
     event(
         "logs_sealed",

@@ -44,6 +44,7 @@ POINTS = (
     "prune.after_delete",  # one object of a pruned checkpoint deleted
     "restore.after_object",  # one object of the restored checkpoint downloaded
     "finish.before_done",  # outputs and logs sealed, DONE.json not yet written
+    "logs.before_record",  # a log document written, logs-sealed.json not yet told (endlogs)
 )
 
 _seen = {}  # type: dict[str, int]

@@ -21,6 +21,7 @@ from typing import Any, Dict, List, Tuple
 from controller.registry import Registry
 from controller.remote import open_remote
 from controller.results.down import plan_down
+from onbox.common.rundir import RunDir
 from tests.conftest import Cli
 from tests.integration.test_preempted_logs import _pull, _start, _store_root
 from tests.integration.test_pull import RUN, _read, _rec
@@ -187,5 +188,105 @@ def test_a_run_stopped_then_started_again_and_succeeded_has_each_log_pulled_once
         store,
         ("e1/attempt-0001.log", b"box A: ready"),
         ("e2/attempt-0002.log", b"box A2: done"),
+    )
+    _no_log_lost(cli, store)
+
+
+def _record(cli: Cli) -> Dict[str, Any]:
+    """The run directory's logs-sealed.json: which attempts' logs are in the store."""
+    with open(RunDir(RUN, cli.home).sealed_logs) as f:
+        doc: Dict[str, Any] = json.load(f)["attempts"]
+    return doc
+
+
+def test_a_damaged_record_of_sealed_logs_is_learnt_again_from_the_stores_documents(
+    cli: Cli, tmp_path: Any, laptop: str
+) -> None:
+    """Failed (epoch 1, attempt 1 sealed with e1.json), then logs-sealed.json damaged on the box,
+    started again, failed again. Before: a record that could not be read counted as none, and
+    e2.json listed attempt 1's log again (``e2/attempt-0001.log``), pulled twice. Now the agent
+    learns from e1.json, which lists a copy of that log's very bytes, that it is sealed."""
+    root = _store_root(tmp_path)
+    store = f"file://{root}"
+    _failed(cli, tmp_path, store, "A")
+    assert _paths(_doc(root, "logs", "e1.json")) == ["e1/attempt-0001.log"]
+    with open(RunDir(RUN, cli.home).sealed_logs, "wb") as f:
+        f.write(b'{"attempts": {"1": {"epo')  # damaged: not a document rgt wrote
+    _failed(cli, tmp_path, store, "A2")
+    assert _paths(_doc(root, "logs", "e2.json")) == ["e2/attempt-0002.log"]
+    assert _paths(_doc(root, "ENDED.json")) == ["e2/attempt-0002.log"]
+    was = _record(cli)
+    assert was["1"]["path"] == "e1/attempt-0001.log" and was["1"]["epoch"] == 1, was
+    assert was["2"]["path"] == "e2/attempt-0002.log", was
+    _pull_two(
+        laptop,
+        cli,
+        tmp_path / "dest",
+        store,
+        ("e1/attempt-0001.log", b"box A: RuntimeError"),
+        ("e2/attempt-0002.log", b"box A2: RuntimeError"),
+    )
+    _no_log_lost(cli, store)
+
+
+def test_a_damaged_record_and_no_document_listing_a_log_has_it_sealed_again(
+    cli: Cli, tmp_path: Any, laptop: str
+) -> None:
+    """As above, but e1.json is gone from the store too (its log object left, named by no
+    document): nothing shows attempt 1's log sealed, so the next agent seals it again under
+    its epoch; when in doubt a log is sealed, never left out."""
+    root = _store_root(tmp_path)
+    store = f"file://{root}"
+    _failed(cli, tmp_path, store, "A")
+    with open(RunDir(RUN, cli.home).sealed_logs, "wb") as f:
+        f.write(b"[]")  # not a record rgt writes
+    os.unlink(os.path.join(root, RUN, "logs", "e1.json"))
+    os.unlink(os.path.join(root, RUN, "ENDED.json"))
+    _failed(cli, tmp_path, store, "A2")
+    assert _paths(_doc(root, "logs", "e2.json")) == ["e2/attempt-0001.log", "e2/attempt-0002.log"]
+    _pull_two(
+        laptop,
+        cli,
+        tmp_path / "dest",
+        store,
+        ("e2/attempt-0001.log", b"box A: RuntimeError"),
+        ("e2/attempt-0002.log", b"box A2: RuntimeError"),
+    )
+    _no_log_lost(cli, store)
+
+
+def test_an_agent_killed_between_its_log_document_and_the_record_leaves_no_duplicate(
+    cli: Cli, tmp_path: Any, laptop: str
+) -> None:
+    """The first agent fails its run, writes e1.json, and is killed (as SIGKILL would) before
+    logs-sealed.json says so. Before: the next agent, finding attempt 1 unrecorded, sealed it
+    again as ``e2/attempt-0001.log``. Now the record names e1.json before it is written, and
+    the next agent finds the log there, so it seals only its own."""
+    root = _store_root(tmp_path)
+    store = f"file://{root}"
+    plain = dict(cli.env)
+    cli.env.update(RGT_CRASH_AT="logs.before_record")
+    _start(cli, tmp_path, store, "A", "fail")
+    cli.wait_for(
+        RUN,
+        lambda s: s["state"] == "FAILED" and not s["agent"]["alive"],
+        timeout=120,
+        what="FAILED and the agent gone",
+    )
+    cli.env.clear()
+    cli.env.update(plain)
+    assert _paths(_doc(root, "logs", "e1.json")) == ["e1/attempt-0001.log"]
+    assert _record(cli)["1"].get("doc") == f"{RUN}/logs/e1.json"  # cut off: still pending
+
+    _failed(cli, tmp_path, store, "A2")
+    assert _paths(_doc(root, "logs", "e2.json")) == ["e2/attempt-0002.log"]
+    assert "doc" not in _record(cli)["1"]
+    _pull_two(
+        laptop,
+        cli,
+        tmp_path / "dest",
+        store,
+        ("e1/attempt-0001.log", b"box A: RuntimeError"),
+        ("e2/attempt-0002.log", b"box A2: RuntimeError"),
     )
     _no_log_lost(cli, store)

@@ -356,8 +356,27 @@ def test_a_run_taken_down_with_its_store_kept_is_deployed_again_and_resumes_from
     out, err = capsys.readouterr()
     assert code == 0, err
     assert re.search(r"newest sealed checkpoint: step 1 \(restored from the store at ", out), out
+    _box_as_documented(capsys)
     code, err = _rgt(capsys, "stop", "again", "--grace", "5")
     assert code == 0, err
+
+
+def _box_as_documented(capsys: pytest.CaptureFixture[str]) -> None:
+    """`rgt status again --json` of a box that restored step 1: its ``box.sealed`` is the
+    ``restored`` event (the restored step is sealed in the store), and README's contract of
+    `rgt status --json` names the ``box`` object, each key it holds, and that ``sealed`` may be
+    a ``restored`` event. Before, README named neither."""
+    code = rgt_main(["status", "again", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    doc = json.loads(out)
+    sealed = doc["box"]["sealed"]
+    assert sealed["kind"] == "restored" and sealed["step"] == 1, sealed
+    readme = Path(__file__).parents[2] / "README.md"
+    text = readme.read_text().split("- **status / watch / logs / stop**")[1].split("\n- **")[0]
+    for key in ["source", "read_at", "box", *doc["box"], *sealed]:
+        assert f"`{key}`" in text, (key, text)
+    assert "`restored`" in text, text
 
 
 def test_a_deploy_of_a_finished_run_says_nothing_was_started_and_keeps_its_release(

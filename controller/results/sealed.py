@@ -24,7 +24,7 @@ from controller.results.documents import (
 from controller.results.entries import Entry, Sealed, box_join, checked
 from controller.results.receipt import Coverage, Receipt, SealedId, compare
 from controller.runstore import open_run_store
-from onbox.common.errors import NotFound, UsageError
+from onbox.common.errors import IntegrityError, NotFound, UsageError
 from onbox.sealing import manifest as mf
 from onbox.sealing.ledger import newest_epoch
 from onbox.sealing.stores.base import Store, with_retries
@@ -259,4 +259,14 @@ def covers_newest(rec: RunRecord, receipt: Receipt, remote: Optional[Remote] = N
         newest = newest_sealed(rec, remote)
     except (UsageError, NotFound) as e:
         return Coverage(False, f"the newest sealed state cannot be read: {e.what}")
+    except IntegrityError as e:
+        # A document that cannot be read may list what down would remove: down refuses, and
+        # says so (the document's own error named neither down nor the store).
+        where = f"the store {rec.store}" if rec.store else "the box's run directory"
+        raise IntegrityError(
+            f"run {rec.name}: rgt down did nothing: the run's sealed state in {where} cannot "
+            f"be read: {e.what}",
+            f"look at the document it names in {where}: damaged, or not rgt's (`rgt pull "
+            f"{rec.name}` refuses it too); down removes nothing while it cannot be read",
+        ) from None
     return compare(receipt, newest)

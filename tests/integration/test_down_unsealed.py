@@ -220,7 +220,9 @@ def test_a_store_the_meter_stop_deletes_is_not_said_to_hold_nothing_when_it_hold
     there with ENDED.json. Before: down's plan said the store, lost with the pod, "holds nothing
     sealed of the run" (the receipt's word, not the store's). Now it reads the store and says
     that it holds the job's logs, which the receipt does not have. With ENDED.json damaged,
-    no plan is made that could call the store empty on its word: down refuses, naming it."""
+    no plan is made that could call the store empty on its word: down refuses. Before, it said
+    only "rgt: r1/ENDED.json is not valid JSON"; now it says that down did nothing, that it
+    could not read the document, in which store, and what to do."""
     box = Box(cli, tmp_path)
     profiles = tmp_path / "profiles"
     profiles.mkdir()
@@ -255,6 +257,13 @@ def test_a_store_the_meter_stop_deletes_is_not_said_to_hold_nothing_when_it_hold
         f.write(b'{"files": [tru')  # torn or damaged: no log it lists can be known
     with pytest.raises(IntegrityError, match=f"{RUN}/ENDED.json is not valid JSON"):
         plan_down(rec, open_remote(rec.target))
+    code, out, err = _rgt(capsys, "down", RUN, "--yes")
+    assert code == IntegrityError.exit_code and not out, (code, out, err)
+    said = f"run {RUN}: rgt down did nothing: the run's sealed state in the store {box.store}"
+    assert said in err and f"cannot be read: {RUN}/ENDED.json is not valid JSON" in err, err
+    assert f"look at the document it names in the store {box.store}" in err, err
+    assert os.path.exists(os.path.join(box.store_root, RUN, "ENDED.json"))
+    assert Registry().get(RUN).down_at is None
 
 
 def test_the_plan_for_a_live_run_pulled_with_nothing_sealed_says_its_stop_seals_the_log(

@@ -23,6 +23,7 @@ from onbox.agent import sealedlogs
 from onbox.agent.jobroot import JobFiles
 from onbox.agent.spec import JobSpec
 from onbox.common import links, redact
+from onbox.common.errors import StoreError
 from onbox.common.faults import crash_point
 from onbox.common.rundir import RunDir
 from onbox.common.safepath import NotRegularFile, UnsafePath, file_kind, safe_rel, sha256_regular
@@ -37,6 +38,7 @@ from onbox.sealing.discovery import (
 )
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores.base import Store, with_retries
+from onbox.sealing.stores.hangbound import watched
 
 
 class Completion:
@@ -112,6 +114,20 @@ class Completion:
             + f"; LATEST step {self.sealer.latest}",
             missing_outputs=missing,
         )
+
+    def run_said(self, said: Callable[[StoreError, str], None]) -> None:
+        """``run``; a store error (one that failed each retry, an upload that moved nothing for
+        ``[store] stall``) said first (``said``: a seal_error), then raised: the run is not
+        SUCCEEDED, and its next agent completes it, as after a crash before DONE.json."""
+        try:
+            self.run()
+        except StoreError as e:
+            said(
+                e,
+                f"no DONE.json was written: `rgt-agent start --name {self.spec.name}` once the "
+                "store answers seals the rest and writes it",
+            )
+            raise
 
     def _outputs(self) -> Tuple[List[Dict[str, Any]], List[str]]:
         """The declared outputs sealed, and those missing. Read where the job wrote them: here,
@@ -427,7 +443,8 @@ class Completion:
             try:
                 sha, size = sha256_regular(full)  # never blocks on a FIFO swapped in since
                 put = functools.partial(self.store.put_file, key, full, sha256=sha, size=size)
-                with_retries(put)
+                # Cut once the store took nothing of it for [store] stall (a hung mount).
+                with_retries(functools.partial(watched, self.store, f"uploading {key}", put))
             except (FileNotFoundError, NotRegularFile) as e:
                 why = e.what if isinstance(e, NotRegularFile) else "it was removed"
                 self._not_sealed(_pulled_as(prefix, r), f"it changed since it was listed ({why})")

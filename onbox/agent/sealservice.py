@@ -134,7 +134,7 @@ class SealService(Hooks):
             if not self._begin(begin, adopting):
                 return
         # For good: the thread's calls (a StoreHung is a seal_error, retried) and the letting
-        # go's never wait on a hung store for ever (hangbound.py; not the copies of files).
+        # go's never wait on a hung store for ever (hangbound.py; its uploads, on movement).
         self.store.bound_calls(self.spec.restore_stall)
         self._thread = threading.Thread(target=self._loop, name="rgt-sealer", daemon=True)
         self._thread.start()
@@ -405,7 +405,7 @@ class SealService(Hooks):
                 warnings=self.warnings,
                 mirror=self.mirror,
                 root=self.workdir_root(),
-            ).run()
+            ).run_said(self._said)
             return
         if reason == "superseded":  # nothing of this agent may be sealed now (loop.py)
             self._stop_thread(deadline - MARGIN)

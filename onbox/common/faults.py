@@ -12,8 +12,9 @@ for it rather than race it: with ``RGT_HOLD_AT=NAME`` the calling thread waits t
 ``until()`` is true (at most HOLD_FOR seconds, then goes on), so that what the test does next (a
 signal, a SIGKILL) lands at that point on any machine, under any load. With ``RGT_HOLD_UNTIL=PATH``
 the hold also ends once the file PATH exists: a test that needs a step to last (a restore longer
-than a bound) creates it when it has seen what it waits for. Unset, the call is one dictionary
-lookup and does nothing.
+than a bound) creates it when it has seen what it waits for. With ``RGT_HOLD_REACHED=PATH`` the
+thread creates the file PATH as it begins to wait: a test acts once the agent is held there, not
+before. Unset, the call is one dictionary lookup and does nothing.
 
 Stop points: with ``RGT_TEST_STOP_AFTER_EVENT=KIND`` the process that writes an event of that
 kind (onbox/agent/journal.py) stops itself (SIGSTOP) right after it, so that a test can queue a
@@ -32,6 +33,7 @@ from typing import Callable
 ENV = "RGT_CRASH_AT"
 HOLD_ENV = "RGT_HOLD_AT"
 RELEASE_ENV = "RGT_HOLD_UNTIL"
+REACHED_ENV = "RGT_HOLD_REACHED"
 STOP_AFTER_EVENT = "RGT_TEST_STOP_AFTER_EVENT"
 
 # The named points, so that a test can loop over every step of a protocol and a typo in a
@@ -88,7 +90,11 @@ def hold_point(name: str, until: Callable[[], bool] = lambda: False) -> None:
             raise ValueError(f"unknown hold point {point!r}; known: {', '.join(HOLDS)}")
     if want != name:
         return
-    release = os.environ.get(RELEASE_ENV)
+    release, reached = os.environ.get(RELEASE_ENV), os.environ.get(REACHED_ENV)
+    if release and os.path.exists(release):
+        return
+    if reached:
+        open(reached, "a").close()
     deadline = time.monotonic() + HOLD_FOR
     while not until() and time.monotonic() < deadline:
         if release and os.path.exists(release):

@@ -24,10 +24,18 @@ point ``seal.after_object`` is reached once per object put, in the calling threa
 A seal with a deadline (the final seal at SIGTERM has a grace to fit in) starts no file and no
 retry once it would end past it: ``OutOfTime``, so the checkpoint gets no MANIFEST (a put in
 flight is awaited, as above, not abandoned mid-request).
+
+One exception to awaiting: an upload the store took nothing of for its bound (``[store] stall``,
+where the store says how its uploads move: onbox/sealing/stores/hangbound.py ``watched``), a
+hung mount or a store that stopped answering mid-PUT, is cut: its error (a StoreHung) is raised
+at once and its threads (daemons) left where they hang, so the sealing thread, and the agent
+letting go of the run, wait the bound and no longer. A slow upload that still moves is never
+cut. Nothing of a cut checkpoint is named by a MANIFEST: LATEST stays where it was.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
@@ -41,7 +49,9 @@ from onbox.common.errors import IntegrityError, StoreError
 from onbox.common.faults import crash_point
 from onbox.common.safepath import NotRegularFile, open_regular, sha256_regular
 from onbox.sealing.discovery import read_signature, signature
+from onbox.sealing.stall import Stall
 from onbox.sealing.stores.base import Store, with_retries
+from onbox.sealing.stores.hangbound import SIGNAL_POLL, StoreHung, refuse_upload, upload_bound
 
 CHUNK = 1 << 20
 # A file up to this size that may be a duplicate is read into memory once, hashed there, and
@@ -110,6 +120,25 @@ class _Claims:
             ev.set()
 
 
+class _Busy:
+    """Whether any thread is inside (``with``): ``token()`` is then new at each call."""
+
+    def __init__(self) -> None:
+        self._n = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        with self._lock:
+            self._n += 1
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            self._n -= 1
+
+    def token(self) -> float:
+        return time.monotonic() if self._n else 0.0
+
+
 class CheckpointUpload:
     """The upload of one checkpoint's files (``rels``, relative to ``ckpt_dir``) to keys under
     ``prefix``; ``run()`` returns (entries, bytes put)."""
@@ -150,6 +179,7 @@ class CheckpointUpload:
         # Called every LOOK_EVERY seconds while files are put: the sealer observes the dir's
         # links (onbox/sealing/dirlinks.py ``Seen``), which the job moves on meanwhile.
         self.look = look
+        self._reading = _Busy()
 
     def src(self, rel: str) -> str:
         path = os.path.join(self.ckpt_dir, *rel.split("/"))
@@ -177,7 +207,9 @@ class CheckpointUpload:
         ]
         results: List[Optional[Tuple[Entry, bool]]] = [None] * n
         failed: Optional[BaseException] = None
+        stall: Optional[Stall] = None
         try:
+            stall = self._stall(threads, results)
             for t in threads:
                 t.start()
             looked = time.monotonic()
@@ -185,12 +217,14 @@ class CheckpointUpload:
                 got: Optional[_Done] = None
                 while got is None:
                     try:
-                        got = done.get(timeout=LOOK_EVERY)
+                        got = done.get(timeout=LOOK_EVERY if stall is None else SIGNAL_POLL)
                     except queue.Empty:
                         pass
                     if time.monotonic() - looked >= LOOK_EVERY:
                         self.look()
                         looked = time.monotonic()
+                    if got is None and stall is not None:
+                        stall.check()  # nothing moved for the bound: raised, threads left
                 i, out, err = got
                 if err is not None:  # the first failure: the rest stop (see _work)
                     failed = err
@@ -200,9 +234,7 @@ class CheckpointUpload:
                     crash_point("seal.after_object")
         finally:
             self.stop.set()
-            for t in threads:  # puts in flight end, none start
-                if t.ident is not None:
-                    t.join()
+            _end_puts(threads, stall)  # puts in flight end, none start; hung ones are left
             shutil.rmtree(self.stage_dir, ignore_errors=True)
         if failed is not None:
             raise failed
@@ -210,6 +242,23 @@ class CheckpointUpload:
         if len(done_all) != n:  # every file taken is handed back unless the seal failed
             raise RuntimeError(f"{n - len(done_all)} files of {self.ckpt_dir} were not put")
         return [e for e, _ in done_all], sum(e["size"] for e, put in done_all if put)
+
+    def _stall(self, threads: List[threading.Thread], results: List[Any]) -> Optional[Stall]:
+        """The watch on the puts (the module docstring), or None: the store's are not watched.
+        Movement is a piece the store took, a file done (deduplicated ones take nothing), or
+        a thread hashing or staging a file: reading the box's disk, which may take long for a
+        big file, is not the store's silence."""
+        bound = upload_bound(self.store)
+        if bound is None:
+            return None
+        what = f"uploading {self.prefix}"
+        refuse_upload(self.store, what)  # one still hung: this one would hang as well
+        store: Any = self.store
+        return Stall(
+            bound,
+            lambda: (store.sent, sum(r is not None for r in results), self._reading.token()),
+            lambda: store.upload_stalled(what, bound, threads),
+        )
 
     def _work(self, todo: queue.SimpleQueue[int], done: queue.SimpleQueue[_Done]) -> None:
         """Put files from ``todo`` until it is empty or the seal stopped; a failure is handed
@@ -239,7 +288,8 @@ class CheckpointUpload:
             done = self._put_hashing(src, rel)
             if done is not None:
                 return done, True
-        path, sha, size, data = self._stage(src, rel)
+        with self._reading:  # the store is not asked meanwhile: not watched (``_stall``)
+            path, sha, size, data = self._stage(src, rel)
         key = self.claims.claim(sha, size, self.stop)
         if key is not None:
             return {"path": rel, "size": size, "sha256": sha, "key": key}, False
@@ -373,6 +423,22 @@ class CheckpointUpload:
             raise Vanished(f"{rel} was deleted") from None
         except NotRegularFile:  # a regular file when it was listed: replaced since
             raise Vanished(f"{rel} was replaced by something not a regular file") from None
+
+
+def _end_puts(threads: List[threading.Thread], stall: Optional[Stall]) -> None:
+    """Wait for the puts in flight; with a watch, only while they move: those that moved
+    nothing for its bound (a hung mount under a failure being raised) are left, and the store
+    records them (its next upload is refused while they hang)."""
+    for t in threads:
+        while t.ident is not None and t.is_alive():
+            if stall is None:
+                t.join()
+            elif stall.fired:
+                return
+            else:
+                t.join(SIGNAL_POLL)
+                with contextlib.suppress(StoreHung):
+                    stall.check()
 
 
 def _read_small(path: str, size: int) -> bytes:

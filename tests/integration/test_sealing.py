@@ -659,8 +659,8 @@ def test_a_file_rewritten_while_it_is_uploaded_is_a_skipped_seal_not_a_bug(
     big = os.path.join(d, "big.bin")
     real_copy = local.copy_file  # type: ignore[attr-defined]
 
-    def copy_then_rewrite(f: Any, fd: int) -> Any:
-        out = real_copy(f, fd)
+    def copy_then_rewrite(f: Any, fd: int, **kw: Any) -> Any:
+        out = real_copy(f, fd, **kw)
         if os.fstat(f.fileno()).st_ino == os.stat(big).st_ino:  # the job writes meanwhile
             with open(big, "r+b") as w:
                 w.write(b"Z" * 100)

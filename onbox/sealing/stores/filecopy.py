@@ -29,15 +29,23 @@ SMALL_FILE = 4 << 20  # a file up to this size is read into memory and hashed th
 COPY_CHUNK = 64 << 20
 
 Stopped = Callable[[], bool]  # True once the download is to give up (base.Lanes.stopped)
+Moved = Callable[[], None]  # called as each piece is written
 
 
 def never() -> bool:
     return False
 
 
-def copy_from(f: BinaryIO, dst_fd: int, size: int, stopped: Stopped = never) -> None:
+def nothing() -> None:
+    pass
+
+
+def copy_from(
+    f: BinaryIO, dst_fd: int, size: int, stopped: Stopped = never, moved: Moved = nothing
+) -> None:
     """Copy ``size`` bytes of the open file ``f`` into ``dst_fd``, in the kernel where it can,
-    COPY_CHUNK bytes at a time; CancelledError once ``stopped()`` between two."""
+    COPY_CHUNK bytes at a time; CancelledError once ``stopped()`` between two; ``moved()``
+    after each (an upload's movement: hangbound.py)."""
     done = 0
     cfr = getattr(os, "copy_file_range", None)
     try:
@@ -52,6 +60,7 @@ def copy_from(f: BinaryIO, dst_fd: int, size: int, stopped: Stopped = never) -> 
             if n == 0:
                 break
             done += n
+            moved()
             hold_point("copy.after_piece", stopped)  # a test's signal lands mid-copy
     except OSError as e:
         if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
@@ -68,11 +77,12 @@ def copy_from(f: BinaryIO, dst_fd: int, size: int, stopped: Stopped = never) -> 
             view = memoryview(b)
             while view:
                 view = view[os.write(dst_fd, view) :]
+            moved()
             hold_point("copy.after_piece", stopped)
 
 
 def copy_hashing(
-    f: BinaryIO, dst_fd: int, stopped: Stopped = never
+    f: BinaryIO, dst_fd: int, stopped: Stopped = never, moved: Moved = nothing
 ) -> Tuple[str, int, os.stat_result]:
     """Copy the open file ``f`` into ``dst_fd`` while another thread hashes it: (sha256, bytes
     hashed, the source's stat before). Both threads spend their time in the kernel or in
@@ -101,7 +111,7 @@ def copy_hashing(
     hasher = threading.Thread(target=hash_all, name="rgt-hash", daemon=True)
     hasher.start()
     try:
-        copy_from(f, dst_fd, before.st_size, stopped)
+        copy_from(f, dst_fd, before.st_size, stopped, moved)
         # The copy is done before the hash (the kernel copies faster than sha256 runs): the
         # disk writes the copy while the hash catches up, so the caller's fsync after it
         # waits for little (not during the copy: writes then slow the reads of the source,
@@ -119,12 +129,12 @@ def copy_hashing(
 
 
 def copy_file(
-    f: BinaryIO, dst_fd: int, stopped: Stopped = never
+    f: BinaryIO, dst_fd: int, stopped: Stopped = never, moved: Moved = nothing
 ) -> Tuple[str, int, os.stat_result]:
     """``copy_small`` for a file of up to SMALL_FILE bytes, else ``copy_hashing``."""
     if os.fstat(f.fileno()).st_size <= SMALL_FILE:
         return copy_small(f, dst_fd)
-    return copy_hashing(f, dst_fd, stopped)
+    return copy_hashing(f, dst_fd, stopped, moved)
 
 
 def copy_small(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:

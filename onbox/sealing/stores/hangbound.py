@@ -23,8 +23,16 @@ put, whole or not at all; an epoch created and not recorded is taken as this box
 onbox/agent/ownership.py; a temporary file or a preflight probe is removed or left as a killed
 one is). While a call is still hung the next fails at once (its error names it, and the call
 still hung), and base.with_retries does not retry a StoreHung: the user waits the bound once,
-not the bound and every backoff. Outside it, or for a call not marked (the copies of files,
-which the stall bound watches), nothing changes.
+not the bound and every backoff. Outside it, or for a call not marked, nothing changes.
+
+The uploads of files (a checkpoint's, onbox/sealing/upload.py; the completion seal's and the
+logs', ``watched``) are not bounded so: a big checkpoint's may take far longer than the bound
+and still be moving. Where a store says how its uploads move (``watches_uploads``: it adds to
+``sent`` as each piece is taken, a file:// copy's piece of up to 64 MiB, an S3 part or small
+object), they are cut once nothing moved for the bound instead (onbox/sealing/stall.py
+``Stall``), as a restore's downloads are: ``upload_stalled`` (a StoreHung), the upload's threads
+left as a hung call is. While one of them is still hung, the next upload is refused at once
+(``refuse_upload``), so an agent letting go waits the bound once, not once per upload.
 """
 
 from __future__ import annotations
@@ -36,9 +44,10 @@ import time
 from typing import Any, Callable, Iterator, List, Optional, Tuple, TypeVar, cast
 
 from onbox.common.errors import TransientStoreError
-from onbox.sealing.stall import STALL_SETTING, took
+from onbox.sealing.stall import STALL_SETTING, Stall, took
 
 F = TypeVar("F", bound=Callable[..., Any])
+T = TypeVar("T")
 # How often the waiting thread wakes to run the handlers of signals a worker took for it (as
 # onbox/sealing/fetch.py SIGNAL_POLL).
 SIGNAL_POLL = 0.2
@@ -60,6 +69,11 @@ class HangBound:
     _longer = STALL_SETTING  # how a user gives the store longer, for the error
     _hung: Optional[Tuple[str, float]] = None  # (what, bound) of a call left past its bound
     _left: Optional[threading.Thread] = None
+    # The uploads' movement (the class docstring): what the store has taken so far, in pieces;
+    # only read for a change. An upload cut as stalled: (what, bound, its threads).
+    watches_uploads = False
+    sent = 0
+    _stuck: Optional[Tuple[str, float, List[threading.Thread]]] = None
 
     @contextlib.contextmanager
     def calls_bounded(self, seconds: float, longer: str = STALL_SETTING) -> Iterator[None]:
@@ -80,28 +94,51 @@ class HangBound:
         left = self._left
         if left is not None and left.is_alive() and self._hung is not None:
             raise self._refused(what, *self._hung)
-        out: List[Any] = []
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                out.append((True, fn()))
-            except BaseException as e:  # raised in the waiting thread
-                out.append((False, e))
-            finally:
-                done.set()
-
-        t = threading.Thread(target=run, name="rgt-store-call", daemon=True)
+        t, done, out = _worker(fn, "rgt-store-call")
         t.start()
         deadline = time.monotonic() + bound
         while not done.wait(SIGNAL_POLL):
             if time.monotonic() >= deadline:
                 self._left, self._hung = t, (what, bound)
                 raise self._hung_error(bound, what)
-        ok, value = out[0]
-        if not ok:
-            raise value
-        return value
+        return _result(out)
+
+    def moved(self) -> None:
+        """A piece of an upload was taken by the store."""
+        self.sent += 1  # racy between threads, and harmless: only a change is looked for
+
+    def upload_bound(self) -> Optional[float]:
+        """How long an upload may move nothing (the calls' bound), or None: not watched."""
+        return self._bound if self.watches_uploads else None
+
+    def upload_stalled(self, what: str, bound: float, threads: List[threading.Thread]) -> StoreHung:
+        """The error of an upload that moved nothing for ``bound``, its ``threads`` left."""
+        self._stuck = (what, bound, threads)
+        return StoreHung(
+            f"{self.url} took nothing for {took(bound)} ({what}): {self.hangs}; nothing of it "
+            "was put in place",
+            self._remedy(),
+        )
+
+    def refuse_upload(self, what: str) -> None:
+        """StoreHung, at once, while an upload cut as stalled is still hung."""
+        stuck = self._stuck
+        if stuck is not None and any(t.is_alive() for t in stuck[2]):
+            raise self._refused(what, stuck[0], stuck[1])
+
+    def watched(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn``, one upload (``what``), cut once the store took nothing of it for the
+        bound (``upload_bound``; not watched: run as it is)."""
+        bound = self.upload_bound()
+        if bound is None:
+            return fn()
+        self.refuse_upload(what)
+        t, done, out = _worker(fn, "rgt-store-upload")
+        stall = Stall(bound, lambda: self.sent, lambda: self.upload_stalled(what, bound, [t]))
+        t.start()
+        while not done.wait(SIGNAL_POLL):
+            stall.check()
+        return cast(T, _result(out))
 
     def _hung_error(self, bound: float, what: str) -> StoreHung:
         return StoreHung(
@@ -127,6 +164,33 @@ class HangBound:
         )
 
 
+def _worker(
+    fn: Callable[[], Any], name: str
+) -> Tuple[threading.Thread, threading.Event, List[Any]]:
+    """A daemon thread (not started) that runs ``fn`` once: (it, set when done, its outcome
+    for ``_result``)."""
+    out: List[Any] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            out.append((True, fn()))
+        except BaseException as e:  # raised in the waiting thread
+            out.append((False, e))
+        finally:
+            done.set()
+
+    return threading.Thread(target=run, name=name, daemon=True), done, out
+
+
+def _result(out: List[Any]) -> Any:
+    """What ``_worker``'s ``fn`` returned, or what it raised, raised here."""
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
 def answers(what: str, whole: bool = False) -> Callable[[F], F]:
     """Mark a method of a HangBound store as bounded while ``calls_bounded``: ``what`` says
     the call in an error (``{}``: its first argument); ``whole``: it returns an iterator,
@@ -146,3 +210,19 @@ def answers(what: str, whole: bool = False) -> Callable[[F], F]:
         return cast(F, call)
 
     return mark
+
+
+def watched(store: object, what: str, fn: Callable[[], T]) -> T:
+    """``HangBound.watched`` where ``store`` is one; else ``fn()``."""
+    return store.watched(what, fn) if isinstance(store, HangBound) else fn()
+
+
+def upload_bound(store: object) -> Optional[float]:
+    """``HangBound.upload_bound`` where ``store`` is one; else None."""
+    return store.upload_bound() if isinstance(store, HangBound) else None
+
+
+def refuse_upload(store: object, what: str) -> None:
+    """``HangBound.refuse_upload`` where ``store`` is one."""
+    if isinstance(store, HangBound):
+        store.refuse_upload(what)

@@ -250,6 +250,7 @@ class LocalStore(HangBound, Store):
     parallel_puts = 8
 
     puts_data = True  # put_data writes as put_bytes does: written, fsynced, renamed into place
+    watches_uploads = True  # each copy's piece, and each file put, is ``moved`` (hangbound.py)
 
     def put_file(self, key: str, path: str, *, sha256: Optional[str], size: int) -> ObjectInfo:
         hold_point("store.put_file")  # a test's hung mount
@@ -263,7 +264,7 @@ class LocalStore(HangBound, Store):
             fd = self._new(dfd, tmp)
             try:
                 with open(open_regular(path), "rb") as f:  # a FIFO, a link: refused
-                    got, hashed, before = copy_file(f, fd)
+                    got, hashed, before = copy_file(f, fd, moved=self.moved)
                 os.fsync(fd)
                 copied = os.fstat(fd).st_size
             finally:
@@ -279,6 +280,7 @@ class LocalStore(HangBound, Store):
                     "name and let the job finish them before they are sealed",
                 )
             self._commit(dfd, tmp, name, dest, if_absent=False)
+            self.moved()
             tmp = ""  # renamed into place: nothing left to remove
         except OSError as e:
             raise os_error(e, f"writing {dest}") from None
@@ -320,6 +322,7 @@ class LocalStore(HangBound, Store):
             finally:
                 os.close(fd)
             self._commit(dfd, tmp, name, dest, if_absent, if_match)
+            self.moved()
             tmp = ""  # renamed into place (or linked, then removed): nothing left to remove
         except OSError as e:
             raise os_error(e, f"writing {dest}") from None

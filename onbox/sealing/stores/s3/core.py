@@ -303,6 +303,7 @@ class S3Store(HangBound, Store):
             r = self.call(doing, "put_object", **kwargs)
         # Checked by the store on arrival where it takes CRC32s; else the ETag must be the MD5.
         check_put(self, doing, full, sent, crc, r)
+        self.moved()
         return ObjectInfo(key, len(data), sha256, etag(r.get("ETag")))
 
     def delete_quietly(self, full: str) -> None:
@@ -327,6 +328,7 @@ class S3Store(HangBound, Store):
 
     hashes_while_uploading = True
     puts_data = True
+    watches_uploads = True  # each object and each part put is ``moved`` (hangbound.py)
 
     def put_data(self, key: str, data: bytes, sha256: str) -> ObjectInfo:
         if len(data) > self.multipart_threshold:

@@ -227,6 +227,7 @@ class _Upload:
             checked_crc32(what, b64(sent), r.get("ChecksumCRC32"))
         self.digests[n] = sent
         self.etags[n] = str(r["ETag"])
+        self.store.moved()
 
     def complete(self, sha256: Optional[str], expected: str) -> Dict[str, Any]:
         """Complete the upload; the store's answer (a HEAD of the object where the answer to a

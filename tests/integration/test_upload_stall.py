@@ -1,0 +1,248 @@
+"""An agent whose store stops taking a checkpoint's upload still lets go of the run: in time.
+
+The store is a ``file://`` directory whose uploads of files hang from a chosen moment on (hold
+point ``store.put_file``, onbox/common/faults.py: as on an NFS or FUSE mount whose server stopped
+answering mid-write; the hold ends after HOLD_FOR, 120 s, a real hung mount's never). The run's
+step 1 is sealed first; then the store hangs, the job writes step 2, and the test waits until
+the agent is held in step 2's upload (``RGT_HOLD_REACHED``) before the run ends: its job fails or
+succeeds, `rgt-agent stop` stops it, or a real SIGTERM preempts it with a grace. Before the fix
+the agent waited on that upload as long as the store hung (close() and the success seal joined
+the sealing thread without a bound), holding the run's lock. Now an upload that moves nothing
+for ``[store] stall`` is cut: a ``seal_error`` says so, LATEST stays at step 1 (no MANIFEST of a
+torn step 2), and the agent writes the run's final state, lets go of the lock and exits, and a
+new `rgt-agent start` takes the run.
+
+Real agents and jobs, a real SIGTERM; the test waits for the agent's PID with a bound (WAIT,
+well under the hold's 120 s) and kills what is left by PID (the cli fixture). On S3 the store is
+a SeaweedFS of the test's own (``weed mini``), SIGSTOPped mid-upload, as a server or a network
+that stopped answering mid-PUT (botocore alone waits 4 x 60 s per request), SIGCONTed in a
+``finally``; the sealer is the real one, in the test's process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Dict, List
+
+import pytest
+
+from onbox.agent import procfs
+from onbox.sealing.stores import filecopy, open_store
+from onbox.sealing.stores.base import Store
+from onbox.sealing.stores.hangbound import StoreHung
+from tests import seaweed
+from tests.conftest import Cli, require
+from tests.integration.test_letgo_hung_store import _wait
+from tests.sealsvc import old_box_sealer
+from tests.seaweed import start_seaweed
+
+RUN = "upstall"
+WAIT = 45.0  # the test's bound on the agent's exit: before the fix, the hold's 120 s
+# Step 1, then "ready"; once the file ``more`` exists, step 2 (another size than step 1's, so
+# it is copied with put_file, not deduplicated), then "step 2"; then it waits for ``go`` and
+# exits with the code it was given, or is stopped.
+JOB = """\
+import os, sys, time
+d, tmp, code = os.environ["RGT_CKPT_DIR"], sys.argv[1], int(sys.argv[2])
+os.makedirs(d, exist_ok=True)
+
+def write(step, data):
+    path = os.path.join(d, f"step_{step}.pt")
+    if not os.path.exists(path):
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)
+
+def wait(name):
+    while not os.path.exists(os.path.join(tmp, name)):
+        time.sleep(0.05)
+
+write(1, b"weights of step 1" * 100)
+print("ready", flush=True)
+wait("more")
+write(2, b"weights of step 2" * 200)
+print("step 2", flush=True)
+wait("go")
+sys.exit(code)
+"""
+
+
+def _latest(root: str) -> Any:
+    try:
+        with open(os.path.join(root, RUN, "LATEST.json")) as f:
+            return json.load(f)["step"]
+    except FileNotFoundError:
+        return None
+
+
+def _events(cli: Cli, kind: str) -> List[Dict[str, Any]]:
+    return [e for e in cli.events(RUN) if e["kind"] == kind]
+
+
+def _start(cli: Cli, tmp_path: Any, root: str, code: int) -> None:
+    job_py = tmp_path / "job.py"
+    job_py.write_text(JOB)
+    job = tmp_path / "job.toml"
+    argv = [sys.executable, str(job_py), str(tmp_path), str(code)]
+    job.write_text(
+        f"command = {json.dumps(argv)}\n"
+        '[restart]\nmax_error_restarts = 0\n[store]\nurl = "file://' + root + '"\nstall = "2s"\n'
+    )
+    cli("start", str(job), "--name", RUN, "--grace", "5", check=True, cwd=cli.home)
+
+
+@pytest.mark.parametrize("how", ["fail", "stop", "preempt", "success"])
+def test_an_agent_whose_checkpoint_upload_hangs_exits_in_time_and_frees_the_run(
+    cli: Cli, tmp_path: Any, how: str
+) -> None:
+    """Step 1 sealed; then the store's uploads of files hang, and the agent is held in step 2's
+    upload when the run ends (``how``). The agent ends the run on the box, says the upload
+    that moved nothing with seal_error (naming the store, its remedy the store's stall), leaves
+    LATEST at step 1, exits within WAIT, and a new `rgt-agent start` of the run is not refused.
+    Before the fix it stayed as long as the upload hung (the hold's 120 s): `rgt-agent stop`
+    failed (exit 10, the lock still held)."""
+    root = str(tmp_path / "store")
+    os.makedirs(root)
+    release, reached = tmp_path / "store-answers", tmp_path / "upload-held"
+    release.write_text("")
+    cli.env.update(RGT_HOLD_AT="store.put_file", RGT_HOLD_UNTIL=str(release))
+    cli.env.update(RGT_HOLD_REACHED=str(reached))
+    code = 0 if how == "success" else 3
+    _start(cli, tmp_path, root, code)
+    cli.wait_state(RUN, "RUNNING")
+    cli.wait_output(RUN, "ready")
+    _wait(lambda: _latest(root) == 1, "step 1 sealed")
+    pid = cli.status(RUN)["agent"]["pid"]
+    agent = procfs.identity(pid)
+    release.unlink()  # from here on the store's uploads hang
+    (tmp_path / "more").write_text("")
+    _wait(reached.exists, "the agent held in step 2's upload")
+    # A success whose completion seal the store cut is not SUCCEEDED: no DONE.json, the run
+    # left to its next agent (as after a crash before DONE.json: test_completion.py).
+    final = {"fail": "FAILED", "stop": "STOPPED", "preempt": "PREEMPTED", "success": "RUNNING"}
+    if how in ("fail", "success"):
+        (tmp_path / "go").write_text("")
+    elif how == "stop":
+        p = cli("stop", RUN, "--grace", "1", timeout=WAIT + 30)
+        assert p.returncode == 0, (p.stdout, p.stderr)
+    else:
+        os.kill(pid, signal.SIGTERM)
+    try:
+        _wait(lambda: not procfs.is_alive(agent), f"the agent (pid {pid}) to exit", timeout=WAIT)
+    finally:
+        release.write_text("")  # the store answers again (the hold lets its threads go)
+    assert cli.peek(RUN)["state"] == final[how]
+    assert _latest(root) == 1  # never a step whose upload was cut
+    assert not os.path.exists(os.path.join(root, RUN, "checkpoints", "2", "MANIFEST.json"))
+    errors = _events(cli, "seal_error")
+    if how != "preempt":  # a preemption's grace ends first: seal_cut, logs_not_sealed
+        moved = [e for e in errors if "took nothing" in e["reason"]]
+        assert moved and all("[store] stall" in e["remedy"] for e in moved), errors
+        assert all(root in e["reason"] for e in moved), errors
+    del cli.env["RGT_HOLD_AT"]
+    if how == "success":  # as its seal_error says: a start by name completes it
+        assert any("rgt-agent start --name" in e["remedy"] for e in errors), errors
+        cli("start", "--name", RUN, check=True, cwd=cli.home)
+        cli.wait_over(RUN, "SUCCEEDED", timeout=60)
+        assert _latest(root) == 2 and os.path.exists(os.path.join(root, RUN, "DONE.json"))
+        return
+    (tmp_path / "go").write_text("")
+    _start(cli, tmp_path, root, 3)  # the new attempt fails at once
+    cli.wait_over(RUN, "FAILED", timeout=60)
+
+
+def _checkpoint(tmp_path: Any, size: int) -> str:
+    """A checkpoint dir with one complete checkpoint at step 10: one file of ``size`` bytes."""
+    ckpt = str(tmp_path / "ckpt")
+    os.makedirs(os.path.join(ckpt, "ckpt_10"))
+    with open(os.path.join(ckpt, "ckpt_10", "shard.bin"), "wb") as f:
+        for _ in range(size >> 20):
+            f.write(os.urandom(1 << 20))
+    with open(os.path.join(ckpt, "ckpt_10", ".rgt-complete"), "w") as f:
+        json.dump({"step": 10}, f)
+    return ckpt
+
+
+def _seal_in_thread(store: Store, tmp_path: Any, ckpt: str) -> Any:
+    """The real sealer's pass over ``ckpt``, in a daemon thread, its epoch taken before:
+    (thread, what it raised)."""
+    sealer = old_box_sealer(RUN, ckpt, store, tmp_path)
+    raised: List[BaseException] = []
+
+    def seal() -> None:
+        try:
+            sealer.seal_pending()
+        except BaseException as e:
+            raised.append(e)
+
+    t = threading.Thread(target=seal, daemon=True)
+    t.start()
+    return t, raised
+
+
+def test_an_s3_store_that_stops_mid_upload_cuts_the_seal_after_its_stall_bound(
+    tmp_path: Any,
+) -> None:
+    """A multipart upload whose server stops answering once its first part is taken (of 24):
+    the seal fails
+    as a StoreHung after the bound (3 s) with nothing moved, and no MANIFEST names the step.
+    Before the fix it waited on botocore's read timeout and retries (minutes): still running
+    after WAIT."""
+    require(seaweed.missing() is None, seaweed.missing() or "")
+    server = start_seaweed(str(tmp_path / "weed"))
+    weed, stopped = server.pid, False
+    assert weed is not None
+    try:
+        store = server.store(server.bucket(), "p")
+        store.bound_calls(3.0)
+        ckpt = _checkpoint(tmp_path, 192 << 20)
+        t, raised = _seal_in_thread(store, tmp_path, ckpt)  # its epoch is put before
+        before = store.sent
+        deadline = time.monotonic() + 60  # the first part taken: the rest cannot be yet
+        while store.sent == before and t.is_alive():
+            assert time.monotonic() < deadline, "no part of the upload was taken"
+            time.sleep(0.001)
+        os.kill(weed, signal.SIGSTOP)
+        stopped = True
+        t.join(WAIT)
+        assert not t.is_alive(), f"the seal still waited on the stopped store after {WAIT}s"
+        assert raised and isinstance(raised[0], StoreHung), raised
+        assert f"{store.url} took nothing for 3s (uploading {RUN}/checkpoints/10/" in str(raised[0])
+    finally:
+        if stopped:
+            os.kill(weed, signal.SIGCONT)
+    assert store.get_bytes(f"{RUN}/checkpoints/10/MANIFEST.json") is None
+    server.stop()
+
+
+SLOW, BOUND = 0.15, 0.5  # each piece of the fake slow disk, and the stall bound: 20 pieces
+
+
+def test_a_slow_upload_that_moves_is_not_cut_fake_slow_disk(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file:// upload that takes longer than the bound, each piece of its copy slowed by a
+    fake slow disk (the copy's hold point, made to sleep SLOW, less than the bound), is sealed:
+    the bound is on movement, not on a file's whole upload."""
+    pieces: List[int] = []
+
+    def slow(*_: Any) -> None:
+        pieces.append(1)
+        time.sleep(SLOW)
+
+    monkeypatch.setattr(filecopy, "COPY_CHUNK", 256 << 10)
+    monkeypatch.setattr(filecopy, "hold_point", slow)
+    root = str(tmp_path / "store")
+    os.makedirs(root)
+    store = open_store("file://" + root)
+    store.bound_calls(BOUND)
+    t, raised = _seal_in_thread(store, tmp_path, _checkpoint(tmp_path, 5 << 20))
+    t.join(WAIT)
+    assert not t.is_alive() and not raised, raised
+    assert len(pieces) * SLOW > BOUND  # the upload took longer than the bound: it moved
+    assert _latest(root) == 10

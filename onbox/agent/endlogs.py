@@ -126,6 +126,22 @@ def logs_not_sealed(event: Callable[..., None], why: str) -> None:
     )
 
 
+def seal_cut(seal: SealService, reason: str) -> None:
+    """The final seal of a stop or a preemption not begun: the sealing thread was still where
+    its ``phase`` says (an upload, a listing, the mirror) when the budget ended."""
+    latest = seal.sealer.latest if seal.sealer is not None else None
+    event = seal.event
+    event(
+        "seal_cut",
+        f"the sealing thread was {seal.phase} when the {reason} budget ended; "
+        f"LATEST stays at step {latest}",
+        klass="transient",
+        remedy="a longer grace, or smaller/more frequent checkpoints",
+    )
+    if reason == "preempt":
+        logs_not_sealed(event, "the grace ended before the checkpoints' seal did")
+
+
 def in_grace(seal: Callable[[], None], left: float, event: Callable[..., None]) -> None:
     """Run ``seal`` (the logs of a run being preempted) within the ``left`` seconds of its
     grace. A seal not done by then is left to run in a daemon thread (the agent exits soon

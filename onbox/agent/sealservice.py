@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 from onbox.agent.budgetseal import seal_in_budget
 from onbox.agent.ckptwatch import watch
 from onbox.agent.completion import Completion
-from onbox.agent.endlogs import logs_at_end, logs_in_grace, logs_not_sealed
+from onbox.agent.endlogs import logs_at_end, logs_in_grace, seal_cut
 from onbox.agent.interval import AutoInterval, load_history
 from onbox.agent.journal import FileJournal, read_events
 from onbox.agent.meter import final_seal
@@ -117,6 +117,7 @@ class SealService(Hooks):
         self._skew_at: Optional[float] = None
         # The step start() is at, for the reason of a beginning that fails (restore_failed).
         self.doing = ""
+        self.phase = "stopping between two passes"  # where the thread is, for seal_cut
 
     def event(
         self, kind: str, reason: str, *, klass: Optional[str] = None, remedy: str = "", **data: Any
@@ -232,22 +233,27 @@ class SealService(Hooks):
             # A sync asked before this pass began is answered once the pass is done.
             request = self._sync_request
             self.sealing = True
+            self.phase = "still asking the job for a checkpoint"
             try:
                 self._ask_on_timer()
                 assert self.sealer is not None
                 if self.frozen_above is None:
+                    self.phase = "still sealing a checkpoint (listing, uploading or recording it)"
                     self.sealer.seal_pending()
                     self.backlog = self.sealer.backlog
+                self.phase = "still reading the run's history or freeing room on the box"
                 if self.auto is not None:  # after each seal and each restart: a new interval
                     self.auto.tick(time.time())
                 if self.room_wanted:
                     self.room_wanted = False
                     self.sealer.free_room()
                 due = time.monotonic() - self._health_mirrored >= HEALTH_MIRROR_EVERY
+                self.phase = "still mirroring the run's state to the store"
                 self.mirror(health=due)
                 if due:
                     self._health_mirrored = time.monotonic()
                 self.last_ok_wall, self.last_error = time.time(), None
+                self.phase = "still reading the store's clock"
                 self._measure_skew()
                 backoff = 0.0
                 if request is not None:
@@ -275,7 +281,7 @@ class SealService(Hooks):
                     remedy="report this; sealing retries",
                 )
             finally:
-                self.sealing = False
+                self.sealing, self.phase = False, "stopping between two passes"
 
     def interval(self) -> Optional[float]:
         """The checkpoint interval in force: auto's latest, the job file's, or None."""
@@ -422,16 +428,7 @@ class SealService(Hooks):
         until = budget_end if reason == "preempt" else None
         self._grace_end = deadline if reason == "preempt" else None
         if not self._stop_thread(budget_end):
-            self.event(
-                "seal_cut",
-                f"an upload was still running when the {reason} budget ended; "
-                f"LATEST stays at step {sealer.latest}",
-                klass="transient",
-                remedy="a longer grace, or smaller/more frequent checkpoints",
-            )
-            if reason == "preempt":
-                logs_not_sealed(self.event, "the grace ended before the checkpoints' seal did")
-            return
+            return seal_cut(self, reason)
         try:
             with self.store.calls_bounded(self._within(until)):
                 sealed = seal_in_budget(sealer, self.spec.ckpt_dir, reason, budget_end, self.event)
@@ -462,7 +459,7 @@ class SealService(Hooks):
             except StoreError as e:
                 self._said(e, "the checkpoints stay on the box; the next start seals them")
         changed = self.sealer is not None and logs_at_end(self, ended)
-        self.mirror_quietly(health=True)
+        self.mirror_quietly(health=True, final=True)
         return changed or self.logs_sealed
 
     def _within(self, until: Optional[float]) -> float:
@@ -472,12 +469,19 @@ class SealService(Hooks):
         bound = self.spec.restore_stall
         return bound if until is None else max(0.0, min(bound, until - time.monotonic()))
 
-    def mirror_quietly(self, health: bool = False, until: Optional[float] = None) -> None:
+    def mirror_quietly(
+        self, health: bool = False, until: Optional[float] = None, final: bool = False
+    ) -> None:
         """The mirror as the agent lets go of the run, each store call bounded (``_within``; in
-        a preemption none once the grace is over, and no health samples); a store that gives up
-        said once (seal_error), never raised: the agent must still let go of the run."""
+        a preemption no health samples, and none once the grace is over but the ``final``
+        state's, given MARGIN: past a grace of 0 too, the store's copy, what `rgt status` reads
+        once the box is gone, says PREEMPTED where the store answers; a SIGKILL meanwhile cuts
+        no document, each put whole or not at all); a store that gives up said once
+        (seal_error), never raised: the agent must still let go of the run."""
         health = health and self._grace_end is None
         bound = self._within(until)
+        if final and self._grace_end is not None:
+            bound = max(bound, min(MARGIN, self.spec.restore_stall))
         if bound <= 0:
             return
         try:

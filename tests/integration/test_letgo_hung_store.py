@@ -69,15 +69,16 @@ def _events(cli: Cli, kind: str) -> List[Dict[str, Any]]:
     return [e for e in cli.events(RUN) if e["kind"] == kind]
 
 
-def _start(cli: Cli, tmp_path: Any, root: str) -> None:
+def _start(cli: Cli, tmp_path: Any, root: str, stall: str = "2s", grace: str = GRACE) -> None:
     job_py = tmp_path / "job.py"
     job_py.write_text(JOB)
     job = tmp_path / "job.toml"
     job.write_text(
         f"command = {json.dumps([sys.executable, str(job_py), str(tmp_path / 'go')])}\n"
-        '[restart]\nmax_error_restarts = 0\n[store]\nurl = "file://' + root + '"\nstall = "2s"\n'
+        '[restart]\nmax_error_restarts = 0\n[store]\nurl = "file://' + root + '"\n'
+        f'stall = "{stall}"\n'
     )
-    cli("start", str(job), "--name", RUN, "--grace", GRACE, check=True, cwd=cli.home)
+    cli("start", str(job), "--name", RUN, "--grace", grace, check=True, cwd=cli.home)
 
 
 @pytest.mark.parametrize(
@@ -133,3 +134,35 @@ def test_an_agent_letting_go_on_a_hung_store_exits_in_time_and_frees_the_run(
     (tmp_path / "go").write_text("")  # the new attempt fails at once
     _start(cli, tmp_path, root)
     cli.wait_over(RUN, "FAILED", timeout=60)
+
+
+def test_a_preemption_while_the_sealing_thread_hangs_in_a_listing_says_what_it_was_doing(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """The sealing thread is held in a listing of the store (its pass's, not an upload: no
+    checkpoint is new) when a SIGTERM with a grace of 3 s comes, its stall bound (60 s) far
+    past the grace: the final seal cannot begin, and seal_cut says where the thread was. Before
+    the fix it said "an upload was still running", whatever the thread was doing."""
+    root = str(tmp_path / "store")
+    os.makedirs(root)
+    release, reached = tmp_path / "store-answers", tmp_path / "list-held"
+    release.write_text("")
+    cli.env.update(RGT_HOLD_AT="store.list", RGT_HOLD_UNTIL=str(release))
+    cli.env.update(RGT_HOLD_REACHED=str(reached))
+    _start(cli, tmp_path, root, stall="60s", grace="3")
+    cli.wait_state(RUN, "RUNNING")
+    cli.wait_output(RUN, "ready")
+    _wait(lambda: _latest(root) == 1, "step 1 sealed")
+    pid = cli.status(RUN)["agent"]["pid"]
+    agent = procfs.identity(pid)
+    release.unlink()  # from here on the store's listings hang
+    _wait(reached.exists, "the sealing thread held in a listing")
+    os.kill(pid, signal.SIGTERM)
+    try:
+        _wait(lambda: not procfs.is_alive(agent), f"the agent (pid {pid}) to exit", timeout=WAIT)
+    finally:
+        release.write_text("")
+    assert cli.peek(RUN)["state"] == "PREEMPTED"
+    [cut] = _events(cli, "seal_cut")
+    assert "the sealing thread was still " in cut["reason"], cut
+    assert "upload" not in cut["reason"] and "LATEST stays at step 1" in cut["reason"], cut

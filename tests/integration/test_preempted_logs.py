@@ -302,13 +302,17 @@ def test_a_failed_log_seal_at_a_preemption_is_said_and_the_run_still_ends_preemp
 
 def test_a_preemption_with_no_grace_says_the_logs_are_not_sealed(cli: Cli, tmp_path: Any) -> None:
     """A grace of 0 (vast.ai's): nothing is left for the logs; ``logs_not_sealed`` says so and
-    where they are, and no log document claims them."""
+    where they are, and no log document claims them. The store's state says PREEMPTED."""
     root = _store_root(tmp_path)
     _preempted(cli, tmp_path, f"file://{root}", "A", lambda: _file_latest(root), grace="0")
     [ev] = _events(cli, "logs_not_sealed")
     assert "stay on this box's disk" in ev["reason"] and "--grace" in ev["remedy"], ev
     assert not _events(cli, "logs_sealed")
     assert not os.path.exists(os.path.join(root, RUN, "logs", "e1.json"))
+    # The store's copy of the run's state is the final one all the same: its mirror, a moment
+    # past a grace of 0, when the box is gone is what `rgt status` reads (before: RUNNING).
+    with open(os.path.join(root, RUN, "state", "state.json")) as f:
+        assert json.load(f)["state"] == "PREEMPTED"
 
 
 def test_a_log_seal_that_hangs_past_the_grace_is_said_and_the_agent_lets_go_in_time(

@@ -43,10 +43,13 @@ from tests.integration.test_exact_plain import HASHES, _hashes
 from tests.slurm import SlurmCluster
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_plain.py")
-# ~104 s of training, in steps of a second (the sleep, not the compute, so that a loaded machine
-# changes the pace little). With a 20 s lead, Slurm warns a 2-minute job 20 to ~50 s before its
-# end: the first allocation trains at most ~96 steps, the second at least ~65 s.
-STEPS = 104
+# ~88 s of training, in steps of a second (the sleep, not the compute, so that a loaded machine
+# changes the pace little). With a 34 s lead, Slurm warns a 2-minute job 34 to ~64 s before its
+# end (the agent's own timer at 34 s at the latest): the first allocation trains at most ~86
+# steps, so it is always warned; the second has at least ~56 s for the ~42 steps left at most
+# (a lead as short as it can be while both hold even when each start takes 10 s: every second
+# of lead cut would be a step less to train, but the second allocation would risk a warning).
+STEPS = 88
 ARGS = ["--steps", str(STEPS), "--ckpt-every", "10", "--sleep", "1.0"]
 
 
@@ -101,22 +104,12 @@ def test_warned_before_its_time_limit_it_seals_requeues_and_ends_exactly(
 ) -> None:
     require(importlib.util.find_spec("torch") is not None, "torch (pip install torch==2.13.0)")
     require(importlib.util.find_spec("numpy") is not None, "numpy")
-    plain = subprocess.run(  # the uninterrupted run: the same steps, without the sleeps
-        [sys.executable, EXAMPLE, *ARGS[:-2]],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=str(tmp_path),
-        env=dict(os.environ, PYTHONPATH=ROOT),
-        check=True,
-    )
-    expected = _hashes(plain.stdout)
     root, out = str(tmp_path / "durable"), str(tmp_path / "out")
     os.makedirs(root)
     os.makedirs(out)
-    # A seal measured at 5 s elsewhere: 2 x 5 + 10 s of slack = a 20 s warning.
-    lead = SealTime(5.0, 1, "given: 5 s").lead(assumed=60, slack=10)
-    assert lead == 20
+    # A seal measured at 12 s elsewhere: 2 x 12 + 10 s of slack = a 34 s warning.
+    lead = SealTime(12.0, 1, "given: 12 s").lead(assumed=60, slack=10)
+    assert lead == 34
     name = "slurm-requeue"
     script = batch_script(
         name=name,
@@ -129,17 +122,37 @@ def test_warned_before_its_time_limit_it_seals_requeues_and_ends_exactly(
         store="file://" + root,
         env={"RGT_HOME": cli.home},
     )
-    job = _sbatch(slurm_cluster, script, str(tmp_path / "job.sh"), cli.env)
-    try:
-        store = open_store("file://" + root)
-        _wait(
-            lambda: slurm_cluster.job_field(job, "JobState") == "COMPLETED",
-            600,
-            "the job's completion",
-            lambda: (slurm_cluster.job_field(job, "JobState"), _job_log(out)[-3000:]),
+    # The uninterrupted run (the same steps, without the sleeps), beside the Slurm job rather
+    # than before it: the job mostly sleeps. Bounded, and killed by PID if the test fails.
+    plain_out, plain_err = str(tmp_path / "plain.out"), str(tmp_path / "plain.err")
+    with open(plain_out, "w") as fo, open(plain_err, "w") as fe:
+        plain = subprocess.Popen(
+            [sys.executable, EXAMPLE, *ARGS[:-2]],
+            stdout=fo,
+            stderr=fe,
+            cwd=str(tmp_path),
+            env=dict(os.environ, PYTHONPATH=ROOT),
         )
+    try:
+        job = _sbatch(slurm_cluster, script, str(tmp_path / "job.sh"), cli.env)
+        try:
+            with open(plain_err) as fe:
+                assert plain.wait(timeout=300) == 0, fe.read()[-3000:]
+            store = open_store("file://" + root)
+            _wait(
+                lambda: slurm_cluster.job_field(job, "JobState") == "COMPLETED",
+                600,
+                "the job's completion",
+                lambda: (slurm_cluster.job_field(job, "JobState"), _job_log(out)[-3000:]),
+            )
+        finally:
+            slurm_cluster.run("scancel", job)
     finally:
-        slurm_cluster.run("scancel", job)
+        if plain.poll() is None:
+            plain.kill()
+            plain.wait()
+    with open(plain_out) as fo:
+        expected = _hashes(fo.read())
     kinds = [e["kind"] for e in _events(cli, name)]
     log = _job_log(out)
     assert cli.status(name)["state"] == "SUCCEEDED", log[-3000:]

@@ -49,6 +49,12 @@ def _stacks(cli: Cli, name: str, attempt: int) -> str:
         return ""
 
 
+def _stall_reason(cli: Cli, name: str) -> str:
+    """The stall probe's last verdict, as `rgt-agent status --json` shows it ('' before one)."""
+    probes = (cli.peek(name).get("health") or {}).get("probes") or {}
+    return str((probes.get("stall") or {}).get("reason") or "")
+
+
 def test_a_job_that_stops_stepping_while_printing_is_restarted_from_the_sealed_checkpoint(
     cli: Cli, tmp_path: Any
 ) -> None:
@@ -63,6 +69,10 @@ def test_a_job_that_stops_stepping_while_printing_is_restarted_from_the_sealed_c
     )
     cli("start", job, "--name", "st1", check=True)
     wait(lambda: latest_step(root, "st1") == 5, timeout=60, what="step 5 sealed")
+    # A job that trained a while, then hung: the probe has seen the warm-up's steps and learned
+    # the step interval (its budget is the floor's few seconds, not the 60 s start-up budget a
+    # hang in the warm-up would wait out).
+    wait(lambda: "longest interval" in _stall_reason(cli, "st1"), 60, "a learned stall budget")
     open(go, "w").close()  # the training loop hangs now; the heartbeat thread goes on
     st = cli.wait_state("st1", "SUCCEEDED", "FAILED", timeout=90)
     assert st["state"] == "SUCCEEDED" and st["attempt"] == 2, st

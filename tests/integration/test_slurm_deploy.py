@@ -47,6 +47,7 @@ from controller.registry import Registry
 from controller.sweep.plan import load_plan
 from onbox.sealing import manifest as mf
 from onbox.sealing.stores import open_store
+from tests.beside import Beside
 from tests.conftest import ROOT, _kill_run_processes
 from tests.laptop import laptop_env, run_rgt, ssh_target
 from tests.slurm import SlurmCluster
@@ -447,20 +448,20 @@ def test_warned_before_the_limit_sealed_requeued_restored_and_exact(login: Login
     name = "slurm-limit"
     steps = "270"
     train = ["--steps", steps, "--sleep", "0.2", "--ckpt-every", "10"]
-    # The uninterrupted run: --sleep changes nothing but the wall time.
-    with tempfile.TemporaryDirectory() as tmp:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RGT_")}
-        plain = subprocess.run(
-            [sys.executable, os.path.join(login.project, "train_plain.py"), "--steps", steps],
-            cwd=tmp,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    assert plain.returncode == 0, plain.stderr
-    expected = _hashes(plain.stdout)
-    assert len(expected) == 3
+    # The uninterrupted run (--sleep changes nothing but the wall time), beside the deploy and
+    # its Slurm job rather than before them: the job mostly sleeps.
+    tmp = tempfile.mkdtemp(prefix="rgt-plain-")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RGT_")}
+    argv = [sys.executable, os.path.join(login.project, "train_plain.py"), "--steps", steps]
+    try:
+        with Beside(argv, tmp, env) as plain:
+            _limit_run(login, name, train, plain)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _limit_run(login: Login, name: str, train: List[str], plain: Beside) -> None:
+    """The deploy of ``train`` under a 2-minute limit, to its end; checked against ``plain``."""
     # A 2-minute limit and a 62 s lead (2 x 1 s + 60 s): an allocation trains for at most
     # 58 s before its warning (Slurm's own comes up to 30 s sooner), and this training needs
     # about 55 s more than its start-up: it cannot finish in its first allocation.
@@ -483,6 +484,8 @@ def test_warned_before_the_limit_sealed_requeued_restored_and_exact(login: Login
             assert kind in kinds, kinds
         log = login.rgt("logs", name).stdout
         assert re.search(r"^resumed at step \d+", log, re.M), log[-2000:]
+        expected = _hashes(plain.output(timeout=120))
+        assert len(expected) == 3
         assert _hashes(log) == expected
     finally:
         login.cancel(name)

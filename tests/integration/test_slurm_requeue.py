@@ -38,6 +38,7 @@ from onbox.common.sealtime import SealTime
 from onbox.sealing import manifest as mf
 from onbox.sealing.restore import restore_latest
 from onbox.sealing.stores import open_store
+from tests.beside import Beside
 from tests.conftest import FIXTURES, ROOT, Cli, agent_exe, require
 from tests.integration.test_exact_plain import HASHES, _hashes
 from tests.slurm import SlurmCluster
@@ -123,21 +124,12 @@ def test_warned_before_its_time_limit_it_seals_requeues_and_ends_exactly(
         env={"RGT_HOME": cli.home},
     )
     # The uninterrupted run (the same steps, without the sleeps), beside the Slurm job rather
-    # than before it: the job mostly sleeps. Bounded, and killed by PID if the test fails.
-    plain_out, plain_err = str(tmp_path / "plain.out"), str(tmp_path / "plain.err")
-    with open(plain_out, "w") as fo, open(plain_err, "w") as fe:
-        plain = subprocess.Popen(
-            [sys.executable, EXAMPLE, *ARGS[:-2]],
-            stdout=fo,
-            stderr=fe,
-            cwd=str(tmp_path),
-            env=dict(os.environ, PYTHONPATH=ROOT),
-        )
-    try:
+    # than before it: the job mostly sleeps.
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    with Beside([sys.executable, EXAMPLE, *ARGS[:-2]], str(tmp_path), env) as plain:
         job = _sbatch(slurm_cluster, script, str(tmp_path / "job.sh"), cli.env)
         try:
-            with open(plain_err) as fe:
-                assert plain.wait(timeout=300) == 0, fe.read()[-3000:]
+            expected = _hashes(plain.output(timeout=300))
             store = open_store("file://" + root)
             _wait(
                 lambda: slurm_cluster.job_field(job, "JobState") == "COMPLETED",
@@ -147,12 +139,6 @@ def test_warned_before_its_time_limit_it_seals_requeues_and_ends_exactly(
             )
         finally:
             slurm_cluster.run("scancel", job)
-    finally:
-        if plain.poll() is None:
-            plain.kill()
-            plain.wait()
-    with open(plain_out) as fo:
-        expected = _hashes(fo.read())
     kinds = [e["kind"] for e in _events(cli, name)]
     log = _job_log(out)
     assert cli.status(name)["state"] == "SUCCEEDED", log[-3000:]

@@ -9,8 +9,9 @@ RPCs for 10 s and more), each by PID; munged is left running only when it was al
 before, else the last cluster to stop stops it (several test sessions may share it).
 
 Everything runs as root with ``proctrack/linuxproc`` (no cgroup plugin, no systemd here).
-``AuthInfo=cred_expire=10`` lets a requeued job start again after about 15 s rather than the
-default 120 s, and ``KillWait`` is short so that a stop signal's grace is seconds, not 30 s.
+``AuthInfo=cred_expire=5`` (the least Slurm takes) lets a requeued job start again after about
+6 s rather than the default 120 s, and ``KillWait`` is short so that a stop signal's grace is
+seconds, not 30 s.
 Clients find the cluster through ``SLURM_CONF``: ``env()`` is the environment for them (also what
 a test's sshd "login node" passes to its sessions, ``ssh_setenv()``).
 """
@@ -253,8 +254,9 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-# a requeued job waits cred_expire (default 120 s) before it may start again
-AuthInfo=cred_expire=10
+# a requeued job waits cred_expire (default 120 s) before it may start again; 5 is the least
+# slurmctld takes (a launch credential lives that long: a loopback launch takes milliseconds)
+AuthInfo=cred_expire=5
 MailProg=/bin/true
 SlurmctldPort={port}
 SlurmdPort={port1}

@@ -9,15 +9,23 @@ import time
 from typing import Any, Callable, Optional
 
 
-def wait(pred: Callable[[], Any], timeout: float = 30, what: str = "condition") -> Any:
-    """``pred()``'s first true value, polled every 50 ms; AssertionError after ``timeout``."""
+def wait(
+    pred: Callable[..., Any],  # called with no arguments (a lambda may bind a loop variable)
+    timeout: float = 30,
+    what: str = "condition",
+    poll: float = 0.05,
+    info: Optional[Callable[[], Any]] = None,
+) -> Any:
+    """``pred()``'s first true value, polled every ``poll`` seconds (longer where each poll
+    starts a process); AssertionError naming ``what`` after ``timeout``, with ``info()``'s
+    account of what was seen when given."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         got = pred()
         if got:
             return got
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(poll)
+    raise AssertionError(f"timed out waiting for {what}" + (f": {info()}" if info else ""))
 
 
 def latest_step(root: str, run: str) -> Optional[int]:

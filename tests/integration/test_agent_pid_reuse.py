@@ -9,25 +9,17 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
-from typing import Callable
 
 from onbox.agent import procfs
 from tests.conftest import Cli, agent_exe, fixture
 from tests.pidreuse import squatter
-
-
-def _wait(pred: Callable[[], bool], what: str, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
+from tests.polling import wait
 
 
 def test_stop_spares_an_unrelated_process_that_reused_the_dead_jobs_pid(cli: Cli) -> None:
     cli("start", "--name", "pr", "--grace", "4", "--", *fixture("term_leaves_child.py"), check=True)
     path = os.path.join(cli.home, "runs", "pr", "child.pid")
-    _wait(lambda: os.path.exists(path), "the job's child is up")
+    wait(lambda: os.path.exists(path), 30, "the job's child is up")
     with open(path) as f:
         child = procfs.identity(int(f.read()))
     job = cli.status("pr")["pid"]
@@ -41,7 +33,7 @@ def test_stop_spares_an_unrelated_process_that_reused_the_dead_jobs_pid(cli: Cli
     )
     try:
         # The main process ends at SIGTERM and the shim reaps it: its pid is free for anyone.
-        _wait(lambda: procfs.read_stat(job) is None, "the job's main process is reaped")
+        wait(lambda: procfs.read_stat(job) is None, 30, "the job's main process is reaped")
         with squatter(job) as stranger:
             assert procfs.is_alive(child)  # the run is still STOPPING, SIGKILL yet to come
             out, _ = stopper.communicate(timeout=60)

@@ -32,17 +32,11 @@ from controller.target import Target
 from onbox.common.errors import HostError, NotFound, UnsafeRefused
 from onbox.profiles.load import load as load_profile
 from tests.conftest import Cli, agent_exe, fixture
+from tests.polling import wait
 from tests.sshd import SshServer
 
 RUN = "r1"
 RELEASE = "a1b2c3d4e5f6"
-
-
-def _wait(pred: Any, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 class Box:
@@ -86,7 +80,7 @@ class Box:
             cwd=self.release,
         )
         cli.wait_for(RUN, lambda s: s["state"] == "RUNNING" and bool(s.get("pid")), what="job")
-        _wait(lambda: "ready" in cli.log_text(RUN), "the job to be ready")
+        wait(lambda: "ready" in cli.log_text(RUN), 60, "the job to be ready")
 
     @property
     def run_dir(self) -> str:
@@ -103,7 +97,7 @@ class Box:
     def checkpoint(self, step: int) -> None:
         """Ask the job for its next checkpoint and wait until the agent has sealed it."""
         os.kill(self.cli.status(RUN)["pid"], signal.SIGUSR2)
-        _wait(lambda: self.latest() == step, f"step {step} sealed")
+        wait(lambda: self.latest() == step, 60, f"step {step} sealed")
 
     def record(self, target: Optional[Target] = None) -> RunRecord:
         rec = RunRecord(

@@ -20,13 +20,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
 from onbox.agent import procfs
 from tests.conftest import ROOT, Cli, require
+from tests.polling import wait
 
 EXAMPLES = os.path.join(ROOT, "examples")
 _HASHES = re.compile(
@@ -66,13 +66,6 @@ def _plain_run(example: str, args: List[str], out: str) -> Tuple[str, ...]:
     )
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     return _hashes(p.stdout)
-
-
-def _wait(pred: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _steps(ckpt: str, pattern: str, marker: Optional[str] = None) -> List[int]:
@@ -130,7 +123,7 @@ def _killed_twice_resumes_exactly(
         def newer(after: int = seen) -> bool:
             return any(s > after for s in _steps(ckpt, pattern, marker))
 
-        _wait(newer, 150, f"a checkpoint in attempt {attempt}")
+        wait(newer, 150, f"a checkpoint in attempt {attempt}")
         seen = max(_steps(ckpt, pattern, marker))
         # Read directly, not through `rgt-agent status`: a loaded machine can take seconds to
         # answer, and the job may be done by then.
@@ -231,17 +224,17 @@ def test_hf_callback_answers_the_request_file_and_saves_on_stop(cli: Cli, tmp_pa
     run_dir = os.path.join(cli.home, "runs", "hfreq")
     ckpt = os.path.join(run_dir, "ckpt")
     request = os.path.join(run_dir, "checkpoint.request")
-    _wait(lambda: _progress_step(run_dir) >= 3, 120, "the job to report step 3")
+    wait(lambda: _progress_step(run_dir) >= 3, 120, "the job to report step 3")
     assert _steps(ckpt, r"checkpoint-(\d+)") == []
 
     with open(request, "w") as f:
         f.write('{"reason": "test"}\n')
-    _wait(lambda: bool(_steps(ckpt, r"checkpoint-(\d+)", "trainer_state.json")), 60, "a save")
-    _wait(lambda: not os.path.exists(request), 30, "the request file to be removed")
+    wait(lambda: bool(_steps(ckpt, r"checkpoint-(\d+)", "trainer_state.json")), 60, "a save")
+    wait(lambda: not os.path.exists(request), 30, "the request file to be removed")
     first = _steps(ckpt, r"checkpoint-(\d+)", "trainer_state.json")
     assert len(first) == 1 and first[0] >= 3, first
 
-    _wait(lambda: _progress_step(run_dir) >= first[0] + 3, 60, "more steps")
+    wait(lambda: _progress_step(run_dir) >= first[0] + 3, 60, "more steps")
     st = cli.status("hfreq")
     assert st["state"] == "RUNNING" and st["attempt"] == 1, st
     cli("stop", "hfreq", check=True, timeout=120)

@@ -23,7 +23,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
@@ -34,6 +34,7 @@ from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import Store
 from tests.conftest import ROOT
+from tests.polling import wait
 from tests.seaweed import SeaweedServer
 
 RUN = "fence"
@@ -171,13 +172,6 @@ def _stopped(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] == "T"
 
 
-def _wait(pred: Callable[[], bool], what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
 def _agent_a(url: str, tmp_path: Path, pause: str, ckpt: str) -> subprocess.Popen[str]:
     cfg = {
         "url": url,
@@ -241,7 +235,7 @@ def test_a_stale_agent_frozen_mid_seal_never_overwrites_the_newer_agents_checkpo
     try:
         assert a.stdout is not None
         a_epoch = json.loads(a.stdout.readline())["epoch"]
-        _wait(lambda: _stopped(a.pid), f"agent A to freeze before its {pause}")
+        wait(lambda: _stopped(a.pid), 60, f"agent A to freeze before its {pause}", poll=0.02)
         if pause == "latest":  # A's MANIFEST of step 30 is in the store, LATEST not moved
             assert _doc(store, mf.manifest_key(RUN, 30))["epoch"] == a_epoch  # type: ignore[index]
 
@@ -315,7 +309,7 @@ def test_a_stale_agent_that_resumes_first_writes_nothing_the_newer_one_needs(
     try:
         assert a.stdout is not None
         a_epoch = json.loads(a.stdout.readline())["epoch"]
-        _wait(lambda: _stopped(a.pid), "agent A to freeze before its MANIFEST")
+        wait(lambda: _stopped(a.pid), 60, "agent A to freeze before its MANIFEST", poll=0.02)
         b = _sealer(store, tmp_path, "b", b_ckpt, events)
         b.load()  # claims LATEST (step 20) for B's epoch
         os.kill(a.pid, signal.SIGCONT)
@@ -356,7 +350,7 @@ def test_a_stale_agents_late_manifest_is_never_promoted_at_the_next_start(
     try:
         assert a.stdout is not None
         json.loads(a.stdout.readline())
-        _wait(lambda: _stopped(a.pid), "agent A to freeze before its MANIFEST")
+        wait(lambda: _stopped(a.pid), 60, "agent A to freeze before its MANIFEST", poll=0.02)
         b_ckpt = str(tmp_path / "b")
         b = _sealer(store, tmp_path, "b", b_ckpt, Events())
         b.load()

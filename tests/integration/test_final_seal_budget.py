@@ -14,12 +14,12 @@ import json
 import os
 import signal
 import sys
-import time
 from typing import Any, Dict, List
 
 import pytest
 
 from tests.conftest import Cli, _kill_run_processes
+from tests.polling import wait
 
 RUN = "fb1"
 GRACE = "5"  # the agent's budget; MARGIN (1 s) of it is kept for its exit
@@ -48,13 +48,6 @@ print("ready", flush=True)
 while True:
     time.sleep(3600)
 """.replace("FIRST_BYTES", repr(FIRST))
-
-
-def _wait(pred: Any, timeout: float = 30, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _latest_step(root: str) -> Any:
@@ -99,7 +92,7 @@ def test_a_preemption_seals_the_pending_checkpoint_only_if_it_fits_in_the_grace(
         _start(cli, box, root)
         st = cli.wait_state(RUN, "RUNNING", "STARTING")
         cli.wait_output(RUN, "ready")
-        _wait(lambda: _latest_step(root) == 0, what="the first checkpoint sealed as step 0")
+        wait(lambda: _latest_step(root) == 0, 30, "the first checkpoint sealed as step 0")
         # The first checkpoint's write woke the sealing thread several times (created, closed,
         # moved); a wake delivered late, on a loaded machine, ran a pass after the growth below
         # and sealed the big checkpoint itself, before the SIGTERM. A sync is one more pass,
@@ -174,12 +167,12 @@ def test_small_seals_before_do_not_make_a_fitting_final_seal_look_too_slow(
     _start(cli, box, root)
     st = cli.wait_state(RUN, "RUNNING", "STARTING")
     cli.wait_output(RUN, "ready")
-    _wait(lambda: _latest_step(root) == 0, what="the first checkpoint sealed as step 0")
+    wait(lambda: _latest_step(root) == 0, 30, "the first checkpoint sealed as step 0")
     for step in range(1, 7):  # small checkpoints, each new bytes, each sealed on its rename
         with open(model + ".tmp", "wb") as f:
             f.write(b"small checkpoint %d\n" % step)
         os.replace(model + ".tmp", model)
-        _wait(lambda s=step: _latest_step(root) == s, what=f"small checkpoint {step} sealed")
+        wait(lambda s=step: _latest_step(root) == s, 30, f"small checkpoint {step} sealed")
     size = 16 << 20
     os.truncate(model, size)  # pending, unsealed (see the test above)
     os.kill(st["agent"]["pid"], signal.SIGTERM)

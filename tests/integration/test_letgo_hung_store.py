@@ -22,13 +22,13 @@ import json
 import os
 import signal
 import sys
-import time
 from typing import Any, Dict, List
 
 import pytest
 
 from onbox.agent import procfs
 from tests.conftest import Cli
+from tests.polling import wait
 
 RUN = "letgo"
 GRACE = "5"
@@ -48,13 +48,6 @@ while not os.path.exists(go):
 print("RuntimeError: CUDA error", file=sys.stderr, flush=True)
 sys.exit(3)
 """
-
-
-def _wait(pred: Any, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _latest(root: str) -> Any:
@@ -108,7 +101,7 @@ def test_an_agent_letting_go_on_a_hung_store_exits_in_time_and_frees_the_run(
     _start(cli, tmp_path, root)
     cli.wait_state(RUN, "RUNNING")
     cli.wait_output(RUN, "ready")
-    _wait(lambda: _latest(root) == 1, "step 1 sealed")
+    wait(lambda: _latest(root) == 1, 60, "step 1 sealed")
     pid = cli.status(RUN)["agent"]["pid"]
     agent = procfs.identity(pid)
     release.unlink()  # from here on the store hangs there
@@ -121,7 +114,7 @@ def test_an_agent_letting_go_on_a_hung_store_exits_in_time_and_frees_the_run(
     else:
         os.kill(pid, signal.SIGTERM)
     try:
-        _wait(lambda: not procfs.is_alive(agent), f"the agent (pid {pid}) to exit", timeout=WAIT)
+        wait(lambda: not procfs.is_alive(agent), WAIT, f"the agent (pid {pid}) to exit")
     finally:
         release.write_text("")  # the store answers again (the hold lets its threads go)
     assert cli.peek(RUN)["state"] == final

@@ -18,7 +18,6 @@ import os
 import shutil
 import signal
 import sys
-import time
 from typing import Any, Dict, Iterator, List
 
 import pytest
@@ -30,6 +29,7 @@ from tests.conftest import Cli, _kill_run_processes
 from tests.integration.test_pull import RUN, _read, _rec, _ssh_target
 from tests.integration.test_sealing_s3 import _keys
 from tests.laptop import laptop_env, run_rgt
+from tests.polling import wait
 from tests.seaweed import SeaweedServer
 from tests.sshd import SshServer
 
@@ -56,13 +56,6 @@ while True:
     time.sleep(3600)
 """
 GRACE = "5"  # the agent keeps 1 s of it for its exit; the logs take a fraction of the rest
-
-
-def _wait(pred: Any, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 @pytest.fixture
@@ -97,7 +90,7 @@ def _preempted(
     _start(box, tmp_path, store, who, "run", grace)
     box.wait_state(RUN, "RUNNING")
     box.wait_output(RUN, f"box {who}: ready")
-    _wait(lambda: latest() == 1, "step 1 sealed")
+    wait(lambda: latest() == 1, 60, "step 1 sealed")
     os.kill(box.status(RUN)["agent"]["pid"], signal.SIGTERM)
     over = box.wait_over(RUN, "PREEMPTED", "STOPPED", "FAILED", timeout=60)
     assert over["state"] == "PREEMPTED", over

@@ -44,6 +44,7 @@ from tests.conftest import ROOT, Cli, agent_exe, require
 from tests.laptop import nesting as _nesting
 from tests.mounts import tmpfs
 from tests.netns import Netns
+from tests.polling import wait
 from tests.relay import Relay
 from tests.seaweed import SeaweedServer
 from tests.sshd import SshServer
@@ -219,21 +220,14 @@ def _agent_run(
     args = ["start", str(work / "job.toml")] + (["--store", store] if store else [])
     cli(*args, check=True, cwd=str(work))
     if while_running is not None:
-        _wait(lambda: (work / "out" / "result.json").exists(), "the job to write its output")
+        wait(lambda: (work / "out" / "result.json").exists(), 60, "the job to write its output")
         while_running()
         go.write_text("")
     cli.wait_state(RUN, "SUCCEEDED", timeout=60)
     if store:
         done = os.path.join(store[len("file://") :], RUN, "DONE.json")
-        _wait(lambda: os.path.exists(done), "DONE.json")
+        wait(lambda: os.path.exists(done), 60, "DONE.json")
     return str(work)
-
-
-def _wait(pred: Any, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_a_clean_pull_from_the_store_verifies_opens_everything_and_writes_the_receipt(
@@ -504,12 +498,13 @@ def test_a_pull_from_the_box_killed_halfway_resumes_and_sends_only_the_rest(
     stage = _stage_of(store, dest, 9, "step_9/a.bin")
     child = _pull_in_child(rec, dest, "box", "kw = {'bwlimit': 30000}\n")
     try:
-        _wait(
+        wait(
             lambda: (
                 os.path.exists(os.path.join(stage, "model.bin"))
                 and os.path.getsize(os.path.join(stage, "model.bin")) > big * 0.3
                 or child.poll() is not None
             ),
+            60,
             "the big file to be a third there",
         )
         assert child.poll() is None, child.stderr.read() if child.stderr else ""
@@ -674,8 +669,9 @@ def test_ctrl_c_ends_a_pull_from_s3_stalled_on_a_cut_network_at_once_and_it_resu
         start_new_session=True,
     )
     try:
-        _wait(
+        wait(
             lambda: _staged_bytes(dest) > (8 << 20) or child.poll() is not None,
+            60,
             "8 MiB of the pull to arrive",
         )
         assert child.poll() is None, child.stderr.read() if child.stderr else ""
@@ -687,7 +683,7 @@ def test_ctrl_c_ends_a_pull_from_s3_stalled_on_a_cut_network_at_once_and_it_resu
                 time.sleep(1)
                 return _staged_bytes(dest) == before
 
-            _wait(stalled, "the pull to stall")
+            wait(stalled, 60, "the pull to stall")
             child.send_signal(signal.SIGINT)
             try:
                 rc = child.wait(timeout=60)

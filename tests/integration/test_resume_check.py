@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 import os
-import time
 from typing import Any, Dict, List, Optional
 
 import pytest
 
 from tests.conftest import Cli, fixture
+from tests.polling import wait
 
 JOB = fixture("resume_job.py")
 
@@ -45,13 +45,6 @@ def _store(tmp_path: Any) -> str:
 
 def _of(cli: Cli, name: str, *kinds: str) -> List[Dict[str, Any]]:
     return [e for e in cli.events(name) if e["kind"] in kinds]
-
-
-def _wait(pred: Any, timeout: float = 60, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def _agent_log(cli: Cli, name: str) -> str:
@@ -106,7 +99,7 @@ def test_a_restored_checkpoint_the_job_does_not_load_is_flagged(cli: Cli, tmp_pa
     store = _store(tmp_path)
     cli("start", _job(cli, "rc3", "ignore", "progress", "hang", store), check=True)
     latest = os.path.join(store[len("file://") :], "rc3", "LATEST.json")
-    _wait(lambda: os.path.exists(latest), what="step 5 sealed")
+    wait(lambda: os.path.exists(latest), 60, "step 5 sealed")
     cli("stop", "rc3", "--grace", "1", check=True)
     cli("start", "--name", "rc3", check=True)  # a new incarnation: restore, RGT_RESUME_FROM
     cli.wait_state("rc3", "SUCCEEDED", timeout=90)
@@ -130,7 +123,7 @@ def test_a_restart_after_a_restore_resumes_from_the_newer_checkpoint(
     store = _store(tmp_path)
     cli("start", _job(cli, "rc4", "honor", "progress", "hang,crash", store), check=True)
     latest = os.path.join(store[len("file://") :], "rc4", "LATEST.json")
-    _wait(lambda: os.path.exists(latest), what="step 5 sealed")
+    wait(lambda: os.path.exists(latest), 60, "step 5 sealed")
     cli("stop", "rc4", "--grace", "1", check=True)
     cli("start", "--name", "rc4", check=True)
     cli.wait_state("rc4", "SUCCEEDED", timeout=90)

@@ -36,6 +36,7 @@ from onbox.sealing.stores.local import LocalStore
 from tests.conftest import ROOT, Cli, fixture, require
 from tests.dirsync import DirSyncSpy
 from tests.mounts import tmpfs
+from tests.polling import wait
 
 WRITER = fixture("ckpt_writer.py")
 
@@ -120,13 +121,6 @@ def _text(path: str) -> str:
         return ""
 
 
-def _wait(pred: Any, timeout: float = 30, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def test_a_checkpoint_open_for_writing_is_sealed_only_once_complete(
     cli: Cli, tmp_path: Any
 ) -> None:
@@ -144,10 +138,10 @@ def test_a_checkpoint_open_for_writing_is_sealed_only_once_complete(
         check=True,
     )
     ckpt = os.path.join(cli.home, "runs", "s1", "ckpt")
-    _wait(lambda: os.path.exists(os.path.join(ckpt, "step_10.pt")), what="the write to begin")
+    wait(lambda: os.path.exists(os.path.join(ckpt, "step_10.pt")), 30, "the write to begin")
     time.sleep(1.5)  # the sealer has scanned while the file was half written and open
     assert not _manifests(root, "s1")
-    _wait(lambda: 10 in _manifests(root, "s1"), what="step 10 sealed")
+    wait(lambda: 10 in _manifests(root, "s1"), 30, "step 10 sealed")
     sealed = _manifests(root, "s1")[10]["files"][0]["sha256"]
     assert [sealed] == _wrote(cli, "s1")["step_10.pt"]
     _check_invariants(root, "s1")
@@ -263,7 +257,7 @@ def test_an_output_whose_name_pull_would_refuse_is_left_out_and_the_rest_is_pull
     )
     cli("start", str(work / "job.toml"), check=True, cwd=str(work))
     cli.wait_state("outs", "SUCCEEDED", timeout=60)
-    _wait(lambda: os.path.exists(os.path.join(root, "outs", "DONE.json")), what="DONE.json")
+    wait(lambda: os.path.exists(os.path.join(root, "outs", "DONE.json")), 30, "DONE.json")
     with open(os.path.join(root, "outs", "DONE.json")) as f:
         keys = [e["key"] for e in json.load(f)["files"]]
     assert "outs/outputs/out/good.txt" in keys and not [k for k in keys if "\r" in k]
@@ -292,9 +286,9 @@ def test_sigterm_seals_the_final_checkpoint_only_when_it_fits(
     st = cli.wait_state("s6", "RUNNING", "STARTING")
     cli.wait_output("s6", "ready")  # its USR2 handler is in place
     os.kill(st["pid"], signal.SIGUSR2)  # a first checkpoint, sealed in the normal way
-    _wait(lambda: os.path.exists(os.path.join(root, "s6", "LATEST.json")), what="step 1 sealed")
+    wait(lambda: os.path.exists(os.path.join(root, "s6", "LATEST.json")), 30, "step 1 sealed")
     os.kill(st["agent"]["pid"], signal.SIGTERM)
-    _wait(lambda: not cli.peek("s6")["agent"]["alive"], timeout=15, what="the agent to exit")
+    wait(lambda: not cli.peek("s6")["agent"]["alive"], 15, "the agent to exit")
     assert cli.status("s6")["state"] == "PREEMPTED"
     # The agent's own record: from the SIGTERM it took to PREEMPTED written (the job stopped,
     # what fit sealed) within its budget. Read from its events, not from this test's clock,
@@ -938,13 +932,13 @@ def test_fresh_box_resumes_a_real_pytorch_training_from_the_sealed_step(
         *args,
         check=True,
     )
-    _wait(
+    wait(
         lambda: (
             os.path.exists(os.path.join(root, "fb", "LATEST.json"))
             and _latest(root, "fb")["step"] >= 20
         ),
-        timeout=120,
-        what="a sealed step >= 20",
+        120,
+        "a sealed step >= 20",
     )
     cli("stop", "fb", "--grace", "1", check=True)
     sealed = _latest(root, "fb")["step"]
@@ -1020,12 +1014,12 @@ def test_sync_restore_and_checkpoints_commands(cli: Cli, tmp_path: Any) -> None:
     st = cli.wait_state("cmd", "STARTING", "RUNNING")
     cli.wait_output("cmd", "ready")  # its USR2 handler is in place
     os.kill(st["pid"], signal.SIGUSR2)
-    _wait(lambda: "wrote step_1.pt" in _text(st["log"]), what="step 1 written")
+    wait(lambda: "wrote step_1.pt" in _text(st["log"]), 30, "step 1 written")
     p = cli("sync", "cmd", check=True)  # a live agent seals on request, and says when done
     assert "LATEST is step 1" in p.stdout
     os.kill(st["agent"]["pid"], signal.SIGKILL)  # no agent: sync seals from the command itself
     os.kill(st["pid"], signal.SIGUSR2)
-    _wait(lambda: "wrote step_2.pt" in _text(st["log"]), what="step 2 written")
+    wait(lambda: "wrote step_2.pt" in _text(st["log"]), 30, "step 2 written")
     assert "LATEST is step 2" in cli("sync", "cmd", check=True).stdout
     rows = json.loads(
         cli("checkpoints", "--store", f"file://{root}/cmd", "--json", check=True).stdout
@@ -1217,17 +1211,17 @@ def test_kill9_of_the_agent_mid_copy_to_a_durable_dir(cli: Cli, tmp_path: Any) -
                 return True
         return False
 
-    _wait(copying, timeout=120, what="the copy into the store to begin")
+    wait(copying, 120, "the copy into the store to begin")
     os.kill(st["agent"]["pid"], signal.SIGKILL)
     time.sleep(0.3)
     for dirpath, _, files in os.walk(os.path.join(root, "kd", "checkpoints")):
         assert "step_1.pt" not in files, dirpath  # under its final name (any epoch's prefix)
     assert not os.path.exists(os.path.join(root, "kd", "LATEST.json"))
     cli("start", "--name", "kd", check=True)
-    _wait(
+    wait(
         lambda: os.path.exists(os.path.join(root, "kd", "LATEST.json")),
-        timeout=120,
-        what="the next agent to seal step 1",
+        120,
+        "the next agent to seal step 1",
     )
     _check_invariants(root, "kd")  # the dead agent's temporary file is gone too
     assert _latest(root, "kd")["step"] == 1

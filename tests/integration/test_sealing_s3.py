@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 
 from onbox.sealing import manifest as mf
 from tests.conftest import ROOT, Cli, fixture, require
+from tests.polling import wait
 from tests.seaweed import SeaweedServer
 
 WRITER = fixture("ckpt_writer.py")
@@ -82,13 +83,6 @@ def _uploads(s3_server: SeaweedServer, url: str) -> List[Dict[str, Any]]:
     return uploads
 
 
-def _wait(pred: Any, timeout: float = 60, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def _text(path: str) -> str:
     try:
         with open(path) as f:
@@ -115,7 +109,7 @@ def test_kill9_of_the_agent_mid_upload_leaves_nothing_torn_and_the_next_agent_se
     _job(cli, "k9", url, 160)
     st = _ready(cli, "k9")
     os.kill(st["pid"], signal.SIGUSR2)
-    _wait(lambda: bool(_uploads(s3_server, url)), what="a multipart upload in flight")
+    wait(lambda: bool(_uploads(s3_server, url)), 60, "a multipart upload in flight")
     os.kill(st["agent"]["pid"], signal.SIGKILL)
     time.sleep(0.5)
     # Nothing under a final name: no object for the checkpoint, no MANIFEST, no LATEST.
@@ -123,9 +117,10 @@ def test_kill9_of_the_agent_mid_upload_leaves_nothing_torn_and_the_next_agent_se
     assert _get(s3_server, url, "k9/LATEST.json") is None
     assert _uploads(s3_server, url)  # the dead agent's half-done upload is still there
     cli("start", "--name", "k9", check=True)
-    _wait(
+    wait(
         lambda: (_get(s3_server, url, "k9/LATEST.json") or {}).get("step") == 1,
-        what="the next agent to seal step 1",
+        60,
+        "the next agent to seal step 1",
     )
     assert not _uploads(s3_server, url)  # the stale upload was aborted
     kinds = [e["kind"] for e in cli.events("k9")]
@@ -144,24 +139,21 @@ def test_an_s3_outage_delays_sealing_and_the_backlog_drains_oldest_first(
     _job(cli, "out", url, 0.2)
     st = _ready(cli, "out")
     os.kill(st["pid"], signal.SIGUSR2)
-    _wait(lambda: _latest_step(s3_server, url, "out") == 1, what="step 1 sealed")
+    wait(lambda: _latest_step(s3_server, url, "out") == 1, 60, "step 1 sealed")
     s3_server.stop()
     try:
         for k in (2, 3, 4):
             os.kill(st["pid"], signal.SIGUSR2)
-            _wait(lambda k=k: f"wrote step_{k}.pt" in _text(st["log"]), what=f"step {k}")
-        _wait(
+            wait(lambda k=k: f"wrote step_{k}.pt" in _text(st["log"]), 60, f"step {k}")
+        wait(
             lambda: "seal_error" in [e["kind"] for e in cli.events("out")],
-            what="the sealer to notice the outage",
+            60,
+            "the sealer to notice the outage",
         )
         time.sleep(2)
     finally:
         s3_server.start()
-    _wait(
-        lambda: _latest_step(s3_server, url, "out") == 4,
-        timeout=120,
-        what="the backlog to drain",
-    )
+    wait(lambda: _latest_step(s3_server, url, "out") == 4, 120, "the backlog to drain")
     events = cli.events("out")
     sealed = [e["step"] for e in events if e["kind"] == "sealed"]
     assert sealed == [1, 2, 3, 4]  # oldest first
@@ -179,10 +171,10 @@ def test_fresh_box_resumes_a_real_pytorch_training_from_s3(
     example = os.path.join(ROOT, "examples", "train_tiny.py")
     args = ["--steps", "80", "--ckpt-every", "10", "--sleep", "0.05"]
     cli("start", "--name", "fb3", "--store", url, "--", sys.executable, example, *args, check=True)
-    _wait(
+    wait(
         lambda: (_get(s3_server, url, "fb3/LATEST.json") or {}).get("step", 0) >= 20,
-        timeout=120,
-        what="a sealed step >= 20",
+        120,
+        "a sealed step >= 20",
     )
     cli("stop", "fb3", "--grace", "1", check=True)
     sealed = _get(s3_server, url, "fb3/LATEST.json")["step"]

@@ -41,6 +41,7 @@ from onbox.sealing.stores import open_store
 from tests.beside import Beside
 from tests.conftest import FIXTURES, ROOT, Cli, agent_exe, require
 from tests.integration.test_exact_plain import HASHES, _hashes
+from tests.polling import wait
 from tests.slurm import SlurmCluster
 
 EXAMPLE = os.path.join(ROOT, "examples", "train_plain.py")
@@ -78,13 +79,6 @@ def _events(cli: Cli, name: str) -> List[Dict[str, Any]]:
         return cli.events(name)
     except (OSError, ValueError):
         return []
-
-
-def _wait(pred: Any, timeout: float, what: str, info: Any = lambda: "") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"{what} did not happen in {timeout:.0f} s: {info()}"
-        time.sleep(0.25)
 
 
 def _when(ev: Dict[str, Any]) -> float:
@@ -131,11 +125,12 @@ def test_warned_before_its_time_limit_it_seals_requeues_and_ends_exactly(
         try:
             expected = _hashes(plain.output(timeout=300))
             store = open_store("file://" + root)
-            _wait(
+            wait(
                 lambda: slurm_cluster.job_field(job, "JobState") == "COMPLETED",
                 600,
                 "the job's completion",
-                lambda: (slurm_cluster.job_field(job, "JobState"), _job_log(out)[-3000:]),
+                poll=0.25,
+                info=lambda: (slurm_cluster.job_field(job, "JobState"), _job_log(out)[-3000:]),
             )
         finally:
             slurm_cluster.run("scancel", job)
@@ -203,11 +198,12 @@ def _start_writer(
     )
     job = _sbatch(cluster, script, str(tmp / "job.sh"), cli.env)
     try:
-        _wait(
+        wait(
             lambda: "ready" in (cli("logs", name).stdout if _events(cli, name) else ""),
             60,
             "the job's start",
-            lambda: _job_log(out)[-2000:],
+            poll=0.25,
+            info=lambda: _job_log(out)[-2000:],
         )
     except BaseException:
         cluster.run("scancel", job)
@@ -225,13 +221,13 @@ def test_scancel_during_a_seal_leaves_latest_on_a_verified_checkpoint(
         # sync`, whose USR2 to the agent comes with a request: it is not Slurm's warning.
         pid = cli.status(name)["pid"]
         os.kill(pid, signal.SIGUSR2)
-        _wait(lambda: _sealed(cli, name) == [1], 60, "the first seal")
+        wait(lambda: _sealed(cli, name) == [1], 60, "the first seal", poll=0.25)
         cli("sync", name, "--timeout", "60", check=True, timeout=90)
         assert "slurm_warning" not in [e["kind"] for e in _events(cli, name)]
         # The second: cancelled once the job wrote it (renamed into place), before its seal.
         os.kill(pid, signal.SIGUSR2)
         ckpt = os.path.join(cli.home, "runs", name, "ckpt", "step_2.pt")
-        _wait(lambda: os.path.exists(ckpt), 60, "the second checkpoint")
+        wait(lambda: os.path.exists(ckpt), 60, "the second checkpoint", poll=0.25)
         assert _sealed(cli, name) == [1]
         assert slurm_cluster.run("scancel", job).returncode == 0
         slurm_cluster.wait_job(job, "CANCELLED", timeout=60)
@@ -289,17 +285,18 @@ def test_a_requeue_by_slurm_during_a_seal_is_said_as_one_and_resumes_the_newest_
     try:
         pid = cli.status(name)["pid"]
         os.kill(pid, signal.SIGUSR2)
-        _wait(lambda: _sealed(cli, name) == [1], 60, "the first seal")
+        wait(lambda: _sealed(cli, name) == [1], 60, "the first seal", poll=0.25)
         os.kill(pid, signal.SIGUSR2)
         ckpt = os.path.join(cli.home, "runs", name, "ckpt", "step_2.pt")
-        _wait(lambda: os.path.exists(ckpt), 60, "the second checkpoint")
+        wait(lambda: os.path.exists(ckpt), 60, "the second checkpoint", poll=0.25)
         assert slurm_cluster.run("scontrol", "requeue", job).returncode == 0
         # The second allocation's slurm_job event comes after its restore.
-        _wait(
+        wait(
             lambda: [e["kind"] for e in _events(cli, name)].count("slurm_job") == 2,
             180,
             "the second allocation",
-            lambda: [e["kind"] for e in _events(cli, name)],
+            poll=0.25,
+            info=lambda: [e["kind"] for e in _events(cli, name)],
         )
         events = _events(cli, name)
         kinds = [e["kind"] for e in events]
@@ -348,7 +345,7 @@ def test_allocations_that_seal_nothing_newer_are_not_requeued_for_ever(
     )
     job = _sbatch(slurm_cluster, script, str(tmp_path / "job.sh"), cli.env)
     try:
-        _wait(
+        wait(
             lambda: (
                 {"slurm_requeued", "slurm_not_requeued"} & {e["kind"] for e in _events(cli, name)}
                 if os.path.exists(RunDir(name, cli.home).events)
@@ -356,7 +353,8 @@ def test_allocations_that_seal_nothing_newer_are_not_requeued_for_ever(
             ),
             240,
             "the first allocation's end",
-            lambda: _job_log(out)[-2000:],
+            poll=0.25,
+            info=lambda: _job_log(out)[-2000:],
         )
         kinds = [e["kind"] for e in _events(cli, name)]
         assert "slurm_requeued" not in kinds, kinds

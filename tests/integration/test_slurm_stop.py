@@ -23,7 +23,8 @@ import pytest
 
 from onbox.common.rundir import RunDir
 from tests.conftest import Cli, agent_exe
-from tests.integration.test_slurm_requeue import _events, _sealed, _start_writer, _wait
+from tests.integration.test_slurm_requeue import _events, _sealed, _start_writer
+from tests.polling import wait
 from tests.slurm import SlurmCluster
 
 NAME = "slurm-cancel"  # the writer's job file's name
@@ -73,7 +74,7 @@ def _held(tmp: Any) -> Dict[str, str]:
 
 def _not_requeued_and_over(cluster: SlurmCluster, cli: Cli, job: str) -> None:
     """The allocation ended and the job is not back in the queue; the run STOPPED, said why."""
-    _wait(lambda: cluster.job_field(job, "JobState") in ENDED, 90, "the job's end")
+    wait(lambda: cluster.job_field(job, "JobState") in ENDED, 90, "the job's end", poll=0.25)
     assert cluster.job_field(job, "JobState") in ("COMPLETED", "FAILED"), _kinds(cli)
     assert cluster.job_field(job, "Restarts") == "0"
     kinds = _kinds(cli)
@@ -95,16 +96,22 @@ def test_a_stop_during_the_warnings_seal_wins_over_the_requeue(
         warn = slurm_cluster.run("scancel", "--batch", "--signal=USR2", job)
         assert warn.returncode == 0, warn.stderr
         # The job wrote its checkpoint and is gone; the agent is in the seal, held.
-        _wait(
+        wait(
             lambda: "exit" in _kinds(cli) and _copying(root),
             60,
             "the warning's seal",
-            lambda: _kinds(cli),
+            poll=0.25,
+            info=lambda: _kinds(cli),
         )
         assert "slurm_warning" in _kinds(cli)
         stop = _login_node(cli, slurm_cluster, "stop", NAME)
         rd = RunDir(NAME, home=cli.home)
-        _wait(lambda: os.path.exists(rd.stop_request) or stop.poll() is not None, 30, "a stop")
+        wait(
+            lambda: os.path.exists(rd.stop_request) or stop.poll() is not None,
+            30,
+            "a stop",
+            poll=0.25,
+        )
         (tmp_path / "release").touch()
         done = _finish(stop)
         assert done.returncode == 0, done.stderr
@@ -128,13 +135,14 @@ def test_a_warning_during_a_stops_seal_does_not_requeue_the_job(
     try:
         pid = cli.status(NAME)["pid"]
         os.kill(pid, signal.SIGUSR2)  # the job writes a checkpoint; its seal holds
-        _wait(lambda: _copying(root), 60, "a seal", lambda: _kinds(cli))
+        wait(lambda: _copying(root), 60, "a seal", poll=0.25, info=lambda: _kinds(cli))
         stop = _login_node(cli, slurm_cluster, "stop", NAME)
-        _wait(
+        wait(
             lambda: "exit" in _kinds(cli) or stop.poll() is not None,
             60,
             "the stop",
-            lambda: _kinds(cli),
+            poll=0.25,
+            info=lambda: _kinds(cli),
         )
         warn = slurm_cluster.run("scancel", "--batch", "--signal=USR2", job)
         assert warn.returncode == 0, warn.stderr
@@ -159,11 +167,17 @@ def test_a_stop_after_the_requeue_cancels_the_requeued_job_and_says_so(
     job, _ = _start_writer(slurm_cluster, cli, tmp_path, 1)
     try:
         assert slurm_cluster.run("scancel", "--batch", "--signal=USR2", job).returncode == 0
-        _wait(lambda: "slurm_requeued" in _kinds(cli), 90, "the requeue", lambda: _kinds(cli))
+        wait(
+            lambda: "slurm_requeued" in _kinds(cli),
+            90,
+            "the requeue",
+            poll=0.25,
+            info=lambda: _kinds(cli),
+        )
         # Kept in the queue (a requeued job starts again after ~15 s here): the stop must find
         # it waiting there, as it does on a busy cluster.
         assert slurm_cluster.run("scontrol", "hold", job).returncode == 0
-        _wait(lambda: cli.peek(NAME).get("state") == "PREEMPTED", 30, "the agent's exit")
+        wait(lambda: cli.peek(NAME).get("state") == "PREEMPTED", 30, "the agent's exit", poll=0.25)
         done = _finish(_login_node(cli, slurm_cluster, "stop", NAME))
         assert done.returncode == 0, (done.stdout, done.stderr)
         said = done.stdout + done.stderr

@@ -15,10 +15,10 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from typing import Any
 
 from tests.conftest import Cli, agent_exe
+from tests.polling import wait
 
 JOB = """\
 import os, signal, sys, time
@@ -31,13 +31,6 @@ os.replace(path + ".tmp", path)
 print("wrote step_1.pt", flush=True)
 time.sleep(120)  # bounded: the test kills it by PID long before
 """
-
-
-def _wait(pred: Any, timeout: float = 30, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 def test_sync_seals_from_itself_when_the_agent_it_asked_dies(cli: Cli, tmp_path: Any) -> None:
@@ -72,7 +65,7 @@ def test_sync_seals_from_itself_when_the_agent_it_asked_dies(cli: Cli, tmp_path:
     )
     try:
         request = os.path.join(cli.home, "runs", "gone", "sync.request")
-        _wait(lambda: os.path.exists(request), what="sync to ask the agent")
+        wait(lambda: os.path.exists(request), 30, "sync to ask the agent")
         os.kill(agent, signal.SIGKILL)  # dies without answering: the lock comes free
         out, err = sync.communicate(timeout=50)
     finally:

@@ -145,14 +145,14 @@ def test_a_preemption_while_the_sealing_thread_hangs_in_a_listing_says_what_it_w
     _start(cli, tmp_path, root, stall="60s", grace="3")
     cli.wait_state(RUN, "RUNNING")
     cli.wait_output(RUN, "ready")
-    _wait(lambda: _latest(root) == 1, "step 1 sealed")
+    wait(lambda: _latest(root) == 1, 60, "step 1 sealed")
     pid = cli.status(RUN)["agent"]["pid"]
     agent = procfs.identity(pid)
     release.unlink()  # from here on the store's listings hang
-    _wait(reached.exists, "the sealing thread held in a listing")
+    wait(reached.exists, 60, "the sealing thread held in a listing")
     os.kill(pid, signal.SIGTERM)
     try:
-        _wait(lambda: not procfs.is_alive(agent), f"the agent (pid {pid}) to exit", timeout=WAIT)
+        wait(lambda: not procfs.is_alive(agent), WAIT, f"the agent (pid {pid}) to exit")
     finally:
         release.write_text("")
     assert cli.peek(RUN)["state"] == "PREEMPTED"

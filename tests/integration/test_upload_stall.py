@@ -37,7 +37,7 @@ from onbox.sealing.stores.base import Store
 from onbox.sealing.stores.hangbound import StoreHung
 from tests import seaweed
 from tests.conftest import Cli, require
-from tests.integration.test_letgo_hung_store import _wait
+from tests.polling import wait
 from tests.sealsvc import old_box_sealer
 from tests.seaweed import start_seaweed
 
@@ -116,12 +116,12 @@ def test_an_agent_whose_checkpoint_upload_hangs_exits_in_time_and_frees_the_run(
     _start(cli, tmp_path, root, code)
     cli.wait_state(RUN, "RUNNING")
     cli.wait_output(RUN, "ready")
-    _wait(lambda: _latest(root) == 1, "step 1 sealed")
+    wait(lambda: _latest(root) == 1, 60, "step 1 sealed")
     pid = cli.status(RUN)["agent"]["pid"]
     agent = procfs.identity(pid)
     release.unlink()  # from here on the store's uploads hang
     (tmp_path / "more").write_text("")
-    _wait(reached.exists, "the agent held in step 2's upload")
+    wait(reached.exists, 60, "the agent held in step 2's upload")
     # A success whose completion seal the store cut is not SUCCEEDED: no DONE.json, the run
     # left to its next agent (as after a crash before DONE.json: test_completion.py).
     final = {"fail": "FAILED", "stop": "STOPPED", "preempt": "PREEMPTED", "success": "RUNNING"}
@@ -133,7 +133,7 @@ def test_an_agent_whose_checkpoint_upload_hangs_exits_in_time_and_frees_the_run(
     else:
         os.kill(pid, signal.SIGTERM)
     try:
-        _wait(lambda: not procfs.is_alive(agent), f"the agent (pid {pid}) to exit", timeout=WAIT)
+        wait(lambda: not procfs.is_alive(agent), WAIT, f"the agent (pid {pid}) to exit")
     finally:
         release.write_text("")  # the store answers again (the hold lets its threads go)
     assert cli.peek(RUN)["state"] == final[how]

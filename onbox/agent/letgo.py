@@ -5,6 +5,11 @@ because its order is the point: the watchers stop, no process of the last attemp
 run (onbox/agent/leftovers.py), the sealing closes (or, with no store, the box's logs are
 redacted), the profile's on-done action runs (onbox/agent/ondone.py), the notifier sends its
 last ping, a Slurm requeue comes last of the work, and only then does the lock go.
+
+``left_unended`` is the other way out: a store error that ends the loop before the run is
+terminal (the completion seal of a success that the store cut, onbox/agent/completion.py
+``run_said``). The run stays as it is for the next agent to take, and the agent says so and
+lets go of it, without a traceback.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from onbox.agent.journal import log
 from onbox.agent.leftovers import end_leftovers
 from onbox.agent.logredact import redact_box_logs
 from onbox.agent.ondone import after_finish
+from onbox.common.errors import StoreError, event_class
 
 if TYPE_CHECKING:
     from onbox.agent.loop import Agent
@@ -64,3 +70,43 @@ def let_go(agent: Agent) -> None:
     log(agent.rd.agent_log, f"agent pid {os.getpid()} exits: run is {agent.sup.state}")
     agent.runner.close()
     agent.lock.release()
+
+
+def left_unended(agent: Agent, e: StoreError) -> StoreError:
+    """The store error ``e`` ended the loop before the run was terminal: say why the run is
+    left as it is (an ``agent_left`` event, agent.log, ``last_exit`` for the status commands),
+    end what is left of the attempt, let go of the lock; the error to exit with (exit 14).
+
+    A success whose completion seal was cut stays RUNNING (or STARTING), not SUCCEEDED: no
+    DONE.json claims its results, and the next agent (``rgt-agent start --name N``) completes
+    it, as after a crash before DONE.json. Its last exit says so, for `rgt-agent status` and
+    `rgt status`; that next agent records the exit again."""
+    sup, name = agent.sup, agent.rd.name
+    last = sup.last_exit
+    remedy = f"`rgt-agent start --name {name}` once the store answers: it takes the run on"
+    why = e.what
+    if sup.exit_seen and last is not None and last.get("kind") == "success":
+        why = (
+            f"attempt {sup.attempt} succeeded, but its results are not sealed (no DONE.json): {why}"
+        )
+        remedy += " and seals the rest"
+        last["reason"] = f"{last.get('reason')}; its results are not sealed (no DONE.json)"
+        last["remedy"] = remedy
+        # Saved as not seen: the next agent's adopt takes the exit again (Supervisor.on_exit
+        # ignores one seen) and completes the run; else it would stay RUNNING for ever.
+        sup.exit_seen = False
+    what = f"run {name}: the agent exits, leaving the run {sup.state.value}: {why}"
+    event = agent.journal.event
+    event("agent_left", what, klass=event_class(e), remedy=remedy)
+    sup.save()
+    if agent.notice is not None:
+        agent.notice.stop()
+    if agent.health is not None:
+        agent.health.stop()
+    end_leftovers(agent.runner, event, "processes of the last attempt outlived it; stopping them")
+    out = StoreError(what, remedy)
+    log(agent.rd.agent_log, f"agent pid {os.getpid()} exits {out.exit_code}: run is "
+        f"{sup.state}: {out.line()}")  # fmt: skip
+    agent.runner.close()
+    agent.lock.release()
+    return out

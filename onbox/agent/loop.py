@@ -32,7 +32,7 @@ from onbox.agent.boot import install_hook, take_from_boot
 from onbox.agent.daemon import TAG_VAR, agent_argv, parse_agent_args
 from onbox.agent.detach import ReadyPipe
 from onbox.agent.journal import FileJournal, log
-from onbox.agent.letgo import let_go
+from onbox.agent.letgo import left_unended, let_go
 from onbox.agent.lock import RunLock
 from onbox.agent.meter import MeterCap
 from onbox.agent.notice import NoticeWatcher, watcher_for
@@ -47,7 +47,7 @@ from onbox.agent.supervisor import Supervisor
 from onbox.agent.title import set_title
 from onbox.common import redact
 from onbox.common.durable import read_json
-from onbox.common.errors import RgtError, UsageError, event_class
+from onbox.common.errors import RgtError, StoreError, UsageError, event_class
 from onbox.common.rundir import RunDir, drop_secrets
 
 if TYPE_CHECKING:
@@ -380,6 +380,16 @@ class Agent:
             self.slurm.begin(sup.extra, (seal is not None, seal.sealed_step() if seal else None))
             sup.save()
         self._leave_if_taken_over()
+        try:
+            self._supervise()
+        except StoreError as e:  # said, and the run let go of as it is: no traceback
+            raise left_unended(self, e) from None
+        let_go(self)  # nothing of the last attempt outlives the run; then the lock goes
+        return sup.state
+
+    def _supervise(self) -> None:
+        """The loop proper, until the run is terminal."""
+        sup = self.sup
         while sup.state not in TERMINAL:
             waits = [
                 w
@@ -411,8 +421,6 @@ class Agent:
             sup.tick()
             self._check_resume()
         self._check_resume(final=True)
-        let_go(self)  # nothing of the last attempt outlives the run; then the lock goes
-        return sup.state
 
     def working(self) -> Dict[str, Any]:
         """What the agent is doing while it prepares the run, for `start` (onbox/agent/detach.py
@@ -476,7 +484,10 @@ def main(argv: List[str]) -> int:
         log(rd.agent_log, f"agent pid {os.getpid()}: run is {agent.sup.state}; nothing to do")
         lock.release()
         return 0
-    agent.run(ready=ready)
+    try:
+        agent.run(ready=ready)
+    except StoreError as e:  # said in agent.log and the events (letgo.py left_unended)
+        return e.exit_code
     return 0
 
 

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -32,11 +34,12 @@ from typing import Any, Dict, List
 import pytest
 
 from onbox.agent import procfs
+from onbox.common.errors import StoreError
 from onbox.sealing.stores import filecopy, open_store
 from onbox.sealing.stores.base import Store
 from onbox.sealing.stores.hangbound import StoreHung
 from tests import seaweed
-from tests.conftest import Cli, require
+from tests.conftest import Cli, agent_exe, require
 from tests.polling import wait
 from tests.sealsvc import old_box_sealer
 from tests.seaweed import start_seaweed
@@ -144,6 +147,8 @@ def test_an_agent_whose_checkpoint_upload_hangs_exits_in_time_and_frees_the_run(
         moved = [e for e in errors if "took nothing" in e["reason"]]
         assert moved and all("[store] stall" in e["remedy"] for e in moved), errors
         assert all(root in e["reason"] for e in moved), errors
+    if how == "success":
+        _said_not_sealed(cli)
     del cli.env["RGT_HOLD_AT"]
     if how == "success":  # as its seal_error says: a start by name completes it
         assert any("rgt-agent start --name" in e["remedy"] for e in errors), errors
@@ -154,6 +159,79 @@ def test_an_agent_whose_checkpoint_upload_hangs_exits_in_time_and_frees_the_run(
     (tmp_path / "go").write_text("")
     _start(cli, tmp_path, root, 3)  # the new attempt fails at once
     cli.wait_over(RUN, "FAILED", timeout=60)
+
+
+def test_rgt_agent_run_whose_completion_seal_the_store_cuts_exits_14_without_a_traceback(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """`rgt-agent run` (foreground) of a job that succeeds while the store's uploads hang: the
+    completion seal is cut, and the command exits 14 (a store error) with one line that says
+    the run is left RUNNING with its results not sealed, and what to do. Before: exit 14 with
+    the store's own line only, naming neither the run's state nor the start that completes
+    it."""
+    root = str(tmp_path / "store")
+    os.makedirs(root)
+    release, reached = tmp_path / "store-answers", tmp_path / "upload-held"
+    release.write_text("")
+    cli.env.update(RGT_HOLD_AT="store.put_file", RGT_HOLD_UNTIL=str(release))
+    cli.env.update(RGT_HOLD_REACHED=str(reached))
+    job_py, job = tmp_path / "job.py", tmp_path / "job.toml"
+    job_py.write_text(JOB)
+    argv = [sys.executable, str(job_py), str(tmp_path), "0"]
+    job.write_text(
+        f"command = {json.dumps(argv)}\n"
+        '[restart]\nmax_error_restarts = 0\n[store]\nurl = "file://' + root + '"\nstall = "2s"\n'
+    )
+    p = subprocess.Popen(
+        [*agent_exe(), "run", str(job), "--name", RUN],
+        env=cli.env,
+        cwd=cli.home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        cli.wait_output(RUN, "ready")
+        wait(lambda: _latest(root) == 1, 60, "step 1 sealed")
+        release.unlink()  # from here on the store's uploads hang
+        (tmp_path / "more").write_text("")
+        wait(reached.exists, 60, "the agent held in step 2's upload")
+        (tmp_path / "go").write_text("")
+        out, err = p.communicate(timeout=WAIT)
+    finally:
+        release.write_text("")
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode == StoreError.exit_code, (p.returncode, out, err)
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and line.startswith(f"rgt: run {RUN}: the agent exits"), err
+    # STARTING or RUNNING: the state the run was in as its job ended (its start grace).
+    assert re.search("leaving the run (STARTING|RUNNING): attempt 1 succeeded", line), err
+    assert "results are not sealed (no DONE.json)" in line, err
+    assert f"rgt-agent start --name {RUN}" in line, err
+
+
+def _said_not_sealed(cli: Cli) -> None:
+    """A success whose completion seal the store cut: the agent exited without a traceback,
+    saying so in agent.log and in an ``agent_left`` event (what, why, what to do) with exit 14,
+    its lock released; the status says RUNNING with the job not running, its last exit the
+    success whose results are not sealed, and the start that completes it. Before: a
+    traceback in agent.log, no event, and the status said only "exited with code 0"."""
+    with open(os.path.join(cli.home, "runs", RUN, "agent.log")) as f:
+        log = f.read()
+    assert "Traceback" not in log, log
+    left = _events(cli, "agent_left")
+    assert len(left) == 1, left
+    assert "results are not sealed" in left[0]["reason"], left
+    assert "took nothing" in left[0]["reason"] or "not asked" in left[0]["reason"], left
+    assert left[0]["remedy"].startswith(f"`rgt-agent start --name {RUN}` once the store"), left
+    assert f"exits {StoreError.exit_code}: run is RUNNING" in log, log
+    st = cli.status(RUN)
+    assert not st["agent"]["alive"] and st["state"] == "RUNNING", st
+    assert "results are not sealed" in st["last_exit"]["reason"], st
+    text = cli("status", RUN, check=True).stdout
+    assert "results are not sealed" in text and f"rgt-agent start --name {RUN}" in text, text
 
 
 def _checkpoint(tmp_path: Any, size: int) -> str:

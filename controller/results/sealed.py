@@ -68,7 +68,10 @@ def read_sealed(
     """The newest sealed state of ``rec`` as ``source`` ("box" or "store") sees it, every final
     and staging name checked (``checked``) before anything is created on the laptop; each read
     of the store bounded by ``stall`` (`rgt pull --stall`), else the run's (open_run_store)."""
-    return checked(_read_sealed(rec, source, remote, stall), f"pull of {rec.name}")
+    try:
+        return checked(_read_sealed(rec, source, remote, stall), f"pull of {rec.name}")
+    except IntegrityError as e:
+        raise unreadable(rec, e, "pull", "down", "pull creates nothing") from None
 
 
 def _read_sealed(
@@ -262,11 +265,21 @@ def covers_newest(rec: RunRecord, receipt: Receipt, remote: Optional[Remote] = N
     except IntegrityError as e:
         # A document that cannot be read may list what down would remove: down refuses, and
         # says so (the document's own error named neither down nor the store).
-        where = f"the store {rec.store}" if rec.store else "the box's run directory"
-        raise IntegrityError(
-            f"run {rec.name}: rgt down did nothing: the run's sealed state in {where} cannot "
-            f"be read: {e.what}",
-            f"look at the document it names in {where}: damaged, or not rgt's (`rgt pull "
-            f"{rec.name}` refuses it too); down removes nothing while it cannot be read",
-        ) from None
+        raise unreadable(rec, e, "down", "pull", "down removes nothing") from None
     return compare(receipt, newest)
+
+
+def unreadable(
+    rec: RunRecord, e: IntegrityError, command: str, other: str, so: str
+) -> IntegrityError:
+    """``e`` (exit 6), a document of the run's sealed state that cannot be read (damaged, or
+    not rgt's: documents.py says which and why), as `rgt COMMAND` says it: that it did
+    nothing, where the document is, and what to do: the document's own remedy where it has
+    one (``so``: what the command leaves be)."""
+    where = f"the store {rec.store}" if rec.store else "the box's run directory"
+    look = e.remedy or f"look at the document it names in {where}: damaged, or not rgt's"
+    return IntegrityError(
+        f"run {rec.name}: rgt {command} did nothing: the run's sealed state in {where} cannot "
+        f"be read: {e.what}",
+        f"{look} (`rgt {other} {rec.name}` refuses it too); {so} while it cannot be read",
+    )

@@ -18,6 +18,7 @@ from typing import Any, List
 
 import pytest
 
+from controller.registry import Registry
 from controller.remote import SshRemote, open_remote
 from controller.results.down import down, plan_down
 from controller.results.pull import covers_newest, pull
@@ -25,6 +26,7 @@ from controller.target import Target
 from onbox.common.errors import IntegrityError
 from tests.conftest import Cli
 from tests.integration.test_down import Box
+from tests.integration.test_down_unsealed import _rgt
 from tests.integration.test_pull import RUN, _read, _rec, _ssh_target
 from tests.sshd import SshServer
 
@@ -100,11 +102,16 @@ def test_the_log_of_a_failed_run_is_pulled_from_the_store_after_its_box_is_gone(
     ],
 )
 def test_a_hostile_ended_json_is_refused_before_anything_is_created(
-    cli: Cli, tmp_path: Any, laptop: str, how: str, needle: str
+    cli: Cli,
+    tmp_path: Any,
+    laptop: str,
+    capsys: pytest.CaptureFixture[str],
+    how: str,
+    needle: str,
 ) -> None:
     """ENDED.json is the store's, so untrusted: a log entry that is not a job's log as the
     agent seals it (another key, a path out of logs/, a result's root) stops the pull with
-    an IntegrityError naming it, before DEST exists."""
+    an IntegrityError (exit 6) naming it, the store and what to do, before DEST exists."""
     store = _failed_run(cli, tmp_path)
     path = os.path.join(store[len("file://") :], RUN, "ENDED.json")
     with open(path) as f:
@@ -127,9 +134,22 @@ def test_a_hostile_ended_json_is_refused_before_anything_is_created(
     with open(path, "wb") as f:
         f.write(raw)
     dest = tmp_path / "dest"
+    rec = _rec(store, cli.home)
     with pytest.raises(IntegrityError) as e:
-        pull(_rec(store, cli.home), str(dest), "store")
+        pull(rec, str(dest), "store")
     assert needle in e.value.what, e.value.what
+    assert not dest.exists()
+    # What, why and what to do: before, the document's own error alone ("rgt: r1/ENDED.json
+    # is not valid JSON"), with no remedy, naming neither the pull nor the store.
+    said = f"run {RUN}: rgt pull did nothing: the run's sealed state in the store {store}"
+    assert e.value.what.startswith(said + " cannot be read: "), e.value.what
+    remedy = e.value.remedy or ""
+    assert "damaged" in remedy, remedy  # the document's own remedy where it has one
+    assert remedy.endswith("pull creates nothing while it cannot be read"), remedy
+    Registry().put(rec)
+    code, out, err = _rgt(capsys, "pull", RUN, "--to", str(dest), "--from", "store")
+    assert code == IntegrityError.exit_code and not out, (code, out, err)
+    assert said in err and needle in err and "pull creates nothing" in err, err
     assert not dest.exists()
 
 

@@ -82,7 +82,7 @@ def left_unended(agent: Agent, e: StoreError) -> StoreError:
     it, as after a crash before DONE.json. Its last exit says so, for `rgt-agent status` and
     `rgt status`; that next agent records the exit again."""
     sup, name = agent.sup, agent.rd.name
-    last = sup.last_exit
+    last, ended = sup.last_exit, sup.exit_seen
     remedy = f"`rgt-agent start --name {name}` once the store answers: it takes the run on"
     why = e.what
     if sup.exit_seen and last is not None and last.get("kind") == "success":
@@ -103,7 +103,9 @@ def left_unended(agent: Agent, e: StoreError) -> StoreError:
         agent.notice.stop()
     if agent.health is not None:
         agent.health.stop()
-    end_leftovers(agent.runner, event, "processes of the last attempt outlived it; stopping them")
+    if ended:  # a job still running is left to its shim, which starts the next agent
+        why_end = "processes of the last attempt outlived it; stopping them"
+        end_leftovers(agent.runner, event, why_end)
     out = StoreError(what, remedy)
     log(agent.rd.agent_log, f"agent pid {os.getpid()} exits {out.exit_code}: run is "
         f"{sup.state}: {out.line()}")  # fmt: skip

@@ -276,11 +276,13 @@ def pull(name: str, dest: Optional[str], source: str, stall: Optional[float]) ->
             f"{name} goes only while no checkpoint nor DONE.json is sealed, and loses the run's "
             "files on the box (its plan lists them)"
         )
+        _not_covered(receipt)
         return 0
     _emit(
         f"{name}: {receipt.sealed.pulled()} pulled to {receipt.dest} and verified: "
         f"{len(receipt.files)} files; receipt {where}"
     )
+    _not_covered(receipt)
     if receipt.sealed.note:  # LATEST names a quarantined step: which one was pulled, and why
         # Its reason is the store's quarantine record: control characters shown as '?'.
         _emit(f"  {printable(receipt.sealed.note)}")
@@ -313,6 +315,18 @@ def pull(name: str, dest: Optional[str], source: str, stall: Optional[float]) ->
                 f"{printable(f.source)})"
             )
     return 0
+
+
+def _not_covered(receipt: Any) -> None:
+    """Say which files in DEST the pull did not bring (an older pull's): not covered."""
+    left = receipt.not_covered
+    if left:
+        shown = ", ".join(printable(x) for x in left[:5]) + (" ..." if len(left) > 5 else "")
+        _emit(
+            f"  warning: {receipt.dest} also holds files this pull did not bring "
+            f"(an older pull's, or put there by hand): not covered by the receipt, which names "
+            f"them in not_covered: {shown}"
+        )
 
 
 @cli.command()

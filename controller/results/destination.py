@@ -4,7 +4,9 @@ two names of the state that DEST's filesystem takes for one file: ``refuse_folde
 one pull at a time into it (a flock on DEST itself), the staging directory ``DEST/.rgt-part``
 made and cleared of what is in the way, and the verified copies placed under their final
 names: every rename through directory descriptors walked without following symlinks, the old
-receipt removed before the first, completeness markers last.
+receipt removed before the first, completeness markers last. What DEST holds in the pull's
+layout that this pull did not bring (an older pull's checkpoint the run no longer has sealed)
+is named for the receipt (``not_covered``).
 """
 
 from __future__ import annotations
@@ -355,6 +357,41 @@ def place(
         raise
     except OSError as err:
         raise target_error(err, f"placing the pulled files in {dest}") from None
+
+
+# The most files not covered named one by one in a receipt; the rest are counted.
+MAX_NOT_COVERED = 100
+# The directories a pull puts files in (controller/results/pull.py's layout): only these are
+# looked through, as DEST may be a directory of the user's (--to .) with files of its own.
+LAYOUT = ("checkpoints", "outputs", "logs")
+
+
+def not_covered(dest: str, covered: AbstractSet[str]) -> List[str]:
+    """The files and links under DEST's layout directories that are not in ``covered`` (this
+    pull's final names and the links it made): an older pull's that this one did not replace
+    (a checkpoint the job has since removed, a pull of nothing over a pull of files), or put
+    there by hand. They stay where they are (a user's script may read them), but the receipt
+    names them, so none looks as if this pull brought and verified it. Walked without
+    following a symlink: a link is named itself."""
+    out: List[str] = []
+    for top in LAYOUT:
+        root = os.path.join(dest, top)
+        if not os.path.lexists(root):
+            continue
+        if os.path.islink(root) or not os.path.isdir(root):
+            out.append(top)
+            continue
+        for dirpath, dirnames, files in os.walk(root):
+            rel = os.path.relpath(dirpath, dest).replace(os.sep, "/")
+            links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+            for name in files + links:
+                path = f"{rel}/{name}"
+                if path not in covered:
+                    out.append(path)
+    out.sort()
+    if len(out) > MAX_NOT_COVERED:
+        out[MAX_NOT_COVERED:] = [f"and {len(out) - MAX_NOT_COVERED} more"]
+    return out
 
 
 def _is_marker(path: str) -> bool:

@@ -84,7 +84,10 @@ torch files ``.pt``/``.pth``/``.bin``/``.ckpt`` (``torch.load(weights_only=True,
 map_location="cpu", mmap=True)``, torch imported only then; without torch on the laptop they
 are "checked by sha256 only", said so in the receipt). Then the old receipt is removed (DEST's,
 and the laptop's copy when it is of this DEST: that of a pull into another --to stays), every
-file is renamed into place (fsynced, directories fsynced), and the receipt is written last.
+file is renamed into place (fsynced, directories fsynced), and the receipt is written last. A
+DEST that holds an older pull of the run keeps that pull's files this one does not replace (a
+checkpoint the job has since removed, or all of them where nothing is sealed now): the receipt
+names them as ``not_covered`` (destination.not_covered), so none passes for this pull's.
 
 The hashing and the fsync of each file overlap the transfer of the next ones. From the store,
 several files are downloaded at once, each hashed while it is written and fsynced once (the
@@ -285,7 +288,11 @@ def _staged_and_placed(
     # restore makes them: relative, in DEST/checkpoints, once what they lead to is in place.
     # parse_manifest checked each (a name there, a target in the checkpoint, never out of
     # DEST), or, from a box without a store, boxlinks.judged (a target pulled, in DEST).
-    _make_links(sealed, dest)
+    unmade = _make_links(sealed, dest)
+    # A link not made (its name holds a file of an older pull, kept) covers nothing.
+    covered = {e.path for e in sealed.entries} | {
+        f"checkpoints/{n}" for n, _ in sealed.ident.links if n not in unmade
+    }
     receipt = Receipt(
         run=rec.name,
         source=sealed.source,
@@ -299,15 +306,18 @@ def _staged_and_placed(
         ],
         fetched_bytes=fetched,
         rgt_version=_version(),
+        not_covered=destination.not_covered(dest, covered),
     )
     write_receipt(receipt, home)
     return receipt
 
 
-def _make_links(sealed: Sealed, dest: str) -> None:
+def _make_links(sealed: Sealed, dest: str) -> Set[str]:
     """The links ``sealed`` names (a MANIFEST's, at the top of the checkpoint dir; or, from a
     box without a store, boxlinks.judged's, which may lie below it, each target relative to
-    its own directory), made in the directory of DEST/checkpoints each is in."""
+    its own directory), made in the directory of DEST/checkpoints each is in. Returns the
+    names (under DEST/checkpoints) not made: a file there already, kept."""
+    unmade: Set[str] = set()
     by_dir: Dict[str, List[Dict[str, str]]] = {}
     for name, target in sealed.ident.links:
         here, _, base = name.rpartition("/")
@@ -315,9 +325,11 @@ def _make_links(sealed: Sealed, dest: str) -> None:
     for here, recorded in sorted(by_dir.items()):
         sub = f"checkpoints/{here}" if here else "checkpoints"
         try:
-            dirlinks.make(recorded, dest, sub, replace=True)
+            _, left = dirlinks.make(recorded, dest, sub, replace=True)
         except OSError as err:
             raise target_error(err, f"making the checkpoint links in {dest}/{sub}") from None
+        unmade.update(f"{here}/{n}" if here else n for n in left)
+    return unmade
 
 
 def _reusable(sealed: Sealed, items: List[Entry], stage_dir: str) -> Set[str]:

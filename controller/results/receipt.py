@@ -35,6 +35,9 @@ Format (JSON, ``schema`` 1)::
       ],
       "fetched_bytes": 123,                bytes this pull moved (not those an earlier,
                                            interrupted pull of the same state had fetched)
+      "not_covered": [],                   files under DEST's checkpoints/, outputs/, logs/
+                                           this pull did not bring (an older pull's, one put
+                                           there by hand): in DEST, not covered, not verified
       "created": 1700000000.0, "created_at": "2023-11-14T22:13:20.000Z",
       "rgt_version": "0.1.0"
     }
@@ -210,6 +213,8 @@ class Receipt:
     fetched_bytes: int = 0
     created: float = dataclasses.field(default_factory=time.time)
     rgt_version: str = ""
+    # Files in DEST's layout this pull did not bring (destination.not_covered): not covered.
+    not_covered: List[str] = dataclasses.field(default_factory=list)
 
     def to_json(self) -> Dict[str, Any]:
         return {
@@ -226,6 +231,7 @@ class Receipt:
             "created": self.created,
             "created_at": iso(self.created),
             "rgt_version": self.rgt_version,
+            "not_covered": list(self.not_covered),
         }
 
     @classmethod
@@ -249,6 +255,7 @@ class Receipt:
                 fetched_bytes=int(d.get("fetched_bytes") or 0),
                 created=float(d["created"]),
                 rgt_version=str(d.get("rgt_version") or ""),
+                not_covered=_strings(d.get("not_covered"), "not_covered"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise IntegrityError(
@@ -288,6 +295,15 @@ _SEALED_TYPES: Dict[str, Tuple[type, bool, str]] = {
     "missing_outputs": (list, False, "a list of strings"),
     "left_out": (list, False, "a list of strings"),
 }
+
+
+def _strings(value: Any, name: str) -> List[str]:
+    """A list of strings of a receipt (absent in one written before it existed: empty)."""
+    if value is None:
+        return []
+    if not _typed(value, list, False):
+        raise ValueError(f"its {name} is {value!r}, not a list of strings")
+    return list(value)
 
 
 def _typed(value: Any, kind: type, nullable: bool) -> bool:

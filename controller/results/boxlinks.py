@@ -14,8 +14,9 @@ link's directory and normalised (nothing absolute; '..' only as far as the direc
 in), as the restore makes it. A link below the top is made only in a directory a pulled file is
 in (no directory is made for a link), and never to a directory that holds it (a loop). Every
 other link (out of the dir, absolute elsewhere, a '..' escape, to nothing pulled, an odd name,
-one in the outputs) is left out, and named in the receipt's ``left_out`` so that ``rgt pull``
-says so. Nothing here touches the laptop's files: the names and targets are the box's, untrusted.
+one whose target the box could not read, one in the outputs) is left out, and named in the
+receipt's ``left_out`` so that ``rgt pull`` says so. Nothing here touches the laptop's files:
+the names and targets are the box's, untrusted.
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def _why_not(
     parts = rel.split("/")
     if any(skip(p) for p in parts):
         return "a hidden or temporary name, never a checkpoint's"
+    if not target:  # no link has an empty target: the lister prints one when readlink failed
+        return "its target could not be read on the box"
     mine = "checkpoints/" + rel
     if mine in pulled or any(p.startswith(mine + "/") for p in pulled):
         return "it would take the place of a pulled file"
@@ -84,7 +87,7 @@ def _why_not(
     home = ckpt.rstrip("/") + "/"
     # By name only: what the target is on the box is never asked, nor followed.
     full = posixpath.normpath(target if target.startswith("/") else home + here + "/" + target)
-    if not target or not full.startswith(home):
+    if not full.startswith(home):
         return "it leads out of the checkpoint dir"
     to = full[len(home) :]
     try:

@@ -12,7 +12,8 @@
 # in it to that real path leads into it (the seal resolves it so, onbox/common/links.py).
 # Each file comes out as four NUL-terminated fields: kind, sha256, size, path. A symlink in the
 # checkpoint dir or the outputs (followed by no one here) as four too: "link", kind, its target
-# as readlink gives it (a trailing newline kept), path; the laptop decides which it makes.
+# as readlink gives it (a trailing newline kept; empty where readlink failed: no link has an
+# empty target), path; the laptop decides which it makes.
 # shellcheck disable=SC2016 # expanded by the sh that runs it, once per batch of files
 hash_files='for f do h=$(sha256sum < "$f") || exit 45; s=$(wc -c < "$f") || exit 45
   printf "%s\0%s\0%s\0%s\0" "$K" "${h%% *}" $s "$f"; done'

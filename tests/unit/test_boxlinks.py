@@ -40,7 +40,7 @@ def test_what_a_hostile_listing_says_is_left_out_with_why() -> None:
     assert "out of the checkpoint dir" in _one("checkpoint", "x", "/etc/passwd")
     assert "out of the checkpoint dir" in _one("checkpoint", "x", "../../x")
     assert "out of the checkpoint dir" in _one("checkpoint", "x", "/box/runs/r1/ckptX/step_4.ckpt")
-    assert "out of the checkpoint dir" in _one("checkpoint", "x", "")
+    assert "could not be read on the box" in _one("checkpoint", "x", "")
     assert "out of the checkpoint dir" in _one("checkpoint", "x", ".")
     assert "'..'" in _one("checkpoint", "../x", "step_4.ckpt")
     assert "'..'" in _one("checkpoint", "..", "step_4.ckpt")
@@ -122,3 +122,12 @@ def test_hostile_links_below_the_top_are_left_out_with_why() -> None:
     assert "hidden or temporary" in one("step_2/.git/x", "../../step_4.ckpt")
     assert "'..'" in one("step_2/../../x", "step_4.ckpt")
     assert "empty component" in one("step_2//x", "../step_4.ckpt")
+
+
+def test_a_link_whose_target_the_box_could_not_read_is_left_out_saying_so() -> None:
+    """The box's lister prints an empty target for a link ``readlink`` could not read (no
+    link has an empty target): it was left out as one that "leads out of the checkpoint dir",
+    which it may not."""
+    line = _one("checkpoint", "step_2/last.pt", "")
+    assert "could not be read on the box" in line, line
+    assert "out of the checkpoint dir" not in line, line

@@ -81,6 +81,23 @@ def _box_real(remote: Remote, ckpt: str, run_dir: str, release: str) -> Tuple[st
         return ckpt, run_dir, real_rel
 
 
+def store_dir(rec: RunRecord, remote: Remote) -> Optional[str]:
+    """Where the run's ``file://`` store physically is on the box (every symlink on its path
+    followed: a store named on a mount that outlives the box but linked to the box's own disk
+    goes with that disk); its path as named when it is no directory there or the box's answer
+    is not an absolute path; None for a store off the box (or none)."""
+    path = meterplan.file_path(rec.store or "")
+    if path is None:
+        return None
+    fields = remote.sh(_REAL, path, timeout=60).stdout.split(b"\0")
+    if len(fields) != 2 or fields[-1] != b"" or not fields[0]:
+        return path
+    try:
+        return safe_abs(fields[0].decode("utf-8", "surrogateescape"))
+    except UnsafePath:
+        return path
+
+
 def _job_files(
     rec: RunRecord, run_dir: str, remote: Remote
 ) -> Tuple[str, str, Optional[Dict[str, int]]]:

@@ -101,6 +101,7 @@ class DownPlan:
     store_logs: int = 0
     # A live run whose stop seals the job's logs into a store that outlives the box.
     stop_seals_logs: bool = False
+    store_at: Optional[str] = None  # where a file:// store is on the box (boxlosses.store_dir)
 
     def lines(self) -> List[str]:
         r = self.receipt
@@ -211,7 +212,8 @@ def plan_down(
     kept: List[str] = []
     with_release = ""  # the checkpoint dir that goes with the release, when it is inside it
     grace = 30.0
-    gone, held, logs = _store_holds(rec, remote, profile)
+    at = boxlosses.store_dir(rec, remote)  # a file:// store, judged where it is on the box
+    gone, held, logs = _store_holds(rec, remote, profile, at)
     if present:
         run = boxrun.read(rec, remote)  # the spec and the status in one round trip
         spec = run.spec
@@ -240,9 +242,9 @@ def plan_down(
         check_instance(instance)
         client(profile.meter.api)  # no API key: refused now, before anything is done
         actions.append(f"{profile.meter.verb} the {noun(profile.meter.api)} {instance}")
-    actions.append(settle.plan_line(rec, profile))
+    actions.append(settle.plan_line(rec, profile, at))
     plan = DownPlan(rec, receipt, coverage, state, lost, kept, billing, actions, grace)
-    plan.profile, plan.instance, plan.after = profile, instance, after
+    plan.profile, plan.instance, plan.after, plan.store_at = profile, instance, after, at
     plan.store_logs = len(logs.held) if logs is not None else 0
     plan.stop_seals_logs = logs is not None and logs.stop_seals
     if rec.store and state is not None and state not in TERMINAL_NAMES:
@@ -268,14 +270,16 @@ def _removals(rec: RunRecord, run_dir: str, staged: str, with_release: str) -> L
 
 
 def _store_holds(
-    rec: RunRecord, remote: Remote, profile: Optional[Profile]
+    rec: RunRecord, remote: Remote, profile: Optional[Profile], at: Optional[str]
 ) -> Tuple[str, storekept.Held, Optional[boxlosses.Logs]]:
     """(why the meter-stop deletes the run's store, "" when it does not or there is none; what
     a store that outlives the box holds, by sealed step; the job's logs it holds, DONE.json's
-    or ENDED.json's, None when there is no such store)."""
+    or ENDED.json's, None when there is no such store). ``at``: where a file:// one is."""
     if not rec.store:
         return "", {}, None
-    gone = meterplan.deleted_by_meter_stop(meterplan.file_path(rec.store), profile)
+    gone = meterplan.deleted_by_meter_stop(at, profile)
+    if gone and at != meterplan.file_path(rec.store):
+        gone = f"at {at} on the box, {gone}"
     if gone:
         return gone, {}, None
     return "", storekept.held(rec, remote), boxlosses.Logs(storekept.logs(rec, remote))
@@ -423,7 +427,9 @@ def _stop_meter(
                 f"rgt down {name} --instance ID can stop the meter"
             )
             return plan
-    plan.done.append(settle.settle(plan.rec, plan.profile, registry or Registry(home), show))
+    plan.done.append(
+        settle.settle(plan.rec, plan.profile, registry or Registry(home), show, plan.store_at)
+    )
     return plan
 
 

@@ -3,7 +3,8 @@ is stopped.
 
 The run's record is kept, marked taken down (``RunRecord.down_at``), when its store outlives the
 box: an ``s3://`` or ``hf://`` store, or a ``file://`` one on storage the provider's stop or
-destroy does not delete (controller/results/meterplan.py, from the profile's storage tiers).
+destroy does not delete (controller/results/meterplan.py, from the profile's storage tiers,
+judged where the store is on the box: boxlosses.store_dir).
 ``rgt pull N`` then fetches the run's newest sealed state from that store (a stop of a live
 run may have sealed one newer than the pull down checked) and ``rgt status N`` reads it there;
 no command tries the box again. Without a store, or with one that goes with the box, the record
@@ -24,17 +25,19 @@ from onbox.common.errors import RgtError
 from onbox.profiles.schema import Profile
 
 
-def store_outlives(rec: RunRecord, profile: Optional[Profile]) -> bool:
-    """Whether ``rec`` has a store that the meter-stop of its box does not delete."""
+def store_outlives(rec: RunRecord, profile: Optional[Profile], at: Optional[str] = None) -> bool:
+    """Whether ``rec`` has a store that the meter-stop of its box does not delete; ``at``:
+    where a ``file://`` one is on the box (boxlosses.store_dir), else judged by its name."""
     if not rec.store:
         return False
-    return not meterplan.deleted_by_meter_stop(meterplan.file_path(rec.store), profile)
+    where = at if at is not None else meterplan.file_path(rec.store)
+    return not meterplan.deleted_by_meter_stop(where, profile)
 
 
-def plan_line(rec: RunRecord, profile: Optional[Profile]) -> str:
+def plan_line(rec: RunRecord, profile: Optional[Profile], at: Optional[str] = None) -> str:
     """Down's last action, as its plan shows it."""
     name = rec.name
-    if store_outlives(rec, profile):
+    if store_outlives(rec, profile, at):
         return (
             f"keep the run's record on this laptop, marked taken down, for its store: "
             f"`rgt pull {name}` fetches from it afterwards, `rgt down {name}` again forgets the "
@@ -44,11 +47,16 @@ def plan_line(rec: RunRecord, profile: Optional[Profile]) -> str:
 
 
 def settle(
-    rec: RunRecord, profile: Optional[Profile], registry: Registry, show: Callable[[str], None]
+    rec: RunRecord,
+    profile: Optional[Profile],
+    registry: Registry,
+    show: Callable[[str], None],
+    at: Optional[str] = None,
 ) -> str:
-    """Keep ``rec`` marked taken down, or remove it (module docstring); what was done."""
+    """Keep ``rec`` marked taken down, or remove it (module docstring); what was done. ``at``:
+    as for store_outlives."""
     name = rec.name
-    if store_outlives(rec, profile) and registry.mark_down(name) is not None:
+    if store_outlives(rec, profile, at) and registry.mark_down(name) is not None:
         show(
             f"run {name} is down; its record stays on this laptop for its store {rec.store}: "
             f"`rgt pull {name}` fetches from it, `rgt status {name}` reads it, "

@@ -11,8 +11,10 @@ directory (nothing on the box is followed; an absolute one under where the check
 when it is itself a link, as the box's lister says, is under the dir, as the seal resolves it),
 is a pulled checkpoint file or a directory of them is made, with that target relative to the
 link's directory and normalised (nothing absolute; '..' only as far as the directory both are
-in), as the restore makes it. A link below the top is made only in a directory a pulled file is
-in (no directory is made for a link), and never to a directory that holds it (a loop). Every
+in), as the restore makes it. A link below the top is made in its directory, made for it
+where no file pulled is in it (a checkpoint of links only, each to an older one's file), never
+in a directory that is a pulled file or a link, and never to a directory that holds it (a
+loop). Every
 other link (out of the dir, absolute elsewhere, a '..' escape, to nothing pulled, an odd name,
 one whose target the box could not read, one in the outputs) is left out, and named in the
 receipt's ``left_out`` so that ``rgt pull`` says so. Nothing here touches the laptop's files:
@@ -46,11 +48,12 @@ def judged(
     made: List[Tuple[str, str]] = []
     left: List[str] = []
     home = real.rstrip("/") + "/"
+    links = {rel for kind, _, rel, _ in listed if kind == "checkpoint"}
     for kind, final, rel, target in sorted(listed):
         named = target  # judged by name: an absolute path under ``real`` is one under ckpt
         if real and target.startswith(home):
             named = ckpt.rstrip("/") + "/" + target[len(home) :]
-        why = _why_not(kind, rel, named, ckpt, pulled)
+        why = _why_not(kind, rel, named, ckpt, pulled, links)
         if isinstance(why, tuple):
             made.append(why)
         else:
@@ -62,9 +65,10 @@ def judged(
 
 
 def _why_not(
-    kind: str, rel: str, target: str, ckpt: str, pulled: Set[str]
+    kind: str, rel: str, target: str, ckpt: str, pulled: Set[str], links: Set[str]
 ) -> Union[str, Tuple[str, str]]:
-    """(name, target) to make for one link, or why it is left out."""
+    """(name, target) to make for one link, or why it is left out; ``links``: the names of
+    every link listed in the checkpoint dir."""
     if kind == "output":
         return "a link in the outputs is not pulled (nor sealed at the job's end)"
     if kind != "checkpoint":
@@ -82,8 +86,11 @@ def _why_not(
     if mine in pulled or any(p.startswith(mine + "/") for p in pulled):
         return "it would take the place of a pulled file"
     here = "/".join(parts[:-1])  # the link's own directory, under the checkpoint dir
-    if here and not any(p.startswith(f"checkpoints/{here}/") for p in pulled):
-        return "no file pulled is in its directory"  # made, it would make a directory of its own
+    ups = ["/".join(parts[:i]) for i in range(1, len(parts))]  # it and the ones above it
+    if any(f"checkpoints/{d}" in pulled for d in ups):
+        return "its directory is a pulled file"
+    if any(d in links for d in ups):  # no real find prints both: never made through a link
+        return "its directory is a link"
     home = ckpt.rstrip("/") + "/"
     # By name only: what the target is on the box is never asked, nor followed.
     full = posixpath.normpath(target if target.startswith("/") else home + here + "/" + target)

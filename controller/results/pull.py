@@ -52,9 +52,9 @@ epochs named them, or pulled from a box without a store), and ``.rgt-receipt.jso
 them (onbox/sealing/dirlinks.py); one from an older pull is moved on, a file is never replaced.
 Without a store, the links in the box's checkpoint dir, at its top or below it, whose target
 (judged by name from the link's own directory) is a checkpoint file pulled or a directory of
-them are made the same way, each in its own directory; every other link the box holds (out of
-the dir, to nothing pulled, in the outputs) is left out and named in the receipt's ``left_out``
-(controller/results/boxlinks.py).
+them are made the same way, each in its own directory (made for it where no file pulled is in
+it); every other link the box holds (out of the dir, to nothing pulled, in the outputs) is left
+out and named in the receipt's ``left_out`` (controller/results/boxlinks.py).
 
 Every file lands first under ``DEST/.rgt-part/`` (named by its store key or its path on the
 box), so nothing unverified ever has a final name.
@@ -129,7 +129,7 @@ from controller.results.sealed import covers_newest, newest_sealed, read_sealed,
 from controller.results.transport import fetcher
 from controller.runstore import run_store_stall
 from onbox.common.errors import IntegrityError
-from onbox.common.safepath import unlink_beneath
+from onbox.common.safepath import open_dir, unlink_beneath
 from onbox.sealing import dirlinks
 from onbox.sealing.stores.base import target_error
 
@@ -325,6 +325,8 @@ def _make_links(sealed: Sealed, dest: str) -> Set[str]:
     for here, recorded in sorted(by_dir.items()):
         sub = f"checkpoints/{here}" if here else "checkpoints"
         try:
+            if here:  # a directory of links only (boxlinks.judged): made, never through a link
+                os.close(open_dir(dest, sub.split("/"), create=True))
             _, left = dirlinks.make(recorded, dest, sub, replace=True)
         except OSError as err:
             raise target_error(err, f"making the checkpoint links in {dest}/{sub}") from None

@@ -5,13 +5,15 @@ A checkpoint saved as a directory often shares a file with an older one by a lin
 without it, ``from_pretrained("step-200")`` fails on the laptop. Such a link is made when its
 target, judged by name from the link's own directory, is a pulled file or directory in the
 checkpoint dir; a link that leads out of it (a '..' escape, an absolute path, through another
-link), to nothing pulled, to a directory holding it, or in a directory nothing pulled is in, is
-left out and named. A real agent run, a real sshd on loopback.
+link), to nothing pulled, or to a directory holding it, is left out and named; a link in a
+directory no file pulled is in gets that directory made for it. A real agent run, a real sshd
+on loopback.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 from typing import Any, Iterator
 
@@ -20,6 +22,7 @@ import pytest
 from controller.remote import SshRemote
 from controller.results.pull import covers_newest, pull
 from controller.target import Target
+from onbox.common.safepath import UnsafePath
 from tests.conftest import Cli
 from tests.integration.test_pull import RUN, _finals, _read, _rec, _ssh_target
 from tests.sshd import SshServer
@@ -103,10 +106,14 @@ def test_links_below_the_top_of_the_checkpoint_dir_to_pulled_files_are_made_othe
         for name in ("self", "gone", "via"):
             assert f"checkpoints/step-200/{name} -> " in left, (name, left)
             assert not os.path.lexists(os.path.join(got, "step-200", name)), name
-        assert "checkpoints/only-links/model.dat -> " in left, left
+        # A directory of links only (a checkpoint that shares every file with an older one):
+        # its directory is made for it, not left out ("no file pulled is in its directory").
+        assert os.readlink(os.path.join(got, "only-links", "model.dat")) == "../step-100/model.dat"
+        assert _read(os.path.join(got, "only-links", "model.dat")) == b"weights 100"
+        assert "only-links" not in left, left
         assert "checkpoints/out-link -> " in left, left
-        assert not os.path.lexists(os.path.join(got, "only-links"))
-        assert len(receipt.sealed.left_out) == 9, left
+        assert len(receipt.sealed.left_out) == 8, left
+        assert receipt.not_covered == []
         home = os.path.realpath(dest) + os.sep
         for here, dirs, files in os.walk(dest):
             for name in dirs + files:
@@ -115,3 +122,10 @@ def test_links_below_the_top_of_the_checkpoint_dir_to_pulled_files_are_made_othe
                     assert os.path.realpath(path).startswith(home), (path, os.readlink(path))
         assert not any("secret" in p for p in _finals(dest))
         assert covers_newest(rec, receipt)
+    # The directory made for a link is never made through a link on the laptop: one planted
+    # there (to a directory outside DEST) is refused, and nothing lands where it leads.
+    shutil.rmtree(os.path.join(got, "only-links"))
+    os.symlink(str(elsewhere), os.path.join(got, "only-links"))
+    with pytest.raises(UnsafePath):
+        pull(rec, dest, "box")
+    assert sorted(os.listdir(elsewhere)) == ["secret.txt"]

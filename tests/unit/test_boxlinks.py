@@ -117,8 +117,8 @@ def test_hostile_links_below_the_top_are_left_out_with_why() -> None:
     assert "nothing pulled" in one("step_2/x", "../step_9.ckpt")
     assert "take the place of a pulled file" in one("step_2/model.pt", "../step_4.ckpt")
     assert "take the place of a pulled file" in one("step_2", "step_4.ckpt")
-    assert "no file pulled is in its directory" in one("only/x", "../step_4.ckpt")
-    assert "no file pulled is in its directory" in one("step_4.ckpt/x", "../step_4.ckpt")
+    assert "its directory is a pulled file" in one("step_4.ckpt/x", "../step_4.ckpt")
+    assert "its directory is a pulled file" in one("step_4.ckpt/y/x", "../../step_2")
     assert "hidden or temporary" in one("step_2/.git/x", "../../step_4.ckpt")
     assert "'..'" in one("step_2/../../x", "step_4.ckpt")
     assert "empty component" in one("step_2//x", "../step_4.ckpt")
@@ -131,3 +131,21 @@ def test_a_link_whose_target_the_box_could_not_read_is_left_out_saying_so() -> N
     line = _one("checkpoint", "step_2/last.pt", "")
     assert "could not be read on the box" in line, line
     assert "out of the checkpoint dir" not in line, line
+
+
+def test_a_link_in_a_directory_no_file_pulled_is_in_is_made_there() -> None:
+    """``only/x -> ../step_4.ckpt`` (a checkpoint of links only) was left out, "no file pulled is
+    in its directory": made now (its directory is made for it). A listing that also names
+    ``only`` as a link (no real find prints both) leaves ``only/x`` out, never made through it."""
+    made, left = judged(
+        [("checkpoint", "checkpoints/only/x", "only/x", "../step_4.ckpt")], CKPT, PULLED
+    )
+    assert (made, left) == ([("only/x", "../step_4.ckpt")], [])
+    listed = [
+        ("checkpoint", "checkpoints/only", "only", "step_2"),
+        ("checkpoint", "checkpoints/only/x", "only/x", "../step_4.ckpt"),
+    ]
+    made, left = judged(listed, CKPT, PULLED)
+    assert made == [("only", "step_2")]
+    (line,) = left
+    assert line.startswith("checkpoints/only/x -> ") and "its directory is a link" in line, line

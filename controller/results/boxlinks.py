@@ -7,8 +7,10 @@ seals (onbox/sealing/dirlinks.py), and a pull makes them again. Without one, the
 target as ``readlink`` gives it; the laptop judges each, as the seal would: a link in the
 checkpoint dir, at its top or below it (``step-200/tokenizer.json -> ../step-100/tokenizer.json``,
 a saver sharing a file between checkpoints), whose target, resolved by name from the link's own
-directory (nothing on the box is followed; an absolute one under where the checkpoint dir leads,
-when it is itself a link, as the box's lister says, is under the dir, as the seal resolves it),
+directory (nothing on the box is followed; where the checkpoint dir is itself a link, as the
+box's lister says, a relative target is resolved from where the link really is, as the box
+resolves its '..', and an absolute one under where the dir leads is under the dir, as the seal
+resolves it),
 is a pulled checkpoint file or a directory of them is made, with that target relative to the
 link's directory and normalised (nothing absolute; '..' only as far as the directory both are
 in), as the restore makes it. A link below the top is made in its directory, made for it
@@ -51,8 +53,13 @@ def judged(
     links = {rel for kind, _, rel, _ in listed if kind == "checkpoint"}
     for kind, final, rel, target in sorted(listed):
         named = target  # judged by name: an absolute path under ``real`` is one under ckpt
-        if real and target.startswith(home):
-            named = ckpt.rstrip("/") + "/" + target[len(home) :]
+        if real and target and not target.startswith("/"):
+            # The box resolves '..' from where the link's directory really is (the data disk
+            # the dir is linked to), not from the dir's name: so is it judged here.
+            here = posixpath.dirname(rel)
+            named = posixpath.normpath(posixpath.join(real, here, target))
+        if real and named.startswith(home):
+            named = ckpt.rstrip("/") + "/" + named[len(home) :]
         why = _why_not(kind, rel, named, ckpt, pulled, links)
         if isinstance(why, tuple):
             made.append(why)

@@ -36,6 +36,10 @@ with open(os.path.join(ckpt, "step_3.pt"), "wb") as f:
 os.symlink("step_3.pt", os.path.join(ckpt, "latest"))
 os.symlink(os.path.realpath(os.path.join(ckpt, "step_3.pt")), os.path.join(ckpt, "resolved"))
 os.symlink(elsewhere, os.path.join(ckpt, "escape"))
+# '..' from where the dir really is (the data disk's ckpt-disk), not from its name (ckpt)
+real = os.path.basename(os.path.realpath(ckpt))
+os.symlink("../" + real + "/step_3.pt", os.path.join(ckpt, "up-real"))
+os.symlink("../" + os.path.basename(ckpt) + "/step_3.pt", os.path.join(ckpt, "up-named"))
 os.makedirs("out/sub", exist_ok=True)
 with open("out/result.json", "w") as f:
     f.write('{"loss": 0.25}')
@@ -60,11 +64,11 @@ def test_outputs_and_a_checkpoint_dir_linked_to_a_data_disk_are_pulled_and_links
     output dir or a checkpoint dir that is a symlink listed nothing: the pull succeeded with
     the job's log only, no result and no checkpoint."""
     work, data, elsewhere = tmp_path / "work", tmp_path / "data", tmp_path / "elsewhere"
-    for d in (work, data / "out", data / "ckpt", elsewhere):
+    for d in (work, data / "out", data / "ckpt-disk", elsewhere):
         d.mkdir(parents=True)
     (elsewhere / "secret.txt").write_text("not the run's")
-    for name in ("out", "ckpt"):
-        (work / name).symlink_to(data / name)
+    (work / "out").symlink_to(data / "out")
+    (work / "ckpt").symlink_to(data / "ckpt-disk")
     (work / "job.py").write_text(_JOB)
     argv = [sys.executable, "job.py", str(elsewhere)]
     cli("run", "--name", RUN, "--ckpt-dir", str(work / "ckpt"), "--output", "out/", "--",
@@ -85,10 +89,14 @@ def test_outputs_and_a_checkpoint_dir_linked_to_a_data_disk_are_pulled_and_links
         # The links under the declared paths are not followed: those to the checkpoint are
         # made, relative (one names its real path on the data disk: the seal records it so);
         # the two to the directory elsewhere are left out and named.
-        for name in ("latest", "resolved"):
+        for name in ("latest", "resolved", "up-real"):
             assert os.readlink(os.path.join(dest, "checkpoints", name)) == "step_3.pt", name
         left = "\n".join(receipt.sealed.left_out)
         assert "checkpoints/escape ->" in left and "outputs/out/inner ->" in left, left
+        # A '..' is resolved where the linked dir really is, as the box resolves it: by its
+        # name (ckpt/../ckpt) "up-named" led into the dir; on the box, out of it (to nothing).
+        assert "checkpoints/up-named -> '../ckpt/step_3.pt': it leads out of" in left, left
+        assert not os.path.lexists(os.path.join(dest, "checkpoints", "up-named"))
         assert not any("secret" in p for p in _finals(dest))
         assert covers_newest(rec, receipt)
 

@@ -149,3 +149,19 @@ def test_a_link_in_a_directory_no_file_pulled_is_in_is_made_there() -> None:
     assert made == [("only", "step_2")]
     (line,) = left
     assert line.startswith("checkpoints/only/x -> ") and "its directory is a link" in line, line
+
+
+def test_a_relative_link_in_a_linked_checkpoint_dir_is_judged_from_where_it_really_is() -> None:
+    """The checkpoint dir (…/ckpt) is a link to /data/disk: the box resolves a link's '..' from
+    /data/disk, so ``../disk/step_4.ckpt`` leads into the dir and ``../ckpt/step_4.ckpt`` does
+    not; judged by the dir's name, it was the other way round."""
+    listed = [
+        ("checkpoint", "checkpoints/real", "real", "../disk/step_4.ckpt"),
+        ("checkpoint", "checkpoints/named", "named", "../ckpt/step_4.ckpt"),
+        ("checkpoint", "checkpoints/step_2/up", "step_2/up", "../step_4.ckpt"),
+    ]
+    made, left = judged(listed, CKPT, PULLED, "/data/disk")
+    assert made == [("real", "step_4.ckpt"), ("step_2/up", "../step_4.ckpt")]
+    assert left == [
+        "checkpoints/named -> '../ckpt/step_4.ckpt': it leads out of the checkpoint dir"
+    ]

@@ -53,8 +53,9 @@ them (onbox/sealing/dirlinks.py); one from an older pull is moved on, a file is 
 Without a store, the links in the box's checkpoint dir, at its top or below it, whose target
 (judged by name from the link's own directory, where it really is when the checkpoint dir is
 a link) is a checkpoint file pulled or a directory of them are made the same way, each in its
-own directory (made for it where no file pulled is in it); every other link the box holds (out of the dir, to nothing pulled, in the outputs) is left
-out and named in the receipt's ``left_out`` (controller/results/boxlinks.py).
+own directory (made for it where no file pulled is in it); every other link the box holds (out
+of the dir, to nothing pulled, in the outputs) is left out and named in the receipt's
+``left_out`` (controller/results/boxlinks.py).
 
 Every file lands first under ``DEST/.rgt-part/`` (named by its store key or its path on the
 box), so nothing unverified ever has a final name.

@@ -28,7 +28,7 @@ import pytest
 
 from onbox.agent import procfs
 from tests.conftest import Cli
-from tests.polling import wait
+from tests.polling import held_store, latest_step, wait
 
 RUN = "letgo"
 GRACE = "5"
@@ -48,14 +48,6 @@ while not os.path.exists(go):
 print("RuntimeError: CUDA error", file=sys.stderr, flush=True)
 sys.exit(3)
 """
-
-
-def _latest(root: str) -> Any:
-    try:
-        with open(os.path.join(root, RUN, "LATEST.json")) as f:
-            return json.load(f)["step"]
-    except FileNotFoundError:
-        return None
 
 
 def _events(cli: Cli, kind: str) -> List[Dict[str, Any]]:
@@ -101,7 +93,7 @@ def test_an_agent_letting_go_on_a_hung_store_exits_in_time_and_frees_the_run(
     _start(cli, tmp_path, root)
     cli.wait_state(RUN, "RUNNING")
     cli.wait_output(RUN, "ready")
-    wait(lambda: _latest(root) == 1, 60, "step 1 sealed")
+    wait(lambda: latest_step(root, RUN) == 1, 60, "step 1 sealed")
     pid = cli.status(RUN)["agent"]["pid"]
     agent = procfs.identity(pid)
     release.unlink()  # from here on the store hangs there
@@ -136,16 +128,11 @@ def test_a_preemption_while_the_sealing_thread_hangs_in_a_listing_says_what_it_w
     checkpoint is new) when a SIGTERM with a grace of 3 s comes, its stall bound (60 s) far
     past the grace: the final seal cannot begin, and seal_cut says where the thread was. Before
     the fix it said "an upload was still running", whatever the thread was doing."""
-    root = str(tmp_path / "store")
-    os.makedirs(root)
-    release, reached = tmp_path / "store-answers", tmp_path / "list-held"
-    release.write_text("")
-    cli.env.update(RGT_HOLD_AT="store.list", RGT_HOLD_UNTIL=str(release))
-    cli.env.update(RGT_HOLD_REACHED=str(reached))
+    root, release, reached = held_store(cli.env, tmp_path, "store.list", "list-held")
     _start(cli, tmp_path, root, stall="60s", grace="3")
     cli.wait_state(RUN, "RUNNING")
     cli.wait_output(RUN, "ready")
-    wait(lambda: _latest(root) == 1, 60, "step 1 sealed")
+    wait(lambda: latest_step(root, RUN) == 1, 60, "step 1 sealed")
     pid = cli.status(RUN)["agent"]["pid"]
     agent = procfs.identity(pid)
     release.unlink()  # from here on the store's listings hang

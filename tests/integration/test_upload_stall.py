@@ -40,7 +40,7 @@ from onbox.sealing.stores.base import Store
 from onbox.sealing.stores.hangbound import StoreHung
 from tests import seaweed
 from tests.conftest import Cli, agent_exe, require
-from tests.polling import wait
+from tests.polling import held_store, latest_step, wait
 from tests.sealsvc import old_box_sealer
 from tests.seaweed import start_seaweed
 
@@ -75,14 +75,6 @@ sys.exit(code)
 """
 
 
-def _latest(root: str) -> Any:
-    try:
-        with open(os.path.join(root, RUN, "LATEST.json")) as f:
-            return json.load(f)["step"]
-    except FileNotFoundError:
-        return None
-
-
 def _events(cli: Cli, kind: str) -> List[Dict[str, Any]]:
     return [e for e in cli.events(RUN) if e["kind"] == kind]
 
@@ -109,17 +101,12 @@ def test_an_agent_whose_checkpoint_upload_hangs_exits_in_time_and_frees_the_run(
     LATEST at step 1, exits within WAIT, and a new `rgt-agent start` of the run is not refused.
     Before the fix it stayed as long as the upload hung (the hold's 120 s): `rgt-agent stop`
     failed (exit 10, the lock still held)."""
-    root = str(tmp_path / "store")
-    os.makedirs(root)
-    release, reached = tmp_path / "store-answers", tmp_path / "upload-held"
-    release.write_text("")
-    cli.env.update(RGT_HOLD_AT="store.put_file", RGT_HOLD_UNTIL=str(release))
-    cli.env.update(RGT_HOLD_REACHED=str(reached))
+    root, release, reached = held_store(cli.env, tmp_path, "store.put_file", "upload-held")
     code = 0 if how == "success" else 3
     _start(cli, tmp_path, root, code)
     cli.wait_state(RUN, "RUNNING")
     cli.wait_output(RUN, "ready")
-    wait(lambda: _latest(root) == 1, 60, "step 1 sealed")
+    wait(lambda: latest_step(root, RUN) == 1, 60, "step 1 sealed")
     pid = cli.status(RUN)["agent"]["pid"]
     agent = procfs.identity(pid)
     release.unlink()  # from here on the store's uploads hang
@@ -140,7 +127,7 @@ def test_an_agent_whose_checkpoint_upload_hangs_exits_in_time_and_frees_the_run(
     finally:
         release.write_text("")  # the store answers again (the hold lets its threads go)
     assert cli.peek(RUN)["state"] == final[how]
-    assert _latest(root) == 1  # never a step whose upload was cut
+    assert latest_step(root, RUN) == 1  # never a step whose upload was cut
     assert not os.path.exists(os.path.join(root, RUN, "checkpoints", "2", "MANIFEST.json"))
     errors = _events(cli, "seal_error")
     if how != "preempt":  # a preemption's grace ends first: seal_cut, logs_not_sealed
@@ -154,7 +141,7 @@ def test_an_agent_whose_checkpoint_upload_hangs_exits_in_time_and_frees_the_run(
         assert any("rgt-agent start --name" in e["remedy"] for e in errors), errors
         cli("start", "--name", RUN, check=True, cwd=cli.home)
         cli.wait_over(RUN, "SUCCEEDED", timeout=60)
-        assert _latest(root) == 2 and os.path.exists(os.path.join(root, RUN, "DONE.json"))
+        assert latest_step(root, RUN) == 2 and os.path.exists(os.path.join(root, RUN, "DONE.json"))
         return
     (tmp_path / "go").write_text("")
     _start(cli, tmp_path, root, 3)  # the new attempt fails at once
@@ -169,12 +156,7 @@ def test_rgt_agent_run_whose_completion_seal_the_store_cuts_exits_14_without_a_t
     the run is left RUNNING with its results not sealed, and what to do. Before: exit 14 with
     the store's own line only, naming neither the run's state nor the start that completes
     it."""
-    root = str(tmp_path / "store")
-    os.makedirs(root)
-    release, reached = tmp_path / "store-answers", tmp_path / "upload-held"
-    release.write_text("")
-    cli.env.update(RGT_HOLD_AT="store.put_file", RGT_HOLD_UNTIL=str(release))
-    cli.env.update(RGT_HOLD_REACHED=str(reached))
+    root, release, reached = held_store(cli.env, tmp_path, "store.put_file", "upload-held")
     job_py, job = tmp_path / "job.py", tmp_path / "job.toml"
     job_py.write_text(JOB)
     argv = [sys.executable, str(job_py), str(tmp_path), "0"]
@@ -192,7 +174,7 @@ def test_rgt_agent_run_whose_completion_seal_the_store_cuts_exits_14_without_a_t
     )
     try:
         cli.wait_output(RUN, "ready")
-        wait(lambda: _latest(root) == 1, 60, "step 1 sealed")
+        wait(lambda: latest_step(root, RUN) == 1, 60, "step 1 sealed")
         release.unlink()  # from here on the store's uploads hang
         (tmp_path / "more").write_text("")
         wait(reached.exists, 60, "the agent held in step 2's upload")
@@ -323,4 +305,4 @@ def test_a_slow_upload_that_moves_is_not_cut_fake_slow_disk(
     t.join(WAIT)
     assert not t.is_alive() and not raised, raised
     assert len(pieces) * SLOW > BOUND  # the upload took longer than the bound: it moved
-    assert _latest(root) == 10
+    assert latest_step(root, RUN) == 10

@@ -291,29 +291,50 @@ def _in_the_way(path: str) -> str:
         p = parent
 
 
-def check_dest(dest: str, entries: List[Entry]) -> None:
+def check_dest(dest: str, entries: List[Entry], links: Iterable[str] = ()) -> None:
     """Before anything is fetched: no final name, nor a directory on the way to it, is a
-    symlink (UnsafePath, exit 6), a directory or a file in the way (UsageError)."""
+    symlink (UnsafePath, exit 6), a directory or a file in the way (UsageError). ``links``:
+    the names (under DEST/checkpoints) of the links the pull makes; the directory each is made
+    in, and every one on the way to it, is a directory or not there yet, never a symlink."""
     for e in entries:
-        try:
-            st = lstat_beneath(dest, e.path, "file")
-        except NotADirectoryError as err:
+        _check_final(dest, e.path)
+    for d in sorted({f"checkpoints/{n}".rpartition("/")[0] for n in links}):
+        st = _lstat(dest, d)
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise symlink_error(os.path.join(dest, *d.split("/")))
+        if st is not None and not stat.S_ISDIR(st.st_mode):
             raise UsageError(
                 "--to",
-                f"{_in_the_way(str(err.filename or dest))} is a file, where the pull needs a "
-                "directory",
-                "move that file away, or give --to a directory (or a new one's path) that is not "
-                "under a file",
-            ) from None
-        except OSError as err:  # e.g. a parent of --to this user cannot search
-            raise cannot(dest, err) from None
-        if st is None:
-            continue
-        final = os.path.join(dest, *e.path.split("/"))
-        if stat.S_ISLNK(st.st_mode):
-            raise symlink_error(final)
-        if stat.S_ISDIR(st.st_mode):
-            raise UsageError("--to", f"{final} is a directory; the pull would put a file there")
+                f"{os.path.join(dest, *d.split('/'))} is a file, where the pull makes links",
+                "move that file away, or pull to another directory",
+            )
+
+
+def _check_final(dest: str, path: str) -> None:
+    st = _lstat(dest, path)
+    if st is None:
+        return
+    final = os.path.join(dest, *path.split("/"))
+    if stat.S_ISLNK(st.st_mode):
+        raise symlink_error(final)
+    if stat.S_ISDIR(st.st_mode):
+        raise UsageError("--to", f"{final} is a directory; the pull would put a file there")
+
+
+def _lstat(dest: str, path: str) -> Optional[os.stat_result]:
+    """``lstat_beneath``, its errors said as check_dest's: a file on the way (UsageError), a
+    symlink on the way (UnsafePath), any other (HostError)."""
+    try:
+        return lstat_beneath(dest, path, "file")
+    except NotADirectoryError as err:
+        raise UsageError(
+            "--to",
+            f"{_in_the_way(str(err.filename or dest))} is a file, where the pull needs a directory",
+            "move that file away, or give --to a directory (or a new one's path) that is not "
+            "under a file",
+        ) from None
+    except OSError as err:  # e.g. a parent of --to this user cannot search
+        raise cannot(dest, err) from None
 
 
 def place(

@@ -226,7 +226,7 @@ def _pull(
     stall: float,
 ) -> Receipt:
     stage_dir = os.path.join(dest, STAGE)
-    destination.check_dest(dest, sealed.entries)
+    destination.check_dest(dest, sealed.entries, (n for n, _ in sealed.ident.links))
     destination.refuse_other_runs_pull(rec.name, dest)
     # One temporary file per source file: entries that share one (a deduplicated key) agree.
     unique: Dict[str, Entry] = {}

@@ -15,12 +15,14 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-from typing import Any, Iterator
+from typing import Any, Dict, Iterator, Tuple
 
 import pytest
 
 from controller.remote import SshRemote
+from controller.results.entries import STAGE
 from controller.results.pull import covers_newest, pull
+from controller.results.receipt import receipt_path
 from controller.target import Target
 from onbox.common.safepath import UnsafePath
 from tests.conftest import Cli
@@ -123,9 +125,29 @@ def test_links_below_the_top_of_the_checkpoint_dir_to_pulled_files_are_made_othe
         assert not any("secret" in p for p in _finals(dest))
         assert covers_newest(rec, receipt)
     # The directory made for a link is never made through a link on the laptop: one planted
-    # there (to a directory outside DEST) is refused, and nothing lands where it leads.
+    # there (to a directory outside DEST) is refused, and nothing lands where it leads. It is
+    # refused before anything is fetched (no stage made) or changed: the older pull's receipt
+    # and files stay as they were (before, they were replaced and the receipt removed first).
     shutil.rmtree(os.path.join(got, "only-links"))
     os.symlink(str(elsewhere), os.path.join(got, "only-links"))
-    with pytest.raises(UnsafePath):
+    before = _snapshot(dest)
+    with open(receipt_path(dest), "rb") as f:
+        older = f.read()
+    with pytest.raises(UnsafePath, match="only-links is a symlink"):
         pull(rec, dest, "box")
     assert sorted(os.listdir(elsewhere)) == ["secret.txt"]
+    assert not os.path.lexists(os.path.join(dest, STAGE))
+    assert _snapshot(dest) == before
+    with open(receipt_path(dest), "rb") as f:
+        assert f.read() == older
+
+
+def _snapshot(dest: str) -> Dict[str, Tuple[int, int]]:
+    """Each name under ``dest`` (links not followed): its inode and mtime, which a file
+    replaced or rewritten changes."""
+    got: Dict[str, Tuple[int, int]] = {}
+    for here, dirs, files in os.walk(dest):
+        for name in dirs + files:
+            st = os.lstat(os.path.join(here, name))
+            got[os.path.relpath(os.path.join(here, name), dest)] = (st.st_ino, st.st_mtime_ns)
+    return got

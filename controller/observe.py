@@ -234,15 +234,15 @@ def describe(doc: Dict[str, Any], why_not_box: Optional[str] = None) -> str:
         lines.append(f"  {doc['in_effect'].get('note')}")
     elif doc.get("latest"):
         lines.append(f"  newest sealed: step {doc['latest'].get('step')}")
-    if doc.get("last_exit"):
-        le = doc["last_exit"]  # kept across attempts: say whose it is
+    if le := doc.get("last_exit"):  # kept across attempts: say whose it is
         of = ", ".join(
             f"{k} {le[k]}" if k == "attempt" else f"at {le[k]}"
             for k in ("attempt", "at")
             if le.get(k) is not None
         )
         head = f"  last exit ({of})" if of else "  last exit"
-        lines.append(f"{head}: {le.get('kind')}: {le.get('reason', '')}".rstrip(": "))
+        said = f"{head}: {le.get('kind')}: {le.get('reason', '')}".rstrip(": ")
+        lines.append(said + (f" ({le['remedy']})" if le.get("remedy") else ""))  # what to do
     lines += [f"  warning: {line}" for line in warning_lines(doc)]
     lines += [f"  {line}" for line in health_lines(doc, _box_now(doc))]
     # Names, states, steps, metrics and reasons are the box's words (its agent's status, its

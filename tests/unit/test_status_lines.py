@@ -62,3 +62,30 @@ def test_watch_shows_a_restored_step_as_restored_from_the_store() -> None:
     console = Console(record=True, width=200)
     console.print(render(_restored_doc(), None, None))
     assert "step 40, restored from the store 1m00s ago" in console.export_text()
+
+
+def test_the_last_exit_says_its_remedy_where_it_has_one() -> None:
+    """A success whose completion seal the store cut is left RUNNING, its last exit the success
+    whose results are not sealed, its remedy the start that completes it. Before: `rgt status`
+    said why and never what to do (``rgt-agent status`` did)."""
+    doc: Dict[str, Any] = {
+        "name": "gpt",
+        "state": "RUNNING",
+        "attempt": 1,
+        "job_alive": False,
+        "read_at": "2026-12-06T13:00:00Z",
+        "last_exit": {
+            "attempt": 1,
+            "kind": "success",
+            "reason": "exited with code 0; its results are not sealed (no DONE.json)",
+            "remedy": "`rgt-agent start --name gpt` once the store answers",
+        },
+    }
+    last: Dict[str, Any] = doc["last_exit"]
+    lines = describe(doc).splitlines()
+    assert (
+        "  last exit (attempt 1): success: exited with code 0; its results are not sealed "
+        "(no DONE.json) (`rgt-agent start --name gpt` once the store answers)"
+    ) in lines, lines
+    del last["remedy"]  # none: nothing added
+    assert describe(doc).splitlines()[-1].endswith("(no DONE.json)"), describe(doc)

@@ -5,6 +5,11 @@ out with its reason, never made; a link to a pulled checkpoint is made relative.
 
 from __future__ import annotations
 
+import os
+import subprocess
+from typing import Any
+
+import controller
 from controller.results.boxlinks import MAX_NAMED, judged
 
 CKPT = "/box/runs/r1/ckpt"
@@ -165,3 +170,30 @@ def test_a_relative_link_in_a_linked_checkpoint_dir_is_judged_from_where_it_real
     assert left == [
         "checkpoints/named -> '../ckpt/step_4.ckpt': it leads out of the checkpoint dir"
     ]
+
+
+def test_the_box_lister_gives_a_link_readlink_fails_on_an_empty_target_and_goes_on_fake_readlink(
+    tmp_path: Any,
+) -> None:
+    """controller/shell/boxfiles.sh run here under sh, with a fake readlink that fails (as one
+    does on a link removed since find saw it): the link comes out with an empty target (what
+    judged says "could not be read on the box" of), the files still listed, exit 0."""
+    ck, bin_dir = tmp_path / "ck", tmp_path / "bin"
+    ck.mkdir()
+    bin_dir.mkdir()
+    (ck / "a").write_bytes(b"hi\n")
+    os.symlink("a", ck / "l")
+    (bin_dir / "readlink").write_text("#!/bin/sh\nexit 1\n")
+    (bin_dir / "readlink").chmod(0o755)
+    script = os.path.join(os.path.dirname(controller.__file__), "shell", "boxfiles.sh")
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    got = subprocess.run(
+        ["sh", script, "checkpoint", str(ck)], env=env, capture_output=True, timeout=60
+    )
+    assert got.returncode == 0, got
+    fields = got.stdout.decode().split("\0")
+    records = [fields[i : i + 4] for i in range(0, len(fields) - 1, 4)]  # in find's order
+    assert ["link", "checkpoint", "", str(ck / "l")] in records, records
+    assert [(r[0], r[2], r[3]) for r in records if r[0] != "link"] == [
+        ("checkpoint", "3", str(ck / "a"))
+    ], records

@@ -277,9 +277,16 @@ def unreadable(
     nothing, where the document is, and what to do: the document's own remedy where it has
     one (``so``: what the command leaves be)."""
     where = f"the store {rec.store}" if rec.store else "the box's run directory"
-    look = e.remedy or f"look at the document it names in {where}: damaged, or not rgt's"
+    what, look = cannot_read(where, e)
     return IntegrityError(
-        f"run {rec.name}: rgt {command} did nothing: the run's sealed state in {where} cannot "
-        f"be read: {e.what}",
+        f"run {rec.name}: rgt {command} did nothing: {what}",
         f"{look} (`rgt {other} {rec.name}` refuses it too); {so} while it cannot be read",
     )
+
+
+def cannot_read(where: str, e: IntegrityError) -> Tuple[str, str]:
+    """(what, what to do) of ``e``, a document of the run's sealed state in ``where`` (the
+    store URL, the box's run directory) that cannot be read, as pull, down and reconcile say
+    it: what is wrong with it, and the document's own remedy where it has one."""
+    look = e.remedy or f"look at the document it names in {where}: damaged, or not rgt's"
+    return f"the run's sealed state in {where} cannot be read: {e.what}", look

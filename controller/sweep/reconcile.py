@@ -52,7 +52,7 @@ from controller.results.documents import from_documents, store_get, store_listin
 from controller.results.entries import Entry, stage_path
 from controller.results.hashing import file_sha
 from controller.results.loadcheck import check_format
-from controller.results.sealed import has_trace, no_trace_what, wrong_store
+from controller.results.sealed import cannot_read, has_trace, no_trace_what, wrong_store
 from controller.results.transport import fetch_store
 from controller.runstore import open_sweep_store, sweep_store_stall
 from controller.sweep import record
@@ -179,8 +179,11 @@ def check_run(
 
     try:
         ident, entries = from_documents(run, get, functools.partial(store_listing, store, run))
-    except IntegrityError as err:
-        return "unverified", err.what
+    except IntegrityError as err:  # said as pull says it: which store, why, what to do
+        # No pair around what to do: a document's own remedy may hold one, and the gate's
+        # line (what (remedy)) holds the reason inside the CLI's.
+        what, look = cannot_read(f"the store {where or store.url}", err)
+        return "unverified", f"{what}; what to do: {look}"
     if ident.missing_outputs:
         missing = ", ".join(ident.missing_outputs)
         return "unverified", f"declared output(s) {missing} missing when the job succeeded"

@@ -17,6 +17,8 @@ from typing import Any, Dict, Tuple
 from controller.registry import Registry, RunRecord
 from controller.sweep import record
 from controller.sweep.plan import load_plan
+from controller.sweep.reconcile import check_run
+from onbox.sealing import manifest as mf
 from onbox.sealing.epochs import take_epoch
 from onbox.sealing.stores import open_store
 from tests.integration.test_store_hung import _bounded
@@ -109,3 +111,23 @@ def test_rgt_down_gated_on_a_hung_store_says_its_remedy_without_nesting_parenthe
     assert "Traceback" not in err, err
     line = next(ln for ln in err.splitlines() if "did not answer for 2s" in ln)
     assert "check the mount and its server" in line and nesting(line) == 1, line
+
+
+def test_a_cell_whose_done_json_cannot_be_read_says_why_and_what_to_do(tmp_path: Any) -> None:
+    """A cell whose DONE.json in the store is not valid JSON is unverified, its reason saying
+    as `rgt pull` does that the run's sealed state in that store cannot be read, and what to
+    do (controller/results/sealed.py ``cannot_read``). Before: only the document's own error
+    ("r1/DONE.json is not valid JSON"), no store, no remedy."""
+    root = tmp_path / "durable"
+    root.mkdir()
+    url = f"file://{root}"
+    store = open_store(url)
+    store.put_bytes(mf.done_key("r1"), b"{not json")
+    work = tmp_path / "work"
+    work.mkdir()
+    verdict, reason = check_run(store, "r1", False, str(work))
+    assert verdict == "unverified", reason
+    assert f"the run's sealed state in the store {url} cannot be read: " in reason, reason
+    assert "DONE.json" in reason and "not valid JSON" in reason, reason
+    assert f"what to do: look at the document it names in the store {url}" in reason, reason
+    assert nesting(reason) == 0, reason  # the gate's line shows it inside the CLI's pair

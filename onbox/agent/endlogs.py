@@ -126,6 +126,20 @@ def logs_not_sealed(event: Callable[..., None], why: str) -> None:
     )
 
 
+def checkpoint_not_asked(seal: SealService) -> None:
+    """A preemption with no budget to seal anything (a grace of 0): a checkpoint asked for now
+    could only be half-sealed when SIGKILL comes, and the job's last moments go to its own
+    exit, so none is asked for, and that is said."""
+    latest = seal.sealer.latest if seal.sealer is not None else "none"
+    event = seal.event
+    event(
+        "checkpoint_not_asked",
+        f"preemption with no grace left to seal a final checkpoint; LATEST stays at step {latest}",
+        klass="transient",
+        remedy="give the run a longer grace (--grace) where the platform allows it",
+    )
+
+
 def seal_cut(seal: SealService, reason: str) -> None:
     """The final seal of a stop or a preemption not begun: the sealing thread was still where
     its ``phase`` says (an upload, a listing, the mirror) when the budget ended."""

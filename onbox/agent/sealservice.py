@@ -34,7 +34,7 @@ from typing import Any, Callable, Dict, List, Optional
 from onbox.agent.budgetseal import seal_in_budget
 from onbox.agent.ckptwatch import watch
 from onbox.agent.completion import Completion
-from onbox.agent.endlogs import logs_at_end, logs_in_grace, seal_cut
+from onbox.agent.endlogs import checkpoint_not_asked, logs_at_end, logs_in_grace, seal_cut
 from onbox.agent.interval import AutoInterval, load_history
 from onbox.agent.journal import FileJournal, read_events
 from onbox.agent.meter import final_seal
@@ -384,16 +384,7 @@ class SealService(Hooks):
         if reason != "preempt":
             return
         if deadline - MARGIN <= time.monotonic():
-            # No budget to seal anything (grace 0): a checkpoint asked for now could only be
-            # half-sealed when SIGKILL comes, and the job's last moments go to its own exit.
-            self.event(
-                "checkpoint_not_asked",
-                "preemption with no grace left to seal a final checkpoint; LATEST stays at "
-                f"step {self.sealer.latest if self.sealer is not None else 'none'}",
-                klass="transient",
-                remedy="give the run a longer grace (--grace) where the platform allows it",
-            )
-            return
+            return checkpoint_not_asked(self)  # no budget to seal anything (grace 0)
         self.ask_job("preemption")
 
     def before_terminal(self, reason: str, deadline: float) -> None:
@@ -450,7 +441,11 @@ class SealService(Hooks):
         if self._thread is None:
             return False
         stopped = self._stop.is_set()
-        if not self._stop_thread(self._grace_end):
+        # Past a grace the thread gets the final mirror's margin to end its pass (a SIGTERM
+        # just after a seal finds it about to mirror), or the store's state is left older.
+        if not self._stop_thread(
+            None if self._grace_end is None else self._grace_end + self._margin
+        ):
             return self.logs_sealed  # a preemption's seal_cut said it: the grace is over
         # A frozen run (a NaN loss) leaves its newer checkpoints unsealed: LATEST stays good.
         if not stopped and self.sealer is not None and self.frozen_above is None:
@@ -461,6 +456,11 @@ class SealService(Hooks):
         changed = self.sealer is not None and logs_at_end(self, ended)
         self.mirror_quietly(health=True, final=True)
         return changed or self.logs_sealed
+
+    @property
+    def _margin(self) -> float:
+        """How long past a grace the letting go may mirror the final state."""
+        return min(MARGIN, self.spec.restore_stall)
 
     def _within(self, until: Optional[float]) -> float:
         """The bound of a store call of the letting go: ``[store] stall``, and never past
@@ -481,7 +481,7 @@ class SealService(Hooks):
         health = health and self._grace_end is None
         bound = self._within(until)
         if final and self._grace_end is not None:
-            bound = max(bound, min(MARGIN, self.spec.restore_stall))
+            bound = max(bound, self._margin)
         if bound <= 0:
             return
         try:

@@ -44,6 +44,7 @@ LONGEST_FIRST = (
     "integration/test_sweep.py",
     "integration/test_deploy.py",
     "integration/test_exact_frameworks.py",
+    "integration/test_goodput_short.py",
     "integration/test_smoke.py",
     "integration/test_install.py",
     "integration/test_agent_lifecycle.py",
@@ -55,6 +56,10 @@ LONGEST_FIRST = (
     "integration/test_restore_fallback.py",
     "chaos/test_two_writers.py",
     "integration/test_report.py",
+    "integration/test_rank_verify.py",
+    "integration/test_preempted_logs.py",
+    "integration/test_upload_stall.py",
+    "integration/test_left_release.py",
 )
 
 

@@ -1,12 +1,12 @@
 """Waiting in tests for what a real process does by itself: a predicate polled until it holds,
-bounded; the step a ``file://`` store's LATEST.json names; a store held at a hook."""
+bounded, and the step a ``file://`` store's LATEST.json names."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Optional
 
 
 def wait(
@@ -35,16 +35,3 @@ def latest_step(root: str, run: str) -> Optional[int]:
             return int(json.load(f)["step"])
     except (OSError, ValueError, KeyError):
         return None
-
-
-def held_store(env: Dict[str, str], tmp: Any, at: str, reached: str) -> Tuple[str, Any, Any]:
-    """A ``file://`` store's directory under ``tmp`` whose agent (run with ``env``) will hang
-    at the hold point ``at`` (onbox/common/faults.py) once the returned ``release`` file is
-    removed, and let go once it is written again; the agent writes ``tmp/reached`` when it
-    starts waiting there: (the store's root, release, reached)."""
-    root = os.path.join(str(tmp), "store")
-    os.makedirs(root)
-    release, held = tmp / "store-answers", tmp / reached
-    release.write_text("")
-    env.update(RGT_HOLD_AT=at, RGT_HOLD_UNTIL=str(release), RGT_HOLD_REACHED=str(held))
-    return root, release, held

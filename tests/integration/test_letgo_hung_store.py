@@ -20,15 +20,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
 from typing import Any, Dict, List
 
 import pytest
 
-from onbox.agent import procfs
 from tests.conftest import Cli
-from tests.polling import held_store, latest_step, wait
+from tests.heldstore import end_while_held, held_store, running_with_step_one
+from tests.polling import wait
 
 RUN = "letgo"
 GRACE = "5"
@@ -91,24 +90,10 @@ def test_an_agent_letting_go_on_a_hung_store_exits_in_time_and_frees_the_run(
     release.write_text("")
     cli.env.update(RGT_HOLD_AT=hold, RGT_HOLD_UNTIL=str(release))
     _start(cli, tmp_path, root)
-    cli.wait_state(RUN, "RUNNING")
-    cli.wait_output(RUN, "ready")
-    wait(lambda: latest_step(root, RUN) == 1, 60, "step 1 sealed")
-    pid = cli.status(RUN)["agent"]["pid"]
-    agent = procfs.identity(pid)
+    pid, agent = running_with_step_one(cli, RUN, root)
     release.unlink()  # from here on the store hangs there
     final = {"fail": "FAILED", "stop": "STOPPED", "preempt": "PREEMPTED"}[how]
-    if how == "fail":
-        (tmp_path / "go").write_text("")
-    elif how == "stop":
-        p = cli("stop", RUN, "--grace", "1", timeout=WAIT + 30)
-        assert p.returncode == 0, (p.stdout, p.stderr)
-    else:
-        os.kill(pid, signal.SIGTERM)
-    try:
-        wait(lambda: not procfs.is_alive(agent), WAIT, f"the agent (pid {pid}) to exit")
-    finally:
-        release.write_text("")  # the store answers again (the hold lets its threads go)
+    end_while_held(cli, RUN, tmp_path, how, pid, agent, release, WAIT)
     assert cli.peek(RUN)["state"] == final
     errors = _events(cli, "seal_error")
     said = ("did not answer", "not asked", "took nothing")  # a call, or an upload that hung
@@ -130,18 +115,10 @@ def test_a_preemption_while_the_sealing_thread_hangs_in_a_listing_says_what_it_w
     the fix it said "an upload was still running", whatever the thread was doing."""
     root, release, reached = held_store(cli.env, tmp_path, "store.list", "list-held")
     _start(cli, tmp_path, root, stall="60s", grace="3")
-    cli.wait_state(RUN, "RUNNING")
-    cli.wait_output(RUN, "ready")
-    wait(lambda: latest_step(root, RUN) == 1, 60, "step 1 sealed")
-    pid = cli.status(RUN)["agent"]["pid"]
-    agent = procfs.identity(pid)
+    pid, agent = running_with_step_one(cli, RUN, root)
     release.unlink()  # from here on the store's listings hang
     wait(reached.exists, 60, "the sealing thread held in a listing")
-    os.kill(pid, signal.SIGTERM)
-    try:
-        wait(lambda: not procfs.is_alive(agent), WAIT, f"the agent (pid {pid}) to exit")
-    finally:
-        release.write_text("")
+    end_while_held(cli, RUN, tmp_path, "preempt", pid, agent, release, WAIT)
     assert cli.peek(RUN)["state"] == "PREEMPTED"
     [cut] = _events(cli, "seal_cut")
     assert "the sealing thread was still " in cut["reason"], cut

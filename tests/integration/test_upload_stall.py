@@ -33,14 +33,14 @@ from typing import Any, Dict, List
 
 import pytest
 
-from onbox.agent import procfs
 from onbox.common.errors import StoreError
 from onbox.sealing.stores import filecopy, open_store
 from onbox.sealing.stores.base import Store
 from onbox.sealing.stores.hangbound import StoreHung
 from tests import seaweed
 from tests.conftest import Cli, agent_exe, require
-from tests.polling import held_store, latest_step, wait
+from tests.heldstore import end_while_held, held_store, running_with_step_one
+from tests.polling import latest_step, wait
 from tests.sealsvc import old_box_sealer
 from tests.seaweed import start_seaweed
 
@@ -104,28 +104,14 @@ def test_an_agent_whose_checkpoint_upload_hangs_exits_in_time_and_frees_the_run(
     root, release, reached = held_store(cli.env, tmp_path, "store.put_file", "upload-held")
     code = 0 if how == "success" else 3
     _start(cli, tmp_path, root, code)
-    cli.wait_state(RUN, "RUNNING")
-    cli.wait_output(RUN, "ready")
-    wait(lambda: latest_step(root, RUN) == 1, 60, "step 1 sealed")
-    pid = cli.status(RUN)["agent"]["pid"]
-    agent = procfs.identity(pid)
+    pid, agent = running_with_step_one(cli, RUN, root)
     release.unlink()  # from here on the store's uploads hang
     (tmp_path / "more").write_text("")
     wait(reached.exists, 60, "the agent held in step 2's upload")
     # A success whose completion seal the store cut is not SUCCEEDED: no DONE.json, the run
     # left to its next agent (as after a crash before DONE.json: test_completion.py).
     final = {"fail": "FAILED", "stop": "STOPPED", "preempt": "PREEMPTED", "success": "RUNNING"}
-    if how in ("fail", "success"):
-        (tmp_path / "go").write_text("")
-    elif how == "stop":
-        p = cli("stop", RUN, "--grace", "1", timeout=WAIT + 30)
-        assert p.returncode == 0, (p.stdout, p.stderr)
-    else:
-        os.kill(pid, signal.SIGTERM)
-    try:
-        wait(lambda: not procfs.is_alive(agent), WAIT, f"the agent (pid {pid}) to exit")
-    finally:
-        release.write_text("")  # the store answers again (the hold lets its threads go)
+    end_while_held(cli, RUN, tmp_path, how, pid, agent, release, WAIT)
     assert cli.peek(RUN)["state"] == final[how]
     assert latest_step(root, RUN) == 1  # never a step whose upload was cut
     assert not os.path.exists(os.path.join(root, RUN, "checkpoints", "2", "MANIFEST.json"))

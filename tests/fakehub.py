@@ -25,7 +25,11 @@ spaces.
 
 Faults: ``refuse_token``, ``fail_next`` (an HTTP status for the next matching requests),
 ``corrupt_next_commit`` (the next commit of a path stores other bytes, as a faulty Hub would),
-``before_next_commit`` (run something, e.g. a competing ``write``, just before a commit).
+``before_next_commit`` (run something, e.g. a competing ``write``, just before a commit),
+``hold_uploads`` (the storage takes the first bytes of an LFS upload, then reads and answers
+nothing: a Hub that stopped answering mid-upload; ``release_uploads`` closes those connections),
+``slow_uploads`` (the storage reads each upload a piece at a time, pausing between: a slow link
+that still moves).
 """
 
 from __future__ import annotations
@@ -37,11 +41,14 @@ import http.server
 import json
 import re
 import secrets
+import socket
 import threading
+import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 LFS_THRESHOLD = 10 * 1024 * 1024  # the Hub keeps larger files (and binary ones) in LFS
+HELD_TAKE = 64 * 1024  # what a held upload takes before the storage stops reading it
 LFS_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".safetensors", ".pkl", ".npy", ".h5")
 GITATTRIBUTES = (
     b"*.bin filter=lfs diff=lfs merge=lfs -text\n*.pt filter=lfs diff=lfs merge=lfs -text\n"
@@ -138,6 +145,10 @@ class FakeHub:
         self._faults: List[_Fault] = []
         self._corrupt: List[str] = []
         self._before_commit: List[Callable[[], object]] = []
+        self._held: Optional[threading.Event] = None  # set: the held uploads are let go
+        self.upload_held = threading.Event()  # set once an upload is held
+        self._slow: Optional[Tuple[int, float]] = None  # (piece, pause) of slow uploads
+        self.slow_pieces = 0  # pieces the slow uploads were read in
         self._tickets: Dict[str, Tuple[str, str, int]] = {}  # upload ticket -> (repo, oid, size)
         self._cdn: Dict[str, bytes] = {}  # download ticket -> bytes
         self._servers: List[http.server.ThreadingHTTPServer] = []
@@ -196,6 +207,26 @@ class FakeHub:
         """Run ``fn`` when the next commit request arrives, before it is looked at."""
         with self.lock:
             self._before_commit.append(fn)
+
+    def hold_uploads(self) -> None:
+        """From now on the storage reads the first HELD_TAKE bytes of each upload, then nothing
+        more, and answers nothing, until ``release_uploads``; ``upload_held`` is set once one
+        is held."""
+        with self.lock:
+            self._held = threading.Event()
+
+    def release_uploads(self) -> None:
+        """The held uploads' connections are closed unanswered; later uploads are taken."""
+        with self.lock:
+            held, self._held = self._held, None
+        if held is not None:
+            held.set()
+
+    def slow_uploads(self, piece: int, pause: float) -> None:
+        """From now on the storage reads each upload ``piece`` bytes at a time, ``pause``
+        seconds apart; ``slow_pieces`` counts the pieces."""
+        with self.lock:
+            self._slow = (piece, pause)
 
     def create_repo(self, repo_id: str, private: bool = True) -> FakeRepo:
         owner, name = repo_id.split("/")
@@ -268,7 +299,40 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         hub: FakeHub = self.server.hub  # type: ignore[attr-defined]
         return hub
 
+    def _held(self) -> bool:
+        """An upload to the storage while uploads are held: its first bytes taken, then held
+        until released, and its connection closed unanswered (True)."""
+        role: str = self.server.role  # type: ignore[attr-defined]
+        with self.hub.lock:
+            held = self.hub._held
+        if role != "storage" or self.command != "PUT" or held is None:
+            return False
+        self.rfile.read(min(HELD_TAKE, int(self.headers.get("Content-Length") or 0)))
+        self.hub.upload_held.set()
+        held.wait()
+        self.close_connection = True
+        return True
+
+    def _slow_body(self, piece: int, pause: float) -> bytes:
+        # A small receive buffer of a fixed size (the kernel's would grow to megabytes): what
+        # the client has sent and the storage not yet read stays small.
+        self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)
+        out = bytearray()
+        left = int(self.headers.get("Content-Length") or 0)
+        while left > 0:
+            b = self.rfile.read(min(piece, left))
+            if not b:
+                break
+            out += b
+            left -= len(b)
+            self.hub.slow_pieces += 1
+            time.sleep(pause)
+        return bytes(out)
+
     def _body(self) -> bytes:
+        slow = self.hub._slow
+        if slow is not None and self.server.role == "storage":  # type: ignore[attr-defined]
+            return self._slow_body(*slow)
         if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
             out = bytearray()
             while True:
@@ -320,6 +384,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def _dispatch(self) -> None:
         parts = urlsplit(self.path)
         role: str = self.server.role  # type: ignore[attr-defined]
+        if self._held():
+            return
         body = self._body() if self.command in ("POST", "PUT") else b""
         try:
             status = self.hub._take_fault(self.command, parts.path)

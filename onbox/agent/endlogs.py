@@ -226,8 +226,8 @@ def logs_at_end(seal: SealService, ended: str) -> bool:
     """The logs of a run that ended FAILED or STOPPED, to the store, each call bounded by
     ``[store] stall`` (a hung mount must not keep the agent, and the run's lock, for ever);
     an error said, never raised (the agent must still let go of the run). The uploads of the
-    logs are copies, which that bound does not watch (hangbound.py: a file:// or S3 store's
-    are cut when they move nothing for it, the Hub's are not): the seal as a whole gets
+    logs are copies, which that bound does not watch (hangbound.py: they are cut when they
+    move nothing for it, on every store, the Hub's too): the seal as a whole gets
     the sum of its calls' bounds (a log's upload, and four calls for the documents: two
     listings, two puts), and one not done by then is left to a daemon thread and said, as
     ``in_grace`` leaves a preemption's."""

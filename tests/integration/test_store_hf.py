@@ -1,9 +1,10 @@
 """The hf:// store against a FAKE Hub (tests/fakehub.py): real HTTP on loopback, real
 huggingface_hub. Every test here uses the fake, and says so in its name.
 
-huggingface_hub uploads with Xet when hf_xet is installed; the fake speaks the LFS protocol only,
-so the fixture turns Xet off (HF_HUB_DISABLE_XET, as a user can). The Xet path is covered by the
-opt-in test against the real Hub (tests/optin/test_store_hf_real.py).
+The store's uploads of files take huggingface_hub's LFS protocol (onbox/sealing/stores/hfmoved.py);
+its downloads use Xet when hf_xet is installed, which the fake does not speak, so the fixture
+turns Xet off (HF_HUB_DISABLE_XET, as a user can). The Xet path is covered by the opt-in test
+against the real Hub (tests/optin/test_store_hf_real.py).
 """
 
 from __future__ import annotations

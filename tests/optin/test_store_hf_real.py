@@ -3,8 +3,10 @@
 Collected only with RGT_HF_TESTS=1 and HF_TOKEN set to a write token; otherwise the whole module
 is skipped, under CI=true too (nothing here is a service CI is expected to have). It uses the
 private repo RGT_HF_TEST_REPO (default: YOU/rgt-store-test, created if missing), works under a
-fresh prefix and deletes that prefix at the end. Uploads go the way huggingface_hub picks (Xet
-when hf_xet is installed): the path the fake Hub of tests/integration/test_store_hf.py cannot take.
+fresh prefix and deletes that prefix at the end. Files go up by the LFS protocol
+(onbox/sealing/stores/hfmoved.py; a Xet-backed repo moves them into Xet itself), downloads the
+way huggingface_hub picks (Xet when hf_xet is installed): what the fake Hub of
+tests/integration/test_store_hf.py cannot do.
 
     RGT_HF_TESTS=1 HF_TOKEN=hf_... .venv/bin/pytest -q tests/optin/test_store_hf_real.py
 """
@@ -32,7 +34,7 @@ from onbox.sealing.stores import open_store
 from onbox.sealing.stores.base import PreconditionFailed
 from onbox.sealing.stores.hf import HFStore
 
-# Without hf_xet, huggingface_hub 2.4 hands httpx2 a file object for LFS uploads (deprecated).
+# huggingface_hub 2.4 hands httpx2 a file object for LFS uploads (deprecated).
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Use 'content=<...>' to upload raw bytes/text content:DeprecationWarning"
 )

@@ -29,10 +29,11 @@ The uploads of files (a checkpoint's, onbox/sealing/upload.py; the completion se
 logs', ``watched``) are not bounded so: a big checkpoint's may take far longer than the bound
 and still be moving. Where a store says how its uploads move (``watches_uploads``: it adds to
 ``sent`` as each piece is taken, a file:// copy's piece of up to 64 MiB, an S3 part or small
-object), they are cut once nothing moved for the bound instead (onbox/sealing/stall.py
-``Stall``), as a restore's downloads are: ``upload_stalled`` (a StoreHung), the upload's threads
-left as a hung call is. While one of them is still hung, the next upload is refused at once
-(``refuse_upload``), so an agent letting go waits the bound once, not once per upload.
+object, 64 KiB of a file huggingface_hub reads to send to the Hub: hfmoved.py), they are cut
+once nothing moved for the bound instead (onbox/sealing/stall.py ``Stall``), as a restore's
+downloads are: ``upload_stalled`` (a StoreHung), the upload's threads left as a hung call is.
+While one of them is still hung, the next upload is refused at once (``refuse_upload``), so an
+agent letting go waits the bound once, not once per upload.
 """
 
 from __future__ import annotations

@@ -21,8 +21,10 @@ does the same with the file's git blob id (its version, what ``get_versioned`` r
 file at that head must still be blob V, and the commit's parent is that head, so nothing another
 writer committed in between is overwritten.
 
-Uploads use whatever transfer huggingface_hub picks (Xet when ``hf_xet`` is installed, else the
-LFS batch API; ``HF_HUB_DISABLE_XET=1`` forces the latter). Downloads go to a temporary
+A file is handed to huggingface_hub as a file object whose reads count as the upload's movement
+(hfmoved.py): an upload the Hub takes nothing of for ``[store] stall`` is cut (hangbound.py
+``watched``), one that moves is not; that takes the LFS batch API's HTTP transfer, never Xet
+(hf_xet reads the file where nothing can be counted). Downloads go to a temporary
 ``local_dir`` next to the destination, with a ``cache_dir`` inside it: nothing lands in
 ``~/.cache/huggingface/hub``; a restore's or a pull's is refused before its bytes when the
 Hub's size is not the MANIFEST's (onbox/sealing/stores/hfdownload.py).
@@ -35,7 +37,7 @@ import hashlib
 import os
 import shutil
 import tempfile
-from typing import Dict, Iterator, List, Mapping, Optional, Tuple, Union
+from typing import BinaryIO, Dict, Iterator, List, Mapping, Optional, Tuple, Union, cast
 
 from onbox.common.errors import IntegrityError, UsageError
 from onbox.common.safepath import open_regular
@@ -74,6 +76,7 @@ from onbox.sealing.stores.base import (
 from onbox.sealing.stores.hangbound import HangBound, answers
 from onbox.sealing.stores.hfdownload import download, download_to, size_at_head, sizes_at
 from onbox.sealing.stores.hfhub import git_blob_id, http_status, mismatch, store_error
+from onbox.sealing.stores.hfmoved import Counted, quiet_xet_fallback
 from onbox.sealing.stores.hfpreflight import preflight as run_preflight
 
 REVISION = "main"
@@ -83,6 +86,7 @@ REVISION = "main"
 INLINE_MAX = 10 * 1024 * 1024
 IF_ABSENT_ATTEMPTS = 5
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
+quiet_xet_fallback()
 
 
 def _info(key: str, f: RepoFile) -> ObjectInfo:
@@ -97,10 +101,12 @@ def _info(key: str, f: RepoFile) -> ObjectInfo:
 class HFStore(HangBound, Store):
     """A store in a model repo of the Hugging Face Hub (or a mirror of it); its calls before a
     download may be bounded (hangbound.py): huggingface_hub gives its API requests no timeout,
-    so a Hub that stopped answering held them for ever."""
+    so a Hub that stopped answering held them for ever. Its uploads of files are watched for
+    movement (hfmoved.py)."""
 
     hangs = "the Hub (or the mirror HF_ENDPOINT names), or the network to it, stopped answering"
     to_check = "check the Hub, status.huggingface.co or the mirror's server, and the network to it"
+    watches_uploads = True  # each read of a file as it is sent, and each step done, is ``moved``
 
     def __init__(
         self,
@@ -186,7 +192,7 @@ class HFStore(HangBound, Store):
         self,
         key: str,
         path: str,
-        src: Union[str, bytes],
+        src: Union[bytes, BinaryIO],
         message: str,
         parent: Optional[str] = None,
         sha256: Optional[str] = None,
@@ -197,6 +203,7 @@ class HFStore(HangBound, Store):
         bytes it sent is not ``sha256``, nothing is committed."""
         op = CommitOperationAdd(path_in_repo=path, path_or_fileobj=src)
         self.api.preupload_lfs_files(self.repo_id, [op], revision=REVISION)
+        self.moved()  # the content is up: an answer is movement, as a piece read is
         sent = op.upload_info.sha256.hex()
         if sha256 is not None and sent != sha256:
             raise IntegrityError(
@@ -211,6 +218,7 @@ class HFStore(HangBound, Store):
             revision=REVISION,
             parent_commit=parent,
         )
+        self.moved()
         return str(info.oid)
 
     def _discard(self, path: str, revision: str) -> bool:
@@ -262,11 +270,15 @@ class HFStore(HangBound, Store):
         if sha256 is None:
             raise ValueError("this store needs the caller's sha256")
         repo_path = self._path(key)
-        src: Union[str, bytes] = path
         blob_id = None
+        self.ensure_repo()
+        try:
+            src: Union[int, bytes] = open_regular(path)  # a FIFO, a link: refused
+        except OSError as e:
+            raise os_error(e, f"reading {path}") from None
         if size <= INLINE_MAX:
             try:
-                with open(open_regular(path), "rb") as f:  # a FIFO, a link: refused
+                with open(src, "rb") as f:
                     data = f.read()
             except OSError as e:
                 raise os_error(e, f"reading {path}") from None
@@ -278,9 +290,10 @@ class HFStore(HangBound, Store):
                     "the source changed after it was hashed",
                 )
             src, blob_id = data, git_blob_id(data)
-        self.ensure_repo()
         try:
-            revision = self._commit_add(key, repo_path, src, f"rgt: put {key}", sha256=sha256)
+            with Counted(src, self.moved) as f:  # its reads are the upload's movement
+                put = cast(BinaryIO, f)  # an io.BufferedIOBase, as huggingface_hub checks
+                revision = self._commit_add(key, repo_path, put, f"rgt: put {key}", sha256=sha256)
         except Exception as e:
             raise self._error(e, f"uploading {key}") from None
         return self._verify(

@@ -200,10 +200,10 @@ def status(name: Optional[str], as_json: bool) -> int:
 @click.option("--until-done", is_flag=True, help="Exit when the run ends.")
 def watch(name: Optional[str], interval: float, once: bool, until_done: bool) -> int:
     """A live view: state, attempt, step rate, loss, GPU, disk, memory, sealed age, events."""
-    from controller import observe
+    from controller.watch import watch as live_view
 
     rec = _pick(name)
-    final = observe.watch(rec, interval=interval, once=once, until_done=until_done, out=sys.stdout)
+    final = live_view(rec, interval=interval, once=once, until_done=until_done, out=sys.stdout)
     if until_done:
         return FINAL_EXIT_CODES.get(final, 0)
     return 0

@@ -24,6 +24,7 @@ NEVER = (
     "controller.sweep.run",
     "controller.slurm",
     "controller.observe",
+    "controller.watch",
     "controller.results",
     "controller.smoke.walk",
     "onbox.sealing.restore",

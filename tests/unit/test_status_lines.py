@@ -57,7 +57,7 @@ def test_a_restored_step_is_the_newest_sealed_and_says_it_came_from_the_store() 
 def test_watch_shows_a_restored_step_as_restored_from_the_store() -> None:
     from rich.console import Console
 
-    from controller.observe import render
+    from controller.watch import render
 
     console = Console(record=True, width=200)
     console.print(render(_restored_doc(), None, None))

@@ -1,7 +1,7 @@
 """What ``rgt down`` loses on the box: the files of the run's directory, and what the job wrote
 in its release, that the verification receipt does not hold, nor a store that outlives the box
 (controller/results/storekept.py). Sizes are read on the box (controller/shell/down.sh); names
-and sizes are the box's, shown to the user as down's plan (controller/results/down.py)."""
+and sizes are the box's, shown to the user as down's plan (controller/results/downplan.py)."""
 
 from __future__ import annotations
 

@@ -23,7 +23,6 @@ box`` when its agent lets go of it (``redact_box_logs``, onbox/agent/logredact.p
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import signal
@@ -35,20 +34,19 @@ from onbox.agent.budgetseal import seal_in_budget
 from onbox.agent.ckptwatch import watch
 from onbox.agent.completion import Completion
 from onbox.agent.endlogs import checkpoint_not_asked, logs_at_end, logs_in_grace, seal_cut
-from onbox.agent.interval import AutoInterval, load_history
-from onbox.agent.journal import FileJournal, read_events
+from onbox.agent.interval import AutoInterval
+from onbox.agent.journal import FileJournal
 from onbox.agent.meter import final_seal
 from onbox.agent.mirror import StateMirror
-from onbox.agent.ownership import Superseded, take_epoch_here
 from onbox.agent.seams import Hooks
 from onbox.agent.spec import JobSpec
+from onbox.agent.takeup import take_up
 from onbox.common.errors import StoreError, event_class
 from onbox.common.libc import lower_thread_priority
 from onbox.common.rundir import RunDir
 from onbox.health.verdict import SealView
 from onbox.sealing import manifest as mf
 from onbox.sealing.discovery import newest_local_step
-from onbox.sealing.restore import restore_latest
 from onbox.sealing.sealer import Sealer
 from onbox.sealing.stores import open_box_store
 from onbox.sealing.stores.base import Store
@@ -132,7 +130,7 @@ class SealService(Hooks):
         S3's have their timeouts) fails the beginning as a transient store error, as a download
         that moves nothing does (onbox/sealing/stores/hangbound.py)."""
         with self.store.calls_bounded(self.spec.restore_stall):
-            if not self._begin(begin, adopting):
+            if not take_up(self, begin, adopting):
                 return
         # For good: the thread's calls (a StoreHung is a seal_error, retried) and the letting
         # go's never wait on a hung store for ever (hangbound.py; its uploads, on movement).
@@ -140,61 +138,6 @@ class SealService(Hooks):
         self._thread = threading.Thread(target=self._loop, name="rgt-sealer", daemon=True)
         self._thread.start()
         self._observer = watch(self.spec.ckpt_dir, self._wake, self.spec.scan_interval, self.event)
-
-    def _begin(self, begin: bool, adopting: bool) -> bool:
-        """start() up to the thread; False when another box took the run over."""
-        run, url = self.spec.name, self.store.url
-        self.doing = f"taking the run's epoch in {url}"
-        try:
-            epoch = take_epoch_here(self.store, self.rd, going_on=adopting)
-        except Superseded as e:
-            self.superseded = True
-            e.tell(self.event)
-            return False  # no sealer, no thread: nothing of this agent reaches the store
-        self.doing = f"aborting the uploads a dead agent left in {url}"
-        aborted = self.store.abort_stale_uploads(f"{run}/")
-        if aborted:
-            self.event(
-                "uploads_aborted",
-                f"aborted {aborted} upload(s) a dead agent left half-done",
-                klass="transient",
-            )
-        self.doing = f"reading the run's checkpoints in {url}"
-        self.sealer = Sealer.for_run(
-            self.rd,
-            self.store,
-            self.spec.ckpt_dir,
-            epoch=epoch,
-            keep=self.spec.keep,
-            event=self.event,
-        )
-        # A link in a checkpoint is followed only where the job's files are this filesystem
-        # (a pod's job container may have its own: onbox/sealing/discovery.py).
-        self.sealer.follow_links = lambda: self.workdir_root() == ""
-        self.sealer.load()
-        key = mf.state_key(run, "events.jsonl")  # the history, read before our first mirror
-        get = functools.partial(self.store.get_bytes, key)
-        read = functools.partial(load_history, read_events(self.rd.events), get, begin)
-        self.doing = f"reading the run's history in {url}"
-        hist = read() if self.spec.ckpt_auto else None
-        self.event(
-            "epoch",
-            f"epoch {epoch} in {self.store.url}; LATEST is "
-            f"{self.sealer.latest if self.sealer.latest is not None else 'empty'}",
-            epoch=epoch,
-        )
-        if self.spec.ckpt_auto:
-            floor = self.spec.health.stall.floor  # never ask faster than a hang is told apart
-            self.auto = AutoInterval(hist, floor, time.time(), self.rd.events, self.event, read)
-            self.auto.start(time.time())
-        if begin:
-            self.doing = f"restoring the newest checkpoint from {url}"
-            self.restored = restore_latest(
-                self.store, run, self.spec.ckpt_dir, self.event, stall=self.spec.restore_stall
-            )
-            if self.restored is not None:
-                self.sealer.remember_restored(self.restored)
-        return True
 
     def resume_from(self) -> str:
         """RGT_RESUME_FROM for the next attempt: the restored checkpoint, or ''.

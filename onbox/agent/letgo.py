@@ -9,7 +9,9 @@ last ping, a Slurm requeue comes last of the work, and only then does the lock g
 ``left_unended`` is the other way out: a store error that ends the loop before the run is
 terminal (the completion seal of a success that the store cut, onbox/agent/completion.py
 ``run_said``). The run stays as it is for the next agent to take, and the agent says so and
-lets go of it, without a traceback.
+lets go of it, without a traceback; the sealing's close (the final mirror of the state, each
+store call bounded), the notifier's last ping and Slurm's after step are done as on the first
+way out.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from onbox.agent.journal import log
 from onbox.agent.leftovers import end_leftovers
 from onbox.agent.logredact import redact_box_logs
 from onbox.agent.ondone import after_finish
+from onbox.common import redact
 from onbox.common.errors import StoreError, event_class
 
 if TYPE_CHECKING:
@@ -40,9 +43,7 @@ def let_go(agent: Agent) -> None:
     if agent.seal is not None:
         # A run that ended FAILED or STOPPED gets its job's logs sealed here (a secret in one
         # is a status warning, saved with the state).
-        if agent.seal.close(agent.sup.state.value):
-            agent.sup.save()
-            agent.seal.mirror_quietly()  # the store's copy of the state has the warning too
+        _close_seal(agent)
     else:
         # No store: the box's logs are what `rgt pull` brings home. Done before the lock
         # goes, and the pull waits for the lock, so it never finds a log not yet scanned.
@@ -56,20 +57,36 @@ def let_go(agent: Agent) -> None:
                 klass="permanent",
                 remedy="report this; `rgt pull` may bring a log that holds a secret",
             )
-    # The profile's on-done action, only after a verified DONE (onbox/agent/ondone.py).
-    after_finish(agent.spec, agent.rd, agent.sup.state, agent.seal, event)
-    if agent.notifier is not None:  # the last ping and a bounded drain (a few seconds)
-        agent.notifier.finish(agent.sup.state.value)
-    if agent.slurm is not None:  # last: a requeue ends this allocation's processes
+    _last_words(agent)
+    log(agent.rd.agent_log, f"agent pid {os.getpid()} exits: run is {agent.sup.state}")
+    agent.runner.close()
+    agent.lock.release()
+
+
+def _close_seal(agent: Agent) -> None:
+    """The sealing closes: its thread stops, the last seals and the final mirror of the run's
+    state, each store call bounded (SealService.close: a hung store never holds the agent)."""
+    assert agent.seal is not None
+    if agent.seal.close(agent.sup.state.value):
+        agent.sup.save()
+        agent.seal.mirror_quietly()  # the store's copy of the state has the warning too
+
+
+def _last_words(agent: Agent, why: str = "") -> None:
+    """What follows the sealing on every way out: the profile's on-done action (only after a
+    verified DONE, onbox/agent/ondone.py), the notifier's last ping (``why``: what it says
+    besides the state) and a bounded drain, then Slurm's requeue, or why not (last: a requeue
+    ends this allocation's processes)."""
+    after_finish(agent.spec, agent.rd, agent.sup.state, agent.seal, agent.journal.event)
+    if agent.notifier is not None:
+        agent.notifier.finish(agent.sup.state.value, why=why)
+    if agent.slurm is not None:
         sealed = agent.seal.sealed_step() if agent.seal is not None else None
         stuck = agent.sup.policy.max_stuck_restarts
         asked = functools.partial(os.path.exists, agent.rd.stop_request)  # a stop came late
         agent.slurm.after(
             agent.sup.state.value, agent.sup.extra, agent.sup.save, sealed, stuck, asked
         )
-    log(agent.rd.agent_log, f"agent pid {os.getpid()} exits: run is {agent.sup.state}")
-    agent.runner.close()
-    agent.lock.release()
 
 
 def left_unended(agent: Agent, e: StoreError) -> StoreError:
@@ -106,6 +123,12 @@ def left_unended(agent: Agent, e: StoreError) -> StoreError:
     if ended:  # a job still running is left to its shim, which starts the next agent
         why_end = "processes of the last attempt outlived it; stopping them"
         end_leftovers(agent.runner, event, why_end)
+    # As on the other ways out: the store's copy of the state (what `rgt status` reads while
+    # the box does not answer) says what the box does, where the store takes it within its
+    # bound; then the notifier's last ping says why the run is left, and what to do.
+    if agent.seal is not None:
+        _close_seal(agent)
+    _last_words(agent, redact.for_run_file(agent.rd.events).redact(f"{why}; {remedy}"))
     out = StoreError(what, remedy)
     log(agent.rd.agent_log, f"agent pid {os.getpid()} exits {out.exit_code}: run is "
         f"{sup.state}: {out.line()}")  # fmt: skip

@@ -3,17 +3,19 @@ Apprise URLs (``[notify] urls``), and the healthchecks-style dead-man's switch (
 
 It owns the choice (``wanted``: a health verdict at or above ``min_level`` and its recovery,
 the terminal states, restarts, stalls, reaped GPU memory, a failed restore, sealing errors at
-most once an hour, a preemption notice), the message (title ``rgt RUN: WHAT``, body with the
-reason and the remedy), deduplication, the hourly rate limit, and the sending, on a thread of
-its own: ``listen`` (a journal listener, called on the agent's loop) only puts the event on a
-bounded queue. Every send runs in a worker thread joined with ``timeout``: a sink that hangs
-costs one stuck worker (at most one per sink: the next send to a stuck sink is skipped), never
-the sender and never the loop.
+most once an hour, a preemption notice, an agent that left its run unended), the message
+(title ``rgt RUN: WHAT``, body with the reason and the remedy), deduplication, the hourly
+rate limit, and the sending, on a thread of its own: ``listen`` (a journal listener, called on
+the agent's loop) only puts the event on a bounded queue. Every send runs in a worker thread
+joined with ``timeout``: a sink that hangs costs one stuck worker (at most one per sink: the
+next send to a stuck sink is skipped), never the sender and never the loop.
 
 Dead-man's switch (https://healthchecks.io/docs/http_api/): ``URL/start`` when the agent begins
 supervising, ``URL`` every ``heartbeat`` while it does, and at the end ``URL`` (success) for
 SUCCEEDED and STOPPED (the user asked for the stop: not an alarm), ``URL/fail`` for FAILED and
-PREEMPTED (the work stopped and needs someone to resume it). The body of each ping says why.
+PREEMPTED (the work stopped and needs someone to resume it), and for a run its agent left
+unended (a success whose results the store did not take: onbox/agent/letgo.py), whose ping
+says why and what to do. The body of each ping says why.
 
 URLs carry tokens: an event or a log names a sink by scheme and host only (``safe_url``), and
 Apprise's logger is silenced so it cannot print one. Apprise is an optional import: missing, one
@@ -36,7 +38,7 @@ from onbox.health.verdict import RANK
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED", "PREEMPTED")
 # Event kinds sent whenever they happen (besides "health" and "state", judged by their fields).
-KINDS = ("stall", "gpu_reaped", "restore_failed", "seal_error", "preemption_notice")
+KINDS = ("stall", "gpu_reaped", "restore_failed", "seal_error", "preemption_notice", "agent_left")
 THROTTLE = {"seal_error": 3600.0}  # kind -> at most one message per this many seconds
 OWN = "notify_"  # the notifier's own events: about the notifier, never notified themselves
 QUEUE_MAX = 64
@@ -112,10 +114,14 @@ class Chooser:
             "restore_failed": ("could not begin", "failure"),  # the body says what failed
             "seal_error": ("checkpoint sealing failed", "warning"),
             "preemption_notice": ("preemption notice", "warning"),
+            # The agent's last word on a run it leaves unended (a success whose results the
+            # store did not take): no terminal state is said, so this is.
+            "agent_left": ("the agent left the run unended", "failure"),
         }.get(kind)
         if what is None:
             return None
-        return Message(title + what[0], _body(ev), what[1])
+        # The agent's last word is never held back by the hourly limit, as a terminal state's.
+        return Message(title + what[0], _body(ev), what[1], urgent=kind == "agent_left")
 
     def _health(self, ev: Dict[str, Any], title: str) -> Optional[Message]:
         probe, level = str(ev.get("probe") or "health"), str(ev.get("level"))
@@ -191,6 +197,7 @@ class Notifier:
         self._queue_max = queue_max
         self._cond = threading.Condition()
         self._final: Optional[str] = None
+        self._why = ""  # finish's: why the agent left a run that is not terminal
         self._closed = False
         self._bug = False
         self._thread: Optional[threading.Thread] = None
@@ -224,10 +231,11 @@ class Notifier:
         self._thread = threading.Thread(target=self._loop, name="rgt-notify", daemon=True)
         self._thread.start()
 
-    def finish(self, state: str, drain: float = DRAIN) -> None:
-        """The run ended in ``state``: the last ping and what is queued, within ``drain`` s."""
+    def finish(self, state: str, drain: float = DRAIN, why: str = "") -> None:
+        """The run ended in ``state`` (or its agent left it so, ``why``: what the last ping
+        says after it): the last ping and what is queued, within ``drain`` s."""
         with self._cond:
-            self._final = state
+            self._final, self._why = state, why
             self._cond.notify()
         self.start()  # an agent that fails before supervising still says so
         assert self._thread is not None
@@ -273,7 +281,8 @@ class Notifier:
     def _last(self, state: str) -> None:
         """The end: the dead-man's verdict first (it matters most), then the queue."""
         if self.cfg.deadman:
-            self._ping(DEADMAN_END.get(state, "/fail"), f"rgt {self.run}: {state}")
+            why = f": {self._scrub(self._why)}" if self._why else ""
+            self._ping(DEADMAN_END.get(state, "/fail"), f"rgt {self.run}: {state}{why}")
         while not self._closed:
             with self._cond:
                 ev = self._q.popleft() if self._q else None

@@ -40,6 +40,7 @@ from onbox.sealing.stores.hangbound import StoreHung
 from tests import seaweed
 from tests.conftest import Cli, agent_exe, require
 from tests.heldstore import end_while_held, held_store, running_with_step_one
+from tests.httpsink import HttpSink
 from tests.polling import latest_step, wait
 from tests.sealsvc import old_box_sealer
 from tests.seaweed import start_seaweed
@@ -79,14 +80,18 @@ def _events(cli: Cli, kind: str) -> List[Dict[str, Any]]:
     return [e for e in cli.events(RUN) if e["kind"] == kind]
 
 
-def _start(cli: Cli, tmp_path: Any, root: str, code: int) -> None:
+def _start(cli: Cli, tmp_path: Any, root: str, code: int, more: str = "") -> None:
+    """`rgt-agent start` of JOB exiting ``code``, its store ``root``; ``more``: job file text."""
     job_py = tmp_path / "job.py"
     job_py.write_text(JOB)
     job = tmp_path / "job.toml"
     argv = [sys.executable, str(job_py), str(tmp_path), str(code)]
     job.write_text(
         f"command = {json.dumps(argv)}\n"
-        '[restart]\nmax_error_restarts = 0\n[store]\nurl = "file://' + root + '"\nstall = "2s"\n'
+        '[restart]\nmax_error_restarts = 0\n[store]\nurl = "file://'
+        + root
+        + '"\nstall = "2s"\n'
+        + more
     )
     cli("start", str(job), "--name", RUN, "--grace", "5", check=True, cwd=cli.home)
 
@@ -132,6 +137,41 @@ def test_an_agent_whose_checkpoint_upload_hangs_exits_in_time_and_frees_the_run(
     (tmp_path / "go").write_text("")
     _start(cli, tmp_path, root, 3)  # the new attempt fails at once
     cli.wait_over(RUN, "FAILED", timeout=60)
+
+
+def test_an_agent_that_leaves_a_success_unsealed_mirrors_it_and_pings_the_switch(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """A success whose completion seal the store cut (its uploads hang; its small documents are
+    still taken): the agent leaves the run RUNNING (exit 14), and as on its other exits the
+    store's copy of the state, which `rgt status` reads while the box does not answer, says
+    what the box says (the success whose results are not sealed, and the start that completes
+    it), and the dead-man's switch (a real HTTP server) gets the last ping: /fail, naming the
+    unsealed success and its remedy. Before: the store's copy still had the plain success (or
+    no last exit), and the switch got no last ping at all, only /start."""
+    sink = HttpSink("ok")
+    try:
+        root, release, reached = held_store(cli.env, tmp_path, "store.put_file", "upload-held")
+        more = f'[notify]\ndeadman = "{sink.url}/hc"\n'
+        _start(cli, tmp_path, root, 0, more)
+        pid, agent = running_with_step_one(cli, RUN, root)
+        release.unlink()  # from here on the store's uploads hang
+        (tmp_path / "more").write_text("")
+        wait(reached.exists, 60, "the agent held in step 2's upload")
+        end_while_held(cli, RUN, tmp_path, "success", pid, agent, release, WAIT)
+        _said_not_sealed(cli)
+        box = cli.status(RUN)
+        with open(os.path.join(root, RUN, "state", "state.json")) as f:
+            mirrored = json.load(f)
+        assert mirrored["state"] == box["state"] == "RUNNING", (mirrored, box)
+        assert mirrored["last_exit"] == box["last_exit"], (mirrored, box)
+        pings = [r for r in sink.seen() if r.path.startswith("/hc")]
+        assert [r.path for r in pings] == ["/hc/start", "/hc/fail"], pings
+        last = pings[-1].body.decode()
+        assert f"rgt {RUN}: RUNNING" in last and "results are not sealed" in last, last
+        assert f"rgt-agent start --name {RUN}" in last, last
+    finally:
+        sink.close()
 
 
 def test_rgt_agent_run_whose_completion_seal_the_store_cuts_exits_14_without_a_traceback(

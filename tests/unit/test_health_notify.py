@@ -105,6 +105,23 @@ def test_terminal_states_and_restarts_are_news_other_states_not() -> None:
     assert wanted({"kind": "stall"}) and not wanted({"kind": "seal"})
 
 
+def test_an_agent_that_leaves_its_run_unended_is_news_never_rate_limited() -> None:
+    """The agent's ``agent_left`` (a success whose results the store did not take, the run left
+    RUNNING): no terminal state is written, so this is what a person hears, with the reason
+    and the start that completes it. Before: not wanted, so nothing was sent."""
+    ev = {
+        "kind": "agent_left",
+        "reason": "run r1: the agent exits, leaving the run RUNNING: its results are not sealed",
+        "remedy": "`rgt-agent start --name r1` once the store answers",
+        "class": "transient",
+    }
+    assert wanted(ev)
+    m = Chooser("r1", "alert").message(ev)
+    assert m is not None and m.title == "rgt r1: the agent left the run unended"
+    assert m.kind == "failure" and m.urgent
+    assert "results are not sealed" in m.body and "rgt-agent start --name r1" in m.body
+
+
 # ---- limits
 def test_dedup_throttle_and_rate_limit() -> None:
     clock = Clock()

@@ -33,6 +33,8 @@ from typing import Any, Dict, List
 
 import pytest
 
+from controller.observe import describe
+from onbox.agent.observe import public_state
 from onbox.common.errors import StoreError
 from onbox.sealing.stores import filecopy, open_store
 from onbox.sealing.stores.base import Store
@@ -165,6 +167,10 @@ def test_an_agent_that_leaves_a_success_unsealed_mirrors_it_and_pings_the_switch
             mirrored = json.load(f)
         assert mirrored["state"] == box["state"] == "RUNNING", (mirrored, box)
         assert mirrored["last_exit"] == box["last_exit"], (mirrored, box)
+        # `rgt status`'s lines from that copy (controller/observe.py from_store, describe)
+        doc = dict(public_state(mirrored), source="store", read_at="now")
+        text = describe(doc, "the box does not answer")
+        assert "results are not sealed" in text and f"rgt-agent start --name {RUN}" in text, text
         pings = [r for r in sink.seen() if r.path.startswith("/hc")]
         assert [r.path for r in pings] == ["/hc/start", "/hc/fail"], pings
         last = pings[-1].body.decode()

@@ -309,6 +309,10 @@ def run_pod(
         _write_final(rd, "FAILED", e.exit_code)
         waiter.wait()
         raise
+    # A store error (letgo.py left_unended: a success whose results the store did not take,
+    # left RUNNING) goes out as it is, with no final.json: the launcher, the pod and the
+    # results only its emptyDir holds stay, and the kubelet's restart of this sidecar is the
+    # next agent, which adopts the run and seals the rest once the store answers.
     final = agent.run()
     emit(f"run {rd.name} ended {final.value}; waiting for SIGTERM (a native sidecar)")
     waiter = _TermWaiter()

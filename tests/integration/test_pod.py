@@ -52,7 +52,8 @@ class Pod:
         env.update(RGT_HOME=self.home, **more)
         return env
 
-    def start_agent(self) -> subprocess.Popen[bytes]:
+    def start_agent(self, **more: str) -> subprocess.Popen[bytes]:
+        """The agent sidecar (``more``: its own environment, e.g. a test's store hold)."""
         job = os.path.join(self.home, "job.toml")
         with open(job, "w") as f:  # the agent asks the job for a checkpoint with SIGUSR2
             f.write(f"command = {json.dumps(self.job)}\n{self.toml}")
@@ -61,7 +62,7 @@ class Pod:
         argv += ["--grace", str(self.grace)]
         with open(os.path.join(self.home, "agent.out"), "ab") as out:
             self.agent = subprocess.Popen(
-                argv, env=self.env(), stdout=out, stderr=out, start_new_session=True
+                argv, env=self.env(**more), stdout=out, stderr=out, start_new_session=True
             )
         self.procs.append(self.agent)
         return self.agent
@@ -267,6 +268,42 @@ def test_a_killed_agent_sidecar_restarted_adopts_the_running_attempt(
     assert len(pod.events("adopt")) == 1
     assert "finished at step 120" in pod.output() and "resumed from 0" in pod.output()
     assert os.path.exists(os.path.join(_store(tmp_path), "adopt", "DONE.json"))
+    assert pod.end() == 0
+
+
+def test_a_sidecar_that_leaves_an_unsealed_success_is_restarted_and_completes_it(
+    pods: List[Pod], tmp_path: Any
+) -> None:
+    """The job succeeds while the store takes no upload (a file:// store held at its uploads,
+    onbox/common/faults.py): the completion seal is cut, and the agent sidecar exits 14
+    leaving the run RUNNING (onbox/agent/letgo.py left_unended). It writes no final.json: the
+    launcher, and with it the pod and the results only its emptyDir holds, stays, and the
+    kubelet's restart of the sidecar is the next agent that the remedy names: once the store
+    answers it adopts the run, seals the rest and writes DONE.json, and the launcher exits 0.
+    (A final.json of 14 would end the pod with the results unsealed: the next pod trains
+    again from the last sealed step.)"""
+    pod = _pod(pods, tmp_path, "pod1", "unsealed", 10)
+    pod.toml = '[store]\nstall = "2s"\n'
+    release, reached = tmp_path / "store-answers", tmp_path / "upload-held"
+    hold = {"RGT_HOLD_AT": "store.put_file", "RGT_HOLD_UNTIL": str(release)}
+    first = pod.start_agent(RGT_HOLD_REACHED=str(reached), **hold)
+    launcher = pod.start_launcher()
+    try:
+        assert pod.exit_of(first, timeout=90) == 14  # StoreError: left RUNNING
+    finally:
+        release.write_text("")  # the store answers again (the hold lets its threads go)
+    assert reached.exists()  # the store did hold an upload
+    # STARTING or RUNNING: the state the run was in as its job ended (its start grace)
+    assert pod.state()["state"] in ("STARTING", "RUNNING")
+    assert len(pod.events("agent_left")) == 1
+    assert not os.path.exists(os.path.join(pod.run_dir, "pod", "final.json"))
+    assert launcher.poll() is None  # the job container waits for the run's final code
+    assert not os.path.exists(os.path.join(_store(tmp_path), "unsealed", "DONE.json"))
+    pod.start_agent()  # the kubelet restarts the sidecar
+    assert pod.exit_of(launcher) == 0
+    assert pod.state()["state"] == "SUCCEEDED" and len(pod.events("adopt")) == 1
+    assert os.path.exists(os.path.join(_store(tmp_path), "unsealed", "DONE.json"))
+    assert latest_step(_store(tmp_path), "unsealed") == 10
     assert pod.end() == 0
 
 

@@ -17,7 +17,10 @@ import json
 import os
 import stat
 import tempfile
-from typing import Optional, Sequence
+import threading
+import time
+import weakref
+from typing import Dict, Optional, Sequence
 
 from controller import envnames
 from onbox.common.errors import UsageError
@@ -105,6 +108,41 @@ def control_dir(home: str) -> str:
         f.write(d + "\n")
     os.replace(tmp, record)  # two rgt at once: each uses its own; the last one is kept
     return d
+
+
+# The remotes of this process using each control directory: one rgt may hold several at once
+# (a sweep deploys to several boxes side by side), and a directory under /tmp removed by one as
+# it closes made the next master of another fail ("cannot bind to path"). Weak: a remote that
+# was never closed counts until it is collected.
+_users: Dict[str, weakref.WeakSet[object]] = {}
+_users_lock = threading.Lock()
+
+
+def use_dir(d: str, user: object) -> None:
+    """``user`` (a remote) uses the control directory ``d`` until ``let_go_dir``."""
+    with _users_lock:
+        _users.setdefault(d, weakref.WeakSet()).add(user)
+
+
+def let_go_dir(home: str, d: str, user: object) -> None:
+    """``user`` is done with ``d``. A directory of ours under /tmp (``control_dir``) is removed
+    once no remote of this process uses it and it is empty (a master removes its socket as it
+    exits): none is left behind; one still in use by another rgt stays, and a later rgt whose
+    recorded directory is gone makes another."""
+    with _users_lock:
+        users = _users.get(d)
+        if users is not None:
+            users.discard(user)
+        if d.startswith(home + os.sep) or users:
+            return
+        for _ in range(10):
+            try:
+                os.rmdir(d)
+                return
+            except FileNotFoundError:
+                return
+            except OSError:
+                time.sleep(0.05)
 
 
 def _unsafe_dir(d: str) -> Optional[str]:

@@ -42,12 +42,11 @@ import os
 import re
 import shlex
 import subprocess
-import time
 from typing import IO, Dict, Iterator, List, Mapping, Optional, Sequence
 
 from controller import envnames
 from controller.capture import Relayed, TooMuch, capture, command_name, relayed, show_lines
-from controller.controldir import control_dir, control_path
+from controller.controldir import control_dir, control_path, let_go_dir, use_dir
 from controller.sshahead import Ahead
 from controller.sshcipher import cipher_preference, ssh_settings
 from controller.target import Target, ssh_destination_args, ssh_literal, ssh_unexpandable
@@ -297,6 +296,7 @@ class SshRemote(Remote):
         os.makedirs(self.home, mode=0o700, exist_ok=True)
         self.known_hosts = os.path.join(self.home, "known_hosts")
         self.control_dir = control_dir(self.home)
+        use_dir(self.control_dir, self)
         # One socket per identity and route, not ssh's %C (controller/controldir.py).
         self.control_path = control_path(self.control_dir, [*self.config_args, *dest], settings)
         alive = os.environ.get(envnames.SSH_KEEPALIVE, "15")
@@ -420,18 +420,7 @@ class SshRemote(Remote):
             capture(self.ssh_argv("-O", "stop"), timeout=30, limit=4096, over="tail")
         except (subprocess.TimeoutExpired, FileNotFoundError):
             pass
-        if not self.control_dir.startswith(self.home + os.sep):
-            # A directory of ours under /tmp (control_dir): leave none behind. It goes only
-            # once empty (the master removes its socket as it exits); one still in use by
-            # another rgt stays, and a later rgt whose recorded directory is gone makes another.
-            for _ in range(10):
-                try:
-                    os.rmdir(self.control_dir)
-                    break
-                except FileNotFoundError:
-                    break
-                except OSError:
-                    time.sleep(0.05)
+        let_go_dir(self.home, self.control_dir, self)
 
 
 def open_remote(target: Target) -> Remote:

@@ -131,6 +131,24 @@ def test_long_home_gets_a_private_tmp_dir_used_again(
     _private(again)
 
 
+def test_a_tmp_dir_another_remote_of_this_process_uses_stays_when_one_closes(
+    tmp_path: Path, made: Callable[[str], str]
+) -> None:
+    """Two remotes of one process (a sweep's deploys to two boxes at once) share the directory:
+    the first to close leaves it to the other, whose master has yet to bind its socket there;
+    the last one removes it. Before the fix the first close removed it, and the other's master
+    failed ("unix_listener: cannot bind to path ...: No such file or directory")."""
+    home = str(tmp_path / ("h" * 50))
+    d = made(home)
+    one, other = _remote(home), _remote(home)
+    assert one.control_dir == other.control_dir == d
+    one.close()
+    assert os.path.isdir(d)
+    _private(d)
+    other.close()
+    assert not os.path.lexists(d)
+
+
 @pytest.mark.parametrize("case", ["mode-0777", "symlink", "other-owner", "elsewhere", "gone"])
 def test_long_home_never_uses_a_recorded_dir_that_fails(
     tmp_path: Path, made: Callable[[str], str], case: str

@@ -74,8 +74,10 @@ def first_contact(label: str, profile: Profile, again: bool = False) -> List[str
     """The lines to show for target ``label`` under ``profile``: its notes the first time (or
     with ``again``), else none; the meeting is remembered either way."""
     key = f"{label} {profile.name}"
+    # Labels before IPv6 hosts were shown in brackets (controller/target.py): met all the same.
+    old = f"{label.replace('[', '').replace(']', '')} {profile.name}"
     with _locked() as doc:
-        seen = key in doc["seen"]
+        seen = key in doc["seen"] or old in doc["seen"]
         if not seen:
             doc["seen"][key] = time.time()
             write_json(_path(), doc)

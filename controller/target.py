@@ -46,7 +46,11 @@ class Target:
         if self.kind == "local":
             return "local"
         who = f"{self.user}@" if self.user else ""
-        return f"{who}{self.host}" + (f":{self.port}" if self.port else "")
+        host = str(self.host)
+        # An IPv6 address in brackets, as rgt takes it: fe80::2:22 would not say which is port.
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"{who}{host}" + (f":{self.port}" if self.port else "")
 
     def to_json(self) -> Dict[str, Any]:
         return dataclasses.asdict(self)

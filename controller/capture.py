@@ -35,12 +35,11 @@ import os
 import re
 import selectors
 import subprocess
-import sys
 import threading
 import time
 from typing import IO, List, Mapping, Optional, Sequence, Tuple
 
-from onbox.common.terminal import QUOTED, printable
+from onbox.common.terminal import QUOTED, label, labelled, printable, write_line
 
 ERR_HEAD = 16 << 10
 ERR_TAIL = 48 << 10
@@ -270,15 +269,16 @@ class Relayed(subprocess.Popen):  # type: ignore[type-arg]
 def relayed(argv: Sequence[str]) -> Relayed:
     """Start ``argv`` with its stdout piped back and its stderr relayed (``Relayed``)."""
     p = Relayed(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    p.relay = threading.Thread(target=_relay, args=(p,), name="rgt-stderr", daemon=True)
+    # The caller's label goes with its lines (a sweep's deploy names its box on each).
+    p.relay = threading.Thread(target=_relay, args=(p, label()), name="rgt-stderr", daemon=True)
     p.relay.start()
     return p
 
 
-def _relay(p: Relayed) -> None:
+def _relay(p: Relayed, where: str) -> None:
     err = p.stderr
     assert err is not None
-    with err:
+    with err, labelled(where):
         for line in iter(lambda: err.readline(_CHUNK), b""):
             p.err_tail = (p.err_tail + line)[-ERR_HEAD:]
             _show(line.rstrip(b"\n"))
@@ -351,10 +351,9 @@ def show_lines(data: bytes) -> None:
 
 def _show(line: bytes) -> None:
     """One line of a box's stderr on the user's terminal, made safe (module docstring)."""
-    text = QUOTED + printable(line.decode(errors="replace"))
+    text = label() + QUOTED + printable(line.decode(errors="replace"))
     with contextlib.suppress(OSError, ValueError):  # a closed terminal: nothing to tell
-        sys.stderr.write(text + "\n")
-        sys.stderr.flush()
+        write_line(text)
 
 
 # The most digits a number the box prints may have to be read as one: Python's int() refuses a

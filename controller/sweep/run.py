@@ -1,6 +1,9 @@
 """``rgt sweep PLAN.toml``: fan the cells out over the plan's boxes, one sequential queue per box,
 and track them until every queue is done (or, ``--no-wait``, deploy each idle box's next cell
-and return).
+and return). The queues run side by side, each in its own thread (``Driver.drive``): a box's
+deploy never waits for another box's, up to MAX_AT_ONCE boxes at a time. Each change of the
+record is its own read-modify-write under the record's lock (record.py ``update``), each line
+said is written whole, and a deploy's lines (the box's relayed stderr too) name their box.
 
 Each cell is deployed with rgt's own deploy (controller/deploy/flow.py), as its own run: run
 name = the cell's (``NAME-rK`` for a fresh re-run), store = the plan's store (the run's prefix
@@ -38,6 +41,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import shlex
+import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
@@ -50,6 +54,7 @@ from controller.sweep import record
 from controller.sweep.plan import Cell, Plan, check_store_here
 from controller.target import parse_target
 from onbox.agent.states import LIVE_NAMES
+from onbox.common import terminal
 from onbox.common.errors import (
     FINAL_EXIT_CODES,
     LockedError,
@@ -68,10 +73,25 @@ from onbox.sealing.stores.local import LocalStore
 
 MAX_MISSES = 10  # polls in a row a box may not answer before its queue is left
 MAX_REDEPLOYS = 3  # deploys of one dead cell per invocation, before its box is left
+# Boxes polled or deployed to at once (each box has at most one deploy in flight: its queue is
+# one thread): a sweep over more boxes goes through them as slots free, so that this laptop
+# never runs more than this many deploys' ssh sessions and uploads at a time.
+MAX_AT_ONCE = 8
+# The sweep's store is read by one box's queue at a time: a store's bound on its calls keeps
+# one hung call's state (hangbound.py), made for calls one at a time.
+_STORE_READS = threading.Lock()
 Say = Callable[[str], None]
 
 
 _say = say  # progress lines; one stderr will not take is dropped (terminal.say)
+
+
+def _until_all(done: List[Box], n: int) -> None:
+    """Wait until ``n`` queues are ``done``, in short sleeps that a Ctrl-C interrupts cleanly
+    (not Thread.join: one interrupted marks the thread it waited for as ended, Python 3.11,
+    while it runs on)."""
+    while len(done) < n:
+        time.sleep(0.1)
 
 
 class SweepStoreUnread(StoreError):
@@ -216,7 +236,8 @@ class Driver:
         """``read`` of the store (retried by it past a blip) about the cell ``name``;
         SweepStoreUnread, saying ``what`` could not be said, when the store cannot say."""
         try:
-            return read()
+            with _STORE_READS:
+                return read()
         except StoreError as e:
             raise SweepStoreUnread(
                 f"sweep {self.plan.name}: cell {name} (run {run}): the store could not say "
@@ -356,14 +377,60 @@ class Driver:
                 b.remote.close()
 
     def drive(self, wait: bool) -> int:
-        busy = [b for b in self.boxes]
-        while busy:
-            busy = [b for b in busy if self.step(b)]
-            if not wait:
-                break
-            if busy:
-                time.sleep(self.interval)
+        """Every box's queue at once, each in its own thread (``_queue``), at most MAX_AT_ONCE
+        boxes polled or deployed to at a time; the summary's exit code once all are done. An
+        error that ends the sweep (its store unread, its record unreadable) stops the others
+        after the step each is in (a deploy in flight is not cut off), then is raised; so is a
+        Ctrl-C, once the steps in flight ended (a second one leaves them)."""
+        gate = threading.BoundedSemaphore(MAX_AT_ONCE)
+        stop = threading.Event()
+        ended: List[BaseException] = []
+        done: List[Box] = []
+        for i, b in enumerate(self.boxes):
+            threading.Thread(
+                target=self._queue, args=(b, wait, gate, stop, ended, done),
+                name=f"rgt-sweep-{i}", daemon=True,
+            ).start()  # fmt: skip
+        try:
+            _until_all(done, len(self.boxes))
+        except KeyboardInterrupt:
+            stop.set()
+            if len(done) < len(self.boxes):
+                self.say(
+                    "rgt sweep: interrupted: waiting for the deploys in flight to end (Ctrl-C "
+                    f"again leaves them cut off; rgt sweep {self.plan.path} sorts them out)"
+                )
+                _until_all(done, len(self.boxes))
+            raise
+        if ended:
+            raise ended[0]
         return self.summary(wait)
+
+    def _queue(
+        self,
+        box: Box,
+        wait: bool,
+        gate: threading.BoundedSemaphore,
+        stop: threading.Event,
+        ended: List[BaseException],
+        done: List[Box],
+    ) -> None:
+        """One box's queue (a thread of ``drive``): ``step`` until it has no work left (once,
+        without ``wait``), ``interval`` apart, within ``gate``; an error that ends the sweep
+        is kept in ``ended`` and sets ``stop`` for every queue; ``box`` in ``done`` at its end."""
+        try:
+            with terminal.labelled(f"  [{box.target}] "):
+                while not stop.is_set():
+                    with gate:
+                        more = not stop.is_set() and self.step(box)
+                    if not more or not wait:
+                        return
+                    stop.wait(self.interval)
+        except BaseException as e:  # raised by drive, in the main thread
+            ended.append(e)
+            stop.set()
+        finally:
+            done.append(box)
 
     def summary(self, wait: bool) -> int:
         cells = self._doc()["cells"]

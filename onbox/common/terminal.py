@@ -5,7 +5,10 @@ one-line error or note)."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import threading
+from typing import Iterator
 
 
 def printable(text: str) -> str:
@@ -32,12 +35,45 @@ def printable_error(text: str) -> str:
     return "\n".join([printable(first), *(QUOTED + printable(line) for line in rest)])
 
 
+# One line on stderr at a time: `rgt sweep` deploys to several boxes at once, each from its own
+# thread, and a line written in two pieces (print writes the text, then the newline) could be
+# split by another thread's.
+_lines = threading.Lock()
+_where = threading.local()
+
+
+def write_line(text: str) -> None:
+    """``text`` and its newline on stderr in one write, whole among other threads' lines
+    (OSError or ValueError from a stderr that will not take it, for the caller to drop)."""
+    with _lines:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
+
+
+@contextlib.contextmanager
+def labelled(label: str) -> Iterator[None]:
+    """Within it, this thread's lines of another machine's text (a box's stderr relayed as it
+    comes, controller/capture.py) start with ``label``: in a sweep that deploys to several
+    boxes at once, the box each came from."""
+    was = getattr(_where, "label", "")
+    _where.label = label
+    try:
+        yield
+    finally:
+        _where.label = was
+
+
+def label() -> str:
+    """This thread's ``labelled`` label ("" outside one)."""
+    return str(getattr(_where, "label", ""))
+
+
 def say(msg: str) -> None:
     """A progress line of a command that changes a box (a deploy, a sweep) on stderr. One that
     cannot be written (``rgt deploy ... | head`` once head is done: EPIPE; a closed stderr) is
     dropped: the command goes on to a whole end (its job started, or its release dropped)
     rather than stop between two of its steps on a write."""
     try:
-        print(msg, file=sys.stderr, flush=True)
+        write_line(msg)
     except (OSError, ValueError):
         pass

@@ -27,7 +27,15 @@ from onbox.common.libc import linux_function
 # A stretch of this many bytes is handed to the disk once written: large enough that the
 # requests are big and few, small enough to start early.
 STRETCH = 8 << 20
-_WRITE = 2  # SYNC_FILE_RANGE_WRITE
+# A file's writes handed over and waited for (``start_all``, ``settle``) this many bytes at a
+# time, each an upload's movement (onbox/sealing/stores/hangbound.py): as a copy's call
+# (filecopy.COPY_CHUNK), 1 MiB, so a store is cut as stalled only once its disk wrote less than
+# that in the whole bound.
+SLICE = 1 << 20
+_WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4  # SYNC_FILE_RANGE_*
+# Refusals of sync_file_range that mean "not here" (a filesystem or kernel without it), not a
+# failed write: the fsync then does it all.
+_NOT_HERE = (errno.EINVAL, errno.ENOSYS, errno.ESPIPE, errno.EOPNOTSUPP)
 ALIGN = 4096  # O_DIRECT: offsets, lengths and memory in whole blocks (4 KiB covers 512 and 4K)
 
 
@@ -78,6 +86,39 @@ def start(fd: int, offset: int, length: int) -> None:
     writes themselves are the fsync's to report."""
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, length, _WRITE)
+
+
+def start_all(fd: int, size: int, moved: Callable[[], None]) -> None:
+    """``start`` for the whole of ``fd``'s ``size`` bytes, SLICE at a time, ``moved()`` after
+    each: on a slow disk a handing over waits for room among the writes in flight, which is
+    the disk moving."""
+    if _sync_file_range is None:
+        return
+    for offset in range(0, size, SLICE):
+        _sync_file_range(fd, offset, SLICE, _WRITE)
+        moved()
+
+
+def settle(fd: int, size: int, moved: Callable[[], None]) -> None:
+    """``os.fsync(fd)``, a file of ``size`` bytes, its data first written and waited for SLICE
+    at a time, ``moved()`` after each. An fsync alone is one wait for all of a file's data the
+    disk has not written yet: on a slow mount minutes in which nothing says it moves, so an
+    upload watched for movement was cut in it. The fsync stays the guarantee (metadata, the
+    disk's cache); the waits before it only make the writes' progress seen. A wait's failure
+    is raised here: it would take the error from the fsync after it (the kernel reports a
+    failed writeback to one waiter of the file)."""
+    if _sync_file_range is not None and size > SLICE:
+        start_all(fd, size, moved)  # all handed over first: the waits do not take turns
+        for offset in range(0, size, SLICE):
+            if _sync_file_range(fd, offset, SLICE, _WAIT_BEFORE | _WRITE | _WAIT_AFTER):
+                import ctypes  # loaded already: _load made the function through it
+
+                err = ctypes.get_errno()
+                if err in _NOT_HERE:
+                    break
+                raise OSError(err, os.strerror(err))
+            moved()
+    os.fsync(fd)
 
 
 class Direct:

@@ -180,14 +180,15 @@ def test_a_signal_during_the_restore_ends_the_run_cleanly_and_the_next_start_res
     assert "restored" in [e["kind"] for e in cli.events(RUN)]
 
 
-def _staged_whole(ckpt: str) -> List[str]:
-    """The staging files of the restore that hold their whole file."""
-    whole = []
+def _staged_held(ckpt: str) -> List[str]:
+    """The staging files of the restore that hold their first piece (HOLD: each copy waits
+    there until the restore stops)."""
+    held = []
     for p in glob.glob(os.path.join(ckpt, STAGE_PREFIX + "*", "*")):
         with contextlib.suppress(FileNotFoundError):
-            if os.stat(p).st_size == FILE_SIZE:
-                whole.append(p)
-    return whole
+            if os.stat(p).st_size >= min(COPY_CHUNK, FILE_SIZE):
+                held.append(p)
+    return held
 
 
 # tgkill(2)'s number, for a signal to one thread of another process (os has no call for it).
@@ -213,10 +214,10 @@ def test_a_sigterm_a_worker_thread_takes_stops_the_restore_all_the_same(
         deadline = time.monotonic() + 60
         agent = _child_of(start.pid, deadline)
         _wait_mid_restore(ckpt, deadline)
-        # Every copying thread holds its file whole, so the main thread has handed out the
-        # files and waits for one to end (in the kernel, not running: state S).
+        # Every copying thread holds its file after its first piece, so the main thread has
+        # handed out the files and waits for one to end (in the kernel, not running: state S).
         while not (
-            len(_staged_whole(ckpt)) == min(fetch.FILES, FILES)
+            len(_staged_held(ckpt)) == min(fetch.FILES, FILES)
             and procfs.read_stat(agent) is not None
             and procfs.read_stat(agent).state == "S"  # type: ignore[union-attr]
         ):

@@ -35,6 +35,7 @@ import pytest
 
 from controller.observe import describe
 from onbox.agent.observe import public_state
+from onbox.common import writeback
 from onbox.common.errors import StoreError
 from onbox.sealing.stores import filecopy, open_store
 from onbox.sealing.stores.base import Store
@@ -337,4 +338,70 @@ def test_a_slow_upload_that_moves_is_not_cut_fake_slow_disk(
     t.join(WAIT)
     assert not t.is_alive() and not raised, raised
     assert len(pieces) * SLOW > BOUND  # the upload took longer than the bound: it moved
+    assert latest_step(root, RUN) == 10
+
+
+RATE, SLOW_BOUND = 4 << 20, 1.5  # the fake slow disk's bytes a second, and the stall bound
+
+
+class _SlowDisk:
+    """A fake slow disk under a file:// store (no real one can be made here: no FUSE library,
+    no dm-delay): a kernel copy into it moves RATE bytes a second, steadily, 64 KiB at a time,
+    and returns only once all it was asked for is written, as a copy into a slow mount does
+    while the kernel throttles its writer; what was written is durable only once waited for (a
+    ``sync_file_range`` that waits, or an fsync), which moves at RATE too, as the mount's
+    writeback does. The waits of the fsync of a file already waited for cost nothing."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.copy, self.fsync = os.copy_file_range, os.fsync
+        self.sfr = writeback._sync_file_range
+        self.dirty: Dict[int, int] = {}  # bytes written to a descriptor, not yet waited for
+        monkeypatch.setattr(os, "copy_file_range", self._copy)
+        monkeypatch.setattr(os, "fsync", self._fsync)
+        if self.sfr is not None:
+            monkeypatch.setattr(writeback, "_sync_file_range", self._sync_file_range)
+
+    def _copy(self, src: int, dst: int, count: int, off: Any = None, dst_off: Any = None) -> int:
+        done = 0
+        while done < count:
+            piece = min(64 << 10, count - done)
+            n = self.copy(src, dst, piece, None if off is None else off + done, dst_off)
+            if not n:
+                break
+            done += n
+            self.dirty[dst] = self.dirty.get(dst, 0) + n
+            time.sleep(n / RATE)
+        return done
+
+    def _settle(self, fd: int, length: int) -> None:
+        n = min(length, self.dirty.get(fd, 0))
+        self.dirty[fd] = self.dirty.get(fd, 0) - n
+        time.sleep(n / RATE)
+
+    def _fsync(self, fd: int) -> None:
+        time.sleep(self.dirty.pop(fd, 0) / RATE)
+        self.fsync(fd)
+
+    def _sync_file_range(self, fd: int, offset: int, length: int, flags: int) -> int:
+        if flags & 4:  # SYNC_FILE_RANGE_WAIT_AFTER: the range is written when it returns
+            self._settle(fd, length)
+        assert self.sfr is not None
+        return int(self.sfr(fd, offset, length, flags))
+
+
+def test_a_file_store_slower_than_a_piece_per_bound_is_not_cut_fake_slow_disk(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file:// store on a slow disk (``_SlowDisk``) that takes a 16 MiB file at 4 MiB/s, with
+    a stall bound of 1.5 s: the copy takes 4 s and its fsync 4 more, and both move all along,
+    so the seal completes. Before the fix the whole file was one piece of the copy (64 MiB a
+    piece), and the fsync after it no movement at all: the upload was cut as stalled."""
+    _SlowDisk(monkeypatch)
+    root = str(tmp_path / "store")
+    os.makedirs(root)
+    store = open_store("file://" + root)
+    store.bound_calls(SLOW_BOUND)
+    t, raised = _seal_in_thread(store, tmp_path, _checkpoint(tmp_path, 16 << 20))
+    t.join(WAIT)
+    assert not t.is_alive() and not raised, raised
     assert latest_step(root, RUN) == 10

@@ -56,3 +56,23 @@ def test_nothing_is_handed_over_while_every_byte_goes_directly(
     finally:
         os.close(fd)
     assert handed == []
+
+
+@pytest.mark.skipif(writeback._sync_file_range is None, reason="no sync_file_range here")
+def test_settle_waits_for_a_files_writes_a_slice_at_a_time_each_one_movement(
+    tmp_path: Any,
+) -> None:
+    """``settle`` (a file:// upload's fsync) hands a written file to the disk and waits for it
+    SLICE at a time, saying ``moved`` after each, before the fsync: an upload watched for
+    movement sees a slow disk's writes go on. A file of one slice or less is one fsync."""
+    fd = os.open(tmp_path / "f", os.O_WRONLY | os.O_CREAT, 0o600)
+    seen: List[int] = []
+    try:
+        os.write(fd, os.urandom(3 * writeback.SLICE + 1))
+        writeback.settle(fd, 3 * writeback.SLICE + 1, lambda: seen.append(1))
+        assert len(seen) == 2 * 4  # each of the 4 slices handed over, then waited for
+        seen.clear()
+        writeback.settle(fd, writeback.SLICE, lambda: seen.append(1))
+        assert seen == []
+    finally:
+        os.close(fd)

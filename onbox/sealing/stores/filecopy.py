@@ -5,7 +5,9 @@ memory hashed there. Used by its puts and its downloads alike.
 The kernel copy is made COPY_CHUNK bytes per call: one call for a whole multi-GiB file cannot
 be cut short, so a restore stopped by a SIGTERM (a preemption's short grace) would go on to the
 last byte. Between two calls a stopped download (``stopped``) gives up, CancelledError, and its
-hashing thread stops too. The same calls copy the same bytes, only in bounded lengths.
+hashing thread stops too. The same calls copy the same bytes, only in bounded lengths. Each call
+is also an upload's movement (``moved``, hangbound.py), as is each COPY_CHUNK of a small file's
+write and each stretch the disk wrote after it (onbox/common/writeback.py ``settle``).
 """
 
 from __future__ import annotations
@@ -24,9 +26,12 @@ from onbox.common.faults import hold_point
 CHUNK = 1 << 20
 HASH_CHUNK = 8 << 20  # large reads keep the hashing thread in OpenSSL, off the GIL
 SMALL_FILE = 4 << 20  # a file up to this size is read into memory and hashed there (copy_small)
-# Bytes per kernel copy call: a stop waits for at most one (tens of ms on a local disk); the
-# calls stay large enough that their count costs nothing next to the bytes they move.
-COPY_CHUNK = 64 << 20
+# Bytes per kernel copy call: a stop waits for at most one, and an upload's movement is counted
+# per call (``moved``), so a store is cut as stalled only once it took less than this in its
+# whole bound ([store] stall: 1 MiB in 5 min is 3.5 KB/s; a copy of 64 MiB a call was cut on a
+# mount slower than 220 KB/s though it moved). A call moves 1 MiB in well under a ms from the
+# page cache: a 1 GiB copy in 1 MiB calls took as long as in 64 MiB ones, measured.
+COPY_CHUNK = 1 << 20
 
 Stopped = Callable[[], bool]  # True once the download is to give up (base.Lanes.stopped)
 Moved = Callable[[], None]  # called as each piece is written
@@ -115,8 +120,9 @@ def copy_hashing(
         # The copy is done before the hash (the kernel copies faster than sha256 runs): the
         # disk writes the copy while the hash catches up, so the caller's fsync after it
         # waits for little (not during the copy: writes then slow the reads of the source,
-        # often on the same disk).
-        writeback.start(dst_fd, 0, before.st_size)
+        # often on the same disk). In stretches: on a slow disk handing them over waits for
+        # room, and each handed over is movement.
+        writeback.start_all(dst_fd, before.st_size, moved)
     except BaseException:
         halt.set()  # the copy failed or was stopped: its hash is not wanted
         raise
@@ -133,11 +139,21 @@ def copy_file(
 ) -> Tuple[str, int, os.stat_result]:
     """``copy_small`` for a file of up to SMALL_FILE bytes, else ``copy_hashing``."""
     if os.fstat(f.fileno()).st_size <= SMALL_FILE:
-        return copy_small(f, dst_fd)
+        return copy_small(f, dst_fd, moved)
     return copy_hashing(f, dst_fd, stopped, moved)
 
 
-def copy_small(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
+def write_all(fd: int, data: bytes, moved: Moved = nothing) -> None:
+    """Write ``data`` to ``fd`` whole, COPY_CHUNK bytes a write, ``moved()`` after each (on a
+    slow mount a write returns once its bytes are taken: one of 4 MiB could take minutes)."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view[:COPY_CHUNK])
+        view = view[n:]
+        moved()
+
+
+def copy_small(f: BinaryIO, dst_fd: int, moved: Moved = nothing) -> Tuple[str, int, os.stat_result]:
     """``copy_hashing`` for a file of up to SMALL_FILE bytes: read once into memory, hashed
     there and written out, in this thread. A checkpoint of thousands of small files is put
     many at a time (onbox/sealing/upload.py); a hashing thread of its own per file would cost
@@ -155,7 +171,5 @@ def copy_small(f: BinaryIO, dst_fd: int) -> Tuple[str, int, os.stat_result]:
         if off > SMALL_FILE:  # it grew since the fstat: hashed as far as read, then refused
             break
     data = b"".join(chunks)
-    view = memoryview(data)
-    while view:
-        view = view[os.write(dst_fd, view) :]
+    write_all(dst_fd, data, moved)
     return hashlib.sha256(data).hexdigest(), len(data), before

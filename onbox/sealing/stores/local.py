@@ -36,6 +36,7 @@ import stat as statmod
 import time
 from typing import Iterator, List, Optional, Tuple
 
+from onbox.common import writeback
 from onbox.common.durable import make_dirs
 from onbox.common.errors import IntegrityError, NotFound
 from onbox.common.faults import hold_point
@@ -59,7 +60,7 @@ from onbox.sealing.stores.base import (
     new_download,
     os_error,
 )
-from onbox.sealing.stores.filecopy import copy_file, never
+from onbox.sealing.stores.filecopy import copy_file, never, write_all
 from onbox.sealing.stores.hangbound import HangBound, answers
 from onbox.sealing.stores.localpreflight import check_root, fs_type
 from onbox.sealing.stores.localpreflight import preflight as run_preflight
@@ -265,7 +266,7 @@ class LocalStore(HangBound, Store):
             try:
                 with open(open_regular(path), "rb") as f:  # a FIFO, a link: refused
                     got, hashed, before = copy_file(f, fd, moved=self.moved)
-                os.fsync(fd)
+                writeback.settle(fd, before.st_size, self.moved)  # its waits are movement
                 copied = os.fstat(fd).st_size
             finally:
                 os.close(fd)
@@ -315,10 +316,8 @@ class LocalStore(HangBound, Store):
         try:
             fd = self._new(dfd, tmp)
             try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view) :]
-                os.fsync(fd)
+                write_all(fd, data, self.moved)
+                writeback.settle(fd, len(data), self.moved)
             finally:
                 os.close(fd)
             self._commit(dfd, tmp, name, dest, if_absent, if_match)

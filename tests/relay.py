@@ -1,7 +1,10 @@
 """A TCP relay: listens on an address of the test's choosing and relays each connection to a
 server elsewhere, byte for byte, in two threads. For a server that binds loopback only (the
 test S3 server) reached from a network namespace, whose link a test then cuts for real
-(``Netns.link_down``). ``close()`` stops it and every connection it relays.
+(``Netns.link_down``); or, with ``rate``, a slow link that still moves: what a client sends is
+taken from it at that many bytes a second, per connection, through a small receive buffer, so
+the client's kernel sees its bytes acknowledged as slowly. ``close()`` stops it and every
+connection it relays.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import contextlib
 import socket
 import struct
 import threading
+import time
 from typing import Callable, List, Optional, Tuple
 
 
@@ -24,10 +28,14 @@ class Relay:
         host: str,
         target: Tuple[str, int],
         reset_on: Optional[Callable[[bytes], bool]] = None,
+        rate: Optional[int] = None,
     ) -> None:
         self.target = target
         self.reset_on = reset_on
+        self.rate = rate
         self._listener = socket.create_server((host, 0))
+        if rate is not None:  # inherited by each connection: the link, not the kernel, paces
+            self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
         self.host, self.port = host, self._listener.getsockname()[1]
         self._socks: List[socket.socket] = []
         self._lock = threading.Lock()
@@ -52,16 +60,22 @@ class Relay:
                     server.close()
                     return
                 self._socks += [client, server]
-            for a, b, check in ((client, server, self.reset_on), (server, client, None)):
-                threading.Thread(target=self._pipe, args=(a, b, check), daemon=True).start()
+            ways = ((client, server, self.reset_on, self.rate), (server, client, None, None))
+            for a, b, check, rate in ways:
+                threading.Thread(target=self._pipe, args=(a, b, check, rate), daemon=True).start()
 
     @staticmethod
     def _pipe(
-        src: socket.socket, dst: socket.socket, reset_on: Optional[Callable[[bytes], bool]]
+        src: socket.socket,
+        dst: socket.socket,
+        reset_on: Optional[Callable[[bytes], bool]],
+        rate: Optional[int],
     ) -> None:
         try:
             while True:
-                data = src.recv(1 << 16)
+                data = src.recv(1 << 16 if rate is None else 16 << 10)
+                if rate is not None:
+                    time.sleep(len(data) / rate)
                 if not data:
                     break
                 if reset_on is not None and reset_on(data):

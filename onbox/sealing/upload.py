@@ -256,7 +256,7 @@ class CheckpointUpload:
         store: Any = self.store
         return Stall(
             bound,
-            lambda: (store.sent, sum(r is not None for r in results), self._reading.token()),
+            lambda: (store.movement(), sum(r is not None for r in results), self._reading.token()),
             lambda: store.upload_stalled(what, bound, threads),
         )
 

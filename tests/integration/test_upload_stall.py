@@ -45,6 +45,7 @@ from tests.conftest import Cli, agent_exe, require
 from tests.heldstore import end_while_held, held_store, running_with_step_one
 from tests.httpsink import HttpSink
 from tests.polling import latest_step, wait
+from tests.relay import Relay
 from tests.sealsvc import old_box_sealer
 from tests.seaweed import start_seaweed
 
@@ -405,3 +406,28 @@ def test_a_file_store_slower_than_a_piece_per_bound_is_not_cut_fake_slow_disk(
     t.join(WAIT)
     assert not t.is_alive() and not raised, raised
     assert latest_step(root, RUN) == 10
+
+
+LINK, LINK_BOUND = 2 << 20, 2.0  # the slow link's bytes a second per connection, the bound
+
+
+def test_an_s3_upload_on_a_slow_link_that_moves_is_not_cut(tmp_path: Any) -> None:
+    """A multipart upload (two parts of 8 MiB, each sent in one request) through a real TCP
+    relay that takes 2 MiB a second from each connection (tests/relay.py ``rate``), with a
+    stall bound of 2 s: each part takes some 4 s, moving all along, and the seal completes.
+    Before the fix the upload's movement was counted per part put, so nothing moved for 4 s:
+    cut as stalled."""
+    require(seaweed.missing() is None, seaweed.missing() or "")
+    server = start_seaweed(str(tmp_path / "weed"))
+    relay = Relay("127.0.0.1", ("127.0.0.1", server.port), rate=LINK)
+    try:
+        url = f"http://127.0.0.1:{relay.port}"
+        store = server.store(server.bucket(), "p", endpoint_url=url)
+        store.bound_calls(LINK_BOUND)
+        t, raised = _seal_in_thread(store, tmp_path, _checkpoint(tmp_path, 16 << 20))
+        t.join(WAIT)
+        assert not t.is_alive() and not raised, raised
+        assert store.get_bytes(f"{RUN}/checkpoints/10/MANIFEST.json") is not None
+    finally:
+        relay.close()
+        server.stop()

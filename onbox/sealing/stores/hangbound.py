@@ -28,10 +28,16 @@ not the bound and every backoff. Outside it, or for a call not marked, nothing c
 The uploads of files (a checkpoint's, onbox/sealing/upload.py; the completion seal's and the
 logs', ``watched``) are not bounded so: a big checkpoint's may take far longer than the bound
 and still be moving. Where a store says how its uploads move (``watches_uploads``: it adds to
-``sent`` as each piece is taken, a file:// copy's piece of up to 64 MiB, an S3 part or small
-object, 64 KiB of a file huggingface_hub reads to send to the Hub: hfmoved.py), they are cut
-once nothing moved for the bound instead (onbox/sealing/stall.py ``Stall``), as a restore's
+``sent`` as each piece is taken, 1 MiB of a file:// copy or of its disk's writes before the
+fsync (filecopy.py, onbox/common/writeback.py ``settle``), an S3 part or small object, 64 KiB
+of a file huggingface_hub reads to send to the Hub: hfmoved.py; and ``movement`` may add what
+else it sees move, an S3 store its connections' bytes: s3/tcpmoved.py), they are cut once
+nothing moved for the bound instead (onbox/sealing/stall.py ``Stall``), as a restore's
 downloads are: ``upload_stalled`` (a StoreHung), the upload's threads left as a hung call is.
+The grain is what a store slower than it is cut at (1 MiB per 5 min is 3.5 KB/s). What no
+counter sees, a file:// fsync's last flush once its data is written, an S3 server's work on a
+CompleteMultipartUpload while it sends nothing, is bounded by the same bound: a server silent
+that long is not told from a hung one.
 While one of them is still hung, the next upload is refused at once (``refuse_upload``), so an
 agent letting go waits the bound once, not once per upload.
 """
@@ -108,6 +114,11 @@ class HangBound:
         """A piece of an upload was taken by the store."""
         self.sent += 1  # racy between threads, and harmless: only a change is looked for
 
+    def movement(self) -> object:
+        """What the uploads' watch compares (any change is movement): the pieces taken, and
+        where a store can see more of its own progress (S3: its connections' bytes), that."""
+        return self.sent
+
     def upload_bound(self) -> Optional[float]:
         """How long an upload may move nothing (the calls' bound), or None: not watched."""
         return self._bound if self.watches_uploads else None
@@ -135,7 +146,7 @@ class HangBound:
             return fn()
         self.refuse_upload(what)
         t, done, out = _worker(fn, "rgt-store-upload")
-        stall = Stall(bound, lambda: self.sent, lambda: self.upload_stalled(what, bound, [t]))
+        stall = Stall(bound, self.movement, lambda: self.upload_stalled(what, bound, [t]))
         t.start()
         while not done.wait(SIGNAL_POLL):
             stall.check()

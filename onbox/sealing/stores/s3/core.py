@@ -12,6 +12,7 @@ import os
 import threading
 import time
 from typing import Any, Dict, Iterator, List, Optional, Tuple
+from urllib.parse import urlsplit
 
 import boto3
 import botocore.exceptions as bex
@@ -53,6 +54,7 @@ from onbox.sealing.stores.s3.multipart import (
     put_multipart,
 )
 from onbox.sealing.stores.s3.preflight import preflight as run_preflight
+from onbox.sealing.stores.s3.tcpmoved import tcp_moved
 
 SMALL_SLOTS = 8  # bodies of up to TINY in flight per ``concurrency`` (see S3Store.__init__)
 TINY = 1 << 20
@@ -329,6 +331,16 @@ class S3Store(HangBound, Store):
     hashes_while_uploading = True
     puts_data = True
     watches_uploads = True  # each object and each part put is ``moved`` (hangbound.py)
+
+    def movement(self) -> object:
+        # The pieces put, and the bytes the store's connections moved meanwhile (tcpmoved.py):
+        # a part is 8 to 64 MiB, each request's body one send.
+        client = self._client
+        if client is None:
+            return self.sent
+        url = urlsplit(str(client.meta.endpoint_url))
+        port = url.port or (443 if url.scheme == "https" else 80)
+        return self.sent, tcp_moved(port)
 
     def put_data(self, key: str, data: bytes, sha256: str) -> ObjectInfo:
         if len(data) > self.multipart_threshold:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import threading
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the shim imports this module: typing would cost it ~2 MiB
@@ -95,7 +96,10 @@ def remove_dirs(created: List[str]) -> None:
 def write_atomic(path: str, data: bytes, mode: int = 0o600) -> None:
     """Replace ``path`` with ``data`` atomically and durably."""
     directory = os.path.dirname(path) or "."
-    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{os.getpid()}")
+    # One temporary name per thread, not per process: two threads replacing one path (a
+    # sweep's side-by-side deploys, the agent's sealer beside its loop) must not share one.
+    ident = f"{os.getpid()}.{threading.get_ident()}"
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp.{ident}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, mode)
     try:
         view = memoryview(data)

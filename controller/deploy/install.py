@@ -18,10 +18,13 @@ The agent runs on the box's Python (``--python`` when the right one is not first
 non-interactive PATH; 3.9 or newer), never touching the image's own packages: into a venv when the
 ``venv`` module works; else, on images without it (Debian's python3 without python3-venv), with
 ``pip install --target`` into a private directory and a small launcher that puts that directory
-first on ``sys.path``. The agent always runs with ``python -I`` (isolated: neither the working
-directory, which is the release of the user's code, nor PYTHONPATH can shadow its imports), and
-with no extra environment, so the job it starts sees the box's own PYTHONPATH and nothing of
-rgt's dependencies.
+first on ``sys.path``. The venv has no pip of its own when the box Python's pip can install into
+it (pip 22.3 or newer: ``--python``), which saves bootstrapping one (most of an install's time);
+``python3 -m pip --python <install>/venv/bin/python install ...`` adds a package to it. With an
+older pip, the venv gets its own, as ``python -m venv`` makes it. The agent always runs with
+``python -I`` (isolated: neither the working directory, which is the release of the user's code,
+nor PYTHONPATH can shadow its imports), and with no extra environment, so the job it starts sees
+the box's own PYTHONPATH and nothing of rgt's dependencies.
 
 rgt itself is always the wheel built from this controller (controller/deploy/wheel.py); its
 dependencies come from the box's package index (the box's own pip configuration, mirrors

@@ -31,8 +31,23 @@ mark() {
     mv -f "$dir/.rgt-agent.json.part" "$dir/.rgt-agent.json"
 }
 vpy="$dir/venv/bin/python"
-if "$py" -m venv "$dir/venv" >"$log" 2>&1 && "$vpy" -m pip --version >>"$log" 2>&1; then
-  if ! "$vpy" -m pip install --no-warn-script-location "$@" "$req" >>"$log" 2>&1; then
+# The venv gets no pip of its own when the box Python's pip can install into it (pip 22.3 or
+# newer: --python): bootstrapping one (ensurepip unpacks and compiles pip) took most of an
+# install's time. Else the venv's own pip, as `python -m venv` would make it. Neither pip run
+# writes bytecode of its own into the image.
+vpip() {
+  if [ "$via" = box ]; then PYTHONDONTWRITEBYTECODE=1 "$py" -m pip --python "$vpy" "$@"
+  else "$vpy" -m pip "$@"; fi
+}
+via=""
+if "$py" -m venv --without-pip "$dir/venv" >"$log" 2>&1; then
+  if via=box; vpip --version >>"$log" 2>&1; then :
+  elif via=own; "$vpy" -m ensurepip --upgrade --default-pip >>"$log" 2>&1 &&
+      vpip --version >>"$log" 2>&1; then :
+  else via=""; fi
+fi
+if [ -n "$via" ]; then
+  if ! vpip install --no-warn-script-location "$@" "$req" >>"$log" 2>&1; then
     tail -n 40 "$log" >&2; exit 20
   fi
   mark "$mark_venv" || exit 22

@@ -8,7 +8,9 @@ out of every install unchanged. Covered:
   RECORD, the ``rgt-agent`` entry point;
 - a venv install from that wheel with dependencies from the box's index, run through the returned
   argv/env (``--version``, ``list``), not shadowed by modules in the working directory; reused
-  by a second install without installing anything;
+  by a second install without installing anything; filled by the box Python's own pip (no pip
+  bootstrapped into the venv), or, where that pip is older than ``--python`` (a fake), by a pip
+  of the venv's own;
 - a box whose Python cannot make a venv (a ``--python`` wrapper that fails ``-m venv``): pip
   ``--target`` and a launcher; reused when complete, redone when its marker is missing (an install
   cut off); one that has no pip either, an old Python, a missing one: refused
@@ -91,6 +93,15 @@ def _fake_python(path: Path, body: str) -> str:
     path.write_text("#!/bin/sh\n" + body)
     path.chmod(0o755)
     return str(path)
+
+
+def _pip_version(remote: SshRemote, python: str) -> Tuple[int, ...]:
+    """The version of ``python``'s pip (``pip X.Y.Z from ...``); () without one."""
+    r = remote.run([python, "-m", "pip", "--version"])
+    words = r.text.split()
+    if r.rc != 0 or len(words) < 2:
+        return ()
+    return tuple(int(p) for p in words[1].split(".")[:2] if p.isdigit())
 
 
 def _agent(remote: SshRemote, inst: AgentInstall, *args: str, home: str = "") -> str:
@@ -204,8 +215,13 @@ def test_install_into_a_venv_and_run_it(remote: SshRemote, venv_install: Install
     assert (inst.python, inst.python_version) == (py.path, py.version_text)
     assert _agent(remote, inst, "--version") == f"rgt-agent, version {wheelmod.version()}\n"
     assert _agent(remote, inst, "list", home=venv_install.home) is not None
+    # The box Python's pip (22.3 or newer: --python) filled the venv, which has no pip of its
+    # own: bootstrapping one took most of an install's time.
+    require(_pip_version(remote, py.path) >= (22, 3), f"pip 22.3 or newer for {py.path}")
+    venv_bin = os.path.join(inst.path, "venv", "bin")
+    assert not {"pip", "pip3"} & set(os.listdir(venv_bin)), os.listdir(venv_bin)
     # The installed package is the pushed wheel, whole, and pip is content with it.
-    r = remote.run([inst.argv[0], "-m", "pip", "check"])
+    r = remote.run([py.path, "-m", "pip", "--python", inst.argv[0], "check"])
     assert r.rc == 0, r.text + r.err
     site = remote.run(
         [inst.argv[0], "-c", "import onbox.sealing.stores.local, click, watchdog; print(1)"]
@@ -246,6 +262,29 @@ def test_a_second_install_installs_nothing(remote: SshRemote, venv_install: Inst
     )
     assert sorted(os.listdir(agent_dir)) == entries and os.stat(marker).st_mtime_ns == stamp
     assert took < venv_install.seconds / 2, (took, venv_install.seconds)
+
+
+def test_a_fake_python_whose_pip_lacks_python_gets_a_venv_with_its_own_pip(
+    remote: SshRemote, tmp_path: Path
+) -> None:
+    """A box Python whose pip is older than ``--python`` (22.3): the venv bootstraps its own pip
+    and installs with it, as ``python -m venv`` does."""
+    py = _box_python(remote)
+    fake = _fake_python(
+        tmp_path / "python3",
+        'if [ "$1 $2 $3" = "-m pip --python" ]; then\n'
+        '  echo "no such option: --python (fake pip 22.0)" >&2; exit 2\n'
+        "fi\n"
+        f'exec {py} "$@"\n',
+    )
+    home = str(tmp_path / HOME_NAME)
+    inst = install_agent(remote, home, python=fake)
+    assert (inst.method, inst.installed, inst.python) == ("venv", True, fake)
+    assert inst.argv == [os.path.join(inst.path, "venv/bin/python"), "-I", "-m", "onbox.cli"]
+    assert "fake pip 22.0" in Path(inst.path, "install.log").read_text()
+    r = remote.run([inst.argv[0], "-m", "pip", "check"])
+    assert r.rc == 0, r.text + r.err
+    assert _agent(remote, inst, "--version") == f"rgt-agent, version {wheelmod.version()}\n"
 
 
 # --- an install whose agent no longer answers -----------------------------------------------------

@@ -2,7 +2,7 @@
 
     nice -n 10 .venv/bin/python bench/goodput/goodput.py [--mtbp 2,10] [--grace 0,5] [--seed 1]
         [--k 10] [--trace FILE ...] [--setups nohup,cron,fixed,auto] [--keep DIR] [--json F]
-        [--no-readme]
+        [--no-readme] [--next-when-gone]
 
 For each point (a trace: mean time between preemptions, seed; and a grace), the four setups of
 bench/goodput/gp_setups.py and a preemption-free run of the same job start together, each on its
@@ -15,6 +15,9 @@ preemption-free run trained in the same wall-clock time, and the badput by cause
 Time compression: every duration of the trace (uptimes, provisioning delay, budget) and of the
 setups' checkpoint periods is divided by ``--k``; the real costs (process start, torch's import,
 the agent, sealing, restoring, the grace) are not, which is pessimistic for every setup alike.
+``--next-when-gone`` (with ``--no-readme``: a test's shortcut, its points compare with no other)
+brings the next box up the provisioning delay after the old box's last process is gone, not after
+the whole grace, and counts as down time what each setup's boxes were actually down.
 Results accumulate in bench/goodput/results.json (one entry per point and setup, replaced
 when run again) and the table between the ``goodput`` markers of bench/goodput/README.md is
 written from all of them.
@@ -86,9 +89,12 @@ def _timeline(
     root: str,
     boxes: List[Tuple[float, float, float, str]],
     until_done: bool = False,
+    when_gone: bool = False,
 ) -> None:
     """One setup through the trace: a box per uptime, preempted at its end (``until_done``:
-    the last box ends early once its job printed its final hashes)."""
+    the last box ends early once its job printed its final hashes; ``when_gone``: the rest of
+    a grace the old box did not use is not waited, every later instant comes that much
+    earlier)."""
     slug = setup.name.replace(" ", "-").replace("+", "-")
     for i, (up, end) in enumerate(sched):
         if STOP.wait(max(0.0, t0 + up - time.monotonic())):
@@ -107,6 +113,8 @@ def _timeline(
         preempted = time.time()  # the box's work ends here; the grace counts as down time
         box.preempt(grace if not last else 0.0)
         boxes.append((box.up_at, preempted, box.restore_s, _output(setup, box)))
+        if when_gone and not last:
+            t0 -= max(0.0, t0 + end + grace - time.monotonic())
 
 
 def run_point(
@@ -123,7 +131,7 @@ def run_point(
         sch = [(0.0, budget)] if isinstance(s, gp_setups.Reference) else sched
         th = threading.Thread(
             target=_timeline,
-            args=(s, sch, t0, grace, root, records[s.name], args.until_done),
+            args=(s, sch, t0, grace, root, records[s.name], args.until_done, args.next_when_gone),
             daemon=True,  # a stopped harness does not wait for them (main sweeps their boxes)
         )
         th.start()
@@ -135,6 +143,9 @@ def run_point(
     ref = gp_account.account("ref", records[setups[0].name], 0.0, args.step_time)
     rows: List[Dict[str, Any]] = []
     for s in setups[1:]:
+        if args.next_when_gone:  # each setup's boxes were down as long as they were
+            recs = records[s.name]
+            down = sum(b[0] - a[1] for a, b in zip(recs, recs[1:]))
         try:
             r = gp_account.account(s.name, records[s.name], down, args.step_time)
         except gp_account.Redone as e:
@@ -241,7 +252,14 @@ def main() -> None:
     ap.add_argument("--keep", help="keep the boxes' directories here")
     ap.add_argument("--json", help="also write this point's results here")
     ap.add_argument("--no-readme", action="store_true", help="touch neither results nor README")
+    ap.add_argument(
+        "--next-when-gone",
+        action="store_true",
+        help="the next box once the old one is gone, not after the whole grace (--no-readme)",
+    )
     args = ap.parse_args()
+    if args.next_when_gone and not args.no_readme:
+        ap.error("--next-when-gone makes points that compare with no other: add --no-readme")
     # SIGTERM ends the harness as Ctrl-C does: through the finally below, which kills by PID
     # every process its boxes left, so a stopped benchmark leaves no job training.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

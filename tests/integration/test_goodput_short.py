@@ -76,7 +76,8 @@ def _box_outputs(setup_dir: str) -> str:
 
 # The grace: none, or one the final checkpoint and its seal fit in on a loaded machine (the
 # job's save, the agent's seal of it, on two cores the rest of the suite shares: 3 s was once
-# too short there). The preemption ends when the agent does, so a long grace costs nothing.
+# too short there). The preemption ends when the agent does, and the next box comes up then
+# (--next-when-gone), so a long grace costs nothing.
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("grace", [0, 10])
 def test_preempted_rgt_auto_never_redoes_a_counted_step_and_ends_exact(
@@ -101,7 +102,7 @@ def test_preempted_rgt_auto_never_redoes_a_counted_step_and_ends_exact(
     out = os.path.join(tmp, "result.json")
     argv = [sys.executable, HARNESS, "--trace", trace, "--grace", str(grace), "--k", "1"]
     argv += ["--setups", "auto", "--steps", str(STEPS), "--step-time", "0.03", "--floor", "1"]
-    argv += ["--until-done", "--no-readme", "--keep", keep, "--json", out]
+    argv += ["--until-done", "--no-readme", "--next-when-gone", "--keep", keep, "--json", out]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=220)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-3000:]
     with open(out) as f:

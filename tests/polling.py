@@ -1,12 +1,15 @@
 """Waiting in tests for what a real process does by itself: a predicate polled until it holds,
-bounded, and the step a ``file://`` store's LATEST.json names."""
+bounded (``wait``), or a reading taken until it is the one waited for (``wait_value``); and the
+step a ``file://`` store's LATEST.json names."""
 
 from __future__ import annotations
 
 import json
 import os
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional, TypeVar
+
+T = TypeVar("T")
 
 
 def wait(
@@ -26,6 +29,26 @@ def wait(
             return got
         time.sleep(poll)
     raise AssertionError(f"timed out waiting for {what}" + (f": {info()}" if info else ""))
+
+
+def wait_value(
+    read: Callable[[], T],
+    ok: Callable[[T], Any],
+    timeout: float = 30,
+    what: str = "condition",
+    poll: float = 0.05,
+    show: Callable[[T], Any] = repr,
+) -> T:
+    """``read()``'s first value for which ``ok`` holds, read every ``poll`` seconds;
+    AssertionError naming ``what`` after ``timeout``, with ``show`` of the last value read."""
+    last: List[T] = []
+
+    def held() -> Any:
+        last[:] = [read()]
+        return ok(last[0])
+
+    wait(held, timeout, what, poll, info=lambda: show(last[0]) if last else "nothing read")
+    return last[0]
 
 
 def latest_step(root: str, run: str) -> Optional[int]:

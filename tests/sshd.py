@@ -35,6 +35,7 @@ import time
 from typing import Dict, List, Mapping, Optional, Sequence
 
 from onbox.agent import procfs
+from tests.polling import wait
 
 SSHD = "/usr/sbin/sshd"
 SFTP_SERVER = "/usr/lib/openssh/sftp-server"
@@ -176,14 +177,12 @@ class SshServer:
 
     def wait_no_sessions(self, timeout: float = 15) -> None:
         """Until the server has torn down every connection (e.g. after a client was killed)."""
-        deadline = time.monotonic() + timeout
-        while self.session_pids():
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"sshd still has sessions {self.session_pids()} after "
-                    f"{timeout}s; its log:\n{self.log()[-4000:]}"
-                )
-            time.sleep(0.05)
+        wait(
+            lambda: not self.session_pids(),
+            timeout,
+            "sshd's sessions to end",
+            info=lambda: f"sessions {self.session_pids()}; its log:\n{self.log()[-4000:]}",
+        )
 
     def log(self) -> str:
         try:

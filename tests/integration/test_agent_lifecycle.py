@@ -24,6 +24,7 @@ from onbox.common.errors import StopFailed
 from onbox.common.faults import STOP_AFTER_EVENT
 from tests import mounts
 from tests.conftest import ROOT, Cli, agent_exe, fixture, require
+from tests.polling import wait
 
 
 def _toml(path: str, command: List[str], **restart: Any) -> str:
@@ -48,10 +49,12 @@ def _alive(pid: int) -> bool:
 
 
 def _wait_gone(pids: List[int], timeout: float = 15) -> None:
-    deadline = time.monotonic() + timeout
-    while any(_alive(p) for p in pids):
-        assert time.monotonic() < deadline, [p for p in pids if _alive(p)]
-        time.sleep(0.05)
+    wait(
+        lambda: not any(_alive(p) for p in pids),
+        timeout,
+        f"{pids} to go",
+        info=lambda: [p for p in pids if _alive(p)],
+    )
 
 
 def _tagged(cli: Cli, name: str, attempt: int) -> List[int]:
@@ -238,10 +241,7 @@ def test_outside_kills_spend_the_preemption_budget_not_the_error_budget(cli: Cli
 def test_stop_escalates_to_sigkill_of_the_whole_group_and_setsid_children(cli: Cli) -> None:
     cli("start", "--name", "r7", "--grace", "1", "--", *fixture("forker.py"), check=True)
     pids_file = os.path.join(cli.home, "runs", "r7", "forker.pids")
-    deadline = time.monotonic() + 30
-    while not os.path.exists(pids_file):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait(lambda: os.path.exists(pids_file), 30, pids_file)
     with open(pids_file) as f:
         pids = [int(x) for x in f.read().split()]
     assert len(pids) == 4 and all(_alive(p) for p in pids)
@@ -257,10 +257,7 @@ def test_stop_escalates_to_sigkill_of_the_whole_group_and_setsid_children(cli: C
 def test_stop_finds_an_orphaned_setsid_grandchild_that_blanked_its_environment(cli: Cli) -> None:
     cli("start", "--name", "rh", "--grace", "1", "--", *fixture("hider.py"), check=True)
     path = os.path.join(cli.home, "runs", "rh", "hider.pid")
-    deadline = time.monotonic() + 30
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait(lambda: os.path.exists(path), 30, path)
     with open(path) as f:
         hidden = int(f.read())
     env = procfs.environ(hidden) or {}
@@ -302,10 +299,7 @@ def _over_with_a_child_left(cli: Cli) -> procfs.Identity:
     st = cli.wait_state("lo", "STARTING", "RUNNING")
     agent = st["agent"]["pid"]
     path = os.path.join(run_dir, "child.pid")
-    deadline = time.monotonic() + 30
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, "the job's child is up"
-        time.sleep(0.05)
+    wait(lambda: os.path.exists(path), 30, "the job's child is up")
     with open(path) as f:
         child = procfs.identity(int(f.read()))
     assert child is not None
@@ -348,10 +342,12 @@ def test_ctrl_c_ends_the_wait_of_a_stop_ending_leftovers_and_says_what_is_left(c
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while (st := procfs.read_stat(stop.pid)) is not None and st.state not in "TtZX":
-            assert time.monotonic() < deadline, "the stop never reached its leftovers event"
-            time.sleep(0.01)
+        wait(
+            lambda: (st := procfs.read_stat(stop.pid)) is None or st.state in "TtZX",
+            60,
+            "the stop to reach its leftovers event",
+            poll=0.01,
+        )
         os.kill(stop.pid, signal.SIGINT)  # delivered at SIGCONT, before any SIGTERM is sent
         os.kill(stop.pid, signal.SIGCONT)
         out, err = stop.communicate(timeout=60)
@@ -398,10 +394,12 @@ def test_ctrl_c_ends_the_wait_of_a_stop_of_a_live_run_and_the_stop_goes_on(
     try:
         cli.wait_state("cc", "STOPPING")
         # The command asked and waits (asleep in the kernel) for the job's 120 s of grace.
-        deadline = time.monotonic() + 60
-        while (ps := procfs.read_stat(stop.pid)) is not None and ps.state != "S":
-            assert time.monotonic() < deadline, "the stop never waited"
-            time.sleep(0.01)
+        wait(
+            lambda: (ps := procfs.read_stat(stop.pid)) is None or ps.state == "S",
+            60,
+            "the stop to wait",
+            poll=0.01,
+        )
         os.kill(stop.pid, signal.SIGINT)
         out, err = stop.communicate(timeout=60)
     finally:

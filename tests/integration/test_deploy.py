@@ -53,6 +53,7 @@ from onbox.agent.observe import public_state
 from tests.conftest import ROOT, _kill_run_processes, require
 from tests.laptop import laptop_env, rgt_exe, ssh_target
 from tests.netns import Netns
+from tests.polling import wait_value
 from tests.sshd import SshServer
 
 TIMEOUT = 60.0
@@ -230,14 +231,14 @@ class Box:
     def wait_status(
         self, pred: Callable[[Dict[str, Any]], bool], what: str, timeout: float = TIMEOUT
     ) -> Dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        st: Dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            st = self.status()
-            if pred(st):
-                return st
-            time.sleep(POLL)
-        raise AssertionError(f"{self.label}: timed out waiting for {what}; last status {st}")
+        return wait_value(
+            self.status,
+            pred,
+            timeout,
+            f"{self.label}: {what}",
+            POLL,
+            lambda st: f"last status {st}",
+        )
 
     def logs(self) -> str:
         p = self.rgt("logs", self.name, timeout=120)
@@ -245,14 +246,10 @@ class Box:
         return p.stdout
 
     def wait_log(self, text: str, timeout: float = TIMEOUT) -> str:
-        deadline = time.monotonic() + timeout
-        out = ""
-        while time.monotonic() < deadline:
-            out = self.logs()
-            if text in out:
-                return out
-            time.sleep(POLL)
-        raise AssertionError(f"{self.label}: {text!r} not in the log: {out[-2000:]!r}")
+        return wait_value(
+            self.logs, lambda out: text in out, timeout, f"{self.label}: {text!r} in the log",
+            POLL, lambda out: repr(out[-2000:]),
+        )  # fmt: skip
 
     def commands(self) -> int:
         """Commands the box's sshd has started so far: one per ssh command, multiplexed or not."""

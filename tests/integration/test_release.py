@@ -45,6 +45,7 @@ from controller.target import Target
 from onbox.agent import procfs
 from onbox.common.errors import HostError, RemoteUnreachable, UsageError
 from tests.conftest import ROOT
+from tests.polling import wait
 from tests.sshd import SshServer
 
 TIMEOUT = 30.0
@@ -466,15 +467,17 @@ def _parent(pid: int) -> Optional[int]:
 
 def _wait_partial(box: Box, timeout: float = TIMEOUT) -> str:
     """Until a push in progress has part of the big file on the box; its temporary directory."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+
+    def partial() -> Optional[str]:
         for t in box.temps():
             for here, _, files in os.walk(box.release(t)):
                 for f in files:
                     if "big" in f and os.path.getsize(os.path.join(here, f)) > 0:
                         return t
-        time.sleep(0.02)
-    raise AssertionError(f"no partial upload appeared under {box.home}/releases")
+        return None
+
+    found: str = wait(partial, timeout, f"a partial upload under {box.home}/releases", poll=0.02)
+    return found
 
 
 def _with_big_file(proj: Path) -> None:

@@ -26,8 +26,7 @@ import signal
 import subprocess
 import sys
 import threading
-import time
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
@@ -41,6 +40,7 @@ from onbox.sealing.stores.filecopy import SMALL_FILE
 from tests import seaweed
 from tests.conftest import Cli, agent_exe, require
 from tests.laptop import nesting
+from tests.polling import wait
 from tests.sealsvc import old_box_sealer
 from tests.seaweed import start_seaweed
 
@@ -68,13 +68,6 @@ def _seal(store: Store, tmp_path: Any, size: int, files: int = 2) -> None:
     assert sealer.seal_pending() == 1
 
 
-def _until(what: str, done: Callable[[], bool], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 def _child_of(parent: int) -> int:
     """The pid of ``parent``'s child (the agent `start` spawned)."""
     found: List[int] = []
@@ -89,7 +82,7 @@ def _child_of(parent: int) -> int:
         ]
         return bool(found)
 
-    _until("`rgt-agent start` spawned no agent", child)
+    wait(child, 60, "`rgt-agent start` to spawn an agent", poll=0.01)
     return found[0]
 
 
@@ -160,7 +153,9 @@ def test_a_store_stopped_mid_restore_fails_the_start_as_transient_within_its_sta
         job = _job_file(tmp_path, url, "3s")
         ckpt = os.path.join(cli.home, "runs", RUN, "ckpt")
         with _starting(cli, job, server.env(cli.env)) as (start, agent):
-            _until("the restore never began", lambda: bool(glob.glob(f"{ckpt}/{STAGE_PREFIX}*")))
+            wait(
+                lambda: glob.glob(f"{ckpt}/{STAGE_PREFIX}*"), 60, "the restore to begin", poll=0.01
+            )
             # The agent held while the store stops: its download cannot end first.
             os.kill(agent, signal.SIGSTOP)
             try:

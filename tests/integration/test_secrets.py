@@ -10,10 +10,10 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from typing import Any
 
 from tests.conftest import Cli, agent_exe
+from tests.polling import wait_value
 
 CANARY = "canary-" + os.urandom(8).hex()
 JOB = """
@@ -98,12 +98,14 @@ def test_a_secret_reaches_the_job_across_restarts_and_nowhere_else(cli: Cli, tmp
 
 
 def _wait_log(cli: Cli, text: str, timeout: float = 30) -> str:
-    deadline = time.monotonic() + timeout
-    while True:
-        out = cli("logs", "sec", check=True).stdout
-        if text in out or time.monotonic() > deadline:
-            return out
-        time.sleep(0.1)
+    return wait_value(
+        lambda: cli("logs", "sec", check=True).stdout,
+        lambda out: text in out,
+        timeout,
+        f"{text!r} in the log",
+        0.1,
+        lambda out: repr(out[-2000:]),
+    )
 
 
 def test_secrets_on_stdin_must_be_a_json_object_of_strings(cli: Cli) -> None:

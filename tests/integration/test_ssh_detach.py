@@ -34,6 +34,7 @@ from onbox.agent import procfs
 from onbox.common.durable import read_json
 from onbox.common.rundir import RunDir
 from tests.conftest import Cli, fixture
+from tests.polling import wait
 from tests.sshd import SshServer, remote_env
 
 AGENT = os.path.join(os.path.dirname(sys.executable), "rgt-agent")
@@ -116,11 +117,7 @@ def _last_step(cli: Cli, name: str) -> int:
 
 
 def _wait_gone(ident: procfs.Identity, what: str, timeout: float = TIMEOUT) -> None:
-    deadline = time.monotonic() + timeout
-    while procfs.is_alive(ident):
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} (pid {ident.pid}) still lives after {timeout}s")
-        time.sleep(0.05)
+    wait(lambda: not procfs.is_alive(ident), timeout, f"{what} (pid {ident.pid}) to end")
 
 
 def _session_and_tty(pid: int) -> Tuple[int, int]:

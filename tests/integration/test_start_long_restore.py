@@ -25,7 +25,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Tuple
 
 import pytest
 
@@ -39,6 +39,7 @@ from onbox.sealing.fetch import STAGE_PREFIX
 from onbox.sealing.stores import open_store
 from onbox.sealing.stores.filecopy import SMALL_FILE
 from tests.conftest import Cli, agent_exe
+from tests.polling import wait
 from tests.sealsvc import old_box_sealer
 
 RUN = "slow"
@@ -88,13 +89,6 @@ def _start(cli: Cli, tmp_path: Any) -> Tuple[subprocess.Popen[str], str, str]:
     return start, release, os.path.join(cli.home, "runs", RUN, "ckpt")
 
 
-def _until(what: str, done: Callable[[], bool], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not done():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.05)
-
-
 def _restoring(ckpt: str) -> bool:
     return bool(glob.glob(os.path.join(ckpt, STAGE_PREFIX + "*")))
 
@@ -113,7 +107,7 @@ def _agent_of(start: subprocess.Popen[str]) -> int:
         ]
         return bool(found)
 
-    _until("`rgt-agent start` spawned no agent", child)
+    wait(child, 60, "`rgt-agent start` to spawn an agent")
     return found[0]
 
 
@@ -135,12 +129,13 @@ def test_start_waits_for_a_restore_longer_than_its_bound_and_shows_its_progress(
     start, release, ckpt = _start(cli, tmp_path)
     try:
         began = lambda: _restoring(ckpt) or start.poll() is not None  # noqa: E731
-        _until("the agent never began its restore", began)
+        wait(began, 60, "the agent to begin its restore")
         held = time.monotonic()
         # The restore outlasts the silence bound twice over (or `start` gave up: the failure).
-        _until(
-            "the restore was not held",
+        wait(
             lambda: start.poll() is not None or time.monotonic() - held > 2 * SILENCE,
+            60,
+            "the restore held twice the silence bound",
         )
     finally:
         open(release, "w").close()
@@ -161,8 +156,8 @@ def test_start_gives_up_on_an_agent_that_goes_silent_mid_restore(cli: Cli, tmp_p
     start, release, ckpt = _start(cli, tmp_path)
     try:
         agent = _agent_of(start)
-        _until("the agent never began its restore", lambda: _restoring(ckpt))
-        _until("start never said the restore's progress", lambda: "restoring" in _err(tmp_path))
+        wait(lambda: _restoring(ckpt), 60, "the agent to begin its restore")
+        wait(lambda: "restoring" in _err(tmp_path), 60, "start to say the restore's progress")
         os.kill(agent, signal.SIGSTOP)
         out, err = _finish(start, tmp_path)
     finally:
@@ -283,7 +278,7 @@ def _deploy_held(
     )  # fmt: skip
     try:
         stage = os.path.join(cli.home, "**", STAGE_PREFIX + "*")
-        _until("the box's restore to begin", lambda: bool(glob.glob(stage, recursive=True)))
+        wait(lambda: glob.glob(stage, recursive=True), 60, "the box's restore to begin")
         yield p, env
     finally:
         open(release, "w").close()

@@ -50,6 +50,7 @@ from onbox.sealing.stores import open_store
 from tests.beside import Beside
 from tests.conftest import ROOT, _kill_run_processes
 from tests.laptop import laptop_env, run_rgt, ssh_target
+from tests.polling import wait_value
 from tests.slurm import SlurmCluster
 from tests.sshd import SshServer
 
@@ -95,14 +96,9 @@ class Login:
     def wait_status(
         self, name: str, pred: Callable[[Dict[str, Any]], bool], what: str, timeout: float
     ) -> Dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        st: Dict[str, Any] = {}
-        while time.monotonic() < deadline:
-            st = self.status(name)
-            if pred(st):
-                return st
-            time.sleep(1.0)
-        raise AssertionError(f"timed out waiting for {what}; last status {st}")
+        return wait_value(
+            lambda: self.status(name), pred, timeout, what, 1.0, lambda st: f"last status {st}"
+        )
 
     def job(self, name: str) -> str:
         return str(Registry(self.ctl_home).get(name).scheduler["job"])

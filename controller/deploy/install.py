@@ -20,7 +20,8 @@ non-interactive PATH; 3.9 or newer), never touching the image's own packages: in
 ``pip install --target`` into a private directory and a small launcher that puts that directory
 first on ``sys.path``. The venv has no pip of its own when the box Python's pip can install into
 it (pip 22.3 or newer: ``--python``), which saves bootstrapping one (most of an install's time);
-``python3 -m pip --python <install>/venv/bin/python install ...`` adds a package to it. With an
+its ``bin/pip`` is a two-line script running that pip into the venv, so ``<install>/venv/bin/pip
+install ...`` adds a package to it as in any venv. With an
 older pip, the venv gets its own, as ``python -m venv`` makes it. The agent always runs with
 ``python -I`` (isolated: neither the working directory, which is the release of the user's code,
 nor PYTHONPATH can shadow its imports), and with no extra environment, so the job it starts sees

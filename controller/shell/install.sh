@@ -50,6 +50,13 @@ if [ -n "$via" ]; then
   if ! vpip install --no-warn-script-location "$@" "$req" >>"$log" 2>&1; then
     tail -n 40 "$log" >&2; exit 20
   fi
+  # A venv filled by the box's pip still answers `venv/bin/pip install X` (what the agent's
+  # remedies ask for an optional extra): a two-line script running that pip into the venv.
+  if [ "$via" = box ]; then
+    qpy=$(printf '%s' "$py" | sed "s/'/'\\\\''/g"); qvpy=$(printf '%s' "$vpy" | sed "s/'/'\\\\''/g")
+    printf "#!/bin/sh\nexec '%s' -m pip --python '%s' \"\$@\"\n" "$qpy" "$qvpy" \
+      > "$dir/venv/bin/pip" && chmod 755 "$dir/venv/bin/pip" || exit 22
+  fi
   mark "$mark_venv" || exit 22
   echo venv; exit 0
 fi

@@ -216,13 +216,17 @@ def test_install_into_a_venv_and_run_it(remote: SshRemote, venv_install: Install
     assert _agent(remote, inst, "--version") == f"rgt-agent, version {wheelmod.version()}\n"
     assert _agent(remote, inst, "list", home=venv_install.home) is not None
     # The box Python's pip (22.3 or newer: --python) filled the venv, which has no pip of its
-    # own: bootstrapping one took most of an install's time.
+    # own (bootstrapping one took most of an install's time), only a `pip` script running the
+    # box's pip into it, so that the remedies' "pip install X into the agent's venv" works.
     require(_pip_version(remote, py.path) >= (22, 3), f"pip 22.3 or newer for {py.path}")
     venv_bin = os.path.join(inst.path, "venv", "bin")
-    assert not {"pip", "pip3"} & set(os.listdir(venv_bin)), os.listdir(venv_bin)
+    assert {"pip", "pip3"} & set(os.listdir(venv_bin)) == {"pip"}, os.listdir(venv_bin)
+    assert remote.run([inst.argv[0], "-I", "-c", "import pip"]).rc != 0
     # The installed package is the pushed wheel, whole, and pip is content with it.
-    r = remote.run([py.path, "-m", "pip", "--python", inst.argv[0], "check"])
+    r = remote.run([os.path.join(venv_bin, "pip"), "check"])
     assert r.rc == 0, r.text + r.err
+    r = remote.run([os.path.join(venv_bin, "pip"), "show", "remote-gpu-trainer"])
+    assert r.rc == 0 and f"Version: {wheelmod.version()}" in r.text, r.text + r.err
     site = remote.run(
         [inst.argv[0], "-c", "import onbox.sealing.stores.local, click, watchdog; print(1)"]
     )
@@ -316,7 +320,13 @@ def test_a_broken_install_a_live_agent_runs_from_is_left_whole(
     try:
         _agent(remote, first, "start", "--name", "live", "--", "sleep", "600", home=home)
         deadline = time.monotonic() + 30
-        while not ((st := _status(remote, first, home, "live"))["agent"]["alive"] and st["pid"]):
+        # RUNNING, not only a pid: the state is read again after the second install, which
+        # can now end before a STARTING run has got there.
+        while not (
+            (st := _status(remote, first, home, "live"))["agent"]["alive"]
+            and st["pid"]
+            and st["state"] == "RUNNING"
+        ):
             assert time.monotonic() < deadline, st
             time.sleep(0.2)
         # What the install script goes by: the agent maps a file of its install.

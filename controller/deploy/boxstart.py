@@ -14,8 +14,11 @@ recorded: its agent may well be starting it. So is a run that ended before its j
 Most failures are said as the box said them, once: the start's stderr is shown as it comes, but
 for the rgt error it ends with, which rgt's own error says (controller/capture.py LineRelay). A
 start that ends without one (the agent's program gone from the box: ``env: ...: No such file``)
-was shown whole: rgt's error points at it, and says what to do. The release directory gone
-before the start (``cd``) is NotFound (exit 8). The start never takes secrets another deploy
+was shown whole: rgt's error points at it, and says what to do. The start holds its release
+first (``deploys/N/pending``, controller/shell/release_use.sh); one gone by then is NotFound
+(exit 8), unless the deploy found it complete rather than pushed it: then another deploy's failed
+start or `rgt down` removed it meanwhile, and the deploy pushes it again and starts, once
+(``start_pushed``). The start never takes secrets another deploy
 left staged (one cut off before its start): unless this deploy staged its own, the same line
 removes them first (HostError, exit 9, when it cannot). One is not a failure of the start at
 all: the box's agent took its epoch and restored the run's checkpoint, and a SIGTERM (the box
@@ -110,7 +113,10 @@ _NO_RELEASE = 44
 _STALE_KEPT = 45
 # The line the start runs on the box: $1 the release directory, $2 the staged secrets to remove
 # first ("" when this deploy staged them), $3 the run's directory, $4 its deploy's directory,
-# $5 "drop" where this deploy created the release ("" else), then the agent's argv. Not exec'd:
+# $5 "drop" where this deploy created the release ("" else), then the agent's argv. The deploy
+# holds the release first (deploys/N/pending, controller/shell/release_use.sh): no other
+# deploy's drop or `rgt down` removes it from then on; one that did before is _NO_RELEASE.
+# Not exec'd (a failure lets go of the hold):
 # a start that exits non-zero is followed, in the same command, by the drop of the release
 # ($5: controller/deploy/leftrelease.py) and a look at runs/N and deploys/N/current
 # (controller/deploy/heldrun.py), said last on stdout, after MARK, in three words: the drop's
@@ -119,11 +125,16 @@ _STALE_KEPT = 45
 MARK = "rgt-start-failed: "
 START_SH = script("release_use.sh") + "\n".join(
     (
-        f'cd "$1" 2>/dev/null || exit {_NO_RELEASE}; rel=$1 run=$3 deploy=$4 drop=$5',
+        "rel=${1%/} run=$3 deploy=$4 drop=$5",
+        f'rgt_locked "${{deploy%/*}}" rgt_release_hold "$rel" "$deploy" || exit {_NO_RELEASE}',
+        f'cd "$rel" 2>/dev/null || exit {_NO_RELEASE}',
         'if { [ -z "$2" ] || rm -f -- "$2"; }; then shift 5; "$@"; rc=$?',
         f"else rc={_STALE_KEPT}; fi",
         '[ "$rc" -eq 0 ] && exit 0; cd / || exit "$rc"',
-        'left=-; [ -z "$drop" ] || left=$(rgt_release_drop "$rel" "$run" "$deploy")',
+        "dd=${deploy%/*} left=-",
+        'if [ -z "$drop" ]; then rgt_locked "$dd" rgt_release_unhold "$rel" "$deploy"',
+        'else left=$(rgt_locked "$dd" rgt_release_drop "$rel" "$run" "$deploy") || left=failed',
+        "fi",
         'held=none; [ -f "$run/spec.json" ] && held=held',
         'cur=$(readlink "$deploy/current" 2>/dev/null) || cur=-',
         f'printf "\\n{MARK}%s %s %s\\n" "$left" "$held" "${{cur##*/}}"; exit "$rc"',
@@ -187,6 +198,38 @@ def _its_error(said: str) -> str:
     return "\n".join([lines[last][len("rgt: ") :], *lines[last + 1 :]])
 
 
+class ReleaseGone(NotFound):
+    """The release the start was to run in is not on the box (exit 8): removed since the deploy
+    found it complete there, before its start held it."""
+
+
+def start_pushed(
+    remote: Remote,
+    registry: Registry,
+    rec: RunRecord,
+    argv: Sequence[str],
+    pushed: PushResult,
+    staged: bool,
+    say: Callable[[str], None],
+    push_again: Callable[..., PushResult],
+) -> bool:
+    """``start_on_box`` in the release ``pushed``. One this deploy found complete on the box
+    (another run's, maybe) that another deploy's failed start or `rgt down` removed before this
+    start held it is pushed again (``push_again(name=N)``: release.push_release), once, and the
+    start runs in that: the deploy goes on rather than ask to be run again. Nothing of the
+    start ran in the first."""
+    label = rec.target.label
+    try:
+        return start_on_box(remote, registry, rec, label, argv, pushed.path, staged, pushed, say)
+    except ReleaseGone:
+        if pushed.method != "existing":
+            raise
+    say(f"rgt: release {pushed.id} went from the box before the start took it: pushing it again")
+    pushed = push_again(name=rec.name)
+    say(f"rgt: release {pushed.id}: {pushed.transferred_files} files sent again")
+    return start_on_box(remote, registry, rec, label, argv, pushed.path, staged, pushed, say)
+
+
 def start_on_box(
     remote: Remote,
     registry: Registry,
@@ -210,7 +253,7 @@ def start_on_box(
     stale = "" if staged else RunDir(rec.name, rec.box_home).staged_secrets_file
     r, out, words = _start(remote, registry, rec, label, argv, path, stale, pushed)
     if r.rc == _NO_RELEASE:
-        raise NotFound(
+        raise ReleaseGone(
             f"the release {path} that run {rec.name} starts in is not on {label}: it was "
             "removed since it was pushed",
             "run the same `rgt deploy` again: it pushes the code again",

@@ -41,6 +41,7 @@ the project and the building of the agent's wheel; the audit waits for it
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import posixpath
@@ -174,9 +175,8 @@ def deploy(
         from controller.deploy import boxstart  # (see the imports above)
 
         argv = rec.agent_argv(*_agent_args("start", plan, store))
-        started = boxstart.start_on_box(
-            remote, registry, rec, plan.target.label, argv, pushed.path, staged, pushed, say
-        )
+        again = functools.partial(push_release, remote, plan.project, box_home, files=files)
+        started = boxstart.start_pushed(remote, registry, rec, argv, pushed, staged, say, again)
         registry.put(rec)
         if not started:  # the run is finished: it never runs in this release
             say(boxstart.finished_line(plan.name))

@@ -11,16 +11,18 @@ directories of pushes cut off. Every failed redeploy of changed code added one.
 
 So where this deploy created the release (``PushResult.method`` is not "existing": a release
 on the box before it may be another run's), ``rgt_release_drop`` (controller/shell/release_use.sh)
-runs after such a failure: it keeps the release while a deploy's current link or another run's
-spec names it, or the run's own spec names it and the run is not FAILED (a start cut by a
-preemption or a stop, or another start of the run, may run it there), and removes it otherwise,
-printing one word. After a failed start it runs within the start's own command (``START_SH``,
-controller/deploy/boxstart.py, its word after boxstart.MARK); after a failure before the start,
-or a submit the cluster refused with nothing submitted, in one command of its own (``Left``),
-on that failure path only. The user sees the deploy's error and exit code as before, and one
-line before it (``line``; a release that was on the box before this deploy is kept, and the
-line says so, after a failure before the start as after a failed start). That line is only
-said (``tell``): a stderr that is gone (a closed pipe, a closed file) never replaces the
+runs after such a failure: it keeps the release while a deploy's current link, another deploy's
+hold (``deploys/M/pending``: a deploy of the same code under another name, starting in it) or
+another run's spec names it, or the run's own spec names it and the run is not FAILED (a start
+cut by a preemption or a stop, or another start of the run, may run it there), and removes it
+otherwise, printing one word. After a failed start it runs within the start's own command
+(``START_SH``, controller/deploy/boxstart.py, its word after boxstart.MARK); after a failure
+before the start, or a submit the cluster refused with nothing submitted, in one command of its
+own (``Left``), on that failure path only. The user sees the deploy's error and exit code as
+before, and one line before it (``line``; a release that was on the box before this deploy is
+kept, and the line says so, after a failure before the start as after a failed start; this
+deploy's hold on it goes all the same). That line is only said (``tell``): a stderr that is gone
+(a closed pipe, a closed file) never replaces the
 deploy's own error.
 """
 
@@ -35,8 +37,10 @@ from controller.shell import script
 from onbox.common.errors import RemoteUnreachable, RgtError
 from onbox.common.rundir import RunDir
 
-# The drop on its own: $1 the release, $2 the run's directory, $3 its deploy's.
-_DROP_SH = script("release_use.sh") + 'rgt_release_drop "$@"\n'
+# The drop on its own: $1 the release, $2 the run's directory, $3 its deploy's; and the deploy's
+# hold on a release it did not push let go (release_use.sh), $1 the release, $2 the deploy's.
+_DROP_SH = script("release_use.sh") + 'rgt_locked "${3%/*}" rgt_release_drop "$@" || echo failed\n'
+_UNHOLD_SH = script("release_use.sh") + 'rgt_locked "${2%/*}" rgt_release_unhold "$@"\n'
 _DROP_TIMEOUT = 120.0
 _KEPT = {
     "current": "a deploy's current link points at it",
@@ -86,7 +90,9 @@ class Left:
         if self.done:
             return
         self.done = True
-        if self.pushed.method == "existing":  # another run's, maybe: nothing to drop
+        if self.pushed.method == "existing":  # another run's, maybe: kept, and no longer held
+            with contextlib.suppress(RgtError, OSError, KeyboardInterrupt):
+                self.remote.sh(_UNHOLD_SH, self.pushed.path, self.deploy_dir, timeout=_DROP_TIMEOUT)
             tell(self.say, line(self.pushed, self.name, None, why))
             return
         word: Optional[str] = None

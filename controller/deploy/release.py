@@ -5,6 +5,9 @@ Box layout (under RGT_HOME on the box)::
     releases/<id>/                 one release: the pushed files and, written last, .rgt-release
     releases/.tmp-<id>-<random>/   a push in progress (or one cut off: removed by a later push)
     deploys/<name>/current -> ../../releases/<id>
+    deploys/<name>/pending -> ../../releases/<id>   the release a deploy of <name> is starting
+                                   in, held from its push on (controller/shell/release_use.sh)
+    deploys/.lock                  flock'd while a release is held, or checked and removed
 
 Every directory rgt makes there is 0700 (the scripts run under umask 077, and a release's own
 directory is set to 0700 whatever mode rsync copied from the project's): on a shared box no
@@ -87,7 +90,8 @@ class PushResult:
 # The box's side, as scripts of their own (their arguments are described in each file).
 # SEEN_SH defines rgt_release_seen, for a script that must change nothing (the audit's).
 SEEN_SH = shell.script("release_seen.sh")
-_PREPARE = shell.script("release_prepare.sh")  # clear stale pushes, make the temporary directory
+# clear stale pushes, hold the release for the deploy, make the temporary directory
+_PREPARE = shell.script("release_use.sh") + shell.script("release_prepare.sh")
 _FINISH = shell.script("release_finish.sh")  # mark the release complete, rename it into place
 _ABANDON = r"""rm -rf -- "$1" """  # $1: a push's temporary directory, removed when it failed
 _SWITCH = shell.script("release_switch.sh")  # point deploys/<name>/current at a release

@@ -50,9 +50,8 @@ rgt_remove() {
   run=$1; secrets=$2; deploy=$3; release=$4; staged=$5
   rm -f -- "$secrets" "$staged"
   rm -rf -- "$deploy"
-  if [ -n "$release" ] && [ -d "$release" ] && ! rgt_release_used "$run" "$deploy" "$release"
-  then
-    rgt_release_remove "$release"
+  if [ -n "$release" ] && [ -d "$release" ]; then
+    rgt_locked "${deploy%/*}" rgt_release_remove_unused "$run" "$deploy" "$release"
   fi
   rm -rf -- "$run"
   [ ! -e "$run" ] && [ ! -e "$secrets" ] && [ ! -e "$deploy" ] && [ ! -e "$staged" ]

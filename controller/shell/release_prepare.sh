@@ -2,7 +2,8 @@
 # Makes a push's temporary directory (controller/deploy/release.py push_release). $1 box home,
 # $2 id, $3 minutes after which a .tmp- release is stale, $4 deploy name (or "").
 # Prints "have <1|0>" when the release is complete (1: the deploy's current link already points
-# at it), else "new <tmp suffix> <rsync 0|1> <link-dest id>".
+# at it), else "new <tmp suffix> <rsync 0|1> <link-dest id>". The deploy (when named) holds the
+# release from here, found or pushed (deploys/<name>/pending: release_use.sh, which comes first).
 set -eu
 umask 077
 rel="$1/releases"; id="$2"
@@ -13,6 +14,7 @@ have() {
   then cur=1; fi
   echo "have $cur"; exit 0
 }
+if [ -n "$4" ]; then rgt_locked "$1/deploys" rgt_release_point "$rel/$id" "$1/deploys/$4"; fi
 if [ -f "$rel/$id/.rgt-release" ]; then have "$@"; fi
 for t in "$rel"/.tmp-*; do
   [ -d "$t" ] || continue

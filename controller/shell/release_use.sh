@@ -2,9 +2,60 @@
 # Which runs use a release on the box, as functions: `rgt down` (controller/shell/down.sh) keeps
 # a release another run uses; a deploy whose start failed removes the release it pushed when
 # nothing uses it (controller/deploy/leftrelease.py). The caller appends the call.
+#
+# A deploy holds the release it is about to start in (deploys/<name>/pending names it) from
+# before it trusts the release is there (its push, release_prepare.sh, or its start's shell,
+# controller/deploy/boxstart.py START_SH) until its run's spec and current link name it: two
+# deploys of the same code under two names share one release (its id is a hash of the code), and
+# the one that found it complete must not lose it to the other's failed start, nor to `rgt down`
+# of a third run in it. A hold, and the check and removal of a release, each run under the lock
+# of the deploys directory, where the holds are (rgt_locked), so that they never interleave.
 
-# rgt_release_used RUN_DIR DEPLOY RELEASE: whether another deploy's current link or another
-# run's spec names RELEASE (then it stays when this run is removed).
+# rgt_locked DEPLOYS_DIR FUNCTION ARGS...: FUNCTION ARGS under an flock of DEPLOYS_DIR/.lock,
+# in a subshell (the lock goes with it: no process started later inherits it); status 75 when
+# the lock was not had within a minute. A box without flock(1) runs it unlocked.
+rgt_locked() {
+  rgt_lock=$1/.lock; shift
+  if ! command -v flock >/dev/null 2>&1; then "$@"; return; fi
+  (
+    umask 077
+    mkdir -p "${rgt_lock%/*}" && exec 9>>"$rgt_lock" || exit 75
+    flock -w 60 9 || exit 75
+    "$@"
+  )
+}
+
+# rgt_release_point RELEASE DEPLOY: DEPLOY/pending names RELEASE (complete or not yet).
+rgt_release_point() {
+  (umask 077; mkdir -p "$2") || return 1
+  rm -f -- "$2/pending"
+  rgt_at=${1%/}; rgt_rels=${rgt_at%/*}
+  ln -s "../../${rgt_rels##*/}/${rgt_at##*/}" "$2/pending"
+}
+
+# rgt_release_hold RELEASE DEPLOY: DEPLOY/pending names RELEASE, which is there (status 0);
+# status 1, and no such link, when it is not (another deploy's drop or `rgt down` removed it:
+# renamed aside at once, rgt_release_remove).
+rgt_release_hold() {
+  rgt_release_point "$@" || return 1
+  [ -d "${1%/}" ] && return 0
+  rgt_release_unhold "$@"
+  return 1
+}
+
+# rgt_release_unhold RELEASE DEPLOY: DEPLOY/pending no longer names RELEASE (a deploy that
+# failed), and DEPLOY goes if nothing else is in it.
+rgt_release_unhold() {
+  rgt_at=${1%/}; rgt_rels=${rgt_at%/*}
+  if [ "$(readlink "$2/pending" 2>/dev/null)" = "../../${rgt_rels##*/}/${rgt_at##*/}" ]; then
+    rm -f -- "$2/pending"
+  fi
+  rmdir -- "$2" 2>/dev/null
+  return 0
+}
+
+# rgt_release_used RUN_DIR DEPLOY RELEASE: whether another deploy's current or pending link or
+# another run's spec names RELEASE (then it stays when this run is removed).
 rgt_release_used() {
   run=$1; deploy=$2; release=$3
   rel=${release##*/}          # the release's id
@@ -12,8 +63,10 @@ rgt_release_used() {
   for d in "${deploy%/*}"/*/; do
     [ -d "$d" ] || continue
     [ "${d%/}" = "${deploy%/}" ] && continue
-    t=$(readlink "$d/current" 2>/dev/null) || continue
-    case "$t" in */"$rels"/"$rel"|*/"$rels"/"$rel"/) return 0;; esac
+    for l in current pending; do
+      t=$(readlink "$d/$l" 2>/dev/null) || continue
+      case "$t" in */"$rels"/"$rel"|*/"$rels"/"$rel"/) return 0;; esac
+    done
   done
   for s in "${run%/*}"/*/spec.json; do
     if [ ! -f "$s" ] || [ "$s" = "$run/spec.json" ]; then continue; fi
@@ -27,10 +80,12 @@ rgt_release_used() {
 # another's, another run's spec, or the run's own spec while the run is not FAILED (a start
 # refused as preempted or stopped, or another start of it, may run it there). Prints one word:
 # removed, gone (no complete release there), current, used, run, or failed (rm could not).
-# Removed as rgt_release_remove removes one (renamed aside first).
+# Removed as rgt_release_remove removes one (renamed aside first). The deploy's own hold goes
+# first: it failed. Run under rgt_locked.
 rgt_release_drop() {
   release=${1%/}; run=$2; deploy=$3
   rel=${release##*/}; rels=${release%/*}; rels=${rels##*/}
+  rgt_release_unhold "$release" "$deploy"
   if [ ! -f "$release/.rgt-release" ]; then echo gone; return 0; fi
   t=$(readlink "$deploy/current" 2>/dev/null) &&
     case "$t" in */"$rels"/"$rel"|*/"$rels"/"$rel"/) echo current; return 0;; esac
@@ -59,4 +114,10 @@ rgt_release_remove() {
   # other releases share, so their modes are left alone.
   find "$rgt_aside" -type d ! -perm -u+w -exec chmod u+w {} + 2>/dev/null
   rm -rf -- "$rgt_aside"
+}
+
+# rgt_release_remove_unused RUN_DIR DEPLOY RELEASE: remove RELEASE unless another deploy or run
+# uses it (rgt_release_used), under rgt_locked (`rgt down`, controller/shell/down.sh).
+rgt_release_remove_unused() {
+  rgt_release_used "$@" || rgt_release_remove "$3"
 }

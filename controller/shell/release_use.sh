@@ -12,17 +12,14 @@
 # of the deploys directory, where the holds are (rgt_locked), so that they never interleave.
 
 # rgt_locked DEPLOYS_DIR FUNCTION ARGS...: FUNCTION ARGS under an flock of DEPLOYS_DIR/.lock,
-# in a subshell (the lock goes with it: no process started later inherits it); status 75 when
-# the lock was not had within a minute. A box without flock(1) runs it unlocked.
+# held on fd 9 for that call alone (a brace group's redirection: in this shell, so that a cut
+# that ends this shell ends the call too, and no process started after it inherits the lock);
+# status 75 when the lock was not had within a minute. A box without flock(1) runs it unlocked.
 rgt_locked() {
   rgt_lock=$1/.lock; shift
   if ! command -v flock >/dev/null 2>&1; then "$@"; return; fi
-  (
-    umask 077
-    mkdir -p "${rgt_lock%/*}" && exec 9>>"$rgt_lock" || exit 75
-    flock -w 60 9 || exit 75
-    "$@"
-  )
+  (umask 077; mkdir -p "${rgt_lock%/*}") || return 75
+  { flock -w 60 9 || return 75; "$@"; } 9>>"$rgt_lock"
 }
 
 # rgt_release_point RELEASE DEPLOY: DEPLOY/pending names RELEASE (complete or not yet).

@@ -146,6 +146,8 @@ class FakeHub:
         self._corrupt: List[str] = []
         self._before_commit: List[Callable[[], object]] = []
         self._held: Optional[threading.Event] = None  # set: the held uploads are let go
+        self._kept: List[threading.Event] = []  # of uploads held past ``recover_uploads``
+        self._holding = 0  # uploads held now
         self.upload_held = threading.Event()  # set once an upload is held
         self._slow: Optional[Tuple[int, float]] = None  # (piece, pause) of slow uploads
         self.slow_pieces = 0  # pieces the slow uploads were read in
@@ -219,8 +221,22 @@ class FakeHub:
         """The held uploads' connections are closed unanswered; later uploads are taken."""
         with self.lock:
             held, self._held = self._held, None
-        if held is not None:
-            held.set()
+            kept, self._kept = self._kept, []
+        for h in kept + ([held] if held is not None else []):
+            h.set()
+
+    def recover_uploads(self) -> None:
+        """Later uploads are taken, as by a Hub that answers again; those held stay held, their
+        connections open and unread, as one the Hub lost track of, until ``release_uploads``."""
+        with self.lock:
+            if self._held is not None:
+                self._kept.append(self._held)
+            self._held = None
+
+    def holding(self) -> int:
+        """How many uploads are held now."""
+        with self.lock:
+            return self._holding
 
     def slow_uploads(self, piece: int, pause: float) -> None:
         """From now on the storage reads each upload ``piece`` bytes at a time, ``pause``
@@ -308,8 +324,12 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if role != "storage" or self.command != "PUT" or held is None:
             return False
         self.rfile.read(min(HELD_TAKE, int(self.headers.get("Content-Length") or 0)))
+        with self.hub.lock:
+            self.hub._holding += 1
         self.hub.upload_held.set()
         held.wait()
+        with self.hub.lock:
+            self.hub._holding -= 1
         self.close_connection = True
         return True
 

@@ -176,6 +176,33 @@ def test_a_seal_whose_commit_the_fake_hub_never_answers_is_cut_after_its_stall_b
     assert hub.file(REPO, f"rgt/{RUN}/checkpoints/10/MANIFEST.json") is None
 
 
+def test_after_a_cut_upload_the_fake_hub_answers_again_and_the_next_seal_goes_through(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    """An upload is cut as the Hub stops taking it; the Hub then answers again, but keeps the
+    cut upload's connection open and never reads it. The cut upload's thread ends (the
+    client's timeout, hfmoved.py), and the same sealer's next seal, of a later checkpoint, goes
+    through. Before the fix the left thread waited on that connection for ever, and every
+    later upload was refused ("an earlier call ... is still hung") until the agent restarted."""
+    store = HFStore(REPO, "rgt", token=TOKEN, endpoint=hub.url)
+    store.bound_calls(2.0)
+    ckpt = _checkpoint(tmp_path, 16 << 20)
+    sealer = old_box_sealer(RUN, ckpt, store, tmp_path)
+    hub.hold_uploads()
+    with pytest.raises(StoreHung, match="took nothing for 2s"):
+        sealer.seal_pending()
+    assert _left_puts(), "no upload thread was left"
+    hub.recover_uploads()
+    wait(lambda: not _left_puts(), WAIT, "the cut upload's thread to end")
+    assert hub.holding(), "the cut upload's connection was let go: the test tests nothing"
+    (Path(ckpt) / "ckpt_20").mkdir()
+    (Path(ckpt) / "ckpt_20" / "shard.bin").write_bytes(os.urandom(1 << 20))
+    (Path(ckpt) / "ckpt_20" / ".rgt-complete").write_text(json.dumps({"step": 20}))
+    sealer.seal_pending()
+    assert _latest(hub) == 20
+    assert hub.file(REPO, f"rgt/{RUN}/checkpoints/20/MANIFEST.json") is not None
+
+
 def _left_puts() -> List[threading.Thread]:
     """The upload threads (onbox/sealing/upload.py) still running in this process."""
     return [t for t in threading.enumerate() if t.name.startswith("rgt-seal-put_")]

@@ -39,7 +39,10 @@ counter sees, a file:// fsync's last flush once its data is written, an S3 serve
 CompleteMultipartUpload while it sends nothing, is bounded by the same bound: a server silent
 that long is not told from a hung one.
 While one of them is still hung, the next upload is refused at once (``refuse_upload``), so an
-agent letting go waits the bound once, not once per upload.
+agent letting go waits the bound once, not once per upload. A left upload must therefore end
+once the store answers again, or sealing stays off: an S3 one does at botocore's timeouts, an
+``hf://`` one at the timeout the store gives huggingface_hub's client (hfmoved.py
+``bound_idle_requests``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,9 @@ writer committed in between is overwritten.
 A file is handed to huggingface_hub as a file object whose reads count as the upload's movement
 (hfmoved.py): an upload the Hub takes nothing of for ``[store] stall`` is cut (hangbound.py
 ``watched``), one that moves is not; that takes the LFS batch API's HTTP transfer, never Xet
-(hf_xet reads the file where nothing can be counted). Downloads go to a temporary
+(hf_xet reads the file where nothing can be counted). Once a bound is given (``bound_calls``),
+huggingface_hub's requests time out after twice it without a byte moved, so a cut upload's
+thread ends and the next upload is not refused for good. Downloads go to a temporary
 ``local_dir`` next to the destination, with a ``cache_dir`` inside it: nothing lands in
 ``~/.cache/huggingface/hub``; a restore's or a pull's is refused before its bytes when the
 Hub's size is not the MANIFEST's (onbox/sealing/stores/hfdownload.py).
@@ -62,6 +64,7 @@ except ImportError as e:  # not installed, or older than huggingface_hub.errors 
         "pip install 'remote-gpu-trainer[hf]' (or 'huggingface_hub>=0.24')",
     ) from e
 
+from onbox.sealing.stall import STALL_SETTING
 from onbox.sealing.stores.base import (
     Finding,
     Lanes,
@@ -76,7 +79,7 @@ from onbox.sealing.stores.base import (
 from onbox.sealing.stores.hangbound import HangBound, answers
 from onbox.sealing.stores.hfdownload import download, download_to, size_at_head, sizes_at
 from onbox.sealing.stores.hfhub import git_blob_id, http_status, mismatch, store_error
-from onbox.sealing.stores.hfmoved import Counted, quiet_xet_fallback
+from onbox.sealing.stores.hfmoved import Counted, bound_idle_requests, quiet_xet_fallback
 from onbox.sealing.stores.hfpreflight import preflight as run_preflight
 
 REVISION = "main"
@@ -132,6 +135,12 @@ class HFStore(HangBound, Store):
         # plan_fetch's answers, taken by fetch_file: key -> (the Hub's size, the commit)
         self._planned: Dict[str, Tuple[int, str]] = {}
         self.tokens = f"write tokens are made at {self.endpoint}/settings/tokens"
+
+    def bound_calls(self, seconds: float, longer: str = STALL_SETTING) -> None:
+        """As HangBound's (``calls_bounded`` too); huggingface_hub's requests are given a
+        timeout that ends an upload's thread left after a cut (hfmoved.py)."""
+        bound_idle_requests(seconds)
+        super().bound_calls(seconds, longer)
 
     # -- helpers ---------------------------------------------------------------------------
 

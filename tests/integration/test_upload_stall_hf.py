@@ -1,6 +1,7 @@
 """An ``hf://`` store whose Hub stops taking a checkpoint's upload: the seal is cut after
 ``[store] stall`` with nothing moved, and the agent lets go of the run in time; an upload that
-is slow but moves is never cut (onbox/sealing/stores/hfmoved.py).
+is slow but moves is never cut (onbox/sealing/stores/hfmoved.py); once the Hub answers again,
+the cut upload's thread ends and the same sealer, or agent, seals the next checkpoint.
 
 huggingface_hub sets no timeout on its requests and reports no progress: before the fix an LFS
 upload whose storage stopped reading held the seal, and the agent's sealing thread, for as long
@@ -9,7 +10,8 @@ as the Hub hung (for ever), and `rgt-agent stop` then found the run's lock still
 The Hub is the FAKE one (tests/fakehub.py), in this process, over real HTTP on loopback: its
 storage server takes the first 64 KiB of an upload and then reads and answers nothing
 (``hold_uploads``), as a Hub that stopped answering mid-upload, until the test lets those
-connections go (``release_uploads``, in a ``finally``); or it holds a commit unanswered
+connections go (``release_uploads``, in a ``finally``), taking later uploads meanwhile once it
+``recover_uploads``; or it holds a commit unanswered
 (``before_next_commit``); or it reads each upload slowly (``slow_uploads``). The agents and
 jobs are real processes, waited for with a bound (WAIT) and killed by PID past it (the cli
 fixture).
@@ -275,3 +277,75 @@ def test_an_agent_whose_upload_the_fake_hub_stops_taking_lets_go_of_the_run_in_t
     moved = [e for e in errors if "took nothing for 3s" in e["reason"]]
     assert moved and all("[store] stall" in e["remedy"] for e in moved), errors
     assert all(f"hf://{REPO}/rgt" in e["reason"] for e in moved), errors
+
+
+# Step 1, then once ``more`` exists step 2 (16 MiB, held), then once ``later`` exists step 3.
+LATER_JOB = """\
+import os, sys, time
+d, tmp = os.environ["RGT_CKPT_DIR"], sys.argv[1]
+os.makedirs(d, exist_ok=True)
+
+def write(step, data):
+    path = os.path.join(d, f"step_{step}.pt")
+    with open(path + ".tmp", "wb") as f:
+        f.write(data)
+    os.replace(path + ".tmp", path)
+
+def wait(name):
+    while not os.path.exists(os.path.join(tmp, name)):
+        time.sleep(0.05)
+
+write(1, b"weights of step 1" * 100)
+print("ready", flush=True)
+wait("more")
+write(2, os.urandom(16 << 20))
+wait("later")
+write(3, b"weights of step 3" * 100)
+print("step 3", flush=True)
+wait("go")
+"""
+
+
+def test_an_agent_seals_again_once_the_fake_hub_answers_after_a_cut_upload(
+    cli: Cli, hub: FakeHub, tmp_path: Path
+) -> None:
+    """Step 2's upload is cut (the storage stopped reading it); the Hub then answers again but
+    keeps that upload's connection open, unread. The same agent seals step 3: LATEST reaches
+    it within WAIT. Before the fix the cut upload's thread waited on that connection for ever,
+    and the agent refused every later upload until it was restarted."""
+    cli.env = _env(cli, hub, tmp_path)
+    job_py, job = tmp_path / "job.py", tmp_path / "job.toml"
+    job_py.write_text(LATER_JOB)
+    argv = [sys.executable, str(job_py), str(tmp_path)]
+    job.write_text(
+        f'command = {json.dumps(argv)}\n[store]\nurl = "hf://{REPO}/rgt"\nstall = "3s"\n'
+    )
+    cli("start", str(job), "--name", RUN, "--grace", "5", check=True, cwd=cli.home)
+    cli.wait_state(RUN, "RUNNING")
+    wait(lambda: _latest(hub) == 1, 60, "step 1 sealed")
+    pid = cli.status(RUN)["agent"]["pid"]
+    hub.hold_uploads()
+    (tmp_path / "more").write_text("")
+    assert hub.upload_held.wait(60), "step 2's upload never reached the storage"
+    wait(
+        lambda: any("took nothing for 3s" in e["reason"] for e in _seal_errors(cli)),
+        WAIT,
+        "step 2's upload to be cut",
+    )
+    hub.recover_uploads()
+    (tmp_path / "later").write_text("")
+    cli.wait_output(RUN, "step 3")
+    wait(
+        lambda: _latest(hub) == 3,
+        WAIT,
+        "step 3 sealed by the same agent",
+        info=lambda: _seal_errors(cli),
+    )
+    assert hub.holding(), "step 2's connection was let go: the test tests nothing"
+    assert cli.status(RUN)["agent"]["pid"] == pid
+    p = cli("stop", RUN, "--grace", "1", timeout=WAIT + 30)
+    assert p.returncode == 0, (p.stdout, p.stderr)
+
+
+def _seal_errors(cli: Cli) -> List[Dict[str, Any]]:
+    return [e for e in cli.events(RUN) if e["kind"] == "seal_error"]

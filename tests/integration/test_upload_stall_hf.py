@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
-from huggingface_hub import close_session
+from huggingface_hub import close_session, get_session
 from huggingface_hub import constants as hf_constants
 
 from onbox.agent import procfs
@@ -214,16 +214,20 @@ BOUND = 2.0  # the stall bound of the slow upload: it takes longer, and is never
 
 
 def test_a_slow_upload_to_the_fake_hub_that_moves_is_not_cut(hub: FakeHub, tmp_path: Path) -> None:
-    """The storage reads a 32 MiB upload 1 MiB at a time, 0.1 s apart: the upload takes longer
-    than the bound, and is sealed, since each piece the Hub takes is movement."""
+    """The storage reads a 32 MiB upload 1 MiB at a time, 0.2 s apart: the upload takes longer
+    than the bound, and than the timeout of huggingface_hub's client (twice the bound, per
+    send: hfmoved.py), and is sealed, since each piece the Hub takes is movement."""
     store = HFStore(REPO, "rgt", token=TOKEN, endpoint=hub.url)
     store.bound_calls(BOUND)
     ckpt = _checkpoint(tmp_path, 32 << 20)
-    hub.slow_uploads(1 << 20, 0.1)
+    hub.slow_uploads(1 << 20, 0.2)
     t, raised = _seal(store, tmp_path, ckpt)
     t.join(WAIT * 2)
     assert not t.is_alive() and not raised, raised
-    assert hub.slow_pieces * 0.1 > BOUND  # the upload took longer than the bound: it moved
+    assert hub.slow_pieces * 0.2 > BOUND  # the upload took longer than the bound: it moved
+    # ... and than the client's timeout: it bounds a send, not a request
+    idle = get_session().timeout.write
+    assert idle is not None and hub.slow_pieces * 0.2 > idle
     assert _latest(hub) == 10
 
 

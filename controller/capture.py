@@ -39,6 +39,7 @@ import threading
 import time
 from typing import IO, List, Mapping, Optional, Sequence, Tuple
 
+from controller.children import Child
 from onbox.common.terminal import QUOTED, label, labelled, printable, write_line
 
 ERR_HEAD = 16 << 10
@@ -122,8 +123,8 @@ def capture(
     out = Kept(0, limit) if over == "tail" else Kept(limit, 0)
     err = Kept(ERR_HEAD, ERR_TAIL)
     shown = LineRelay() if relay else None
-    p = subprocess.Popen(
-        list(argv),
+    p = Child(
+        argv,
         stdin=subprocess.PIPE if input is not None else subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -248,7 +249,7 @@ def command_name(argv: List[str], width: int = 100) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-class Relayed(subprocess.Popen):  # type: ignore[type-arg]
+class Relayed(Child):
     """A box's command whose stdout the caller reads (a log followed, a file streamed) and
     whose stderr goes on to the user's terminal as it comes, a line at a time through
     ``printable`` and under ``QUOTED``: what the box prints there is untrusted, and neither an

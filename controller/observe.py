@@ -325,8 +325,8 @@ def _follow(remote: Remote, argv: List[str], out: IO[bytes], label: str) -> Tupl
         proc.terminate()
     rc = proc.wait()
     if interrupted:
-        # A terminal's ^C reaches the ssh client too (one process group), which exits 255 on
-        # it: the person stopped reading, the box was not lost.
+        # The ssh client, stopped above (the terminal's ^C does not reach it: children.py),
+        # exits 255 on it: the person stopped reading, the box was not lost.
         return 0, ""
     if rc == 255:
         raise RemoteUnreachable(f"lost {label} while following the log")

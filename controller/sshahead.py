@@ -35,6 +35,9 @@ import subprocess
 import time
 from typing import List, Optional, Sequence, Tuple
 
+from controller import children
+from controller.children import Child
+
 # What ssh says when the master it was to become lost the socket to another one: it then goes on
 # without multiplexing, and with -N would hold its connection open until stopped.
 LOST_SOCKET = b"disabling multiplexing"
@@ -69,7 +72,7 @@ class Ahead:
             return None
         check = [*base, "-O", "check", *destination]
         try:
-            proc = subprocess.Popen(
+            proc = Child(
                 ahead_argv(base, destination),
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
@@ -131,13 +134,7 @@ class Ahead:
         if not self.check or not os.path.lexists(self.control_path):
             return False
         try:
-            p = subprocess.run(
-                self.check,
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                timeout=min(left, CHECK_BOUND),
-            )
+            p = children.run(self.check, timeout=min(left, CHECK_BOUND), stdout=subprocess.DEVNULL)
         except (OSError, subprocess.SubprocessError):  # no answer in time: no master
             return False
         return p.returncode == 0

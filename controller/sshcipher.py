@@ -15,6 +15,7 @@ import re
 import subprocess
 from typing import List, Optional, Sequence
 
+from controller import children
 from onbox.common.errors import UsageError
 
 FAST_CIPHERS = ("aes128-gcm@openssh.com", "aes256-gcm@openssh.com")
@@ -26,16 +27,11 @@ def ssh_settings(config_args: Sequence[str], dest: Sequence[str]) -> Optional[st
     takes for a token it does not know (a zone in a Hostname: fe80::1%eth0) fails every ssh
     command, with words rgt would not show: UsageError, naming ssh's line."""
     try:
-        p = subprocess.run(
-            ["ssh", *config_args, "-G", *dest],
-            stdin=subprocess.DEVNULL,
-            capture_output=True,
-            text=True,
-            timeout=10,
-        )
+        p = children.run(["ssh", *config_args, "-G", *dest], timeout=10)
     except (OSError, subprocess.SubprocessError):
         return None
-    bad = re.search(r"^.*unknown key %.*$", p.stderr, re.MULTILINE)
+    stderr, stdout = p.stderr.decode(errors="replace"), p.stdout.decode(errors="replace")
+    bad = re.search(r"^.*unknown key %.*$", stderr, re.MULTILINE)
     if p.returncode != 0 and bad:
         raise UsageError(
             "ssh configuration",
@@ -43,7 +39,7 @@ def ssh_settings(config_args: Sequence[str], dest: Sequence[str]) -> Optional[st
             "write a % that is not one of ssh's tokens as %% in your ssh config "
             "(an IPv6 zone: Hostname fe80::1%%eth0)",
         )
-    return p.stdout if p.returncode == 0 else None
+    return stdout if p.returncode == 0 else None
 
 
 def effective_ciphers(config_args: Sequence[str], dest: Sequence[str]) -> Optional[str]:

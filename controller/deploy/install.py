@@ -48,13 +48,12 @@ import json
 import os
 import posixpath
 import re
-import subprocess
 import sys
 import tempfile
 import urllib.parse
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from controller import shell
+from controller import children, shell
 from controller.deploy import wheel as wheelmod
 from controller.deploy.probe import BoxPython, Probed, extras_key, probe
 from controller.deploy.wheel import AgentWheel, agent_wheel
@@ -144,7 +143,7 @@ def download_wheels(py: BoxPython, extras: Sequence[str], dest: str) -> List[str
         argv += ["--implementation", "cp", "--abi", f"cp{xy}{py.abiflags}"]
     for plat in manylinux_platforms(py):
         argv += ["--platform", plat]
-    p = subprocess.run(argv + reqs, stdin=subprocess.DEVNULL, capture_output=True, timeout=1800)
+    p = children.run(argv + reqs, timeout=1800)
     if p.returncode != 0:
         raise HostError(
             "cannot download the agent's dependencies for --offline "

@@ -13,10 +13,9 @@ from __future__ import annotations
 import hashlib
 import os
 import stat
-import subprocess
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from controller import envnames
+from controller import children, envnames
 from onbox.common import jobenv
 from onbox.common.errors import UsageError
 
@@ -114,10 +113,8 @@ def project_files(root: str) -> List[str]:
     found: Dict[str, None] = {}
     if _git_root(root) is not None:
         try:
-            p = subprocess.run(
+            p = children.run(
                 ["git", "-C", root, "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-                stdin=subprocess.DEVNULL,
-                capture_output=True,
                 timeout=300,
             )
         except FileNotFoundError:

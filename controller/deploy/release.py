@@ -50,6 +50,7 @@ from typing import Optional, Sequence, Tuple
 
 from controller import shell
 from controller.capture import ERR_HEAD, ERR_TAIL, Kept, capture, drain
+from controller.children import Child
 from controller.deploy.project import project_files, release_id
 from controller.remote import Remote, rsync_e
 from onbox.common import jobenv
@@ -273,7 +274,7 @@ def _stat(out: str, label: str) -> int:
 
 def _tar(remote: Remote, root: str, files: Sequence[str], tmp: str) -> Tuple[int, int]:
     """Stream the files as a tar archive into ``tar -x`` on the box."""
-    proc = subprocess.Popen(
+    proc = Child(
         remote.argv(["tar", "-x", "-f", "-", "-C", tmp]),
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
@@ -305,6 +306,9 @@ def _tar(remote: Remote, root: str, files: Sequence[str], tmp: str) -> Tuple[int
                     tf.addfile(info)
     except BrokenPipeError:
         broken = True  # the box's side ended first: its status says why
+    except BaseException:  # (a Ctrl-C: the ssh is out of the terminal's reach, children.py)
+        proc.kill()  # by its PID: the stream is cut off, whatever ssh would make of its end
+        raise
     finally:
         # Whatever happened here, end the stream and reap the client (an early end of the stream
         # makes tar on the box fail, so nothing half-written is ever marked complete).

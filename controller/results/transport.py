@@ -14,6 +14,7 @@ import threading
 from typing import Callable, List, Optional, Protocol, Tuple
 
 from controller.capture import ERR_HEAD, ERR_TAIL, Kept, drain
+from controller.children import Child
 from controller.remote import Remote, rsync_e
 from controller.results.entries import FILES_FROM, Entry, Sealed, box_join, stage_dirs, stage_path
 from onbox.common.errors import (
@@ -151,9 +152,7 @@ def fetch_rsync(
     if shell:
         argv += ["-e", rsync_e(shell)]
     argv += [remote.path_arg(root.rstrip("/") + "/"), stage_dir + "/"]
-    p = subprocess.Popen(
-        argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-    )
+    p = Child(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert p.stdout is not None and p.stderr is not None
     # The box's words (its rsync's messages, its login shell's) come on stderr: a bounded
     # head and tail of them is kept, never all.
@@ -266,6 +265,7 @@ def _stream_one(remote: Remote, root: str, e: Entry, stage_dir: str) -> Tuple[in
         p = remote.popen(["tail", "-c", f"+{have + 1}", "--", box_join(root, e.src)])
         assert p.stdout is not None
         left = e.size - have
+        cut = False
         try:
             while left > 0:
                 b = p.stdout.read(min(CHUNK, left))
@@ -274,9 +274,12 @@ def _stream_one(remote: Remote, root: str, e: Entry, stage_dir: str) -> Tuple[in
                 out.write(b)
                 fetched += len(b)
                 left -= len(b)
+        except BaseException:  # (a Ctrl-C: the ssh is out of the terminal's reach, children.py)
+            cut = True
+            raise
         finally:
-            if left == 0:
-                p.kill()  # the rest, if any, is not the sealed file's
+            if left == 0 or cut:
+                p.kill()  # by its PID; the rest, if any, is not the sealed file's
             p.stdout.close()
             rc = p.wait()
     return fetched, 0 if left == 0 else rc

@@ -45,7 +45,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from controller import boxrun
+from controller import boxrun, children
 from controller.registry import Registry
 from controller.remote import Remote, open_remote
 from controller.results.sealed import has_trace, wrong_store
@@ -381,7 +381,7 @@ class Driver:
         boxes polled or deployed to at a time; the summary's exit code once all are done. An
         error that ends the sweep (its store unread, its record unreadable) stops the others
         after the step each is in (a deploy in flight is not cut off), then is raised; so is a
-        Ctrl-C, once the steps in flight ended (a second one leaves them)."""
+        Ctrl-C, once the steps in flight ended (a second one stops them: children.stop_all)."""
         gate = threading.BoundedSemaphore(MAX_AT_ONCE)
         stop = threading.Event()
         ended: List[BaseException] = []
@@ -400,7 +400,11 @@ class Driver:
                     "rgt sweep: interrupted: waiting for the deploys in flight to end (Ctrl-C "
                     f"again leaves them cut off; rgt sweep {self.plan.path} sorts them out)"
                 )
-                _until_all(done, len(self.boxes))
+                try:
+                    _until_all(done, len(self.boxes))
+                except KeyboardInterrupt:  # again: the deploys in flight are left, as said
+                    children.stop_all()  # (their processes are out of the terminal's reach)
+                    raise
             raise
         if ended:
             raise ended[0]

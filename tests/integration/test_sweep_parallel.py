@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+import psutil
 import pytest
 
 from tests.conftest import _kill_run_processes
@@ -101,13 +103,22 @@ class Sweep:
         self.err = tmp / "sweep.err"
         self.proc: Optional[subprocess.Popen[bytes]] = None
 
-    def start(self, *args: str) -> None:
+    def start(self, *args: str, group: bool = False) -> None:
+        """The sweep, started; ``group``: in a process group of its own, as a terminal runs
+        its foreground job (its Ctrl-C then goes to that group: ``ctrl_c``)."""
         env = laptop_env(str(self.ctl), str(self.box_home))
         with open(self.err, "wb") as err:
             self.proc = subprocess.Popen(
                 [*rgt_exe(), "sweep", str(self.plan), *args], env=env, cwd=str(self.tmp),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err,
+                start_new_session=group,
             )  # fmt: skip
+
+    def ctrl_c(self) -> None:
+        """A terminal's Ctrl-C: SIGINT to every process of the sweep's process group (its
+        own: ``start(group=True)``), the children it started in that group included."""
+        assert self.proc is not None and self.proc.poll() is None
+        os.killpg(self.proc.pid, signal.SIGINT)
 
     def stderr(self) -> str:
         return self.err.read_text(errors="replace")
@@ -287,3 +298,75 @@ def test_a_ctrl_c_lets_the_deploys_in_flight_end_and_the_next_sweep_follows_them
         cells = s.record()
         assert [c["state"] for c in cells.values()] == ["succeeded", "succeeded"], cells
         assert all((s.store / n / "DONE.json").is_file() for n in cells)
+
+
+SAID_WAITS = "rgt sweep: interrupted: waiting for the deploys in flight to end"
+
+
+@pytest.mark.timeout(900)
+def test_a_terminals_ctrl_c_to_the_whole_group_lets_the_held_deploy_end(
+    tmp_path: Path, sshd: SshServer, held: Held
+) -> None:
+    """A terminal's Ctrl-C goes to the sweep's whole process group while the first box's
+    deploy is held: the ssh carrying that deploy must not be cut by it, so the deploy ends
+    once let go, its cell recorded deployed with no error, and the sweep exits 130. Before the
+    fix the ssh children shared rgt's group and died of the SIGINT: the held deploy failed
+    ("cannot reach" or a start cut off) and its cell kept the error."""
+    targets = [ssh_target(held.server), ssh_target(sshd)]
+    with _swept(tmp_path, targets) as s:
+        s.start("--interval", "0.5", group=True)
+        _, cells = _first_held_then(
+            s, held, lambda cells: any(c["state"] == "running" for c in cells.values()),
+            "a cell deployed while the first box's deploy is held",
+        )  # fmt: skip
+        first = next(n for n, c in cells.items() if c["state"] == "pending")
+        s.ctrl_c()
+        wait(lambda: SAID_WAITS in s.stderr(), WAIT, "the sweep to say it waits", 0.2, s.stderr)
+        held.release()
+        assert s.ended() == 130, s.stderr()
+        cells = s.record()
+        assert cells[first]["error"] is None, (cells, s.stderr())
+        assert cells[first]["state"] == "running" and cells[first]["runs"] == [first], cells
+        s.start("--interval", "0.5")
+        assert s.ended() == 0, s.stderr()
+        assert [c["state"] for c in s.record().values()] == ["succeeded", "succeeded"]
+
+
+def _descendants(pid: int) -> List[psutil.Process]:
+    """The processes below ``pid`` now (each kept with its start time: a PID reused later is
+    not taken for it)."""
+    return psutil.Process(pid).children(recursive=True)
+
+
+def _gone(p: psutil.Process) -> bool:
+    """Whether ``p`` ended (a zombie not yet reaped by whoever adopted it is dead)."""
+    try:
+        return not p.is_running() or p.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.timeout(900)
+def test_a_second_ctrl_c_stops_the_deploys_children(
+    tmp_path: Path, sshd: SshServer, held: Held
+) -> None:
+    """A second Ctrl-C (to the group, as a terminal sends it) while the sweep waits for the
+    held deploy: the sweep exits 130 at once, and no process it started for that deploy (its
+    ssh) is left running, though none of them takes the terminal's SIGINT (each checked by its
+    PID). Without rgt stopping them itself, the held deploy's ssh ran on after the sweep."""
+    targets = [ssh_target(held.server), ssh_target(sshd)]
+    with _swept(tmp_path, targets) as s:
+        s.start("--interval", "0.5", group=True)
+        _first_held_then(
+            s, held, lambda cells: any(c["state"] == "running" for c in cells.values()),
+            "a cell deployed while the first box's deploy is held",
+        )  # fmt: skip
+        s.ctrl_c()
+        wait(lambda: SAID_WAITS in s.stderr(), WAIT, "the sweep to say it waits", 0.2, s.stderr)
+        assert s.proc is not None
+        kids = _descendants(s.proc.pid)
+        assert any(k.name() == "ssh" for k in kids), (kids, s.stderr())
+        s.ctrl_c()
+        assert s.ended() == 130, s.stderr()
+        wait(lambda: all(_gone(k) for k in kids), 60, "the sweep's children to end", 0.2,
+             lambda: [k for k in kids if not _gone(k)])  # fmt: skip

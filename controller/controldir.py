@@ -103,7 +103,8 @@ def control_dir(home: str) -> str:
         pass
     # 0700 and ours alone; /tmp's sticky bit keeps anyone else from renaming or removing it.
     d = tempfile.mkdtemp(prefix=f"rgt-cm-{os.getuid()}-", dir="/tmp")
-    tmp = f"{record}.{os.getpid()}.tmp"
+    # Named for the thread too: a sweep opens its boxes' connections in threads of one process.
+    tmp = f"{record}.{os.getpid()}.{threading.get_ident()}.tmp"
     with open(tmp, "w") as f:
         f.write(d + "\n")
     os.replace(tmp, record)  # two rgt at once: each uses its own; the last one is kept

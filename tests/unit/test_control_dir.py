@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import stat
+import threading
 from pathlib import Path
 from typing import Callable, Iterator, List
 
@@ -237,3 +238,33 @@ def test_a_changed_ssh_config_or_agent_gets_its_own_socket(
     assert path("  ServerAliveInterval 5\n") == plain  # nothing to do with who logs in
     monkeypatch.setenv("SSH_AUTH_SOCK", "/tmp/agent.1")
     assert path("") != plain
+
+
+def test_threads_of_one_process_making_the_directory_at_once_each_get_one(tmp_path: Path) -> None:
+    """`rgt sweep` opens its boxes' connections side by side, in threads of one process: each
+    wrote the record through the same temporary name (the PID alone), and the threads after
+    the first failed (FileNotFoundError: that name was renamed away), ending the sweep."""
+    made: List[str] = []
+    failed: List[BaseException] = []
+    try:
+        for round in range(10):
+            home = str(tmp_path / f"{round:02d}" / ("h" * 60))
+            os.makedirs(home)
+            start = threading.Barrier(8)
+
+            def make(home: str = home, start: threading.Barrier = start) -> None:
+                start.wait()
+                try:
+                    made.append(controldir.control_dir(home))
+                except BaseException as e:  # (kept for the assertion, in the main thread)
+                    failed.append(e)
+
+            threads = [threading.Thread(target=make) for _ in range(8)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        assert failed == []
+    finally:
+        for d in set(made):
+            os.rmdir(d)

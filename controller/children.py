@@ -12,11 +12,11 @@ prompt that ssh does not control, a jump host's own ssh (ProxyJump passes it non
 options), cannot reach the terminal either: it fails at once (no /dev/tty), where a background
 process group of the terminal's session would stop on it (SIGTTIN) until rgt's timeout.
 
-rgt stops each child itself: the thread that started one kills it by its PID on an error, a
-timeout or a Ctrl-C raised there (controller/capture.py, controller/results/transport.py,
-controller/deploy/release.py, ``run`` here), and ``stop_all`` kills every child still running,
-with its process group (an rsync's own ssh), when rgt leaves the work of other threads (a
-second Ctrl-C in `rgt sweep`). A thread whose child ``stop_all`` killed gets a
+rgt stops each child itself, by its PID, with the process group it leads (``Child.kill``): the
+thread that started one kills it on an error, a timeout or a Ctrl-C raised there
+(controller/capture.py, controller/results/transport.py, controller/deploy/release.py, ``run``
+here), and ``stop_all`` kills every child still running when rgt leaves the work of other
+threads (a second Ctrl-C in `rgt sweep`). A thread whose child ``stop_all`` killed gets a
 KeyboardInterrupt from its ``wait``, as a Ctrl-C would have given it, and starts no other child.
 """
 
@@ -46,6 +46,17 @@ class Child(subprocess.Popen):  # type: ignore[type-arg]
                 raise KeyboardInterrupt
             super().__init__(list(args), start_new_session=True, **kwargs)
             _live.add(self)
+
+    def kill(self) -> None:
+        """SIGKILL to its process group, which it leads: what it started there goes with it
+        (an rsync's ssh, a jump host's ssh), as a terminal's Ctrl-C took them all. Polled first,
+        as Popen.send_signal does: a child reaped already may have a new process's PID; one not
+        reaped (a zombie) still holds its PID, and with it its group's."""
+        if self.poll() is None:
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def wait(self, timeout: Optional[float] = None) -> int:
         """Popen's; KeyboardInterrupt when ``stop_all`` killed it (the caller's work was left
@@ -78,11 +89,6 @@ def stop_all() -> None:
     with _lock:
         _stopping = True
         for p in list(_live):
-            # poll first, as Popen.send_signal does: a child reaped already may have a new
-            # process's PID; one not reaped (a zombie) still holds its PID and its group's.
             if p.poll() is None:
                 _cut.add(p)
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+                p.kill()

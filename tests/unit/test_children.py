@@ -44,6 +44,13 @@ def starter():
     except KeyboardInterrupt:
         got["thread start"] = "KeyboardInterrupt"
 
+# Killed by its thread (an error, a timeout): its own children go with it.
+k = children.Child(["sh", "-c", "sleep 600 & echo $!; wait"], stdout=subprocess.PIPE)
+k_grand = int(k.stdout.readline())
+print(json.dumps({"pids": [k.pid, k_grand]}), flush=True)
+k.kill()
+got["kill"] = k.wait()
+
 t = threading.Thread(target=waiter)
 t.start()
 children.stop_all()
@@ -52,18 +59,21 @@ t = threading.Thread(target=starter)
 t.start()
 t.join(60)
 got["main start"] = children.Child(["true"]).wait()
-for _ in range(200):  # its SIGKILL taking effect: reparented, a zombie until reaped
-    try:
-        with open(f"/proc/{grand}/stat") as f:
-            grand_state = f.read().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        grand_state = "gone"
-    if grand_state in ("Z", "gone"):
-        break
-    time.sleep(0.05)
+def state(pid):
+    for _ in range(200):  # its SIGKILL taking effect: reparented, a zombie until reaped
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                s = f.read().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            s = "gone"
+        if s in ("Z", "gone"):
+            break
+        time.sleep(0.05)
+    return s
 print(json.dumps({
     "own session and group": own,
-    "alive after sigint": alive_after_sigint, "rc": p.returncode, "grand": grand_state, **got,
+    "alive after sigint": alive_after_sigint, "rc": p.returncode, "grand": state(grand),
+    "k grand": state(k_grand), **got,
 }), flush=True)
 """
 
@@ -86,8 +96,8 @@ def test_a_child_is_out_of_the_terminals_reach_and_stop_all_kills_it_with_its_gr
     try:
         out, _ = proc.communicate(timeout=120)
         lines = out.decode().splitlines()
-        pids = json.loads(lines[0])["pids"]
-        seen: Dict[str, Any] = json.loads(lines[1])
+        pids = json.loads(lines[0])["pids"] + json.loads(lines[1])["pids"]
+        seen: Dict[str, Any] = json.loads(lines[2])
     finally:
         _kill(proc.pid)
         proc.wait()
@@ -97,4 +107,5 @@ def test_a_child_is_out_of_the_terminals_reach_and_stop_all_kills_it_with_its_gr
     assert seen["own session and group"] and seen["alive after sigint"], seen
     assert seen["rc"] == -signal.SIGKILL and seen["wait"] == "KeyboardInterrupt", seen
     assert seen["grand"] in ("Z", "gone"), seen  # killed with its parent's group
+    assert seen["kill"] == -signal.SIGKILL and seen["k grand"] in ("Z", "gone"), seen
     assert seen["thread start"] == "KeyboardInterrupt" and seen["main start"] == 0, seen

@@ -27,10 +27,12 @@ from pathlib import Path
 from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
-from huggingface_hub import close_session, get_session
+from huggingface_hub import close_session, get_session, set_client_factory
 from huggingface_hub import constants as hf_constants
+from huggingface_hub.utils._http import default_client_factory
 
 from onbox.agent import procfs
+from onbox.sealing.stores import hfmoved
 from onbox.sealing.stores.hangbound import StoreHung
 from onbox.sealing.stores.hf import HFStore
 from tests.conftest import Cli
@@ -85,11 +87,17 @@ def hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[FakeHub]:
     hub.create_repo(REPO)
     monkeypatch.setattr(hf_constants, "HF_HUB_DISABLE_XET", True)  # the fake has no Xet
     monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", str(tmp_path / "hf-hub-cache"))
+    # The client's timeout is the process's largest bound given (hfmoved.py): a test that ran
+    # before in this process (another file's store, with the default bound) must not have set
+    # it to minutes, so each test starts with none given.
+    monkeypatch.setattr(hfmoved, "_idle", None)
+    set_client_factory(default_client_factory)
     try:
         yield hub
     finally:
         hub.release_uploads()
         hub.stop()
+        set_client_factory(default_client_factory)
         close_session()  # drop this process's pooled connections to it
     assert not hub.bugs, hub.bugs
 

@@ -11,6 +11,39 @@ from typing import Any, Dict, Tuple
 from onbox.agent import procfs
 from tests.polling import latest_step, wait
 
+# A job for these tests: step 1 (small), then "ready"; once the file ``more`` exists in the
+# directory it is given, step 2 (``step2``'s bytes), then "step 2"; then it waits for ``go`` and
+# exits with the code it was given, or is stopped. Arguments: that directory, the exit code.
+_STAGED_JOB = """\
+import os, sys, time
+d, tmp, code = os.environ["RGT_CKPT_DIR"], sys.argv[1], int(sys.argv[2])
+os.makedirs(d, exist_ok=True)
+
+def write(step, data):
+    path = os.path.join(d, f"step_{step}.pt")
+    if not os.path.exists(path):
+        with open(path + ".tmp", "wb") as f:
+            f.write(data)
+        os.replace(path + ".tmp", path)
+
+def wait(name):
+    while not os.path.exists(os.path.join(tmp, name)):
+        time.sleep(0.05)
+
+write(1, b"weights of step 1" * 100)
+print("ready", flush=True)
+wait("more")
+write(2, @STEP2@)
+print("step 2", flush=True)
+wait("go")
+sys.exit(code)
+"""
+
+
+def staged_job(step2: str) -> str:
+    """The staged job's text, its step 2 written from the Python expression ``step2``."""
+    return _STAGED_JOB.replace("@STEP2@", step2)
+
 
 def held_store(env: Dict[str, str], tmp: Any, at: str, reached: str) -> Tuple[str, Any, Any]:
     """A ``file://`` store's directory under ``tmp`` whose agent (run with ``env``) will hang

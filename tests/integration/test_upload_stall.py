@@ -42,7 +42,7 @@ from onbox.sealing.stores.base import Store
 from onbox.sealing.stores.hangbound import StoreHung
 from tests import seaweed
 from tests.conftest import Cli, agent_exe, require
-from tests.heldstore import end_while_held, held_store, running_with_step_one
+from tests.heldstore import end_while_held, held_store, running_with_step_one, staged_job
 from tests.httpsink import HttpSink
 from tests.polling import latest_step, wait
 from tests.relay import Relay
@@ -51,33 +51,9 @@ from tests.seaweed import start_seaweed
 
 RUN = "upstall"
 WAIT = 45.0  # the test's bound on the agent's exit: before the fix, the hold's 120 s
-# Step 1, then "ready"; once the file ``more`` exists, step 2 (another size than step 1's, so
-# it is copied with put_file, not deduplicated), then "step 2"; then it waits for ``go`` and
-# exits with the code it was given, or is stopped.
-JOB = """\
-import os, sys, time
-d, tmp, code = os.environ["RGT_CKPT_DIR"], sys.argv[1], int(sys.argv[2])
-os.makedirs(d, exist_ok=True)
-
-def write(step, data):
-    path = os.path.join(d, f"step_{step}.pt")
-    if not os.path.exists(path):
-        with open(path + ".tmp", "wb") as f:
-            f.write(data)
-        os.replace(path + ".tmp", path)
-
-def wait(name):
-    while not os.path.exists(os.path.join(tmp, name)):
-        time.sleep(0.05)
-
-write(1, b"weights of step 1" * 100)
-print("ready", flush=True)
-wait("more")
-write(2, b"weights of step 2" * 200)
-print("step 2", flush=True)
-wait("go")
-sys.exit(code)
-"""
+# tests/heldstore.py's staged job; its step 2 another size than step 1's, so it is copied with
+# put_file, not deduplicated.
+JOB = staged_job('b"weights of step 2" * 200')
 
 
 def _events(cli: Cli, kind: str) -> List[Dict[str, Any]]:

@@ -37,6 +37,7 @@ from onbox.sealing.stores.hangbound import StoreHung
 from onbox.sealing.stores.hf import HFStore
 from tests.conftest import Cli
 from tests.fakehub import FakeHub
+from tests.heldstore import staged_job
 from tests.polling import wait
 from tests.sealsvc import old_box_sealer
 
@@ -49,33 +50,9 @@ TOKEN = "hf_fake_bob_write"
 REPO = "bob/ckpts"
 RUN = "hfstall"
 WAIT = 45.0  # the test's bound on a seal or an agent's exit: before the fix, for ever
-# Step 1 (small), then "ready"; once the file ``more`` exists, step 2 (16 MiB: more than the
-# socket buffers hold, so its upload is held mid-request), then "step 2"; then it waits for
-# ``go`` and exits with the code it was given, or is stopped.
-JOB = """\
-import os, sys, time
-d, tmp, code = os.environ["RGT_CKPT_DIR"], sys.argv[1], int(sys.argv[2])
-os.makedirs(d, exist_ok=True)
-
-def write(step, data):
-    path = os.path.join(d, f"step_{step}.pt")
-    if not os.path.exists(path):
-        with open(path + ".tmp", "wb") as f:
-            f.write(data)
-        os.replace(path + ".tmp", path)
-
-def wait(name):
-    while not os.path.exists(os.path.join(tmp, name)):
-        time.sleep(0.05)
-
-write(1, b"weights of step 1" * 100)
-print("ready", flush=True)
-wait("more")
-write(2, os.urandom(16 << 20))
-print("step 2", flush=True)
-wait("go")
-sys.exit(code)
-"""
+# tests/heldstore.py's staged job; its step 2 16 MiB: more than the socket buffers hold, so its
+# upload is held mid-request.
+JOB = staged_job("os.urandom(16 << 20)")
 
 
 @pytest.fixture

@@ -18,8 +18,11 @@ fingerprints; it is never accepted.
 Ciphers: AES-GCM first where no configuration chose them (controller/sshcipher.py).
 
 Errors: ssh's exit status 255 becomes RemoteUnreachable (exit 3), AuthError (exit 4, refused
-key) or HostKeyChanged (exit 4); a box without /bin/sh, HostError (exit 9); the remote command's
-own status is returned to the caller.
+key), HostKeyChanged or HostKeyUnknown (exit 4; the box's key or a jump host's:
+controller/hostkey.py); a box without /bin/sh, HostError (exit 9); the remote command's own
+status is returned to the caller. A jump host's ssh says why it failed to /dev/null (ssh does
+so under ControlPersist): a connection its proxy closed before the handshake is tried once more
+without multiplexing, to hear it (``_proxy_words``).
 
 Control sockets (multiplexing) live in a directory rgt made itself, mode 0700, checked before
 each use (controller/controldir.py): whoever can write there could put a socket of their own in
@@ -47,16 +50,15 @@ from typing import IO, Dict, Iterator, List, Mapping, Optional, Sequence
 from controller import envnames
 from controller.capture import Relayed, TooMuch, capture, command_name, relayed, show_lines
 from controller.controldir import control_dir, control_path, let_go_dir, use_dir
+from controller.hostkey import HostKeyChanged as HostKeyChanged  # (re-exported)
+from controller.hostkey import HostKeyUnknown as HostKeyUnknown  # (re-exported)
+from controller.hostkey import Route, key_refused, known_name
 from controller.sshahead import Ahead
 from controller.sshcipher import cipher_preference, ssh_settings
 from controller.target import Target, ssh_destination_args, ssh_literal, ssh_unexpandable
 from onbox.common.errors import AuthError, HostError, RemoteUnreachable, RgtError, UsageError
 from onbox.common.size import human
 from onbox.common.terminal import printable
-
-
-class HostKeyChanged(AuthError):
-    """The box presents a host key other than the one recorded for it."""
 
 
 def controller_home() -> str:
@@ -316,6 +318,8 @@ class SshRemote(Remote):
         ]  # fmt: skip
         self.options += cipher_preference(self.config_args, dest, settings)
         self.base = ["ssh", *self.config_args, *self.options]
+        self.route = Route(target.label, self.config_args, dest, settings,
+                           [self.known_hosts, user_known])  # fmt: skip
         self._ahead: Optional[Ahead] = None
 
     def connect_ahead(self) -> None:
@@ -359,11 +363,17 @@ class SshRemote(Remote):
         if rc != 255:
             return
         text = stderr.decode("utf-8", "replace")
-        if "IDENTIFICATION HAS CHANGED" in text or "Host key verification failed" in text:
-            raise self._host_key_changed(text)
-        if "Permission denied" in text or "Too many authentication failures" in text:
+        jump = _PROXY_CLOSED.search(text) and self.route.proxy
+        if jump:  # its own ssh said why to /dev/null: ask it again, where it is heard
+            text = self._proxy_words() or text
+        target_name = known_name(self.route.settings, self.target.host or "", self.target.port)
+        refused = key_refused(text, self.route, target_name)
+        if refused is not None:
+            raise refused
+        if re.search(_REFUSED, text):
             raise AuthError(
-                f"{self.target.label} refused the login: {_last_line(text)}",
+                f"{self.route.via if jump else ''}{self.target.label} refused the login: "
+                f"{_last_line(text, _REFUSED)}",
                 "check the user and key (-i), or that your ssh agent holds the key",
             )
         raise RemoteUnreachable(
@@ -371,31 +381,19 @@ class SshRemote(Remote):
             "check the address and port, that the box is running, and your network",
         )
 
-    def _host_key_changed(self, text: str) -> HostKeyChanged:
-        new = re.search(r"(SHA256:[A-Za-z0-9+/=]+)", text)
-        known = self._known_fingerprints()
-        return HostKeyChanged(
-            f"{self.target.label} presents a different host key than the one recorded: "
-            f"recorded {', '.join(known) or '(unreadable)'}, now "
-            f"{new.group(1) if new else '(see ssh -v)'}. Not connecting.",
-            "if the box was rebuilt, remove its line from "
-            f"{self.known_hosts} (ssh-keygen -R HOST -f FILE) and deploy again; "
-            "otherwise someone may be intercepting the connection",
-        )
-
-    def _known_fingerprints(self) -> List[str]:
-        host = self.target.host or ""
-        key = f"[{host}]:{self.target.port}" if self.target.port not in (None, 22) else host
-        out = []
-        for f in (self.known_hosts, os.path.join(os.path.expanduser("~"), ".ssh", "known_hosts")):
-            if not os.path.exists(f):
-                continue
-            # Bounded as the box's output is: the file holds the keys boxes presented.
-            p = capture(
-                ["ssh-keygen", "-l", "-F", key, "-f", f], timeout=30, limit=64 << 10, over="cut"
-            )
-            out += re.findall(r"(SHA256:[A-Za-z0-9+/=]+)", p.stdout.decode("ascii", "replace"))
-        return out
+    def _proxy_words(self) -> Optional[str]:
+        """What a connection's jump host (ProxyJump, ProxyCommand) says when it fails, or
+        None if it connects now. ssh sends a proxy's stderr to /dev/null when the connection
+        may outlive it (ControlPersist), so a jump host that refused its key or its login
+        showed only as a connection closed before the handshake: this opens one without
+        multiplexing, runs nothing (``exit``) and keeps what the proxy says."""
+        no_mux = ["-o", "ControlMaster=no", "-o", "ControlPath=none", "-o", "ControlPersist=no"]
+        argv = ["ssh", *no_mux, *self.base[1:], *ssh_destination_args(self.target)]
+        try:  # (the ConnectTimeout of each hop bounds it well within)
+            got = capture([*argv, box_line("exit 0")], timeout=60, limit=4096, over="tail")
+        except (subprocess.TimeoutExpired, FileNotFoundError):
+            return None
+        return got.stderr.decode("utf-8", "replace") if got.rc == 255 else None
 
     def rsync_shell(self) -> Optional[List[str]]:
         """ssh for rsync's ``-e``, without the host (rsync puts it, from ``path_arg``, after
@@ -440,9 +438,15 @@ def _ssh_path(path: str) -> str:
     return ssh_literal(path)
 
 
-def _last_line(text: str) -> str:
+# How ssh says a host refused the login.
+_REFUSED = r"Permission denied|Too many authentication failures"
+
+
+def _last_line(text: str, saying: str = "") -> str:
+    """The last line of ``text`` (that has ``saying``, a pattern, where one does)."""
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
-    return lines[-1] if lines else ""
+    said = [ln for ln in lines if saying and re.search(saying, ln)]
+    return (said or lines or [""])[-1]
 
 
 # What ssh (or rsync about its ssh) says when the connection fails; the remote command's own
@@ -451,6 +455,10 @@ _TRANSPORT = re.compile(
     r"^(ssh:|ssh_|mux_|unix_listener|client_loop|kex_|rsync error:|Timeout, server|Connection |"
     r"Shared connection|Bad |Could not|Received disconnect|Disconnected)"
 )
+
+
+# How ssh says its proxy (a jump host's ssh) ended before the SSH handshake began.
+_PROXY_CLOSED = re.compile(r"kex_exchange_identification: |Connection closed by UNKNOWN port")
 
 
 def _transport_line(text: str) -> str:

@@ -2,6 +2,11 @@
 
 Every process a test starts is stopped by PID at the end (``procs`` and the run sweep below).
 Under CI=true a test that would skip because a real service is missing fails instead.
+
+A controller home in a test's directory is too long a path for ssh's control sockets, so rgt
+keeps them in a private directory under /tmp that it records in the home (``cm-dir``,
+controller/controldir.py): a user's home reuses its one, but each test's home is new, and the
+suite left one behind for each (``no_control_dir_left``).
 """
 
 from __future__ import annotations
@@ -9,7 +14,9 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -299,3 +306,78 @@ def controller_env(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Dict[str, 
 def laptop(controller_env: Dict[str, str]) -> str:
     """The laptop's state dir (receipts, records), for tests that pass it as ``home``."""
     return controller_env["RGT_CONTROLLER_HOME"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def no_control_dir_left(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """At the end of each test module, the ssh control directory recorded in each controller
+    home made in the directories its tests and fixtures made (``tmp_path``, ``mktemp``) is
+    removed, its masters stopped first (``drop_control_dir``). Module-scoped and used first,
+    it ends after every fixture of the module, theirs that close connections included."""
+    base = str(tmp_path_factory.getbasetemp())
+    before = set(os.listdir(base))
+    yield
+    for name in sorted(set(os.listdir(base)) - before):
+        for home in _homes(os.path.join(base, name), 3):
+            drop_control_dir(home)
+
+
+def _homes(top: str, depth: int) -> Iterator[str]:
+    """The directories at most ``depth`` below ``top`` (``top`` included) holding a ``cm-dir``
+    record: controller homes. Symlinks are not followed."""
+    try:
+        entries = list(os.scandir(top))
+    except OSError:
+        return
+    for e in entries:
+        if e.name == "cm-dir" and e.is_file(follow_symlinks=False):
+            yield top
+        elif depth > 0 and e.is_dir(follow_symlinks=False):
+            yield from _homes(e.path, depth - 1)
+
+
+def drop_control_dir(home: str) -> None:
+    """Stop the ssh masters in the control directory recorded for ``home`` (``-O exit`` on
+    each socket, then SIGKILL by PID any ssh whose command line still names the directory) and
+    remove it. Only a directory of the name rgt makes (``/tmp/rgt-cm-UID-*``), and not a
+    symlink: a record a test wrote to point elsewhere is left to that test."""
+    try:
+        with open(os.path.join(home, "cm-dir")) as f:
+            d = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return
+    prefix = f"/tmp/rgt-cm-{os.getuid()}-"
+    if not d.startswith(prefix) or "/" in d[len(prefix) :]:
+        return
+    try:
+        if not stat.S_ISDIR(os.lstat(d).st_mode):
+            return
+        names = os.listdir(d)
+    except OSError:
+        return
+    for name in names:
+        sock = os.path.join(d, name)
+        try:
+            if not stat.S_ISSOCK(os.lstat(sock).st_mode):
+                continue
+            subprocess.run(
+                ["ssh", "-F", "/dev/null", "-o", f"ControlPath={sock}", "-O", "exit", "rgt"],
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                timeout=30,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            pass
+    key = d.encode()
+    for pid in procfs.pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except OSError:
+            continue
+        if os.path.basename(argv[0]) == b"ssh" and any(key in a for a in argv):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    shutil.rmtree(d, ignore_errors=True)

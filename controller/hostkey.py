@@ -4,11 +4,16 @@ other than the one recorded (HostKeyChanged) or none recorded where ssh may not 
 helps, a person has to look.
 
 ssh prints "REMOTE HOST IDENTIFICATION HAS CHANGED" only for a real change; "Host key
-verification failed" alone means the key is not known. The box's own key is checked with rgt's
-options (its known_hosts first, ``accept-new``), so a key not known there is taken; a jump host's
-own ssh runs with the ssh configuration alone (its known_hosts, its StrictHostKeyChecking, where
-``ask`` cannot ask: rgt runs ssh apart from the terminal), so a jump host whose key was never
-seen is where an unknown key is met.
+verification failed" alone means the key is not known (or revoked). The box's own key is checked
+with rgt's options (its known_hosts first, ``accept-new``), so a key not known there is taken; a
+jump host's own ssh runs with the ssh configuration alone (its known_hosts, its
+StrictHostKeyChecking, where ``ask`` cannot ask: rgt runs ssh apart from the terminal), so a
+jump host whose key was never seen is where an unknown key is met.
+
+Under ControlPersist, ssh sends a jump host's own ssh's words to /dev/null: rgt's connections
+through one that failed before the handshake showed only "kex_exchange_identification:
+Connection closed by remote host", whatever the jump host's trouble (its key, its login, its
+address). ``proxy_words`` hears them from one more try without multiplexing.
 
 A recorded key is looked up as ssh looks it up: under the name ``ssh -G`` resolves the target
 to (its HostKeyAlias, else its HostName, as ``[host]:port`` off port 22), not the alias typed.
@@ -17,8 +22,10 @@ to (its HostKeyAlias, else its HostName, as ``[host]:port`` off port 22), not th
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import shlex
+import subprocess
 from typing import List, Optional, Sequence, Tuple
 
 from controller.capture import capture
@@ -60,16 +67,33 @@ class Route:
         return f"the ProxyCommand `{command}`" if command else None
 
     @property
-    def via(self) -> str:
-        """The way to the box, for the start of a sentence about a jump host's failure."""
+    def hop(self) -> str:
+        """The jump hosts or ProxyCommand, as the subject of a sentence."""
         proxy = self.proxy or ""
-        return f"{'' if proxy.startswith('the ') else 'the jump host '}{proxy} on the way to "
+        return proxy if proxy.startswith("the ") else f"the jump host {proxy}"
 
     @property
     def manual(self) -> str:
         """The ssh command line a person runs to connect once by hand (it asks about keys)."""
         dest = [a for a in self.dest if a != "--"]
         return shlex.join(["ssh", *self.config_args, *dest, "true"])
+
+
+# How ssh says its proxy (a jump host's ssh) ended before the SSH handshake began.
+PROXY_CLOSED = re.compile(r"kex_exchange_identification: |Connection closed by UNKNOWN port")
+
+
+def proxy_words(argv: List[str]) -> Optional[str]:
+    """What a connection's jump host (ProxyJump, ProxyCommand) says when it fails, or None if
+    it connects now. ssh sends a proxy's stderr to /dev/null where the connection may outlive
+    it (ControlPersist), so a jump host that refused a key or a login, or could not be reached,
+    showed only as a connection closed before the handshake (PROXY_CLOSED). ``argv``: the same
+    connection without multiplexing, running nothing (``exit``), so the proxy is heard."""
+    try:  # (the ConnectTimeout of each hop bounds it well within)
+        got = capture(argv, timeout=60, limit=4096, over="tail")
+    except (subprocess.TimeoutExpired, FileNotFoundError):
+        return None
+    return got.stderr.decode("utf-8", "replace") if got.rc == 255 else None
 
 
 def setting(settings: Optional[str], name: str) -> Optional[str]:
@@ -94,6 +118,8 @@ def fingerprints(name: str, files: Sequence[str]) -> List[str]:
     """The fingerprints recorded for ``name`` in ``files`` (hashed names included)."""
     out = []
     for f in files:
+        if not os.path.exists(f):
+            continue
         # Bounded as the box's output is: the file holds the keys hosts presented. A file
         # that is missing or unreadable has nothing for ssh-keygen to print.
         argv = ["ssh-keygen", "-l", "-F", name, "-f", f]

@@ -22,7 +22,7 @@ key), HostKeyChanged or HostKeyUnknown (exit 4; the box's key or a jump host's:
 controller/hostkey.py); a box without /bin/sh, HostError (exit 9); the remote command's own
 status is returned to the caller. A jump host's ssh says why it failed to /dev/null (ssh does
 so under ControlPersist): a connection its proxy closed before the handshake is tried once more
-without multiplexing, to hear it (``_proxy_words``).
+without multiplexing, to hear it (controller/hostkey.py ``proxy_words``).
 
 Control sockets (multiplexing) live in a directory rgt made itself, mode 0700, checked before
 each use (controller/controldir.py): whoever can write there could put a socket of their own in
@@ -50,9 +50,9 @@ from typing import IO, Dict, Iterator, List, Mapping, Optional, Sequence
 from controller import envnames
 from controller.capture import Relayed, TooMuch, capture, command_name, relayed, show_lines
 from controller.controldir import control_dir, control_path, let_go_dir, use_dir
+from controller.hostkey import PROXY_CLOSED, Route, key_refused, known_name, proxy_words
 from controller.hostkey import HostKeyChanged as HostKeyChanged  # (re-exported)
 from controller.hostkey import HostKeyUnknown as HostKeyUnknown  # (re-exported)
-from controller.hostkey import Route, key_refused, known_name
 from controller.sshahead import Ahead
 from controller.sshcipher import cipher_preference, ssh_settings
 from controller.target import Target, ssh_destination_args, ssh_literal, ssh_unexpandable
@@ -363,37 +363,30 @@ class SshRemote(Remote):
         if rc != 255:
             return
         text = stderr.decode("utf-8", "replace")
-        jump = _PROXY_CLOSED.search(text) and self.route.proxy
+        jump = PROXY_CLOSED.search(text) and self.route.proxy
         if jump:  # its own ssh said why to /dev/null: ask it again, where it is heard
-            text = self._proxy_words() or text
+            no_mux = ["-o", "ControlMaster=no", "-o", "ControlPath=none", "-o", "ControlPersist=no"]
+            argv = ["ssh", *no_mux, *self.base[1:], *ssh_destination_args(self.target)]
+            text = proxy_words([*argv, box_line("exit 0")]) or text
         target_name = known_name(self.route.settings, self.target.host or "", self.target.port)
         refused = key_refused(text, self.route, target_name)
         if refused is not None:
             raise refused
         if re.search(_REFUSED, text):
             raise AuthError(
-                f"{self.route.via if jump else ''}{self.target.label} refused the login: "
-                f"{_last_line(text, _REFUSED)}",
+                f"{f'{self.route.hop} on the way to ' if jump else ''}{self.target.label} "
+                f"refused the login: {_last_line(text, _REFUSED)}",
                 "check the user and key (-i), or that your ssh agent holds the key",
             )
+        reason = f": {_transport_line(text)}"
+        # Through a jump host: what its ssh said first (it, or the box from it, unreachable).
+        said = re.search(r"^(ssh: .*|channel \d+: open failed.*)$", text, re.MULTILINE)
+        if jump and said:
+            reason = f" through {self.route.hop}: {printable(said.group(1).strip())}"
         raise RemoteUnreachable(
-            f"cannot reach {self.target.label}: {_transport_line(text)}",
+            f"cannot reach {self.target.label}{reason}",
             "check the address and port, that the box is running, and your network",
         )
-
-    def _proxy_words(self) -> Optional[str]:
-        """What a connection's jump host (ProxyJump, ProxyCommand) says when it fails, or
-        None if it connects now. ssh sends a proxy's stderr to /dev/null when the connection
-        may outlive it (ControlPersist), so a jump host that refused its key or its login
-        showed only as a connection closed before the handshake: this opens one without
-        multiplexing, runs nothing (``exit``) and keeps what the proxy says."""
-        no_mux = ["-o", "ControlMaster=no", "-o", "ControlPath=none", "-o", "ControlPersist=no"]
-        argv = ["ssh", *no_mux, *self.base[1:], *ssh_destination_args(self.target)]
-        try:  # (the ConnectTimeout of each hop bounds it well within)
-            got = capture([*argv, box_line("exit 0")], timeout=60, limit=4096, over="tail")
-        except (subprocess.TimeoutExpired, FileNotFoundError):
-            return None
-        return got.stderr.decode("utf-8", "replace") if got.rc == 255 else None
 
     def rsync_shell(self) -> Optional[List[str]]:
         """ssh for rsync's ``-e``, without the host (rsync puts it, from ``path_arg``, after
@@ -455,10 +448,6 @@ _TRANSPORT = re.compile(
     r"^(ssh:|ssh_|mux_|unix_listener|client_loop|kex_|rsync error:|Timeout, server|Connection |"
     r"Shared connection|Bad |Could not|Received disconnect|Disconnected)"
 )
-
-
-# How ssh says its proxy (a jump host's ssh) ended before the SSH handshake began.
-_PROXY_CLOSED = re.compile(r"kex_exchange_identification: |Connection closed by UNKNOWN port")
 
 
 def _transport_line(text: str) -> str:

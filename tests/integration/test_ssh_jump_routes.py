@@ -111,12 +111,19 @@ def test_a_target_whose_jump_host_is_down_does_not_ride_another_routes_master(
     sshd: SshServer, jump_config: str
 ) -> None:
     up = SshRemote(_target(sshd, f"{sshd.user}@localhost:{sshd.port}"))
-    down = SshRemote(_target(sshd, f"{sshd.user}@localhost:{free_port()}"))
+    port = free_port()
+    down = SshRemote(_target(sshd, f"{sshd.user}@localhost:{port}"))
     try:
         got = up.run(["true"], timeout=60)
         assert got.rc == 0, got.err
-        with pytest.raises(RemoteUnreachable):
+        with pytest.raises(RemoteUnreachable) as info:
             down.run(["true"], timeout=60)
+        # The jump host's ssh's own words (ssh sends them to /dev/null under ControlPersist:
+        # before, all that was said was "kex_exchange_identification: Connection closed").
+        assert f"through the jump host {sshd.user}@localhost:{port}: ssh: connect to host " in (
+            info.value.what
+        ), info.value.what
+        assert "Connection refused" in info.value.what, info.value.what
     finally:
         up.close()
         down.close()

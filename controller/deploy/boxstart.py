@@ -116,6 +116,9 @@ _STALE_KEPT = 45
 # $5 "drop" where this deploy created the release ("" else), then the agent's argv. The deploy
 # holds the release first (deploys/N/pending, controller/shell/release_use.sh): no other
 # deploy's drop or `rgt down` removes it from then on; one that did before is _NO_RELEASE.
+# The release the run's spec named before the start goes after it, failed or not, where the
+# start moved the spec off it and nothing else names it (rgt_release_left: one a failed
+# redeploy left, which the run's spec named until now).
 # Not exec'd (a failure lets go of the hold):
 # a start that exits non-zero is followed, in the same command, by the drop of the release
 # ($5: controller/deploy/leftrelease.py) and a look at runs/N and deploys/N/current
@@ -128,10 +131,14 @@ START_SH = script("release_use.sh") + "\n".join(
         "rel=${1%/} run=$3 deploy=$4 drop=$5",
         f'rgt_locked "${{deploy%/*}}" rgt_release_hold "$rel" "$deploy" || exit {_NO_RELEASE}',
         f'cd "$rel" 2>/dev/null || exit {_NO_RELEASE}',
+        'was=$(rgt_release_named "$run" "${rel%/*}") dd=${deploy%/*}',
         'if { [ -z "$2" ] || rm -f -- "$2"; }; then shift 5; "$@"; rc=$?',
         f"else rc={_STALE_KEPT}; fi",
+        # In a subshell: the functions' names are the shell's own (rel, run, deploy).
+        '[ -n "$was" ] && [ "$was" != "$rel" ] &&',
+        '  (rgt_locked "$dd" rgt_release_left "$was" "$run" "$deploy")',
         '[ "$rc" -eq 0 ] && exit 0; cd / || exit "$rc"',
-        "dd=${deploy%/*} left=-",
+        "left=-",
         'if [ -z "$drop" ]; then rgt_locked "$dd" rgt_release_unhold "$rel" "$deploy"',
         'else left=$(rgt_locked "$dd" rgt_release_drop "$rel" "$run" "$deploy") || left=failed',
         "fi",

@@ -12,11 +12,14 @@ directories of pushes cut off. Every failed redeploy of changed code added one.
 So where this deploy created the release (``PushResult.method`` is not "existing": a release
 on the box before it may be another run's), ``rgt_release_drop`` (controller/shell/release_use.sh)
 runs after such a failure: it keeps the release while a deploy's current link, another deploy's
-hold (``deploys/M/pending``: a deploy of the same code under another name, starting in it) or
-another run's spec names it, or the run's own spec names it and the run is not FAILED (a start
-cut by a preemption or a stop, or another start of the run, may run it there), and removes it
-otherwise, printing one word. After a failed start it runs within the start's own command
-(``START_SH``, controller/deploy/boxstart.py, its word after boxstart.MARK); after a failure
+hold (``deploys/M/pending``: a deploy of the same code under another name, starting in it),
+another run's spec or the run's own spec names it (whatever the run's state: the start claimed
+the run before it failed, so `rgt deploy T --name N` with no command starts that spec, in this
+release, and must find it), and removes it otherwise, printing one word. Such a kept release
+goes once the run's spec moves off it and nothing else names it (the next start of the run,
+failed or not, or `rgt down` of it: ``rgt_release_left``). After a failed start it runs
+within the start's own command (``START_SH``, controller/deploy/boxstart.py, its word after
+boxstart.MARK); after a failure
 before the start, or a submit the cluster refused with nothing submitted, in one command of its
 own (``Left``), on that failure path only. The user sees the deploy's error and exit code as
 before, and one line before it (``line``; a release that was on the box before this deploy is
@@ -136,8 +139,9 @@ def line(pushed: PushResult, name: str, word: Optional[str], why: str = "the sta
         return f"{rel}, which this deploy pushed, is kept on the box: {_KEPT[word]}"
     if word == "run":
         return (
-            f"{rel}, which this deploy pushed, is kept on the box: run {name} there names it "
-            "and is not FAILED, so it may run there"
+            f"{rel}, which this deploy pushed, is kept on the box: run {name}'s spec there names "
+            f"it (the start claimed the run before it failed), so `rgt deploy` of --name {name} "
+            "with no command starts the run in it"
         )
     if word == "failed":
         return (

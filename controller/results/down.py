@@ -31,7 +31,9 @@ safe: ``rgt-agent stop N`` (waits until no process of the run is left; a run alr
 fine; of a run that has ended it only checks that no process is left; if the stop fails
 nothing is removed), then removes ``secrets/N`` (and ``secrets/.N.staged``, which the plan
 names where a deploy cut off before its start left it), ``deploys/N``, the
-release the run was deployed from when no other deploy or run uses it, and ``runs/N`` (with the
+release the run was deployed from when no other deploy or run uses it (and the release the
+run's spec names, where a redeploy whose start failed after it claimed the run left it, when
+nothing else names it and the job wrote nothing in it: the plan names it), and ``runs/N`` (with the
 default checkpoint dir inside it; a checkpoint dir inside the release goes with the release,
 and the plan says so). Never the store, never a checkpoint dir outside the run dir and the
 release (where its files are: a link in the run dir to one on a data disk goes, what it leads

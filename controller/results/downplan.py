@@ -10,9 +10,12 @@ user is shown before typing the run's name; controller/results/down.py carries i
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional, Tuple
+import posixpath
+import re
+from typing import Any, Dict, List, Optional, Tuple
 
 from controller import boxrun
+from controller.deploy.release import release_path
 from controller.meter.api import check_instance, client, noun
 from controller.profiles import user_dirs as profile_dirs
 from controller.registry import RunRecord
@@ -160,6 +163,7 @@ def plan_down(
             f"rgt pull {name} again, then rgt down {name}",
         )
     state, keep = None, None
+    spec: Dict[str, Any] = {}
     lost: List[str] = []
     kept: List[str] = []
     with_release = ""  # the checkpoint dir that goes with the release, when it is inside it
@@ -189,6 +193,13 @@ def plan_down(
     elif present:
         actions.append(f"stop the agent and the job (rgt-agent stop {name}; now {state})")
     actions += _removals(rec, run_dir, staged if staged_there else "", with_release)
+    named = spec_release(rec, spec)
+    if named:
+        actions.append(
+            f"remove {release_path(rec.box_home.rstrip('/'), named)} (the release run {name}'s "
+            "spec names, which a deploy whose start failed pushed) unless another run or deploy "
+            "uses it or the job wrote in it"
+        )
     billing, after = meterplan.billing(rec, profile, instance)
     if profile is not None and profile.meter.api != "none" and instance:
         check_instance(instance)
@@ -202,6 +213,24 @@ def plan_down(
     if rec.store and state is not None and state not in TERMINAL_NAMES:
         plan.stopping = _stop_seals(rec.name, rec.store, receipt, gone)
     return plan
+
+
+_ID = re.compile(r"[0-9a-f]{16}\Z")  # a release's id (controller/deploy/release.py)
+
+
+def spec_release(rec: RunRecord, spec: Dict[str, Any]) -> str:
+    """The id of the release the run's ``spec`` on the box names as its workdir where that is
+    not the record's (a redeploy whose start failed after it claimed the run pushed it, and its
+    spec names it: controller/shell/release_use.sh), which down removes too; "" for none (the
+    box's spec is only compared, never used as a path)."""
+    workdir = spec.get("workdir")
+    if not isinstance(workdir, str):
+        return ""
+    parent, base = posixpath.split(workdir.rstrip("/"))
+    releases = release_path(rec.box_home.rstrip("/"), "").rstrip("/")
+    if parent != releases or not _ID.match(base) or base == rec.release:
+        return ""
+    return base
 
 
 def _removals(rec: RunRecord, run_dir: str, staged: str, with_release: str) -> List[str]:

@@ -44,12 +44,21 @@ rgt_job_files() {
 
 # rgt_remove RUN_DIR SECRETS DEPLOY RELEASE STAGED: remove the run's files, every path given by
 # its owner (onbox.common.rundir.RunDir, controller/deploy/release.py); RELEASE may be empty
-# (none); STAGED is the secrets a deploy cut off before its start left for that start.
-# Every step may have been done already; the status says whether nothing of the run is left.
+# (none); STAGED is the secrets a deploy cut off before its start left for that start. The
+# release the run's spec names, where it is not RELEASE (a redeploy whose start failed after it
+# claimed the run pushed it), goes too where nothing else names it (rgt_release_left), before
+# RELEASE: removing RELEASE first would change the files the two share (hard links), which
+# would then look written by the job. Every step may have been done already; the status says
+# whether nothing of the run is left.
 rgt_remove() {
   run=$1; secrets=$2; deploy=$3; release=$4; staged=$5
+  named=$(rgt_release_named "$run" "${deploy%/*/*}/releases")
   rm -f -- "$secrets" "$staged"
   rm -rf -- "$deploy"
+  if [ -n "$named" ] && [ "$named" != "${release%/}" ]; then
+    # In a subshell: the functions' names are this one's own (run, deploy, release).
+    (rgt_locked "${deploy%/*}" rgt_release_left "$named" "$run" "$deploy" down)
+  fi
   if [ -n "$release" ] && [ -d "$release" ]; then
     rgt_locked "${deploy%/*}" rgt_release_remove_unused "$run" "$deploy" "$release"
   fi

@@ -3,6 +3,12 @@
 # a release another run uses; a deploy whose start failed removes the release it pushed when
 # nothing uses it (controller/deploy/leftrelease.py). The caller appends the call.
 #
+# A release a run's own spec names is never removed by a failed start: the start claimed the run
+# (runs/N/spec.json names the release) before it failed, and `rgt deploy T --name N` with no
+# command starts that spec again. One that nothing names any longer (a later start moved the
+# spec off it) goes at that start, failed or not, and at `rgt down` of the run
+# (rgt_release_left), unless the job wrote in it: only down shows what would be lost there.
+#
 # A deploy holds the release it is about to start in (deploys/<name>/pending names it) from
 # before it trusts the release is there (its push, release_prepare.sh, or its start's shell,
 # controller/deploy/boxstart.py START_SH) until its run's spec and current link name it: two
@@ -74,8 +80,8 @@ rgt_release_used() {
 
 # rgt_release_drop RELEASE RUN_DIR DEPLOY: after a failed start of run RUN_DIR in RELEASE, which
 # that deploy pushed, remove RELEASE unless something uses it: the deploy's own current link or
-# another's, another run's spec, or the run's own spec while the run is not FAILED (a start
-# refused as preempted or stopped, or another start of it, may run it there). Prints one word:
+# another's, another run's spec, or the run's own spec, whatever the run's state (the start
+# claimed the run before it failed: starting its spec again runs there). Prints one word:
 # removed, gone (no complete release there), current, used, run, or failed (rm could not).
 # Removed as rgt_release_remove removes one (renamed aside first). The deploy's own hold goes
 # first: it failed. Run under rgt_locked.
@@ -87,10 +93,7 @@ rgt_release_drop() {
   t=$(readlink "$deploy/current" 2>/dev/null) &&
     case "$t" in */"$rels"/"$rel"|*/"$rels"/"$rel"/) echo current; return 0;; esac
   if rgt_release_used "$run" "$deploy" "$release"; then echo used; return 0; fi
-  # state.json is written with indent=1 (onbox/common/durable.py write_json): a key of the
-  # top level, and only one, starts its line with exactly one space.
-  if [ -f "$run/spec.json" ] && grep -qF "/$rels/$rel" "$run/spec.json" &&
-     ! grep -q '^ "state": "FAILED"' "$run/state.json" 2>/dev/null; then
+  if [ -f "$run/spec.json" ] && grep -qF "/$rels/$rel" "$run/spec.json"; then
     echo run; return 0
   fi
   rgt_release_remove "$release" 2>/dev/null || { echo failed; return 0; }
@@ -117,4 +120,45 @@ rgt_release_remove() {
 # uses it (rgt_release_used), under rgt_locked (`rgt down`, controller/shell/down.sh).
 rgt_release_remove_unused() {
   rgt_release_used "$@" || rgt_release_remove "$3"
+}
+
+# rgt_release_named RUN_DIR RELEASES: the release directory under RELEASES that the run's spec
+# names as its workdir (where its next start without a command runs), printed; nothing when
+# there is no spec or its workdir is no release there. spec.json is written with indent=1
+# (onbox/common/durable.py write_json): a key of the top level, and only one, starts its line
+# with exactly one space; a workdir JSON had to escape is no release's path, and is left alone.
+rgt_release_named() {
+  [ -f "$1/spec.json" ] || return 0
+  rgt_w=$(sed -n 's/^ "workdir": "\([^"\\]*\)",\{0,1\}$/\1/p' "$1/spec.json" 2>/dev/null) ||
+    return 0
+  rgt_w=${rgt_w%/}; rgt_id=${rgt_w##*/}
+  case "$rgt_id" in *[!0-9a-f]*) return 0;; esac   # a release's id: 16 hex digits
+  if [ "${#rgt_id}" -eq 16 ] && [ "$rgt_w" = "${2%/}/$rgt_id" ]; then printf '%s\n' "$rgt_w"; fi
+}
+
+# rgt_release_written RELEASE: whether a job wrote a file in RELEASE since its push marked it
+# complete (its ctime later than the marker's; the push writes the marker last). A file with
+# more than one link is another release's too (a push hard-links unchanged files), which that
+# push touched, not the job; Python's bytecode caches come back by themselves.
+rgt_release_written() {
+  [ -n "$(find "$1" -name __pycache__ -prune -o -type f -links 1 -cnewer "$1/.rgt-release" \
+    ! -path "$1/.rgt-release" -print 2>/dev/null | head -n 1)" ]
+}
+
+# rgt_release_left RELEASE RUN_DIR DEPLOY [down]: remove the complete RELEASE when nothing names
+# it any longer (the run's spec moved off it): neither the deploy's own current nor pending link,
+# nor the run's own spec (unless "down": the run goes), nor anything rgt_release_used looks at,
+# and the job wrote nothing in it (rgt_release_written: what `rgt down` removes of that it shows
+# first). Run under rgt_locked.
+rgt_release_left() {
+  rgt_left=${1%/}; rgt_lid=${rgt_left##*/}; rgt_lrels=${rgt_left%/*}; rgt_lrels=${rgt_lrels##*/}
+  [ -f "$rgt_left/.rgt-release" ] || return 0
+  for rgt_l in current pending; do
+    rgt_t=$(readlink "$3/$rgt_l" 2>/dev/null) || continue
+    case "$rgt_t" in */"$rgt_lrels"/"$rgt_lid"|*/"$rgt_lrels"/"$rgt_lid"/) return 0;; esac
+  done
+  if [ "${4-}" != down ] && [ -f "$2/spec.json" ] && grep -qF "/$rgt_lrels/$rgt_lid" "$2/spec.json"
+  then return 0; fi
+  if rgt_release_used "$2" "$3" "$rgt_left" || rgt_release_written "$rgt_left"; then return 0; fi
+  rgt_release_remove "$rgt_left" 2>/dev/null || return 0
 }

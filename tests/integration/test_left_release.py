@@ -3,7 +3,8 @@ it: a redeploy of changed code whose start the box failed (the run's epoch canno
 left ``releases/<new id>`` there, which neither the laptop's record nor ``deploys/N/current``
 named and no `rgt down` removed, so failed redeploys filled the box's disk. A release that was
 on the box before the deploy (another run's) is kept, and so is one that a deploy's current link
-or another run's spec names, or the run's own spec while it is not FAILED (``rgt_release_drop``,
+or another run's spec names, or the run's own spec, whatever the run's state: its start claimed
+it before it failed, and starting the run's spec again runs there (``rgt_release_drop``,
 controller/shell/release_use.sh, run here as the start runs it: sh on its own). So does a
 deploy that fails after its push and before its start: its secrets' staging or its profile
 override failing, or the run live on another release (the live run keeps its release, and runs
@@ -52,7 +53,7 @@ def _current(lap: Laptop, name: str) -> str:
     return os.path.basename(os.readlink(lap.box / "deploys" / name / "current"))
 
 
-def test_a_failed_start_of_changed_code_removes_the_release_it_pushed(
+def test_a_failed_start_of_changed_code_removes_the_release_no_run_names(
     sshd: SshServer, tmp_path: Path
 ) -> None:
     lap = Laptop(sshd, tmp_path)
@@ -66,23 +67,30 @@ def test_a_failed_start_of_changed_code_removes_the_release_it_pushed(
         assert rc == 0, out
         first = _releases(lap)
         assert len(first) == 1 and _current(lap, "held") == first[0], first
-        # The code changed, and the run's epoch cannot be taken: the start fails.
+        # The code changed, and a new run's epoch cannot be taken: its start fails, and leaves
+        # nothing of the run on the box, nor the release it pushed.
         (lap.project / "job.py").write_text("print('changed')\n")
-        # The store fails this start (its epochs/ is in the way), then comes back as it was
-        # (a pull says "nothing sealed" only of a store holding the run's epoch).
+        _block_epochs(store, "fresh")
+        rc, out = lap.deploy("fresh", "--store", f"file://{store}", *JOB)
+        assert rc == 14 and "run fresh could not begin" in out, out  # the box's error
+        assert _releases(lap) == first, "the failed start's release stayed on the box"
+        assert "was removed from the box again: the start failed" in out, out
+        # The store fails the start of "held" too (its epochs/ is in the way), then comes back
+        # as it was (a pull says "nothing sealed" only of a store holding the run's epoch). Its
+        # start claimed the run before it failed: the run's spec names the release, kept.
         os.rename(store / "held" / "epochs", tmp_path / "epochs-aside")
         blocker = _block_epochs(store, "held")
         rc, out = lap.deploy("held", "--store", f"file://{store}", *JOB)
         assert rc == 14 and "epochs/00000001: not a directory" in out, out  # the box's error
-        assert _releases(lap) == first, "the failed start's release stayed on the box"
-        assert "was removed from the box again: the start failed" in out, out
-        assert _current(lap, "held") == first[0]
+        assert "is kept on the box: run held's spec there names it" in out, out
+        kept = _releases(lap)
+        assert len(kept) == 2 and _current(lap, "held") == first[0], kept
         # Another run deployed with the changed code: its release is the one this deploy
         # pushes, which was on the box before it, so it stays when the start fails.
         rc, out = lap.deploy("other", "--store", f"file://{store}", *JOB)
         assert rc == 0, out
         both = _releases(lap)
-        assert len(both) == 2 and _current(lap, "other") in both, both
+        assert both == kept and _current(lap, "other") in both, both
         rc, out = lap.deploy("held", "--store", f"file://{store}", *JOB)
         assert rc == 14 and "epochs/00000001: not a directory" in out, out
         assert "is kept on the box: it was there before this deploy" in out, out
@@ -313,12 +321,13 @@ def test_the_drop_keeps_a_release_that_a_deploy_or_a_run_uses(tmp_path: Path) ->
     _run(home, "other", rid, "SUCCEEDED")
     assert _drop(home, "me", rid) == "used" and rel.is_dir()
     shutil.rmtree(home / "runs")
-    # The run's own spec names it (its start wrote it): kept while the run may run there.
-    for state in ("PENDING", "PREEMPTED", "STOPPED"):
+    # The run's own spec names it (its start wrote it): kept, whatever the run's state (a
+    # start of its spec again runs there).
+    for state in ("PENDING", "PREEMPTED", "STOPPED", "FAILED"):
         _run(home, "me", rid, state)
         assert _drop(home, "me", rid) == "run" and rel.is_dir(), state
         shutil.rmtree(home / "runs")
-    _run(home, "me", rid, "FAILED")
+    _run(home, "me", "fedcba9876543210", "FAILED")  # its spec names another release
     os.chmod(rel / "sub", 0o500)  # a directory the job made read-only
     assert _drop(home, "me", rid) == "removed"
     assert os.listdir(home / "releases") == []
@@ -353,13 +362,16 @@ def test_a_run_the_box_held_whose_start_failed_is_recorded_on_this_laptop(
         assert rc != 8 and "FAILED" in said, said
         assert "which this laptop had no record of: recorded from the box's" in out, out
         # What the box holds: its spec's store and workdir (the release this deploy pushed,
-        # removed again: the run is FAILED), and the release the run last started in.
+        # kept: the start claimed the run, whose spec names it), and the release the run last
+        # started in.
         rec = json.loads((lap.ctl / "runs.json").read_text())["runs"]["held"]
         spec = json.loads((lap.box / "runs" / "held" / "spec.json").read_text())
         assert (rec["store"], rec["workdir"]) == (f"file://{store}", spec["workdir"]), rec
-        assert "which this deploy pushed, was removed from the box again" in out, out
-        assert _releases(lap) == [_current(other, "held")] == [rec["release"]], rec
-        # And `rgt down` takes it off the box, the release it ran in too.
+        assert "which this deploy pushed, is kept on the box: run held's spec there" in out, out
+        pushed = os.path.basename(spec["workdir"])
+        assert rec["release"] == _current(other, "held") != pushed, rec
+        assert _releases(lap) == sorted([rec["release"], pushed])
+        # And `rgt down` takes it off the box, both releases too.
         blocker.unlink()
         os.rename(tmp_path / "epochs-aside", store / "held" / "epochs")
         rc, out = lap.rgt("pull", "held", "--to", str(tmp_path / "pulled"))

@@ -12,7 +12,13 @@ keys) with the generated key. Remote commands run under the user's login shell w
 minimal environment: pass what they need inline (``remote_env``) and call programs by absolute
 path.
 
-The user is the one running the tests (root). ``start_sshd(dir, users=[...])`` also lets the
+The user is the one running the tests (root). Logged in as that user, a session's ``HOME`` is
+the server's own empty directory (``dir/home``), not the user's real one, and its ``PATH`` the
+tests' own with the Python the tests run on first (``box_path``): the box is this machine as a
+fresh rental is, not as the developer's dotfiles made it. Those run in every remote command's
+login shell (bash reads ``~/.bashrc`` for ssh): this machine's root initialises pyenv there,
+half a second of every remote command, most of a deploy test's time.
+``start_sshd(dir, users=[...])`` also lets the
 client key log in as each of those users: ``shell_user(name)`` makes (once; idempotent, root
 only) a user ``rgt-sh-NAME`` whose login shell is that shell (``LOGIN_SHELLS``: bash, dash, zsh,
 fish, tcsh), as rentals set them; ``SshServer.as_user(user)`` is the same server reached as that
@@ -30,6 +36,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Dict, List, Mapping, Optional, Sequence
@@ -141,6 +148,11 @@ class SshServer:
     def pid(self) -> int:
         return self.proc.pid
 
+    @property
+    def home(self) -> str:
+        """``HOME`` of a session logged in as the tests' own user (module docstring)."""
+        return os.path.join(self.dir, "home")
+
     def ssh_argv(self, command: str, *, tty: bool = False) -> List[str]:
         """argv of an ssh client that runs ``command`` (one shell line) on this server."""
         return [
@@ -234,6 +246,7 @@ def _config(
     set_env: Mapping[str, str],
     address: str = "127.0.0.1",
     keys_dir: Optional[str] = None,
+    user: str = "",
 ) -> str:
     keys = os.path.join(d, "authorized_keys")
     if keys_dir is not None:  # %u: the user logging in; a user without a file there gets no key
@@ -253,12 +266,28 @@ def _config(
         f"Subsystem sftp {SFTP_SERVER}",
         "LogLevel VERBOSE",
     ]
-    for k, v in set_env.items():
+    if set_env:  # one line: sshd keeps the first SetEnv it reads and ignores any other
+        lines.append(_set_env(set_env))
+    if user:  # the tests' own user: the server's home, set_env's variables besides
+        own = {"HOME": os.path.join(d, "home"), "PATH": box_path(), **set_env}
+        lines += [f"Match User {user}", "  " + _set_env(own)]
+    return "\n".join(lines) + "\n"
+
+
+def _set_env(env: Mapping[str, str]) -> str:
+    for k, v in env.items():
         if not k or any(c in k + v for c in '"\n') or "=" in k:
             raise ValueError(f"cannot pass {k!r}={v!r} through SetEnv")
-    if set_env:  # one line: sshd keeps the first SetEnv it reads and ignores any other
-        lines.append("SetEnv " + " ".join(f'"{k}={v}"' for k, v in set_env.items()))
-    return "\n".join(lines) + "\n"
+    return "SetEnv " + " ".join(f'"{k}={v}"' for k, v in env.items())
+
+
+def box_path() -> str:
+    """``PATH`` on the test box for the tests' own user: the directory of the Python the tests
+    run on (its base interpreter, not a venv's, which has rgt installed) first, then the tests'
+    own ``PATH``: ``python3`` on the box is that Python, as the developer's shell set-up made it
+    before the box got a home of its own."""
+    base = getattr(sys, "_base_executable", sys.executable)
+    return os.pathsep.join([os.path.dirname(os.path.realpath(base)), os.environ.get("PATH", "")])
 
 
 def _wait_listening(
@@ -307,6 +336,7 @@ def start_sshd(
     shutil.copyfile(client_key + ".pub", auth)
     os.chmod(auth, 0o600)
     user = pwd.getpwuid(os.geteuid()).pw_name
+    os.makedirs(os.path.join(d, "home"), mode=0o700, exist_ok=True)
     env: Dict[str, str] = dict(set_env or {})
     keys_dir = _keys_dir(client_key + ".pub", users) if users else None
     try:
@@ -335,7 +365,7 @@ def _serve(
     for _ in range(3):  # another process may take the free port before sshd binds it
         port = free_port()
         with open(cfg, "w") as f:
-            f.write(_config(d, port, env, address, keys_dir))
+            f.write(_config(d, port, env, address, keys_dir, user))
         inside = ["ip", "netns", "exec", netns] if netns else []
         check = subprocess.run(  # in the namespace: its addresses are there alone
             [*inside, SSHD, "-t", "-f", cfg],

@@ -97,7 +97,9 @@ def _nothing_pwned(*dirs: str) -> None:
         assert not os.path.exists(os.path.join(d, "pwned")), d
 
 
-def test_an_empty_box_python_found_byte_for_byte_nothing_else(box: Box, tmp_path: Path) -> None:
+def test_an_empty_box_python_found_byte_for_byte_nothing_else(
+    box: Box, tmp_path: Path, sshd: SshServer
+) -> None:
     py = _hostile_python(tmp_path)
     wheel = agent_wheel()
     rep = box.audit(py, wheel=wheel, extras=["s3"], release_id=RID, deploy="run-1")
@@ -109,10 +111,10 @@ def test_an_empty_box_python_found_byte_for_byte_nothing_else(box: Box, tmp_path
     assert rep.release == BoxRelease(RID, complete=False, current=False)
     assert not [f for f in rep.problems if "python" in f.what.lower()], rep.problems
     assert not os.path.exists(box.home)  # the audit changes nothing
-    _nothing_pwned(str(tmp_path), os.getcwd(), os.path.expanduser("~"))
+    _nothing_pwned(str(tmp_path), os.getcwd(), os.path.expanduser("~"), sshd.home)
 
 
-def test_the_install_and_the_release_are_found(box: Box, tmp_path: Path) -> None:
+def test_the_install_and_the_release_are_found(box: Box, tmp_path: Path, sshd: SshServer) -> None:
     py = _hostile_python(tmp_path)
     wheel = agent_wheel()
     key = install.install_key(wheel, py, ["s3"])
@@ -151,7 +153,7 @@ def test_the_install_and_the_release_are_found(box: Box, tmp_path: Path) -> None
     assert box.audit(py, release_id=RID, deploy="run-1").release == BoxRelease(RID, True, True)
     assert box.audit(py, release_id=RID, deploy="run-2").release == BoxRelease(RID, True, False)
     assert box.audit(py, release_id=RID).release == BoxRelease(RID, True, False)
-    _nothing_pwned(str(tmp_path), os.getcwd(), os.path.expanduser("~"))
+    _nothing_pwned(str(tmp_path), os.getcwd(), os.path.expanduser("~"), sshd.home)
 
 
 def _wrapper(path: Path, body: str) -> str:

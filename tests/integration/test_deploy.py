@@ -662,7 +662,10 @@ def test_a_found_agent_that_does_not_answer_is_installed_again_beside_the_live_r
         assert "its first line: started" in deploy()
         first = Registry(box.ctl_home).get(box.name).agent[0]  # .../agent/<key>/venv/bin/python
         install_dir = os.path.dirname(os.path.dirname(os.path.dirname(first)))
-        before = box.wait_status(lambda s: s["agent"]["alive"] and s["job_alive"], "the run")
+        # RUNNING too: the job can be up while the agent has still to say so (STARTING).
+        before = box.wait_status(
+            lambda s: s["state"] == "RUNNING" and s["agent"]["alive"] and s["job_alive"], "the run"
+        )
         (meta,) = glob.glob(
             os.path.join(
                 install_dir,
@@ -739,6 +742,7 @@ def test_hostile_job_arguments_arrive_byte_for_byte(loop: Box) -> None:
         loop.project,
         loop.ctl_home,
         os.path.expanduser("~"),
+        loop.sshd.home,
     ):
         for marker in PWNED:
             assert not os.path.exists(os.path.join(d, marker)), (d, marker)

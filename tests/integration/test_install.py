@@ -206,7 +206,9 @@ def test_requirements_for_a_box_python_follow_the_markers() -> None:
 # --- venv ----------------------------------------------------------------------------------------
 
 
-def test_install_into_a_venv_and_run_it(remote: SshRemote, venv_install: Installed) -> None:
+def test_install_into_a_venv_and_run_it(
+    remote: SshRemote, venv_install: Installed, sshd: SshServer
+) -> None:
     inst = venv_install.inst
     py = probe_python(remote)
     assert (inst.method, inst.installed, inst.env) == ("venv", True, {})

@@ -353,7 +353,9 @@ def test_an_absolute_link_into_the_project_is_refused(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("method", ["rsync", "tar"])
-def test_hostile_names_arrive_byte_for_byte(box: Box, tmp_path: Path, method: str) -> None:
+def test_hostile_names_arrive_byte_for_byte(
+    box: Box, tmp_path: Path, method: str, sshd: SshServer
+) -> None:
     proj = tmp_path / "proj"
     _hostile_project(proj)
     files = project_files(str(proj))
@@ -370,7 +372,7 @@ def test_hostile_names_arrive_byte_for_byte(box: Box, tmp_path: Path, method: st
     marker = json.loads(Path(res.path, MARKER).read_text())
     assert marker["id"] == res.id and marker["files"] == len(files)
     # nothing was run by a shell: no command substitution happened anywhere
-    for d in (os.path.expanduser("~"), os.getcwd(), str(tmp_path), box.home):
+    for d in (os.path.expanduser("~"), sshd.home, os.getcwd(), str(tmp_path), box.home):
         assert not os.path.exists(os.path.join(d, "pwned"))
         assert not os.path.exists(os.path.join(d, "pwned2"))
     switch_current(box.remote, box.home, "run-1", res.id)

@@ -33,23 +33,27 @@ mark() {
 vpy="$dir/venv/bin/python"
 # The venv gets no pip of its own when the box Python's pip can install into it (pip 22.3 or
 # newer: --python): bootstrapping one (ensurepip unpacks and compiles pip) took most of an
-# install's time. Else the venv's own pip, as `python -m venv` would make it. Neither pip run
+# install's time. Else (that pip too old to know --python, or no pip beside the box Python) the
+# venv's own pip, as `python -m venv` would make it. The box's pip is not asked first whether it
+# can: each pip run with --python starts two Pythons, a second of the install. Neither pip run
 # writes bytecode of its own into the image.
 vpip() {
   if [ "$via" = box ]; then PYTHONDONTWRITEBYTECODE=1 "$py" -m pip --python "$vpy" "$@"
   else "$vpy" -m pip "$@"; fi
 }
+vinstall() { vpip install --no-warn-script-location "$@" "$req" >>"$log" 2>&1; }
 via=""
-if "$py" -m venv --without-pip "$dir/venv" >"$log" 2>&1; then
-  if via=box; vpip --version >>"$log" 2>&1; then :
-  elif via=own; "$vpy" -m ensurepip --upgrade --default-pip >>"$log" 2>&1 &&
-      vpip --version >>"$log" 2>&1; then :
+if "$py" -m venv --without-pip "$dir/venv" >"$log" 2>&1; then via=box; fi
+if [ "$via" = box ] && ! vinstall "$@"; then
+  if ! grep -qs -e "no such option: --python" -e "No module named pip" "$log"; then
+    tail -n 40 "$log" >&2; exit 20
+  fi
+  echo "--- the box's pip cannot install into the venv: the venv's own pip" >>"$log"
+  if via=own; "$vpy" -m ensurepip --upgrade --default-pip >>"$log" 2>&1; then
+    vinstall "$@" || { tail -n 40 "$log" >&2; exit 20; }
   else via=""; fi
 fi
 if [ -n "$via" ]; then
-  if ! vpip install --no-warn-script-location "$@" "$req" >>"$log" 2>&1; then
-    tail -n 40 "$log" >&2; exit 20
-  fi
   # A venv filled by the box's pip still answers `venv/bin/pip install X` (what the agent's
   # remedies ask for an optional extra): a two-line script running that pip into the venv.
   if [ "$via" = box ]; then

@@ -237,7 +237,8 @@ def test_install_into_a_venv_and_run_it(
     assert len(wheels) == 1 and wheels[0].startswith("rgt-")
     # nothing of the image changed; nothing ran a shell on the hostile home
     assert _site_snapshot(remote, py.path) == venv_install.before
-    assert not os.path.exists(os.path.join(os.path.expanduser("~"), "pwned"))
+    for home in (os.path.expanduser("~"), sshd.home):
+        assert not os.path.exists(os.path.join(home, "pwned"))
 
 
 def test_the_agent_ignores_modules_in_its_working_directory(
@@ -288,6 +289,27 @@ def test_a_fake_python_whose_pip_lacks_python_gets_a_venv_with_its_own_pip(
     assert (inst.method, inst.installed, inst.python) == ("venv", True, fake)
     assert inst.argv == [os.path.join(inst.path, "venv/bin/python"), "-I", "-m", "onbox.cli"]
     assert "fake pip 22.0" in Path(inst.path, "install.log").read_text()
+    r = remote.run([inst.argv[0], "-m", "pip", "check"])
+    assert r.rc == 0, r.text + r.err
+    assert _agent(remote, inst, "--version") == f"rgt-agent, version {wheelmod.version()}\n"
+
+
+def test_a_fake_python_without_pip_gets_a_venv_with_its_own_pip(
+    remote: SshRemote, tmp_path: Path
+) -> None:
+    """A box Python with no pip beside it (Debian's python3 without python3-pip): the venv
+    bootstraps its own pip, as ``python -m venv`` does, and the install goes through."""
+    py = _box_python(remote)
+    fake = _fake_python(
+        tmp_path / "python3",
+        'if [ "$1 $2" = "-m pip" ]; then\n'
+        '  echo "$0: No module named pip" >&2; exit 1\n'
+        "fi\n"
+        f'exec {py} "$@"\n',
+    )
+    inst = install_agent(remote, str(tmp_path / HOME_NAME), python=fake)
+    assert (inst.method, inst.installed) == ("venv", True)
+    assert "No module named pip" in Path(inst.path, "install.log").read_text()
     r = remote.run([inst.argv[0], "-m", "pip", "check"])
     assert r.rc == 0, r.text + r.err
     assert _agent(remote, inst, "--version") == f"rgt-agent, version {wheelmod.version()}\n"

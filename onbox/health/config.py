@@ -49,9 +49,10 @@ class GpuConfig:
 
 @dataclasses.dataclass(frozen=True)
 class StallConfig:
-    """The stall budget: ``factor`` x the longest step interval seen after ``warmup`` steps,
-    at least ``floor``; ``startup`` until the first step, ``checkpoint`` and ``eval`` while the
-    job says it is in that phase."""
+    """The stall budget: ``factor`` x the longest step interval seen after ``warmup`` steps
+    (forgetting slow first steps once ``warmup`` alike ones run ``factor`` x faster: see
+    onbox/health/stall.py), at least ``floor``; ``startup`` until the first step,
+    ``checkpoint`` and ``eval`` while the job says it is in that phase."""
 
     action: str = "restart"
     floor: float = 120.0

@@ -5,11 +5,17 @@ thread that keeps printing while the training loop hangs in a collective is a st
 The budget is learned per attempt. Until the first step: ``startup``. The first ``warmup`` step
 changes are the warm-up (compilation, cache filling): still the startup budget, and their
 intervals teach nothing. Then ``max(floor, factor x the longest interval between step changes
-seen since)``, once one was seen (until then, still the startup budget). While progress.json
-says ``"phase": "checkpoint"`` or ``"eval"``, that phase's own budget, counted from when the
-phase was first seen, and the interval around it teaches nothing. A stall also needs the GPU idle
-where one is seen (the GPU probe's ``idle`` sample): a busy or unreadable GPU means the job may
-be computing a long step.
+seen since)``, once one was seen (until then, still the startup budget). A one-off slowness
+can outlast the warm-up's count (a compile or graph capture spread over many steps, dataloader
+workers spinning up, a first epoch filling a cache): once the job runs ``warmup`` alike
+intervals in a row (its speed), what came before is forgotten, and again when a later run is
+more than ``factor`` x faster, so a later hang is judged by the fast steps (``StepTime``). Until
+then the longest interval of all stands. A step slower than ``factor`` x the job's speed that
+comes once it is at speed (an eval or a save every N steps) is never forgotten. While
+progress.json says ``"phase": "checkpoint"`` or ``"eval"``, that phase's own budget, counted
+from when the phase was first seen, and the interval around it teaches nothing. A stall also
+needs the GPU idle where one is seen (the GPU probe's ``idle`` sample): a busy or unreadable GPU
+means the job may be computing a long step.
 
 On a stall, once per attempt, every thread's stack of each Python process of the attempt goes to
 the attempt's stacks file (onbox/health/stacks.py), a ``stall`` event names it with the first
@@ -42,18 +48,56 @@ def _fmt(seconds: float) -> str:
 class _Attempt:
     """What the probe learned of one attempt."""
 
-    def __init__(self, attempt: int, since: float, rx: Optional[re.Pattern[str]]) -> None:
+    def __init__(
+        self,
+        attempt: int,
+        since: float,
+        rx: Optional[re.Pattern[str]],
+        warmup: int,
+        factor: float,
+    ) -> None:
         self.attempt = attempt
         self.since = since  # the last step change (or the start, before the first step)
         self.scanner = LogScanner(rx) if rx is not None else None
         self.step: Optional[int] = None
         self.changes = 0  # step changes after the first step seen
-        self.longest = 0.0  # the longest interval between step changes, after the warm-up
+        self.learned = StepTime(warmup, factor)  # the step interval, after the warm-up
         self.phase: Optional[str] = None
         self.phase_since = since
         self.phase_seen = False  # a phase came between the last two step changes
         self.fired: Optional[Verdict] = None  # the stall verdict, once it fired
         self.rate: Optional[float] = None
+
+
+class StepTime:
+    """The step interval the budget is learned from, after the warm-up: the longest interval
+    since the job found its fastest steady speed. The speed is ``run`` intervals in a row that
+    are alike (the longest at most ``factor`` x the shortest), said by the longest of them. A
+    run more than ``factor`` x faster than the speed so far (a compile spread over many steps,
+    a first epoch filling a cache, done) makes what came before it forgotten. Once the job, at
+    its speed, takes a step slower than ``factor`` x it (an eval or a save every N steps), that
+    step and every later one stay learned for the rest of the attempt: such a step recurs."""
+
+    def __init__(self, run: int, factor: float) -> None:
+        self.run, self.factor = max(1, run), factor
+        self.longest = 0.0
+        self.speed: Optional[float] = None
+        self.recent: List[float] = []  # the last ``run`` intervals
+        self.kept = False  # a slow step came at speed: nothing is forgotten any more
+
+    def add(self, interval: float) -> None:
+        self.longest = max(self.longest, interval)
+        if self.kept:
+            return
+        if self.speed is not None and interval > self.factor * self.speed:
+            self.kept = True
+            return
+        self.recent = (self.recent + [interval])[-self.run :]
+        top = max(self.recent)
+        if len(self.recent) < self.run or top > self.factor * min(self.recent):
+            return  # not steady (yet): the longest of all stands
+        if self.speed is None or self.factor * top < self.speed:
+            self.speed = self.longest = top
 
 
 class StallProbe:
@@ -83,7 +127,7 @@ class StallProbe:
         if a is None or a.attempt != ctx.attempt:
             # A restarted agent adopting a running attempt counts from now, not from its start.
             start = ctx.now if self.cur is None else (ctx.attempt_started or ctx.now)
-            a = self.cur = _Attempt(ctx.attempt, start, self.rx)
+            a = self.cur = _Attempt(ctx.attempt, start, self.rx, self.cfg.warmup, self.cfg.factor)
         self._observe(a, ctx)
         since = ctx.now - a.since
         budget, why = self._budget(a, ctx.now)
@@ -139,7 +183,7 @@ class StallProbe:
             a.changes += 1
             # The warm-up's intervals and one with a checkpoint or eval in it teach nothing.
             if a.changes > self.cfg.warmup and not a.phase_seen:
-                a.longest = max(a.longest, interval)
+                a.learned.add(interval)
             if interval > 0:
                 a.rate = round(abs(step - a.step) / interval, 4)
         a.step, a.since, a.phase_seen = step, ctx.now, a.phase is not None
@@ -156,17 +200,18 @@ class StallProbe:
             return cfg.startup, f"{_fmt(cfg.startup)} until the first step"
         if a.changes < cfg.warmup:
             return cfg.startup, f"{_fmt(cfg.startup)} during the warm-up ({a.changes}/{cfg.warmup})"
-        if a.longest <= 0:
+        longest = a.learned.longest
+        if longest <= 0:
             # Nothing learned yet (the first interval after the warm-up, or one with a phase in
             # it): the floor alone would end a steady job whose steps are longer than it.
             return cfg.startup, f"{_fmt(cfg.startup)} until a step interval is learned"
-        learned = cfg.factor * a.longest
+        learned = cfg.factor * longest
         if learned <= cfg.floor:
             return cfg.floor, (
                 f"{_fmt(cfg.floor)}: the floor, over {cfg.factor:g} x longest interval "
-                f"{_fmt(a.longest)}"
+                f"{_fmt(longest)}"
             )
-        return learned, f"{_fmt(learned)} = {cfg.factor:g} x longest interval {_fmt(a.longest)}"
+        return learned, f"{_fmt(learned)} = {cfg.factor:g} x longest interval {_fmt(longest)}"
 
     # ---- the GPU's word
     @staticmethod

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 from typing import Any, Dict, List
 
@@ -22,17 +23,23 @@ from tests.polling import latest_step, wait
 
 STEPS = fixture("stall_steps.py")
 CCALL = fixture("stall_ccall.py")
+SLOWSTART = fixture("stall_slowstart.py")
 
 
 def _job(
-    cli: Cli, name: str, command: List[str], extra: str, stall: str = 'startup = "60s"'
+    cli: Cli,
+    name: str,
+    command: List[str],
+    extra: str,
+    stall: str = 'startup = "60s"',
+    warmup: int = 3,
 ) -> str:
     path = os.path.join(cli.home, f"{name}.toml")
     with open(path, "w") as f:
         f.write(
             f"command = {json.dumps(command)}\n{extra}"
             "[health]\ninterval = 1\n"
-            f'[health.stall]\nfloor = "3s"\nwarmup = 3\n{stall}\n'
+            f'[health.stall]\nfloor = "3s"\nwarmup = {warmup}\n{stall}\n'
         )
     return path
 
@@ -119,3 +126,34 @@ def test_a_job_stuck_in_c_calls_still_gets_every_threads_stack(cli: Cli, path: s
     assert st["state"] in ("STARTING", "RUNNING") and st["attempt"] == 1, st
     assert not _events(cli, "st2", "exit")
     cli("stop", "st2", "--grace", "1", check=True)
+
+
+def test_slow_first_steps_past_the_warm_up_do_not_set_the_budget_of_a_later_hang(
+    cli: Cli,
+) -> None:
+    """The job's first steps are slow for a one-off reason (6 s each, for more steps than the
+    warm-up counts: a compile, graph capture, workers spinning up), then it steps every 0.1 s,
+    then hangs. The budget the hang is judged by comes from the fast steps (floor 3 s, 2 x the
+    ~1 s the probe sees between ticks), not from 2 x the 6 s slow ones."""
+    slow, slow_steps, fast_steps = 6.0, 4, 40
+    job = _job(
+        cli,
+        "st3",
+        [*SLOWSTART, str(slow), str(slow_steps), str(fast_steps)],
+        "",
+        'startup = "60s"\nfactor = 2\naction = "alert"',
+        warmup=2,
+    )
+    cli("start", job, "--name", "st3", check=True)
+    wait(lambda: _events(cli, "st3", "stall"), timeout=90, what="the stall")
+    (stall,) = _events(cli, "st3", "stall")
+    # Not during the slow steps: after the last fast one.
+    assert stall["step"] == slow_steps + fast_steps, stall
+    reason = stall["reason"]
+    since = float(re.search(r"no step for ([0-9.]+) s", reason).group(1))  # type: ignore[union-attr]
+    budget = float(re.search(r"budget ([0-9.]+) s", reason).group(1))  # type: ignore[union-attr]
+    # The slow steps, seen at 1 s ticks, are at least 5 s apart: learned, they would make the
+    # budget at least 2 x 5 s. The fast ones are a tick apart.
+    assert budget < 2 * (slow - 1), reason
+    assert since < 2 * (slow - 1), reason
+    cli("stop", "st3", "--grace", "1", check=True)

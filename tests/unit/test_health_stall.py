@@ -19,7 +19,7 @@ from onbox.agent.runner import ensure_job_lib
 from onbox.common import jobenv, progress
 from onbox.common.rundir import RunDir
 from onbox.health.config import StallConfig
-from onbox.health.stall import StallProbe
+from onbox.health.stall import StallProbe, StepTime
 from onbox.health.verdict import Context, Reading, Verdict, unavailable, unknown
 from onbox.train import phase
 
@@ -142,6 +142,76 @@ def test_a_steady_job_slower_than_the_floor_is_not_stalled_when_the_warm_up_ends
     assert r.sample["budget"] == pytest.approx(50.0)  # then learned: 5 x 10 s
     # A hang after it is caught at the learned budget.
     assert rig.at(90.0 + 51).verdict.code == "stalled"
+
+
+def _learned(intervals: List[float], run: int = 3, factor: float = 5.0) -> float:
+    st = StepTime(run, factor)
+    for x in intervals:
+        st.add(x)
+    return st.longest
+
+
+@pytest.mark.parametrize(
+    "intervals,longest",
+    [
+        ([2.0, 2.0, 2.0], 2.0),  # steady from the warm-up on
+        ([60.0, 45.0], 60.0),  # no speed found yet: the longest of all stands
+        ([60.0, 45.0, 1.0, 1.0], 60.0),
+        ([60.0, 45.0, 1.0, 1.0, 1.0], 1.0),  # three alike: the slow lead was a one-off
+        ([60.0, 2.0, 50.0, 1.0, 1.5, 1.0], 1.5),  # a quick step amid compiles is no speed
+        ([30.0, 30.0, 30.0, 100.0, 0.5, 0.5, 0.5], 0.5),  # a slow first epoch, then fast
+        ([30.0, 30.0, 30.0, 8.0, 8.0, 8.0], 30.0),  # not 5 x faster: nothing forgotten
+        ([1.0, 1.0, 1.0, 60.0, 1.0, 1.0, 1.0], 60.0),  # at speed, then an eval: kept
+        ([30.0, 30.0, 30.0, 200.0, 0.5, 0.5, 0.5], 200.0),  # slow at speed: kept, then too
+        ([30.0] * 3 + [0.5] * 3 + [60.0] + [0.1] * 3, 60.0),  # the eval after the speed-up
+        ([1.0, 20.0] * 10, 20.0),  # never alike three in a row: the longest of all
+    ],
+)
+def test_the_learned_interval_forgets_only_what_came_before_a_faster_steady_speed(
+    intervals: List[float], longest: float
+) -> None:
+    assert _learned(intervals) == longest
+
+
+def test_with_a_run_of_one_the_first_interval_is_the_speed() -> None:
+    """``warmup = 1`` (or 0): one interval is a run; a slower step after it is kept."""
+    assert _learned([60.0, 1.0, 1.0], run=1) == 1.0
+    assert _learned([1.0, 60.0, 1.0], run=0) == 60.0
+
+
+def test_slow_steps_past_the_warm_up_set_no_budget_once_the_job_is_fast(tmp_path: Any) -> None:
+    """Slowness spread over more steps than the warm-up counts: six 30 s steps (three in the
+    warm-up), then a step every 0.5 s, then a hang. The slow ones are never a stall, and the
+    hang is caught at the floor, not at 5 x 30 s."""
+    rig = Rig(tmp_path, floor=3.0, factor=5.0, warmup=3, startup=60.0)
+    t = rig.steps(0, 6, every=30.0, t0=0.0)
+    r = rig.at(t + 29.0)
+    assert r.verdict.level == "ok" and r.sample["budget"] == pytest.approx(150.0)
+    t = rig.steps(7, 8, every=0.5, t0=t + 30.0)  # fast, not yet three in a row
+    assert rig.at(t + 100.0).sample["budget"] == pytest.approx(150.0)
+    t = rig.steps(9, 12, every=0.5, t0=t + 0.5)
+    assert rig.at(t).sample["budget"] == pytest.approx(3.0)  # the floor, over 5 x 0.5 s
+    r = rig.at(t + 4.0)
+    assert r.verdict.code == "stalled" and "the floor" in r.verdict.reason, r.verdict
+    assert r.sample["step"] == 12
+
+
+def test_a_periodic_slow_step_after_the_speed_up_is_never_a_stall(tmp_path: Any) -> None:
+    """Slow first steps past the warm-up, then fast, then a save every 20 steps that the job
+    does not report as a phase (40 s, GPU idle). The first save comes under the fast steps'
+    budget (the floor here is 60 s) and is learned: every later one is under the budget,
+    however many fast steps come between."""
+    rig = Rig(tmp_path, floor=60.0, factor=5.0, warmup=3, startup=120.0)
+    t = rig.steps(0, 6, every=30.0, t0=0.0)
+    n = 7
+    for save in range(4):
+        t = rig.steps(n, n + 19, every=0.5, t0=t + 0.5)
+        if save == 0:
+            assert rig.at(t).sample["budget"] == pytest.approx(60.0)  # the floor: fast
+        for k in range(1, 40):  # the save: no step for 40 s
+            assert rig.at(t + k).verdict.level == "ok", (save, k)
+        n, t = n + 20, t + 39.5
+    assert rig.at(t + 0.5).sample["budget"] == pytest.approx(200.0)  # 5 x the 40 s save
 
 
 def test_an_earlier_attempts_report_is_no_step(tmp_path: Any) -> None:

@@ -65,7 +65,7 @@ from onbox.common.errors import (
     UsageError,
     WrongStore,
 )
-from onbox.common.terminal import say
+from onbox.common.terminal import labelled_say, say
 from onbox.sealing import manifest as mf
 from onbox.sealing.stores.base import with_retries
 from onbox.sealing.stores.hangbound import StoreHung
@@ -283,7 +283,7 @@ class Driver:
             project=p.project,
         )  # fmt: skip
         try:
-            deploy(req, registry=self.registry, say=lambda m: self.say(f"  [{box.target}] {m}"))
+            deploy(req, registry=self.registry, say=labelled_say(f"  [{box.target}] ", self.say))
         except LockedError as e:  # live on the box already (an older release): follow it
             self.say(f"rgt sweep: {name}: {e.what}; following it")
         with record.update(p.name, self.home) as doc:

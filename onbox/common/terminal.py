@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from typing import Iterator
+from typing import Callable, Iterator
 
 
 def printable(text: str) -> str:
@@ -66,6 +66,15 @@ def labelled(label: str) -> Iterator[None]:
 def label() -> str:
     """This thread's ``labelled`` label ("" outside one)."""
     return str(getattr(_where, "label", ""))
+
+
+def labelled_say(label: str, say: Callable[[str], None]) -> Callable[[str], None]:
+    """``say`` with ``label`` starting each line of what it says (a sweep's deploy: its box),
+    the message as ``printable_error`` renders it: one line by design, so a line after its
+    first is text it carries (a box's reason or stderr in an error) and goes under ``QUOTED``,
+    its control characters '?'. Only the first line had the label: the others read as rgt's
+    own, or as another box's."""
+    return lambda msg: say("\n".join(label + line for line in printable_error(msg).split("\n")))
 
 
 def say(msg: str) -> None:

@@ -14,17 +14,26 @@ and size), then the wheel. It is used only when it is a regular file of this use
 nobody else, whose key matches and whose bytes match their sha256; else (missing, foreign,
 damaged, torn) the wheel is built and the entry replaced atomically (mode 0600). A home that
 cannot be written to only means that the next deploy builds it again.
+
+Built once for deploys at once (``_one_build``): a sweep deploys to its boxes from as many
+threads, and two rgt commands may deploy side by side; on a cold cache each built the same
+wheel, a second or more of CPU apiece. The look at the entry, the build and the write are held
+under a lock of the process's per entry and an flock of ``agent-wheel.lock`` beside it, so the
+deploys after the first wait for its wheel and take the kept one.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
 import stat
 import sys
+import threading
 import zlib
-from typing import List, Optional, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 from controller.deploy import wheel as wheelmod
 from controller.deploy.wheel import AgentWheel
@@ -76,22 +85,55 @@ def _read(path: str, key: str) -> Optional[bytes]:
     return data
 
 
-def kept_agent_wheel(home: str) -> AgentWheel:
+Build = Callable[[str, List[Tuple[str, bytes]]], bytes]
+
+_locks_lock = threading.Lock()
+_locks: Dict[str, threading.Lock] = {}  # per entry path: one build at a time in the process
+
+
+@contextlib.contextmanager
+def _one_build(home: str, path: str) -> Iterator[None]:
+    """Held around the look at the entry at ``path``, its build and its write (module
+    docstring): this process's lock for it, then an flock on ``path``.lock (other processes),
+    blocking as the registry's does (its holder builds for a second or so). A lock file that
+    cannot be made or locked (a home not writable: no entry can be kept either) only lets the
+    builds run side by side, as before."""
+    with _locks_lock:
+        mine = _locks.setdefault(path, threading.Lock())
+    with mine:
+        fd = -1
+        try:
+            os.makedirs(home, mode=0o700, exist_ok=True)
+            fd = os.open(
+                path + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600
+            )
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        try:
+            yield
+        finally:
+            if fd >= 0:
+                os.close(fd)  # (the flock goes with it)
+
+
+def kept_agent_wheel(home: str, build: Build = wheelmod.wheel_bytes) -> AgentWheel:
     """This controller's wheel (``wheel.agent_wheel``'s bytes exactly): the one kept in ``home``
-    when it was built from the same content, else built now and kept."""
+    when it was built from the same content, else built now (``build``) and kept."""
     ver = wheelmod.version()
     contents = wheelmod.package_contents()
     key = content_key(ver, contents)
     path = os.path.join(home, FILE)
-    data = _read(path, key)
-    if data is not None:
-        return AgentWheel(ver, data, hashlib.sha256(data).hexdigest())
-    data = wheelmod.wheel_bytes(ver, contents)
-    sha = hashlib.sha256(data).hexdigest()
-    header = json.dumps({"key": key, "sha256": sha, "size": len(data)}, sort_keys=True)
-    try:
-        os.makedirs(home, mode=0o700, exist_ok=True)
-        write_atomic(path, header.encode() + b"\n" + data, mode=0o600)
-    except OSError:
-        pass  # kept next time, perhaps; this deploy has its wheel
-    return AgentWheel(ver, data, sha)
+    with _one_build(home, path):
+        data = _read(path, key)
+        if data is not None:
+            return AgentWheel(ver, data, hashlib.sha256(data).hexdigest())
+        data = build(ver, contents)
+        sha = hashlib.sha256(data).hexdigest()
+        header = json.dumps({"key": key, "sha256": sha, "size": len(data)}, sort_keys=True)
+        try:
+            os.makedirs(home, mode=0o700, exist_ok=True)
+            write_atomic(path, header.encode() + b"\n" + data, mode=0o600)
+        except OSError:
+            pass  # kept next time, perhaps; this deploy has its wheel
+        return AgentWheel(ver, data, sha)

@@ -7,18 +7,25 @@
   and the run's recorded agent is that install.
 - A kept entry that is damaged (one byte changed) or readable by others is not used: the wheel
   is built again, byte for byte ``agent_wheel``'s, and the entry replaced (0600 again).
+- On a cold cache, two deploys at once (a sweep's boxes, each in its thread; two rgt processes)
+  build the wheel once: the other waits for it and takes the kept one. Builds are counted at the
+  builder's seam (the real builder, counted).
 """
 
 from __future__ import annotations
 
 import glob
 import hashlib
+import json
 import os
 import shutil
+import subprocess
 import sys
+import threading
 from pathlib import Path
+from typing import List, Tuple
 
-from controller.deploy.wheel import agent_wheel
+from controller.deploy.wheel import AgentWheel, agent_wheel, wheel_bytes
 from controller.deploy.wheelcache import FILE, kept_agent_wheel
 from controller.registry import Registry
 from tests.conftest import ROOT, _kill_run_processes
@@ -105,3 +112,76 @@ def test_a_damaged_or_open_kept_wheel_is_built_again(tmp_path: Path) -> None:
     assert kept_agent_wheel(home).sha256 == hashlib.sha256(fresh.data).hexdigest()
     assert os.stat(path).st_mode & 0o777 == 0o600
     assert os.stat(path).st_ino != inode  # written again
+
+
+def test_two_threads_on_a_cold_cache_build_the_wheel_once(tmp_path: Path) -> None:
+    home = str(tmp_path / "ctl")
+    builds: List[int] = []
+
+    def counted(ver: str, contents: List[Tuple[str, bytes]]) -> bytes:
+        builds.append(1)
+        return wheel_bytes(ver, contents)
+
+    together = threading.Barrier(2)
+    got: List[AgentWheel] = []
+
+    def deploy() -> None:
+        together.wait(60)
+        got.append(kept_agent_wheel(home, build=counted))
+
+    threads = [threading.Thread(target=deploy) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(got) == 2 and got[0] == got[1] and got[0].data == agent_wheel().data
+    assert len(builds) == 1, f"built {len(builds)} times"
+
+
+# One rgt process's deploy: ready once imported, then kept_agent_wheel on "go" (so that both
+# look at the cold cache at once), each build of its wheel a line in the builds file.
+PROCESS = r"""
+import hashlib, json, sys
+from controller.deploy import wheel, wheelcache
+home, builds = sys.argv[1:3]
+def counted(ver, contents):
+    with open(builds, "a") as f:
+        f.write("built\n")
+    return wheel.wheel_bytes(ver, contents)
+print("ready", flush=True)
+sys.stdin.readline()
+print(json.dumps(wheelcache.kept_agent_wheel(home, build=counted).sha256), flush=True)
+"""
+
+
+def test_two_processes_on_a_cold_cache_build_the_wheel_once(tmp_path: Path) -> None:
+    home, builds = str(tmp_path / "ctl"), tmp_path / "builds"
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    procs = []
+    try:
+        for _ in range(2):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", PROCESS, home, str(builds)],
+                    cwd=ROOT,
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )  # fmt: skip
+            )
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        for p in procs:
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        shas = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+        assert [p.returncode for p in procs] == [0, 0]
+        assert shas[0] == shas[1] == agent_wheel().sha256
+        assert builds.read_text().count("built") == 1, builds.read_text()
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)

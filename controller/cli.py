@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 import click
 
+from controller import hangup
 from controller.emit.cli import emit
 from controller.smoke.cli import run_smoke, smoke_cmd
 from controller.sweep.cli import reconcile_cmd, sweep_cmd
@@ -411,8 +412,16 @@ cli.add_command(smoke_cmd)  # rgt smoke [JOB.toml] -- CMD (controller/smoke/cli.
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point: run, map errors to exit codes (onbox.common.climain)."""
-    return run_cli(cli, "rgt", argv)
+    """Entry point: run, map errors to exit codes (onbox.common.climain); ended by a Ctrl-C, a
+    hang-up or a SIGTERM, each as a Ctrl-C, with 128 + the first (controller/hangup.py)."""
+    with hangup.handled() as got:
+        try:
+            rc = run_cli(cli, "rgt", argv)
+        except BaseException:
+            if not got:
+                raise
+            rc = 1  # (the terminal gone: the line click writes on a Ctrl-C fails, EIO)
+    return hangup.ended(got[0]) if got else rc
 
 
 if __name__ == "__main__":

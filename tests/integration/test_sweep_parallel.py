@@ -370,3 +370,57 @@ def test_a_second_ctrl_c_stops_the_deploys_children(
         assert s.ended() == 130, s.stderr()
         wait(lambda: all(_gone(k) for k in kids), 60, "the sweep's children to end", 0.2,
              lambda: [k for k in kids if not _gone(k)])  # fmt: skip
+
+
+@pytest.mark.timeout(900)
+def test_a_hangup_lets_the_deploys_in_flight_end_as_a_first_ctrl_c_does(
+    tmp_path: Path, sshd: SshServer, held: Held
+) -> None:
+    """SIGHUP to the sweep (its terminal closed) while the first box's deploy is held: as on a
+    first Ctrl-C, the deploy in flight is let end (a hang-up again, as a terminal may send,
+    does not cut it off), its cell recorded deployed, and the sweep exits 129. Before the fix
+    SIGHUP ended rgt at once: the held deploy's ssh ran on, its cell never recorded."""
+    targets = [ssh_target(held.server), ssh_target(sshd)]
+    with _swept(tmp_path, targets) as s:
+        s.start("--interval", "0.5", group=True)
+        _, cells = _first_held_then(
+            s, held, lambda cells: any(c["state"] == "running" for c in cells.values()),
+            "a cell deployed while the first box's deploy is held",
+        )  # fmt: skip
+        first = next(n for n, c in cells.items() if c["state"] == "pending")
+        assert s.proc is not None
+        s.proc.send_signal(signal.SIGHUP)  # by its PID
+        wait(lambda: SAID_WAITS in s.stderr(), WAIT, "the sweep to say it waits", 0.2, s.stderr)
+        s.proc.send_signal(signal.SIGHUP)
+        kids = _descendants(s.proc.pid)
+        assert s.proc.poll() is None and any(k.name() == "ssh" for k in kids), s.stderr()
+        held.release()
+        assert s.ended() == 129, s.stderr()
+        cells = s.record()
+        assert cells[first]["error"] is None, (cells, s.stderr())
+        assert cells[first]["state"] == "running" and cells[first]["runs"] == [first], cells
+
+
+@pytest.mark.timeout(900)
+def test_a_sigterm_after_a_hangup_stops_the_deploys_children(
+    tmp_path: Path, sshd: SshServer, held: Held
+) -> None:
+    """SIGHUP, then SIGTERM (a second ask, as a second Ctrl-C) while the sweep waits for the
+    held deploy: the sweep exits 129 (its first signal) at once, and no process it started for
+    that deploy is left running (each checked by its PID)."""
+    targets = [ssh_target(held.server), ssh_target(sshd)]
+    with _swept(tmp_path, targets) as s:
+        s.start("--interval", "0.5", group=True)
+        _first_held_then(
+            s, held, lambda cells: any(c["state"] == "running" for c in cells.values()),
+            "a cell deployed while the first box's deploy is held",
+        )  # fmt: skip
+        assert s.proc is not None
+        s.proc.send_signal(signal.SIGHUP)
+        wait(lambda: SAID_WAITS in s.stderr(), WAIT, "the sweep to say it waits", 0.2, s.stderr)
+        kids = _descendants(s.proc.pid)
+        assert any(k.name() == "ssh" for k in kids), (kids, s.stderr())
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.ended() == 129, s.stderr()
+        wait(lambda: all(_gone(k) for k in kids), 60, "the sweep's children to end", 0.2,
+             lambda: [k for k in kids if not _gone(k)])  # fmt: skip

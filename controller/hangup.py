@@ -1,0 +1,88 @@
+"""rgt ended from outside: SIGHUP (the terminal it ran in is gone: nobody sees its lines or can
+answer it) and SIGTERM (`kill PID`, a service manager, `timeout`), each taken as the person's
+Ctrl-C.
+
+rgt's children run in sessions of their own (controller/children.py), so neither signal reaches
+them, and rgt, ended at once by either (their default action), left them running: an ssh
+following a log lived on until its next write to rgt's closed pipes (a quiet job: never). Here
+each raises KeyboardInterrupt in the main thread, as a Ctrl-C does, so every command ends by the
+path it has for one and keeps what it promises there: its children killed by their PIDs
+(children.py ``run``, ``Child.kill``, controller/observe.py ``_follow``), a deploy's half-made
+release dropped (controller/deploy/leftrelease.py), `rgt sweep`'s deploys in flight let end and
+recorded, and a second ask leaving them cut off (controller/sweep/run.py ``drive``).
+
+A hang-up is only ever that first ask: one that comes after another ask (a Ctrl-C, a SIGTERM, a
+hang-up before: a terminal can hang up twice) is noted, not raised. Closing the window says
+nothing more than that nobody is there; the deploys a first Ctrl-C lets end are not cut off by
+it (each ends within its own timeouts). A Ctrl-C or a SIGTERM raises each time, as before.
+
+rgt then exits 128 + the first signal (129, 143; 130 for a Ctrl-C, as before), once
+``children.stop_all`` ended any child still running (``ended``). A signal that was ignored when
+rgt started (`nohup rgt sweep ...`: SIGHUP) stays ignored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any, Iterator, List, Optional
+
+from controller import children
+
+_ASKS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# The defaults replaced: Python's own for SIGINT (KeyboardInterrupt), the kernel's for the others.
+_DEFAULTS: List[Any] = [signal.default_int_handler, signal.SIG_DFL]
+
+_got: List[int] = []  # the signals received while ``handled``, first first
+_live = False
+
+
+def _ask(signum: int, frame: Optional[FrameType]) -> None:
+    first = not _got
+    _got.append(signum)
+    if _live and (first or signum != signal.SIGHUP):
+        raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def handled() -> Iterator[List[int]]:
+    """Within it, SIGINT, SIGTERM and SIGHUP are asks to end (module docstring); it yields the
+    signals received, first first. Outside the main thread (where no handler can be set) and
+    for a signal ignored before, nothing changes. The handlers before are put back at its end."""
+    global _live
+    if threading.current_thread() is not threading.main_thread():
+        yield []
+        return
+    before = {s: signal.getsignal(s) for s in _ASKS}
+    del _got[:]
+    _live = True
+    for s, h in before.items():
+        if any(h is d for d in _DEFAULTS):
+            signal.signal(s, _ask)
+    try:
+        yield _got
+    finally:
+        _live = False
+        for s, h in before.items():
+            signal.signal(s, h)
+
+
+def ended(signum: int) -> int:
+    """The exit code of an rgt ended by ``signum`` (128 + it), once every child still running
+    is stopped and stdout and stderr no longer fail at exit."""
+    children.stop_all()
+    for f in (sys.stdout, sys.stderr):
+        # A terminal that is gone fails the flush at exit (EIO), and Python then exits 120:
+        # what is left to write goes nowhere, as nobody reads it.
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            with contextlib.suppress(OSError, ValueError):
+                fd = os.open(os.devnull, os.O_WRONLY)
+                os.dup2(fd, f.fileno())
+                os.close(fd)
+    return 128 + signum

@@ -1,0 +1,106 @@
+"""`rgt logs N -f` over a real ssh, ended from outside: SIGHUP (its terminal closed) or SIGTERM
+(`kill PID`, a service manager, `timeout`).
+
+rgt's children run in sessions of their own (controller/children.py), out of the terminal's
+reach, so rgt must end them itself. It had no handler for either signal: rgt died at once and
+its ssh lived on, following the box's log into a pipe nobody read, until the job's next line
+made its write fail (a quiet job: never). Now rgt ends as on the person's Ctrl-C, its ssh by its
+PID, and exits 128 + the signal (129, 143). The SIGHUP case writes to a pseudo-terminal whose
+other end is closed first, as a closed terminal window leaves it (writes fail: EIO). The box's
+sshd is this test's own; every process is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import IO, Dict, List, Union
+
+import psutil
+
+from tests.conftest import _kill_run_processes
+from tests.laptop import laptop_env, rgt_exe, run_rgt, ssh_target
+from tests.polling import wait
+from tests.sshd import start_sshd
+
+JOB = "import time\nprint('job started', flush=True)\ntime.sleep(600)\n"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def _follow(env: Dict[str, str], ctl: str, name: str, sig: int, pty: bool) -> None:
+    """`rgt logs NAME -f` until the job's line came, then ``sig`` to rgt by its PID: rgt and
+    its ssh gone, rgt's exit 128 + ``sig``."""
+    seen: List[bytes] = []
+    if pty:
+        master, slave = os.openpty()
+        out: Union[int, IO[bytes]] = slave
+    else:
+        r, w = os.pipe()
+        master, out = r, w
+    follower = subprocess.Popen(
+        [*rgt_exe(), "logs", name, "-f"], env=env, cwd=ctl, stdin=subprocess.DEVNULL,
+        stdout=out, stderr=out, start_new_session=True,  # a shell's job of its own
+    )  # fmt: skip
+    os.close(out if isinstance(out, int) else out.fileno())
+
+    def read() -> None:
+        try:
+            for chunk in iter(lambda: os.read(master, 4096), b""):
+                seen.append(chunk)
+        except OSError:  # (a pty's reading end: EIO once every writer is gone)
+            pass
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    ssh: List[int] = []
+    try:
+        wait(lambda: b"job started" in b"".join(seen) or follower.poll() is not None, 60,
+             "the job's line through rgt logs -f")  # fmt: skip
+        assert follower.poll() is None, b"".join(seen)[-2000:]
+        ssh = [c.pid for c in psutil.Process(follower.pid).children() if c.name() == "ssh"]
+        assert ssh, [c.name() for c in psutil.Process(follower.pid).children()]
+        if pty:
+            os.close(master)  # the terminal window closed: rgt's writes fail from here on
+        os.kill(follower.pid, sig)
+        wait(lambda: follower.poll() is not None, 60, "rgt to end", info=lambda: seen[-3:])
+        wait(lambda: all(_gone(p) for p in ssh), 60, "rgt's ssh to end")
+        assert follower.returncode == 128 + sig, (follower.returncode, b"".join(seen)[-2000:])
+    finally:
+        for pid in [follower.pid, *ssh]:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        follower.wait(10)
+        if not pty:
+            os.close(master)
+        reader.join(10)
+
+
+def test_sighup_and_sigterm_end_logs_follow_and_its_ssh(tmp_path: Path) -> None:
+    ctl, box_home, proj = str(tmp_path / "ctl"), str(tmp_path / "box"), tmp_path / "proj"
+    os.mkdir(ctl)
+    proj.mkdir()
+    (proj / "job.py").write_text(JOB)
+    server = start_sshd(str(tmp_path / "sshd"))
+    env = laptop_env(ctl, box_home)
+    name = f"hangup-{os.getpid()}"
+    argv = ["deploy", ssh_target(server), "--name", name, "--python", sys.executable]
+    try:
+        p = run_rgt([*argv, "--project", str(proj), "--", sys.executable, "job.py"], env, ctl)
+        assert p.returncode == 0, p.stderr
+        _follow(env, ctl, name, signal.SIGHUP, pty=True)
+        _follow(env, ctl, name, signal.SIGTERM, pty=False)
+        p = run_rgt(["status", name], env, ctl, timeout=120)
+        assert p.returncode == 0 and "RUNNING" in p.stdout, p.stdout + p.stderr
+    finally:
+        server.stop()
+        _kill_run_processes(box_home)

@@ -412,16 +412,16 @@ cli.add_command(smoke_cmd)  # rgt smoke [JOB.toml] -- CMD (controller/smoke/cli.
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point: run, map errors to exit codes (onbox.common.climain); ended by a Ctrl-C, a
-    hang-up or a SIGTERM, each as a Ctrl-C, with 128 + the first (controller/hangup.py)."""
+    """Entry point: run, map errors to exit codes (onbox.common.climain); a hang-up or a
+    SIGTERM ends it as a Ctrl-C does, with 128 + the signal (controller/hangup.py)."""
     with hangup.handled() as got:
         try:
             rc = run_cli(cli, "rgt", argv)
         except BaseException:
-            if not got:
+            if hangup.outside(got) is None:
                 raise
             rc = 1  # (the terminal gone: the line click writes on a Ctrl-C fails, EIO)
-    return hangup.ended(got[0]) if got else rc
+    return hangup.ended(got, rc)
 
 
 if __name__ == "__main__":

@@ -16,8 +16,9 @@ hang-up before: a terminal can hang up twice) is noted, not raised. Closing the 
 nothing more than that nobody is there; the deploys a first Ctrl-C lets end are not cut off by
 it (each ends within its own timeouts). A Ctrl-C or a SIGTERM raises each time, as before.
 
-rgt then exits 128 + the first signal (129, 143; 130 for a Ctrl-C, as before), once
-``children.stop_all`` ended any child still running (``ended``). A signal that was ignored when
+rgt then exits 128 + the first of these two signals (129, 143), once ``children.stop_all``
+ended any child still running (``ended``); a Ctrl-C alone leaves the exit code as it was (130,
+or 0 where it only stops a reading: `rgt logs -f`). A signal that was ignored when
 rgt started (`nohup rgt sweep ...`: SIGHUP) stays ignored.
 """
 
@@ -71,9 +72,20 @@ def handled() -> Iterator[List[int]]:
             signal.signal(s, h)
 
 
-def ended(signum: int) -> int:
-    """The exit code of an rgt ended by ``signum`` (128 + it), once every child still running
-    is stopped and stdout and stderr no longer fail at exit."""
+def outside(got: List[int]) -> Optional[int]:
+    """The first SIGHUP or SIGTERM of ``got`` (``handled``'s), None when there is none: a
+    Ctrl-C alone leaves the command's own exit code (130, or 0 where it stops a reading: `rgt
+    logs -f`)."""
+    return next((s for s in got if s != signal.SIGINT), None)
+
+
+def ended(got: List[int], rc: int) -> int:
+    """The exit code of an rgt whose command returned ``rc`` with ``got`` received: 128 + the
+    first signal from outside (``outside``), once every child still running is stopped and
+    stdout and stderr no longer fail at exit; else ``rc``."""
+    signum = outside(got)
+    if signum is None:
+        return rc
     children.stop_all()
     for f in (sys.stdout, sys.stderr):
         # A terminal that is gone fails the flush at exit (EIO), and Python then exits 120:

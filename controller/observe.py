@@ -323,6 +323,9 @@ def _follow(remote: Remote, argv: List[str], out: IO[bytes], label: str) -> Tupl
     except KeyboardInterrupt:
         interrupted = True
         proc.terminate()
+    except BaseException:  # ``out`` gone (`| head` done: EPIPE; a closed terminal: EIO): the
+        proc.kill()  # ssh ends with rgt, not at the log's next line, however late that comes
+        raise
     rc = proc.wait()
     if interrupted:
         # The ssh client, stopped above (the terminal's ^C does not reach it: children.py),

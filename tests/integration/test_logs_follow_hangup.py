@@ -6,8 +6,9 @@ reach, so rgt must end them itself. It had no handler for either signal: rgt die
 its ssh lived on, following the box's log into a pipe nobody read, until the job's next line
 made its write fail (a quiet job: never). Now rgt ends as on the person's Ctrl-C, its ssh by its
 PID, and exits 128 + the signal (129, 143). The SIGHUP case writes to a pseudo-terminal whose
-other end is closed first, as a closed terminal window leaves it (writes fail: EIO). The box's
-sshd is this test's own; every process is stopped by PID.
+other end is closed first, as a closed terminal window leaves it (writes fail: EIO). And a
+reader gone (`| head`): rgt's write fails and rgt ends, its ssh with it (it lived on too). The
+box's sshd is this test's own; every process is stopped by PID.
 """
 
 from __future__ import annotations
@@ -102,5 +103,57 @@ def test_sighup_and_sigterm_end_logs_follow_and_its_ssh(tmp_path: Path) -> None:
         p = run_rgt(["status", name], env, ctl, timeout=120)
         assert p.returncode == 0 and "RUNNING" in p.stdout, p.stdout + p.stderr
     finally:
+        server.stop()
+        _kill_run_processes(box_home)
+
+
+# A job that prints a line, then another once NEXT exists (the path its first argument).
+TWO_LINES = """\
+import os, sys, time
+print('job started', flush=True)
+while not os.path.exists(sys.argv[1]):
+    time.sleep(0.1)
+print('second line', flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_reader_gone_ends_logs_follow_and_its_ssh(tmp_path: Path) -> None:
+    """`rgt logs N -f | head -1`: once head is done, rgt's next write fails (EPIPE) and rgt
+    ends; its ssh went on following the log until the job's next line after that. It is
+    killed with rgt now."""
+    ctl, box_home, proj = str(tmp_path / "ctl"), str(tmp_path / "box"), tmp_path / "proj"
+    os.mkdir(ctl)
+    proj.mkdir()
+    (proj / "job.py").write_text(TWO_LINES)
+    nxt = tmp_path / "next"
+    server = start_sshd(str(tmp_path / "sshd"))
+    env = laptop_env(ctl, box_home)
+    name = f"reader-{os.getpid()}"
+    argv = ["deploy", ssh_target(server), "--name", name, "--python", sys.executable]
+    follower = None
+    ssh: List[int] = []
+    try:
+        p = run_rgt([*argv, "--project", str(proj), "--", sys.executable, "job.py", str(nxt)],
+                    env, ctl)  # fmt: skip
+        assert p.returncode == 0, p.stderr
+        follower = subprocess.Popen(
+            [*rgt_exe(), "logs", name, "-f"], env=env, cwd=ctl, stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
+        )  # fmt: skip
+        assert follower.stdout is not None
+        assert follower.stdout.readline() == b"job started\n"
+        ssh = [c.pid for c in psutil.Process(follower.pid).children() if c.name() == "ssh"]
+        assert ssh, [c.name() for c in psutil.Process(follower.pid).children()]
+        follower.stdout.close()  # head is done
+        nxt.touch()
+        wait(lambda: follower.poll() is not None, 60, "rgt to end")
+        wait(lambda: all(_gone(p) for p in ssh), 60, "rgt's ssh to end")
+    finally:
+        for pid in ([follower.pid] if follower else []) + ssh:
+            if not _gone(pid):
+                os.kill(pid, signal.SIGKILL)
+        if follower is not None:
+            follower.wait(10)
         server.stop()
         _kill_run_processes(box_home)

@@ -42,31 +42,44 @@ pytest_plugins = ["tests.cpuacct"] if os.environ.get("RGT_TEST_CPU") else []
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-# The longest test files, longest first (from the suite's --durations on this machine). With
-# pytest-xdist's --dist loadfile each file runs whole on one worker, handed out in collection
-# order: started first, the long files run beside the many short ones instead of after them.
+# The longest test files, longest first (from a run of the suite on this machine: its junit times
+# summed per file). With pytest-xdist's --dist loadfile each file runs whole on one worker,
+# handed out in collection order: started first, the long files run beside the many short ones
+# instead of after them.
 LONGEST_FIRST = (
+    # One unit (ONE_WORKER below): the Slurm files, about 7 minutes together.
     "integration/test_slurm_requeue.py",
     "integration/test_slurm_deploy.py",
-    "integration/test_sweep.py",
-    "integration/test_deploy.py",
     "integration/test_exact_frameworks.py",
-    "integration/test_goodput_short.py",
-    "integration/test_smoke.py",
-    "integration/test_install.py",
-    "integration/test_agent_lifecycle.py",
-    "integration/test_meter_stop.py",
-    "integration/test_exact_plain.py",
-    "integration/test_sealing.py",
-    "integration/test_health_stall.py",
-    "integration/test_sealing_s3.py",
-    "integration/test_restore_fallback.py",
     "chaos/test_two_writers.py",
-    "integration/test_report.py",
-    "integration/test_rank_verify.py",
-    "integration/test_preempted_logs.py",
-    "integration/test_upload_stall.py",
+    "integration/test_smoke.py",
     "integration/test_left_release.py",
+    "integration/test_deploy.py",
+    "integration/test_meter_stop.py",
+    "integration/test_deploy_again.py",
+    "integration/test_sweep.py",
+    "integration/test_install.py",
+    "integration/test_distributed_exits.py",
+    "integration/test_refused_secrets.py",
+    "integration/test_goodput_short.py",
+    "integration/test_agent_lifecycle.py",
+    "integration/test_restore_fallback.py",
+    "integration/test_rank_verify.py",
+    "integration/test_pull.py",
+    "integration/test_preempted_logs.py",
+    "integration/test_hostile_box.py",
+    "integration/test_down.py",
+    "integration/test_walk.py",
+    "integration/test_sealing.py",
+    "integration/test_train_faults.py",
+    "integration/test_sweep_parallel.py",
+    "integration/test_sweep_unread.py",
+    "integration/test_pulled_results.py",
+    "integration/test_upload_stall.py",
+    "integration/test_ckpt_dir_links.py",
+    "integration/test_sealing_s3.py",
+    "integration/test_release_holds.py",
+    "integration/test_letgo_hung_store.py",
 )
 
 

@@ -104,8 +104,8 @@ class Ledger:
     # ---- what the store holds
     def load(self) -> None:
         """Read the sealed manifests and LATEST from the store; promote a verified MANIFEST
-        newer than LATEST (an agent that died between the two), and claim LATEST for this
-        epoch (see the module docstring)."""
+        newer than LATEST, or the newest verified one where there is no LATEST yet (an agent
+        that died between the two), and claim LATEST for this epoch (see the module docstring)."""
         self.manifests, self.others = {}, {}
         self.quarantined = self.quarantined_steps()
         latest = self.read_latest()
@@ -116,7 +116,10 @@ class Ledger:
         for step, doc in found.items():
             if step in self.quarantined:
                 self.others[step] = doc  # not sealed: the step may be sealed again
-            elif at is None or step <= at:
+            # With no LATEST yet, every MANIFEST is above it: the first seal's writer may have
+            # died between the two. Taken as sealed unpromoted, its step was never sealed
+            # again nor LATEST written (a sync said "LATEST is step none" and exited 0).
+            elif at is not None and step <= at:
                 self.manifests[step] = doc
             else:
                 newer.append(step)

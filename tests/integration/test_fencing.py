@@ -420,6 +420,43 @@ def test_a_newer_manifest_is_promoted_only_when_its_files_are_there(
     assert _doc(store, mf.latest_key(RUN))["step"] == 30  # type: ignore[index]
 
 
+@pytest.mark.parametrize("whole", [True, False])
+def test_the_first_manifest_with_no_latest_yet_is_promoted_only_when_its_files_are_there(
+    url: str, tmp_path: Path, whole: bool
+) -> None:
+    """An agent that died between the run's first MANIFEST and its first LATEST: there is no
+    LATEST at all. The next start promotes that MANIFEST when its files are all there; when one
+    is missing it does not, and the step is sealed again. It used to count as sealed either
+    way, with no LATEST until the next step (`rgt-agent sync`: "LATEST is step none", exit 0)."""
+    store = open_store(url)
+    a_ckpt = str(tmp_path / "a")
+    a = _sealer(store, tmp_path, "a", a_ckpt, Events())
+    a.load()
+    _write(a_ckpt, "step_10.pt", b"step 10" * 100)
+    a.ledger.advance_latest = lambda step, epoch=None: False  # type: ignore[method-assign]
+    assert a.seal_pending() == 1  # the MANIFEST, no LATEST: as if killed in between
+    assert _doc(store, mf.latest_key(RUN)) is None
+    man = _doc(store, mf.manifest_key(RUN, 10))
+    assert man is not None
+    if not whole:
+        store.delete(man["files"][0]["key"])
+
+    events = Events()
+    b_ckpt = str(tmp_path / "b")
+    _write(b_ckpt, "step_10.pt", b"step 10" * 100)
+    b = _sealer(store, tmp_path, "b", b_ckpt, events)
+    b.load()
+    latest = _doc(store, mf.latest_key(RUN))
+    if whole:
+        assert b.latest == 10 and b.seal_pending() == 0
+        assert latest is not None and (latest["step"], latest["epoch"]) == (10, a.epoch)
+        return
+    assert b.latest is None and latest is None and "manifest_not_promoted" in events.kinds()
+    assert b.seal_pending() == 1  # sealed again, in b's epoch
+    latest = _doc(store, mf.latest_key(RUN))
+    assert latest is not None and (latest["step"], latest["epoch"]) == (10, b.epoch)
+
+
 def test_after_a_fallback_from_a_quarantined_checkpoint_the_run_moves_on(
     url: str, tmp_path: Path
 ) -> None:

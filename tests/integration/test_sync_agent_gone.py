@@ -15,8 +15,10 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any
+from typing import Any, Tuple
 
+from onbox.agent import procfs
+from onbox.common.faults import STOP_AFTER_EVENT
 from tests.conftest import Cli, agent_exe
 from tests.polling import wait
 
@@ -33,7 +35,8 @@ time.sleep(120)  # bounded: the test kills it by PID long before
 """
 
 
-def test_sync_seals_from_itself_when_the_agent_it_asked_dies(cli: Cli, tmp_path: Any) -> None:
+def _job(tmp_path: Any) -> Tuple[str, str]:
+    """The job's spec (its store under ``tmp_path``): (job.toml's path, the store's root)."""
     root = str(tmp_path / "durable")
     os.makedirs(root)
     work = str(tmp_path / "box")
@@ -50,15 +53,17 @@ def test_sync_seals_from_itself_when_the_agent_it_asked_dies(cli: Cli, tmp_path:
             # is sealed below is the sync's doing.
             f'[checkpoint]\ndir = {json.dumps(ckpt)}\nscan = "1h"\n'
         )
-    cli.env["RGT_AGENT_RESPAWN_DELAY"] = "1000"  # the shim does not bring the agent back
-    cli("start", os.path.join(work, "job.toml"), check=True, cwd=work)
-    st = cli.wait_state("gone", "RUNNING", "STARTING")
-    cli.wait_output("gone", "wrote step_1.pt")
-    agent = st["agent"]["pid"]
+    return os.path.join(work, "job.toml"), root
+
+
+def _sync_while_the_agent_dies(cli: Cli, agent: int, shim: int) -> Tuple[int, str, str]:
+    """Stop the agent, start `rgt-agent sync`, kill the agent once asked: sync's (code, out,
+    err). The shim is killed too (it would bring no agent back: RGT_AGENT_RESPAWN_DELAY)."""
     os.kill(agent, signal.SIGSTOP)  # holds the run's lock and answers nothing
+    env = {k: v for k, v in cli.env.items() if k != STOP_AFTER_EVENT}
     sync = subprocess.Popen(
         [*agent_exe(), "sync", "gone", "--timeout", "30s"],
-        env=cli.env,
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -72,8 +77,46 @@ def test_sync_seals_from_itself_when_the_agent_it_asked_dies(cli: Cli, tmp_path:
         if sync.poll() is None:
             sync.kill()
             sync.wait()
-        os.kill(st["pid"], signal.SIGKILL)
-    assert sync.returncode == 0, (sync.returncode, out, err)
+        os.kill(shim, signal.SIGKILL)
+    return sync.returncode, out, err
+
+
+def _assert_sealed_step_1(root: str, code: int, out: str, err: str) -> None:
+    assert code == 0, (code, out, err)
     assert "LATEST is step 1" in out, (out, err)
     with open(os.path.join(root, "gone", "LATEST.json")) as f:
         assert json.load(f)["step"] == 1
+
+
+def test_sync_seals_from_itself_when_the_agent_it_asked_dies(cli: Cli, tmp_path: Any) -> None:
+    spec, root = _job(tmp_path)
+    cli.env["RGT_AGENT_RESPAWN_DELAY"] = "1000"  # the shim does not bring the agent back
+    cli("start", spec, check=True, cwd=os.path.dirname(spec))
+    st = cli.wait_state("gone", "RUNNING", "STARTING")
+    cli.wait_output("gone", "wrote step_1.pt")
+    _assert_sealed_step_1(root, *_sync_while_the_agent_dies(cli, st["agent"]["pid"], st["pid"]))
+
+
+def test_sync_finishes_a_seal_the_dead_agent_left_between_manifest_and_latest(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """The agent, woken by the job's close, wrote step 1's MANIFEST and is stopped before it
+    moved LATEST (its first: there is none yet), then killed while sync waits on it. Sync
+    must promote that verified MANIFEST: it used to count step 1 as sealed and exit 0 with
+    "LATEST is step none" (seen once under load, where the SIGSTOP landed right there)."""
+    spec, root = _job(tmp_path)
+    # The `sealed` event is written between the MANIFEST and LATEST: the agent stops there.
+    cli.env.update({"RGT_AGENT_RESPAWN_DELAY": "1000", STOP_AFTER_EVENT: "sealed"})
+    cli("start", spec, check=True, cwd=os.path.dirname(spec))
+    st = cli.wait_state("gone", "RUNNING", "STARTING")
+    agent = st["agent"]["pid"]
+    wait(lambda: _stopped(agent), 60, "the agent to stop after step 1's MANIFEST")
+    assert [e["kind"] for e in cli.events("gone")][-1] == "sealed"
+    assert os.path.exists(os.path.join(root, "gone", "checkpoints", "1", "MANIFEST.json"))
+    assert not os.path.exists(os.path.join(root, "gone", "LATEST.json"))
+    _assert_sealed_step_1(root, *_sync_while_the_agent_dies(cli, agent, st["pid"]))
+
+
+def _stopped(pid: int) -> bool:
+    st = procfs.read_stat(pid)
+    return st is not None and st.state in ("T", "t")

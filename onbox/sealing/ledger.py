@@ -21,8 +21,9 @@ is kept from doing harm this way:
 - a new agent claims LATEST when it loads (rewrites it with its own epoch as ``writer``), so
   from then on an older agent's conditional LATEST write fails even where the newer one has not
   sealed anything yet; a MANIFEST above LATEST whose epoch is older than LATEST's writer (an old
-  agent's, written late) is never promoted; one that is newer is promoted only when every file
-  it lists is in the store with its size (and sha256, where the store keeps one);
+  agent's, written late) is never promoted; one that is newer (with no LATEST yet, any) is
+  promoted only when every file it lists is in the store with its size (and sha256, where the
+  store keeps one);
 - the first time an agent finds a newer epoch it says so once (``stale_epoch``, class
   permanent, naming both epochs) and never writes an object, a MANIFEST or LATEST again, nor
   prunes.

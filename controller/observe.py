@@ -46,8 +46,14 @@ def _sections(text: str) -> Dict[str, List[str]]:
 
 
 def snapshot(rec: RunRecord, remote: Optional[Remote] = None) -> Dict[str, Any]:
-    """The run as the box sees it now; raises RemoteUnreachable when the box does not answer."""
-    remote = remote or open_remote(rec.target)
+    """The run as the box sees it now; raises RemoteUnreachable when the box does not answer.
+    A remote it opens itself (none given) it closes."""
+    if remote is None:
+        own = open_remote(rec.target)
+        try:  # its ssh master does not stay on for a minute after rgt (ControlPersist)
+            return snapshot(rec, own)
+        finally:
+            own.close()
     res = remote.sh(
         SNAPSHOT,
         boxrun.look_dir(rec).path,
@@ -287,6 +293,15 @@ def agent_logs(rec: RunRecord, follow: bool, out: IO[bytes], made: Optional[str]
     exists there (in the same round trip): False when it does not, and nothing was run. The
     agent's error is rgt's: NotFound (exit 8) when it knows no such run, as ``rgt status``."""
     remote = open_remote(rec.target)
+    try:  # closed: its ssh master does not stay on for a minute after rgt (ControlPersist)
+        return _agent_logs(rec, remote, follow, out, made)
+    finally:
+        remote.close()
+
+
+def _agent_logs(
+    rec: RunRecord, remote: Remote, follow: bool, out: IO[bytes], made: Optional[str]
+) -> bool:
     argv = rec.agent_argv("logs", rec.name, *(["-f"] if follow else []))
     if made is not None:
         argv = ["sh", "-c", _IF_MADE, "rgt", made, *argv]
@@ -343,12 +358,15 @@ def stop(rec: RunRecord, grace: Optional[str]) -> int:
 
         return runs.stop(rec, grace)
     remote = open_remote(rec.target)
-    res = remote.run(
-        rec.agent_argv("stop", rec.name, *(["--grace", grace] if grace else [])),
-        timeout=900,
-        limit=STOP_OUTPUT,
-        over="tail",  # the stop goes on to its end whatever it prints
-    )
+    try:
+        res = remote.run(
+            rec.agent_argv("stop", rec.name, *(["--grace", grace] if grace else [])),
+            timeout=900,
+            limit=STOP_OUTPUT,
+            over="tail",  # the stop goes on to its end whatever it prints
+        )
+    finally:
+        remote.close()  # its ssh master does not stay on for a minute after rgt
     sys.stdout.write(printable_lines(res.text))  # the box's agent's words
     sys.stderr.write(printable_lines(res.err))
     return res.rc

@@ -73,16 +73,24 @@ def labelled_say(label: str, say: Callable[[str], None]) -> Callable[[str], None
     the message as ``printable_error`` renders it: one line by design, so a line after its
     first is text it carries (a box's reason or stderr in an error) and goes under ``QUOTED``,
     its control characters '?'. Only the first line had the label: the others read as rgt's
-    own, or as another box's."""
-    return lambda msg: say("\n".join(label + line for line in printable_error(msg).split("\n")))
+    own, or as another box's. Each line is said on its own, a line ``say`` shows as it is
+    (``say`` renders too: one rendering, never two)."""
+
+    def said(msg: str) -> None:
+        for line in printable_error(msg).split("\n"):
+            say(label + line)
+
+    return said
 
 
 def say(msg: str) -> None:
-    """A progress line of a command that changes a box (a deploy, a sweep) on stderr. One that
-    cannot be written (``rgt deploy ... | head`` once head is done: EPIPE; a closed stderr) is
-    dropped: the command goes on to a whole end (its job started, or its release dropped)
-    rather than stop between two of its steps on a write."""
+    """A progress line of a command that changes a box (a deploy, a sweep) on stderr, as
+    ``printable_error`` renders it: a message may carry the box's text (a reason, a record that
+    could not be read, the job's first line), which must not drive the terminal or pass for a
+    line of rgt's own. One that cannot be written (``rgt deploy ... | head`` once head is done:
+    EPIPE; a closed stderr) is dropped: the command goes on to a whole end (its job started, or
+    its release dropped) rather than stop between two of its steps on a write."""
     try:
-        write_line(msg)
+        write_line(printable_error(msg))
     except (OSError, ValueError):
         pass

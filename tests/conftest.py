@@ -26,6 +26,7 @@ import pytest
 
 from onbox.agent import observe, procfs
 from onbox.common.rundir import RunDir
+from tests.sshd import ssh_naming
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = os.path.join(ROOT, "tests", "fixtures")
@@ -381,16 +382,9 @@ def drop_control_dir(home: str) -> None:
             )
         except (OSError, subprocess.TimeoutExpired):
             pass
-    key = d.encode()
-    for pid in procfs.pids():
+    for pid in ssh_naming(d):
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if os.path.basename(argv[0]) == b"ssh" and any(key in a for a in argv):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     shutil.rmtree(d, ignore_errors=True)

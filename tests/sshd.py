@@ -49,6 +49,23 @@ SFTP_SERVER = "/usr/lib/openssh/sftp-server"
 PRIVSEP_DIR = "/run/sshd"  # sshd refuses to start without its privilege separation directory
 
 
+def ssh_naming(d: str) -> List[int]:
+    """The ssh client processes whose command line names ``d`` (a control directory or socket):
+    found by their name (comm), as a master rewrites its command line (``ssh: SOCKET [mux]``)."""
+    out = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/comm") as f:
+                name = f.read().strip()
+            with open(f"/proc/{pid}/cmdline", "rb") as g:
+                cmdline = g.read()
+        except OSError:
+            continue
+        if name == "ssh" and d.encode() in cmdline:
+            out.append(int(pid))
+    return out
+
+
 def missing() -> Optional[str]:
     """What this machine lacks to run a test sshd, or None when nothing is missing."""
     if not os.access(SSHD, os.X_OK):

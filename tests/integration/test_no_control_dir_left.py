@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import ROOT, drop_control_dir
-from tests.sshd import SshServer
+from tests.sshd import SshServer, ssh_naming
 
 INNER = """
 from controller.remote import SshRemote
@@ -34,22 +34,6 @@ def test_a_master_left_open(tmp_path):
     with open({record!r}, "w") as f:
         f.write(str(home))
 """
-
-
-def _ssh_naming(d: str) -> list[int]:
-    """The ssh processes whose command line names ``d``."""
-    out = []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-        except OSError:
-            continue
-        if os.path.basename(argv[0]) == b"ssh" and any(d.encode() in a for a in argv):
-            out.append(int(pid))
-    return out
 
 
 def test_a_test_home_whose_master_was_left_open_leaves_nothing_in_tmp(
@@ -75,7 +59,7 @@ def test_a_test_home_whose_master_was_left_open_leaves_nothing_in_tmp(
         d = Path(home, "cm-dir").read_text().strip()
         assert d.startswith(f"/tmp/rgt-cm-{os.getuid()}-"), d
         assert not os.path.lexists(d), f"{d} left behind: {os.listdir(d)}"
-        assert _ssh_naming(d) == []  # its master stopped
+        assert ssh_naming(d) == []  # its master stopped
     finally:
         if home:
             drop_control_dir(home)

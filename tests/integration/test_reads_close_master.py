@@ -17,7 +17,7 @@ from typing import List
 from tests.conftest import _kill_run_processes
 from tests.laptop import laptop_env, run_rgt, ssh_target
 from tests.polling import wait
-from tests.sshd import start_sshd
+from tests.sshd import ssh_naming, start_sshd
 
 JOB = "import time\nprint('job started', flush=True)\ntime.sleep(600)\n"
 
@@ -31,30 +31,13 @@ def _control_dir(ctl: str) -> str:
     return os.path.join(ctl, "cm")
 
 
-def _ssh_naming(d: str) -> List[int]:
-    """The ssh processes whose command line names ``d``: by their name (comm), as a master
-    rewrites its command line (``ssh: SOCKET [mux]``)."""
-    out = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/comm") as f:
-                name = f.read().strip()
-            with open(f"/proc/{pid}/cmdline", "rb") as g:
-                cmdline = g.read()
-        except OSError:
-            continue
-        if name == "ssh" and d.encode() in cmdline:
-            out.append(int(pid))
-    return out
-
-
 def _left(ctl: str) -> List[int]:
     """The ssh processes still using rgt's control directory: a master left, killed by PID."""
-    pids = _ssh_naming(_control_dir(ctl))
+    pids = ssh_naming(_control_dir(ctl))
     try:
-        wait(lambda: not _ssh_naming(_control_dir(ctl)), 20, "the ssh master to stop")
+        wait(lambda: not ssh_naming(_control_dir(ctl)), 20, "the ssh master to stop")
     except AssertionError:
-        for pid in _ssh_naming(_control_dir(ctl)):
+        for pid in ssh_naming(_control_dir(ctl)):
             os.kill(pid, signal.SIGKILL)
         return pids
     return []
@@ -80,7 +63,7 @@ def test_logs_status_and_stop_stop_their_ssh_master(tmp_path: Path) -> None:
             left[cmd[0]] = _left(ctl)
         assert left == {"logs": [], "status": [], "stop": []}
     finally:
-        for pid in _ssh_naming(_control_dir(ctl)):
+        for pid in ssh_naming(_control_dir(ctl)):
             os.kill(pid, signal.SIGKILL)
         server.stop()
         _kill_run_processes(box_home)

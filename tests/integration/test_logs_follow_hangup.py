@@ -16,17 +16,14 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
-from typing import IO, Dict, List, Union
+from typing import IO, Dict, List, Optional, Union
 
 import psutil
 
-from tests.conftest import _kill_run_processes
-from tests.laptop import laptop_env, rgt_exe, run_rgt, ssh_target
+from tests.laptop import job_box, rgt_exe, run_rgt
 from tests.polling import wait
-from tests.sshd import start_sshd
 
 JOB = "import time\nprint('job started', flush=True)\ntime.sleep(600)\n"
 
@@ -87,24 +84,12 @@ def _follow(env: Dict[str, str], ctl: str, name: str, sig: int, pty: bool) -> No
 
 
 def test_sighup_and_sigterm_end_logs_follow_and_its_ssh(tmp_path: Path) -> None:
-    ctl, box_home, proj = str(tmp_path / "ctl"), str(tmp_path / "box"), tmp_path / "proj"
-    os.mkdir(ctl)
-    proj.mkdir()
-    (proj / "job.py").write_text(JOB)
-    server = start_sshd(str(tmp_path / "sshd"))
-    env = laptop_env(ctl, box_home)
     name = f"hangup-{os.getpid()}"
-    argv = ["deploy", ssh_target(server), "--name", name, "--python", sys.executable]
-    try:
-        p = run_rgt([*argv, "--project", str(proj), "--", sys.executable, "job.py"], env, ctl)
-        assert p.returncode == 0, p.stderr
-        _follow(env, ctl, name, signal.SIGHUP, pty=True)
-        _follow(env, ctl, name, signal.SIGTERM, pty=False)
-        p = run_rgt(["status", name], env, ctl, timeout=120)
+    with job_box(tmp_path, JOB, name) as box:
+        _follow(box.env, box.ctl, name, signal.SIGHUP, pty=True)
+        _follow(box.env, box.ctl, name, signal.SIGTERM, pty=False)
+        p = run_rgt(["status", name], box.env, box.ctl, timeout=120)
         assert p.returncode == 0 and "RUNNING" in p.stdout, p.stdout + p.stderr
-    finally:
-        server.stop()
-        _kill_run_processes(box_home)
 
 
 # A job that prints a line, then another once NEXT exists (the path its first argument).
@@ -122,38 +107,37 @@ def test_a_reader_gone_ends_logs_follow_and_its_ssh(tmp_path: Path) -> None:
     """`rgt logs N -f | head -1`: once head is done, rgt's next write fails (EPIPE) and rgt
     ends; its ssh went on following the log until the job's next line after that. It is
     killed with rgt now."""
-    ctl, box_home, proj = str(tmp_path / "ctl"), str(tmp_path / "box"), tmp_path / "proj"
-    os.mkdir(ctl)
-    proj.mkdir()
-    (proj / "job.py").write_text(TWO_LINES)
     nxt = tmp_path / "next"
-    server = start_sshd(str(tmp_path / "sshd"))
-    env = laptop_env(ctl, box_home)
     name = f"reader-{os.getpid()}"
-    argv = ["deploy", ssh_target(server), "--name", name, "--python", sys.executable]
     follower = None
     ssh: List[int] = []
-    try:
-        p = run_rgt([*argv, "--project", str(proj), "--", sys.executable, "job.py", str(nxt)],
-                    env, ctl)  # fmt: skip
-        assert p.returncode == 0, p.stderr
-        follower = subprocess.Popen(
-            [*rgt_exe(), "logs", name, "-f"], env=env, cwd=ctl, stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, start_new_session=True,
-        )  # fmt: skip
-        assert follower.stdout is not None
-        assert follower.stdout.readline() == b"job started\n"
-        ssh = [c.pid for c in psutil.Process(follower.pid).children() if c.name() == "ssh"]
-        assert ssh, [c.name() for c in psutil.Process(follower.pid).children()]
-        follower.stdout.close()  # head is done
-        nxt.touch()
-        wait(lambda: follower.poll() is not None, 60, "rgt to end")
-        wait(lambda: all(_gone(p) for p in ssh), 60, "rgt's ssh to end")
-    finally:
-        for pid in ([follower.pid] if follower else []) + ssh:
-            if not _gone(pid):
-                os.kill(pid, signal.SIGKILL)
-        if follower is not None:
-            follower.wait(10)
-        server.stop()
-        _kill_run_processes(box_home)
+    with job_box(tmp_path, TWO_LINES, name, str(nxt)) as box:
+        try:
+            follower = subprocess.Popen(
+                [*rgt_exe(), "logs", name, "-f"],
+                env=box.env,
+                cwd=box.ctl,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+            assert follower.stdout is not None
+            assert follower.stdout.readline() == b"job started\n"
+            ssh = [c.pid for c in psutil.Process(follower.pid).children() if c.name() == "ssh"]
+            assert ssh, [c.name() for c in psutil.Process(follower.pid).children()]
+            follower.stdout.close()  # head is done
+            nxt.touch()
+            wait(lambda: follower.poll() is not None, 60, "rgt to end")
+            wait(lambda: all(_gone(p) for p in ssh), 60, "rgt's ssh to end")
+        finally:
+            _end(([follower.pid] if follower else []) + ssh, follower)
+
+
+def _end(pids: List[int], follower: Optional[subprocess.Popen[bytes]]) -> None:
+    """Kill by PID what of rgt and its ssh is left, and reap rgt."""
+    for pid in pids:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    if follower is not None:
+        follower.wait(10)

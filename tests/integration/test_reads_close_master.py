@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 from pathlib import Path
 from typing import List
 
-from tests.conftest import _kill_run_processes
-from tests.laptop import laptop_env, run_rgt, ssh_target
+from tests.laptop import job_box, run_rgt
 from tests.polling import wait
-from tests.sshd import ssh_naming, start_sshd
+from tests.sshd import ssh_naming
 
 JOB = "import time\nprint('job started', flush=True)\ntime.sleep(600)\n"
 
@@ -44,26 +42,16 @@ def _left(ctl: str) -> List[int]:
 
 
 def test_logs_status_and_stop_stop_their_ssh_master(tmp_path: Path) -> None:
-    ctl, box_home, proj = str(tmp_path / "ctl"), str(tmp_path / "box"), tmp_path / "proj"
-    os.mkdir(ctl)
-    proj.mkdir()
-    (proj / "job.py").write_text(JOB)
-    server = start_sshd(str(tmp_path / "sshd"))
-    env = laptop_env(ctl, box_home)
     name = f"master-{os.getpid()}"
-    argv = ["deploy", ssh_target(server), "--name", name, "--python", sys.executable]
-    try:
-        p = run_rgt([*argv, "--project", str(proj), "--", sys.executable, "job.py"], env, ctl)
-        assert p.returncode == 0, p.stderr
-        assert _left(ctl) == [], "rgt deploy left its master"
-        left = {}
-        for cmd in (["logs", name], ["status", name], ["stop", name]):
-            p = run_rgt(cmd, env, ctl, timeout=120)
-            assert p.returncode == 0, (cmd, p.stdout, p.stderr)
-            left[cmd[0]] = _left(ctl)
-        assert left == {"logs": [], "status": [], "stop": []}
-    finally:
-        for pid in ssh_naming(_control_dir(ctl)):
-            os.kill(pid, signal.SIGKILL)
-        server.stop()
-        _kill_run_processes(box_home)
+    with job_box(tmp_path, JOB, name) as box:
+        try:
+            assert _left(box.ctl) == [], "rgt deploy left its master"
+            left = {}
+            for cmd in (["logs", name], ["status", name], ["stop", name]):
+                p = run_rgt(cmd, box.env, box.ctl, timeout=120)
+                assert p.returncode == 0, (cmd, p.stdout, p.stderr)
+                left[cmd[0]] = _left(box.ctl)
+            assert left == {"logs": [], "status": [], "stop": []}
+        finally:
+            for pid in ssh_naming(_control_dir(box.ctl)):
+                os.kill(pid, signal.SIGKILL)

@@ -396,15 +396,14 @@ def check_request(req: SmokeRequest) -> None:
 def smoke(req: SmokeRequest, emit: Callable[[str], None]) -> None:
     """Walk the checks for ``req``, printing a line each; SmokeFailed at the first failure.
     Every process started is stopped by PID before it returns or raises (also on Ctrl-C and
-    SIGTERM, which controller/hangup.py, set up by `rgt`'s ``main``, raises as a Ctrl-C and
-    records for the exit code), and the temporary directory is deleted unless ``--keep DIR``
-    named it."""
+    SIGTERM), and the temporary directory is deleted unless ``--keep DIR`` named it."""
     check_request(req)
     if req.keep:
         os.makedirs(req.keep, mode=0o700, exist_ok=True)
         root = os.path.abspath(req.keep)
     else:
         root = tempfile.mkdtemp(prefix="rgt-smoke-")
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.monotonic()
     box = LocalBox(root, gpu=req.gpu)
     try:
@@ -414,7 +413,12 @@ def smoke(req: SmokeRequest, emit: Callable[[str], None]) -> None:
         emit(f"smoke: every check passed in {time.monotonic() - t0:.0f} s")
     finally:
         box.close()
+        signal.signal(signal.SIGTERM, previous)
         if req.keep:
             emit(f"smoke: kept {root}")
         else:
             shutil.rmtree(root, ignore_errors=True)
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt  # the finally clauses stop every process, as for Ctrl-C

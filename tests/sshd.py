@@ -28,6 +28,7 @@ user. Their authorized keys are in a directory of the server's own under /tmp th
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import pwd
@@ -39,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence
 
 from onbox.agent import procfs
 from tests.polling import wait
@@ -362,6 +363,21 @@ def start_sshd(
         if keys_dir is not None:
             shutil.rmtree(keys_dir, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def sibling_sshd(d: str, first: SshServer) -> Iterator[SshServer]:
+    """A second test sshd in ``d`` (a jump host, another route) that accepts ``first``'s client
+    key, so one ssh configuration reaches both; stopped by PID when the block ends."""
+    os.makedirs(d, exist_ok=True)
+    for name in ("client_ed25519", "client_ed25519.pub"):
+        shutil.copyfile(os.path.join(first.dir, name), os.path.join(d, name))
+    os.chmod(os.path.join(d, "client_ed25519"), 0o600)
+    server = start_sshd(d)
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 def _serve(

@@ -16,8 +16,6 @@ error says whose key it is and whether it changed or is only not known.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Iterator, List
@@ -28,21 +26,14 @@ from controller.hostkey import HostKeyChanged, HostKeyUnknown
 from controller.remote import SshRemote
 from controller.target import Target
 from onbox.common.errors import AuthError
-from tests.sshd import SshServer, start_sshd
+from tests.sshd import SshServer, sibling_sshd
 
 
 @pytest.fixture(scope="module")
 def jump(tmp_path_factory: pytest.TempPathFactory, sshd: SshServer) -> Iterator[SshServer]:
     """A second sshd on loopback, the jump host, accepting the session sshd's client key."""
-    d = str(tmp_path_factory.mktemp("sshd-jump"))
-    for name in ("client_ed25519", "client_ed25519.pub"):
-        shutil.copyfile(os.path.join(sshd.dir, name), os.path.join(d, name))
-    os.chmod(os.path.join(d, "client_ed25519"), 0o600)
-    server = start_sshd(d)
-    try:
+    with sibling_sshd(str(tmp_path_factory.mktemp("sshd-jump")), sshd) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

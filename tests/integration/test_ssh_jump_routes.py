@@ -11,9 +11,7 @@ key and known_hosts for every host.
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Iterator
@@ -23,21 +21,14 @@ import pytest
 from controller.remote import SshRemote
 from controller.target import Target
 from onbox.common.errors import RemoteUnreachable
-from tests.sshd import SshServer, free_port, start_sshd
+from tests.sshd import SshServer, free_port, sibling_sshd
 
 
 @pytest.fixture(scope="module")
 def jump2(tmp_path_factory: pytest.TempPathFactory, sshd: SshServer) -> Iterator[SshServer]:
     """A second sshd on loopback (a jump host of its own), sharing the session sshd's keys."""
-    d = str(tmp_path_factory.mktemp("sshd-jump2"))
-    for name in ("client_ed25519", "client_ed25519.pub"):
-        shutil.copyfile(os.path.join(sshd.dir, name), os.path.join(d, name))
-    os.chmod(os.path.join(d, "client_ed25519"), 0o600)
-    server = start_sshd(d)
-    try:
+    with sibling_sshd(str(tmp_path_factory.mktemp("sshd-jump2")), sshd) as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture

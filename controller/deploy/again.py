@@ -14,7 +14,10 @@ the deploy's own (controller/deploy/flow.py). Refused before anything starts:
   `rgt logs N -f` and `rgt stop N`; starting it again would only re-attach.
 
 The start and the wait for the job's first line are the deploy's (controller/deploy/boxstart.py):
-a run that ends at once exits with its state's code, as after any deploy.
+a run that ends at once exits with its state's code, as after any deploy. Once started, the
+deploy's ``current`` link moves to the release the run runs in, as after a deploy's start (a
+failed redeploy left the spec on a newer release than the link), and the release the link named
+before goes where nothing names it (controller/shell/release_switch.sh).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from controller.deploy.audit import Audit
 from controller.deploy.boxspec import box_job
 from controller.deploy.boxstart import after_start, finished_line, start_on_box
 from controller.deploy.install import AgentInstall
-from controller.deploy.release import release_path
+from controller.deploy.release import release_path, switch_current
 from controller.deploy.request import Plan, check_again
 from controller.deploy.wheel import AgentWheel
 from controller.registry import Registry, RunRecord
@@ -101,6 +104,8 @@ def start_again(
     if not started:
         say(finished_line(plan.name))
         return rec
+    if rec.release is not None:  # its deploy's current link follows, as after a deploy's start
+        switch_current(remote, box_home, plan.name, rec.release)
     after_start(remote, rec, label, say, raise_ended)
     return rec
 

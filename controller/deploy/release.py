@@ -21,7 +21,9 @@ when both ends have it, copying unchanged files on the box from the previous rel
 ``--copy-dest``; else as a tar stream over ssh), marked complete, then renamed into place; the
 ``current`` link is replaced by renaming a new link over it. A push cut off anywhere therefore
 leaves ``current`` on the old release or the new one, and never a half release under
-``releases/<id>``.
+``releases/<id>``. Once the run's spec has moved to the new release too (its start), the switch
+drops the release the link named before where nothing else names it and the job wrote nothing
+in it (controller/shell/release_switch.sh).
 
 `rgt deploy` looks for the release in its audit's round trip (``SEEN_SH``, read by
 ``parse_seen``): ``push_release`` given that look (``seen``) runs no command of its own when the
@@ -95,7 +97,9 @@ SEEN_SH = shell.script("release_seen.sh")
 _PREPARE = shell.script("release_use.sh") + shell.script("release_prepare.sh")
 _FINISH = shell.script("release_finish.sh")  # mark the release complete, rename it into place
 _ABANDON = r"""rm -rf -- "$1" """  # $1: a push's temporary directory, removed when it failed
-_SWITCH = shell.script("release_switch.sh")  # point deploys/<name>/current at a release
+# Point deploys/<name>/current at a release, and drop the one it named before where nothing
+# names that any longer.
+_SWITCH = shell.script("release_use.sh") + shell.script("release_switch.sh")
 
 
 # What the last push_release over a connection saw: ``deploys/<name>/current`` already

@@ -5,7 +5,9 @@ with no command, which starts the run's spec again, found no release to run in (
 release a run's own spec names is kept now, and the retry runs what the user last deployed. One
 that nothing names any longer (a later deploy moved the spec off it) goes at that deploy's start,
 failed or not, and at `rgt down` of the run, rather than stay on the box for good
-(``rgt_release_left``, controller/shell/release_use.sh).
+(``rgt_release_left``, controller/shell/release_use.sh). So does the release the deploy's
+current link named once the link moves on after a start (a redeploy's or a restart's), unless the
+job wrote in it: before, every redeploy of changed code left one that `rgt down` never removed.
 
 Real processes: the `rgt` CLI (tests/laptop.py) against the session's loopback sshd.
 """
@@ -97,7 +99,15 @@ def test_a_failed_redeploy_keeps_its_release_and_a_restart_runs_it(
         assert rc == 0 and "its first line: changed code" in out, out
         assert _spec_release(lap, "held") == new and new != first
         assert KEPT in said, said
-        assert _releases(lap) == sorted([first, new])
+        # The restart moved the deploy's current link to the release it runs in, and the one
+        # it ran in before, which nothing names any longer, went (else `rgt down` left it).
+        assert _current(lap, "held") == new and _releases(lap) == [new]
+        rc, out = lap.rgt("stop", "held")
+        assert rc == 0, out
+        rc, out = lap.rgt("pull", "held", "--to", str(tmp_path / "pulled"))
+        assert rc == 0, out
+        rc, out = lap.rgt("down", "held", "--yes")
+        assert rc == 0 and _releases(lap) == [], out
     finally:
         _kill_run_processes(str(lap.box))
 
@@ -150,8 +160,36 @@ def test_a_deploy_that_starts_removes_the_release_a_failed_one_left(
         rc, out = lap.deploy("held", "--store", store.url, *JOB)
         assert rc == 0 and "its first line: fixed code" in out, out
         fixed = _current(lap, "held")
-        # The release the run ran in before stays, as after any redeploy; the failed one goes.
-        assert failed not in _releases(lap) and _releases(lap) == sorted([first, fixed])
+        # The failed release goes, and once the current link moved on, the one the run ran in
+        # before: nothing names it, and the job wrote nothing in it.
+        assert _releases(lap) == [fixed] and first != fixed, _releases(lap)
+    finally:
+        _kill_run_processes(str(lap.box))
+
+
+def test_a_redeploy_keeps_the_previous_release_only_where_the_job_wrote_in_it(
+    sshd: SshServer, tmp_path: Path
+) -> None:
+    """The current link's move drops the release it named before, but never one the job wrote
+    in (its outputs in its working directory): those are for `rgt down` to show first."""
+    lap = Laptop(sshd, tmp_path)
+    store = _Store(tmp_path, "held")
+    (lap.project / "job.py").write_text(
+        "import time\nopen('out.txt', 'w').write('made by the job')\n"
+        "print('writer', flush=True)\ntime.sleep(300)\n"
+    )
+    try:
+        rc, out = lap.deploy("held", "--store", store.url, *JOB)
+        assert rc == 0, out
+        first = _current(lap, "held")
+        rc, out = lap.rgt("stop", "held")
+        assert rc == 0, out
+        _job(lap, "second code")
+        rc, out = lap.deploy("held", "--store", store.url, *JOB)
+        assert rc == 0 and "its first line: second code" in out, out
+        second = _current(lap, "held")
+        assert _releases(lap) == sorted([first, second])
+        assert (lap.box / "releases" / first / "out.txt").read_text() == "made by the job"
     finally:
         _kill_run_processes(str(lap.box))
 

@@ -70,6 +70,15 @@ class _Store:
 KEPT = "which this deploy pushed, is kept on the box: run held's spec there names it"
 
 
+def _deploy_and_stop(lap: Laptop, store: _Store) -> str:
+    """Deploy the project to run "held" and stop it: the release it ran in."""
+    rc, out = lap.deploy("held", "--store", store.url, *JOB)
+    assert rc == 0, out
+    rc, out = lap.rgt("stop", "held")
+    assert rc == 0, out
+    return _current(lap, "held")
+
+
 def _fail_redeploy(lap: Laptop, store: _Store, says: str) -> Tuple[str, str]:
     """Deploy changed code (it prints ``says``) to run "held", whose start fails past its claim:
     the release it pushed, which the run's spec now names, and what the deploy said."""
@@ -88,11 +97,7 @@ def test_a_failed_redeploy_keeps_its_release_and_a_restart_runs_it(
     store = _Store(tmp_path, "held")
     _job(lap, "first code")
     try:
-        rc, out = lap.deploy("held", "--store", store.url, *JOB)
-        assert rc == 0, out
-        first = _current(lap, "held")
-        rc, out = lap.rgt("stop", "held")
-        assert rc == 0, out
+        first = _deploy_and_stop(lap, store)
         new, said = _fail_redeploy(lap, store, "changed code")
         # The restart of the run's recorded spec runs what was deployed last.
         rc, out = lap.deploy("held")
@@ -119,11 +124,7 @@ def test_a_release_nothing_names_any_longer_goes_at_the_next_start_and_at_down(
     store = _Store(tmp_path, "held")
     _job(lap, "first code")
     try:
-        rc, out = lap.deploy("held", "--store", store.url, *JOB)
-        assert rc == 0, out
-        first = _current(lap, "held")
-        rc, out = lap.rgt("stop", "held")
-        assert rc == 0, out
+        first = _deploy_and_stop(lap, store)
         second, said = _fail_redeploy(lap, store, "second code")
         assert KEPT in said and second in _releases(lap), said
         # A second failed redeploy moves the spec on: the second release is named by nothing.
@@ -149,11 +150,7 @@ def test_a_deploy_that_starts_removes_the_release_a_failed_one_left(
     store = _Store(tmp_path, "held")
     _job(lap, "first code")
     try:
-        rc, out = lap.deploy("held", "--store", store.url, *JOB)
-        assert rc == 0, out
-        first = _current(lap, "held")
-        rc, out = lap.rgt("stop", "held")
-        assert rc == 0, out
+        first = _deploy_and_stop(lap, store)
         failed, said = _fail_redeploy(lap, store, "failed code")
         assert KEPT in said and failed in _releases(lap), said
         _job(lap, "fixed code")
@@ -179,11 +176,7 @@ def test_a_redeploy_keeps_the_previous_release_only_where_the_job_wrote_in_it(
         "print('writer', flush=True)\ntime.sleep(300)\n"
     )
     try:
-        rc, out = lap.deploy("held", "--store", store.url, *JOB)
-        assert rc == 0, out
-        first = _current(lap, "held")
-        rc, out = lap.rgt("stop", "held")
-        assert rc == 0, out
+        first = _deploy_and_stop(lap, store)
         _job(lap, "second code")
         rc, out = lap.deploy("held", "--store", store.url, *JOB)
         assert rc == 0 and "its first line: second code" in out, out

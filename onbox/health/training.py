@@ -11,7 +11,13 @@ step (a pattern with no ``step`` group) always counts.
 
 The step rate is the median of the step counter's per-tick rates over the last few ticks (a
 tick spent writing a checkpoint does not count as a drop), or the stall probe's
-``steps_per_s`` when it measured one, against the median rate of the attempt so far.
+``steps_per_s`` when it measured one, against the median rate of the attempt since the job found
+its speed. As in the stall probe (``StepTime``), a slow first phase (a compile, dataloader
+workers spinning up, a first epoch filling a cache) must not lower that median, or a later
+throttle to half the speed would pass for normal: the first ``RATE_WARMUP`` alike rates in a
+row (the job's speed) make the rates before them forgotten, and again a later such run faster
+than ``FASTER`` x the median (the job at speed after a slow start that had settled). A slower
+rate that lasts (a drop included) becomes the median once it outlasted the time at speed.
 """
 
 from __future__ import annotations
@@ -33,6 +39,11 @@ MIN_VALUES = 10  # a spike is judged only once this many finite values were seen
 RATE_TICKS = 5  # ticks the step rate is measured over
 RATE_WARMUP = 5  # rates measured before a drop is judged (the first steps are slow)
 RATE_HISTORY = 1000  # rates the attempt's median is taken over (bounded memory)
+# A settled run of rates this much faster than the median is the job's speed: what came before
+# was a slow start. Jitter seldom sets it off (five rates in a row, each over 1.25x the median;
+# then the median is only taken afresh at speed), and a slow start within it lowers the floor
+# by a fifth at most.
+FASTER = 1.25
 READ_BUDGET = 1 << 20  # bytes of new output read per tick at most
 TAIL = 64 << 10  # where a probe meets a long log first (an agent that re-attached): its end
 
@@ -76,6 +87,8 @@ class _Attempt:
         self.spike: Optional[Tuple[float, Optional[int], float, int]] = None
         self.ticks: Deque[Tuple[float, int]] = collections.deque(maxlen=RATE_TICKS + 1)
         self.rates: Deque[float] = collections.deque(maxlen=RATE_HISTORY)
+        self.recent: Deque[float] = collections.deque(maxlen=RATE_WARMUP)  # the last rates
+        self.settled = False  # the job ran at a speed once: what came before it is forgotten
         self.first_step: Optional[int] = None
 
 
@@ -210,7 +223,23 @@ class TrainingProbe:
             return rate, None  # warm-up: not stepping yet (loading, compiling)
         median = _median(at.rates) if len(at.rates) >= RATE_WARMUP else None
         at.rates.append(rate)
+        at.recent.append(rate)
+        if self._speed(at, median):
+            at.rates.clear()
+            at.rates.extend(at.recent)
+            at.settled = True
         return rate, median
+
+    def _speed(self, at: _Attempt, median: Optional[float]) -> bool:
+        """The last rates are the job's speed, to be judged against from now on: alike (none a
+        drop against another), and the first such run or one faster than ``FASTER`` x the
+        median so far."""
+        if len(at.recent) < RATE_WARMUP:
+            return False
+        slowest = min(at.recent)
+        if slowest < self.cfg.drop_factor * max(at.recent):
+            return False  # not steady (yet)
+        return not at.settled or (median is not None and slowest > FASTER * median)
 
     # ---- judging
     def _judge(

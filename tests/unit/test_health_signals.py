@@ -4,7 +4,8 @@ logs in a temporary run directory.
 
 What a user relies on: a NaN/inf loss stops the run (policy stop) naming its step and the last
 good sealed checkpoint, once, or only alerts / is ignored by policy; a spike warns and the run
-goes on; a value counted once is not counted again; a slow step rate warns after a warm-up; a
+goes on; a value counted once is not counted again; a slow step rate warns after a warm-up,
+and at once after a long slow start (through the agent's watcher and the stall probe's rate); a
 store that stopped answering, a stale LATEST, a backlog and a skewed clock each warn; a danger
 clock warns at 80% and alerts at 100%, and only clocks that tick while the box runs count.
 """
@@ -13,17 +14,20 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
+from onbox.agent.journal import MemoryJournal
 from onbox.common import progress
 from onbox.common.rundir import RunDir
 from onbox.health.clocks import ClocksProbe
-from onbox.health.config import SealingConfig, TrainingConfig
+from onbox.health.config import HealthConfig, SealingConfig, StallConfig, TrainingConfig
 from onbox.health.pipeline import SealingProbe
+from onbox.health.stall import StallProbe
 from onbox.health.training import TrainingProbe
 from onbox.health.verdict import Context, Reading, SealView, ok
+from onbox.health.watcher import HealthWatcher
 
 WALL = 1_700_000_000.0
 
@@ -255,6 +259,48 @@ def test_throughput_policy_off(rd: RunDir) -> None:
     _, t, s = _steady(p, rd, 15, 10, 0.0, 0)
     r, _, _ = _steady(p, rd, 6, 1, t, s)
     assert r.verdict.level == "ok"
+
+
+def _watched(rd: RunDir, phases: List[Tuple[int, int]]) -> List[Tuple[int, str, str]]:
+    """The agent's path: its watcher ticking every 10 s over the stall probe then the training
+    probe (whose rate is the stall probe's), the job stepping ``per_tick`` steps each tick for
+    ``ticks`` ticks, phase after phase; (tick, level, reason) of each training health event."""
+    j = MemoryJournal()
+    now = [0.0]
+    stall = StallProbe(StallConfig(), rd, None, lambda tag, cur: None, j.event)
+    w = HealthWatcher(
+        HealthConfig(),
+        [stall, TrainingProbe(TrainingConfig(), rd)],
+        lambda: _ctx(now=now[0], wall=WALL + now[0], attempt_started=0.0, sealing=None),
+        j.event,
+    )
+    step, tick, seen = 0, 0, 0
+    out: List[Tuple[int, str, str]] = []
+    for ticks, per_tick in phases:
+        for _ in range(ticks):
+            step += per_tick
+            progress.write(rd.path, step, 1)
+            w.tick()
+            for e in j.events[seen:]:
+                if e["kind"] == "health" and e["probe"] == "training":
+                    out.append((tick, e["level"], e["reason"]))
+            seen = len(j.events)
+            tick, now[0] = tick + 1, now[0] + 10.0
+    return out
+
+
+@pytest.mark.parametrize("slow", [5, 14])
+def test_a_drop_after_a_long_slow_start_is_reported_at_once_and_the_slow_start_never(
+    rd: RunDir, slow: int
+) -> None:
+    """The first half hour at a quarter (or 0.7x) of the speed (a first epoch filling a cache),
+    20 minutes at speed (2 steps/s), then a throttle to 0.8 steps/s for 10 minutes: the slow
+    start does not lower what the throttle is judged against (it did: never reported)."""
+    events = _watched(rd, [(180, slow), (120, 20), (60, 8), (30, 20)])
+    assert events[:1] == [
+        (300, "warn", "training: 0.8 steps/s, under 0.5x the attempt's median 2 steps/s")
+    ]
+    assert [(t, level) for t, level, _ in events[1:]] == [(360, "ok")]  # while it lasted
 
 
 # ---- sealing pipeline

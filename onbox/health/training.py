@@ -9,15 +9,16 @@ log; the loss is its group ``loss``, else its first group other than ``step``). 
 counts once: a report or a line naming a step already counted is not new. A line without a
 step (a pattern with no ``step`` group) always counts.
 
-The step rate is the median of the step counter's per-tick rates over the last few ticks (a
-tick spent writing a checkpoint does not count as a drop), or the stall probe's
-``steps_per_s`` when it measured one, against the median rate of the attempt since the job found
-its speed. As in the stall probe (``StepTime``), a slow first phase (a compile, dataloader
-workers spinning up, a first epoch filling a cache) must not lower that median, or a later
-throttle to half the speed would pass for normal: the first ``RATE_WARMUP`` alike rates in a
-row (the job's speed) make the rates before them forgotten, and again a later such run faster
-than ``FASTER`` x the median (the job at speed after a slow start that had settled). A slower
-rate that lasts (a drop included) becomes the median once it outlasted the time at speed.
+The step rate is the median of the step counter's per-tick rates over the last few ticks, or of
+the stall probe's ``steps_per_s`` (the rate over its last step interval) when it measured one (a
+tick spent writing a checkpoint, or the one interval around it, is not a drop), against the
+median rate of the attempt since the job found its speed. As in the stall probe (``StepTime``),
+a slow first phase (a compile, dataloader workers spinning up, a first epoch filling a cache)
+must not lower that median, or a later throttle to half the speed would pass for normal: the
+first ``RATE_WARMUP`` alike rates in a row (the job's speed) make the rates before them
+forgotten, and again a later such run faster than ``FASTER`` x the median (the job at speed
+after a slow start that had settled). A slower rate that lasts (a drop included) becomes the
+median once it outlasted the time at speed.
 """
 
 from __future__ import annotations
@@ -86,6 +87,7 @@ class _Attempt:
         # value, step, median and how many values the median was taken over
         self.spike: Optional[Tuple[float, Optional[int], float, int]] = None
         self.ticks: Deque[Tuple[float, int]] = collections.deque(maxlen=RATE_TICKS + 1)
+        self.theirs: Deque[float] = collections.deque(maxlen=RATE_TICKS)  # the stall probe's
         self.rates: Deque[float] = collections.deque(maxlen=RATE_HISTORY)
         self.recent: Deque[float] = collections.deque(maxlen=RATE_WARMUP)  # the last rates
         self.settled = False  # the job ran at a speed once: what came before it is forgotten
@@ -204,6 +206,7 @@ class TrainingProbe:
         """The step rate now and the attempt's median rate (None while not measured)."""
         if not ctx.running or at.step is None:
             at.ticks.clear()  # a gap (a restart, a pause) is not a slow rate
+            at.theirs.clear()
             return None, None
         if at.first_step is None:
             at.first_step = at.step
@@ -212,7 +215,10 @@ class TrainingProbe:
         stall = ctx.readings.get("stall")
         theirs = _value(stall.sample.get("steps_per_s")) if stall is not None else None
         if theirs is not None and math.isfinite(theirs):
-            rate = theirs
+            # Its rate is over the last step interval alone: one that spans a checkpoint save
+            # is slow once, and the median over the last few ticks is not.
+            at.theirs.append(theirs)
+            rate = _median(at.theirs)
         elif len(at.ticks) > RATE_TICKS:
             # The median of the per-tick rates: one tick spent writing a checkpoint (no steps)
             # is not a drop; a slowdown over most of the window is.

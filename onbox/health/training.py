@@ -219,6 +219,8 @@ class TrainingProbe:
             # is slow once, and the median over the last few ticks is not.
             at.theirs.append(theirs)
             rate = _median(at.theirs)
+            if len(at.theirs) < RATE_TICKS:
+                return rate, None  # over a few ticks only, as below: not judged yet
         elif len(at.ticks) > RATE_TICKS:
             # The median of the per-tick rates: one tick spent writing a checkpoint (no steps)
             # is not a drop; a slowdown over most of the window is.

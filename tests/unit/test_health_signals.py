@@ -309,6 +309,14 @@ def test_a_checkpoint_save_across_a_tick_is_not_a_drop_through_the_watcher(rd: R
     assert _watched(rd, [(60, 20), (1, 0), (1, 8), (30, 20), (2, 0), (1, 20), (30, 20)]) == []
 
 
+def test_a_fast_start_is_a_drop_only_once_it_was_the_jobs_speed(rd: RunDir) -> None:
+    """30 s at 3x the speed (a prefetched queue drained) is not a drop; 3 minutes at it (5
+    alike rates in a row: the job's speed) is, until the speed after it outlasted it."""
+    assert _watched(rd, [(3, 60), (60, 20)]) == []
+    events = [(t, level) for t, level, _ in _watched(rd, [(18, 60), (60, 20)])]
+    assert events == [(20, "warn"), (35, "ok")]
+
+
 # ---- sealing pipeline
 def _seal(view: SealView, probe: Optional[SealingProbe] = None, **ctx: Any) -> Reading:
     p = probe or SealingProbe(SealingConfig(), None, has_store=True)

@@ -73,7 +73,7 @@ class TrainingConfig:
     spike: str = "alert"
     spike_factor: float = 10.0  # loss above this x the median of the recent window
     throughput: str = "alert"
-    drop_factor: float = 0.5  # step rate under this x its median of the run so far
+    drop_factor: float = 0.5  # step rate under this x its median since the job found its speed
 
 
 @dataclasses.dataclass(frozen=True)

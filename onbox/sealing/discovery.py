@@ -350,6 +350,30 @@ def listing(ckpt_dir: str, follow: bool = False) -> Tuple[List[Candidate], Stats
     return dirs, files, links
 
 
+def newest_complete_step(ckpt_dir: str) -> Optional[int]:
+    """The step of the newest complete checkpoint in ``ckpt_dir`` while a job may be writing
+    there, as the sealer's scan takes them: ``listing``'s, less any with a file still open for
+    writing, a loose file only when whole. A file rewritten in place (no step in its name) is
+    not counted: its step is the one the sealer gives it (``rgt-agent sync``'s check)."""
+    dirs, files, _ = listing(ckpt_dir)
+    named = sorted(((s, n) for n, _ in files if (s := step_from_name(n)) is not None), reverse=True)
+    paths = [os.path.join(ckpt_dir, f) for c in dirs for f in c.files]
+    busy = open_for_writing(paths + [os.path.join(ckpt_dir, n) for _, n in named])
+    steps = [
+        c.step
+        for c in dirs
+        if c.step is not None and not any(os.path.join(ckpt_dir, f) in busy for f in c.files)
+    ]
+    best = max(steps, default=None)
+    for step, name in named:
+        if best is not None and step <= best:
+            break
+        path = os.path.join(ckpt_dir, name)
+        if path not in busy and looks_whole(path):
+            return step
+    return best
+
+
 def newest_local_step(ckpt_dir: str) -> Optional[int]:
     """The step of the newest complete checkpoint in ``ckpt_dir``, as the sealer would see it
     when nothing is writing there (between two attempts): a directory with a completeness

@@ -22,7 +22,7 @@ from onbox.agent.resumecheck import (
 from onbox.common import progress
 from onbox.common.logscan import LogScanner
 from onbox.common.rundir import RunDir
-from onbox.sealing.discovery import newest_local_step
+from onbox.sealing.discovery import newest_complete_step, newest_local_step
 
 
 class Box:
@@ -90,6 +90,28 @@ def test_newest_local_step_sees_what_the_sealer_would_seal(tmp_path: Any) -> Non
     with open(os.path.join(d, "latest", ".rgt-complete"), "w") as f:
         json.dump({"step": 11}, f)
     assert newest_local_step(d) == 11
+
+
+def test_newest_complete_step_leaves_out_what_is_still_open_for_writing(tmp_path: Any) -> None:
+    """What `rgt-agent sync` asks for while the job writes: the sealer's complete checkpoints,
+    so not a file or a directory with a file a process (here this one) holds open to write."""
+    d = str(tmp_path)
+    assert newest_complete_step(os.path.join(d, "missing")) is None
+    _zip(os.path.join(d, "step_3.pt"))
+    _zip(os.path.join(d, "step_12.pt"), torn=True)
+    os.makedirs(os.path.join(d, "ckpt.pt.d"))  # a directory with no marker: nothing
+    _zip(os.path.join(d, "ckpt.pt"))  # rewritten in place: its step is the sealer's
+    assert newest_complete_step(d) == 3
+    with open(os.path.join(d, "step_20.pt"), "wb") as f:
+        assert newest_complete_step(d) == 3 and newest_local_step(d) == 20
+    _zip(os.path.join(d, "step_20.pt"))
+    assert newest_complete_step(d) == 20
+    os.makedirs(os.path.join(d, "step_30"))
+    with open(os.path.join(d, "step_30", "model.bin"), "wb"):
+        with open(os.path.join(d, "step_30", ".rgt-complete"), "w") as f:
+            json.dump({"step": 30}, f)
+        assert newest_complete_step(d) == 20 and newest_local_step(d) == 30
+    assert newest_complete_step(d) == 30
 
 
 # ---- reading the output

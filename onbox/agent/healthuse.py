@@ -118,7 +118,7 @@ class AgentHealth:
                 seal.want_room()
             elif a.kind in ("restart", "fail"):
                 if a.kind == "fail" and seal is not None:
-                    seal.freeze(a.data.get("keep_step"))
+                    seal.freeze(a.data.get("keep_step"), a.reason, a.remedy)
                 default = "stalled" if a.kind == "restart" else "health"
                 kind = str(a.data.get("exit_kind", default))
                 sup.kill_attempt(a.reason, then=a.kind, kind=kind, klass=a.klass, remedy=a.remedy)

@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
+from onbox.agent import freeze
 from onbox.agent.budgetseal import seal_in_budget
 from onbox.agent.ckptwatch import watch
 from onbox.agent.completion import Completion
@@ -128,7 +129,13 @@ class SealService(Hooks):
         ``adopting`` agent whose run another box took over starts none of it (``superseded``).
         A call to a ``file://`` store that does not return for ``[store] stall`` (a hung mount;
         S3's have their timeouts) fails the beginning as a transient store error, as a download
-        that moves nothing does (onbox/sealing/stores/hangbound.py)."""
+        that moves nothing does (onbox/sealing/stores/hangbound.py). A run frozen by a NaN loss
+        stays frozen for an agent that takes it up again; a new incarnation is not (freeze.py)."""
+        if begin:
+            freeze.clear(self.rd)
+        else:
+            frozen = freeze.read(self.rd)
+            self.frozen_above = None if frozen is None else frozen["above"]
         with self.store.calls_bounded(self.spec.restore_stall):
             if not take_up(self, begin, adopting):
                 return
@@ -277,9 +284,11 @@ class SealService(Hooks):
         self.room_wanted = True
         self._wake.set()
 
-    def freeze(self, keep_step: Optional[int]) -> None:
-        """Seal nothing newer from now on (a NaN loss stopped the run at ``keep_step``)."""
+    def freeze(self, keep_step: Optional[int], reason: str = "", remedy: str = "") -> None:
+        """Seal nothing newer from now on (a NaN loss stopped the run at ``keep_step``): on
+        disk too, for an agent respawned meanwhile and for `rgt-agent sync` (freeze.py)."""
         self.frozen_above = -1 if keep_step is None else keep_step
+        freeze.write(self.rd, self.frozen_above, reason, remedy)
 
     def ask_job(self, why: str) -> None:
         """Ask the job for a checkpoint the way it declared."""

@@ -132,6 +132,12 @@ class RunDir:
         return os.path.join(self.path, "sync.request")
 
     @property
+    def sealing_frozen(self) -> str:
+        """Written by the agent when a training signal (a NaN loss) stopped the run: nothing
+        newer than its step is sealed (onbox/agent/freeze.py)."""
+        return os.path.join(self.path, "sealing-frozen.json")
+
+    @property
     def checkpoint_request(self) -> str:
         """Written by the agent when the job asked to be told by a file (trigger "file")."""
         return os.path.join(self.path, CHECKPOINT_REQUEST)

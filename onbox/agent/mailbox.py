@@ -18,7 +18,7 @@ import signal
 import time
 from typing import Any, Dict, Optional
 
-from onbox.agent import observe, procfs, slurmlogin
+from onbox.agent import freeze, observe, procfs, slurmlogin
 from onbox.agent.leftovers import Cut, cut_by_signals
 from onbox.agent.lock import RunLock, is_held, read_holder
 from onbox.agent.spec import JobSpec
@@ -215,7 +215,8 @@ def _seal_here(rd: RunDir, spec: JobSpec) -> Store:
         # launcher to tell: a link in a checkpoint is then not followed (discovery.py).
         sealer.follow_links = lambda: not os.path.isdir(os.path.join(rd.path, POD))
         sealer.load()
-        sealer.seal_pending()
+        if freeze.read(rd) is None:  # frozen by a NaN loss: as its agent, nothing newer
+            sealer.seal_pending()
     finally:
         lock.release()
     return store
@@ -223,7 +224,19 @@ def _seal_here(rd: RunDir, spec: JobSpec) -> Store:
 
 def sync_run(rd: RunDir, spec: JobSpec, wait: float) -> Store:
     """Seal the run's complete checkpoints now: its agent is asked and waited for (``wait``
-    seconds at most), or, with none, they are sealed from here. The run's store.
+    seconds at most), or, with none, they are sealed from here. The run's store, once the
+    newest complete checkpoint the box held when asked is sealed there; else NotSealed, or
+    UnsafeRefused where that is on purpose (onbox/agent/synccheck.py)."""
+    from onbox.agent.synccheck import Asked
+
+    asked = Asked(rd, spec.ckpt_dir)
+    store = _sync(rd, spec, wait)
+    asked.check(store)
+    return store
+
+
+def _sync(rd: RunDir, spec: JobSpec, wait: float) -> Store:
+    """``sync_run``'s seal, not checked.
 
     An agent that dies while it is asked or waited on (the OOM killer, a kill, a preemption of
     the agent alone) lets go of the run's lock: then the seal is made from here, at once,

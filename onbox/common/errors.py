@@ -27,6 +27,8 @@ a bug and is shown with its traceback.
     ├── SmokeFailed               exit 19  (controller) a check of `rgt smoke` failed
     ├── MeterNotSent              exit 20  (controller) the meter-stop was not sent: nothing changed
     ├── WrongStore                exit 21  (controller) the store has no trace of cells seen done
+    ├── NotSealed                 exit 22  `rgt-agent sync`: the box's newest complete checkpoint
+    │                                      is not sealed (changed while sealed, the store failed)
     └── WaitInterrupted           exit 130 a Ctrl-C (or SIGTERM) ended the command's wait; what it
                                            asked goes on (`rgt-agent stop` of a live run)
 
@@ -208,6 +210,16 @@ class WrongStore(RgtError):
     exit_code = 21
 
 
+class NotSealed(RgtError):
+    """``rgt-agent sync``: after the seal, the box holds a complete checkpoint newer than the
+    store's LATEST (onbox/agent/synccheck.py); the message says which step, and why where the
+    agent said it (it changed while it was sealed, the store failed). A sync again may seal it.
+    A run whose sealing was frozen on purpose (a NaN loss) is UnsafeRefused (exit 7) instead:
+    no sync can, nor should, seal it."""
+
+    exit_code = 22
+
+
 class WaitInterrupted(RgtError):
     """A person's Ctrl-C (or a SIGTERM) ended a command's wait for what it had asked, which goes
     on without it (`rgt-agent stop` of a live run: the agent carries the stop); 130, as a
@@ -259,6 +271,7 @@ _BY_CODE = {
         SmokeFailed,
         MeterNotSent,
         WrongStore,
+        NotSealed,
         WaitInterrupted,
     )
 }

@@ -13,11 +13,15 @@ import json
 import math
 import os
 import re
+import signal
+import subprocess
 import sys
 from typing import Any, Dict, List
 
-from tests.conftest import FIXTURES, Cli, require
-from tests.polling import latest_step
+from onbox.agent import procfs
+from onbox.common.faults import STOP_AFTER_EVENT
+from tests.conftest import FIXTURES, Cli, agent_exe, require
+from tests.polling import latest_step, wait
 
 SPIKE_FROM, SPIKE_TO, NAN_AT, TOTAL, EVERY = 150, 180, 205, 400, 50
 FIRST_BAD_CKPT = 250  # the first checkpoint on the job's schedule after NAN_AT
@@ -33,9 +37,8 @@ def _local_steps(ckpt_dir: str) -> List[int]:
     )
 
 
-def test_a_nan_loss_fails_the_run_and_keeps_the_last_good_checkpoint(
-    cli: Cli, tmp_path: Any
-) -> None:
+def _start(cli: Cli, tmp_path: Any, name: str) -> str:
+    """Start the NaN job as run ``name`` with a file:// store under ``tmp_path``: its root."""
     require(importlib.util.find_spec("torch") is not None, "torch (pip install torch)")
     root = str(tmp_path / "durable")
     os.makedirs(root)
@@ -44,7 +47,7 @@ def test_a_nan_loss_fails_the_run_and_keeps_the_last_good_checkpoint(
         os.path.join(FIXTURES, "nan_job.py"),
         *(str(n) for n in (SPIKE_FROM, SPIKE_TO, NAN_AT, TOTAL, EVERY)),
     ]
-    job = os.path.join(cli.home, "nan.toml")
+    job = os.path.join(cli.home, f"{name}.toml")
     with open(job, "w") as f:
         f.write(
             f"command = {json.dumps(command)}\n"
@@ -52,7 +55,14 @@ def test_a_nan_loss_fails_the_run_and_keeps_the_last_good_checkpoint(
             "grace = 20\n"
             "[health]\ninterval = 1\n"
         )
-    cli("start", job, "--name", "nan1", check=True)
+    cli("start", job, "--name", name, check=True)
+    return root
+
+
+def test_a_nan_loss_fails_the_run_and_keeps_the_last_good_checkpoint(
+    cli: Cli, tmp_path: Any
+) -> None:
+    root = _start(cli, tmp_path, "nan1")
     st = cli.wait_state("nan1", "FAILED", "SUCCEEDED", timeout=120)
     print(json.dumps(cli.events("nan1"), indent=None))  # shown when the test fails
 
@@ -80,6 +90,17 @@ def test_a_nan_loss_fails_the_run_and_keeps_the_last_good_checkpoint(
     sealed = os.listdir(os.path.join(root, "nan1", "checkpoints"))
     assert all(int(s) < NAN_AT for s in sealed), sealed
 
+    # nor does a sync, with the agent gone: it fails, saying that was on purpose and why (it
+    # sealed them and moved LATEST onto a NaN checkpoint, exit 0)
+    cli.wait_over("nan1", "FAILED")
+    p = cli("sync", "nan1")
+    print(p.stderr)  # shown when the test fails
+    assert p.returncode == 7, (p.returncode, p.stdout, p.stderr)
+    assert "is not sealed" in p.stderr and "on purpose" in p.stderr, p.stderr
+    assert f"frozen at step {keep}" in p.stderr and "loss is nan" in p.stderr, p.stderr
+    assert latest_step(root, "nan1") == latest
+    assert os.listdir(os.path.join(root, "nan1", "checkpoints")) == sealed
+
     # the kept checkpoint restores, and its weights are finite
     dest = str(tmp_path / "restored")
     p = cli("restore", "--store", f"file://{root}", "--name", "nan1", "--to", dest, check=True)
@@ -102,3 +123,46 @@ def test_a_nan_loss_fails_the_run_and_keeps_the_last_good_checkpoint(
     step_at_spike = int(re.search(r"at step (\d+)", spike["reason"]).group(1))  # type: ignore[union-attr]
     assert SPIKE_FROM <= step_at_spike <= SPIKE_TO
     assert events.index(spike) < events.index(nan)
+
+
+def test_a_sync_asked_of_an_agent_frozen_by_a_nan_loss_fails_saying_so(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """The agent stops itself (a stop point) just after the NaN loss froze its sealing, before
+    it signals the job, which goes on writing checkpoints; a sync asks it, then it goes on. The
+    frozen agent's pass sealed nothing and answered the sync all the same: exit 0."""
+    cli.env[STOP_AFTER_EVENT] = "kill_attempt"
+    root = _start(cli, tmp_path, "nan2")
+    agent = cli.wait_state("nan2", "RUNNING")["agent"]["pid"]
+    wait(lambda: _stopped(agent), 90, "the agent to stop as it ends the attempt")
+    ckpt_dir = os.path.join(cli.home, "runs", "nan2", "ckpt")
+    wait(lambda: _local_steps(ckpt_dir)[-1] >= FIRST_BAD_CKPT, 60, "a checkpoint after the NaN")
+    env = {k: v for k, v in cli.env.items() if k != STOP_AFTER_EVENT}
+    sync = subprocess.Popen(
+        [*agent_exe(), "sync", "nan2", "--timeout", "60s"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        request = os.path.join(cli.home, "runs", "nan2", "sync.request")
+        wait(lambda: os.path.exists(request), 30, "the sync to ask the agent")
+        os.kill(agent, signal.SIGCONT)
+        out, err = sync.communicate(timeout=90)
+    finally:
+        if sync.poll() is None:
+            sync.kill()
+            sync.wait()
+    print(err)  # shown when the test fails
+    [nan] = [e for e in _health(cli.events("nan2"), "nan_loss") if e["level"] == "alert"]
+    keep = nan["data"]["keep_step"]
+    assert sync.returncode == 7, (sync.returncode, out, err)
+    assert "is not sealed" in err and "on purpose" in err, err
+    assert f"frozen at step {keep}" in err and "loss is nan" in err, err
+    assert latest_step(root, "nan2") == keep and keep < NAN_AT, keep
+
+
+def _stopped(pid: int) -> bool:
+    st = procfs.read_stat(pid)
+    return st is not None and st.state in ("T", "t")

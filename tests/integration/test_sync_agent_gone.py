@@ -6,6 +6,9 @@ used to leave `sync` waiting out its whole timeout, or, when the lock came free 
 looks, failing at once with "does not answer" (exit 10): the user's explicit "seal now" lost.
 Now `sync` seals from itself as soon as no agent holds the run. Real agent, real job, a real
 SIGSTOP and SIGKILL, a file:// store.
+
+And a sync exits 0 only when the box's newest complete checkpoint is sealed: a seal that found
+the checkpoint changed under it sealed nothing, and the sync used to exit 0 all the same.
 """
 
 from __future__ import annotations
@@ -35,14 +38,22 @@ time.sleep(120)  # bounded: the test kills it by PID long before
 """
 
 
-def _job(tmp_path: Any) -> Tuple[str, str]:
+# A job that writes no checkpoint: the test puts one in its checkpoint dir before the start.
+STILL = """\
+import time
+print("ready", flush=True)
+time.sleep(120)  # bounded: the test's sweep kills it by PID long before
+"""
+
+
+def _job(tmp_path: Any, job: str = JOB) -> Tuple[str, str]:
     """The job's spec (its store under ``tmp_path``): (job.toml's path, the store's root)."""
     root = str(tmp_path / "durable")
     os.makedirs(root)
     work = str(tmp_path / "box")
     os.makedirs(work)
     with open(os.path.join(work, "job.py"), "w") as f:
-        f.write(JOB)
+        f.write(job)
     ckpt = os.path.join(work, "ckpt")
     with open(os.path.join(work, "job.toml"), "w") as f:
         f.write(
@@ -120,3 +131,49 @@ def test_sync_finishes_a_seal_the_dead_agent_left_between_manifest_and_latest(
 def _stopped(pid: int) -> bool:
     st = procfs.read_stat(pid)
     return st is not None and st.state in ("T", "t")
+
+
+def test_a_sync_whose_seal_found_the_checkpoint_changed_fails_saying_so(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """The agent's pass for the sync holds at the store's put of step_1.pt (a hold point); the
+    job's file grows meanwhile and stays open for writing: the seal reads that as "changed
+    while sealed" and seals nothing (the open file is no complete checkpoint for the next
+    pass either). The sync used to exit 0, "LATEST is step none"."""
+    spec, root = _job(tmp_path, STILL)
+    ckpt = os.path.join(os.path.dirname(spec), "ckpt")
+    os.makedirs(ckpt)
+    path = os.path.join(ckpt, "step_1.pt")
+    with open(path, "wb") as f:
+        f.write(b"step one" * 1000)
+    reached, release = str(tmp_path / "reached"), str(tmp_path / "release")
+    cli.env.update(RGT_HOLD_AT="store.put_file", RGT_HOLD_REACHED=reached)
+    cli.env["RGT_HOLD_UNTIL"] = release
+    cli("start", spec, check=True, cwd=os.path.dirname(spec))
+    cli.wait_output("gone", "ready")
+    sync = subprocess.Popen(
+        [*agent_exe(), "sync", "gone", "--timeout", "60s"],
+        env=cli.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        wait(lambda: os.path.exists(reached), 60, "the sync's seal to reach the store")
+        with open(path, "ab") as writer:  # the job writes it again while it is sealed
+            writer.write(b"a later save")
+            writer.flush()
+            open(release, "w").close()
+            out, err = sync.communicate(timeout=90)
+            print(err)  # shown when the test fails
+            assert sync.returncode == 22, (sync.returncode, out, err)
+            assert "step 1, is not sealed" in err, err
+            assert "changed" in err and "rgt-agent sync gone" in err, err
+            assert not os.path.exists(os.path.join(root, "gone", "LATEST.json"))
+    finally:
+        if sync.poll() is None:
+            sync.kill()
+            sync.wait()
+    # Closed, it holds still: a sync again seals it, and says so.
+    p = cli("sync", "gone", check=True)
+    assert "LATEST is step 1" in p.stdout, p.stdout

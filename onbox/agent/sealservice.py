@@ -359,7 +359,8 @@ class SealService(Hooks):
         if reason == "superseded":  # nothing of this agent may be sealed now (loop.py)
             self._stop_thread(deadline - MARGIN)
             return
-        if reason == "stop" and self.capped:  # the meter cap: no budget, the seal is checked
+        frozen = self.frozen_above is not None  # a NaN loss: no final seal either (below)
+        if reason == "stop" and self.capped and not frozen:  # the cap: no budget, checked
             self._stop_thread(None)
             self.final_verified = final_seal(
                 sealer, self.store, self.spec.name, self.spec.ckpt_dir, self.event
@@ -373,8 +374,12 @@ class SealService(Hooks):
         if not self._stop_thread(budget_end):
             return seal_cut(self, reason)
         try:
+            # A run frozen by a NaN loss (its attempt being ended when the stop or preemption
+            # came) seals no final checkpoint: it would be LATEST, written after the NaN.
             with self.store.calls_bounded(self._within(until)):
-                sealed = seal_in_budget(sealer, self.spec.ckpt_dir, reason, budget_end, self.event)
+                sealed = not frozen and seal_in_budget(
+                    sealer, self.spec.ckpt_dir, reason, budget_end, self.event
+                )
         except StoreError as e:
             # Said, not raised: the run must still end STOPPED or PREEMPTED with its state
             # written (an agent that died here left it STOPPING, its job already gone).

@@ -16,7 +16,7 @@ import re
 import signal
 import subprocess
 import sys
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 from onbox.agent import procfs
 from onbox.common.faults import STOP_AFTER_EVENT
@@ -131,12 +131,7 @@ def test_a_sync_asked_of_an_agent_frozen_by_a_nan_loss_fails_saying_so(
     """The agent stops itself (a stop point) just after the NaN loss froze its sealing, before
     it signals the job, which goes on writing checkpoints; a sync asks it, then it goes on. The
     frozen agent's pass sealed nothing and answered the sync all the same: exit 0."""
-    cli.env[STOP_AFTER_EVENT] = "kill_attempt"
-    root = _start(cli, tmp_path, "nan2")
-    agent = cli.wait_state("nan2", "RUNNING")["agent"]["pid"]
-    wait(lambda: _stopped(agent), 90, "the agent to stop as it ends the attempt")
-    ckpt_dir = os.path.join(cli.home, "runs", "nan2", "ckpt")
-    wait(lambda: _local_steps(ckpt_dir)[-1] >= FIRST_BAD_CKPT, 60, "a checkpoint after the NaN")
+    root, agent = _frozen_and_stopped(cli, tmp_path, "nan2")
     env = {k: v for k, v in cli.env.items() if k != STOP_AFTER_EVENT}
     sync = subprocess.Popen(
         [*agent_exe(), "sync", "nan2", "--timeout", "60s"],
@@ -161,6 +156,37 @@ def test_a_sync_asked_of_an_agent_frozen_by_a_nan_loss_fails_saying_so(
     assert "is not sealed" in err and "on purpose" in err, err
     assert f"frozen at step {keep}" in err and "loss is nan" in err, err
     assert latest_step(root, "nan2") == keep and keep < NAN_AT, keep
+
+
+def test_a_preemption_while_a_nan_loss_ends_the_attempt_seals_nothing_newer(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """SIGTERM (a preemption) reaches the agent as it ends the attempt for a NaN loss: its
+    final seal sealed the job's newest checkpoint, written after the NaN, and made it LATEST."""
+    root, agent = _frozen_and_stopped(cli, tmp_path, "nan3")
+    os.kill(agent, signal.SIGTERM)
+    os.kill(agent, signal.SIGCONT)
+    st = cli.wait_over("nan3", "FAILED", "PREEMPTED", timeout=120)
+    print(json.dumps(cli.events("nan3"), indent=None))  # shown when the test fails
+    [nan] = [e for e in _health(cli.events("nan3"), "nan_loss") if e["level"] == "alert"]
+    keep = nan["data"]["keep_step"]
+    assert keep is not None and keep < NAN_AT, nan
+    assert latest_step(root, "nan3") == keep, st
+    sealed = os.listdir(os.path.join(root, "nan3", "checkpoints"))
+    assert all(int(s) < NAN_AT for s in sealed), sealed
+
+
+def _frozen_and_stopped(cli: Cli, tmp_path: Any, name: str) -> Tuple[str, int]:
+    """The NaN job as run ``name``, its agent stopped (SIGSTOP, a stop point) just after the
+    NaN loss froze its sealing, before it signals the job, which goes on writing checkpoints
+    until one after the NaN is on the box: (the store's root, the agent's pid)."""
+    cli.env[STOP_AFTER_EVENT] = "kill_attempt"
+    root = _start(cli, tmp_path, name)
+    agent = cli.wait_state(name, "RUNNING")["agent"]["pid"]
+    wait(lambda: _stopped(agent), 90, "the agent to stop as it ends the attempt")
+    ckpt_dir = os.path.join(cli.home, "runs", name, "ckpt")
+    wait(lambda: _local_steps(ckpt_dir)[-1] >= FIRST_BAD_CKPT, 60, "a checkpoint after the NaN")
+    return root, agent
 
 
 def _stopped(pid: int) -> bool:

@@ -39,6 +39,7 @@ from onbox.common.sealtime import SealTime
 
 ASSUMED_SEAL_S = 60.0  # a cloud VM's preemption window is the profile's, unknown here: assumed
 HOOK_SLACK_S = 10
+HOOK_FAILED = "rgt: the final sync did not seal the newest checkpoint: the line above says why"
 STORE_CREDENTIALS = {
     "s3": ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"),
     "hf": ("HF_TOKEN",),
@@ -123,8 +124,10 @@ def task(spec: JobSpec, opts: SkyOptions, seal: SealTime, job_file: str) -> Dict
             "hooks": [
                 {
                     # The agent seals what the job has written, then LATEST is what a
-                    # recovered cluster restores; a failed sync must not block the event.
-                    "run": f"{sync} || echo 'rgt: the final seal did not finish' >&2\n",
+                    # recovered cluster restores; a failed sync must not block the event (the
+                    # sync's own error line says why: not finished, changed while sealed, or a
+                    # run frozen by a NaN loss on purpose).
+                    "run": f"{sync} || echo {shlex.quote(HOOK_FAILED)} >&2\n",
                     "events": ["preemption", "stop"],
                     "timeout": seal_s + HOOK_SLACK_S,
                 }

@@ -83,6 +83,23 @@ def test_task_structure_and_no_secret_values(tmp_path: Any) -> None:
     sync = shlex.split(hook["run"].split("||")[0])
     assert sync == ["rgt-agent", "sync", "skyrun", "--timeout", f"{budget}s"]
     assert hook["timeout"] > budget  # rgt's own deadline fires first
+    # A sync that did not seal (exit 22, or 7 for a run frozen by a NaN loss) is said after the
+    # agent's own line, and does not fail the hook: SkyPilot goes on with the event.
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "rgt-agent").write_text(
+        "#!/bin/sh\necho 'rgt-agent: error: step 9 is not sealed' >&2\nexit 22\n"
+    )
+    (bindir / "rgt-agent").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bindir}:{os.environ['PATH']}"}
+    ran = subprocess.run(
+        ["sh", "-c", hook["run"]], env=env, capture_output=True, text=True, timeout=30
+    )
+    assert ran.returncode == 0, ran
+    assert ran.stderr.splitlines() == [
+        "rgt-agent: error: step 9 is not sealed",
+        skypilot.HOOK_FAILED,
+    ]
     assert "measured" in r.stdout.splitlines()[1] or "given" in r.stdout.splitlines()[1]
     assert "HF_TOKEN" in r.stderr  # told to move the job file's credential out
 

@@ -130,9 +130,11 @@ class SealService(Hooks):
         A call to a ``file://`` store that does not return for ``[store] stall`` (a hung mount;
         S3's have their timeouts) fails the beginning as a transient store error, as a download
         that moves nothing does (onbox/sealing/stores/hangbound.py). A run frozen by a NaN loss
-        stays frozen for an agent that takes it up again; a new incarnation is not (freeze.py)."""
+        stays frozen for an agent that takes it up again; a new incarnation lifts the freeze,
+        setting aside what the job wrote after it (freeze.py)."""
         if begin:
-            freeze.clear(self.rd)
+            self.doing = "setting aside the checkpoints written after the run was frozen"
+            freeze.lift(self.rd, self.spec.ckpt_dir, self.event)
         else:
             frozen = freeze.read(self.rd)
             self.frozen_above = None if frozen is None else frozen["above"]

@@ -3,7 +3,9 @@
 What a user relies on: when the loss goes NaN the run ends FAILED saying so and at which step;
 the store's LATEST stays the last good checkpoint (sealed before the NaN, still restorable, its
 weights finite) although the job went on writing checkpoints after it; the events say what the
-health probe saw; a loss spike before it is a warning while the run goes on.
+health probe saw; a loss spike before it is a warning while the run goes on. Started again
+(the job fixed), the run resumes from that last good checkpoint; the checkpoints written after
+the NaN are moved aside, never sealed, and an event says where.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any, Dict, List, Tuple
 
 from onbox.agent import procfs
 from onbox.common.faults import STOP_AFTER_EVENT
+from onbox.common.rundir import RunDir
 from tests.conftest import FIXTURES, Cli, agent_exe, require
 from tests.polling import latest_step, wait
 
@@ -37,15 +40,17 @@ def _local_steps(ckpt_dir: str) -> List[int]:
     )
 
 
-def _start(cli: Cli, tmp_path: Any, name: str) -> str:
-    """Start the NaN job as run ``name`` with a file:// store under ``tmp_path``: its root."""
+def _start(cli: Cli, tmp_path: Any, name: str, nan_at: int = NAN_AT, total: int = TOTAL) -> str:
+    """Start the NaN job (its loss NaN from step ``nan_at``, ending at ``total``) as run
+    ``name`` with a file:// store under ``tmp_path``: its root. Again for a run that ended:
+    a new incarnation with that job."""
     require(importlib.util.find_spec("torch") is not None, "torch (pip install torch)")
     root = str(tmp_path / "durable")
-    os.makedirs(root)
+    os.makedirs(root, exist_ok=True)
     command = [
         sys.executable,
         os.path.join(FIXTURES, "nan_job.py"),
-        *(str(n) for n in (SPIKE_FROM, SPIKE_TO, NAN_AT, TOTAL, EVERY)),
+        *(str(n) for n in (SPIKE_FROM, SPIKE_TO, nan_at, total, EVERY)),
     ]
     job = os.path.join(cli.home, f"{name}.toml")
     with open(job, "w") as f:
@@ -123,6 +128,49 @@ def test_a_nan_loss_fails_the_run_and_keeps_the_last_good_checkpoint(
     step_at_spike = int(re.search(r"at step (\d+)", spike["reason"]).group(1))  # type: ignore[union-attr]
     assert SPIKE_FROM <= step_at_spike <= SPIKE_TO
     assert events.index(spike) < events.index(nan)
+
+
+def test_a_nan_run_started_again_resumes_from_the_last_good_checkpoint(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """The user fixed the job (here: its loss no longer goes NaN; it ends before the first
+    checkpoint the NaN run wrote after the NaN) and starts the run again. The new incarnation
+    sealed the checkpoints written after the NaN, and the job resumed from the newest of them,
+    its weights NaN: LATEST was one of them."""
+    root = _start(cli, tmp_path, "nan4")
+    cli.wait_over("nan4", "FAILED", "SUCCEEDED", timeout=120)
+    [nan] = [e for e in _health(cli.events("nan4"), "nan_loss") if e["level"] == "alert"]
+    keep = nan["data"]["keep_step"]
+    assert keep is not None and keep < NAN_AT and latest_step(root, "nan4") == keep, nan
+    ckpt_dir = os.path.join(cli.home, "runs", "nan4", "ckpt")
+    after = [s for s in _local_steps(ckpt_dir) if s > keep]
+    assert after and after[0] >= NAN_AT, _local_steps(ckpt_dir)  # its stop's save, at least
+
+    again = NAN_AT - 1  # the fixed job's last step: before any checkpoint written after the NaN
+    _start(cli, tmp_path, "nan4", nan_at=10 * TOTAL, total=again)
+    st = cli.wait_over("nan4", "SUCCEEDED", "FAILED", timeout=120)
+    events = cli.events("nan4")
+    print(json.dumps(events, indent=None))  # shown when the test fails
+    assert st["state"] == "SUCCEEDED", st
+
+    # the job resumed from the last good checkpoint
+    with open(RunDir("nan4", cli.home).output_log(st["attempt"])) as f:
+        resumed = re.findall(r"^resumed from step (\d+)$", f.read(), re.M)
+    assert resumed == [str(keep)], resumed
+
+    # nothing written after the NaN was sealed: LATEST is the fixed job's last checkpoint
+    assert latest_step(root, "nan4") == again
+    sealed = sorted(int(s) for s in os.listdir(os.path.join(root, "nan4", "checkpoints")))
+    assert all(s <= again for s in sealed), sealed
+
+    # those checkpoints are not gone without a trace: set aside, an event says where
+    [aside] = [e for e in events if e["kind"] == "set_aside"]
+    assert aside["steps"] == after and aside["above"] == keep, aside
+    where = aside["path"]
+    assert where in aside["reason"] and "loss is nan" in aside["reason"], aside
+    assert _local_steps(where) == after
+    assert all(s <= again for s in _local_steps(ckpt_dir)), _local_steps(ckpt_dir)
+    assert not os.path.exists(RunDir("nan4", cli.home).sealing_frozen)
 
 
 def test_a_sync_asked_of_an_agent_frozen_by_a_nan_loss_fails_saying_so(

@@ -60,3 +60,66 @@ def test_a_hangup_ignored_at_start_stays_ignored() -> None:
     out = _run("nohup")
     assert out["hup"] == "noted" and out["got"] == [] and out["code"] == 0, out
     assert out["after"][0] == signal.SIG_IGN, out
+
+
+HELD = r"""
+import json, os, signal, time
+from controller import hangup
+
+def ask(sig=signal.SIGTERM):
+    os.kill(os.getpid(), sig)
+    time.sleep(0.1)  # (a handler runs at once: os.kill to itself, in this thread)
+
+out = {}
+with hangup.handled() as got:
+    try:
+        with hangup.held():
+            ask()
+            out["held"] = "noted"
+    except KeyboardInterrupt:
+        out["at its end"] = "raised"
+    try:
+        with hangup.held():
+            try:
+                with hangup.raised_once():
+                    ask(signal.SIGINT)
+                    out["once"] = "noted"
+            except KeyboardInterrupt:
+                out["once"] = "raised"
+                ask()  # the unwinding's finally clauses: held
+                ask(signal.SIGINT)
+                out["unwinding"] = "noted"
+                raise
+    except KeyboardInterrupt:
+        out["left"] = "the first ask only"
+    try:
+        with hangup.held(), hangup.raised_once():
+            with hangup.held():  # (the start of a process, within the walk)
+                ask()
+                out["inner held"] = "noted"
+            out["after it"] = "not reached"
+    except KeyboardInterrupt:
+        out["inner held"] += ", raised at its end"
+    out["got"] = list(got)
+print(json.dumps(out))
+"""
+
+
+def test_held_asks_wait_for_its_end_and_raised_once_raises_the_first_only() -> None:
+    """What `rgt smoke` relies on (controller/smoke/walk.py): a held ask raises at the end of
+    ``held``, not within; within ``raised_once`` the first ask raises and the later ones, sent
+    while it unwinds, do not; an ask held within it raises at the end of that ``held``."""
+    p = subprocess.run(
+        [sys.executable, "-c", HELD], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out.pop("got") == [15, 2, 15, 2, 15], out
+    assert out == {
+        "held": "noted",
+        "at its end": "raised",
+        "once": "raised",
+        "unwinding": "noted",
+        "left": "the first ask only",
+        "inner held": "noted, raised at its end",
+    }

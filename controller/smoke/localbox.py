@@ -4,10 +4,14 @@ run`` started there as a child process, with the job on the CPU (``CUDA_VISIBLE_
 unless a GPU is asked for) and ``RGT_SMOKE=1`` in its environment.
 
 The run is read the way ``rgt-agent status`` reads it (onbox.agent.observe, in this process).
-``close`` stops every process this box started, by PID: the agents it spawned, then every shim
-and job the runs recorded (by pid and start time, so a reused pid is never hit) and any process
-whose environment names this box's RGT_HOME (a job's own children), until none is left. No
-agent is left to restart anything, since the shims go first with the agents.
+Each agent is a ``controller.children.Child`` (a session of its own, out of reach of the
+terminal's Ctrl-C, as every child of rgt), entered in ``agents`` before an ask can raise
+(``controller.hangup.held``: an ask while it starts would otherwise leave it running, unknown).
+The shims and jobs it starts detach into sessions of their own, out of reach of its group, so
+``close`` stops every process this box started, by PID: the agents it spawned with their
+process groups, then every shim and job the runs recorded (by pid and start time, so a reused
+pid is never hit) and any process whose environment names this box (its RGT_HOME, a run under
+it, its TMPDIR: a job's own children, an agent a shim started again), until none is left.
 """
 
 from __future__ import annotations
@@ -21,12 +25,18 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
+from controller import hangup
+from controller.children import Child
 from onbox.agent import observe, procfs
 from onbox.agent.lock import read_holder
 from onbox.agent.spec import JobSpec
 from onbox.common import jsondoc
 from onbox.common.rundir import RunDir
 
+# A process SIGKILLed is gone once it leaves the kernel: at once, but one blocked in a system
+# call that cannot be cut (an fsync on a busy disk) stays, killed, until it returns: a bound
+# in time, not a count of polls, so that a loaded machine has its time.
+STOP_WITHIN = 60.0
 # The job's variables of an outer run (rgt smoke inside a job) never leak into the private one.
 _KEEP_RGT = ("RGT_PROFILES_DIR", "RGT_MTBF")
 
@@ -48,13 +58,14 @@ class LocalBox:
         os.makedirs(self.store_root, mode=0o700)
         env = {k: v for k, v in os.environ.items() if not k.startswith("RGT_") or k in _KEEP_RGT}
         # The job's own temporary files (torch's compile cache) go with the box too.
-        tmp = os.path.join(root, "tmp")
-        os.makedirs(tmp, mode=0o700)
-        env.update(RGT_HOME=self.home, RGT_SMOKE="1", TMPDIR=tmp)
+        self.tmp = os.path.join(root, "tmp")
+        os.makedirs(self.tmp, mode=0o700)
+        env.update(RGT_HOME=self.home, RGT_SMOKE="1", TMPDIR=self.tmp)
         if not gpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
         self.env = env
-        self.agents: Dict[str, subprocess.Popen[bytes]] = {}
+        self.agents: Dict[str, Child] = {}
+        self.started: List[Child] = []  # every agent, also one a later start replaced
 
     @property
     def store_url(self) -> str:
@@ -91,10 +102,11 @@ class LocalBox:
             argv += ["--store", self.store_url]
         if command:
             argv += ["--", *command]
-        with open(os.path.join(self.root, f"agent-{name}.out"), "ab") as out:
-            self.agents[name] = subprocess.Popen(
-                argv, cwd=cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=out
-            )
+        # Held: a Popen cut by an ask after its fork leaves a process that nothing knows.
+        with hangup.held(), open(os.path.join(self.root, f"agent-{name}.out"), "ab") as out:
+            p = Child(argv, cwd=cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=out)
+            self.started.append(p)
+            self.agents[name] = p
 
     def agent_output(self, name: str) -> str:
         try:
@@ -193,21 +205,26 @@ class LocalBox:
         return found
 
     def _ours(self) -> List[int]:
-        """Processes whose environment names this box's RGT_HOME or a run under it."""
-        key = self.home.encode()
+        """Processes whose environment names this box's RGT_HOME, a run under it or its
+        TMPDIR."""
+        key, tmp = self.home.encode(), self.tmp.encode()
         out = []
         for pid in procfs.pids():
             env = procfs.environ(pid) if pid != os.getpid() else None
             if env and (
                 env.get(b"RGT_HOME") == key
+                or env.get(b"TMPDIR") == tmp
                 or (env.get(b"RGT_RUN_DIR") or b"").startswith(key + b"/")
             ):
                 out.append(pid)
         return out
 
     def _kill_recorded(self, name: Optional[str] = None) -> None:
+        """SIGKILL the processes of run ``name`` (of every run, and every process ``_ours``
+        finds, when None) until none is left, at most ``STOP_WITHIN`` seconds."""
         names = [name] if name else list(self.agents)
-        for _ in range(50):
+        deadline = time.monotonic() + STOP_WITHIN
+        while time.monotonic() < deadline:
             victims = [i.pid for n in names for i in self._recorded(n) if procfs.is_alive(i)]
             if name is None:
                 victims += self._ours()
@@ -221,13 +238,14 @@ class LocalBox:
             time.sleep(0.1)
 
     def close(self) -> None:
-        """Stop every process this box started, by PID; wait for the agents it spawned."""
-        for p in self.agents.values():
-            if p.poll() is None:
-                p.kill()
-        for p in self.agents.values():
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                pass
-        self._kill_recorded()
+        """Stop every process this box started, by PID; wait for the agents it spawned. Held
+        (``controller.hangup.held``): a second Ctrl-C or SIGTERM does not cut it."""
+        with hangup.held():
+            for p in self.started:
+                p.kill()  # (its process group: SIGKILL)
+            for p in self.started:
+                try:
+                    subprocess.Popen.wait(p, 10)  # (Child's raises once stop_all killed it)
+                except subprocess.TimeoutExpired:
+                    pass
+            self._kill_recorded()

@@ -30,6 +30,7 @@ import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from controller import hangup
 from controller.deploy.project import project_files
 from controller.smoke import finish
 from controller.smoke.checks import Report, rate_text, seal_text, short_list, step_rate, tree
@@ -395,30 +396,31 @@ def check_request(req: SmokeRequest) -> None:
 
 def smoke(req: SmokeRequest, emit: Callable[[str], None]) -> None:
     """Walk the checks for ``req``, printing a line each; SmokeFailed at the first failure.
-    Every process started is stopped by PID before it returns or raises (also on Ctrl-C and
-    SIGTERM), and the temporary directory is deleted unless ``--keep DIR`` named it."""
+    Every process started is stopped by PID before it returns or raises, also on a Ctrl-C, a
+    SIGTERM or a hang-up (controller/hangup.py, set up by `rgt`'s ``main``: KeyboardInterrupt,
+    exit 130, 143 or 129), and the temporary directory is deleted unless ``--keep DIR`` named
+    it. Only the walk itself is cut by an ask, once (``hangup.raised_once``): the local box's
+    processes have no owner but this function, so making the box and stopping it are held
+    (``hangup.held``), and a second ask cannot leave them running."""
     check_request(req)
-    if req.keep:
-        os.makedirs(req.keep, mode=0o700, exist_ok=True)
-        root = os.path.abspath(req.keep)
-    else:
-        root = tempfile.mkdtemp(prefix="rgt-smoke-")
-    previous = signal.signal(signal.SIGTERM, _interrupt)
     t0 = time.monotonic()
-    box = LocalBox(root, gpu=req.gpu)
-    try:
-        emit(f"smoke: {' '.join(req.command) or req.job_file} under a private rgt-agent "
-             f"({'GPU' if req.gpu else 'CPU'}, RGT_SMOKE=1, store {box.store_url})")  # fmt: skip
-        Walk(req, box, Report(emit)).run()
-        emit(f"smoke: every check passed in {time.monotonic() - t0:.0f} s")
-    finally:
-        box.close()
-        signal.signal(signal.SIGTERM, previous)
+    with hangup.held():
         if req.keep:
-            emit(f"smoke: kept {root}")
+            os.makedirs(req.keep, mode=0o700, exist_ok=True)
+            root = os.path.abspath(req.keep)
         else:
-            shutil.rmtree(root, ignore_errors=True)
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt  # the finally clauses stop every process, as for Ctrl-C
+            root = tempfile.mkdtemp(prefix="rgt-smoke-")
+        box = LocalBox(root, gpu=req.gpu)
+        try:
+            with hangup.raised_once():
+                emit(f"smoke: {' '.join(req.command) or req.job_file} under a private "
+                     f"rgt-agent ({'GPU' if req.gpu else 'CPU'}, RGT_SMOKE=1, store "
+                     f"{box.store_url})")  # fmt: skip
+                Walk(req, box, Report(emit)).run()
+                emit(f"smoke: every check passed in {time.monotonic() - t0:.0f} s")
+        finally:
+            box.close()
+            if req.keep:
+                emit(f"smoke: kept {root}")
+            else:
+                shutil.rmtree(root, ignore_errors=True)

@@ -169,6 +169,134 @@ def test_ctrl_c_stops_every_process_and_removes_the_box(env: Dict[str, str]) -> 
     assert _left(env) == []
 
 
+def _box_processes(tmp: str) -> List[int]:
+    """Live processes of smokes made under ``tmp``: their environment names it as TMPDIR or
+    RGT_HOME, which the box's agents, shims and jobs have, and rgt's own children too before
+    their exec (a fork of rgt: its TMPDIR)."""
+    key = tmp.encode()
+    found = []
+    for pid in procfs.pids():
+        env = procfs.environ(pid) if pid != os.getpid() else None
+        if env and any((env.get(k) or b"").startswith(key) for k in (b"TMPDIR", b"RGT_HOME")):
+            found.append(pid)
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "(gone)"
+
+
+def _kill_box_processes(tmp: str) -> List[str]:
+    """SIGKILL, by PID, every process ``_box_processes`` finds, until none is left; those found
+    first, each as its PID and command line."""
+    first = [f"{pid} {_cmdline(pid)}" for pid in _box_processes(tmp)]
+    for _ in range(50):
+        left = _box_processes(tmp)
+        if not left:
+            break
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.1)
+    return first
+
+
+# Where the asks land: (the walk's line after which they are sent, the delays in seconds).
+# "smoke:" is printed just before the first agent starts; "attempt" is once the agent made
+# the run's first attempt (it starts the shim, which starts the job); "ok 1" once the job
+# trains; "ok 4" just before the preemption, the wipe and the second agent of check 5.
+_PHASES = {
+    "agent_starting": ("smoke:", [0.0, 0.02, 0.1, 0.3]),
+    "job_starting": ("attempt", [0.0, 0.02, 0.05]),
+    "training": (r"ok +1 ", [0.0, 0.1]),
+    "resuming": (r"ok +4 ", [0.0, 0.05, 0.1, 0.2, 0.4, 0.8]),
+}
+
+
+def _interrupted(
+    base: Dict[str, str], tmp: str, after: str, delay: float, asks: List[int], gap: float = 0.05
+) -> Any:
+    """`rgt smoke` of the no-load fixture (it fails at 5 if nothing stops it), sent ``asks``
+    (signals, ``gap`` seconds apart) ``delay`` seconds after the walk printed a line that
+    ``after`` (a regular expression) matches, or its run's first attempt was made ("attempt");
+    its exit code, its output, and what of its box was left once it ended: live processes
+    (killed then by PID), and its temporary directory."""
+    os.makedirs(tmp)
+    e = dict(base, TMPDIR=tmp)
+    job = os.path.join(FIXTURES, "smoke_no_load.toml")
+    argv = [*rgt_exe(), "smoke", "--project", FIXTURES, "--timeout", "30", job]
+    p = subprocess.Popen(argv, env=e, cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    out: List[str] = []
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:  # bounded: the walk's own --timeout, and the test's timeout
+            out.append(line)
+            if re.match("smoke:" if after == "attempt" else after, line):
+                break
+        else:
+            raise AssertionError(f"the walk ended before {after!r}: {''.join(out)}")
+        attempts = os.path.join(tmp, "*", "home", "runs", "smoke", "attempts", "*")
+        while after == "attempt" and not glob.glob(attempts):
+            assert p.poll() is None, "the walk ended before its first attempt"
+            time.sleep(0.002)
+        time.sleep(delay)
+        for signum in asks:
+            if p.poll() is None:
+                p.send_signal(signum)
+            time.sleep(gap)
+        rc = p.wait(90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        out.append(p.communicate(timeout=30)[0])
+        left = _kill_box_processes(tmp)
+    return rc, "".join(out), left + os.listdir(tmp)
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("phase", sorted(_PHASES))
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_an_ask_at_any_point_of_the_walk_leaves_no_process(
+    env: Dict[str, str], phase: str, signum: int
+) -> None:
+    """A SIGTERM or a Ctrl-C while the first agent starts, while it starts the shim and the
+    job, while the job trains, or during the preemption, wipe and restart of check 5, at
+    several delays: `rgt smoke` exits 128 + the
+    signal (130 for a Ctrl-C, 143 for a SIGTERM: controller/hangup.py, as every command), or
+    19 where the walk failed at 5 before it, and no process of its local box is left."""
+    after, delays = _PHASES[phase]
+    want = 128 + signum
+    bad = []
+    for i, delay in enumerate(delays):
+        tmp = os.path.join(env["TMPDIR"], f"{phase}-{i}")
+        rc, out, left = _interrupted(env, tmp, after, delay, [signum])
+        if left or rc not in (want, 19) or (rc == 19 and phase != "resuming"):
+            bad.append(f"{delay} s after {after!r}: exit {rc}, left {left}\n{out}")
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("after", [r"ok +1 ", r"ok +4 "])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_asks_repeated_during_the_cleanup_leave_no_process(
+    env: Dict[str, str], after: str, signum: int
+) -> None:
+    """The signal 40 times, 5 ms apart (an impatient person's Ctrl-C, a service manager's
+    SIGTERM): the later ones land while the first one's cleanup stops the local box, and cut
+    none of it. The exit: 128 + the signal, or killed by it where one came once rgt had put
+    the default handlers back, on its way out."""
+    tmp = os.path.join(env["TMPDIR"], "repeated")
+    rc, out, left = _interrupted(env, tmp, after, 0.0, [signum] * 40, 0.005)
+    assert left == [], out
+    assert rc in (128 + signum, -signum), out
+
+
 def test_deploy_smoke_creates_nothing_on_the_box_when_the_smoke_fails(
     env: Dict[str, str], tmp_path: Any
 ) -> None:

@@ -27,7 +27,7 @@ import signal
 import subprocess
 import threading
 import weakref
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Set
 
 _lock = threading.Lock()
 _live: weakref.WeakSet[Child] = weakref.WeakSet()  # started, maybe running
@@ -80,6 +80,12 @@ def run(
             p.kill()
             raise
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def started() -> Set[int]:
+    """The PIDs of the children started and not collected yet, running or not."""
+    with _lock:
+        return {p.pid for p in _live}
 
 
 def stop_all() -> None:

@@ -7,11 +7,15 @@ The run is read the way ``rgt-agent status`` reads it (onbox.agent.observe, in t
 Each agent is a ``controller.children.Child`` (a session of its own, out of reach of the
 terminal's Ctrl-C, as every child of rgt), entered in ``agents`` before an ask can raise
 (``controller.hangup.held``: an ask while it starts would otherwise leave it running, unknown).
-The shims and jobs it starts detach into sessions of their own, out of reach of its group, so
-``close`` stops every process this box started, by PID: the agents it spawned with their
-process groups, then every shim and job the runs recorded (by pid and start time, so a reused
-pid is never hit) and any process whose environment names this box (its RGT_HOME, a run under
-it, its TMPDIR: a job's own children, an agent a shim started again), until none is left.
+The shims and jobs it starts detach into sessions of their own, out of reach of its group, and
+name themselves (onbox/agent/title.py: their environment in /proc is then the title's, not
+theirs), and a shim outlives its agent; so while the box lives this process is their child
+subreaper (Linux: PR_SET_CHILD_SUBREAPER), and each stays below it, in /proc's parent links,
+whatever session it is in and whichever parent died. ``close`` stops every process this box
+started, by PID: the agents it spawned with their process groups, then every live process
+below this one that is the box's (``_below``), every shim and job the runs recorded (by pid and
+start time, so a reused pid is never hit) and any process whose environment names this box
+(its RGT_HOME, a run under it, its TMPDIR), until none is left.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
-from controller import hangup
+from controller import children, hangup
 from controller.children import Child
 from onbox.agent import observe, procfs
 from onbox.agent.lock import read_holder
@@ -37,8 +41,20 @@ from onbox.common.rundir import RunDir
 # call that cannot be cut (an fsync on a busy disk) stays, killed, until it returns: a bound
 # in time, not a count of polls, so that a loaded machine has its time.
 STOP_WITHIN = 60.0
+PR_SET_CHILD_SUBREAPER = 36
 # The job's variables of an outer run (rgt smoke inside a job) never leak into the private one.
 _KEEP_RGT = ("RGT_PROFILES_DIR", "RGT_MTBF")
+
+
+def _subreaper(on: bool) -> None:
+    """This process the child subreaper (``on``) of its descendants, or no longer; best effort
+    (Linux >= 3.4), as onbox/agent/shim.py's."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def agent_command() -> List[str]:
@@ -66,6 +82,7 @@ class LocalBox:
         self.env = env
         self.agents: Dict[str, Child] = {}
         self.started: List[Child] = []  # every agent, also one a later start replaced
+        _subreaper(True)  # (until close)
 
     @property
     def store_url(self) -> str:
@@ -219,6 +236,37 @@ class LocalBox:
                 out.append(pid)
         return out
 
+    def _below(self) -> List[int]:
+        """Live processes below this one that are the box's: every descendant but those of the
+        children that rgt started for something else (controller/children.py; `rgt smoke`
+        and `deploy --smoke` start none while the box lives)."""
+        others = children.started() - {p.pid for p in self.started}
+        kids: Dict[int, List[int]] = {}
+        for pid in procfs.pids():
+            st = procfs.read_stat(pid)
+            if st is not None and st.state not in ("Z", "X"):
+                kids.setdefault(st.ppid, []).append(pid)
+        found, todo = [], [c for c in kids.get(os.getpid(), []) if c not in others]
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            todo += kids.get(pid, [])
+        return found
+
+    def _reap(self) -> None:
+        """Collect the box's processes that ended as this process's children (those it adopted
+        as their subreaper), so none stays a zombie; not the ``Child`` ones (their Popen
+        does)."""
+        for pid in procfs.pids():
+            st = procfs.read_stat(pid)
+            if st is None or st.ppid != os.getpid() or st.state != "Z":
+                continue
+            if pid not in children.started():
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:
+                    pass
+
     def _kill_recorded(self, name: Optional[str] = None) -> None:
         """SIGKILL the processes of run ``name`` (of every run, and every process ``_ours``
         finds, when None) until none is left, at most ``STOP_WITHIN`` seconds."""
@@ -227,7 +275,7 @@ class LocalBox:
         while time.monotonic() < deadline:
             victims = [i.pid for n in names for i in self._recorded(n) if procfs.is_alive(i)]
             if name is None:
-                victims += self._ours()
+                victims += self._ours() + self._below()
             if not victims:
                 return
             for pid in victims:
@@ -249,3 +297,5 @@ class LocalBox:
                 except subprocess.TimeoutExpired:
                     pass
             self._kill_recorded()
+            self._reap()
+            _subreaper(False)

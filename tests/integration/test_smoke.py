@@ -297,6 +297,63 @@ def test_asks_repeated_during_the_cleanup_leave_no_process(
     assert rc in (128 + signum, -signum), out
 
 
+def _shim_below(pid: int) -> Any:
+    """The identity of the shim of attempt 1 below ``pid`` (its agent's child, or its own once
+    the agent is gone), by its title (onbox/agent/title.py); None while there is none."""
+    for cand in procfs.pids():
+        st = procfs.read_stat(cand)
+        if st is None or _cmdline(cand) != "rgt-agent shim smoke attempt 1":
+            continue
+        parent = procfs.read_stat(st.ppid)
+        if st.ppid == pid or (parent is not None and parent.ppid == pid):
+            return procfs.Identity(cand, st.start_ticks)
+    return None
+
+
+@pytest.mark.timeout(300)
+def test_a_sigterm_while_the_shim_starts_the_job_leaves_no_shim(env: Dict[str, str]) -> None:
+    """A loaded machine, made certain: the shim of the first attempt stopped (SIGSTOP) once it
+    has named itself (its environment in /proc is then its title's) and before it recorded
+    its job in job.json, then SIGTERM to `rgt smoke`. Neither the records nor the environment
+    find that shim; left running, it starts the job and, no agent holding the run, an agent
+    again. Tried until the stop lands in that window (it is ms wide)."""
+    job = os.path.join(FIXTURES, "smoke_no_load.toml")
+    for i in range(10):
+        tmp = os.path.join(env["TMPDIR"], f"try-{i}")
+        os.makedirs(tmp)
+        e = dict(env, TMPDIR=tmp)
+        argv = [*rgt_exe(), "smoke", "--project", FIXTURES, "--timeout", "30", job]
+        p = subprocess.Popen(argv, env=e, cwd=ROOT, stdout=subprocess.DEVNULL)
+        shim = None
+        try:
+            records = os.path.join(
+                tmp, "*", "home", "runs", "smoke", "attempts", "0001", "job.json"
+            )
+            deadline = time.monotonic() + 60
+            while shim is None and not glob.glob(records):
+                assert time.monotonic() < deadline and p.poll() is None, "no shim started"
+                shim = _shim_below(p.pid)
+            if shim is not None:
+                os.kill(shim.pid, signal.SIGSTOP)
+                time.sleep(0.1)  # (what it was writing is written, or not begun)
+            if shim is None or glob.glob(records):
+                continue  # the window was missed: try again
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(90) == 143
+            left = procfs.is_alive(shim)
+            assert not left, f"the shim {shim.pid} was left running"
+            assert _box_processes(tmp) == []
+            return
+        finally:
+            if p.poll() is None:
+                p.kill()
+            p.wait(30)
+            if shim is not None and procfs.is_alive(shim):
+                os.kill(shim.pid, signal.SIGKILL)
+            _kill_box_processes(tmp)
+    raise AssertionError("the shim was never stopped before it recorded its job: 10 tries")
+
+
 def test_deploy_smoke_creates_nothing_on_the_box_when_the_smoke_fails(
     env: Dict[str, str], tmp_path: Any
 ) -> None:

@@ -289,13 +289,15 @@ class LocalBox:
         """Stop every process this box started, by PID; wait for the agents it spawned. Held
         (``controller.hangup.held``): a second Ctrl-C or SIGTERM does not cut it."""
         with hangup.held():
-            for p in self.started:
-                p.kill()  # (its process group: SIGKILL)
-            for p in self.started:
-                try:
-                    subprocess.Popen.wait(p, 10)  # (Child's raises once stop_all killed it)
-                except subprocess.TimeoutExpired:
-                    pass
-            self._kill_recorded()
-            self._reap()
-            _subreaper(False)
+            try:
+                for p in self.started:
+                    p.kill()  # (its process group: SIGKILL)
+                for p in self.started:
+                    try:
+                        subprocess.Popen.wait(p, 10)  # (Child's raises once stop_all killed it)
+                    except subprocess.TimeoutExpired:
+                        pass
+                self._kill_recorded()
+                self._reap()
+            finally:
+                _subreaper(False)

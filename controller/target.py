@@ -3,7 +3,8 @@
 TARGET is one of:
 
 - ``local``: this machine, no ssh (the embedded default);
-- an ssh config alias (``gpu1``), ``host``, ``user@host`` or ``user@host:port``;
+- an ssh config alias (``gpu1``), ``host``, ``user@host`` or ``user@host:port``, or ssh's URI
+  form ``ssh://[user@]host[:port]``;
 - a pasted ssh command line exactly as platforms print it: ``ssh -p 40123
   root@connect.westb.example.com``, ``ssh user@host -p 2222 -i ~/.ssh/key``. Of its options
   ``-p``, ``-i`` (then ``IdentitiesOnly=yes``), ``-l`` and ``-J`` are honoured; any other option is
@@ -65,7 +66,9 @@ def _refuse(problem: str, remedy: str = "") -> UsageError:
     return UsageError(
         "TARGET",
         problem,
-        remedy or "give an ssh alias, user@host[:port], a pasted `ssh ...` line, or local",
+        remedy
+        or "give an ssh alias, user@host[:port], ssh://user@host:port, a pasted `ssh ...` line, "
+        "or local",
     )
 
 
@@ -95,8 +98,21 @@ def _check_user(user: str) -> str:
 
 
 def _split_destination(dest: str) -> Dict[str, Any]:
-    """user@host[:port] (the port form only where ssh itself would not take it as IPv6)."""
+    """user@host[:port] (the port form only where ssh itself would not take it as IPv6), or
+    ssh's own URI form, ssh://[user@]host[:port] (an IPv6 host in brackets there)."""
     out: Dict[str, Any] = {}
+    if dest[:6].lower() == "ssh://":
+        uri = dest[6:]
+        uri = uri[:-1] if uri.endswith("/") else uri  # as a browser or a dashboard copies it
+        if "/" in uri or "?" in uri or ";" in uri:
+            raise _refuse(
+                f"{dest!r} has a path or parameters: an ssh:// target is only "
+                "ssh://[user@]host[:port]"
+            )
+        dest = uri
+        host = dest.rpartition("@")[2]
+        if host.count(":") > 1 and not host.startswith("["):
+            raise _refuse(f"{dest!r}: an IPv6 address in an ssh:// target goes in brackets")
     if "@" in dest:
         user, _, dest = dest.rpartition("@")
         out["user"] = _check_user(user)

@@ -140,8 +140,8 @@ def _instance(value: Optional[str]) -> Optional[str]:
 @click.option("--smoke", is_flag=True, help="Run `rgt smoke` here first; deploy only if it passes.")
 @click.pass_context
 def deploy(ctx: click.Context, /, outputs: List[str], sbatch: List[str], **options: Any) -> int:
-    """Put a run on TARGET (an ssh alias, user@host[:port], a pasted `ssh ...` line, or local)
-    and return once its job has printed its first line."""
+    """Put a run on TARGET (an ssh alias, user@host[:port], ssh://user@host:port, a pasted
+    `ssh ...` line, or local) and return once its job has printed its first line."""
     from controller.deploy.flow import deploy as do_deploy
     from controller.deploy.request import DeployRequest
 

@@ -7,8 +7,9 @@ TARGET is one of:
   form ``ssh://[user@]host[:port]``;
 - a pasted ssh command line exactly as platforms print it: ``ssh -p 40123
   root@connect.westb.example.com``, ``ssh user@host -p 2222 -i ~/.ssh/key``. Of its options
-  ``-p``, ``-i`` (then ``IdentitiesOnly=yes``), ``-l`` and ``-J`` are honoured; any other option is
-  refused by name, since it could change what rgt's own ssh options guarantee.
+  ``-p``, ``-i`` (then ``IdentitiesOnly=yes``), ``-l`` and ``-J`` are honoured, the port forwards
+  ``-L`` and ``-D`` (for the user's own browser) are left out; any other option is refused by
+  name, since it could change what rgt's own ssh options guarantee.
 
 A host that starts with ``-`` is refused (ssh would read it as an option, e.g.
 ``-oProxyCommand=...``), as is anything with whitespace or control characters in a field.
@@ -28,6 +29,10 @@ _HOST = re.compile(r"[A-Za-z0-9_.:%\[\]-]+\Z")  # names, IPv4, [IPv6], ssh confi
 _USER = re.compile(r"[A-Za-z0-9_.][A-Za-z0-9_.-]*\$?\Z")
 _JUMP = re.compile(r"[A-Za-z0-9_.@:,\[\]%-]+\Z")
 TAKES_VALUE = {"-p": "port", "-i": "identity", "-l": "user", "-J": "jump"}
+# Port forwards for the user's own browser (vast.ai's line carries `-L 8080:localhost:8080` for
+# Jupyter): left out, with their value. rgt's commands need none, and its one shared connection
+# must not hold a local port that the user's own ssh session means to bind.
+FORWARDS = ("-L", "-D")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +159,11 @@ def parse_target(text: str) -> Target:
         w = words[i]
         if w.startswith("-") and len(w) >= 2:  # options may follow the destination too
             flag, inline = w[:2], w[2:]
+            if flag in FORWARDS:
+                if not inline and i + 1 >= len(words):
+                    raise _refuse(f"the ssh option {flag} needs a value")
+                i += 1 if inline else 2
+                continue
             if flag not in TAKES_VALUE:
                 raise _refuse(
                     f"the ssh option {w.split('=')[0]!r} is not one rgt passes on "

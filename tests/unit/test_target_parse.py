@@ -1,6 +1,7 @@
 """TARGET as users paste it: ssh's URI form (``ssh://user@host:port``, which OpenSSH takes and
 dashboards print) means what the same user@host:port means; anything more in it is refused
-before anything is done."""
+before anything is done. A pasted line's port forwards (vast.ai's carries one for Jupyter) are
+left out; other options are still refused by name."""
 
 from __future__ import annotations
 
@@ -43,6 +44,27 @@ def test_the_uri_fields_land_where_ssh_puts_them() -> None:
     ],
 )
 def test_an_ssh_uri_with_more_or_less_is_refused_saying_what(given: str, said: str) -> None:
+    with pytest.raises(UsageError) as e:
+        parse_target(given)
+    assert said in str(e.value), str(e.value)
+
+
+def test_a_pasted_line_with_port_forwards_is_taken_without_them() -> None:
+    vast = "ssh -p 31234 root@ssh4.vast.ai -L 8080:localhost:8080"
+    assert parse_target(vast) == Target("ssh", host="ssh4.vast.ai", user="root", port=31234)
+    both = "ssh -L8888:localhost:8888 -D 1080 -p 22 me@box"
+    assert parse_target(both) == Target("ssh", host="box", user="me", port=22)
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        ("ssh root@box -L", "the ssh option -L needs a value"),
+        ("ssh root@box -o ProxyCommand=x", "the ssh option '-o' is not one rgt passes on"),
+        ("ssh root@box -R 9000:localhost:9000", "the ssh option '-R' is not one rgt passes on"),
+    ],
+)
+def test_other_options_of_a_pasted_line_are_still_refused(given: str, said: str) -> None:
     with pytest.raises(UsageError) as e:
         parse_target(given)
     assert said in str(e.value), str(e.value)

@@ -60,7 +60,12 @@ def parse_store_url(url: str, field: str = "store") -> StoreURL:
     """Check a store URL; a malformed one raises UsageError naming ``field``, what is wrong
     and the accepted forms. Opens nothing, imports no extra."""
     if not isinstance(url, str) or "://" not in url:
-        raise UsageError(field, f"{url!r} is not a store URL", EXAMPLES)
+        # A bare absolute path is the commonest slip: its URL is said, not guessed silently
+        # (the store must be durable, and the path is on the box, not this machine).
+        remedy = (
+            f"write file://{url} for that path" if isinstance(url, str) and url[:1] == "/" else ""
+        )
+        raise UsageError(field, f"{url!r} is not a store URL", remedy or EXAMPLES)
     parts = urlsplit(url)
     scheme = parts.scheme.lower()
     if scheme == "file":

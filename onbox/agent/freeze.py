@@ -12,6 +12,11 @@ freeze's step are moved aside, into ``RGT_CKPT_DIR/.rgt-quarantine/frozen-<time>
 of the freeze (a hidden ``.rgt-`` name: never sealed, never resumed from), and a ``set_aside``
 event says where. Left in place, the new agent sealed them and made the newest LATEST, and the
 restarted job resumed from it, its weights NaN. Nothing is deleted: they are there to inspect.
+
+A run with no store has no sealer, and its freeze all the same: the agent writes it where the
+NaN is handled (onbox/agent/healthuse.py), at the newest checkpoint on the box at or before the
+last good loss (``last_good``), and its next incarnation lifts it (onbox/agent/loop.py), so the
+job resumes from that checkpoint and not from one the NaN run wrote.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from onbox.sealing.discovery import dir_step, is_ckpt_file, skip, step_from_name
 
 # Inside the checkpoint dir, on its filesystem: each move is a rename, never a copy.
 ASIDE = ".rgt-quarantine"
+# What a beginning is doing while it lifts a freeze (restore_failed says it when that fails).
+LIFTING = "setting aside the checkpoints written after the run was frozen"
 
 
 def write(rd: RunDir, above: int, reason: str, remedy: str) -> None:
@@ -117,10 +124,18 @@ def _steps(steps: List[int]) -> str:
     return ("step " if len(steps) == 1 else "steps ") + ", ".join(map(str, steps))
 
 
+def last_good(ckpt_dir: str, good: int) -> Optional[int]:
+    """The step of the newest complete checkpoint in ``ckpt_dir`` at or before ``good`` (the
+    last step whose loss was good), None when there is none: what a run with no store keeps."""
+    steps = [step for step, _ in _newer(ckpt_dir, -1) if step <= good]
+    return steps[-1] if steps else None
+
+
 def _newer(ckpt_dir: str, above: int) -> List[Tuple[int, str]]:
-    """(step, name) of each complete checkpoint in ``ckpt_dir`` newer than ``above``, as the
-    sealer and the job's resume would take it (onbox/sealing/discovery.py): a directory with a
-    completeness marker, a loose file in a checkpoint format named with its step."""
+    """(step, name) of each complete checkpoint in ``ckpt_dir`` newer than ``above``, oldest
+    first, as the sealer and the job's resume would take it (onbox/sealing/discovery.py): a
+    directory with a completeness marker, a loose file in a checkpoint format named with its
+    step."""
     try:
         names = os.listdir(ckpt_dir)
     except FileNotFoundError:

@@ -12,6 +12,7 @@ import os
 import time
 from typing import Callable, List, Optional, Tuple
 
+from onbox.agent import freeze
 from onbox.agent.journal import FileJournal
 from onbox.agent.profileuse import load_profile
 from onbox.agent.runner import ShimRunner
@@ -63,11 +64,19 @@ def build(spec: JobSpec, rd: RunDir, event: Callable[..., None]) -> List[Probe]:
         MemoryProbe(cfg.memory, owner),
         GpuProbe(cfg.gpu, owner, event),
         StallProbe(cfg.stall, rd, spec.progress_pattern, owner, event),
-        TrainingProbe(cfg.training, rd),
+        TrainingProbe(cfg.training, rd, local_keep(spec)),
         SealingProbe(cfg.sealing, spec.ckpt_interval, has_store=spec.store is not None),
         ClocksProbe(danger_clocks(spec)),
     ]
     return probes
+
+
+def local_keep(spec: JobSpec) -> Optional[Callable[[int], Optional[int]]]:
+    """A run with no store keeps, at a NaN loss, the newest checkpoint on the box at or before
+    the last good loss (freeze.py ``last_good``); one with a store keeps LATEST."""
+    if spec.store is not None:
+        return None
+    return lambda good: freeze.last_good(spec.ckpt_dir, good)
 
 
 def danger_clocks(spec: JobSpec) -> List[Tuple[str, float, str, str]]:
@@ -91,8 +100,10 @@ class AgentHealth:
         sup: Supervisor,
         runner: ShimRunner,
         seal: Optional[SealService],
+        rd: RunDir,
     ) -> None:
         self.watcher, self.sup, self.runner, self.seal = watcher, sup, runner, seal
+        self.rd = rd
 
     def context(self) -> Context:
         sup = self.sup
@@ -117,11 +128,20 @@ class AgentHealth:
             elif a.kind == "free_room" and seal is not None:
                 seal.want_room()
             elif a.kind in ("restart", "fail"):
-                if a.kind == "fail" and seal is not None:
-                    seal.freeze(a.data.get("keep_step"), a.reason, a.remedy)
+                if a.kind == "fail":
+                    self._freeze(a.data.get("keep_step"), a.reason, a.remedy)
                 default = "stalled" if a.kind == "restart" else "health"
                 kind = str(a.data.get("exit_kind", default))
                 sup.kill_attempt(a.reason, then=a.kind, kind=kind, klass=a.klass, remedy=a.remedy)
+
+    def _freeze(self, keep_step: Optional[int], reason: str, remedy: str) -> None:
+        """Nothing newer than ``keep_step`` is sealed, nor resumed from once the run is started
+        again (freeze.py). A run with no store has no sealer to freeze, and the freeze all the
+        same: its next incarnation sets aside what the job writes after the NaN."""
+        if self.seal is not None:
+            self.seal.freeze(keep_step, reason, remedy)
+        else:
+            freeze.write(self.rd, -1 if keep_step is None else keep_step, reason, remedy)
 
     def stop(self) -> None:
         # Short: the run's end is recorded already, and a preemption's budget may be nearly
@@ -160,7 +180,7 @@ def start(
         series=Series(rd.health),
         wake=wake,
     )
-    health = AgentHealth(watcher, sup, runner, seal)
+    health = AgentHealth(watcher, sup, runner, seal, rd)
     holder.append(health)
     for p in probes:  # the GPU probe holds a restart until the last attempt's memory is free
         gate = getattr(p, "may_start", None)

@@ -20,7 +20,7 @@ import signal
 import sys
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, TextIO, Tuple, cast
 
-from onbox.agent import healthuse, procfs
+from onbox.agent import freeze, healthuse, procfs
 from onbox.agent.beginning import (
     Interrupted,
     begin_failure,
@@ -186,12 +186,17 @@ class Agent:
 
     def _begin_sealing(self, begin: bool = True, power_on: bool = False) -> None:
         """Take an epoch, restore (``begin``), then seal in the background (when the run has a
-        store). A beginning that cannot resume fails the run: no agent is left behind it."""
-        if self.seal is None:
+        store). A beginning that cannot resume fails the run: no agent is left behind it. With
+        no store, a beginning only lifts the freeze of a NaN loss (freeze.py), as the sealer's
+        start does: what the job wrote after the last good step is set aside."""
+        if self.seal is None and not begin:
             return
-        self._interruptible = True
+        self._interruptible = self.seal is not None  # not a lift alone: a few renames
         try:
-            self.seal.start(begin=begin, adopting=self.adopted)
+            if self.seal is None:
+                freeze.lift(self.rd, self.spec.ckpt_dir, self.journal.event)
+            else:
+                self.seal.start(begin=begin, adopting=self.adopted)
             self._interruptible = False
         except Interrupted as cut:  # run() ends the run as the signal asks, before any attempt
             tell_interrupted(self.journal.event, cut.signum)
@@ -206,7 +211,7 @@ class Agent:
             raise
         finally:
             self._interruptible = False
-        if begin and fallback_warning(self.warnings, self.seal.restored):
+        if begin and self.seal is not None and fallback_warning(self.warnings, self.seal.restored):
             self.sup.save()
 
     def _fail_to_begin(self, e: RgtError, power_on: bool = False) -> None:
@@ -219,7 +224,7 @@ class Agent:
         klass = event_class(e)
         remedy = e.remedy or "start the run again once the store answers"
         tried = getattr(e, "tried", None)
-        why = begin_failure(e, self.seal.doing if self.seal is not None else "")
+        why = begin_failure(e, self.seal.doing if self.seal is not None else freeze.LIFTING)
         self.journal.event(
             "restore_failed",
             why,

@@ -133,7 +133,7 @@ class SealService(Hooks):
         stays frozen for an agent that takes it up again; a new incarnation lifts the freeze,
         setting aside what the job wrote after it (freeze.py)."""
         if begin:
-            self.doing = "setting aside the checkpoints written after the run was frozen"
+            self.doing = freeze.LIFTING
             freeze.lift(self.rd, self.spec.ckpt_dir, self.event)
         else:
             frozen = freeze.read(self.rd)

@@ -1,6 +1,9 @@
 """The training probe: the job's loss and step rate, judged each tick. It owns the rules for a
 NaN/inf loss, a loss spike and a throughput drop, and the policy each follows (``alert``: a
-verdict; ``stop``: end the run, keeping the last good sealed checkpoint; ``off``).
+verdict; ``stop``: end the run, keeping the last good sealed checkpoint; ``off``). A run with
+no store keeps the newest checkpoint on the box at or before the last good loss the probe saw
+(finite, not a spike, before the first NaN): the agent sets aside what is newer when the run is
+started again (onbox/agent/freeze.py).
 
 Where the loss comes from: progress.json's ``metrics[cfg.metric]`` when the report is of the
 running attempt (the training API writes it, at most once a second), and with
@@ -27,7 +30,7 @@ import collections
 import math
 import os
 import re
-from typing import Any, Deque, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Deque, List, Optional, Sequence, Tuple, Union
 
 from onbox.common import progress
 from onbox.common.logscan import LineReader
@@ -83,7 +86,8 @@ class _Attempt:
         # else the newest value's while it is not finite
         self.nan: Optional[Tuple[float, Optional[int]]] = None
         self.failed = False  # the "fail" action was asked for (once)
-        self.keep: Optional[int] = None  # LATEST when it was
+        self.keep: Optional[int] = None  # LATEST when it was (no store: the box's, below)
+        self.good: Optional[int] = None  # the step of the last good loss (finite, no spike)
         # value, step, median and how many values the median was taken over
         self.spike: Optional[Tuple[float, Optional[int], float, int]] = None
         self.ticks: Deque[Tuple[float, int]] = collections.deque(maxlen=RATE_TICKS + 1)
@@ -99,9 +103,17 @@ class TrainingProbe:
 
     name = "training"
 
-    def __init__(self, cfg: TrainingConfig, rd: RunDir) -> None:
+    def __init__(
+        self,
+        cfg: TrainingConfig,
+        rd: RunDir,
+        local_keep: Optional[Callable[[int], Optional[int]]] = None,
+    ) -> None:
+        """``local_keep`` (a run with no store): the step of the newest complete checkpoint
+        on the box at or before a step, the one kept when the run is stopped."""
         self.cfg = cfg
         self.rd = rd
+        self.local_keep = local_keep
         self.rx = re.compile(cfg.loss_pattern) if cfg.loss_pattern else None
         # The loss is group "loss", else the first group that is not the step's.
         self.group: Union[int, str] = 1
@@ -201,6 +213,8 @@ class TrainingProbe:
             if median > 0 and v > self.cfg.spike_factor * median:
                 at.spike = (v, at.loss_step, median, len(at.window))
         at.window.append(v)
+        if at.nan is None and at.spike is None and at.loss_step is not None:
+            at.good = at.loss_step
 
     def _rate(self, ctx: Context, at: _Attempt) -> Tuple[Optional[float], Optional[float]]:
         """The step rate now and the attempt's median rate (None while not measured)."""
@@ -289,8 +303,15 @@ class TrainingProbe:
             )
             return v, []
         keep = self._keep(ctx, at)
-        if keep is None:
-            remedy = "nothing was sealed before it; fix the learning rate / data and start again"
+        again = "fix the learning rate / data and start again"
+        if ctx.sealing is None and self.local_keep is not None:  # no store: the box's
+            remedy = (
+                f"the last good checkpoint is step {keep} in the checkpoint dir"
+                if keep is not None
+                else "no checkpoint in the checkpoint dir is from before it"
+            ) + f"; {again} (the checkpoints after it are set aside then)"
+        elif keep is None:
+            remedy = f"nothing was sealed before it; {again}"
         elif step is not None and keep > step:  # sealed before the probe saw the value
             remedy = (
                 f"LATEST (step {keep}) was sealed after the loss went bad: resume from a "
@@ -302,14 +323,18 @@ class TrainingProbe:
                 f"the last good checkpoint is step {keep} in the store; fix the learning "
                 "rate / data and start again"
             )
-        return self._stop(ctx, at, "nan_loss", reason, remedy, "nan_loss", step=step)
+        more = {"step": step, "good_step": at.good}
+        return self._stop(ctx, at, "nan_loss", reason, remedy, "nan_loss", **more)
 
-    @staticmethod
-    def _keep(ctx: Context, at: _Attempt) -> Optional[int]:
+    def _keep(self, ctx: Context, at: _Attempt) -> Optional[int]:
         """LATEST when the run was first stopped (what the agent keeps: nothing newer is
-        sealed after it)."""
+        sealed after it). With no store, the newest checkpoint on the box at or before the
+        last good loss: the job went on writing checkpoints after the NaN."""
         if not at.failed:
-            at.keep = ctx.sealing.latest_step if ctx.sealing is not None else None
+            if ctx.sealing is not None or self.local_keep is None:
+                at.keep = ctx.sealing.latest_step if ctx.sealing is not None else None
+            else:
+                at.keep = None if at.good is None else self.local_keep(at.good)
         return at.keep
 
     def _by_policy(

@@ -5,7 +5,9 @@ the store's LATEST stays the last good checkpoint (sealed before the NaN, still 
 weights finite) although the job went on writing checkpoints after it; the events say what the
 health probe saw; a loss spike before it is a warning while the run goes on. Started again
 (the job fixed), the run resumes from that last good checkpoint; the checkpoints written after
-the NaN are moved aside, never sealed, and an event says where.
+the NaN are moved aside, never sealed, and an event says where. So too for a run without a
+store: the last good checkpoint is then the newest on the box at or before the last finite loss
+the probe saw.
 """
 
 from __future__ import annotations
@@ -40,10 +42,17 @@ def _local_steps(ckpt_dir: str) -> List[int]:
     )
 
 
-def _start(cli: Cli, tmp_path: Any, name: str, nan_at: int = NAN_AT, total: int = TOTAL) -> str:
+def _start(
+    cli: Cli,
+    tmp_path: Any,
+    name: str,
+    nan_at: int = NAN_AT,
+    total: int = TOTAL,
+    store: bool = True,
+) -> str:
     """Start the NaN job (its loss NaN from step ``nan_at``, ending at ``total``) as run
-    ``name`` with a file:// store under ``tmp_path``: its root. Again for a run that ended:
-    a new incarnation with that job."""
+    ``name`` with a file:// store under ``tmp_path``: its root (none with ``store=False``).
+    Again for a run that ended: a new incarnation with that job."""
     require(importlib.util.find_spec("torch") is not None, "torch (pip install torch)")
     root = str(tmp_path / "durable")
     os.makedirs(root, exist_ok=True)
@@ -54,12 +63,10 @@ def _start(cli: Cli, tmp_path: Any, name: str, nan_at: int = NAN_AT, total: int 
     ]
     job = os.path.join(cli.home, f"{name}.toml")
     with open(job, "w") as f:
-        f.write(
-            f"command = {json.dumps(command)}\n"
-            f'store = "file://{root}"\n'
-            "grace = 20\n"
-            "[health]\ninterval = 1\n"
-        )
+        f.write(f"command = {json.dumps(command)}\n")
+        if store:
+            f.write(f'store = "file://{root}"\n')
+        f.write("grace = 20\n[health]\ninterval = 1\n")
     cli("start", job, "--name", name, check=True)
     return root
 
@@ -171,6 +178,47 @@ def test_a_nan_run_started_again_resumes_from_the_last_good_checkpoint(
     assert _local_steps(where) == after
     assert all(s <= again for s in _local_steps(ckpt_dir)), _local_steps(ckpt_dir)
     assert not os.path.exists(RunDir("nan4", cli.home).sealing_frozen)
+
+
+def test_a_nan_run_without_a_store_started_again_resumes_from_the_last_good_checkpoint(
+    cli: Cli, tmp_path: Any
+) -> None:
+    """As above with no store: nothing was frozen (there was no sealer to freeze), so the new
+    incarnation left the checkpoints written after the NaN in place and the job resumed from
+    the newest of them, its weights NaN."""
+    _start(cli, tmp_path, "nan5", store=False)
+    st = cli.wait_over("nan5", "FAILED", "SUCCEEDED", timeout=120)
+    assert st["state"] == "FAILED", st
+    ckpt_dir = os.path.join(cli.home, "runs", "nan5", "ckpt")
+    steps = _local_steps(ckpt_dir)
+    assert any(s >= NAN_AT for s in steps), steps  # its stop's save, at least
+
+    again = NAN_AT - 1  # the fixed job's last step: before any checkpoint written after the NaN
+    _start(cli, tmp_path, "nan5", nan_at=10 * TOTAL, total=again, store=False)
+    st = cli.wait_over("nan5", "SUCCEEDED", "FAILED", timeout=120)
+    events = cli.events("nan5")
+    print(json.dumps(events, indent=None))  # shown when the test fails
+    assert st["state"] == "SUCCEEDED", st
+
+    # the job resumed from a checkpoint before the NaN: the one the probe kept, the newest on
+    # the box at or before the last finite loss it saw
+    with open(RunDir("nan5", cli.home).output_log(st["attempt"])) as f:
+        resumed = re.findall(r"^resumed from step (\d+)$", f.read(), re.M)
+    assert len(resumed) == 1 and int(resumed[0]) < NAN_AT, resumed
+    [nan] = [e for e in _health(events, "nan_loss") if e["level"] == "alert"]
+    keep, good = nan["data"]["keep_step"], nan["data"]["good_step"]
+    assert resumed == [str(keep)], (resumed, nan)
+    assert good < NAN_AT and keep == max(s for s in steps if s <= good), (nan, steps)
+    assert f"step {keep} in the checkpoint dir" in nan["remedy"], nan
+
+    # the checkpoints written after it were set aside, an event says where
+    after = [s for s in steps if s > keep]
+    [aside] = [e for e in events if e["kind"] == "set_aside"]
+    assert aside["steps"] == after and aside["above"] == keep, aside
+    assert aside["path"] in aside["reason"] and "loss is nan" in aside["reason"], aside
+    assert _local_steps(aside["path"]) == after
+    assert all(s <= again for s in _local_steps(ckpt_dir)), _local_steps(ckpt_dir)
+    assert not os.path.exists(RunDir("nan5", cli.home).sealing_frozen)
 
 
 def test_a_sync_asked_of_an_agent_frozen_by_a_nan_loss_fails_saying_so(

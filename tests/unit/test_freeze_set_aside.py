@@ -76,3 +76,14 @@ def test_a_move_that_fails_keeps_the_run_frozen(tmp_path: Path) -> None:
     assert freeze.ASIDE in e.value.what and events == []
     frozen = freeze.read(rd)
     assert frozen is not None and frozen["above"] == 200
+
+
+def test_a_run_with_no_store_keeps_the_newest_checkpoint_at_or_before_the_last_good_loss(
+    tmp_path: Path,
+) -> None:
+    _, ckpt, _ = _setup(tmp_path, 200)
+    assert freeze.last_good(ckpt, 249) == 200  # step_400 has no marker: not one
+    assert freeze.last_good(ckpt, 250) == 250
+    assert freeze.last_good(ckpt, 1000) == 300  # a loose file counts as the resume takes it
+    assert freeze.last_good(ckpt, 99) is None
+    assert freeze.last_good(str(tmp_path / "none"), 99) is None

@@ -18,8 +18,10 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import pytest
 
+from onbox.agent import freeze
 from onbox.agent.journal import MemoryJournal
 from onbox.common import progress
+from onbox.common.jobenv import COMPLETE_MARKER
 from onbox.common.rundir import RunDir
 from onbox.health.clocks import ClocksProbe
 from onbox.health.config import HealthConfig, SealingConfig, StallConfig, TrainingConfig
@@ -125,6 +127,23 @@ def test_a_nan_before_anything_was_sealed_keeps_nothing(rd: RunDir) -> None:
     _report(rd, 7, float("nan"))
     r = p.check(_ctx(sealing=SealView()))
     assert r.actions[0].data["keep_step"] is None and "nothing was sealed" in r.verdict.remedy
+
+
+def test_with_no_store_a_nan_keeps_the_newest_checkpoint_at_or_before_the_last_good_loss(
+    rd: RunDir, tmp_path: Any
+) -> None:
+    """The box's checkpoints at steps 10, 11 (after a spike: not a good loss) and 12 (written
+    with NaN weights): step 10 is kept, and the verdict says where it is."""
+    ckpt = str(tmp_path / "ckpt")
+    for step in (10, 11, 12):
+        os.makedirs(os.path.join(ckpt, f"step_{step}"))
+        with open(os.path.join(ckpt, f"step_{step}", COMPLETE_MARKER), "w") as f:
+            f.write(f'{{"step": {step}}}')
+    p = TrainingProbe(TrainingConfig(), rd, lambda good: freeze.last_good(ckpt, good))
+    r = _feed(p, rd, [1.0] * 10 + [100.0, float("nan")], sealing=None)[-1]
+    assert r.verdict.code == "nan_loss" and r.verdict.data["good_step"] == 10
+    assert r.actions[0].data["keep_step"] == 10
+    assert "last good checkpoint is step 10 in the checkpoint dir" in r.verdict.remedy
 
 
 def test_a_nan_report_of_an_earlier_attempt_is_not_this_attempts(rd: RunDir) -> None:

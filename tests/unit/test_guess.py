@@ -5,6 +5,9 @@ profile checks (controller/deploy/request.py), on the shipped profiles and user 
   named in the line; no match and no markers read: none, and generic-ssh in the end;
 - marker files and init-variable names seen on the box pick the profile with the most of them;
   rgt_markers' output is untrusted: junk lines are ignored;
+- rgt_markers (controller/shell/markers.sh) finds the names asked for among an init environment's
+  (whole names only, never from a value) with no process per variable: it runs with only tr and
+  sed on PATH;
 - the local target is always local, and local fits no other target (either way: UsageError);
 - an unknown --profile names the known ones; a user-only profile is accepted;
 - --on-done is checked against the profile's meter.on_done names, refused with the allowed list.
@@ -12,6 +15,8 @@ profile checks (controller/deploy/request.py), on the shipped profiles and user 
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Dict
 
@@ -67,6 +72,34 @@ def test_markers_seen_on_the_box_pick_the_profile(dirs: Path) -> None:
     assert g.why == "no host pattern or marker of another profile matched"
     # The host wins over markers.
     assert guess.chosen(_ssh("x.runpod.net"), ds, lines).profile.name == "runpod"
+
+
+def test_markers_match_whole_names_without_a_process_per_variable(tmp_path: Path) -> None:
+    # An init process of a rented container holds dozens of variables: a grep for each cost
+    # every deploy's audit a process per variable, one after the other.
+    environ = tmp_path / "environ"
+    held = [b"PATH=/usr/bin", b"RUNPOD_POD_ID=abc", b"SLURM_JOB=x", b"X=SLURM_JOB_ID"]
+    held += [b"MULTI=line1\nAUTODL=2"] + [b"V%d=v" % i for i in range(50)]
+    environ.write_bytes(b"\0".join(held) + b"\0")
+    marker = tmp_path / "marker"
+    marker.write_text("")
+    bin_dir = tmp_path / "bin"  # only what the function may start
+    bin_dir.mkdir()
+    for tool in ("tr", "sed"):
+        (bin_dir / tool).symlink_to(shutil.which(tool) or tool)
+    files = f"{marker}\n{tmp_path / 'absent'}"
+    names = "AUTODL\nPATH\nRUNPOD_POD_ID\nSLURM_JOB_ID"
+    p = subprocess.run(
+        ["/bin/sh", "-c", guess.MARKERS_SH + 'rgt_markers "$@"', "sh", files, names, str(environ)],
+        env={"PATH": str(bin_dir)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert p.returncode == 0, p.stderr
+    # AUTODL and SLURM_JOB_ID only ever appear in values (AUTODL after a newline in one).
+    assert sorted(p.stdout.splitlines()) == ["env PATH", "env RUNPOD_POD_ID", f"file {marker}"]
+    assert p.stderr == ""
 
 
 def test_a_user_profile_is_guessed_by_its_own_marker(dirs: Path) -> None:

@@ -1,7 +1,7 @@
 # shellcheck shell=sh
-# rgt_markers MARKERS ENV_NAMES [ENVIRON] (controller/deploy/guess.py): which of the profiles' marker
-# files exist on the box and which variable names the box's init process holds (ENVIRON, by
-# default /proc/1/environ); the first two newline-separated. Prints "file PATH" and "env NAME"
+# rgt_markers MARKERS ENV_NAMES [ENVIRON] (controller/deploy/guess.py): which of the profiles'
+# marker files exist on the box and which variable names the box's init process holds (ENVIRON,
+# by default /proc/1/environ); the first two newline-separated. Prints "file PATH" and "env NAME"
 # lines; never a variable's value.
 rgt_markers() {
   printf '%s\n' "$1" | while IFS= read -r m; do

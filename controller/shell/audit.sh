@@ -27,8 +27,9 @@ echo "@@gpu"; nvidia-smi --query-gpu=name,driver_version,memory.total --format=c
 echo "@@df"; for d in "$home" "$durable"; do
   [ -n "$d" ] || continue; p=$d; while [ ! -e "$p" ]; do p=$(dirname "$p"); done
   printf '%s\n' "$d"; df -Pk "$p" | tail -n 1; df -Pi "$p" | tail -n 1; done
-echo "@@cgroup"; cat /sys/fs/cgroup/memory.max 2>/dev/null ||
-  cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null
+# (The shell's own read: a cat here was one process, two on cgroup v1, on every deploy.)
+echo "@@cgroup"; { read -r cg </sys/fs/cgroup/memory.max ||
+  read -r cg </sys/fs/cgroup/memory/memory.limit_in_bytes; } 2>/dev/null && printf '%s\n' "$cg"
 echo "@@tools"; for t in rsync tar; do command -v "$t" >/dev/null 2>&1 && echo "$t"; done
 echo "@@release"; if [ -n "$rel" ]; then rgt_release_seen "$home" "$rel" "$name"; fi
 echo "@@markers"; rgt_markers "$mfiles" "$mnames"

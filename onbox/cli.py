@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import click
 
+import onbox
+
 # Only what declaring the commands needs is imported here: `rgt deploy` and `rgt status` run
 # `rgt-agent status NAME --json` on the box, often more than once, and each start pays for every
 # module imported at the top. A command imports the rest of what it runs in its body
@@ -45,12 +47,8 @@ def _emit(text: str = "") -> None:
     click.echo(text)
 
 
-_DIST = "remote-gpu-trainer"
-_DIST_DIR = _DIST.replace("-", "_")  # its dist-info directory's name starts with this and "-"
-
-
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name=_DIST, prog_name="rgt-agent")
+@click.version_option(package_name=onbox.DIST_NAME, prog_name="rgt-agent")
 def cli() -> None:
     """Keep a training job alive on this box: detached, restarted with resume, never twice."""
 
@@ -214,7 +212,7 @@ def status(name: Optional[str], as_json: bool, with_version: bool) -> int:
     st = observe.run_status(rd)
     if as_json:
         if with_version:  # what --version says (rgt deploy's look: one start, not two)
-            st["agent_version"] = _own_version()
+            st["agent_version"] = onbox.version()
         _emit(json.dumps(st, sort_keys=True))
         return 0
     from onbox.agent import slurmlogin
@@ -245,34 +243,6 @@ def status(name: Optional[str], as_json: bool, with_version: bool) -> int:
     _emit(f"  updated    {st.get('updated_at')}")
     _emit(f"  run dir    {st['run_dir']}")
     return 0
-
-
-def _own_version() -> str:
-    """The version of the rgt that runs, as --version says it (click asks importlib.metadata):
-    read from the METADATA of the one dist-info beside this ``onbox``, as pip installs rgt's
-    wheel; else (a checkout, more than one) from importlib.metadata, whose import alone (the
-    email package, zipfile) took as long as the rest of a status start."""
-    from onbox import import_root
-
-    root = import_root()
-    try:
-        infos = [n for n in os.listdir(root) if n.startswith(f"{_DIST_DIR}-")]
-    except OSError:
-        infos = []
-    infos = [n for n in infos if n.endswith(".dist-info")]
-    if len(infos) == 1:
-        try:
-            with open(os.path.join(root, infos[0], "METADATA"), encoding="utf-8") as f:
-                for line in f:
-                    if not line.strip():
-                        break  # the headers end here
-                    if line.startswith("Version:"):
-                        return line[len("Version:") :].strip()
-        except (OSError, ValueError):
-            pass
-    import importlib.metadata  # (only here: every other start goes without it)
-
-    return importlib.metadata.version(_DIST)
 
 
 def _list(as_json: bool) -> int:

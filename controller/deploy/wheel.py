@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import onbox
 
-DIST_NAME = "remote-gpu-trainer"
+DIST_NAME = onbox.DIST_NAME  # "remote-gpu-trainer"
 SUMMARY = "Keep long GPU training jobs alive, durable and cheap on rented boxes"
 REQUIRES_PYTHON = (3, 9)
 ENTRY_POINTS = {"rgt-agent": "onbox.cli:main"}

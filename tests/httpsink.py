@@ -64,7 +64,8 @@ class HttpSink:
         self.server.daemon_threads = True
         self.port = int(self.server.server_address[1])
         self.url = f"http://127.0.0.1:{self.port}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # Polled for shutdown every 0.05 s, not the default 0.5 that close() would wait out.
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
     def seen(self, path: Optional[str] = None) -> List[Request]:

@@ -125,7 +125,9 @@ class FakeApi:
             do_GET = do_DELETE = do_POST = do_PATCH = _any
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        # Polled for shutdown every 0.05 s, not the default 0.5: close() waits one poll for
+        # each of the four fakes, and every test of this file closes them.
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
 

@@ -100,7 +100,8 @@ def _handler(meta: _Meta) -> type:
 def fake_metadata() -> Iterator[Tuple[_Meta, str]]:
     meta = _Meta()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _handler(meta))
-    t = threading.Thread(target=server.serve_forever, daemon=True)
+    # shutdown() waits one poll: 0.05 s, not the default 0.5.
+    t = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     t.start()
     yield meta, f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()

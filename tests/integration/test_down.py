@@ -66,19 +66,16 @@ class Box:
             timeout=60,
         )
         assert p.returncode == 0, p.stderr
-        cli(
-            "start",
-            "--name",
-            RUN,
-            "--store",
-            self.store,
-            "--",
-            *fixture("ckpt_writer.py"),
-            "on_signal",
-            "0.25",
-            check=True,
-            cwd=self.release,
-        )
+        # The job in a job file only for its start grace: 1 s, not 5, is how long the agent
+        # keeps a live job STARTING, and each box waits for RUNNING (intact() asserts it).
+        job = os.path.join(str(tmp_path), "box-job.toml")
+        with open(job, "w") as f:
+            f.write(
+                f"command = {json.dumps([*fixture('ckpt_writer.py'), 'on_signal', '0.25'])}\n"
+                f"workdir = {json.dumps(self.release)}\n"
+                '[restart]\nstart_grace = "1s"\n'
+            )
+        cli("start", job, "--name", RUN, "--store", self.store, check=True, cwd=self.release)
         cli.wait_for(RUN, lambda s: s["state"] == "RUNNING" and bool(s.get("pid")), what="job")
         wait(lambda: "ready" in cli.log_text(RUN), 60, "the job to be ready")
 

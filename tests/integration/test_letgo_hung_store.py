@@ -59,7 +59,10 @@ def _start(cli: Cli, tmp_path: Any, root: str, stall: str = "2s", grace: str = G
     job = tmp_path / "job.toml"
     job.write_text(
         f"command = {json.dumps([sys.executable, str(job_py), str(tmp_path / 'go')])}\n"
-        '[restart]\nmax_error_restarts = 0\n[store]\nurl = "file://' + root + '"\n'
+        # start_grace: RUNNING (what running_with_step_one waits for) 1 s after the start,
+        # not 5; the job never exits before the test tells it to.
+        '[restart]\nmax_error_restarts = 0\nstart_grace = "1s"\n'
+        '[store]\nurl = "file://' + root + '"\n'
         f'stall = "{stall}"\n'
     )
     cli("start", str(job), "--name", RUN, "--grace", grace, check=True, cwd=cli.home)

@@ -78,6 +78,9 @@ def _start(box: Cli, tmp_path: Any, store: str, who: str, how: str, grace: str =
     job.write_text(
         f"command = {json.dumps([sys.executable, str(job_py), who, how])}\n"
         f'store = "{store}"\n[restart]\nmax_error_restarts = 0\n'
+        # "run" waits to be preempted: RUNNING (what _preempted waits for) 1 s after the
+        # start, not 5. The others exit at once, judged against the default grace as before.
+        + ('start_grace = "1s"\n' if how == "run" else "")
     )
     box("start", str(job), "--name", RUN, "--grace", grace, check=True, cwd=box.home)
 

@@ -68,7 +68,9 @@ def _start(cli: Cli, tmp_path: Any, root: str, code: int, more: str = "") -> Non
     argv = [sys.executable, str(job_py), str(tmp_path), str(code)]
     job.write_text(
         f"command = {json.dumps(argv)}\n"
-        '[restart]\nmax_error_restarts = 0\n[store]\nurl = "file://'
+        # start_grace: RUNNING (what running_with_step_one waits for) 1 s after the start,
+        # not 5; the job never exits before the test tells it to.
+        '[restart]\nmax_error_restarts = 0\nstart_grace = "1s"\n[store]\nurl = "file://'
         + root
         + '"\nstall = "2s"\n'
         + more

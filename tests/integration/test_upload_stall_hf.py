@@ -241,7 +241,9 @@ def test_an_agent_whose_upload_the_fake_hub_stops_taking_lets_go_of_the_run_in_t
     job_py.write_text(JOB)
     argv = [sys.executable, str(job_py), str(tmp_path), "3"]
     job.write_text(
-        f"command = {json.dumps(argv)}\n[restart]\nmax_error_restarts = 0\n"
+        # start_grace: RUNNING (waited for below) 1 s after the start, not 5; the job never
+        # exits before the test tells it to.
+        f'command = {json.dumps(argv)}\n[restart]\nmax_error_restarts = 0\nstart_grace = "1s"\n'
         f'[store]\nurl = "hf://{REPO}/rgt"\nstall = "3s"\n'
     )
     cli("start", str(job), "--name", RUN, "--grace", "5", check=True, cwd=cli.home)
@@ -307,7 +309,9 @@ def test_an_agent_seals_again_once_the_fake_hub_answers_after_a_cut_upload(
     job_py.write_text(LATER_JOB)
     argv = [sys.executable, str(job_py), str(tmp_path)]
     job.write_text(
-        f'command = {json.dumps(argv)}\n[store]\nurl = "hf://{REPO}/rgt"\nstall = "3s"\n'
+        f"command = {json.dumps(argv)}\n"
+        '[restart]\nstart_grace = "1s"\n'  # RUNNING (waited for below) 1 s after the start
+        f'[store]\nurl = "hf://{REPO}/rgt"\nstall = "3s"\n'
     )
     cli("start", str(job), "--name", RUN, "--grace", "5", check=True, cwd=cli.home)
     cli.wait_state(RUN, "RUNNING")

@@ -131,8 +131,10 @@ class Box:
         env: Optional[Dict[str, str]] = None,
         outputs: Optional[List[str]] = None,
         check: bool = True,
+        start_grace: Optional[str] = None,
     ) -> subprocess.CompletedProcess[str]:
-        """``rgt-agent start`` of ``job.py JOB...`` on this box (``env``: the agent's extra)."""
+        """``rgt-agent start`` of ``job.py JOB...`` on this box (``env``: the agent's extra;
+        ``start_grace``: the job file's, for a test that waits for RUNNING)."""
         path = os.path.join(self.dir, f"{run}.toml")
         with open(path, "w") as f:
             f.write(
@@ -142,6 +144,7 @@ class Box:
                 + "[checkpoint]\n"
                 f'dir = {json.dumps(ckpt_dir or self.ckpt)}\nkeep = {keep}\nscan = "1s"\n'
                 "[restart]\nmax_error_restarts = 0\n"
+                + (f"start_grace = {json.dumps(start_grace)}\n" if start_grace else "")
             )
         return self._cli(env)("start", path, "--name", run, check=check, cwd=self.dir)
 

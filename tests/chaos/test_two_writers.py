@@ -321,7 +321,8 @@ def test_a_superseded_agent_with_nothing_to_seal_never_mirrors_over_the_new_one(
         a.start(run, backend.url, _job(a, "10", "A"))  # its gate stays shut: nothing to seal
         a.wait_epoch(run)
         wait(lambda: _mirrored_by(backend, run, a.agent_pid(run)), 30, "A to mirror its state")
-        b.start(run, backend.url, _job(b, "10", "B"))
+        # RUNNING (waited for below) 1 s after B's start, not 5
+        b.start(run, backend.url, _job(b, "10", "B"), start_grace="1s")
         epoch_b = b.wait_epoch(run)
         b_pid = b.wait_agent(run)
         wait(

@@ -90,7 +90,7 @@ def _object(line: str) -> Optional[Dict[str, Any]]:
 
 def _box_facts(parts: Dict[str, List[str]]) -> Dict[str, Any]:
     facts: Dict[str, Any] = {}
-    facts["events"] = [e for e in map(_object, parts.get("events", [])) if e is not None]
+    facts["events"] = jsondoc.objects(parts.get("events", []))
     for line in parts.get("sealed", []):
         sealed = _object(line)
         if sealed is not None:

@@ -30,15 +30,7 @@ def _lines(raw: Optional[bytes]) -> List[Dict[str, Any]]:
     if len(raw) > MAX_EVENTS_BYTES:
         raw = raw[-MAX_EVENTS_BYTES:]
         raw = raw[raw.find(b"\n") + 1 :]  # the first line is torn
-    out = []
-    for line in raw.splitlines():
-        try:
-            ev = jsondoc.loads(line)
-        except ValueError:
-            continue
-        if isinstance(ev, dict):
-            out.append(ev)
-    return out
+    return jsondoc.objects(raw.splitlines())
 
 
 def from_store(store_url: Union[str, StoreURL, None], run: str) -> SealTime:

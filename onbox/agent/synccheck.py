@@ -47,15 +47,7 @@ class Asked:
                 lines = f.read().splitlines()
         except OSError:
             return []
-        out = []
-        for line in lines:
-            try:
-                doc = jsondoc.loads(line)
-            except ValueError:
-                continue
-            if isinstance(doc, dict):
-                out.append(doc)
-        return out
+        return jsondoc.objects(lines)
 
     def check(self, store: Store) -> None:
         """Raise when the checkpoint asked for is not sealed in ``store``: UnsafeRefused (exit

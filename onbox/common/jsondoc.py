@@ -16,7 +16,7 @@ import json
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:  # the shim imports this (through journal.py): typing would cost it ~2 MiB
-    from typing import Any, Union
+    from typing import Any, Dict, Iterable, List, Union
 
 
 class TooDeep(ValueError):
@@ -30,3 +30,17 @@ def loads(data: Union[str, bytes, bytearray]) -> Any:
         return json.loads(data)
     except RecursionError:
         raise TooDeep("JSON nested too deep to parse") from None
+
+
+def objects(lines: Iterable[Union[str, bytes]]) -> List[Dict[str, Any]]:
+    """The lines of a JSON-lines file (events) that are JSON objects, in order: a line being
+    written, damaged or not an object is left out, as every reader of events does."""
+    out = []
+    for line in lines:
+        try:
+            doc = loads(line)
+        except ValueError:
+            continue
+        if isinstance(doc, dict):
+            out.append(doc)
+    return out
